@@ -1,0 +1,564 @@
+//! The blocking consumer client.
+//!
+//! Epochs are visible in two ways: every [`Batch`] carries its epoch and its
+//! index in the epoch, and [`Consumer::next_event`] also yields
+//! [`Event::EndOfEpoch`] after the last batch of each epoch. Iterating a
+//! [`Consumer`] yields only the batches, across all epochs, and ends when
+//! the stream ends.
+
+use std::io::{BufReader, Read};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::proto::{
+    self, BatchReady, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Preamble, ServerMsg,
+    StatsReply, Welcome,
+};
+use crate::schema::{DType, Field, Schema};
+use crate::shm::{self, Mapping};
+
+/// Where to find the broker when no socket is given: `$BATCHCAST_SOCKET`,
+/// else `$XDG_RUNTIME_DIR/batchcast.sock`, else
+/// `/tmp/batchcast-<uid>/batchcast.sock`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATCHCAST_SOCKET").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return PathBuf::from(dir).join("batchcast.sock");
+    }
+    PathBuf::from(format!("/tmp/batchcast-{}", nix::unistd::getuid())).join("batchcast.sock")
+}
+
+/// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
+/// (else `train`) and `BATCHCAST_NAME` from the environment.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// The broker's socket; `None` for [`default_socket_path`].
+    pub socket: Option<PathBuf>,
+    /// The stream to subscribe to.
+    pub stream: String,
+    /// Most batches the broker sends before this consumer releases one (≥ 1).
+    pub window: u32,
+    pub join: JoinPolicy,
+    /// The name shown in `batchcast stats`.
+    pub name: String,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        ConsumerOptions {
+            socket: None,
+            stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
+            window: 2,
+            join: JoinPolicy::NextEpoch,
+            name: env("BATCHCAST_NAME").unwrap_or_else(|| {
+                std::env::args()
+                    .next()
+                    .and_then(|a| {
+                        PathBuf::from(a)
+                            .file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                    })
+                    .unwrap_or_else(|| "consumer".into())
+            }),
+        }
+    }
+}
+
+/// State shared by a consumer and the batches it handed out: the mapping
+/// stays mapped and the connection open until the last batch is dropped,
+/// so a batch never reads a slot the broker has already reused.
+#[derive(Debug)]
+struct Shared {
+    /// Write half, used by `release` from any thread.
+    writer: Mutex<UnixStream>,
+    map: Mapping,
+    welcome: Welcome,
+    /// Batches received and not yet released.
+    held: AtomicU32,
+}
+
+impl Shared {
+    fn send(&self, msg: &ClientMsg) -> Result<()> {
+        let bytes = proto::encode(msg)?;
+        let guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let fd = guard.as_raw_fd();
+        let mut off = 0;
+        while off < bytes.len() {
+            // MSG_NOSIGNAL: a dead broker is an error here, never SIGPIPE.
+            match nix::sys::socket::send(
+                fd,
+                &bytes[off..],
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            ) {
+                Ok(n) => off += n,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
+                    return Err(Error::BrokerGone);
+                }
+                Err(e) => return Err(Error::Io(e.into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the broker says next.
+#[derive(Debug)]
+pub enum Event {
+    Batch(Batch),
+    EndOfEpoch(EpochEnd),
+    EndOfStream,
+}
+
+/// A subscription to one stream of a broker.
+#[derive(Debug)]
+pub struct Consumer {
+    shared: Arc<Shared>,
+    reader: BufReader<UnixStream>,
+    buf: Vec<u8>,
+    finished: bool,
+}
+
+impl Consumer {
+    /// Connects to the broker, subscribes and maps the stream's arena.
+    pub fn connect(opts: ConsumerOptions) -> Result<Consumer> {
+        if opts.window == 0 {
+            return Err(Error::InvalidOption("window must be at least 1".into()));
+        }
+        let path = opts.socket.clone().unwrap_or_else(default_socket_path);
+        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect {
+            path: path.clone(),
+            source,
+        })?;
+        let hello = ClientMsg::Hello(Hello {
+            name: opts.name.clone(),
+            pid: std::process::id(),
+            intent: Intent::Consume {
+                stream: opts.stream.clone(),
+                window: opts.window,
+                join: opts.join,
+            },
+        });
+        let (welcome, fds) = handshake(&stream, &hello)?;
+        let welcome = match welcome {
+            ServerMsg::Welcome(w) => *w,
+            ServerMsg::Error(e) => {
+                return Err(Error::Broker {
+                    code: e.code,
+                    message: e.message,
+                });
+            }
+            other => return Err(Error::Unexpected(format!("{other:?} instead of a welcome"))),
+        };
+        let fd = fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Shm("the broker's welcome carried no arena fd".into()))?;
+        welcome.layout.validate(&welcome.schema)?;
+        let arena_len = welcome
+            .layout
+            .slot_bytes
+            .checked_mul(welcome.slots as u64)
+            .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
+        let map = Mapping::map_readonly(std::os::fd::AsFd::as_fd(&fd), arena_len)?;
+        drop::<OwnedFd>(fd); // the mapping keeps the memory alive
+        let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
+        Ok(Consumer {
+            shared: Arc::new(Shared {
+                writer: Mutex::new(stream),
+                map,
+                welcome,
+                held: AtomicU32::new(0),
+            }),
+            reader,
+            buf: Vec::with_capacity(256),
+            finished: false,
+        })
+    }
+
+    /// The stream's schema: fields, dtypes, shapes, batch size, epoch length.
+    pub fn schema(&self) -> &Schema {
+        &self.shared.welcome.schema
+    }
+
+    /// Everything the broker said on subscribing.
+    pub fn welcome(&self) -> &Welcome {
+        &self.shared.welcome
+    }
+
+    /// Batches received and not yet released.
+    pub fn held(&self) -> u32 {
+        self.shared.held.load(Ordering::Acquire)
+    }
+
+    /// Address and length of the whole shared arena in this process.
+    pub fn arena(&self) -> (*const u8, usize) {
+        (self.shared.map.as_ptr(), self.shared.map.len())
+    }
+
+    /// Blocks for the broker's next event. `Ok(None)` once the stream has
+    /// ended. Errors if the broker goes away (at once, never a hang), if it
+    /// detached this consumer, or if this consumer holds its whole window
+    /// (no batch could ever arrive).
+    pub fn next_event(&mut self) -> Result<Option<Event>> {
+        if self.finished {
+            return Ok(None);
+        }
+        let window = self.shared.welcome.window;
+        if self.held() >= window
+            && self.reader.buffer().is_empty()
+            && !readable_within(&self.reader, 50)?
+        {
+            return Err(Error::WindowFull { held: self.held() });
+        }
+        let t0 = proto::monotonic_ns();
+        let msg: ServerMsg = match proto::read_frame(&mut self.reader, &mut self.buf) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(Error::BrokerGone),
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Err(Error::BrokerGone);
+            }
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Err(Error::BrokerGone);
+            }
+            Err(e) => return Err(e),
+        };
+        let now = proto::monotonic_ns();
+        match msg {
+            ServerMsg::Batch(meta) => {
+                if meta.slot >= self.shared.welcome.slots || meta.samples > self.schema().batch_size
+                {
+                    return Err(Error::Unexpected(format!(
+                        "batch refers to slot {} / {} samples outside the arena",
+                        meta.slot, meta.samples
+                    )));
+                }
+                self.shared.held.fetch_add(1, Ordering::AcqRel);
+                Ok(Some(Event::Batch(Batch {
+                    shared: self.shared.clone(),
+                    meta,
+                    wait_ns: now.saturating_sub(t0),
+                    received_ns: now,
+                    released: false,
+                })))
+            }
+            ServerMsg::EndOfEpoch(e) => Ok(Some(Event::EndOfEpoch(e))),
+            ServerMsg::EndOfStream => {
+                self.finished = true;
+                Ok(Some(Event::EndOfStream))
+            }
+            ServerMsg::Error(e) => {
+                self.finished = true;
+                Err(Error::Broker {
+                    code: e.code,
+                    message: e.message,
+                })
+            }
+            ServerMsg::Goodbye(reason) => {
+                self.finished = true;
+                Err(Error::Broker {
+                    code: proto::ErrorCode::StreamEnded,
+                    message: format!("the broker said goodbye ({reason:?})"),
+                })
+            }
+            other => Err(Error::Unexpected(format!("{other:?}"))),
+        }
+    }
+}
+
+impl Iterator for Consumer {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        loop {
+            match self.next_event() {
+                Ok(Some(Event::Batch(b))) => return Some(Ok(b)),
+                Ok(Some(Event::EndOfEpoch(_))) => continue,
+                Ok(Some(Event::EndOfStream) | None) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        // Stop further deliveries now; batches still held are released when
+        // they are dropped, and the connection closes with the last of them.
+        let _ = self.shared.send(&ClientMsg::Goodbye);
+    }
+}
+
+/// Sends the preamble and `hello`, checks the broker's preamble and reads
+/// its first frame with any fds attached to it. Reads exactly what it needs:
+/// reading an fd-carrying message with plain `read` would drop the fd.
+fn handshake(stream: &UnixStream, hello: &ClientMsg) -> Result<(ServerMsg, Vec<OwnedFd>)> {
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend_from_slice(&proto::encode(hello)?);
+    let mut w = stream;
+    std::io::Write::write_all(&mut w, &out)?;
+    let mut pre = [0u8; Preamble::LEN];
+    let mut r = stream;
+    r.read_exact(&mut pre).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => Error::BrokerGone,
+        _ => Error::Io(e),
+    })?;
+    Preamble::parse(pre)?.check()?;
+    let mut fds = Vec::new();
+    let mut len = [0u8; 4];
+    recv_exact(stream, &mut len, &mut fds)?;
+    let mut payload = vec![0u8; proto::check_len(u32::from_le_bytes(len))?];
+    recv_exact(stream, &mut payload, &mut fds)?;
+    Ok((proto::decode(&payload)?, fds))
+}
+
+fn recv_exact(stream: &UnixStream, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+    while !buf.is_empty() {
+        match shm::recv_with_fds(stream.as_raw_fd(), buf) {
+            Ok((0, _)) => return Err(Error::BrokerGone),
+            Ok((n, got)) => {
+                fds.extend(got);
+                buf = &mut buf[n..];
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn readable_within(reader: &BufReader<UnixStream>, ms: u16) -> Result<bool> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let fd = std::os::fd::AsFd::as_fd(reader.get_ref());
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    loop {
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(n) => return Ok(n > 0),
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(Error::Io(e.into())),
+        }
+    }
+}
+
+/// Element types a field can be viewed as.
+pub trait Element: bytemuck::Pod + sealed::Sealed {
+    const DTYPE: DType;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+    )*};
+}
+element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, u64 => U64, i64 => I64,
+         half::f16 => F16, half::bf16 => Bf16, f32 => F32, f64 => F64);
+
+/// One batch in shared memory. Read-only; released when dropped (or with
+/// [`Batch::release`]).
+#[derive(Debug)]
+pub struct Batch {
+    shared: Arc<Shared>,
+    meta: BatchReady,
+    wait_ns: u64,
+    received_ns: u64,
+    released: bool,
+}
+
+impl Batch {
+    pub fn seq(&self) -> u64 {
+        self.meta.seq
+    }
+    pub fn epoch(&self) -> u64 {
+        self.meta.epoch
+    }
+    /// Position of this batch in its epoch.
+    pub fn index(&self) -> u64 {
+        self.meta.index
+    }
+    /// Valid samples in this batch.
+    pub fn len(&self) -> usize {
+        self.meta.samples as usize
+    }
+    pub fn is_empty(&self) -> bool {
+        self.meta.samples == 0
+    }
+    pub fn slot(&self) -> u32 {
+        self.meta.slot
+    }
+    /// Nanoseconds from the broker handing the batch to this consumer's
+    /// connection to this process having it.
+    pub fn handoff_ns(&self) -> u64 {
+        self.received_ns.saturating_sub(self.meta.sent_ns)
+    }
+    /// Nanoseconds this consumer was blocked waiting for this batch.
+    pub fn wait_ns(&self) -> u64 {
+        self.wait_ns
+    }
+    pub fn schema(&self) -> &Schema {
+        &self.shared.welcome.schema
+    }
+
+    /// A read-only view of field `name`.
+    pub fn field(&self, name: &str) -> Result<FieldView<'_>> {
+        let schema = self.schema();
+        let (i, _) = schema.field(name).ok_or_else(|| Error::NoSuchField {
+            name: name.into(),
+            available: schema
+                .fields
+                .iter()
+                .map(|f| f.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+        Ok(self.field_at(i))
+    }
+
+    /// Views of every field, in schema order.
+    pub fn fields(&self) -> impl Iterator<Item = FieldView<'_>> {
+        (0..self.schema().fields.len()).map(|i| self.field_at(i))
+    }
+
+    fn field_at(&self, i: usize) -> FieldView<'_> {
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields[i];
+        let start = self.meta.slot as u64 * w.layout.slot_bytes + fl.offset;
+        let bytes = self
+            .shared
+            .map
+            .get(start, fl.bytes_per_sample * self.meta.samples)
+            .expect("layout validated against the mapping at connect");
+        FieldView {
+            field: &w.schema.fields[i],
+            bytes,
+            samples: self.meta.samples as usize,
+        }
+    }
+
+    /// Releases the slot now instead of at drop.
+    pub fn release(mut self) -> Result<()> {
+        self.do_release()
+    }
+
+    fn do_release(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.released, true) {
+            return Ok(());
+        }
+        self.shared.held.fetch_sub(1, Ordering::AcqRel);
+        self.shared.send(&ClientMsg::Release {
+            seq: self.meta.seq,
+            wait_ns: self.wait_ns,
+        })
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Err(e) = self.do_release() {
+            tracing::debug!("release of batch {} failed: {e}", self.meta.seq);
+        }
+    }
+}
+
+/// A read-only view of one field of a batch: `[samples, ...shape]`.
+#[derive(Debug, Clone, Copy)]
+pub struct FieldView<'a> {
+    field: &'a Field,
+    bytes: &'a [u8],
+    samples: usize,
+}
+
+impl<'a> FieldView<'a> {
+    pub fn name(&self) -> &'a str {
+        &self.field.name
+    }
+    pub fn dtype(&self) -> DType {
+        self.field.dtype
+    }
+    /// Shape including the batch dimension.
+    pub fn shape(&self) -> Vec<u64> {
+        std::iter::once(self.samples as u64)
+            .chain(self.field.shape.iter().copied())
+            .collect()
+    }
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+    /// The bytes of sample `i`.
+    pub fn sample(&self, i: usize) -> &'a [u8] {
+        let n = self.bytes.len() / self.samples.max(1);
+        &self.bytes[i * n..(i + 1) * n]
+    }
+    /// The elements, if `T` matches the field's dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&'a [T]> {
+        if T::DTYPE != self.field.dtype {
+            return Err(Error::DType {
+                name: self.field.name.clone(),
+                actual: self.field.dtype,
+                requested: T::DTYPE,
+            });
+        }
+        bytemuck::try_cast_slice(self.bytes)
+            .map_err(|e| Error::Schema(format!("field `{}`: {e:?}", self.field.name)))
+    }
+}
+
+/// A connection that asks a broker for statistics.
+#[derive(Debug)]
+pub struct StatsClient {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl StatsClient {
+    pub fn connect(socket: Option<PathBuf>) -> Result<StatsClient> {
+        let path = socket.unwrap_or_else(default_socket_path);
+        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect {
+            path: path.clone(),
+            source,
+        })?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let hello = ClientMsg::Hello(Hello {
+            name: "stats".into(),
+            pid: std::process::id(),
+            intent: Intent::Stats,
+        });
+        let (first, _) = handshake(&stream, &hello)?;
+        if let ServerMsg::Error(e) = first {
+            return Err(Error::Broker {
+                code: e.code,
+                message: e.message,
+            });
+        }
+        Ok(StatsClient {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn fetch(&mut self) -> Result<StatsReply> {
+        proto::write_frame(&mut self.stream, &ClientMsg::StatsRequest)?;
+        match proto::read_frame(&mut self.stream, &mut self.buf)? {
+            Some(ServerMsg::Stats(s)) => Ok(*s),
+            Some(ServerMsg::Error(e)) => Err(Error::Broker {
+                code: e.code,
+                message: e.message,
+            }),
+            Some(other) => Err(Error::Unexpected(format!("{other:?}"))),
+            None => Err(Error::BrokerGone),
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! The client library's error type.
+
+use std::path::PathBuf;
+
+use crate::proto::ErrorCode;
+
+/// Everything that can go wrong talking to a broker.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "cannot connect to the batchcast broker at {path}: {source}; is `batchcast serve` running, and is BATCHCAST_SOCKET or --socket pointing at its socket?"
+    )]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("socket I/O with the broker failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the broker closed the connection (it exited or was killed)")]
+    BrokerGone,
+    #[error(
+        "protocol version mismatch: this client speaks v{ours}, the broker speaks v{theirs}; use a client and broker from the same release"
+    )]
+    VersionMismatch { ours: u16, theirs: u16 },
+    #[error("the peer is not a batchcast broker (bad preamble {found:02x?})")]
+    NotABroker { found: [u8; 4] },
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    FrameTooLarge { len: u64, max: u64 },
+    #[error("malformed frame: {0}")]
+    Decode(#[from] postcard::Error),
+    #[error("broker error ({code:?}): {message}")]
+    Broker { code: ErrorCode, message: String },
+    #[error("unexpected message from the broker: {0}")]
+    Unexpected(String),
+    #[error("invalid schema or layout: {0}")]
+    Schema(String),
+    #[error("shared memory: {0}")]
+    Shm(String),
+    #[error("field `{name}` is not in this stream; it has: {available}")]
+    NoSuchField { name: String, available: String },
+    #[error("field `{name}` has dtype {actual}, not {requested}")]
+    DType {
+        name: String,
+        actual: crate::DType,
+        requested: crate::DType,
+    },
+    #[error(
+        "you hold {held} unreleased batches, the whole window; drop or release one before asking for the next (or connect with a larger window)"
+    )]
+    WindowFull { held: u32 },
+    #[error("invalid option: {0}")]
+    InvalidOption(String),
+}
+
+impl Error {
+    /// The broker's error code, when the broker sent one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Error::Broker { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,397 @@
+//! The wire protocol between the broker and its clients: one definition of
+//! every message, used by both sides.
+//!
+//! # Connection
+//!
+//! 1. Both sides first send an 8-byte [preamble](Preamble): the magic
+//!    `BCST`, the protocol version (u16 LE) and two reserved bytes. Each side
+//!    checks the other's; a mismatch is reported with both versions before
+//!    any message is decoded, so it stays readable across versions.
+//! 2. Then frames: a u32 little-endian payload length followed by a
+//!    [postcard](https://docs.rs/postcard) payload (a [`ClientMsg`] or a
+//!    [`ServerMsg`]). Payloads are limited to [`MAX_FRAME`] bytes.
+//! 3. The client's first message is [`ClientMsg::Hello`]. A consumer is
+//!    answered with [`ServerMsg::Welcome`], which carries the stream's arena
+//!    as a file descriptor (`SCM_RIGHTS`) on the same `sendmsg`; a stats
+//!    client with [`ServerMsg::Stats`].
+//!
+//! Postcard was chosen over bincode 2 because it is maintained, its format
+//! is documented and stable, and its varint encoding keeps these small
+//! control messages to a few bytes. Tensor bytes never cross the socket.
+
+use std::io::{ErrorKind, Read, Write};
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::error::{Error, Result};
+use crate::schema::{Schema, SlotLayout};
+
+/// Version of this protocol. Bump on any incompatible change to a message.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// First four bytes either side sends.
+pub const MAGIC: [u8; 4] = *b"BCST";
+/// Largest payload either side accepts. Control messages are tiny; the
+/// largest is a stats reply for many consumers.
+pub const MAX_FRAME: u32 = 1 << 20;
+
+/// The 8 bytes that open a connection in each direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preamble {
+    pub version: u16,
+}
+
+impl Preamble {
+    pub const LEN: usize = 8;
+
+    pub fn ours() -> Preamble {
+        Preamble {
+            version: PROTOCOL_VERSION,
+        }
+    }
+
+    pub fn to_bytes(self) -> [u8; Self::LEN] {
+        let v = self.version.to_le_bytes();
+        [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], v[0], v[1], 0, 0]
+    }
+
+    /// Parses a peer's preamble; wrong magic is [`Error::NotABroker`].
+    pub fn parse(bytes: [u8; Self::LEN]) -> Result<Preamble> {
+        let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
+        if magic != MAGIC {
+            return Err(Error::NotABroker { found: magic });
+        }
+        Ok(Preamble {
+            version: u16::from_le_bytes([bytes[4], bytes[5]]),
+        })
+    }
+
+    /// Errors unless the peer speaks our version.
+    pub fn check(self) -> Result<()> {
+        if self.version == PROTOCOL_VERSION {
+            Ok(())
+        } else {
+            Err(Error::VersionMismatch {
+                ours: PROTOCOL_VERSION,
+                theirs: self.version,
+            })
+        }
+    }
+}
+
+/// How a consumer that arrives mid-stream joins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum JoinPolicy {
+    /// Start at the first epoch of which nothing has been published yet, so
+    /// every epoch it sees is complete (the default).
+    #[default]
+    NextEpoch,
+    /// Start with the next batch published; the first epoch is reported as
+    /// partial.
+    Immediate,
+}
+
+/// What a client wants from this connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Intent {
+    /// Receive the batches of a stream.
+    Consume {
+        stream: String,
+        /// Most unreleased batches the broker may send ahead.
+        window: u32,
+        join: JoinPolicy,
+    },
+    /// Ask for statistics with [`ClientMsg::StatsRequest`].
+    Stats,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// A human-readable name shown in stats (e.g. the trainer's name).
+    pub name: String,
+    pub pid: u32,
+    pub intent: Intent,
+}
+
+/// Messages a client sends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientMsg {
+    Hello(Hello),
+    /// The client is done with batch `seq`; `wait_ns` is how long it was
+    /// blocked waiting for that batch to arrive (data-stall time).
+    Release {
+        seq: u64,
+        wait_ns: u64,
+    },
+    StatsRequest,
+    /// The client wants no further batches; the ones it still holds are
+    /// released when it releases them or disconnects.
+    Goodbye,
+}
+
+/// Messages the broker sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ServerMsg {
+    /// Accepted as a consumer; the arena's fd rides with this frame.
+    Welcome(Box<Welcome>),
+    Batch(BatchReady),
+    EndOfEpoch(EpochEnd),
+    /// No more batches will come: the stream's last epoch is done.
+    EndOfStream,
+    Error(ErrorMsg),
+    /// The broker is going away or has dropped this client; no more messages follow.
+    Goodbye(GoodbyeReason),
+    Stats(Box<StatsReply>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub consumer_id: u64,
+    pub stream: String,
+    pub schema: Schema,
+    pub layout: SlotLayout,
+    pub slots: u32,
+    /// Window granted (the requested one).
+    pub window: u32,
+    /// First epoch this consumer will receive batches of.
+    pub start_epoch: u64,
+    /// The broker's version string, for diagnostics.
+    pub broker: String,
+}
+
+/// A batch is ready in `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchReady {
+    /// Position in the stream, increasing by one per batch published.
+    pub seq: u64,
+    pub epoch: u64,
+    /// Position in the epoch, `0..batches_per_epoch`.
+    pub index: u64,
+    pub slot: u32,
+    /// Valid samples (the batch size, or fewer for a short last batch).
+    pub samples: u64,
+    /// `CLOCK_MONOTONIC` nanoseconds when the broker handed the batch to
+    /// this consumer's connection (for hand-off latency).
+    pub sent_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochEnd {
+    pub epoch: u64,
+    /// Batches this consumer received in that epoch.
+    pub batches: u64,
+    /// False when the consumer joined after the epoch began.
+    pub complete: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GoodbyeReason {
+    /// The broker is shutting down (SIGINT/SIGTERM).
+    Shutdown,
+    /// This consumer was detached (an [`ServerMsg::Error`] said why).
+    Detached,
+}
+
+/// Machine-readable error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    VersionMismatch,
+    NotBatchcast,
+    MalformedFrame,
+    FrameTooLarge,
+    UnknownStream,
+    NotAllowed,
+    InvalidRequest,
+    /// The consumer fell further behind than the stream's lag limit.
+    LagLimit,
+    StreamEnded,
+    Internal,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMsg {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// A snapshot of what the broker is doing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatsReply {
+    pub broker_pid: u32,
+    pub broker_version: String,
+    pub uptime_s: f64,
+    pub streams: Vec<StreamStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamStats {
+    pub name: String,
+    pub slots: u32,
+    pub slot_bytes: u64,
+    pub free_slots: u32,
+    /// Slots being filled by the pipeline.
+    pub filling: u32,
+    /// Slots published and still owed to or held by a consumer.
+    pub in_use: u32,
+    pub batches_produced: u64,
+    /// The epoch of the most recently published batch.
+    pub epoch: u64,
+    pub finished: bool,
+    /// Batch deliveries summed over all consumers, past and present.
+    pub deliveries: u64,
+    /// Consumers that left (disconnected, died or detached).
+    pub departed: u64,
+    /// Consumers detached for exceeding the lag limit.
+    pub detached: u64,
+    /// Seconds the pipeline waited for a free slot (back-pressure).
+    pub producer_blocked_s: f64,
+    pub consumers: Vec<ConsumerStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConsumerStats {
+    pub id: u64,
+    pub name: String,
+    pub pid: u32,
+    pub uid: u32,
+    pub window: u32,
+    pub delivered: u64,
+    /// Batches sent and not yet released.
+    pub held: u32,
+    /// Batches published for it but not yet sent (window full).
+    pub queued: u32,
+    /// Epoch of the last batch sent to it.
+    pub epoch: u64,
+    /// Seconds it reported being blocked waiting for data.
+    pub wait_s: f64,
+    /// Seconds its batches spent between sending and release, summed.
+    pub hold_s: f64,
+}
+
+/// Encodes `msg` as one frame (length prefix + payload).
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>> {
+    let mut out = postcard::to_extend(msg, vec![0u8; 4])?;
+    let len = out.len() - 4;
+    if len > MAX_FRAME as usize {
+        return Err(Error::FrameTooLarge {
+            len: len as u64,
+            max: MAX_FRAME as u64,
+        });
+    }
+    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(out)
+}
+
+/// Checks a length prefix against [`MAX_FRAME`].
+pub fn check_len(len: u32) -> Result<usize> {
+    if len > MAX_FRAME {
+        Err(Error::FrameTooLarge {
+            len: len as u64,
+            max: MAX_FRAME as u64,
+        })
+    } else {
+        Ok(len as usize)
+    }
+}
+
+/// Decodes one payload; trailing bytes are an error.
+pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
+    let (msg, rest) = postcard::take_from_bytes(payload)?;
+    if !rest.is_empty() {
+        return Err(Error::Decode(postcard::Error::DeserializeBadEncoding));
+    }
+    Ok(msg)
+}
+
+/// Reads one frame. `Ok(None)` means the peer closed the connection cleanly
+/// between frames; a close inside a frame is an error.
+pub fn read_frame<T: DeserializeOwned>(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<T>> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(Error::Io(ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let len = check_len(u32::from_le_bytes(len))?;
+    buf.clear();
+    buf.resize(len, 0);
+    r.read_exact(buf)?;
+    decode(buf).map(Some)
+}
+
+/// Writes one frame.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<()> {
+    w.write_all(&encode(msg)?)?;
+    Ok(())
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: comparable across processes on one host.
+pub fn monotonic_ns() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available on Linux");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let msg = ClientMsg::Release {
+            seq: 1 << 40,
+            wait_ns: 12,
+        };
+        let bytes = encode(&msg).unwrap();
+        let mut cursor = std::io::Cursor::new(bytes);
+        let mut buf = Vec::new();
+        let back: ClientMsg = read_frame(&mut cursor, &mut buf).unwrap().unwrap();
+        assert_eq!(back, msg);
+        assert!(
+            read_frame::<ClientMsg>(&mut cursor, &mut buf)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn oversized_length_prefix_is_rejected_before_allocating() {
+        let mut cursor = std::io::Cursor::new(u32::MAX.to_le_bytes().to_vec());
+        let err = read_frame::<ClientMsg>(&mut cursor, &mut Vec::new()).unwrap_err();
+        assert!(matches!(err, Error::FrameTooLarge { .. }), "{err}");
+    }
+
+    #[test]
+    fn truncated_frame_is_an_error_not_a_clean_close() {
+        let mut bytes = encode(&ClientMsg::StatsRequest).unwrap();
+        bytes.truncate(bytes.len() - 1);
+        bytes[0] += 1;
+        let mut cursor = std::io::Cursor::new(bytes);
+        assert!(read_frame::<ClientMsg>(&mut cursor, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn preamble_checks_magic_and_version() {
+        let ours = Preamble::ours().to_bytes();
+        Preamble::parse(ours).unwrap().check().unwrap();
+        let mut other = ours;
+        other[4] = 99;
+        assert!(matches!(
+            Preamble::parse(other).unwrap().check(),
+            Err(Error::VersionMismatch { theirs: 99, .. })
+        ));
+        assert!(matches!(
+            Preamble::parse(*b"GET / HT"),
+            Err(Error::NotABroker { .. })
+        ));
+    }
+
+    #[test]
+    fn garbage_payload_is_a_decode_error() {
+        assert!(decode::<ClientMsg>(&[0xff, 0xff, 0xff]).is_err());
+    }
+}

@@ -1,0 +1,293 @@
+//! Shared memory and file-descriptor passing: the only module of the client
+//! library with `unsafe` code.
+//!
+//! * [`Arena::create`] (broker side) makes an anonymous `memfd`, sizes it,
+//!   maps it read-write and seals it: it can never shrink or grow (so no
+//!   client can make the broker fault), and after [`Arena::seal_writes`] no
+//!   new writable mapping can be made by anyone, so consumers cannot write
+//!   into what other consumers read, even deliberately.
+//! * [`Mapping::map_readonly`] (client side) maps a received arena fd
+//!   `PROT_READ`. An in-place write through a view faults in the offending
+//!   process instead of reaching the others.
+//! * The memfd has no name in any filesystem: when the last process holding
+//!   it exits, however it exits, the memory is gone. Nothing is left in
+//!   `/dev/shm`.
+//! * [`send_with_fd`] / [`recv_with_fds`] move the fd over the Unix socket
+//!   with `SCM_RIGHTS`.
+
+use std::ffi::c_void;
+use std::io::{IoSlice, IoSliceMut};
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+
+use crate::error::{Error, Result};
+
+fn shm_err(what: &str, e: nix::Error) -> Error {
+    Error::Shm(format!("{what}: {e}"))
+}
+
+/// A memory mapping of (part of) a memfd, unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+}
+
+// SAFETY: the mapping is plain shared memory with no thread affinity; all
+// access goes through `&self` (reads) or the `unsafe` `slice_mut`, whose
+// caller guarantees exclusivity.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; concurrent `&[u8]` reads of shared memory are fine.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn map(fd: BorrowedFd<'_>, len: usize, prot: ProtFlags, extra: MapFlags) -> Result<Mapping> {
+        let nz =
+            NonZeroUsize::new(len).ok_or_else(|| Error::Shm("cannot map an empty arena".into()))?;
+        // SAFETY: we map a fresh region chosen by the kernel (addr = None), so
+        // no existing Rust object is aliased; the fd is a valid memfd of at
+        // least `len` bytes (callers check its size first), so the pages are
+        // backed and cannot be truncated away (the arena is sealed against
+        // shrinking).
+        let ptr = unsafe { mmap(None, nz, prot, MapFlags::MAP_SHARED | extra, fd, 0) }
+            .map_err(|e| shm_err("mmap of the arena failed", e))?;
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+            writable: prot.contains(ProtFlags::PROT_WRITE),
+        })
+    }
+
+    /// Maps a whole arena fd read-only, checking its size is at least `min_len`.
+    pub fn map_readonly(fd: BorrowedFd<'_>, min_len: u64) -> Result<Mapping> {
+        let size = nix::sys::stat::fstat(fd)
+            .map_err(|e| shm_err("fstat of the arena fd failed", e))?
+            .st_size as u64;
+        if size < min_len {
+            return Err(Error::Shm(format!(
+                "arena fd holds {size} bytes but the layout needs {min_len}"
+            )));
+        }
+        let len = usize::try_from(size)
+            .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
+        Mapping::map(fd, len, ProtFlags::PROT_READ, MapFlags::empty())
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of the first byte (for zero-copy checks and DLPack).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The bytes at `offset..offset + len`, or `None` if out of bounds.
+    pub fn get(&self, offset: u64, len: u64) -> Option<&[u8]> {
+        let end = offset.checked_add(len)?;
+        if end > self.len as u64 {
+            return None;
+        }
+        // SAFETY: `offset..end` lies inside the live mapping (checked above);
+        // the mapping outlives the returned borrow of `self`. Other processes
+        // write only slots the hub gave them exclusively, never a slot that a
+        // reader was handed and has not released.
+        Some(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len as usize)
+        })
+    }
+
+    /// Mutable bytes at `offset..offset + len` of a writable mapping.
+    ///
+    /// # Safety
+    ///
+    /// The caller must have exclusive use of this range for the lifetime of
+    /// the returned slice: no other `slice_mut` or `get` of an overlapping
+    /// range in this process, and no reader in any process (the broker's hub
+    /// guarantees this for a slot in its `Filling` state).
+    ///
+    /// # Panics
+    ///
+    /// If the mapping is read-only or the range is out of bounds.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
+        assert!(self.writable, "slice_mut on a read-only mapping");
+        let end = offset.checked_add(len).expect("range overflow");
+        assert!(
+            end <= self.len as u64,
+            "range {offset}..{end} outside mapping of {}",
+            self.len
+        );
+        // SAFETY: in bounds (asserted) and writable; exclusivity is the
+        // caller's contract above.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize), len as usize)
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe exactly the region mmap returned, and
+        // no borrow of it can outlive `self`.
+        if let Err(e) = unsafe { munmap(self.ptr.cast::<c_void>(), self.len) } {
+            tracing::warn!("munmap of the arena failed: {e}");
+        }
+    }
+}
+
+/// A shared-memory arena owned by the broker: a sealed memfd and its
+/// read-write mapping.
+#[derive(Debug)]
+pub struct Arena {
+    fd: OwnedFd,
+    map: Mapping,
+}
+
+impl Arena {
+    /// Creates an anonymous arena of `len` bytes, pre-faulted so its memory
+    /// is committed at stream start, sealed against shrinking and growing.
+    pub fn create(name: &str, len: u64) -> Result<Arena> {
+        let cname = std::ffi::CString::new(format!("batchcast:{name}"))
+            .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
+        let fd = memfd_create(
+            cname.as_c_str(),
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| shm_err("memfd_create failed", e))?;
+        let size = i64::try_from(len)
+            .map_err(|_| Error::Shm(format!("arena of {len} bytes is too large")))?;
+        nix::unistd::ftruncate(&fd, size)
+            .map_err(|e| shm_err(&format!("sizing the arena to {len} bytes failed"), e))?;
+        fcntl(
+            &fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+        )
+        .map_err(|e| shm_err("sealing the arena's size failed", e))?;
+        let len = usize::try_from(len)
+            .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
+        let map = Mapping::map(
+            fd.as_fd(),
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_POPULATE,
+        )?;
+        Ok(Arena { fd, map })
+    }
+
+    /// Forbids every future writable mapping and `write(2)` of the memfd, in
+    /// every process (`F_SEAL_FUTURE_WRITE`); the broker's own mapping stays
+    /// writable. Call after every writer has mapped the arena.
+    pub fn seal_writes(&self) -> Result<()> {
+        fcntl(
+            &self.fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_FUTURE_WRITE | SealFlag::F_SEAL_SEAL),
+        )
+        .map_err(|e| shm_err("sealing the arena against writers failed", e))?;
+        Ok(())
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub fn mapping(&self) -> &Mapping {
+        &self.map
+    }
+}
+
+/// Sends `bytes` with `fd` attached (`SCM_RIGHTS`). Returns the bytes
+/// written, which may be fewer than `bytes.len()` on a non-blocking socket;
+/// the fd travels with the first byte.
+pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
+    let fds = [fd.as_raw_fd()];
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    sendmsg::<()>(
+        sock,
+        &[IoSlice::new(bytes)],
+        &cmsg,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(std::io::Error::from)
+}
+
+/// Receives into `buf`, returning the bytes read and any fds that arrived
+/// with them (close-on-exec). `Ok((0, _))` means end of stream.
+pub fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(sock, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(std::io::Error::from)?;
+    let mut fds = Vec::new();
+    for cmsg in msg.cmsgs().map_err(std::io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(raw) = cmsg {
+            for fd in raw {
+                // SAFETY: the kernel just installed `fd` in our table for this
+                // message; nothing else owns it, so taking ownership is sound.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+    let n = msg.bytes;
+    if truncated {
+        return Err(std::io::Error::other(
+            "control message truncated: too many fds sent",
+        ));
+    }
+    Ok((n, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn arena_passes_over_a_socket_and_maps_read_only() {
+        let arena = Arena::create("test", 3 * 4096).unwrap();
+        // SAFETY: test owns the arena and nothing reads it concurrently.
+        unsafe { arena.mapping().slice_mut(4096, 4) }.copy_from_slice(b"abcd");
+        arena.seal_writes().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        assert_eq!(send_with_fd(a.as_raw_fd(), b"x", arena.fd()).unwrap(), 1);
+        let mut buf = [0u8; 8];
+        let (n, fds) = recv_with_fds(b.as_raw_fd(), &mut buf).unwrap();
+        assert_eq!((n, fds.len()), (1, 1));
+        let map = Mapping::map_readonly(fds[0].as_fd(), 3 * 4096).unwrap();
+        assert_eq!(map.get(4096, 4).unwrap(), b"abcd");
+        assert!(map.get(3 * 4096 - 2, 4).is_none());
+        // The broker's earlier writable mapping still writes; the reader sees it.
+        // SAFETY: as above.
+        (unsafe { arena.mapping().slice_mut(4096, 1) })[0] = b'z';
+        assert_eq!(map.get(4096, 1).unwrap(), b"z");
+        assert!(Mapping::map_readonly(fds[0].as_fd(), 4 * 4096).is_err());
+    }
+
+    #[test]
+    fn sealed_arena_refuses_new_writable_mappings_and_resizing() {
+        let arena = Arena::create("seal", 4096).unwrap();
+        arena.seal_writes().unwrap();
+        let w = Mapping::map(
+            arena.fd(),
+            4096,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::empty(),
+        );
+        assert!(w.is_err(), "a writable mapping of a sealed arena must fail");
+        assert!(nix::unistd::ftruncate(arena.fd(), 0).is_err());
+        assert!(nix::unistd::ftruncate(arena.fd(), 8192).is_err());
+    }
+}
