@@ -1,1 +1,2 @@
+mod hub;
 fn main() {}
