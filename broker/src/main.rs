@@ -1,2 +1,189 @@
-mod hub;
-fn main() {}
+//! The `batchcast` command line. Errors are reported here with their whole
+//! chain; everything below returns typed errors.
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use batchcast_broker::{config, consume, demo, listen, server, stats_view, stream};
+use clap::{Parser, Subcommand};
+
+/// batchcast: run the input pipeline once per host, share every batch with
+/// every trainer, zero-copy.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run a broker serving the streams of a config file
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+        /// Socket path [default: config's broker.socket, else $BATCHCAST_SOCKET, else $XDG_RUNTIME_DIR/batchcast.sock, else /tmp/batchcast-$UID/batchcast.sock]
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
+    /// Show what a running broker is doing
+    Stats {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Print JSON instead of a table
+        #[arg(long)]
+        json: bool,
+        /// Refresh every second until interrupted
+        #[arg(long)]
+        watch: bool,
+    },
+    /// Subscribe to a stream and report what arrives (a test and benchmark consumer)
+    Consume(consume::ConsumeArgs),
+    /// Show the whole idea on built-in data: one broker, several consumers
+    Demo(demo::DemoArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let default_level = if matches!(cli.cmd, Cmd::Serve { .. }) {
+        "info"
+    } else {
+        "warn"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.cmd {
+        Cmd::Serve { config, socket } => serve(config, socket),
+        Cmd::Stats {
+            socket,
+            json,
+            watch,
+        } => stats(socket, json, watch),
+        Cmd::Consume(args) => {
+            let report = consume::run(&args);
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&report).expect("report serialises")
+                );
+            } else {
+                println!(
+                    "{}: {} batches ({} samples) in {:.2} s, {:.0} batches/s, hand-off p50 {:.0} µs p99 {:.0} µs{}",
+                    report.name,
+                    report.batches,
+                    report.samples,
+                    report.seconds,
+                    report.batches_per_s,
+                    report.handoff_us_p50,
+                    report.handoff_us_p99,
+                    if args.verify {
+                        format!(", {} samples verified", report.verified_samples)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            match (&report.error, report.ok) {
+                (Some(e), _) => Err(anyhow::anyhow!("{e}")),
+                (None, false) => Err(anyhow::anyhow!(
+                    "{} wrong samples, order errors: {:?}",
+                    report.verify_failures,
+                    report.order_errors
+                )),
+                _ => Ok(()),
+            }
+        }
+        Cmd::Demo(args) => demo::run(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn serve(config_path: PathBuf, socket: Option<PathBuf>) -> anyhow::Result<()> {
+    let cfg = config::Config::load(&config_path)?;
+    let plans = cfg.plan(&config_path)?;
+    let allow = listen::Allow {
+        own_uid: nix::unistd::getuid().as_raw(),
+        uids: cfg.broker.allow_uids.clone(),
+        gids: cfg.broker.allow_gids.clone(),
+    };
+    let path = socket
+        .or(cfg.broker.socket.clone())
+        .unwrap_or_else(batchcast::default_socket_path);
+    let bound = listen::bind(&path, allow.is_shared())?;
+    let mut streams = HashMap::new();
+    for plan in plans {
+        let name = plan.cfg.name.clone();
+        let s = stream::Stream::start(plan).with_context(|| format!("starting stream `{name}`"))?;
+        streams.insert(name, s);
+    }
+    let broker = Arc::new(server::Broker {
+        streams,
+        allow,
+        started: Instant::now(),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("batchcast-io")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let std_listener = bound.listener.try_clone()?;
+        std_listener.set_nonblocking(true)?;
+        let listener = tokio::net::UnixListener::from_std(std_listener)?;
+        tracing::info!(
+            "serving {} stream(s) on {}",
+            broker.streams.len(),
+            bound.path.display()
+        );
+        let shutdown = async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing a SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+                _ = term.recv() => tracing::info!("SIGTERM received"),
+            }
+        };
+        server::run(listener, broker, shutdown).await;
+        anyhow::Ok(())
+    })?;
+    drop(bound);
+    tracing::info!("broker stopped");
+    Ok(())
+}
+
+fn stats(socket: Option<PathBuf>, json: bool, watch: bool) -> anyhow::Result<()> {
+    let mut client = batchcast::StatsClient::connect(socket)?;
+    let tty = std::io::stdout().is_terminal();
+    loop {
+        let s = client.fetch()?;
+        if json {
+            println!("{}", serde_json::to_string(&s)?);
+        } else {
+            if watch && tty {
+                print!("\x1b[2J\x1b[H");
+            }
+            print!("{}", stats_view::render(&s));
+        }
+        if !watch {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        if !tty && !json {
+            println!("---");
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! `batchcast consume`: a consumer process built on the client library that
+//! can verify every byte it receives, hold or dawdle on purpose, and report
+//! what it saw as JSON. The demo, the benchmark and the end-to-end tests run
+//! it as their consumer processes.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use batchcast::schema::SourceInfo;
+use batchcast::synthetic::mix64;
+use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConsumeArgs {
+    /// The broker's socket [default: $BATCHCAST_SOCKET, else $XDG_RUNTIME_DIR/batchcast.sock]
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Stream to subscribe to [default: $BATCHCAST_STREAM, else train]
+    #[arg(long)]
+    pub stream: Option<String>,
+    /// Unreleased batches the broker may send ahead
+    #[arg(long, default_value_t = 2)]
+    pub window: u32,
+    /// Start with the next batch (`now`) or at the next epoch boundary
+    #[arg(long, value_enum, default_value = "next-epoch")]
+    pub join: Join,
+    /// Name shown in `batchcast stats`
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Check every sample's bytes against the synthetic generator
+    #[arg(long)]
+    pub verify: bool,
+    /// Compute a digest of all bytes received per epoch
+    #[arg(long)]
+    pub digest: bool,
+    /// Sleep this long while holding each batch (a slow trainer)
+    #[arg(long, default_value_t = 0)]
+    pub sleep_ms: u64,
+    /// Keep the last N batches instead of releasing each at once
+    #[arg(long, default_value_t = 0)]
+    pub hold: usize,
+    /// Stop after this many batches
+    #[arg(long)]
+    pub max_batches: Option<u64>,
+    /// Print one JSON report on stdout instead of a summary
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Join {
+    NextEpoch,
+    Now,
+}
+
+/// One epoch as a consumer saw it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct EpochReport {
+    pub epoch: u64,
+    pub batches: u64,
+    pub samples: u64,
+    pub complete: bool,
+    /// Hex digest of every byte received in the epoch (with `--digest`).
+    pub digest: Option<String>,
+}
+
+/// What a consumer process reports on exit.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct ConsumerReport {
+    pub name: String,
+    pub pid: u32,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub error_code: Option<String>,
+    pub ended: bool,
+    pub batches: u64,
+    pub samples: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub batches_per_s: f64,
+    pub epochs: Vec<EpochReport>,
+    pub verified_samples: u64,
+    pub verify_failures: u64,
+    /// Problems with sequence, epoch or index order (empty when in order).
+    pub order_errors: Vec<String>,
+    pub handoff_us_p50: f64,
+    pub handoff_us_p99: f64,
+    pub handoff_us_max: f64,
+    pub wait_s: f64,
+    pub rss_anon_kb_start: u64,
+    pub rss_anon_kb_end: u64,
+}
+
+/// Anonymous resident memory of this process (excludes the shared arena).
+pub fn rss_anon_kb(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("RssAnon:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+pub fn run(args: &ConsumeArgs) -> ConsumerReport {
+    let mut opts = ConsumerOptions::default();
+    if let Some(s) = &args.stream {
+        opts.stream = s.clone();
+    }
+    if let Some(n) = &args.name {
+        opts.name = n.clone();
+    }
+    opts.socket = args.socket.clone();
+    opts.window = args.window;
+    opts.join = match args.join {
+        Join::NextEpoch => JoinPolicy::NextEpoch,
+        Join::Now => JoinPolicy::Immediate,
+    };
+    let mut report = ConsumerReport {
+        name: opts.name.clone(),
+        pid: std::process::id(),
+        rss_anon_kb_start: rss_anon_kb("self"),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let result = consume(args, opts, &mut report);
+    report.seconds = t0.elapsed().as_secs_f64();
+    report.batches_per_s = report.batches as f64 / report.seconds.max(1e-9);
+    report.rss_anon_kb_end = rss_anon_kb("self");
+    if let Err(e) = result {
+        report.error_code = e.code().map(|c| format!("{c:?}"));
+        report.error = Some(e.to_string());
+    }
+    report.ok =
+        report.error.is_none() && report.verify_failures == 0 && report.order_errors.is_empty();
+    report
+}
+
+fn consume(
+    args: &ConsumeArgs,
+    opts: ConsumerOptions,
+    report: &mut ConsumerReport,
+) -> batchcast::Result<()> {
+    let mut consumer = Consumer::connect(opts)?;
+    let schema = consumer.schema().clone();
+    let SourceInfo::Synthetic(spec) = schema.source;
+    let mut orders: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
+    let mut held: VecDeque<Batch> = VecDeque::new();
+    let mut handoff = Vec::new();
+    let mut last: Option<(u64, u64, u64)> = None;
+    let mut digest = 0u64;
+    let mut cur = EpochReport {
+        epoch: u64::MAX,
+        batches: 0,
+        samples: 0,
+        complete: false,
+        digest: None,
+    };
+    let bpe = schema.batches_per_epoch;
+    loop {
+        let event = match consumer.next_event()? {
+            None | Some(Event::EndOfStream) => {
+                report.ended = true;
+                break;
+            }
+            Some(e) => e,
+        };
+        let batch = match event {
+            Event::Batch(b) => b,
+            Event::EndOfEpoch(end) => {
+                if cur.epoch != end.epoch || cur.batches != end.batches {
+                    report.order_errors.push(format!(
+                        "end of epoch {end:?} after {} batches of epoch {}",
+                        cur.batches, cur.epoch
+                    ));
+                }
+                cur.complete = end.complete;
+                continue;
+            }
+            Event::EndOfStream => unreachable!(),
+        };
+        handoff.push(batch.handoff_ns());
+        report.wait_s += batch.wait_ns() as f64 * 1e-9;
+        let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
+        match last {
+            Some((ps, pe, pi)) => {
+                let expect = if pi + 1 == bpe {
+                    (pe + 1, 0)
+                } else {
+                    (pe, pi + 1)
+                };
+                if seq <= ps || (epoch, index) != expect {
+                    report.order_errors.push(format!(
+                        "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
+                    ));
+                }
+            }
+            None if args.join == Join::NextEpoch && index != 0 => {
+                report.order_errors.push(format!(
+                    "first batch is index {index} of epoch {epoch}, not the start of an epoch"
+                ));
+            }
+            None => {}
+        }
+        last = Some((seq, epoch, index));
+        if epoch != cur.epoch {
+            if cur.epoch != u64::MAX {
+                report
+                    .epochs
+                    .push(close_epoch(&mut cur, &mut digest, args.digest));
+            }
+            cur = EpochReport {
+                epoch,
+                batches: 0,
+                samples: 0,
+                complete: false,
+                digest: None,
+            };
+        }
+        cur.batches += 1;
+        cur.samples += batch.len() as u64;
+        report.batches += 1;
+        report.samples += batch.len() as u64;
+        for f in batch.fields() {
+            report.bytes += f.bytes().len() as u64;
+            if args.digest {
+                digest = digest_bytes(digest, f.bytes());
+            }
+        }
+        if args.verify {
+            if !orders.iter().any(|(e, _)| *e == epoch) {
+                if orders.len() == 2 {
+                    orders.pop_front();
+                }
+                orders.push_back((epoch, spec.epoch_order(epoch)));
+            }
+            let order = &orders
+                .iter()
+                .find(|(e, _)| *e == epoch)
+                .expect("just inserted")
+                .1;
+            let first = (index * schema.batch_size) as usize;
+            for (fi, f) in batch.fields().enumerate() {
+                for j in 0..batch.len() {
+                    let Some(&ds) = order.get(first + j) else {
+                        report.verify_failures += 1;
+                        continue;
+                    };
+                    if !spec.verify_sample(fi, ds, f.sample(j)) {
+                        report.verify_failures += 1;
+                    }
+                }
+            }
+            report.verified_samples += batch.len() as u64;
+        }
+        if args.sleep_ms > 0 {
+            std::thread::sleep(Duration::from_millis(args.sleep_ms));
+        }
+        held.push_back(batch);
+        while held.len() > args.hold {
+            held.pop_front(); // dropping releases
+        }
+        if args.max_batches.is_some_and(|m| report.batches >= m) {
+            break;
+        }
+    }
+    if cur.epoch != u64::MAX {
+        report
+            .epochs
+            .push(close_epoch(&mut cur, &mut digest, args.digest));
+    }
+    handoff.sort_unstable();
+    let pct = |p: f64| {
+        handoff
+            .get(((handoff.len() as f64 * p) as usize).min(handoff.len().saturating_sub(1)))
+            .map_or(0.0, |&n| n as f64 / 1e3)
+    };
+    report.handoff_us_p50 = pct(0.50);
+    report.handoff_us_p99 = pct(0.99);
+    report.handoff_us_max = handoff.last().map_or(0.0, |&n| n as f64 / 1e3);
+    Ok(())
+}
+
+fn close_epoch(cur: &mut EpochReport, digest: &mut u64, with_digest: bool) -> EpochReport {
+    let mut e = cur.clone();
+    if with_digest {
+        e.digest = Some(format!("{:016x}", *digest));
+    }
+    *digest = 0;
+    e
+}
+
+fn digest_bytes(mut acc: u64, bytes: &[u8]) -> u64 {
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        acc = mix64(acc ^ u64::from_le_bytes(c.try_into().expect("8 bytes")));
+    }
+    for &b in chunks.remainder() {
+        acc = mix64(acc ^ b as u64);
+    }
+    mix64(acc ^ bytes.len() as u64)
+}

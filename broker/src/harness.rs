@@ -1,0 +1,181 @@
+//! Starting and watching real broker and consumer processes: shared by
+//! `batchcast demo`, the benchmark harness and the end-to-end tests.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use batchcast::StatsClient;
+use batchcast::proto::StatsReply;
+
+use crate::consume::ConsumerReport;
+
+/// A `batchcast serve` child process; killed when dropped.
+#[derive(Debug)]
+pub struct BrokerProcess {
+    child: Child,
+    pub socket: PathBuf,
+}
+
+impl BrokerProcess {
+    /// Starts `exe serve --config CONFIG --socket SOCKET` and waits until it
+    /// answers on its socket. Its stderr goes to `log` (or is inherited).
+    pub fn spawn(
+        exe: &Path,
+        config: &Path,
+        socket: &Path,
+        log: Option<&Path>,
+    ) -> std::io::Result<BrokerProcess> {
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(config)
+            .arg("--socket")
+            .arg(socket);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        if let Some(log) = log {
+            cmd.stderr(std::fs::File::create(log)?);
+        }
+        let child = cmd.spawn()?;
+        let mut broker = BrokerProcess {
+            child,
+            socket: socket.into(),
+        };
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = broker.child.try_wait()? {
+                let tail = log
+                    .and_then(|l| std::fs::read_to_string(l).ok())
+                    .unwrap_or_default();
+                return Err(std::io::Error::other(format!(
+                    "broker exited with {status} before it was ready:\n{tail}"
+                )));
+            }
+            if StatsClient::connect(Some(socket.into())).is_ok() {
+                return Ok(broker);
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                return Err(std::io::Error::other(
+                    "broker did not answer on its socket within 30 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn stats(&self) -> batchcast::Result<StatsReply> {
+        StatsClient::connect(Some(self.socket.clone()))?.fetch()
+    }
+
+    pub fn try_wait(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        self.child.try_wait()
+    }
+
+    /// SIGTERM, then up to `grace` for it to exit, then SIGKILL.
+    pub fn terminate(mut self, grace: Duration) -> std::io::Result<ExitStatus> {
+        signal(self.child.id(), nix::sys::signal::Signal::SIGTERM);
+        wait_timeout(&mut self.child, grace)
+    }
+
+    /// SIGKILL: the broker dies without a chance to say goodbye.
+    pub fn kill(&mut self) -> std::io::Result<ExitStatus> {
+        self.child.kill()?;
+        self.child.wait()
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Sends `sig` to `pid`, ignoring a process that is already gone.
+pub fn signal(pid: u32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+}
+
+/// Waits up to `grace`, then kills.
+pub fn wait_timeout(child: &mut Child, grace: Duration) -> std::io::Result<ExitStatus> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s);
+        }
+        if t0.elapsed() > grace {
+            child.kill()?;
+            return child.wait();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Starts `exe consume --json --socket SOCKET ARGS...` with stdout piped.
+pub fn spawn_consumer(exe: &Path, socket: &Path, args: &[String]) -> std::io::Result<Child> {
+    Command::new(exe)
+        .arg("consume")
+        .arg("--json")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+}
+
+/// Waits (at most `limit`) for a consumer started by [`spawn_consumer`] and
+/// parses its report.
+pub fn wait_report(mut child: Child, limit: Duration) -> std::io::Result<ConsumerReport> {
+    let mut stdout = child.stdout.take().expect("spawned with piped stdout");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let status = wait_timeout(&mut child, limit)?;
+    let out = reader.join().unwrap_or_default();
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| {
+            std::io::Error::other(format!(
+                "consumer {} exited with {status} and no report: {out}",
+                child.id()
+            ))
+        })?;
+    serde_json::from_str(line).map_err(|e| std::io::Error::other(format!("bad report {line}: {e}")))
+}
+
+/// User + system CPU seconds a process has used.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    // SAFETY-free: sysconf is a plain query.
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    Some(ticks / hz)
+}
+
+/// Resident memory of a process in KiB (`VmRSS`).
+pub fn rss_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}

@@ -1,0 +1,189 @@
+//! The broker's Unix socket: where it lives, who may use it, and what
+//! happens when a socket file is already there.
+
+use std::io::ErrorKind;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    #[error("a broker is already serving on {0}; stop it first or pass another --socket")]
+    InUse(PathBuf),
+    #[error("{0} exists and is not a socket; refusing to replace it (pass another --socket)")]
+    NotASocket(PathBuf),
+    #[error("cannot prepare socket {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A bound listening socket that removes its file when dropped (if the file
+/// is still the one it created).
+#[derive(Debug)]
+pub struct Bound {
+    pub listener: UnixListener,
+    pub path: PathBuf,
+    ino: u64,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.ino() == self.ino) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Binds `path` with mode 0600 (0666 when `shared`, where peer credentials
+/// decide who is admitted). A stale socket left by a dead broker is
+/// replaced; a live broker's is refused.
+pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
+    let io = |source| ListenError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(ListenError::NotASocket(path.into()));
+        }
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => return Err(ListenError::InUse(path.into())),
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                tracing::info!(
+                    "replacing stale socket {} left by a broker that is gone",
+                    path.display()
+                );
+                std::fs::remove_file(path).map_err(io)?;
+            }
+            Err(e) => return Err(io(e)),
+        },
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    // Owner-only from the moment the file exists: no window in which another
+    // user could connect.
+    // SAFETY-free: umask is process-wide, set only here, before any thread
+    // that creates files is started.
+    let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let listener = UnixListener::bind(path);
+    nix::sys::stat::umask(old);
+    let listener = listener.map_err(io)?;
+    if shared {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(io)?;
+    }
+    let ino = std::fs::symlink_metadata(path).map_err(io)?.ino();
+    Ok(Bound {
+        listener,
+        path: path.into(),
+        ino,
+    })
+}
+
+/// Who may connect: the broker's own user, plus the config's allow lists.
+#[derive(Debug, Clone)]
+pub struct Allow {
+    pub own_uid: u32,
+    pub uids: Vec<u32>,
+    pub gids: Vec<u32>,
+}
+
+impl Allow {
+    pub fn is_shared(&self) -> bool {
+        !self.uids.is_empty() || !self.gids.is_empty()
+    }
+
+    /// Checks a peer's credentials (`SO_PEERCRED`); supplementary groups are
+    /// read from `/proc/<pid>/status`.
+    pub fn admits(&self, uid: u32, gid: u32, pid: Option<i32>) -> bool {
+        if uid == self.own_uid || self.uids.contains(&uid) || self.gids.contains(&gid) {
+            return true;
+        }
+        if self.gids.is_empty() {
+            return false;
+        }
+        let Some(pid) = pid else { return false };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            return false;
+        };
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Groups:"))
+            .is_some_and(|g| {
+                g.split_whitespace()
+                    .filter_map(|x| x.parse().ok())
+                    .any(|g: u32| self.gids.contains(&g))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_sockets_are_replaced_live_ones_refused_files_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.sock");
+        let first = bind(&path, false).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(matches!(bind(&path, false), Err(ListenError::InUse(_))));
+        // A dead broker leaves its socket file behind: simulate by leaking it.
+        std::mem::forget(first);
+        let again = bind(&path, false);
+        assert!(
+            matches!(again, Err(ListenError::InUse(_))),
+            "the leaked listener still accepts"
+        );
+        let file = dir.path().join("plain");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(matches!(
+            bind(&file, false),
+            Err(ListenError::NotASocket(_))
+        ));
+        assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    }
+
+    #[test]
+    fn a_socket_whose_broker_died_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap()); // file stays, nobody listens
+        assert!(path.exists());
+        let b = bind(&path, true).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o666
+        );
+        drop(b);
+        assert!(!path.exists(), "socket file removed on drop");
+    }
+
+    #[test]
+    fn allow_lists() {
+        let a = Allow {
+            own_uid: 1000,
+            uids: vec![1001],
+            gids: vec![50],
+        };
+        assert!(a.admits(1000, 1000, None));
+        assert!(a.admits(1001, 1001, None));
+        assert!(a.admits(1002, 50, None));
+        assert!(!a.admits(1003, 1003, None));
+        let own = Allow {
+            own_uid: 1000,
+            uids: vec![],
+            gids: vec![],
+        };
+        assert!(!own.admits(0, 0, None));
+    }
+}

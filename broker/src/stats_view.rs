@@ -1,0 +1,79 @@
+//! Renders a broker's statistics as a table.
+
+use std::fmt::Write;
+
+use batchcast::proto::StatsReply;
+
+pub fn render(s: &StatsReply) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "broker pid {} v{}, up {:.1} s",
+        s.broker_pid, s.broker_version, s.uptime_s
+    );
+    for st in &s.streams {
+        let _ = writeln!(
+            out,
+            "\nstream `{}`: {} batches produced (epoch {}{}), {} deliveries; slots {} × {:.1} MiB: {} free, {} filling, {} in use; \
+             pipeline blocked {:.2} s; {} consumers left, {} detached",
+            st.name,
+            st.batches_produced,
+            st.epoch,
+            if st.finished { ", finished" } else { "" },
+            st.deliveries,
+            st.slots,
+            st.slot_bytes as f64 / (1 << 20) as f64,
+            st.free_slots,
+            st.filling,
+            st.in_use,
+            st.producer_blocked_s,
+            st.departed,
+            st.detached,
+        );
+        if st.consumers.is_empty() {
+            let _ = writeln!(out, "  (no consumers)");
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9}",
+            "id",
+            "name",
+            "pid",
+            "uid",
+            "delivered",
+            "held",
+            "queued",
+            "window",
+            "epoch",
+            "wait s",
+            "hold s"
+        );
+        for c in &st.consumers {
+            let _ = writeln!(
+                out,
+                "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>9.3}",
+                c.id,
+                truncate(&c.name, 20),
+                c.pid,
+                c.uid,
+                c.delivered,
+                c.held,
+                c.queued,
+                c.window,
+                c.epoch,
+                c.wait_s,
+                c.hold_s
+            );
+        }
+    }
+    out
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).chain(['…']).collect()
+    }
+}
