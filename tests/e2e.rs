@@ -1,1 +1,522 @@
+//! End-to-end tests: the real `batchcast` binary as broker, real consumer
+//! processes (`batchcast consume`, built on the client library), real
+//! sockets and shared memory. Every wait is bounded, so a deadlock fails a
+//! test instead of hanging it.
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use batchcast::proto::{self, ErrorCode, Preamble, ServerMsg, StatsReply};
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+
+const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
+const LIMIT: Duration = Duration::from_secs(120);
+
+struct Env {
+    dir: tempfile::TempDir,
+    broker: BrokerProcess,
+}
+
+impl Env {
+    fn start(config: &str) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        std::fs::write(&path, config).unwrap();
+        let log = dir.path().join("broker.log");
+        let broker = BrokerProcess::spawn(
+            Path::new(EXE),
+            &path,
+            &dir.path().join("b.sock"),
+            Some(&log),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        Env { dir, broker }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.broker.socket.clone()
+    }
+
+    fn consumer(&self, args: &[&str]) -> std::process::Child {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        harness::spawn_consumer(Path::new(EXE), &self.socket(), &args).unwrap()
+    }
+
+    fn stats(&self) -> StatsReply {
+        self.broker.stats().unwrap()
+    }
+
+    /// Polls stats until `pred` holds (bounded).
+    fn wait_for(&self, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
+        let t0 = Instant::now();
+        loop {
+            let s = self.stats();
+            if pred(&s) {
+                return s;
+            }
+            assert!(
+                t0.elapsed() < LIMIT,
+                "timed out waiting for {what}; last stats: {s:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+    }
+}
+
+fn report(child: std::process::Child) -> ConsumerReport {
+    harness::wait_report(child, LIMIT).unwrap()
+}
+
+fn config(extra: &str, len: u64, batch: u64) -> String {
+    format!(
+        r#"[[stream]]
+name = "train"
+batch_size = {batch}
+seed = 11
+slots = 6
+workers = 2
+{extra}
+
+[stream.synthetic]
+len = {len}
+fields = [
+  {{ name = "image", dtype = "u8", shape = [3, 16, 16] }},
+  {{ name = "label", dtype = "i64", shape = [] }},
+  {{ name = "weights", dtype = "f32", shape = [5] }},
+]
+"#
+    )
+}
+
+#[test]
+fn four_consumers_get_every_batch_of_every_epoch_once_in_order_verified() {
+    // 1000 samples, batches of 32, last batch short: 32 batches per epoch.
+    let env = Env::start(&config(
+        "epochs = 3\ndrop_last = false\nmin_consumers = 4",
+        1000,
+        32,
+    ));
+    let kids: Vec<_> = (0..4)
+        .map(|i| {
+            env.consumer(&[
+                "--verify",
+                "--digest",
+                "--window",
+                "3",
+                "--name",
+                &format!("c{i}"),
+            ])
+        })
+        .collect();
+    let reports: Vec<ConsumerReport> = kids.into_iter().map(report).collect();
+    for r in &reports {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.batches, 3 * 32);
+        assert_eq!(r.samples, 3 * 1000, "each epoch covers the dataset once");
+        assert_eq!(r.verified_samples, 3000);
+        assert_eq!(r.verify_failures, 0);
+        assert_eq!(
+            r.epochs
+                .iter()
+                .map(|e| (e.epoch, e.samples, e.complete))
+                .collect::<Vec<_>>(),
+            vec![(0, 1000, true), (1, 1000, true), (2, 1000, true)]
+        );
+    }
+    let digests: Vec<_> = reports
+        .iter()
+        .map(|r| {
+            r.epochs
+                .iter()
+                .map(|e| e.digest.clone())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        digests.iter().all(|d| *d == digests[0]),
+        "consumers saw different bytes"
+    );
+    assert_ne!(digests[0][0], digests[0][1], "epochs are reshuffled");
+    let s = env.wait_for("all consumers to leave", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    let st = &s.streams[0];
+    assert_eq!(
+        st.batches_produced, 96,
+        "the pipeline ran once, not once per consumer"
+    );
+    assert_eq!(st.deliveries, 4 * 96);
+    assert!(st.finished);
+    assert_eq!(st.free_slots, st.slots);
+}
+
+#[test]
+fn a_consumer_killed_while_holding_batches_does_not_stop_the_others() {
+    let env = Env::start(&config("epochs = 3\nmin_consumers = 3", 600, 10));
+    let a = env.consumer(&["--verify", "--name", "a"]);
+    let b = env.consumer(&["--verify", "--name", "b"]);
+    let victim = env.consumer(&[
+        "--window",
+        "4",
+        "--hold",
+        "3",
+        "--sleep-ms",
+        "20",
+        "--name",
+        "victim",
+    ]);
+    let victim_pid = victim.id();
+    env.wait_for("the victim to hold batches", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "victim" && c.held >= 3)
+    });
+    harness::signal(victim_pid, nix::sys::signal::Signal::SIGKILL);
+    for r in [report(a), report(b)] {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.batches, 3 * 60);
+        assert_eq!(r.verified_samples, 3 * 600);
+    }
+    let s = env.wait_for("every consumer to be gone", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    let st = &s.streams[0];
+    assert_eq!(st.in_use, 0, "the dead consumer's slots were reclaimed");
+    assert_eq!(st.free_slots, st.slots);
+    assert_eq!(st.departed, 3);
+    drop(victim);
+}
+
+#[test]
+fn a_slow_consumer_throttles_the_broker_without_memory_growth() {
+    let env = Env::start(&config("", 100_000, 8));
+    let fast = env.consumer(&["--name", "fast", "--verify"]);
+    let slow = env.consumer(&["--name", "slow", "--sleep-ms", "10", "--max-batches", "150"]);
+    let first = env.wait_for("the slow consumer to get going", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "slow" && c.delivered >= 20)
+    });
+    let rss0 = harness::rss_kb(env.broker.pid()).unwrap();
+    for _ in 0..20 {
+        let s = env.stats();
+        let st = &s.streams[0];
+        if st.consumers.len() < 2 {
+            break;
+        }
+        let d: Vec<u64> = st.consumers.iter().map(|c| c.delivered).collect();
+        // The fast consumer can never be more than the slots ahead.
+        assert!(
+            d[0].abs_diff(d[1]) <= st.slots as u64,
+            "consumers out of step: {d:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = report(slow);
+    assert!(r.ok, "{r:#?}");
+    let s = env.stats();
+    let rss1 = harness::rss_kb(env.broker.pid()).unwrap();
+    assert!(
+        s.streams[0].producer_blocked_s > 0.0,
+        "the pipeline was never throttled"
+    );
+    assert!(
+        rss1 < rss0 + 2048,
+        "broker RSS grew from {rss0} KiB to {rss1} KiB"
+    );
+    assert!(s.streams[0].batches_produced >= first.streams[0].batches_produced);
+    let mut fast = fast;
+    fast.kill().unwrap();
+    fast.wait().unwrap();
+}
+
+#[test]
+fn a_straggler_beyond_the_lag_limit_is_detached_with_a_clear_error() {
+    let env = Env::start(&config("lag_limit = 3\nmin_consumers = 2", 100_000, 8));
+    let slow = env.consumer(&["--name", "slow", "--sleep-ms", "50"]);
+    let fast = env.consumer(&["--name", "fast", "--verify", "--max-batches", "400"]);
+    let r = report(slow);
+    assert!(!r.ok);
+    assert_eq!(r.error_code.as_deref(), Some("LagLimit"), "{r:#?}");
+    let msg = r.error.unwrap();
+    assert!(
+        msg.contains("lag_limit of 3") && msg.contains("behind"),
+        "{msg}"
+    );
+    let f = report(fast);
+    assert!(f.ok && f.batches == 400, "{f:#?}");
+    let s = env.stats();
+    assert_eq!(s.streams[0].detached, 1);
+    assert!(env.log().contains("detached"), "the broker logs the detach");
+}
+
+#[test]
+fn consumers_error_promptly_when_the_broker_is_killed() {
+    let mut env = Env::start(&config("", 100_000, 8));
+    let kids: Vec<_> = (0..2)
+        .map(|i| env.consumer(&["--sleep-ms", "2", "--name", &format!("c{i}")]))
+        .collect();
+    env.wait_for("both consumers to receive batches", |s| {
+        s.streams[0].consumers.len() == 2 && s.streams[0].consumers.iter().all(|c| c.delivered > 10)
+    });
+    let t0 = Instant::now();
+    env.broker.kill().unwrap();
+    for k in kids {
+        let r = report(k);
+        let noticed = t0.elapsed();
+        assert!(
+            r.error
+                .as_deref()
+                .is_some_and(|e| e.contains("broker closed")),
+            "{r:#?}"
+        );
+        // Generous bound: detection is an EOF on the socket, typically < 10 ms.
+        assert!(
+            noticed < Duration::from_secs(3),
+            "consumer took {noticed:?} to notice"
+        );
+    }
+}
+
+#[test]
+fn sigterm_says_goodbye_to_every_consumer_and_removes_the_socket() {
+    let env = Env::start(&format!(
+        "{}\n{}",
+        config("", 100_000, 8),
+        config("", 500, 4).replace("name = \"train\"", "name = \"val\"")
+    ));
+    let t = env.consumer(&["--stream", "train", "--sleep-ms", "1"]);
+    let v = env.consumer(&["--stream", "val", "--verify", "--sleep-ms", "1"]);
+    let s = env.wait_for("a consumer on each stream", |s| {
+        s.streams.iter().all(|st| st.consumers.len() == 1)
+    });
+    assert_eq!(
+        s.streams
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect::<Vec<_>>(),
+        vec!["train", "val"]
+    );
+    let socket = env.socket();
+    let Env { dir, broker } = env;
+    let status = broker.terminate(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "broker exit status {status}");
+    for r in [report(t), report(v)] {
+        assert!(
+            r.error.as_deref().is_some_and(|e| e.contains("Shutdown")),
+            "{r:#?}"
+        );
+        assert_eq!(r.verify_failures, 0);
+    }
+    assert!(!socket.exists(), "socket file left behind");
+    drop(dir);
+}
+
+/// Connects raw, sends `bytes`, returns the broker's preamble and first frame.
+fn raw_exchange(socket: &Path, bytes: &[u8]) -> (Preamble, ServerMsg) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut pre = [0u8; 8];
+    s.read_exact(&mut pre).unwrap();
+    let msg = proto::read_frame::<ServerMsg>(&mut s, &mut Vec::new())
+        .unwrap()
+        .expect("an error frame");
+    (Preamble::parse(pre).unwrap(), msg)
+}
+
+fn expect_error(msg: ServerMsg, code: ErrorCode, needle: &str) {
+    match msg {
+        ServerMsg::Error(e) => {
+            assert_eq!(e.code, code, "{e:?}");
+            assert!(
+                e.message.contains(needle),
+                "message `{}` lacks `{needle}`",
+                e.message
+            );
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_and_other_consumers_are_unaffected() {
+    let env = Env::start(&config("", 100_000, 8));
+    let good = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        "300",
+        "--name",
+        "good",
+    ]);
+    env.wait_for("the good consumer", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    let sock = env.socket();
+    let ours = Preamble::ours().to_bytes();
+
+    let (pre, msg) = raw_exchange(&sock, b"GET / HTTP/1.1\r\n\r\n");
+    assert_eq!(pre.version, proto::PROTOCOL_VERSION);
+    expect_error(msg, ErrorCode::NotBatchcast, "not a batchcast client");
+
+    let mut v999 = ours;
+    v999[4..6].copy_from_slice(&999u16.to_le_bytes());
+    expect_error(
+        raw_exchange(&sock, &v999).1,
+        ErrorCode::VersionMismatch,
+        "v999",
+    );
+
+    let mut garbage = ours.to_vec();
+    garbage.extend_from_slice(&[5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff]);
+    expect_error(
+        raw_exchange(&sock, &garbage).1,
+        ErrorCode::MalformedFrame,
+        "malformed frame",
+    );
+
+    let mut huge = ours.to_vec();
+    huge.extend_from_slice(&u32::MAX.to_le_bytes());
+    expect_error(
+        raw_exchange(&sock, &huge).1,
+        ErrorCode::FrameTooLarge,
+        "exceeds the limit",
+    );
+
+    let r = report(env.consumer(&["--stream", "nope"]));
+    assert_eq!(r.error_code.as_deref(), Some("UnknownStream"), "{r:#?}");
+    assert!(r.error.unwrap().contains("this broker serves: train"));
+
+    let r = report(env.consumer(&["--window", "7"]));
+    assert_eq!(r.error_code.as_deref(), Some("InvalidRequest"), "{r:#?}");
+    assert!(
+        r.error
+            .unwrap()
+            .contains("window 7 exceeds the stream's 6 slots")
+    );
+
+    let typo = env.dir.path().join("typo.toml");
+    std::fs::write(
+        &typo,
+        config("", 100, 8).replace("batch_size", "batch_szie"),
+    )
+    .unwrap();
+    let out = Command::new(EXE)
+        .args(["serve", "--config"])
+        .arg(&typo)
+        .arg("--socket")
+        .arg(env.dir.path().join("t.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("batch_szie") && err.contains("line 3"),
+        "{err}"
+    );
+
+    let out = Command::new(EXE)
+        .args(["serve", "--config"])
+        .arg(env.dir.path().join("broker.toml"))
+        .arg("--socket")
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already serving"),
+        "a second broker on a live socket is refused"
+    );
+
+    let r = report(good);
+    assert!(
+        r.ok && r.batches == 300 && r.verified_samples == 300 * 8,
+        "{r:#?}"
+    );
+}
+
+#[test]
+fn consumers_cannot_write_into_shared_batches() {
+    let env = Env::start(&config("min_consumers = 2", 100_000, 8));
+    let other = env.consumer(&["--verify", "--max-batches", "200", "--name", "other"]);
+    let mut opts = batchcast::ConsumerOptions {
+        socket: Some(env.socket()),
+        ..Default::default()
+    };
+    opts.name = "writer".into();
+    let mut me = batchcast::Consumer::connect(opts).unwrap();
+    let (base, len) = me.arena();
+    let batch = me.next().unwrap().unwrap();
+    let image = batch.field("image").unwrap();
+    let ptr = image.bytes().as_ptr();
+    assert!(
+        ptr >= base && ptr < base.wrapping_add(len),
+        "the view points into the shared arena: zero-copy"
+    );
+    let page = (base as usize) as *mut libc::c_void;
+    // SAFETY: asks the kernel to make our own mapping writable; it must
+    // refuse (the arena is sealed), and if it did not, nothing is written.
+    let rc = unsafe { libc::mprotect(page, 4096, libc::PROT_READ | libc::PROT_WRITE) };
+    let errno = std::io::Error::last_os_error();
+    assert_eq!(rc, -1, "a consumer could make the shared arena writable");
+    assert_eq!(errno.raw_os_error(), Some(libc::EACCES), "{errno}");
+    drop(batch);
+    drop(me);
+    let r = report(other);
+    assert!(r.ok && r.verify_failures == 0, "{r:#?}");
+}
+
+#[test]
+fn stats_command_shows_streams_and_consumers() {
+    let env = Env::start(&config("", 100_000, 8));
+    let c = env.consumer(&[
+        "--name",
+        "stats-probe",
+        "--sleep-ms",
+        "5",
+        "--max-batches",
+        "100",
+    ]);
+    env.wait_for("the consumer", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    let out = Command::new(EXE)
+        .arg("stats")
+        .arg("--socket")
+        .arg(env.socket())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("stream `train`")
+            && text.contains("stats-probe")
+            && text.contains("delivered"),
+        "{text}"
+    );
+    let out = Command::new(EXE)
+        .args(["stats", "--json"])
+        .arg("--socket")
+        .arg(env.socket())
+        .output()
+        .unwrap();
+    let s: StatsReply = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s.broker_pid, env.broker.pid());
+    assert!(report(c).ok);
+}
