@@ -70,14 +70,11 @@ fn main() {
         } => stats(socket, json, watch),
         Cmd::Consume(args) => {
             let report = consume::run(&args);
-            if args.json {
-                println!(
-                    "{}",
-                    serde_json::to_string(&report).expect("report serialises")
-                );
+            let summary = if args.json {
+                serde_json::to_string(&report).expect("report serialises")
             } else {
-                println!(
-                    "{}: {} batches ({} samples) in {:.2} s, {:.0} batches/s, hand-off p50 {:.0} µs p99 {:.0} µs{}",
+                format!(
+                    "{}: {} batches ({} samples) in {:.2} s, {:.0} batches/s, hand-off p50 {:.0} µs p99 {:.0} µs, {} samples verified",
                     report.name,
                     report.batches,
                     report.samples,
@@ -85,13 +82,11 @@ fn main() {
                     report.batches_per_s,
                     report.handoff_us_p50,
                     report.handoff_us_p99,
-                    if args.verify {
-                        format!(", {} samples verified", report.verified_samples)
-                    } else {
-                        String::new()
-                    }
-                );
-            }
+                    report.verified_samples,
+                )
+            };
+            // A closed stdout (the reader went away) is not worth a panic.
+            let _ = writeln!(std::io::stdout().lock(), "{summary}");
             match (&report.error, report.ok) {
                 (Some(e), _) => Err(anyhow::anyhow!("{e}")),
                 (None, false) => Err(anyhow::anyhow!(
