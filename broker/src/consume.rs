@@ -149,7 +149,7 @@ fn consume(
     let SourceInfo::Synthetic(spec) = schema.source;
     let mut orders: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
     let mut held: VecDeque<Batch> = VecDeque::new();
-    let mut handoff = Vec::new();
+    let mut handoff = Histogram::default();
     let mut last: Option<(u64, u64, u64)> = None;
     let mut digest = 0u64;
     let mut cur = EpochReport {
@@ -182,7 +182,7 @@ fn consume(
             }
             Event::EndOfStream => unreachable!(),
         };
-        handoff.push(batch.handoff_ns());
+        handoff.record(batch.handoff_ns());
         report.wait_s += batch.wait_ns() as f64 * 1e-9;
         let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
         match last {
@@ -272,15 +272,9 @@ fn consume(
             .epochs
             .push(close_epoch(&mut cur, &mut digest, args.digest));
     }
-    handoff.sort_unstable();
-    let pct = |p: f64| {
-        handoff
-            .get(((handoff.len() as f64 * p) as usize).min(handoff.len().saturating_sub(1)))
-            .map_or(0.0, |&n| n as f64 / 1e3)
-    };
-    report.handoff_us_p50 = pct(0.50);
-    report.handoff_us_p99 = pct(0.99);
-    report.handoff_us_max = handoff.last().map_or(0.0, |&n| n as f64 / 1e3);
+    report.handoff_us_p50 = handoff.quantile(0.50) as f64 / 1e3;
+    report.handoff_us_p99 = handoff.quantile(0.99) as f64 / 1e3;
+    report.handoff_us_max = handoff.max as f64 / 1e3;
     Ok(())
 }
 
@@ -302,4 +296,84 @@ fn digest_bytes(mut acc: u64, bytes: &[u8]) -> u64 {
         acc = mix64(acc ^ b as u64);
     }
     mix64(acc ^ bytes.len() as u64)
+}
+
+/// A fixed-size latency histogram (8 buckets per power of two, so within
+/// 12.5%): memory stays constant however many batches are recorded.
+#[derive(Debug)]
+pub struct Histogram {
+    counts: Box<[u64; 64 * 8]>,
+    total: u64,
+    max: u64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram { counts: Box::new([0; 64 * 8]), total: 0, max: 0 }
+    }
+}
+
+impl Histogram {
+    fn bucket(v: u64) -> usize {
+        if v < 8 {
+            return v as usize;
+        }
+        let exp = 63 - v.leading_zeros() as usize; // >= 3
+        let sub = ((v >> (exp - 3)) & 7) as usize;
+        (exp - 2) * 8 + sub
+    }
+
+    /// The smallest value that falls in bucket `b`.
+    fn lower(b: usize) -> u64 {
+        if b < 8 {
+            return b as u64;
+        }
+        let exp = b / 8 + 2;
+        (8 + (b % 8) as u64) << (exp - 3)
+    }
+
+    pub fn record(&mut self, v: u64) {
+        self.counts[Self::bucket(v)] += 1;
+        self.total += 1;
+        self.max = self.max.max(v);
+    }
+
+    /// The value below which a fraction `q` of recordings fall (bucket lower bound).
+    pub fn quantile(&self, q: f64) -> u64 {
+        if self.total == 0 {
+            return 0;
+        }
+        let rank = ((self.total as f64 * q).ceil() as u64).clamp(1, self.total);
+        let mut seen = 0;
+        for (b, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Self::lower(b).min(self.max);
+            }
+        }
+        self.max
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Histogram;
+
+    #[test]
+    fn histogram_quantiles_are_within_an_eighth() {
+        let mut h = Histogram::default();
+        for v in 1..=100_000u64 {
+            h.record(v);
+        }
+        for (q, exact) in [(0.5, 50_000f64), (0.99, 99_000.0)] {
+            let got = h.quantile(q) as f64;
+            assert!((got - exact).abs() / exact <= 0.125, "q{q}: {got} vs {exact}");
+        }
+        assert_eq!(h.quantile(1.0), 100_000u64.min(h.quantile(1.0)));
+        assert_eq!(Histogram::default().quantile(0.5), 0);
+        for v in [0u64, 7, 8, 9, 15, 16, 1 << 40, u64::MAX] {
+            let b = Histogram::bucket(v);
+            assert!(Histogram::lower(b) <= v, "{v}");
+        }
+    }
 }

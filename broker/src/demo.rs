@@ -135,7 +135,7 @@ fn live_progress(socket: &Path) {
 
 fn print_table(reports: &[ConsumerReport]) {
     println!(
-        "\n{:<12} {:>8} {:>7} {:>10} {:>9} {:>12} {:>12} {:>9}  {}",
+        "\n{:<12} {:>8} {:>7} {:>10} {:>9} {:>12} {:>12} {:>9}  digest of epoch 0",
         "consumer",
         "batches",
         "epochs",
@@ -144,7 +144,6 @@ fn print_table(reports: &[ConsumerReport]) {
         "handoff p50",
         "handoff p99",
         "verified",
-        "digest of epoch 0"
     );
     for r in reports {
         println!(

@@ -71,8 +71,8 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
     }
     // Owner-only from the moment the file exists: no window in which another
     // user could connect.
-    // SAFETY-free: umask is process-wide, set only here, before any thread
-    // that creates files is started.
+    // umask is process-wide; it is changed only here, before the pipeline
+    // threads and the async runtime start.
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
     let listener = UnixListener::bind(path);
     nix::sys::stat::umask(old);
