@@ -25,7 +25,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "subscribed: {} batches of {} per epoch, fields: {}",
         schema.batches_per_epoch,
         schema.batch_size,
-        schema.fields.iter().map(|f| format!("{} {} {:?}", f.name, f.dtype, f.shape)).collect::<Vec<_>>().join(", ")
+        schema
+            .fields
+            .iter()
+            .map(|f| format!("{} {} {:?}", f.name, f.dtype, f.shape))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let (t0, mut tick) = (Instant::now(), Instant::now());
     let (mut batches, mut bytes, mut checksum) = (0u64, 0u64, 0u64);
@@ -47,7 +52,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
             } // the batch is released here, when it is dropped
             Event::EndOfEpoch(end) => {
-                println!("epoch {} done: {} batches{}", end.epoch, end.batches, if end.complete { "" } else { " (joined late)" });
+                println!(
+                    "epoch {} done: {} batches{}",
+                    end.epoch,
+                    end.batches,
+                    if end.complete { "" } else { " (joined late)" }
+                );
             }
             Event::EndOfStream => break,
         }
@@ -59,5 +69,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 fn report(batches: u64, bytes: u64, t0: Instant) {
     let s = t0.elapsed().as_secs_f64();
-    println!("{batches} batches, {:.0} batches/s, {:.0} MB/s", batches as f64 / s, bytes as f64 / s / 1e6);
+    println!(
+        "{batches} batches, {:.0} batches/s, {:.0} MB/s",
+        batches as f64 / s,
+        bytes as f64 / s / 1e6
+    );
 }

@@ -86,10 +86,19 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
     let sock = dir.path().join("b.sock");
     let broker = BrokerProcess::spawn(exe, &cfg, &sock, Some(&dir.path().join("broker.log")))?;
     let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
-    let args: Vec<String> = ["--stream", "bench", "--window", &a.window.to_string(), "--max-batches", &batches.to_string()]
-        .map(String::from)
-        .to_vec();
-    let kids = (0..n).map(|_| harness::spawn_consumer(exe, &sock, &args)).collect::<std::io::Result<Vec<_>>>()?;
+    let args: Vec<String> = [
+        "--stream",
+        "bench",
+        "--window",
+        &a.window.to_string(),
+        "--max-batches",
+        &batches.to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let kids = (0..n)
+        .map(|_| harness::spawn_consumer(exe, &sock, &args))
+        .collect::<std::io::Result<Vec<_>>>()?;
     let reports: Vec<ConsumerReport> = kids
         .into_iter()
         .map(|k| harness::wait_report(k, Duration::from_secs(600)))
@@ -111,7 +120,11 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
         broker_rss_mb: rss,
         broker_anon_mb: anon,
         consumer_anon_kb: (
-            reports.iter().map(|r| r.rss_anon_kb_start).max().unwrap_or(0),
+            reports
+                .iter()
+                .map(|r| r.rss_anon_kb_start)
+                .max()
+                .unwrap_or(0),
             reports.iter().map(|r| r.rss_anon_kb_end).max().unwrap_or(0),
         ),
         ok: reports.iter().all(|r| r.ok && r.batches == batches),
@@ -125,13 +138,19 @@ fn main() -> anyhow::Result<()> {
         None => std::env::current_exe()?.with_file_name("batchcast"),
     };
     if !exe.exists() {
-        bail!("{} not found; build it with `cargo build --release -p batchcast-broker` or pass --exe", exe.display());
+        bail!(
+            "{} not found; build it with `cargo build --release -p batchcast-broker` or pass --exe",
+            exe.display()
+        );
     }
     let mut rows = Vec::new();
     for (fill, batches) in [("stamp", a.batches), ("full", a.full_batches)] {
         for &n in &a.consumers {
             eprintln!("fill={fill} consumers={n} ...");
-            rows.push(run(&exe, fill, n, batches, &a).with_context(|| format!("fill={fill} consumers={n}"))?);
+            rows.push(
+                run(&exe, fill, n, batches, &a)
+                    .with_context(|| format!("fill={fill} consumers={n}"))?,
+            );
         }
     }
     println!(
@@ -155,9 +174,19 @@ fn main() -> anyhow::Result<()> {
             if r.ok { "yes" } else { "NO" }
         );
     }
-    let cpu = |fill: &str, n: usize| rows.iter().find(|r| r.fill == fill && r.n == n).map(|r| r.cpu_per_1000);
-    if let (Some(c1), Some(c8)) = (cpu("stamp", 1), cpu("stamp", *a.consumers.iter().max().unwrap_or(&1))) {
-        println!("\nbroker CPU per batch, most consumers vs 1 (stamp): {:.2}x", c8 / c1.max(1e-9));
+    let cpu = |fill: &str, n: usize| {
+        rows.iter()
+            .find(|r| r.fill == fill && r.n == n)
+            .map(|r| r.cpu_per_1000)
+    };
+    if let (Some(c1), Some(c8)) = (
+        cpu("stamp", 1),
+        cpu("stamp", *a.consumers.iter().max().unwrap_or(&1)),
+    ) {
+        println!(
+            "\nbroker CPU per batch, most consumers vs 1 (stamp): {:.2}x",
+            c8 / c1.max(1e-9)
+        );
     }
     Ok(())
 }

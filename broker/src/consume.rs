@@ -309,7 +309,11 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { counts: Box::new([0; 64 * 8]), total: 0, max: 0 }
+        Histogram {
+            counts: Box::new([0; 64 * 8]),
+            total: 0,
+            max: 0,
+        }
     }
 }
 
@@ -367,7 +371,10 @@ mod tests {
         }
         for (q, exact) in [(0.5, 50_000f64), (0.99, 99_000.0)] {
             let got = h.quantile(q) as f64;
-            assert!((got - exact).abs() / exact <= 0.125, "q{q}: {got} vs {exact}");
+            assert!(
+                (got - exact).abs() / exact <= 0.125,
+                "q{q}: {got} vs {exact}"
+            );
         }
         assert_eq!(h.quantile(1.0), 100_000u64.min(h.quantile(1.0)));
         assert_eq!(Histogram::default().quantile(0.5), 0);
