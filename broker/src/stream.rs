@@ -346,7 +346,14 @@ fn dispatch(inner: &mut Inner) {
         let Some(conn) = inner.conns.get_mut(&id) else {
             continue;
         };
-        let msgs: Vec<ServerMsg> = match out {
+        let send = |msg: ServerMsg| {
+            // Full cannot happen (the outbox holds a window and then some);
+            // Closed means the connection is going away and will leave.
+            if let Err(e) = conn.tx.try_send(msg) {
+                tracing::debug!(consumer = id, "outbox: {e}");
+            }
+        };
+        match out {
             Outbound::Batch {
                 seq,
                 epoch,
@@ -354,44 +361,35 @@ fn dispatch(inner: &mut Inner) {
                 slot,
                 samples,
             } => {
-                conn.sent_ns.insert(seq, now);
-                vec![ServerMsg::Batch(BatchReady {
+                send(ServerMsg::Batch(BatchReady {
                     seq,
                     epoch,
                     index,
                     slot,
                     samples,
                     sent_ns: now,
-                })]
+                }));
+                conn.sent_ns.insert(seq, now);
             }
             Outbound::EndOfEpoch {
                 epoch,
                 batches,
                 complete,
             } => {
-                vec![ServerMsg::EndOfEpoch(EpochEnd {
+                send(ServerMsg::EndOfEpoch(EpochEnd {
                     epoch,
                     batches,
                     complete,
-                })]
+                }));
             }
-            Outbound::EndOfStream => vec![ServerMsg::EndOfStream],
+            Outbound::EndOfStream => send(ServerMsg::EndOfStream),
             Outbound::Detached { reason } => {
                 tracing::warn!(consumer = id, name = %conn.name, "{reason}");
-                vec![
-                    ServerMsg::Error(ErrorMsg {
-                        code: ErrorCode::LagLimit,
-                        message: reason,
-                    }),
-                    ServerMsg::Goodbye(GoodbyeReason::Detached),
-                ]
-            }
-        };
-        for m in msgs {
-            if let Err(e) = conn.tx.try_send(m) {
-                // Full cannot happen (the outbox holds a window and then some);
-                // Closed means the connection is going away and will leave.
-                tracing::debug!(consumer = id, "outbox: {e}");
+                send(ServerMsg::Error(ErrorMsg {
+                    code: ErrorCode::LagLimit,
+                    message: reason,
+                }));
+                send(ServerMsg::Goodbye(GoodbyeReason::Detached));
             }
         }
     }
