@@ -252,6 +252,11 @@ impl Hub {
             && !self.free.is_empty()
     }
 
+    /// Whether a slot is free (otherwise the pipeline is under back-pressure).
+    pub fn has_free_slot(&self) -> bool {
+        !self.free.is_empty()
+    }
+
     /// Subscribes a consumer; returns its id and the first epoch it will see.
     pub fn join(&mut self, window: u32, join: JoinPolicy) -> Result<(ConsumerId, u64), HubError> {
         if window == 0 {

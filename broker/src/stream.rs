@@ -262,7 +262,7 @@ impl Stream {
                     }
                     // Waiting on slots while consumers exist is back-pressure;
                     // waiting for consumers or after the last epoch is idling.
-                    let busy = inner.hub.counts().free == 0;
+                    let busy = !inner.hub.has_free_slot();
                     if busy && blocked_since.is_none() {
                         blocked_since = Some(Instant::now());
                     }
