@@ -25,14 +25,39 @@
 //!   { name = "image", dtype = "u8", shape = [3, 224, 224] },
 //!   { name = "label", dtype = "i64", shape = [] },
 //! ]
+//!
+//! [[stream]]            # real images: see README "Image streams"
+//! name = "imagenet"
+//! batch_size = 64
+//! on_error = "skip"     # or "fail"
+//! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off
+//! rank = 0              # this host's share of a multi-host job
+//! world_size = 1
+//!
+//! [stream.image_folder] # or [stream.webdataset] shards = "/d/shard-{000000..000099}.tar"
+//! root = "/data/imagenet/train"
+//!
+//! [stream.transform]
+//! random_resized_crop = { size = 224 }   # or resize = 256, center_crop = 224
+//! horizontal_flip = 0.5
+//! normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }
+//! dtype = "f32"         # u8 | f16 | bf16 | f32
+//! layout = "NCHW"       # or "NHWC"
 //! ```
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use batchcast::schema::{Field, Schema, SlotLayout, SourceInfo};
+use batchcast::DType;
+use batchcast::schema::{Field, ImageSourceInfo, Schema, SlotLayout, SourceInfo};
 use batchcast::synthetic::{Fill, SyntheticSpec};
 use serde::Deserialize;
+
+use crate::pipeline::dataset::{Dataset, expand_pattern};
+use crate::pipeline::sampler::{self, Split, Uneven};
+use crate::pipeline::transform::{Geometry, Layout, Transform};
+use crate::pipeline::{ImagePipeline, OnError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -90,6 +115,115 @@ pub struct StreamConfig {
     #[serde(default = "one")]
     pub min_consumers: u32,
     pub synthetic: Option<SyntheticConfig>,
+    pub image_folder: Option<ImageFolderConfig>,
+    pub webdataset: Option<WebDatasetConfig>,
+    pub transform: Option<TransformConfig>,
+    /// This host's share of the dataset (DistributedSampler's split).
+    #[serde(default)]
+    pub rank: u64,
+    #[serde(default = "one64")]
+    pub world_size: u64,
+    /// DistributedSampler's `drop_last`: pad (default) or drop the tail.
+    #[serde(default)]
+    pub uneven: Uneven,
+    #[serde(default)]
+    pub on_error: OnError,
+    /// Largest image (width × height) decoded; PIL's default limit.
+    #[serde(default = "default_max_pixels")]
+    pub max_pixels: u64,
+    /// Decode JPEGs at 1/2, 1/4 or 1/8 size when the output is that much
+    /// smaller anyway.
+    #[serde(default = "yes")]
+    pub reduced_decode: bool,
+    /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
+    #[serde(default)]
+    pub cache_mib: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageFolderConfig {
+    pub root: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebDatasetConfig {
+    /// `/data/shard-{000000..000099}.tar`, or one file.
+    pub shards: String,
+    /// Samples held by the shuffle buffer.
+    #[serde(default = "default_shuffle_buffer")]
+    pub shuffle_buffer: usize,
+}
+
+/// `int` or `[height, width]`, as torchvision takes sizes.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum Size {
+    Square(u32),
+    HeightWidth([u32; 2]),
+}
+
+impl Size {
+    fn hw(self) -> (u32, u32) {
+        match self {
+            Size::Square(s) => (s, s),
+            Size::HeightWidth([h, w]) => (h, w),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomResizedCropConfig {
+    pub size: Size,
+    #[serde(default = "default_scale")]
+    pub scale: [f64; 2],
+    #[serde(default = "default_ratio")]
+    pub ratio: [f64; 2],
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NormalizeConfig {
+    pub mean: [f64; 3],
+    pub std: [f64; 3],
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransformConfig {
+    pub random_resized_crop: Option<RandomResizedCropConfig>,
+    /// Shorter side, for evaluation (with `center_crop`).
+    pub resize: Option<u32>,
+    pub center_crop: Option<Size>,
+    /// Probability of a horizontal flip.
+    #[serde(default)]
+    pub horizontal_flip: f64,
+    pub normalize: Option<NormalizeConfig>,
+    #[serde(default = "default_dtype")]
+    pub dtype: DType,
+    #[serde(default)]
+    pub layout: Layout,
+}
+
+fn one64() -> u64 {
+    1
+}
+fn default_max_pixels() -> u64 {
+    89_478_485
+}
+fn default_shuffle_buffer() -> usize {
+    1000
+}
+fn default_scale() -> [f64; 2] {
+    [0.08, 1.0]
+}
+fn default_ratio() -> [f64; 2] {
+    [3.0 / 4.0, 4.0 / 3.0]
+}
+fn default_dtype() -> DType {
+    DType::F32
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -111,19 +245,51 @@ fn default_slots() -> u32 {
     8
 }
 
+/// Where a stream's samples come from, ready to run.
+#[derive(Debug, Clone)]
+pub enum Source {
+    Synthetic(SyntheticSpec),
+    Images {
+        pipeline: Arc<ImagePipeline>,
+        split: Split,
+        /// Shuffle buffer for tar shards; `None` for random access.
+        shuffle_buffer: Option<usize>,
+    },
+}
+
 /// A stream's config after validation, with everything derived from it.
 #[derive(Debug, Clone)]
 pub struct StreamPlan {
     pub cfg: StreamConfig,
     pub schema: Schema,
     pub layout: SlotLayout,
-    pub spec: SyntheticSpec,
+    pub source: Source,
     pub workers: usize,
 }
 
 impl StreamPlan {
     pub fn arena_bytes(&self) -> u64 {
         self.layout.slot_bytes * self.cfg.slots as u64
+    }
+
+    /// The dataset indices of `epoch`, in order, for this host.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<u64> {
+        match &self.source {
+            Source::Synthetic(spec) => spec.epoch_order(epoch),
+            Source::Images {
+                pipeline,
+                split,
+                shuffle_buffer,
+            } => {
+                let ds = &pipeline.dataset;
+                let (shuffle, seed) = (self.cfg.shuffle, self.cfg.seed);
+                let whole = match shuffle_buffer {
+                    Some(b) => sampler::sharded(&ds.shard_items, shuffle, *b, seed, epoch),
+                    None => sampler::permutation(ds.len(), shuffle, seed, epoch),
+                };
+                split.apply(whole)
+            }
+        }
     }
 }
 
@@ -187,14 +353,8 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
     {
         return Err("name must be non-empty and use only letters, digits, `-`, `_` and `.`".into());
     }
-    let Some(src) = &s.synthetic else {
-        return Err("no source: add a [stream.synthetic] table".into());
-    };
     if s.batch_size == 0 {
         return Err("batch_size must be at least 1".into());
-    }
-    if src.len == 0 {
-        return Err("synthetic.len must be at least 1".into());
     }
     if s.epochs == Some(0) {
         return Err("epochs must be at least 1 (omit it for an endless stream)".into());
@@ -220,6 +380,74 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
     if s.workers == Some(0) {
         return Err("workers must be at least 1".into());
     }
+    let sources = [
+        s.synthetic.is_some(),
+        s.image_folder.is_some(),
+        s.webdataset.is_some(),
+    ];
+    match sources.iter().filter(|&&x| x).count() {
+        0 => {
+            return Err(
+                "no source: add a [stream.image_folder], [stream.webdataset] or [stream.synthetic] table"
+                    .into(),
+            );
+        }
+        1 => {}
+        _ => return Err("more than one source table; keep exactly one".into()),
+    }
+    let (fields, len, samples_per_epoch, source, info) = match &s.synthetic {
+        Some(src) => synthetic_source(s, src)?,
+        None => image_source(s)?,
+    };
+    let batches_per_epoch = if s.drop_last {
+        samples_per_epoch / s.batch_size
+    } else {
+        samples_per_epoch.div_ceil(s.batch_size)
+    };
+    if batches_per_epoch == 0 {
+        return Err(format!(
+            "the dataset has {samples_per_epoch} samples per epoch{}, fewer than one batch of {} with drop_last = true",
+            if len != samples_per_epoch {
+                format!(" on this host (of {len})")
+            } else {
+                String::new()
+            },
+            s.batch_size
+        ));
+    }
+    let schema = Schema {
+        fields,
+        batch_size: s.batch_size,
+        samples_per_epoch: if s.drop_last {
+            batches_per_epoch * s.batch_size
+        } else {
+            samples_per_epoch
+        },
+        batches_per_epoch,
+        epochs: s.epochs,
+        source: info,
+    };
+    let layout = SlotLayout::for_schema(&schema).map_err(|e| e.to_string())?;
+    let default_workers =
+        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
+    Ok(StreamPlan {
+        cfg: s.clone(),
+        schema,
+        layout,
+        source,
+        workers: s.workers.unwrap_or(default_workers),
+    })
+}
+
+type SourceParts = (Vec<Field>, u64, u64, Source, SourceInfo);
+
+fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, String> {
+    if src.len == 0 {
+        return Err("synthetic.len must be at least 1".into());
+    }
+    if s.world_size != 1 || s.transform.is_some() {
+        return Err("rank/world_size and [stream.transform] apply to image sources only".into());
+    }
     if src.fields.is_empty() {
         return Err("synthetic.fields is empty; list at least one field".into());
     }
@@ -235,45 +463,182 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
             ));
         }
     }
-    let batches_per_epoch = if s.drop_last {
-        src.len / s.batch_size
-    } else {
-        src.len.div_ceil(s.batch_size)
-    };
-    if batches_per_epoch == 0 {
-        return Err(format!(
-            "the dataset has {} samples, fewer than one batch of {} with drop_last = true",
-            src.len, s.batch_size
-        ));
-    }
     let spec = SyntheticSpec {
         seed: s.seed,
         len: src.len,
         shuffle: s.shuffle,
         fill: src.fill,
     };
-    let schema = Schema {
-        fields: src.fields.clone(),
-        batch_size: s.batch_size,
-        samples_per_epoch: if s.drop_last {
-            batches_per_epoch * s.batch_size
-        } else {
-            src.len
-        },
-        batches_per_epoch,
-        epochs: s.epochs,
-        source: SourceInfo::Synthetic(spec),
+    Ok((
+        src.fields.clone(),
+        src.len,
+        src.len,
+        Source::Synthetic(spec),
+        SourceInfo::Synthetic(spec),
+    ))
+}
+
+fn transform_of(s: &StreamConfig) -> Result<Transform, String> {
+    let Some(t) = &s.transform else {
+        return Err("an image source needs a [stream.transform] table (random_resized_crop, or resize + center_crop)".into());
     };
-    let layout = SlotLayout::for_schema(&schema).map_err(|e| e.to_string())?;
-    let default_workers =
-        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
-    Ok(StreamPlan {
-        cfg: s.clone(),
-        schema,
-        layout,
-        spec,
-        workers: s.workers.unwrap_or(default_workers),
+    let positive = |what: &str, (h, w): (u32, u32)| {
+        if h == 0 || w == 0 {
+            Err(format!("transform.{what} must be positive"))
+        } else {
+            Ok((h, w))
+        }
+    };
+    let geometry = match (&t.random_resized_crop, t.resize, t.center_crop) {
+        (Some(r), None, None) => {
+            let ok =
+                |[a, b]: [f64; 2], min: f64| a.is_finite() && b.is_finite() && a > min && a <= b;
+            if !ok(r.scale, 0.0) || r.scale[1] > 1.0 {
+                return Err(format!(
+                    "transform.random_resized_crop.scale = {:?} must be 0 < lo <= hi <= 1",
+                    r.scale
+                ));
+            }
+            if !ok(r.ratio, 0.0) {
+                return Err(format!(
+                    "transform.random_resized_crop.ratio = {:?} must be 0 < lo <= hi",
+                    r.ratio
+                ));
+            }
+            Geometry::RandomResizedCrop {
+                size: positive("random_resized_crop.size", r.size.hw())?,
+                scale: (r.scale[0], r.scale[1]),
+                ratio: (r.ratio[0], r.ratio[1]),
+            }
+        }
+        (None, Some(resize), Some(crop)) if resize > 0 => Geometry::ResizeCenterCrop {
+            resize,
+            crop: positive("center_crop", crop.hw())?,
+        },
+        (None, Some(0), _) => return Err("transform.resize must be positive".into()),
+        _ => {
+            return Err(
+                "transform needs exactly one geometry: random_resized_crop = { size = N }, or resize = N with center_crop = M"
+                    .into(),
+            );
+        }
+    };
+    if !(0.0..=1.0).contains(&t.horizontal_flip) {
+        return Err(format!(
+            "transform.horizontal_flip = {} is a probability; use 0..1",
+            t.horizontal_flip
+        ));
+    }
+    match t.dtype {
+        DType::U8 | DType::F16 | DType::Bf16 | DType::F32 => {}
+        other => {
+            return Err(format!(
+                "transform.dtype = \"{other}\" is not an image type; use u8, f16, bf16 or f32"
+            ));
+        }
+    }
+    if t.dtype == DType::U8 && t.normalize.is_some() {
+        return Err("transform.normalize needs a float dtype (f16, bf16 or f32), not u8".into());
+    }
+    if let Some(n) = &t.normalize
+        && n.std.iter().any(|&x| x == 0.0 || !x.is_finite())
+    {
+        return Err(format!(
+            "transform.normalize.std = {:?} must be non-zero",
+            n.std
+        ));
+    }
+    Ok(Transform {
+        geometry,
+        flip_p: t.horizontal_flip,
+        dtype: t.dtype,
+        layout: t.layout,
+        normalize: t.normalize.as_ref().map(|n| (n.mean, n.std)),
+        seed: s.seed,
     })
+}
+
+fn image_source(s: &StreamConfig) -> Result<SourceParts, String> {
+    let transform = transform_of(s)?;
+    if s.world_size == 0 || s.rank >= s.world_size {
+        return Err(format!(
+            "rank = {} must be below world_size = {}",
+            s.rank, s.world_size
+        ));
+    }
+    if s.max_pixels == 0 {
+        return Err("max_pixels must be positive".into());
+    }
+    let (dataset, shuffle_buffer) = match (&s.image_folder, &s.webdataset) {
+        (Some(f), _) => (
+            Dataset::image_folder(&f.root).map_err(|e| e.to_string())?,
+            None,
+        ),
+        (_, Some(w)) => {
+            let paths = expand_pattern(&w.shards).map_err(|e| e.to_string())?;
+            (
+                Dataset::webdataset(&w.shards, &paths).map_err(|e| e.to_string())?,
+                Some(w.shuffle_buffer),
+            )
+        }
+        _ => unreachable!("one source checked above"),
+    };
+    let split = Split {
+        rank: s.rank,
+        world_size: s.world_size,
+        uneven: s.uneven,
+    };
+    let len = dataset.len();
+    if split.uneven == Uneven::Drop && len < s.world_size {
+        return Err(format!(
+            "{len} samples cannot be split over world_size = {} with uneven = \"drop\"",
+            s.world_size
+        ));
+    }
+    let fields = vec![
+        Field {
+            name: "image".into(),
+            dtype: transform.dtype,
+            shape: transform.shape(),
+        },
+        Field {
+            name: "label".into(),
+            dtype: DType::I64,
+            shape: vec![],
+        },
+        Field {
+            name: "index".into(),
+            dtype: DType::I64,
+            shape: vec![],
+        },
+    ];
+    let info = SourceInfo::Images(ImageSourceInfo {
+        format: dataset.format.into(),
+        root: dataset.root.clone(),
+        classes: dataset.classes.clone(),
+        dataset_len: len,
+        rank: s.rank,
+        world_size: s.world_size,
+    });
+    let pipeline = ImagePipeline::new(
+        dataset,
+        transform,
+        s.on_error,
+        s.max_pixels,
+        s.reduced_decode,
+        s.cache_mib.saturating_mul(1 << 20),
+    );
+    Ok((
+        fields,
+        len,
+        split.per_rank(len),
+        Source::Images {
+            pipeline: Arc::new(pipeline),
+            split,
+            shuffle_buffer,
+        },
+        info,
+    ))
 }
 
 fn mem_total_bytes() -> Option<u64> {

@@ -47,6 +47,10 @@ pub struct ConsumeArgs {
     /// Print one JSON report on stdout instead of a summary
     #[arg(long)]
     pub json: bool,
+    /// Write every batch's fields to DIR/e{epoch}-b{index}-{field}.bin
+    /// (raw little-endian tensors) for inspection
+    #[arg(long)]
+    pub dump: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -64,6 +68,8 @@ pub struct EpochReport {
     pub complete: bool,
     /// Hex digest of every byte received in the epoch (with `--digest`).
     pub digest: Option<String>,
+    /// Image streams: distinct dataset indices seen (the `index` field).
+    pub distinct_indices: Option<u64>,
 }
 
 /// What a consumer process reports on exit.
@@ -146,7 +152,23 @@ fn consume(
 ) -> batchcast::Result<()> {
     let mut consumer = Consumer::connect(opts)?;
     let schema = consumer.schema().clone();
-    let SourceInfo::Synthetic(spec) = schema.source;
+    let spec = match schema.source {
+        SourceInfo::Synthetic(spec) => Some(spec),
+        SourceInfo::Images(_) if args.verify => {
+            return Err(batchcast::Error::Schema(
+                "--verify checks synthetic streams; use --digest to compare consumers of an image stream".into(),
+            ));
+        }
+        SourceInfo::Images(_) => None,
+    };
+    let index_field = schema
+        .field("index")
+        .filter(|(_, f)| f.dtype == batchcast::DType::I64 && f.shape.is_empty())
+        .map(|(i, _)| i);
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dir) = &args.dump {
+        std::fs::create_dir_all(dir).map_err(batchcast::Error::Io)?;
+    }
     let mut orders: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
     let mut held: VecDeque<Batch> = VecDeque::new();
     let mut handoff = Histogram::default();
@@ -158,6 +180,7 @@ fn consume(
         samples: 0,
         complete: false,
         digest: None,
+        distinct_indices: None,
     };
     let bpe = schema.batches_per_epoch;
     loop {
@@ -208,9 +231,10 @@ fn consume(
         last = Some((seq, epoch, index));
         if epoch != cur.epoch {
             if cur.epoch != u64::MAX {
-                report
-                    .epochs
-                    .push(close_epoch(&mut cur, &mut digest, args.digest));
+                let mut e = close_epoch(&mut cur, &mut digest, args.digest);
+                e.distinct_indices = index_field.map(|_| seen.len() as u64);
+                seen.clear();
+                report.epochs.push(e);
             }
             cur = EpochReport {
                 epoch,
@@ -218,6 +242,7 @@ fn consume(
                 samples: 0,
                 complete: false,
                 digest: None,
+                distinct_indices: None,
             };
         }
         cur.batches += 1;
@@ -229,8 +254,19 @@ fn consume(
             if args.digest {
                 digest = digest_bytes(digest, f.bytes());
             }
+            if let Some(dir) = &args.dump {
+                let path = dir.join(format!("e{epoch}-b{index}-{}.bin", f.name()));
+                std::fs::write(&path, f.bytes()).map_err(batchcast::Error::Io)?;
+            }
         }
-        if args.verify {
+        if let Some(fi) = index_field {
+            let f = batch.fields().nth(fi).expect("schema field");
+            for j in 0..batch.len() {
+                let v = i64::from_le_bytes(f.sample(j).try_into().expect("i64 scalar"));
+                seen.insert(v);
+            }
+        }
+        if let Some(spec) = spec.filter(|_| args.verify) {
             if !orders.iter().any(|(e, _)| *e == epoch) {
                 if orders.len() == 2 {
                     orders.pop_front();
@@ -268,9 +304,9 @@ fn consume(
         }
     }
     if cur.epoch != u64::MAX {
-        report
-            .epochs
-            .push(close_epoch(&mut cur, &mut digest, args.digest));
+        let mut e = close_epoch(&mut cur, &mut digest, args.digest);
+        e.distinct_indices = index_field.map(|_| seen.len() as u64);
+        report.epochs.push(e);
     }
     report.handoff_us_p50 = handoff.quantile(0.50) as f64 / 1e3;
     report.handoff_us_p99 = handoff.quantile(0.99) as f64 / 1e3;

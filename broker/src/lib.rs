@@ -19,6 +19,7 @@ pub mod demo;
 pub mod harness;
 pub mod hub;
 pub mod listen;
+pub mod pipeline;
 pub mod server;
 pub mod stats_view;
 pub mod stream;

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::listen::Allow;
-use crate::stream::{Peer, Stream};
+use crate::stream::{Peer, Stream, SubscribeError};
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 1024;
@@ -273,8 +273,12 @@ async fn serve_consumer(
     buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
     let sub = stream.subscribe(window, join, peer).map_err(|e| {
+        let code = match e {
+            SubscribeError::Hub(_) => ErrorCode::InvalidRequest,
+            SubscribeError::Failed(_) => ErrorCode::SourceFailed,
+        };
         Reject(
-            ErrorCode::InvalidRequest,
+            code,
             format!("cannot subscribe to `{}`: {e}", stream.name()),
         )
     })?;

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 use batchcast::JoinPolicy;
 use batchcast::proto::{
     self, BatchReady, ConsumerStats, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg,
-    StreamStats,
+    SourceStats, StreamStats,
 };
 use batchcast::shm::Arena;
-use batchcast::synthetic::SyntheticSpec;
 use tokio::sync::mpsc;
 
-use crate::config::StreamPlan;
+use crate::config::{Source, StreamPlan};
 use crate::hub::{ConsumerId, Hub, HubConfig, HubError, Outbound, Work};
+use crate::pipeline::{self, ImagePipeline};
 
 /// A connected consumer, as the stream sees it.
 #[derive(Debug)]
@@ -43,6 +43,9 @@ struct Inner {
     hub: Hub,
     conns: HashMap<ConsumerId, Conn>,
     producer_blocked: Duration,
+    pipeline_cpu: Duration,
+    /// Why the source failed; the stream serves no one after that.
+    failed: Option<String>,
 }
 
 /// Who is connecting, for stats.
@@ -62,6 +65,14 @@ pub struct Stream {
     work_cv: Condvar,
     stop: AtomicBool,
     workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubscribeError {
+    #[error(transparent)]
+    Hub(#[from] HubError),
+    #[error("the stream stopped: {0}")]
+    Failed(String),
 }
 
 /// What a consumer gets on subscribing.
@@ -92,6 +103,8 @@ impl Stream {
                 hub,
                 conns: HashMap::new(),
                 producer_blocked: Duration::ZERO,
+                pipeline_cpu: Duration::ZERO,
+                failed: None,
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -143,11 +156,14 @@ impl Stream {
         window: u32,
         join: JoinPolicy,
         peer: Peer,
-    ) -> Result<Subscription, HubError> {
+    ) -> Result<Subscription, SubscribeError> {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
         let (tx, rx) = mpsc::channel(2 * window as usize + 4);
         self.with_hub(|inner| {
+            if let Some(why) = &inner.failed {
+                return Err(SubscribeError::Failed(why.clone()));
+            }
             let (id, start_epoch) = inner.hub.join(window, join)?;
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, "consumer subscribed");
             inner.conns.insert(
@@ -242,13 +258,42 @@ impl Stream {
             departed: c.departed,
             detached: c.detached,
             producer_blocked_s: inner.producer_blocked.as_secs_f64(),
+            pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
+            source: match &self.plan.source {
+                Source::Synthetic(_) => None,
+                Source::Images { pipeline, .. } => {
+                    let n = pipeline.counts();
+                    let c = n.cache.unwrap_or_default();
+                    Some(SourceStats {
+                        decoded: n.decoded,
+                        skipped: n.skipped,
+                        reduced: n.reduced,
+                        cache_hits: c.hits,
+                        cache_misses: c.misses,
+                        cache_bytes: c.bytes,
+                        cache_items: c.items,
+                        cache_budget: c.budget,
+                        failed: inner.failed.clone(),
+                    })
+                }
+            },
             consumers,
         }
     }
 
     /// A pipeline thread: take work from the hub, fill the slot, publish.
     fn worker(&self) {
-        let mut cache = OrderCache::new(self.plan.spec);
+        let mut orders = OrderCache::default();
+        let mut images = match &self.plan.source {
+            Source::Images { .. } => match pipeline::Worker::new() {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    self.fail(format!("cannot start a decoder: {e}"));
+                    return;
+                }
+            },
+            Source::Synthetic(_) => None,
+        };
         loop {
             let work = {
                 let mut inner = self.lock();
@@ -277,18 +322,55 @@ impl Stream {
                 }
                 work
             };
-            let samples = self.fill(&work, &mut cache);
-            self.with_hub(|inner| inner.hub.finish_batch(work.seq, samples));
+            let cpu0 = thread_cpu();
+            let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
+            let filled = self.fill(&work, &order, images.as_mut());
+            let cpu = thread_cpu().saturating_sub(cpu0);
+            match filled {
+                Ok(samples) => self.with_hub(|inner| {
+                    inner.pipeline_cpu += cpu;
+                    inner.hub.finish_batch(work.seq, samples)
+                }),
+                Err(e) => {
+                    // The slot stays in `Filling`: nobody ever sees a torn batch.
+                    self.fail(e.to_string());
+                    return;
+                }
+            }
         }
     }
 
+    /// Stops the stream because its source failed, telling every consumer.
+    fn fail(&self, why: String) {
+        tracing::error!(stream = %self.name(), "stream stopped: {why}");
+        self.stop.store(true, Ordering::SeqCst);
+        let mut inner = self.lock();
+        if inner.failed.is_none() {
+            inner.failed = Some(why.clone());
+        }
+        for c in inner.conns.values() {
+            let _ = c.tx.try_send(ServerMsg::Error(ErrorMsg {
+                code: ErrorCode::SourceFailed,
+                message: format!("stream `{}` stopped: {why}", self.name()),
+            }));
+            let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+        }
+        drop(inner);
+        self.work_cv.notify_all();
+    }
+
     /// Writes every sample of `work` straight into its place in the slot.
-    fn fill(&self, work: &Work, cache: &mut OrderCache) -> u64 {
+    fn fill(
+        &self,
+        work: &Work,
+        order: &[u64],
+        images: Option<&mut pipeline::Worker>,
+    ) -> Result<u64, pipeline::PipelineError> {
         let schema = &self.plan.schema;
         let layout = &self.plan.layout;
-        let first = work.index * schema.batch_size;
-        let samples = schema.batch_size.min(self.plan.spec.len - first);
-        let order = cache.get(work.epoch);
+        let first = (work.index * schema.batch_size) as usize;
+        let samples = (schema.batch_size as usize).min(order.len() - first);
+        let indices = &order[first..first + samples];
         // SAFETY: the hub handed this slot to this worker in its `Filling`
         // state: no consumer holds it and no other worker was given it, so
         // this is the only reference to these bytes until `finish_batch`.
@@ -297,40 +379,66 @@ impl Stream {
                 .mapping()
                 .slice_mut(work.slot as u64 * layout.slot_bytes, layout.slot_bytes)
         };
-        for (f, fl) in layout.fields.iter().enumerate() {
-            let bps = fl.bytes_per_sample as usize;
-            let base = fl.offset as usize;
-            for j in 0..samples as usize {
-                let index = order[(first as usize) + j];
-                self.plan.spec.fill_sample(
-                    f,
-                    index,
-                    &mut slot[base + j * bps..base + (j + 1) * bps],
-                );
+        match (&self.plan.source, images) {
+            (Source::Images { pipeline, .. }, Some(w)) => {
+                fill_images(pipeline, w, work.epoch, indices, layout, slot)?;
             }
+            (Source::Synthetic(spec), _) => {
+                for (f, fl) in layout.fields.iter().enumerate() {
+                    let bps = fl.bytes_per_sample as usize;
+                    let base = fl.offset as usize;
+                    for (j, &index) in indices.iter().enumerate() {
+                        spec.fill_sample(f, index, &mut slot[base + j * bps..base + (j + 1) * bps]);
+                    }
+                }
+            }
+            (Source::Images { .. }, None) => unreachable!("image workers have a decoder"),
         }
-        samples
+        Ok(samples as u64)
     }
 }
 
+/// Fields of an image stream, in schema order: image, label, index.
+fn fill_images(
+    pipeline: &ImagePipeline,
+    w: &mut pipeline::Worker,
+    epoch: u64,
+    indices: &[u64],
+    layout: &batchcast::schema::SlotLayout,
+    slot: &mut [u8],
+) -> Result<(), pipeline::PipelineError> {
+    let [image, label, index] = [0, 1, 2].map(|f| layout.fields[f]);
+    for (j, &i) in indices.iter().enumerate() {
+        let at = |fl: batchcast::schema::FieldLayout| {
+            let b = fl.bytes_per_sample as usize;
+            fl.offset as usize + j * b..fl.offset as usize + (j + 1) * b
+        };
+        let got = pipeline.fill(w, epoch, i, &mut slot[at(image)])?;
+        slot[at(label)].copy_from_slice(&got.label.to_le_bytes());
+        slot[at(index)].copy_from_slice(&(got.index as i64).to_le_bytes());
+    }
+    Ok(())
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
 /// The sample order of the last two epochs, computed once per epoch.
+#[derive(Default)]
 struct OrderCache {
-    spec: SyntheticSpec,
     entries: Vec<(u64, Arc<Vec<u64>>)>,
 }
 
 impl OrderCache {
-    fn new(spec: SyntheticSpec) -> Self {
-        OrderCache {
-            spec,
-            entries: Vec::new(),
-        }
-    }
-    fn get(&mut self, epoch: u64) -> Arc<Vec<u64>> {
+    fn get(&mut self, epoch: u64, make: impl FnOnce(u64) -> Vec<u64>) -> Arc<Vec<u64>> {
         if let Some((_, o)) = self.entries.iter().find(|(e, _)| *e == epoch) {
             return o.clone();
         }
-        let o = Arc::new(self.spec.epoch_order(epoch));
+        let o = Arc::new(make(epoch));
         if self.entries.len() == 2 {
             self.entries.remove(0);
         }

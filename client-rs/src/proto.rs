@@ -204,6 +204,9 @@ pub enum ErrorCode {
     /// The consumer fell further behind than the stream's lag limit.
     LagLimit,
     StreamEnded,
+    /// The stream's data source failed (a bad file with `on_error = "fail"`,
+    /// an unreadable dataset); the message names the file.
+    SourceFailed,
     Internal,
 }
 
@@ -244,7 +247,30 @@ pub struct StreamStats {
     pub detached: u64,
     /// Seconds the pipeline waited for a free slot (back-pressure).
     pub producer_blocked_s: f64,
+    /// CPU seconds the pipeline threads spent filling slots.
+    pub pipeline_cpu_s: f64,
+    /// Image sources only.
+    pub source: Option<SourceStats>,
     pub consumers: Vec<ConsumerStats>,
+}
+
+/// What an image source has done so far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceStats {
+    /// Images decoded and written into slots.
+    pub decoded: u64,
+    /// Bad samples replaced (each bad file counts each time it is met).
+    pub skipped: u64,
+    /// JPEGs decoded at reduced size.
+    pub reduced: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_bytes: u64,
+    pub cache_items: u64,
+    /// 0 when the cache is off.
+    pub cache_budget: u64,
+    /// Why the stream stopped, if its source failed.
+    pub failed: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -124,6 +124,25 @@ impl Schema {
 pub enum SourceInfo {
     /// Deterministic generated data (see [`crate::synthetic`]).
     Synthetic(crate::synthetic::SyntheticSpec),
+    /// Decoded, transformed images from a dataset on the broker's host.
+    Images(ImageSourceInfo),
+}
+
+/// What a consumer may want to know about an image dataset.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageSourceInfo {
+    /// `image_folder` or `webdataset`.
+    pub format: String,
+    /// The dataset's root folder or shard pattern, as configured.
+    pub root: String,
+    /// Class names in label order (ImageFolder: the sorted folder names);
+    /// empty when labels come from `.cls` files.
+    pub classes: Vec<String>,
+    /// Samples in the whole dataset, before splitting across hosts.
+    pub dataset_len: u64,
+    /// This broker's share: `rank` of `world_size` (DistributedSampler's split).
+    pub rank: u64,
+    pub world_size: u64,
 }
 
 /// Where one field lives inside a slot.

@@ -1,0 +1,105 @@
+//! An in-broker cache of encoded file bytes with CoorDL's MinIO policy:
+//! an item, once admitted, is never evicted; when the byte budget is spent
+//! the cache simply stops admitting. With a dataset larger than memory, the
+//! page cache's LRU evicts every file before its next use (each epoch reads
+//! everything again); MinIO keeps a fixed part of the dataset resident, so
+//! each epoch reads from storage only what did not fit.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+#[derive(Debug)]
+pub struct MinIoCache {
+    budget: u64,
+    used: AtomicU64,
+    items: RwLock<HashMap<u64, Arc<[u8]>>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounts {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes: u64,
+    pub items: u64,
+    pub budget: u64,
+}
+
+impl MinIoCache {
+    pub fn new(budget: u64) -> MinIoCache {
+        MinIoCache {
+            budget,
+            used: AtomicU64::new(0),
+            items: RwLock::new(HashMap::new()),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    pub fn get(&self, index: u64) -> Option<Arc<[u8]>> {
+        let hit = self
+            .items
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&index)
+            .cloned();
+        let counter = if hit.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        hit
+    }
+
+    /// Admits `bytes` if they fit in what is left of the budget.
+    pub fn offer(&self, index: u64, bytes: &[u8]) {
+        let len = bytes.len() as u64;
+        // Reserve first so concurrent offers never overshoot the budget.
+        let reserved = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                (u + len <= self.budget).then_some(u + len)
+            })
+            .is_ok();
+        if !reserved {
+            return;
+        }
+        let mut items = self.items.write().unwrap_or_else(|p| p.into_inner());
+        if items.insert(index, Arc::from(bytes)).is_some() {
+            // Another thread admitted the same item meanwhile.
+            self.used.fetch_sub(len, Ordering::Relaxed);
+        }
+    }
+
+    pub fn counts(&self) -> CacheCounts {
+        CacheCounts {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            bytes: self.used.load(Ordering::Relaxed),
+            items: self.items.read().unwrap_or_else(|p| p.into_inner()).len() as u64,
+            budget: self.budget,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admits_until_full_and_never_evicts() {
+        let c = MinIoCache::new(10);
+        c.offer(1, &[1; 4]);
+        c.offer(2, &[2; 4]);
+        c.offer(3, &[3; 4]); // does not fit
+        c.offer(4, &[4; 2]); // fits exactly
+        assert!(c.get(1).is_some() && c.get(2).is_some() && c.get(4).is_some());
+        assert!(c.get(3).is_none());
+        c.offer(1, &[1; 4]); // already there: no double count
+        let n = c.counts();
+        assert_eq!((n.hits, n.misses, n.bytes, n.items), (3, 1, 10, 3));
+    }
+}

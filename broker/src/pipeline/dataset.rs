@@ -1,0 +1,382 @@
+//! Finding the samples of a dataset on disk: an ImageFolder tree or
+//! WebDataset-style tar shards. Listing happens once at stream start; the
+//! result is a flat list of items addressable by index, so sampling,
+//! sharding across hosts and parallel decoding work the same for both.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// The extensions torchvision's ImageFolder accepts (compared
+/// case-insensitively). Files whose bytes are not JPEG or PNG are listed
+/// but fail to decode, and follow the stream's `on_error` policy.
+pub const IMG_EXTENSIONS: &[&str] = &[
+    "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetError {
+    #[error("cannot read dataset folder {path}: {source}; check the path and its permissions")]
+    Unreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} has no class folders; an ImageFolder root holds one folder per class")]
+    NoClasses { path: PathBuf },
+    #[error(
+        "class folder {path} holds no images (accepted extensions: {}); remove the folder or add images",
+        IMG_EXTENSIONS.join(", ")
+    )]
+    EmptyClass { path: PathBuf },
+    #[error("{what} matches no samples; check the path")]
+    NoSamples { what: String },
+    #[error("shard pattern `{pattern}`: {message}")]
+    Pattern { pattern: String, message: String },
+    #[error("shard {path}: {message}")]
+    Shard { path: PathBuf, message: String },
+}
+
+/// Where a sample's encoded image lives.
+#[derive(Debug, Clone)]
+pub enum Location {
+    File(PathBuf),
+    /// A member of shard number `shard`, `len` bytes at `offset`.
+    Member {
+        shard: u32,
+        offset: u64,
+        len: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Item {
+    pub loc: Location,
+    pub label: i64,
+}
+
+#[derive(Debug)]
+pub struct Dataset {
+    /// `image_folder` or `webdataset`.
+    pub format: &'static str,
+    /// The root or pattern, for messages and the schema.
+    pub root: String,
+    pub classes: Vec<String>,
+    pub items: Vec<Item>,
+    /// Open shard files (WebDataset only), read with `pread`.
+    shards: Vec<(PathBuf, File)>,
+    /// Items of each shard, in file order: `items[shard_items[s]]`.
+    pub shard_items: Vec<std::ops::Range<usize>>,
+}
+
+impl Dataset {
+    pub fn len(&self) -> u64 {
+        self.items.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Where item `index` lives, for messages.
+    pub fn describe(&self, index: u64) -> String {
+        match &self.items[index as usize].loc {
+            Location::File(p) => p.display().to_string(),
+            Location::Member { shard, offset, .. } => {
+                format!(
+                    "{} (member at byte {offset})",
+                    self.shards[*shard as usize].0.display()
+                )
+            }
+        }
+    }
+
+    /// The encoded bytes of item `index`.
+    pub fn read(&self, index: u64, buf: &mut Vec<u8>) -> std::io::Result<()> {
+        buf.clear();
+        match &self.items[index as usize].loc {
+            Location::File(p) => {
+                let mut f = File::open(p)?;
+                f.read_to_end(buf)?;
+            }
+            Location::Member { shard, offset, len } => {
+                buf.resize(*len as usize, 0);
+                self.shards[*shard as usize].1.read_exact_at(buf, *offset)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Lists `root/<class>/**/<file>` as torchvision's ImageFolder does:
+    /// classes are the sorted names of the folders directly under `root`
+    /// (label = position), files are found recursively (following links),
+    /// folder by folder in sorted order, each folder's files sorted.
+    pub fn image_folder(root: &Path) -> Result<Dataset, DatasetError> {
+        let unreadable = |path: &Path, source| DatasetError::Unreadable {
+            path: path.into(),
+            source,
+        };
+        let mut classes = Vec::new();
+        for entry in std::fs::read_dir(root).map_err(|e| unreadable(root, e))? {
+            let entry = entry.map_err(|e| unreadable(root, e))?;
+            // `metadata` follows links, as `os.scandir(...).is_dir()` does.
+            if std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir()) {
+                classes.push(entry.file_name());
+            }
+        }
+        classes.sort();
+        if classes.is_empty() {
+            return Err(DatasetError::NoClasses { path: root.into() });
+        }
+        let mut items = Vec::new();
+        for (label, class) in classes.iter().enumerate() {
+            let dir = root.join(class);
+            let mut folders = Vec::new();
+            walk(&dir, &mut folders).map_err(|(p, e)| unreadable(&p, e))?;
+            folders.sort_by(|a, b| a.0.as_os_str().cmp(b.0.as_os_str()));
+            let before = items.len();
+            for (_, files) in folders {
+                for f in files {
+                    items.push(Item {
+                        loc: Location::File(f),
+                        label: label as i64,
+                    });
+                }
+            }
+            if items.len() == before {
+                return Err(DatasetError::EmptyClass { path: dir });
+            }
+        }
+        Ok(Dataset {
+            format: "image_folder",
+            root: root.display().to_string(),
+            classes: classes
+                .iter()
+                .map(|c| c.to_string_lossy().into_owned())
+                .collect(),
+            items,
+            shards: Vec::new(),
+            shard_items: Vec::new(),
+        })
+    }
+
+    /// Indexes WebDataset-style tar shards: members grouped into samples by
+    /// their key (the path up to the first `.` of the file name), the image
+    /// under `.jpg`, `.jpeg` or `.png`, the label under `.cls` (a decimal
+    /// integer). Only tar headers and labels are read here; image bytes are
+    /// read later, by offset.
+    pub fn webdataset(pattern: &str, paths: &[PathBuf]) -> Result<Dataset, DatasetError> {
+        let mut items = Vec::new();
+        let mut shards = Vec::new();
+        let mut shard_items = Vec::new();
+        for path in paths {
+            let shard_err = |message: String| DatasetError::Shard {
+                path: path.clone(),
+                message,
+            };
+            let file = File::open(path).map_err(|e| DatasetError::Unreadable {
+                path: path.clone(),
+                source: e,
+            })?;
+            let shard = shards.len() as u32;
+            let before = items.len();
+            index_shard(&file, shard, &mut items).map_err(shard_err)?;
+            shard_items.push(before..items.len());
+            shards.push((path.clone(), file));
+        }
+        if items.is_empty() {
+            return Err(DatasetError::NoSamples {
+                what: format!("shard pattern `{pattern}`"),
+            });
+        }
+        Ok(Dataset {
+            format: "webdataset",
+            root: pattern.to_string(),
+            classes: Vec::new(),
+            items,
+            shards,
+            shard_items,
+        })
+    }
+}
+
+type Folder = (PathBuf, Vec<PathBuf>);
+
+/// Collects every folder under `dir` (itself included) with its sorted image
+/// files.
+fn walk(dir: &Path, out: &mut Vec<Folder>) -> Result<(), (PathBuf, std::io::Error)> {
+    let mut files = Vec::new();
+    let mut subdirs = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| (dir.to_path_buf(), e))? {
+        let entry = entry.map_err(|e| (dir.to_path_buf(), e))?;
+        let path = entry.path();
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue; // a dangling link
+        };
+        if meta.is_dir() {
+            subdirs.push(path);
+        } else if has_image_extension(&path) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    out.push((dir.to_path_buf(), files));
+    for d in subdirs {
+        walk(&d, out)?;
+    }
+    Ok(())
+}
+
+pub fn has_image_extension(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| IMG_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
+}
+
+/// Expands one `{000000..000099}` range in a shard pattern, keeping the
+/// width of zero-padded numbers. A pattern without braces names one file.
+pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, DatasetError> {
+    let bad = |message: &str| DatasetError::Pattern {
+        pattern: pattern.into(),
+        message: message.into(),
+    };
+    let Some(open) = pattern.find('{') else {
+        return Ok(vec![PathBuf::from(pattern)]);
+    };
+    let close = pattern[open..]
+        .find('}')
+        .map(|c| open + c)
+        .ok_or_else(|| bad("`{` without `}`"))?;
+    let inner = &pattern[open + 1..close];
+    let (a, b) = inner
+        .split_once("..")
+        .ok_or_else(|| bad("expected a range like {000000..000099}"))?;
+    let (lo, hi): (u64, u64) = match (a.parse(), b.parse()) {
+        (Ok(lo), Ok(hi)) if lo <= hi => (lo, hi),
+        _ => return Err(bad("the range must be two ascending decimal numbers")),
+    };
+    if hi - lo >= 1_000_000 {
+        return Err(bad("more than a million shards"));
+    }
+    let width = if a.starts_with('0') { a.len() } else { 0 };
+    let (head, tail) = (&pattern[..open], &pattern[close + 1..]);
+    if tail.contains('{') {
+        return Err(bad("only one {a..b} range is supported"));
+    }
+    Ok((lo..=hi)
+        .map(|n| PathBuf::from(format!("{head}{n:0width$}{tail}")))
+        .collect())
+}
+
+/// The sample key and extension of a member path: `dir/abc.seg.jpg` →
+/// (`dir/abc`, `seg.jpg`), as WebDataset splits them.
+fn split_key(path: &str) -> (&str, &str) {
+    let name_start = path.rfind('/').map_or(0, |i| i + 1);
+    match path[name_start..].find('.') {
+        Some(dot) => (&path[..name_start + dot], &path[name_start + dot + 1..]),
+        None => (path, ""),
+    }
+}
+
+fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), String> {
+    let mut archive = tar::Archive::new(file);
+    struct Pending {
+        key: String,
+        image: Option<(u64, u64)>,
+        label: Option<i64>,
+    }
+    let mut cur: Option<Pending> = None;
+    let flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), String> {
+        let Some((offset, len)) = p.image else {
+            // Samples without an image (e.g. metadata only) are not samples.
+            return Ok(());
+        };
+        let label = p.label.ok_or_else(|| {
+            format!(
+                "sample `{}` has an image but no .cls label; add one or leave the sample out",
+                p.key
+            )
+        })?;
+        items.push(Item {
+            loc: Location::Member { shard, offset, len },
+            label,
+        });
+        Ok(())
+    };
+    let entries = archive
+        .entries_with_seek()
+        .map_err(|e| format!("not a readable tar file: {e}"))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| format!("corrupt tar header: {e}"))?;
+        if !entry.header().entry_type().is_file() {
+            continue;
+        }
+        let path = entry
+            .path()
+            .map_err(|e| format!("bad member name: {e}"))?
+            .to_string_lossy()
+            .into_owned();
+        let (key, ext) = split_key(&path);
+        if cur.as_ref().is_none_or(|c| c.key != key) {
+            if let Some(p) = cur.take() {
+                flush(p, items)?;
+            }
+            cur = Some(Pending {
+                key: key.to_string(),
+                image: None,
+                label: None,
+            });
+        }
+        let Some(p) = cur.as_mut() else {
+            continue;
+        };
+        match ext.to_ascii_lowercase().as_str() {
+            "jpg" | "jpeg" | "png" => {
+                p.image = Some((entry.raw_file_position(), entry.size()));
+            }
+            "cls" => {
+                if entry.size() > 64 {
+                    return Err(format!("{path}: a .cls label of {} bytes", entry.size()));
+                }
+                let mut text = String::new();
+                entry
+                    .read_to_string(&mut text)
+                    .map_err(|e| format!("{path}: unreadable label: {e}"))?;
+                p.label =
+                    Some(text.trim().parse().map_err(|_| {
+                        format!("{path}: label `{}` is not an integer", text.trim())
+                    })?);
+            }
+            _ => {}
+        }
+    }
+    if let Some(p) = cur.take() {
+        flush(p, items)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_patterns_expand_with_their_width() {
+        let v = expand_pattern("/d/shard-{000008..000011}.tar").unwrap();
+        assert_eq!(v.len(), 4);
+        assert_eq!(v[0], PathBuf::from("/d/shard-000008.tar"));
+        assert_eq!(v[3], PathBuf::from("/d/shard-000011.tar"));
+        assert_eq!(expand_pattern("/d/x.tar").unwrap().len(), 1);
+        for bad in ["/d/{1..", "/d/{3..1}.tar", "/d/{a..b}", "/d/{1..2}{1..2}"] {
+            assert!(expand_pattern(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn keys_split_at_the_first_dot_of_the_file_name() {
+        assert_eq!(split_key("a.b/x.seg.jpg"), ("a.b/x", "seg.jpg"));
+        assert_eq!(split_key("x.cls"), ("x", "cls"));
+        assert_eq!(split_key("noext"), ("noext", ""));
+    }
+}

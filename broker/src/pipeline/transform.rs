@@ -1,0 +1,442 @@
+//! torchvision's image transforms, with its parameter names and sampling
+//! procedures, writing the result straight into a slot.
+//!
+//! * `RandomResizedCrop(size, scale, ratio)`: ten tries of a random area and
+//!   log-uniform aspect ratio, then the central fallback, exactly as
+//!   `torchvision.transforms.RandomResizedCrop.get_params`.
+//! * `Resize(shorter side)` + `CenterCrop(size)` for evaluation.
+//! * `RandomHorizontalFlip(p)`, `ToTensor` + `Normalize(mean, std)`.
+//! * Antialiased bilinear resampling (Pillow's convolution, via
+//!   `fast_image_resize`).
+//!
+//! Randomness is drawn from a generator seeded by `(seed, epoch, index)`, so
+//! results do not depend on which thread handles a sample.
+
+use batchcast::DType;
+use batchcast::synthetic::{SplitMix64, mix64};
+use fast_image_resize::images::{Image, ImageRef};
+use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use serde::Deserialize;
+
+use super::decode::Rgb;
+
+/// Channel order of the output tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum Layout {
+    /// `[3, H, W]`, what `ToTensor` gives.
+    #[default]
+    #[serde(rename = "NCHW", alias = "nchw")]
+    Nchw,
+    /// `[H, W, 3]`.
+    #[serde(rename = "NHWC", alias = "nhwc")]
+    Nhwc,
+}
+
+/// The geometric part of a transform.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Geometry {
+    RandomResizedCrop {
+        /// Output height and width.
+        size: (u32, u32),
+        scale: (f64, f64),
+        ratio: (f64, f64),
+    },
+    /// Resize the shorter side to `resize`, then take the central `crop`.
+    ResizeCenterCrop { resize: u32, crop: (u32, u32) },
+}
+
+/// A crop box in source pixels: top, left, height, width.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CropBox {
+    pub top: f64,
+    pub left: f64,
+    pub height: f64,
+    pub width: f64,
+}
+
+/// The per-sample decisions of a transform.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Plan {
+    /// Region of the source image that becomes the output.
+    pub crop: CropBox,
+    /// For Resize + CenterCrop: the full image is first resized to this
+    /// (width, height), and `crop` is then in *resized* pixels.
+    pub resized: Option<(u32, u32)>,
+    pub flip: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Transform {
+    pub geometry: Geometry,
+    pub flip_p: f64,
+    pub dtype: DType,
+    pub layout: Layout,
+    /// `(mean, std)` per channel; `None` gives `ToTensor`'s `x / 255` for
+    /// float outputs and raw values for `u8`.
+    pub normalize: Option<([f64; 3], [f64; 3])>,
+    pub seed: u64,
+}
+
+/// Uniform in `[lo, hi)`.
+fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
+    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+    lo + (hi - lo) * u
+}
+
+/// Python's `round`: halves go to the even neighbour.
+pub fn round_half_even(x: f64) -> f64 {
+    x.round_ties_even()
+}
+
+impl Transform {
+    /// Output (height, width).
+    pub fn out_size(&self) -> (u32, u32) {
+        match self.geometry {
+            Geometry::RandomResizedCrop { size, .. } => size,
+            Geometry::ResizeCenterCrop { crop, .. } => crop,
+        }
+    }
+
+    /// The tensor shape of one sample.
+    pub fn shape(&self) -> Vec<u64> {
+        let (h, w) = self.out_size();
+        match self.layout {
+            Layout::Nchw => vec![3, h as u64, w as u64],
+            Layout::Nhwc => vec![h as u64, w as u64, 3],
+        }
+    }
+
+    pub fn rng(&self, epoch: u64, index: u64) -> SplitMix64 {
+        SplitMix64::new(mix64(
+            self.seed ^ mix64(epoch.wrapping_add(0x5EED)) ^ mix64(index.wrapping_mul(0x9E37_79B9)),
+        ))
+    }
+
+    /// Decides the crop and flip for an image of `width × height`.
+    pub fn plan(&self, width: u32, height: u32, rng: &mut SplitMix64) -> Plan {
+        let (crop, resized) = match self.geometry {
+            Geometry::RandomResizedCrop { scale, ratio, .. } => {
+                (rrc_params(width, height, scale, ratio, rng), None)
+            }
+            Geometry::ResizeCenterCrop { resize, crop } => {
+                let (rw, rh) = resize_shorter(width, height, resize);
+                let (ch, cw) = crop;
+                // torchvision's center_crop: int(round((h - ch) / 2)).
+                let top = round_half_even((rh as f64 - ch as f64) / 2.0);
+                let left = round_half_even((rw as f64 - cw as f64) / 2.0);
+                (
+                    CropBox {
+                        top,
+                        left,
+                        height: ch as f64,
+                        width: cw as f64,
+                    },
+                    Some((rw, rh)),
+                )
+            }
+        };
+        // RandomHorizontalFlip draws after the crop in a Compose.
+        let flip = self.flip_p > 0.0 && uniform(rng, 0.0, 1.0) < self.flip_p;
+        Plan {
+            crop,
+            resized,
+            flip,
+        }
+    }
+
+    /// The largest DCT downscale (1, 2, 4 or 8) that still leaves at least
+    /// the output's resolution in the region that becomes the output, so the
+    /// final resize only ever shrinks.
+    pub fn reduction(&self, plan: &Plan, width: u32, height: u32) -> u32 {
+        let (oh, ow) = self.out_size();
+        // Source pixels per output pixel along each axis.
+        let (sx, sy) = match plan.resized {
+            Some((rw, rh)) => (width as f64 / rw as f64, height as f64 / rh as f64),
+            None => (plan.crop.width / ow as f64, plan.crop.height / oh as f64),
+        };
+        let s = sx.min(sy);
+        [8u32, 4, 2]
+            .into_iter()
+            .find(|&d| s >= d as f64)
+            .unwrap_or(1)
+    }
+}
+
+/// torchvision's `Resize(size)` with an int: the shorter side becomes `size`,
+/// the longer `int(size * long / short)`. Returns (width, height).
+pub fn resize_shorter(width: u32, height: u32, size: u32) -> (u32, u32) {
+    let (short, long) = if width <= height {
+        (width, height)
+    } else {
+        (height, width)
+    };
+    let new_long = (size as f64 * long as f64 / short as f64) as u32;
+    if width <= height {
+        (size, new_long)
+    } else {
+        (new_long, size)
+    }
+}
+
+/// `RandomResizedCrop.get_params`.
+pub fn rrc_params(
+    width: u32,
+    height: u32,
+    scale: (f64, f64),
+    ratio: (f64, f64),
+    rng: &mut SplitMix64,
+) -> CropBox {
+    let area = width as f64 * height as f64;
+    let (lr0, lr1) = (ratio.0.ln(), ratio.1.ln());
+    for _ in 0..10 {
+        let target_area = area * uniform(rng, scale.0, scale.1);
+        let aspect = uniform(rng, lr0, lr1).exp();
+        let w = round_half_even((target_area * aspect).sqrt());
+        let h = round_half_even((target_area / aspect).sqrt());
+        if 0.0 < w && w <= width as f64 && 0.0 < h && h <= height as f64 {
+            let i = rng.below(height as u64 - h as u64 + 1) as f64;
+            let j = rng.below(width as u64 - w as u64 + 1) as f64;
+            return CropBox {
+                top: i,
+                left: j,
+                height: h,
+                width: w,
+            };
+        }
+    }
+    let in_ratio = width as f64 / height as f64;
+    let (w, h) = if in_ratio < ratio.0.min(ratio.1) {
+        let w = width as f64;
+        (w, round_half_even(w / ratio.0.min(ratio.1)))
+    } else if in_ratio > ratio.0.max(ratio.1) {
+        let h = height as f64;
+        (round_half_even(h * ratio.0.max(ratio.1)), h)
+    } else {
+        (width as f64, height as f64)
+    };
+    CropBox {
+        top: ((height as f64 - h) / 2.0).floor(),
+        left: ((width as f64 - w) / 2.0).floor(),
+        height: h,
+        width: w,
+    }
+}
+
+/// Per-thread buffers and the resizer.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    resizer: Resizer,
+    resized: Vec<u8>,
+    out: Vec<u8>,
+}
+
+/// What one input byte becomes in each channel, for every output dtype.
+#[derive(Debug, Clone)]
+pub struct Lut {
+    /// Indexed by `channel * 256 + value`; holds the output element's bytes.
+    bytes: Vec<[u8; 4]>,
+    size: usize,
+}
+
+impl Lut {
+    pub fn new(t: &Transform) -> Lut {
+        let size = t.dtype.size() as usize;
+        let mut bytes = vec![[0u8; 4]; 3 * 256];
+        for c in 0..3 {
+            for v in 0..256usize {
+                let x = match t.normalize {
+                    Some((mean, std)) => ((v as f64 / 255.0) - mean[c]) / std[c],
+                    None => v as f64 / 255.0,
+                };
+                let e = &mut bytes[c * 256 + v];
+                match t.dtype {
+                    DType::U8 => e[0] = v as u8,
+                    DType::F32 => e.copy_from_slice(&(x as f32).to_le_bytes()),
+                    DType::F16 => e[..2].copy_from_slice(&half::f16::from_f64(x).to_le_bytes()),
+                    DType::Bf16 => e[..2].copy_from_slice(&half::bf16::from_f64(x).to_le_bytes()),
+                    _ => unreachable!("validated in config"),
+                }
+            }
+        }
+        Lut { bytes, size }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("resize failed: {0}")]
+pub struct ResizeError(String);
+
+impl Transform {
+    /// Crops, resizes, flips and converts `img` per `plan` (made for the
+    /// image's full size; `denom` is the DCT reduction it was decoded at),
+    /// writing one sample's tensor into `out`.
+    pub fn apply(
+        &self,
+        img: &Rgb,
+        plan: &Plan,
+        denom: u32,
+        lut: &Lut,
+        scratch: &mut Scratch,
+        out: &mut [u8],
+    ) -> Result<(), ResizeError> {
+        let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
+        let (oh, ow) = self.out_size();
+        let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3)
+            .map_err(|e| err(&e))?;
+        let bilinear =
+            ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        scratch.resized.resize(oh as usize * ow as usize * 3, 0);
+        match plan.resized {
+            None => {
+                // The crop box was chosen on the full-size image; a decode
+                // reduced in the DCT domain maps pixel x to x / denom.
+                let f = 1.0 / denom as f64;
+                let c = plan.crop;
+                let opts = bilinear.crop(c.left * f, c.top * f, c.width * f, c.height * f);
+                let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
+                    .map_err(|e| err(&e))?;
+                scratch
+                    .resizer
+                    .resize(&src, &mut dst, &opts)
+                    .map_err(|e| err(&e))?;
+            }
+            Some((rw, rh)) => {
+                scratch.out.resize(rw as usize * rh as usize * 3, 0);
+                let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
+                    .map_err(|e| err(&e))?;
+                scratch
+                    .resizer
+                    .resize(&src, &mut full, &bilinear)
+                    .map_err(|e| err(&e))?;
+                let (top, left) = (plan.crop.top as i64, plan.crop.left as i64);
+                copy_crop(
+                    &scratch.out,
+                    rw,
+                    rh,
+                    top,
+                    left,
+                    oh,
+                    ow,
+                    &mut scratch.resized,
+                );
+            }
+        }
+        write_tensor(&scratch.resized, oh, ow, plan.flip, self.layout, lut, out);
+        Ok(())
+    }
+}
+
+/// Copies an `oh × ow` window at (`top`, `left`) of an RGB image, padding
+/// with zeros outside it (torchvision's CenterCrop pads a too-small image).
+#[allow(clippy::too_many_arguments)]
+fn copy_crop(src: &[u8], sw: u32, sh: u32, top: i64, left: i64, oh: u32, ow: u32, dst: &mut [u8]) {
+    dst.fill(0);
+    for y in 0..oh as i64 {
+        let sy = top + y;
+        if sy < 0 || sy >= sh as i64 {
+            continue;
+        }
+        let x0 = left.max(0);
+        let x1 = (left + ow as i64).min(sw as i64);
+        if x0 >= x1 {
+            continue;
+        }
+        let s = ((sy * sw as i64 + x0) * 3) as usize;
+        let d = ((y * ow as i64 + (x0 - left)) * 3) as usize;
+        let n = ((x1 - x0) * 3) as usize;
+        dst[d..d + n].copy_from_slice(&src[s..s + n]);
+    }
+}
+
+/// HWC u8 → the output tensor, flipping horizontally if asked.
+fn write_tensor(src: &[u8], h: u32, w: u32, flip: bool, layout: Layout, lut: &Lut, out: &mut [u8]) {
+    let (h, w) = (h as usize, w as usize);
+    let sz = lut.size;
+    for y in 0..h {
+        let row = &src[y * w * 3..(y + 1) * w * 3];
+        for x in 0..w {
+            let sx = if flip { w - 1 - x } else { x };
+            let p = &row[sx * 3..sx * 3 + 3];
+            for (c, &v) in p.iter().enumerate() {
+                let e = (match layout {
+                    Layout::Nchw => c * h * w + y * w + x,
+                    Layout::Nhwc => (y * w + x) * 3 + c,
+                }) * sz;
+                out[e..e + sz].copy_from_slice(&lut.bytes[c * 256 + v as usize][..sz]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_rounding() {
+        assert_eq!(round_half_even(0.5), 0.0);
+        assert_eq!(round_half_even(1.5), 2.0);
+        assert_eq!(round_half_even(2.5), 2.0);
+        assert_eq!(round_half_even(2.6), 3.0);
+        assert_eq!(round_half_even(16.0), 16.0);
+    }
+
+    #[test]
+    fn resize_keeps_the_aspect_like_torchvision() {
+        assert_eq!(resize_shorter(500, 375, 256), (341, 256));
+        assert_eq!(resize_shorter(375, 500, 256), (256, 341));
+        assert_eq!(resize_shorter(300, 300, 256), (256, 256));
+    }
+
+    #[test]
+    fn random_crops_stay_inside_and_within_bounds() {
+        let mut rng = SplitMix64::new(1);
+        let (scale, ratio) = ((0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0));
+        let mut fallbacks = 0;
+        for k in 0..20_000u32 {
+            let (w, h) = (1 + k % 997, 1 + (k * 7) % 613);
+            let c = rrc_params(w, h, scale, ratio, &mut rng);
+            assert!(c.top >= 0.0 && c.left >= 0.0 && c.width >= 1.0 && c.height >= 1.0);
+            assert!(
+                c.top + c.height <= h as f64 && c.left + c.width <= w as f64,
+                "{c:?} in {w}x{h}"
+            );
+            let area = c.width * c.height / (w as f64 * h as f64);
+            let r = c.width / c.height;
+            // Rounding to whole pixels moves small crops off the exact bounds.
+            let slack = 2.0 / (c.width.min(c.height));
+            if !(area >= scale.0 * (1.0 - slack) - 1e-9
+                && area <= 1.0 + 1e-9
+                && r >= ratio.0 * (1.0 - slack)
+                && r <= ratio.1 * (1.0 + slack))
+            {
+                fallbacks += 1;
+            }
+        }
+        // Only the central fallback (extreme aspect ratios) may leave the
+        // ratio bounds, and it keeps the image's own ratio.
+        assert!(fallbacks < 2_000, "{fallbacks}");
+    }
+
+    #[test]
+    fn reduction_never_goes_below_the_output_size() {
+        let t = Transform {
+            geometry: Geometry::RandomResizedCrop {
+                size: (224, 224),
+                scale: (0.08, 1.0),
+                ratio: (0.75, 4.0 / 3.0),
+            },
+            flip_p: 0.5,
+            dtype: DType::F32,
+            layout: Layout::Nchw,
+            normalize: None,
+            seed: 0,
+        };
+        let mut rng = SplitMix64::new(3);
+        for _ in 0..1000 {
+            let p = t.plan(4000, 3000, &mut rng);
+            let d = t.reduction(&p, 4000, 3000) as f64;
+            assert!(p.crop.width / d >= 224.0 && p.crop.height / d >= 224.0);
+        }
+    }
+}
