@@ -1,0 +1,272 @@
+"""Test-image generation and Pillow + numpy reference checks for the image
+pipeline's end-to-end tests (tests/images.rs) and its benchmark.
+
+Subcommands:
+  make-folder ROOT [--bad] [--large] [--count N]
+      An ImageFolder of generated images in every mode the pipeline must
+      read (baseline/progressive/grayscale/CMYK JPEG; 8/16-bit, palette,
+      alpha PNG; odd, tiny and large sizes). --bad adds corrupt, truncated,
+      empty, non-image and unsupported files.
+  make-asymmetric ROOT N
+      N images dark on the left, bright on the right (for flip statistics).
+  make-shards ROOT OUT PER_SHARD
+      WebDataset tar shards (key.jpg/png + key.cls) of an ImageFolder.
+  check-eval DUMP ROOT --resize R --crop C [--mean ... --std ...] --dtype D
+      Compares dumped batches of a Resize + CenterCrop stream with Pillow +
+      numpy (torchvision's procedure); prints a JSON report.
+  check-labels DUMP ROOT
+      Checks every dumped (index, label) pair against ImageFolder's listing.
+"""
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+
+import numpy as np
+from PIL import Image
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def photo(w, h, seed):
+    """Smooth shapes, gradients and mild noise: photo-like enough that
+    resampling differences show up, cheap to make."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.zeros((h, w, 3), np.float32)
+    for c in range(3):
+        fx, fy = rng.uniform(0.5, 6, 2) / max(w, h)
+        ph = rng.uniform(0, 6.28)
+        img[..., c] = 128 + 80 * np.sin(2 * np.pi * (fx * x + fy * y) + ph)
+    for _ in range(4):
+        cx, cy, r = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(0.05, 0.3) * max(w, h)
+        col = rng.uniform(0, 255, 3)
+        mask = ((x - cx) ** 2 + (y - cy) ** 2) < r * r
+        img[mask] = 0.5 * img[mask] + 0.5 * col
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def save(img, path, **kw):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    img.save(path, **kw)
+
+
+def make_folder(root, bad=False, large=False, count=3):
+    """Three classes, each with every mode; returns nothing, prints the count."""
+    n = 0
+    for ci, cls in enumerate(["cat", "dog", "zebra"]):
+        d = os.path.join(root, cls)
+        for k in range(count):
+            s = ci * 1000 + k * 10
+            w, h = [(320, 240), (241, 379), (500, 333)][k % 3]
+            rgb = Image.fromarray(photo(w, h, s))
+            save(rgb, f"{d}/base_{k}.jpg", quality=90)
+            save(rgb, f"{d}/prog_{k}.JPEG", quality=85, progressive=True)
+            save(rgb.convert("L"), f"{d}/gray_{k}.jpg", quality=90)
+            save(rgb.convert("CMYK"), f"{d}/cmyk_{k}.jpg", quality=92)
+            save(rgb, f"{d}/rgb8_{k}.png")
+            a16 = (photo(w, h, s + 1).astype(np.uint16) * 257)
+            write_png16_rgb(a16, f"{d}/rgb16_{k}.png")
+            g16 = (photo(w, h, s + 2)[..., 0].astype(np.uint16) * 2)  # small values: PIL clamps
+            save(Image.fromarray(g16), f"{d}/gray16_{k}.png")
+            save(rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=64), f"{d}/pal_{k}.png")
+            pt = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+            save(pt, f"{d}/paltrns_{k}.png", transparency=3)
+            rgba = rgb.copy()
+            rgba.putalpha(Image.fromarray(photo(w, h, s + 3)[..., 1]))
+            save(rgba, f"{d}/rgba_{k}.png")
+            save(rgb.convert("LA"), f"{d}/la_{k}.png")
+            n += 11
+        # odd and tiny sizes
+        save(Image.fromarray(photo(3, 5, ci + 7)), f"{d}/sub/tiny.jpg", quality=95)
+        save(Image.fromarray(photo(1, 1, ci + 8)), f"{d}/sub/one.png")
+        save(Image.fromarray(photo(223, 17, ci + 9)), f"{d}/sub/thin.png")
+        n += 3
+        if large:
+            save(Image.fromarray(photo(2400, 1800, ci + 11)), f"{d}/large.jpg", quality=90)
+            n += 1
+    if bad:
+        d = os.path.join(root, "dog")
+        good = open(os.path.join(root, "cat", "base_0.jpg"), "rb").read()
+        open(f"{d}/zz_corrupt.jpg", "wb").write(good[:200] + bytes(range(256)) * 20 + good[-100:])
+        open(f"{d}/zz_truncated.jpg", "wb").write(good[: len(good) // 2])
+        open(f"{d}/zz_empty.png", "wb").write(b"")
+        open(f"{d}/zz_text.png", "wb").write(b"this is not an image\n" * 10)
+        save(Image.fromarray(photo(20, 20, 5)), f"{d}/zz_unsupported.bmp")
+        n += 5
+    print(n)
+
+
+def write_png16_rgb(a16, path):
+    """A true 16-bit RGB PNG (Pillow cannot write one), via zlib."""
+    import struct
+    import zlib
+
+    h, w, _ = a16.shape
+    raw = b"".join(b"\x00" + a16[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(t, data):
+        c = struct.pack(">I", len(data)) + t + data
+        return c + struct.pack(">I", zlib.crc32(t + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "wb").write(png)
+
+
+def make_asymmetric(root, n):
+    for i in range(n):
+        a = np.zeros((40, 60, 3), np.uint8)
+        a[:, 30:] = 250
+        a[:, :30] = 10
+        save(Image.fromarray(a), os.path.join(root, "only", f"{i:05d}.png"))
+
+
+def image_folder(root):
+    """torchvision.datasets.ImageFolder's (path, label) list."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    samples = []
+    for label, cls in enumerate(classes):
+        for r, _, fnames in sorted(os.walk(os.path.join(root, cls), followlinks=True)):
+            for f in sorted(fnames):
+                if f.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((os.path.join(r, f), label))
+    return classes, samples
+
+
+def make_shards(root, out, per_shard):
+    _, samples = image_folder(root)
+    os.makedirs(out, exist_ok=True)
+    for s in range(0, len(samples), per_shard):
+        with tarfile.open(os.path.join(out, f"shard-{s // per_shard:06d}.tar"), "w") as tar:
+            for i, (path, label) in enumerate(samples[s : s + per_shard]):
+                key = f"s{s + i:07d}"
+                ext = os.path.splitext(path)[1].lower().lstrip(".")
+                tar.add(path, arcname=f"{key}.{ext}")
+                data = str(label).encode()
+                info = tarfile.TarInfo(f"{key}.cls")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    print(len(samples))
+
+
+def load_dump(dump):
+    """{(epoch, batch): {field: bytes}}"""
+    out = {}
+    for f in os.listdir(dump):
+        stem = f[:-4]
+        e, b, field = stem.split("-", 2)
+        out.setdefault((int(e[1:]), int(b[1:])), {})[field] = open(os.path.join(dump, f), "rb").read()
+    return out
+
+
+def reference_eval(path, resize, crop):
+    """torchvision Resize(resize) + CenterCrop(crop) on a PIL image, HWC u8."""
+    img = Image.open(path).convert("RGB")
+    w, h = img.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(resize * long / short)
+    nw, nh = (resize, new_long) if w <= h else (new_long, resize)
+    img = img.resize((nw, nh), Image.BILINEAR)
+    top = int(round((nh - crop) / 2.0))
+    left = int(round((nw - crop) / 2.0))
+    return np.asarray(img.crop((left, top, left + crop, top + crop)))
+
+
+def check_eval(a):
+    _, samples = image_folder(a.root)
+    dump = load_dump(a.dump)
+    dt = {"u8": np.uint8, "f32": np.float32, "f16": np.float16}[a.dtype]
+    mean = np.array(a.mean, np.float64) if a.mean else None
+    std = np.array(a.std, np.float64) if a.std else None
+    per_channel = []
+    worst = (0.0, None)
+    checked = 0
+    for (_, _), fields in sorted(dump.items()):
+        idx = np.frombuffer(fields["index"], np.int64)
+        img = np.frombuffer(fields["image"], dt).reshape(len(idx), 3, a.crop, a.crop)
+        for j, i in enumerate(idx):
+            ref = reference_eval(samples[i][0], a.resize, a.crop).astype(np.float64)
+            ref = ref.transpose(2, 0, 1)
+            got = img[j].astype(np.float64)
+            if a.dtype != "u8":
+                # Undo ToTensor + Normalize to compare in 0..255 levels.
+                if mean is not None:
+                    got = got * std[:, None, None] + mean[:, None, None]
+                got = got * 255.0
+            err = np.abs(got - ref)
+            mae = err.reshape(3, -1).mean(axis=1)
+            per_channel.append(mae)
+            if mae.max() > worst[0]:
+                worst = (float(mae.max()), samples[i][0])
+            checked += 1
+    per_channel = np.array(per_channel)
+    print(json.dumps({
+        "checked": checked,
+        "mae_per_channel_mean": per_channel.mean(axis=0).tolist() if checked else None,
+        "mae_worst_image": worst[0],
+        "worst_image": worst[1],
+    }))
+
+
+def check_labels(a):
+    classes, samples = image_folder(a.root)
+    dump = load_dump(a.dump)
+    bad = []
+    n = 0
+    for (_, _), fields in sorted(dump.items()):
+        idx = np.frombuffer(fields["index"], np.int64)
+        lab = np.frombuffer(fields["label"], np.int64)
+        for i, l in zip(idx, lab):
+            n += 1
+            if samples[i][1] != l:
+                bad.append((int(i), int(l), samples[i]))
+    print(json.dumps({"classes": classes, "checked": n, "mismatches": bad[:10], "len": len(samples)}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make-folder")
+    m.add_argument("root")
+    m.add_argument("--bad", action="store_true")
+    m.add_argument("--large", action="store_true")
+    m.add_argument("--count", type=int, default=3)
+    m = sub.add_parser("make-asymmetric")
+    m.add_argument("root")
+    m.add_argument("n", type=int)
+    m = sub.add_parser("make-shards")
+    m.add_argument("root")
+    m.add_argument("out")
+    m.add_argument("per_shard", type=int)
+    m = sub.add_parser("check-eval")
+    m.add_argument("dump")
+    m.add_argument("root")
+    m.add_argument("--resize", type=int, required=True)
+    m.add_argument("--crop", type=int, required=True)
+    m.add_argument("--mean", type=float, nargs=3)
+    m.add_argument("--std", type=float, nargs=3)
+    m.add_argument("--dtype", default="u8")
+    m = sub.add_parser("check-labels")
+    m.add_argument("dump")
+    m.add_argument("root")
+    a = p.parse_args()
+    if a.cmd == "make-folder":
+        make_folder(a.root, a.bad, a.large, a.count)
+    elif a.cmd == "make-asymmetric":
+        make_asymmetric(a.root, a.n)
+    elif a.cmd == "make-shards":
+        make_shards(a.root, a.out, a.per_shard)
+    elif a.cmd == "check-eval":
+        check_eval(a)
+    elif a.cmd == "check-labels":
+        check_labels(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
