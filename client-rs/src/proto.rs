@@ -259,7 +259,7 @@ pub struct StreamStats {
 pub struct SourceStats {
     /// Images decoded and written into slots.
     pub decoded: u64,
-    /// Bad samples replaced (each bad file counts each time it is met).
+    /// Samples replaced because their file was bad (once per epoch each).
     pub skipped: u64,
     /// JPEGs decoded at reduced size.
     pub reduced: u64,

@@ -89,13 +89,13 @@ impl Decoder {
     pub fn header(&mut self, bytes: &[u8], max_pixels: u64) -> Result<Header, DecodeError> {
         let format = sniff(bytes)?;
         let (width, height) = match format {
-            Format::Jpeg => {
-                let h = self
-                    .tj
-                    .read_header(bytes)
-                    .map_err(|e| DecodeError::Jpeg(e.to_string()))?;
-                (h.width as u32, h.height as u32)
-            }
+            Format::Jpeg => match self.tj.read_header(bytes) {
+                Ok(h) => (h.width as u32, h.height as u32),
+                Err(e) => {
+                    self.reset()?;
+                    return Err(DecodeError::Jpeg(e.to_string()));
+                }
+            },
             Format::Png => {
                 let reader = png::Decoder::new(Cursor::new(bytes))
                     .read_info()
@@ -134,9 +134,22 @@ impl Decoder {
         out: &mut Rgb,
     ) -> Result<(), DecodeError> {
         match header.format {
-            Format::Jpeg => self.jpeg(bytes, denom, out),
+            Format::Jpeg => {
+                let r = self.jpeg(bytes, denom, out);
+                if r.is_err() {
+                    self.reset()?;
+                }
+                r
+            }
             Format::Png => png_rgb(bytes, out, &mut self.scratch),
         }
+    }
+
+    /// A TurboJPEG handle keeps its error state after a corrupt file and
+    /// fails every later image with the same message; start a fresh one.
+    fn reset(&mut self) -> Result<(), DecodeError> {
+        self.tj = Decompressor::new().map_err(|e| DecodeError::Jpeg(e.to_string()))?;
+        Ok(())
     }
 
     fn jpeg(&mut self, bytes: &[u8], denom: u32, out: &mut Rgb) -> Result<(), DecodeError> {
@@ -280,6 +293,33 @@ mod tests {
         // Inverted storage: stored 255 means no ink.
         cmyk_to_rgb(&[255, 255, 255, 255], &mut rgb, true);
         assert_eq!(rgb, [255, 255, 255]);
+    }
+
+    #[test]
+    fn a_corrupt_jpeg_does_not_poison_the_next_one() {
+        let mut c = turbojpeg::Compressor::new().unwrap();
+        let px = vec![128u8; 16 * 16 * 3];
+        let img = Image {
+            pixels: &px[..],
+            width: 16,
+            pitch: 48,
+            height: 16,
+            format: PixelFormat::RGB,
+        };
+        let good = c.compress_to_vec(img).unwrap();
+        // Garbage in the entropy-coded data, after the start of scan.
+        let mut bad = good.clone();
+        let sos = bad.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
+        let n = bad.len();
+        bad[sos + 14..n - 2].fill(0x1F);
+        let mut d = Decoder::new().unwrap();
+        let mut out = Rgb::default();
+        let h = d.header(&bad, u64::MAX).unwrap();
+        assert!(d.decode(&bad, &h, 1, &mut out).is_err());
+        let h = d.header(&good, u64::MAX).unwrap();
+        d.decode(&good, &h, 1, &mut out).unwrap();
+        assert_eq!((out.width, out.height), (16, 16));
+        assert!(out.data.iter().all(|&v| v.abs_diff(128) <= 1));
     }
 
     #[test]

@@ -173,6 +173,11 @@ impl ImagePipeline {
             match self.try_fill(w, epoch, index, candidate, out) {
                 Ok(()) => {
                     self.decoded.fetch_add(1, Ordering::Relaxed);
+                    if step > 0 {
+                        // Counted once per replaced position, however many
+                        // bad neighbours the replacement stepped over.
+                        self.skipped.fetch_add(1, Ordering::Relaxed);
+                    }
                     return Ok(Filled {
                         index: candidate,
                         label: self.dataset.items[candidate as usize].label,
@@ -182,7 +187,6 @@ impl ImagePipeline {
                     if self.on_error == OnError::Fail {
                         return Err(PipelineError::Failed(e));
                     }
-                    self.skipped.fetch_add(1, Ordering::Relaxed);
                     if self
                         .bad
                         .lock()

@@ -1,0 +1,557 @@
+//! End-to-end tests of the image pipeline: the real broker decoding real
+//! files (generated here with Pillow, in every mode it must read), real
+//! consumer processes, and Pillow + numpy as the reference.
+//!
+//! The Python side (Pillow, numpy) lives in `.venv`, which `scripts/test`
+//! creates; set `BATCHCAST_PYTHON` to use another interpreter.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use batchcast::proto::StatsReply;
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+
+const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
+const LIMIT: Duration = Duration::from_secs(180);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATCHCAST_PYTHON") {
+        return p.into();
+    }
+    let venv = repo().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "{} is missing: run `bash scripts/test` once (it creates .venv with Pillow and numpy), or set BATCHCAST_PYTHON",
+        venv.display()
+    );
+    venv
+}
+
+/// Runs `imgtool.py ARGS` and returns its stdout.
+fn imgtool(args: &[&str]) -> String {
+    let out = Command::new(python())
+        .arg(repo().join("tests/images/imgtool.py"))
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "imgtool {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+struct Env {
+    dir: tempfile::TempDir,
+    broker: Option<BrokerProcess>,
+}
+
+impl Env {
+    fn new() -> Env {
+        Env {
+            dir: tempfile::tempdir().unwrap(),
+            broker: None,
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn p(&self, p: &str) -> String {
+        self.path(p).display().to_string()
+    }
+
+    fn start(&mut self, config: &str) {
+        let path = self.path("broker.toml");
+        std::fs::write(&path, config).unwrap();
+        let b = BrokerProcess::spawn(
+            Path::new(EXE),
+            &path,
+            &self.path("b.sock"),
+            Some(&self.path("broker.log")),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        self.broker = Some(b);
+    }
+
+    fn consume(&self, args: &[&str]) -> ConsumerReport {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let child = harness::spawn_consumer(Path::new(EXE), &self.path("b.sock"), &args).unwrap();
+        harness::wait_report(child, LIMIT).unwrap()
+    }
+
+    fn stats(&self) -> StatsReply {
+        self.broker.as_ref().unwrap().stats().unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.path("broker.log")).unwrap_or_default()
+    }
+
+    /// `batchcast serve` that must fail: its exit status and stderr.
+    fn serve_fails(&self, config: &str) -> String {
+        let path = self.path("bad.toml");
+        std::fs::write(&path, config).unwrap();
+        let out = Command::new(EXE)
+            .args(["serve", "--config"])
+            .arg(&path)
+            .arg("--socket")
+            .arg(self.path("bad.sock"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "serve should have refused {config}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+}
+
+/// One `[[stream]]` of batches of 8; one epoch unless `extra` says otherwise.
+fn stream(name: &str, source: &str, transform: &str, extra: &str) -> String {
+    let epochs = if extra.contains("epochs") {
+        ""
+    } else {
+        "epochs = 1"
+    };
+    format!(
+        "[[stream]]\nname = \"{name}\"\nbatch_size = 8\nslots = 4\n{epochs}\n{extra}\n\n{source}\n\n[stream.transform]\n{transform}\n"
+    )
+}
+
+fn folder(root: &str) -> String {
+    format!("[stream.image_folder]\nroot = \"{root}\"")
+}
+
+/// Reads the `index` (and optionally another i64) field of every dumped batch.
+fn dumped_i64(dir: &Path, field: &str) -> Vec<i64> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(&format!("-{field}.bin")))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .flat_map(|f| {
+            std::fs::read(f)
+                .unwrap()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+const NORM: &str = "normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }";
+
+#[test]
+fn eval_transforms_match_pillow_and_labels_follow_class_order() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--large"])
+        .trim()
+        .parse()
+        .unwrap();
+    let root = env.p("ds");
+    let eval = "resize = 256\ncenter_crop = 224\n";
+    let cfg = format!(
+        "{}\n{}",
+        stream(
+            "u8",
+            &folder(&root),
+            &format!("{eval}dtype = \"u8\""),
+            "shuffle = false\ndrop_last = false"
+        ),
+        stream(
+            "f32",
+            &folder(&root),
+            &format!("{eval}dtype = \"f32\"\n{NORM}"),
+            "shuffle = true\ndrop_last = false"
+        ),
+    );
+    env.start(&cfg);
+    for (s, dtype) in [("u8", "u8"), ("f32", "f32")] {
+        let dump = env.p(&format!("dump-{s}"));
+        let r = env.consume(&["--stream", s, "--dump", &dump]);
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(
+            r.epochs[0].distinct_indices,
+            Some(n),
+            "every sample exactly once"
+        );
+        let mut args = vec![
+            "check-eval",
+            &dump,
+            &root,
+            "--resize",
+            "256",
+            "--crop",
+            "224",
+            "--dtype",
+            dtype,
+        ];
+        if s == "f32" {
+            args.extend([
+                "--mean", "0.485", "0.456", "0.406", "--std", "0.229", "0.224", "0.225",
+            ]);
+        }
+        let rep = json(&imgtool(&args));
+        assert_eq!(rep["checked"], n);
+        // Mean absolute error in 0..255 levels: ≤ 2 per channel on average
+        // (the bound), and no single image worse than 2 either.
+        for c in rep["mae_per_channel_mean"].as_array().unwrap() {
+            assert!(c.as_f64().unwrap() <= 2.0, "{s}: {rep}");
+        }
+        assert!(
+            rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
+            "{s}: {rep}"
+        );
+        let labels = json(&imgtool(&["check-labels", &dump, &root]));
+        assert_eq!(labels["checked"], n);
+        assert_eq!(
+            labels["mismatches"].as_array().unwrap().len(),
+            0,
+            "{labels}"
+        );
+        assert_eq!(
+            labels["classes"],
+            serde_json::json!(["cat", "dog", "zebra"])
+        );
+    }
+    // The class list reaches clients in the schema.
+    let st = env.stats();
+    let src = st.streams[0].source.clone().unwrap();
+    assert_eq!(src.decoded, n);
+    assert_eq!(src.skipped, 0);
+    assert!(
+        src.reduced >= 3,
+        "the large JPEGs decode at reduced size: {src:?}"
+    );
+}
+
+#[test]
+fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
+        .trim()
+        .parse()
+        .unwrap();
+    let root = env.p("ds");
+    let t = format!(
+        "random_resized_crop = {{ size = 96 }}\nhorizontal_flip = 0.5\ndtype = \"bf16\"\n{NORM}"
+    );
+    let extra = |w: u32| format!("seed = 5\nworkers = {w}\nepochs = 2\ndrop_last = false");
+    let cfg = format!(
+        "{}\n{}",
+        stream("one", &folder(&root), &t, &extra(1)),
+        stream("four", &folder(&root), &t, &extra(4)),
+    );
+    env.start(&cfg);
+    let a = env.consume(&["--stream", "one", "--digest"]);
+    let b = env.consume(&["--stream", "four", "--digest"]);
+    for r in [&a, &b] {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.epochs.len(), 2);
+        for e in &r.epochs {
+            assert_eq!(e.distinct_indices, Some(n));
+        }
+    }
+    let digests = |r: &ConsumerReport| {
+        r.epochs
+            .iter()
+            .map(|e| e.digest.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        digests(&a),
+        digests(&b),
+        "same seed, same bytes on 1 and 4 threads"
+    );
+    assert_ne!(digests(&a)[0], digests(&a)[1], "each epoch draws new crops");
+}
+
+#[test]
+fn horizontal_flip_happens_with_its_probability() {
+    let mut env = Env::new();
+    let n = 400;
+    imgtool(&["make-asymmetric", &env.p("ds"), &n.to_string()]);
+    // The whole 60×40 image (ratio 1.5) at its own size: only the flip varies.
+    let t = "random_resized_crop = { size = [40, 60], scale = [1.0, 1.0], ratio = [1.5, 1.5] }\nhorizontal_flip = 0.5\ndtype = \"u8\"\nlayout = \"NHWC\"";
+    env.start(&stream("t", &folder(&env.p("ds")), t, "drop_last = false"));
+    let dump = env.path("dump");
+    let r = env.consume(&["--stream", "t", "--dump", &dump.display().to_string()]);
+    assert!(r.ok, "{r:#?}");
+    let mut flipped = 0;
+    let mut seen = 0;
+    for f in std::fs::read_dir(&dump).unwrap() {
+        let f = f.unwrap().path();
+        if !f.to_string_lossy().ends_with("-image.bin") {
+            continue;
+        }
+        for img in std::fs::read(&f).unwrap().chunks_exact(40 * 60 * 3) {
+            seen += 1;
+            // Pixel (row 20, col 5): dark unless flipped.
+            let v = img[(20 * 60 + 5) * 3];
+            assert!(v < 30 || v > 230, "a clean flip or none, got {v}");
+            flipped += (v > 230) as u32;
+        }
+    }
+    assert_eq!(seen, n);
+    // Binomial(400, 0.5): mean 200, sd 10; allow 4.5 sd.
+    assert!((155..=245).contains(&flipped), "{flipped} of {n} flipped");
+}
+
+#[test]
+fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&[
+        "make-folder",
+        &env.p("ds"),
+        "--count",
+        "1",
+        "--bad",
+        "--large",
+    ])
+    .trim()
+    .parse()
+    .unwrap();
+    let root = env.p("ds");
+    let t = "resize = 64\ncenter_crop = 64\ndtype = \"u8\"";
+    // 5 broken files + 3 images over the pixel limit (2400×1800).
+    let bad = 8;
+    let cfg = format!(
+        "{}\n{}",
+        stream(
+            "skip",
+            &folder(&root),
+            t,
+            "epochs = 2\nmax_pixels = 1000000\ndrop_last = false"
+        ),
+        stream(
+            "fail",
+            &folder(&root),
+            t,
+            "on_error = \"fail\"\nshuffle = false"
+        ),
+    );
+    env.start(&cfg);
+    let r = env.consume(&["--stream", "skip", "--digest"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    for e in &r.epochs {
+        assert_eq!(e.samples, n, "no torn or short batches");
+        assert_eq!(
+            e.distinct_indices,
+            Some(n - bad),
+            "bad samples replaced by good ones"
+        );
+    }
+    let st = env.stats();
+    let src = st
+        .streams
+        .iter()
+        .find(|s| s.name == "skip")
+        .unwrap()
+        .source
+        .clone()
+        .unwrap();
+    assert_eq!(
+        src.skipped,
+        2 * bad,
+        "each bad file counts each epoch: {src:?}"
+    );
+    let log = env.log();
+    for name in [
+        "zz_corrupt.jpg",
+        "zz_truncated.jpg",
+        "zz_empty.png",
+        "zz_text.png",
+        "zz_unsupported.bmp",
+        "large.jpg",
+    ] {
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(name) && l.contains("skipping"))
+            .count();
+        let expect = if name == "large.jpg" { 3 } else { 1 };
+        assert_eq!(lines, expect, "{name} logged once per file:\n{log}");
+    }
+    assert!(
+        log.contains("max_pixels"),
+        "the bomb check says which limit: {log}"
+    );
+
+    let r = env.consume(&["--stream", "fail"]);
+    assert!(!r.ok, "{r:#?}");
+    assert_eq!(r.error_code.as_deref(), Some("SourceFailed"), "{r:#?}");
+    let msg = r.error.unwrap();
+    assert!(
+        msg.contains("zz_") && msg.contains("dog"),
+        "names the file: {msg}"
+    );
+    let st = env.stats();
+    let failed = st
+        .streams
+        .iter()
+        .find(|s| s.name == "fail")
+        .unwrap()
+        .source
+        .clone()
+        .unwrap()
+        .failed;
+    assert!(failed.is_some_and(|f| f.contains("zz_")));
+    // The other stream is unaffected.
+    assert!(
+        st.streams
+            .iter()
+            .find(|s| s.name == "skip")
+            .unwrap()
+            .source
+            .as_ref()
+            .unwrap()
+            .failed
+            .is_none()
+    );
+}
+
+#[test]
+fn unusable_datasets_are_refused_naming_the_path() {
+    let env = Env::new();
+    let t = "resize = 64\ncenter_crop = 64";
+    let missing = env.p("nope");
+    let err = env.serve_fails(&stream("s", &folder(&missing), t, ""));
+    assert!(
+        err.contains(&missing) && err.contains("cannot read"),
+        "{err}"
+    );
+
+    std::fs::create_dir_all(env.path("flat")).unwrap();
+    std::fs::write(env.path("flat/a.jpg"), b"x").unwrap();
+    let err = env.serve_fails(&stream("s", &folder(&env.p("flat")), t, ""));
+    assert!(err.contains("no class folders"), "{err}");
+
+    std::fs::create_dir_all(env.path("emptycls/a")).unwrap();
+    std::fs::create_dir_all(env.path("emptycls/b")).unwrap();
+    std::fs::write(env.path("emptycls/a/x.png"), b"x").unwrap();
+    std::fs::write(env.path("emptycls/b/readme.txt"), b"x").unwrap();
+    let err = env.serve_fails(&stream("s", &folder(&env.p("emptycls")), t, ""));
+    assert!(
+        err.contains(&env.p("emptycls/b")) && err.contains("holds no images"),
+        "{err}"
+    );
+
+    let err = env.serve_fails(&stream("s", &folder(&env.p("emptycls")), "random_resized_crop = { size = 8 }\ndtype = \"u8\"\nnormalize = { mean = [0,0,0], std = [1,1,1] }", ""));
+    assert!(err.contains("normalize needs a float dtype"), "{err}");
+}
+
+#[test]
+fn tar_shards_cache_and_multi_host_split() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
+        .trim()
+        .parse()
+        .unwrap();
+    imgtool(&["make-shards", &env.p("ds"), &env.p("shards"), "10"]);
+    let shards = format!(
+        "[stream.webdataset]\nshards = \"{}/shard-{{000000..{:06}}}.tar\"\nshuffle_buffer = 16",
+        env.p("shards"),
+        (n - 1) / 10
+    );
+    let t = "resize = 32\ncenter_crop = 32\ndtype = \"u8\"";
+    let half = n.div_ceil(2);
+    let cfg = [
+        stream(
+            "wds",
+            &shards,
+            t,
+            "epochs = 2\ndrop_last = false\ncache_mib = 64",
+        ),
+        stream(
+            "tiny_cache",
+            &folder(&env.p("ds")),
+            t,
+            "epochs = 2\ndrop_last = false\ncache_mib = 1",
+        ),
+        stream(
+            "rank0",
+            &folder(&env.p("ds")),
+            t,
+            "rank = 0\nworld_size = 2\ndrop_last = false",
+        ),
+        stream(
+            "rank1",
+            &folder(&env.p("ds")),
+            t,
+            "rank = 1\nworld_size = 2\ndrop_last = false",
+        ),
+    ]
+    .join("\n");
+    env.start(&cfg);
+
+    let dump = env.p("dump-wds");
+    let r = env.consume(&["--stream", "wds", "--dump", &dump]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    for e in &r.epochs {
+        assert_eq!(e.distinct_indices, Some(n), "every sample once per epoch");
+    }
+    // Shards were written in ImageFolder order, so labels must match it.
+    let labels = json(&imgtool(&["check-labels", &dump, &env.p("ds")]));
+    assert_eq!(labels["checked"], 2 * n);
+    assert_eq!(
+        labels["mismatches"].as_array().unwrap().len(),
+        0,
+        "{labels}"
+    );
+
+    let r = env.consume(&["--stream", "tiny_cache"]);
+    assert!(r.ok, "{r:#?}");
+    let st = env.stats();
+    let by = |name: &str| {
+        st.streams
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap()
+            .source
+            .clone()
+            .unwrap()
+    };
+    let wds = by("wds");
+    assert_eq!(
+        (wds.cache_misses, wds.cache_hits),
+        (n, n),
+        "epoch 2 reads nothing from disk: {wds:?}"
+    );
+    let tiny = by("tiny_cache");
+    assert!(
+        tiny.cache_bytes <= 1 << 20 && tiny.cache_items < n && tiny.cache_items > 0,
+        "{tiny:?}"
+    );
+    assert_eq!(
+        tiny.cache_hits, tiny.cache_items,
+        "MinIO: what got in stays in; {tiny:?}"
+    );
+
+    let mut all = HashSet::new();
+    for rank in ["rank0", "rank1"] {
+        let dump = env.path(&format!("dump-{rank}"));
+        let r = env.consume(&["--stream", rank, "--dump", &dump.display().to_string()]);
+        assert!(r.ok, "{r:#?}");
+        let idx = dumped_i64(&dump, "index");
+        assert_eq!(
+            idx.len() as u64,
+            half,
+            "DistributedSampler gives each rank ceil(n / 2)"
+        );
+        all.extend(idx);
+    }
+    assert_eq!(all.len() as u64, n, "the ranks together cover the dataset");
+}
