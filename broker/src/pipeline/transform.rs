@@ -350,19 +350,53 @@ fn copy_crop(src: &[u8], sw: u32, sh: u32, top: i64, left: i64, oh: u32, ow: u32
 
 /// HWC u8 → the output tensor, flipping horizontally if asked.
 fn write_tensor(src: &[u8], h: u32, w: u32, flip: bool, layout: Layout, lut: &Lut, out: &mut [u8]) {
+    match lut.size {
+        1 => write_tensor_n::<1>(src, h, w, flip, layout, lut, out),
+        2 => write_tensor_n::<2>(src, h, w, flip, layout, lut, out),
+        4 => write_tensor_n::<4>(src, h, w, flip, layout, lut, out),
+        n => unreachable!("no image dtype of {n} bytes"),
+    }
+}
+
+/// One table lookup and one fixed-size store per element (`N` is the
+/// element size, known at compile time so the store is a single move).
+fn write_tensor_n<const N: usize>(
+    src: &[u8],
+    h: u32,
+    w: u32,
+    flip: bool,
+    layout: Layout,
+    lut: &Lut,
+    out: &mut [u8],
+) {
     let (h, w) = (h as usize, w as usize);
-    let sz = lut.size;
-    for y in 0..h {
-        let row = &src[y * w * 3..(y + 1) * w * 3];
-        for x in 0..w {
-            let sx = if flip { w - 1 - x } else { x };
-            let p = &row[sx * 3..sx * 3 + 3];
-            for (c, &v) in p.iter().enumerate() {
-                let e = (match layout {
-                    Layout::Nchw => c * h * w + y * w + x,
-                    Layout::Nhwc => (y * w + x) * 3 + c,
-                }) * sz;
-                out[e..e + sz].copy_from_slice(&lut.bytes[c * 256 + v as usize][..sz]);
+    let table: Vec<[u8; N]> = lut
+        .bytes
+        .iter()
+        .map(|e| e[..N].try_into().expect("N <= 4"))
+        .collect();
+    let rows = src.chunks_exact(w * 3).take(h);
+    match layout {
+        Layout::Nchw => {
+            let plane = h * w * N;
+            for (c, out_plane) in out.chunks_exact_mut(plane).take(3).enumerate() {
+                let t = &table[c * 256..(c + 1) * 256];
+                for (row, out_row) in rows.clone().zip(out_plane.chunks_exact_mut(w * N)) {
+                    for (x, e) in out_row.chunks_exact_mut(N).enumerate() {
+                        let sx = if flip { w - 1 - x } else { x };
+                        e.copy_from_slice(&t[row[sx * 3 + c] as usize]);
+                    }
+                }
+            }
+        }
+        Layout::Nhwc => {
+            for (row, out_row) in rows.zip(out.chunks_exact_mut(w * 3 * N)) {
+                for (x, px) in out_row.chunks_exact_mut(3 * N).enumerate() {
+                    let sx = if flip { w - 1 - x } else { x };
+                    for (c, e) in px.chunks_exact_mut(N).enumerate() {
+                        e.copy_from_slice(&table[c * 256 + row[sx * 3 + c] as usize]);
+                    }
+                }
             }
         }
     }

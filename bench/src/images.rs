@@ -1,0 +1,269 @@
+//! Image pipeline benchmark: the native pipeline against the Pillow + numpy
+//! pipeline a torchvision user runs, on an ImageFolder of real photographs,
+//! and the broker's CPU per epoch as consumers are added.
+//!
+//! Bound: every image must be read and entropy-decoded once per epoch; the
+//! rest (IDCT, colour conversion, resampling, normalising) scales with the
+//! pixels touched. The native pipeline avoids work Pillow does: it decodes
+//! JPEGs at 1/2, 1/4 or 1/8 size in the DCT domain when the crop is that
+//! much larger than the output, resamples with SIMD, and normalises through
+//! a per-channel lookup table straight into the slot (no float temporaries).
+//! Expected: several times Pillow's images per CPU-second on photos larger
+//! than the output, less on small ones where decoding dominates both. With
+//! the broker, CPU per epoch is the decode work once, whatever the number of
+//! consumers.
+//!
+//! Run: `bench/images.sh PATH` (see README "Image pipeline benchmark").
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use batchcast::DType;
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::pipeline::dataset::Dataset;
+use batchcast_broker::pipeline::transform::{Geometry, Layout, Transform};
+use batchcast_broker::pipeline::{ImagePipeline, OnError, Worker};
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// An ImageFolder (root/<class>/<image>) of photographs
+    dataset: PathBuf,
+    /// Passes over the dataset per measurement
+    #[arg(long, default_value_t = 3)]
+    passes: usize,
+    /// Python with Pillow and numpy [default: .venv/bin/python]
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// The batchcast binary [default: next to this one]
+    #[arg(long)]
+    exe: Option<PathBuf>,
+    /// Consumer counts for the broker rows
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4])]
+    consumers: Vec<usize>,
+}
+
+fn process_cpu() -> f64 {
+    harness::cpu_seconds(std::process::id()).unwrap_or(0.0)
+}
+
+const MEAN: [f64; 3] = [0.485, 0.456, 0.406];
+const STD: [f64; 3] = [0.229, 0.224, 0.225];
+
+fn transform() -> Transform {
+    Transform {
+        geometry: Geometry::RandomResizedCrop {
+            size: (224, 224),
+            scale: (0.08, 1.0),
+            ratio: (3.0 / 4.0, 4.0 / 3.0),
+        },
+        flip_p: 0.5,
+        dtype: DType::F32,
+        layout: Layout::Nchw,
+        normalize: Some((MEAN, STD)),
+        seed: 0,
+    }
+}
+
+struct Row {
+    what: String,
+    threads: usize,
+    images: usize,
+    wall: f64,
+    cpu: f64,
+}
+
+/// The native pipeline in this process: `threads` threads share the work.
+fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::Result<Row> {
+    let ds = Dataset::image_folder(root)?;
+    let n = ds.len() as usize;
+    let p = Arc::new(ImagePipeline::new(
+        ds,
+        transform(),
+        OnError::Skip,
+        u64::MAX,
+        reduced,
+        0,
+    ));
+    let total = n * passes;
+    let next = Arc::new(AtomicUsize::new(0));
+    let (cpu0, t0) = (process_cpu(), Instant::now());
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (p, next) = (p.clone(), next.clone());
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                let mut w = Worker::new()?;
+                let mut out = vec![0u8; 3 * 224 * 224 * 4];
+                loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    if k >= total {
+                        return Ok(());
+                    }
+                    p.fill(&mut w, (k / n) as u64, (k % n) as u64, &mut out)?;
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("bench thread")?;
+    }
+    let counts = p.counts();
+    if counts.skipped > 0 {
+        eprintln!("note: {} unreadable images were replaced", counts.skipped);
+    }
+    Ok(Row {
+        what: format!("native{}", if reduced { "" } else { ", full-size decode" }),
+        threads,
+        images: total,
+        wall: t0.elapsed().as_secs_f64(),
+        cpu: process_cpu() - cpu0,
+    })
+}
+
+fn pillow(python: &Path, root: &Path, procs: usize, passes: usize) -> anyhow::Result<Row> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("pillow_pipeline.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(root)
+        .args([
+            "--passes",
+            &passes.to_string(),
+            "--procs",
+            &procs.to_string(),
+        ])
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    if !out.status.success() {
+        bail!(
+            "Pillow pipeline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    Ok(Row {
+        what: "Pillow + numpy".into(),
+        threads: procs,
+        images: v["images"].as_u64().unwrap_or(0) as usize,
+        wall: v["wall_s"].as_f64().unwrap_or(0.0),
+        cpu: v["cpu_s"].as_f64().unwrap_or(0.0),
+    })
+}
+
+/// One broker, one epoch, `n` consumers: broker CPU seconds for the epoch.
+fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, bool)> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("b.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[[stream]]
+name = "train"
+batch_size = 32
+epochs = 1
+drop_last = false
+min_consumers = {n}
+workers = 2
+
+[stream.image_folder]
+root = "{}"
+
+[stream.transform]
+random_resized_crop = {{ size = 224 }}
+horizontal_flip = 0.5
+normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
+dtype = "f32"
+"#,
+            root.display()
+        ),
+    )?;
+    let sock = dir.path().join("b.sock");
+    let broker = BrokerProcess::spawn(exe, &cfg, &sock, Some(&dir.path().join("log")))?;
+    let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
+    let t0 = Instant::now();
+    let kids = (0..n)
+        .map(|_| {
+            harness::spawn_consumer(
+                exe,
+                &sock,
+                &["--stream".into(), "train".into(), "--digest".into()],
+            )
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let reports: Vec<ConsumerReport> = kids
+        .into_iter()
+        .map(|k| harness::wait_report(k, std::time::Duration::from_secs(600)))
+        .collect::<std::io::Result<_>>()?;
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = harness::cpu_seconds(broker.pid()).unwrap_or(0.0) - cpu0;
+    let d0 = reports[0].epochs.first().and_then(|e| e.digest.clone());
+    let same = reports
+        .iter()
+        .all(|r| r.ok && r.epochs.first().and_then(|e| e.digest.clone()) == d0);
+    broker.terminate(std::time::Duration::from_secs(5))?;
+    Ok((cpu, wall, same))
+}
+
+fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = a.python.clone().unwrap_or(repo.join(".venv/bin/python"));
+    let exe = match &a.exe {
+        Some(e) => e.clone(),
+        None => std::env::current_exe()?.with_file_name("batchcast"),
+    };
+    let n = Dataset::image_folder(&a.dataset)?.len();
+    println!(
+        "dataset: {} ({n} images), {} passes, RandomResizedCrop(224) + flip + Normalize, f32 NCHW\n",
+        a.dataset.display(),
+        a.passes
+    );
+    let mut rows = Vec::new();
+    for t in [1, 2] {
+        rows.push(native(&a.dataset, t, a.passes, true)?);
+    }
+    rows.push(native(&a.dataset, 1, a.passes, false)?);
+    for p in [1, 2] {
+        rows.push(pillow(&python, &a.dataset, p, a.passes)?);
+    }
+    let pil = rows
+        .iter()
+        .find(|r| r.what.starts_with("Pillow") && r.threads == 1)
+        .map(|r| r.images as f64 / r.cpu)
+        .unwrap_or(f64::NAN);
+    println!(
+        "| pipeline | threads/processes | images/s | CPU-ms per image | images per CPU-s | vs Pillow (per CPU-s) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for r in &rows {
+        let per_cpu = r.images as f64 / r.cpu;
+        println!(
+            "| {} | {} | {:.0} | {:.2} | {:.0} | {:.2}x |",
+            r.what,
+            r.threads,
+            r.images as f64 / r.wall,
+            r.cpu * 1e3 / r.images as f64,
+            per_cpu,
+            per_cpu / pil
+        );
+    }
+    println!(
+        "\n| consumers | broker CPU-s per epoch | epoch wall s | identical bytes at every consumer |"
+    );
+    println!("|---:|---:|---:|:-:|");
+    let mut first = None;
+    for &c in &a.consumers {
+        let (cpu, wall, same) = broker_epoch(&exe, &a.dataset, c)?;
+        first.get_or_insert(cpu);
+        println!(
+            "| {c} | {cpu:.2} ({:.2}x) | {wall:.2} | {} |",
+            cpu / first.unwrap_or(cpu),
+            if same { "yes" } else { "NO" }
+        );
+    }
+    Ok(())
+}
