@@ -198,7 +198,8 @@ fn a_consumer_killed_while_holding_batches_does_not_stop_the_others() {
 
 #[test]
 fn a_slow_consumer_throttles_the_broker_without_memory_growth() {
-    let env = Env::start(&config("", 100_000, 8));
+    // Both start at the first batch, so delivered counts are comparable.
+    let env = Env::start(&config("min_consumers = 2", 100_000, 8));
     let fast = env.consumer(&["--name", "fast", "--verify"]);
     let slow = env.consumer(&["--name", "slow", "--sleep-ms", "10", "--max-batches", "150"]);
     let first = env.wait_for("the slow consumer to get going", |s| {

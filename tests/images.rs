@@ -555,3 +555,28 @@ fn tar_shards_cache_and_multi_host_split() {
     }
     assert_eq!(all.len() as u64, n, "the ranks together cover the dataset");
 }
+
+#[test]
+fn the_demo_generates_images_and_serves_them_to_every_consumer() {
+    let env = Env::new();
+    let out = Command::new(EXE)
+        .args(["demo", "--consumers", "2", "--epochs", "2"])
+        .env("XDG_CACHE_HOME", env.path("cache"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("generating the demo images"), "{text}");
+    assert!(
+        text.contains("OK: all 2 consumers") && text.contains("every one of the 360 images"),
+        "{text}"
+    );
+    assert!(
+        env.path("cache/batchcast/demo-images-v1/.complete")
+            .exists()
+    );
+}
