@@ -580,3 +580,47 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
             .exists()
     );
 }
+
+#[test]
+fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+        .trim()
+        .parse()
+        .unwrap();
+    let t = "resize = 32\ncenter_crop = 32\ndtype = \"u8\"";
+    env.start(&stream(
+        "s",
+        &folder(&env.p("ds")),
+        t,
+        "epochs = 3\ndrop_last = false\nshuffle = false\ncache_mib = 0",
+    ));
+    // A slow consumer, so the second and third epochs are read after the removal.
+    let args: Vec<String> = ["--stream", "s", "--window", "1", "--sleep-ms", "30"]
+        .map(String::from)
+        .to_vec();
+    let child = harness::spawn_consumer(Path::new(EXE), &env.path("b.sock"), &args).unwrap();
+    let t0 = std::time::Instant::now();
+    while env.stats().streams[0].deliveries == 0 {
+        assert!(t0.elapsed() < LIMIT);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::remove_dir_all(env.path("ds/zebra")).unwrap();
+    let r = harness::wait_report(child, LIMIT).unwrap();
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.samples, 3 * n, "every batch still full");
+    let src = env.stats().streams[0].source.clone().unwrap();
+    assert!(src.skipped >= 14, "the zebra images were replaced: {src:?}");
+    let log = env.log();
+    assert!(
+        log.contains(&format!("{}/zebra/", env.p("ds"))) && log.contains("No such file"),
+        "the log names the missing files: {log}"
+    );
+    let out = Command::new(EXE)
+        .args(["stats", "--socket"])
+        .arg(env.path("b.sock"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("bad samples replaced"), "{text}");
+}

@@ -30,6 +30,29 @@ pub fn render(s: &StatsReply) -> String {
             st.departed,
             st.detached,
         );
+        let _ = writeln!(out, "  pipeline CPU {:.2} s", st.pipeline_cpu_s);
+        if let Some(src) = &st.source {
+            let _ = write!(
+                out,
+                "  images: {} decoded ({} at reduced size), {} bad samples replaced",
+                src.decoded, src.reduced, src.skipped
+            );
+            if src.cache_budget > 0 {
+                let _ = write!(
+                    out,
+                    "; cache {} hits, {} misses, {} items, {:.1} of {:.1} MiB",
+                    src.cache_hits,
+                    src.cache_misses,
+                    src.cache_items,
+                    src.cache_bytes as f64 / (1 << 20) as f64,
+                    src.cache_budget as f64 / (1 << 20) as f64
+                );
+            }
+            let _ = writeln!(out);
+            if let Some(why) = &src.failed {
+                let _ = writeln!(out, "  STOPPED: {why}");
+            }
+        }
         if st.consumers.is_empty() {
             let _ = writeln!(out, "  (no consumers)");
             continue;
