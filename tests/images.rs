@@ -624,3 +624,37 @@ fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("bad samples replaced"), "{text}");
 }
+
+#[test]
+fn reduced_size_decoding_in_random_crops_stays_within_tolerance() {
+    // RandomResizedCrop with scale = 1 and the images' own 4:3 ratio crops
+    // the whole 2400×1800 image, so Pillow's full-size resize is the
+    // reference, and the broker decodes at 1/8 size (1800 / 96 > 8).
+    let mut env = Env::new();
+    imgtool(&["make-folder", &env.p("all"), "--count", "1", "--large"]);
+    for class in ["cat", "dog", "zebra"] {
+        std::fs::create_dir_all(env.path(&format!("ds/{class}"))).unwrap();
+        std::fs::copy(
+            env.path(&format!("all/{class}/large.jpg")),
+            env.path(&format!("ds/{class}/large.jpg")),
+        )
+        .unwrap();
+    }
+    let t = "random_resized_crop = { size = [96, 128], scale = [1.0, 1.0], ratio = [1.3333333333333333, 1.3333333333333333] }\ndtype = \"u8\"";
+    env.start(&stream("s", &folder(&env.p("ds")), t, "drop_last = false"));
+    let dump = env.p("dump");
+    let r = env.consume(&["--stream", "s", "--dump", &dump]);
+    assert!(r.ok, "{r:#?}");
+    assert_eq!(env.stats().streams[0].source.clone().unwrap().reduced, 3);
+    let rep = json(&imgtool(&[
+        "check-eval",
+        &dump,
+        &env.p("ds"),
+        "--whole",
+        "128",
+        "96",
+    ]));
+    assert_eq!(rep["checked"], 3);
+    assert!(rep["mae_worst_image"].as_f64().unwrap() <= 2.0, "{rep}");
+    eprintln!("reduced decode vs Pillow full size: {rep}");
+}

@@ -165,9 +165,12 @@ def load_dump(dump):
     return out
 
 
-def reference_eval(path, resize, crop):
-    """torchvision Resize(resize) + CenterCrop(crop) on a PIL image, HWC u8."""
+def reference_eval(path, resize, crop, whole=None):
+    """torchvision Resize(resize) + CenterCrop(crop) on a PIL image, HWC u8;
+    with `whole` = (w, h), the whole image resized to w × h instead."""
     img = Image.open(path).convert("RGB")
+    if whole:
+        return np.asarray(img.resize(whole, Image.BILINEAR))
     w, h = img.size
     short, long = (w, h) if w <= h else (h, w)
     new_long = int(resize * long / short)
@@ -189,9 +192,10 @@ def check_eval(a):
     checked = 0
     for (_, _), fields in sorted(dump.items()):
         idx = np.frombuffer(fields["index"], np.int64)
-        img = np.frombuffer(fields["image"], dt).reshape(len(idx), 3, a.crop, a.crop)
+        h, w = (a.whole[1], a.whole[0]) if a.whole else (a.crop, a.crop)
+        img = np.frombuffer(fields["image"], dt).reshape(len(idx), 3, h, w)
         for j, i in enumerate(idx):
-            ref = reference_eval(samples[i][0], a.resize, a.crop).astype(np.float64)
+            ref = reference_eval(samples[i][0], a.resize, a.crop, a.whole).astype(np.float64)
             ref = ref.transpose(2, 0, 1)
             got = img[j].astype(np.float64)
             if a.dtype != "u8":
@@ -247,8 +251,9 @@ def main():
     m = sub.add_parser("check-eval")
     m.add_argument("dump")
     m.add_argument("root")
-    m.add_argument("--resize", type=int, required=True)
-    m.add_argument("--crop", type=int, required=True)
+    m.add_argument("--resize", type=int, default=0)
+    m.add_argument("--crop", type=int, default=0)
+    m.add_argument("--whole", type=int, nargs=2, help="W H: reference is the whole image resized")
     m.add_argument("--mean", type=float, nargs=3)
     m.add_argument("--std", type=float, nargs=3)
     m.add_argument("--dtype", default="u8")
