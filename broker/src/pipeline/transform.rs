@@ -370,11 +370,9 @@ fn write_tensor_n<const N: usize>(
     out: &mut [u8],
 ) {
     let (h, w) = (h as usize, w as usize);
-    let table: Vec<[u8; N]> = lut
-        .bytes
-        .iter()
-        .map(|e| e[..N].try_into().expect("N <= 4"))
-        .collect();
+    // `[..N]` of a 4-byte entry has a compile-time length, so each store
+    // below is one move, with no per-image table to build.
+    let table = &lut.bytes;
     let rows = src.chunks_exact(w * 3).take(h);
     match layout {
         Layout::Nchw => {
@@ -384,7 +382,7 @@ fn write_tensor_n<const N: usize>(
                 for (row, out_row) in rows.clone().zip(out_plane.chunks_exact_mut(w * N)) {
                     for (x, e) in out_row.chunks_exact_mut(N).enumerate() {
                         let sx = if flip { w - 1 - x } else { x };
-                        e.copy_from_slice(&t[row[sx * 3 + c] as usize]);
+                        e.copy_from_slice(&t[row[sx * 3 + c] as usize][..N]);
                     }
                 }
             }
@@ -394,7 +392,7 @@ fn write_tensor_n<const N: usize>(
                 for (x, px) in out_row.chunks_exact_mut(3 * N).enumerate() {
                     let sx = if flip { w - 1 - x } else { x };
                     for (c, e) in px.chunks_exact_mut(N).enumerate() {
-                        e.copy_from_slice(&table[c * 256 + row[sx * 3 + c] as usize]);
+                        e.copy_from_slice(&table[c * 256 + row[sx * 3 + c] as usize][..N]);
                     }
                 }
             }
