@@ -24,6 +24,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use batchcast::DType;
 use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::demo;
 use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Geometry, Layout, Transform};
@@ -158,29 +159,9 @@ fn pillow(python: &Path, root: &Path, procs: usize, passes: usize) -> anyhow::Re
 fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, bool)> {
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("b.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"[[stream]]
-name = "train"
-batch_size = 32
-epochs = 1
-drop_last = false
-min_consumers = {n}
-workers = 2
-
-[stream.image_folder]
-root = "{}"
-
-[stream.transform]
-random_resized_crop = {{ size = 224 }}
-horizontal_flip = 0.5
-normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
-dtype = "f32"
-"#,
-            root.display()
-        ),
-    )?;
+    // Two pipeline threads: the machine's cores, as the native rows use.
+    let toml = demo::image_stream_toml("train", root, 224, 1, n, "workers = 2");
+    std::fs::write(&cfg, toml)?;
     let sock = dir.path().join("b.sock");
     let broker = BrokerProcess::spawn(exe, &cfg, &sock, Some(&dir.path().join("log")))?;
     let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);

@@ -53,7 +53,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     } else {
         let root = crate::demo_images::ensure()?;
         let n = crate::pipeline::dataset::Dataset::image_folder(&root)?.len();
-        std::fs::write(&config, image_config(args.consumers, args.epochs, &root))?;
+        std::fs::write(
+            &config,
+            image_stream_toml("demo", &root, 160, args.epochs, args.consumers, ""),
+        )?;
         println!(
             "batchcast demo: one broker, {} consumer processes, {} epochs of {n} JPEG/PNG images in {}",
             args.consumers,
@@ -238,10 +241,21 @@ fn verdict(reports: &[ConsumerReport], epochs: u64, images: Option<u64>) -> Stri
     )
 }
 
-fn image_config(consumers: usize, epochs: u64, root: &Path) -> String {
+/// A training stream named `name` over the ImageFolder at `root`:
+/// RandomResizedCrop(`size`) + flip + ImageNet Normalize, f32 NCHW, batches
+/// of 32, waiting for `consumers` subscribers; `extra` holds more keys of
+/// the `[[stream]]` table. The demo and the image benchmark both run this.
+pub fn image_stream_toml(
+    name: &str,
+    root: &Path,
+    size: u32,
+    epochs: u64,
+    consumers: usize,
+    extra: &str,
+) -> String {
     format!(
         r#"[[stream]]
-name = "demo"
+name = "{name}"
 batch_size = 32
 epochs = {epochs}
 shuffle = true
@@ -249,12 +263,13 @@ seed = 2026
 slots = 6
 drop_last = false
 min_consumers = {consumers}
+{extra}
 
 [stream.image_folder]
 root = "{}"
 
 [stream.transform]
-random_resized_crop = {{ size = 160 }}
+random_resized_crop = {{ size = {size} }}
 horizontal_flip = 0.5
 normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
 dtype = "f32"
