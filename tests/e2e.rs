@@ -29,7 +29,7 @@ impl Env {
         let log = dir.path().join("broker.log");
         let broker = BrokerProcess::spawn(
             Path::new(EXE),
-            &path,
+            Some(&path),
             &dir.path().join("b.sock"),
             Some(&log),
         )

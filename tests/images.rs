@@ -79,7 +79,7 @@ impl Env {
         std::fs::write(&path, config).unwrap();
         let b = BrokerProcess::spawn(
             Path::new(EXE),
-            &path,
+            Some(&path),
             &self.path("b.sock"),
             Some(&self.path("broker.log")),
         )
@@ -404,19 +404,14 @@ fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
         .iter()
         .find(|s| s.name == "fail")
         .unwrap()
-        .source
-        .clone()
-        .unwrap()
-        .failed;
+        .failed
+        .clone();
     assert!(failed.is_some_and(|f| f.contains("zz_")));
     // The other stream is unaffected.
     assert!(
         st.streams
             .iter()
             .find(|s| s.name == "skip")
-            .unwrap()
-            .source
-            .as_ref()
             .unwrap()
             .failed
             .is_none()

@@ -84,7 +84,8 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
     let cfg = dir.path().join("bench.toml");
     std::fs::write(&cfg, config(fill, n, a.slots))?;
     let sock = dir.path().join("b.sock");
-    let broker = BrokerProcess::spawn(exe, &cfg, &sock, Some(&dir.path().join("broker.log")))?;
+    let broker =
+        BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("broker.log")))?;
     let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
     let args: Vec<String> = [
         "--stream",

@@ -50,7 +50,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use batchcast::DType;
-use batchcast::schema::{Field, ImageSourceInfo, Schema, SlotLayout, SourceInfo};
+use batchcast::proto::ProduceRequest;
+use batchcast::schema::{
+    ExternalSourceInfo, Field, ImageSourceInfo, Schema, SlotLayout, SourceInfo,
+};
 use batchcast::synthetic::{Fill, SyntheticSpec};
 use serde::Deserialize;
 
@@ -73,7 +76,7 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     #[serde(default)]
@@ -255,6 +258,9 @@ pub enum Source {
         /// Shuffle buffer for tar shards; `None` for random access.
         shuffle_buffer: Option<usize>,
     },
+    /// Filled by a producer process over the socket; the broker only does
+    /// the bookkeeping.
+    External,
 }
 
 /// A stream's config after validation, with everything derived from it.
@@ -289,6 +295,8 @@ impl StreamPlan {
                 };
                 split.apply(whole)
             }
+            // The producer decides what each batch holds.
+            Source::External => Vec::new(),
         }
     }
 }
@@ -344,7 +352,8 @@ impl Config {
     }
 }
 
-fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
+/// Checks what every stream needs, whatever its source.
+fn check_common(s: &StreamConfig) -> Result<(), String> {
     if s.name.is_empty()
         || !s
             .name
@@ -380,6 +389,11 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
     if s.workers == Some(0) {
         return Err("workers must be at least 1".into());
     }
+    Ok(())
+}
+
+fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
+    check_common(s)?;
     let sources = [
         s.synthetic.is_some(),
         s.image_folder.is_some(),
@@ -441,18 +455,13 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, String> {
 
 type SourceParts = (Vec<Field>, u64, u64, Source, SourceInfo);
 
-fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, String> {
-    if src.len == 0 {
-        return Err("synthetic.len must be at least 1".into());
-    }
-    if s.world_size != 1 || s.transform.is_some() {
-        return Err("rank/world_size and [stream.transform] apply to image sources only".into());
-    }
-    if src.fields.is_empty() {
-        return Err("synthetic.fields is empty; list at least one field".into());
-    }
+/// Field names are distinct and non-empty; no dimension is zero.
+fn check_fields(fields: &[Field]) -> Result<(), String> {
     let mut seen = HashSet::new();
-    for f in &src.fields {
+    for f in fields {
+        if f.name.is_empty() {
+            return Err("a field has an empty name".into());
+        }
         if !seen.insert(&f.name) {
             return Err(format!("field `{}` is listed twice", f.name));
         }
@@ -463,6 +472,94 @@ fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourcePar
             ));
         }
     }
+    Ok(())
+}
+
+/// Plans the stream an external producer asked for, with the same checks
+/// as a configured one; the message says what to change.
+pub fn plan_external(req: &ProduceRequest, producer: &str, pid: u32) -> Result<StreamPlan, String> {
+    let cfg = StreamConfig {
+        name: req.stream.clone(),
+        batch_size: req.batch_size,
+        epochs: req.epochs,
+        shuffle: false,
+        seed: 0,
+        drop_last: false,
+        slots: req.slots,
+        workers: None,
+        lag_limit: req.lag_limit,
+        min_consumers: req.min_consumers,
+        synthetic: None,
+        image_folder: None,
+        webdataset: None,
+        transform: None,
+        rank: 0,
+        world_size: 1,
+        uneven: Uneven::default(),
+        on_error: OnError::default(),
+        max_pixels: default_max_pixels(),
+        reduced_decode: false,
+        cache_mib: 0,
+    };
+    check_common(&cfg)?;
+    if req.fields.is_empty() {
+        return Err("the batch has no fields".into());
+    }
+    check_fields(&req.fields)?;
+    if req.batches_per_epoch == 0 {
+        return Err("batches_per_epoch must be at least 1".into());
+    }
+    let schema = Schema {
+        fields: req.fields.clone(),
+        batch_size: req.batch_size,
+        samples_per_epoch: req.batches_per_epoch.saturating_mul(req.batch_size),
+        batches_per_epoch: req.batches_per_epoch,
+        epochs: req.epochs,
+        source: SourceInfo::External(ExternalSourceInfo {
+            producer: producer.into(),
+            pid,
+            description: req.description.clone(),
+            classes: req.classes.clone(),
+        }),
+    };
+    let layout = SlotLayout::for_schema(&schema).map_err(|e| e.to_string())?;
+    let plan = StreamPlan {
+        cfg,
+        schema,
+        layout,
+        source: Source::External,
+        workers: 0,
+    };
+    let arena = plan
+        .layout
+        .slot_bytes
+        .checked_mul(plan.cfg.slots as u64)
+        .ok_or("the arena size overflows")?;
+    if let Some(total) = mem_total_bytes()
+        && arena > total / 2
+    {
+        return Err(format!(
+            "the arena needs {} MiB of shared memory ({} slots of {} MiB), more than half of this host's {} MiB; use fewer slots or smaller batches",
+            arena >> 20,
+            plan.cfg.slots,
+            plan.layout.slot_bytes >> 20,
+            total >> 20
+        ));
+    }
+    Ok(plan)
+}
+
+fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, String> {
+    if src.len == 0 {
+        return Err("synthetic.len must be at least 1".into());
+    }
+    if s.world_size != 1 || s.transform.is_some() {
+        return Err("rank/world_size and [stream.transform] apply to image sources only".into());
+    }
+    if src.fields.is_empty() {
+        return Err("synthetic.fields is empty; list at least one field".into());
+    }
+    check_fields(&src.fields)?;
     let spec = SyntheticSpec {
         seed: s.seed,
         len: src.len,
@@ -600,16 +697,19 @@ fn image_source(s: &StreamConfig) -> Result<SourceParts, String> {
             name: "image".into(),
             dtype: transform.dtype,
             shape: transform.shape(),
+            aux: false,
         },
         Field {
             name: "label".into(),
             dtype: DType::I64,
             shape: vec![],
+            aux: false,
         },
         Field {
             name: "index".into(),
             dtype: DType::I64,
             shape: vec![],
+            aux: true,
         },
     ];
     let info = SourceInfo::Images(ImageSourceInfo {

@@ -47,6 +47,10 @@ pub struct ConsumeArgs {
     /// Print one JSON report on stdout instead of a summary
     #[arg(long)]
     pub json: bool,
+    /// Keep retrying this many seconds while the broker or the stream is
+    /// not there yet (e.g. a producer still starting)
+    #[arg(long, default_value_t = 0.0)]
+    pub connect_timeout: f64,
     /// Write every batch's fields to DIR/e{epoch}-b{index}-{field}.bin
     /// (raw little-endian tensors) for inspection
     #[arg(long)]
@@ -121,6 +125,9 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     opts.socket = args.socket.clone();
     opts.window = args.window;
+    if args.connect_timeout > 0.0 && args.connect_timeout.is_finite() {
+        opts.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
+    }
     opts.join = match args.join {
         Join::NextEpoch => JoinPolicy::NextEpoch,
         Join::Now => JoinPolicy::Immediate,
@@ -154,12 +161,12 @@ fn consume(
     let schema = consumer.schema().clone();
     let spec = match schema.source {
         SourceInfo::Synthetic(spec) => Some(spec),
-        SourceInfo::Images(_) if args.verify => {
+        SourceInfo::Images(_) | SourceInfo::External(_) if args.verify => {
             return Err(batchcast::Error::Schema(
-                "--verify checks synthetic streams; use --digest to compare consumers of an image stream".into(),
+                "--verify checks synthetic streams; use --digest or --dump to compare what consumers of other streams receive".into(),
             ));
         }
-        SourceInfo::Images(_) => None,
+        SourceInfo::Images(_) | SourceInfo::External(_) => None,
     };
     let index_field = schema
         .field("index")

@@ -68,8 +68,8 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         );
         Some(n as u64)
     };
-    let broker =
-        BrokerProcess::spawn(&exe, &config, &socket, Some(&log)).context("starting the broker")?;
+    let broker = BrokerProcess::spawn(&exe, Some(&config), &socket, Some(&log))
+        .context("starting the broker")?;
     let t0 = Instant::now();
     let children = (0..args.consumers)
         .map(|i| {

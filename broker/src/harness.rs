@@ -19,20 +19,21 @@ pub struct BrokerProcess {
 }
 
 impl BrokerProcess {
-    /// Starts `exe serve --config CONFIG --socket SOCKET` and waits until it
-    /// answers on its socket. Its stderr goes to `log` (or is inherited).
+    /// Starts `exe serve [--config CONFIG] --socket SOCKET` and waits until
+    /// it answers on its socket. Its stderr goes to `log` (or is inherited).
+    /// Without a config it serves only streams that producers register.
     pub fn spawn(
         exe: &Path,
-        config: &Path,
+        config: Option<&Path>,
         socket: &Path,
         log: Option<&Path>,
     ) -> std::io::Result<BrokerProcess> {
         let mut cmd = Command::new(exe);
-        cmd.arg("serve")
-            .arg("--config")
-            .arg(config)
-            .arg("--socket")
-            .arg(socket);
+        cmd.arg("serve");
+        if let Some(config) = config {
+            cmd.arg("--config").arg(config);
+        }
+        cmd.arg("--socket").arg(socket);
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         if let Some(log) = log {
             cmd.stderr(std::fs::File::create(log)?);

@@ -366,6 +366,18 @@ impl Hub {
         Ok(())
     }
 
+    /// Ends an endless stream here if no batch of the next epoch has been
+    /// started (an external producer stopping between epochs): consumers get
+    /// the end of the stream after what was already produced.
+    pub fn end_at_epoch_boundary(&mut self) -> bool {
+        if self.next_index != 0 {
+            return false;
+        }
+        self.cfg.epochs = Some(self.next_epoch);
+        self.pump();
+        true
+    }
+
     /// Gives the pipeline its next batch to fill, or `None` if it must wait
     /// (no free slot, no consumer yet, or all epochs produced).
     pub fn start_batch(&mut self) -> Option<Work> {

@@ -1,11 +1,10 @@
 //! The `batchcast` command line. Errors are reported here with their whole
 //! chain; everything below returns typed errors.
 
-use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use batchcast_broker::{config, consume, demo, listen, server, stats_view, stream};
@@ -22,10 +21,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Run a broker serving the streams of a config file
+    /// Run a broker serving the streams of a config file, and any stream an
+    /// external producer (e.g. `batchcast.Producer` in Python) registers
     Serve {
+        /// Streams to run [default: none; only external producers' streams]
         #[arg(long)]
-        config: PathBuf,
+        config: Option<PathBuf>,
         /// Socket path [default: config's broker.socket, else $BATCHCAST_SOCKET, else $XDG_RUNTIME_DIR/batchcast.sock, else /tmp/batchcast-$UID/batchcast.sock]
         #[arg(long)]
         socket: Option<PathBuf>,
@@ -105,9 +106,15 @@ fn main() {
     }
 }
 
-fn serve(config_path: PathBuf, socket: Option<PathBuf>) -> anyhow::Result<()> {
-    let cfg = config::Config::load(&config_path)?;
-    let plans = cfg.plan(&config_path)?;
+fn serve(config_path: Option<PathBuf>, socket: Option<PathBuf>) -> anyhow::Result<()> {
+    let (cfg, plans) = match &config_path {
+        Some(path) => {
+            let cfg = config::Config::load(path)?;
+            let plans = cfg.plan(path)?;
+            (cfg, plans)
+        }
+        None => (config::Config::default(), Vec::new()),
+    };
     let allow = listen::Allow {
         own_uid: nix::unistd::getuid().as_raw(),
         uids: cfg.broker.allow_uids.clone(),
@@ -117,17 +124,13 @@ fn serve(config_path: PathBuf, socket: Option<PathBuf>) -> anyhow::Result<()> {
         .or(cfg.broker.socket.clone())
         .unwrap_or_else(batchcast::default_socket_path);
     let bound = listen::bind(&path, allow.is_shared())?;
-    let mut streams = HashMap::new();
+    let mut streams = Vec::new();
     for plan in plans {
         let name = plan.cfg.name.clone();
         let s = stream::Stream::start(plan).with_context(|| format!("starting stream `{name}`"))?;
-        streams.insert(name, s);
+        streams.push(s);
     }
-    let broker = Arc::new(server::Broker {
-        streams,
-        allow,
-        started: Instant::now(),
-    });
+    let broker = Arc::new(server::Broker::new(streams, allow));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("batchcast-io")
@@ -139,8 +142,8 @@ fn serve(config_path: PathBuf, socket: Option<PathBuf>) -> anyhow::Result<()> {
         std_listener.set_nonblocking(true)?;
         let listener = tokio::net::UnixListener::from_std(std_listener)?;
         tracing::info!(
-            "serving {} stream(s) on {}",
-            broker.streams.len(),
+            "serving {} configured stream(s) on {}; producers may register more",
+            broker.streams().len(),
             bound.path.display()
         );
         let shutdown = async {

@@ -4,10 +4,12 @@
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{
-    self, ClientMsg, ErrorCode, ErrorMsg, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome,
+    self, ClientMsg, ErrorCode, ErrorMsg, FillSlot, GoodbyeReason, Hello, Intent, Preamble,
+    ProduceRequest, Registered, ServerMsg, StatsReply, Welcome,
 };
 use batchcast::shm;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -15,8 +17,10 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::config;
+use crate::hub::Work;
 use crate::listen::Allow;
-use crate::stream::{Peer, Stream, SubscribeError};
+use crate::stream::{Acquire, Peer, Stream, SubscribeError};
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 1024;
@@ -26,14 +30,120 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Everything the connection tasks share.
 #[derive(Debug)]
 pub struct Broker {
-    pub streams: HashMap<String, Arc<Stream>>,
+    /// Streams by name: the configured ones, and external ones while their
+    /// producer is connected.
+    streams: RwLock<HashMap<String, Entry>>,
     pub allow: Allow,
     pub started: Instant,
 }
 
+#[derive(Debug)]
+enum Entry {
+    Ready(Arc<Stream>),
+    /// A producer is registering it; not yet open to consumers.
+    Pending,
+}
+
 impl Broker {
+    pub fn new(streams: Vec<Arc<Stream>>, allow: Allow) -> Broker {
+        Broker {
+            streams: RwLock::new(
+                streams
+                    .into_iter()
+                    .map(|s| (s.name().to_string(), Entry::Ready(s)))
+                    .collect(),
+            ),
+            allow,
+            started: Instant::now(),
+        }
+    }
+
+    fn registry(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Entry>> {
+        self.streams.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn registry_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Entry>> {
+        self.streams.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every stream open to consumers.
+    pub fn streams(&self) -> Vec<Arc<Stream>> {
+        self.registry()
+            .values()
+            .filter_map(|e| match e {
+                Entry::Ready(s) => Some(s.clone()),
+                Entry::Pending => None,
+            })
+            .collect()
+    }
+
+    fn lookup(&self, name: &str) -> Result<Arc<Stream>, Reject> {
+        let reg = self.registry();
+        match reg.get(name) {
+            Some(Entry::Ready(s)) => Ok(s.clone()),
+            Some(Entry::Pending) => Err(Reject(
+                ErrorCode::UnknownStream,
+                format!(
+                    "stream `{name}` is being registered by its producer; try again in a moment (or connect with a connect timeout)"
+                ),
+            )),
+            None => {
+                let mut names: Vec<_> = reg.keys().map(String::as_str).collect();
+                names.sort_unstable();
+                Err(Reject(
+                    ErrorCode::UnknownStream,
+                    if names.is_empty() {
+                        format!(
+                            "no stream named `{name}`: this broker serves none yet; start a producer for it or give the broker a config"
+                        )
+                    } else {
+                        format!(
+                            "no stream named `{name}`; this broker serves: {}",
+                            names.join(", ")
+                        )
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Claims `name` for a producer that is registering it.
+    fn reserve(&self, name: &str) -> Result<(), Reject> {
+        let mut reg = self.registry_mut();
+        if reg.contains_key(name) {
+            return Err(Reject(
+                ErrorCode::StreamExists,
+                format!(
+                    "this broker already serves a stream named `{name}`; pick another name, or stop the producer that registered it"
+                ),
+            ));
+        }
+        reg.insert(name.to_string(), Entry::Pending);
+        Ok(())
+    }
+
+    /// Opens a reserved name to consumers.
+    fn open(&self, stream: Arc<Stream>) {
+        self.registry_mut()
+            .insert(stream.name().to_string(), Entry::Ready(stream));
+    }
+
+    /// Forgets the stream a producer registered (consumers already attached
+    /// keep it until they leave).
+    fn unregister(&self, name: &str, stream: Option<&Arc<Stream>>) {
+        let mut reg = self.registry_mut();
+        let ours = match (reg.get(name), stream) {
+            (Some(Entry::Pending), _) => true,
+            (Some(Entry::Ready(s)), Some(mine)) => Arc::ptr_eq(s, mine),
+            _ => false,
+        };
+        if ours {
+            reg.remove(name);
+        }
+    }
+
     pub fn stats(&self) -> StatsReply {
-        let mut streams: Vec<_> = self.streams.values().map(|s| s.stats()).collect();
+        let mut streams: Vec<_> = self.streams().iter().map(|s| s.stats()).collect();
         streams.sort_by(|a, b| a.name.cmp(&b.name));
         StatsReply {
             broker_pid: std::process::id(),
@@ -82,8 +192,7 @@ pub async fn run(
     );
     // Streams queue a goodbye to each consumer (whose task ends after writing
     // it), then stats connections are told to stop.
-    for s in broker.streams.values() {
-        let s = s.clone();
+    for s in broker.streams() {
         let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
     }
     let _ = stop_tx.send(true);
@@ -128,16 +237,10 @@ async fn serve_connection(mut sock: UnixStream, broker: Arc<Broker>, stop: watch
         match hello.intent {
             Intent::Stats => serve_stats(&mut sock, &broker, &mut buf, stop).await,
             Intent::Consume { stream, window, join } => {
-                let Some(s) = broker.streams.get(&stream) else {
-                    let mut names: Vec<_> = broker.streams.keys().map(String::as_str).collect();
-                    names.sort_unstable();
-                    return Err(Reject(
-                        ErrorCode::UnknownStream,
-                        format!("no stream named `{stream}`; this broker serves: {}", names.join(", ")),
-                    ));
-                };
-                serve_consumer(&mut sock, &broker, s.clone(), window, join, peer, &mut buf).await
+                let s = broker.lookup(&stream)?;
+                serve_consumer(&mut sock, &broker, s, window, join, peer, &mut buf).await
             }
+            Intent::Produce(req) => serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await,
         }
     }
     .await;
@@ -304,7 +407,7 @@ async fn serve_consumer(
         broker: env!("CARGO_PKG_VERSION").into(),
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    if send_welcome(sock, &bytes, &stream).await.is_err() {
+    if send_with_arena(sock, &bytes, &stream).await.is_err() {
         return Ok(());
     }
 
@@ -335,6 +438,9 @@ async fn serve_consumer(
                     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
                 }
                 Some(ClientMsg::Hello(_)) => return Err(Reject(ErrorCode::InvalidRequest, "hello sent twice".into())),
+                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. })) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, format!("a consumer cannot send {m:?}")));
+                }
                 None => return Ok(()),
             },
         }
@@ -348,8 +454,13 @@ fn append(out: &mut Vec<u8>, msg: &ServerMsg) {
     }
 }
 
-/// Sends the welcome frame with the arena fd attached to its first byte.
-async fn send_welcome(sock: &mut UnixStream, bytes: &[u8], stream: &Stream) -> std::io::Result<()> {
+/// Sends a welcome or registration frame with the arena fd attached to
+/// its first byte.
+async fn send_with_arena(
+    sock: &mut UnixStream,
+    bytes: &[u8],
+    stream: &Stream,
+) -> std::io::Result<()> {
     let raw = sock.as_raw_fd();
     let n = sock
         .async_io(Interest::WRITABLE, || {
@@ -357,4 +468,155 @@ async fn send_welcome(sock: &mut UnixStream, bytes: &[u8], stream: &Stream) -> s
         })
         .await?;
     sock.write_all(&bytes[n..]).await
+}
+
+/// Serves a producer: registers its stream, hands it slots one at a time,
+/// publishes what it fills, and ends or fails the stream when it leaves.
+async fn serve_producer(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    req: ProduceRequest,
+    peer: Peer,
+    buf: &mut Vec<u8>,
+    stop: watch::Receiver<bool>,
+) -> Result<(), Reject> {
+    let name = req.stream.clone();
+    let plan = config::plan_external(&req, &peer.name, peer.pid).map_err(|m| {
+        Reject(
+            ErrorCode::InvalidRequest,
+            format!("cannot register stream `{name}`: {m}"),
+        )
+    })?;
+    broker.reserve(&name)?;
+    let mut opened: Option<Arc<Stream>> = None;
+    let result = produce(sock, broker, plan, &peer, buf, stop, &mut opened).await;
+    broker.unregister(&name, opened.as_ref());
+    if let (Err(Reject(_, why)), Some(s)) = (&result, &opened) {
+        s.fail(format!(
+            "producer `{}` (pid {}): {why}",
+            peer.name, peer.pid
+        ));
+    }
+    result
+}
+
+async fn produce(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    plan: config::StreamPlan,
+    peer: &Peer,
+    buf: &mut Vec<u8>,
+    mut stop: watch::Receiver<bool>,
+    opened: &mut Option<Arc<Stream>>,
+) -> Result<(), Reject> {
+    let who = format!("`{}` (pid {})", peer.name, peer.pid);
+    let batch_size = plan.schema.batch_size;
+    let stream = Stream::start(plan)
+        .map_err(|e| Reject(ErrorCode::Internal, format!("cannot create the arena: {e}")))?;
+    let registered = ServerMsg::Registered(Box::new(Registered {
+        stream: stream.name().into(),
+        schema: stream.plan.schema.clone(),
+        layout: stream.plan.layout.clone(),
+        slots: stream.plan.cfg.slots,
+    }));
+    let bytes =
+        proto::encode(&registered).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
+    if send_with_arena(sock, &bytes, &stream).await.is_err() {
+        return Ok(());
+    }
+    // The first request means the producer has mapped the arena: seal it
+    // against every other writer, then let consumers in.
+    match next_frame(sock, buf).await? {
+        Some(ClientMsg::Acquire) => {}
+        Some(ClientMsg::Goodbye | ClientMsg::Fail { .. }) | None => return Ok(()),
+        Some(other) => {
+            return Err(Reject(
+                ErrorCode::InvalidRequest,
+                format!("a producer's first request must be Acquire, not {other:?}"),
+            ));
+        }
+    }
+    stream
+        .seal()
+        .map_err(|e| Reject(ErrorCode::Internal, format!("cannot seal the arena: {e}")))?;
+    broker.open(stream.clone());
+    *opened = Some(stream.clone());
+    tracing::info!(stream = %stream.name(), producer = %who, "external stream registered");
+
+    let mut wants = true;
+    let mut blocked_since = stream.slots_full().then(Instant::now);
+    let mut filling: Option<Work> = None;
+    let mut blocked = Duration::ZERO;
+    loop {
+        if wants {
+            let reply = match stream.acquire() {
+                Err(why) => Some(ServerMsg::Error(ErrorMsg {
+                    code: ErrorCode::SourceFailed,
+                    message: why,
+                })),
+                Ok(Acquire::Ended) => Some(ServerMsg::EndOfStream),
+                Ok(Acquire::Slot(w)) => {
+                    blocked = blocked_since
+                        .take()
+                        .map(|t| t.elapsed())
+                        .unwrap_or_default();
+                    filling = Some(w);
+                    Some(ServerMsg::Fill(FillSlot {
+                        seq: w.seq,
+                        epoch: w.epoch,
+                        index: w.index,
+                        slot: w.slot,
+                    }))
+                }
+                Ok(Acquire::Wait) => None,
+            };
+            if let Some(msg) = reply {
+                wants = false;
+                if write_msg(sock, &msg).await.is_err() {
+                    stream.producer_done(&who);
+                    return Ok(());
+                }
+            }
+        }
+        tokio::select! {
+            _ = stream.ready(), if wants => {}
+            _ = stop.changed() => {
+                let _ = write_msg(sock, &ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
+                return Ok(());
+            }
+            m = next_frame(sock, buf) => match m? {
+                Some(ClientMsg::Acquire) if !wants && filling.is_none() => {
+                    wants = true;
+                    blocked_since = stream.slots_full().then(Instant::now);
+                }
+                Some(ClientMsg::Acquire) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, "Acquire while a slot is still requested or being filled; publish it first".into()));
+                }
+                Some(ClientMsg::Publish { seq, samples }) => {
+                    let Some(w) = filling.filter(|w| w.seq == seq) else {
+                        return Err(Reject(ErrorCode::InvalidRequest, format!("Publish of batch {seq}, which this producer is not filling")));
+                    };
+                    if samples == 0 || samples > batch_size {
+                        return Err(Reject(ErrorCode::SchemaMismatch, format!("batch {seq} claims {samples} samples; a batch of this stream holds 1 to {batch_size}")));
+                    }
+                    stream.publish(&w, samples, blocked);
+                    filling = None;
+                }
+                Some(ClientMsg::Fail { message }) => {
+                    stream.fail(format!("producer {who} failed: {message}"));
+                    return Ok(());
+                }
+                Some(ClientMsg::Goodbye) | None => {
+                    match filling {
+                        Some(w) => stream.fail(format!("producer {who} left while filling batch {} of epoch {}", w.index, w.epoch)),
+                        None => stream.producer_done(&who),
+                    }
+                    return Ok(());
+                }
+                Some(other) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, format!("a producer cannot send {other:?}")));
+                }
+            },
+        }
+    }
 }

@@ -49,9 +49,12 @@ pub fn render(s: &StatsReply) -> String {
                 );
             }
             let _ = writeln!(out);
-            if let Some(why) = &src.failed {
-                let _ = writeln!(out, "  STOPPED: {why}");
-            }
+        }
+        if let Some(p) = &st.producer {
+            let _ = writeln!(out, "  produced by {p}");
+        }
+        if let Some(why) = &st.failed {
+            let _ = writeln!(out, "  STOPPED: {why}");
         }
         if st.consumers.is_empty() {
             let _ = writeln!(out, "  (no consumers)");

@@ -65,6 +65,20 @@ pub struct Stream {
     work_cv: Condvar,
     stop: AtomicBool,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Wakes an external producer's connection task, as `work_cv` wakes
+    /// pipeline threads (a stored permit: no wake-up is lost).
+    ready: tokio::sync::Notify,
+}
+
+/// What an external producer's slot request finds.
+#[derive(Debug)]
+pub enum Acquire {
+    Slot(Work),
+    /// Every epoch has been handed out.
+    Ended,
+    /// Nothing now (no free slot, or too few consumers): wait for
+    /// [`Stream::ready`].
+    Wait,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,11 +98,16 @@ pub struct Subscription {
 }
 
 impl Stream {
-    /// Creates the arena (sealed against every writer but this process) and
-    /// starts the pipeline threads, which wait for consumers.
+    /// Creates the arena and starts the pipeline threads, which wait for
+    /// consumers. The arena is sealed against every writer but this process
+    /// at once, except for an external stream: its producer maps it writable
+    /// first, and the server seals it ([`Stream::seal`]) before any consumer
+    /// can see it.
     pub fn start(plan: StreamPlan) -> Result<Arc<Stream>, batchcast::Error> {
         let arena = Arena::create(&plan.cfg.name, plan.arena_bytes())?;
-        arena.seal_writes()?;
+        if !matches!(plan.source, Source::External) {
+            arena.seal_writes()?;
+        }
         let hub = Hub::new(HubConfig {
             slots: plan.cfg.slots,
             batches_per_epoch: plan.schema.batches_per_epoch,
@@ -109,6 +128,7 @@ impl Stream {
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
             workers: Mutex::new(Vec::new()),
+            ready: tokio::sync::Notify::new(),
         });
         let mut workers = stream.workers.lock().unwrap_or_else(|p| p.into_inner());
         for i in 0..stream.plan.workers {
@@ -147,8 +167,75 @@ impl Stream {
         dispatch(&mut inner);
         if inner.hub.can_start() {
             self.work_cv.notify_all();
+            self.ready.notify_one();
         }
         r
+    }
+
+    /// Forbids any new writable mapping of the arena (see [`Stream::start`]).
+    pub fn seal(&self) -> Result<(), batchcast::Error> {
+        self.arena.seal_writes()
+    }
+
+    /// Resolves when an external producer's request may succeed now.
+    pub async fn ready(&self) {
+        self.ready.notified().await
+    }
+
+    /// An external producer asks for its next slot.
+    pub fn acquire(&self) -> Result<Acquire, String> {
+        self.with_hub(|inner| {
+            if let Some(why) = &inner.failed {
+                return Err(why.clone());
+            }
+            if inner.hub.exhausted() {
+                return Ok(Acquire::Ended);
+            }
+            Ok(match inner.hub.start_batch() {
+                Some(w) => Acquire::Slot(w),
+                None => Acquire::Wait,
+            })
+        })
+    }
+
+    /// Whether no slot is free (the producer is under back-pressure).
+    pub fn slots_full(&self) -> bool {
+        !self.lock().hub.has_free_slot()
+    }
+
+    /// An external producer filled `work`'s slot with `samples` samples.
+    pub fn publish(&self, work: &Work, samples: u64, blocked: Duration) {
+        self.with_hub(|inner| {
+            inner.producer_blocked += blocked;
+            inner.hub.finish_batch(work.seq, samples);
+        });
+    }
+
+    /// An external producer said goodbye with nothing left unpublished.
+    /// An endless stream ends normally at an epoch boundary; anything else
+    /// ends early, and consumers are told.
+    pub fn producer_done(&self, who: &str) {
+        let early = self.with_hub(|inner| {
+            if inner.hub.exhausted() || inner.failed.is_some() {
+                return None;
+            }
+            if self.plan.cfg.epochs.is_none() && inner.hub.end_at_epoch_boundary() {
+                return None;
+            }
+            let c = inner.hub.counts();
+            Some(format!(
+                "the producer {who} stopped after {} batches, in epoch {}{}",
+                c.produced,
+                c.epoch,
+                match self.plan.cfg.epochs {
+                    Some(e) => format!(" of {e}"),
+                    None => " (mid-epoch)".into(),
+                }
+            ))
+        });
+        if let Some(why) = early {
+            self.fail(why);
+        }
     }
 
     pub fn subscribe(
@@ -259,8 +346,22 @@ impl Stream {
             detached: c.detached,
             producer_blocked_s: inner.producer_blocked.as_secs_f64(),
             pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
+            producer: match &self.plan.schema.source {
+                batchcast::schema::SourceInfo::External(e) => Some(format!(
+                    "{} (pid {}){}",
+                    e.producer,
+                    e.pid,
+                    if e.description.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", e.description)
+                    }
+                )),
+                _ => None,
+            },
+            failed: inner.failed.clone(),
             source: match &self.plan.source {
-                Source::Synthetic(_) => None,
+                Source::Synthetic(_) | Source::External => None,
                 Source::Images { pipeline, .. } => {
                     let n = pipeline.counts();
                     let c = n.cache.unwrap_or_default();
@@ -273,7 +374,6 @@ impl Stream {
                         cache_bytes: c.bytes,
                         cache_items: c.items,
                         cache_budget: c.budget,
-                        failed: inner.failed.clone(),
                     })
                 }
             },
@@ -292,7 +392,7 @@ impl Stream {
                     return;
                 }
             },
-            Source::Synthetic(_) => None,
+            Source::Synthetic(_) | Source::External => None,
         };
         loop {
             let work = {
@@ -341,7 +441,7 @@ impl Stream {
     }
 
     /// Stops the stream because its source failed, telling every consumer.
-    fn fail(&self, why: String) {
+    pub fn fail(&self, why: String) {
         tracing::error!(stream = %self.name(), "stream stopped: {why}");
         self.stop.store(true, Ordering::SeqCst);
         let mut inner = self.lock();
@@ -393,6 +493,7 @@ impl Stream {
                 }
             }
             (Source::Images { .. }, None) => unreachable!("image workers have a decoder"),
+            (Source::External, _) => unreachable!("external streams have no workers"),
         }
         Ok(samples as u64)
     }

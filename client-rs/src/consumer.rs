@@ -49,6 +49,10 @@ pub struct ConsumerOptions {
     pub join: JoinPolicy,
     /// The name shown in `batchcast stats`.
     pub name: String,
+    /// How long to keep retrying while the broker is not up yet or the
+    /// stream is not registered yet (a producer still starting). Zero: fail
+    /// at once. Default: `$BATCHCAST_CONNECT_TIMEOUT` seconds, else zero.
+    pub connect_timeout: Duration,
 }
 
 impl Default for ConsumerOptions {
@@ -59,6 +63,11 @@ impl Default for ConsumerOptions {
             stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
             window: 2,
             join: JoinPolicy::NextEpoch,
+            connect_timeout: env("BATCHCAST_CONNECT_TIMEOUT")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .unwrap_or_default(),
             name: env("BATCHCAST_NAME").unwrap_or_else(|| {
                 std::env::args()
                     .next()
@@ -88,26 +97,52 @@ struct Shared {
 
 impl Shared {
     fn send(&self, msg: &ClientMsg) -> Result<()> {
-        let bytes = proto::encode(msg)?;
         let guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let fd = guard.as_raw_fd();
-        let mut off = 0;
-        while off < bytes.len() {
-            // MSG_NOSIGNAL: a dead broker is an error here, never SIGPIPE.
-            match nix::sys::socket::send(
-                fd,
-                &bytes[off..],
-                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-            ) {
-                Ok(n) => off += n,
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
-                    return Err(Error::BrokerGone);
-                }
-                Err(e) => return Err(Error::Io(e.into())),
+        send_msg(&guard, msg)
+    }
+}
+
+/// Sends one frame; a dead broker is [`Error::BrokerGone`], never SIGPIPE.
+pub(crate) fn send_msg(stream: &UnixStream, msg: &ClientMsg) -> Result<()> {
+    let bytes = proto::encode(msg)?;
+    let fd = stream.as_raw_fd();
+    let mut off = 0;
+    while off < bytes.len() {
+        match nix::sys::socket::send(fd, &bytes[off..], nix::sys::socket::MsgFlags::MSG_NOSIGNAL) {
+            Ok(n) => off += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
+                return Err(Error::BrokerGone);
             }
+            Err(e) => return Err(Error::Io(e.into())),
         }
-        Ok(())
+    }
+    Ok(())
+}
+
+/// Connects to the broker's socket, retrying for up to `timeout` while it
+/// is not there yet, and runs `attempt` on the connection; an attempt that
+/// fails with [`Error::is_not_ready`] is retried too.
+pub(crate) fn connect_retrying<T>(
+    socket: Option<PathBuf>,
+    timeout: Duration,
+    mut attempt: impl FnMut(UnixStream) -> Result<T>,
+) -> Result<T> {
+    let path = socket.unwrap_or_else(default_socket_path);
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let result = UnixStream::connect(&path)
+            .map_err(|source| Error::Connect {
+                path: path.clone(),
+                source,
+            })
+            .and_then(&mut attempt);
+        match result {
+            Err(e) if e.is_not_ready() && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => return other,
+        }
     }
 }
 
@@ -134,11 +169,12 @@ impl Consumer {
         if opts.window == 0 {
             return Err(Error::InvalidOption("window must be at least 1".into()));
         }
-        let path = opts.socket.clone().unwrap_or_else(default_socket_path);
-        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect {
-            path: path.clone(),
-            source,
-        })?;
+        connect_retrying(opts.socket.clone(), opts.connect_timeout, |stream| {
+            Consumer::subscribe(stream, &opts)
+        })
+    }
+
+    fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
@@ -205,6 +241,17 @@ impl Consumer {
         (self.shared.map.as_ptr(), self.shared.map.len())
     }
 
+    /// Waits up to `timeout` for the broker's next message (or its going
+    /// away) without consuming it: `true` means [`Consumer::next_event`]
+    /// will not block for long. Lets callers stay interruptible.
+    pub fn wait_readable(&self, timeout: Duration) -> Result<bool> {
+        if self.finished || !self.reader.buffer().is_empty() {
+            return Ok(true);
+        }
+        let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+        readable_within(self.reader.get_ref(), ms)
+    }
+
     /// Blocks for the broker's next event. `Ok(None)` once the stream has
     /// ended. Errors if the broker goes away (at once, never a hang), if it
     /// detached this consumer, or if this consumer holds its whole window
@@ -216,7 +263,7 @@ impl Consumer {
         let window = self.shared.welcome.window;
         if self.held() >= window
             && self.reader.buffer().is_empty()
-            && !readable_within(&self.reader, 50)?
+            && !readable_within(self.reader.get_ref(), 50)?
         {
             return Err(Error::WindowFull { held: self.held() });
         }
@@ -301,7 +348,10 @@ impl Drop for Consumer {
 /// Sends the preamble and `hello`, checks the broker's preamble and reads
 /// its first frame with any fds attached to it. Reads exactly what it needs:
 /// reading an fd-carrying message with plain `read` would drop the fd.
-fn handshake(stream: &UnixStream, hello: &ClientMsg) -> Result<(ServerMsg, Vec<OwnedFd>)> {
+pub(crate) fn handshake(
+    stream: &UnixStream,
+    hello: &ClientMsg,
+) -> Result<(ServerMsg, Vec<OwnedFd>)> {
     let mut out = Preamble::ours().to_bytes().to_vec();
     out.extend_from_slice(&proto::encode(hello)?);
     let mut w = stream;
@@ -336,9 +386,9 @@ fn recv_exact(stream: &UnixStream, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -
     Ok(())
 }
 
-fn readable_within(reader: &BufReader<UnixStream>, ms: u16) -> Result<bool> {
+pub(crate) fn readable_within(stream: &UnixStream, ms: u16) -> Result<bool> {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-    let fd = std::os::fd::AsFd::as_fd(reader.get_ref());
+    let fd = std::os::fd::AsFd::as_fd(stream);
     let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
     loop {
         match poll(&mut fds, PollTimeout::from(ms)) {
@@ -525,11 +575,10 @@ pub struct StatsClient {
 
 impl StatsClient {
     pub fn connect(socket: Option<PathBuf>) -> Result<StatsClient> {
-        let path = socket.unwrap_or_else(default_socket_path);
-        let stream = UnixStream::connect(&path).map_err(|source| Error::Connect {
-            path: path.clone(),
-            source,
-        })?;
+        connect_retrying(socket, Duration::ZERO, StatsClient::open)
+    }
+
+    fn open(stream: UnixStream) -> Result<StatsClient> {
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let hello = ClientMsg::Hello(Hello {
             name: "stats".into(),

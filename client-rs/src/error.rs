@@ -54,6 +54,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// True for errors that go away by themselves when a job starts up: no
+    /// broker listening yet, or the stream not registered yet.
+    pub fn is_not_ready(&self) -> bool {
+        match self {
+            Error::Connect { source, .. } => matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ),
+            Error::Broker { code, .. } => *code == ErrorCode::UnknownStream,
+            _ => false,
+        }
+    }
+
     /// The broker's error code, when the broker sent one.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {

@@ -24,6 +24,8 @@
 //!   module with `unsafe`.
 //! * [`consumer`]: the blocking [`Consumer`], [`Batch`] and its field views,
 //!   and [`StatsClient`].
+//! * [`producer`]: the blocking [`Producer`], which registers a stream and
+//!   writes its batches from outside the broker (e.g. a Python DataLoader).
 //! * [`synthetic`]: the deterministic test data source both sides use.
 //!
 //! # Shared means read-only
@@ -35,6 +37,7 @@
 
 pub mod consumer;
 pub mod error;
+pub mod producer;
 pub mod proto;
 pub mod schema;
 pub mod shm;
@@ -44,5 +47,6 @@ pub use consumer::{
     Batch, Consumer, ConsumerOptions, Element, Event, FieldView, StatsClient, default_socket_path,
 };
 pub use error::{Error, Result};
-pub use proto::JoinPolicy;
+pub use producer::{Acquired, Producer, ProducerOptions};
+pub use proto::{FillSlot, JoinPolicy};
 pub use schema::{DType, Field, Schema};

@@ -14,6 +14,14 @@
 //!    answered with [`ServerMsg::Welcome`], which carries the stream's arena
 //!    as a file descriptor (`SCM_RIGHTS`) on the same `sendmsg`; a stats
 //!    client with [`ServerMsg::Stats`].
+//! 4. A producer ([`Intent::Produce`]) registers a stream of its own. The
+//!    broker creates the arena and answers [`ServerMsg::Registered`] with its
+//!    fd; the producer maps it writable and asks for a slot with
+//!    [`ClientMsg::Acquire`]. That first request tells the broker the
+//!    producer's mapping exists: the broker then seals the arena against
+//!    every further writable mapping and opens the stream to consumers. Each
+//!    [`ServerMsg::Fill`] names a slot and the batch it must hold; the
+//!    producer writes it and sends [`ClientMsg::Publish`].
 //!
 //! Postcard was chosen over bincode 2 because it is maintained, its format
 //! is documented and stable, and its varint encoding keeps these small
@@ -27,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -102,6 +110,30 @@ pub enum Intent {
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
+    /// Register a stream whose batches this client writes.
+    Produce(Box<ProduceRequest>),
+}
+
+/// What an external producer will publish.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProduceRequest {
+    /// The stream's name; no other stream of the broker may have it.
+    pub stream: String,
+    pub fields: Vec<crate::schema::Field>,
+    /// Samples in a full batch; a batch may hold fewer (a short last batch).
+    pub batch_size: u64,
+    pub batches_per_epoch: u64,
+    /// `None`: endless.
+    pub epochs: Option<u64>,
+    /// Slots of the arena (at least 2).
+    pub slots: u32,
+    /// Consumers that must subscribe before the first slot is handed out.
+    pub min_consumers: u32,
+    pub lag_limit: Option<u32>,
+    /// What produces the batches, shown in stats.
+    pub description: String,
+    /// Class names in label order, if known.
+    pub classes: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,8 +156,22 @@ pub enum ClientMsg {
     },
     StatsRequest,
     /// The client wants no further batches; the ones it still holds are
-    /// released when it releases them or disconnects.
+    /// released when it releases them or disconnects. From a producer: it
+    /// is done (early, unless every epoch was published).
     Goodbye,
+    /// Producer: give me the next slot to fill (answered with
+    /// [`ServerMsg::Fill`], or [`ServerMsg::EndOfStream`] once every epoch
+    /// has been handed out). At most one request is outstanding.
+    Acquire,
+    /// Producer: the slot of batch `seq` now holds `samples` valid samples.
+    Publish {
+        seq: u64,
+        samples: u64,
+    },
+    /// Producer: its source failed; consumers are told `message`.
+    Fail {
+        message: String,
+    },
 }
 
 /// Messages the broker sends.
@@ -141,6 +187,26 @@ pub enum ServerMsg {
     /// The broker is going away or has dropped this client; no more messages follow.
     Goodbye(GoodbyeReason),
     Stats(Box<StatsReply>),
+    /// Accepted as a producer; the arena's fd rides with this frame.
+    Registered(Box<Registered>),
+    /// Producer: fill `slot` with batch `seq` (`index` of `epoch`).
+    Fill(FillSlot),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registered {
+    pub stream: String,
+    pub schema: Schema,
+    pub layout: SlotLayout,
+    pub slots: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillSlot {
+    pub seq: u64,
+    pub epoch: u64,
+    pub index: u64,
+    pub slot: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -207,6 +273,10 @@ pub enum ErrorCode {
     /// The stream's data source failed (a bad file with `on_error = "fail"`,
     /// an unreadable dataset); the message names the file.
     SourceFailed,
+    /// A producer asked for a stream name that is already served.
+    StreamExists,
+    /// A producer's request or batch does not fit its stream's schema.
+    SchemaMismatch,
     Internal,
 }
 
@@ -251,6 +321,10 @@ pub struct StreamStats {
     pub pipeline_cpu_s: f64,
     /// Image sources only.
     pub source: Option<SourceStats>,
+    /// External streams: who produces them.
+    pub producer: Option<String>,
+    /// Why the stream stopped, if its source or producer failed.
+    pub failed: Option<String>,
     pub consumers: Vec<ConsumerStats>,
 }
 
@@ -269,8 +343,6 @@ pub struct SourceStats {
     pub cache_items: u64,
     /// 0 when the cache is off.
     pub cache_budget: u64,
-    /// Why the stream stopped, if its source failed.
-    pub failed: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -80,6 +80,11 @@ pub struct Field {
     pub dtype: DType,
     /// Shape of one sample's tensor; the batch dimension is not included.
     pub shape: Vec<u64>,
+    /// Metadata a trainer rarely wants (an image stream's dataset `index`):
+    /// clients leave it out when a batch is unpacked by position, and still
+    /// give it by name.
+    #[serde(default)]
+    pub aux: bool,
 }
 
 impl Field {
@@ -126,6 +131,32 @@ pub enum SourceInfo {
     Synthetic(crate::synthetic::SyntheticSpec),
     /// Decoded, transformed images from a dataset on the broker's host.
     Images(ImageSourceInfo),
+    /// Batches written by an external producer process (e.g. a Python
+    /// `batchcast.Producer` sharing a PyTorch DataLoader).
+    External(ExternalSourceInfo),
+}
+
+impl SourceInfo {
+    /// Class names in label order, where the source knows them.
+    pub fn classes(&self) -> &[String] {
+        match self {
+            SourceInfo::Synthetic(_) => &[],
+            SourceInfo::Images(i) => &i.classes,
+            SourceInfo::External(e) => &e.classes,
+        }
+    }
+}
+
+/// Who fills an external stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExternalSourceInfo {
+    /// The producer's name and pid, as it introduced itself.
+    pub producer: String,
+    pub pid: u32,
+    /// What the producer says it runs (e.g. `DataLoader(ImageFolder)`).
+    pub description: String,
+    /// Class names in label order, if the producer knows them.
+    pub classes: Vec<String>,
 }
 
 /// What a consumer may want to know about an image dataset.
@@ -254,11 +285,13 @@ mod tests {
                     name: "image".into(),
                     dtype: DType::U8,
                     shape: vec![3, 224, 224],
+                    aux: false,
                 },
                 Field {
                     name: "label".into(),
                     dtype: DType::I64,
                     shape: vec![],
+                    aux: false,
                 },
             ],
             64,
@@ -288,6 +321,7 @@ mod tests {
                 name: "huge".into(),
                 dtype: DType::F64,
                 shape: vec![u64::MAX / 2, 4],
+                aux: false,
             }],
             8,
         );
@@ -301,6 +335,7 @@ mod tests {
                 name: "x".into(),
                 dtype: DType::F32,
                 shape: vec![10],
+                aux: false,
             }],
             4,
         );

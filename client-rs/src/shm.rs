@@ -67,6 +67,16 @@ impl Mapping {
 
     /// Maps a whole arena fd read-only, checking its size is at least `min_len`.
     pub fn map_readonly(fd: BorrowedFd<'_>, min_len: u64) -> Result<Mapping> {
+        Mapping::map_whole(fd, min_len, ProtFlags::PROT_READ)
+    }
+
+    /// Maps a whole arena fd read-write (an external producer, before the
+    /// broker seals the arena), checking its size is at least `min_len`.
+    pub fn map_readwrite(fd: BorrowedFd<'_>, min_len: u64) -> Result<Mapping> {
+        Mapping::map_whole(fd, min_len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE)
+    }
+
+    fn map_whole(fd: BorrowedFd<'_>, min_len: u64, prot: ProtFlags) -> Result<Mapping> {
         let size = nix::sys::stat::fstat(fd)
             .map_err(|e| shm_err("fstat of the arena fd failed", e))?
             .st_size as u64;
@@ -77,7 +87,7 @@ impl Mapping {
         }
         let len = usize::try_from(size)
             .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
-        Mapping::map(fd, len, ProtFlags::PROT_READ, MapFlags::empty())
+        Mapping::map(fd, len, prot, MapFlags::empty())
     }
 
     pub fn len(&self) -> usize {

@@ -1,0 +1,348 @@
+//! The blocking producer client: registers a stream with the broker and
+//! writes its batches into the shared arena, for pipelines that run outside
+//! the broker (a Python `DataLoader`, a custom Rust loader).
+//!
+//! ```no_run
+//! use batchcast::{DType, Field, Producer, ProducerOptions};
+//! let fields = vec![Field { name: "x".into(), dtype: DType::F32, shape: vec![16], aux: false }];
+//! let mut producer = Producer::register(ProducerOptions::new("train", fields, 32, 100))?;
+//! while let Some(slot) = producer.acquire()? {
+//!     let mut views = producer.fields_mut(&slot);
+//!     views[0].fill(0); // write the batch straight into shared memory
+//!     producer.publish(&slot, 32)?;
+//! }
+//! # Ok::<(), batchcast::Error>(())
+//! ```
+//!
+//! The broker hands out one slot at a time ([`Producer::acquire`]), blocking
+//! while every slot is still held by consumers (back-pressure) or while too
+//! few consumers have subscribed. Each slot names the epoch and index of the
+//! batch it must hold. Normally these follow the producer's own count; they
+//! jump to the start of a later epoch when the broker skipped the rest of an
+//! epoch that nobody was subscribed to, and the producer then starts that
+//! epoch afresh.
+
+use std::io::BufReader;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::consumer::{connect_retrying, handshake, readable_within, send_msg};
+use crate::error::{Error, Result};
+use crate::proto::{
+    self, ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registered, ServerMsg,
+};
+use crate::schema::{Field, Schema, SlotLayout};
+use crate::shm::Mapping;
+
+/// What to register.
+#[derive(Debug, Clone)]
+pub struct ProducerOptions {
+    /// The broker's socket; `None` for [`crate::default_socket_path`].
+    pub socket: Option<PathBuf>,
+    pub stream: String,
+    /// The name shown in `batchcast stats`.
+    pub name: String,
+    pub fields: Vec<Field>,
+    pub batch_size: u64,
+    pub batches_per_epoch: u64,
+    /// `None`: endless.
+    pub epochs: Option<u64>,
+    /// Slots of the arena (≥ 2): how many batches can be in consumers'
+    /// hands or queued at once.
+    pub slots: u32,
+    /// Consumers that must subscribe before the first batch is produced.
+    pub min_consumers: u32,
+    /// Detach consumers lagging this many batches behind (`None`: wait).
+    pub lag_limit: Option<u32>,
+    pub description: String,
+    pub classes: Vec<String>,
+    /// How long to retry while no broker is listening yet.
+    pub connect_timeout: Duration,
+}
+
+impl ProducerOptions {
+    /// Options with defaults: 4 slots, one consumer, endless, no lag limit.
+    pub fn new(
+        stream: impl Into<String>,
+        fields: Vec<Field>,
+        batch_size: u64,
+        batches_per_epoch: u64,
+    ) -> ProducerOptions {
+        ProducerOptions {
+            socket: None,
+            stream: stream.into(),
+            name: std::env::args()
+                .next()
+                .and_then(|a| {
+                    PathBuf::from(a)
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                })
+                .unwrap_or_else(|| "producer".into()),
+            fields,
+            batch_size,
+            batches_per_epoch,
+            epochs: None,
+            slots: 4,
+            min_consumers: 1,
+            lag_limit: None,
+            description: String::new(),
+            classes: Vec::new(),
+            connect_timeout: Duration::ZERO,
+        }
+    }
+}
+
+/// What [`Producer::acquire_timeout`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acquired {
+    /// Fill this slot, then [`Producer::publish`] it.
+    Slot(FillSlot),
+    /// Every epoch has been handed out; nothing more to produce.
+    Ended,
+    /// Nothing yet; ask again (the request stays outstanding).
+    Pending,
+}
+
+/// A registered external stream.
+#[derive(Debug)]
+pub struct Producer {
+    reader: BufReader<UnixStream>,
+    buf: Vec<u8>,
+    map: Mapping,
+    registered: Registered,
+    /// A slot request is outstanding.
+    requested: bool,
+    /// The slot handed out and not yet published.
+    filling: Option<FillSlot>,
+    ended: bool,
+}
+
+impl Producer {
+    /// Connects, registers the stream and maps its arena writable.
+    pub fn register(opts: ProducerOptions) -> Result<Producer> {
+        let request = ProduceRequest {
+            stream: opts.stream.clone(),
+            fields: opts.fields.clone(),
+            batch_size: opts.batch_size,
+            batches_per_epoch: opts.batches_per_epoch,
+            epochs: opts.epochs,
+            slots: opts.slots,
+            min_consumers: opts.min_consumers,
+            lag_limit: opts.lag_limit,
+            description: opts.description.clone(),
+            classes: opts.classes.clone(),
+        };
+        let hello = ClientMsg::Hello(Hello {
+            name: opts.name.clone(),
+            pid: std::process::id(),
+            intent: Intent::Produce(Box::new(request)),
+        });
+        connect_retrying(opts.socket.clone(), opts.connect_timeout, |stream| {
+            Producer::open(stream, &hello)
+        })
+    }
+
+    fn open(stream: UnixStream, hello: &ClientMsg) -> Result<Producer> {
+        let (reply, fds) = handshake(&stream, hello)?;
+        let registered = match reply {
+            ServerMsg::Registered(r) => *r,
+            ServerMsg::Error(e) => {
+                return Err(Error::Broker {
+                    code: e.code,
+                    message: e.message,
+                });
+            }
+            other => {
+                return Err(Error::Unexpected(format!(
+                    "{other:?} instead of a registration"
+                )));
+            }
+        };
+        let fd = fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Shm("the broker's registration carried no arena fd".into()))?;
+        registered.layout.validate(&registered.schema)?;
+        let len = registered
+            .layout
+            .slot_bytes
+            .checked_mul(registered.slots as u64)
+            .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
+        let map = Mapping::map_readwrite(fd.as_fd(), len)?;
+        Ok(Producer {
+            reader: BufReader::with_capacity(4096, stream),
+            buf: Vec::with_capacity(256),
+            map,
+            registered,
+            requested: false,
+            filling: None,
+            ended: false,
+        })
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.registered.schema
+    }
+
+    pub fn layout(&self) -> &SlotLayout {
+        &self.registered.layout
+    }
+
+    /// Blocks for the next slot to fill; `None` once every epoch is done.
+    pub fn acquire(&mut self) -> Result<Option<FillSlot>> {
+        loop {
+            match self.acquire_timeout(Duration::from_secs(3600))? {
+                Acquired::Slot(s) => return Ok(Some(s)),
+                Acquired::Ended => return Ok(None),
+                Acquired::Pending => {}
+            }
+        }
+    }
+
+    /// Like [`Producer::acquire`], but gives up after `timeout` with
+    /// [`Acquired::Pending`] so the caller can check for interrupts; the
+    /// request stays outstanding and the next call continues waiting.
+    pub fn acquire_timeout(&mut self, timeout: Duration) -> Result<Acquired> {
+        if let Some(s) = self.filling {
+            return Err(Error::InvalidOption(format!(
+                "slot {} (batch {}) is still being filled; publish it before acquiring another",
+                s.slot, s.seq
+            )));
+        }
+        if self.ended {
+            return Ok(Acquired::Ended);
+        }
+        if !self.requested {
+            send_msg(self.reader.get_ref(), &ClientMsg::Acquire)?;
+            self.requested = true;
+        }
+        if self.reader.buffer().is_empty() {
+            let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+            if !readable_within(self.reader.get_ref(), ms)? {
+                return Ok(Acquired::Pending);
+            }
+        }
+        let msg = match proto::read_frame::<ServerMsg>(&mut self.reader, &mut self.buf) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(Error::BrokerGone),
+            Err(Error::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Err(Error::BrokerGone);
+            }
+            Err(e) => return Err(e),
+        };
+        self.requested = false;
+        match msg {
+            ServerMsg::Fill(s) => {
+                if s.slot >= self.registered.slots {
+                    return Err(Error::Unexpected(format!(
+                        "slot {} outside the arena of {}",
+                        s.slot, self.registered.slots
+                    )));
+                }
+                self.filling = Some(s);
+                Ok(Acquired::Slot(s))
+            }
+            ServerMsg::EndOfStream => {
+                self.ended = true;
+                Ok(Acquired::Ended)
+            }
+            ServerMsg::Error(e) => Err(Error::Broker {
+                code: e.code,
+                message: e.message,
+            }),
+            ServerMsg::Goodbye(reason) => Err(Error::Broker {
+                code: proto::ErrorCode::StreamEnded,
+                message: format!("the broker said goodbye ({reason:?})"),
+            }),
+            other => Err(Error::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Writable views of every field of `slot`, in schema order, each sized
+    /// for a full batch (`batch_size × bytes per sample`).
+    pub fn fields_mut(&mut self, slot: &FillSlot) -> Vec<&mut [u8]> {
+        assert_eq!(
+            self.filling.as_ref(),
+            Some(slot),
+            "fields_mut of a slot this producer is not filling"
+        );
+        let layout = &self.registered.layout;
+        let batch = self.registered.schema.batch_size;
+        let base = slot.slot as u64 * layout.slot_bytes;
+        // SAFETY: the broker handed this slot to this producer in its
+        // `Filling` state: no consumer holds it until `publish`, and the
+        // `&mut self` borrow keeps this process from making a second view.
+        let whole = unsafe { self.map.slice_mut(base, layout.slot_bytes) };
+        // Fields are laid out in order and never overlap (validated), so
+        // splitting the slot at their offsets yields disjoint views.
+        let mut views = Vec::with_capacity(layout.fields.len());
+        let mut rest = whole;
+        let mut at = 0u64;
+        for fl in &layout.fields {
+            let (_, tail) = rest.split_at_mut((fl.offset - at) as usize);
+            let (field, tail) = tail.split_at_mut((fl.bytes_per_sample * batch) as usize);
+            views.push(field);
+            rest = tail;
+            at = fl.offset + fl.bytes_per_sample * batch;
+        }
+        views
+    }
+
+    /// Address of the first byte of the arena in this process.
+    pub fn arena_ptr(&self) -> *const u8 {
+        self.map.as_ptr()
+    }
+
+    /// The slot holds `samples` valid samples (at most the batch size; fewer
+    /// for a short last batch): hand it to the consumers.
+    pub fn publish(&mut self, slot: &FillSlot, samples: u64) -> Result<()> {
+        if self.filling.as_ref() != Some(slot) {
+            return Err(Error::InvalidOption(format!(
+                "batch {} is not the one being filled",
+                slot.seq
+            )));
+        }
+        let batch = self.registered.schema.batch_size;
+        if samples == 0 || samples > batch {
+            return Err(Error::InvalidOption(format!(
+                "a batch holds 1 to {batch} samples, not {samples}"
+            )));
+        }
+        send_msg(
+            self.reader.get_ref(),
+            &ClientMsg::Publish {
+                seq: slot.seq,
+                samples,
+            },
+        )?;
+        self.filling = None;
+        Ok(())
+    }
+
+    /// Stops the stream because the source failed; every consumer gets
+    /// `message`. The connection closes.
+    pub fn fail(self, message: &str) -> Result<()> {
+        send_msg(
+            self.reader.get_ref(),
+            &ClientMsg::Fail {
+                message: message.into(),
+            },
+        )
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        // Done: the broker ends the stream normally if every epoch was
+        // published, and tells consumers the producer left early otherwise.
+        let _ = send_msg(self.reader.get_ref(), &ClientMsg::Goodbye);
+    }
+}

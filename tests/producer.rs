@@ -1,0 +1,270 @@
+//! External producers end to end: a broker started with no config, a
+//! [`batchcast::Producer`] registering a stream over the real socket, and
+//! real consumer processes (`batchcast consume`) reading it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use batchcast::proto::ErrorCode;
+use batchcast::{DType, Field, Producer, ProducerOptions};
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+
+const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
+const LIMIT: Duration = Duration::from_secs(120);
+
+struct Env {
+    dir: tempfile::TempDir,
+    broker: BrokerProcess,
+}
+
+impl Env {
+    /// A broker with no configured stream, or with `config`.
+    fn start(config: Option<&str>) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config.map(|c| {
+            let p = dir.path().join("broker.toml");
+            std::fs::write(&p, c).unwrap();
+            p
+        });
+        let broker = BrokerProcess::spawn(
+            Path::new(EXE),
+            cfg.as_deref(),
+            &dir.path().join("b.sock"),
+            Some(&dir.path().join("broker.log")),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        Env { dir, broker }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    fn consumer(&self, stream: &str, dump: Option<&Path>) -> std::process::Child {
+        let mut args: Vec<String> = ["--stream", stream, "--connect-timeout", "60"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        if let Some(d) = dump {
+            args.extend(["--dump".into(), d.display().to_string()]);
+        }
+        harness::spawn_consumer(Path::new(EXE), &self.broker.socket, &args).unwrap()
+    }
+
+    fn options(&self, stream: &str, batches: u64, epochs: Option<u64>) -> ProducerOptions {
+        let mut o = ProducerOptions::new(stream, fields(), BATCH, batches);
+        o.socket = Some(self.broker.socket.clone());
+        o.epochs = epochs;
+        o.name = "test-producer".into();
+        o.description = "tests/producer.rs".into();
+        o
+    }
+}
+
+const BATCH: u64 = 8;
+
+fn fields() -> Vec<Field> {
+    vec![
+        Field {
+            name: "x".into(),
+            dtype: DType::F32,
+            shape: vec![4],
+            aux: false,
+        },
+        Field {
+            name: "y".into(),
+            dtype: DType::I64,
+            shape: vec![],
+            aux: false,
+        },
+    ]
+}
+
+/// What batch (`epoch`, `index`) holds: x[i][k] = epoch·1e4 + index·100 +
+/// i·10 + k and y[i] = epoch·1000 + index·10 + i; the last batch of an
+/// epoch is short (5 samples).
+fn expected(epoch: u64, index: u64, samples: u64) -> (Vec<u8>, Vec<u8>) {
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    for i in 0..samples {
+        for k in 0..4 {
+            let v = (epoch * 10_000 + index * 100 + i * 10 + k) as f32;
+            x.extend_from_slice(&v.to_le_bytes());
+        }
+        y.extend_from_slice(&((epoch * 1000 + index * 10 + i) as i64).to_le_bytes());
+    }
+    (x, y)
+}
+
+fn samples_of(index: u64, batches: u64) -> u64 {
+    if index + 1 == batches { 5 } else { BATCH }
+}
+
+/// Produces every batch it is handed until the stream ends; returns how
+/// many it published.
+fn produce_all(p: &mut Producer, batches: u64) -> u64 {
+    let mut n = 0;
+    while let Some(slot) = p.acquire().unwrap() {
+        let samples = samples_of(slot.index, batches);
+        let (x, y) = expected(slot.epoch, slot.index, samples);
+        let mut views = p.fields_mut(&slot);
+        views[0][..x.len()].copy_from_slice(&x);
+        views[1][..y.len()].copy_from_slice(&y);
+        p.publish(&slot, samples).unwrap();
+        n += 1;
+    }
+    n
+}
+
+fn report(child: std::process::Child) -> ConsumerReport {
+    harness::wait_report(child, LIMIT).unwrap()
+}
+
+#[test]
+fn a_producer_shares_every_batch_with_every_consumer_including_short_last_batches() {
+    let env = Env::start(None);
+    let (batches, epochs) = (3, 2);
+    let dumps: Vec<PathBuf> = (0..2).map(|i| env.path(&format!("dump{i}"))).collect();
+    // Consumers start first and wait for the stream to be registered.
+    let kids: Vec<_> = dumps.iter().map(|d| env.consumer("ext", Some(d))).collect();
+    let mut opts = env.options("ext", batches, Some(epochs));
+    opts.min_consumers = 2;
+    opts.slots = 3;
+    let mut producer = Producer::register(opts).unwrap();
+    assert_eq!(producer.schema().batches_per_epoch, batches);
+    assert_eq!(produce_all(&mut producer, batches), batches * epochs);
+    drop(producer);
+    for (kid, dump) in kids.into_iter().zip(&dumps) {
+        let r = report(kid);
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.batches, batches * epochs, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{r:#?}");
+        assert_eq!(r.samples, epochs * (2 * BATCH + 5));
+        for e in 0..epochs {
+            for b in 0..batches {
+                let (x, y) = expected(e, b, samples_of(b, batches));
+                let got = |f: &str| std::fs::read(dump.join(format!("e{e}-b{b}-{f}.bin"))).unwrap();
+                assert_eq!(got("x"), x, "epoch {e} batch {b} field x");
+                assert_eq!(got("y"), y, "epoch {e} batch {b} field y");
+            }
+        }
+    }
+    // The stream is gone once its producer is: the name can be registered again.
+    let again = Producer::register(env.options("ext", 1, Some(1)));
+    assert!(again.is_ok(), "{again:?}");
+}
+
+#[test]
+fn a_producer_that_leaves_mid_epoch_gives_consumers_a_clear_error() {
+    let env = Env::start(None);
+    let kid = env.consumer("ext", None);
+    let mut producer = Producer::register(env.options("ext", 4, None)).unwrap();
+    let slot = producer.acquire().unwrap().unwrap();
+    let (x, y) = expected(0, 0, BATCH);
+    let mut views = producer.fields_mut(&slot);
+    views[0].copy_from_slice(&x);
+    views[1].copy_from_slice(&y);
+    producer.publish(&slot, BATCH).unwrap();
+    // Take the next slot and vanish while filling it.
+    let _half = producer.acquire().unwrap().unwrap();
+    drop(producer);
+    let r = report(kid);
+    assert!(!r.ok, "{r:#?}");
+    assert_eq!(r.batches, 1, "the published batch still arrives: {r:#?}");
+    assert_eq!(r.error_code.as_deref(), Some("SourceFailed"), "{r:#?}");
+    let msg = r.error.unwrap();
+    assert!(
+        msg.contains("test-producer") && msg.contains("left while filling batch 1"),
+        "{msg}"
+    );
+    let st = env.broker.stats().unwrap();
+    assert!(st.streams.iter().all(|s| s.name != "ext"), "{st:#?}");
+}
+
+#[test]
+fn an_endless_stream_ends_normally_when_its_producer_stops_between_epochs() {
+    let env = Env::start(None);
+    let kid = env.consumer("ext", None);
+    let batches = 2;
+    let mut producer = Producer::register(env.options("ext", batches, None)).unwrap();
+    for _ in 0..2 * batches {
+        let slot = producer.acquire().unwrap().unwrap();
+        let samples = samples_of(slot.index, batches);
+        producer.publish(&slot, samples).unwrap();
+    }
+    drop(producer);
+    let r = report(kid);
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.batches, 2 * batches);
+}
+
+#[test]
+fn registrations_that_cannot_work_are_refused_with_what_to_change() {
+    let env = Env::start(Some(
+        r#"[[stream]]
+name = "train"
+batch_size = 4
+epochs = 1
+[stream.synthetic]
+len = 8
+fields = [{ name = "x", dtype = "u8", shape = [2] }]
+"#,
+    ));
+    let err = Producer::register(env.options("train", 2, Some(1))).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::StreamExists), "{err}");
+    assert!(
+        err.to_string()
+            .contains("already serves a stream named `train`")
+    );
+
+    let mut zero = env.options("ext", 2, Some(1));
+    zero.fields[0].shape = vec![0];
+    let err = Producer::register(zero).unwrap_err();
+    assert!(err.to_string().contains("zero dimension"), "{err}");
+
+    let mut slots = env.options("ext", 2, Some(1));
+    slots.slots = 1;
+    let err = Producer::register(slots).unwrap_err();
+    assert!(err.to_string().contains("slots = 1"), "{err}");
+
+    // A refused producer leaves nothing behind: the name is free.
+    let _ok = Producer::register(env.options("ext", 2, Some(1))).unwrap();
+    // And a second producer for the same name is refused while the first lives.
+    let err = Producer::register(env.options("ext", 2, Some(1))).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::StreamExists), "{err}");
+}
+
+#[test]
+fn consumers_of_an_external_stream_read_the_producers_bytes_in_place() {
+    let env = Env::start(None);
+    let mut producer = Producer::register(env.options("ext", 2, Some(1))).unwrap();
+    let socket = env.broker.socket.clone();
+    let reader = std::thread::spawn(move || {
+        let opts = batchcast::ConsumerOptions {
+            socket: Some(socket),
+            stream: "ext".into(),
+            connect_timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let mut c = batchcast::Consumer::connect(opts).unwrap();
+        let (base, len) = c.arena();
+        let b = c.next().unwrap().unwrap();
+        let x = b.field("x").unwrap().as_slice::<f32>().unwrap().to_vec();
+        let inside = {
+            let p = b.field("x").unwrap().bytes().as_ptr() as usize;
+            p >= base as usize && p < base as usize + len
+        };
+        (x, inside)
+    });
+    let slot = producer.acquire().unwrap().unwrap();
+    let (x, y) = expected(0, 0, BATCH);
+    let mut views = producer.fields_mut(&slot);
+    views[0].copy_from_slice(&x);
+    views[1].copy_from_slice(&y);
+    producer.publish(&slot, BATCH).unwrap();
+    let (got, inside) = reader.join().unwrap();
+    assert!(inside, "the consumer's view lies in the shared arena");
+    let got: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
+    assert_eq!(got, x);
+}
