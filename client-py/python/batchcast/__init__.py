@@ -1,0 +1,52 @@
+"""batchcast: zero-copy batches from a per-host data-loading broker.
+
+A broker (``batchcast serve``) runs the input pipeline once per host and
+shares every batch with every trainer through shared memory. Replace a
+DataLoader with a :class:`Consumer`::
+
+    import batchcast
+    for epoch in range(epochs):
+        for images, labels in batchcast.Consumer(stream="train"):
+            ...
+
+or share an existing DataLoader with :class:`Producer`::
+
+    batchcast.Producer(loader, stream="train").run(epochs=90)
+"""
+
+from ._consumer import Batch, Consumer
+from ._native import PROTOCOL_VERSION, default_socket_path
+from ._producer import Producer
+from .errors import (
+    BatchReleased,
+    BrokerUnavailable,
+    Error,
+    InvalidArgument,
+    SchemaError,
+    StreamError,
+    WindowFull,
+    WindowFullWarning,
+)
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("batchcast")
+except Exception:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "Batch",
+    "BatchReleased",
+    "BrokerUnavailable",
+    "Consumer",
+    "Error",
+    "InvalidArgument",
+    "PROTOCOL_VERSION",
+    "Producer",
+    "SchemaError",
+    "StreamError",
+    "WindowFull",
+    "WindowFullWarning",
+    "default_socket_path",
+]

@@ -1,0 +1,346 @@
+"""The consumer: batches of a broker's stream as tensors, zero-copy."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from .errors import InvalidArgument, WindowFullWarning
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _env_timeout() -> float:
+    raw = os.environ.get("BATCHCAST_CONNECT_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        raise InvalidArgument(
+            f"BATCHCAST_CONNECT_TIMEOUT={raw!r} is not a number of seconds"
+        ) from None
+    return max(value, 0.0)
+
+
+def _converter(output: str) -> Callable[[Any], Any]:
+    if output == "torch":
+        try:
+            import torch
+        except ImportError:
+            raise InvalidArgument(
+                "output='torch' needs PyTorch: pip install torch, or use output='numpy'"
+            ) from None
+        return torch.from_dlpack
+    if output == "numpy":
+        import numpy
+
+        def to_numpy(field: Any) -> Any:
+            array = numpy.from_dlpack(field)
+            # numpy < 2.1 does not read DLPack's read-only flag; the arena is
+            # mapped read-only anyway, so say so before a write faults.
+            if array.flags.writeable:
+                array.flags.writeable = False
+            return array
+
+        return to_numpy
+    raise InvalidArgument(f"output={output!r}: use 'torch' or 'numpy'")
+
+
+class Batch:
+    """One batch in shared memory.
+
+    Unpacks like the tuple a DataLoader yields (``images, labels = batch``),
+    or, with ``as_dict=True``, behaves like a dict of field name to tensor.
+    ``batch["name"]`` works either way. Tensors are views of shared memory:
+    nothing is copied, and they are read-only (a write raises, or faults,
+    instead of changing what other trainers read).
+
+    The slot goes back to the broker when this object and every tensor made
+    from it are gone. ``release()`` (or leaving a ``with batch:`` block)
+    gives up this object's claim at once; using the batch afterwards raises
+    :class:`batchcast.BatchReleased`, while tensors taken earlier stay valid
+    and keep the slot until they die.
+    """
+
+    __slots__ = ("_raw", "_owner", "_cache")
+
+    def __init__(self, raw: Any, owner: "Consumer") -> None:
+        self._raw = raw
+        self._owner = owner
+        self._cache: Dict[int, Any] = {}
+
+    # -- metadata ---------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._raw.epoch
+
+    @property
+    def index(self) -> int:
+        """Position of the batch in its epoch."""
+        return self._raw.index
+
+    @property
+    def seq(self) -> int:
+        """Position of the batch in the stream."""
+        return self._raw.seq
+
+    @property
+    def samples(self) -> int:
+        """Valid samples (the batch size, or fewer for a short last batch)."""
+        return self._raw.samples
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds the consumer was blocked waiting for this batch."""
+        return self._raw.wait_s
+
+    @property
+    def released(self) -> bool:
+        return self._raw.released
+
+    # -- fields -----------------------------------------------------------
+    def _tensor(self, i: int) -> Any:
+        t = self._cache.get(i)
+        if t is None:
+            t = self._owner._convert(self._raw.field(i))
+            self._cache[i] = t
+        return t
+
+    def __getitem__(self, key: Union[int, str]) -> Any:
+        owner = self._owner
+        if isinstance(key, str):
+            i = owner._index_of.get(key)
+            if i is None:
+                raise KeyError(
+                    f"no field {key!r} in stream {owner.stream!r}; it has {list(owner._index_of)}"
+                )
+            return self._tensor(i)
+        if isinstance(key, int):
+            return self._tensor(owner._positional[key])
+        raise TypeError(f"index a batch with a field name or position, not {type(key).__name__}")
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._owner.as_dict:
+            return iter(self._owner._names)
+        return (self._tensor(i) for i in self._owner._positional)
+
+    def __len__(self) -> int:
+        owner = self._owner
+        return len(owner._names) if owner.as_dict else len(owner._positional)
+
+    def keys(self) -> List[str]:
+        return list(self._owner._names)
+
+    def values(self) -> List[Any]:
+        return [self._tensor(i) for i in range(len(self._owner._names))]
+
+    def items(self) -> List[Tuple[str, Any]]:
+        return [(n, self._tensor(i)) for i, n in enumerate(self._owner._names)]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.items())
+
+    # -- release ----------------------------------------------------------
+    def release(self) -> None:
+        """Gives the batch back now (see the class documentation)."""
+        self._cache.clear()
+        self._raw.release()
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{self.samples} samples"
+        return f"<batchcast.Batch epoch {self.epoch} index {self.index}: {state}>"
+
+
+class Consumer:
+    """Subscribes to a stream of a batchcast broker.
+
+    Iterating yields the batches of one epoch, like a DataLoader::
+
+        consumer = batchcast.Consumer(stream="train")
+        for epoch in range(epochs):
+            for images, labels in consumer:
+                ...
+
+    ``len(consumer)`` is the number of batches per epoch. Each batch is a
+    :class:`Batch` whose fields arrive as torch tensors (``output="torch"``)
+    or numpy arrays (``output="numpy"``) made through DLPack over the shared
+    memory, without a copy.
+
+    Arguments:
+        stream: the stream's name in the broker's config (or the name a
+            producer registered).
+        socket: the broker's socket; default ``$BATCHCAST_SOCKET``, else
+            ``$XDG_RUNTIME_DIR/batchcast.sock``, else
+            ``/tmp/batchcast-$UID/batchcast.sock``.
+        window: batches the broker may send before this consumer releases
+            one. Holding a whole window makes the next wait block until a
+            batch is released (from another thread, or by the garbage
+            collector); after a few seconds a ``WindowFullWarning`` says so.
+        join: ``"next-epoch"`` (the first epoch seen is complete) or
+            ``"immediate"`` (start with the next batch; that first epoch is
+            partial).
+        output: ``"torch"`` or ``"numpy"``.
+        as_dict: make each batch behave as a dict of name to tensor.
+        fields: the fields a batch unpacks to, by name; default every field
+            except metadata ones (an image stream's ``index``).
+        name: shown in ``batchcast stats``.
+        connect_timeout: seconds to keep retrying while the broker or the
+            stream is not up yet; default ``$BATCHCAST_CONNECT_TIMEOUT`` or 0.
+
+    Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
+    """
+
+    def __init__(
+        self,
+        stream: str = "train",
+        socket: Optional[PathLike] = None,
+        window: int = 2,
+        join: str = "next-epoch",
+        output: str = "torch",
+        as_dict: bool = False,
+        fields: Optional[Sequence[str]] = None,
+        name: Optional[str] = None,
+        connect_timeout: Optional[float] = None,
+    ) -> None:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
+        self._convert = _converter(output)
+        self.output = output
+        self.as_dict = bool(as_dict)
+        self.stream = stream
+        timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
+        self._native = _native.Consumer(
+            stream,
+            socket=os.fspath(socket) if socket is not None else None,
+            window=window,
+            join=join,
+            name=name,
+            connect_timeout=timeout,
+        )
+        self.schema: Dict[str, Any] = self._native.schema()
+        self._names: List[str] = [f["name"] for f in self.schema["fields"]]
+        self._index_of: Dict[str, int] = {n: i for i, n in enumerate(self._names)}
+        if fields is None:
+            self._positional = [i for i, f in enumerate(self.schema["fields"]) if not f["aux"]]
+        else:
+            missing = [f for f in fields if f not in self._index_of]
+            if missing:
+                raise InvalidArgument(
+                    f"fields {missing} are not in stream {stream!r}; it has {self._names}"
+                )
+            self._positional = [self._index_of[f] for f in fields]
+        #: The epoch the next batch belongs to.
+        self.epoch: int = self._native.start_epoch
+        self._ended = False
+        self._batches = 0
+        self._wait_s = 0.0
+        self._busy_s = 0.0
+        self._last_return: Optional[float] = None
+        self._warned = False
+
+    # -- what the stream is ----------------------------------------------
+    @property
+    def classes(self) -> List[str]:
+        """Class names in label order, where the source knows them."""
+        return list(self.schema["classes"])
+
+    @property
+    def batch_size(self) -> int:
+        return self.schema["batch_size"]
+
+    @property
+    def window(self) -> int:
+        return self._native.window
+
+    @property
+    def held(self) -> int:
+        """Batches received and not yet given back."""
+        return self._native.held
+
+    @property
+    def arena(self) -> Tuple[int, int]:
+        """``(address, length)`` of the shared memory in this process."""
+        return self._native.arena
+
+    @property
+    def ended(self) -> bool:
+        """True once the stream's last epoch has been delivered."""
+        return self._ended
+
+    def __len__(self) -> int:
+        return self.schema["batches_per_epoch"]
+
+    # -- iteration --------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+    def next_batch(self) -> Optional[Batch]:
+        """The next batch of the current epoch, or ``None`` at the end of
+        the epoch (or of the stream)."""
+        if self._ended:
+            return None
+        start = time.perf_counter()
+        if self._last_return is not None:
+            self._busy_s += start - self._last_return
+        waited_since = start
+        while True:
+            event = self._native.next_event(2.0)
+            if event is not None:
+                break
+            if not self._warned and self._native.held >= self._native.window:
+                self._warned = True
+                warnings.warn(
+                    f"batchcast consumer of {self.stream!r} holds all {self._native.window} batches "
+                    f"of its window and has waited {time.perf_counter() - waited_since:.0f} s for "
+                    "another; it waits until one is released. Drop or release() batches you are "
+                    "done with, or pass a larger window=",
+                    WindowFullWarning,
+                    stacklevel=3,
+                )
+        kind = event[0]
+        now = time.perf_counter()
+        if kind == "batch":
+            raw = event[1]
+            self.epoch = raw.epoch
+            self._batches += 1
+            self._wait_s += now - start
+            self._last_return = now
+            return Batch(raw, self)
+        self._last_return = None
+        if kind == "epoch_end":
+            self.epoch = event[1] + 1
+        else:
+            self._ended = True
+        return None
+
+    # -- statistics -------------------------------------------------------
+    def stats(self) -> Dict[str, float]:
+        """Wait-time statistics of this consumer: ``wait_s`` (blocked waiting
+        for data), ``busy_s`` (between getting a batch and asking for the
+        next: the training step), and ``stall_fraction`` =
+        wait / (wait + busy), the share of time the trainer starved."""
+        total = self._wait_s + self._busy_s
+        return {
+            "batches": self._batches,
+            "wait_s": self._wait_s,
+            "busy_s": self._busy_s,
+            "stall_fraction": self._wait_s / total if total > 0 else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<batchcast.Consumer stream={self.stream!r} epoch={self.epoch} "
+            f"batches/epoch={len(self)} window={self.window} output={self.output!r}>"
+        )

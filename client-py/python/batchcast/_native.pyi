@@ -1,0 +1,80 @@
+"""Type stubs of the native module (Rust, PyO3). Use the `batchcast` package
+API instead of this module directly."""
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+PROTOCOL_VERSION: int
+
+def default_socket_path() -> str: ...
+
+class Consumer:
+    def __init__(
+        self,
+        stream: str,
+        socket: Optional[str] = None,
+        window: int = 2,
+        join: str = "next-epoch",
+        name: Optional[str] = None,
+        connect_timeout: float = 0.0,
+    ) -> None: ...
+    def next_event(
+        self, timeout: Optional[float] = None
+    ) -> Optional[Union[Tuple[str, "Batch"], Tuple[str, int, int, bool], Tuple[str]]]: ...
+    def schema(self) -> Dict[str, Any]: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def start_epoch(self) -> int: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def arena(self) -> Tuple[int, int]: ...
+
+class Batch:
+    seq: int
+    epoch: int
+    index: int
+    samples: int
+    wait_s: float
+    handoff_s: float
+    def field(self, i: int) -> "DLField": ...
+    def release(self) -> None: ...
+    @property
+    def released(self) -> bool: ...
+
+class DLField:
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    @property
+    def data_ptr(self) -> int: ...
+
+class Producer:
+    def __init__(
+        self,
+        stream: str,
+        fields: List[Tuple[str, str, List[int]]],
+        batch_size: int,
+        batches_per_epoch: int,
+        epochs: Optional[int] = None,
+        slots: int = 4,
+        min_consumers: int = 1,
+        lag_limit: Optional[int] = None,
+        socket: Optional[str] = None,
+        name: Optional[str] = None,
+        description: str = "",
+        classes: List[str] = ...,
+        connect_timeout: float = 0.0,
+    ) -> None: ...
+    def schema(self) -> Dict[str, Any]: ...
+    def acquire(self) -> Optional[Tuple[int, int, int]]: ...
+    def write(self, field: int, array: Any) -> None: ...
+    def publish(self, samples: int) -> None: ...
+    def fail(self, message: str) -> None: ...
+    def close(self) -> None: ...

@@ -1,0 +1,60 @@
+"""Exceptions raised by batchcast.
+
+Each subclasses the built-in that fits, so code that already handles
+``ConnectionError`` or ``ValueError`` keeps working, and ``batchcast.Error``
+catches them all. ``code`` is the broker's error code when it sent one
+(e.g. ``"UnknownStream"``, ``"LagLimit"``, ``"SourceFailed"``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class Error(Exception):
+    """Base class of every batchcast exception."""
+
+    code: Optional[str] = None
+
+
+class BrokerUnavailable(Error, ConnectionError):
+    """No broker at the socket, or it went away (exited or was killed)."""
+
+
+class StreamError(Error, RuntimeError):
+    """The broker refused or ended the subscription, or the protocol broke:
+    an unknown stream, a consumer detached for lagging, a failed source."""
+
+
+class SchemaError(Error, ValueError):
+    """A batch does not fit its stream's schema (field names, dtypes,
+    per-sample shapes, batch size)."""
+
+
+class InvalidArgument(Error, ValueError):
+    """A bad argument to a batchcast call."""
+
+
+class BatchReleased(Error, ValueError):
+    """A released batch was used; its slot may already hold another batch."""
+
+
+class WindowFull(Error, RuntimeError):
+    """The consumer holds its whole window of batches and no other thread
+    can release one."""
+
+
+class WindowFullWarning(ResourceWarning):
+    """A consumer waits for a batch while holding its whole window."""
+
+
+__all__ = [
+    "Error",
+    "BrokerUnavailable",
+    "StreamError",
+    "SchemaError",
+    "InvalidArgument",
+    "BatchReleased",
+    "WindowFull",
+    "WindowFullWarning",
+]

@@ -1,0 +1,173 @@
+"""Fixtures: a real broker process per test, real consumer processes.
+
+The broker binary is `$BATCHCAST_BIN`, else the workspace's
+`target/debug/batchcast` (built by `cargo test`, which the test script runs
+first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LIMIT = 60.0
+
+
+def broker_bin() -> str:
+    exe = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "debug" / "batchcast")
+    if not Path(exe).exists():
+        pytest.fail(f"no broker binary at {exe}: run `cargo build -p batchcast-broker` or set BATCHCAST_BIN")
+    return exe
+
+
+def synthetic(
+    name: str = "train",
+    batch: int = 8,
+    length: int = 100,
+    epochs: Optional[int] = 2,
+    slots: int = 4,
+    min_consumers: int = 1,
+    fill: str = "full",
+    fields: str = '{ name = "image", dtype = "u8", shape = [3, 4, 4] }, { name = "label", dtype = "i64", shape = [] }',
+    extra: str = "",
+) -> str:
+    ep = f"epochs = {epochs}" if epochs is not None else ""
+    return f"""
+[[stream]]
+name = "{name}"
+batch_size = {batch}
+{ep}
+slots = {slots}
+min_consumers = {min_consumers}
+drop_last = false
+workers = 1
+{extra}
+[stream.synthetic]
+len = {length}
+fill = "{fill}"
+fields = [{fields}]
+"""
+
+
+class Broker:
+    def __init__(self, tmp: Path, config: Optional[str]) -> None:
+        self.dir = tmp
+        self.socket = str(tmp / "b.sock")
+        self.log = tmp / "broker.log"
+        args = [broker_bin(), "serve", "--socket", self.socket]
+        if config is not None:
+            cfg = tmp / "broker.toml"
+            cfg.write_text(config)
+            args += ["--config", str(cfg)]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.log, "w")
+        )
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"broker exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            if self.stats_or_none() is not None:
+                return
+            if time.monotonic() - t0 > 30:
+                pytest.fail("broker did not answer within 30 s")
+            time.sleep(0.02)
+
+    def stats_or_none(self) -> Optional[Dict]:
+        r = subprocess.run(
+            [broker_bin(), "stats", "--json", "--socket", self.socket],
+            capture_output=True,
+            text=True,
+        )
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def stats(self) -> Dict:
+        s = self.stats_or_none()
+        assert s is not None, "broker stats failed"
+        return s
+
+    def stream(self, name: str) -> Dict:
+        return next(s for s in self.stats()["streams"] if s["name"] == name)
+
+    def wait_for(self, what: str, pred) -> Dict:
+        t0 = time.monotonic()
+        while True:
+            s = self.stats()
+            if pred(s):
+                return s
+            if time.monotonic() - t0 > LIMIT:
+                pytest.fail(f"timed out waiting for {what}; last stats: {s}")
+            time.sleep(0.02)
+
+    def rust_consumer(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [broker_bin(), "consume", "--json", "--socket", self.socket, *args],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def report(proc: subprocess.Popen) -> Dict:
+    """The JSON report of a `batchcast consume` process."""
+    out, _ = proc.communicate(timeout=LIMIT)
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    assert lines, f"consumer exited with {proc.returncode} and no report: {out}"
+    return json.loads(lines[-1])
+
+
+def python_child(code: str, *args: str) -> subprocess.Popen:
+    """A separate Python process running `code` with the same batchcast."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+@pytest.fixture
+def start_broker(tmp_path: Path):
+    started: List[Broker] = []
+
+    def start(config: Optional[str] = None) -> Broker:
+        b = Broker(tmp_path, config)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.stop()
+
+
+def has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_torch = pytest.mark.skipif(not has_torch(), reason="PyTorch is not installed in this environment")

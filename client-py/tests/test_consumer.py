@@ -1,0 +1,250 @@
+"""The Python consumer against a real broker."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchcast
+from conftest import needs_torch, python_child, report, synthetic
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def read_dump(d: Path, epoch: int, index: int, field: str) -> bytes:
+    return (d / f"e{epoch}-b{index}-{field}.bin").read_bytes()
+
+
+def test_content_is_what_the_rust_client_sees_exactly_once_per_epoch(start_broker, tmp_path):
+    # 100 samples in batches of 8: 13 batches per epoch, the last one short.
+    broker = start_broker(synthetic(min_consumers=2, epochs=3))
+    dump = tmp_path / "rust"
+    rust = broker.rust_consumer("--verify", "--dump", str(dump))
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", name="py")
+    assert len(c) == 13 and c.batch_size == 8
+    seen = []
+    for epoch in range(3):
+        assert c.epoch == epoch
+        got = []
+        for images, labels in c:
+            assert images.shape[1:] == (3, 4, 4) and images.dtype == np.uint8
+            assert labels.dtype == np.int64 and len(labels) == len(images)
+            got.append((c.epoch, len(images), images.tobytes(), labels.tobytes()))
+        assert len(got) == 13, f"epoch {epoch}: {len(got)} batches"
+        seen.extend((epoch, i, *g[1:]) for i, g in enumerate(got))
+    assert next(iter(c), None) is None and c.ended
+    r = report(rust)
+    assert r["ok"] and r["verified_samples"] == 300, r
+    for epoch, index, samples, image, label in seen:
+        assert samples == (4 if index == 12 else 8)
+        assert image == read_dump(dump, epoch, index, "image"), (epoch, index)
+        assert label == read_dump(dump, epoch, index, "label"), (epoch, index)
+
+
+def test_batches_are_views_of_the_shared_arena_and_memory_stays_flat(start_broker):
+    # 1 MiB per batch, 1000 batches: a copying client would grow by ~1 GiB.
+    broker = start_broker(
+        synthetic(
+            batch=16,
+            length=16_000,
+            epochs=1,
+            fill="stamp",
+            fields='{ name = "x", dtype = "u8", shape = [65536] }',
+        )
+    )
+    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    base, length = c.arena
+    n = 0
+    rss0 = None
+    for (x,) in c:
+        ptr = x.__array_interface__["data"][0]
+        assert base <= ptr and ptr + x.nbytes <= base + length
+        assert not x.flags.writeable
+        n += 1
+        if n == 20:
+            rss0 = rss_bytes()  # after the arena's pages are mapped in
+    assert n == 1000
+    grown = rss_bytes() - rss0
+    assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB over 1000 batches of 1 MiB"
+
+
+def test_a_write_through_a_numpy_batch_is_refused(start_broker):
+    broker = start_broker(synthetic())
+    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    images, _ = next(iter(c))
+    with pytest.raises(ValueError):
+        images[0, 0, 0, 0] = 1
+
+
+@needs_torch
+def test_torch_tensors_are_zero_copy_and_an_in_place_write_cannot_reach_other_consumers(
+    start_broker, tmp_path
+):
+    import torch
+
+    broker = start_broker(synthetic(min_consumers=2, epochs=1))
+    dump = tmp_path / "rust"
+    rust = broker.rust_consumer("--verify", "--dump", str(dump))
+    # A trainer that writes into its batch in place faults in its own process.
+    writer = python_child(
+        "import batchcast, sys\n"
+        "c = batchcast.Consumer(socket=sys.argv[1], connect_timeout=30)\n"
+        "images, labels = next(iter(c))\n"
+        "print('writing', flush=True)\n"
+        "images.add_(1)\n"
+        "print('wrote', flush=True)\n",
+        broker.socket,
+    )
+    out, err = writer.communicate(timeout=60)
+    assert "writing" in out and "wrote" not in out, (out, err)
+    assert writer.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (writer.returncode, err)
+    c = batchcast.Consumer(socket=broker.socket, join="immediate")
+    base, length = c.arena
+    for batch in c:
+        images, labels = batch
+        assert isinstance(images, torch.Tensor) and images.dtype == torch.uint8
+        assert base <= images.data_ptr() < base + length
+        assert labels.dtype == torch.int64
+    r = report(rust)
+    assert r["ok"] and r["batches"] == 13, r
+
+
+def test_dropping_the_last_reference_frees_the_slot(start_broker):
+    broker = start_broker(synthetic(epochs=None, slots=4))
+    # Window 1: the broker sends the next batch only once this one is released.
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", window=1, name="holder")
+
+    def delivered() -> int:
+        consumers = broker.stream("train")["consumers"]
+        return next(x["delivered"] for x in consumers if x["name"] == "holder")
+
+    batch = c.next_batch()
+    images = batch["image"]
+    del batch  # the tensor still holds the slot
+    gc.collect()
+    assert c.held == 1
+    time.sleep(0.3)
+    assert delivered() == 1, "nothing more may arrive while the tensor lives"
+    del images
+    assert c.held == 0
+    broker.wait_for("the released slot to let the next batch through", lambda s: delivered() == 2)
+
+
+def test_release_then_use_raises_and_tensors_taken_before_stay_valid(start_broker):
+    broker = start_broker(synthetic())
+    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    batch = c.next_batch()
+    images = batch["image"]
+    copy = images.copy()
+    batch.release()
+    assert batch.released
+    with pytest.raises(batchcast.BatchReleased, match="released"):
+        batch["label"]
+    with pytest.raises(ValueError):  # BatchReleased is a ValueError
+        list(batch)
+    assert c.held == 1  # `images` keeps the slot
+    assert np.array_equal(images, copy)
+    del images
+    assert c.held == 0
+    with c.next_batch() as b:
+        assert b["label"].shape == (8,)
+    assert b.released and c.held == 0
+
+
+def test_holding_the_whole_window_blocks_until_another_thread_releases(start_broker):
+    broker = start_broker(synthetic(epochs=None, slots=4))
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", window=2)
+    first, second = c.next_batch(), c.next_batch()
+    assert c.held == 2
+    timer = threading.Timer(2.5, first.release)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.warns(batchcast.WindowFullWarning, match="holds all 2 batches"):
+        third = c.next_batch()
+    waited = time.monotonic() - t0
+    timer.join()
+    assert waited >= 2.0, f"next_batch returned after {waited:.2f} s while the window was full"
+    assert third.seq == second.seq + 1
+
+
+def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker):
+    # Two consumers are required before anything is produced: the child waits.
+    broker = start_broker(synthetic(min_consumers=2))
+    child = python_child(
+        "import batchcast, sys\n"
+        "c = batchcast.Consumer(socket=sys.argv[1], output='numpy')\n"
+        "print('waiting', flush=True)\n"
+        "try:\n"
+        "    next(iter(c))\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    raise\n",
+        broker.socket,
+    )
+    line = child.stdout.readline().strip()
+    assert line == "waiting", child.communicate(timeout=10)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=10)
+    took = time.monotonic() - t0
+    assert "interrupted" in out and "KeyboardInterrupt" in err, (out, err)
+    assert took < 2.0, f"Ctrl-C took {took:.2f} s"
+
+
+def test_a_killed_broker_surfaces_as_connection_error_promptly(start_broker):
+    broker = start_broker(synthetic(epochs=None))
+    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    it = iter(c)
+    next(it)
+    broker.kill()
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError) as e:
+        for _ in range(1000):
+            next(it)
+    assert isinstance(e.value, batchcast.BrokerUnavailable)
+    assert time.monotonic() - t0 < 2.0
+    assert "closed the connection" in str(e.value)
+
+
+def test_errors_say_what_to_do(start_broker, tmp_path):
+    broker = start_broker(synthetic())
+    with pytest.raises(batchcast.StreamError) as e:
+        batchcast.Consumer(stream="nope", socket=broker.socket, output="numpy")
+    assert e.value.code == "UnknownStream" and "serves: train" in str(e.value)
+    with pytest.raises(ConnectionError, match="is `batchcast serve` running"):
+        batchcast.Consumer(socket=tmp_path / "nobody.sock", output="numpy")
+    with pytest.raises(ValueError, match="window"):
+        batchcast.Consumer(socket=broker.socket, window=0, output="numpy")
+    with pytest.raises(ValueError, match="join"):
+        batchcast.Consumer(socket=broker.socket, join="sometime", output="numpy")
+    with pytest.raises(ValueError, match="output"):
+        batchcast.Consumer(socket=broker.socket, output="jax")
+    with pytest.raises(ValueError, match="not in stream"):
+        batchcast.Consumer(socket=broker.socket, fields=["pixels"], output="numpy")
+    with pytest.raises(batchcast.StreamError, match="window 9 .*slots|more than"):
+        batchcast.Consumer(socket=broker.socket, window=9, output="numpy")
+
+
+def test_dict_batches_and_metadata(start_broker):
+    broker = start_broker(synthetic(epochs=1))
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", as_dict=True)
+    batch = c.next_batch()
+    assert list(batch) == ["image", "label"] and batch.keys() == ["image", "label"]
+    d = batch.to_dict()
+    assert d["image"].shape == (8, 3, 4, 4)
+    assert (batch.epoch, batch.index, batch.samples) == (0, 0, 8)
+    assert c.classes == [] and c.schema["source"]["kind"] == "synthetic"
+    stats = c.stats()
+    assert stats["batches"] == 1 and 0.0 <= stats["stall_fraction"] <= 1.0
