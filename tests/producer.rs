@@ -101,17 +101,21 @@ fn samples_of(index: u64, batches: u64) -> u64 {
     if index + 1 == batches { 5 } else { BATCH }
 }
 
+/// Writes the expected content of `slot`'s batch and publishes it.
+fn fill(p: &mut Producer, slot: &batchcast::FillSlot, samples: u64) {
+    let (x, y) = expected(slot.epoch, slot.index, samples);
+    let mut views = p.fields_mut(slot);
+    views[0][..x.len()].copy_from_slice(&x);
+    views[1][..y.len()].copy_from_slice(&y);
+    p.publish(slot, samples).unwrap();
+}
+
 /// Produces every batch it is handed until the stream ends; returns how
 /// many it published.
 fn produce_all(p: &mut Producer, batches: u64) -> u64 {
     let mut n = 0;
     while let Some(slot) = p.acquire().unwrap() {
-        let samples = samples_of(slot.index, batches);
-        let (x, y) = expected(slot.epoch, slot.index, samples);
-        let mut views = p.fields_mut(&slot);
-        views[0][..x.len()].copy_from_slice(&x);
-        views[1][..y.len()].copy_from_slice(&y);
-        p.publish(&slot, samples).unwrap();
+        fill(p, &slot, samples_of(slot.index, batches));
         n += 1;
     }
     n
@@ -161,11 +165,7 @@ fn a_producer_that_leaves_mid_epoch_gives_consumers_a_clear_error() {
     let kid = env.consumer("ext", None);
     let mut producer = Producer::register(env.options("ext", 4, None)).unwrap();
     let slot = producer.acquire().unwrap().unwrap();
-    let (x, y) = expected(0, 0, BATCH);
-    let mut views = producer.fields_mut(&slot);
-    views[0].copy_from_slice(&x);
-    views[1].copy_from_slice(&y);
-    producer.publish(&slot, BATCH).unwrap();
+    fill(&mut producer, &slot, BATCH);
     // Take the next slot and vanish while filling it.
     let _half = producer.acquire().unwrap().unwrap();
     drop(producer);
@@ -258,11 +258,8 @@ fn consumers_of_an_external_stream_read_the_producers_bytes_in_place() {
         (x, inside)
     });
     let slot = producer.acquire().unwrap().unwrap();
-    let (x, y) = expected(0, 0, BATCH);
-    let mut views = producer.fields_mut(&slot);
-    views[0].copy_from_slice(&x);
-    views[1].copy_from_slice(&y);
-    producer.publish(&slot, BATCH).unwrap();
+    fill(&mut producer, &slot, BATCH);
+    let (x, _) = expected(0, 0, BATCH);
     let (got, inside) = reader.join().unwrap();
     assert!(inside, "the consumer's view lies in the shared arena");
     let got: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -122,79 +122,95 @@ fn strides_of(shape: &[i64]) -> Vec<i64> {
     strides
 }
 
+/// The two managed-tensor structs, for code that fills either.
+trait Managed: Sized {
+    const NAME: &'static CStr;
+    const DESTRUCTOR: unsafe extern "C" fn(*mut ffi::PyObject);
+    fn new(tensor: DLTensor) -> Self;
+    fn tensor(&mut self) -> &mut DLTensor;
+    fn set_context(&mut self, ctx: *mut c_void);
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = NAME_VERSIONED;
+    const DESTRUCTOR: unsafe extern "C" fn(*mut ffi::PyObject) = capsule_destructor_versioned;
+    fn new(dl_tensor: DLTensor) -> Self {
+        DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_versioned),
+            flags: READ_ONLY,
+            dl_tensor,
+        }
+    }
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn set_context(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+}
+
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = NAME;
+    const DESTRUCTOR: unsafe extern "C" fn(*mut ffi::PyObject) = capsule_destructor_legacy;
+    fn new(dl_tensor: DLTensor) -> Self {
+        DLManagedTensor {
+            dl_tensor,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_legacy),
+        }
+    }
+    fn tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    fn set_context(&mut self, ctx: *mut c_void) {
+        self.manager_ctx = ctx;
+    }
+}
+
 /// A DLPack capsule of `export`: versioned (with the read-only flag) when
 /// the consumer understands DLPack 1.x, legacy otherwise.
 pub fn capsule(py: Python<'_>, export: Export, versioned: bool) -> PyResult<Bound<'_, PyAny>> {
-    let strides = strides_of(&export.shape);
     if versioned {
-        let mut h = Box::new(Holder {
-            managed: DLManagedTensorVersioned {
-                version: DLPackVersion { major: 1, minor: 0 },
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_versioned),
-                flags: READ_ONLY,
-                dl_tensor: tensor(export.data, export.dtype, &mut [], &mut []),
-            },
-            shape: export.shape,
-            strides,
-            _keep: export.keep,
-        });
-        let (shape, strides) = (h.shape.as_mut_ptr(), h.strides.as_mut_ptr());
-        h.managed.dl_tensor.shape = shape;
-        h.managed.dl_tensor.strides = strides;
-        h.managed.dl_tensor.ndim = h.shape.len() as i32;
-        let raw = Box::into_raw(h);
-        // SAFETY: `raw` is a live, uniquely owned holder; the managed struct
-        // points at it so the deleter can free it.
-        unsafe { (*raw).managed.manager_ctx = raw.cast() };
-        // SAFETY: `raw` stays valid until the deleter runs; the capsule's
-        // name is a 'static C string, as the C API requires.
-        let cap = unsafe {
-            ffi::PyCapsule_New(
-                std::ptr::addr_of_mut!((*raw).managed).cast(),
-                NAME_VERSIONED.as_ptr(),
-                Some(capsule_destructor_versioned),
-            )
-        };
-        if cap.is_null() {
-            // SAFETY: the capsule was not created, so nothing else owns `raw`.
-            drop(unsafe { Box::from_raw(raw) });
-        }
-        // SAFETY: `cap` is a new reference or null with an exception set.
-        unsafe { Bound::from_owned_ptr_or_err(py, cap) }
+        make::<DLManagedTensorVersioned>(py, export)
     } else {
-        let mut h = Box::new(Holder {
-            managed: DLManagedTensor {
-                dl_tensor: tensor(export.data, export.dtype, &mut [], &mut []),
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_legacy),
-            },
-            shape: export.shape,
-            strides,
-            _keep: export.keep,
-        });
-        let (shape, strides) = (h.shape.as_mut_ptr(), h.strides.as_mut_ptr());
-        h.managed.dl_tensor.shape = shape;
-        h.managed.dl_tensor.strides = strides;
-        h.managed.dl_tensor.ndim = h.shape.len() as i32;
-        let raw = Box::into_raw(h);
-        // SAFETY: as in the versioned branch.
-        unsafe { (*raw).managed.manager_ctx = raw.cast() };
-        // SAFETY: as in the versioned branch.
-        let cap = unsafe {
-            ffi::PyCapsule_New(
-                std::ptr::addr_of_mut!((*raw).managed).cast(),
-                NAME.as_ptr(),
-                Some(capsule_destructor_legacy),
-            )
-        };
-        if cap.is_null() {
-            // SAFETY: as in the versioned branch.
-            drop(unsafe { Box::from_raw(raw) });
-        }
-        // SAFETY: as in the versioned branch.
-        unsafe { Bound::from_owned_ptr_or_err(py, cap) }
+        make::<DLManagedTensor>(py, export)
     }
+}
+
+fn make<M: Managed>(py: Python<'_>, export: Export) -> PyResult<Bound<'_, PyAny>> {
+    let strides = strides_of(&export.shape);
+    let mut h = Box::new(Holder {
+        managed: M::new(tensor(export.data, export.dtype, &mut [], &mut [])),
+        shape: export.shape,
+        strides,
+        _keep: export.keep,
+    });
+    let (shape, strides, ndim) = (h.shape.as_mut_ptr(), h.strides.as_mut_ptr(), h.shape.len());
+    let t = h.managed.tensor();
+    t.shape = shape;
+    t.strides = strides;
+    t.ndim = ndim as i32;
+    let raw = Box::into_raw(h);
+    // SAFETY: `raw` is a live, uniquely owned holder; the managed struct
+    // points at it so the deleter can free it.
+    unsafe { (*raw).managed.set_context(raw.cast()) };
+    // SAFETY: `raw` stays valid until the deleter runs; the capsule's name
+    // is a 'static C string, as the C API requires.
+    let cap = unsafe {
+        ffi::PyCapsule_New(
+            std::ptr::addr_of_mut!((*raw).managed).cast(),
+            M::NAME.as_ptr(),
+            Some(M::DESTRUCTOR),
+        )
+    };
+    if cap.is_null() {
+        // SAFETY: the capsule was not created, so nothing else owns `raw`.
+        drop(unsafe { Box::from_raw(raw) });
+    }
+    // SAFETY: `cap` is a new reference, or null with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, cap) }
 }
 
 /// DLPack deleter: the consumer's array is gone.
