@@ -44,26 +44,24 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::WindowFull { .. } => "WindowFull",
         _ => "StreamError",
     };
-    let message = e.to_string();
-    let made = py
-        .import("batchcast.errors")
+    py_error(py, class, e.to_string(), code.map(|c| format!("{c:?}")))
+}
+
+/// An instance of `batchcast.errors.<class>` carrying `message` (and the
+/// broker's `code`), or a RuntimeError if that module cannot be imported.
+fn py_error(py: Python<'_>, class: &str, message: String, code: Option<String>) -> PyErr {
+    py.import("batchcast.errors")
         .and_then(|m| m.getattr(class))
         .and_then(|cls| cls.call1((message.clone(),)))
         .and_then(|exc| {
-            exc.setattr("code", code.map(|c| format!("{c:?}")))?;
+            exc.setattr("code", code)?;
             Ok(PyErr::from_value(exc))
-        });
-    made.unwrap_or_else(|_| pyo3::exceptions::PyRuntimeError::new_err(message))
+        })
+        .unwrap_or_else(|_| pyo3::exceptions::PyRuntimeError::new_err(message))
 }
 
 fn invalid(message: impl Into<String>) -> PyErr {
-    Python::attach(|py| {
-        py.import("batchcast.errors")
-            .and_then(|m| m.getattr("InvalidArgument"))
-            .and_then(|cls| cls.call1((message.into(),)))
-            .map(PyErr::from_value)
-            .unwrap_or_else(PyErr::from)
-    })
+    Python::attach(|py| py_error(py, "InvalidArgument", message.into(), None))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -326,16 +324,15 @@ impl Batch {
         let guard = lock(&self.inner);
         let Some(b) = guard.as_ref() else {
             return Err(Python::attach(|py| {
-                py.import("batchcast.errors")
-                    .and_then(|m| m.getattr("BatchReleased"))
-                    .and_then(|c| {
-                        c.call1((format!(
-                            "batch {} of epoch {} was released; its memory may already hold another batch. Take what you need before release(), or keep the tensors (they keep the batch alive)",
-                            self.index, self.epoch
-                        ),))
-                    })
-                    .map(PyErr::from_value)
-                    .unwrap_or_else(PyErr::from)
+                py_error(
+                    py,
+                    "BatchReleased",
+                    format!(
+                        "batch {} of epoch {} was released; its memory may already hold another batch. Take what you need before release(), or keep the tensors (they keep the batch alive)",
+                        self.index, self.epoch
+                    ),
+                    None,
+                )
             }));
         };
         let f = self.schema.fields.get(i).ok_or_else(|| {

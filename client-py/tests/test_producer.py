@@ -186,18 +186,13 @@ batchcast.Producer(loader(), stream="dying", socket=sys.argv[1], batches_per_epo
     assert "producer" in msg and "stopped after" in msg and "mid-epoch" in msg, msg
 
 
-def test_a_batch_that_departs_from_the_schema_stops_the_stream_clearly(start_broker):
-    broker = start_broker()
-
-    def loader():
-        yield np.zeros((4, 3), np.float32), np.arange(4)
-        yield np.zeros((4, 3), np.float32), np.arange(4)
-        yield np.zeros((4, 7), np.float32), np.arange(4)  # another per-sample shape
-
+def consume_until_error(broker, stream: str):
+    """A consumer thread that reads until the stream fails; the list gets
+    the StreamError it ends with."""
     errors = []
 
     def here():
-        c = batchcast.Consumer(stream="s", socket=broker.socket, output="numpy", connect_timeout=60)
+        c = batchcast.Consumer(stream=stream, socket=broker.socket, output="numpy", connect_timeout=60)
         try:
             for _ in c:
                 pass
@@ -206,6 +201,18 @@ def test_a_batch_that_departs_from_the_schema_stops_the_stream_clearly(start_bro
 
     t = threading.Thread(target=here)
     t.start()
+    return t, errors
+
+
+def test_a_batch_that_departs_from_the_schema_stops_the_stream_clearly(start_broker):
+    broker = start_broker()
+
+    def loader():
+        yield np.zeros((4, 3), np.float32), np.arange(4)
+        yield np.zeros((4, 3), np.float32), np.arange(4)
+        yield np.zeros((4, 7), np.float32), np.arange(4)  # another per-sample shape
+
+    t, errors = consume_until_error(broker, "s")
     with pytest.raises(batchcast.SchemaError, match=r"'0' is f32 \[7\] per sample.*\[3\]"):
         batchcast.Producer(loader(), stream="s", socket=broker.socket, batches_per_epoch=3).run()
     t.join(30)
@@ -220,22 +227,11 @@ def test_a_loader_error_reaches_the_consumers(start_broker):
         yield (np.zeros((2, 2), np.uint8),)
         raise OSError("cannot read /data/shard-7.tar")
 
-    errors = []
-
-    def here():
-        c = batchcast.Consumer(stream="s", socket=broker.socket, output="numpy", connect_timeout=60)
-        try:
-            for _ in c:
-                pass
-        except batchcast.StreamError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=here)
-    t.start()
+    t, errors = consume_until_error(broker, "s")
     with pytest.raises(OSError, match="shard-7"):
         batchcast.Producer(loader(), stream="s", socket=broker.socket, batches_per_epoch=5).run()
     t.join(30)
-    assert errors and "shard-7" in errors[0]
+    assert errors and "shard-7" in str(errors[0])
 
 
 def test_producer_arguments_are_checked(start_broker):
