@@ -17,6 +17,7 @@ pub mod config;
 pub mod consume;
 pub mod demo;
 pub mod demo_images;
+pub mod gpu;
 pub mod harness;
 pub mod hub;
 pub mod listen;

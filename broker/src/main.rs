@@ -130,6 +130,7 @@ fn serve(config_path: Option<PathBuf>, socket: Option<PathBuf>) -> anyhow::Resul
         let s = stream::Stream::start(plan).with_context(|| format!("starting stream `{name}`"))?;
         streams.push(s);
     }
+    batchcast_broker::gpu::announce();
     let broker = Arc::new(server::Broker::new(streams, allow));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -236,9 +236,10 @@ async fn serve_connection(mut sock: UnixStream, broker: Arc<Broker>, stop: watch
         let peer = Peer { name: hello.name, pid: hello.pid, uid: cred.uid() };
         match hello.intent {
             Intent::Stats => serve_stats(&mut sock, &broker, &mut buf, stop).await,
-            Intent::Consume { stream, window, join } => {
+            Intent::Consume { stream, window, join, device } => {
                 let s = broker.lookup(&stream)?;
-                serve_consumer(&mut sock, &broker, s, window, join, peer, &mut buf).await
+                let sub = Subscribe { window, join, device };
+                serve_consumer(&mut sock, &broker, s, sub, peer, &mut buf).await
             }
             Intent::Produce(req) => serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await,
         }
@@ -370,15 +371,26 @@ async fn serve_consumer(
     sock: &mut UnixStream,
     broker: &Broker,
     stream: Arc<Stream>,
-    window: u32,
-    join: batchcast::JoinPolicy,
+    req: Subscribe,
     peer: Peer,
     buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
-    let sub = stream.subscribe(window, join, peer).map_err(|e| {
+    let window = req.window;
+    // Opening a GPU (driver calls, a device allocation) blocks: not on the
+    // async runtime's threads.
+    let sub = {
+        let stream = stream.clone();
+        tokio::task::spawn_blocking(move || {
+            stream.subscribe(req.window, req.join, peer, req.device.as_ref())
+        })
+        .await
+        .map_err(|e| Reject(ErrorCode::Internal, format!("subscribing: {e}")))?
+    };
+    let sub = sub.map_err(|e| {
         let code = match e {
             SubscribeError::Hub(_) => ErrorCode::InvalidRequest,
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
+            SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
         };
         Reject(
             code,
@@ -405,6 +417,7 @@ async fn serve_consumer(
         window,
         start_epoch: sub.start_epoch,
         broker: env!("CARGO_PKG_VERSION").into(),
+        device: sub.device,
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
     if send_with_arena(sock, &bytes, &stream).await.is_err() {
@@ -445,6 +458,13 @@ async fn serve_consumer(
             },
         }
     }
+}
+
+/// What a consumer asked for.
+struct Subscribe {
+    window: u32,
+    join: batchcast::JoinPolicy,
+    device: Option<batchcast::proto::DeviceRequest>,
 }
 
 fn append(out: &mut Vec<u8>, msg: &ServerMsg) {

@@ -5,7 +5,7 @@
 //! is queued to each connection in the order the hub emitted it. Critical
 //! sections are short (bookkeeping only: no I/O, no filling).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -20,6 +20,7 @@ use batchcast::shm::Arena;
 use tokio::sync::mpsc;
 
 use crate::config::{Source, StreamPlan};
+use crate::gpu::{CopyRequest, CopySink, GpuKey, Gpus, Mirror};
 use crate::hub::{ConsumerId, Hub, HubConfig, HubError, Outbound, Work};
 use crate::pipeline::{self, ImagePipeline};
 
@@ -36,6 +37,23 @@ struct Conn {
     sent_ns: HashMap<u64, u64>,
     hold_ns: u64,
     wait_ns: u64,
+    /// Device consumers: their GPU, and what waits for a copy to finish
+    /// (a batch and everything after it, kept in order).
+    gpu: Option<GpuKey>,
+    deferred: VecDeque<ServerMsg>,
+}
+
+/// One GPU's copies of this stream, as the stream tracks them.
+#[derive(Debug)]
+struct MirrorState {
+    mirror: Arc<Mirror>,
+    /// Per slot: the batch last copied (or being copied) there, and
+    /// whether the copy has completed.
+    slots: Vec<Option<(u64, bool)>>,
+    copies: u64,
+    bytes: u64,
+    copy_ns: u64,
+    failed: Option<String>,
 }
 
 #[derive(Debug)]
@@ -46,6 +64,7 @@ struct Inner {
     pipeline_cpu: Duration,
     /// Why the source failed; the stream serves no one after that.
     failed: Option<String>,
+    mirrors: HashMap<GpuKey, MirrorState>,
 }
 
 /// Who is connecting, for stats.
@@ -58,6 +77,9 @@ pub struct Peer {
 
 #[derive(Debug)]
 pub struct Stream {
+    /// Declared before the arena: device arenas and the page-locking of
+    /// the host arena go first.
+    gpus: Gpus,
     pub plan: StreamPlan,
     pub arena: Arena,
     inner: Mutex<Inner>,
@@ -87,6 +109,8 @@ pub enum SubscribeError {
     Hub(#[from] HubError),
     #[error("the stream stopped: {0}")]
     Failed(String),
+    #[error("{0}")]
+    Device(String),
 }
 
 /// What a consumer gets on subscribing.
@@ -95,6 +119,8 @@ pub struct Subscription {
     pub id: ConsumerId,
     pub start_epoch: u64,
     pub rx: mpsc::Receiver<ServerMsg>,
+    /// Device consumers: the arena to open.
+    pub device: Option<proto::DeviceArena>,
 }
 
 impl Stream {
@@ -116,6 +142,7 @@ impl Stream {
             min_consumers: plan.cfg.min_consumers,
         });
         let stream = Arc::new(Stream {
+            gpus: Gpus::default(),
             plan,
             arena,
             inner: Mutex::new(Inner {
@@ -124,6 +151,7 @@ impl Stream {
                 producer_blocked: Duration::ZERO,
                 pipeline_cpu: Duration::ZERO,
                 failed: None,
+                mirrors: HashMap::new(),
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -239,25 +267,67 @@ impl Stream {
     }
 
     pub fn subscribe(
-        &self,
+        self: &Arc<Self>,
         window: u32,
         join: JoinPolicy,
         peer: Peer,
+        device: Option<&proto::DeviceRequest>,
     ) -> Result<Subscription, SubscribeError> {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
         let (tx, rx) = mpsc::channel(2 * window as usize + 4);
+        // Allocating a device arena takes a while: not under the hub's lock.
+        let mirror = match device {
+            None => None,
+            Some(req) => {
+                let sink: std::sync::Weak<dyn CopySink> = Arc::downgrade(self) as _;
+                let host = (self.arena.mapping().as_ptr(), self.arena.mapping().len());
+                Some(
+                    self.gpus
+                        .mirror(req, sink, host, self.name())
+                        .map_err(SubscribeError::Device)?,
+                )
+            }
+        };
         self.with_hub(|inner| {
             if let Some(why) = &inner.failed {
                 return Err(SubscribeError::Failed(why.clone()));
             }
+            let gpu = match (&mirror, device) {
+                (Some(m), Some(req)) => {
+                    let slots = self.plan.cfg.slots as usize;
+                    let state = inner.mirrors.entry(req.uuid).or_insert_with(|| MirrorState {
+                        mirror: m.clone(),
+                        slots: vec![None; slots],
+                        copies: 0,
+                        bytes: 0,
+                        copy_ns: 0,
+                        failed: None,
+                    });
+                    if let Some(why) = &state.failed {
+                        return Err(SubscribeError::Device(why.clone()));
+                    }
+                    Some(req.uuid)
+                }
+                _ => None,
+            };
             let (id, start_epoch) = inner.hub.join(window, join)?;
-            tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, "consumer subscribed");
+            tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             inner.conns.insert(
                 id,
-                Conn { tx, name: peer.name, pid: peer.pid, uid: peer.uid, sent_ns: HashMap::new(), hold_ns: 0, wait_ns: 0 },
+                Conn {
+                    tx,
+                    name: peer.name,
+                    pid: peer.pid,
+                    uid: peer.uid,
+                    sent_ns: HashMap::new(),
+                    hold_ns: 0,
+                    wait_ns: 0,
+                    gpu,
+                    deferred: VecDeque::new(),
+                },
             );
-            Ok(Subscription { id, start_epoch, rx })
+            Ok(Subscription { id, start_epoch, rx, device: mirror.as_ref().map(|m| m.arena()) })
         })
     }
 
@@ -284,6 +354,11 @@ impl Stream {
     /// The connection is gone; idempotent.
     pub fn leave(&self, id: ConsumerId) {
         self.with_hub(|inner| {
+            // A copy for it may still be reading a host slot that leaving
+            // frees: let the copy finish first.
+            if let Some(m) = inner.conns.get(&id).and_then(|c| c.gpu).and_then(|k| inner.mirrors.get(&k)) {
+                m.mirror.fence();
+            }
             if inner.hub.leave(id) {
                 tracing::info!(stream = %self.name(), consumer = id, "consumer left; its slots are released");
             }
@@ -292,6 +367,9 @@ impl Stream {
     }
 
     /// Tells every consumer the broker is going away and stops the pipeline.
+    /// Device arenas are freed only after their consumers have been told and
+    /// have gone (or 2 s have passed: a consumer that ignores the goodbye
+    /// reads freed memory, and is named in the log).
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
         {
@@ -305,6 +383,29 @@ impl Stream {
         for w in workers {
             let _ = w.join();
         }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let on_gpu: Vec<String> = {
+                let inner = self.lock();
+                inner
+                    .conns
+                    .values()
+                    .filter(|c| c.gpu.is_some())
+                    .map(|c| format!("{} (pid {})", c.name, c.pid))
+                    .collect()
+            };
+            if on_gpu.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(stream = %self.name(), "freeing device arenas still opened by {}", on_gpu.join(", "));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mirrors: Vec<MirrorState> = self.lock().mirrors.drain().map(|(_, m)| m).collect();
+        self.gpus.stop();
+        drop(mirrors);
     }
 
     pub fn stats(&self) -> StreamStats {
@@ -327,6 +428,10 @@ impl Stream {
                     epoch: n.epoch,
                     wait_s: conn.wait_ns as f64 * 1e-9,
                     hold_s: conn.hold_ns as f64 * 1e-9,
+                    device: conn
+                        .gpu
+                        .and_then(|k| inner.mirrors.get(&k))
+                        .map(|m| m.mirror.label().to_string()),
                 })
             })
             .collect();
@@ -360,6 +465,21 @@ impl Stream {
                 _ => None,
             },
             failed: inner.failed.clone(),
+            gpus: {
+                let mut g: Vec<_> = inner
+                    .mirrors
+                    .values()
+                    .map(|m| proto::GpuCopyStats {
+                        gpu: m.mirror.label().to_string(),
+                        copies: m.copies,
+                        bytes: m.bytes,
+                        copy_s: m.copy_ns as f64 * 1e-9,
+                        pinned: m.mirror.pinned(),
+                    })
+                    .collect();
+                g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+                g
+            },
             source: match &self.plan.source {
                 Source::Synthetic(_) | Source::External => None,
                 Source::Images { pipeline, .. } => {
@@ -549,20 +669,15 @@ impl OrderCache {
 }
 
 /// Turns what the hub emitted into messages on each connection's outbox.
+/// A device consumer's batch waits (with everything after it) until its
+/// copy to that consumer's GPU has completed.
 fn dispatch(inner: &mut Inner) {
     let now = proto::monotonic_ns();
     for (id, out) in inner.hub.take_outbound() {
         let Some(conn) = inner.conns.get_mut(&id) else {
             continue;
         };
-        let send = |msg: ServerMsg| {
-            // Full cannot happen (the outbox holds a window and then some);
-            // Closed means the connection is going away and will leave.
-            if let Err(e) = conn.tx.try_send(msg) {
-                tracing::debug!(consumer = id, "outbox: {e}");
-            }
-        };
-        match out {
+        let msg = match out {
             Outbound::Batch {
                 seq,
                 epoch,
@@ -570,36 +685,151 @@ fn dispatch(inner: &mut Inner) {
                 slot,
                 samples,
             } => {
-                send(ServerMsg::Batch(BatchReady {
+                conn.sent_ns.insert(seq, now);
+                ServerMsg::Batch(BatchReady {
                     seq,
                     epoch,
                     index,
                     slot,
                     samples,
                     sent_ns: now,
-                }));
-                conn.sent_ns.insert(seq, now);
+                })
             }
             Outbound::EndOfEpoch {
                 epoch,
                 batches,
                 complete,
-            } => {
-                send(ServerMsg::EndOfEpoch(EpochEnd {
-                    epoch,
-                    batches,
-                    complete,
-                }));
-            }
-            Outbound::EndOfStream => send(ServerMsg::EndOfStream),
+            } => ServerMsg::EndOfEpoch(EpochEnd {
+                epoch,
+                batches,
+                complete,
+            }),
+            Outbound::EndOfStream => ServerMsg::EndOfStream,
             Outbound::Detached { reason } => {
                 tracing::warn!(consumer = id, name = %conn.name, "{reason}");
-                send(ServerMsg::Error(ErrorMsg {
-                    code: ErrorCode::LagLimit,
-                    message: reason,
-                }));
-                send(ServerMsg::Goodbye(GoodbyeReason::Detached));
+                send(
+                    conn,
+                    id,
+                    ServerMsg::Error(ErrorMsg {
+                        code: ErrorCode::LagLimit,
+                        message: reason,
+                    }),
+                );
+                ServerMsg::Goodbye(GoodbyeReason::Detached)
             }
+        };
+        let Some(key) = conn.gpu else {
+            send(conn, id, msg);
+            continue;
+        };
+        let copied = match (&msg, inner.mirrors.get_mut(&key)) {
+            (ServerMsg::Batch(b), Some(m)) => ensure_copy(m, b),
+            _ => true,
+        };
+        if copied && conn.deferred.is_empty() {
+            send(conn, id, msg);
+        } else {
+            conn.deferred.push_back(msg);
+        }
+    }
+}
+
+/// Whether batch `b` is on the mirror's GPU; if not, makes sure its copy
+/// has been asked for.
+fn ensure_copy(m: &mut MirrorState, b: &BatchReady) -> bool {
+    let slot = &mut m.slots[b.slot as usize];
+    match *slot {
+        Some((seq, done)) if seq == b.seq => done,
+        _ => {
+            *slot = Some((b.seq, false));
+            if m.failed.is_none() {
+                m.mirror.request(CopyRequest {
+                    slot: b.slot,
+                    seq: b.seq,
+                });
+            }
+            false
+        }
+    }
+}
+
+/// Sends what GPU `key`'s consumers were waiting for, up to the first
+/// batch whose copy has not completed.
+fn flush_deferred(inner: &mut Inner, key: &GpuKey) {
+    let Some(m) = inner.mirrors.get_mut(key) else {
+        return;
+    };
+    for (&id, conn) in inner.conns.iter_mut().filter(|(_, c)| c.gpu == Some(*key)) {
+        while let Some(front) = conn.deferred.front() {
+            if let ServerMsg::Batch(b) = front
+                && !ensure_copy(m, b)
+            {
+                break;
+            }
+            if let Some(msg) = conn.deferred.pop_front() {
+                send(conn, id, msg);
+            }
+        }
+    }
+}
+
+fn send(conn: &Conn, id: ConsumerId, msg: ServerMsg) {
+    // Full cannot happen (the outbox holds a window and then some); Closed
+    // means the connection is going away and will leave.
+    if let Err(e) = conn.tx.try_send(msg) {
+        tracing::debug!(consumer = id, "outbox: {e}");
+    }
+}
+
+impl CopySink for Stream {
+    fn host_slot(&self, slot: u32) -> (*const u8, usize) {
+        let bytes = self.plan.layout.slot_bytes;
+        let ptr = self
+            .arena
+            .mapping()
+            .as_ptr()
+            .wrapping_add((slot as u64 * bytes) as usize);
+        (ptr, bytes as usize)
+    }
+
+    fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {
+        self.with_hub(|inner| {
+            if let Some(m) = inner.mirrors.get_mut(key) {
+                let slot = &mut m.slots[req.slot as usize];
+                if *slot == Some((req.seq, false)) {
+                    *slot = Some((req.seq, true));
+                }
+                m.copies += 1;
+                m.bytes += bytes;
+                m.copy_ns += elapsed_ns;
+            }
+            flush_deferred(inner, key);
+        });
+    }
+
+    fn gpu_failed(&self, key: &GpuKey, why: String) {
+        tracing::error!(stream = %self.name(), "GPU copies stopped: {why}");
+        let mut inner = self.lock();
+        let Some(m) = inner.mirrors.get_mut(key) else {
+            return;
+        };
+        let message = format!(
+            "stream `{}`: copies to {} failed: {why}",
+            self.name(),
+            m.mirror.label()
+        );
+        m.failed = Some(message.clone());
+        for (&id, conn) in inner.conns.iter_mut().filter(|(_, c)| c.gpu == Some(*key)) {
+            conn.deferred.clear();
+            send(
+                conn,
+                id,
+                ServerMsg::Error(ErrorMsg {
+                    code: ErrorCode::DeviceUnavailable,
+                    message: message.clone(),
+                }),
+            );
+            send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Shutdown));
         }
     }
 }

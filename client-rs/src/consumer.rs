@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::proto::{
     self, BatchReady, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Preamble, ServerMsg,
@@ -53,6 +54,10 @@ pub struct ConsumerOptions {
     /// stream is not registered yet (a producer still starting). Zero: fail
     /// at once. Default: `$BATCHCAST_CONNECT_TIMEOUT` seconds, else zero.
     pub connect_timeout: Duration,
+    /// Where batches are delivered: host memory, or a GPU's memory (the
+    /// broker copies each batch once per GPU; see [`Batch::device_ptr`]).
+    /// Default: `$BATCHCAST_DEVICE`, else `cpu`.
+    pub device: Device,
 }
 
 impl Default for ConsumerOptions {
@@ -63,6 +68,9 @@ impl Default for ConsumerOptions {
             stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
             window: 2,
             join: JoinPolicy::NextEpoch,
+            device: env("BATCHCAST_DEVICE")
+                .and_then(|d| d.parse().ok())
+                .unwrap_or_default(),
             connect_timeout: env("BATCHCAST_CONNECT_TIMEOUT")
                 .and_then(|v| v.parse::<f64>().ok())
                 .filter(|s| s.is_finite() && *s > 0.0)
@@ -93,12 +101,40 @@ struct Shared {
     welcome: Welcome,
     /// Batches received and not yet released.
     held: AtomicU32,
+    /// Device consumers: the stream's GPU arena in this process.
+    gpu: Option<crate::gpu::DeviceSide>,
 }
 
 impl Shared {
     fn send(&self, msg: &ClientMsg) -> Result<()> {
         let guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         send_msg(&guard, msg)
+    }
+
+    /// Sends the releases whose GPU work has finished; with `all`, waits
+    /// for the rest first.
+    fn flush_fenced(&self, all: bool) -> Result<()> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(());
+        };
+        for (seq, wait_ns) in gpu.finished_releases(all)? {
+            self.send(&ClientMsg::Release { seq, wait_ns })?;
+        }
+        Ok(())
+    }
+
+    fn fenced_pending(&self) -> bool {
+        self.gpu.as_ref().is_some_and(|g| g.pending())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Device batches still in use by queued GPU work: wait for it, so
+        // the broker never reuses their slots under a running kernel.
+        if let Err(e) = self.flush_fenced(true) {
+            tracing::debug!("final releases: {e}");
+        }
     }
 }
 
@@ -182,6 +218,7 @@ impl Consumer {
                 stream: opts.stream.clone(),
                 window: opts.window,
                 join: opts.join,
+                device: opts.device.request()?,
             },
         });
         let (welcome, fds) = handshake(&stream, &hello)?;
@@ -207,6 +244,7 @@ impl Consumer {
             .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
         let map = Mapping::map_readonly(std::os::fd::AsFd::as_fd(&fd), arena_len)?;
         drop::<OwnedFd>(fd); // the mapping keeps the memory alive
+        let gpu = crate::gpu::DeviceSide::open(opts.device, welcome.device.as_ref(), arena_len)?;
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Consumer {
             shared: Arc::new(Shared {
@@ -214,6 +252,7 @@ impl Consumer {
                 map,
                 welcome,
                 held: AtomicU32::new(0),
+                gpu,
             }),
             reader,
             buf: Vec::with_capacity(256),
@@ -260,6 +299,7 @@ impl Consumer {
         if self.finished {
             return Ok(None);
         }
+        self.wait_for_fenced()?;
         let window = self.shared.welcome.window;
         if self.held() >= window
             && self.reader.buffer().is_empty()
@@ -319,6 +359,27 @@ impl Consumer {
             }
             other => Err(Error::Unexpected(format!("{other:?}"))),
         }
+    }
+}
+
+impl Consumer {
+    /// Device consumers: sends the releases whose GPU work is done, and
+    /// until none is left keeps doing so while no message has arrived (the
+    /// broker may be waiting for them to send the next batch).
+    fn wait_for_fenced(&mut self) -> Result<()> {
+        self.shared.flush_fenced(false)?;
+        while self.shared.fenced_pending()
+            && self.reader.buffer().is_empty()
+            && !readable_within(self.reader.get_ref(), 1)?
+        {
+            self.shared.flush_fenced(false)?;
+        }
+        Ok(())
+    }
+
+    /// Where this consumer's batches are delivered.
+    pub fn device(&self) -> Device {
+        self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())
     }
 }
 
@@ -498,7 +559,36 @@ impl Batch {
         }
     }
 
-    /// Releases the slot now instead of at drop.
+    /// Where this batch lives: host memory, or a GPU.
+    pub fn device(&self) -> Device {
+        self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())
+    }
+
+    /// Device batches: the GPU address of field `i` (schema order). The
+    /// bytes are the same as [`Batch::field`]'s host view; the broker
+    /// finished copying them before it sent the batch, so any CUDA stream
+    /// may read them at once. They must not be written: every consumer on
+    /// this GPU reads the same memory. `None` for host batches.
+    pub fn device_ptr(&self, i: usize) -> Option<u64> {
+        let g = self.shared.gpu.as_ref()?;
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields.get(i)?;
+        Some(g.base() + self.meta.slot as u64 * w.layout.slot_bytes + fl.offset)
+    }
+
+    /// Device batches: also wait for the work queued so far on `stream` (a
+    /// `CUstream`, or DLPack's `1`/`2` for the legacy and per-thread default
+    /// streams) before the slot is given back. Without any, the legacy
+    /// default stream is used.
+    pub fn fence_on(&self, stream: u64) {
+        if let Some(g) = &self.shared.gpu {
+            g.fence_on(self.meta.seq, stream);
+        }
+    }
+
+    /// Releases the slot now instead of at drop. For a device batch the
+    /// release reaches the broker once the GPU work queued on its fence
+    /// streams has finished (see [`Batch::fence_on`]).
     pub fn release(mut self) -> Result<()> {
         self.do_release()
     }
@@ -508,6 +598,10 @@ impl Batch {
             return Ok(());
         }
         self.shared.held.fetch_sub(1, Ordering::AcqRel);
+        if let Some(g) = &self.shared.gpu {
+            g.release_after_gpu(self.meta.seq, self.wait_ns)?;
+            return self.shared.flush_fenced(false);
+        }
         self.shared.send(&ClientMsg::Release {
             seq: self.meta.seq,
             wait_ns: self.wait_ns,

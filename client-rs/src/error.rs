@@ -51,6 +51,12 @@ pub enum Error {
     WindowFull { held: u32 },
     #[error("invalid option: {0}")]
     InvalidOption(String),
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] crate::cuda::CudaError),
+    /// A device was asked for that this build or host cannot serve.
+    #[error("{0}")]
+    Device(String),
 }
 
 impl Error {

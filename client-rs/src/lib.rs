@@ -27,6 +27,10 @@
 //! * [`producer`]: the blocking [`Producer`], which registers a stream and
 //!   writes its batches from outside the broker (e.g. a Python DataLoader).
 //! * [`synthetic`]: the deterministic test data source both sides use.
+//! * [`device`]: where a consumer wants its batches (`cpu`, `cuda:N`).
+//! * `cuda` (feature `cuda`, on by default): a safe layer over the CUDA
+//!   driver, loaded at run time: device arenas over CUDA IPC, page-locked
+//!   host memory, asynchronous copies and events.
 //!
 //! # Shared means read-only
 //!
@@ -36,7 +40,11 @@
 //! never change what other consumers read.
 
 pub mod consumer;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod error;
+mod gpu;
 pub mod producer;
 pub mod proto;
 pub mod schema;
@@ -46,6 +54,7 @@ pub mod synthetic;
 pub use consumer::{
     Batch, Consumer, ConsumerOptions, Element, Event, FieldView, StatsClient, default_socket_path,
 };
+pub use device::Device;
 pub use error::{Error, Result};
 pub use producer::{Acquired, Producer, ProducerOptions};
 pub use proto::{FillSlot, JoinPolicy};

@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -107,6 +107,9 @@ pub enum Intent {
         /// Most unreleased batches the broker may send ahead.
         window: u32,
         join: JoinPolicy,
+        /// `Some`: deliver batches in this GPU's memory (CUDA IPC) instead
+        /// of host memory.
+        device: Option<DeviceRequest>,
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
@@ -134,6 +137,27 @@ pub struct ProduceRequest {
     pub description: String,
     /// Class names in label order, if known.
     pub classes: Vec<String>,
+}
+
+/// The GPU a consumer wants its batches on. Named by UUID because ordinals
+/// differ between processes (`CUDA_VISIBLE_DEVICES`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRequest {
+    pub uuid: [u8; 16],
+    /// The consumer's own ordinal and the GPU's name, for messages.
+    pub ordinal: u32,
+    pub name: String,
+}
+
+/// A stream's arena on one GPU, as a consumer opens it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceArena {
+    /// The CUDA IPC memory handle (64 bytes).
+    pub handle: Vec<u8>,
+    /// `slots × slot_bytes`, laid out exactly as the host arena.
+    pub bytes: u64,
+    /// The GPU, as the broker names it (`cuda:1 NVIDIA H100 (GPU-…)`).
+    pub gpu: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -222,6 +246,10 @@ pub struct Welcome {
     pub start_epoch: u64,
     /// The broker's version string, for diagnostics.
     pub broker: String,
+    /// Device consumers: the GPU arena their batches live in. Slot `s` of it
+    /// holds the same batch as host slot `s`, copied before the batch is
+    /// sent; the host arena's fd still comes with the welcome.
+    pub device: Option<DeviceArena>,
 }
 
 /// A batch is ready in `slot`.
@@ -277,6 +305,9 @@ pub enum ErrorCode {
     StreamExists,
     /// A producer's request or batch does not fit its stream's schema.
     SchemaMismatch,
+    /// A GPU delivery the broker cannot make (no driver, unknown GPU, a
+    /// driver error); the message names the CUDA error.
+    DeviceUnavailable,
     Internal,
 }
 
@@ -325,7 +356,24 @@ pub struct StreamStats {
     pub producer: Option<String>,
     /// Why the stream stopped, if its source or producer failed.
     pub failed: Option<String>,
+    /// One entry per GPU this stream copies to.
+    pub gpus: Vec<GpuCopyStats>,
     pub consumers: Vec<ConsumerStats>,
+}
+
+/// The broker's host-to-device copies of one stream to one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuCopyStats {
+    pub gpu: String,
+    /// Batches copied: one per batch published while the GPU had
+    /// consumers, however many consumers it has.
+    pub copies: u64,
+    pub bytes: u64,
+    /// Seconds from queuing each copy to its completion, summed.
+    pub copy_s: f64,
+    /// Whether the host arena is page-locked (else copies are staged by
+    /// the driver and slower).
+    pub pinned: bool,
 }
 
 /// What an image source has done so far.
@@ -363,6 +411,8 @@ pub struct ConsumerStats {
     pub wait_s: f64,
     /// Seconds its batches spent between sending and release, summed.
     pub hold_s: f64,
+    /// `None`: host memory; else the GPU its batches are delivered on.
+    pub device: Option<String>,
 }
 
 /// Encodes `msg` as one frame (length prefix + payload).

@@ -1,0 +1,599 @@
+//! A small safe layer over the parts of the CUDA driver API batchcast uses:
+//! device lookup by UUID, device arenas exported and imported over CUDA IPC,
+//! page-locked host registration, and asynchronous host-to-device copies
+//! fenced by events.
+//!
+//! The driver is loaded at run time (cudarc's `dynamic-loading`): nothing
+//! CUDA is needed to build, and on a host without a driver every entry point
+//! returns [`CudaError::NoDriver`] instead of panicking (cudarc panics if
+//! its first call finds no `libcuda`, so [`driver`] probes for the library
+//! before any call).
+//!
+//! This is the only module of the crate with `unsafe` CUDA calls. Objects
+//! keep the device's primary context retained for as long as they live and
+//! make it current on the calling thread before each call, so they can be
+//! used from any thread.
+
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+/// Bytes of a CUDA IPC memory handle.
+pub const IPC_HANDLE_LEN: usize = 64;
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum CudaError {
+    #[error(
+        "no CUDA driver on this host ({0}); batches are served in host memory: subscribe with device=\"cpu\""
+    )]
+    NoDriver(String),
+    /// A driver call failed; `name` is the CUDA error name
+    /// (`CUDA_ERROR_OUT_OF_MEMORY`, ...).
+    #[error("CUDA {call} failed: {name} ({description})")]
+    Driver {
+        call: &'static str,
+        name: String,
+        description: String,
+    },
+    #[error(
+        "no CUDA device cuda:{ordinal}: this process sees {count} (check CUDA_VISIBLE_DEVICES)"
+    )]
+    NoDevice { ordinal: u32, count: u32 },
+    #[error("no GPU of this host has UUID {0}")]
+    UnknownGpu(String),
+    #[error("an IPC handle must be {IPC_HANDLE_LEN} bytes, got {0}")]
+    BadHandle(usize),
+}
+
+/// Maps a driver status to `Ok` or to a [`CudaError::Driver`] naming the
+/// call and the CUDA error. The name comes from the status itself, so it is
+/// right even when the driver cannot describe it.
+pub fn check(call: &'static str, status: sys::CUresult) -> Result<(), CudaError> {
+    if status == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let description = if driver_loaded() {
+        result::DriverError(status)
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".into())
+    } else {
+        "no description".into()
+    };
+    Err(CudaError::Driver {
+        call,
+        name: format!("{status:?}"),
+        description,
+    })
+}
+
+fn driver_error(call: &'static str, e: result::DriverError) -> CudaError {
+    check(call, e.0).expect_err("a DriverError is never CUDA_SUCCESS")
+}
+
+/// Proof that the driver is loaded and initialised.
+#[derive(Debug)]
+pub struct Driver {
+    pub version: i32,
+}
+
+static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
+
+fn driver_loaded() -> bool {
+    matches!(DRIVER.get(), Some(Ok(_)))
+}
+
+/// Loads and initialises the CUDA driver once per process.
+pub fn driver() -> Result<&'static Driver, CudaError> {
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: only tries to dlopen the library names cudarc would use.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(CudaError::NoDriver("libcuda.so not found".into()));
+            }
+            result::init().map_err(|e| match e.0 {
+                sys::CUresult::CUDA_ERROR_NO_DEVICE => {
+                    CudaError::NoDriver("the driver sees no GPU".into())
+                }
+                _ => driver_error("cuInit", e),
+            })?;
+            let mut version = 0;
+            // SAFETY: the driver is initialised; `version` is a valid out-pointer.
+            check("cuDriverGetVersion", unsafe {
+                sys::cuDriverGetVersion(&mut version)
+            })?;
+            Ok(Driver { version })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Whether the driver loaded, without saying why not.
+pub fn available() -> bool {
+    driver().is_ok()
+}
+
+/// A GPU's identity: stable across processes, unlike ordinals (which
+/// `CUDA_VISIBLE_DEVICES` renumbers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Ordinal in this process.
+    pub ordinal: u32,
+    pub uuid: [u8; 16],
+    pub name: String,
+}
+
+/// `GPU-xxxxxxxx-xxxx-...` as `nvidia-smi -L` prints it.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// Every GPU this process sees.
+pub fn gpus() -> Result<Vec<GpuInfo>, CudaError> {
+    driver()?;
+    let count = result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    (0..count.max(0) as u32).map(gpu_info).collect()
+}
+
+fn gpu_info(ordinal: u32) -> Result<GpuInfo, CudaError> {
+    let dev = result::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
+    let uuid = result::device::get_uuid(dev).map_err(|e| driver_error("cuDeviceGetUuid", e))?;
+    let name = result::device::get_name(dev).map_err(|e| driver_error("cuDeviceGetName", e))?;
+    Ok(GpuInfo {
+        ordinal,
+        uuid: uuid.bytes.map(|b| b as u8),
+        name,
+    })
+}
+
+/// One GPU with its primary context retained (the context PyTorch uses).
+#[derive(Debug)]
+pub struct Gpu {
+    pub info: GpuInfo,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUDA context handle may be used from any thread; every call
+// makes it current on the calling thread first.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; the driver serialises what needs serialising.
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// The GPU with this process's ordinal `ordinal`.
+    pub fn open(ordinal: u32) -> Result<Arc<Gpu>, CudaError> {
+        driver()?;
+        let count = result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as u32 {
+            return Err(CudaError::NoDevice {
+                ordinal,
+                count: count.max(0) as u32,
+            });
+        }
+        let info = gpu_info(ordinal)?;
+        let dev =
+            result::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
+        // SAFETY: `dev` is a valid device of an initialised driver.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }
+            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Arc::new(Gpu { info, dev, ctx }))
+    }
+
+    /// The GPU whose UUID is `uuid`.
+    pub fn by_uuid(uuid: &[u8; 16]) -> Result<Arc<Gpu>, CudaError> {
+        let found = gpus()?
+            .into_iter()
+            .find(|g| &g.uuid == uuid)
+            .ok_or_else(|| CudaError::UnknownGpu(format_uuid(uuid)))?;
+        Gpu::open(found.ordinal)
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: the context is retained for as long as `self` lives.
+        unsafe { result::ctx::set_current(self.ctx) }
+            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `open`; every object using the
+        // context holds an `Arc<Gpu>`, so none outlives this.
+        let _ = unsafe { result::primary_ctx::release(self.dev) };
+    }
+}
+
+/// Device memory allocated with `cuMemAlloc` (plain device memory, which
+/// is what CUDA IPC can export).
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
+        gpu.bind()?;
+        // SAFETY: a context is current; `len` bytes of uninitialised device
+        // memory are never read by Rust.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }
+            .map_err(|e| driver_error("cuMemAlloc", e))?;
+        Ok(DeviceBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The handle another process opens with [`IpcMapping::open`].
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaError> {
+        self.gpu.bind()?;
+        let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: `ptr` is the base of a live cuMemAlloc allocation; the
+        // out-pointer is valid for one handle.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), self.ptr)
+        })?;
+        // SAFETY: initialised by the successful call above.
+        let handle = unsafe { handle.assume_init() };
+        Ok(handle.reserved.map(|b| b as u8))
+    }
+
+    /// Copies device bytes back to the host (tests and checks only).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        assert!(
+            offset + out.len() <= self.len,
+            "read past the device buffer"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside the allocation (asserted);
+        // the destination is a valid exclusive host slice.
+        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+            .map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed once; users
+            // of the memory (copy streams) are dropped first by their owners.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Another process's device memory, opened from its IPC handle. The
+/// mapping is closed on drop.
+#[derive(Debug)]
+pub struct IpcMapping {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl IpcMapping {
+    /// Opens `handle` (of `len` bytes) in `gpu`'s primary context.
+    pub fn open(gpu: &Arc<Gpu>, handle: &[u8], len: usize) -> Result<IpcMapping, CudaError> {
+        let bytes: [u8; IPC_HANDLE_LEN] = handle
+            .try_into()
+            .map_err(|_| CudaError::BadHandle(handle.len()))?;
+        gpu.bind()?;
+        let handle = sys::CUipcMemHandle {
+            reserved: bytes.map(|b| b as _),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a context is current and `ptr` is a valid out-pointer;
+        // the driver validates the handle.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                handle,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(IpcMapping {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once;
+            // batches that point into it hold the mapping alive.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// A host range page-locked for every context (`PORTABLE`), so copies from
+/// it are true DMA and asynchronous.
+#[derive(Debug)]
+pub struct HostRegistration {
+    gpu: Arc<Gpu>,
+    ptr: *mut c_void,
+    len: usize,
+}
+
+// SAFETY: the registration is an address range; the driver allows
+// unregistering from any thread.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above; it has no interior state.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Page-locks `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// The range must stay mapped until the registration is dropped, and no
+    /// copy from it may be in flight then.
+    pub unsafe fn register(
+        gpu: &Arc<Gpu>,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<HostRegistration, CudaError> {
+        gpu.bind()?;
+        // SAFETY: the caller guarantees the range is mapped for the
+        // registration's lifetime.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        })?;
+        Ok(HostRegistration {
+            gpu: gpu.clone(),
+            ptr: ptr as *mut c_void,
+            len,
+        })
+    }
+
+    pub fn contains(&self, ptr: *const u8, len: usize) -> bool {
+        let base = self.ptr as usize;
+        let p = ptr as usize;
+        p >= base && p.saturating_add(len) <= base + self.len
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: registered in `register`, unregistered once.
+            let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+        }
+    }
+}
+
+/// A non-blocking CUDA stream of one GPU for asynchronous copies.
+#[derive(Debug)]
+pub struct CopyStream {
+    gpu: Arc<Gpu>,
+    stream: sys::CUstream,
+}
+
+// SAFETY: CUDA streams may be used from any thread with their context current.
+unsafe impl Send for CopyStream {}
+// SAFETY: as above; the driver orders work submitted to one stream.
+unsafe impl Sync for CopyStream {}
+
+impl CopyStream {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<CopyStream, CudaError> {
+        gpu.bind()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        Ok(CopyStream {
+            gpu: gpu.clone(),
+            stream,
+        })
+    }
+
+    /// Queues a copy of `len` host bytes at `src` to `dst + offset`.
+    ///
+    /// # Safety
+    ///
+    /// `src..src+len` must stay mapped until the copy completes (wait for an
+    /// event recorded after it). Its bytes may change meanwhile only if the
+    /// copy's result is never used.
+    pub unsafe fn copy_to_device(
+        &self,
+        dst: &DeviceBuffer,
+        offset: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= dst.len),
+            "copy past the device buffer"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the destination range lies inside `dst` (asserted); the
+        // caller guarantees the source stays mapped until the copy is done.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.ptr + offset as u64,
+                src as *const c_void,
+                len,
+                self.stream,
+            )
+        })
+    }
+
+    /// Records an event after everything queued so far.
+    pub fn record(&self) -> Result<Event, CudaError> {
+        let ev = Event::new(&self.gpu)?;
+        ev.record_on(self.stream as u64)?;
+        Ok(ev)
+    }
+
+    /// Blocks until everything queued so far has completed.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the stream is live.
+        unsafe { result::stream::synchronize(self.stream) }
+            .map_err(|e| driver_error("cuStreamSynchronize", e))
+    }
+}
+
+impl Drop for CopyStream {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: wait for queued copies (their sources and destinations
+            // are still alive: owners drop streams first), then destroy once.
+            unsafe {
+                let _ = result::stream::synchronize(self.stream);
+                let _ = result::stream::destroy(self.stream);
+            }
+        }
+    }
+}
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, as DLPack's `stream=1`.
+pub const LEGACY_STREAM: u64 = 1;
+/// `CU_STREAM_PER_THREAD`, as DLPack's `stream=2`.
+pub const PER_THREAD_STREAM: u64 = 2;
+
+/// A CUDA event without timing (cheap to record and query).
+#[derive(Debug)]
+pub struct Event {
+    gpu: Arc<Gpu>,
+    ev: sys::CUevent,
+}
+
+// SAFETY: events may be recorded and queried from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Event, CudaError> {
+        gpu.bind()?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver_error("cuEventCreate", e))?;
+        Ok(Event {
+            gpu: gpu.clone(),
+            ev,
+        })
+    }
+
+    /// Records the event on a stream given as a raw handle, as DLPack
+    /// consumers pass it (`1` legacy default, `2` per-thread default, else a
+    /// `CUstream` of this GPU).
+    pub fn record_on(&self, stream: u64) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the event is live; the stream handle is either one of the
+        // driver's special values or a stream the caller owns on this GPU.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.ev, stream as usize as sys::CUstream)
+        })
+    }
+
+    /// Whether the work before the record has completed.
+    pub fn done(&self) -> Result<bool, CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the event is live.
+        match unsafe { sys::cuEventQuery(self.ev) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuEventQuery", other).map(|_| false),
+        }
+    }
+
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: the event is live.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.ev)
+        })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: created in `new`, destroyed once.
+            let _ = unsafe { result::event::destroy(self.ev) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_errors_are_named_without_a_driver() {
+        let e = check("cuMemAlloc", sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("cuMemAlloc"), "{text}");
+        assert!(text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+        assert_eq!(check("cuInit", sys::CUresult::CUDA_SUCCESS), Ok(()));
+    }
+
+    #[test]
+    fn uuids_print_like_nvidia_smi() {
+        let u: [u8; 16] = std::array::from_fn(|i| i as u8 * 17);
+        assert_eq!(format_uuid(&u), "GPU-00112233-4455-6677-8899-aabbccddeeff");
+    }
+
+    #[test]
+    fn without_a_driver_every_entry_point_says_so() {
+        // SAFETY: only probes for the library.
+        if unsafe { sys::is_culib_present() } {
+            return; // a GPU host: the no-driver path cannot be exercised
+        }
+        assert!(matches!(driver(), Err(CudaError::NoDriver(_))));
+        assert!(!available());
+        assert!(matches!(Gpu::open(0), Err(CudaError::NoDriver(_))));
+        assert!(matches!(gpus(), Err(CudaError::NoDriver(_))));
+        let msg = Gpu::by_uuid(&[0; 16]).unwrap_err().to_string();
+        assert!(msg.contains("device=\"cpu\""), "{msg}");
+    }
+}

@@ -1,0 +1,101 @@
+//! Where a consumer wants its batches: host memory or one GPU.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+use crate::proto::DeviceRequest;
+
+/// `cpu` (the default) or `cuda:N`, N being this process's device ordinal
+/// (as PyTorch numbers them, after `CUDA_VISIBLE_DEVICES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda(u32),
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Device> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            _ => t
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse::<u32>().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| {
+                    Error::InvalidOption(format!(
+                        "device `{s}` is not `cpu`, `cuda` or `cuda:N` (N a device ordinal)"
+                    ))
+                }),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Device {
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    /// What the broker needs to know about this device: its GPU's UUID.
+    /// Errors, naming the reason, when this host or build has no such GPU.
+    pub fn request(&self) -> Result<Option<DeviceRequest>> {
+        match *self {
+            Device::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = crate::cuda::Gpu::open(ordinal)?;
+                Ok(Some(DeviceRequest {
+                    uuid: gpu.info.uuid,
+                    ordinal,
+                    name: gpu.info.name.clone(),
+                }))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(Error::Device(format!(
+                "{self} asked for, but this build of batchcast has no CUDA support (rebuild with the `cuda` feature) — use device=\"cpu\""
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_what_torch_users_write() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!(" CUDA:3 ".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in ["cuda:", "cuda:-1", "tpu", "cuda:x", ""] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains("cuda:N"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_gpu_request_without_a_gpu_names_the_way_out() {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::available() {
+            return; // a GPU host: this is the no-driver path only
+        }
+        let e = Device::Cuda(0).request().unwrap_err().to_string();
+        assert!(e.contains("device=\"cpu\""), "{e}");
+        assert_eq!(Device::Cpu.request().unwrap(), None);
+    }
+}
