@@ -521,3 +521,67 @@ fn stats_command_shows_streams_and_consumers() {
     assert_eq!(s.broker_pid, env.broker.pid());
     assert!(report(c).ok);
 }
+
+#[test]
+fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_on() {
+    let env = Env::start(&config("", 100_000, 8));
+    let host = env.consumer(&["--verify", "--max-batches", "200", "--name", "host"]);
+    // A GPU no host has (on a machine without CUDA the driver is missing
+    // first; either way the broker names the device and the way out).
+    let hello = proto::ClientMsg::Hello(proto::Hello {
+        name: "gpu".into(),
+        pid: std::process::id(),
+        intent: proto::Intent::Consume {
+            stream: "train".into(),
+            window: 2,
+            join: batchcast::JoinPolicy::NextEpoch,
+            device: Some(proto::DeviceRequest {
+                uuid: [0xee; 16],
+                ordinal: 0,
+                name: "no such GPU".into(),
+            }),
+        },
+    });
+    let mut bytes = Preamble::ours().to_bytes().to_vec();
+    bytes.extend_from_slice(&proto::encode(&hello).unwrap());
+    let (_, msg) = raw_exchange(&env.socket(), &bytes);
+    expect_error(
+        msg,
+        ErrorCode::DeviceUnavailable,
+        "cannot deliver to cuda:0",
+    );
+    let s = env.stats();
+    assert!(s.streams[0].gpus.is_empty(), "{:?}", s.streams[0].gpus);
+    assert!(
+        s.streams[0].consumers.iter().all(|c| c.device.is_none()),
+        "the refused consumer left no trace"
+    );
+    let r = report(host);
+    assert!(r.ok && r.batches == 200 && r.verify_failures == 0, "{r:#?}");
+}
+
+#[test]
+fn consume_cli_without_a_gpu_says_so_and_points_to_the_host_path() {
+    let env = Env::start(&config("", 1000, 8));
+    // (On a GPU host this consumer would simply work: gpu.sh covers that.)
+    if !std::path::Path::new("/dev/nvidiactl").exists() {
+        let r = report(env.consumer(&["--device", "cuda:0"]));
+        assert!(!r.ok, "{r:#?}");
+        let err = r.error.unwrap_or_default();
+        assert!(
+            err.contains("no CUDA driver") && err.contains("device=\"cpu\""),
+            "{err}"
+        );
+    }
+    let out = Command::new(EXE)
+        .args(["consume", "--device", "tpu:0", "--socket"])
+        .arg(env.socket())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cuda:N"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -51,6 +51,10 @@ pub struct ConsumeArgs {
     /// not there yet (e.g. a producer still starting)
     #[arg(long, default_value_t = 0.0)]
     pub connect_timeout: f64,
+    /// Receive batches on this device: `cpu`, or `cuda:N` (the broker
+    /// copies each batch to that GPU; --verify and --dump read the host copy)
+    #[arg(long)]
+    pub device: Option<batchcast::Device>,
     /// Write every batch's fields to DIR/e{epoch}-b{index}-{field}.bin
     /// (raw little-endian tensors) for inspection
     #[arg(long)]
@@ -125,6 +129,9 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     opts.socket = args.socket.clone();
     opts.window = args.window;
+    if let Some(d) = args.device {
+        opts.device = d;
+    }
     if args.connect_timeout > 0.0 && args.connect_timeout.is_finite() {
         opts.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
     }

@@ -23,6 +23,7 @@ use pyo3::prelude::*;
 
 /// `DLDeviceType::kDLCPU`.
 pub const DEVICE_CPU: i32 = 1;
+pub const DEVICE_CUDA: i32 = 2;
 const READ_ONLY: u64 = 1;
 
 #[repr(C)]
@@ -86,10 +87,11 @@ struct Holder<M> {
     _keep: Box<dyn Any + Send + Sync>,
 }
 
-/// What to export: read-only CPU memory of `shape` elements of `dtype`,
-/// kept valid by `keep`.
+/// What to export: read-only memory of `shape` elements of `dtype` on
+/// `device` (DLPack device type and id), kept valid by `keep`.
 pub struct Export {
     pub data: *const u8,
+    pub device: (i32, i32),
     pub shape: Vec<i64>,
     pub dtype: DLDataType,
     pub keep: Box<dyn Any + Send + Sync>,
@@ -98,12 +100,18 @@ pub struct Export {
 const NAME: &CStr = c"dltensor";
 const NAME_VERSIONED: &CStr = c"dltensor_versioned";
 
-fn tensor(data: *const u8, dtype: DLDataType, shape: &mut [i64], strides: &mut [i64]) -> DLTensor {
+fn tensor(
+    data: *const u8,
+    device: (i32, i32),
+    dtype: DLDataType,
+    shape: &mut [i64],
+    strides: &mut [i64],
+) -> DLTensor {
     DLTensor {
         data: data as *mut c_void,
         device: DLDevice {
-            device_type: DEVICE_CPU,
-            device_id: 0,
+            device_type: device.0,
+            device_id: device.1,
         },
         ndim: shape.len() as i32,
         dtype,
@@ -182,7 +190,13 @@ pub fn capsule(py: Python<'_>, export: Export, versioned: bool) -> PyResult<Boun
 fn make<M: Managed>(py: Python<'_>, export: Export) -> PyResult<Bound<'_, PyAny>> {
     let strides = strides_of(&export.shape);
     let mut h = Box::new(Holder {
-        managed: M::new(tensor(export.data, export.dtype, &mut [], &mut [])),
+        managed: M::new(tensor(
+            export.data,
+            export.device,
+            export.dtype,
+            &mut [],
+            &mut [],
+        )),
         shape: export.shape,
         strides,
         _keep: export.keep,

@@ -42,6 +42,13 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
             ..
         } => "SchemaError",
         Error::WindowFull { .. } => "WindowFull",
+        Error::Device(_)
+        | Error::Broker {
+            code: ErrorCode::DeviceUnavailable,
+            ..
+        } => "DeviceUnavailable",
+        #[cfg(feature = "cuda")]
+        Error::Cuda(_) => "DeviceUnavailable",
         _ => "StreamError",
     };
     py_error(py, class, e.to_string(), code.map(|c| format!("{c:?}")))
@@ -162,12 +169,15 @@ struct Consumer {
     window: u32,
     start_epoch: u64,
     arena: (usize, usize),
+    /// DLPack `(device_type, device_id)` of delivered batches.
+    device: (i32, i32),
 }
 
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         stream: String,
@@ -176,7 +186,10 @@ impl Consumer {
         join: &str,
         name: Option<String>,
         connect_timeout: f64,
+        device: &str,
     ) -> PyResult<Consumer> {
+        let device: batchcast::Device =
+            device.parse().map_err(|e: Error| invalid(e.to_string()))?;
         let join = match join {
             "next-epoch" => JoinPolicy::NextEpoch,
             "immediate" => JoinPolicy::Immediate,
@@ -200,6 +213,7 @@ impl Consumer {
             window,
             join,
             connect_timeout: Duration::from_secs_f64(connect_timeout),
+            device,
             ..Default::default()
         };
         if let Some(n) = name {
@@ -216,6 +230,10 @@ impl Consumer {
             window: consumer.welcome().window,
             start_epoch: consumer.welcome().start_epoch,
             arena: (base as usize, len),
+            device: match consumer.device() {
+                batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),
+                batchcast::Device::Cuda(n) => (dlpack::DEVICE_CUDA, n as i32),
+            },
             inner: Mutex::new(consumer),
         })
     }
@@ -256,6 +274,7 @@ impl Consumer {
                     wait_s: b.wait_ns() as f64 * 1e-9,
                     handoff_s: b.handoff_ns() as f64 * 1e-9,
                     schema: self.schema.clone(),
+                    device: self.device,
                     inner: Mutex::new(Some(Arc::new(b))),
                 };
                 ("batch", Py::new(py, batch)?).into_pyobject(py)?.into_any()
@@ -294,6 +313,13 @@ impl Consumer {
     fn arena(&self) -> (usize, usize) {
         self.arena
     }
+
+    /// DLPack `(device_type, device_id)` batches are delivered on:
+    /// `(1, 0)` host memory, `(2, N)` GPU N.
+    #[getter]
+    fn device(&self) -> (i32, i32) {
+        self.device
+    }
 }
 
 /// One batch in shared memory (see `batchcast.Batch`).
@@ -301,6 +327,7 @@ impl Consumer {
 struct Batch {
     inner: Mutex<Option<Arc<batchcast::Batch>>>,
     schema: Arc<Schema>,
+    device: (i32, i32),
     #[pyo3(get)]
     seq: u64,
     #[pyo3(get)]
@@ -319,8 +346,11 @@ struct Batch {
 
 #[pymethods]
 impl Batch {
-    /// A DLPack exporter of field `i` (zero-copy, read-only).
-    fn field(&self, i: usize) -> PyResult<DLField> {
+    /// A DLPack exporter of field `i` (zero-copy, read-only): on the
+    /// consumer's device, or with `host=True` the same bytes in host shared
+    /// memory.
+    #[pyo3(signature = (i, host=false))]
+    fn field(&self, i: usize, host: bool) -> PyResult<DLField> {
         let guard = lock(&self.inner);
         let Some(b) = guard.as_ref() else {
             return Err(Python::attach(|py| {
@@ -343,9 +373,14 @@ impl Batch {
         })?;
         let view = b.fields().nth(i).expect("schema and layout agree");
         let shape = view.shape().into_iter().map(|d| d as i64).collect();
+        let (ptr, device) = match b.device_ptr(i) {
+            Some(p) if !host => (p as usize, self.device),
+            _ => (view.bytes().as_ptr() as usize, (dlpack::DEVICE_CPU, 0)),
+        };
         Ok(DLField {
             keep: b.clone(),
-            ptr: view.bytes().as_ptr() as usize,
+            ptr,
+            device,
             shape,
             dtype: f.dtype,
         })
@@ -368,6 +403,7 @@ impl Batch {
 struct DLField {
     keep: Arc<batchcast::Batch>,
     ptr: usize,
+    device: (i32, i32),
     shape: Vec<i64>,
     dtype: DType,
 }
@@ -383,13 +419,31 @@ impl DLField {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = stream; // host memory: nothing to synchronise
         if let Some(dev) = dl_device
-            && dev != (dlpack::DEVICE_CPU, 0)
+            && dev != self.device
         {
             return Err(pyo3::exceptions::PyBufferError::new_err(format!(
-                "batchcast host batches live on the CPU, not device {dev:?}; move the tensor after import"
+                "this batchcast field lives on DLPack device {:?}, not {dev:?}; move the tensor after import (or subscribe with that device=)",
+                self.device
             )));
+        }
+        if self.device.0 == dlpack::DEVICE_CUDA {
+            // The bytes are ready on every stream (the broker synchronised
+            // its copy). The stream the importer will use is where reads of
+            // this batch are queued: its release waits for them.
+            let s = match stream {
+                None => batchcast::device::LEGACY_STREAM,
+                Some(s) => match s.extract::<i64>()? {
+                    -1 | 1 => batchcast::device::LEGACY_STREAM,
+                    0 => {
+                        return Err(pyo3::exceptions::PyValueError::new_err(
+                            "stream=0 is ambiguous for CUDA in DLPack; pass 1 (legacy default), 2 (per-thread default) or a stream handle",
+                        ));
+                    }
+                    s => s as u64,
+                },
+            };
+            self.keep.fence_on(s);
         }
         if copy == Some(true) {
             return Err(pyo3::exceptions::PyBufferError::new_err(
@@ -398,6 +452,7 @@ impl DLField {
         }
         let export = dlpack::Export {
             data: self.ptr as *const u8,
+            device: self.device,
             shape: self.shape.clone(),
             dtype: dl_dtype(self.dtype),
             keep: Box::new(self.keep.clone()),
@@ -407,7 +462,7 @@ impl DLField {
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::DEVICE_CPU, 0)
+        self.device
     }
 
     /// Address of the first element (for zero-copy checks).

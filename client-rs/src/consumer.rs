@@ -287,8 +287,25 @@ impl Consumer {
         if self.finished || !self.reader.buffer().is_empty() {
             return Ok(true);
         }
-        let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
-        readable_within(self.reader.get_ref(), ms)
+        // Releases waiting for GPU work are sent as it finishes: the broker
+        // may be waiting for one of them to send the next batch.
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            self.shared.flush_fenced(false)?;
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let step = if self.shared.fenced_pending() {
+                left.min(Duration::from_millis(1))
+            } else {
+                left
+            };
+            let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
+            if readable_within(self.reader.get_ref(), ms)? {
+                return Ok(true);
+            }
+            if left.is_zero() || step == left {
+                return Ok(false);
+            }
+        }
     }
 
     /// Blocks for the broker's next event. `Ok(None)` once the stream has

@@ -495,10 +495,7 @@ impl Drop for CopyStream {
     }
 }
 
-/// `CU_STREAM_LEGACY`: the legacy default stream, as DLPack's `stream=1`.
-pub const LEGACY_STREAM: u64 = 1;
-/// `CU_STREAM_PER_THREAD`, as DLPack's `stream=2`.
-pub const PER_THREAD_STREAM: u64 = 2;
+pub use crate::device::{LEGACY_STREAM, PER_THREAD_STREAM};
 
 /// A CUDA event without timing (cheap to record and query).
 #[derive(Debug)]

@@ -6,6 +6,11 @@ use std::str::FromStr;
 use crate::error::{Error, Result};
 use crate::proto::DeviceRequest;
 
+/// `CU_STREAM_LEGACY`: the legacy default CUDA stream, as DLPack's `stream=1`.
+pub const LEGACY_STREAM: u64 = 1;
+/// `CU_STREAM_PER_THREAD`, as DLPack's `stream=2`.
+pub const PER_THREAD_STREAM: u64 = 2;
+
 /// `cpu` (the default) or `cuda:N`, N being this process's device ordinal
 /// (as PyTorch numbers them, after `CUDA_VISIBLE_DEVICES`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -20,6 +20,7 @@ from ._producer import Producer
 from .errors import (
     BatchReleased,
     BrokerUnavailable,
+    DeviceUnavailable,
     Error,
     InvalidArgument,
     SchemaError,
@@ -40,6 +41,7 @@ __all__ = [
     "BatchReleased",
     "BrokerUnavailable",
     "Consumer",
+    "DeviceUnavailable",
     "Error",
     "InvalidArgument",
     "PROTOCOL_VERSION",

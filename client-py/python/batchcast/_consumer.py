@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -24,7 +25,7 @@ def _env_timeout() -> float:
     return max(value, 0.0)
 
 
-def _converter(output: str) -> Callable[[Any], Any]:
+def _converter(output: str, copy: bool) -> Callable[[Any], Any]:
     if output == "torch":
         try:
             import torch
@@ -32,12 +33,16 @@ def _converter(output: str) -> Callable[[Any], Any]:
             raise InvalidArgument(
                 "output='torch' needs PyTorch: pip install torch, or use output='numpy'"
             ) from None
+        if copy:
+            return lambda field: torch.from_dlpack(field).clone()
         return torch.from_dlpack
     if output == "numpy":
         import numpy
 
         def to_numpy(field: Any) -> Any:
             array = numpy.from_dlpack(field)
+            if copy:
+                return array.copy()
             # numpy < 2.1 does not read DLPack's read-only flag; the arena is
             # mapped read-only anyway, so say so before a write faults.
             if array.flags.writeable:
@@ -46,6 +51,21 @@ def _converter(output: str) -> Callable[[Any], Any]:
 
         return to_numpy
     raise InvalidArgument(f"output={output!r}: use 'torch' or 'numpy'")
+
+
+def _device(device: Any) -> str:
+    """``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N, or a ``torch.device``."""
+    if isinstance(device, bool):
+        raise InvalidArgument(f"device={device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    text = str(device).strip()
+    if text == "cuda":
+        # As in torch: the current device (set with torch.cuda.set_device).
+        torch = sys.modules.get("torch")
+        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+        return f"cuda:{index}"
+    return text
 
 
 class Batch:
@@ -107,6 +127,22 @@ class Batch:
             t = self._owner._convert(self._raw.field(i))
             self._cache[i] = t
         return t
+
+    def host(self, key: Union[int, str]) -> Any:
+        """Field ``key`` as a read-only numpy array over the host shared
+        memory it was copied to the GPU from: the same bytes as the device
+        tensor (for checks; on a ``device="cpu"`` consumer, the same memory).
+        """
+        import numpy
+
+        owner = self._owner
+        i = owner._index_of.get(key) if isinstance(key, str) else owner._positional[key]
+        if i is None:
+            raise KeyError(f"no field {key!r} in stream {owner.stream!r}; it has {owner._names}")
+        array = numpy.from_dlpack(self._raw.field(i, host=True))
+        if array.flags.writeable:
+            array.flags.writeable = False
+        return array
 
     def __getitem__(self, key: Union[int, str]) -> Any:
         owner = self._owner
@@ -194,6 +230,18 @@ class Consumer:
         name: shown in ``batchcast stats``.
         connect_timeout: seconds to keep retrying while the broker or the
             stream is not up yet; default ``$BATCHCAST_CONNECT_TIMEOUT`` or 0.
+        device: where batches arrive: ``"cpu"`` (shared host memory), or
+            ``"cuda:N"`` / a ``torch.device``: the broker copies each batch
+            once into GPU N's memory and every consumer on that GPU gets
+            tensors over the same device memory (CUDA IPC), with no copy of
+            its own. The copy has finished before a batch is handed over, so
+            it can be used on any CUDA stream; its slot goes back to the
+            broker once the work queued on the stream it was imported on has
+            finished. Device memory cannot be made read-only: never write to
+            these tensors (use ``copy=True`` to get private ones).
+        copy: give each trainer private, writable copies of the fields
+            (costs one copy per field per batch; the slot is free as soon as
+            the batch object is gone).
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -209,11 +257,19 @@ class Consumer:
         fields: Optional[Sequence[str]] = None,
         name: Optional[str] = None,
         connect_timeout: Optional[float] = None,
+        device: Any = "cpu",
+        copy: bool = False,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
-        self._convert = _converter(output)
+        dev = _device(device)
+        if output == "numpy" and dev != "cpu":
+            raise InvalidArgument(
+                f"output='numpy' cannot hold GPU memory (device={dev!r}); use output='torch' or device='cpu'"
+            )
+        self._convert = _converter(output, bool(copy))
         self.output = output
+        self.copy = bool(copy)
         self.as_dict = bool(as_dict)
         self.stream = stream
         timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
@@ -224,7 +280,11 @@ class Consumer:
             join=join,
             name=name,
             connect_timeout=timeout,
+            device=dev,
         )
+        kind, index = self._native.device
+        #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.
+        self.device: str = "cpu" if kind == 1 else f"cuda:{index}"
         self.schema: Dict[str, Any] = self._native.schema()
         self._names: List[str] = [f["name"] for f in self.schema["fields"]]
         self._index_of: Dict[str, int] = {n: i for i, n in enumerate(self._names)}
@@ -342,5 +402,6 @@ class Consumer:
     def __repr__(self) -> str:
         return (
             f"<batchcast.Consumer stream={self.stream!r} epoch={self.epoch} "
-            f"batches/epoch={len(self)} window={self.window} output={self.output!r}>"
+            f"batches/epoch={len(self)} window={self.window} output={self.output!r} "
+            f"device={self.device!r}>"
         )

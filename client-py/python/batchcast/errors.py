@@ -44,6 +44,12 @@ class WindowFull(Error, RuntimeError):
     can release one."""
 
 
+class DeviceUnavailable(Error, RuntimeError):
+    """Batches cannot be delivered on the GPU asked for: no CUDA driver on
+    this host, no such device, a broker without GPU support, or a CUDA error
+    (named in the message). ``device="cpu"`` still works."""
+
+
 class WindowFullWarning(ResourceWarning):
     """A consumer waits for a batch while holding its whole window."""
 
@@ -57,4 +63,5 @@ __all__ = [
     "BatchReleased",
     "WindowFull",
     "WindowFullWarning",
+    "DeviceUnavailable",
 ]
