@@ -189,7 +189,7 @@ mod imp {
             let result = (|| {
                 while let Some(req) = next.take().or_else(|| rx.try_recv().ok()) {
                     let (ptr, len) = sink.host_slot(req.slot);
-                    let t0 = batchcast::proto::monotonic_ns();
+                    let start = copies.record_timed()?;
                     // SAFETY: `sink` (the stream, which owns the host arena)
                     // is held until this copy's event has completed below,
                     // so the source stays mapped; the hub keeps the slot
@@ -197,12 +197,13 @@ mod imp {
                     // departing consumer fences the copy stream before its
                     // slots can be refilled.
                     unsafe { copies.copy_to_device(&buffer, req.slot as usize * len, ptr, len)? };
-                    queued.push((req, copies.record()?, t0, len as u64));
+                    queued.push((req, start, copies.record_timed()?, len as u64));
                 }
-                for (req, ev, t0, len) in queued.drain(..) {
-                    ev.synchronize()?;
-                    let dt = batchcast::proto::monotonic_ns().saturating_sub(t0);
-                    sink.copied(&key, req, len, dt);
+                // Copy time is GPU time between events around each copy:
+                // `bytes / copy_s` is the copy path's bandwidth.
+                for (req, start, end, len) in queued.drain(..) {
+                    end.synchronize()?;
+                    sink.copied(&key, req, len, end.elapsed_since(&start)?.as_nanos() as u64);
                 }
                 Ok::<(), cuda::CudaError>(())
             })();

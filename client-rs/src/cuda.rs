@@ -473,6 +473,14 @@ impl CopyStream {
         Ok(ev)
     }
 
+    /// Records a timing event after everything queued so far (see
+    /// [`Event::elapsed_since`]).
+    pub fn record_timed(&self) -> Result<Event, CudaError> {
+        let ev = Event::with_flags(&self.gpu, sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+        ev.record_on(self.stream as u64)?;
+        Ok(ev)
+    }
+
     /// Blocks until everything queued so far has completed.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.gpu.bind()?;
@@ -511,13 +519,28 @@ unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(gpu: &Arc<Gpu>) -> Result<Event, CudaError> {
+        Event::with_flags(gpu, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+    }
+
+    fn with_flags(gpu: &Arc<Gpu>, flags: sys::CUevent_flags) -> Result<Event, CudaError> {
         gpu.bind()?;
-        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| driver_error("cuEventCreate", e))?;
+        let ev = result::event::create(flags).map_err(|e| driver_error("cuEventCreate", e))?;
         Ok(Event {
             gpu: gpu.clone(),
             ev,
         })
+    }
+
+    /// GPU time from `start` to this event, both timing events recorded and
+    /// completed.
+    pub fn elapsed_since(&self, start: &Event) -> Result<std::time::Duration, CudaError> {
+        self.gpu.bind()?;
+        // SAFETY: both events are live timing events of this context.
+        let ms = unsafe { result::event::elapsed(start.ev, self.ev) }
+            .map_err(|e| driver_error("cuEventElapsedTime", e))?;
+        Ok(std::time::Duration::from_secs_f64(
+            f64::from(ms.max(0.0)) * 1e-3,
+        ))
     }
 
     /// Records the event on a stream given as a raw handle, as DLPack

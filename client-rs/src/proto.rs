@@ -369,7 +369,8 @@ pub struct GpuCopyStats {
     /// consumers, however many consumers it has.
     pub copies: u64,
     pub bytes: u64,
-    /// Seconds from queuing each copy to its completion, summed.
+    /// GPU seconds of these copies (CUDA events around each); `bytes /
+    /// copy_s` is the bandwidth of the broker's copy path.
     pub copy_s: f64,
     /// Whether the host arena is page-locked (else copies are staged by
     /// the driver and slower).

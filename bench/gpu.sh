@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU path end to end, in one call, on a machine with an NVIDIA GPU and
+# PyTorch but no Rust toolchain. Prints one table (see bench/gpu_bench.py).
+#
+#   bash bench/gpu.sh --build   # here: release broker + abi3 wheel into target/gpu-kit
+#   bash bench/gpu.sh           # there, with target/gpu-kit carried along
+#
+# Extra arguments go to bench/gpu_bench.py (--batch, --batches).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KIT=target/gpu-kit
+if [[ "${1:-}" == "--build" ]]; then
+    bash scripts/setup
+    rm -rf "$KIT" && mkdir -p "$KIT"
+    cargo build --release --locked -p batchcast-broker
+    cp target/release/batchcast "$KIT/"
+    .venv/bin/maturin build --quiet --release --locked -m client-py/Cargo.toml -o "$KIT"
+    ls -l "$KIT"
+    exit 0
+fi
+if [[ ! -x "$KIT/batchcast" ]] || ! ls "$KIT"/batchcast-*.whl >/dev/null 2>&1; then
+    echo "no broker or wheel in $KIT: run 'bash bench/gpu.sh --build' where Rust is, and carry $KIT" >&2
+    exit 2
+fi
+PY="${PYTHON:-python3}"
+VENV="${TMPDIR:-/tmp}/batchcast-gpu-venv"
+# Over the machine's own torch; the wheel has no dependencies to fetch.
+"$PY" -m venv --system-site-packages "$VENV"
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-index --force-reinstall "$KIT"/batchcast-*.whl
+nvidia-smi -L 2>/dev/null || true
+exec "$VENV/bin/python" bench/gpu_bench.py --broker "$KIT/batchcast" "$@"

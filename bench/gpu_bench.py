@@ -1,0 +1,235 @@
+"""The GPU path on a real GPU, in one run (started by bench/gpu.sh).
+
+Needs torch with CUDA and the batchcast wheel; the broker binary is
+--broker. Prints one markdown table:
+
+* H2D bandwidth: torch's pinned ``.to("cuda", non_blocking=True)`` of one
+  slot's bytes vs the broker's copy path (bytes / GPU time of its copies,
+  from `batchcast stats`). Target: broker ≥ 90 % of torch.
+* Batches/s per consumer with 1, 2 and 4 processes on cuda:0, each taking
+  every field of every batch as a device tensor (no compute), and the
+  broker's H2D copies per batch published (target: 1.00 whatever the
+  number of consumers: zero copies per consumer). Target: per-consumer rate
+  with 4 ≥ 90 % of the rate with 1.
+* Hand-off latency, median: from the broker publishing a batch to the
+  trainer holding it, for a GPU consumer (includes the H2D copy) and a host
+  consumer of the same stream.
+* Content: a position-weighted checksum of every field of every batch of an
+  epoch computed on the GPU equals the same checksum of the host bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import batchcast
+
+SLOT_FIELDS = (
+    '{ name = "image", dtype = "u8", shape = [3, 224, 224] }, '
+    '{ name = "label", dtype = "i64", shape = [] }'
+)
+
+
+def config(batch: int, length: int, epochs: int, fill: str, slots: int, min_consumers: int) -> str:
+    return f"""
+[[stream]]
+name = "gpu"
+batch_size = {batch}
+epochs = {epochs}
+slots = {slots}
+min_consumers = {min_consumers}
+drop_last = false
+workers = 2
+[stream.synthetic]
+len = {length}
+fill = "{fill}"
+fields = [{SLOT_FIELDS}]
+"""
+
+
+class Broker:
+    def __init__(self, exe: str, cfg: str, tmp: Path) -> None:
+        self.exe = exe
+        self.dir = Path(tempfile.mkdtemp(dir=tmp))
+        (self.dir / "b.toml").write_text(cfg)
+        self.socket = str(self.dir / "b.sock")
+        self.log = open(self.dir / "broker.log", "w")
+        self.proc = subprocess.Popen(
+            [exe, "serve", "--config", str(self.dir / "b.toml"), "--socket", self.socket],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 30
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"broker did not start: {(self.dir / 'broker.log').read_text()}")
+            time.sleep(0.05)
+
+    def stats(self) -> dict:
+        out = subprocess.run(
+            [self.exe, "stats", "--json", "--socket", self.socket], capture_output=True, text=True, check=True
+        )
+        return json.loads(out.stdout)["streams"][0]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+CONSUMER = r"""
+import json, sys, time, torch, batchcast
+socket, limit = sys.argv[1], int(sys.argv[2])
+c = batchcast.Consumer(stream="gpu", socket=socket, device="cuda:0", window=4, connect_timeout=30)
+n, handoff, t0 = 0, [], None
+for epoch in range(1000):
+    for images, labels in c:
+        if t0 is None:
+            t0 = time.perf_counter()
+        assert images.is_cuda and images.device.index == 0
+        n += 1
+        if n >= limit:
+            break
+    if n >= limit or c.ended:
+        break
+torch.cuda.synchronize()
+dt = time.perf_counter() - t0
+print(json.dumps({"batches": n - 1, "seconds": dt}))
+"""
+
+
+def torch_h2d(nbytes: int, reps: int = 50) -> float:
+    """GB/s of a pinned host tensor to cuda:0, non_blocking, timed on the GPU."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def checksum(t: torch.Tensor) -> int:
+    flat = t.reshape(-1).to(torch.int64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+    return int((flat * weights).sum().item())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--broker", required=True)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batches", type=int, default=400, help="batches per consumer run")
+    p.add_argument("--tmp", default=tempfile.gettempdir())
+    a = p.parse_args()
+    tmp = Path(a.tmp)
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+    gpu = torch.cuda.get_device_name(0)
+    slot_bytes = a.batch * (3 * 224 * 224 + 8)
+    rows = []
+
+    # 1. Rate per consumer with 1, 2, 4 GPU consumers; H2D bandwidth of the
+    # broker's copies; copies per batch.
+    rates = {}
+    broker_gbs = None
+    copies_per_batch = {}
+    for n in (1, 2, 4):
+        b = Broker(a.broker, config(a.batch, 10**9, 1, "stamp", 8, n), tmp)
+        try:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", CONSUMER, b.socket, str(a.batches)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(n)
+            ]
+            reports = []
+            for pr in procs:
+                out, err = pr.communicate(timeout=300)
+                if pr.returncode != 0:
+                    raise SystemExit(f"GPU consumer failed:\n{err}")
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+            s = b.stats()
+        finally:
+            b.stop()
+        rates[n] = statistics.median(r["batches"] / r["seconds"] for r in reports)
+        g = s["gpus"][0]
+        copies_per_batch[n] = g["copies"] / max(s["batches_produced"], 1)
+        if n == 1:
+            broker_gbs = g["bytes"] / g["copy_s"] / 1e9 if g["copy_s"] > 0 else float("nan")
+            pinned = g["pinned"]
+
+    torch_gbs = torch_h2d(slot_bytes)
+    rows.append(("H2D, torch pinned .to(cuda, non_blocking)", f"{torch_gbs:.1f} GB/s", ""))
+    rows.append(
+        (
+            f"H2D, broker copy path ({'page-locked' if pinned else 'pageable'})",
+            f"{broker_gbs:.1f} GB/s",
+            f"{100 * broker_gbs / torch_gbs:.0f} % of torch (target ≥ 90 %)",
+        )
+    )
+    for n in (1, 2, 4):
+        rows.append(
+            (
+                f"{n} GPU consumer(s), batches/s each",
+                f"{rates[n]:.0f}",
+                f"{100 * rates[n] / rates[1]:.0f} % of 1; H2D copies per batch {copies_per_batch[n]:.2f}",
+            )
+        )
+
+    # 2. Hand-off latency and content, with real bytes.
+    b = Broker(a.broker, config(a.batch, 40 * a.batch, 1, "full", 8, 2), tmp)
+    try:
+        host = batchcast.Consumer(stream="gpu", socket=b.socket, device="cpu", window=4, name="host")
+        dev = batchcast.Consumer(stream="gpu", socket=b.socket, device="cuda:0", window=4, name="gpu")
+        lat_gpu, lat_host, equal, total = [], [], 0, 0
+        for bh, bd in zip(host, dev):
+            lat_host.append(bh._raw.handoff_s)
+            lat_gpu.append(bd._raw.handoff_s)
+            for i in range(len(bd.keys())):
+                total += 1
+                on_gpu = checksum(bd[i])
+                on_host = checksum(torch.from_dlpack(bd._raw.field(i, host=True)))
+                also = checksum(bh[i])
+                equal += on_gpu == on_host == also
+    finally:
+        b.stop()
+    rows.append(
+        (
+            "hand-off latency p50, GPU consumer (incl. H2D)",
+            f"{1e6 * statistics.median(lat_gpu):.0f} µs",
+            f"host consumer {1e6 * statistics.median(lat_host):.0f} µs",
+        )
+    )
+    rows.append(("content: GPU checksum == host checksum", f"{equal}/{total} fields", ""))
+
+    print(f"\nbatchcast GPU path on {gpu}: {a.batch} × 3×224×224 u8 + i64 label = {slot_bytes / 1e6:.1f} MB per batch\n")
+    print("| measure | value | note |")
+    print("| --- | --- | --- |")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    if equal != total:
+        raise SystemExit("content check FAILED")
+
+
+if __name__ == "__main__":
+    main()
