@@ -14,6 +14,7 @@ if [[ "${1:-}" == "--build" ]]; then
     rm -rf "$KIT" && mkdir -p "$KIT"
     cargo build --release --locked -p batchcast-broker
     cp target/release/batchcast "$KIT/"
+    strip "$KIT/batchcast" 2>/dev/null || true  # line tables are not needed there; carry limit
     .venv/bin/maturin build --quiet --release --locked -m client-py/Cargo.toml -o "$KIT"
     ls -l "$KIT"
     exit 0

@@ -56,13 +56,32 @@ pub fn render(s: &StatsReply) -> String {
         if let Some(why) = &st.failed {
             let _ = writeln!(out, "  STOPPED: {why}");
         }
+        for g in &st.gpus {
+            let _ = writeln!(
+                out,
+                "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s{}",
+                g.gpu,
+                g.copies,
+                g.bytes as f64 / (1u64 << 30) as f64,
+                if g.copy_s > 0.0 {
+                    g.bytes as f64 / g.copy_s / 1e9
+                } else {
+                    0.0
+                },
+                if g.pinned {
+                    ""
+                } else {
+                    " (pageable host memory)"
+                }
+            );
+        }
         if st.consumers.is_empty() {
             let _ = writeln!(out, "  (no consumers)");
             continue;
         }
         let _ = writeln!(
             out,
-            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9}",
+            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9}  device",
             "id",
             "name",
             "pid",
@@ -78,7 +97,7 @@ pub fn render(s: &StatsReply) -> String {
         for c in &st.consumers {
             let _ = writeln!(
                 out,
-                "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>9.3}",
+                "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>9.3}  {}",
                 c.id,
                 truncate(&c.name, 20),
                 c.pid,
@@ -89,7 +108,8 @@ pub fn render(s: &StatsReply) -> String {
                 c.window,
                 c.epoch,
                 c.wait_s,
-                c.hold_s
+                c.hold_s,
+                c.device.as_deref().unwrap_or("cpu")
             );
         }
     }
