@@ -216,29 +216,15 @@ impl Drop for Gpu {
     }
 }
 
-/// Device memory allocated with `cuMemAlloc` (plain device memory, which
-/// is what CUDA IPC can export).
+/// A range of device memory of one GPU.
 #[derive(Debug)]
-pub struct DeviceBuffer {
+pub struct DeviceRange {
     gpu: Arc<Gpu>,
     ptr: sys::CUdeviceptr,
     len: usize,
 }
 
-impl DeviceBuffer {
-    pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
-        gpu.bind()?;
-        // SAFETY: a context is current; `len` bytes of uninitialised device
-        // memory are never read by Rust.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }
-            .map_err(|e| driver_error("cuMemAlloc", e))?;
-        Ok(DeviceBuffer {
-            gpu: gpu.clone(),
-            ptr,
-            len,
-        })
-    }
-
+impl DeviceRange {
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -253,6 +239,33 @@ impl DeviceBuffer {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+}
+
+/// Device memory allocated with `cuMemAlloc` (plain device memory, which
+/// is what CUDA IPC can export).
+#[derive(Debug)]
+pub struct DeviceBuffer(DeviceRange);
+
+impl std::ops::Deref for DeviceBuffer {
+    type Target = DeviceRange;
+    fn deref(&self) -> &DeviceRange {
+        &self.0
+    }
+}
+
+impl DeviceBuffer {
+    pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer, CudaError> {
+        gpu.bind()?;
+        // SAFETY: a context is current; `len` bytes of uninitialised device
+        // memory are never read by Rust.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }
+            .map_err(|e| driver_error("cuMemAlloc", e))?;
+        Ok(DeviceBuffer(DeviceRange {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        }))
     }
 
     /// The handle another process opens with [`IpcMapping::open`].
@@ -296,10 +309,13 @@ impl Drop for DeviceBuffer {
 /// Another process's device memory, opened from its IPC handle. The
 /// mapping is closed on drop.
 #[derive(Debug)]
-pub struct IpcMapping {
-    gpu: Arc<Gpu>,
-    ptr: sys::CUdeviceptr,
-    len: usize,
+pub struct IpcMapping(DeviceRange);
+
+impl std::ops::Deref for IpcMapping {
+    type Target = DeviceRange;
+    fn deref(&self) -> &DeviceRange {
+        &self.0
+    }
 }
 
 impl IpcMapping {
@@ -322,27 +338,11 @@ impl IpcMapping {
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
         })?;
-        Ok(IpcMapping {
+        Ok(IpcMapping(DeviceRange {
             gpu: gpu.clone(),
             ptr,
             len,
-        })
-    }
-
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
+        }))
     }
 }
 
