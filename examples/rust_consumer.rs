@@ -9,15 +9,29 @@
 //!
 //! The socket comes from `BATCHCAST_SOCKET` (or the default path), the
 //! stream from the first argument (or `BATCHCAST_STREAM`, else `train`).
+//! `--step-ms N` spends N ms on each batch, standing in for a training step
+//! (`batchcast launch examples/sweep-rust.toml` runs a sweep of these).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use batchcast::{Consumer, ConsumerOptions, Event};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut opts = ConsumerOptions::default();
-    if let Some(stream) = std::env::args().nth(1) {
-        opts.stream = stream;
+    let mut step = Duration::ZERO;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--step-ms" => {
+                let ms: u64 = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("--step-ms needs a number of milliseconds")?;
+                step = Duration::from_millis(ms);
+            }
+            s if s.starts_with("--") => return Err(format!("unknown option {s}").into()),
+            stream => opts.stream = stream.to_string(),
+        }
     }
     let mut consumer = Consumer::connect(opts)?;
     let schema = consumer.schema().clone();
@@ -44,6 +58,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         checksum = checksum.wrapping_add(field.sample(i)[0] as u64);
                     }
                     bytes += field.bytes().len() as u64;
+                }
+                if !step.is_zero() {
+                    std::thread::sleep(step);
                 }
                 batches += 1;
                 if tick.elapsed().as_secs() >= 1 {

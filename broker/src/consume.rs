@@ -44,6 +44,10 @@ pub struct ConsumeArgs {
     /// Stop after this many batches
     #[arg(long)]
     pub max_batches: Option<u64>,
+    /// Crash after this many batches (SIGABRT, batches still held): a
+    /// trainer dying mid-run, for tests of what survives it
+    #[arg(long, hide = true)]
+    pub abort_after: Option<u64>,
     /// Print one JSON report on stdout instead of a summary
     #[arg(long)]
     pub json: bool,
@@ -103,6 +107,8 @@ pub struct ConsumerReport {
     pub handoff_us_p99: f64,
     pub handoff_us_max: f64,
     pub wait_s: f64,
+    /// Seconds between a batch's arrival and asking for the next.
+    pub busy_s: f64,
     pub rss_anon_kb_start: u64,
     pub rss_anon_kb_end: u64,
 }
@@ -221,6 +227,7 @@ fn consume(
         };
         handoff.record(batch.handoff_ns());
         report.wait_s += batch.wait_ns() as f64 * 1e-9;
+        report.busy_s += batch.busy_ns() as f64 * 1e-9;
         let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
         match last {
             Some((ps, pe, pi)) => {
@@ -312,6 +319,14 @@ fn consume(
         held.push_back(batch);
         while held.len() > args.hold {
             held.pop_front(); // dropping releases
+        }
+        if args.abort_after.is_some_and(|m| report.batches >= m) {
+            eprintln!(
+                "consume: --abort-after {}: aborting with {} batches held",
+                report.batches,
+                held.len()
+            );
+            std::process::abort();
         }
         if args.max_batches.is_some_and(|m| report.batches >= m) {
             break;

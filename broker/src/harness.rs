@@ -2,6 +2,7 @@
 //! `batchcast demo`, the benchmark harness and the end-to-end tests.
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -28,7 +29,21 @@ impl BrokerProcess {
         socket: &Path,
         log: Option<&Path>,
     ) -> std::io::Result<BrokerProcess> {
+        Self::spawn_in(exe, config, socket, log, Path::new("."))
+    }
+
+    /// [`BrokerProcess::spawn`] with the broker running in `cwd` (relative
+    /// paths in its config resolve from there) and in a process group of
+    /// its own, so a terminal's Ctrl-C reaches only whoever started it.
+    pub fn spawn_in(
+        exe: &Path,
+        config: Option<&Path>,
+        socket: &Path,
+        log: Option<&Path>,
+        cwd: &Path,
+    ) -> std::io::Result<BrokerProcess> {
         let mut cmd = Command::new(exe);
+        cmd.current_dir(cwd).process_group(0);
         cmd.arg("serve");
         if let Some(config) = config {
             cmd.arg("--config").arg(config);

@@ -252,6 +252,13 @@ impl Hub {
             && !self.free.is_empty()
     }
 
+    /// Stops waiting for `min_consumers`: production begins with the
+    /// consumers subscribed now (or the next one to subscribe). Used when a
+    /// consumer that was counted on will never come.
+    pub fn start_now(&mut self) {
+        self.started = true;
+    }
+
     /// Whether a slot is free (otherwise the pipeline is under back-pressure).
     pub fn has_free_slot(&self) -> bool {
         !self.free.is_empty()

@@ -20,6 +20,7 @@ pub mod demo_images;
 pub mod gpu;
 pub mod harness;
 pub mod hub;
+pub mod launch;
 pub mod listen;
 pub mod pipeline;
 pub mod server;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchcast_broker::{config, consume, demo, listen, server, stats_view, stream};
+use batchcast_broker::{config, consume, demo, launch, listen, server, stats_view, stream};
 use clap::{Parser, Subcommand};
 
 /// batchcast: run the input pipeline once per host, share every batch with
@@ -44,6 +44,10 @@ enum Cmd {
     },
     /// Subscribe to a stream and report what arrives (a test and benchmark consumer)
     Consume(consume::ConsumeArgs),
+    /// Start a broker and a sweep of trainers from a sweep file, show them
+    /// live, and summarise (exit code 0: all done; 2: some failed; 3:
+    /// stopped after a failure; 130: interrupted)
+    Launch(launch::LaunchArgs),
     /// Show the whole idea on built-in data: one broker, several consumers
     Demo(demo::DemoArgs),
 }
@@ -98,6 +102,10 @@ fn main() {
                 _ => Ok(()),
             }
         }
+        Cmd::Launch(args) => match launch::run(&args) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => Err(e),
+        },
         Cmd::Demo(args) => demo::run(&args),
     };
     if let Err(e) = result {

@@ -355,6 +355,18 @@ async fn serve_stats(
                     return Ok(());
                 }
             }
+            Some(ClientMsg::StartNow { stream }) => {
+                let s = broker.lookup(&stream)?;
+                if s.start_now() {
+                    tracing::info!(stream = %stream, "asked to start without waiting for more consumers");
+                }
+                if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+            }
             Some(ClientMsg::Goodbye) | None => return Ok(()),
             Some(other) => {
                 return Err(Reject(
@@ -443,15 +455,15 @@ async fn serve_consumer(
                 }
             }
             m = next_frame(sock, buf) => match m? {
-                Some(ClientMsg::Release { seq, wait_ns }) => {
-                    stream.release(id, seq, wait_ns).map_err(|e| Reject(ErrorCode::InvalidRequest, format!("bad release: {e}")))?;
+                Some(ClientMsg::Release(r)) => {
+                    stream.release(id, r).map_err(|e| Reject(ErrorCode::InvalidRequest, format!("bad release: {e}")))?;
                 }
                 Some(ClientMsg::Goodbye) => stream.goodbye(id),
                 Some(ClientMsg::StatsRequest) => {
                     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
                 }
                 Some(ClientMsg::Hello(_)) => return Err(Reject(ErrorCode::InvalidRequest, "hello sent twice".into())),
-                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. })) => {
+                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. } | ClientMsg::StartNow { .. })) => {
                     return Err(Reject(ErrorCode::InvalidRequest, format!("a consumer cannot send {m:?}")));
                 }
                 None => return Ok(()),

@@ -77,43 +77,66 @@ pub fn render(s: &StatsReply) -> String {
         }
         if st.consumers.is_empty() {
             let _ = writeln!(out, "  (no consumers)");
-            continue;
+        } else {
+            consumer_table(&mut out, &st.consumers);
         }
-        let _ = writeln!(
-            out,
-            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9}  device",
-            "id",
-            "name",
-            "pid",
-            "uid",
-            "delivered",
-            "held",
-            "queued",
-            "window",
-            "epoch",
-            "wait s",
-            "hold s"
-        );
-        for c in &st.consumers {
-            let _ = writeln!(
-                out,
-                "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>9.3}  {}",
-                c.id,
-                truncate(&c.name, 20),
-                c.pid,
-                c.uid,
-                c.delivered,
-                c.held,
-                c.queued,
-                c.window,
-                c.epoch,
-                c.wait_s,
-                c.hold_s,
-                c.device.as_deref().unwrap_or("cpu")
-            );
+        if !st.past_consumers.is_empty() {
+            let shown = st.past_consumers.len().min(8);
+            let _ = writeln!(out, "  left ({}, latest {shown}):", st.past_consumers.len());
+            let recent = &st.past_consumers[st.past_consumers.len() - shown..];
+            for c in recent {
+                let _ = writeln!(
+                    out,
+                    "  {:>4}  {:<20} {:>8} {:>10} batches {:>5.1}% stall  {}",
+                    c.id,
+                    truncate(&c.name, 20),
+                    c.pid,
+                    c.delivered,
+                    100.0 * c.stall_fraction(),
+                    c.left.as_deref().unwrap_or("")
+                );
+            }
         }
     }
     out
+}
+
+fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {
+    let _ = writeln!(
+        out,
+        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>7} {:>9}  device",
+        "id",
+        "name",
+        "pid",
+        "uid",
+        "delivered",
+        "held",
+        "queued",
+        "window",
+        "epoch",
+        "wait s",
+        "stall",
+        "hold s"
+    );
+    for c in consumers {
+        let _ = writeln!(
+            out,
+            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3}  {}",
+            c.id,
+            truncate(&c.name, 20),
+            c.pid,
+            c.uid,
+            c.delivered,
+            c.held,
+            c.queued,
+            c.window,
+            c.epoch,
+            c.wait_s,
+            100.0 * c.stall_fraction(),
+            c.hold_s,
+            c.device.as_deref().unwrap_or("cpu")
+        );
+    }
 }
 
 fn truncate(s: &str, n: usize) -> String {

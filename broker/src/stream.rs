@@ -37,6 +37,13 @@ struct Conn {
     sent_ns: HashMap<u64, u64>,
     hold_ns: u64,
     wait_ns: u64,
+    busy_ns: u64,
+    /// Samples in the batches sent to it.
+    samples: u64,
+    joined: Instant,
+    /// Why it is about to leave, once known (the stream ended for it, it
+    /// was detached, it said goodbye); otherwise it disconnected.
+    ending: Option<String>,
     /// Device consumers: their GPU, and what waits for a copy to finish
     /// (a batch and everything after it, kept in order).
     gpu: Option<GpuKey>,
@@ -65,6 +72,8 @@ struct Inner {
     /// Why the source failed; the stream serves no one after that.
     failed: Option<String>,
     mirrors: HashMap<GpuKey, MirrorState>,
+    /// Consumers that left, with their final numbers (most recent last).
+    past: VecDeque<ConsumerStats>,
 }
 
 /// Who is connecting, for stats.
@@ -152,6 +161,7 @@ impl Stream {
                 pipeline_cpu: Duration::ZERO,
                 failed: None,
                 mirrors: HashMap::new(),
+                past: VecDeque::new(),
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -198,6 +208,16 @@ impl Stream {
             self.ready.notify_one();
         }
         r
+    }
+
+    /// Stops waiting for the stream's `min_consumers` (see
+    /// [`Hub::start_now`]); whether it was still waiting.
+    pub fn start_now(&self) -> bool {
+        self.with_hub(|inner| {
+            let waiting = inner.hub.counts().produced == 0;
+            inner.hub.start_now();
+            waiting
+        })
     }
 
     /// Forbids any new writable mapping of the arena (see [`Stream::start`]).
@@ -323,6 +343,10 @@ impl Stream {
                     sent_ns: HashMap::new(),
                     hold_ns: 0,
                     wait_ns: 0,
+                    busy_ns: 0,
+                    samples: 0,
+                    joined: Instant::now(),
+                    ending: None,
                     gpu,
                     deferred: VecDeque::new(),
                 },
@@ -331,13 +355,14 @@ impl Stream {
         })
     }
 
-    pub fn release(&self, id: ConsumerId, seq: u64, wait_ns: u64) -> Result<(), HubError> {
+    pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), HubError> {
         let now = proto::monotonic_ns();
         self.with_hub(|inner| {
-            inner.hub.release(id, seq)?;
+            inner.hub.release(id, r.seq)?;
             if let Some(c) = inner.conns.get_mut(&id) {
-                c.wait_ns = c.wait_ns.saturating_add(wait_ns);
-                if let Some(sent) = c.sent_ns.remove(&seq) {
+                c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
+                c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
+                if let Some(sent) = c.sent_ns.remove(&r.seq) {
                     c.hold_ns += now.saturating_sub(sent);
                 }
             }
@@ -348,6 +373,9 @@ impl Stream {
     pub fn goodbye(&self, id: ConsumerId) {
         self.with_hub(|inner| {
             let _ = inner.hub.goodbye(id);
+            if let Some(c) = inner.conns.get_mut(&id) {
+                c.ending.get_or_insert_with(|| "said goodbye".into());
+            }
         });
     }
 
@@ -359,10 +387,21 @@ impl Stream {
             if let Some(m) = inner.conns.get(&id).and_then(|c| c.gpu).and_then(|k| inner.mirrors.get(&k)) {
                 m.mirror.fence();
             }
+            let last = consumer_stats(inner, id);
             if inner.hub.leave(id) {
                 tracing::info!(stream = %self.name(), consumer = id, "consumer left; its slots are released");
             }
-            inner.conns.remove(&id);
+            if let Some(conn) = inner.conns.remove(&id)
+                && let Some(mut last) = last
+            {
+                last.held = 0;
+                last.queued = 0;
+                last.left = Some(conn.ending.unwrap_or_else(|| "disconnected".into()));
+                if inner.past.len() == proto::PAST_CONSUMERS {
+                    inner.past.pop_front();
+                }
+                inner.past.push_back(last);
+            }
         });
     }
 
@@ -413,27 +452,8 @@ impl Stream {
         let c = inner.hub.counts();
         let mut consumers: Vec<ConsumerStats> = inner
             .conns
-            .iter()
-            .filter_map(|(&id, conn)| {
-                let n = inner.hub.consumer_counts(id)?;
-                Some(ConsumerStats {
-                    id,
-                    name: conn.name.clone(),
-                    pid: conn.pid,
-                    uid: conn.uid,
-                    window: n.window,
-                    delivered: n.delivered,
-                    held: n.held,
-                    queued: n.queued,
-                    epoch: n.epoch,
-                    wait_s: conn.wait_ns as f64 * 1e-9,
-                    hold_s: conn.hold_ns as f64 * 1e-9,
-                    device: conn
-                        .gpu
-                        .and_then(|k| inner.mirrors.get(&k))
-                        .map(|m| m.mirror.label().to_string()),
-                })
-            })
+            .keys()
+            .filter_map(|&id| consumer_stats(&inner, id))
             .collect();
         consumers.sort_by_key(|c| c.id);
         StreamStats {
@@ -498,6 +518,7 @@ impl Stream {
                 }
             },
             consumers,
+            past_consumers: inner.past.iter().cloned().collect(),
         }
     }
 
@@ -668,6 +689,33 @@ impl OrderCache {
     }
 }
 
+/// One connected consumer's numbers.
+fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
+    let conn = inner.conns.get(&id)?;
+    let n = inner.hub.consumer_counts(id)?;
+    Some(ConsumerStats {
+        id,
+        name: conn.name.clone(),
+        pid: conn.pid,
+        uid: conn.uid,
+        window: n.window,
+        delivered: n.delivered,
+        held: n.held,
+        queued: n.queued,
+        epoch: n.epoch,
+        samples: conn.samples,
+        wait_s: conn.wait_ns as f64 * 1e-9,
+        busy_s: conn.busy_ns as f64 * 1e-9,
+        hold_s: conn.hold_ns as f64 * 1e-9,
+        device: conn
+            .gpu
+            .and_then(|k| inner.mirrors.get(&k))
+            .map(|m| m.mirror.label().to_string()),
+        connected_s: conn.joined.elapsed().as_secs_f64(),
+        left: None,
+    })
+}
+
 /// Turns what the hub emitted into messages on each connection's outbox.
 /// A device consumer's batch waits (with everything after it) until its
 /// copy to that consumer's GPU has completed.
@@ -686,6 +734,7 @@ fn dispatch(inner: &mut Inner) {
                 samples,
             } => {
                 conn.sent_ns.insert(seq, now);
+                conn.samples += samples;
                 ServerMsg::Batch(BatchReady {
                     seq,
                     epoch,
@@ -704,9 +753,13 @@ fn dispatch(inner: &mut Inner) {
                 batches,
                 complete,
             }),
-            Outbound::EndOfStream => ServerMsg::EndOfStream,
+            Outbound::EndOfStream => {
+                conn.ending = Some("stream ended".into());
+                ServerMsg::EndOfStream
+            }
             Outbound::Detached { reason } => {
                 tracing::warn!(consumer = id, name = %conn.name, "{reason}");
+                conn.ending = Some(format!("detached: {reason}"));
                 send(
                     conn,
                     id,

@@ -12,13 +12,13 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::proto::{
-    self, BatchReady, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Preamble, ServerMsg,
+    self, BatchReady, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Preamble, Release, ServerMsg,
     StatsReply, Welcome,
 };
 use crate::schema::{DType, Field, Schema};
@@ -117,8 +117,8 @@ impl Shared {
         let Some(gpu) = &self.gpu else {
             return Ok(());
         };
-        for (seq, wait_ns) in gpu.finished_releases(all)? {
-            self.send(&ClientMsg::Release { seq, wait_ns })?;
+        for release in gpu.finished_releases(all)? {
+            self.send(&ClientMsg::Release(release))?;
         }
         Ok(())
     }
@@ -197,6 +197,13 @@ pub struct Consumer {
     reader: BufReader<UnixStream>,
     buf: Vec<u8>,
     finished: bool,
+    /// `CLOCK_MONOTONIC` ns when the program began asking for the next
+    /// batch (its first `wait_readable` or `next_event` since the last
+    /// one); 0 when it is not asking.
+    asking_since: AtomicU64,
+    /// When the last batch arrived; 0 at the start and after an epoch end
+    /// (time between epochs is neither a training step nor a stall).
+    last_batch_ns: u64,
 }
 
 impl Consumer {
@@ -257,6 +264,8 @@ impl Consumer {
             reader,
             buf: Vec::with_capacity(256),
             finished: false,
+            asking_since: AtomicU64::new(0),
+            last_batch_ns: 0,
         })
     }
 
@@ -284,6 +293,7 @@ impl Consumer {
     /// away) without consuming it: `true` means [`Consumer::next_event`]
     /// will not block for long. Lets callers stay interruptible.
     pub fn wait_readable(&self, timeout: Duration) -> Result<bool> {
+        self.start_asking();
         if self.finished || !self.reader.buffer().is_empty() {
             return Ok(true);
         }
@@ -316,6 +326,7 @@ impl Consumer {
         if self.finished {
             return Ok(None);
         }
+        self.start_asking();
         self.wait_for_fenced()?;
         let window = self.shared.welcome.window;
         if self.held() >= window
@@ -324,7 +335,6 @@ impl Consumer {
         {
             return Err(Error::WindowFull { held: self.held() });
         }
-        let t0 = proto::monotonic_ns();
         let msg: ServerMsg = match proto::read_frame(&mut self.reader, &mut self.buf) {
             Ok(Some(m)) => m,
             Ok(None) => return Err(Error::BrokerGone),
@@ -347,15 +357,26 @@ impl Consumer {
                     )));
                 }
                 self.shared.held.fetch_add(1, Ordering::AcqRel);
+                let asked = self.asking_since.swap(0, Ordering::Relaxed);
+                let busy_ns = match self.last_batch_ns {
+                    0 => 0,
+                    last => asked.saturating_sub(last),
+                };
+                self.last_batch_ns = now;
                 Ok(Some(Event::Batch(Batch {
                     shared: self.shared.clone(),
                     meta,
-                    wait_ns: now.saturating_sub(t0),
+                    wait_ns: now.saturating_sub(asked),
+                    busy_ns,
                     received_ns: now,
                     released: false,
                 })))
             }
-            ServerMsg::EndOfEpoch(e) => Ok(Some(Event::EndOfEpoch(e))),
+            ServerMsg::EndOfEpoch(e) => {
+                self.asking_since.store(0, Ordering::Relaxed);
+                self.last_batch_ns = 0;
+                Ok(Some(Event::EndOfEpoch(e)))
+            }
             ServerMsg::EndOfStream => {
                 self.finished = true;
                 Ok(Some(Event::EndOfStream))
@@ -380,6 +401,17 @@ impl Consumer {
 }
 
 impl Consumer {
+    /// Notes when the program began asking for a batch (data-stall time
+    /// runs from there to the batch's arrival).
+    fn start_asking(&self) {
+        let _ = self.asking_since.compare_exchange(
+            0,
+            proto::monotonic_ns(),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
     /// Device consumers: sends the releases whose GPU work is done, and
     /// until none is left keeps doing so while no message has arrived (the
     /// broker may be waiting for them to send the next batch).
@@ -502,6 +534,7 @@ pub struct Batch {
     shared: Arc<Shared>,
     meta: BatchReady,
     wait_ns: u64,
+    busy_ns: u64,
     received_ns: u64,
     released: bool,
 }
@@ -532,9 +565,16 @@ impl Batch {
     pub fn handoff_ns(&self) -> u64 {
         self.received_ns.saturating_sub(self.meta.sent_ns)
     }
-    /// Nanoseconds this consumer was blocked waiting for this batch.
+    /// Nanoseconds the program was blocked asking for this batch: from its
+    /// first [`Consumer::wait_readable`] or [`Consumer::next_event`] call
+    /// for it to its arrival (data stall).
     pub fn wait_ns(&self) -> u64 {
         self.wait_ns
+    }
+    /// Nanoseconds the program spent between the previous batch's arrival
+    /// and asking for this one (its training step); 0 for an epoch's first.
+    pub fn busy_ns(&self) -> u64 {
+        self.busy_ns
     }
     pub fn schema(&self) -> &Schema {
         &self.shared.welcome.schema
@@ -615,14 +655,16 @@ impl Batch {
             return Ok(());
         }
         self.shared.held.fetch_sub(1, Ordering::AcqRel);
-        if let Some(g) = &self.shared.gpu {
-            g.release_after_gpu(self.meta.seq, self.wait_ns)?;
-            return self.shared.flush_fenced(false);
-        }
-        self.shared.send(&ClientMsg::Release {
+        let release = Release {
             seq: self.meta.seq,
             wait_ns: self.wait_ns,
-        })
+            busy_ns: self.busy_ns,
+        };
+        if let Some(g) = &self.shared.gpu {
+            g.release_after_gpu(release)?;
+            return self.shared.flush_fenced(false);
+        }
+        self.shared.send(&ClientMsg::Release(release))
     }
 }
 
@@ -710,7 +752,20 @@ impl StatsClient {
     }
 
     pub fn fetch(&mut self) -> Result<StatsReply> {
-        proto::write_frame(&mut self.stream, &ClientMsg::StatsRequest)?;
+        self.ask(&ClientMsg::StatsRequest)
+    }
+
+    /// Tells the broker to stop waiting for `stream`'s `min_consumers` and
+    /// serve the consumers it has (for a launcher whose trainer died before
+    /// subscribing); answers with the stats after that.
+    pub fn start_now(&mut self, stream: &str) -> Result<StatsReply> {
+        self.ask(&ClientMsg::StartNow {
+            stream: stream.into(),
+        })
+    }
+
+    fn ask(&mut self, msg: &ClientMsg) -> Result<StatsReply> {
+        proto::write_frame(&mut self.stream, msg)?;
         match proto::read_frame(&mut self.stream, &mut self.buf)? {
             Some(ServerMsg::Stats(s)) => Ok(*s),
             Some(ServerMsg::Error(e)) => Err(Error::Broker {

@@ -16,7 +16,7 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::proto::DeviceArena;
+use crate::proto::{DeviceArena, Release};
 
 #[cfg(feature = "cuda")]
 pub(crate) use imp::DeviceSide;
@@ -32,8 +32,7 @@ mod imp {
     /// A device batch released by the program, waiting for its GPU work.
     #[derive(Debug)]
     struct Pending {
-        seq: u64,
-        wait_ns: u64,
+        release: Release,
         events: Vec<Event>,
     }
 
@@ -121,12 +120,12 @@ mod imp {
 
         /// Records the release of `seq`: it is sent once the GPU has done
         /// what was queued on the batch's streams so far.
-        pub(crate) fn release_after_gpu(&self, seq: u64, wait_ns: u64) -> Result<()> {
+        pub(crate) fn release_after_gpu(&self, release: Release) -> Result<()> {
             let streams = self
                 .fences
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .remove(&seq)
+                .remove(&release.seq)
                 .unwrap_or_else(|| vec![cuda::LEGACY_STREAM]);
             let gpu = self.mapping.gpu();
             let events = streams
@@ -140,16 +139,12 @@ mod imp {
             self.pending
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(Pending {
-                    seq,
-                    wait_ns,
-                    events,
-                });
+                .push(Pending { release, events });
             Ok(())
         }
 
         /// Releases whose GPU work has finished (with `all`: waits for all).
-        pub(crate) fn finished_releases(&self, all: bool) -> Result<Vec<(u64, u64)>> {
+        pub(crate) fn finished_releases(&self, all: bool) -> Result<Vec<Release>> {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             let mut done = Vec::new();
             let mut err = None;
@@ -166,7 +161,7 @@ mod imp {
                     })
                 });
                 if finished {
-                    done.push((p.seq, p.wait_ns));
+                    done.push(p.release);
                 }
                 !finished
             });
@@ -220,10 +215,10 @@ impl DeviceSide {
     pub(crate) fn fence_on(&self, _seq: u64, _stream: u64) {
         match *self {}
     }
-    pub(crate) fn release_after_gpu(&self, _seq: u64, _wait_ns: u64) -> Result<()> {
+    pub(crate) fn release_after_gpu(&self, _release: Release) -> Result<()> {
         match *self {}
     }
-    pub(crate) fn finished_releases(&self, _all: bool) -> Result<Vec<(u64, u64)>> {
+    pub(crate) fn finished_releases(&self, _all: bool) -> Result<Vec<Release>> {
         match *self {}
     }
     pub(crate) fn pending(&self) -> bool {

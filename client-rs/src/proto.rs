@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -172,13 +172,15 @@ pub struct Hello {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientMsg {
     Hello(Hello),
-    /// The client is done with batch `seq`; `wait_ns` is how long it was
-    /// blocked waiting for that batch to arrive (data-stall time).
-    Release {
-        seq: u64,
-        wait_ns: u64,
-    },
+    /// The client is done with a batch.
+    Release(Release),
     StatsRequest,
+    /// Stats connections: stop waiting for `stream`'s `min_consumers` and
+    /// start producing for the consumers subscribed (a launcher whose
+    /// trainer died before subscribing). Answered with [`ServerMsg::Stats`].
+    StartNow {
+        stream: String,
+    },
     /// The client wants no further batches; the ones it still holds are
     /// released when it releases them or disconnects. From a producer: it
     /// is done (early, unless every epoch was published).
@@ -196,6 +198,21 @@ pub enum ClientMsg {
     Fail {
         message: String,
     },
+}
+
+/// A consumer gives batch `seq` back, with the timing of its training loop
+/// around it (measured on the consumer's side of `next()`, as DS-Analyzer
+/// does: only the wait is data stall).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Release {
+    pub seq: u64,
+    /// How long the program was blocked asking for this batch: from its
+    /// first call that could return it to its arrival (data stall).
+    pub wait_ns: u64,
+    /// How long the program worked between the previous batch's arrival
+    /// and asking for this one (its training step); 0 for the first batch
+    /// of an epoch.
+    pub busy_ns: u64,
 }
 
 /// Messages the broker sends.
@@ -359,7 +376,13 @@ pub struct StreamStats {
     /// One entry per GPU this stream copies to.
     pub gpus: Vec<GpuCopyStats>,
     pub consumers: Vec<ConsumerStats>,
+    /// Consumers that have left, with their final numbers (the most recent
+    /// [`PAST_CONSUMERS`]).
+    pub past_consumers: Vec<ConsumerStats>,
 }
+
+/// How many departed consumers a stream's stats remember.
+pub const PAST_CONSUMERS: usize = 256;
 
 /// The broker's host-to-device copies of one stream to one GPU.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -408,12 +431,34 @@ pub struct ConsumerStats {
     pub queued: u32,
     /// Epoch of the last batch sent to it.
     pub epoch: u64,
-    /// Seconds it reported being blocked waiting for data.
+    /// Samples in the batches sent to it.
+    pub samples: u64,
+    /// Seconds it reported being blocked waiting for data (data stall).
     pub wait_s: f64,
+    /// Seconds it reported working between batches (its training steps).
+    /// `wait_s / (wait_s + busy_s)` is its data-stall fraction.
+    pub busy_s: f64,
     /// Seconds its batches spent between sending and release, summed.
     pub hold_s: f64,
     /// `None`: host memory; else the GPU its batches are delivered on.
     pub device: Option<String>,
+    /// Connected for this long (until it left, for a past consumer).
+    pub connected_s: f64,
+    /// `None` while connected; else why it left (`closed`, `detached:
+    /// lag limit`, …).
+    pub left: Option<String>,
+}
+
+impl ConsumerStats {
+    /// Share of its loop time the consumer spent waiting for data.
+    pub fn stall_fraction(&self) -> f64 {
+        let total = self.wait_s + self.busy_s;
+        if total > 0.0 {
+            self.wait_s / total
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Encodes `msg` as one frame (length prefix + payload).
@@ -491,10 +536,11 @@ mod tests {
 
     #[test]
     fn frames_round_trip() {
-        let msg = ClientMsg::Release {
+        let msg = ClientMsg::Release(Release {
             seq: 1 << 40,
             wait_ns: 12,
-        };
+            busy_ns: 1 << 33,
+        });
         let bytes = encode(&msg).unwrap();
         let mut cursor = std::io::Cursor::new(bytes);
         let mut buf = Vec::new();

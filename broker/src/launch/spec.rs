@@ -1,0 +1,785 @@
+//! The sweep file `batchcast launch` reads, and its expansion into one
+//! plan per trainer process. Everything that can be wrong with the file is
+//! found here, before any process starts.
+//!
+//! ```toml
+//! [launch]
+//! config = "imagefolder.toml"   # the broker's streams; or [[stream]] tables here
+//! stream = "train"              # what trainers subscribe to (default: the only stream)
+//! on_failure = "continue"       # or "stop-all"
+//! run_dir = "runs"              # each launch writes a new folder in it
+//!                               # (default: ./batchcast-runs)
+//! # socket = "/run/batchcast.sock"  # use this running broker instead of starting one
+//! # gpus = [0, 1]               # GPUs to spread trainers over (default: all visible)
+//!
+//! [[trainer]]
+//! name = "lr"
+//! command = ["python", "train.py", "--lr", "{lr}"]
+//! grid = { lr = [0.1, 0.01, 0.001] }  # one copy per combination (× copies)
+//! copies = 1
+//! env = { SEED = "{index}" }
+//! gpu = "round-robin"           # or "none", an index, or a list of indices
+//! cwd = "."
+//! baseline_command = ["python", "train.py", "--loader", "dataloader", "--lr", "{lr}"]
+//! ```
+//!
+//! Relative paths are relative to the sweep file's folder. Placeholders in
+//! `command`, `baseline_command` and `env` values: `{name}`, `{index}`,
+//! `{gpu}`, `{batchcast}` (this executable) and the grid's keys; `{{` is a
+//! literal brace.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("cannot read sweep file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sweep file {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnFailure {
+    /// Mark the trainer failed; the others go on.
+    #[default]
+    Continue,
+    /// Stop every trainer when one fails.
+    StopAll,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LaunchSection {
+    config: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    run_dir: Option<PathBuf>,
+    #[serde(default)]
+    on_failure: OnFailure,
+    stream: Option<String>,
+    gpus: Option<Vec<u32>>,
+    /// Seconds between SIGTERM and SIGKILL when stopping trainers.
+    grace_s: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepFile {
+    #[serde(default)]
+    launch: LaunchSection,
+    broker: Option<toml::Table>,
+    #[serde(default, rename = "stream")]
+    streams: Vec<toml::Table>,
+    #[serde(default, rename = "trainer")]
+    trainers: Vec<TrainerSpec>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum GpuSpec {
+    Word(String),
+    One(u32),
+    List(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrainerSpec {
+    name: String,
+    command: Vec<String>,
+    copies: Option<u32>,
+    #[serde(default)]
+    grid: BTreeMap<String, Vec<toml::Value>>,
+    #[serde(default)]
+    env: BTreeMap<String, toml::Value>,
+    gpu: Option<GpuSpec>,
+    cwd: Option<PathBuf>,
+    stream: Option<String>,
+    baseline_command: Option<Vec<String>>,
+}
+
+/// Where the broker's streams come from.
+#[derive(Debug, Clone)]
+pub enum BrokerSource {
+    /// Start a broker with this config text; relative paths in it resolve
+    /// from `dir` (the broker runs there).
+    Start { config: String, dir: PathBuf },
+    /// Use the broker already serving this socket.
+    Reuse(PathBuf),
+}
+
+/// One trainer process.
+#[derive(Debug, Clone)]
+pub struct TrainerPlan {
+    pub name: String,
+    pub argv: Vec<String>,
+    /// `--baseline` with its own loader: this command, with no broker.
+    pub baseline_argv: Option<Vec<String>>,
+    pub env: Vec<(String, String)>,
+    pub cwd: PathBuf,
+    pub stream: String,
+    /// The value of `CUDA_VISIBLE_DEVICES` for it (`None`: left as is).
+    pub gpu: Option<String>,
+}
+
+/// A whole sweep, checked and expanded.
+#[derive(Debug, Clone)]
+pub struct Sweep {
+    pub path: PathBuf,
+    pub broker: BrokerSource,
+    /// Streams the broker config defines (empty when reusing a broker).
+    pub streams: Vec<String>,
+    pub trainers: Vec<TrainerPlan>,
+    pub on_failure: OnFailure,
+    pub run_dir: PathBuf,
+    pub grace_s: f64,
+}
+
+/// What the machine offers, for checking GPU indices (tests pass their own).
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// `CUDA_VISIBLE_DEVICES` values of the GPUs this process sees, in
+    /// ordinal order.
+    pub gpus: Vec<String>,
+    /// This executable, for `{batchcast}` and finding sibling programs.
+    pub exe: PathBuf,
+}
+
+impl Host {
+    /// The GPUs visible to this process (none without a CUDA driver).
+    pub fn detect() -> std::io::Result<Host> {
+        let count = visible_gpu_count();
+        let listed: Option<Vec<String>> = std::env::var("CUDA_VISIBLE_DEVICES")
+            .ok()
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+        let gpus = (0..count)
+            .map(|i| match &listed {
+                Some(l) => l.get(i).cloned().unwrap_or_else(|| i.to_string()),
+                None => i.to_string(),
+            })
+            .collect();
+        Ok(Host {
+            gpus,
+            exe: std::env::current_exe()?,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn visible_gpu_count() -> usize {
+    batchcast::cuda::gpus().map(|g| g.len()).unwrap_or(0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn visible_gpu_count() -> usize {
+    0
+}
+
+impl Sweep {
+    pub fn load(path: &Path, host: &Host) -> Result<Sweep, SpecError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SpecError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Sweep::parse(&text, path, host)
+    }
+
+    /// Parses and checks a sweep file (`path` locates relative paths and
+    /// names the file in errors).
+    pub fn parse(text: &str, path: &Path, host: &Host) -> Result<Sweep, SpecError> {
+        let invalid = |message: String| SpecError::Invalid {
+            path: path.into(),
+            message,
+        };
+        let file: SweepFile = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        let dir = path
+            .parent()
+            .map(|p| {
+                if p.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    p
+                }
+            })
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        let l = &file.launch;
+        if file.trainers.is_empty() {
+            return Err(invalid(
+                "no [[trainer]] defined; add one with a `name` and a `command`".into(),
+            ));
+        }
+        let (broker, mut streams, config_tables) = match (&l.socket, &l.config) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "[launch] has both `socket` (use a running broker) and `config` (start one); keep one"
+                        .into(),
+                ));
+            }
+            (Some(_), None) if !file.streams.is_empty() => {
+                return Err(invalid(
+                    "[launch] socket = … uses a running broker, so the [[stream]] tables here would be ignored; remove one or the other".into(),
+                ));
+            }
+            (Some(sock), None) => (BrokerSource::Reuse(dir.join(sock)), Vec::new(), None),
+            (None, Some(cfg)) => {
+                if !file.streams.is_empty() || file.broker.is_some() {
+                    return Err(invalid(format!(
+                        "[launch] config = {:?} names the broker's config, and this file also has [[stream]] or [broker] tables; keep one",
+                        cfg
+                    )));
+                }
+                let cfg_path = dir.join(cfg);
+                let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
+                    invalid(format!(
+                        "[launch] config: cannot read {}: {e}",
+                        cfg_path.display()
+                    ))
+                })?;
+                let table: toml::Table = toml::from_str(&text)
+                    .map_err(|e| invalid(format!("[launch] config {}: {e}", cfg_path.display())))?;
+                let cfg_dir = cfg_path.parent().unwrap_or(Path::new(".")).to_path_buf();
+                (
+                    BrokerSource::Start {
+                        config: String::new(),
+                        dir: cfg_dir,
+                    },
+                    Vec::new(),
+                    Some(table),
+                )
+            }
+            (None, None) => {
+                if file.streams.is_empty() {
+                    return Err(invalid(
+                        "no broker to use: add [[stream]] tables, `config = \"broker.toml\"` or `socket = \"…\"` (a running broker) under [launch]".into(),
+                    ));
+                }
+                let mut table = toml::Table::new();
+                if let Some(b) = &file.broker {
+                    table.insert("broker".into(), toml::Value::Table(b.clone()));
+                }
+                table.insert(
+                    "stream".into(),
+                    toml::Value::Array(
+                        file.streams
+                            .iter()
+                            .cloned()
+                            .map(toml::Value::Table)
+                            .collect(),
+                    ),
+                );
+                (
+                    BrokerSource::Start {
+                        config: String::new(),
+                        dir: dir.clone(),
+                    },
+                    Vec::new(),
+                    Some(table),
+                )
+            }
+        };
+        if let Some(t) = &config_tables {
+            streams = stream_names(t).map_err(invalid)?;
+        }
+        let default_stream = match (&l.stream, streams.as_slice()) {
+            (Some(s), _) => s.clone(),
+            (None, [only]) => only.clone(),
+            (None, _) => "train".to_string(),
+        };
+        if let Some(g) = l.grace_s
+            && !(g.is_finite() && g >= 0.0)
+        {
+            return Err(invalid(format!(
+                "[launch] grace_s = {g} must be a number of seconds ≥ 0"
+            )));
+        }
+        let gpus: Vec<String> = match &l.gpus {
+            None => host.gpus.clone(),
+            Some(list) => list
+                .iter()
+                .map(|&i| gpu_value(host, i, "[launch] gpus"))
+                .collect::<Result<_, _>>()
+                .map_err(invalid)?,
+        };
+
+        let mut trainers = Vec::new();
+        let mut rr = 0usize;
+        let mut names = HashMap::new();
+        for (t_i, t) in file.trainers.iter().enumerate() {
+            let what = format!("trainer `{}` (the {} [[trainer]])", t.name, ordinal(t_i));
+            let expanded = expand_trainer(t, &what, host, &gpus, &mut rr, &default_stream, &dir)
+                .map_err(invalid)?;
+            for p in expanded {
+                if let Some(prev) = names.insert(p.name.clone(), what.clone()) {
+                    return Err(invalid(format!(
+                        "two trainers would be named `{}` ({prev} and {what}); give them different names",
+                        p.name
+                    )));
+                }
+                if !streams.is_empty() && !streams.contains(&p.stream) {
+                    return Err(invalid(format!(
+                        "{what} subscribes to stream `{}`, which the broker config does not define (it has: {})",
+                        p.stream,
+                        streams.join(", ")
+                    )));
+                }
+                trainers.push(p);
+            }
+        }
+        let broker = match (broker, config_tables) {
+            (BrokerSource::Start { dir, .. }, Some(mut table)) => {
+                set_min_consumers(&mut table, &trainers);
+                BrokerSource::Start {
+                    config: toml::to_string(&table)
+                        .map_err(|e| invalid(format!("cannot write the broker config: {e}")))?,
+                    dir,
+                }
+            }
+            (b, _) => b,
+        };
+        Ok(Sweep {
+            path: path.into(),
+            broker,
+            streams,
+            trainers,
+            on_failure: l.on_failure,
+            run_dir: l
+                .run_dir
+                .as_ref()
+                .map_or_else(|| PathBuf::from("batchcast-runs"), |d| dir.join(d)),
+            grace_s: l.grace_s.unwrap_or(10.0),
+        })
+    }
+
+    /// The broker config for a private broker serving one trainer
+    /// (`--baseline`): the same streams, each waiting for one consumer.
+    pub fn private_config(&self) -> Option<(String, PathBuf)> {
+        let BrokerSource::Start { config, dir } = &self.broker else {
+            return None;
+        };
+        let mut table: toml::Table = toml::from_str(config).ok()?;
+        if let Some(toml::Value::Array(streams)) = table.get_mut("stream") {
+            for s in streams {
+                if let Some(t) = s.as_table_mut() {
+                    t.insert("min_consumers".into(), toml::Value::Integer(1));
+                }
+            }
+        }
+        table.remove("broker");
+        Some((toml::to_string(&table).ok()?, dir.clone()))
+    }
+}
+
+fn ordinal(i: usize) -> String {
+    match i + 1 {
+        1 => "1st".into(),
+        2 => "2nd".into(),
+        3 => "3rd".into(),
+        n => format!("{n}th"),
+    }
+}
+
+fn stream_names(table: &toml::Table) -> Result<Vec<String>, String> {
+    let Some(streams) = table.get("stream") else {
+        return Err("the broker config defines no [[stream]]".into());
+    };
+    let arr = streams
+        .as_array()
+        .ok_or("`stream` must be an array of tables ([[stream]])")?;
+    arr.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.get("name")
+                .and_then(|n| n.as_str())
+                .map(str::to_string)
+                .ok_or_else(|| format!("the {} [[stream]] has no `name`", ordinal(i)))
+        })
+        .collect()
+}
+
+/// Streams wait for every trainer subscribed to them, unless the file
+/// says otherwise: a sweep's trainers start together, and one that joined
+/// late would miss the first epoch.
+fn set_min_consumers(table: &mut toml::Table, trainers: &[TrainerPlan]) {
+    let Some(toml::Value::Array(streams)) = table.get_mut("stream") else {
+        return;
+    };
+    for s in streams {
+        let Some(t) = s.as_table_mut() else { continue };
+        let name = t.get("name").and_then(|n| n.as_str()).unwrap_or_default();
+        let n = trainers.iter().filter(|p| p.stream == name).count();
+        if n > 0 && !t.contains_key("min_consumers") {
+            t.insert("min_consumers".into(), toml::Value::Integer(n as i64));
+        }
+    }
+}
+
+fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, String> {
+    host.gpus.get(i as usize).cloned().ok_or_else(|| {
+        format!(
+            "{what}: GPU {i} does not exist: this machine shows {} GPU{}{}",
+            host.gpus.len(),
+            if host.gpus.len() == 1 { "" } else { "s" },
+            if host.gpus.is_empty() {
+                " (no CUDA driver or device); use gpu = \"none\"".to_string()
+            } else {
+                format!(" (0..{})", host.gpus.len() - 1)
+            }
+        )
+    })
+}
+
+fn value_text(v: &toml::Value) -> Result<String, String> {
+    match v {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!(
+            "{other} is not a string, number or boolean ({})",
+            other.type_str()
+        )),
+    }
+}
+
+/// Replaces `{key}` with `vars[key]`; `{{` and `}}` are literal braces.
+pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            out.push_str(&tail[..1]);
+            rest = &tail[2..];
+            continue;
+        }
+        if tail.starts_with('}') {
+            return Err(format!(
+                "`{s}` has an unmatched `}}` (write `}}}}` for a brace)"
+            ));
+        }
+        let Some(end) = tail.find('}') else {
+            return Err(format!(
+                "`{s}` has an unclosed `{{` (write `{{{{` for a brace)"
+            ));
+        };
+        let key = &tail[1..end];
+        let v = vars.get(key).ok_or_else(|| {
+            format!(
+                "`{s}` uses {{{key}}}, which is not defined; placeholders here: {}",
+                vars.keys()
+                    .map(|k| format!("{{{k}}}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        })?;
+        out.push_str(v);
+        rest = &tail[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn expand_trainer(
+    t: &TrainerSpec,
+    what: &str,
+    host: &Host,
+    gpus: &[String],
+    rr: &mut usize,
+    default_stream: &str,
+    dir: &Path,
+) -> Result<Vec<TrainerPlan>, String> {
+    let e = |m: String| format!("{what}: {m}");
+    if t.name.is_empty()
+        || !t
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(e(format!(
+            "name {:?} must be letters, digits, `-`, `_` or `.` (it names log files)",
+            t.name
+        )));
+    }
+    if t.command.is_empty() || t.command[0].is_empty() {
+        return Err(e(
+            "`command` is empty; give the program and its arguments, e.g. [\"python\", \"train.py\"]"
+                .into(),
+        ));
+    }
+    if t.baseline_command.as_ref().is_some_and(|c| c.is_empty()) {
+        return Err(e("`baseline_command` is empty".into()));
+    }
+    if t.copies == Some(0) {
+        return Err(e(
+            "copies = 0 starts nothing; remove the trainer or use copies ≥ 1".into(),
+        ));
+    }
+    let mut combos: Vec<BTreeMap<String, String>> = vec![BTreeMap::new()];
+    for (key, values) in &t.grid {
+        if values.is_empty() {
+            return Err(e(format!("grid.{key} is an empty list")));
+        }
+        if matches!(key.as_str(), "name" | "index" | "gpu" | "batchcast") {
+            return Err(e(format!(
+                "grid.{key} would hide the built-in {{{key}}}; rename it"
+            )));
+        }
+        let texts = values
+            .iter()
+            .map(|v| value_text(v).map_err(|m| e(format!("grid.{key}: {m}"))))
+            .collect::<Result<Vec<_>, _>>()?;
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                texts.iter().map(move |v| {
+                    let mut c = c.clone();
+                    c.insert(key.clone(), v.clone());
+                    c
+                })
+            })
+            .collect();
+    }
+    let copies = t.copies.unwrap_or(1) as usize;
+    let total = combos.len() * copies;
+    let gpu_for: Vec<Option<String>> = match &t.gpu {
+        None => round_robin(gpus, rr, total),
+        Some(GpuSpec::Word(w)) if w == "round-robin" => round_robin(gpus, rr, total),
+        Some(GpuSpec::Word(w)) if w == "none" => vec![None; total],
+        Some(GpuSpec::Word(w)) => {
+            return Err(e(format!(
+                "gpu = {w:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices"
+            )));
+        }
+        Some(GpuSpec::One(i)) => vec![Some(gpu_value(host, *i, &format!("{what}: gpu"))?); total],
+        Some(GpuSpec::List(list)) => {
+            if list.is_empty() {
+                return Err(e("gpu = [] is empty; use \"none\" for no GPU".into()));
+            }
+            let vals = list
+                .iter()
+                .map(|&i| gpu_value(host, i, &format!("{what}: gpu")))
+                .collect::<Result<Vec<_>, _>>()?;
+            (0..total)
+                .map(|k| Some(vals[k % vals.len()].clone()))
+                .collect()
+        }
+    };
+    let cwd = match &t.cwd {
+        Some(c) => dir.join(c),
+        None => dir.to_path_buf(),
+    };
+    if !cwd.is_dir() {
+        return Err(e(format!("cwd {} is not a folder", cwd.display())));
+    }
+    let mut out = Vec::with_capacity(total);
+    let mut index = 0usize;
+    for combo in &combos {
+        for _ in 0..copies {
+            let name = if total == 1 {
+                t.name.clone()
+            } else {
+                format!("{}-{index}", t.name)
+            };
+            let gpu = gpu_for[index].clone();
+            let mut vars = combo.clone();
+            vars.insert("name".into(), name.clone());
+            vars.insert("index".into(), index.to_string());
+            vars.insert("gpu".into(), gpu.clone().unwrap_or_default());
+            vars.insert("batchcast".into(), host.exe.display().to_string());
+            let sub = |v: &[String]| {
+                v.iter()
+                    .map(|a| substitute(a, &vars).map_err(&e))
+                    .collect::<Result<Vec<_>, _>>()
+            };
+            let mut argv = sub(&t.command)?;
+            argv[0] = resolve_program(&argv[0], &cwd, &host.exe).map_err(&e)?;
+            let baseline_argv = match &t.baseline_command {
+                Some(b) => {
+                    let mut v = sub(b)?;
+                    v[0] = resolve_program(&v[0], &cwd, &host.exe).map_err(&e)?;
+                    Some(v)
+                }
+                None => None,
+            };
+            let env = t
+                .env
+                .iter()
+                .map(|(k, v)| {
+                    let text = value_text(v).map_err(|m| e(format!("env.{k}: {m}")))?;
+                    Ok((k.clone(), substitute(&text, &vars).map_err(&e)?))
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            out.push(TrainerPlan {
+                name,
+                argv,
+                baseline_argv,
+                env,
+                cwd: cwd.clone(),
+                stream: t.stream.clone().unwrap_or_else(|| default_stream.into()),
+                gpu,
+            });
+            index += 1;
+        }
+    }
+    Ok(out)
+}
+
+fn round_robin(gpus: &[String], rr: &mut usize, n: usize) -> Vec<Option<String>> {
+    (0..n)
+        .map(|_| {
+            if gpus.is_empty() {
+                return None;
+            }
+            let g = gpus[*rr % gpus.len()].clone();
+            *rr += 1;
+            Some(g)
+        })
+        .collect()
+}
+
+/// A program as the trainer's command names it: a path (relative to the
+/// trainer's folder), or a name looked up next to this executable first
+/// (so `rust-consumer` built in the same target folder is found), then on
+/// `PATH`.
+fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, String> {
+    if prog.contains('/') {
+        let p = cwd.join(prog);
+        return if p.is_file() {
+            Ok(p.display().to_string())
+        } else {
+            Err(format!(
+                "command {prog} does not exist (looked in {})",
+                cwd.display()
+            ))
+        };
+    }
+    let sibling = exe.parent().map(|d| d.join(prog));
+    if let Some(s) = sibling.filter(|s| s.is_file()) {
+        return Ok(s.display().to_string());
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|d| d.join(prog).is_file()) {
+        return Ok(prog.to_string());
+    }
+    Err(format!(
+        "command `{prog}` is not next to {} nor on PATH{}",
+        exe.display(),
+        if prog == "rust-consumer" {
+            "; build it with `cargo build --release` (the example trainers are built with the workspace)"
+        } else {
+            ""
+        }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(gpus: usize) -> Host {
+        Host {
+            gpus: (0..gpus).map(|i| format!("{}", i + 4)).collect(),
+            exe: PathBuf::from("/opt/bc/batchcast"),
+        }
+    }
+
+    const STREAM: &str = "[[stream]]\nname = \"train\"\nbatch_size = 8\n[stream.synthetic]\nlen = 64\nfields = [{ name = \"x\", dtype = \"u8\", shape = [4] }]\n";
+
+    fn parse(trainers: &str, gpus: usize) -> Result<Sweep, SpecError> {
+        let text = format!("{STREAM}\n{trainers}");
+        Sweep::parse(&text, Path::new("/tmp/sweep.toml"), &host(gpus))
+    }
+
+    #[test]
+    fn placeholders_are_substituted_and_unknown_ones_named() {
+        let vars: BTreeMap<String, String> = [("lr".to_string(), "0.1".to_string())]
+            .into_iter()
+            .collect();
+        assert_eq!(substitute("--lr={lr}", &vars).unwrap(), "--lr=0.1");
+        assert_eq!(substitute("{{lr}}", &vars).unwrap(), "{lr}");
+        let e = substitute("{seed}", &vars).unwrap_err();
+        assert!(e.contains("{seed}") && e.contains("{lr}"), "{e}");
+        assert!(substitute("{lr", &vars).unwrap_err().contains("unclosed"));
+    }
+
+    #[test]
+    fn a_grid_expands_to_every_combination_times_copies_with_gpus_round_robin() {
+        let s = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\", \"--lr\", \"{lr}\", \"--seed\", \"{seed}\"]\ngrid = { lr = [0.1, 0.01], seed = [1, 2] }\ncopies = 2\nenv = { RUN = \"{name}@{gpu}\" }\n",
+            3,
+        )
+        .unwrap();
+        assert_eq!(s.trainers.len(), 8);
+        let t = &s.trainers[3];
+        assert_eq!(t.name, "m-3");
+        assert_eq!(t.argv[1..], ["--lr", "0.1", "--seed", "2"]);
+        let gpus: Vec<_> = s.trainers.iter().map(|t| t.gpu.clone().unwrap()).collect();
+        assert_eq!(gpus, ["4", "5", "6", "4", "5", "6", "4", "5"]);
+        assert_eq!(t.env, [("RUN".to_string(), "m-3@4".to_string())]);
+        // The stream waits for all eight.
+        let BrokerSource::Start { config, .. } = &s.broker else {
+            panic!()
+        };
+        assert!(config.contains("min_consumers = 8"), "{config}");
+    }
+
+    #[test]
+    fn gpu_indices_are_checked_against_the_machine() {
+        let e = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\ngpu = [0, 2]\n",
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("GPU 2 does not exist") && e.contains("2 GPUs"),
+            "{e}"
+        );
+        let s = parse("[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n", 0).unwrap();
+        assert_eq!(s.trainers[0].gpu, None, "no GPU: nothing assigned");
+        let s = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\ngpu = \"none\"\n",
+            2,
+        )
+        .unwrap();
+        assert_eq!(s.trainers[0].gpu, None);
+    }
+
+    #[test]
+    fn duplicate_names_and_bad_values_are_refused() {
+        let e = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n",
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("two trainers would be named `m`"), "{e}");
+        for (bad, expect) in [
+            ("copies = 0", "copies = 0"),
+            ("grid = { lr = [] }", "grid.lr is an empty list"),
+            ("gpu = \"all\"", "round-robin"),
+            ("cwd = \"/no/such/folder\"", "is not a folder"),
+        ] {
+            let e = parse(
+                &format!("[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n{bad}\n"),
+                0,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(expect), "{bad}: {e}");
+        }
+        let e = parse("[[trainer]]\nname = \"a b\"\ncommand = [\"sh\"]\n", 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("letters, digits"), "{e}");
+    }
+}

@@ -1,0 +1,487 @@
+//! `batchcast launch` end to end: the real launcher starting the real
+//! broker and real trainer processes (`batchcast consume`, a Rust client),
+//! then reading what it wrote. Every wait is bounded.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::launch::{Summary, exit};
+
+const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A synthetic stream: `epochs` epochs of 16 batches of 32.
+fn stream(epochs: u64, extra: &str) -> String {
+    format!(
+        r#"[[stream]]
+name = "train"
+batch_size = 32
+epochs = {epochs}
+shuffle = true
+seed = 11
+slots = 6
+{extra}
+
+[stream.synthetic]
+len = 512
+fill = "full"
+fields = [
+  {{ name = "image", dtype = "u8", shape = [3, 16, 16] }},
+  {{ name = "label", dtype = "i64", shape = [] }},
+]
+"#
+    )
+}
+
+fn launch(dir: &Path, sweep: &str, extra_args: &[&str]) -> (Output, Option<Summary>) {
+    let file = dir.join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    let run = dir.join("run");
+    let mut child = Command::new(EXE)
+        .arg("launch")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(&run)
+        .args(extra_args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let read = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let (o, e) = (read(Box::new(out)), read(Box::new(err)));
+    let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
+    let output = Output {
+        status,
+        stdout: o.join().unwrap(),
+        stderr: e.join().unwrap(),
+    };
+    let summary = std::fs::read_to_string(run.join("summary.json"))
+        .ok()
+        .map(|s| serde_json::from_str(&s).unwrap());
+    (output, summary)
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The trainer's own account: `consume --json` ends its log with it.
+fn own_report(log: &Path) -> ConsumerReport {
+    let s = std::fs::read_to_string(log).unwrap();
+    let line = s
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| {
+            panic!("{} has no report:\n{s}", log.display());
+        });
+    serde_json::from_str(line).unwrap()
+}
+
+#[test]
+fn three_trainers_run_to_completion_and_the_summary_agrees_with_what_they_received() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "t"
+copies = 3
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "{{ms}}"]
+grid = {{ ms = [2] }}
+env = {{ TRAINER_INDEX = "{{index}}" }}
+"#,
+        stream(3, "")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let summary = summary.expect("summary.json");
+    assert_eq!(summary.exit_code, exit::OK);
+    let run = &summary.shared;
+    assert_eq!(run.trainers.len(), 3);
+    assert!(!run.interrupted && run.failed == 0);
+    let broker = &run.brokers[0];
+    assert!(broker.started);
+    assert_eq!(broker.batches_produced, 48, "3 epochs × 16 batches");
+    let mut batches = 0;
+    for t in &run.trainers {
+        assert_eq!(t.state, "done", "{t:?}");
+        assert_eq!(t.exit_code, Some(0));
+        assert_eq!(t.measured_by, "broker");
+        let own = own_report(&t.log);
+        assert!(own.ok && own.ended, "{own:?}");
+        assert_eq!(own.name, t.name, "the launcher names trainers");
+        assert_eq!(
+            (t.batches, t.samples),
+            (own.batches, own.samples),
+            "{}: the broker's count vs what the trainer received",
+            t.name
+        );
+        assert_eq!(t.samples, 3 * 512);
+        assert_eq!(own.verified_samples, 3 * 512);
+        // Each step sleeps 2 ms, so at least that much busy time per
+        // batch after an epoch's first was reported to the broker.
+        assert!(
+            t.busy_s >= 0.002 * (t.batches - 3) as f64,
+            "{}: busy {} s over {} batches",
+            t.name,
+            t.busy_s,
+            t.batches
+        );
+        assert!(t.stall_pct >= 0.0 && t.stall_pct <= 100.0);
+        batches += t.batches;
+    }
+    assert_eq!(broker.deliveries, batches);
+    assert_eq!(run.samples, 3 * 3 * 512);
+    assert!(run.cpu_s > 0.0, "CPU is accounted: {run:?}");
+    // The per-copy environment reached each trainer (its name and index).
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for name in ["t-0", "t-1", "t-2"] {
+        assert!(stdout.contains(name), "{stdout}");
+    }
+    assert!(stdout.contains("shared run"), "{stdout}");
+    assert!(
+        dir.path().join("run/shared/broker.log").exists()
+            && dir.path().join("run/shared/broker.toml").exists()
+    );
+}
+
+#[test]
+fn a_crashing_trainer_is_marked_failed_its_slots_come_back_and_the_others_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    // A broker of the test's own, reused by the launch, so its stats can
+    // be read after the trainers are gone.
+    let cfg = dir.path().join("broker.toml");
+    std::fs::write(&cfg, stream(2, "min_consumers = 3")).unwrap();
+    let sock = dir.path().join("b.sock");
+    let broker = BrokerProcess::spawn(
+        Path::new(EXE),
+        Some(&cfg),
+        &sock,
+        Some(&dir.path().join("b.log")),
+    )
+    .unwrap();
+    let sweep = format!(
+        r#"[launch]
+socket = "{}"
+
+[[trainer]]
+name = "ok"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1"]
+
+[[trainer]]
+name = "crash"
+command = ["{{batchcast}}", "consume", "--json", "--window", "4", "--hold", "2", "--abort-after", "5"]
+"#,
+        sock.display()
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert_eq!(out.status.code(), Some(exit::FAILED), "{}", text(&out));
+    let summary = summary.expect("summary.json");
+    let t = |n: &str| {
+        summary
+            .shared
+            .trainers
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+    };
+    let crash = t("crash");
+    assert_eq!(crash.state, "failed");
+    assert_eq!(crash.signal, Some(libc::SIGABRT), "{crash:?}");
+    assert!(
+        crash
+            .log_tail
+            .as_deref()
+            .is_some_and(|l| l.contains("aborting")),
+        "{crash:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("crash FAILED"),
+        "{}",
+        text(&out)
+    );
+    for n in ["ok-0", "ok-1"] {
+        let ok = t(n);
+        assert_eq!(ok.state, "done");
+        assert_eq!(ok.samples, 2 * 512, "{n} got every sample of both epochs");
+        assert!(own_report(&ok.log).ok);
+    }
+    // Nothing is held any more: the crashed trainer's slots were reclaimed.
+    let stats = broker.stats().unwrap();
+    let st = &stats.streams[0];
+    assert_eq!(
+        (st.in_use, st.free_slots, st.consumers.len()),
+        (0, st.slots, 0),
+        "{st:#?}"
+    );
+    let gone = st
+        .past_consumers
+        .iter()
+        .find(|c| c.name == "crash")
+        .unwrap();
+    assert_eq!(gone.left.as_deref(), Some("disconnected"));
+    assert!(
+        !summary.shared.brokers[0].started,
+        "the test's broker was reused"
+    );
+}
+
+#[test]
+fn stop_all_stops_the_others_when_one_fails_and_a_trainer_that_never_subscribed_does_not_block_the_stream()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    // `early` fails before subscribing: the stream waits for 3 consumers,
+    // so the launcher must start it for the other two.
+    let sweep = format!(
+        r#"[launch]
+on_failure = "continue"
+{}
+[[trainer]]
+name = "early"
+command = ["sh", "-c", "echo cannot find my dataset; exit 7"]
+
+[[trainer]]
+name = "ok"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--sleep-ms", "1"]
+"#,
+        stream(2, "")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert_eq!(out.status.code(), Some(exit::FAILED), "{}", text(&out));
+    let s = summary.unwrap();
+    let early = &s.shared.trainers[0];
+    assert_eq!((early.state.as_str(), early.exit_code), ("failed", Some(7)));
+    assert!(
+        early
+            .log_tail
+            .as_deref()
+            .unwrap()
+            .contains("cannot find my dataset")
+    );
+    for t in &s.shared.trainers[1..] {
+        assert_eq!(t.state, "done", "{}", text(&out));
+        assert_eq!(t.samples, 2 * 512);
+    }
+
+    // The same with stop-all and a trainer that crashes mid-run: the others
+    // are stopped, and the exit code says so.
+    let sweep = format!(
+        r#"[launch]
+on_failure = "stop-all"
+grace_s = 5
+{}
+[[trainer]]
+name = "slow"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--sleep-ms", "20"]
+
+[[trainer]]
+name = "crash"
+command = ["{{batchcast}}", "consume", "--abort-after", "3"]
+"#,
+        stream(1000, "")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert_eq!(out.status.code(), Some(exit::STOPPED), "{}", text(&out));
+    let s = summary.unwrap();
+    let states: Vec<&str> = s.shared.trainers.iter().map(|t| t.state.as_str()).collect();
+    assert_eq!(states, ["stopped", "stopped", "failed"], "{}", text(&out));
+}
+
+/// Processes whose command line or environment mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.chars().all(|c| c.is_ascii_digit()) || name == std::process::id().to_string() {
+            continue;
+        }
+        for f in ["cmdline", "environ"] {
+            if let Ok(b) = std::fs::read(entry.path().join(f))
+                && String::from_utf8_lossy(&b).contains(needle)
+            {
+                let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+                found.push(format!(
+                    "{name}: {}",
+                    String::from_utf8_lossy(&cmd).replace('\0', " ")
+                ));
+                break;
+            }
+        }
+    }
+    found
+}
+
+fn shm_entries() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir("/dev/shm")
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn sigint_stops_every_trainer_and_the_broker_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let sweep = format!(
+        r#"[launch]
+grace_s = 10
+{}
+[[trainer]]
+name = "long"
+copies = 3
+command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
+"#,
+        stream(100_000, "")
+    );
+    let file = dir.path().join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    let shm_before = shm_entries();
+    let mut child = Command::new(EXE)
+        .arg("launch")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(&run)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let needle = run.display().to_string();
+    // Wait until the launcher, the broker and all three trainers are up.
+    let t0 = Instant::now();
+    while processes_mentioning(&needle).len() < 5 {
+        assert!(t0.elapsed() < LIMIT, "{:?}", processes_mentioning(&needle));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    harness::signal(child.id(), nix::sys::signal::Signal::SIGINT);
+    let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
+    assert_eq!(status.code(), Some(exit::INTERRUPTED));
+    assert_eq!(processes_mentioning(&needle), Vec::<String>::new());
+    assert_eq!(shm_entries(), shm_before, "nothing new in /dev/shm");
+    let s: Summary =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    assert!(s.shared.interrupted);
+    for t in &s.shared.trainers {
+        // SIGTERM ends `consume` cleanly or by the signal; either way the
+        // launcher stopped it, and it received something first.
+        assert_eq!(t.state, "stopped", "{t:?}");
+        assert!(t.batches > 0, "{t:?}");
+    }
+}
+
+#[test]
+fn bad_sweep_files_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            format!("{}\n[[trainer]]\nname = \"a\"\n", stream(1, "")),
+            "missing field `command`",
+        ),
+        (
+            format!(
+                "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\ncopise = 2\n",
+                stream(1, "")
+            ),
+            "unknown field `copise`",
+        ),
+        (
+            format!(
+                "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\ngpu = 7\n",
+                stream(1, "")
+            ),
+            "GPU 7 does not exist",
+        ),
+        (
+            format!(
+                "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\", \"--lr\", \"{{lr}}\"]\n",
+                stream(1, "")
+            ),
+            "{lr}, which is not defined",
+        ),
+        (
+            format!(
+                "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\nstream = \"val\"\n",
+                stream(1, "")
+            ),
+            "stream `val`, which the broker config does not define",
+        ),
+        (
+            format!(
+                "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"no-such-trainer-program\"]\n",
+                stream(1, "")
+            ),
+            "`no-such-trainer-program` is not next to",
+        ),
+        (
+            "[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\n".to_string(),
+            "no broker to use",
+        ),
+    ];
+    for (sweep, expect) in cases {
+        let (out, summary) = launch(dir.path(), &sweep, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(err.contains(expect), "expected {expect:?} in:\n{err}");
+        assert!(
+            err.contains("sweep.toml"),
+            "the error names the file: {err}"
+        );
+        assert!(summary.is_none());
+        assert!(
+            !dir.path().join("run").exists(),
+            "nothing was started or written"
+        );
+    }
+}
+
+#[test]
+fn baseline_runs_each_trainer_with_a_private_broker_and_compares() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "t"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--verify"]
+"#,
+        stream(2, "")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &["--baseline"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let s = summary.unwrap();
+    let base = s.baseline.as_ref().expect("a baseline run");
+    assert_eq!(base.brokers.len(), 2, "one private broker per trainer");
+    for b in &base.brokers {
+        assert_eq!((b.batches_produced, b.deliveries), (32, 32));
+    }
+    for t in &base.trainers {
+        assert_eq!((t.state.as_str(), t.samples), ("done", 2 * 512));
+        assert!(own_report(&t.log).ok);
+    }
+    assert_eq!(s.shared.brokers[0].batches_produced, 32);
+    let c = s.comparison.as_ref().unwrap();
+    assert!(c.speedup > 0.0 && c.throughput_ratio > 0.0);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("shared vs baseline"), "{stdout}");
+}
