@@ -15,6 +15,7 @@ or on CUDA when present.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -209,6 +210,7 @@ def main() -> None:
     p.add_argument("--socket", default=None)
     p.add_argument("--batchcast", default=None, help="the batchcast binary (shared mode)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -233,9 +235,10 @@ def main() -> None:
         loader = make_loader(args)
         classes = len(loader.classes if args.loader == "shared" else loader.dataset.classes)
         model = SmallCNN(classes).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
-        print(f"{args.loader}: {classes} classes, {len(loader)} batches/epoch, device {device}")
+        print(f"{args.loader}: {classes} classes, {len(loader)} batches/epoch, device {device}, lr {args.lr}")
+        total = {"samples": 0, "batches": 0, "wait_s": 0.0, "busy_s": 0.0}
         for epoch in range(args.epochs):
             wait = busy = 0.0
             images_seen = 0
@@ -254,11 +257,20 @@ def main() -> None:
                 t = time.perf_counter()
                 busy += t - t_data
             seconds = time.perf_counter() - t_epoch
+            total["samples"] += images_seen
+            total["batches"] += len(loader)
+            total["wait_s"] += wait
+            total["busy_s"] += busy
             stall = wait / (wait + busy) if wait + busy > 0 else 0.0
             print(
                 f"epoch {epoch}: {images_seen} images in {seconds:.2f} s = {images_seen / seconds:.0f} img/s, "
                 f"data stall {100 * stall:.0f}%, loss {loss.item():.3f}"
             )
+        # `batchcast launch` reads this when the broker cannot see the
+        # trainer's data (its own DataLoader in a --baseline run).
+        if os.environ.get("BATCHCAST_REPORT"):
+            with open(os.environ["BATCHCAST_REPORT"], "w") as f:
+                json.dump(total, f)
         if args.loader == "shared":
             s = loader.stats()
             print(f"batchcast consumer: waited {s['wait_s']:.2f} s, stall fraction {100 * s['stall_fraction']:.0f}%")

@@ -35,7 +35,7 @@
 //! world_size = 1
 //!
 //! [stream.image_folder] # or [stream.webdataset] shards = "/d/shard-{000000..000099}.tar"
-//! root = "/data/imagenet/train"
+//! root = "/data/imagenet/train"   # a leading ~/ is $HOME
 //!
 //! [stream.transform]
 //! random_resized_crop = { size = 224 }   # or resize = 256, center_crop = 224
@@ -668,13 +668,15 @@ fn image_source(s: &StreamConfig) -> Result<SourceParts, String> {
     }
     let (dataset, shuffle_buffer) = match (&s.image_folder, &s.webdataset) {
         (Some(f), _) => (
-            Dataset::image_folder(&f.root).map_err(|e| e.to_string())?,
+            Dataset::image_folder(Path::new(&expand_home(&f.root.to_string_lossy())))
+                .map_err(|e| e.to_string())?,
             None,
         ),
         (_, Some(w)) => {
-            let paths = expand_pattern(&w.shards).map_err(|e| e.to_string())?;
+            let shards = expand_home(&w.shards);
+            let paths = expand_pattern(&shards).map_err(|e| e.to_string())?;
             (
-                Dataset::webdataset(&w.shards, &paths).map_err(|e| e.to_string())?,
+                Dataset::webdataset(&shards, &paths).map_err(|e| e.to_string())?,
                 Some(w.shuffle_buffer),
             )
         }
@@ -825,5 +827,13 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
         let plans = plan(&GOOD.replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();
         assert_eq!(plans[0].schema.batches_per_epoch, 3);
         assert_eq!(plans[0].schema.samples_per_epoch, 10);
+    }
+}
+
+/// A leading `~/` in a dataset path is the user's home folder (`$HOME`).
+fn expand_home(path: &str) -> String {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => Path::new(&home).join(rest).to_string_lossy().into_owned(),
+        _ => path.to_string(),
     }
 }
