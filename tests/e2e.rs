@@ -585,3 +585,84 @@ fn consume_cli_without_a_gpu_says_so_and_points_to_the_host_path() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `serve --metrics`: Prometheus text with the same numbers as stats.
+#[test]
+fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("broker.toml");
+    std::fs::write(&cfg, config("epochs = 1", 256, 32)).unwrap();
+    let log = dir.path().join("broker.log");
+    let sock = dir.path().join("b.sock");
+    let mut broker = Command::new(EXE)
+        .args(["serve", "--metrics", "127.0.0.1:0", "--config"])
+        .arg(&cfg)
+        .arg("--socket")
+        .arg(&sock)
+        .env("NO_COLOR", "1")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let addr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(rest) = text.split("metrics on http://").nth(1) {
+            break rest.split('/').next().unwrap().to_string();
+        }
+        assert!(
+            t0.elapsed() < LIMIT,
+            "no metrics address in the log:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let consumer = harness::spawn_consumer(
+        Path::new(EXE),
+        &sock,
+        &[
+            "--name".into(),
+            "scraped".into(),
+            "--hold".into(),
+            "1".into(),
+            "--window".into(),
+            "2".into(),
+            "--max-batches".into(),
+            "8".into(),
+        ],
+    )
+    .unwrap();
+    let r = report(consumer);
+    assert_eq!(r.batches, 8);
+    let get = |path: &str| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let body = get("/metrics");
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(
+        body.contains("# TYPE batchcast_stream_deliveries_total counter"),
+        "{body}"
+    );
+    assert!(
+        body.contains("batchcast_stream_slots{stream=\"train\"} 6"),
+        "{body}"
+    );
+    let stats = batchcast::StatsClient::connect(Some(sock.clone()))
+        .unwrap()
+        .fetch()
+        .unwrap();
+    let st = &stats.streams[0];
+    assert!(
+        body.contains(&format!(
+            "batchcast_stream_batches_produced_total{{stream=\"train\"}} {}",
+            st.batches_produced
+        )),
+        "{body}\n{st:?}"
+    );
+    assert!(get("/other").starts_with("HTTP/1.1 404"));
+    harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
+    harness::wait_timeout(&mut broker, LIMIT).unwrap();
+}

@@ -750,6 +750,14 @@ fn mem_total_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// A leading `~/` in a dataset path is the user's home folder (`$HOME`).
+fn expand_home(path: &str) -> String {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => Path::new(&home).join(rest).to_string_lossy().into_owned(),
+        _ => path.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -827,13 +835,5 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
         let plans = plan(&GOOD.replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();
         assert_eq!(plans[0].schema.batches_per_epoch, 3);
         assert_eq!(plans[0].schema.samples_per_epoch, 10);
-    }
-}
-
-/// A leading `~/` in a dataset path is the user's home folder (`$HOME`).
-fn expand_home(path: &str) -> String {
-    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => Path::new(&home).join(rest).to_string_lossy().into_owned(),
-        _ => path.to_string(),
     }
 }

@@ -22,6 +22,7 @@ pub mod harness;
 pub mod hub;
 pub mod launch;
 pub mod listen;
+pub mod metrics;
 pub mod pipeline;
 pub mod server;
 pub mod stats_view;

@@ -30,6 +30,10 @@ enum Cmd {
         /// Socket path [default: config's broker.socket, else $BATCHCAST_SOCKET, else $XDG_RUNTIME_DIR/batchcast.sock, else /tmp/batchcast-$UID/batchcast.sock]
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Also serve Prometheus metrics at http://ADDR/metrics (e.g.
+        /// 127.0.0.1:9464; port 0 picks a free one, logged at start)
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Show what a running broker is doing
     Stats {
@@ -67,7 +71,11 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.cmd {
-        Cmd::Serve { config, socket } => serve(config, socket),
+        Cmd::Serve {
+            config,
+            socket,
+            metrics,
+        } => serve(config, socket, metrics),
         Cmd::Stats {
             socket,
             json,
@@ -114,7 +122,11 @@ fn main() {
     }
 }
 
-fn serve(config_path: Option<PathBuf>, socket: Option<PathBuf>) -> anyhow::Result<()> {
+fn serve(
+    config_path: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    metrics: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
     let (cfg, plans) = match &config_path {
         Some(path) => {
             let cfg = config::Config::load(path)?;
@@ -150,6 +162,13 @@ fn serve(config_path: Option<PathBuf>, socket: Option<PathBuf>) -> anyhow::Resul
         let std_listener = bound.listener.try_clone()?;
         std_listener.set_nonblocking(true)?;
         let listener = tokio::net::UnixListener::from_std(std_listener)?;
+        if let Some(addr) = metrics {
+            let tcp = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics {addr}: cannot listen there"))?;
+            tracing::info!("metrics on http://{}/metrics", tcp.local_addr()?);
+            tokio::spawn(batchcast_broker::metrics::serve(tcp, broker.clone()));
+        }
         tracing::info!(
             "serving {} configured stream(s) on {}; producers may register more",
             broker.streams().len(),

@@ -1,0 +1,281 @@
+//! `batchcast serve --metrics ADDR`: the broker's stats in Prometheus text
+//! format (version 0.0.4) at `http://ADDR/metrics`, what cluster monitoring
+//! already scrapes. The same numbers as `batchcast stats --json`; a tiny
+//! HTTP/1.1 responder, one request per connection.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchcast::proto::StatsReply;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::server::Broker;
+
+/// Serves until the runtime stops.
+pub async fn serve(listener: TcpListener, broker: Arc<Broker>) {
+    loop {
+        let Ok((sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let broker = broker.clone();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(5), answer(sock, &broker)).await;
+        });
+    }
+}
+
+async fn answer(mut sock: TcpStream, broker: &Broker) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 || buf.len() > 16 * 1024 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let line = String::from_utf8_lossy(&buf);
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (status, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
+        ("GET" | "HEAD", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            render(&broker.stats()),
+        ),
+        ("GET" | "HEAD", _) => (
+            "404 Not Found",
+            "text/plain",
+            "batchcast serves its metrics at /metrics\n".to_string(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "GET /metrics\n".to_string(),
+        ),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await?;
+    if method != "HEAD" {
+        sock.write_all(body.as_bytes()).await?;
+    }
+    sock.shutdown().await
+}
+
+/// A label value with `\`, `"` and newlines escaped.
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// One metric family: HELP, TYPE, then its samples.
+struct Family<'a> {
+    out: &'a mut String,
+}
+
+impl Family<'_> {
+    fn head(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP batchcast_{name} {help}");
+        let _ = writeln!(self.out, "# TYPE batchcast_{name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: f64) {
+        let l: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", esc(v)))
+            .collect();
+        if l.is_empty() {
+            let _ = writeln!(self.out, "batchcast_{name} {v}");
+        } else {
+            let _ = writeln!(self.out, "batchcast_{name}{{{}}} {v}", l.join(","));
+        }
+    }
+}
+
+/// The Prometheus text exposition of `s`.
+pub fn render(s: &StatsReply) -> String {
+    let mut out = String::new();
+    let mut f = Family { out: &mut out };
+    f.head(
+        "uptime_seconds",
+        "gauge",
+        "Seconds since the broker started.",
+    );
+    f.sample("uptime_seconds", &[], s.uptime_s);
+
+    type StreamMetric = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&batchcast::proto::StreamStats) -> f64,
+    );
+    let streams: [StreamMetric; 11] = [
+        (
+            "batches_produced_total",
+            "counter",
+            "Batches the pipeline published.",
+            |st| st.batches_produced as f64,
+        ),
+        (
+            "deliveries_total",
+            "counter",
+            "Batch deliveries summed over consumers.",
+            |st| st.deliveries as f64,
+        ),
+        ("slots", "gauge", "Slots of the stream's arena.", |st| {
+            st.slots as f64
+        }),
+        (
+            "free_slots",
+            "gauge",
+            "Slots free for the pipeline.",
+            |st| st.free_slots as f64,
+        ),
+        (
+            "slots_in_use",
+            "gauge",
+            "Slots published and not yet released by everyone.",
+            |st| st.in_use as f64,
+        ),
+        (
+            "producer_blocked_seconds_total",
+            "counter",
+            "Seconds the pipeline waited for a free slot.",
+            |st| st.producer_blocked_s,
+        ),
+        (
+            "pipeline_cpu_seconds_total",
+            "counter",
+            "CPU seconds the pipeline threads spent filling slots.",
+            |st| st.pipeline_cpu_s,
+        ),
+        ("consumers", "gauge", "Consumers connected.", |st| {
+            st.consumers.len() as f64
+        }),
+        (
+            "images_decoded_total",
+            "counter",
+            "Images decoded (image streams).",
+            |st| st.source.as_ref().map_or(0.0, |x| x.decoded as f64),
+        ),
+        (
+            "cache_hits_total",
+            "counter",
+            "Encoded-bytes cache hits (image streams).",
+            |st| st.source.as_ref().map_or(0.0, |x| x.cache_hits as f64),
+        ),
+        (
+            "bad_files_skipped_total",
+            "counter",
+            "Samples replaced because their file was bad.",
+            |st| st.source.as_ref().map_or(0.0, |x| x.skipped as f64),
+        ),
+    ];
+    for (name, kind, help, get) in streams {
+        let name = format!("stream_{name}");
+        f.head(&name, kind, help);
+        for st in &s.streams {
+            f.sample(&name, &[("stream", &st.name)], get(st));
+        }
+    }
+
+    type ConsumerMetric = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&batchcast::proto::ConsumerStats) -> f64,
+    );
+    let consumers: [ConsumerMetric; 6] = [
+        (
+            "delivered_total",
+            "counter",
+            "Batches sent to the consumer.",
+            |c| c.delivered as f64,
+        ),
+        (
+            "samples_total",
+            "counter",
+            "Samples sent to the consumer.",
+            |c| c.samples as f64,
+        ),
+        ("held", "gauge", "Batches the consumer holds.", |c| {
+            c.held as f64
+        }),
+        (
+            "wait_seconds_total",
+            "counter",
+            "Seconds the consumer was blocked waiting for data (data stall).",
+            |c| c.wait_s,
+        ),
+        (
+            "busy_seconds_total",
+            "counter",
+            "Seconds the consumer worked between batches (training steps).",
+            |c| c.busy_s,
+        ),
+        ("stall_ratio", "gauge", "wait / (wait + busy).", |c| {
+            c.stall_fraction()
+        }),
+    ];
+    for (name, kind, help, get) in consumers {
+        let name = format!("consumer_{name}");
+        f.head(&name, kind, help);
+        for st in &s.streams {
+            for c in &st.consumers {
+                let id = c.id.to_string();
+                let labels = [
+                    ("stream", st.name.as_str()),
+                    ("consumer", c.name.as_str()),
+                    ("id", &id),
+                ];
+                f.sample(&name, &labels, get(c));
+            }
+        }
+    }
+
+    f.head(
+        "gpu_copies_total",
+        "counter",
+        "Host-to-device copies of batches.",
+    );
+    for st in &s.streams {
+        for g in &st.gpus {
+            f.sample(
+                "gpu_copies_total",
+                &[("stream", &st.name), ("gpu", &g.gpu)],
+                g.copies as f64,
+            );
+        }
+    }
+    f.head(
+        "gpu_copy_bytes_total",
+        "counter",
+        "Bytes copied to the GPU.",
+    );
+    for st in &s.streams {
+        for g in &st.gpus {
+            f.sample(
+                "gpu_copy_bytes_total",
+                &[("stream", &st.name), ("gpu", &g.gpu)],
+                g.bytes as f64,
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(esc("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}
