@@ -367,13 +367,38 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
         .spawn()
         .unwrap();
     let needle = run.display().to_string();
-    // Wait until the launcher, the broker and all three trainers are up.
+    // Wait until the launcher, the broker and all three trainers are up,
+    // then until every trainer has received batches (asking the broker,
+    // whose socket its command line names).
     let t0 = Instant::now();
     while processes_mentioning(&needle).len() < 5 {
         assert!(t0.elapsed() < LIMIT, "{:?}", processes_mentioning(&needle));
         std::thread::sleep(Duration::from_millis(50));
     }
-    std::thread::sleep(Duration::from_millis(500));
+    let socket = processes_mentioning(&needle)
+        .iter()
+        .find_map(|p| {
+            let args: Vec<&str> = p.split(' ').collect();
+            let i = args.iter().position(|a| *a == "--socket")?;
+            args.get(i + 1).map(PathBuf::from)
+        })
+        .expect("the broker's command line names its socket");
+    loop {
+        let st = batchcast::StatsClient::connect(Some(socket.clone()))
+            .and_then(|mut c| c.fetch())
+            .map(|s| {
+                s.streams[0]
+                    .consumers
+                    .iter()
+                    .filter(|c| c.delivered > 0)
+                    .count()
+            });
+        if st.as_ref().is_ok_and(|n| *n == 3) {
+            break;
+        }
+        assert!(t0.elapsed() < LIMIT, "trainers never got batches: {st:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     harness::signal(child.id(), nix::sys::signal::Signal::SIGINT);
     let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
     assert_eq!(status.code(), Some(exit::INTERRUPTED));
