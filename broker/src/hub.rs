@@ -252,11 +252,13 @@ impl Hub {
             && !self.free.is_empty()
     }
 
-    /// Stops waiting for `min_consumers`: production begins with the
-    /// consumers subscribed now (or the next one to subscribe). Used when a
-    /// consumer that was counted on will never come.
-    pub fn start_now(&mut self) {
-        self.started = true;
+    /// Changes how many consumers the stream waits for before it starts
+    /// (when one that was counted on will never come); no effect once it
+    /// has started.
+    pub fn set_min_consumers(&mut self, min: u32) {
+        if !self.started {
+            self.cfg.min_consumers = min;
+        }
     }
 
     /// Whether a slot is free (otherwise the pipeline is under back-pressure).

@@ -355,10 +355,10 @@ async fn serve_stats(
                     return Ok(());
                 }
             }
-            Some(ClientMsg::StartNow { stream }) => {
+            Some(ClientMsg::SetMinConsumers { stream, min }) => {
                 let s = broker.lookup(&stream)?;
-                if s.start_now() {
-                    tracing::info!(stream = %stream, "asked to start without waiting for more consumers");
+                if s.set_min_consumers(min) {
+                    tracing::info!(stream = %stream, min, "asked to wait for a different number of consumers");
                 }
                 if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
                     .await
@@ -463,7 +463,7 @@ async fn serve_consumer(
                     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
                 }
                 Some(ClientMsg::Hello(_)) => return Err(Reject(ErrorCode::InvalidRequest, "hello sent twice".into())),
-                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. } | ClientMsg::StartNow { .. })) => {
+                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. } | ClientMsg::SetMinConsumers { .. })) => {
                     return Err(Reject(ErrorCode::InvalidRequest, format!("a consumer cannot send {m:?}")));
                 }
                 None => return Ok(()),

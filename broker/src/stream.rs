@@ -210,12 +210,12 @@ impl Stream {
         r
     }
 
-    /// Stops waiting for the stream's `min_consumers` (see
-    /// [`Hub::start_now`]); whether it was still waiting.
-    pub fn start_now(&self) -> bool {
+    /// See [`Hub::set_min_consumers`]; whether the stream was still
+    /// waiting to start.
+    pub fn set_min_consumers(&self, min: u32) -> bool {
         self.with_hub(|inner| {
             let waiting = inner.hub.counts().produced == 0;
-            inner.hub.start_now();
+            inner.hub.set_min_consumers(min);
             waiting
         })
     }

@@ -755,12 +755,14 @@ impl StatsClient {
         self.ask(&ClientMsg::StatsRequest)
     }
 
-    /// Tells the broker to stop waiting for `stream`'s `min_consumers` and
-    /// serve the consumers it has (for a launcher whose trainer died before
-    /// subscribing); answers with the stats after that.
-    pub fn start_now(&mut self, stream: &str) -> Result<StatsReply> {
-        self.ask(&ClientMsg::StartNow {
+    /// Tells the broker that `stream` should wait for `min` consumers
+    /// before it starts (a launcher whose trainer died before subscribing
+    /// lowers it); no effect once the stream has started. Answers with the
+    /// stats after that.
+    pub fn set_min_consumers(&mut self, stream: &str, min: u32) -> Result<StatsReply> {
+        self.ask(&ClientMsg::SetMinConsumers {
             stream: stream.into(),
+            min,
         })
     }
 

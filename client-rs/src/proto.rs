@@ -175,11 +175,13 @@ pub enum ClientMsg {
     /// The client is done with a batch.
     Release(Release),
     StatsRequest,
-    /// Stats connections: stop waiting for `stream`'s `min_consumers` and
-    /// start producing for the consumers subscribed (a launcher whose
-    /// trainer died before subscribing). Answered with [`ServerMsg::Stats`].
-    StartNow {
+    /// Stats connections: `stream` now waits for `min` consumers before it
+    /// starts (a launcher whose trainer died before subscribing lowers it
+    /// to the trainers still coming); no effect once it has started.
+    /// Answered with [`ServerMsg::Stats`].
+    SetMinConsumers {
         stream: String,
+        min: u32,
     },
     /// The client wants no further batches; the ones it still holds are
     /// released when it releases them or disconnects. From a producer: it

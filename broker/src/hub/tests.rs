@@ -56,6 +56,30 @@ fn pipeline_waits_for_the_first_consumer_then_for_free_slots() {
 }
 
 #[test]
+fn min_consumers_can_be_lowered_before_the_start_and_not_after() {
+    let mut h = Hub::new(HubConfig {
+        slots: 4,
+        batches_per_epoch: 10,
+        epochs: None,
+        lag_limit: None,
+        min_consumers: 3,
+    });
+    let (a, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    assert!(h.start_batch().is_none(), "waiting for three");
+    // One of the three will never come: wait for two.
+    h.set_min_consumers(2);
+    assert!(h.start_batch().is_none(), "still waiting for the second");
+    let (b, start) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    assert_eq!(start, 0);
+    assert!(produce(&mut h).is_some(), "both are here: it starts");
+    h.set_min_consumers(5);
+    assert!(h.start_batch().is_some(), "no effect once started");
+    let out = h.take_outbound();
+    assert_eq!(batches(&out, a), batches(&out, b));
+    h.check_invariants();
+}
+
+#[test]
 fn slowest_consumer_sets_the_pace_and_slot_is_reused_only_at_zero() {
     let mut h = hub(3, 100, None, None);
     let (fast, _) = h.join(3, JoinPolicy::NextEpoch).unwrap();

@@ -353,9 +353,9 @@ impl BrokerRun {
         self.last.as_ref()?.streams.iter().find(|s| s.name == name)
     }
 
-    fn start_now(&mut self, stream: &str) {
+    fn set_min_consumers(&mut self, stream: &str, min: u32) {
         if let Some(c) = self.client.as_mut() {
-            match c.start_now(stream) {
+            match c.set_min_consumers(stream, min) {
                 Ok(s) => self.last = Some(s),
                 Err(e) => tracing::warn!("asking the broker to start `{stream}`: {e}"),
             }
@@ -520,18 +520,23 @@ fn run_mode(
                 brokers[b].poll();
                 refresh(&mut trainers[i], &brokers[b]);
                 let stream = trainers[i].plan.stream.clone();
-                if brokers[b]
-                    .stream(&stream)
-                    .is_some_and(|s| s.batches_produced == 0 && !s.finished)
-                    && trainers
-                        .iter()
-                        .any(|t| t.broker == Some(b) && t.child.is_some())
+                // The stream waits for every trainer on it: one that
+                // will never subscribe again must not be waited for.
+                let coming = trainers
+                    .iter()
+                    .filter(|t| t.broker == Some(b) && t.plan.stream == stream && t.child.is_some())
+                    .count();
+                if coming > 0
+                    && brokers[b]
+                        .stream(&stream)
+                        .is_some_and(|s| s.batches_produced == 0 && !s.finished)
                 {
                     view.event(&format!(
-                        "{} left before stream `{stream}` started: starting it for the others",
-                        trainers[i].plan.name
+                        "{} left before stream `{stream}` started: it now waits for the {coming} other trainer{}",
+                        trainers[i].plan.name,
+                        plural(coming)
                     ));
-                    brokers[b].start_now(&stream);
+                    brokers[b].set_min_consumers(&stream, coming as u32);
                 }
             }
             let t = &trainers[i];
