@@ -416,6 +416,56 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
 }
 
 #[test]
+fn a_launcher_killed_outright_takes_its_broker_and_trainers_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    // `sleeper` would never notice the broker going away: only the kernel
+    // can tell it that the launcher died.
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "orphan"
+command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
+
+[[trainer]]
+name = "sleeper"
+command = ["sh", "-c", "exec sleep 1000"]
+"#,
+        stream(100_000, "min_consumers = 1")
+    );
+    let file = dir.path().join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    let mut child = Command::new(EXE)
+        .arg("launch")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(&run)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let needle = run.display().to_string();
+    let t0 = Instant::now();
+    while processes_mentioning(&needle).len() < 4 {
+        assert!(t0.elapsed() < LIMIT, "{:?}", processes_mentioning(&needle));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // No chance to clean up: the children learn it from the kernel.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    while !processes_mentioning(&needle).is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "still running after the launcher died: {:?}",
+            processes_mentioning(&needle)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
 fn bad_sweep_files_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     let cases = [

@@ -29,12 +29,14 @@ impl BrokerProcess {
         socket: &Path,
         log: Option<&Path>,
     ) -> std::io::Result<BrokerProcess> {
-        Self::spawn_in(exe, config, socket, log, Path::new("."))
+        let mut cmd = Command::new(exe);
+        Self::start(cmd.current_dir("."), config, socket, log)
     }
 
     /// [`BrokerProcess::spawn`] with the broker running in `cwd` (relative
-    /// paths in its config resolve from there) and in a process group of
-    /// its own, so a terminal's Ctrl-C reaches only whoever started it.
+    /// paths in its config resolve from there), in a process group of its
+    /// own (a terminal's Ctrl-C reaches only whoever started it), and
+    /// stopped when this process dies (see [`crate::child::die_with_parent`]).
     pub fn spawn_in(
         exe: &Path,
         config: Option<&Path>,
@@ -44,6 +46,17 @@ impl BrokerProcess {
     ) -> std::io::Result<BrokerProcess> {
         let mut cmd = Command::new(exe);
         cmd.current_dir(cwd).process_group(0);
+        crate::child::die_with_parent(&mut cmd);
+        Self::start(&mut cmd, config, socket, log)
+    }
+
+    /// Runs `cmd serve …` and waits until it answers on its socket.
+    fn start(
+        cmd: &mut Command,
+        config: Option<&Path>,
+        socket: &Path,
+        log: Option<&Path>,
+    ) -> std::io::Result<BrokerProcess> {
         cmd.arg("serve");
         if let Some(config) = config {
             cmd.arg("--config").arg(config);

@@ -13,6 +13,7 @@
 //! * [`harness`]: starting real broker and consumer processes (demo,
 //!   benchmarks, end-to-end tests).
 
+pub mod child;
 pub mod config;
 pub mod consume;
 pub mod demo;

@@ -744,6 +744,7 @@ fn spawn_trainer(
     if let Some(g) = &plan.gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
     }
+    crate::child::die_with_parent(&mut cmd);
     for (k, v) in &plan.env {
         cmd.env(k, v);
     }
