@@ -52,7 +52,8 @@ enum Cmd {
     /// live, and summarise (exit code 0: all done; 2: some failed; 3:
     /// stopped after a failure; 130: interrupted)
     Launch(launch::LaunchArgs),
-    /// Show the whole idea on built-in data: one broker, several consumers
+    /// Show the whole idea on built-in data: a sweep of trainers sharing one
+    /// broker, then with a pipeline each, side by side
     Demo(demo::DemoArgs),
 }
 
