@@ -160,12 +160,7 @@ fn check(summary: &Summary, epochs: u64, images: Option<u64>) -> anyhow::Result<
 fn read_report(log: &Path) -> anyhow::Result<ConsumerReport> {
     let text =
         std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .with_context(|| format!("{} has no report line", log.display()))?;
-    serde_json::from_str(line).with_context(|| format!("the report in {}", log.display()))
+    crate::harness::parse_report(&text).map_err(|e| anyhow::anyhow!("{}: {e}", log.display()))
 }
 
 fn demo_config(epochs: u64) -> String {

@@ -171,17 +171,20 @@ pub fn wait_report(mut child: Child, limit: Duration) -> std::io::Result<Consume
     });
     let status = wait_timeout(&mut child, limit)?;
     let out = reader.join().unwrap_or_default();
+    parse_report(&out).map_err(|e| {
+        std::io::Error::other(format!("consumer {} exited with {status}: {e}", child.id()))
+    })
+}
+
+/// The report `consume --json` prints last, from its output (a log may
+/// hold other lines before it).
+pub fn parse_report(out: &str) -> Result<ConsumerReport, String> {
     let line = out
         .lines()
         .rev()
         .find(|l| l.starts_with('{'))
-        .ok_or_else(|| {
-            std::io::Error::other(format!(
-                "consumer {} exited with {status} and no report: {out}",
-                child.id()
-            ))
-        })?;
-    serde_json::from_str(line).map_err(|e| std::io::Error::other(format!("bad report {line}: {e}")))
+        .ok_or_else(|| format!("no report in its output: {out}"))?;
+    serde_json::from_str(line).map_err(|e| format!("bad report {line}: {e}"))
 }
 
 /// User + system CPU seconds a process has used.

@@ -139,7 +139,8 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
     }
 }
 
-fn truncate(s: &str, n: usize) -> String {
+/// `s` cut to `n` characters, the last one `…` when cut.
+pub fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {

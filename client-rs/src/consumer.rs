@@ -404,6 +404,9 @@ impl Consumer {
     /// Notes when the program began asking for a batch (data-stall time
     /// runs from there to the batch's arrival).
     fn start_asking(&self) {
+        if self.asking_since.load(Ordering::Relaxed) != 0 {
+            return; // still the same request (a polling loop)
+        }
         let _ = self.asking_since.compare_exchange(
             0,
             proto::monotonic_ns(),

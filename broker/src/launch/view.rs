@@ -6,6 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
 use super::{Comparison, RunSummary};
+use crate::stats_view::truncate;
 
 /// One trainer in the live table.
 #[derive(Debug, Clone)]
@@ -117,14 +118,6 @@ fn render(rows: &[Row], elapsed: Duration) -> String {
         elapsed.as_secs_f64()
     );
     s
-}
-
-fn truncate(s: &str, n: usize) -> String {
-    if s.chars().count() <= n {
-        s.to_string()
-    } else {
-        s.chars().take(n - 1).chain(['…']).collect()
-    }
 }
 
 /// The end-of-run table.
