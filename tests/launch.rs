@@ -306,6 +306,26 @@ command = ["{{batchcast}}", "consume", "--abort-after", "3"]
     assert_eq!(states, ["stopped", "stopped", "failed"], "{}", text(&out));
 }
 
+/// Starts `batchcast launch` on `sweep` with its run folder `dir/run`,
+/// output discarded; returns the launcher and the run folder's path (which
+/// every process of the run mentions).
+fn launch_in_background(dir: &Path, sweep: &str) -> (std::process::Child, String) {
+    let file = dir.join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    let run = dir.join("run");
+    let child = Command::new(EXE)
+        .arg("launch")
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(&run)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    (child, run.display().to_string())
+}
+
 /// Processes whose command line or environment mentions `needle`.
 fn processes_mentioning(needle: &str) -> Vec<String> {
     let mut found = Vec::new();
@@ -353,20 +373,8 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
 "#,
         stream(100_000, "")
     );
-    let file = dir.path().join("sweep.toml");
-    std::fs::write(&file, sweep).unwrap();
     let shm_before = shm_entries();
-    let mut child = Command::new(EXE)
-        .arg("launch")
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(&run)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let needle = run.display().to_string();
+    let (mut child, needle) = launch_in_background(dir.path(), &sweep);
     // Wait until the launcher, the broker and all three trainers are up,
     // then until every trainer has received batches (asking the broker,
     // whose socket its command line names).
@@ -418,7 +426,6 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
 #[test]
 fn a_launcher_killed_outright_takes_its_broker_and_trainers_with_it() {
     let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("run");
     // `sleeper` would never notice the broker going away: only the kernel
     // can tell it that the launcher died.
     let sweep = format!(
@@ -433,19 +440,7 @@ command = ["sh", "-c", "exec sleep 1000"]
 "#,
         stream(100_000, "min_consumers = 1")
     );
-    let file = dir.path().join("sweep.toml");
-    std::fs::write(&file, sweep).unwrap();
-    let mut child = Command::new(EXE)
-        .arg("launch")
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(&run)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let needle = run.display().to_string();
+    let (mut child, needle) = launch_in_background(dir.path(), &sweep);
     let t0 = Instant::now();
     while processes_mentioning(&needle).len() < 4 {
         assert!(t0.elapsed() < LIMIT, "{:?}", processes_mentioning(&needle));
