@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     while let Some(event) = consumer.next_event()? {
         match event {
             Event::Batch(batch) => {
-                for field in batch.fields() {
+                for field in batch.fields()? {
                     // A trainer would hand these bytes to its model; here we
                     // touch one byte per sample so the read is real.
                     for i in 0..batch.len() {

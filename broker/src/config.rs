@@ -14,6 +14,7 @@
 //! seed = 0
 //! drop_last = true
 //! slots = 8
+//! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
 //! lag_limit = 4         # omit to let the slowest consumer set the pace
 //! min_consumers = 1
@@ -112,6 +113,9 @@ pub struct StreamConfig {
     pub drop_last: bool,
     #[serde(default = "default_slots")]
     pub slots: u32,
+    /// Slots of each GPU's arena (default: `slots`). Released independently
+    /// of host slots, so GPU memory can be smaller than host memory.
+    pub gpu_slots: Option<u32>,
     /// Pipeline threads; default: all cores but one.
     pub workers: Option<usize>,
     pub lag_limit: Option<u32>,
@@ -278,6 +282,11 @@ impl StreamPlan {
         self.layout.slot_bytes * self.cfg.slots as u64
     }
 
+    /// Slots of each GPU's arena.
+    pub fn gpu_slots(&self) -> u32 {
+        self.cfg.gpu_slots.unwrap_or(self.cfg.slots)
+    }
+
     /// The dataset indices of `epoch`, in order, for this host.
     pub fn epoch_order(&self, epoch: u64) -> Vec<u64> {
         match &self.source {
@@ -376,6 +385,13 @@ fn check_common(s: &StreamConfig) -> Result<(), String> {
     }
     if s.min_consumers == 0 {
         return Err("min_consumers must be at least 1".into());
+    }
+    if let Some(g) = s.gpu_slots
+        && g < 2
+    {
+        return Err(format!(
+            "gpu_slots = {g} is too few: at least 2 so one batch can be copied while consumers read another"
+        ));
     }
     if let Some(lag) = s.lag_limit
         && (lag == 0 || lag >= s.slots)
@@ -486,6 +502,7 @@ pub fn plan_external(req: &ProduceRequest, producer: &str, pid: u32) -> Result<S
         seed: 0,
         drop_last: false,
         slots: req.slots,
+        gpu_slots: None,
         workers: None,
         lag_limit: req.lag_limit,
         min_consumers: req.min_consumers,
@@ -816,6 +833,11 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
             ("len = 10", "len = 3", "fewer than one batch"),
             ("shape = [3]", "shape = [0]", "zero dimension"),
             ("epochs = 2", "epochs = 2\nslots = 1", "slots = 1"),
+            (
+                "epochs = 2",
+                "epochs = 2\ngpu_slots = 1",
+                "gpu_slots = 1 is too few",
+            ),
             ("name = \"train\"", "name = \"a b\"", "name must"),
         ] {
             let err = plan(&GOOD.replace(from, to)).unwrap_err().to_string();

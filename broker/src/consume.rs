@@ -270,20 +270,32 @@ fn consume(
         cur.samples += batch.len() as u64;
         report.batches += 1;
         report.samples += batch.len() as u64;
-        for f in batch.fields() {
-            report.bytes += f.bytes().len() as u64;
+        // Host views, or for a device batch its bytes copied back from the
+        // GPU (this is a test consumer: what it checks is what arrived).
+        let fields: Vec<std::borrow::Cow<'_, [u8]>> = match batch.fields() {
+            Ok(views) => views.map(|f| f.bytes().into()).collect(),
+            Err(batchcast::Error::OnDevice { .. }) => (0..schema.fields.len())
+                .map(|i| batch.copy_field(i).map(Into::into))
+                .collect::<batchcast::Result<_>>()?,
+            Err(e) => return Err(e),
+        };
+        let sample = |fi: usize, j: usize| {
+            let bps = fields[fi].len() / batch.len().max(1);
+            &fields[fi][j * bps..(j + 1) * bps]
+        };
+        for (f, bytes) in schema.fields.iter().zip(&fields) {
+            report.bytes += bytes.len() as u64;
             if args.digest {
-                digest = digest_bytes(digest, f.bytes());
+                digest = digest_bytes(digest, bytes);
             }
             if let Some(dir) = &args.dump {
-                let path = dir.join(format!("e{epoch}-b{index}-{}.bin", f.name()));
-                std::fs::write(&path, f.bytes()).map_err(batchcast::Error::Io)?;
+                let path = dir.join(format!("e{epoch}-b{index}-{}.bin", f.name));
+                std::fs::write(&path, bytes).map_err(batchcast::Error::Io)?;
             }
         }
         if let Some(fi) = index_field {
-            let f = batch.fields().nth(fi).expect("schema field");
             for j in 0..batch.len() {
-                let v = i64::from_le_bytes(f.sample(j).try_into().expect("i64 scalar"));
+                let v = i64::from_le_bytes(sample(fi, j).try_into().expect("i64 scalar"));
                 seen.insert(v);
             }
         }
@@ -300,13 +312,13 @@ fn consume(
                 .expect("just inserted")
                 .1;
             let first = (index * schema.batch_size) as usize;
-            for (fi, f) in batch.fields().enumerate() {
+            for fi in 0..fields.len() {
                 for j in 0..batch.len() {
                     let Some(&ds) = order.get(first + j) else {
                         report.verify_failures += 1;
                         continue;
                     };
-                    if !spec.verify_sample(fi, ds, f.sample(j)) {
+                    if !spec.verify_sample(fi, ds, sample(fi, j)) {
                         report.verify_failures += 1;
                     }
                 }

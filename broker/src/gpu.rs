@@ -1,16 +1,14 @@
 //! GPU delivery: for each GPU that has consumers of a stream, one device
-//! arena of `slots × slot_bytes` laid out like the host arena, allocated
-//! once at the first such subscription and exported once over CUDA IPC; and
-//! a copier thread that copies each host slot into the same device slot with
-//! an asynchronous H2D copy on its own CUDA stream, from page-locked memory.
+//! arena of `gpu_slots × slot_bytes` (each slot laid out like a host slot),
+//! allocated once at the first such subscription and exported once over
+//! CUDA IPC; and a copier thread that copies host slots into device slots
+//! with asynchronous H2D copies on its own CUDA stream, from page-locked
+//! memory.
 //!
-//! The stream ([`crate::stream`]) decides what to copy and when a copy lets
-//! it send a batch; this module only runs copies and reports their end.
-//!
-//! Device slot `s` mirrors host slot `s`: a device consumer is an ordinary
-//! consumer of the hub, so it holds the host slot while it holds the device
-//! copy. The host slot therefore cannot be refilled while a GPU still reads
-//! its device copy, and the device arena needs no bookkeeping of its own.
+//! The hub ([`crate::hub`], one group per GPU) decides what to copy where,
+//! and keeps the host slot until the copy is reported and the device slot
+//! until its consumers release it; this module only runs copies and reports
+//! their end.
 
 use std::sync::Arc;
 
@@ -19,11 +17,12 @@ use batchcast::proto::DeviceRequest;
 /// Identifies a GPU across processes.
 pub type GpuKey = [u8; 16];
 
-/// A copy the copier must make: host slot `slot` (holding batch `seq`) to
-/// the same device slot.
+/// A copy the copier must make: host slot `host` (holding batch `seq`) to
+/// device slot `device`.
 #[derive(Debug, Clone, Copy)]
 pub struct CopyRequest {
-    pub slot: u32,
+    pub host: u32,
+    pub device: u32,
     pub seq: u64,
 }
 
@@ -56,6 +55,7 @@ mod imp {
         /// `cuda:N NAME (GPU-UUID)`, N the broker's ordinal.
         label: String,
         handle: Vec<u8>,
+        slots: u32,
         bytes: u64,
         /// Whether copies come from page-locked memory.
         pinned: bool,
@@ -65,13 +65,15 @@ mod imp {
     }
 
     impl Mirror {
-        /// Allocates the device arena on the GPU `req` names, exports it and
-        /// starts its copier. `registration` is the stream's page-locking of
-        /// its host arena, shared by all its GPUs (made on first use).
+        /// Allocates the device arena of `slots` slots of `slot_bytes` on
+        /// the GPU `req` names, exports it and starts its copier.
+        /// `registration` is the stream's page-locking of its host arena,
+        /// shared by all its GPUs (made on first use).
         pub fn create(
             req: &DeviceRequest,
             sink: Weak<dyn CopySink>,
             host: (*const u8, usize),
+            (slots, slot_bytes): (u32, u64),
             registration: &OnceLock<Option<HostRegistration>>,
             stream_name: &str,
         ) -> Result<Mirror, cuda::CudaError> {
@@ -97,7 +99,8 @@ mod imp {
                     }
                 })
                 .is_some();
-            let buffer = Arc::new(DeviceBuffer::alloc(&gpu, host.1)?);
+            let bytes = slots as u64 * slot_bytes;
+            let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
             let handle = buffer.ipc_handle()?.to_vec();
             let copies = Arc::new(CopyStream::new(&gpu)?);
             let (tx, rx) = mpsc::channel();
@@ -111,11 +114,12 @@ mod imp {
                         cuda::CudaError::NoDriver(format!("cannot start a copier thread: {e}"))
                     })?
             };
-            tracing::info!(stream = stream_name, gpu = %label, mib = host.1 >> 20, pinned, "device arena allocated and exported");
+            tracing::info!(stream = stream_name, gpu = %label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
             Ok(Mirror {
                 label,
                 handle,
-                bytes: host.1 as u64,
+                slots,
+                bytes,
                 pinned,
                 tx: Mutex::new(Some(tx)),
                 copies,
@@ -131,6 +135,7 @@ mod imp {
         pub fn arena(&self) -> batchcast::proto::DeviceArena {
             batchcast::proto::DeviceArena {
                 handle: self.handle.clone(),
+                slots: self.slots,
                 bytes: self.bytes,
                 gpu: self.label.clone(),
             }
@@ -148,7 +153,8 @@ mod imp {
         }
 
         /// Waits until every queued copy has finished reading host memory
-        /// (before a host slot its consumers held may be reused).
+        /// (before the host slots of copies that will never be reported are
+        /// given back).
         pub fn fence(&self) {
             if let Err(e) = self.copies.synchronize() {
                 tracing::warn!(gpu = %self.label, "waiting for copies: {e}");
@@ -182,28 +188,32 @@ mod imp {
         copies: Arc<CopyStream>,
         buffer: Arc<DeviceBuffer>,
     ) {
+        // Timing events whose copies were reported, recorded again for the
+        // next copies (at most two per device slot are ever made).
+        let mut spare: Vec<cuda::Event> = Vec::new();
         while let Ok(first) = rx.recv() {
             let Some(sink) = sink.upgrade() else { return };
             let mut queued = Vec::new();
             let mut next = Some(first);
             let result = (|| {
                 while let Some(req) = next.take().or_else(|| rx.try_recv().ok()) {
-                    let (ptr, len) = sink.host_slot(req.slot);
-                    let start = copies.record_timed()?;
+                    let (ptr, len) = sink.host_slot(req.host);
+                    let start = copies.record_timed_reusing(spare.pop())?;
                     // SAFETY: `sink` (the stream, which owns the host arena)
                     // is held until this copy's event has completed below,
-                    // so the source stays mapped; the hub keeps the slot
-                    // published while a consumer waits for this copy, and a
-                    // departing consumer fences the copy stream before its
-                    // slots can be refilled.
-                    unsafe { copies.copy_to_device(&buffer, req.slot as usize * len, ptr, len)? };
-                    queued.push((req, start, copies.record_timed()?, len as u64));
+                    // so the source stays mapped; the hub pins the host
+                    // slot until this copy is reported (`copied`), and
+                    // gives it back unreported only after `fence`.
+                    unsafe { copies.copy_to_device(&buffer, req.device as usize * len, ptr, len)? };
+                    let end = copies.record_timed_reusing(spare.pop())?;
+                    queued.push((req, start, end, len as u64));
                 }
                 // Copy time is GPU time between events around each copy:
                 // `bytes / copy_s` is the copy path's bandwidth.
                 for (req, start, end, len) in queued.drain(..) {
                     end.synchronize()?;
                     sink.copied(&key, req, len, end.elapsed_since(&start)?.as_nanos() as u64);
+                    spare.extend([start, end]);
                 }
                 Ok::<(), cuda::CudaError>(())
             })();
@@ -259,13 +269,14 @@ impl Gpus {
         req: &DeviceRequest,
         sink: std::sync::Weak<dyn CopySink>,
         host: (*const u8, usize),
+        slots: (u32, u64),
         stream_name: &str,
     ) -> Result<Arc<Mirror>, String> {
         let mut mirrors = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = mirrors.get(&req.uuid) {
             return Ok(m.clone());
         }
-        let m = Mirror::create(req, sink, host, &self.registration, stream_name)
+        let m = Mirror::create(req, sink, host, slots, &self.registration, stream_name)
             .map(Arc::new)
             .map_err(|e| format!("cannot deliver to cuda:{} ({}): {e}", req.ordinal, req.name))?;
         mirrors.insert(req.uuid, m.clone());
@@ -278,6 +289,7 @@ impl Gpus {
         req: &DeviceRequest,
         _sink: std::sync::Weak<dyn CopySink>,
         _host: (*const u8, usize),
+        _slots: (u32, u64),
         _stream_name: &str,
     ) -> Result<Arc<Mirror>, String> {
         Err(format!(

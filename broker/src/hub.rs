@@ -23,6 +23,18 @@
 //!   epoch nobody was watching.
 //! * Batches are published in sequence order even when the pipeline finishes
 //!   them out of order.
+//!
+//! # Groups: copies in other memory
+//!
+//! A group ([`Hub::add_group`]) is a second ring of slots holding copies of
+//! batches, one per GPU, read by the consumers that joined the group. A
+//! batch a member owes is copied once into a free group slot (in sequence
+//! order; [`Hub::take_copies`] says which, [`Hub::copied`] reports the end).
+//! The host slot is pinned only until its copy has completed; the group
+//! slot is pinned by the members that owe the batch, exactly as host slots
+//! are by host consumers. So host and group slots are released
+//! independently: a host slot is refilled while a GPU still reads its copy.
+//! A member is sent a batch only once its copy has completed.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -30,6 +42,19 @@ use batchcast::JoinPolicy;
 
 pub type ConsumerId = u64;
 pub type SlotId = u32;
+/// A ring of copies in other memory (one GPU); see [`Hub::add_group`].
+pub type GroupId = u32;
+
+/// A copy the runtime must make: host slot `host`, holding batch `seq`,
+/// into slot `slot` of group `group`'s ring. The host slot stays as it is
+/// until the copy is reported with [`Hub::copied`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOrder {
+    pub group: GroupId,
+    pub seq: u64,
+    pub host: SlotId,
+    pub slot: SlotId,
+}
 
 /// Limits and shape of one stream.
 #[derive(Debug, Clone)]
@@ -90,6 +115,16 @@ pub enum HubError {
     UnknownConsumer(ConsumerId),
     #[error("batch {seq} is not held by this consumer (already released, or never sent)")]
     NotHeld { seq: u64 },
+    #[error(
+        "window {window} exceeds the {slots} device slots of this stream's GPU arena; ask for a window of at most {slots}"
+    )]
+    WindowAboveGroupSlots { window: u32, slots: u32 },
+    #[error("no group {0}")]
+    UnknownGroup(GroupId),
+    #[error("copies to this GPU failed; it takes no more consumers")]
+    GroupFailed,
+    #[error("batch {seq} is not being copied to group {group}")]
+    NotCopying { group: GroupId, seq: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,9 +156,43 @@ struct Published {
     samples: u64,
 }
 
+/// A batch a group owes: its copy and the members that owe it.
+#[derive(Debug, Clone, Copy)]
+struct Replica {
+    batch: Published,
+    /// The group slot, once one was free (copies are ordered by sequence).
+    slot: Option<SlotId>,
+    /// The copy completed: members may be sent it, the host slot is unpinned.
+    done: bool,
+    /// Members that owe it (queued or sent, not released).
+    refs: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    /// Per group slot: the batch copied (or being copied) there.
+    slots: Vec<Option<u64>>,
+    free: Vec<SlotId>,
+    replicas: BTreeMap<u64, Replica>,
+    /// Batches waiting for a free group slot, in sequence order.
+    waiting: VecDeque<u64>,
+    failed: bool,
+}
+
+/// One group's numbers for stats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupCounts {
+    pub slots: u32,
+    pub in_use: u32,
+    /// Batches waiting for a free group slot.
+    pub waiting: u32,
+}
+
 #[derive(Debug, Clone)]
 struct Consumer {
     window: u32,
+    /// Reads copies in this group instead of host slots.
+    group: Option<GroupId>,
     /// Receives batches with `seq >= floor` and `epoch >= start_epoch`.
     floor: u64,
     start_epoch: u64,
@@ -189,10 +258,13 @@ pub struct Hub {
     /// Epochs below this were abandoned while nobody was subscribed.
     live_epoch: u64,
     inflight: BTreeMap<u64, InFlight>,
+    /// Batches in host slots (pinned by a host consumer or a pending copy).
     published: BTreeMap<u64, Published>,
     consumers: BTreeMap<ConsumerId, Consumer>,
+    groups: Vec<Group>,
     next_id: ConsumerId,
     out: Vec<(ConsumerId, Outbound)>,
+    copies: Vec<CopyOrder>,
     produced: u64,
     last_epoch: u64,
     deliveries: u64,
@@ -218,8 +290,10 @@ impl Hub {
             inflight: BTreeMap::new(),
             published: BTreeMap::new(),
             consumers: BTreeMap::new(),
+            groups: Vec::new(),
             next_id: 1,
             out: Vec::new(),
+            copies: Vec::new(),
             produced: 0,
             last_epoch: 0,
             deliveries: 0,
@@ -238,9 +312,125 @@ impl Hub {
         self.cfg.epochs.is_some_and(|e| self.next_epoch >= e)
     }
 
+    /// Takes the copies to start, in order.
+    pub fn take_copies(&mut self) -> Vec<CopyOrder> {
+        std::mem::take(&mut self.copies)
+    }
+
     /// True once every batch has been produced, published and given back.
     pub fn finished(&self) -> bool {
-        self.exhausted() && self.inflight.is_empty() && self.published.is_empty()
+        self.exhausted()
+            && self.inflight.is_empty()
+            && self.published.is_empty()
+            && self.groups.iter().all(|g| g.replicas.is_empty())
+    }
+
+    /// Adds a ring of `slots` copies (one GPU's arena); its members join
+    /// with [`Hub::join_group`].
+    pub fn add_group(&mut self, slots: u32) -> GroupId {
+        assert!(slots > 0, "validated by the config");
+        self.groups.push(Group {
+            slots: vec![None; slots as usize],
+            free: (0..slots).rev().collect(),
+            replicas: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            failed: false,
+        });
+        (self.groups.len() - 1) as GroupId
+    }
+
+    pub fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
+        self.groups.get(g as usize).map(|grp| GroupCounts {
+            slots: grp.slots.len() as u32,
+            in_use: (grp.slots.len() - grp.free.len()) as u32,
+            waiting: grp.waiting.len() as u32,
+        })
+    }
+
+    /// Whether a consumer with this window may join (in a group of
+    /// `group_slots` slots): checked before anything is allocated for it.
+    pub fn check_window(&self, window: u32, group_slots: Option<u32>) -> Result<(), HubError> {
+        if window == 0 {
+            return Err(HubError::WindowZero);
+        }
+        if window > self.cfg.slots {
+            return Err(HubError::WindowTooLarge {
+                window,
+                slots: self.cfg.slots,
+            });
+        }
+        if let Some(lag_limit) = self.cfg.lag_limit
+            && window > lag_limit
+        {
+            return Err(HubError::WindowAboveLagLimit { window, lag_limit });
+        }
+        if let Some(slots) = group_slots
+            && window > slots
+        {
+            return Err(HubError::WindowAboveGroupSlots { window, slots });
+        }
+        Ok(())
+    }
+
+    /// The copy `seq` to group `g` has completed: its members may be sent
+    /// it, and the host slot it was read from is given back.
+    pub fn copied(&mut self, g: GroupId, seq: u64) -> Result<(), HubError> {
+        let grp = self
+            .groups
+            .get_mut(g as usize)
+            .ok_or(HubError::UnknownGroup(g))?;
+        let r = grp
+            .replicas
+            .get_mut(&seq)
+            .filter(|r| r.slot.is_some() && !r.done)
+            .ok_or(HubError::NotCopying { group: g, seq })?;
+        r.done = true;
+        if r.refs == 0 {
+            // Every member that owed it left while it was being copied.
+            let slot = r.slot.expect("filtered above");
+            grp.replicas.remove(&seq);
+            grp.slots[slot as usize] = None;
+            grp.free.push(slot);
+        }
+        self.unpin(seq);
+        self.pump();
+        Ok(())
+    }
+
+    /// Copies to group `g` stopped for good (the GPU failed): its pending
+    /// copies are dropped, unpinning their host slots, and its members are
+    /// sent nothing more (they are told by the runtime and leave). Returns
+    /// the members. The runtime must first make sure no copy still reads
+    /// host memory.
+    pub fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
+        let Some(grp) = self.groups.get_mut(g as usize) else {
+            return Vec::new();
+        };
+        grp.failed = true;
+        let pinned: Vec<u64> = grp
+            .replicas
+            .iter()
+            .filter(|(_, r)| !r.done)
+            .map(|(&s, _)| s)
+            .collect();
+        grp.replicas.clear();
+        grp.waiting.clear();
+        grp.slots.fill(None);
+        grp.free = (0..grp.slots.len() as SlotId).rev().collect();
+        for seq in pinned {
+            self.unpin(seq);
+        }
+        let mut members = Vec::new();
+        for (&id, c) in self.consumers.iter_mut() {
+            if c.group == Some(g) {
+                c.queue.clear();
+                c.held.clear();
+                c.closing = true;
+                members.push(id);
+            }
+        }
+        self.pump();
+        members
     }
 
     /// Whether the pipeline could be given work now (a free slot, someone
@@ -266,22 +456,34 @@ impl Hub {
         !self.free.is_empty()
     }
 
-    /// Subscribes a consumer; returns its id and the first epoch it will see.
+    /// Subscribes a host consumer; returns its id and the first epoch it
+    /// will see.
     pub fn join(&mut self, window: u32, join: JoinPolicy) -> Result<(ConsumerId, u64), HubError> {
-        if window == 0 {
-            return Err(HubError::WindowZero);
-        }
-        if window > self.cfg.slots {
-            return Err(HubError::WindowTooLarge {
-                window,
-                slots: self.cfg.slots,
-            });
-        }
-        if let Some(lag_limit) = self.cfg.lag_limit
-            && window > lag_limit
-        {
-            return Err(HubError::WindowAboveLagLimit { window, lag_limit });
-        }
+        self.join_group(window, join, None)
+    }
+
+    /// Subscribes a consumer of group `group`'s copies (or, with `None`, of
+    /// the host slots); returns its id and the first epoch it will see.
+    pub fn join_group(
+        &mut self,
+        window: u32,
+        join: JoinPolicy,
+        group: Option<GroupId>,
+    ) -> Result<(ConsumerId, u64), HubError> {
+        let group_slots = match group {
+            None => None,
+            Some(g) => {
+                let grp = self
+                    .groups
+                    .get(g as usize)
+                    .ok_or(HubError::UnknownGroup(g))?;
+                if grp.failed {
+                    return Err(HubError::GroupFailed);
+                }
+                Some(grp.slots.len() as u32)
+            }
+        };
+        self.check_window(window, group_slots)?;
         if join == JoinPolicy::NextEpoch && self.consumers.is_empty() && self.next_index != 0 {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
@@ -307,6 +509,7 @@ impl Hub {
             id,
             Consumer {
                 window,
+                group,
                 floor,
                 start_epoch,
                 queue: VecDeque::new(),
@@ -330,9 +533,10 @@ impl Hub {
             .get_mut(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
         c.closing = true;
+        let group = c.group;
         let queued: Vec<u64> = c.queue.drain(..).collect();
         for seq in queued {
-            self.unref(seq);
+            self.unref(group, seq);
         }
         self.pump();
         Ok(())
@@ -354,7 +558,7 @@ impl Hub {
         };
         self.departed += 1;
         for seq in c.held.into_iter().chain(c.queue) {
-            self.unref(seq);
+            self.unref(c.group, seq);
         }
         true
     }
@@ -370,7 +574,8 @@ impl Hub {
             .position(|&s| s == seq)
             .ok_or(HubError::NotHeld { seq })?;
         c.held.swap_remove(pos);
-        self.unref(seq);
+        let group = c.group;
+        self.unref(group, seq);
         self.pump();
         Ok(())
     }
@@ -449,11 +654,33 @@ impl Hub {
     fn publish(&mut self, seq: u64, b: Published) {
         self.produced += 1;
         self.last_epoch = b.epoch;
+        // Host consumers and groups with a copy to make pin the host slot.
         let mut refs = 0;
         for c in self.consumers.values_mut() {
-            if c.wants(seq, b.epoch) {
-                c.queue.push_back(seq);
+            if !c.wants(seq, b.epoch) {
+                continue;
+            }
+            c.queue.push_back(seq);
+            let Some(g) = c.group else {
                 refs += 1;
+                continue;
+            };
+            let grp = &mut self.groups[g as usize];
+            match grp.replicas.get_mut(&seq) {
+                Some(r) => r.refs += 1,
+                None => {
+                    grp.replicas.insert(
+                        seq,
+                        Replica {
+                            batch: b,
+                            slot: None,
+                            done: false,
+                            refs: 1,
+                        },
+                    );
+                    grp.waiting.push_back(seq);
+                    refs += 1;
+                }
             }
         }
         if refs == 0 {
@@ -465,7 +692,40 @@ impl Hub {
         }
     }
 
-    fn unref(&mut self, seq: u64) {
+    /// A consumer (of `group`, or of host slots) no longer owes `seq`.
+    fn unref(&mut self, group: Option<GroupId>, seq: u64) {
+        let Some(g) = group else {
+            self.unpin(seq);
+            return;
+        };
+        let grp = &mut self.groups[g as usize];
+        let r = grp
+            .replicas
+            .get_mut(&seq)
+            .expect("a member's batch has a replica");
+        r.refs -= 1;
+        if r.refs > 0 {
+            return;
+        }
+        match (r.slot, r.done) {
+            (None, _) => {
+                // Never copied: nobody needs it on this GPU any more.
+                grp.waiting.retain(|&s| s != seq);
+                grp.replicas.remove(&seq);
+                self.unpin(seq);
+            }
+            (Some(slot), true) => {
+                grp.replicas.remove(&seq);
+                grp.slots[slot as usize] = None;
+                grp.free.push(slot);
+            }
+            // Being copied: `copied` frees both slots.
+            (Some(_), false) => {}
+        }
+    }
+
+    /// Drops one pin of the host slot holding `seq`.
+    fn unpin(&mut self, seq: u64) {
         let b = self
             .published
             .get(&seq)
@@ -484,14 +744,31 @@ impl Hub {
 
     /// Sends what windows allow, ends epochs and streams, enforces the lag limit.
     fn pump(&mut self) {
+        self.start_copies();
         let bpe = self.cfg.batches_per_epoch;
         let exhausted = self.exhausted();
         let mut detach = Vec::new();
         for (&id, c) in self.consumers.iter_mut() {
             while c.held.len() < c.window as usize
-                && let Some(seq) = c.queue.pop_front()
+                && let Some(&seq) = c.queue.front()
             {
-                let b = self.published[&seq];
+                let (b, slot) = match c.group {
+                    None => {
+                        let b = self.published[&seq];
+                        (b, b.slot)
+                    }
+                    Some(g) => match self.groups[g as usize].replicas[&seq] {
+                        Replica {
+                            batch,
+                            slot: Some(slot),
+                            done: true,
+                            ..
+                        } => (batch, slot),
+                        // Members get batches in order, each once copied.
+                        _ => break,
+                    },
+                };
+                c.queue.pop_front();
                 c.held.push(seq);
                 c.delivered += 1;
                 self.deliveries += 1;
@@ -506,7 +783,7 @@ impl Hub {
                         seq,
                         epoch: b.epoch,
                         index: b.index,
-                        slot: b.slot,
+                        slot,
                         samples: b.samples,
                     },
                 ));
@@ -555,6 +832,28 @@ impl Hub {
             self.out.push((id, Outbound::Detached { reason }));
             self.detached += 1;
             self.remove(id);
+        }
+        // Removal may have freed group slots.
+        self.start_copies();
+    }
+
+    /// Orders the copies that have a free group slot, in sequence order.
+    fn start_copies(&mut self) {
+        for (g, grp) in self.groups.iter_mut().enumerate() {
+            while !grp.free.is_empty()
+                && let Some(seq) = grp.waiting.pop_front()
+            {
+                let slot = grp.free.pop().expect("checked above");
+                let r = grp.replicas.get_mut(&seq).expect("waiting has a replica");
+                r.slot = Some(slot);
+                grp.slots[slot as usize] = Some(seq);
+                self.copies.push(CopyOrder {
+                    group: g as GroupId,
+                    seq,
+                    host: r.batch.slot,
+                    slot,
+                });
+            }
         }
     }
 
@@ -620,11 +919,18 @@ impl Hub {
                     let owing = self
                         .consumers
                         .values()
+                        .filter(|c| c.group.is_none())
                         .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
                         .count() as u32;
+                    let copying = self
+                        .groups
+                        .iter()
+                        .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
+                        .count() as u32;
                     assert_eq!(
-                        refs, owing,
-                        "slot {i} (batch {seq}) refcount {refs} but {owing} consumers owe it"
+                        refs,
+                        owing + copying,
+                        "slot {i} (batch {seq}) refcount {refs} but {owing} host consumers owe it and {copying} groups copy it"
                     );
                 }
             }
@@ -633,8 +939,96 @@ impl Hub {
             self.published.len() + self.inflight.len() + self.free.len(),
             self.slots.len()
         );
+        for (g, grp) in self.groups.iter().enumerate() {
+            let g = g as GroupId;
+            let mut seen = vec![false; grp.slots.len()];
+            for &s in &grp.free {
+                assert_eq!(
+                    grp.slots[s as usize], None,
+                    "group {g}: free list holds a used slot {s}"
+                );
+                assert!(
+                    !std::mem::replace(&mut seen[s as usize], true),
+                    "group {g}: slot {s} freed twice"
+                );
+            }
+            for (i, slot) in grp.slots.iter().enumerate() {
+                match slot {
+                    None => assert!(
+                        seen[i],
+                        "group {g}: free slot {i} missing from the free list"
+                    ),
+                    Some(seq) => assert_eq!(
+                        grp.replicas[seq].slot,
+                        Some(i as SlotId),
+                        "group {g}: slot {i} and batch {seq} disagree"
+                    ),
+                }
+            }
+            for (&seq, r) in &grp.replicas {
+                let owing = self
+                    .consumers
+                    .values()
+                    .filter(|c| c.group == Some(g))
+                    .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
+                    .count() as u32;
+                assert_eq!(
+                    r.refs, owing,
+                    "group {g}: batch {seq} refcount {} but {owing} members owe it",
+                    r.refs
+                );
+                assert!(
+                    r.refs > 0 || (r.slot.is_some() && !r.done),
+                    "group {g}: batch {seq} kept for nobody"
+                );
+                if !r.done {
+                    assert!(
+                        self.published.contains_key(&seq),
+                        "group {g}: batch {seq} copied from an unpinned host slot"
+                    );
+                }
+                assert_eq!(
+                    r.slot.is_none(),
+                    grp.waiting.contains(&seq),
+                    "group {g}: batch {seq} both waiting and placed, or neither"
+                );
+            }
+            // Copies are placed in sequence order.
+            if let (Some(&first_waiting), Some(last_placed)) = (
+                grp.waiting.front(),
+                grp.replicas
+                    .iter()
+                    .filter(|(_, r)| r.slot.is_some())
+                    .map(|(&s, _)| s)
+                    .max(),
+            ) {
+                assert!(
+                    last_placed < first_waiting,
+                    "group {g}: batch {first_waiting} waits behind a later one"
+                );
+            }
+            assert!(
+                grp.waiting.is_empty() || grp.free.is_empty(),
+                "group {g}: a copy waits with a slot free"
+            );
+        }
         for c in self.consumers.values() {
             assert!(c.held.len() <= c.window as usize, "window exceeded");
+            if let Some(g) = c.group {
+                let grp = &self.groups[g as usize];
+                for seq in &c.held {
+                    assert!(
+                        grp.replicas[seq].done,
+                        "member sent batch {seq} before its copy completed"
+                    );
+                }
+                for seq in &c.queue {
+                    assert!(
+                        grp.replicas.contains_key(seq),
+                        "member owes batch {seq} the group lacks"
+                    );
+                }
+            }
             assert!(
                 c.queue
                     .iter()

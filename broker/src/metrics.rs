@@ -239,32 +239,33 @@ pub fn render(s: &StatsReply) -> String {
         }
     }
 
-    f.head(
-        "gpu_copies_total",
-        "counter",
-        "Host-to-device copies of batches.",
-    );
-    for st in &s.streams {
-        for g in &st.gpus {
-            f.sample(
-                "gpu_copies_total",
-                &[("stream", &st.name), ("gpu", &g.gpu)],
-                g.copies as f64,
-            );
-        }
-    }
-    f.head(
-        "gpu_copy_bytes_total",
-        "counter",
-        "Bytes copied to the GPU.",
-    );
-    for st in &s.streams {
-        for g in &st.gpus {
-            f.sample(
-                "gpu_copy_bytes_total",
-                &[("stream", &st.name), ("gpu", &g.gpu)],
-                g.bytes as f64,
-            );
+    type GpuValue = fn(&batchcast::proto::GpuCopyStats) -> f64;
+    let gpu_metrics: [(&str, &str, &str, GpuValue); 3] = [
+        (
+            "gpu_copies_total",
+            "counter",
+            "Host-to-device copies of batches.",
+            |g| g.copies as f64,
+        ),
+        (
+            "gpu_copy_bytes_total",
+            "counter",
+            "Bytes copied to the GPU.",
+            |g| g.bytes as f64,
+        ),
+        (
+            "gpu_slots_in_use",
+            "gauge",
+            "Device slots holding a batch (being copied, or owed to a consumer).",
+            |g| g.slots_in_use as f64,
+        ),
+    ];
+    for (name, kind, help, get) in gpu_metrics {
+        f.head(name, kind, help);
+        for st in &s.streams {
+            for g in &st.gpus {
+                f.sample(name, &[("stream", &st.name), ("gpu", &g.gpu)], get(g));
+            }
         }
     }
     out

@@ -59,7 +59,7 @@ pub fn render(s: &StatsReply) -> String {
         for g in &st.gpus {
             let _ = writeln!(
                 out,
-                "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s{}",
+                "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s, device slots {}/{} in use{}{}",
                 g.gpu,
                 g.copies,
                 g.bytes as f64 / (1u64 << 30) as f64,
@@ -67,6 +67,13 @@ pub fn render(s: &StatsReply) -> String {
                     g.bytes as f64 / g.copy_s / 1e9
                 } else {
                     0.0
+                },
+                g.slots_in_use,
+                g.slots,
+                if g.waiting > 0 {
+                    format!(", {} batches waiting for one", g.waiting)
+                } else {
+                    String::new()
                 },
                 if g.pinned {
                     ""

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::config::{Source, StreamPlan};
 use crate::gpu::{CopyRequest, CopySink, GpuKey, Gpus, Mirror};
-use crate::hub::{ConsumerId, Hub, HubConfig, HubError, Outbound, Work};
+use crate::hub::{ConsumerId, GroupId, Hub, HubConfig, HubError, Outbound, Work};
 use crate::pipeline::{self, ImagePipeline};
 
 /// A connected consumer, as the stream sees it.
@@ -44,19 +44,16 @@ struct Conn {
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
     ending: Option<String>,
-    /// Device consumers: their GPU, and what waits for a copy to finish
-    /// (a batch and everything after it, kept in order).
+    /// Device consumers: their GPU.
     gpu: Option<GpuKey>,
-    deferred: VecDeque<ServerMsg>,
 }
 
 /// One GPU's copies of this stream, as the stream tracks them.
 #[derive(Debug)]
 struct MirrorState {
     mirror: Arc<Mirror>,
-    /// Per slot: the batch last copied (or being copied) there, and
-    /// whether the copy has completed.
-    slots: Vec<Option<(u64, bool)>>,
+    /// Its ring of device slots in the hub.
+    group: GroupId,
     copies: u64,
     bytes: u64,
     copy_ns: u64,
@@ -72,6 +69,8 @@ struct Inner {
     /// Why the source failed; the stream serves no one after that.
     failed: Option<String>,
     mirrors: HashMap<GpuKey, MirrorState>,
+    /// The GPU of each hub group.
+    groups: Vec<GpuKey>,
     /// Consumers that left, with their final numbers (most recent last).
     past: VecDeque<ConsumerStats>,
 }
@@ -161,6 +160,7 @@ impl Stream {
                 pipeline_cpu: Duration::ZERO,
                 failed: None,
                 mirrors: HashMap::new(),
+                groups: Vec::new(),
                 past: VecDeque::new(),
             }),
             work_cv: Condvar::new(),
@@ -296,15 +296,31 @@ impl Stream {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
         let (tx, rx) = mpsc::channel(2 * window as usize + 4);
+        let gpu_slots = self.plan.gpu_slots();
+        // Refusals that need no GPU come before a device arena is allocated.
+        {
+            let inner = self.lock();
+            if let Some(why) = &inner.failed {
+                return Err(SubscribeError::Failed(why.clone()));
+            }
+            inner.hub.check_window(window, device.map(|_| gpu_slots))?;
+            if let Some(why) = device
+                .and_then(|req| inner.mirrors.get(&req.uuid))
+                .and_then(|m| m.failed.as_ref())
+            {
+                return Err(SubscribeError::Device(why.clone()));
+            }
+        }
         // Allocating a device arena takes a while: not under the hub's lock.
         let mirror = match device {
             None => None,
             Some(req) => {
                 let sink: std::sync::Weak<dyn CopySink> = Arc::downgrade(self) as _;
                 let host = (self.arena.mapping().as_ptr(), self.arena.mapping().len());
+                let slots = (gpu_slots, self.plan.layout.slot_bytes);
                 Some(
                     self.gpus
-                        .mirror(req, sink, host, self.name())
+                        .mirror(req, sink, host, slots, self.name())
                         .map_err(SubscribeError::Device)?,
                 )
             }
@@ -313,25 +329,32 @@ impl Stream {
             if let Some(why) = &inner.failed {
                 return Err(SubscribeError::Failed(why.clone()));
             }
-            let gpu = match (&mirror, device) {
+            let group = match (&mirror, device) {
                 (Some(m), Some(req)) => {
-                    let slots = self.plan.cfg.slots as usize;
-                    let state = inner.mirrors.entry(req.uuid).or_insert_with(|| MirrorState {
-                        mirror: m.clone(),
-                        slots: vec![None; slots],
-                        copies: 0,
-                        bytes: 0,
-                        copy_ns: 0,
-                        failed: None,
-                    });
+                    let state = match inner.mirrors.get(&req.uuid) {
+                        Some(state) => state,
+                        None => {
+                            let group = inner.hub.add_group(gpu_slots);
+                            inner.groups.push(req.uuid);
+                            debug_assert_eq!(inner.groups.len(), group as usize + 1);
+                            inner.mirrors.entry(req.uuid).or_insert(MirrorState {
+                                mirror: m.clone(),
+                                group,
+                                copies: 0,
+                                bytes: 0,
+                                copy_ns: 0,
+                                failed: None,
+                            })
+                        }
+                    };
                     if let Some(why) = &state.failed {
                         return Err(SubscribeError::Device(why.clone()));
                     }
-                    Some(req.uuid)
+                    Some(state.group)
                 }
                 _ => None,
             };
-            let (id, start_epoch) = inner.hub.join(window, join)?;
+            let (id, start_epoch) = inner.hub.join_group(window, join, group)?;
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             inner.conns.insert(
                 id,
@@ -347,8 +370,7 @@ impl Stream {
                     samples: 0,
                     joined: Instant::now(),
                     ending: None,
-                    gpu,
-                    deferred: VecDeque::new(),
+                    gpu: device.map(|req| req.uuid),
                 },
             );
             Ok(Subscription { id, start_epoch, rx, device: mirror.as_ref().map(|m| m.arena()) })
@@ -382,11 +404,8 @@ impl Stream {
     /// The connection is gone; idempotent.
     pub fn leave(&self, id: ConsumerId) {
         self.with_hub(|inner| {
-            // A copy for it may still be reading a host slot that leaving
-            // frees: let the copy finish first.
-            if let Some(m) = inner.conns.get(&id).and_then(|c| c.gpu).and_then(|k| inner.mirrors.get(&k)) {
-                m.mirror.fence();
-            }
+            // A copy for it keeps its host slot pinned in the hub until the
+            // copy is reported, so leaving needs no fence.
             let last = consumer_stats(inner, id);
             if inner.hub.leave(id) {
                 tracing::info!(stream = %self.name(), consumer = id, "consumer left; its slots are released");
@@ -486,17 +505,30 @@ impl Stream {
             },
             failed: inner.failed.clone(),
             gpus: {
-                let mut g: Vec<_> = inner
-                    .mirrors
-                    .values()
-                    .map(|m| proto::GpuCopyStats {
-                        gpu: m.mirror.label().to_string(),
-                        copies: m.copies,
-                        bytes: m.bytes,
-                        copy_s: m.copy_ns as f64 * 1e-9,
-                        pinned: m.mirror.pinned(),
-                    })
-                    .collect();
+                let mut g: Vec<_> =
+                    inner
+                        .mirrors
+                        .values()
+                        .map(|m| {
+                            let n = inner.hub.group_counts(m.group).unwrap_or(
+                                crate::hub::GroupCounts {
+                                    slots: 0,
+                                    in_use: 0,
+                                    waiting: 0,
+                                },
+                            );
+                            proto::GpuCopyStats {
+                                gpu: m.mirror.label().to_string(),
+                                copies: m.copies,
+                                bytes: m.bytes,
+                                copy_s: m.copy_ns as f64 * 1e-9,
+                                pinned: m.mirror.pinned(),
+                                slots: n.slots,
+                                slots_in_use: n.in_use,
+                                waiting: n.waiting,
+                            }
+                        })
+                        .collect();
                 g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
                 g
             },
@@ -716,9 +748,9 @@ fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
     })
 }
 
-/// Turns what the hub emitted into messages on each connection's outbox.
-/// A device consumer's batch waits (with everything after it) until its
-/// copy to that consumer's GPU has completed.
+/// Turns what the hub emitted into messages on each connection's outbox,
+/// and the copies it ordered into requests to each GPU's copier. (The hub
+/// sends a device consumer a batch only once its copy has completed.)
 fn dispatch(inner: &mut Inner) {
     let now = proto::monotonic_ns();
     for (id, out) in inner.hub.take_outbound() {
@@ -771,58 +803,21 @@ fn dispatch(inner: &mut Inner) {
                 ServerMsg::Goodbye(GoodbyeReason::Detached)
             }
         };
-        let Some(key) = conn.gpu else {
-            send(conn, id, msg);
+        send(conn, id, msg);
+    }
+    for c in inner.hub.take_copies() {
+        let Some(m) = inner
+            .groups
+            .get(c.group as usize)
+            .and_then(|key| inner.mirrors.get(key))
+        else {
             continue;
         };
-        let copied = match (&msg, inner.mirrors.get_mut(&key)) {
-            (ServerMsg::Batch(b), Some(m)) => ensure_copy(m, b),
-            _ => true,
-        };
-        if copied && conn.deferred.is_empty() {
-            send(conn, id, msg);
-        } else {
-            conn.deferred.push_back(msg);
-        }
-    }
-}
-
-/// Whether batch `b` is on the mirror's GPU; if not, makes sure its copy
-/// has been asked for.
-fn ensure_copy(m: &mut MirrorState, b: &BatchReady) -> bool {
-    let slot = &mut m.slots[b.slot as usize];
-    match *slot {
-        Some((seq, done)) if seq == b.seq => done,
-        _ => {
-            *slot = Some((b.seq, false));
-            if m.failed.is_none() {
-                m.mirror.request(CopyRequest {
-                    slot: b.slot,
-                    seq: b.seq,
-                });
-            }
-            false
-        }
-    }
-}
-
-/// Sends what GPU `key`'s consumers were waiting for, up to the first
-/// batch whose copy has not completed.
-fn flush_deferred(inner: &mut Inner, key: &GpuKey) {
-    let Some(m) = inner.mirrors.get_mut(key) else {
-        return;
-    };
-    for (&id, conn) in inner.conns.iter_mut().filter(|(_, c)| c.gpu == Some(*key)) {
-        while let Some(front) = conn.deferred.front() {
-            if let ServerMsg::Batch(b) = front
-                && !ensure_copy(m, b)
-            {
-                break;
-            }
-            if let Some(msg) = conn.deferred.pop_front() {
-                send(conn, id, msg);
-            }
-        }
+        m.mirror.request(CopyRequest {
+            host: c.host,
+            device: c.slot,
+            seq: c.seq,
+        });
     }
 }
 
@@ -847,42 +842,51 @@ impl CopySink for Stream {
 
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {
         self.with_hub(|inner| {
-            if let Some(m) = inner.mirrors.get_mut(key) {
-                let slot = &mut m.slots[req.slot as usize];
-                if *slot == Some((req.seq, false)) {
-                    *slot = Some((req.seq, true));
-                }
-                m.copies += 1;
-                m.bytes += bytes;
-                m.copy_ns += elapsed_ns;
+            let Some(m) = inner.mirrors.get_mut(key) else {
+                return;
+            };
+            m.copies += 1;
+            m.bytes += bytes;
+            m.copy_ns += elapsed_ns;
+            let group = m.group;
+            if let Err(e) = inner.hub.copied(group, req.seq) {
+                tracing::error!(stream = %self.name(), gpu = %m.mirror.label(), "copy report: {e}");
             }
-            flush_deferred(inner, key);
         });
     }
 
     fn gpu_failed(&self, key: &GpuKey, why: String) {
         tracing::error!(stream = %self.name(), "GPU copies stopped: {why}");
-        let mut inner = self.lock();
-        let Some(m) = inner.mirrors.get_mut(key) else {
-            return;
-        };
-        let message = format!(
-            "stream `{}`: copies to {} failed: {why}",
-            self.name(),
-            m.mirror.label()
-        );
-        m.failed = Some(message.clone());
-        for (&id, conn) in inner.conns.iter_mut().filter(|(_, c)| c.gpu == Some(*key)) {
-            conn.deferred.clear();
-            send(
-                conn,
-                id,
-                ServerMsg::Error(ErrorMsg {
-                    code: ErrorCode::DeviceUnavailable,
-                    message: message.clone(),
-                }),
+        self.with_hub(|inner| {
+            let Some(m) = inner.mirrors.get_mut(key) else {
+                return;
+            };
+            let message = format!(
+                "stream `{}`: copies to {} failed: {why}",
+                self.name(),
+                m.mirror.label()
             );
-            send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Shutdown));
-        }
+            m.failed = Some(message.clone());
+            // Copies still queued on the GPU may read host slots the hub is
+            // about to give back.
+            m.mirror.fence();
+            let group = m.group;
+            for id in inner.hub.fail_group(group) {
+                let Some(conn) = inner.conns.get_mut(&id) else {
+                    continue;
+                };
+                conn.ending
+                    .get_or_insert_with(|| format!("device failed: {why}"));
+                send(
+                    conn,
+                    id,
+                    ServerMsg::Error(ErrorMsg {
+                        code: ErrorCode::DeviceUnavailable,
+                        message: message.clone(),
+                    }),
+                );
+                send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+            }
+        });
     }
 }

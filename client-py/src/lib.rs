@@ -36,7 +36,7 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         {
             "BrokerUnavailable"
         }
-        Error::InvalidOption(_) => "InvalidArgument",
+        Error::InvalidOption(_) | Error::OnDevice { .. } => "InvalidArgument",
         Error::Broker {
             code: ErrorCode::SchemaMismatch,
             ..
@@ -347,8 +347,9 @@ struct Batch {
 #[pymethods]
 impl Batch {
     /// A DLPack exporter of field `i` (zero-copy, read-only): on the
-    /// consumer's device, or with `host=True` the same bytes in host shared
-    /// memory.
+    /// consumer's device; `host=True` asks for host shared memory, which
+    /// only a host batch has (a device batch's host slot is given back once
+    /// copied).
     #[pyo3(signature = (i, host=false))]
     fn field(&self, i: usize, host: bool) -> PyResult<DLField> {
         let guard = lock(&self.inner);
@@ -371,11 +372,20 @@ impl Batch {
                 self.schema.fields.len()
             ))
         })?;
-        let view = b.fields().nth(i).expect("schema and layout agree");
-        let shape = view.shape().into_iter().map(|d| d as i64).collect();
+        let shape = b
+            .shape(i)
+            .expect("index checked above")
+            .into_iter()
+            .map(|d| d as i64)
+            .collect();
         let (ptr, device) = match b.device_ptr(i) {
             Some(p) if !host => (p as usize, self.device),
-            _ => (view.bytes().as_ptr() as usize, (dlpack::DEVICE_CPU, 0)),
+            _ => {
+                let view = b
+                    .field_at(i)
+                    .map_err(|e| Python::attach(|py| to_py(py, e)))?;
+                (view.bytes().as_ptr() as usize, (dlpack::DEVICE_CPU, 0))
+            }
         };
         Ok(DLField {
             keep: b.clone(),

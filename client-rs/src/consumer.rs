@@ -251,7 +251,11 @@ impl Consumer {
             .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
         let map = Mapping::map_readonly(std::os::fd::AsFd::as_fd(&fd), arena_len)?;
         drop::<OwnedFd>(fd); // the mapping keeps the memory alive
-        let gpu = crate::gpu::DeviceSide::open(opts.device, welcome.device.as_ref(), arena_len)?;
+        let gpu = crate::gpu::DeviceSide::open(
+            opts.device,
+            welcome.device.as_ref(),
+            welcome.layout.slot_bytes,
+        )?;
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Consumer {
             shared: Arc::new(Shared {
@@ -349,8 +353,11 @@ impl Consumer {
         let now = proto::monotonic_ns();
         match msg {
             ServerMsg::Batch(meta) => {
-                if meta.slot >= self.shared.welcome.slots || meta.samples > self.schema().batch_size
-                {
+                let slots = match &self.shared.gpu {
+                    Some(g) => g.slots(),
+                    None => self.shared.welcome.slots,
+                };
+                if meta.slot >= slots || meta.samples > self.schema().batch_size {
                     return Err(Error::Unexpected(format!(
                         "batch refers to slot {} / {} samples outside the arena",
                         meta.slot, meta.samples
@@ -583,7 +590,9 @@ impl Batch {
         &self.shared.welcome.schema
     }
 
-    /// A read-only view of field `name`.
+    /// A read-only view of field `name` in host memory. A device batch
+    /// has none ([`Error::OnDevice`]): see [`Batch::device_ptr`] and
+    /// [`Batch::copy_field`].
     pub fn field(&self, name: &str) -> Result<FieldView<'_>> {
         let schema = self.schema();
         let (i, _) = schema.field(name).ok_or_else(|| Error::NoSuchField {
@@ -595,15 +604,69 @@ impl Batch {
                 .collect::<Vec<_>>()
                 .join(", "),
         })?;
-        Ok(self.field_at(i))
+        self.field_at(i)
     }
 
-    /// Views of every field, in schema order.
-    pub fn fields(&self) -> impl Iterator<Item = FieldView<'_>> {
-        (0..self.schema().fields.len()).map(|i| self.field_at(i))
+    /// Host views of every field, in schema order ([`Error::OnDevice`] for
+    /// a device batch).
+    pub fn fields(&self) -> Result<impl Iterator<Item = FieldView<'_>>> {
+        self.host_only()?;
+        Ok((0..self.schema().fields.len()).map(|i| self.host_view(i)))
     }
 
-    fn field_at(&self, i: usize) -> FieldView<'_> {
+    /// The host view of field `i` (schema order).
+    pub fn field_at(&self, i: usize) -> Result<FieldView<'_>> {
+        self.host_only()?;
+        if i >= self.schema().fields.len() {
+            return Err(Error::NoSuchField {
+                name: format!("#{i}"),
+                available: format!("{} fields", self.schema().fields.len()),
+            });
+        }
+        Ok(self.host_view(i))
+    }
+
+    /// Shape of field `i` (schema order) including the batch dimension.
+    pub fn shape(&self, i: usize) -> Option<Vec<u64>> {
+        let f = self.schema().fields.get(i)?;
+        Some(
+            std::iter::once(self.meta.samples)
+                .chain(f.shape.iter().copied())
+                .collect(),
+        )
+    }
+
+    /// Field `i`'s bytes, copied to host memory: from the GPU for a device
+    /// batch (checks and debugging, not the data path).
+    pub fn copy_field(&self, i: usize) -> Result<Vec<u8>> {
+        let Some(g) = &self.shared.gpu else {
+            return Ok(self.field_at(i)?.bytes().to_vec());
+        };
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields.get(i).ok_or_else(|| Error::NoSuchField {
+            name: format!("#{i}"),
+            available: format!("{} fields", w.schema.fields.len()),
+        })?;
+        let mut out = vec![0; (fl.bytes_per_sample * self.meta.samples) as usize];
+        g.read(
+            self.meta.slot as u64 * w.layout.slot_bytes + fl.offset,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    fn host_only(&self) -> Result<()> {
+        match &self.shared.gpu {
+            None => Ok(()),
+            Some(g) => Err(Error::OnDevice {
+                seq: self.meta.seq,
+                device: g.device(),
+            }),
+        }
+    }
+
+    /// For a host batch only: a device batch's slot is a device slot.
+    fn host_view(&self, i: usize) -> FieldView<'_> {
         let w = &self.shared.welcome;
         let fl = w.layout.fields[i];
         let start = self.meta.slot as u64 * w.layout.slot_bytes + fl.offset;
@@ -625,10 +688,9 @@ impl Batch {
     }
 
     /// Device batches: the GPU address of field `i` (schema order). The
-    /// bytes are the same as [`Batch::field`]'s host view; the broker
-    /// finished copying them before it sent the batch, so any CUDA stream
-    /// may read them at once. They must not be written: every consumer on
-    /// this GPU reads the same memory. `None` for host batches.
+    /// broker finished copying them before it sent the batch, so any CUDA
+    /// stream may read them at once. They must not be written: every
+    /// consumer on this GPU reads the same memory. `None` for host batches.
     pub fn device_ptr(&self, i: usize) -> Option<u64> {
         let g = self.shared.gpu.as_ref()?;
         let w = &self.shared.welcome;

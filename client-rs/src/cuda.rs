@@ -240,6 +240,22 @@ impl DeviceRange {
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
+
+    /// Copies device bytes back to the host (checks, not the data path).
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
+        assert!(
+            offset
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len),
+            "read past the device range"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside the allocation or mapping
+        // (asserted), which lives as long as `self`; the destination is a
+        // valid exclusive host slice.
+        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
+            .map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
 }
 
 /// Device memory allocated with `cuMemAlloc` (plain device memory, which
@@ -280,19 +296,6 @@ impl DeviceBuffer {
         // SAFETY: initialised by the successful call above.
         let handle = unsafe { handle.assume_init() };
         Ok(handle.reserved.map(|b| b as u8))
-    }
-
-    /// Copies device bytes back to the host (tests and checks only).
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), CudaError> {
-        assert!(
-            offset + out.len() <= self.len,
-            "read past the device buffer"
-        );
-        self.gpu.bind()?;
-        // SAFETY: the source range lies inside the allocation (asserted);
-        // the destination is a valid exclusive host slice.
-        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
-            .map_err(|e| driver_error("cuMemcpyDtoH", e))
     }
 }
 
@@ -479,6 +482,21 @@ impl CopyStream {
         let ev = Event::with_flags(&self.gpu, sys::CUevent_flags::CU_EVENT_DEFAULT)?;
         ev.record_on(self.stream as u64)?;
         Ok(ev)
+    }
+
+    /// Records a timing event after everything queued so far, reusing
+    /// `spare` (an event of this stream's GPU from [`CopyStream::record_timed`]
+    /// whose last record has completed) when there is one: a copier records
+    /// two events per copy, and reusing them keeps `cuEventCreate` and
+    /// `cuEventDestroy` out of its loop.
+    pub fn record_timed_reusing(&self, spare: Option<Event>) -> Result<Event, CudaError> {
+        match spare {
+            Some(ev) if Arc::ptr_eq(&ev.gpu, &self.gpu) => {
+                ev.record_on(self.stream as u64)?;
+                Ok(ev)
+            }
+            _ => self.record_timed(),
+        }
     }
 
     /// Blocks until everything queued so far has completed.

@@ -57,6 +57,10 @@ pub enum Error {
     /// A device was asked for that this build or host cannot serve.
     #[error("{0}")]
     Device(String),
+    #[error(
+        "batch {seq} is in GPU memory ({device}) and has no host view: the broker gives its host slot back once the copy to the GPU is done. Read it on the GPU, copy it with Batch::copy_field, or subscribe with device=\"cpu\""
+    )]
+    OnDevice { seq: u64, device: crate::Device },
 }
 
 impl Error {

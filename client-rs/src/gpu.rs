@@ -40,6 +40,7 @@ mod imp {
     pub(crate) struct DeviceSide {
         device: Device,
         mapping: Arc<IpcMapping>,
+        slots: u32,
         /// Streams each held batch was handed to.
         fences: Mutex<HashMap<u64, Vec<u64>>>,
         pending: Mutex<Vec<Pending>>,
@@ -69,7 +70,7 @@ mod imp {
         pub(crate) fn open(
             device: Device,
             arena: Option<&DeviceArena>,
-            host_len: u64,
+            slot_bytes: u64,
         ) -> Result<Option<DeviceSide>> {
             let (ordinal, arena) = match (device, arena) {
                 (Device::Cpu, None) => return Ok(None),
@@ -85,10 +86,10 @@ mod imp {
                 }
                 (Device::Cuda(n), Some(a)) => (n, a),
             };
-            if arena.bytes != host_len {
+            if arena.slots == 0 || Some(arena.bytes) != slot_bytes.checked_mul(arena.slots as u64) {
                 return Err(Error::Unexpected(format!(
-                    "device arena of {} bytes for a host arena of {host_len}",
-                    arena.bytes
+                    "device arena of {} bytes for {} slots of {slot_bytes} bytes",
+                    arena.bytes, arena.slots
                 )));
             }
             let gpu = Gpu::open(ordinal)?;
@@ -97,6 +98,7 @@ mod imp {
             Ok(Some(DeviceSide {
                 device,
                 mapping,
+                slots: arena.slots,
                 fences: Mutex::new(HashMap::new()),
                 pending: Mutex::new(Vec::new()),
             }))
@@ -108,6 +110,15 @@ mod imp {
 
         pub(crate) fn base(&self) -> u64 {
             self.mapping.ptr()
+        }
+
+        pub(crate) fn slots(&self) -> u32 {
+            self.slots
+        }
+
+        /// Copies `out.len()` bytes at `offset` of the arena to the host.
+        pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+            Ok(self.mapping.read(offset as usize, out)?)
         }
 
         pub(crate) fn fence_on(&self, seq: u64, stream: u64) {
@@ -196,7 +207,7 @@ impl DeviceSide {
     pub(crate) fn open(
         device: Device,
         arena: Option<&DeviceArena>,
-        _host_len: u64,
+        _slot_bytes: u64,
     ) -> Result<Option<DeviceSide>> {
         match (device, arena) {
             (Device::Cpu, None) => Ok(None),
@@ -210,6 +221,12 @@ impl DeviceSide {
         match *self {}
     }
     pub(crate) fn base(&self) -> u64 {
+        match *self {}
+    }
+    pub(crate) fn slots(&self) -> u32 {
+        match *self {}
+    }
+    pub(crate) fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<()> {
         match *self {}
     }
     pub(crate) fn fence_on(&self, _seq: u64, _stream: u64) {

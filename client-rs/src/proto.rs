@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -154,7 +154,10 @@ pub struct DeviceRequest {
 pub struct DeviceArena {
     /// The CUDA IPC memory handle (64 bytes).
     pub handle: Vec<u8>,
-    /// `slots × slot_bytes`, laid out exactly as the host arena.
+    /// Device slots: a ring of its own, released independently of the
+    /// host slots. A device batch's `slot` is one of these.
+    pub slots: u32,
+    /// `slots × slot_bytes`; each slot laid out as a host slot.
     pub bytes: u64,
     /// The GPU, as the broker names it (`cuda:1 NVIDIA H100 (GPU-…)`).
     pub gpu: String,
@@ -279,6 +282,7 @@ pub struct BatchReady {
     pub epoch: u64,
     /// Position in the epoch, `0..batches_per_epoch`.
     pub index: u64,
+    /// A host slot, or for a device consumer a slot of its GPU's arena.
     pub slot: u32,
     /// Valid samples (the batch size, or fewer for a short last batch).
     pub samples: u64,
@@ -400,6 +404,13 @@ pub struct GpuCopyStats {
     /// Whether the host arena is page-locked (else copies are staged by
     /// the driver and slower).
     pub pinned: bool,
+    /// Device slots, and how many hold a batch (being copied, or owed to a
+    /// consumer).
+    pub slots: u32,
+    pub slots_in_use: u32,
+    /// Batches whose copy waits for a free device slot (their host slots
+    /// stay pinned meanwhile).
+    pub waiting: u32,
 }
 
 /// What an image source has done so far.

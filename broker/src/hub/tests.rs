@@ -312,6 +312,205 @@ fn goodbye_stops_sending_but_keeps_held_batches_valid() {
     );
 }
 
+/// `(seq, slot)` of every batch sent to `who`.
+fn sent(out: &[(ConsumerId, Outbound)], who: ConsumerId) -> Vec<(u64, SlotId)> {
+    out.iter()
+        .filter(|(id, _)| *id == who)
+        .filter_map(|(_, o)| match o {
+            Outbound::Batch { seq, slot, .. } => Some((*seq, *slot)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
+    let mut h = hub(2, 10, None, None);
+    let g = h.add_group(2);
+    let (m1, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (m2, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let w = produce(&mut h).unwrap();
+    let copies = h.take_copies();
+    assert_eq!(
+        copies,
+        vec![CopyOrder {
+            group: g,
+            seq: w.seq,
+            host: w.slot,
+            slot: copies[0].slot
+        }],
+        "one copy for two members"
+    );
+    let out = h.take_outbound();
+    assert_eq!(
+        sent(&out, host),
+        vec![(w.seq, w.slot)],
+        "host consumers do not wait"
+    );
+    assert!(
+        sent(&out, m1).is_empty() && sent(&out, m2).is_empty(),
+        "not before the copy"
+    );
+    h.check_invariants();
+    h.release(host, w.seq).unwrap();
+    assert_eq!(h.counts().free, 1, "the copy still reads the host slot");
+    h.copied(g, w.seq).unwrap();
+    assert_eq!(
+        h.counts().free,
+        2,
+        "copied and released by the host consumer: free"
+    );
+    let out = h.take_outbound();
+    assert_eq!(sent(&out, m1), vec![(w.seq, copies[0].slot)]);
+    assert_eq!(sent(&out, m2), vec![(w.seq, copies[0].slot)]);
+    assert_eq!(
+        h.group_counts(g).unwrap().in_use,
+        1,
+        "the members hold the copy"
+    );
+    assert_eq!(
+        h.copied(g, w.seq),
+        Err(HubError::NotCopying {
+            group: g,
+            seq: w.seq
+        })
+    );
+    h.release(m1, w.seq).unwrap();
+    h.release(m2, w.seq).unwrap();
+    assert_eq!(h.group_counts(g).unwrap().in_use, 0);
+    h.check_invariants();
+}
+
+#[test]
+fn host_slots_are_refilled_while_members_still_hold_their_copies() {
+    let mut h = hub(2, 100, None, None);
+    let g = h.add_group(4);
+    let (m, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let mut placed = Vec::new();
+    for _ in 0..4 {
+        let w = produce(&mut h).expect("a host slot is free: its copy completed");
+        for c in h.take_copies() {
+            h.copied(g, c.seq).unwrap();
+            placed.push(c.slot);
+        }
+        assert_eq!(w.seq as usize + 1, placed.len());
+    }
+    placed.sort();
+    assert_eq!(
+        placed,
+        vec![0, 1, 2, 3],
+        "four batches in four distinct group slots"
+    );
+    assert_eq!(h.consumer_counts(m).unwrap().held, 2, "window of two sent");
+    assert_eq!(h.counts().free, 2, "no host slot is pinned by the GPU");
+    // The group is full: the next batch pins its host slot until a member
+    // releases a copy.
+    let w = produce(&mut h).unwrap();
+    assert!(h.take_copies().is_empty(), "no group slot free");
+    produce(&mut h).unwrap();
+    assert!(
+        h.start_batch().is_none(),
+        "both host slots wait for group slots"
+    );
+    let first = sent(&h.take_outbound(), m)[0];
+    h.release(m, first.0).unwrap();
+    let c = h.take_copies();
+    assert_eq!(c.len(), 1);
+    assert_eq!(
+        (c[0].seq, c[0].slot),
+        (w.seq, first.1),
+        "the freed group slot takes the next batch"
+    );
+    h.check_invariants();
+}
+
+#[test]
+fn a_member_leaving_during_its_copy_frees_both_slots_when_the_copy_ends() {
+    let mut h = hub(2, 10, None, None);
+    let g = h.add_group(2);
+    let (m, _) = h.join_group(1, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let w0 = produce(&mut h).unwrap();
+    let w1 = produce(&mut h).unwrap();
+    let copies = h.take_copies();
+    assert_eq!(copies.len(), 2);
+    h.copied(g, w0.seq).unwrap();
+    assert!(h.leave(m));
+    h.release(host, w0.seq).unwrap();
+    h.release(host, w1.seq).unwrap();
+    h.check_invariants();
+    assert_eq!(
+        h.counts().free,
+        1,
+        "batch 1's copy still reads its host slot"
+    );
+    assert_eq!(
+        h.group_counts(g).unwrap().in_use,
+        1,
+        "and its group slot is being written"
+    );
+    h.copied(g, w1.seq).unwrap();
+    assert_eq!(h.counts().free, 2);
+    assert_eq!(h.group_counts(g).unwrap().in_use, 0);
+    h.check_invariants();
+}
+
+#[test]
+fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
+    let mut h = hub(2, 10, None, None);
+    let g = h.add_group(2);
+    let (m, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let ws: Vec<Work> = (0..2).map(|_| produce(&mut h).unwrap()).collect();
+    assert_eq!(h.take_copies().len(), 2);
+    for w in &ws {
+        h.release(host, w.seq).unwrap();
+    }
+    assert!(
+        h.start_batch().is_none(),
+        "both host slots pinned by copies"
+    );
+    h.take_outbound();
+    assert_eq!(h.fail_group(g), vec![m]);
+    h.check_invariants();
+    assert!(produce(&mut h).is_some(), "host consumers go on");
+    assert_eq!(
+        h.join_group(1, JoinPolicy::Immediate, Some(g)),
+        Err(HubError::GroupFailed)
+    );
+    let out = h.take_outbound();
+    assert!(sent(&out, m).is_empty(), "members are sent nothing more");
+    assert_eq!(sent(&out, host).len(), 1);
+    assert!(h.leave(m));
+    h.check_invariants();
+}
+
+#[test]
+fn a_window_larger_than_the_group_is_refused() {
+    let mut h = hub(8, 10, None, None);
+    let g = h.add_group(2);
+    assert_eq!(
+        h.join_group(3, JoinPolicy::NextEpoch, Some(g)),
+        Err(HubError::WindowAboveGroupSlots {
+            window: 3,
+            slots: 2
+        })
+    );
+    assert_eq!(
+        h.check_window(3, Some(2)),
+        Err(HubError::WindowAboveGroupSlots {
+            window: 3,
+            slots: 2
+        })
+    );
+    assert_eq!(h.check_window(3, None), Ok(()));
+    assert_eq!(
+        h.join_group(1, JoinPolicy::NextEpoch, Some(7)),
+        Err(HubError::UnknownGroup(7))
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Property test: random schedules against a model of what each consumer saw.
 
@@ -320,8 +519,12 @@ enum Op {
     Join {
         window: u32,
         immediate: bool,
+        /// `Some`: a member of that group (a GPU consumer).
+        group: Option<GroupId>,
     },
     Start,
+    /// Completes one of the copies under way (in any order).
+    Copy(prop::sample::Index),
     Finish(prop::sample::Index),
     Release {
         who: prop::sample::Index,
@@ -333,8 +536,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        1 => (1u32..4, any::<bool>()).prop_map(|(window, immediate)| Op::Join { window, immediate }),
+        1 => (1u32..4, any::<bool>(), prop::option::of(0u32..2)).prop_map(|(window, immediate, group)| Op::Join { window, immediate, group }),
         4 => Just(Op::Start),
+        3 => any::<prop::sample::Index>().prop_map(Op::Copy),
         4 => any::<prop::sample::Index>().prop_map(Op::Finish),
         6 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, which)| Op::Release { who, which }),
         1 => any::<prop::sample::Index>().prop_map(Op::Die),
@@ -346,8 +550,10 @@ fn op() -> impl Strategy<Value = Op> {
 struct Seen {
     /// (seq, epoch, index) in arrival order.
     got: Vec<(u64, u64, u64)>,
-    /// (seq, slot) sent and not released.
+    /// (seq, slot) sent and not released; the slot is a group slot for a
+    /// member.
     held: Vec<(u64, SlotId)>,
+    group: Option<GroupId>,
     start_epoch: u64,
     immediate: bool,
     ended: bool,
@@ -360,12 +566,35 @@ struct Model {
     bpe: u64,
     /// What the pipeline last wrote into each slot: the batch's seq.
     content: Vec<Option<u64>>,
+    /// Per group, what the last completed copy wrote into each group slot.
+    device: Vec<Vec<Option<u64>>>,
+    /// Copies ordered and not yet completed.
+    copying: Vec<CopyOrder>,
     inflight: Vec<Work>,
     seen: BTreeMap<ConsumerId, Seen>,
 }
 
 impl Model {
     fn drain(&mut self) {
+        for c in self.hub.take_copies() {
+            assert_eq!(
+                self.content[c.host as usize],
+                Some(c.seq),
+                "copy of batch {} from a host slot holding something else",
+                c.seq
+            );
+            assert!(
+                !self
+                    .copying
+                    .iter()
+                    .any(|o| (o.group, o.slot) == (c.group, c.slot)),
+                "two copies into group {} slot {} at once",
+                c.group,
+                c.slot
+            );
+            self.assert_not_held_in_group(c.group, c.slot);
+            self.copying.push(c);
+        }
         for (id, o) in self.hub.take_outbound() {
             let s = self
                 .seen
@@ -381,10 +610,15 @@ impl Model {
                     ..
                 } => {
                     assert!(!s.ended && !s.closing, "batch after end or goodbye");
+                    let content = match s.group {
+                        None => &self.content,
+                        Some(g) => &self.device[g as usize],
+                    };
                     assert_eq!(
-                        self.content[slot as usize],
+                        content[slot as usize],
                         Some(seq),
-                        "slot {slot} does not hold batch {seq}"
+                        "slot {slot} (group {:?}) does not hold batch {seq}",
+                        s.group
                     );
                     if let Some(&(pseq, pe, pi)) = s.got.last() {
                         assert!(seq > pseq, "out of order");
@@ -417,6 +651,30 @@ impl Model {
         }
     }
 
+    fn assert_not_held_in_group(&self, g: GroupId, slot: SlotId) {
+        for s in self.seen.values().filter(|s| !s.gone && s.group == Some(g)) {
+            assert!(
+                s.held.iter().all(|&(_, held)| held != slot),
+                "group {g} slot {slot} written while a member holds it"
+            );
+        }
+    }
+
+    /// Completes copy `k` of those under way.
+    fn complete_copy(&mut self, k: usize) {
+        let c = self.copying.remove(k);
+        assert_eq!(
+            self.content[c.host as usize],
+            Some(c.seq),
+            "host slot {} rewritten while batch {} was being copied from it",
+            c.host,
+            c.seq
+        );
+        self.assert_not_held_in_group(c.group, c.slot);
+        self.device[c.group as usize][c.slot as usize] = Some(c.seq);
+        self.hub.copied(c.group, c.seq).unwrap();
+    }
+
     fn live(&self) -> Vec<ConsumerId> {
         self.seen
             .iter()
@@ -429,8 +687,12 @@ impl Model {
         let s = self.seen.get_mut(&id).unwrap();
         let (seq, slot) = s.held.remove(k);
         // Invariant 2: the slot still holds what was sent while held.
+        let content = match s.group {
+            None => &self.content,
+            Some(g) => &self.device[g as usize],
+        };
         assert_eq!(
-            self.content[slot as usize],
+            content[slot as usize],
             Some(seq),
             "slot rewritten while held"
         );
@@ -439,18 +701,23 @@ impl Model {
 
     fn step(&mut self, op: Op) {
         match op {
-            Op::Join { window, immediate } => {
+            Op::Join {
+                window,
+                immediate,
+                group,
+            } => {
                 let policy = if immediate {
                     JoinPolicy::Immediate
                 } else {
                     JoinPolicy::NextEpoch
                 };
-                let (id, start_epoch) = self.hub.join(window, policy).unwrap();
+                let (id, start_epoch) = self.hub.join_group(window, policy, group).unwrap();
                 self.seen.insert(
                     id,
                     Seen {
                         start_epoch,
                         immediate,
+                        group,
                         ..Default::default()
                     },
                 );
@@ -458,13 +725,18 @@ impl Model {
             Op::Start => {
                 if let Some(w) = self.hub.start_batch() {
                     // Invariant 2: nobody may hold a slot handed out for writing.
-                    for s in self.seen.values().filter(|s| !s.gone) {
+                    for s in self.seen.values().filter(|s| !s.gone && s.group.is_none()) {
                         assert!(
                             s.held.iter().all(|&(_, slot)| slot != w.slot),
                             "slot {} reused while held",
                             w.slot
                         );
                     }
+                    assert!(
+                        self.copying.iter().all(|c| c.host != w.slot),
+                        "slot {} reused while a copy reads it",
+                        w.slot
+                    );
                     self.content[w.slot as usize] = Some(w.seq);
                     self.inflight.push(w);
                 }
@@ -500,7 +772,11 @@ impl Model {
                     self.seen.get_mut(&id).unwrap().closing = true;
                 }
             }
-            Op::Finish(_) => {}
+            Op::Copy(i) if !self.copying.is_empty() => {
+                let k = i.index(self.copying.len());
+                self.complete_copy(k);
+            }
+            Op::Finish(_) | Op::Copy(_) => {}
         }
         self.drain();
         self.hub.check_invariants();
@@ -513,6 +789,7 @@ impl Model {
                 self.step(Op::Join {
                     window: 1,
                     immediate: false,
+                    group: None,
                 });
             }
             for id in self.live() {
@@ -529,6 +806,10 @@ impl Model {
                 self.hub.finish_batch(w.seq, 4);
             }
             self.drain();
+            while !self.copying.is_empty() {
+                self.complete_copy(0);
+            }
+            self.drain();
             self.hub.check_invariants();
             if self.hub.finished() && self.inflight.is_empty() {
                 break;
@@ -543,21 +824,30 @@ proptest! {
     #[test]
     fn random_schedules_keep_every_invariant(
         slots in 1u32..6,
+        group_slots in 1u32..6,
         bpe in 1u64..5,
         lag in prop::option::of(3u32..6),
         ops in prop::collection::vec(op(), 1..150),
     ) {
         let lag_limit = lag.map(|l| l.min(slots.max(3)));
+        let mut h = hub(slots, bpe, Some(3), lag_limit);
+        for _ in 0..2 {
+            h.add_group(group_slots);
+        }
         let mut m = Model {
-            hub: hub(slots, bpe, Some(3), lag_limit),
+            hub: h,
             bpe,
             content: vec![None; slots as usize],
+            device: vec![vec![None; group_slots as usize]; 2],
+            copying: Vec::new(),
             inflight: Vec::new(),
             seen: BTreeMap::new(),
         };
         for op in ops {
-            if let Op::Join { window, .. } = op
-                && (window > slots || lag_limit.is_some_and(|l| window > l))
+            if let Op::Join { window, group, .. } = op
+                && (window > slots
+                    || lag_limit.is_some_and(|l| window > l)
+                    || (group.is_some() && window > group_slots))
             {
                 continue; // rejected joins are covered by a unit test
             }
@@ -578,5 +868,8 @@ proptest! {
         }
         let c = m.hub.counts();
         prop_assert_eq!(c.free, slots);
+        for g in 0..2 {
+            prop_assert_eq!(m.hub.group_counts(g).unwrap().in_use, 0);
+        }
     }
 }

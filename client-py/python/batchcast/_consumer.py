@@ -129,9 +129,11 @@ class Batch:
         return t
 
     def host(self, key: Union[int, str]) -> Any:
-        """Field ``key`` as a read-only numpy array over the host shared
-        memory it was copied to the GPU from: the same bytes as the device
-        tensor (for checks; on a ``device="cpu"`` consumer, the same memory).
+        """Field ``key`` as a read-only numpy array over the batch's host
+        shared memory (whatever tensor type the consumer converts to). Host
+        batches only: a ``device="cuda:N"`` batch's host slot is given back
+        once it is copied to the GPU, so this raises ``InvalidArgument``
+        there (use ``tensor.cpu()``).
         """
         import numpy
 
