@@ -524,29 +524,38 @@ fn stats_command_shows_streams_and_consumers() {
 
 #[test]
 fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_on() {
-    let env = Env::start(&config("", 100_000, 8));
+    let env = Env::start(&config("gpu_slots = 2", 100_000, 8));
     let host = env.consumer(&["--verify", "--max-batches", "200", "--name", "host"]);
     // A GPU no host has (on a machine without CUDA the driver is missing
     // first; either way the broker names the device and the way out).
-    let hello = proto::ClientMsg::Hello(proto::Hello {
-        name: "gpu".into(),
-        pid: std::process::id(),
-        intent: proto::Intent::Consume {
-            stream: "train".into(),
-            window: 2,
-            join: batchcast::JoinPolicy::NextEpoch,
-            device: Some(proto::DeviceRequest {
-                uuid: [0xee; 16],
-                ordinal: 0,
-                name: "no such GPU".into(),
-            }),
-        },
-    });
-    let mut bytes = Preamble::ours().to_bytes().to_vec();
-    bytes.extend_from_slice(&proto::encode(&hello).unwrap());
-    let (_, msg) = raw_exchange(&env.socket(), &bytes);
+    let gpu_hello = |window| {
+        let hello = proto::ClientMsg::Hello(proto::Hello {
+            name: "gpu".into(),
+            pid: std::process::id(),
+            intent: proto::Intent::Consume {
+                stream: "train".into(),
+                window,
+                join: batchcast::JoinPolicy::NextEpoch,
+                device: Some(proto::DeviceRequest {
+                    uuid: [0xee; 16],
+                    ordinal: 0,
+                    name: "no such GPU".into(),
+                }),
+            },
+        });
+        let mut bytes = Preamble::ours().to_bytes().to_vec();
+        bytes.extend_from_slice(&proto::encode(&hello).unwrap());
+        raw_exchange(&env.socket(), &bytes).1
+    };
+    // A window the GPU arena cannot hold is refused before the broker
+    // touches a GPU (nothing is allocated for a subscription it refuses).
     expect_error(
-        msg,
+        gpu_hello(3),
+        ErrorCode::InvalidRequest,
+        "exceeds the 2 device slots",
+    );
+    expect_error(
+        gpu_hello(2),
         ErrorCode::DeviceUnavailable,
         "cannot deliver to cuda:0",
     );
