@@ -9,10 +9,17 @@
 //! and keeps the host slot until the copy is reported and the device slot
 //! until its consumers release it; this module only runs copies and reports
 //! their end.
+//!
+//! A [`Mirror`] is the same for every backend (its copier thread, its
+//! queue, what consumers are told); the backend makes the copies: CUDA, or
+//! in tests a host-memory stand-in ([`test_gpu`]) that lets the stream's
+//! GPU bookkeeping run on machines without a GPU.
 
-use std::sync::Arc;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
 
-use batchcast::proto::DeviceRequest;
+use batchcast::proto::{DeviceArena, DeviceRequest};
 
 /// Identifies a GPU across processes.
 pub type GpuKey = [u8; 16];
@@ -36,146 +43,180 @@ pub trait CopySink: Send + Sync + 'static {
     fn gpu_failed(&self, key: &GpuKey, why: String);
 }
 
-#[cfg(feature = "cuda")]
-pub use imp::Mirror;
+/// Where a mirror's copies go.
+#[derive(Debug, Clone)]
+enum Backend {
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<batchcast::cuda::CopyStream>),
+    /// [`test_gpu`]: copies are plain memcpys, done when reported.
+    #[cfg(test)]
+    Host,
+}
+
+impl Backend {
+    /// Waits until every queued copy has finished reading host memory.
+    fn fence(&self) -> Result<(), String> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(ref c) => c.synchronize().map_err(|e| e.to_string()),
+            #[cfg(test)]
+            Backend::Host => Ok(()),
+        }
+    }
+}
+
+/// One stream's arena on one GPU and its copier.
+#[derive(Debug)]
+pub struct Mirror {
+    /// `cuda:N NAME (GPU-UUID)`, N the broker's ordinal.
+    label: String,
+    arena: DeviceArena,
+    /// Whether copies come from page-locked memory.
+    pinned: bool,
+    backend: Backend,
+    tx: Mutex<Option<mpsc::Sender<CopyRequest>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Mirror {
+    /// Starts the copier thread of a mirror whose arena exists.
+    #[cfg_attr(not(any(feature = "cuda", test)), expect(dead_code))]
+    fn start(
+        label: String,
+        arena: DeviceArena,
+        pinned: bool,
+        backend: Backend,
+        run: impl FnOnce(mpsc::Receiver<CopyRequest>) + Send + 'static,
+        thread_name: String,
+    ) -> Result<Mirror, String> {
+        let (tx, rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || run(rx))
+            .map_err(|e| format!("cannot start a copier thread: {e}"))?;
+        Ok(Mirror {
+            label,
+            arena,
+            pinned,
+            backend,
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// What a consumer needs to open the device arena.
+    pub fn arena(&self) -> DeviceArena {
+        self.arena.clone()
+    }
+
+    pub fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Queues a copy; its completion is reported to the sink.
+    pub fn request(&self, req: CopyRequest) {
+        if let Some(tx) = &*self.tx.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = tx.send(req);
+        }
+    }
+
+    /// Waits until every queued copy has finished reading host memory
+    /// (before the host slots of copies that will never be reported are
+    /// given back).
+    pub fn fence(&self) {
+        if let Err(e) = self.backend.fence() {
+            tracing::warn!(gpu = %self.label, "waiting for copies: {e}");
+        }
+    }
+
+    /// Stops the copier after the copies already queued.
+    pub fn stop(&self) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        // The copier itself may drop the last reference to its stream.
+        if let Some(t) = thread.filter(|t| t.thread().id() != std::thread::current().id()) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Mirror {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
 
 #[cfg(feature = "cuda")]
-mod imp {
-    use std::sync::mpsc;
-    use std::sync::{Mutex, OnceLock, Weak};
-    use std::thread::JoinHandle;
+mod cuda_backend {
+    use std::sync::OnceLock;
 
     use batchcast::cuda::{self, CopyStream, DeviceBuffer, Gpu, HostRegistration};
 
     use super::*;
 
-    /// One stream's arena on one GPU and its copier.
-    #[derive(Debug)]
-    pub struct Mirror {
-        /// `cuda:N NAME (GPU-UUID)`, N the broker's ordinal.
-        label: String,
-        handle: Vec<u8>,
-        slots: u32,
-        bytes: u64,
-        /// Whether copies come from page-locked memory.
-        pinned: bool,
-        tx: Mutex<Option<mpsc::Sender<CopyRequest>>>,
-        copies: Arc<CopyStream>,
-        thread: Mutex<Option<JoinHandle<()>>>,
-    }
-
-    impl Mirror {
-        /// Allocates the device arena of `slots` slots of `slot_bytes` on
-        /// the GPU `req` names, exports it and starts its copier.
-        /// `registration` is the stream's page-locking of its host arena,
-        /// shared by all its GPUs (made on first use).
-        pub fn create(
-            req: &DeviceRequest,
-            sink: Weak<dyn CopySink>,
-            host: (*const u8, usize),
-            (slots, slot_bytes): (u32, u64),
-            registration: &OnceLock<Option<HostRegistration>>,
-            stream_name: &str,
-        ) -> Result<Mirror, cuda::CudaError> {
-            let gpu = Gpu::by_uuid(&req.uuid)?;
-            let label = format!(
-                "cuda:{} {} ({})",
-                gpu.info.ordinal,
-                gpu.info.name,
-                cuda::format_uuid(&gpu.info.uuid)
-            );
-            let pinned = registration
-                .get_or_init(|| {
-                    // SAFETY: the host arena is mapped for the stream's whole
-                    // life, and the stream drops this registration (with its
-                    // mirrors, whose copy streams synchronise on drop) before
-                    // its arena.
-                    match unsafe { HostRegistration::register(&gpu, host.0, host.1) } {
-                        Ok(r) => Some(r),
-                        Err(e) => {
-                            tracing::warn!(stream = stream_name, "cannot page-lock the host arena, copies will be staged and slower: {e}");
-                            None
-                        }
+    /// Allocates the device arena of `slots` slots of `slot_bytes` on the
+    /// GPU `req` names, exports it and starts its copier. `registration`
+    /// is the stream's page-locking of its host arena, shared by all its
+    /// GPUs (made on first use).
+    pub(super) fn create(
+        req: &DeviceRequest,
+        sink: Weak<dyn CopySink>,
+        host: (*const u8, usize),
+        (slots, slot_bytes): (u32, u64),
+        registration: &OnceLock<Option<HostRegistration>>,
+        stream_name: &str,
+    ) -> Result<Mirror, cuda::CudaError> {
+        let gpu = Gpu::by_uuid(&req.uuid)?;
+        let label = format!(
+            "cuda:{} {} ({})",
+            gpu.info.ordinal,
+            gpu.info.name,
+            cuda::format_uuid(&gpu.info.uuid)
+        );
+        let pinned = registration
+            .get_or_init(|| {
+                // SAFETY: the host arena is mapped for the stream's whole
+                // life, and the stream drops this registration (with its
+                // mirrors, whose copy streams synchronise on drop) before
+                // its arena.
+                match unsafe { HostRegistration::register(&gpu, host.0, host.1) } {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        tracing::warn!(
+                            stream = stream_name,
+                            "cannot page-lock the host arena, copies will be staged and slower: {e}"
+                        );
+                        None
                     }
-                })
-                .is_some();
-            let bytes = slots as u64 * slot_bytes;
-            let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
-            let handle = buffer.ipc_handle()?.to_vec();
-            let copies = Arc::new(CopyStream::new(&gpu)?);
-            let (tx, rx) = mpsc::channel();
-            let key = req.uuid;
-            let thread = {
-                let copies = copies.clone();
-                std::thread::Builder::new()
-                    .name(format!("{stream_name}-copy-gpu{}", gpu.info.ordinal))
-                    .spawn(move || copier(key, rx, sink, copies, buffer))
-                    .map_err(|e| {
-                        cuda::CudaError::NoDriver(format!("cannot start a copier thread: {e}"))
-                    })?
-            };
-            tracing::info!(stream = stream_name, gpu = %label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
-            Ok(Mirror {
-                label,
-                handle,
-                slots,
-                bytes,
-                pinned,
-                tx: Mutex::new(Some(tx)),
-                copies,
-                thread: Mutex::new(Some(thread)),
+                }
             })
-        }
-
-        pub fn label(&self) -> &str {
-            &self.label
-        }
-
-        /// What a consumer needs to open the device arena.
-        pub fn arena(&self) -> batchcast::proto::DeviceArena {
-            batchcast::proto::DeviceArena {
-                handle: self.handle.clone(),
-                slots: self.slots,
-                bytes: self.bytes,
-                gpu: self.label.clone(),
-            }
-        }
-
-        pub fn pinned(&self) -> bool {
-            self.pinned
-        }
-
-        /// Queues a copy; its completion is reported to the sink.
-        pub fn request(&self, req: CopyRequest) {
-            if let Some(tx) = &*self.tx.lock().unwrap_or_else(|p| p.into_inner()) {
-                let _ = tx.send(req);
-            }
-        }
-
-        /// Waits until every queued copy has finished reading host memory
-        /// (before the host slots of copies that will never be reported are
-        /// given back).
-        pub fn fence(&self) {
-            if let Err(e) = self.copies.synchronize() {
-                tracing::warn!(gpu = %self.label, "waiting for copies: {e}");
-            }
-        }
-
-        /// Stops the copier after the copies already queued.
-        pub fn stop(&self) {
-            self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-            // The copier itself may drop the last reference to its stream.
-            if let Some(t) = thread.filter(|t| t.thread().id() != std::thread::current().id()) {
-                let _ = t.join();
-            }
-        }
-    }
-
-    impl Drop for Mirror {
-        fn drop(&mut self) {
-            self.stop();
-        }
+            .is_some();
+        let bytes = slots as u64 * slot_bytes;
+        let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
+        let arena = DeviceArena {
+            handle: buffer.ipc_handle()?.to_vec(),
+            slots,
+            bytes,
+            gpu: label.clone(),
+        };
+        let copies = Arc::new(CopyStream::new(&gpu)?);
+        let key = req.uuid;
+        let backend = Backend::Cuda(copies.clone());
+        let m = Mirror::start(
+            label,
+            arena,
+            pinned,
+            backend,
+            move |rx| copier(key, rx, sink, copies, buffer),
+            format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
+        )
+        .map_err(cuda::CudaError::NoDriver)?;
+        tracing::info!(stream = stream_name, gpu = %m.label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
+        Ok(m)
     }
 
     /// Copies requests in order: queues every request waiting, each followed
@@ -225,49 +266,89 @@ mod imp {
     }
 }
 
-/// Without the `cuda` feature there is no mirror.
-#[cfg(not(feature = "cuda"))]
-#[derive(Debug)]
-pub enum Mirror {}
+/// A GPU made of host memory, for testing the stream's GPU bookkeeping
+/// (copies, device slots, what device consumers are sent) where no GPU is.
+#[cfg(test)]
+pub mod test_gpu {
+    use super::*;
 
-#[cfg(not(feature = "cuda"))]
-impl Mirror {
-    pub fn request(&self, _req: CopyRequest) {
-        match *self {}
+    /// The UUID that selects it.
+    pub const UUID: GpuKey = *b"host-memory-gpu!";
+
+    pub fn request() -> DeviceRequest {
+        DeviceRequest {
+            uuid: UUID,
+            ordinal: 0,
+            name: "host memory stand-in".into(),
+        }
     }
-    pub fn fence(&self) {
-        match *self {}
-    }
-    pub fn stop(&self) {
-        match *self {}
-    }
-    pub fn label(&self) -> &str {
-        match *self {}
-    }
-    pub fn arena(&self) -> batchcast::proto::DeviceArena {
-        match *self {}
-    }
-    pub fn pinned(&self) -> bool {
-        match *self {}
+
+    /// Its memory: `slots × slot_bytes`, written by its copier. `fail_at`:
+    /// the copy number (from 0) at which it fails instead.
+    pub(super) fn create(
+        sink: Weak<dyn CopySink>,
+        (slots, slot_bytes): (u32, u64),
+        memory: Arc<Mutex<Vec<u8>>>,
+        fail_at: Option<u64>,
+    ) -> Result<Mirror, String> {
+        let bytes = slots as u64 * slot_bytes;
+        *memory.lock().unwrap() = vec![0; bytes as usize];
+        let arena = DeviceArena {
+            handle: vec![0; 64],
+            slots,
+            bytes,
+            gpu: "test:0 host memory".into(),
+        };
+        let mem = memory;
+        Mirror::start(
+            "test:0 host memory".into(),
+            arena,
+            false,
+            Backend::Host,
+            move |rx| {
+                let mut n = 0u64;
+                while let Ok(req) = rx.recv() {
+                    let Some(sink) = sink.upgrade() else { return };
+                    if fail_at == Some(n) {
+                        sink.gpu_failed(&UUID, "CUDA_ERROR_ILLEGAL_ADDRESS (test)".into());
+                        return;
+                    }
+                    n += 1;
+                    let (ptr, len) = sink.host_slot(req.host);
+                    // SAFETY: the sink (which owns the host arena) is held,
+                    // and the hub pins the host slot until `copied`.
+                    let src = unsafe { std::slice::from_raw_parts(ptr, len) };
+                    let at = req.device as usize * len;
+                    mem.lock().unwrap()[at..at + len].copy_from_slice(src);
+                    sink.copied(&UUID, req, len as u64, 0);
+                }
+            },
+            "test-gpu-copier".into(),
+        )
     }
 }
 
 /// The GPUs one stream copies to: mirrors by GPU, created on demand.
 #[derive(Debug, Default)]
 pub struct Gpus {
-    mirrors: std::sync::Mutex<std::collections::HashMap<GpuKey, Arc<Mirror>>>,
+    mirrors: Mutex<std::collections::HashMap<GpuKey, Arc<Mirror>>>,
     #[cfg(feature = "cuda")]
     registration: std::sync::OnceLock<Option<batchcast::cuda::HostRegistration>>,
+    /// Tests: the memory of the host-memory GPU, and when it fails.
+    #[cfg(test)]
+    pub test_memory: Arc<Mutex<Vec<u8>>>,
+    #[cfg(test)]
+    pub test_fail_at: Mutex<Option<u64>>,
 }
 
 impl Gpus {
     /// The mirror for `req`'s GPU, created (allocated, exported, its copier
-    /// started) on the first subscription for that GPU.
-    #[cfg(feature = "cuda")]
+    /// started) on the first subscription for that GPU; `slots` is the
+    /// arena's `(slots, slot_bytes)`.
     pub fn mirror(
         &self,
         req: &DeviceRequest,
-        sink: std::sync::Weak<dyn CopySink>,
+        sink: Weak<dyn CopySink>,
         host: (*const u8, usize),
         slots: (u32, u64),
         stream_name: &str,
@@ -276,22 +357,29 @@ impl Gpus {
         if let Some(m) = mirrors.get(&req.uuid) {
             return Ok(m.clone());
         }
-        let m = Mirror::create(req, sink, host, slots, &self.registration, stream_name)
-            .map(Arc::new)
-            .map_err(|e| format!("cannot deliver to cuda:{} ({}): {e}", req.ordinal, req.name))?;
+        let m = Arc::new(self.create(req, sink, host, slots, stream_name)?);
         mirrors.insert(req.uuid, m.clone());
         Ok(m)
     }
 
-    #[cfg(not(feature = "cuda"))]
-    pub fn mirror(
+    #[allow(unused_variables)] // which ones depends on the features
+    fn create(
         &self,
         req: &DeviceRequest,
-        _sink: std::sync::Weak<dyn CopySink>,
-        _host: (*const u8, usize),
-        _slots: (u32, u64),
-        _stream_name: &str,
-    ) -> Result<Arc<Mirror>, String> {
+        sink: Weak<dyn CopySink>,
+        host: (*const u8, usize),
+        slots: (u32, u64),
+        stream_name: &str,
+    ) -> Result<Mirror, String> {
+        #[cfg(test)]
+        if req.uuid == test_gpu::UUID {
+            let fail_at = *self.test_fail_at.lock().unwrap();
+            return test_gpu::create(sink, slots, self.test_memory.clone(), fail_at);
+        }
+        #[cfg(feature = "cuda")]
+        return cuda_backend::create(req, sink, host, slots, &self.registration, stream_name)
+            .map_err(|e| format!("cannot deliver to cuda:{} ({}): {e}", req.ordinal, req.name));
+        #[cfg(not(feature = "cuda"))]
         Err(format!(
             "cannot deliver to cuda:{} ({}): this broker was built without CUDA support (feature `cuda`); subscribe with device=\"cpu\"",
             req.ordinal, req.name

@@ -399,9 +399,9 @@ impl Hub {
 
     /// Copies to group `g` stopped for good (the GPU failed): its pending
     /// copies are dropped, unpinning their host slots, and its members are
-    /// sent nothing more (they are told by the runtime and leave). Returns
-    /// the members. The runtime must first make sure no copy still reads
-    /// host memory.
+    /// sent nothing more (they are told by the runtime and leave; what they
+    /// still hold they may release, to no effect). Returns the members. The
+    /// runtime must first make sure no copy still reads host memory.
     pub fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
         let Some(grp) = self.groups.get_mut(g as usize) else {
             return Vec::new();
@@ -424,7 +424,6 @@ impl Hub {
         for (&id, c) in self.consumers.iter_mut() {
             if c.group == Some(g) {
                 c.queue.clear();
-                c.held.clear();
                 c.closing = true;
                 members.push(id);
             }
@@ -699,6 +698,9 @@ impl Hub {
             return;
         };
         let grp = &mut self.groups[g as usize];
+        if grp.failed {
+            return; // its replicas are gone
+        }
         let r = grp
             .replicas
             .get_mut(&seq)
@@ -1014,7 +1016,7 @@ impl Hub {
         }
         for c in self.consumers.values() {
             assert!(c.held.len() <= c.window as usize, "window exceeded");
-            if let Some(g) = c.group {
+            if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed) {
                 let grp = &self.groups[g as usize];
                 for seq in &c.held {
                     assert!(

@@ -462,8 +462,14 @@ fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     let g = h.add_group(2);
     let (m, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
     let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let w0 = produce(&mut h).unwrap();
+    let c0 = h.take_copies();
+    h.copied(g, w0.seq).unwrap();
+    h.release(host, w0.seq).unwrap();
+    assert_eq!(sent(&h.take_outbound(), m), vec![(w0.seq, c0[0].slot)]);
+    // Batch 1 is being copied, batch 2 waits for a device slot.
     let ws: Vec<Work> = (0..2).map(|_| produce(&mut h).unwrap()).collect();
-    assert_eq!(h.take_copies().len(), 2);
+    assert_eq!(h.take_copies().len(), 1, "one device slot left");
     for w in &ws {
         h.release(host, w.seq).unwrap();
     }
@@ -482,6 +488,9 @@ fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     let out = h.take_outbound();
     assert!(sent(&out, m).is_empty(), "members are sent nothing more");
     assert_eq!(sent(&out, host).len(), 1);
+    h.release(m, w0.seq)
+        .expect("what a member held it may still release");
+    h.check_invariants();
     assert!(h.leave(m));
     h.check_invariants();
 }
