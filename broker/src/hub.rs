@@ -180,7 +180,7 @@ struct Group {
 }
 
 /// One group's numbers for stats.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GroupCounts {
     pub slots: u32,
     pub in_use: u32,

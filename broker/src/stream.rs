@@ -505,30 +505,23 @@ impl Stream {
             },
             failed: inner.failed.clone(),
             gpus: {
-                let mut g: Vec<_> =
-                    inner
-                        .mirrors
-                        .values()
-                        .map(|m| {
-                            let n = inner.hub.group_counts(m.group).unwrap_or(
-                                crate::hub::GroupCounts {
-                                    slots: 0,
-                                    in_use: 0,
-                                    waiting: 0,
-                                },
-                            );
-                            proto::GpuCopyStats {
-                                gpu: m.mirror.label().to_string(),
-                                copies: m.copies,
-                                bytes: m.bytes,
-                                copy_s: m.copy_ns as f64 * 1e-9,
-                                pinned: m.mirror.pinned(),
-                                slots: n.slots,
-                                slots_in_use: n.in_use,
-                                waiting: n.waiting,
-                            }
-                        })
-                        .collect();
+                let mut g: Vec<_> = inner
+                    .mirrors
+                    .values()
+                    .map(|m| {
+                        let n = inner.hub.group_counts(m.group).unwrap_or_default();
+                        proto::GpuCopyStats {
+                            gpu: m.mirror.label().to_string(),
+                            copies: m.copies,
+                            bytes: m.bytes,
+                            copy_s: m.copy_ns as f64 * 1e-9,
+                            pinned: m.mirror.pinned(),
+                            slots: n.slots,
+                            slots_in_use: n.in_use,
+                            waiting: n.waiting,
+                        }
+                    })
+                    .collect();
                 g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
                 g
             },
