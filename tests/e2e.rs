@@ -104,16 +104,16 @@ fn four_consumers_get_every_batch_of_every_epoch_once_in_order_verified() {
         1000,
         32,
     ));
+    // Two take batches through shared-memory mailboxes (the default), two
+    // on the socket: the same bytes either way.
     let kids: Vec<_> = (0..4)
         .map(|i| {
-            env.consumer(&[
-                "--verify",
-                "--digest",
-                "--window",
-                "3",
-                "--name",
-                &format!("c{i}"),
-            ])
+            let name = format!("c{i}");
+            let mut args = vec!["--verify", "--digest", "--window", "3", "--name", &name];
+            if i % 2 == 1 {
+                args.push("--no-mailbox");
+            }
+            env.consumer(&args)
         })
         .collect();
     let reports: Vec<ConsumerReport> = kids.into_iter().map(report).collect();
@@ -541,6 +541,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
                     ordinal: 0,
                     name: "no such GPU".into(),
                 }),
+                mailbox: false,
             },
         });
         let mut bytes = Preamble::ours().to_bytes().to_vec();

@@ -1,10 +1,11 @@
 //! Fan-out benchmark: one broker, N consumer processes, a synthetic stream
 //! of 64×3×224×224 u8 batches (9.6 MB each).
 //!
-//! Bound: on the zero-copy path no tensor byte moves per consumer; per batch
-//! the broker sends one ~30-byte message to each consumer and reads one
-//! ~15-byte release back. So the hand-off cost should be a few syscalls per
-//! delivery, and broker CPU per produced batch should stay flat in N. With
+//! Bound: on the zero-copy path no tensor byte moves per consumer. Per
+//! delivery, on the socket the broker writes one ~30-byte message and reads
+//! one ~15-byte release (two system calls and, usually, a wake-up); through
+//! a mailbox it writes one 64-byte notice record and reads one 8-byte
+//! release (cache lines, no system call unless a side sleeps). With
 //! `fill = stamp` only 16 bytes per sample are written (the hand-off is
 //! measured); with `fill = full` every byte is written, which is bounded by
 //! memory bandwidth (9.6 MB per batch).
@@ -41,6 +42,8 @@ struct Args {
 
 struct Row {
     fill: &'static str,
+    /// How consumers take batches: a shared-memory mailbox, or the socket.
+    transport: &'static str,
     n: usize,
     per_consumer: f64,
     total: f64,
@@ -79,7 +82,13 @@ fields = [
     )
 }
 
-fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyhow::Result<Row> {
+fn run(
+    exe: &Path,
+    (fill, transport): (&'static str, &'static str),
+    n: usize,
+    batches: u64,
+    a: &Args,
+) -> anyhow::Result<Row> {
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("bench.toml");
     std::fs::write(&cfg, config(fill, n, a.slots))?;
@@ -87,7 +96,7 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
     let broker =
         BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("broker.log")))?;
     let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "--stream",
         "bench",
         "--window",
@@ -97,6 +106,9 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
     ]
     .map(String::from)
     .to_vec();
+    if transport == "socket" {
+        args.push("--no-mailbox".into());
+    }
     let kids = (0..n)
         .map(|_| harness::spawn_consumer(exe, &sock, &args))
         .collect::<std::io::Result<Vec<_>>>()?;
@@ -112,6 +124,7 @@ fn run(exe: &Path, fill: &'static str, n: usize, batches: u64, a: &Args) -> anyh
     let produced = stats.streams[0].batches_produced.max(1);
     Ok(Row {
         fill,
+        transport,
         n,
         per_consumer: median(reports.iter().map(|r| r.batches_per_s).collect()),
         total: reports.iter().map(|r| r.batches_per_s).sum(),
@@ -145,23 +158,28 @@ fn main() -> anyhow::Result<()> {
         );
     }
     let mut rows = Vec::new();
-    for (fill, batches) in [("stamp", a.batches), ("full", a.full_batches)] {
+    for (fill, transport, batches) in [
+        ("stamp", "mailbox", a.batches),
+        ("stamp", "socket", a.batches),
+        ("full", "mailbox", a.full_batches),
+    ] {
         for &n in &a.consumers {
-            eprintln!("fill={fill} consumers={n} ...");
+            eprintln!("fill={fill} transport={transport} consumers={n} ...");
             rows.push(
-                run(&exe, fill, n, batches, &a)
-                    .with_context(|| format!("fill={fill} consumers={n}"))?,
+                run(&exe, (fill, transport), n, batches, &a)
+                    .with_context(|| format!("fill={fill} transport={transport} consumers={n}"))?,
             );
         }
     }
     println!(
-        "| fill | consumers | batches/s per consumer (median) | deliveries/s (sum) | hand-off p50 µs | hand-off p99 µs (worst) | broker CPU-s / 1000 batches | broker RSS MiB (anon) | consumer anon KiB start→end | all ok |"
+        "| fill | transport | consumers | batches/s per consumer (median) | deliveries/s (sum) | hand-off p50 µs | hand-off p99 µs (worst) | broker CPU-s / 1000 batches | broker RSS MiB (anon) | consumer anon KiB start→end | all ok |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|");
     for r in &rows {
         println!(
-            "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.0} ({:.1}) | {}→{} | {} |",
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.4} | {:.0} ({:.1}) | {}→{} | {} |",
             r.fill,
+            r.transport,
             r.n,
             r.per_consumer,
             r.total,
@@ -175,18 +193,29 @@ fn main() -> anyhow::Result<()> {
             if r.ok { "yes" } else { "NO" }
         );
     }
-    let cpu = |fill: &str, n: usize| {
+    let cpu = |fill: &str, transport: &str, n: usize| {
         rows.iter()
-            .find(|r| r.fill == fill && r.n == n)
+            .find(|r| r.fill == fill && r.transport == transport && r.n == n)
             .map(|r| r.cpu_per_1000)
     };
-    if let (Some(c1), Some(c8)) = (
-        cpu("stamp", 1),
-        cpu("stamp", *a.consumers.iter().max().unwrap_or(&1)),
-    ) {
+    let most = *a.consumers.iter().max().unwrap_or(&1);
+    println!();
+    for (fill, transport) in [
+        ("stamp", "mailbox"),
+        ("stamp", "socket"),
+        ("full", "mailbox"),
+    ] {
+        if let (Some(c1), Some(cn)) = (cpu(fill, transport, 1), cpu(fill, transport, most)) {
+            println!(
+                "broker CPU per batch, {most} consumers vs 1 ({fill}, {transport}): {:.2}x",
+                cn / c1.max(1e-9)
+            );
+        }
+    }
+    if let (Some(m), Some(s)) = (cpu("stamp", "mailbox", most), cpu("stamp", "socket", most)) {
         println!(
-            "\nbroker CPU per batch, most consumers vs 1 (stamp): {:.2}x",
-            c8 / c1.max(1e-9)
+            "broker CPU per batch at {most} consumers, socket vs mailbox (stamp): {:.1}x",
+            s / m.max(1e-9)
         );
     }
     Ok(())

@@ -63,6 +63,10 @@ pub struct ConsumeArgs {
     /// (raw little-endian tensors) for inspection
     #[arg(long)]
     pub dump: Option<PathBuf>,
+    /// Take batches and give releases back on the socket instead of
+    /// through a shared-memory mailbox (as `BATCHCAST_MAILBOX=0` does)
+    #[arg(long)]
+    pub no_mailbox: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -135,6 +139,9 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     opts.socket = args.socket.clone();
     opts.window = args.window;
+    if args.no_mailbox {
+        opts.mailbox = false;
+    }
     if let Some(d) = args.device {
         opts.device = d;
     }

@@ -859,6 +859,11 @@ impl Hub {
         }
     }
 
+    /// Batches published for a consumer that its window holds back.
+    pub fn queued(&self, id: ConsumerId) -> usize {
+        self.consumers.get(&id).map_or(0, |c| c.queue.len())
+    }
+
     pub fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
         self.consumers.get(&id).map(|c| ConsumerCounts {
             window: c.window,

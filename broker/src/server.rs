@@ -2,7 +2,7 @@
 //! connection, and shuts down gracefully.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
@@ -236,9 +236,9 @@ async fn serve_connection(mut sock: UnixStream, broker: Arc<Broker>, stop: watch
         let peer = Peer { name: hello.name, pid: hello.pid, uid: cred.uid() };
         match hello.intent {
             Intent::Stats => serve_stats(&mut sock, &broker, &mut buf, stop).await,
-            Intent::Consume { stream, window, join, device } => {
+            Intent::Consume { stream, window, join, device, mailbox } => {
                 let s = broker.lookup(&stream)?;
-                let sub = Subscribe { window, join, device };
+                let sub = Subscribe { window, join, device, mailbox };
                 serve_consumer(&mut sock, &broker, s, sub, peer, &mut buf).await
             }
             Intent::Produce(req) => serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await,
@@ -393,7 +393,7 @@ async fn serve_consumer(
     let sub = {
         let stream = stream.clone();
         tokio::task::spawn_blocking(move || {
-            stream.subscribe(req.window, req.join, peer, req.device.as_ref())
+            stream.subscribe(req.window, req.join, peer, req.device.as_ref(), req.mailbox)
         })
         .await
         .map_err(|e| Reject(ErrorCode::Internal, format!("subscribing: {e}")))?
@@ -403,6 +403,7 @@ async fn serve_consumer(
             SubscribeError::Hub(_) => ErrorCode::InvalidRequest,
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
+            SubscribeError::Mailbox(_) => ErrorCode::Internal,
         };
         Reject(
             code,
@@ -430,11 +431,19 @@ async fn serve_consumer(
         start_epoch: sub.start_epoch,
         broker: env!("CARGO_PKG_VERSION").into(),
         device: sub.device,
+        mailbox: sub.mailbox.as_ref().map(|m| m.spec),
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    if send_with_arena(sock, &bytes, &stream).await.is_err() {
+    let mailbox_fd = sub.mailbox.as_ref().map(|m| m.fd.as_fd());
+    if send_with_arena(sock, &bytes, &stream, mailbox_fd)
+        .await
+        .is_err()
+    {
         return Ok(());
     }
+    // A mailbox consumer may be asleep on its bell rather than on the
+    // socket: ring after everything written to it.
+    let bell = sub.mailbox.map(|m| m.bell);
 
     let mut out = Vec::with_capacity(1024);
     loop {
@@ -450,7 +459,11 @@ async fn serve_consumer(
                     last |= matches!(m, ServerMsg::Goodbye(_));
                     append(&mut out, &m);
                 }
-                if sock.write_all(&out).await.is_err() || last {
+                let written = sock.write_all(&out).await;
+                if let Some(bell) = &bell {
+                    bell.ring();
+                }
+                if written.is_err() || last {
                     return Ok(());
                 }
             }
@@ -459,6 +472,7 @@ async fn serve_consumer(
                     stream.release(id, r).map_err(|e| Reject(ErrorCode::InvalidRequest, format!("bad release: {e}")))?;
                 }
                 Some(ClientMsg::Goodbye) => stream.goodbye(id),
+                Some(ClientMsg::Doorbell) => stream.doorbell(),
                 Some(ClientMsg::StatsRequest) => {
                     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
                 }
@@ -477,6 +491,7 @@ struct Subscribe {
     window: u32,
     join: batchcast::JoinPolicy,
     device: Option<batchcast::proto::DeviceRequest>,
+    mailbox: bool,
 }
 
 fn append(out: &mut Vec<u8>, msg: &ServerMsg) {
@@ -486,18 +501,19 @@ fn append(out: &mut Vec<u8>, msg: &ServerMsg) {
     }
 }
 
-/// Sends a welcome or registration frame with the arena fd attached to
-/// its first byte.
+/// Sends a welcome or registration frame with the arena fd (and a
+/// consumer's mailbox fd, after it) attached to its first byte.
 async fn send_with_arena(
     sock: &mut UnixStream,
     bytes: &[u8],
     stream: &Stream,
+    mailbox: Option<BorrowedFd<'_>>,
 ) -> std::io::Result<()> {
     let raw = sock.as_raw_fd();
+    let mut fds = vec![stream.arena.fd()];
+    fds.extend(mailbox);
     let n = sock
-        .async_io(Interest::WRITABLE, || {
-            shm::send_with_fd(raw, bytes, stream.arena.fd())
-        })
+        .async_io(Interest::WRITABLE, || shm::send_with_fds(raw, bytes, &fds))
         .await?;
     sock.write_all(&bytes[n..]).await
 }
@@ -553,7 +569,7 @@ async fn produce(
     }));
     let bytes =
         proto::encode(&registered).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    if send_with_arena(sock, &bytes, &stream).await.is_err() {
+    if send_with_arena(sock, &bytes, &stream, None).await.is_err() {
         return Ok(());
     }
     // The first request means the producer has mapped the arena: seal it

@@ -6,15 +6,17 @@
 //! sections are short (bookkeeping only: no I/O, no filling).
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use batchcast::JoinPolicy;
+use batchcast::mailbox::{Bell, BrokerMailbox, Notice, Totals};
 use batchcast::proto::{
-    self, BatchReady, ConsumerStats, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg,
-    SourceStats, StreamStats,
+    self, BatchReady, ConsumerStats, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, MailboxSpec,
+    ServerMsg, SourceStats, StreamStats,
 };
 use batchcast::shm::Arena;
 use tokio::sync::mpsc;
@@ -46,6 +48,15 @@ struct Conn {
     ending: Option<String>,
     /// Device consumers: their GPU.
     gpu: Option<GpuKey>,
+    /// Host consumers that asked for one: where their batches are noticed
+    /// and their releases written (see [`batchcast::mailbox`]).
+    mailbox: Option<BrokerMailbox>,
+    /// Its mailbox got notices in this dispatch: ring the bell.
+    ring: bool,
+    /// What it says of the batches it released through its mailbox (it
+    /// times them itself: the broker takes those releases only now and
+    /// then).
+    mailbox_totals: Totals,
 }
 
 /// One GPU's copies of this stream, as the stream tracks them.
@@ -73,6 +84,22 @@ struct Inner {
     groups: Vec<GpuKey>,
     /// Consumers that left, with their final numbers (most recent last).
     past: VecDeque<ConsumerStats>,
+    /// Pipeline workers waiting on `work_cv` (to be notified), and those of
+    /// them done polling mailboxes: while one is, or an external producer
+    /// was told to wait, mailbox consumers are asked to ring a doorbell when
+    /// they release (nobody would look at their mailbox soon otherwise).
+    idle_workers: u32,
+    armed_workers: u32,
+    producer_waiting: bool,
+    /// Wall time the pipeline took for its last batch (`u64::MAX` until one
+    /// is made): how soon a busy worker looks at the mailboxes again.
+    fill_ns: u64,
+    /// Pipeline threads (0 for an external producer).
+    workers: u32,
+    /// A doorbell rang: take every mailbox's releases at the next settle.
+    drain_all: bool,
+    /// Releases drained from mailboxes, reused between drains.
+    drained: Vec<(ConsumerId, u64)>,
 }
 
 /// Who is connecting, for stats.
@@ -119,6 +146,17 @@ pub enum SubscribeError {
     Failed(String),
     #[error("{0}")]
     Device(String),
+    #[error("cannot make its mailbox: {0}")]
+    Mailbox(batchcast::Error),
+}
+
+/// A mailbox granted to a consumer: the server sends its fd with the
+/// welcome and rings its bell after each socket write.
+#[derive(Debug)]
+pub struct MailboxGrant {
+    pub spec: MailboxSpec,
+    pub fd: OwnedFd,
+    pub bell: Bell,
 }
 
 /// What a consumer gets on subscribing.
@@ -129,6 +167,7 @@ pub struct Subscription {
     pub rx: mpsc::Receiver<ServerMsg>,
     /// Device consumers: the arena to open.
     pub device: Option<proto::DeviceArena>,
+    pub mailbox: Option<MailboxGrant>,
 }
 
 impl Stream {
@@ -149,6 +188,7 @@ impl Stream {
             lag_limit: plan.cfg.lag_limit,
             min_consumers: plan.cfg.min_consumers,
         });
+        let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
         let stream = Arc::new(Stream {
             gpus: Gpus::default(),
             plan,
@@ -162,6 +202,13 @@ impl Stream {
                 mirrors: HashMap::new(),
                 groups: Vec::new(),
                 past: VecDeque::new(),
+                idle_workers: 0,
+                armed_workers: 0,
+                producer_waiting: false,
+                fill_ns: u64::MAX,
+                workers,
+                drain_all: false,
+                drained: Vec::new(),
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -198,16 +245,27 @@ impl Stream {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs a hub operation, then queues what it emitted and wakes workers.
+    /// Runs a hub operation, then takes mailbox releases, queues what the
+    /// hub emitted and wakes a producer that waits and now may go on.
     fn with_hub<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
         let mut inner = self.lock();
         let r = f(&mut inner);
-        dispatch(&mut inner);
+        settle(&mut inner, false);
         if inner.hub.can_start() {
-            self.work_cv.notify_all();
-            self.ready.notify_one();
+            // Waiters count themselves under this lock before they wait.
+            if inner.idle_workers > 0 {
+                self.work_cv.notify_all();
+            }
+            if inner.producer_waiting {
+                self.ready.notify_one();
+            }
         }
         r
+    }
+
+    /// A mailbox consumer rang: it released while a producer waited.
+    pub fn doorbell(&self) {
+        self.with_hub(|inner| inner.drain_all = true);
     }
 
     /// See [`Hub::set_min_consumers`]; whether the stream was still
@@ -236,12 +294,16 @@ impl Stream {
             if let Some(why) = &inner.failed {
                 return Err(why.clone());
             }
+            inner.producer_waiting = false;
             if inner.hub.exhausted() {
                 return Ok(Acquire::Ended);
             }
             Ok(match inner.hub.start_batch() {
                 Some(w) => Acquire::Slot(w),
-                None => Acquire::Wait,
+                None => {
+                    inner.producer_waiting = true;
+                    Acquire::Wait
+                }
             })
         })
     }
@@ -292,6 +354,7 @@ impl Stream {
         join: JoinPolicy,
         peer: Peer,
         device: Option<&proto::DeviceRequest>,
+        mailbox: bool,
     ) -> Result<Subscription, SubscribeError> {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
@@ -311,6 +374,24 @@ impl Stream {
                 return Err(SubscribeError::Device(why.clone()));
             }
         }
+        let mailbox = match mailbox && device.is_none() {
+            false => None,
+            true => Some(
+                BrokerMailbox::create(MailboxSpec::for_window(window))
+                    .map_err(SubscribeError::Mailbox)?,
+            ),
+        };
+        let grant = match &mailbox {
+            None => None,
+            Some(m) => Some(MailboxGrant {
+                spec: m.spec(),
+                fd: m
+                    .fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| SubscribeError::Mailbox(e.into()))?,
+                bell: m.bell(),
+            }),
+        };
         // Allocating a device arena takes a while: not under the hub's lock.
         let mirror = match device {
             None => None,
@@ -371,25 +452,24 @@ impl Stream {
                     joined: Instant::now(),
                     ending: None,
                     gpu: device.map(|req| req.uuid),
+                    mailbox,
+                    ring: false,
+                    mailbox_totals: Totals::default(),
                 },
             );
-            Ok(Subscription { id, start_epoch, rx, device: mirror.as_ref().map(|m| m.arena()) })
+            Ok(Subscription {
+                id,
+                start_epoch,
+                rx,
+                device: mirror.as_ref().map(|m| m.arena()),
+                mailbox: grant,
+            })
         })
     }
 
     pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), HubError> {
         let now = proto::monotonic_ns();
-        self.with_hub(|inner| {
-            inner.hub.release(id, r.seq)?;
-            if let Some(c) = inner.conns.get_mut(&id) {
-                c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
-                c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
-                if let Some(sent) = c.sent_ns.remove(&r.seq) {
-                    c.hold_ns += now.saturating_sub(sent);
-                }
-            }
-            Ok(())
-        })
+        self.with_hub(|inner| release(inner, id, r, now))
     }
 
     pub fn goodbye(&self, id: ConsumerId) {
@@ -467,6 +547,8 @@ impl Stream {
     }
 
     pub fn stats(&self) -> StreamStats {
+        // Releases sitting in mailboxes count as released.
+        self.with_hub(|inner| inner.drain_all = true);
         let inner = self.lock();
         let c = inner.hub.counts();
         let mut consumers: Vec<ConsumerStats> = inner
@@ -549,6 +631,11 @@ impl Stream {
 
     /// A pipeline thread: take work from the hub, fill the slot, publish.
     fn worker(&self) {
+        // Its naps between looks at mailboxes are tens of microseconds: do
+        // not let the kernel stretch them by the default 50 µs of slack.
+        if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
+            tracing::debug!("timer slack: {e}");
+        }
         let mut orders = OrderCache::default();
         let mut images = match &self.plan.source {
             Source::Images { .. } => match pipeline::Worker::new() {
@@ -564,6 +651,7 @@ impl Stream {
             let work = {
                 let mut inner = self.lock();
                 let mut blocked_since: Option<Instant> = None;
+                let mut naps = MAILBOX_NAPS.iter();
                 let work = loop {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
@@ -577,11 +665,35 @@ impl Stream {
                     if busy && blocked_since.is_none() {
                         blocked_since = Some(Instant::now());
                     }
+                    // With mailbox consumers, first look at their mailboxes
+                    // after short naps (a release usually comes within
+                    // microseconds); then ask them to ring, and sleep.
+                    let polling = inner.conns.values().any(|c| c.mailbox.is_some());
+                    let (armed, timeout) = match naps.next() {
+                        Some(&nap) if polling => (false, nap),
+                        _ => (true, Duration::from_millis(200)),
+                    };
+                    inner.idle_workers += 1;
+                    if armed {
+                        inner.armed_workers += 1;
+                        settle(&mut inner, true);
+                        if let Some(w) = inner.hub.start_batch() {
+                            inner.idle_workers -= 1;
+                            inner.armed_workers -= 1;
+                            break w;
+                        }
+                    }
                     inner = self
                         .work_cv
-                        .wait_timeout(inner, Duration::from_millis(200))
+                        .wait_timeout(inner, timeout)
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
+                    inner.idle_workers -= 1;
+                    if armed {
+                        inner.armed_workers -= 1;
+                    } else {
+                        settle(&mut inner, true);
+                    }
                 };
                 if let Some(t) = blocked_since {
                     inner.producer_blocked += t.elapsed();
@@ -589,11 +701,14 @@ impl Stream {
                 work
             };
             let cpu0 = thread_cpu();
+            let t0 = Instant::now();
             let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
             let filled = self.fill(&work, &order, images.as_mut());
             let cpu = thread_cpu().saturating_sub(cpu0);
+            let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
             match filled {
                 Ok(samples) => self.with_hub(|inner| {
+                    inner.fill_ns = fill_ns;
                     inner.pipeline_cpu += cpu;
                     inner.hub.finish_batch(work.seq, samples)
                 }),
@@ -729,9 +844,9 @@ fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
         queued: n.queued,
         epoch: n.epoch,
         samples: conn.samples,
-        wait_s: conn.wait_ns as f64 * 1e-9,
-        busy_s: conn.busy_ns as f64 * 1e-9,
-        hold_s: conn.hold_ns as f64 * 1e-9,
+        wait_s: (conn.wait_ns + conn.mailbox_totals.wait_ns) as f64 * 1e-9,
+        busy_s: (conn.busy_ns + conn.mailbox_totals.busy_ns) as f64 * 1e-9,
+        hold_s: (conn.hold_ns + conn.mailbox_totals.hold_ns) as f64 * 1e-9,
         device: conn
             .gpu
             .and_then(|k| inner.mirrors.get(&k))
@@ -741,11 +856,127 @@ fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
     })
 }
 
-/// Turns what the hub emitted into messages on each connection's outbox,
-/// and the copies it ordered into requests to each GPU's copier. (The hub
-/// sends a device consumer a batch only once its copy has completed.)
+/// How long a producer waiting for a release naps before looking at the
+/// mailboxes again, before it asks their consumers to ring instead.
+const MAILBOX_NAPS: [Duration; 3] = [
+    Duration::from_micros(20),
+    Duration::from_micros(50),
+    Duration::from_micros(100),
+];
+
+/// A consumer its window holds back need not ring if the pipeline will
+/// look at its mailbox within this (ns).
+const LOOK_SOON_NS: u64 = 200_000;
+
+/// Counts a release (from the socket or a mailbox) in the hub and in the
+/// consumer's numbers.
+fn release(inner: &mut Inner, id: ConsumerId, r: proto::Release, now: u64) -> Result<(), HubError> {
+    inner.hub.release(id, r.seq)?;
+    if let Some(c) = inner.conns.get_mut(&id) {
+        c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
+        c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
+        if let Some(sent) = c.sent_ns.remove(&r.seq) {
+            c.hold_ns += now.saturating_sub(sent);
+        }
+    }
+    Ok(())
+}
+
+/// Brings the hub and the mailboxes in step: sends what the hub emitted,
+/// sets each mailbox's doorbell wish, and takes the releases written
+/// there, until nothing changes.
+///
+/// Releases are taken lazily: from every mailbox when `all` (a producer is
+/// about to wait, a doorbell rang, stats are asked for) or a doorbell rang,
+/// else only from consumers whose window holds back batches the hub has
+/// for them. So a producer with free slots reads no consumer's lines.
+///
+/// A consumer is asked to ring when nobody would look at its mailbox soon:
+/// a producer waits, or the hub holds batches for it that its window
+/// blocks and the pipeline takes long per batch.
+fn settle(inner: &mut Inner, all: bool) {
+    let all = all || std::mem::take(&mut inner.drain_all);
+    dispatch(inner);
+    // A busy pipeline looks again after its next batch: soon enough for a
+    // consumer its window holds back, if batches are quick.
+    let look_soon = inner.fill_ns / u64::from(inner.workers.max(1)) < LOOK_SOON_NS;
+    loop {
+        let idle = inner.armed_workers > 0 || inner.producer_waiting;
+        for (&id, conn) in inner.conns.iter_mut() {
+            if let Some(mb) = conn.mailbox.as_mut() {
+                mb.set_want(idle || (!look_soon && inner.hub.queued(id) > 0));
+            }
+        }
+        // Pairs with the consumer's fence between writing a release and
+        // reading the wish: either we see its release, or it sees the wish.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !drain_mailboxes(inner, all) {
+            return;
+        }
+        dispatch(inner);
+    }
+}
+
+/// Takes the releases written to mailboxes (all, or those of consumers
+/// with batches queued behind their window); whether there were any.
+fn drain_mailboxes(inner: &mut Inner, all: bool) -> bool {
+    let mut taken = std::mem::take(&mut inner.drained);
+    let mut broken = Vec::new();
+    for (&id, conn) in inner.conns.iter_mut() {
+        let Some(mb) = conn.mailbox.as_mut() else {
+            continue;
+        };
+        if !all && inner.hub.queued(id) == 0 {
+            continue;
+        }
+        match mb.drain(|seq| taken.push((id, seq))) {
+            Ok((_, totals)) => conn.mailbox_totals = totals,
+            Err(e) => broken.push((id, e.to_string())),
+        }
+    }
+    let any = !taken.is_empty();
+    for (id, seq) in taken.drain(..) {
+        if let Err(e) = inner.hub.release(id, seq) {
+            broken.push((id, format!("bad release: {e}")));
+        }
+    }
+    inner.drained = taken;
+    for (id, why) in broken {
+        end_mailbox_consumer(inner, id, why);
+    }
+    any
+}
+
+/// A consumer broke the mailbox protocol: it gets an error and nothing
+/// more, and leaves when its connection closes. Nobody else is affected.
+fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    if conn.mailbox.take().is_none() {
+        return; // already ended
+    }
+    tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
+    conn.ending = Some(format!("ended: {why}"));
+    send(
+        conn,
+        id,
+        ServerMsg::Error(ErrorMsg {
+            code: ErrorCode::InvalidRequest,
+            message: format!("the broker ended this consumer: {why}"),
+        }),
+    );
+    send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Detached));
+    let _ = inner.hub.goodbye(id);
+}
+
+/// Turns what the hub emitted into notices in mailboxes and messages on
+/// each connection's outbox, and the copies it ordered into requests to
+/// each GPU's copier. (The hub sends a device consumer a batch only once
+/// its copy has completed.)
 fn dispatch(inner: &mut Inner) {
     let now = proto::monotonic_ns();
+    let mut broken = Vec::new();
     for (id, out) in inner.hub.take_outbound() {
         let Some(conn) = inner.conns.get_mut(&id) else {
             continue;
@@ -758,7 +989,9 @@ fn dispatch(inner: &mut Inner) {
                 slot,
                 samples,
             } => {
-                conn.sent_ns.insert(seq, now);
+                if conn.mailbox.is_none() {
+                    conn.sent_ns.insert(seq, now);
+                }
                 conn.samples += samples;
                 ServerMsg::Batch(BatchReady {
                     seq,
@@ -796,7 +1029,37 @@ fn dispatch(inner: &mut Inner) {
                 ServerMsg::Goodbye(GoodbyeReason::Detached)
             }
         };
+        if let Some(mb) = conn.mailbox.as_mut() {
+            let notice = match &msg {
+                ServerMsg::Batch(b) => Some(Notice::Batch(*b)),
+                ServerMsg::EndOfEpoch(e) => Some(Notice::EndOfEpoch(*e)),
+                ServerMsg::EndOfStream => Some(Notice::EndOfStream),
+                _ => None,
+            };
+            if let Some(n) = notice {
+                match mb.push(&n) {
+                    Ok(()) => conn.ring = true,
+                    Err(e) => broken.push((id, e.to_string())),
+                }
+                continue;
+            }
+        }
         send(conn, id, msg);
+    }
+    for conn in inner.conns.values_mut() {
+        if std::mem::take(&mut conn.ring)
+            && let Some(mb) = &conn.mailbox
+        {
+            mb.ring();
+        }
+    }
+    if !broken.is_empty() {
+        for (id, why) in broken {
+            end_mailbox_consumer(inner, id, why);
+        }
+        // Ending a consumer may let the hub send others what it held back.
+        dispatch(inner);
+        return;
     }
     for c in inner.hub.take_copies() {
         let Some(m) = inner
@@ -891,6 +1154,7 @@ impl CopySink for Stream {
 mod tests {
     use std::path::Path;
 
+    use batchcast::mailbox::ConsumerMailbox;
     use batchcast::proto::Release;
     use batchcast::synthetic::SyntheticSpec;
 
@@ -928,8 +1192,14 @@ fields = [{{ name = "x", dtype = "u8", shape = [3, 4, 4] }}, {{ name = "y", dtyp
 
     fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
         let req = test_gpu::request();
-        s.subscribe(2, JoinPolicy::NextEpoch, peer(name), gpu.then_some(&req))
-            .unwrap()
+        s.subscribe(
+            2,
+            JoinPolicy::NextEpoch,
+            peer(name),
+            gpu.then_some(&req),
+            false,
+        )
+        .unwrap()
     }
 
     fn next(sub: &mut Subscription) -> ServerMsg {
@@ -987,6 +1257,63 @@ fields = [{{ name = "x", dtype = "u8", shape = [3, 4, 4] }}, {{ name = "y", dtyp
 
     fn host_memory(s: &Stream) -> &[u8] {
         s.arena.mapping().get(0, s.plan.arena_bytes()).unwrap()
+    }
+
+    /// A mailbox consumer as the client library drives one: takes notices,
+    /// checks each batch, releases it through the mailbox and rings when
+    /// the stream asks. Returns the batches it saw, up to the end.
+    fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut seen = Vec::new();
+        loop {
+            assert!(Instant::now() < deadline, "stalled after {seen:?}");
+            match mb.pop().unwrap() {
+                Some(Notice::Batch(b)) => {
+                    verify(s, &b, host_memory(s));
+                    seen.push(b.seq);
+                    assert!(mb.push_release(b.seq, Totals::default()));
+                    if mb.wants_doorbell() {
+                        s.doorbell();
+                    }
+                }
+                Some(Notice::EndOfEpoch(_)) => {}
+                Some(Notice::EndOfStream) => return seen,
+                None => mb.sleep_unless(Duration::from_millis(5), || false),
+            }
+        }
+    }
+
+    #[test]
+    fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
+        let s = start(2, 2);
+        let grant = |name: &str| {
+            let mut sub = s
+                .subscribe(2, JoinPolicy::NextEpoch, peer(name), None, true)
+                .unwrap();
+            let g = sub
+                .mailbox
+                .take()
+                .expect("a host consumer gets its mailbox");
+            (sub, ConsumerMailbox::open(g.fd, g.spec).unwrap())
+        };
+        let (good, good_mb) = grant("good");
+        let (mut bad, bad_mb) = grant("bad");
+        // It releases a batch it was never sent.
+        assert!(bad_mb.push_release(12345, Totals::default()));
+        let ServerMsg::Error(e) = next(&mut bad) else {
+            panic!("expected an error")
+        };
+        assert!(e.message.contains("bad release"), "{}", e.message);
+        assert!(matches!(next(&mut bad), ServerMsg::Goodbye(_)));
+        // Its connection closes, as the server's would.
+        s.leave(bad.id);
+        let seen = drain_as_mailbox_consumer(&s, &good_mb);
+        assert_eq!(
+            seen,
+            (0..20).collect::<Vec<_>>(),
+            "2 epochs of 10, in order"
+        );
+        drop(good);
     }
 
     #[test]
@@ -1137,6 +1464,7 @@ fields = [{{ name = "x", dtype = "u8", shape = [3, 4, 4] }}, {{ name = "y", dtyp
                 JoinPolicy::Immediate,
                 peer("again"),
                 Some(&test_gpu::request()),
+                false,
             )
             .unwrap_err();
         assert!(err.to_string().contains("failed"), "{err}");

@@ -20,8 +20,9 @@
 //! * [`proto`]: the wire protocol shared with the broker: preamble, every
 //!   message, framing.
 //! * [`schema`]: dtypes, fields, and where each field lives in a slot.
-//! * [`shm`]: memfd arenas, read-only mappings and fd passing; the only
-//!   module with `unsafe`.
+//! * [`shm`]: memfd arenas, read-only mappings and fd passing.
+//! * [`mailbox`]: a host consumer's batch notices and releases in shared
+//!   memory, with futex wake-ups (the socket carries the rest).
 //! * [`consumer`]: the blocking [`Consumer`], [`Batch`] and its field views,
 //!   and [`StatsClient`].
 //! * [`producer`]: the blocking [`Producer`], which registers a stream and
@@ -45,6 +46,7 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 mod gpu;
+pub mod mailbox;
 pub mod producer;
 pub mod proto;
 pub mod schema;

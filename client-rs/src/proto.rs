@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -110,6 +110,9 @@ pub enum Intent {
         /// `Some`: deliver batches in this GPU's memory (CUDA IPC) instead
         /// of host memory.
         device: Option<DeviceRequest>,
+        /// Ask for a [mailbox](crate::mailbox): batch notices and releases
+        /// in shared memory instead of on the socket (host consumers).
+        mailbox: bool,
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
@@ -190,6 +193,9 @@ pub enum ClientMsg {
     /// released when it releases them or disconnects. From a producer: it
     /// is done (early, unless every epoch was published).
     Goodbye,
+    /// A mailbox consumer released a batch while the broker said it waits
+    /// for releases: look at its mailbox now.
+    Doorbell,
     /// Producer: give me the next slot to fill (answered with
     /// [`ServerMsg::Fill`], or [`ServerMsg::EndOfStream`] once every epoch
     /// has been handed out). At most one request is outstanding.
@@ -272,6 +278,17 @@ pub struct Welcome {
     /// holds the same batch as host slot `s`, copied before the batch is
     /// sent; the host arena's fd still comes with the welcome.
     pub device: Option<DeviceArena>,
+    /// Granted a mailbox: its fd comes after the arena's with this frame,
+    /// and batches, epoch ends and the end of the stream arrive there
+    /// instead of on the socket.
+    pub mailbox: Option<MailboxSpec>,
+}
+
+/// The rings of a consumer's [mailbox](crate::mailbox), in records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MailboxSpec {
+    pub notices: u32,
+    pub releases: u32,
 }
 
 /// A batch is ready in `slot`.

@@ -1,5 +1,6 @@
-//! Shared memory and file-descriptor passing: the only module of the client
-//! library with `unsafe` code.
+//! Shared memory and file-descriptor passing. With [`mailbox`](crate::mailbox)
+//! (atomics over shared memory, futexes) and `cuda` (driver calls), one of
+//! the three modules of the client library with `unsafe` code.
 //!
 //! * [`Arena::create`] (broker side) makes an anonymous `memfd`, sizes it,
 //!   maps it read-write and seals it: it can never shrink or grow (so no
@@ -221,7 +222,12 @@ impl Arena {
 /// written, which may be fewer than `bytes.len()` on a non-blocking socket;
 /// the fd travels with the first byte.
 pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
-    let fds = [fd.as_raw_fd()];
+    send_with_fds(sock, bytes, &[fd])
+}
+
+/// [`send_with_fd`] with several fds, which arrive in this order.
+pub fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<usize> {
+    let fds: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
     let cmsg = [ControlMessage::ScmRights(&fds)];
     sendmsg::<()>(
         sock,

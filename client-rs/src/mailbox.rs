@@ -1,0 +1,677 @@
+//! The mailbox: a consumer's notices and releases in shared memory instead
+//! of on the socket. One memfd per host consumer, shared by the broker and
+//! that consumer only; the socket stays for the handshake, errors, goodbyes
+//! and wake-ups.
+//!
+//! Why: on the socket every delivery costs the broker a write that wakes
+//! the consumer and a read of its release (about 5 µs of broker CPU here),
+//! so broker CPU per batch grew with the number of consumers. Through the
+//! mailbox a delivery is a few stores and loads of shared cache lines; a
+//! system call is made only for a consumer that went to sleep (a futex
+//! wake) or for a broker that waits on a release (a doorbell on the socket).
+//!
+//! Layout (all words little-endian, accessed only as atomics; each group
+//! on its own cache line, so that a word one side polls is not written
+//! by the other more often than it must be):
+//!
+//! | offset | written by | words |
+//! |---:|---|---|
+//! | 0 | broker | `bell` (u32 futex word, bumped to wake a sleeper), `want` (u32: 1 = send [`ClientMsg::Doorbell`](crate::proto::ClientMsg) after releasing), `drained` (u64: release records taken) |
+//! | 64 | consumer | `sleeping` (u32: 1 = waiting on `bell`) |
+//! | 128 | consumer | `tail` (u64: notices read) |
+//! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns |
+//! | 256 | broker | notice ring: records of 8 words, the first a stamp (the notice's number + 1) written last |
+//! | … | consumer | release ring: one word (the batch's seq) per release |
+//!
+//! A notice costs the broker one cache line (the stamp publishes it; there
+//! is no separate head counter to bounce), and it reads the consumer's
+//! lines only when its ring looks full, when it wants releases, and to see
+//! whether the consumer sleeps (a line that changes only when it does).
+//!
+//! Trust: the broker reads only `tail`, `released`, `sleeping` and the
+//! release records, and checks every one (a release is checked by the hub
+//! like one from the socket; a counter out of range is a protocol error
+//! that ends this consumer only). The memfd is sealed against resizing, so
+//! a consumer cannot make the broker fault. What a consumer writes can harm
+//! only itself.
+//!
+//! Lost wake-ups are ruled out by the same pattern on both sides: a side
+//! that is about to wait first publishes that (`sleeping`, `want`), then a
+//! `SeqCst` fence, then looks once more; a side that publishes work first
+//! stores it, then a `SeqCst` fence, then reads the other's flag.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::proto::{BatchReady, EpochEnd, MailboxSpec};
+use crate::shm::{Arena, Mapping};
+
+const BELL: usize = 0;
+const WANT: usize = 4;
+const DRAINED: usize = 8;
+const SLEEPING: usize = 64;
+const TAIL: usize = 128;
+const RELEASED: usize = 192;
+const WAIT_TOTAL: usize = 200;
+const BUSY_TOTAL: usize = 208;
+const HOLD_TOTAL: usize = 216;
+const NOTICES: usize = 256;
+const NOTICE_WORDS: usize = 8;
+/// Largest ring either side accepts.
+const MAX_RECORDS: u32 = 1 << 16;
+
+const KIND_BATCH: u64 = 1;
+const KIND_EPOCH_END: u64 = 2;
+const KIND_END_OF_STREAM: u64 = 3;
+
+impl MailboxSpec {
+    /// Rings for a consumer with this window. Unread notices are at most a
+    /// window of batches, one end-of-epoch per batch and the end of stream;
+    /// untaken releases at most a window.
+    pub fn for_window(window: u32) -> MailboxSpec {
+        let w = window.clamp(1, MAX_RECORDS / 4);
+        MailboxSpec {
+            notices: (2 * w + 2).next_power_of_two().max(8),
+            releases: w.next_power_of_two().max(8),
+        }
+    }
+
+    /// Bytes of the shared memory.
+    pub fn bytes(&self) -> u64 {
+        self.releases_at() as u64 + self.releases as u64 * 8
+    }
+
+    fn releases_at(&self) -> usize {
+        NOTICES + self.notices as usize * NOTICE_WORDS * 8
+    }
+
+    /// A broker's spec, checked before anything is mapped.
+    pub fn validate(&self) -> Result<()> {
+        for (what, n) in [("notice", self.notices), ("release", self.releases)] {
+            if !n.is_power_of_two() || n > MAX_RECORDS {
+                return Err(Error::Unexpected(format!(
+                    "the broker's mailbox has a {what} ring of {n} records (must be a power of two up to {MAX_RECORDS})"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the broker tells a consumer through its mailbox, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    Batch(BatchReady),
+    EndOfEpoch(EpochEnd),
+    EndOfStream,
+}
+
+/// A consumer's running totals over its mailbox releases (ns), for stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub wait_ns: u64,
+    pub busy_ns: u64,
+    pub hold_ns: u64,
+}
+
+/// A mailbox's memory and the word accessors both sides use.
+#[derive(Debug)]
+struct Words {
+    mem: Mem,
+    spec: MailboxSpec,
+}
+
+/// The broker owns the memfd; a consumer maps the fd it was sent.
+#[derive(Debug)]
+enum Mem {
+    Owner(Arena),
+    Mapped(Mapping),
+}
+
+impl Words {
+    fn map(&self) -> &Mapping {
+        match &self.mem {
+            Mem::Owner(a) => a.mapping(),
+            Mem::Mapped(m) => m,
+        }
+    }
+
+    fn u64(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.map().len());
+        // SAFETY: in bounds and 8-byte aligned (asserted; the mapping is
+        // page-aligned); the memory lives as long as the mapping, which the
+        // borrow of `self` ties the reference to. Every access to this
+        // shared memory, from either process, is atomic, so a concurrent
+        // write by the other side is not a data race.
+        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU64) }
+    }
+
+    fn u32(&self, offset: usize) -> &AtomicU32 {
+        assert!(offset.is_multiple_of(4) && offset + 4 <= self.map().len());
+        // SAFETY: as in `u64`, for a 4-byte aligned word.
+        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// Word `word` of the ring entry that notice number `n` uses.
+    fn notice(&self, n: u64, word: usize) -> &AtomicU64 {
+        let i = (n % self.spec.notices as u64) as usize;
+        self.u64(NOTICES + (i * NOTICE_WORDS + word) * 8)
+    }
+
+    fn release(&self, n: u64) -> &AtomicU64 {
+        let i = (n % self.spec.releases as u64) as usize;
+        self.u64(self.spec.releases_at() + i * 8)
+    }
+
+    fn bell(&self) -> &AtomicU32 {
+        self.u32(BELL)
+    }
+
+    /// Wakes the consumer if it sleeps; cheap when it does not (a load of
+    /// a line that changes only when it goes to sleep). The broker clears
+    /// `sleeping` for it: one wake per sleep.
+    fn ring(&self) -> bool {
+        fence(Ordering::SeqCst);
+        if self.u32(SLEEPING).load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.u32(SLEEPING).store(0, Ordering::Relaxed);
+        self.bell().fetch_add(1, Ordering::SeqCst);
+        futex_wake(self.bell());
+        true
+    }
+}
+
+/// The broker's side of a mailbox.
+#[derive(Debug)]
+pub struct BrokerMailbox {
+    words: Arc<Words>,
+    /// Notices written, the consumer's `tail` as last read, releases taken.
+    head: u64,
+    tail: u64,
+    drained: u64,
+    want: bool,
+}
+
+/// A consumer's mailbox broke the protocol; that consumer is ended.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MailboxError {
+    #[error(
+        "its mailbox is full: {unread} notices unread of {capacity} (the consumer does not read them)"
+    )]
+    Full { unread: u64, capacity: u32 },
+    #[error(
+        "its mailbox says {released} releases were written, but {drained} were taken and the ring holds {capacity}"
+    )]
+    BadReleaseCount {
+        released: u64,
+        drained: u64,
+        capacity: u32,
+    },
+}
+
+impl BrokerMailbox {
+    pub fn create(spec: MailboxSpec) -> Result<BrokerMailbox> {
+        spec.validate()?;
+        // Sealed against resizing: a consumer cannot make the broker fault.
+        let arena = Arena::create("mailbox", spec.bytes())?;
+        Ok(BrokerMailbox {
+            words: Arc::new(Words {
+                mem: Mem::Owner(arena),
+                spec,
+            }),
+            head: 0,
+            tail: 0,
+            drained: 0,
+            want: false,
+        })
+    }
+
+    pub fn spec(&self) -> MailboxSpec {
+        self.words.spec
+    }
+
+    /// The fd to hand to the consumer.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match &self.words.mem {
+            Mem::Owner(a) => a.fd(),
+            Mem::Mapped(_) => unreachable!("the broker's side owns its memfd"),
+        }
+    }
+
+    /// Wakes the consumer if it sleeps: call after a run of pushes.
+    pub fn ring(&self) -> bool {
+        self.words.ring()
+    }
+
+    /// A handle that rings this mailbox's bell from another thread.
+    pub fn bell(&self) -> Bell {
+        Bell(self.words.clone())
+    }
+
+    /// Writes one notice (see [`ring`](Self::ring)).
+    pub fn push(&mut self, notice: &Notice) -> std::result::Result<(), MailboxError> {
+        let w = &self.words;
+        let cap = w.spec.notices as u64;
+        if self.head.wrapping_sub(self.tail) >= cap {
+            self.tail = w.u64(TAIL).load(Ordering::Acquire);
+            let unread = self.head.wrapping_sub(self.tail);
+            if unread >= cap {
+                return Err(MailboxError::Full {
+                    unread,
+                    capacity: w.spec.notices,
+                });
+            }
+        }
+        let words: [u64; NOTICE_WORDS - 1] = match *notice {
+            Notice::Batch(b) => [
+                KIND_BATCH,
+                b.seq,
+                b.epoch,
+                b.index,
+                b.slot as u64,
+                b.samples,
+                b.sent_ns,
+            ],
+            Notice::EndOfEpoch(e) => [
+                KIND_EPOCH_END,
+                e.epoch,
+                e.batches,
+                e.complete as u64,
+                0,
+                0,
+                0,
+            ],
+            Notice::EndOfStream => [KIND_END_OF_STREAM, 0, 0, 0, 0, 0, 0],
+        };
+        for (i, v) in words.into_iter().enumerate() {
+            w.notice(self.head, i + 1).store(v, Ordering::Relaxed);
+        }
+        w.notice(self.head, 0)
+            .store(self.head + 1, Ordering::Release);
+        self.head += 1;
+        Ok(())
+    }
+
+    /// Asks the consumer to send a doorbell after each release (`true`), or
+    /// to stop. Stores only when the wish changes; returns whether it rose.
+    /// After raising it, [`drain`](Self::drain) once more after a `SeqCst`
+    /// fence: a release written just before the consumer saw the wish would
+    /// otherwise go unnoticed.
+    pub fn set_want(&mut self, want: bool) -> bool {
+        if want == self.want {
+            return false;
+        }
+        self.want = want;
+        self.words.u32(WANT).store(want as u32, Ordering::SeqCst);
+        want
+    }
+
+    /// Hands the seq of every release the consumer has written to `take`,
+    /// in order, and returns how many there were with the consumer's
+    /// running totals. An impossible count is an error.
+    pub fn drain(
+        &mut self,
+        mut take: impl FnMut(u64),
+    ) -> std::result::Result<(usize, Totals), MailboxError> {
+        let w = &self.words;
+        let released = w.u64(RELEASED).load(Ordering::Acquire);
+        let new = released.wrapping_sub(self.drained);
+        if new > w.spec.releases as u64 {
+            return Err(MailboxError::BadReleaseCount {
+                released,
+                drained: self.drained,
+                capacity: w.spec.releases,
+            });
+        }
+        let totals = Totals {
+            wait_ns: w.u64(WAIT_TOTAL).load(Ordering::Relaxed),
+            busy_ns: w.u64(BUSY_TOTAL).load(Ordering::Relaxed),
+            hold_ns: w.u64(HOLD_TOTAL).load(Ordering::Relaxed),
+        };
+        for _ in 0..new {
+            take(w.release(self.drained).load(Ordering::Relaxed));
+            self.drained += 1;
+        }
+        if new > 0 {
+            w.u64(DRAINED).store(self.drained, Ordering::Release);
+        }
+        Ok((new as usize, totals))
+    }
+}
+
+/// Rings a mailbox's bell from another thread (the connection's task,
+/// after writing to the socket).
+#[derive(Debug, Clone)]
+pub struct Bell(Arc<Words>);
+
+impl Bell {
+    /// Returns whether the consumer was asleep (and was woken).
+    pub fn ring(&self) -> bool {
+        self.0.ring()
+    }
+}
+
+/// The consumer's side of a mailbox.
+#[derive(Debug)]
+pub struct ConsumerMailbox {
+    words: Words,
+    /// Serialises release writers (batches are released from any thread).
+    releasing: std::sync::Mutex<()>,
+}
+
+impl ConsumerMailbox {
+    /// Maps a mailbox fd the broker sent with its welcome.
+    pub fn open(fd: impl AsFd, spec: MailboxSpec) -> Result<ConsumerMailbox> {
+        spec.validate()?;
+        let map = Mapping::map_readwrite(fd.as_fd(), spec.bytes())?;
+        Ok(ConsumerMailbox {
+            words: Words {
+                mem: Mem::Mapped(map),
+                spec,
+            },
+            releasing: std::sync::Mutex::new(()),
+        })
+    }
+
+    /// Whether a notice is waiting.
+    pub fn has_notice(&self) -> bool {
+        let w = &self.words;
+        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
+    }
+
+    /// Takes the next notice, if any. Call from one thread at a time.
+    pub fn pop(&self) -> Result<Option<Notice>> {
+        let w = &self.words;
+        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+            return Ok(None);
+        }
+        let v: [u64; NOTICE_WORDS] =
+            std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
+        // The entry may be rewritten once `tail` moves on.
+        w.u64(TAIL).store(tail + 1, Ordering::Release);
+        let notice = match v[1] {
+            KIND_BATCH => Notice::Batch(BatchReady {
+                seq: v[2],
+                epoch: v[3],
+                index: v[4],
+                slot: u32::try_from(v[5]).map_err(|_| {
+                    Error::Unexpected(format!("mailbox: batch {} in slot {}", v[2], v[5]))
+                })?,
+                samples: v[6],
+                sent_ns: v[7],
+            }),
+            KIND_EPOCH_END => Notice::EndOfEpoch(EpochEnd {
+                epoch: v[2],
+                batches: v[3],
+                complete: v[4] != 0,
+            }),
+            KIND_END_OF_STREAM => Notice::EndOfStream,
+            k => {
+                return Err(Error::Unexpected(format!(
+                    "mailbox: notice of unknown kind {k}"
+                )));
+            }
+        };
+        Ok(Some(notice))
+    }
+
+    /// Sleeps until the broker rings or `timeout` passes, unless a notice
+    /// is there or `ready` says there is something else to do (it runs
+    /// after this consumer has said it sleeps, so nothing that rings is
+    /// missed). The broker wakes a sleeper with a system call: poll first
+    /// when a notice is due soon.
+    pub fn sleep_unless(&self, timeout: Duration, ready: impl FnOnce() -> bool) {
+        let w = &self.words;
+        let seen = w.bell().load(Ordering::Acquire);
+        w.u32(SLEEPING).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !self.has_notice() && !ready() {
+            futex_wait(w.bell(), seen, timeout);
+        }
+        w.u32(SLEEPING).store(0, Ordering::Relaxed);
+    }
+
+    /// Writes the release of batch `seq`, adding its timings to the
+    /// running totals. `false` when the ring is full (the caller sends it
+    /// on the socket instead); then [`wants_doorbell`] says whether the
+    /// broker waits for it.
+    ///
+    /// [`wants_doorbell`]: Self::wants_doorbell
+    pub fn push_release(&self, seq: u64, t: Totals) -> bool {
+        let _guard = self.releasing.lock().unwrap_or_else(|p| p.into_inner());
+        let w = &self.words;
+        let n = w.u64(RELEASED).load(Ordering::Relaxed);
+        let drained = w.u64(DRAINED).load(Ordering::Acquire);
+        if n.wrapping_sub(drained) >= w.spec.releases as u64 {
+            return false;
+        }
+        w.release(n).store(seq, Ordering::Relaxed);
+        for (at, add) in [
+            (WAIT_TOTAL, t.wait_ns),
+            (BUSY_TOTAL, t.busy_ns),
+            (HOLD_TOTAL, t.hold_ns),
+        ] {
+            let total = w.u64(at);
+            total.store(
+                total.load(Ordering::Relaxed).wrapping_add(add),
+                Ordering::Relaxed,
+            );
+        }
+        w.u64(RELEASED).store(n + 1, Ordering::Release);
+        true
+    }
+
+    /// Whether the broker asked to be told of releases (it waits on one).
+    pub fn wants_doorbell(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.words.u32(WANT).load(Ordering::Relaxed) != 0
+    }
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT only reads the aligned u32 at `word` (live for the
+    // call: borrowed) and the timespec on our stack; a shared (non-private)
+    // futex, because the other side is another process. Spurious returns
+    // (EINTR, EAGAIN, ETIMEDOUT) are fine: callers re-check.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE reads nothing behind the pointer beyond using its
+    // address as the key; the word is borrowed and live.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn pair(window: u32) -> (BrokerMailbox, ConsumerMailbox) {
+        let b = BrokerMailbox::create(MailboxSpec::for_window(window)).unwrap();
+        let c = ConsumerMailbox::open(b.fd(), b.spec()).unwrap();
+        (b, c)
+    }
+
+    fn batch(seq: u64) -> Notice {
+        Notice::Batch(BatchReady {
+            seq,
+            epoch: seq / 10,
+            index: seq % 10,
+            slot: (seq % 4) as u32,
+            samples: 64,
+            sent_ns: 1000 + seq,
+        })
+    }
+
+    fn t(wait_ns: u64) -> Totals {
+        Totals {
+            wait_ns,
+            busy_ns: 2 * wait_ns,
+            hold_ns: 3 * wait_ns,
+        }
+    }
+
+    #[test]
+    fn notices_and_releases_cross_in_order_and_wrap() {
+        let (mut b, c) = pair(2);
+        let cap = b.spec().notices as u64;
+        let mut sum = Totals::default();
+        for round in 0..5 * cap {
+            assert!(!c.has_notice());
+            b.push(&batch(round)).unwrap();
+            if round % 3 == 0 {
+                b.push(&Notice::EndOfEpoch(EpochEnd {
+                    epoch: round,
+                    batches: 7,
+                    complete: true,
+                }))
+                .unwrap();
+            }
+            assert!(c.has_notice());
+            assert_eq!(c.pop().unwrap(), Some(batch(round)));
+            if round % 3 == 0 {
+                assert!(
+                    matches!(c.pop().unwrap(), Some(Notice::EndOfEpoch(e)) if e.epoch == round && e.complete)
+                );
+            }
+            assert_eq!(c.pop().unwrap(), None);
+            assert!(c.push_release(round, t(round)));
+            sum.wait_ns += round;
+            sum.busy_ns += 2 * round;
+            sum.hold_ns += 3 * round;
+            let mut got = Vec::new();
+            let (n, totals) = b.drain(|s| got.push(s)).unwrap();
+            assert_eq!((n, got, totals), (1, vec![round], sum));
+        }
+        b.push(&Notice::EndOfStream).unwrap();
+        assert_eq!(c.pop().unwrap(), Some(Notice::EndOfStream));
+    }
+
+    #[test]
+    fn a_full_ring_is_reported_not_overwritten() {
+        let (mut b, c) = pair(1);
+        let cap = b.spec().notices as u64;
+        for s in 0..cap {
+            b.push(&batch(s)).unwrap();
+        }
+        assert!(matches!(
+            b.push(&batch(cap)),
+            Err(MailboxError::Full { .. })
+        ));
+        assert_eq!(c.pop().unwrap(), Some(batch(0)));
+        b.push(&batch(cap)).unwrap();
+        for s in 1..=cap {
+            assert_eq!(c.pop().unwrap(), Some(batch(s)));
+        }
+        // Releases: the consumer falls back to the socket when full.
+        let rcap = b.spec().releases;
+        for s in 0..rcap {
+            assert!(c.push_release(s as u64, t(1)));
+        }
+        assert!(!c.push_release(99, t(1)));
+        assert_eq!(b.drain(|_| {}).unwrap().0, rcap as usize);
+        assert!(c.push_release(99, t(1)));
+    }
+
+    #[test]
+    fn forged_counters_are_errors_for_the_broker() {
+        let (mut b, c) = pair(2);
+        // A consumer writing nonsense into its own lines.
+        c.words.u64(RELEASED).store(1 << 40, Ordering::Release);
+        assert!(matches!(
+            b.drain(|_| {}),
+            Err(MailboxError::BadReleaseCount { .. })
+        ));
+        // A tail ahead of what was written: the ring reads as full once the
+        // broker looks at it.
+        let cap = b.spec().notices as u64;
+        c.words.u64(TAIL).store(cap + 5, Ordering::Release);
+        let mut full = false;
+        for s in 0..=cap {
+            if b.push(&batch(s)).is_err() {
+                full = true;
+                break;
+            }
+        }
+        assert!(full);
+        // And the consumer refuses an unknown record kind.
+        let (mut b, c) = pair(2);
+        b.push(&batch(0)).unwrap();
+        b.words.notice(0, 1).store(99, Ordering::Relaxed);
+        assert!(c.pop().is_err());
+    }
+
+    #[test]
+    fn want_flag_reaches_the_consumer() {
+        let (mut b, c) = pair(2);
+        assert!(!c.wants_doorbell());
+        assert!(b.set_want(true));
+        assert!(!b.set_want(true), "unchanged: no store");
+        assert!(c.wants_doorbell());
+        b.set_want(false);
+        assert!(!c.wants_doorbell());
+    }
+
+    #[test]
+    fn a_sleeping_consumer_is_woken_by_the_bell() {
+        let (mut b, c) = pair(2);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            c.sleep_unless(Duration::from_secs(20), || {
+                tx.send(()).unwrap();
+                false
+            });
+            (t0.elapsed(), c.pop().unwrap())
+        });
+        // The consumer has said it sleeps (it is about to wait, or waits).
+        rx.recv().unwrap();
+        b.push(&batch(7)).unwrap();
+        assert!(b.ring(), "the broker saw it sleeping");
+        let (waited, got) = t.join().unwrap();
+        assert_eq!(got, Some(batch(7)));
+        assert!(waited < Duration::from_secs(20), "woken, not timed out");
+        assert!(!b.ring(), "nobody sleeps now: no wake");
+    }
+
+    #[test]
+    fn no_sleep_when_a_notice_or_something_else_is_there() {
+        let (mut b, c) = pair(2);
+        let t0 = Instant::now();
+        c.sleep_unless(Duration::from_secs(20), || true);
+        b.push(&batch(1)).unwrap();
+        c.sleep_unless(Duration::from_secs(20), || false);
+        assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+}
