@@ -676,3 +676,79 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
     harness::wait_timeout(&mut broker, LIMIT).unwrap();
 }
+
+/// Runs `f` on a thread and waits for it at most `LIMIT` (a client that
+/// would block forever fails the test instead of hanging it).
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(LIMIT)
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
+}
+
+#[test]
+fn a_mailbox_consumer_keeps_to_its_window_and_gives_back_what_it_never_read() {
+    // The broker sends mailbox consumers every batch at once; the client
+    // keeps the window. 4 slots, 2 epochs of 6 batches.
+    let mut cfg = config("epochs = 2\nmin_consumers = 2", 48, 8);
+    cfg = cfg.replace("slots = 6", "slots = 4");
+    let env = Env::start(&cfg);
+    let opts = |name: &str, window: u32| batchcast::ConsumerOptions {
+        socket: Some(env.socket()),
+        stream: "train".into(),
+        window,
+        name: name.into(),
+        mailbox: true,
+        ..Default::default()
+    };
+    let mut a = batchcast::Consumer::connect(opts("holder", 2)).unwrap();
+    let b = batchcast::Consumer::connect(opts("reader", 1)).unwrap();
+    assert!(a.welcome().mailbox.is_some() && b.welcome().mailbox.is_some());
+    let first = a.next().unwrap().unwrap();
+    let second = a.next().unwrap().unwrap();
+    // Holding its whole window, it gets no third batch, though the broker
+    // has sent it one: an error after a short grace, not a hang.
+    match a.next_event() {
+        Err(batchcast::Error::WindowFull { held: 2 }) => {}
+        other => panic!("expected WindowFull with 2 held, got {other:?}"),
+    }
+    // Released one: the next batch is the one after `second`, nothing lost.
+    drop(first);
+    let third = a.next().unwrap().unwrap();
+    assert_eq!(
+        (third.epoch(), third.index()),
+        (second.epoch(), second.index() + 1)
+    );
+    drop(second);
+    // Leaving while the program still holds `third`: the connection stays
+    // open for it, but the batches sent and never read are given back, so
+    // the other consumer reads both epochs to the end.
+    drop(a);
+    let got = bounded("the other consumer to read both epochs", move || {
+        let mut b = b;
+        let mut got = Vec::new();
+        for batch in b.by_ref() {
+            let batch = batch.unwrap();
+            got.push((batch.epoch(), batch.index()));
+        }
+        got
+    });
+    let want: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..6).map(move |i| (e, i))).collect();
+    assert_eq!(got, want);
+    let s = env.wait_for("the reader to leave", |s| {
+        s.streams[0].consumers.iter().all(|c| c.name != "reader")
+    });
+    let holder = s.streams[0]
+        .consumers
+        .iter()
+        .find(|c| c.name == "holder")
+        .expect("the holder is still connected");
+    assert_eq!(
+        holder.held, 1,
+        "only the batch its program holds: {holder:?}"
+    );
+    drop(third);
+    env.wait_for("the holder to leave", |s| s.streams[0].consumers.is_empty());
+}

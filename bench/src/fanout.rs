@@ -29,7 +29,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 2, 4, 8])]
     consumers: Vec<usize>,
     /// Batches each consumer receives in stamp mode
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, default_value_t = 100_000)]
     batches: u64,
     /// Batches each consumer receives in full-fill mode
     #[arg(long, default_value_t = 1_000)]
@@ -95,7 +95,7 @@ fn run(
     let sock = dir.path().join("b.sock");
     let broker =
         BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("broker.log")))?;
-    let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
+    let cpu0 = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0);
     let mut args: Vec<String> = [
         "--stream",
         "bench",
@@ -117,7 +117,7 @@ fn run(
         .map(|k| harness::wait_report(k, Duration::from_secs(600)))
         .collect::<std::io::Result<_>>()?;
     let stats = broker.stats()?;
-    let cpu = harness::cpu_seconds(broker.pid()).unwrap_or(0.0) - cpu0;
+    let cpu = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0) - cpu0;
     let rss = harness::rss_kb(broker.pid()).unwrap_or(0) as f64 / 1024.0;
     let anon = rss_anon_kb(&broker.pid().to_string()) as f64 / 1024.0;
     broker.terminate(Duration::from_secs(5))?;

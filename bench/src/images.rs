@@ -164,7 +164,7 @@ fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, 
     std::fs::write(&cfg, toml)?;
     let sock = dir.path().join("b.sock");
     let broker = BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("log")))?;
-    let cpu0 = harness::cpu_seconds(broker.pid()).unwrap_or(0.0);
+    let cpu0 = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0);
     let t0 = Instant::now();
     let kids = (0..n)
         .map(|_| {
@@ -180,7 +180,7 @@ fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, 
         .map(|k| harness::wait_report(k, std::time::Duration::from_secs(600)))
         .collect::<std::io::Result<_>>()?;
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = harness::cpu_seconds(broker.pid()).unwrap_or(0.0) - cpu0;
+    let cpu = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0) - cpu0;
     let d0 = reports[0].epochs.first().and_then(|e| e.digest.clone());
     let same = reports
         .iter()

@@ -248,6 +248,9 @@ fn yes() -> bool {
 fn one() -> u32 {
     1
 }
+/// Most slots of a stream: each mailbox consumer may owe every one of them.
+pub const MAX_SLOTS: u32 = batchcast::proto::MailboxSpec::MAX_BATCHES;
+
 fn default_slots() -> u32 {
     8
 }
@@ -380,6 +383,12 @@ fn check_common(s: &StreamConfig) -> Result<(), String> {
     if s.slots < 2 {
         return Err(format!(
             "slots = {} is too few: at least 2 so the pipeline can fill one while consumers read another",
+            s.slots
+        ));
+    }
+    if s.slots > MAX_SLOTS {
+        return Err(format!(
+            "slots = {} is too many: at most {MAX_SLOTS} (a consumer's mailbox has room for every slot's batch)",
             s.slots
         ));
     }

@@ -8,7 +8,10 @@
 //!   it was published for them and they have not released it (whether it is
 //!   still queued for them or already sent). A slot is reused only at zero.
 //! * A consumer is never sent more than its window of unreleased batches;
-//!   published batches wait in its queue until it releases one.
+//!   published batches wait in its queue until it releases one. A consumer
+//!   that joined with [`Delivery::Ahead`] is sent every batch as soon as it
+//!   is published (up to the slots of its ring) and keeps to its window
+//!   itself: what it was sent it owes, exactly as what is queued for it.
 //! * [`Hub::start_batch`] returns `None` when no slot is free: the pipeline
 //!   blocks (back-pressure). Memory is the fixed set of slots; every queue
 //!   here is bounded by the number of slots.
@@ -77,6 +80,19 @@ pub struct Work {
     pub epoch: u64,
     pub index: u64,
     pub slot: SlotId,
+}
+
+/// How far ahead of its releases a consumer is sent batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// At most its window of unreleased batches; the rest waits here.
+    Window,
+    /// Every batch as soon as it is published: the consumer reads notices
+    /// from a mailbox and keeps to its window itself, so it never waits for
+    /// the broker to look at its releases. It owes what it was sent, as a
+    /// windowed consumer owes what is queued for it: slots, flow control
+    /// and the lag limit are the same.
+    Ahead,
 }
 
 /// Something the runtime must tell one consumer.
@@ -191,6 +207,9 @@ pub struct GroupCounts {
 #[derive(Debug, Clone)]
 struct Consumer {
     window: u32,
+    /// Unreleased batches it may be sent: its window, or its ring's slots
+    /// for [`Delivery::Ahead`].
+    ahead: u32,
     /// Reads copies in this group instead of host slots.
     group: Option<GroupId>,
     /// Receives batches with `seq >= floor` and `epoch >= start_epoch`.
@@ -300,6 +319,13 @@ impl Hub {
             departed: 0,
             detached: 0,
         }
+    }
+
+    /// Swaps what must be sent, in order, with `empty` (so the runtime and
+    /// the hub keep reusing two buffers).
+    pub fn swap_outbound(&mut self, empty: &mut Vec<(ConsumerId, Outbound)>) {
+        debug_assert!(empty.is_empty());
+        std::mem::swap(&mut self.out, empty);
     }
 
     /// Takes what must be sent, in order.
@@ -435,10 +461,7 @@ impl Hub {
     /// Whether the pipeline could be given work now (a free slot, someone
     /// to produce for, epochs left).
     pub fn can_start(&self) -> bool {
-        (self.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
-            && !self.consumers.is_empty()
-            && !self.exhausted()
-            && !self.free.is_empty()
+        self.wants_batches() && !self.free.is_empty()
     }
 
     /// Changes how many consumers the stream waits for before it starts
@@ -450,6 +473,19 @@ impl Hub {
         }
     }
 
+    /// Whether the pipeline would be given work if a slot were free
+    /// (someone to produce for, epochs left).
+    pub fn wants_batches(&self) -> bool {
+        (self.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
+            && !self.consumers.is_empty()
+            && !self.exhausted()
+    }
+
+    /// Free slots.
+    pub fn free_slots(&self) -> u32 {
+        self.free.len() as u32
+    }
+
     /// Whether a slot is free (otherwise the pipeline is under back-pressure).
     pub fn has_free_slot(&self) -> bool {
         !self.free.is_empty()
@@ -458,7 +494,7 @@ impl Hub {
     /// Subscribes a host consumer; returns its id and the first epoch it
     /// will see.
     pub fn join(&mut self, window: u32, join: JoinPolicy) -> Result<(ConsumerId, u64), HubError> {
-        self.join_group(window, join, None)
+        self.join_group(window, join, None, Delivery::Window)
     }
 
     /// Subscribes a consumer of group `group`'s copies (or, with `None`, of
@@ -468,6 +504,7 @@ impl Hub {
         window: u32,
         join: JoinPolicy,
         group: Option<GroupId>,
+        delivery: Delivery,
     ) -> Result<(ConsumerId, u64), HubError> {
         let group_slots = match group {
             None => None,
@@ -483,6 +520,10 @@ impl Hub {
             }
         };
         self.check_window(window, group_slots)?;
+        let ahead = match delivery {
+            Delivery::Window => window,
+            Delivery::Ahead => group_slots.unwrap_or(self.cfg.slots),
+        };
         if join == JoinPolicy::NextEpoch && self.consumers.is_empty() && self.next_index != 0 {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
@@ -508,6 +549,7 @@ impl Hub {
             id,
             Consumer {
                 window,
+                ahead,
                 group,
                 floor,
                 start_epoch,
@@ -575,7 +617,7 @@ impl Hub {
         c.held.swap_remove(pos);
         let group = c.group;
         self.unref(group, seq);
-        self.pump();
+        self.pump_after_release(id);
         Ok(())
     }
 
@@ -747,69 +789,94 @@ impl Hub {
     /// Sends what windows allow, ends epochs and streams, enforces the lag limit.
     fn pump(&mut self) {
         self.start_copies();
+        let mut next = self.consumers.keys().next().copied();
+        while let Some(id) = next {
+            self.send_to(id);
+            next = self.consumers.range(id + 1..).next().map(|(&id, _)| id);
+        }
+        self.enforce_lag_limit();
+    }
+
+    /// What a release by `id` may change: its own window, and (with a lag
+    /// limit) who lags. Freeing a slot sends nobody anything.
+    fn pump_after_release(&mut self, id: ConsumerId) {
+        if self.cfg.lag_limit.is_some() || !self.groups.is_empty() {
+            return self.pump();
+        }
+        self.send_to(id);
+    }
+
+    /// Sends consumer `id` what its window allows, ends its epochs and its
+    /// stream.
+    fn send_to(&mut self, id: ConsumerId) {
         let bpe = self.cfg.batches_per_epoch;
         let exhausted = self.exhausted();
-        let mut detach = Vec::new();
-        for (&id, c) in self.consumers.iter_mut() {
-            while c.held.len() < c.window as usize
-                && let Some(&seq) = c.queue.front()
-            {
-                let (b, slot) = match c.group {
-                    None => {
-                        let b = self.published[&seq];
-                        (b, b.slot)
-                    }
-                    Some(g) => match self.groups[g as usize].replicas[&seq] {
-                        Replica {
-                            batch,
-                            slot: Some(slot),
-                            done: true,
-                            ..
-                        } => (batch, slot),
-                        // Members get batches in order, each once copied.
-                        _ => break,
-                    },
-                };
-                c.queue.pop_front();
-                c.held.push(seq);
-                c.delivered += 1;
-                self.deliveries += 1;
-                if b.epoch != c.cur_epoch {
-                    c.cur_epoch = b.epoch;
-                    c.in_epoch = 0;
+        let Some(c) = self.consumers.get_mut(&id) else {
+            return;
+        };
+        while c.held.len() < c.ahead as usize
+            && let Some(&seq) = c.queue.front()
+        {
+            let (b, slot) = match c.group {
+                None => {
+                    let b = self.published[&seq];
+                    (b, b.slot)
                 }
-                c.in_epoch += 1;
+                Some(g) => match self.groups[g as usize].replicas[&seq] {
+                    Replica {
+                        batch,
+                        slot: Some(slot),
+                        done: true,
+                        ..
+                    } => (batch, slot),
+                    // Members get batches in order, each once copied.
+                    _ => break,
+                },
+            };
+            c.queue.pop_front();
+            c.held.push(seq);
+            c.delivered += 1;
+            self.deliveries += 1;
+            if b.epoch != c.cur_epoch {
+                c.cur_epoch = b.epoch;
+                c.in_epoch = 0;
+            }
+            c.in_epoch += 1;
+            self.out.push((
+                id,
+                Outbound::Batch {
+                    seq,
+                    epoch: b.epoch,
+                    index: b.index,
+                    slot,
+                    samples: b.samples,
+                },
+            ));
+            if b.index + 1 == bpe {
                 self.out.push((
                     id,
-                    Outbound::Batch {
-                        seq,
+                    Outbound::EndOfEpoch {
                         epoch: b.epoch,
-                        index: b.index,
-                        slot,
-                        samples: b.samples,
+                        batches: c.in_epoch,
+                        complete: c.in_epoch == bpe,
                     },
                 ));
-                if b.index + 1 == bpe {
-                    self.out.push((
-                        id,
-                        Outbound::EndOfEpoch {
-                            epoch: b.epoch,
-                            batches: c.in_epoch,
-                            complete: c.in_epoch == bpe,
-                        },
-                    ));
-                }
-            }
-            if exhausted
-                && !c.ended
-                && !c.closing
-                && c.queue.is_empty()
-                && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
-            {
-                c.ended = true;
-                self.out.push((id, Outbound::EndOfStream));
             }
         }
+        if exhausted
+            && !c.ended
+            && !c.closing
+            && c.queue.is_empty()
+            && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
+        {
+            c.ended = true;
+            self.out.push((id, Outbound::EndOfStream));
+        }
+    }
+
+    /// Detaches whoever lags more than the lag limit.
+    fn enforce_lag_limit(&mut self) {
+        let mut detach = Vec::new();
         if let Some(limit) = self.cfg.lag_limit {
             let least = self
                 .consumers
@@ -857,11 +924,6 @@ impl Hub {
                 });
             }
         }
-    }
-
-    /// Batches published for a consumer that its window holds back.
-    pub fn queued(&self, id: ConsumerId) -> usize {
-        self.consumers.get(&id).map_or(0, |c| c.queue.len())
     }
 
     pub fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
@@ -1020,7 +1082,7 @@ impl Hub {
             );
         }
         for c in self.consumers.values() {
-            assert!(c.held.len() <= c.window as usize, "window exceeded");
+            assert!(c.held.len() <= c.ahead as usize, "window exceeded");
             if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed) {
                 let grp = &self.groups[g as usize];
                 for seq in &c.held {

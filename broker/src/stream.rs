@@ -6,6 +6,7 @@
 //! sections are short (bookkeeping only: no I/O, no filling).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -23,7 +24,7 @@ use tokio::sync::mpsc;
 
 use crate::config::{Source, StreamPlan};
 use crate::gpu::{CopyRequest, CopySink, GpuKey, Gpus, Mirror};
-use crate::hub::{ConsumerId, GroupId, Hub, HubConfig, HubError, Outbound, Work};
+use crate::hub::{ConsumerId, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work};
 use crate::pipeline::{self, ImagePipeline};
 
 /// A connected consumer, as the stream sees it.
@@ -74,7 +75,7 @@ struct MirrorState {
 #[derive(Debug)]
 struct Inner {
     hub: Hub,
-    conns: HashMap<ConsumerId, Conn>,
+    conns: HashMap<ConsumerId, Conn, BuildHasherDefault<IdHasher>>,
     producer_blocked: Duration,
     pipeline_cpu: Duration,
     /// Why the source failed; the stream serves no one after that.
@@ -92,7 +93,7 @@ struct Inner {
     armed_workers: u32,
     producer_waiting: bool,
     /// Wall time the pipeline took for its last batch (`u64::MAX` until one
-    /// is made): how soon a busy worker looks at the mailboxes again.
+    /// is made): whether it is quick (see `QUICK_FILL_NS`).
     fill_ns: u64,
     /// Pipeline threads (0 for an external producer).
     workers: u32,
@@ -100,6 +101,27 @@ struct Inner {
     drain_all: bool,
     /// Releases drained from mailboxes, reused between drains.
     drained: Vec<(ConsumerId, u64)>,
+    /// What the hub emitted, reused between dispatches.
+    outbound: Vec<(ConsumerId, Outbound)>,
+}
+
+/// Consumer ids are the hub's own counter, not chosen by peers: looking a
+/// connection up needs no keyed hash (it is done per consumer per batch).
+#[derive(Debug, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
 }
 
 /// Who is connecting, for stats.
@@ -195,7 +217,7 @@ impl Stream {
             arena,
             inner: Mutex::new(Inner {
                 hub,
-                conns: HashMap::new(),
+                conns: HashMap::default(),
                 producer_blocked: Duration::ZERO,
                 pipeline_cpu: Duration::ZERO,
                 failed: None,
@@ -209,6 +231,7 @@ impl Stream {
                 workers,
                 drain_all: false,
                 drained: Vec::new(),
+                outbound: Vec::new(),
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -377,7 +400,7 @@ impl Stream {
         let mailbox = match mailbox && device.is_none() {
             false => None,
             true => Some(
-                BrokerMailbox::create(MailboxSpec::for_window(window))
+                BrokerMailbox::create(MailboxSpec::for_batches(self.plan.cfg.slots))
                     .map_err(SubscribeError::Mailbox)?,
             ),
         };
@@ -405,6 +428,12 @@ impl Stream {
                         .map_err(SubscribeError::Device)?,
                 )
             }
+        };
+        // A mailbox consumer is sent every batch at once and keeps to its
+        // window itself: it never waits for the broker to take a release.
+        let delivery = match mailbox {
+            Some(_) => Delivery::Ahead,
+            None => Delivery::Window,
         };
         self.with_hub(|inner| {
             if let Some(why) = &inner.failed {
@@ -435,7 +464,7 @@ impl Stream {
                 }
                 _ => None,
             };
-            let (id, start_epoch) = inner.hub.join_group(window, join, group)?;
+            let (id, start_epoch) = inner.hub.join_group(window, join, group, delivery)?;
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             inner.conns.insert(
                 id,
@@ -474,6 +503,9 @@ impl Stream {
 
     pub fn goodbye(&self, id: ConsumerId) {
         self.with_hub(|inner| {
+            // A mailbox consumer gives back the notices it will never read
+            // before it says goodbye: take them now.
+            inner.drain_all = true;
             let _ = inner.hub.goodbye(id);
             if let Some(c) = inner.conns.get_mut(&id) {
                 c.ending.get_or_insert_with(|| "said goodbye".into());
@@ -647,69 +679,25 @@ impl Stream {
             },
             Source::Synthetic(_) | Source::External => None,
         };
+        let mut pace = Pace::default();
+        let mut cpu = CpuClock::new();
         loop {
             let work = {
-                let mut inner = self.lock();
-                let mut blocked_since: Option<Instant> = None;
-                let mut naps = MAILBOX_NAPS.iter();
-                let work = loop {
-                    if self.stop.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    if let Some(w) = inner.hub.start_batch() {
-                        break w;
-                    }
-                    // Waiting on slots while consumers exist is back-pressure;
-                    // waiting for consumers or after the last epoch is idling.
-                    let busy = !inner.hub.has_free_slot();
-                    if busy && blocked_since.is_none() {
-                        blocked_since = Some(Instant::now());
-                    }
-                    // With mailbox consumers, first look at their mailboxes
-                    // after short naps (a release usually comes within
-                    // microseconds); then ask them to ring, and sleep.
-                    let polling = inner.conns.values().any(|c| c.mailbox.is_some());
-                    let (armed, timeout) = match naps.next() {
-                        Some(&nap) if polling => (false, nap),
-                        _ => (true, Duration::from_millis(200)),
-                    };
-                    inner.idle_workers += 1;
-                    if armed {
-                        inner.armed_workers += 1;
-                        settle(&mut inner, true);
-                        if let Some(w) = inner.hub.start_batch() {
-                            inner.idle_workers -= 1;
-                            inner.armed_workers -= 1;
-                            break w;
-                        }
-                    }
-                    inner = self
-                        .work_cv
-                        .wait_timeout(inner, timeout)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                    inner.idle_workers -= 1;
-                    if armed {
-                        inner.armed_workers -= 1;
-                    } else {
-                        settle(&mut inner, true);
-                    }
-                };
-                if let Some(t) = blocked_since {
-                    inner.producer_blocked += t.elapsed();
+                let inner = self.lock();
+                match self.wait_for_slot(inner, &mut pace, &mut cpu) {
+                    Some(w) => w,
+                    None => return,
                 }
-                work
             };
-            let cpu0 = thread_cpu();
             let t0 = Instant::now();
             let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
             let filled = self.fill(&work, &order, images.as_mut());
-            let cpu = thread_cpu().saturating_sub(cpu0);
             let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let spent = cpu.spent(false);
             match filled {
                 Ok(samples) => self.with_hub(|inner| {
                     inner.fill_ns = fill_ns;
-                    inner.pipeline_cpu += cpu;
+                    inner.pipeline_cpu += spent;
                     inner.hub.finish_batch(work.seq, samples)
                 }),
                 Err(e) => {
@@ -719,6 +707,135 @@ impl Stream {
                 }
             }
         }
+    }
+
+    /// Waits until the hub gives this pipeline thread a slot to fill;
+    /// `None` when the stream stops.
+    ///
+    /// Waiting on slots (back-pressure), a thread that serves only mailbox
+    /// consumers looks at their releases after naps, and once batches are
+    /// quick to make it waits for half the slots to be free before it goes
+    /// on: it then fills them in one burst, so the cost of a wake-up is
+    /// shared by many batches, and the slowest consumer still has the other
+    /// half to read meanwhile. Naps are learned from the last wait (how
+    /// long the consumers took to free that many). After `ARM_AFTER`
+    /// without a free slot (consumers pause, or are slow), it asks them to
+    /// ring a doorbell when they release and sleeps until one does. With a
+    /// consumer on the socket, its releases wake the thread at once.
+    fn wait_for_slot<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        pace: &mut Pace,
+        cpu: &mut CpuClock,
+    ) -> Option<Work> {
+        // Since when it waits on slots (back-pressure, as opposed to waiting
+        // for consumers or after the last epoch).
+        let mut blocked_since: Option<Instant> = None;
+        // End of the current nap (naps are cut short by notifications).
+        let mut wake_at: Option<Instant> = None;
+        // A doorbell or a socket release woke it: take any free slot.
+        let mut take_any = false;
+        let mut naps = 0u32;
+        let work = loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            let now = Instant::now();
+            let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
+            let mailboxes = inner.conns.values().filter(|c| c.mailbox.is_some()).count();
+            let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
+            // Slots to wait for once blocked; before, any slot will do.
+            let target = match quick && mailboxes == inner.conns.len() {
+                true => (self.plan.cfg.slots / 2).max(1),
+                false => 1,
+            };
+            let gather = if blocked_since.is_some() { target } else { 1 };
+            let free = inner.hub.free_slots();
+            if (free >= gather || (free > 0 && (take_any || waited >= MAX_GATHER)))
+                && let Some(w) = inner.hub.start_batch()
+            {
+                if gather > 1 {
+                    pace.learn(waited, free);
+                }
+                if blocked_since.is_some() {
+                    tracing::trace!(
+                        naps,
+                        free,
+                        waited_us = waited.as_micros() as u64,
+                        "slot wait"
+                    );
+                }
+                break w;
+            }
+            if !inner.hub.wants_batches() {
+                // Idle: nothing to do until a hub change notifies it.
+                inner.pipeline_cpu += cpu.spent(true);
+                blocked_since = None;
+                wake_at = None;
+                inner = self.idle(inner, false, IDLE_WAIT);
+                continue;
+            }
+            blocked_since.get_or_insert(now);
+            let arm_after = if target > 1 { ARM_AFTER } else { ARM_AFTER_ONE };
+            if mailboxes == 0 || (free == 0 && waited >= arm_after) {
+                // Socket releases notify; mailbox consumers are asked to ring.
+                inner.pipeline_cpu += cpu.spent(true);
+                inner = self.idle(inner, mailboxes > 0, IDLE_WAIT);
+                take_any = true;
+                continue;
+            }
+            // Nap until the slots it waits for are likely free: learned for
+            // the first nap, then from how many came in the time waited so
+            // far; as long again when none came.
+            let until = match wake_at {
+                Some(w) if w > now => w,
+                _ => {
+                    let nap = match (wake_at, free) {
+                        (None, _) => pace.first_nap(target),
+                        (Some(_), 0) => waited,
+                        (Some(_), f) => waited * (target - f) / f,
+                    };
+                    now + nap.clamp(MIN_NAP, MAX_NAP)
+                }
+            };
+            wake_at = Some(until);
+            naps += 1;
+            inner = self.idle(inner, false, until - now);
+            settle(&mut inner, true);
+        };
+        if let Some(t) = blocked_since {
+            inner.producer_blocked += t.elapsed();
+        }
+        Some(work)
+    }
+
+    /// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes
+    /// that let the pipeline go on notify it); `armed`: asks mailbox
+    /// consumers to ring when they release, first taking what they
+    /// released already.
+    fn idle<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        armed: bool,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Inner> {
+        inner.idle_workers += 1;
+        if armed {
+            inner.armed_workers += 1;
+            settle(&mut inner, true);
+        }
+        if !(armed && inner.hub.can_start()) {
+            inner = self
+                .work_cv
+                .wait_timeout(inner, timeout)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        inner.idle_workers -= 1;
+        if armed {
+            inner.armed_workers -= 1;
+        }
+        inner
     }
 
     /// Stops the stream because its source failed, telling every consumer.
@@ -802,6 +919,37 @@ fn fill_images(
     Ok(())
 }
 
+/// Counts a thread's CPU time. Reading it is a system call (a third of a
+/// microsecond here, as long as stamping a small batch), so it is read at
+/// most every `CPU_CLOCK_EVERY` of wall time; what it counts is exact
+/// over time, and lags by at most that much.
+struct CpuClock {
+    read: Duration,
+    at: Instant,
+}
+
+const CPU_CLOCK_EVERY: Duration = Duration::from_millis(10);
+
+impl CpuClock {
+    fn new() -> CpuClock {
+        CpuClock {
+            read: thread_cpu(),
+            at: Instant::now(),
+        }
+    }
+
+    /// CPU time since the last reading, or zero when it is not read now
+    /// (`now`: read it, as before the thread waits for long).
+    fn spent(&mut self, now: bool) -> Duration {
+        if !now && self.at.elapsed() < CPU_CLOCK_EVERY {
+            return Duration::ZERO;
+        }
+        self.at = Instant::now();
+        let now = thread_cpu();
+        now.saturating_sub(std::mem::replace(&mut self.read, now))
+    }
+}
+
 /// CPU time of the calling thread.
 fn thread_cpu() -> Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
@@ -856,17 +1004,46 @@ fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
     })
 }
 
-/// How long a producer waiting for a release naps before looking at the
-/// mailboxes again, before it asks their consumers to ring instead.
-const MAILBOX_NAPS: [Duration; 3] = [
-    Duration::from_micros(20),
-    Duration::from_micros(50),
-    Duration::from_micros(100),
-];
+/// A pipeline whose batches take less than this (ns, per thread) is quick:
+/// waiting on slots, it gathers half of them before it goes on.
+const QUICK_FILL_NS: u64 = 200_000;
+/// Shortest and longest nap of a pipeline thread between looks at the
+/// mailboxes while it waits on slots.
+const MIN_NAP: Duration = Duration::from_micros(10);
+const MAX_NAP: Duration = Duration::from_millis(1);
+/// After this long, go on with any free slot rather than gather more.
+const MAX_GATHER: Duration = Duration::from_millis(1);
+/// Without a free slot for this long (consumers pause, or are slow), stop
+/// napping: ask mailbox consumers to ring, and sleep until one does.
+const ARM_AFTER: Duration = Duration::from_millis(5);
+/// The same for a pipeline that goes on with one slot (a slow pipeline, or
+/// socket consumers are there): naps of about 10, 20, 40 and 80 µs.
+const ARM_AFTER_ONE: Duration = Duration::from_micros(150);
+/// Longest sleep of an idle or armed pipeline thread between looks.
+const IDLE_WAIT: Duration = Duration::from_millis(200);
 
-/// A consumer its window holds back need not ring if the pipeline will
-/// look at its mailbox within this (ns).
-const LOOK_SOON_NS: u64 = 200_000;
+/// What a pipeline thread learned of how fast consumers free slots.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Time per freed slot in the last waits (a running average).
+    per_slot: Option<Duration>,
+}
+
+impl Pace {
+    /// `free` slots were free `waited` after the pipeline began to wait.
+    fn learn(&mut self, waited: Duration, free: u32) {
+        let now = waited / free.max(1);
+        self.per_slot = Some(match self.per_slot {
+            None => now,
+            Some(before) => (before + now) / 2,
+        });
+    }
+
+    /// The first nap of a wait for `gather` slots.
+    fn first_nap(&self, gather: u32) -> Duration {
+        self.per_slot.map_or(MIN_NAP, |p| p * gather)
+    }
+}
 
 /// Counts a release (from the socket or a mailbox) in the hub and in the
 /// consumer's numbers.
@@ -883,52 +1060,45 @@ fn release(inner: &mut Inner, id: ConsumerId, r: proto::Release, now: u64) -> Re
 }
 
 /// Brings the hub and the mailboxes in step: sends what the hub emitted,
-/// sets each mailbox's doorbell wish, and takes the releases written
-/// there, until nothing changes.
+/// sets each mailbox's doorbell wish and, with `all` (a producer is about
+/// to wait or looks after a nap, a doorbell rang, stats are asked for),
+/// takes the releases written there, until nothing changes.
 ///
-/// Releases are taken lazily: from every mailbox when `all` (a producer is
-/// about to wait, a doorbell rang, stats are asked for) or a doorbell rang,
-/// else only from consumers whose window holds back batches the hub has
-/// for them. So a producer with free slots reads no consumer's lines.
+/// Releases are taken only then: mailbox consumers are sent every batch at
+/// once ([`Delivery::Ahead`]), so nobody waits for the broker to take a
+/// release except a pipeline waiting on slots. So a producer with free
+/// slots reads no consumer's lines.
 ///
 /// A consumer is asked to ring when nobody would look at its mailbox soon:
-/// a producer waits, or the hub holds batches for it that its window
-/// blocks and the pipeline takes long per batch.
+/// a pipeline thread or an external producer waits without napping.
 fn settle(inner: &mut Inner, all: bool) {
     let all = all || std::mem::take(&mut inner.drain_all);
     dispatch(inner);
-    // A busy pipeline looks again after its next batch: soon enough for a
-    // consumer its window holds back, if batches are quick.
-    let look_soon = inner.fill_ns / u64::from(inner.workers.max(1)) < LOOK_SOON_NS;
-    loop {
-        let idle = inner.armed_workers > 0 || inner.producer_waiting;
-        for (&id, conn) in inner.conns.iter_mut() {
-            if let Some(mb) = conn.mailbox.as_mut() {
-                mb.set_want(idle || (!look_soon && inner.hub.queued(id) > 0));
-            }
+    let want = inner.armed_workers > 0 || inner.producer_waiting;
+    for conn in inner.conns.values_mut() {
+        if let Some(mb) = conn.mailbox.as_mut() {
+            mb.set_want(want);
         }
-        // Pairs with the consumer's fence between writing a release and
-        // reading the wish: either we see its release, or it sees the wish.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if !drain_mailboxes(inner, all) {
-            return;
-        }
+    }
+    if !all {
+        return;
+    }
+    // Pairs with the consumer's fence between writing a release and
+    // reading the wish: either we see its release, or it sees the wish.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    while drain_mailboxes(inner) {
         dispatch(inner);
     }
 }
 
-/// Takes the releases written to mailboxes (all, or those of consumers
-/// with batches queued behind their window); whether there were any.
-fn drain_mailboxes(inner: &mut Inner, all: bool) -> bool {
+/// Takes the releases written to every mailbox; whether there were any.
+fn drain_mailboxes(inner: &mut Inner) -> bool {
     let mut taken = std::mem::take(&mut inner.drained);
     let mut broken = Vec::new();
     for (&id, conn) in inner.conns.iter_mut() {
         let Some(mb) = conn.mailbox.as_mut() else {
             continue;
         };
-        if !all && inner.hub.queued(id) == 0 {
-            continue;
-        }
         match mb.drain(|seq| taken.push((id, seq))) {
             Ok((_, totals)) => conn.mailbox_totals = totals,
             Err(e) => broken.push((id, e.to_string())),
@@ -977,7 +1147,9 @@ fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
 fn dispatch(inner: &mut Inner) {
     let now = proto::monotonic_ns();
     let mut broken = Vec::new();
-    for (id, out) in inner.hub.take_outbound() {
+    let mut outbound = std::mem::take(&mut inner.outbound);
+    inner.hub.swap_outbound(&mut outbound);
+    for (id, out) in outbound.drain(..) {
         let Some(conn) = inner.conns.get_mut(&id) else {
             continue;
         };
@@ -1046,6 +1218,7 @@ fn dispatch(inner: &mut Inner) {
         }
         send(conn, id, msg);
     }
+    inner.outbound = outbound;
     for conn in inner.conns.values_mut() {
         if std::mem::take(&mut conn.ring)
             && let Some(mb) = &conn.mailbox

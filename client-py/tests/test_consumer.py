@@ -122,7 +122,9 @@ def test_torch_tensors_are_zero_copy_and_an_in_place_write_cannot_reach_other_co
 
 def test_dropping_the_last_reference_frees_the_slot(start_broker):
     broker = start_broker(synthetic(epochs=None, slots=4))
-    # Window 1: the broker sends the next batch only once this one is released.
+    # Window 1: the program gets the next batch only once this one is
+    # released. The broker sends a mailbox consumer batches ahead, as far
+    # as the 4 slots go, and reuses none while this consumer holds it.
     c = batchcast.Consumer(socket=broker.socket, output="numpy", window=1, name="holder")
 
     def delivered() -> int:
@@ -131,14 +133,19 @@ def test_dropping_the_last_reference_frees_the_slot(start_broker):
 
     batch = c.next_batch()
     images = batch["image"]
+    copy = images.copy()
     del batch  # the tensor still holds the slot
     gc.collect()
     assert c.held == 1
+    broker.wait_for("the broker to send ahead as far as the slots go", lambda s: delivered() == 4)
     time.sleep(0.3)
-    assert delivered() == 1, "nothing more may arrive while the tensor lives"
+    assert delivered() == 4, "no slot may be reused while the tensor lives"
+    assert np.array_equal(images, copy), "the slot was rewritten under a live tensor"
     del images
     assert c.held == 0
-    broker.wait_for("the released slot to let the next batch through", lambda s: delivered() == 2)
+    broker.wait_for("the released slot to be refilled", lambda s: delivered() == 5)
+    nxt = c.next_batch()
+    assert nxt.index == 1
 
 
 def test_release_then_use_raises_and_tensors_taken_before_stay_valid(start_broker):

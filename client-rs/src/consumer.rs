@@ -46,7 +46,10 @@ pub struct ConsumerOptions {
     pub socket: Option<PathBuf>,
     /// The stream to subscribe to.
     pub stream: String,
-    /// Most batches the broker sends before this consumer releases one (≥ 1).
+    /// Most batches the program may hold (received, not released) at once,
+    /// ≥ 1: it gets no more until it releases one. (A mailbox consumer is
+    /// sent batches ahead of that; they wait in its mailbox, and are given
+    /// back unread when it leaves.)
     pub window: u32,
     pub join: JoinPolicy,
     /// The name shown in `batchcast stats`.
@@ -223,6 +226,10 @@ pub struct Consumer {
     /// When the last batch arrived; 0 at the start and after an epoch end
     /// (time between epochs is neither a training step nor a stall).
     last_batch_ns: u64,
+    /// A mailbox consumer's next batch, read while the program held its
+    /// whole window (the broker sends mailbox consumers every batch at
+    /// once; the window is kept here).
+    stash: Option<BatchReady>,
 }
 
 impl Consumer {
@@ -301,6 +308,7 @@ impl Consumer {
             spin: opts.spin,
             asking_since: AtomicU64::new(0),
             last_batch_ns: 0,
+            stash: None,
         })
     }
 
@@ -333,8 +341,7 @@ impl Consumer {
             return Ok(true);
         }
         if let Some(mb) = &self.shared.mailbox {
-            let woke = self.wait_mailbox(mb, std::time::Instant::now() + timeout)?;
-            return Ok(woke != Woke::Timeout);
+            return self.wait_mailbox_readable(mb, std::time::Instant::now() + timeout);
         }
         // Releases waiting for GPU work are sent as it finishes: the broker
         // may be waiting for one of them to send the next batch.
@@ -471,37 +478,124 @@ impl Consumer {
 
     /// The next message of a mailbox consumer: a notice from the mailbox,
     /// else whatever the socket says (an error, a goodbye, the broker gone).
+    ///
+    /// The broker sends a mailbox consumer every batch as it is published;
+    /// the window is kept here: while the program holds its whole window,
+    /// the next batch waits (for a release from another thread, or until
+    /// [`Error::WindowFull`]).
     fn next_from_mailbox(&mut self) -> Result<ServerMsg> {
         let shared = self.shared.clone();
         let mb = shared
             .mailbox
             .as_ref()
             .expect("called for mailbox consumers");
+        let window = shared.welcome.window;
         let mut full_since = None;
         loop {
-            if let Some(n) = mb.pop()? {
-                return Ok(match n {
-                    Notice::Batch(b) => ServerMsg::Batch(b),
-                    Notice::EndOfEpoch(e) => ServerMsg::EndOfEpoch(e),
-                    Notice::EndOfStream => ServerMsg::EndOfStream,
-                });
+            if self.stash.is_none() {
+                match mb.pop()? {
+                    Some(Notice::Batch(b)) => self.stash = Some(b),
+                    Some(Notice::EndOfEpoch(e)) => return Ok(ServerMsg::EndOfEpoch(e)),
+                    Some(Notice::EndOfStream) => return Ok(ServerMsg::EndOfStream),
+                    None => {}
+                }
+            }
+            if self.stash.is_some() && self.held() < window {
+                return Ok(ServerMsg::Batch(self.stash.take().expect("checked")));
             }
             if !self.reader.buffer().is_empty() {
                 return self.read_msg();
             }
             let now = std::time::Instant::now();
-            let deadline = if self.held() >= shared.welcome.window {
+            if self.held() >= window {
                 let since = *full_since.get_or_insert(now);
                 let grace = Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
                 if now.duration_since(since) >= grace {
                     return Err(Error::WindowFull { held: self.held() });
                 }
-                since + grace
-            } else {
-                now + Duration::from_secs(3600)
-            };
+                if self.stash.is_some() {
+                    // Only a release by another thread can help now.
+                    if readable_within(self.reader.get_ref(), 1)? {
+                        return self.read_msg();
+                    }
+                    continue;
+                }
+                if self.wait_mailbox(mb, since + grace)? == Woke::Socket && !mb.has_notice() {
+                    return self.read_msg();
+                }
+                continue;
+            }
+            let deadline = now + Duration::from_secs(3600);
             if self.wait_mailbox(mb, deadline)? == Woke::Socket && !mb.has_notice() {
                 return self.read_msg();
+            }
+        }
+    }
+
+    /// Whether a mailbox consumer's [`Consumer::next_event`] returns at
+    /// once: an epoch or stream end is next, or a batch and the program
+    /// holds less than its window.
+    fn mailbox_ready(&self, mb: &ConsumerMailbox) -> bool {
+        let room = self.held() < self.shared.welcome.window;
+        match (&self.stash, mb.next_is_batch()) {
+            (Some(_), _) | (None, Some(true)) => room,
+            (None, Some(false)) => true,
+            (None, None) => false,
+        }
+    }
+
+    /// [`Consumer::wait_readable`] for a mailbox consumer: a batch that
+    /// came while the program holds its whole window is not ready until it
+    /// releases one (from another thread, or the garbage collector).
+    fn wait_mailbox_readable(
+        &self,
+        mb: &ConsumerMailbox,
+        deadline: std::time::Instant,
+    ) -> Result<bool> {
+        loop {
+            if self.mailbox_ready(mb) || !self.reader.buffer().is_empty() {
+                return Ok(true);
+            }
+            if self.stash.is_some() || mb.has_notice() {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let step = u16::try_from(left.as_millis().min(1)).unwrap_or(1);
+                if readable_within(self.reader.get_ref(), step)? {
+                    return Ok(true);
+                }
+                if left.is_zero() {
+                    return Ok(false);
+                }
+                continue;
+            }
+            match self.wait_mailbox(mb, deadline)? {
+                Woke::Notice => {}
+                Woke::Socket => return Ok(true),
+                Woke::Timeout => return Ok(false),
+            }
+        }
+    }
+
+    /// A mailbox consumer leaving: gives back the batches it was sent and
+    /// will never read, so they pin no slot until the connection closes.
+    fn give_back_unread(&mut self) {
+        let Some(mb) = self.shared.mailbox.as_ref() else {
+            return;
+        };
+        let mut unread: Vec<u64> = self.stash.take().map(|b| b.seq).into_iter().collect();
+        loop {
+            match mb.pop() {
+                Ok(Some(Notice::Batch(b))) => unread.push(b.seq),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+        for seq in unread {
+            if !mb.push_release(seq, crate::mailbox::Totals::default()) {
+                let _ = self.shared.send(&ClientMsg::Release(Release {
+                    seq,
+                    wait_ns: 0,
+                    busy_ns: 0,
+                }));
             }
         }
     }
@@ -598,6 +692,7 @@ impl Drop for Consumer {
     fn drop(&mut self) {
         // Stop further deliveries now; batches still held are released when
         // they are dropped, and the connection closes with the last of them.
+        self.give_back_unread();
         let _ = self.shared.send(&ClientMsg::Goodbye);
     }
 }
@@ -707,10 +802,15 @@ impl Batch {
     pub fn slot(&self) -> u32 {
         self.meta.slot
     }
-    /// Nanoseconds from the broker handing the batch to this consumer's
-    /// connection to this process having it.
+    /// Nanoseconds the hand-off took: from the later of the broker sending
+    /// the batch and the program asking for it, to this process having it.
+    /// (A batch sent while the program was still busy with earlier ones
+    /// waits in the mailbox or socket; that wait is the program's backlog,
+    /// not the hand-off, and is not counted.)
     pub fn handoff_ns(&self) -> u64 {
-        self.received_ns.saturating_sub(self.meta.sent_ns)
+        self.received_ns
+            .saturating_sub(self.meta.sent_ns)
+            .min(self.wait_ns)
     }
     /// Nanoseconds the program was blocked asking for this batch: from its
     /// first [`Consumer::wait_readable`] or [`Consumer::next_event`] call

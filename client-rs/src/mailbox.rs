@@ -68,11 +68,16 @@ const KIND_EPOCH_END: u64 = 2;
 const KIND_END_OF_STREAM: u64 = 3;
 
 impl MailboxSpec {
-    /// Rings for a consumer with this window. Unread notices are at most a
-    /// window of batches, one end-of-epoch per batch and the end of stream;
-    /// untaken releases at most a window.
-    pub fn for_window(window: u32) -> MailboxSpec {
-        let w = window.clamp(1, MAX_RECORDS / 4);
+    /// Most batches a mailbox can be sized for.
+    pub const MAX_BATCHES: u32 = MAX_RECORDS / 4;
+
+    /// Rings for a consumer that may owe `batches` batches at once (the
+    /// broker sends a mailbox consumer every batch of the stream's slots as
+    /// it is published). Unread notices are at most that many batches, one
+    /// end-of-epoch per batch and the end of stream; untaken releases at
+    /// most that many. Clamped to [`MailboxSpec::MAX_BATCHES`].
+    pub fn for_batches(batches: u32) -> MailboxSpec {
+        let w = batches.clamp(1, Self::MAX_BATCHES);
         MailboxSpec {
             notices: (2 * w + 2).next_power_of_two().max(8),
             releases: w.next_power_of_two().max(8),
@@ -384,6 +389,16 @@ impl ConsumerMailbox {
         w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
     }
 
+    /// Whether the next notice is a batch (`None`: no notice yet).
+    pub fn next_is_batch(&self) -> Option<bool> {
+        let w = &self.words;
+        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+            return None;
+        }
+        Some(w.notice(tail, 1).load(Ordering::Relaxed) == KIND_BATCH)
+    }
+
     /// Takes the next notice, if any. Call from one thread at a time.
     pub fn pop(&self) -> Result<Option<Notice>> {
         let w = &self.words;
@@ -518,7 +533,7 @@ mod tests {
     use std::time::Instant;
 
     fn pair(window: u32) -> (BrokerMailbox, ConsumerMailbox) {
-        let b = BrokerMailbox::create(MailboxSpec::for_window(window)).unwrap();
+        let b = BrokerMailbox::create(MailboxSpec::for_batches(window)).unwrap();
         let c = ConsumerMailbox::open(b.fd(), b.spec()).unwrap();
         (b, c)
     }

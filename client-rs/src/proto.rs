@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -388,7 +388,8 @@ pub struct StreamStats {
     pub detached: u64,
     /// Seconds the pipeline waited for a free slot (back-pressure).
     pub producer_blocked_s: f64,
-    /// CPU seconds the pipeline threads spent filling slots.
+    /// CPU seconds of the pipeline threads (filling slots, and their share
+    /// of the bookkeeping); read every 10 ms of a busy pipeline.
     pub pipeline_cpu_s: f64,
     /// Image sources only.
     pub source: Option<SourceStats>,

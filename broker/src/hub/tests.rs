@@ -102,6 +102,39 @@ fn slowest_consumer_sets_the_pace_and_slot_is_reused_only_at_zero() {
 }
 
 #[test]
+fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
+    let mut h = hub(4, 100, None, None);
+    let (ahead, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let (windowed, _) = h.join(1, JoinPolicy::NextEpoch).unwrap();
+    let ws: Vec<Work> = (0..3).map(|_| produce(&mut h).unwrap()).collect();
+    let out = h.take_outbound();
+    assert_eq!(batches(&out, ahead).len(), 3, "past its window of 1");
+    assert_eq!(batches(&out, windowed).len(), 1, "its window of 1");
+    let c = h.consumer_counts(ahead).unwrap();
+    assert_eq!((c.window, c.held, c.queued), (1, 3, 0));
+    // What it was sent pins slots exactly as what is queued would.
+    h.release(windowed, ws[0].seq).unwrap();
+    h.release(windowed, ws[1].seq).unwrap();
+    h.release(windowed, ws[2].seq).unwrap();
+    let w = produce(&mut h).unwrap();
+    assert!(
+        h.start_batch().is_none(),
+        "the ahead consumer still owes three of four slots"
+    );
+    h.release(ahead, ws[1].seq).unwrap();
+    assert_eq!(h.start_batch().unwrap().slot, ws[1].slot);
+    assert_eq!(
+        h.consumer_counts(ahead).unwrap().held,
+        3,
+        "0, 2 and {}",
+        w.seq
+    );
+    h.check_invariants();
+}
+
+#[test]
 fn a_dead_consumer_gives_back_everything_at_once() {
     let mut h = hub(4, 100, None, None);
     let (a, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
@@ -327,8 +360,12 @@ fn sent(out: &[(ConsumerId, Outbound)], who: ConsumerId) -> Vec<(u64, SlotId)> {
 fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
     let mut h = hub(2, 10, None, None);
     let g = h.add_group(2);
-    let (m1, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
-    let (m2, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (m1, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
+    let (m2, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
     let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
     let w = produce(&mut h).unwrap();
     let copies = h.take_copies();
@@ -386,7 +423,9 @@ fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
 fn host_slots_are_refilled_while_members_still_hold_their_copies() {
     let mut h = hub(2, 100, None, None);
     let g = h.add_group(4);
-    let (m, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (m, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
     let mut placed = Vec::new();
     for _ in 0..4 {
         let w = produce(&mut h).expect("a host slot is free: its copy completed");
@@ -429,7 +468,9 @@ fn host_slots_are_refilled_while_members_still_hold_their_copies() {
 fn a_member_leaving_during_its_copy_frees_both_slots_when_the_copy_ends() {
     let mut h = hub(2, 10, None, None);
     let g = h.add_group(2);
-    let (m, _) = h.join_group(1, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (m, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
     let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
     let w0 = produce(&mut h).unwrap();
     let w1 = produce(&mut h).unwrap();
@@ -460,7 +501,9 @@ fn a_member_leaving_during_its_copy_frees_both_slots_when_the_copy_ends() {
 fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     let mut h = hub(2, 10, None, None);
     let g = h.add_group(2);
-    let (m, _) = h.join_group(2, JoinPolicy::NextEpoch, Some(g)).unwrap();
+    let (m, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
     let (host, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
     let w0 = produce(&mut h).unwrap();
     let c0 = h.take_copies();
@@ -482,7 +525,7 @@ fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     h.check_invariants();
     assert!(produce(&mut h).is_some(), "host consumers go on");
     assert_eq!(
-        h.join_group(1, JoinPolicy::Immediate, Some(g)),
+        h.join_group(1, JoinPolicy::Immediate, Some(g), Delivery::Window),
         Err(HubError::GroupFailed)
     );
     let out = h.take_outbound();
@@ -500,7 +543,7 @@ fn a_window_larger_than_the_group_is_refused() {
     let mut h = hub(8, 10, None, None);
     let g = h.add_group(2);
     assert_eq!(
-        h.join_group(3, JoinPolicy::NextEpoch, Some(g)),
+        h.join_group(3, JoinPolicy::NextEpoch, Some(g), Delivery::Window),
         Err(HubError::WindowAboveGroupSlots {
             window: 3,
             slots: 2
@@ -515,7 +558,7 @@ fn a_window_larger_than_the_group_is_refused() {
     );
     assert_eq!(h.check_window(3, None), Ok(()));
     assert_eq!(
-        h.join_group(1, JoinPolicy::NextEpoch, Some(7)),
+        h.join_group(1, JoinPolicy::NextEpoch, Some(7), Delivery::Window),
         Err(HubError::UnknownGroup(7))
     );
 }
@@ -528,6 +571,8 @@ enum Op {
     Join {
         window: u32,
         immediate: bool,
+        /// Sent every batch at once (a mailbox consumer).
+        ahead: bool,
         /// `Some`: a member of that group (a GPU consumer).
         group: Option<GroupId>,
     },
@@ -545,7 +590,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        1 => (1u32..4, any::<bool>(), prop::option::of(0u32..2)).prop_map(|(window, immediate, group)| Op::Join { window, immediate, group }),
+        1 => (1u32..4, any::<bool>(), any::<bool>(), prop::option::of(0u32..2)).prop_map(|(window, immediate, ahead, group)| Op::Join { window, immediate, ahead, group }),
         4 => Just(Op::Start),
         3 => any::<prop::sample::Index>().prop_map(Op::Copy),
         4 => any::<prop::sample::Index>().prop_map(Op::Finish),
@@ -725,6 +770,7 @@ impl Model {
             Op::Join {
                 window,
                 immediate,
+                ahead,
                 group,
             } => {
                 let policy = if immediate {
@@ -732,7 +778,15 @@ impl Model {
                 } else {
                     JoinPolicy::NextEpoch
                 };
-                let (id, start_epoch) = self.hub.join_group(window, policy, group).unwrap();
+                let delivery = if ahead {
+                    Delivery::Ahead
+                } else {
+                    Delivery::Window
+                };
+                let (id, start_epoch) = self
+                    .hub
+                    .join_group(window, policy, group, delivery)
+                    .unwrap();
                 self.seen.insert(
                     id,
                     Seen {
@@ -810,6 +864,7 @@ impl Model {
                 self.step(Op::Join {
                     window: 1,
                     immediate: false,
+                    ahead: false,
                     group: None,
                 });
             }

@@ -218,8 +218,8 @@ class Consumer:
         socket: the broker's socket; default ``$BATCHCAST_SOCKET``, else
             ``$XDG_RUNTIME_DIR/batchcast.sock``, else
             ``/tmp/batchcast-$UID/batchcast.sock``.
-        window: batches the broker may send before this consumer releases
-            one. Holding a whole window makes the next wait block until a
+        window: most batches the program may hold (not yet released) at
+            once. Holding a whole window makes the next wait block until a
             batch is released (from another thread, or by the garbage
             collector); after a few seconds a ``WindowFullWarning`` says so.
         join: ``"next-epoch"`` (the first epoch seen is complete) or
