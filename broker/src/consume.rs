@@ -20,7 +20,7 @@ pub struct ConsumeArgs {
     /// Stream to subscribe to [default: $BATCHCAST_STREAM, else train]
     #[arg(long)]
     pub stream: Option<String>,
-    /// Unreleased batches the broker may send ahead
+    /// Most batches held (received, not released) at once
     #[arg(long, default_value_t = 2)]
     pub window: u32,
     /// Start with the next batch (`now`) or at the next epoch boundary

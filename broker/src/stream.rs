@@ -324,7 +324,10 @@ impl Stream {
             Ok(match inner.hub.start_batch() {
                 Some(w) => Acquire::Slot(w),
                 None => {
+                    // Mailbox consumers may have released already, and ring
+                    // only for releases after this: take what is there.
                     inner.producer_waiting = true;
+                    inner.drain_all = true;
                     Acquire::Wait
                 }
             })

@@ -104,14 +104,18 @@ pub enum Intent {
     /// Receive the batches of a stream.
     Consume {
         stream: String,
-        /// Most unreleased batches the broker may send ahead.
+        /// Most unreleased batches the program holds at once: on the socket,
+        /// the most the broker sends ahead; a mailbox consumer is sent
+        /// batches up to the stream's slots and keeps the window itself.
         window: u32,
         join: JoinPolicy,
         /// `Some`: deliver batches in this GPU's memory (CUDA IPC) instead
         /// of host memory.
         device: Option<DeviceRequest>,
         /// Ask for a [mailbox](crate::mailbox): batch notices and releases
-        /// in shared memory instead of on the socket (host consumers).
+        /// in shared memory instead of on the socket (host consumers). The
+        /// consumer gives back the notices it never read before its
+        /// `Goodbye`.
         mailbox: bool,
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
