@@ -263,7 +263,9 @@ fn a_straggler_beyond_the_lag_limit_is_detached_with_a_clear_error() {
 
 #[test]
 fn consumers_error_promptly_when_the_broker_is_killed() {
-    let mut env = Env::start(&config("", 100_000, 8));
+    // Both from the first batch: a second consumer that joined after it
+    // would wait for the next epoch (12,500 batches at 2 ms).
+    let mut env = Env::start(&config("min_consumers = 2", 100_000, 8));
     let kids: Vec<_> = (0..2)
         .map(|i| env.consumer(&["--sleep-ms", "2", "--name", &format!("c{i}")]))
         .collect();

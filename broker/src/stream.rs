@@ -743,11 +743,18 @@ impl Stream {
             if self.stop.load(Ordering::SeqCst) {
                 return None;
             }
+            // Not waiting yet: any free slot will do (the path of every
+            // batch in a burst, so it looks at nothing else).
+            if blocked_since.is_none()
+                && let Some(w) = inner.hub.start_batch()
+            {
+                break w;
+            }
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
             let mailboxes = inner.conns.values().filter(|c| c.mailbox.is_some()).count();
             let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
-            // Slots to wait for once blocked; before, any slot will do.
+            // Slots to wait for once blocked.
             let target = match quick && mailboxes == inner.conns.len() {
                 true => (self.plan.cfg.slots / 2).max(1),
                 false => 1,
