@@ -759,22 +759,19 @@ impl Stream {
                 true => (self.plan.cfg.slots / 2).max(1),
                 false => 1,
             };
-            let gather = if blocked_since.is_some() { target } else { 1 };
             let free = inner.hub.free_slots();
-            if (free >= gather || (free > 0 && (take_any || waited >= MAX_GATHER)))
+            if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
                 && let Some(w) = inner.hub.start_batch()
             {
-                if gather > 1 {
+                if target > 1 {
                     pace.learn(waited, free);
                 }
-                if blocked_since.is_some() {
-                    tracing::trace!(
-                        naps,
-                        free,
-                        waited_us = waited.as_micros() as u64,
-                        "slot wait"
-                    );
-                }
+                tracing::trace!(
+                    naps,
+                    free,
+                    waited_us = waited.as_micros() as u64,
+                    "slot wait"
+                );
                 break w;
             }
             if !inner.hub.wants_batches() {
