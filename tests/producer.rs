@@ -55,9 +55,9 @@ impl Env {
     fn options(&self, stream: &str, batches: u64, epochs: Option<u64>) -> ProducerOptions {
         let mut o = ProducerOptions::new(stream, fields(), BATCH, batches);
         o.socket = Some(self.broker.socket.clone());
-        o.epochs = epochs;
+        o.request.epochs = epochs;
         o.name = "test-producer".into();
-        o.description = "tests/producer.rs".into();
+        o.request.description = "tests/producer.rs".into();
         o
     }
 }
@@ -133,8 +133,8 @@ fn a_producer_shares_every_batch_with_every_consumer_including_short_last_batche
     // Consumers start first and wait for the stream to be registered.
     let kids: Vec<_> = dumps.iter().map(|d| env.consumer("ext", Some(d))).collect();
     let mut opts = env.options("ext", batches, Some(epochs));
-    opts.min_consumers = 2;
-    opts.slots = 3;
+    opts.request.min_consumers = 2;
+    opts.request.slots = 3;
     let mut producer = Producer::register(opts).unwrap();
     assert_eq!(producer.schema().batches_per_epoch, batches);
     assert_eq!(produce_all(&mut producer, batches), batches * epochs);
@@ -219,12 +219,12 @@ fields = [{ name = "x", dtype = "u8", shape = [2] }]
     );
 
     let mut zero = env.options("ext", 2, Some(1));
-    zero.fields[0].shape = vec![0];
+    zero.request.fields[0].shape = vec![0];
     let err = Producer::register(zero).unwrap_err();
     assert!(err.to_string().contains("zero dimension"), "{err}");
 
     let mut slots = env.options("ext", 2, Some(1));
-    slots.slots = 1;
+    slots.request.slots = 1;
     let err = Producer::register(slots).unwrap_err();
     assert!(err.to_string().contains("slots = 1"), "{err}");
 

@@ -84,7 +84,7 @@ fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::
     let ds = Dataset::image_folder(root)?;
     let n = ds.len() as usize;
     let p = Arc::new(ImagePipeline::new(
-        ds,
+        Arc::new(ds),
         transform(),
         OnError::Skip,
         u64::MAX,

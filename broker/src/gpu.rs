@@ -24,6 +24,33 @@ use batchcast::proto::{DeviceArena, DeviceRequest};
 /// Identifies a GPU across processes.
 pub type GpuKey = [u8; 16];
 
+/// Why a GPU cannot be served, or stopped being served. Cloned into each
+/// refusal of a consumer of a failed GPU.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuError {
+    #[error("cannot deliver to cuda:{ordinal} ({name}): {reason}")]
+    Open {
+        ordinal: u32,
+        name: String,
+        reason: String,
+    },
+    #[error(
+        "cannot deliver to cuda:{ordinal} ({name}): this broker was built without CUDA support (feature `cuda`); subscribe with device=\"cpu\""
+    )]
+    NotBuilt { ordinal: u32, name: String },
+    #[error("cannot start a copier thread: {0}")]
+    Copier(String),
+    /// The driver failed during copies (its error's text).
+    #[error("{0}")]
+    Driver(String),
+    #[error("stream `{stream}`: copies to {gpu} failed: {reason}")]
+    CopiesFailed {
+        stream: String,
+        gpu: String,
+        reason: Box<GpuError>,
+    },
+}
+
 /// A copy the copier must make: host slot `host` (holding batch `seq`) to
 /// device slot `device`.
 #[derive(Debug, Clone, Copy)]
@@ -40,7 +67,7 @@ pub trait CopySink: Send + Sync + 'static {
     /// The copy of `req` to GPU `key` completed after `elapsed_ns`.
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64);
     /// The GPU `key` failed; its consumers must be told.
-    fn gpu_failed(&self, key: &GpuKey, why: String);
+    fn gpu_failed(&self, key: &GpuKey, why: GpuError);
 }
 
 /// Where a mirror's copies go.
@@ -55,10 +82,10 @@ enum Backend {
 
 impl Backend {
     /// Waits until every queued copy has finished reading host memory.
-    fn fence(&self) -> Result<(), String> {
+    fn fence(&self) -> Result<(), GpuError> {
         match *self {
             #[cfg(feature = "cuda")]
-            Backend::Cuda(ref c) => c.synchronize().map_err(|e| e.to_string()),
+            Backend::Cuda(ref c) => c.synchronize().map_err(|e| GpuError::Driver(e.to_string())),
             #[cfg(test)]
             Backend::Host => Ok(()),
         }
@@ -88,12 +115,12 @@ impl Mirror {
         backend: Backend,
         run: impl FnOnce(mpsc::Receiver<CopyRequest>) + Send + 'static,
         thread_name: String,
-    ) -> Result<Mirror, String> {
+    ) -> Result<Mirror, GpuError> {
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || run(rx))
-            .map_err(|e| format!("cannot start a copier thread: {e}"))?;
+            .map_err(|e| GpuError::Copier(e.to_string()))?;
         Ok(Mirror {
             label,
             arena,
@@ -214,7 +241,7 @@ mod cuda_backend {
             move |rx| copier(key, rx, sink, copies, buffer),
             format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
         )
-        .map_err(cuda::CudaError::NoDriver)?;
+        .map_err(|e| cuda::CudaError::NoDriver(e.to_string()))?;
         tracing::info!(stream = stream_name, gpu = %m.label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
         Ok(m)
     }
@@ -259,7 +286,7 @@ mod cuda_backend {
                 Ok::<(), cuda::CudaError>(())
             })();
             if let Err(e) = result {
-                sink.gpu_failed(&key, e.to_string());
+                sink.gpu_failed(&key, GpuError::Driver(e.to_string()));
                 return;
             }
         }
@@ -290,7 +317,7 @@ pub mod test_gpu {
         (slots, slot_bytes): (u32, u64),
         memory: Arc<Mutex<Vec<u8>>>,
         fail_at: Option<u64>,
-    ) -> Result<Mirror, String> {
+    ) -> Result<Mirror, GpuError> {
         let bytes = slots as u64 * slot_bytes;
         *memory.lock().unwrap() = vec![0; bytes as usize];
         let arena = DeviceArena {
@@ -310,7 +337,10 @@ pub mod test_gpu {
                 while let Ok(req) = rx.recv() {
                     let Some(sink) = sink.upgrade() else { return };
                     if fail_at == Some(n) {
-                        sink.gpu_failed(&UUID, "CUDA_ERROR_ILLEGAL_ADDRESS (test)".into());
+                        sink.gpu_failed(
+                            &UUID,
+                            GpuError::Driver("CUDA_ERROR_ILLEGAL_ADDRESS (test)".into()),
+                        );
                         return;
                     }
                     n += 1;
@@ -352,7 +382,7 @@ impl Gpus {
         host: (*const u8, usize),
         slots: (u32, u64),
         stream_name: &str,
-    ) -> Result<Arc<Mirror>, String> {
+    ) -> Result<Arc<Mirror>, GpuError> {
         let mut mirrors = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = mirrors.get(&req.uuid) {
             return Ok(m.clone());
@@ -370,7 +400,7 @@ impl Gpus {
         host: (*const u8, usize),
         slots: (u32, u64),
         stream_name: &str,
-    ) -> Result<Mirror, String> {
+    ) -> Result<Mirror, GpuError> {
         #[cfg(test)]
         if req.uuid == test_gpu::UUID {
             let fail_at = *self.test_fail_at.lock().unwrap();
@@ -378,12 +408,16 @@ impl Gpus {
         }
         #[cfg(feature = "cuda")]
         return cuda_backend::create(req, sink, host, slots, &self.registration, stream_name)
-            .map_err(|e| format!("cannot deliver to cuda:{} ({}): {e}", req.ordinal, req.name));
+            .map_err(|e| GpuError::Open {
+                ordinal: req.ordinal,
+                name: req.name.clone(),
+                reason: e.to_string(),
+            });
         #[cfg(not(feature = "cuda"))]
-        Err(format!(
-            "cannot deliver to cuda:{} ({}): this broker was built without CUDA support (feature `cuda`); subscribe with device=\"cpu\"",
-            req.ordinal, req.name
-        ))
+        Err(GpuError::NotBuilt {
+            ordinal: req.ordinal,
+            name: req.name.clone(),
+        })
     }
 
     /// Stops every copier (after its queued copies) and frees the device

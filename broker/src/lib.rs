@@ -25,6 +25,7 @@ pub mod launch;
 pub mod listen;
 pub mod metrics;
 pub mod pipeline;
+pub mod plan;
 pub mod server;
 pub mod stats_view;
 pub mod stream;

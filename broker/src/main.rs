@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchcast_broker::{config, consume, demo, launch, listen, server, stats_view, stream};
+use batchcast_broker::{config, consume, demo, launch, listen, plan, server, stats_view, stream};
 use clap::{Parser, Subcommand};
 
 /// batchcast: run the input pipeline once per host, share every batch with
@@ -131,7 +131,8 @@ fn serve(
     let (cfg, plans) = match &config_path {
         Some(path) => {
             let cfg = config::Config::load(path)?;
-            let plans = cfg.plan(path)?;
+            let plans =
+                plan::plan_config(&cfg).with_context(|| format!("config {}", path.display()))?;
             (cfg, plans)
         }
         None => (config::Config::default(), Vec::new()),
@@ -147,7 +148,7 @@ fn serve(
     let bound = listen::bind(&path, allow.is_shared())?;
     let mut streams = Vec::new();
     for plan in plans {
-        let name = plan.cfg.name.clone();
+        let name = plan.name.clone();
         let s = stream::Stream::start(plan).with_context(|| format!("starting stream `{name}`"))?;
         streams.push(s);
     }

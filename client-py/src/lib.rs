@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use batchcast::proto::ErrorCode;
 use batchcast::schema::SourceInfo;
-use batchcast::{Acquired, DType, Error, Event, Field, FillSlot, JoinPolicy, Schema};
+use batchcast::{Acquired, DType, Error, Event, Field, FillSlot, JoinPolicy, ParseError, Schema};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -36,7 +36,7 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
         {
             "BrokerUnavailable"
         }
-        Error::InvalidOption(_) | Error::OnDevice { .. } => "InvalidArgument",
+        Error::InvalidOption(_) | Error::Parse(_) | Error::OnDevice { .. } => "InvalidArgument",
         Error::Broker {
             code: ErrorCode::SchemaMismatch,
             ..
@@ -67,31 +67,17 @@ fn py_error(py: Python<'_>, class: &str, message: String, code: Option<String>) 
         .unwrap_or_else(|_| pyo3::exceptions::PyRuntimeError::new_err(message))
 }
 
+/// A name the user wrote that is not one the core accepts.
+fn parse_error(e: ParseError) -> PyErr {
+    invalid(e.to_string())
+}
+
 fn invalid(message: impl Into<String>) -> PyErr {
     Python::attach(|py| py_error(py, "InvalidArgument", message.into(), None))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn dtype_of(name: &str) -> Option<DType> {
-    Some(match name {
-        "u8" => DType::U8,
-        "i8" => DType::I8,
-        "u16" => DType::U16,
-        "i16" => DType::I16,
-        "u32" => DType::U32,
-        "i32" => DType::I32,
-        "u64" => DType::U64,
-        "i64" => DType::I64,
-        "f16" => DType::F16,
-        "bf16" => DType::Bf16,
-        "f32" => DType::F32,
-        "f64" => DType::F64,
-        "bool" => DType::Bool,
-        _ => return None,
-    })
 }
 
 fn dl_dtype(d: DType) -> dlpack::DLDataType {
@@ -188,20 +174,8 @@ impl Consumer {
         connect_timeout: f64,
         device: &str,
     ) -> PyResult<Consumer> {
-        let device: batchcast::Device =
-            device.parse().map_err(|e: Error| invalid(e.to_string()))?;
-        let join = match join {
-            "next-epoch" => JoinPolicy::NextEpoch,
-            "immediate" => JoinPolicy::Immediate,
-            other => {
-                return Err(invalid(format!(
-                    "join={other:?}: use \"next-epoch\" (whole epochs only) or \"immediate\""
-                )));
-            }
-        };
-        if window == 0 {
-            return Err(invalid("window must be at least 1"));
-        }
+        let device: batchcast::Device = device.parse().map_err(parse_error)?;
+        let join: JoinPolicy = join.parse().map_err(parse_error)?;
         if !(connect_timeout.is_finite() && connect_timeout >= 0.0) {
             return Err(invalid(format!(
                 "connect_timeout={connect_timeout} must be a number of seconds ≥ 0"
@@ -529,10 +503,8 @@ impl Producer {
         let fields = fields
             .into_iter()
             .map(|(name, dtype, shape)| {
-                let dtype = dtype_of(&dtype).ok_or_else(|| {
-                    invalid(format!(
-                        "field `{name}` has dtype {dtype:?}, which batchcast cannot share"
-                    ))
+                let dtype: DType = dtype.parse().map_err(|e: ParseError| {
+                    invalid(format!("field `{name}`: {e}; batchcast cannot share it"))
                 })?;
                 Ok(Field {
                     name,
@@ -547,13 +519,14 @@ impl Producer {
         }
         let mut opts =
             batchcast::ProducerOptions::new(stream, fields, batch_size, batches_per_epoch);
-        opts.epochs = epochs;
-        opts.slots = slots;
-        opts.min_consumers = min_consumers;
-        opts.lag_limit = lag_limit;
+        let r = &mut opts.request;
+        r.epochs = epochs;
+        r.slots = slots;
+        r.min_consumers = min_consumers;
+        r.lag_limit = lag_limit;
+        r.description = description;
+        r.classes = classes;
         opts.socket = socket;
-        opts.description = description;
-        opts.classes = classes;
         opts.connect_timeout = Duration::from_secs_f64(connect_timeout);
         if let Some(n) = name {
             opts.name = n;

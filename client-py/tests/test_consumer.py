@@ -36,6 +36,7 @@ def test_content_is_what_the_rust_client_sees_exactly_once_per_epoch(start_broke
     seen = []
     for epoch in range(3):
         assert c.epoch == epoch
+        assert not c.ended
         got = []
         for images, labels in c:
             assert images.shape[1:] == (3, 4, 4) and images.dtype == np.uint8
@@ -43,6 +44,7 @@ def test_content_is_what_the_rust_client_sees_exactly_once_per_epoch(start_broke
             got.append((c.epoch, len(images), images.tobytes(), labels.tobytes()))
         assert len(got) == 13, f"epoch {epoch}: {len(got)} batches"
         seen.extend((epoch, i, *g[1:]) for i, g in enumerate(got))
+    assert c.ended, "ended as soon as the last batch was delivered"
     assert next(iter(c), None) is None and c.ended
     r = report(rust)
     assert r["ok"] and r["verified_samples"] == 300, r

@@ -48,9 +48,15 @@ def test_bad_devices_are_invalid_arguments(start_broker):
 def test_copy_true_gives_private_writable_arrays_and_frees_slots(start_broker):
     broker = start_broker(synthetic(epochs=1, min_consumers=2))
     shared = batchcast.Consumer(socket=broker.socket, output="numpy", name="shared", window=4)
-    private = batchcast.Consumer(socket=broker.socket, output="numpy", name="private", copy=True)
+    # window=1: with copies that pinned their slots, the second batch could
+    # never arrive while the first one's copy is kept below.
+    private = batchcast.Consumer(
+        socket=broker.socket, output="numpy", name="private", copy=True, window=1
+    )
     base, length = private.arena
+    kept = []
     for (images_p, labels_p), (images_s, labels_s) in zip(private, shared):
+        kept.append(images_p)
         ptr = images_p.__array_interface__["data"][0]
         assert not base <= ptr < base + length, "copy=True still points into the arena"
         assert images_p.flags.writeable
@@ -59,6 +65,8 @@ def test_copy_true_gives_private_writable_arrays_and_frees_slots(start_broker):
         assert np.array_equal(images_s, before)
         assert np.array_equal(images_p, before + 1)
         assert np.array_equal(labels_p, labels_s)
+    # Every copy is still alive, and none of them holds a slot.
+    assert len(kept) == len(private) and private.held == 0
 
 
 def test_host_views_are_the_batch_bytes(start_broker):

@@ -1,10 +1,11 @@
-//! Where a consumer wants its batches: host memory or one GPU.
+//! Where a consumer wants its batches: host memory or one GPU. A leaf
+//! module; what the broker needs to know of a GPU ([`Device::request`])
+//! is asked of the driver in `gpu`.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{Error, Result};
-use crate::proto::DeviceRequest;
+use crate::parse::ParseError;
 
 /// `CU_STREAM_LEGACY`: the legacy default CUDA stream, as DLPack's `stream=1`.
 pub const LEGACY_STREAM: u64 = 1;
@@ -21,9 +22,9 @@ pub enum Device {
 }
 
 impl FromStr for Device {
-    type Err = Error;
+    type Err = ParseError;
 
-    fn from_str(s: &str) -> Result<Device> {
+    fn from_str(s: &str) -> Result<Device, ParseError> {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "cpu" => Ok(Device::Cpu),
@@ -33,9 +34,11 @@ impl FromStr for Device {
                 .and_then(|n| n.parse::<u32>().ok())
                 .map(Device::Cuda)
                 .ok_or_else(|| {
-                    Error::InvalidOption(format!(
-                        "device `{s}` is not `cpu`, `cuda` or `cuda:N` (N a device ordinal)"
-                    ))
+                    ParseError::new(
+                        "device",
+                        s,
+                        "`cpu`, `cuda` or `cuda:N` (N a device ordinal)",
+                    )
                 }),
         }
     }
@@ -54,27 +57,6 @@ impl Device {
     pub fn is_cuda(&self) -> bool {
         matches!(self, Device::Cuda(_))
     }
-
-    /// What the broker needs to know about this device: its GPU's UUID.
-    /// Errors, naming the reason, when this host or build has no such GPU.
-    pub fn request(&self) -> Result<Option<DeviceRequest>> {
-        match *self {
-            Device::Cpu => Ok(None),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                let gpu = crate::cuda::Gpu::open(ordinal)?;
-                Ok(Some(DeviceRequest {
-                    uuid: gpu.info.uuid,
-                    ordinal,
-                    name: gpu.info.name.clone(),
-                }))
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(Error::Device(format!(
-                "{self} asked for, but this build of batchcast has no CUDA support (rebuild with the `cuda` feature) — use device=\"cpu\""
-            ))),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -91,16 +73,5 @@ mod tests {
             let e = bad.parse::<Device>().unwrap_err().to_string();
             assert!(e.contains("cuda:N"), "{bad}: {e}");
         }
-    }
-
-    #[test]
-    fn a_gpu_request_without_a_gpu_names_the_way_out() {
-        #[cfg(feature = "cuda")]
-        if crate::cuda::available() {
-            return; // a GPU host: this is the no-driver path only
-        }
-        let e = Device::Cuda(0).request().unwrap_err().to_string();
-        assert!(e.contains("device=\"cpu\""), "{e}");
-        assert_eq!(Device::Cpu.request().unwrap(), None);
     }
 }

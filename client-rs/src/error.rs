@@ -1,8 +1,40 @@
-//! The client library's error type.
+//! The client library's error type, and the broker's error codes on the
+//! wire. It names only leaf modules (dtypes, devices, parse errors, CUDA),
+//! so every other module may use it without an import circle.
 
 use std::path::PathBuf;
 
-use crate::proto::ErrorCode;
+use serde::{Deserialize, Serialize};
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::parse::ParseError;
+
+/// Machine-readable error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    VersionMismatch,
+    NotBatchcast,
+    MalformedFrame,
+    FrameTooLarge,
+    UnknownStream,
+    NotAllowed,
+    InvalidRequest,
+    /// The consumer fell further behind than the stream's lag limit.
+    LagLimit,
+    StreamEnded,
+    /// The stream's data source failed (a bad file with `on_error = "fail"`,
+    /// an unreadable dataset); the message names the file.
+    SourceFailed,
+    /// A producer asked for a stream name that is already served.
+    StreamExists,
+    /// A producer's request or batch does not fit its stream's schema.
+    SchemaMismatch,
+    /// A GPU delivery the broker cannot make (no driver, unknown GPU, a
+    /// driver error); the message names the CUDA error.
+    DeviceUnavailable,
+    Internal,
+}
 
 /// Everything that can go wrong talking to a broker.
 #[derive(Debug, thiserror::Error)]
@@ -42,8 +74,8 @@ pub enum Error {
     #[error("field `{name}` has dtype {actual}, not {requested}")]
     DType {
         name: String,
-        actual: crate::DType,
-        requested: crate::DType,
+        actual: DType,
+        requested: DType,
     },
     #[error(
         "you hold {held} unreleased batches, the whole window; drop or release one before asking for the next (or connect with a larger window)"
@@ -51,6 +83,8 @@ pub enum Error {
     WindowFull { held: u32 },
     #[error("invalid option: {0}")]
     InvalidOption(String),
+    #[error("invalid option: {0}")]
+    Parse(#[from] ParseError),
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
@@ -60,7 +94,7 @@ pub enum Error {
     #[error(
         "batch {seq} is in GPU memory ({device}) and has no host view: the broker gives its host slot back once the copy to the GPU is done. Read it on the GPU, copy it with Batch::copy_field, or subscribe with device=\"cpu\""
     )]
-    OnDevice { seq: u64, device: crate::Device },
+    OnDevice { seq: u64, device: Device },
 }
 
 impl Error {

@@ -16,7 +16,30 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::proto::{DeviceArena, Release};
+use crate::proto::{DeviceArena, DeviceRequest, Release};
+
+impl Device {
+    /// What the broker needs to know about this device: its GPU's UUID.
+    /// Errors, naming the reason, when this host or build has no such GPU.
+    pub fn request(&self) -> Result<Option<DeviceRequest>> {
+        match *self {
+            Device::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = crate::cuda::Gpu::open(ordinal)?;
+                Ok(Some(DeviceRequest {
+                    uuid: gpu.info.uuid,
+                    ordinal,
+                    name: gpu.info.name.clone(),
+                }))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(Error::Device(format!(
+                "{self} asked for, but this build of batchcast has no CUDA support (rebuild with the `cuda` feature) — use device=\"cpu\""
+            ))),
+        }
+    }
+}
 
 #[cfg(feature = "cuda")]
 pub(crate) use imp::DeviceSide;
@@ -240,5 +263,21 @@ impl DeviceSide {
     }
     pub(crate) fn pending(&self) -> bool {
         match *self {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_request_without_a_gpu_names_the_way_out() {
+        #[cfg(feature = "cuda")]
+        if crate::cuda::available() {
+            return; // a GPU host: this is the no-driver path only
+        }
+        let e = Device::Cuda(0).request().unwrap_err().to_string();
+        assert!(e.contains("device=\"cpu\""), "{e}");
+        assert_eq!(Device::Cpu.request().unwrap(), None);
     }
 }

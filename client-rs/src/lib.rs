@@ -17,21 +17,37 @@
 //!
 //! # Layout
 //!
-//! * [`proto`]: the wire protocol shared with the broker: preamble, every
-//!   message, framing.
-//! * [`schema`]: dtypes, fields, and where each field lives in a slot.
+//! The wire, shared with the broker (one definition of every message):
+//!
+//! * [`proto`]: preamble, every message, framing, protocol version.
+//! * [`schema`]: fields, and where each field lives in a slot; [`dtype`]:
+//!   element types.
 //! * [`shm`]: memfd arenas, read-only mappings and fd passing.
 //! * [`mailbox`]: a host consumer's batch notices and releases in shared
 //!   memory, with futex wake-ups (the socket carries the rest).
-//! * [`consumer`]: the blocking [`Consumer`], [`Batch`] and its field views,
-//!   and [`StatsClient`].
+//! * [`synthetic`]: the deterministic test data source both sides use.
+//!
+//! The client:
+//!
+//! * `transport`: connecting (with retries), the handshake, frames, and
+//!   waiting on the socket; used by every kind of client below.
+//! * [`consumer`]: the blocking [`Consumer`] and its options.
+//! * [`batch`]: one [`Batch`] and its read-only [`FieldView`]s.
+//! * [`stats_client`]: [`StatsClient`], what a broker is doing.
 //! * [`producer`]: the blocking [`Producer`], which registers a stream and
 //!   writes its batches from outside the broker (e.g. a Python DataLoader).
-//! * [`synthetic`]: the deterministic test data source both sides use.
-//! * [`device`]: where a consumer wants its batches (`cpu`, `cuda:N`).
+//! * [`device`]: where a consumer wants its batches (`cpu`, `cuda:N`);
+//!   `gpu`: the consumer's side of GPU delivery.
 //! * `cuda` (feature `cuda`, on by default): a safe layer over the CUDA
 //!   driver, loaded at run time: device arenas over CUDA IPC, page-locked
 //!   host memory, asynchronous copies and events.
+//! * [`error`]: [`Error`] and the broker's [`ErrorCode`]s; [`parse`]: the
+//!   error of parsing a dtype, device or join policy a user wrote.
+//!
+//! The broker's half of the shared-memory protocols lives here too
+//! ([`shm::Arena`], [`mailbox::BrokerMailbox`], [`synthetic`]'s fill): one
+//! definition of each layout, next to the other side's (ARCHITECTURE.md,
+//! "Crates", says why there is no separate wire crate).
 //!
 //! # Shared means read-only
 //!
@@ -40,24 +56,31 @@
 //! an in-place write to a batch faults in the process that tries it and can
 //! never change what other consumers read.
 
+pub mod batch;
 pub mod consumer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod dtype;
 pub mod error;
 mod gpu;
 pub mod mailbox;
+pub mod parse;
 pub mod producer;
 pub mod proto;
 pub mod schema;
 pub mod shm;
+pub mod stats_client;
 pub mod synthetic;
+mod transport;
 
-pub use consumer::{
-    Batch, Consumer, ConsumerOptions, Element, Event, FieldView, StatsClient, default_socket_path,
-};
+pub use batch::{Batch, Element, FieldView};
+pub use consumer::{Consumer, ConsumerOptions, Event};
 pub use device::Device;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorCode, Result};
+pub use parse::ParseError;
 pub use producer::{Acquired, Producer, ProducerOptions};
-pub use proto::{FillSlot, JoinPolicy};
+pub use proto::{FillSlot, JoinPolicy, ProduceRequest};
 pub use schema::{DType, Field, Schema};
+pub use stats_client::StatsClient;
+pub use transport::default_socket_path;

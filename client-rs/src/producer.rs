@@ -28,42 +28,32 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::consumer::{connect_retrying, handshake, readable_within, send_msg};
 use crate::error::{Error, Result};
-use crate::proto::{
-    self, ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registered, ServerMsg,
-};
+use crate::proto::{ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registered, ServerMsg};
 use crate::schema::{Field, Schema, SlotLayout};
 use crate::shm::Mapping;
+use crate::transport::{
+    broker_error, connect_retrying, expect_reply, goodbye_error, handshake, program_name,
+    read_server_msg, readable_within, send_msg,
+};
 
-/// What to register.
+/// What to register, and how to reach the broker.
 #[derive(Debug, Clone)]
 pub struct ProducerOptions {
     /// The broker's socket; `None` for [`crate::default_socket_path`].
     pub socket: Option<PathBuf>,
-    pub stream: String,
     /// The name shown in `batchcast stats`.
     pub name: String,
-    pub fields: Vec<Field>,
-    pub batch_size: u64,
-    pub batches_per_epoch: u64,
-    /// `None`: endless.
-    pub epochs: Option<u64>,
-    /// Slots of the arena (≥ 2): how many batches can be in consumers'
-    /// hands or queued at once.
-    pub slots: u32,
-    /// Consumers that must subscribe before the first batch is produced.
-    pub min_consumers: u32,
-    /// Detach consumers lagging this many batches behind (`None`: wait).
-    pub lag_limit: Option<u32>,
-    pub description: String,
-    pub classes: Vec<String>,
     /// How long to retry while no broker is listening yet.
     pub connect_timeout: Duration,
+    /// The stream: its name, fields, batch size, epochs, slots, ... exactly
+    /// as the broker receives it.
+    pub request: ProduceRequest,
 }
 
 impl ProducerOptions {
-    /// Options with defaults: 4 slots, one consumer, endless, no lag limit.
+    /// Options with [`ProduceRequest::new`]'s defaults: 4 slots, one
+    /// consumer, endless, no lag limit; named after the program.
     pub fn new(
         stream: impl Into<String>,
         fields: Vec<Field>,
@@ -72,25 +62,9 @@ impl ProducerOptions {
     ) -> ProducerOptions {
         ProducerOptions {
             socket: None,
-            stream: stream.into(),
-            name: std::env::args()
-                .next()
-                .and_then(|a| {
-                    PathBuf::from(a)
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                })
-                .unwrap_or_else(|| "producer".into()),
-            fields,
-            batch_size,
-            batches_per_epoch,
-            epochs: None,
-            slots: 4,
-            min_consumers: 1,
-            lag_limit: None,
-            description: String::new(),
-            classes: Vec::new(),
+            name: program_name("producer"),
             connect_timeout: Duration::ZERO,
+            request: ProduceRequest::new(stream, fields, batch_size, batches_per_epoch),
         }
     }
 }
@@ -123,44 +97,22 @@ pub struct Producer {
 impl Producer {
     /// Connects, registers the stream and maps its arena writable.
     pub fn register(opts: ProducerOptions) -> Result<Producer> {
-        let request = ProduceRequest {
-            stream: opts.stream.clone(),
-            fields: opts.fields.clone(),
-            batch_size: opts.batch_size,
-            batches_per_epoch: opts.batches_per_epoch,
-            epochs: opts.epochs,
-            slots: opts.slots,
-            min_consumers: opts.min_consumers,
-            lag_limit: opts.lag_limit,
-            description: opts.description.clone(),
-            classes: opts.classes.clone(),
-        };
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
-            intent: Intent::Produce(Box::new(request)),
+            intent: Intent::Produce(Box::new(opts.request)),
         });
-        connect_retrying(opts.socket.clone(), opts.connect_timeout, |stream| {
+        connect_retrying(opts.socket, opts.connect_timeout, |stream| {
             Producer::open(stream, &hello)
         })
     }
 
     fn open(stream: UnixStream, hello: &ClientMsg) -> Result<Producer> {
         let (reply, fds) = handshake(&stream, hello)?;
-        let registered = match reply {
-            ServerMsg::Registered(r) => *r,
-            ServerMsg::Error(e) => {
-                return Err(Error::Broker {
-                    code: e.code,
-                    message: e.message,
-                });
-            }
-            other => {
-                return Err(Error::Unexpected(format!(
-                    "{other:?} instead of a registration"
-                )));
-            }
-        };
+        let registered = expect_reply(reply, "a registration", |m| match m {
+            ServerMsg::Registered(r) => Ok(*r),
+            other => Err(other),
+        })?;
         let fd = fds
             .into_iter()
             .next()
@@ -225,19 +177,7 @@ impl Producer {
                 return Ok(Acquired::Pending);
             }
         }
-        let msg = match proto::read_frame::<ServerMsg>(&mut self.reader, &mut self.buf) {
-            Ok(Some(m)) => m,
-            Ok(None) => return Err(Error::BrokerGone),
-            Err(Error::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
-                ) =>
-            {
-                return Err(Error::BrokerGone);
-            }
-            Err(e) => return Err(e),
-        };
+        let msg = read_server_msg(&mut self.reader, &mut self.buf)?;
         self.requested = false;
         match msg {
             ServerMsg::Fill(s) => {
@@ -254,14 +194,8 @@ impl Producer {
                 self.ended = true;
                 Ok(Acquired::Ended)
             }
-            ServerMsg::Error(e) => Err(Error::Broker {
-                code: e.code,
-                message: e.message,
-            }),
-            ServerMsg::Goodbye(reason) => Err(Error::Broker {
-                code: proto::ErrorCode::StreamEnded,
-                message: format!("the broker said goodbye ({reason:?})"),
-            }),
+            ServerMsg::Error(e) => Err(broker_error(e)),
+            ServerMsg::Goodbye(reason) => Err(goodbye_error(reason)),
             other => Err(Error::Unexpected(format!("{other:?}"))),
         }
     }

@@ -31,7 +31,9 @@ use std::io::{ErrorKind, Read, Write};
 
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
+pub use crate::error::ErrorCode;
 use crate::error::{Error, Result};
+use crate::parse::ParseError;
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
@@ -98,6 +100,23 @@ pub enum JoinPolicy {
     Immediate,
 }
 
+impl std::str::FromStr for JoinPolicy {
+    type Err = ParseError;
+
+    /// `next-epoch` or `immediate`, as configs and the Python client write them.
+    fn from_str(s: &str) -> Result<JoinPolicy, ParseError> {
+        match s {
+            "next-epoch" => Ok(JoinPolicy::NextEpoch),
+            "immediate" => Ok(JoinPolicy::Immediate),
+            _ => Err(ParseError::new(
+                "join",
+                s,
+                "\"next-epoch\" (whole epochs only) or \"immediate\"",
+            )),
+        }
+    }
+}
+
 /// What a client wants from this connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Intent {
@@ -144,6 +163,30 @@ pub struct ProduceRequest {
     pub description: String,
     /// Class names in label order, if known.
     pub classes: Vec<String>,
+}
+
+impl ProduceRequest {
+    /// A request with defaults: 4 slots, one consumer, endless, no lag
+    /// limit, no description or classes.
+    pub fn new(
+        stream: impl Into<String>,
+        fields: Vec<crate::schema::Field>,
+        batch_size: u64,
+        batches_per_epoch: u64,
+    ) -> ProduceRequest {
+        ProduceRequest {
+            stream: stream.into(),
+            fields,
+            batch_size,
+            batches_per_epoch,
+            epochs: None,
+            slots: 4,
+            min_consumers: 1,
+            lag_limit: None,
+            description: String::new(),
+            classes: Vec::new(),
+        }
+    }
 }
 
 /// The GPU a consumer wants its batches on. Named by UUID because ordinals
@@ -327,32 +370,6 @@ pub enum GoodbyeReason {
     Shutdown,
     /// This consumer was detached (an [`ServerMsg::Error`] said why).
     Detached,
-}
-
-/// Machine-readable error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ErrorCode {
-    VersionMismatch,
-    NotBatchcast,
-    MalformedFrame,
-    FrameTooLarge,
-    UnknownStream,
-    NotAllowed,
-    InvalidRequest,
-    /// The consumer fell further behind than the stream's lag limit.
-    LagLimit,
-    StreamEnded,
-    /// The stream's data source failed (a bad file with `on_error = "fail"`,
-    /// an unreadable dataset); the message names the file.
-    SourceFailed,
-    /// A producer asked for a stream name that is already served.
-    StreamExists,
-    /// A producer's request or batch does not fit its stream's schema.
-    SchemaMismatch,
-    /// A GPU delivery the broker cannot make (no driver, unknown GPU, a
-    /// driver error); the message names the CUDA error.
-    DeviceUnavailable,
-    Internal,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

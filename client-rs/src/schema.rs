@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Alignment of every field inside a slot. 256 bytes satisfies SIMD loads,
@@ -16,62 +17,6 @@ pub const FIELD_ALIGN: u64 = 256;
 /// Alignment of every slot inside the arena: a page, so slots can be
 /// registered, advised or protected independently.
 pub const SLOT_ALIGN: u64 = 4096;
-
-/// Element type of a field, named as in numpy / PyTorch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    U8,
-    I8,
-    U16,
-    I16,
-    U32,
-    I32,
-    U64,
-    I64,
-    F16,
-    Bf16,
-    F32,
-    F64,
-    Bool,
-}
-
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size(self) -> u64 {
-        match self {
-            DType::U8 | DType::I8 | DType::Bool => 1,
-            DType::U16 | DType::I16 | DType::F16 | DType::Bf16 => 2,
-            DType::U32 | DType::I32 | DType::F32 => 4,
-            DType::U64 | DType::I64 | DType::F64 => 8,
-        }
-    }
-
-    /// The lowercase name used in configs and by numpy (`"u8"`, `"bf16"`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::U8 => "u8",
-            DType::I8 => "i8",
-            DType::U16 => "u16",
-            DType::I16 => "i16",
-            DType::U32 => "u32",
-            DType::I32 => "i32",
-            DType::U64 => "u64",
-            DType::I64 => "i64",
-            DType::F16 => "f16",
-            DType::Bf16 => "bf16",
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::Bool => "bool",
-        }
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// One named tensor of every sample, e.g. `image: u8 [3, 224, 224]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,5 +1,5 @@
-//! The native image pipeline: read → decode → transform → write into the
-//! slot, once per host, for every consumer.
+//! The native pipeline: read → decode → transform → write into the slot
+//! ([`collate`]), once per host, for every consumer.
 //!
 //! Bad input never tears a batch: with `on_error = "skip"` a sample that
 //! cannot be read or decoded is replaced, deterministically, by the next
@@ -8,14 +8,15 @@
 //! consumer is told which file and why.
 
 pub mod cache;
+pub mod collate;
 pub mod dataset;
 pub mod decode;
 pub mod sampler;
 pub mod transform;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 
@@ -78,7 +79,7 @@ pub struct PipelineCounts {
 
 #[derive(Debug)]
 pub struct ImagePipeline {
-    pub dataset: Dataset,
+    pub dataset: Arc<Dataset>,
     pub transform: Transform,
     pub on_error: OnError,
     pub max_pixels: u64,
@@ -121,7 +122,7 @@ pub struct Filled {
 
 impl ImagePipeline {
     pub fn new(
-        dataset: Dataset,
+        dataset: Arc<Dataset>,
         transform: Transform,
         on_error: OnError,
         max_pixels: u64,

@@ -334,7 +334,8 @@ class Consumer:
 
     @property
     def ended(self) -> bool:
-        """True once the stream's last epoch has been delivered."""
+        """True once the stream's last batch has been delivered (or the
+        stream ended early): iterating gives nothing more."""
         return self._ended
 
     def __len__(self) -> int:
@@ -379,6 +380,16 @@ class Consumer:
             self._batches += 1
             self._wait_s += now - start
             self._last_return = now
+            # The stream's last batch: nothing follows but its end markers,
+            # so `ended` is true from now on (as documented), not only after
+            # one more call.
+            epochs = self.schema["epochs"]
+            if (
+                epochs is not None
+                and raw.epoch == epochs - 1
+                and raw.index == self.schema["batches_per_epoch"] - 1
+            ):
+                self._ended = True
             return Batch(raw, self)
         self._last_return = None
         if kind == "epoch_end":

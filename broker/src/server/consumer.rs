@@ -1,0 +1,135 @@
+//! A consumer's connection: subscribe (off the async threads: a GPU
+//! arena may be allocated), the welcome with the arena's fd (and the
+//! mailbox's), then the stream's outbox written out and releases, goodbyes
+//! and doorbells read in, until either side ends it. The consumer leaves
+//! the stream whenever this returns, whatever the reason.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use batchcast::mailbox::Bell;
+use batchcast::proto::{self, ClientMsg, ErrorCode, ServerMsg, Welcome};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+
+use super::{Broker, Reject, append, next_frame, send_with_arena, write_msg};
+use crate::hub::ConsumerId;
+use crate::stream::{Peer, Request, Stream, SubscribeError, Subscription};
+
+pub(super) async fn serve_consumer(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    stream: Arc<Stream>,
+    req: Request,
+    peer: Peer,
+    buf: &mut Vec<u8>,
+) -> Result<(), Reject> {
+    let window = req.window;
+    let sub = subscribe(&stream, req, peer).await?;
+    // Whatever happens below, the consumer leaves the hub when this returns.
+    struct Leave<'a>(&'a Stream, u64);
+    impl Drop for Leave<'_> {
+        fn drop(&mut self) {
+            self.0.leave(self.1);
+        }
+    }
+    let _leave = Leave(&stream, sub.id);
+    let welcome = ServerMsg::Welcome(Box::new(Welcome {
+        consumer_id: sub.id,
+        stream: stream.name().into(),
+        schema: stream.plan.schema.clone(),
+        layout: stream.plan.layout.clone(),
+        slots: stream.plan.slots,
+        window,
+        start_epoch: sub.start_epoch,
+        broker: env!("CARGO_PKG_VERSION").into(),
+        device: sub.device,
+        mailbox: sub.mailbox.as_ref().map(|m| m.spec),
+    }));
+    let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
+    let mailbox_fd = sub.mailbox.as_ref().map(|m| m.fd.as_fd());
+    if send_with_arena(sock, &bytes, &stream, mailbox_fd)
+        .await
+        .is_err()
+    {
+        return Ok(());
+    }
+    // A mailbox consumer may be asleep on its bell rather than on the
+    // socket: ring after everything written to it.
+    let bell = sub.mailbox.map(|m| m.bell);
+    relay(sock, broker, &stream, sub.id, sub.rx, bell, buf).await
+}
+
+/// Subscribes on a blocking thread: opening a GPU (driver calls, a device
+/// allocation) must not hold up the async runtime's threads.
+async fn subscribe(stream: &Arc<Stream>, req: Request, peer: Peer) -> Result<Subscription, Reject> {
+    let s = stream.clone();
+    let sub = tokio::task::spawn_blocking(move || s.subscribe(req, peer))
+        .await
+        .map_err(|e| Reject(ErrorCode::Internal, format!("subscribing: {e}")))?;
+    sub.map_err(|e| {
+        let code = match e {
+            SubscribeError::Hub(_) => ErrorCode::InvalidRequest,
+            SubscribeError::Failed(_) => ErrorCode::SourceFailed,
+            SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
+            SubscribeError::Mailbox(_) => ErrorCode::Internal,
+        };
+        Reject(
+            code,
+            format!("cannot subscribe to `{}`: {e}", stream.name()),
+        )
+    })
+}
+
+/// Writes what the stream queued for the consumer (coalesced into one
+/// write) and takes what it sends, until either side ends.
+async fn relay(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    stream: &Stream,
+    id: ConsumerId,
+    mut rx: mpsc::Receiver<ServerMsg>,
+    bell: Option<Bell>,
+    buf: &mut Vec<u8>,
+) -> Result<(), Reject> {
+    let mut out = Vec::with_capacity(1024);
+    loop {
+        tokio::select! {
+            biased;
+            msg = rx.recv() => {
+                let Some(msg) = msg else { return Ok(()) };
+                // Coalesce everything queued into one write.
+                out.clear();
+                let mut last = matches!(msg, ServerMsg::Goodbye(_));
+                append(&mut out, &msg);
+                while let Ok(m) = rx.try_recv() {
+                    last |= matches!(m, ServerMsg::Goodbye(_));
+                    append(&mut out, &m);
+                }
+                let written = sock.write_all(&out).await;
+                if let Some(bell) = &bell {
+                    bell.ring();
+                }
+                if written.is_err() || last {
+                    return Ok(());
+                }
+            }
+            m = next_frame(sock, buf) => match m? {
+                Some(ClientMsg::Release(r)) => {
+                    stream.release(id, r).map_err(|e| Reject(ErrorCode::InvalidRequest, format!("bad release: {e}")))?;
+                }
+                Some(ClientMsg::Goodbye) => stream.goodbye(id),
+                Some(ClientMsg::Doorbell) => stream.doorbell(),
+                Some(ClientMsg::StatsRequest) => {
+                    let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
+                }
+                Some(ClientMsg::Hello(_)) => return Err(Reject(ErrorCode::InvalidRequest, "hello sent twice".into())),
+                Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. } | ClientMsg::SetMinConsumers { .. })) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, format!("a consumer cannot send {m:?}")));
+                }
+                None => return Ok(()),
+            },
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! The broker's server: accepts connections, admits peers, runs one task per
+//! connection, and shuts down gracefully. One file per kind of connection:
+//!
+//! * `mod.rs` (here): the [`Broker`]'s registry of streams, accepting,
+//!   the handshake, frames, and shutdown.
+//! * [`consumer`]: a consumer's connection: subscribe, the welcome with
+//!   the arena's (and mailbox's) fd, then outbox out and releases in.
+//! * [`producer`]: an external producer's connection: register, seal the
+//!   arena, hand out slots, publish.
+//! * [`stats`]: a stats connection, and the launcher's `SetMinConsumers`.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::Arc;
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use batchcast::proto::{
+    self, ClientMsg, ErrorCode, ErrorMsg, Hello, Intent, Preamble, ServerMsg, StatsReply,
+};
+use batchcast::shm;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::listen::Allow;
+use crate::stream::{Peer, Request, Stream};
+
+mod consumer;
+mod producer;
+mod stats;
+
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 1024;
+/// How long a client may take to send its preamble and hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Everything the connection tasks share.
+#[derive(Debug)]
+pub struct Broker {
+    /// Streams by name: the configured ones, and external ones while their
+    /// producer is connected.
+    streams: RwLock<HashMap<String, Entry>>,
+    pub allow: Allow,
+    pub started: Instant,
+}
+
+#[derive(Debug)]
+enum Entry {
+    Ready(Arc<Stream>),
+    /// A producer is registering it; not yet open to consumers.
+    Pending,
+}
+
+impl Broker {
+    pub fn new(streams: Vec<Arc<Stream>>, allow: Allow) -> Broker {
+        Broker {
+            streams: RwLock::new(
+                streams
+                    .into_iter()
+                    .map(|s| (s.name().to_string(), Entry::Ready(s)))
+                    .collect(),
+            ),
+            allow,
+            started: Instant::now(),
+        }
+    }
+
+    fn registry(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Entry>> {
+        self.streams.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn registry_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Entry>> {
+        self.streams.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every stream open to consumers.
+    pub fn streams(&self) -> Vec<Arc<Stream>> {
+        self.registry()
+            .values()
+            .filter_map(|e| match e {
+                Entry::Ready(s) => Some(s.clone()),
+                Entry::Pending => None,
+            })
+            .collect()
+    }
+
+    fn lookup(&self, name: &str) -> Result<Arc<Stream>, Reject> {
+        let reg = self.registry();
+        match reg.get(name) {
+            Some(Entry::Ready(s)) => Ok(s.clone()),
+            Some(Entry::Pending) => Err(Reject(
+                ErrorCode::UnknownStream,
+                format!(
+                    "stream `{name}` is being registered by its producer; try again in a moment (or connect with a connect timeout)"
+                ),
+            )),
+            None => {
+                let mut names: Vec<_> = reg.keys().map(String::as_str).collect();
+                names.sort_unstable();
+                Err(Reject(
+                    ErrorCode::UnknownStream,
+                    if names.is_empty() {
+                        format!(
+                            "no stream named `{name}`: this broker serves none yet; start a producer for it or give the broker a config"
+                        )
+                    } else {
+                        format!(
+                            "no stream named `{name}`; this broker serves: {}",
+                            names.join(", ")
+                        )
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Claims `name` for a producer that is registering it.
+    fn reserve(&self, name: &str) -> Result<(), Reject> {
+        let mut reg = self.registry_mut();
+        if reg.contains_key(name) {
+            return Err(Reject(
+                ErrorCode::StreamExists,
+                format!(
+                    "this broker already serves a stream named `{name}`; pick another name, or stop the producer that registered it"
+                ),
+            ));
+        }
+        reg.insert(name.to_string(), Entry::Pending);
+        Ok(())
+    }
+
+    /// Opens a reserved name to consumers.
+    fn open(&self, stream: Arc<Stream>) {
+        self.registry_mut()
+            .insert(stream.name().to_string(), Entry::Ready(stream));
+    }
+
+    /// Forgets the stream a producer registered (consumers already attached
+    /// keep it until they leave).
+    fn unregister(&self, name: &str, stream: Option<&Arc<Stream>>) {
+        let mut reg = self.registry_mut();
+        let ours = match (reg.get(name), stream) {
+            (Some(Entry::Pending), _) => true,
+            (Some(Entry::Ready(s)), Some(mine)) => Arc::ptr_eq(s, mine),
+            _ => false,
+        };
+        if ours {
+            reg.remove(name);
+        }
+    }
+
+    pub fn stats(&self) -> StatsReply {
+        let mut streams: Vec<_> = self.streams().iter().map(|s| s.stats()).collect();
+        streams.sort_by(|a, b| a.name.cmp(&b.name));
+        StatsReply {
+            broker_pid: std::process::id(),
+            broker_version: env!("CARGO_PKG_VERSION").into(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            streams,
+        }
+    }
+}
+
+/// Serves until `shutdown` resolves, then tells every consumer goodbye and
+/// waits (briefly) for connections to finish.
+pub async fn run(
+    listener: UnixListener,
+    broker: Arc<Broker>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut tasks = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((sock, _)) => {
+                    let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                    let broker = broker.clone();
+                    let stop = stop_rx.clone();
+                    tasks.spawn(async move {
+                        serve_connection(sock, broker, stop).await;
+                        drop(permit);
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    tracing::info!(
+        "shutting down: saying goodbye to {} connection(s)",
+        tasks.len()
+    );
+    // Streams queue a goodbye to each consumer (whose task ends after writing
+    // it), then stats connections are told to stop.
+    for s in broker.streams() {
+        let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
+    }
+    let _ = stop_tx.send(true);
+    let drained = tokio::time::timeout(Duration::from_secs(2), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tasks.abort_all();
+    }
+}
+
+/// A protocol failure to report to the peer before closing.
+struct Reject(ErrorCode, String);
+
+async fn write_msg(sock: &mut UnixStream, msg: &ServerMsg) -> std::io::Result<()> {
+    let bytes = proto::encode(msg).map_err(std::io::Error::other)?;
+    sock.write_all(&bytes).await
+}
+
+async fn serve_connection(mut sock: UnixStream, broker: Arc<Broker>, stop: watch::Receiver<bool>) {
+    let cred = match sock.peer_cred() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("no peer credentials: {e}");
+            return;
+        }
+    };
+    let mut buf = Vec::with_capacity(4096);
+    let result = async {
+        let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut sock, &mut buf))
+            .await
+            .map_err(|_| Reject(ErrorCode::InvalidRequest, "no hello within 10 s".into()))??;
+        if !broker.allow.admits(cred.uid(), cred.gid(), cred.pid()) {
+            tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "refused a peer not in the allow list");
+            return Err(Reject(
+                ErrorCode::NotAllowed,
+                format!("uid {} is not allowed to use this broker; add it to allow_uids in the broker config", cred.uid()),
+            ));
+        }
+        let peer = Peer { name: hello.name, pid: hello.pid, uid: cred.uid() };
+        match hello.intent {
+            Intent::Stats => stats::serve_stats(&mut sock, &broker, &mut buf, stop).await,
+            Intent::Consume { stream, window, join, device, mailbox } => {
+                let s = broker.lookup(&stream)?;
+                let req = Request { window, join, device, mailbox };
+                consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
+            }
+            Intent::Produce(req) => producer::serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await,
+        }
+    }
+    .await;
+    if let Err(Reject(code, message)) = result {
+        tracing::info!(pid = ?cred.pid(), ?code, "{message}");
+        let _ = write_msg(&mut sock, &ServerMsg::Error(ErrorMsg { code, message })).await;
+        let _ = sock.shutdown().await;
+    }
+}
+
+/// Exchanges preambles and reads the hello.
+async fn handshake(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Hello, Reject> {
+    let mut pre = [0u8; Preamble::LEN];
+    sock.read_exact(&mut pre)
+        .await
+        .map_err(|e| Reject(ErrorCode::MalformedFrame, format!("no preamble: {e}")))?;
+    let _ = sock.write_all(&Preamble::ours().to_bytes()).await;
+    let theirs = Preamble::parse(pre).map_err(|_| {
+        Reject(
+            ErrorCode::NotBatchcast,
+            format!("not a batchcast client: the connection began with {pre:02x?}, not `BCST`"),
+        )
+    })?;
+    if theirs.version != proto::PROTOCOL_VERSION {
+        return Err(Reject(
+            ErrorCode::VersionMismatch,
+            format!(
+                "client speaks protocol v{}, this broker v{}; use a client and broker from the same release",
+                theirs.version,
+                proto::PROTOCOL_VERSION
+            ),
+        ));
+    }
+    match next_frame(sock, buf).await? {
+        Some(ClientMsg::Hello(h)) => Ok(h),
+        Some(other) => Err(Reject(
+            ErrorCode::InvalidRequest,
+            format!("expected a hello first, got {other:?}"),
+        )),
+        None => Err(Reject(
+            ErrorCode::InvalidRequest,
+            "closed before saying hello".into(),
+        )),
+    }
+}
+
+/// Takes one complete frame off the front of `buf`, if there is one.
+fn take_frame(buf: &mut Vec<u8>) -> Result<Option<ClientMsg>, Reject> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    let len = proto::check_len(len).map_err(|e| Reject(ErrorCode::FrameTooLarge, e.to_string()))?;
+    if buf.len() < 4 + len {
+        return Ok(None);
+    }
+    let msg = proto::decode(&buf[4..4 + len]).map_err(|e| {
+        Reject(
+            ErrorCode::MalformedFrame,
+            format!("malformed frame of {len} bytes: {e}"),
+        )
+    })?;
+    buf.drain(..4 + len);
+    Ok(Some(msg))
+}
+
+/// Reads until one frame is complete. Cancel-safe: bytes read stay in `buf`.
+async fn next_frame(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Option<ClientMsg>, Reject> {
+    loop {
+        if let Some(m) = take_frame(buf)? {
+            return Ok(Some(m));
+        }
+        match sock.read_buf(buf).await {
+            Ok(0) if buf.is_empty() => return Ok(None),
+            Ok(0) => {
+                return Err(Reject(
+                    ErrorCode::MalformedFrame,
+                    "connection closed inside a frame".into(),
+                ));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Err(Reject(
+                    ErrorCode::MalformedFrame,
+                    format!("read failed: {e}"),
+                ));
+            }
+        }
+    }
+}
+
+fn append(out: &mut Vec<u8>, msg: &ServerMsg) {
+    match proto::encode(msg) {
+        Ok(b) => out.extend_from_slice(&b),
+        Err(e) => tracing::error!("cannot encode {msg:?}: {e}"),
+    }
+}
+
+/// Sends a welcome or registration frame with the arena fd (and a
+/// consumer's mailbox fd, after it) attached to its first byte.
+async fn send_with_arena(
+    sock: &mut UnixStream,
+    bytes: &[u8],
+    stream: &Stream,
+    mailbox: Option<BorrowedFd<'_>>,
+) -> std::io::Result<()> {
+    let raw = sock.as_raw_fd();
+    let mut fds = vec![stream.arena.fd()];
+    fds.extend(mailbox);
+    let n = sock
+        .async_io(Interest::WRITABLE, || shm::send_with_fds(raw, bytes, &fds))
+        .await?;
+    sock.write_all(&bytes[n..]).await
+}

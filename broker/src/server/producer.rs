@@ -1,0 +1,179 @@
+//! An external producer's connection: its request is planned like a
+//! configured stream ([`StreamPlan::external`]), its name reserved, the
+//! arena created and sent; on its first `Acquire` the arena is sealed
+//! against every other writer and the stream opened to consumers. Then
+//! slots are handed out one at a time, and what it publishes reaches the
+//! consumers. Leaving early (or failing) fails the stream for everyone.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use batchcast::FillSlot;
+use batchcast::proto::{
+    self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, ProduceRequest, Registered, ServerMsg,
+};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+
+use super::{Broker, Reject, next_frame, send_with_arena, write_msg};
+use crate::plan::StreamPlan;
+use crate::stream::{Acquire, Peer, Stream};
+
+/// Serves a producer: registers its stream, hands it slots one at a time,
+/// publishes what it fills, and ends or fails the stream when it leaves.
+pub(super) async fn serve_producer(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    req: ProduceRequest,
+    peer: Peer,
+    buf: &mut Vec<u8>,
+    stop: watch::Receiver<bool>,
+) -> Result<(), Reject> {
+    let name = req.stream.clone();
+    let plan = StreamPlan::external(&req, &peer.name, peer.pid).map_err(|e| {
+        Reject(
+            ErrorCode::InvalidRequest,
+            format!("cannot register stream `{name}`: {e}"),
+        )
+    })?;
+    broker.reserve(&name)?;
+    let who = format!("`{}` (pid {})", peer.name, peer.pid);
+    let registered = register(sock, broker, plan, &who, buf).await;
+    let result = match &registered {
+        Ok(Some(stream)) => serve_slots(sock, stream, &who, buf, stop).await,
+        Ok(None) => Ok(()),
+        Err(Reject(code, why)) => Err(Reject(*code, why.clone())),
+    };
+    let opened = registered.ok().flatten();
+    broker.unregister(&name, opened.as_ref());
+    if let (Err(Reject(_, why)), Some(s)) = (&result, &opened) {
+        s.fail(format!("producer {who}: {why}"));
+    }
+    result
+}
+
+/// Starts the stream, sends the producer its arena, and once it asks for
+/// its first slot (it has mapped the arena), seals the arena and opens the
+/// stream to consumers. `None`: the producer left before that.
+async fn register(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    plan: StreamPlan,
+    who: &str,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Arc<Stream>>, Reject> {
+    let stream = Stream::start(plan)
+        .map_err(|e| Reject(ErrorCode::Internal, format!("cannot create the arena: {e}")))?;
+    let registered = ServerMsg::Registered(Box::new(Registered {
+        stream: stream.name().into(),
+        schema: stream.plan.schema.clone(),
+        layout: stream.plan.layout.clone(),
+        slots: stream.plan.slots,
+    }));
+    let bytes =
+        proto::encode(&registered).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
+    if send_with_arena(sock, &bytes, &stream, None).await.is_err() {
+        return Ok(None);
+    }
+    // The first request means the producer has mapped the arena: seal it
+    // against every other writer, then let consumers in.
+    match next_frame(sock, buf).await? {
+        Some(ClientMsg::Acquire) => {}
+        Some(ClientMsg::Goodbye | ClientMsg::Fail { .. }) | None => return Ok(None),
+        Some(other) => {
+            return Err(Reject(
+                ErrorCode::InvalidRequest,
+                format!("a producer's first request must be Acquire, not {other:?}"),
+            ));
+        }
+    }
+    stream
+        .seal()
+        .map_err(|e| Reject(ErrorCode::Internal, format!("cannot seal the arena: {e}")))?;
+    broker.open(stream.clone());
+    tracing::info!(stream = %stream.name(), producer = %who, "external stream registered");
+    Ok(Some(stream))
+}
+
+/// Hands out slots one at a time and publishes what the producer fills,
+/// until it leaves, fails, or the broker stops.
+async fn serve_slots(
+    sock: &mut UnixStream,
+    stream: &Stream,
+    who: &str,
+    buf: &mut Vec<u8>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), Reject> {
+    let batch_size = stream.plan.schema.batch_size;
+    let mut wants = true;
+    let mut blocked_since = stream.slots_full().then(Instant::now);
+    let mut filling: Option<FillSlot> = None;
+    let mut blocked = Duration::ZERO;
+    loop {
+        if wants {
+            let reply = match stream.acquire() {
+                Err(why) => Some(ServerMsg::Error(ErrorMsg {
+                    code: ErrorCode::SourceFailed,
+                    message: why.to_string(),
+                })),
+                Ok(Acquire::Ended) => Some(ServerMsg::EndOfStream),
+                Ok(Acquire::Slot(w)) => {
+                    blocked = blocked_since
+                        .take()
+                        .map(|t| t.elapsed())
+                        .unwrap_or_default();
+                    filling = Some(w);
+                    Some(ServerMsg::Fill(w))
+                }
+                Ok(Acquire::Wait) => None,
+            };
+            if let Some(msg) = reply {
+                wants = false;
+                if write_msg(sock, &msg).await.is_err() {
+                    stream.producer_done(who);
+                    return Ok(());
+                }
+            }
+        }
+        tokio::select! {
+            _ = stream.ready(), if wants => {}
+            _ = stop.changed() => {
+                let _ = write_msg(sock, &ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
+                return Ok(());
+            }
+            m = next_frame(sock, buf) => match m? {
+                Some(ClientMsg::Acquire) if !wants && filling.is_none() => {
+                    wants = true;
+                    blocked_since = stream.slots_full().then(Instant::now);
+                }
+                Some(ClientMsg::Acquire) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, "Acquire while a slot is still requested or being filled; publish it first".into()));
+                }
+                Some(ClientMsg::Publish { seq, samples }) => {
+                    let Some(w) = filling.filter(|w| w.seq == seq) else {
+                        return Err(Reject(ErrorCode::InvalidRequest, format!("Publish of batch {seq}, which this producer is not filling")));
+                    };
+                    if samples == 0 || samples > batch_size {
+                        return Err(Reject(ErrorCode::SchemaMismatch, format!("batch {seq} claims {samples} samples; a batch of this stream holds 1 to {batch_size}")));
+                    }
+                    stream.publish(&w, samples, blocked);
+                    filling = None;
+                }
+                Some(ClientMsg::Fail { message }) => {
+                    stream.fail(format!("producer {who} failed: {message}"));
+                    return Ok(());
+                }
+                Some(ClientMsg::Goodbye) | None => {
+                    match filling {
+                        Some(w) => stream.fail(format!("producer {who} left while filling batch {} of epoch {}", w.index, w.epoch)),
+                        None => stream.producer_done(who),
+                    }
+                    return Ok(());
+                }
+                Some(other) => {
+                    return Err(Reject(ErrorCode::InvalidRequest, format!("a producer cannot send {other:?}")));
+                }
+            },
+        }
+    }
+}

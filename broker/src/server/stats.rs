@@ -1,0 +1,53 @@
+//! A stats connection: the broker's numbers on each request, and the one
+//! control message a launcher sends (`SetMinConsumers`).
+
+use batchcast::proto::{ClientMsg, ErrorCode, ServerMsg};
+use tokio::net::UnixStream;
+use tokio::sync::watch;
+
+use super::{Broker, Reject, next_frame, write_msg};
+
+pub(super) async fn serve_stats(
+    sock: &mut UnixStream,
+    broker: &Broker,
+    buf: &mut Vec<u8>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), Reject> {
+    // An answer to the hello, so clients know they were admitted.
+    let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
+    loop {
+        let msg = tokio::select! {
+            m = next_frame(sock, buf) => m?,
+            _ = stop.changed() => return Ok(()),
+        };
+        match msg {
+            Some(ClientMsg::StatsRequest) => {
+                if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+            }
+            Some(ClientMsg::SetMinConsumers { stream, min }) => {
+                let s = broker.lookup(&stream)?;
+                if s.set_min_consumers(min) {
+                    tracing::info!(stream = %stream, min, "asked to wait for a different number of consumers");
+                }
+                if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+            }
+            Some(ClientMsg::Goodbye) | None => return Ok(()),
+            Some(other) => {
+                return Err(Reject(
+                    ErrorCode::InvalidRequest,
+                    format!("a stats connection cannot send {other:?}"),
+                ));
+            }
+        }
+    }
+}

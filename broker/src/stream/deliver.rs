@@ -1,0 +1,533 @@
+//! Delivery: consumers joining and leaving the stream, and what the hub
+//! emits reaching them. A batch reaches a mailbox consumer as a notice in
+//! its mailbox (its bell rung once per dispatch); anything else, and every
+//! batch of a socket consumer, is a message on the connection's outbox,
+//! which the server's task for that connection writes out.
+//!
+//! Releases come back on the socket ([`Stream::release`]) or through
+//! mailboxes, which are taken only when someone needs a slot ([`settle`]).
+//! A consumer that breaks its mailbox's protocol (a forged release, a
+//! count out of range, a ring it never reads) is ended alone.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::BuildHasherDefault;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use batchcast::JoinPolicy;
+use batchcast::mailbox::{Bell, BrokerMailbox, Notice, Totals};
+use batchcast::proto::{
+    self, BatchReady, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, MailboxSpec, ServerMsg,
+};
+use tokio::sync::mpsc;
+
+use super::mirror::request_copies;
+use super::stats::consumer_stats;
+use super::{Inner, Stream};
+use crate::gpu::{GpuError, GpuKey};
+use crate::hub::{ConsumerId, Delivery, HubError, Outbound};
+
+/// A connected consumer, as the stream sees it.
+#[derive(Debug)]
+pub(super) struct Conn {
+    /// Messages for the connection's task, bounded: the hub never emits more
+    /// than a window of batches plus a few control messages ahead of releases.
+    pub(super) tx: mpsc::Sender<ServerMsg>,
+    pub(super) name: String,
+    pub(super) pid: u32,
+    pub(super) uid: u32,
+    /// When each unreleased batch was handed to the connection (ns).
+    pub(super) sent_ns: HashMap<u64, u64>,
+    pub(super) hold_ns: u64,
+    pub(super) wait_ns: u64,
+    pub(super) busy_ns: u64,
+    /// Samples in the batches sent to it.
+    pub(super) samples: u64,
+    pub(super) joined: Instant,
+    /// Why it is about to leave, once known (the stream ended for it, it
+    /// was detached, it said goodbye); otherwise it disconnected.
+    pub(super) ending: Option<Ending>,
+    /// Device consumers: their GPU.
+    pub(super) gpu: Option<GpuKey>,
+    /// Host consumers that asked for one: where their batches are noticed
+    /// and their releases written (see [`batchcast::mailbox`]).
+    pub(super) mailbox: Option<BrokerMailbox>,
+    /// Its mailbox got notices in this dispatch: ring the bell.
+    pub(super) ring: bool,
+    /// What it says of the batches it released through its mailbox (it
+    /// times them itself: the broker takes those releases only now and
+    /// then).
+    pub(super) mailbox_totals: Totals,
+}
+
+/// Why a consumer is about to leave, once known; none means it
+/// disconnected. Shown in `stats` as its last line's `left`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Ending {
+    StreamEnded,
+    SaidGoodbye,
+    /// Its lag passed the stream's limit.
+    Detached(String),
+    /// It broke its mailbox's protocol.
+    Ended(String),
+    DeviceFailed(GpuError),
+}
+
+impl fmt::Display for Ending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Ending::StreamEnded => f.write_str("stream ended"),
+            Ending::SaidGoodbye => f.write_str("said goodbye"),
+            Ending::Detached(why) => write!(f, "detached: {why}"),
+            Ending::Ended(why) => write!(f, "ended: {why}"),
+            Ending::DeviceFailed(why) => write!(f, "device failed: {why}"),
+        }
+    }
+}
+
+/// The stream's consumers by id.
+pub(super) type Conns = HashMap<ConsumerId, Conn, BuildHasherDefault<IdHasher>>;
+
+/// Consumer ids are the hub's own counter, not chosen by peers: looking a
+/// connection up needs no keyed hash (it is done per consumer per batch).
+#[derive(Debug, Default)]
+pub(super) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// Who is connecting, for stats.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub name: String,
+    pub pid: u32,
+    pub uid: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubscribeError {
+    #[error(transparent)]
+    Hub(#[from] HubError),
+    #[error("the stream stopped: {0}")]
+    Failed(String),
+    #[error(transparent)]
+    Device(GpuError),
+    #[error("cannot make its mailbox: {0}")]
+    Mailbox(batchcast::Error),
+}
+
+/// A mailbox granted to a consumer: the server sends its fd with the
+/// welcome and rings its bell after each socket write.
+#[derive(Debug)]
+pub struct MailboxGrant {
+    pub spec: MailboxSpec,
+    pub fd: OwnedFd,
+    pub bell: Bell,
+}
+
+/// What a consumer gets on subscribing.
+#[derive(Debug)]
+pub struct Subscription {
+    pub id: ConsumerId,
+    pub start_epoch: u64,
+    pub rx: mpsc::Receiver<ServerMsg>,
+    /// Device consumers: the arena to open.
+    pub device: Option<proto::DeviceArena>,
+    pub mailbox: Option<MailboxGrant>,
+}
+
+/// What a consumer asked for.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub window: u32,
+    pub join: JoinPolicy,
+    /// Device consumers: their GPU.
+    pub device: Option<proto::DeviceRequest>,
+    /// Host consumers: take notices and give releases through a mailbox.
+    pub mailbox: bool,
+}
+
+impl Stream {
+    /// Subscribes a consumer: checks what needs no GPU, makes its mailbox
+    /// or opens its GPU's arena (outside the hub's lock: both take a
+    /// while), then joins it to the hub.
+    pub fn subscribe(
+        self: &Arc<Self>,
+        req: Request,
+        peer: Peer,
+    ) -> Result<Subscription, SubscribeError> {
+        // Room for a full window of batches, one end-of-epoch marker per
+        // batch, and the final messages.
+        let (tx, rx) = mpsc::channel(2 * req.window as usize + 4);
+        let gpu_slots = self.plan.gpu_slots;
+        // Refusals that need no GPU come before a device arena is allocated.
+        {
+            let inner = self.lock();
+            if let Some(why) = &inner.failed {
+                return Err(SubscribeError::Failed(why.clone()));
+            }
+            inner
+                .hub
+                .check_window(req.window, req.device.as_ref().map(|_| gpu_slots))?;
+            if let Some(dev) = &req.device {
+                Stream::check_gpu(&inner, dev)?;
+            }
+        }
+        let mailbox = match req.mailbox && req.device.is_none() {
+            false => None,
+            true => Some(
+                BrokerMailbox::create(MailboxSpec::for_batches(self.plan.slots))
+                    .map_err(SubscribeError::Mailbox)?,
+            ),
+        };
+        let grant = mailbox.as_ref().map(grant).transpose()?;
+        let mirror = req
+            .device
+            .as_ref()
+            .map(|dev| self.open_mirror(dev))
+            .transpose()?;
+        // A mailbox consumer is sent every batch at once and keeps to its
+        // window itself: it never waits for the broker to take a release.
+        let delivery = match mailbox {
+            Some(_) => Delivery::Ahead,
+            None => Delivery::Window,
+        };
+        self.with_hub(|inner| {
+            if let Some(why) = &inner.failed {
+                return Err(SubscribeError::Failed(why.clone()));
+            }
+            let group = match (&mirror, &req.device) {
+                (Some(m), Some(dev)) => Some(Stream::mirror_group(inner, m, dev, gpu_slots)?),
+                _ => None,
+            };
+            let (id, start_epoch) = inner
+                .hub
+                .join_group(req.window, req.join, group, delivery)?;
+            tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
+            inner.conns.insert(
+                id,
+                Conn {
+                    tx,
+                    name: peer.name,
+                    pid: peer.pid,
+                    uid: peer.uid,
+                    sent_ns: HashMap::new(),
+                    hold_ns: 0,
+                    wait_ns: 0,
+                    busy_ns: 0,
+                    samples: 0,
+                    joined: Instant::now(),
+                    ending: None,
+                    gpu: req.device.as_ref().map(|dev| dev.uuid),
+                    mailbox,
+                    ring: false,
+                    mailbox_totals: Totals::default(),
+                },
+            );
+            Ok(Subscription {
+                id,
+                start_epoch,
+                rx,
+                device: mirror.as_ref().map(|m| m.arena()),
+                mailbox: grant,
+            })
+        })
+    }
+
+    pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), HubError> {
+        let now = proto::monotonic_ns();
+        self.with_hub(|inner| release(inner, id, r, now))
+    }
+
+    pub fn goodbye(&self, id: ConsumerId) {
+        self.with_hub(|inner| {
+            // A mailbox consumer gives back the notices it will never read
+            // before it says goodbye: take them now.
+            inner.drain_all = true;
+            let _ = inner.hub.goodbye(id);
+            if let Some(c) = inner.conns.get_mut(&id) {
+                c.ending.get_or_insert(Ending::SaidGoodbye);
+            }
+        });
+    }
+
+    /// The connection is gone; idempotent.
+    pub fn leave(&self, id: ConsumerId) {
+        self.with_hub(|inner| {
+            // A copy for it keeps its host slot pinned in the hub until the
+            // copy is reported, so leaving needs no fence.
+            let last = consumer_stats(inner, id);
+            if inner.hub.leave(id) {
+                tracing::info!(stream = %self.name(), consumer = id, "consumer left; its slots are released");
+            }
+            if let Some(conn) = inner.conns.remove(&id)
+                && let Some(mut last) = last
+            {
+                last.held = 0;
+                last.queued = 0;
+                last.left = Some(
+                    conn.ending
+                        .map_or_else(|| "disconnected".into(), |e| e.to_string()),
+                );
+                if inner.past.len() == proto::PAST_CONSUMERS {
+                    inner.past.pop_front();
+                }
+                inner.past.push_back(last);
+            }
+        });
+    }
+
+    /// A mailbox consumer rang: it released while a producer waited.
+    pub fn doorbell(&self) {
+        self.with_hub(|inner| inner.drain_all = true);
+    }
+
+    /// See [`Hub::set_min_consumers`]; whether the stream was still
+    /// waiting to start.
+    pub fn set_min_consumers(&self, min: u32) -> bool {
+        self.with_hub(|inner| {
+            let waiting = inner.hub.counts().produced == 0;
+            inner.hub.set_min_consumers(min);
+            waiting
+        })
+    }
+}
+
+/// What the server needs to hand a mailbox to its consumer.
+fn grant(m: &BrokerMailbox) -> Result<MailboxGrant, SubscribeError> {
+    Ok(MailboxGrant {
+        spec: m.spec(),
+        fd: m
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| SubscribeError::Mailbox(e.into()))?,
+        bell: m.bell(),
+    })
+}
+
+/// Counts a release (from the socket or a mailbox) in the hub and in the
+/// consumer's numbers.
+fn release(inner: &mut Inner, id: ConsumerId, r: proto::Release, now: u64) -> Result<(), HubError> {
+    inner.hub.release(id, r.seq)?;
+    if let Some(c) = inner.conns.get_mut(&id) {
+        c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
+        c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
+        if let Some(sent) = c.sent_ns.remove(&r.seq) {
+            c.hold_ns += now.saturating_sub(sent);
+        }
+    }
+    Ok(())
+}
+
+/// Brings the hub and the mailboxes in step: sends what the hub emitted,
+/// sets each mailbox's doorbell wish and, with `all` (a producer is about
+/// to wait or looks after a nap, a doorbell rang, stats are asked for),
+/// takes the releases written there, until nothing changes.
+///
+/// Releases are taken only then: mailbox consumers are sent every batch at
+/// once ([`Delivery::Ahead`]), so nobody waits for the broker to take a
+/// release except a pipeline waiting on slots. So a producer with free
+/// slots reads no consumer's lines.
+///
+/// A consumer is asked to ring when nobody would look at its mailbox soon:
+/// a pipeline thread or an external producer waits without napping.
+pub(super) fn settle(inner: &mut Inner, all: bool) {
+    let all = all || std::mem::take(&mut inner.drain_all);
+    dispatch(inner);
+    let want = inner.armed_workers > 0 || inner.producer_waiting;
+    for conn in inner.conns.values_mut() {
+        if let Some(mb) = conn.mailbox.as_mut() {
+            mb.set_want(want);
+        }
+    }
+    if !all {
+        return;
+    }
+    // Pairs with the consumer's fence between writing a release and
+    // reading the wish: either we see its release, or it sees the wish.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    while drain_mailboxes(inner) {
+        dispatch(inner);
+    }
+}
+
+/// Takes the releases written to every mailbox; whether there were any.
+fn drain_mailboxes(inner: &mut Inner) -> bool {
+    let mut taken = std::mem::take(&mut inner.drained);
+    let mut broken = Vec::new();
+    for (&id, conn) in inner.conns.iter_mut() {
+        let Some(mb) = conn.mailbox.as_mut() else {
+            continue;
+        };
+        match mb.drain(|seq| taken.push((id, seq))) {
+            Ok((_, totals)) => conn.mailbox_totals = totals,
+            Err(e) => broken.push((id, e.to_string())),
+        }
+    }
+    let any = !taken.is_empty();
+    for (id, seq) in taken.drain(..) {
+        if let Err(e) = inner.hub.release(id, seq) {
+            broken.push((id, format!("bad release: {e}")));
+        }
+    }
+    inner.drained = taken;
+    for (id, why) in broken {
+        end_mailbox_consumer(inner, id, why);
+    }
+    any
+}
+
+/// A consumer broke the mailbox protocol: it gets an error and nothing
+/// more, and leaves when its connection closes. Nobody else is affected.
+fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    if conn.mailbox.take().is_none() {
+        return; // already ended
+    }
+    tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
+    conn.ending = Some(Ending::Ended(why.clone()));
+    send(
+        conn,
+        id,
+        ServerMsg::Error(ErrorMsg {
+            code: ErrorCode::InvalidRequest,
+            message: format!("the broker ended this consumer: {why}"),
+        }),
+    );
+    send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Detached));
+    let _ = inner.hub.goodbye(id);
+}
+
+/// Turns what the hub emitted into notices in mailboxes and messages on
+/// each connection's outbox, and the copies it ordered into requests to
+/// each GPU's copier. (The hub sends a device consumer a batch only once
+/// its copy has completed.)
+fn dispatch(inner: &mut Inner) {
+    let now = proto::monotonic_ns();
+    let mut broken = Vec::new();
+    let mut outbound = std::mem::take(&mut inner.outbound);
+    inner.hub.swap_outbound(&mut outbound);
+    for (id, out) in outbound.drain(..) {
+        let Some(conn) = inner.conns.get_mut(&id) else {
+            continue;
+        };
+        let msg = conn.message(id, out, now);
+        if let Some(mb) = conn.mailbox.as_mut()
+            && let Some(n) = notice(&msg)
+        {
+            match mb.push(&n) {
+                Ok(()) => conn.ring = true,
+                Err(e) => broken.push((id, e.to_string())),
+            }
+            continue;
+        }
+        send(conn, id, msg);
+    }
+    inner.outbound = outbound;
+    for conn in inner.conns.values_mut() {
+        if std::mem::take(&mut conn.ring)
+            && let Some(mb) = &conn.mailbox
+        {
+            mb.ring();
+        }
+    }
+    if !broken.is_empty() {
+        for (id, why) in broken {
+            end_mailbox_consumer(inner, id, why);
+        }
+        // Ending a consumer may let the hub send others what it held back.
+        dispatch(inner);
+        return;
+    }
+    request_copies(inner);
+}
+
+/// The mailbox notice for a message, for the kinds a mailbox carries.
+fn notice(msg: &ServerMsg) -> Option<Notice> {
+    match msg {
+        ServerMsg::Batch(b) => Some(Notice::Batch(*b)),
+        ServerMsg::EndOfEpoch(e) => Some(Notice::EndOfEpoch(*e)),
+        ServerMsg::EndOfStream => Some(Notice::EndOfStream),
+        _ => None,
+    }
+}
+
+impl Conn {
+    /// The message for what the hub emitted to this consumer, counting a
+    /// batch in its numbers and noting why it is about to leave. A detached
+    /// consumer is sent its error first, then the goodbye returned here.
+    fn message(&mut self, id: ConsumerId, out: Outbound, now: u64) -> ServerMsg {
+        match out {
+            Outbound::Batch {
+                seq,
+                epoch,
+                index,
+                slot,
+                samples,
+            } => {
+                if self.mailbox.is_none() {
+                    self.sent_ns.insert(seq, now);
+                }
+                self.samples += samples;
+                ServerMsg::Batch(BatchReady {
+                    seq,
+                    epoch,
+                    index,
+                    slot,
+                    samples,
+                    sent_ns: now,
+                })
+            }
+            Outbound::EndOfEpoch {
+                epoch,
+                batches,
+                complete,
+            } => ServerMsg::EndOfEpoch(EpochEnd {
+                epoch,
+                batches,
+                complete,
+            }),
+            Outbound::EndOfStream => {
+                self.ending = Some(Ending::StreamEnded);
+                ServerMsg::EndOfStream
+            }
+            Outbound::Detached { reason } => {
+                tracing::warn!(consumer = id, name = %self.name, "{reason}");
+                send(
+                    self,
+                    id,
+                    ServerMsg::Error(ErrorMsg {
+                        code: ErrorCode::LagLimit,
+                        message: reason.clone(),
+                    }),
+                );
+                self.ending = Some(Ending::Detached(reason));
+                ServerMsg::Goodbye(GoodbyeReason::Detached)
+            }
+        }
+    }
+}
+
+pub(super) fn send(conn: &Conn, id: ConsumerId, msg: ServerMsg) {
+    // Full cannot happen (the outbox holds a window and then some); Closed
+    // means the connection is going away and will leave.
+    if let Err(e) = conn.tx.try_send(msg) {
+        tracing::debug!(consumer = id, "outbox: {e}");
+    }
+}

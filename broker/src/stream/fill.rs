@@ -1,0 +1,320 @@
+//! Filling: the pipeline threads. Each takes a slot from the hub, writes
+//! the batch into it ([`crate::pipeline::collate`]) and publishes it. While
+//! no slot is free (back-pressure) it waits, pacing itself to its
+//! consumers: see [`Stream::wait_for_slot`]. Its CPU time is counted for
+//! `stats` (`pipeline_cpu_s`).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::deliver::settle;
+use super::{Inner, Stream};
+use crate::hub::Work;
+use crate::pipeline::PipelineError;
+use crate::pipeline::collate::{SlotWriter, ThreadState};
+
+impl Stream {
+    /// A pipeline thread: take work from the hub, fill the slot, publish.
+    pub(super) fn worker(&self) {
+        // Its naps between looks at mailboxes are tens of microseconds: do
+        // not let the kernel stretch them by the default 50 µs of slack.
+        if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
+            tracing::debug!("timer slack: {e}");
+        }
+        let Some(writer) = &self.writer else {
+            return; // an external producer fills the slots
+        };
+        let mut state = match writer.thread_state() {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail(format!("cannot start a decoder: {e}"));
+                return;
+            }
+        };
+        let mut orders = OrderCache::default();
+        let mut pace = Pace::default();
+        let mut cpu = CpuClock::new();
+        loop {
+            let work = {
+                let inner = self.lock();
+                match self.wait_for_slot(inner, &mut pace, &mut cpu) {
+                    Some(w) => w,
+                    None => return,
+                }
+            };
+            let t0 = Instant::now();
+            let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
+            let filled = self.fill(writer, &mut state, &work, &order);
+            let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let spent = cpu.spent(false);
+            match filled {
+                Ok(samples) => self.with_hub(|inner| {
+                    inner.fill_ns = fill_ns;
+                    inner.pipeline_cpu += spent;
+                    inner.hub.finish_batch(work.seq, samples)
+                }),
+                Err(e) => {
+                    // The slot stays in `Filling`: nobody ever sees a torn batch.
+                    self.fail(e.to_string());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits until the hub gives this pipeline thread a slot to fill;
+    /// `None` when the stream stops.
+    ///
+    /// Waiting on slots (back-pressure), a thread that serves only mailbox
+    /// consumers looks at their releases after naps, and once batches are
+    /// quick to make it waits for half the slots to be free before it goes
+    /// on: it then fills them in one burst, so the cost of a wake-up is
+    /// shared by many batches, and the slowest consumer still has the other
+    /// half to read meanwhile. Naps are learned from the last wait (how
+    /// long the consumers took to free that many). After `ARM_AFTER`
+    /// without a free slot (consumers pause, or are slow), it asks them to
+    /// ring a doorbell when they release and sleeps until one does. With a
+    /// consumer on the socket, its releases wake the thread at once.
+    fn wait_for_slot<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        pace: &mut Pace,
+        cpu: &mut CpuClock,
+    ) -> Option<Work> {
+        // Since when it waits on slots (back-pressure, as opposed to waiting
+        // for consumers or after the last epoch).
+        let mut blocked_since: Option<Instant> = None;
+        // End of the current nap (naps are cut short by notifications).
+        let mut wake_at: Option<Instant> = None;
+        // A doorbell or a socket release woke it: take any free slot.
+        let mut take_any = false;
+        let mut naps = 0u32;
+        let work = loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            // Not waiting yet: any free slot will do (the path of every
+            // batch in a burst, so it looks at nothing else).
+            if blocked_since.is_none()
+                && let Some(w) = inner.hub.start_batch()
+            {
+                break w;
+            }
+            let now = Instant::now();
+            let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
+            let mailboxes = inner.conns.values().filter(|c| c.mailbox.is_some()).count();
+            let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
+            // Slots to wait for once blocked.
+            let target = match quick && mailboxes == inner.conns.len() {
+                true => (self.plan.slots / 2).max(1),
+                false => 1,
+            };
+            let free = inner.hub.free_slots();
+            if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
+                && let Some(w) = inner.hub.start_batch()
+            {
+                if target > 1 {
+                    pace.learn(waited, free);
+                }
+                tracing::trace!(
+                    naps,
+                    free,
+                    waited_us = waited.as_micros() as u64,
+                    "slot wait"
+                );
+                break w;
+            }
+            if !inner.hub.wants_batches() {
+                // Idle: nothing to do until a hub change notifies it.
+                inner.pipeline_cpu += cpu.spent(true);
+                blocked_since = None;
+                wake_at = None;
+                inner = self.idle(inner, false, IDLE_WAIT);
+                continue;
+            }
+            blocked_since.get_or_insert(now);
+            let arm_after = if target > 1 { ARM_AFTER } else { ARM_AFTER_ONE };
+            if mailboxes == 0 || (free == 0 && waited >= arm_after) {
+                // Socket releases notify; mailbox consumers are asked to ring.
+                inner.pipeline_cpu += cpu.spent(true);
+                inner = self.idle(inner, mailboxes > 0, IDLE_WAIT);
+                take_any = true;
+                continue;
+            }
+            // Nap until the slots it waits for are likely free: learned for
+            // the first nap, then from how many came in the time waited so
+            // far; as long again when none came.
+            let until = match wake_at {
+                Some(w) if w > now => w,
+                _ => {
+                    let nap = match (wake_at, free) {
+                        (None, _) => pace.first_nap(target),
+                        (Some(_), 0) => waited,
+                        (Some(_), f) => waited * (target - f) / f,
+                    };
+                    now + nap.clamp(MIN_NAP, MAX_NAP)
+                }
+            };
+            wake_at = Some(until);
+            naps += 1;
+            inner = self.idle(inner, false, until - now);
+            settle(&mut inner, true);
+        };
+        if let Some(t) = blocked_since {
+            inner.producer_blocked += t.elapsed();
+        }
+        Some(work)
+    }
+
+    /// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes
+    /// that let the pipeline go on notify it); `armed`: asks mailbox
+    /// consumers to ring when they release, first taking what they
+    /// released already.
+    fn idle<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        armed: bool,
+        timeout: Duration,
+    ) -> MutexGuard<'a, Inner> {
+        inner.idle_workers += 1;
+        if armed {
+            inner.armed_workers += 1;
+            settle(&mut inner, true);
+        }
+        if !(armed && inner.hub.can_start()) {
+            inner = self
+                .work_cv
+                .wait_timeout(inner, timeout)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        inner.idle_workers -= 1;
+        if armed {
+            inner.armed_workers -= 1;
+        }
+        inner
+    }
+
+    /// Writes every sample of `work` straight into its place in the slot.
+    fn fill(
+        &self,
+        writer: &SlotWriter,
+        state: &mut ThreadState,
+        work: &Work,
+        order: &[u64],
+    ) -> Result<u64, PipelineError> {
+        let layout = &self.plan.layout;
+        let batch_size = self.plan.schema.batch_size as usize;
+        let first = work.index as usize * batch_size;
+        let indices = &order[first..(first + batch_size).min(order.len())];
+        // SAFETY: the hub handed this slot to this worker in its `Filling`
+        // state: no consumer holds it and no other worker was given it, so
+        // this is the only reference to these bytes until `finish_batch`.
+        let slot = unsafe {
+            self.arena
+                .mapping()
+                .slice_mut(work.slot as u64 * layout.slot_bytes, layout.slot_bytes)
+        };
+        writer.write_batch(state, work.epoch, indices, layout, slot)
+    }
+}
+
+/// Counts a thread's CPU time. Reading it is a system call (a third of a
+/// microsecond here, as long as stamping a small batch), so it is read at
+/// most every `CPU_CLOCK_EVERY` of wall time; what it counts is exact
+/// over time, and lags by at most that much.
+struct CpuClock {
+    read: Duration,
+    at: Instant,
+}
+
+const CPU_CLOCK_EVERY: Duration = Duration::from_millis(10);
+
+impl CpuClock {
+    fn new() -> CpuClock {
+        CpuClock {
+            read: thread_cpu(),
+            at: Instant::now(),
+        }
+    }
+
+    /// CPU time since the last reading, or zero when it is not read now
+    /// (`now`: read it, as before the thread waits for long).
+    fn spent(&mut self, now: bool) -> Duration {
+        if !now && self.at.elapsed() < CPU_CLOCK_EVERY {
+            return Duration::ZERO;
+        }
+        self.at = Instant::now();
+        let now = thread_cpu();
+        now.saturating_sub(std::mem::replace(&mut self.read, now))
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
+
+/// The sample order of the last two epochs, computed once per epoch.
+#[derive(Default)]
+struct OrderCache {
+    entries: Vec<(u64, Arc<Vec<u64>>)>,
+}
+
+impl OrderCache {
+    fn get(&mut self, epoch: u64, make: impl FnOnce(u64) -> Vec<u64>) -> Arc<Vec<u64>> {
+        if let Some((_, o)) = self.entries.iter().find(|(e, _)| *e == epoch) {
+            return o.clone();
+        }
+        let o = Arc::new(make(epoch));
+        if self.entries.len() == 2 {
+            self.entries.remove(0);
+        }
+        self.entries.push((epoch, o.clone()));
+        o
+    }
+}
+
+/// A pipeline whose batches take less than this (ns, per thread) is quick:
+/// waiting on slots, it gathers half of them before it goes on.
+const QUICK_FILL_NS: u64 = 200_000;
+/// Shortest and longest nap of a pipeline thread between looks at the
+/// mailboxes while it waits on slots.
+const MIN_NAP: Duration = Duration::from_micros(10);
+const MAX_NAP: Duration = Duration::from_millis(1);
+/// After this long, go on with any free slot rather than gather more.
+const MAX_GATHER: Duration = Duration::from_millis(1);
+/// Without a free slot for this long (consumers pause, or are slow), stop
+/// napping: ask mailbox consumers to ring, and sleep until one does.
+const ARM_AFTER: Duration = Duration::from_millis(5);
+/// The same for a pipeline that goes on with one slot (a slow pipeline, or
+/// socket consumers are there): naps of about 10, 20, 40 and 80 µs.
+const ARM_AFTER_ONE: Duration = Duration::from_micros(150);
+/// Longest sleep of an idle or armed pipeline thread between looks.
+const IDLE_WAIT: Duration = Duration::from_millis(200);
+
+/// What a pipeline thread learned of how fast consumers free slots.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Time per freed slot in the last waits (a running average).
+    per_slot: Option<Duration>,
+}
+
+impl Pace {
+    /// `free` slots were free `waited` after the pipeline began to wait.
+    fn learn(&mut self, waited: Duration, free: u32) {
+        let now = waited / free.max(1);
+        self.per_slot = Some(match self.per_slot {
+            None => now,
+            Some(before) => (before + now) / 2,
+        });
+    }
+
+    /// The first nap of a wait for `gather` slots.
+    fn first_nap(&self, gather: u32) -> Duration {
+        self.per_slot.map_or(MIN_NAP, |p| p * gather)
+    }
+}

@@ -1,0 +1,192 @@
+//! GPU copies of a stream: one device ring per GPU with consumers (a hub
+//! group), opened when the first consumer on that GPU subscribes; the
+//! copier's reports ([`CopySink`]); a failing GPU, which ends its
+//! consumers and gives back its host slots; freeing the device arenas at
+//! shutdown once their consumers are gone.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use batchcast::proto::{DeviceRequest, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
+
+use super::deliver::{Ending, send};
+use super::{Inner, Stream, SubscribeError};
+use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror};
+use crate::hub::GroupId;
+
+/// One GPU's copies of this stream, as the stream tracks them.
+#[derive(Debug)]
+pub(super) struct MirrorState {
+    pub(super) mirror: Arc<Mirror>,
+    /// Its ring of device slots in the hub.
+    pub(super) group: GroupId,
+    pub(super) copies: u64,
+    pub(super) bytes: u64,
+    pub(super) copy_ns: u64,
+    /// Why its copies stopped; its consumers were ended then.
+    pub(super) failed: Option<GpuError>,
+}
+
+impl Stream {
+    /// Refuses a device consumer before any GPU work when its GPU failed
+    /// already.
+    pub(super) fn check_gpu(inner: &Inner, req: &DeviceRequest) -> Result<(), SubscribeError> {
+        match inner.mirrors.get(&req.uuid).and_then(|m| m.failed.as_ref()) {
+            Some(why) => Err(SubscribeError::Device(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Opens (or finds) this stream's arena on the consumer's GPU. It takes
+    /// a while (a device allocation): call it without the hub's lock.
+    pub(super) fn open_mirror(
+        self: &Arc<Self>,
+        req: &DeviceRequest,
+    ) -> Result<Arc<Mirror>, SubscribeError> {
+        let sink: std::sync::Weak<dyn CopySink> = Arc::downgrade(self) as _;
+        let host = (self.arena.mapping().as_ptr(), self.arena.mapping().len());
+        let slots = (self.plan.gpu_slots, self.plan.layout.slot_bytes);
+        self.gpus
+            .mirror(req, sink, host, slots, self.name())
+            .map_err(SubscribeError::Device)
+    }
+
+    /// The hub group of the consumer's GPU, made on its first consumer.
+    pub(super) fn mirror_group(
+        inner: &mut Inner,
+        mirror: &Arc<Mirror>,
+        req: &DeviceRequest,
+        gpu_slots: u32,
+    ) -> Result<GroupId, SubscribeError> {
+        if !inner.mirrors.contains_key(&req.uuid) {
+            let group = inner.hub.add_group(gpu_slots);
+            inner.groups.push(req.uuid);
+            debug_assert_eq!(inner.groups.len(), group as usize + 1);
+            inner.mirrors.insert(
+                req.uuid,
+                MirrorState {
+                    mirror: mirror.clone(),
+                    group,
+                    copies: 0,
+                    bytes: 0,
+                    copy_ns: 0,
+                    failed: None,
+                },
+            );
+        }
+        let state = &inner.mirrors[&req.uuid];
+        match &state.failed {
+            Some(why) => Err(SubscribeError::Device(why.clone())),
+            None => Ok(state.group),
+        }
+    }
+
+    /// Waits (2 s at most) for the consumers on a GPU to go after they were
+    /// told goodbye, then frees the device arenas. A consumer that ignores
+    /// the goodbye reads freed memory, and is named in the log.
+    pub(super) fn free_device_arenas(&self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let on_gpu: Vec<String> = {
+                let inner = self.lock();
+                inner
+                    .conns
+                    .values()
+                    .filter(|c| c.gpu.is_some())
+                    .map(|c| format!("{} (pid {})", c.name, c.pid))
+                    .collect()
+            };
+            if on_gpu.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(stream = %self.name(), "freeing device arenas still opened by {}", on_gpu.join(", "));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mirrors: Vec<MirrorState> = self.lock().mirrors.drain().map(|(_, m)| m).collect();
+        self.gpus.stop();
+        drop(mirrors);
+    }
+}
+
+/// Hands the copies the hub ordered to each GPU's copier.
+pub(super) fn request_copies(inner: &mut Inner) {
+    for c in inner.hub.take_copies() {
+        let Some(m) = inner
+            .groups
+            .get(c.group as usize)
+            .and_then(|key| inner.mirrors.get(key))
+        else {
+            continue;
+        };
+        m.mirror.request(CopyRequest {
+            host: c.host,
+            device: c.slot,
+            seq: c.seq,
+        });
+    }
+}
+
+impl CopySink for Stream {
+    fn host_slot(&self, slot: u32) -> (*const u8, usize) {
+        let bytes = self.plan.layout.slot_bytes;
+        let ptr = self
+            .arena
+            .mapping()
+            .as_ptr()
+            .wrapping_add((slot as u64 * bytes) as usize);
+        (ptr, bytes as usize)
+    }
+
+    fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {
+        self.with_hub(|inner| {
+            let Some(m) = inner.mirrors.get_mut(key) else {
+                return;
+            };
+            m.copies += 1;
+            m.bytes += bytes;
+            m.copy_ns += elapsed_ns;
+            let group = m.group;
+            if let Err(e) = inner.hub.copied(group, req.seq) {
+                tracing::error!(stream = %self.name(), gpu = %m.mirror.label(), "copy report: {e}");
+            }
+        });
+    }
+
+    fn gpu_failed(&self, key: &GpuKey, why: GpuError) {
+        tracing::error!(stream = %self.name(), "GPU copies stopped: {why}");
+        self.with_hub(|inner| {
+            let Some(m) = inner.mirrors.get_mut(key) else {
+                return;
+            };
+            let failure = GpuError::CopiesFailed {
+                stream: self.name().into(),
+                gpu: m.mirror.label().into(),
+                reason: Box::new(why.clone()),
+            };
+            m.failed = Some(failure.clone());
+            // Copies still queued on the GPU may read host slots the hub is
+            // about to give back.
+            m.mirror.fence();
+            let group = m.group;
+            for id in inner.hub.fail_group(group) {
+                let Some(conn) = inner.conns.get_mut(&id) else {
+                    continue;
+                };
+                conn.ending
+                    .get_or_insert_with(|| Ending::DeviceFailed(why.clone()));
+                send(
+                    conn,
+                    id,
+                    ServerMsg::Error(ErrorMsg {
+                        code: ErrorCode::DeviceUnavailable,
+                        message: failure.to_string(),
+                    }),
+                );
+                send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+            }
+        });
+    }
+}

@@ -1,0 +1,247 @@
+//! One stream at run time: its arena, its hub, the pipeline threads that
+//! fill slots, and the connections of its consumers. The stream is split by
+//! role; each file adds its own `impl Stream`:
+//!
+//! * `mod.rs` (here): the stream's state and its lifecycle: start, fail,
+//!   shut down; the lock and [`Stream::with_hub`], through which every
+//!   change to the hub goes.
+//! * [`fill`]: pipeline threads: waiting for a free slot (back-pressure,
+//!   pacing, naps), writing the batch ([`crate::pipeline::collate`]) and
+//!   publishing it; the threads' CPU clock.
+//! * [`deliver`]: consumers: subscribe, release, goodbye, leave; turning
+//!   what the hub emitted into mailbox notices and socket messages
+//!   (`dispatch`), taking mailbox releases (`settle`), and ending a
+//!   consumer that breaks its mailbox's protocol.
+//! * [`port`]: the external producer's side: slots handed out one at a
+//!   time, publishing, sealing the arena, the producer leaving.
+//! * [`mirror`]: GPU copies: a device ring per GPU (a hub group), the
+//!   copier's reports, a failing GPU.
+//! * [`stats`]: what `batchcast stats` shows of the stream.
+//!
+//! The hub and the connections sit behind one mutex so that what the hub
+//! emits is queued to each connection in the order the hub emitted it.
+//! Critical sections are short (bookkeeping only: no I/O, no filling).
+
+mod deliver;
+mod fill;
+mod mirror;
+mod port;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use batchcast::proto::{ConsumerStats, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
+use batchcast::shm::Arena;
+
+use crate::gpu::{GpuKey, Gpus};
+use crate::hub::{ConsumerId, Hub, HubConfig, Outbound};
+use crate::pipeline::ImagePipeline;
+use crate::pipeline::collate::SlotWriter;
+use crate::plan::{SourcePlan, StreamPlan};
+
+use deliver::{Conns, settle};
+pub use deliver::{MailboxGrant, Peer, Request, SubscribeError, Subscription};
+use mirror::MirrorState;
+pub use port::{Acquire, StreamFailed};
+
+#[derive(Debug)]
+struct Inner {
+    hub: Hub,
+    conns: Conns,
+    producer_blocked: Duration,
+    pipeline_cpu: Duration,
+    /// Why the source failed; the stream serves no one after that.
+    failed: Option<String>,
+    mirrors: HashMap<GpuKey, MirrorState>,
+    /// The GPU of each hub group.
+    groups: Vec<GpuKey>,
+    /// Consumers that left, with their final numbers (most recent last).
+    past: VecDeque<ConsumerStats>,
+    /// Pipeline workers waiting on `work_cv` (to be notified), and those of
+    /// them done polling mailboxes: while one is, or an external producer
+    /// was told to wait, mailbox consumers are asked to ring a doorbell when
+    /// they release (nobody would look at their mailbox soon otherwise).
+    idle_workers: u32,
+    armed_workers: u32,
+    producer_waiting: bool,
+    /// Wall time the pipeline took for its last batch (`u64::MAX` until one
+    /// is made): whether it is quick (see `QUICK_FILL_NS`).
+    fill_ns: u64,
+    /// Pipeline threads (0 for an external producer).
+    workers: u32,
+    /// A doorbell rang: take every mailbox's releases at the next settle.
+    drain_all: bool,
+    /// Releases drained from mailboxes, reused between drains.
+    drained: Vec<(ConsumerId, u64)>,
+    /// What the hub emitted, reused between dispatches.
+    outbound: Vec<(ConsumerId, Outbound)>,
+}
+
+#[derive(Debug)]
+pub struct Stream {
+    /// Declared before the arena: device arenas and the page-locking of
+    /// the host arena go first.
+    gpus: Gpus,
+    pub plan: StreamPlan,
+    pub arena: Arena,
+    /// What fills the slots (`None`: an external producer does).
+    writer: Option<SlotWriter>,
+    inner: Mutex<Inner>,
+    /// Wakes pipeline workers when work may have become available.
+    work_cv: Condvar,
+    stop: AtomicBool,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    /// Wakes an external producer's connection task, as `work_cv` wakes
+    /// pipeline threads (a stored permit: no wake-up is lost).
+    ready: tokio::sync::Notify,
+}
+
+impl Stream {
+    /// Creates the arena and starts the pipeline threads, which wait for
+    /// consumers. The arena is sealed against every writer but this process
+    /// at once, except for an external stream: its producer maps it writable
+    /// first, and the server seals it ([`Stream::seal`]) before any consumer
+    /// can see it.
+    pub fn start(plan: StreamPlan) -> Result<Arc<Stream>, batchcast::Error> {
+        let arena = Arena::create(&plan.name, plan.arena_bytes())?;
+        if !matches!(plan.source, SourcePlan::External) {
+            arena.seal_writes()?;
+        }
+        let writer = match &plan.source {
+            SourcePlan::Synthetic(spec) => Some(SlotWriter::Synthetic(*spec)),
+            SourcePlan::Images(p) => Some(SlotWriter::Images(Arc::new(ImagePipeline::new(
+                p.dataset.clone(),
+                p.transform.clone(),
+                p.on_error,
+                p.max_pixels,
+                p.reduced_decode,
+                p.cache_bytes,
+            )))),
+            SourcePlan::External => None,
+        };
+        let hub = Hub::new(HubConfig {
+            slots: plan.slots,
+            batches_per_epoch: plan.schema.batches_per_epoch,
+            epochs: plan.epochs,
+            lag_limit: plan.lag_limit,
+            min_consumers: plan.min_consumers,
+        });
+        let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
+        let stream = Arc::new(Stream {
+            gpus: Gpus::default(),
+            plan,
+            arena,
+            writer,
+            inner: Mutex::new(Inner {
+                hub,
+                conns: HashMap::default(),
+                producer_blocked: Duration::ZERO,
+                pipeline_cpu: Duration::ZERO,
+                failed: None,
+                mirrors: HashMap::new(),
+                groups: Vec::new(),
+                past: VecDeque::new(),
+                idle_workers: 0,
+                armed_workers: 0,
+                producer_waiting: false,
+                fill_ns: u64::MAX,
+                workers,
+                drain_all: false,
+                drained: Vec::new(),
+                outbound: Vec::new(),
+            }),
+            work_cv: Condvar::new(),
+            stop: AtomicBool::new(false),
+            workers: Mutex::new(Vec::new()),
+            ready: tokio::sync::Notify::new(),
+        });
+        let mut workers = stream.workers.lock().unwrap_or_else(|p| p.into_inner());
+        for i in 0..stream.plan.workers {
+            let s = stream.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("{}-worker-{i}", stream.plan.name))
+                .spawn(move || s.worker())
+                .map_err(batchcast::Error::Io)?;
+            workers.push(handle);
+        }
+        drop(workers);
+        tracing::info!(
+            stream = %stream.plan.name,
+            slots = stream.plan.slots,
+            slot_mib = stream.plan.layout.slot_bytes as f64 / (1 << 20) as f64,
+            workers = stream.plan.workers,
+            "stream ready"
+        );
+        Ok(stream)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.plan.name
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock would be a bug in bookkeeping; the
+        // state is still the last consistent one, so keep serving.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs a hub operation, then takes mailbox releases, queues what the
+    /// hub emitted and wakes a producer that waits and now may go on.
+    fn with_hub<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        let mut inner = self.lock();
+        let r = f(&mut inner);
+        settle(&mut inner, false);
+        if inner.hub.can_start() {
+            // Waiters count themselves under this lock before they wait.
+            if inner.idle_workers > 0 {
+                self.work_cv.notify_all();
+            }
+            if inner.producer_waiting {
+                self.ready.notify_one();
+            }
+        }
+        r
+    }
+
+    /// Stops the stream because its source failed, telling every consumer.
+    pub fn fail(&self, why: String) {
+        tracing::error!(stream = %self.name(), "stream stopped: {why}");
+        self.stop.store(true, Ordering::SeqCst);
+        let mut inner = self.lock();
+        if inner.failed.is_none() {
+            inner.failed = Some(why.clone());
+        }
+        for c in inner.conns.values() {
+            let _ = c.tx.try_send(ServerMsg::Error(ErrorMsg {
+                code: ErrorCode::SourceFailed,
+                message: format!("stream `{}` stopped: {why}", self.name()),
+            }));
+            let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+        }
+        drop(inner);
+        self.work_cv.notify_all();
+    }
+
+    /// reads freed memory, and is named in the log).
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        {
+            let inner = self.lock();
+            for c in inner.conns.values() {
+                let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+            }
+        }
+        self.work_cv.notify_all();
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in workers {
+            let _ = w.join();
+        }
+        self.free_device_arenas();
+    }
+}

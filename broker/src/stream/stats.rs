@@ -1,0 +1,120 @@
+//! What `batchcast stats` (and `/metrics`) shows of a stream: its slots,
+//! batches and epochs, the pipeline's CPU and back-pressure, its source's
+//! decodes and cache, its GPUs' copies, and each consumer's numbers,
+//! connected and departed.
+
+use batchcast::proto::{self, ConsumerStats, SourceStats, StreamStats};
+
+use super::{Inner, Stream};
+use crate::hub::ConsumerId;
+
+impl Stream {
+    pub fn stats(&self) -> StreamStats {
+        // Releases sitting in mailboxes count as released.
+        self.with_hub(|inner| inner.drain_all = true);
+        let inner = self.lock();
+        let c = inner.hub.counts();
+        let mut consumers: Vec<ConsumerStats> = inner
+            .conns
+            .keys()
+            .filter_map(|&id| consumer_stats(&inner, id))
+            .collect();
+        consumers.sort_by_key(|c| c.id);
+        StreamStats {
+            name: self.name().to_string(),
+            slots: self.plan.slots,
+            slot_bytes: self.plan.layout.slot_bytes,
+            free_slots: c.free,
+            filling: c.filling,
+            in_use: c.in_use,
+            batches_produced: c.produced,
+            epoch: c.epoch,
+            finished: c.finished,
+            deliveries: c.deliveries,
+            departed: c.departed,
+            detached: c.detached,
+            producer_blocked_s: inner.producer_blocked.as_secs_f64(),
+            pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
+            producer: match &self.plan.schema.source {
+                batchcast::schema::SourceInfo::External(e) => Some(format!(
+                    "{} (pid {}){}",
+                    e.producer,
+                    e.pid,
+                    if e.description.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", e.description)
+                    }
+                )),
+                _ => None,
+            },
+            failed: inner.failed.clone(),
+            gpus: gpu_stats(&inner),
+            source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
+                let c = n.cache.unwrap_or_default();
+                SourceStats {
+                    decoded: n.decoded,
+                    skipped: n.skipped,
+                    reduced: n.reduced,
+                    cache_hits: c.hits,
+                    cache_misses: c.misses,
+                    cache_bytes: c.bytes,
+                    cache_items: c.items,
+                    cache_budget: c.budget,
+                }
+            }),
+            consumers,
+            past_consumers: inner.past.iter().cloned().collect(),
+        }
+    }
+}
+
+/// Each GPU's copies, by GPU label.
+fn gpu_stats(inner: &Inner) -> Vec<proto::GpuCopyStats> {
+    let mut g: Vec<_> = inner
+        .mirrors
+        .values()
+        .map(|m| {
+            let n = inner.hub.group_counts(m.group).unwrap_or_default();
+            proto::GpuCopyStats {
+                gpu: m.mirror.label().to_string(),
+                copies: m.copies,
+                bytes: m.bytes,
+                copy_s: m.copy_ns as f64 * 1e-9,
+                pinned: m.mirror.pinned(),
+                slots: n.slots,
+                slots_in_use: n.in_use,
+                waiting: n.waiting,
+            }
+        })
+        .collect();
+    g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+    g
+}
+
+/// One connected consumer's numbers.
+pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
+    let conn = inner.conns.get(&id)?;
+    let n = inner.hub.consumer_counts(id)?;
+    Some(ConsumerStats {
+        id,
+        name: conn.name.clone(),
+        pid: conn.pid,
+        uid: conn.uid,
+        window: n.window,
+        delivered: n.delivered,
+        held: n.held,
+        queued: n.queued,
+        epoch: n.epoch,
+        samples: conn.samples,
+        wait_s: (conn.wait_ns + conn.mailbox_totals.wait_ns) as f64 * 1e-9,
+        busy_s: (conn.busy_ns + conn.mailbox_totals.busy_ns) as f64 * 1e-9,
+        hold_s: (conn.hold_ns + conn.mailbox_totals.hold_ns) as f64 * 1e-9,
+        device: conn
+            .gpu
+            .and_then(|k| inner.mirrors.get(&k))
+            .map(|m| m.mirror.label().to_string()),
+        connected_s: conn.joined.elapsed().as_secs_f64(),
+        left: None,
+    })
+}

@@ -1,0 +1,338 @@
+//! The stream's GPU bookkeeping (device rings, copies, what GPU consumers
+//! are sent, a failing GPU) driven through a GPU made of host memory
+//! ([`crate::gpu::test_gpu`]): CUDA itself is exercised by `bench/gpu.sh`.
+use std::path::Path;
+
+use batchcast::mailbox::ConsumerMailbox;
+use batchcast::proto::Release;
+use batchcast::synthetic::SyntheticSpec;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use batchcast::JoinPolicy;
+use batchcast::mailbox::{Notice, Totals};
+use batchcast::proto::{BatchReady, ErrorCode, ServerMsg};
+use tokio::sync::mpsc;
+
+use super::deliver::Request;
+use super::*;
+use crate::config::Config;
+use crate::gpu::test_gpu;
+use crate::hub::ConsumerId;
+use crate::plan::plan_config;
+
+fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
+    let text = format!(
+        r#"[[stream]]
+name = "t"
+batch_size = 4
+epochs = 2
+slots = 4
+gpu_slots = {gpu_slots}
+min_consumers = {min_consumers}
+workers = 1
+[stream.synthetic]
+len = 40
+fields = [{{ name = "x", dtype = "u8", shape = [3, 4, 4] }}, {{ name = "y", dtype = "i64", shape = [] }}]
+"#
+    );
+    let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+    let plan = plan_config(&cfg).unwrap().remove(0);
+    Stream::start(plan).unwrap()
+}
+
+fn peer(name: &str) -> Peer {
+    Peer {
+        name: name.into(),
+        pid: std::process::id(),
+        uid: 0,
+    }
+}
+
+fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
+    let req = Request {
+        window: 2,
+        join: JoinPolicy::NextEpoch,
+        device: gpu.then(test_gpu::request),
+        mailbox: false,
+    };
+    s.subscribe(req, peer(name)).unwrap()
+}
+
+fn next(sub: &mut Subscription) -> ServerMsg {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match sub.rx.try_recv() {
+            Ok(m) => return m,
+            Err(mpsc::error::TryRecvError::Empty) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Err(e) => panic!("no message for consumer {}: {e}", sub.id),
+        }
+    }
+}
+
+fn release(s: &Stream, id: ConsumerId, seq: u64) {
+    s.release(
+        id,
+        Release {
+            seq,
+            wait_ns: 0,
+            busy_ns: 0,
+        },
+    )
+    .unwrap();
+}
+
+fn spec(s: &Stream) -> &SyntheticSpec {
+    match &s.plan.source {
+        SourcePlan::Synthetic(spec) => spec,
+        _ => unreachable!(),
+    }
+}
+
+/// Checks every sample of batch `b` in `slot_bytes` bytes from `memory`.
+fn verify(s: &Stream, b: &BatchReady, memory: &[u8]) {
+    let order = s.plan.epoch_order(b.epoch);
+    let layout = &s.plan.layout;
+    let slot =
+        &memory[(b.slot as u64 * layout.slot_bytes) as usize..][..layout.slot_bytes as usize];
+    for (f, fl) in layout.fields.iter().enumerate() {
+        let bps = fl.bytes_per_sample as usize;
+        for j in 0..b.samples as usize {
+            let index = order[b.index as usize * 4 + j];
+            let at = fl.offset as usize + j * bps;
+            assert!(
+                spec(s).verify_sample(f, index, &slot[at..at + bps]),
+                "batch {} (slot {}) field {f} sample {j} is wrong",
+                b.seq,
+                b.slot
+            );
+        }
+    }
+}
+
+fn host_memory(s: &Stream) -> &[u8] {
+    s.arena.mapping().get(0, s.plan.arena_bytes()).unwrap()
+}
+
+/// A mailbox consumer as the client library drives one: takes notices,
+/// checks each batch, releases it through the mailbox and rings when
+/// the stream asks. Returns the batches it saw, up to the end.
+fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = Vec::new();
+    loop {
+        assert!(Instant::now() < deadline, "stalled after {seen:?}");
+        match mb.pop().unwrap() {
+            Some(Notice::Batch(b)) => {
+                verify(s, &b, host_memory(s));
+                seen.push(b.seq);
+                assert!(mb.push_release(b.seq, Totals::default()));
+                if mb.wants_doorbell() {
+                    s.doorbell();
+                }
+            }
+            Some(Notice::EndOfEpoch(_)) => {}
+            Some(Notice::EndOfStream) => return seen,
+            None => mb.sleep_unless(Duration::from_millis(5), || false),
+        }
+    }
+}
+
+#[test]
+fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
+    let s = start(2, 2);
+    let grant = |name: &str| {
+        let mut sub = s
+            .subscribe(
+                Request {
+                    window: 2,
+                    join: JoinPolicy::NextEpoch,
+                    device: None,
+                    mailbox: true,
+                },
+                peer(name),
+            )
+            .unwrap();
+        let g = sub
+            .mailbox
+            .take()
+            .expect("a host consumer gets its mailbox");
+        (sub, ConsumerMailbox::open(g.fd, g.spec).unwrap())
+    };
+    let (good, good_mb) = grant("good");
+    let (mut bad, bad_mb) = grant("bad");
+    // It releases a batch it was never sent.
+    assert!(bad_mb.push_release(12345, Totals::default()));
+    let ServerMsg::Error(e) = next(&mut bad) else {
+        panic!("expected an error")
+    };
+    assert!(e.message.contains("bad release"), "{}", e.message);
+    assert!(matches!(next(&mut bad), ServerMsg::Goodbye(_)));
+    // Its connection closes, as the server's would.
+    s.leave(bad.id);
+    let seen = drain_as_mailbox_consumer(&s, &good_mb);
+    assert_eq!(
+        seen,
+        (0..20).collect::<Vec<_>>(),
+        "2 epochs of 10, in order"
+    );
+    drop(good);
+}
+
+#[test]
+fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
+    let s = start(2, 2);
+    let mut host = subscribe(&s, "host", false);
+    let mut gpu = subscribe(&s, "gpu", true);
+    assert_eq!(gpu.device.as_ref().unwrap().slots, 2);
+    let (mut got_host, mut got_gpu) = (Vec::new(), Vec::new());
+    let mut held = VecDeque::new();
+    let (mut host_done, mut gpu_done) = (false, false);
+    while !(host_done && gpu_done) {
+        if !host_done {
+            match next(&mut host) {
+                ServerMsg::Batch(b) => {
+                    verify(&s, &b, host_memory(&s));
+                    got_host.push((b.epoch, b.index));
+                    release(&s, host.id, b.seq);
+                }
+                ServerMsg::EndOfStream => host_done = true,
+                ServerMsg::EndOfEpoch(_) => {}
+                m => panic!("host consumer got {m:?}"),
+            }
+        }
+        if !gpu_done {
+            match next(&mut gpu) {
+                ServerMsg::Batch(b) => {
+                    assert!(b.slot < 2, "device slot {} of 2", b.slot);
+                    verify(&s, &b, &s.gpus.test_memory.lock().unwrap());
+                    got_gpu.push((b.epoch, b.index));
+                    // Hold one batch while taking the next: both device
+                    // slots in use at once.
+                    held.push_back(b.seq);
+                    if held.len() == 2 {
+                        release(&s, gpu.id, held.pop_front().unwrap());
+                    }
+                }
+                ServerMsg::EndOfEpoch(_) => {}
+                ServerMsg::EndOfStream => {
+                    gpu_done = true;
+                    for seq in held.drain(..) {
+                        release(&s, gpu.id, seq);
+                    }
+                }
+                m => panic!("GPU consumer got {m:?}"),
+            }
+        }
+    }
+    let every: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..10).map(move |i| (e, i))).collect();
+    assert_eq!(got_host, every);
+    assert_eq!(got_gpu, every);
+    let st = s.stats();
+    assert_eq!(st.gpus.len(), 1);
+    let g = &st.gpus[0];
+    assert_eq!(g.copies, 20, "one copy per batch: {g:?}");
+    assert_eq!((g.slots, g.slots_in_use, g.waiting), (2, 0, 0), "{g:?}");
+    s.leave(host.id);
+    s.leave(gpu.id);
+    s.shutdown();
+}
+
+#[test]
+fn host_slots_are_refilled_while_a_gpu_consumer_holds_its_copies() {
+    let s = start(2, 1);
+    let mut gpu = subscribe(&s, "gpu", true);
+    let first: Vec<BatchReady> = (0..2)
+        .map(|_| match next(&mut gpu) {
+            ServerMsg::Batch(b) => b,
+            m => panic!("{m:?}"),
+        })
+        .collect();
+    // The GPU consumer holds both device slots. Its next two batches
+    // wait for a device slot, pinning two host slots; the other two host
+    // slots were given back when their copies completed and hold two
+    // more batches (with the host slot tied to the device slot, only
+    // four batches could exist).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.stats().batches_produced < 6 {
+        assert!(Instant::now() < deadline, "{:?}", s.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let st = s.stats();
+    assert_eq!(st.batches_produced, 6, "no host slot is free: {st:?}");
+    assert_eq!((st.gpus[0].slots_in_use, st.gpus[0].waiting), (2, 4));
+    for b in &first {
+        release(&s, gpu.id, b.seq);
+    }
+    for want in 2..4 {
+        match next(&mut gpu) {
+            ServerMsg::Batch(b) => {
+                assert_eq!(b.seq, want);
+                verify(&s, &b, &s.gpus.test_memory.lock().unwrap());
+            }
+            m => panic!("{m:?}"),
+        }
+    }
+    s.leave(gpu.id);
+    s.shutdown();
+}
+
+#[test]
+fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
+    let s = start(2, 2);
+    *s.gpus.test_fail_at.lock().unwrap() = Some(3);
+    let mut host = subscribe(&s, "host", false);
+    let mut gpu = subscribe(&s, "gpu", true);
+    let mut gpu_batches = 0;
+    loop {
+        match next(&mut gpu) {
+            ServerMsg::Batch(b) => {
+                gpu_batches += 1;
+                release(&s, gpu.id, b.seq);
+            }
+            ServerMsg::Error(e) => {
+                assert_eq!(e.code, ErrorCode::DeviceUnavailable);
+                assert!(
+                    e.message.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+                    "{}",
+                    e.message
+                );
+                break;
+            }
+            m => panic!("{m:?}"),
+        }
+    }
+    assert_eq!(gpu_batches, 3, "the copies before the failure arrived");
+    assert!(matches!(next(&mut gpu), ServerMsg::Goodbye(_)));
+    s.leave(gpu.id);
+    // Copies that never completed gave back their host slots.
+    let mut n = 0;
+    loop {
+        match next(&mut host) {
+            ServerMsg::Batch(b) => {
+                verify(&s, &b, host_memory(&s));
+                release(&s, host.id, b.seq);
+                n += 1;
+            }
+            ServerMsg::EndOfEpoch(_) => {}
+            ServerMsg::EndOfStream => break,
+            m => panic!("{m:?}"),
+        }
+    }
+    assert_eq!(n, 20);
+    let req = Request {
+        window: 1,
+        join: JoinPolicy::Immediate,
+        device: Some(test_gpu::request()),
+        mailbox: false,
+    };
+    let err = s.subscribe(req, peer("again")).unwrap_err();
+    assert!(err.to_string().contains("failed"), "{err}");
+    s.leave(host.id);
+    s.shutdown();
+}

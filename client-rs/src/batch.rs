@@ -1,0 +1,348 @@
+//! One batch in shared memory ([`Batch`]), its read-only field views
+//! ([`FieldView`]), and the state a consumer shares with the batches it
+//! handed out, which keeps the arena mapped and the connection open until
+//! the last batch is dropped.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::mailbox::ConsumerMailbox;
+use crate::proto::{self, BatchReady, ClientMsg, Release, Welcome};
+use crate::schema::{DType, Field, Schema};
+use crate::shm::Mapping;
+use crate::transport::send_msg;
+
+/// State shared by a consumer and the batches it handed out: the mapping
+/// stays mapped and the connection open until the last batch is dropped,
+/// so a batch never reads a slot the broker has already reused.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// Write half, used by `release` from any thread.
+    pub(crate) writer: Mutex<UnixStream>,
+    pub(crate) map: Mapping,
+    pub(crate) welcome: Welcome,
+    /// Batches received and not yet released.
+    pub(crate) held: AtomicU32,
+    /// Device consumers: the stream's GPU arena in this process.
+    pub(crate) gpu: Option<crate::gpu::DeviceSide>,
+    pub(crate) mailbox: Option<ConsumerMailbox>,
+}
+
+impl Shared {
+    pub(crate) fn send(&self, msg: &ClientMsg) -> Result<()> {
+        let guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        send_msg(&guard, msg)
+    }
+
+    /// Sends the releases whose GPU work has finished; with `all`, waits
+    /// for the rest first.
+    pub(crate) fn flush_fenced(&self, all: bool) -> Result<()> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(());
+        };
+        for release in gpu.finished_releases(all)? {
+            self.send(&ClientMsg::Release(release))?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn fenced_pending(&self) -> bool {
+        self.gpu.as_ref().is_some_and(|g| g.pending())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Device batches still in use by queued GPU work: wait for it, so
+        // the broker never reuses their slots under a running kernel.
+        if let Err(e) = self.flush_fenced(true) {
+            tracing::debug!("final releases: {e}");
+        }
+    }
+}
+
+/// Element types a field can be viewed as.
+pub trait Element: bytemuck::Pod + sealed::Sealed {
+    const DTYPE: DType;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl Element for $t { const DTYPE: DType = DType::$d; }
+    )*};
+}
+element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, u64 => U64, i64 => I64,
+         half::f16 => F16, half::bf16 => Bf16, f32 => F32, f64 => F64);
+
+/// One batch in shared memory. Read-only; released when dropped (or with
+/// [`Batch::release`]).
+#[derive(Debug)]
+pub struct Batch {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) meta: BatchReady,
+    pub(crate) wait_ns: u64,
+    pub(crate) busy_ns: u64,
+    pub(crate) received_ns: u64,
+    pub(crate) released: bool,
+}
+
+impl Batch {
+    pub fn seq(&self) -> u64 {
+        self.meta.seq
+    }
+    pub fn epoch(&self) -> u64 {
+        self.meta.epoch
+    }
+    /// Position of this batch in its epoch.
+    pub fn index(&self) -> u64 {
+        self.meta.index
+    }
+    /// Valid samples in this batch.
+    pub fn len(&self) -> usize {
+        self.meta.samples as usize
+    }
+    pub fn is_empty(&self) -> bool {
+        self.meta.samples == 0
+    }
+    pub fn slot(&self) -> u32 {
+        self.meta.slot
+    }
+    /// Nanoseconds the hand-off took: from the later of the broker sending
+    /// the batch and the program asking for it, to this process having it.
+    /// (A batch sent while the program was still busy with earlier ones
+    /// waits in the mailbox or socket; that wait is the program's backlog,
+    /// not the hand-off, and is not counted.)
+    pub fn handoff_ns(&self) -> u64 {
+        self.received_ns
+            .saturating_sub(self.meta.sent_ns)
+            .min(self.wait_ns)
+    }
+    /// Nanoseconds the program was blocked asking for this batch: from its
+    /// first [`Consumer::wait_readable`] or [`Consumer::next_event`] call
+    /// for it to its arrival (data stall).
+    pub fn wait_ns(&self) -> u64 {
+        self.wait_ns
+    }
+    /// Nanoseconds the program spent between the previous batch's arrival
+    /// and asking for this one (its training step); 0 for an epoch's first.
+    pub fn busy_ns(&self) -> u64 {
+        self.busy_ns
+    }
+    pub fn schema(&self) -> &Schema {
+        &self.shared.welcome.schema
+    }
+
+    /// A read-only view of field `name` in host memory. A device batch
+    /// has none ([`Error::OnDevice`]): see [`Batch::device_ptr`] and
+    /// [`Batch::copy_field`].
+    pub fn field(&self, name: &str) -> Result<FieldView<'_>> {
+        let schema = self.schema();
+        let (i, _) = schema.field(name).ok_or_else(|| Error::NoSuchField {
+            name: name.into(),
+            available: schema
+                .fields
+                .iter()
+                .map(|f| f.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+        self.field_at(i)
+    }
+
+    /// Host views of every field, in schema order ([`Error::OnDevice`] for
+    /// a device batch).
+    pub fn fields(&self) -> Result<impl Iterator<Item = FieldView<'_>>> {
+        self.host_only()?;
+        Ok((0..self.schema().fields.len()).map(|i| self.host_view(i)))
+    }
+
+    /// The host view of field `i` (schema order).
+    pub fn field_at(&self, i: usize) -> Result<FieldView<'_>> {
+        self.host_only()?;
+        if i >= self.schema().fields.len() {
+            return Err(Error::NoSuchField {
+                name: format!("#{i}"),
+                available: format!("{} fields", self.schema().fields.len()),
+            });
+        }
+        Ok(self.host_view(i))
+    }
+
+    /// Shape of field `i` (schema order) including the batch dimension.
+    pub fn shape(&self, i: usize) -> Option<Vec<u64>> {
+        let f = self.schema().fields.get(i)?;
+        Some(
+            std::iter::once(self.meta.samples)
+                .chain(f.shape.iter().copied())
+                .collect(),
+        )
+    }
+
+    /// Field `i`'s bytes, copied to host memory: from the GPU for a device
+    /// batch (checks and debugging, not the data path).
+    pub fn copy_field(&self, i: usize) -> Result<Vec<u8>> {
+        let Some(g) = &self.shared.gpu else {
+            return Ok(self.field_at(i)?.bytes().to_vec());
+        };
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields.get(i).ok_or_else(|| Error::NoSuchField {
+            name: format!("#{i}"),
+            available: format!("{} fields", w.schema.fields.len()),
+        })?;
+        let mut out = vec![0; (fl.bytes_per_sample * self.meta.samples) as usize];
+        g.read(
+            self.meta.slot as u64 * w.layout.slot_bytes + fl.offset,
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    fn host_only(&self) -> Result<()> {
+        match &self.shared.gpu {
+            None => Ok(()),
+            Some(g) => Err(Error::OnDevice {
+                seq: self.meta.seq,
+                device: g.device(),
+            }),
+        }
+    }
+
+    /// For a host batch only: a device batch's slot is a device slot.
+    fn host_view(&self, i: usize) -> FieldView<'_> {
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields[i];
+        let start = self.meta.slot as u64 * w.layout.slot_bytes + fl.offset;
+        let bytes = self
+            .shared
+            .map
+            .get(start, fl.bytes_per_sample * self.meta.samples)
+            .expect("layout validated against the mapping at connect");
+        FieldView {
+            field: &w.schema.fields[i],
+            bytes,
+            samples: self.meta.samples as usize,
+        }
+    }
+
+    /// Where this batch lives: host memory, or a GPU.
+    pub fn device(&self) -> Device {
+        self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())
+    }
+
+    /// Device batches: the GPU address of field `i` (schema order). The
+    /// broker finished copying them before it sent the batch, so any CUDA
+    /// stream may read them at once. They must not be written: every
+    /// consumer on this GPU reads the same memory. `None` for host batches.
+    pub fn device_ptr(&self, i: usize) -> Option<u64> {
+        let g = self.shared.gpu.as_ref()?;
+        let w = &self.shared.welcome;
+        let fl = w.layout.fields.get(i)?;
+        Some(g.base() + self.meta.slot as u64 * w.layout.slot_bytes + fl.offset)
+    }
+
+    /// Device batches: also wait for the work queued so far on `stream` (a
+    /// `CUstream`, or DLPack's `1`/`2` for the legacy and per-thread default
+    /// streams) before the slot is given back. Without any, the legacy
+    /// default stream is used.
+    pub fn fence_on(&self, stream: u64) {
+        if let Some(g) = &self.shared.gpu {
+            g.fence_on(self.meta.seq, stream);
+        }
+    }
+
+    /// Releases the slot now instead of at drop. For a device batch the
+    /// release reaches the broker once the GPU work queued on its fence
+    /// streams has finished (see [`Batch::fence_on`]).
+    pub fn release(mut self) -> Result<()> {
+        self.do_release()
+    }
+
+    fn do_release(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.released, true) {
+            return Ok(());
+        }
+        self.shared.held.fetch_sub(1, Ordering::AcqRel);
+        let release = Release {
+            seq: self.meta.seq,
+            wait_ns: self.wait_ns,
+            busy_ns: self.busy_ns,
+        };
+        if let Some(g) = &self.shared.gpu {
+            g.release_after_gpu(release)?;
+            return self.shared.flush_fenced(false);
+        }
+        let totals = crate::mailbox::Totals {
+            wait_ns: self.wait_ns,
+            busy_ns: self.busy_ns,
+            hold_ns: proto::monotonic_ns().saturating_sub(self.received_ns),
+        };
+        if let Some(mb) = &self.shared.mailbox
+            && mb.push_release(release.seq, totals)
+        {
+            if mb.wants_doorbell() {
+                return self.shared.send(&ClientMsg::Doorbell);
+            }
+            return Ok(());
+        }
+        self.shared.send(&ClientMsg::Release(release))
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Err(e) = self.do_release() {
+            tracing::debug!("release of batch {} failed: {e}", self.meta.seq);
+        }
+    }
+}
+
+/// A read-only view of one field of a batch: `[samples, ...shape]`.
+#[derive(Debug, Clone, Copy)]
+pub struct FieldView<'a> {
+    field: &'a Field,
+    bytes: &'a [u8],
+    samples: usize,
+}
+
+impl<'a> FieldView<'a> {
+    pub fn name(&self) -> &'a str {
+        &self.field.name
+    }
+    pub fn dtype(&self) -> DType {
+        self.field.dtype
+    }
+    /// Shape including the batch dimension.
+    pub fn shape(&self) -> Vec<u64> {
+        std::iter::once(self.samples as u64)
+            .chain(self.field.shape.iter().copied())
+            .collect()
+    }
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+    /// The bytes of sample `i`.
+    pub fn sample(&self, i: usize) -> &'a [u8] {
+        let n = self.bytes.len() / self.samples.max(1);
+        &self.bytes[i * n..(i + 1) * n]
+    }
+    /// The elements, if `T` matches the field's dtype.
+    pub fn as_slice<T: Element>(&self) -> Result<&'a [T]> {
+        if T::DTYPE != self.field.dtype {
+            return Err(Error::DType {
+                name: self.field.name.clone(),
+                actual: self.field.dtype,
+                requested: T::DTYPE,
+            });
+        }
+        bytemuck::try_cast_slice(self.bytes)
+            .map_err(|e| Error::Schema(format!("field `{}`: {e:?}", self.field.name)))
+    }
+}

@@ -1,0 +1,189 @@
+//! The client's side of the socket, used by the consumer, the producer
+//! and the stats client alike: where the broker listens, connecting with
+//! retries, the handshake (preambles, the hello, a first reply that may
+//! carry file descriptors), frames in both directions, and waiting for the
+//! socket to become readable. A dead broker is always [`Error::BrokerGone`],
+//! never a SIGPIPE or a hang.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::proto::{self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, Preamble, ServerMsg};
+use crate::shm;
+
+/// Where to find the broker when no socket is given: `$BATCHCAST_SOCKET`,
+/// else `$XDG_RUNTIME_DIR/batchcast.sock`, else
+/// `/tmp/batchcast-<uid>/batchcast.sock`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATCHCAST_SOCKET").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return PathBuf::from(dir).join("batchcast.sock");
+    }
+    PathBuf::from(format!("/tmp/batchcast-{}", nix::unistd::getuid())).join("batchcast.sock")
+}
+
+/// This program's file name (for `batchcast stats`), else `fallback`.
+pub(crate) fn program_name(fallback: &str) -> String {
+    std::env::args()
+        .next()
+        .and_then(|a| {
+            PathBuf::from(a)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| fallback.into())
+}
+
+/// Sends one frame; a dead broker is [`Error::BrokerGone`], never SIGPIPE.
+pub(crate) fn send_msg(stream: &UnixStream, msg: &ClientMsg) -> Result<()> {
+    let bytes = proto::encode(msg)?;
+    let fd = stream.as_raw_fd();
+    let mut off = 0;
+    while off < bytes.len() {
+        match nix::sys::socket::send(fd, &bytes[off..], nix::sys::socket::MsgFlags::MSG_NOSIGNAL) {
+            Ok(n) => off += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => {
+                return Err(Error::BrokerGone);
+            }
+            Err(e) => return Err(Error::Io(e.into())),
+        }
+    }
+    Ok(())
+}
+
+/// Connects to the broker's socket, retrying for up to `timeout` while it
+/// is not there yet, and runs `attempt` on the connection; an attempt that
+/// fails with [`Error::is_not_ready`] is retried too.
+pub(crate) fn connect_retrying<T>(
+    socket: Option<PathBuf>,
+    timeout: Duration,
+    mut attempt: impl FnMut(UnixStream) -> Result<T>,
+) -> Result<T> {
+    let path = socket.unwrap_or_else(default_socket_path);
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let result = UnixStream::connect(&path)
+            .map_err(|source| Error::Connect {
+                path: path.clone(),
+                source,
+            })
+            .and_then(&mut attempt);
+        match result {
+            Err(e) if e.is_not_ready() && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Sends the preamble and `hello`, checks the broker's preamble and reads
+/// its first frame with any fds attached to it. Reads exactly what it needs:
+/// reading an fd-carrying message with plain `read` would drop the fd.
+pub(crate) fn handshake(
+    stream: &UnixStream,
+    hello: &ClientMsg,
+) -> Result<(ServerMsg, Vec<OwnedFd>)> {
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend_from_slice(&proto::encode(hello)?);
+    let mut w = stream;
+    std::io::Write::write_all(&mut w, &out)?;
+    let mut pre = [0u8; Preamble::LEN];
+    let mut r = stream;
+    r.read_exact(&mut pre).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => Error::BrokerGone,
+        _ => Error::Io(e),
+    })?;
+    Preamble::parse(pre)?.check()?;
+    let mut fds = Vec::new();
+    let mut len = [0u8; 4];
+    recv_exact(stream, &mut len, &mut fds)?;
+    let mut payload = vec![0u8; proto::check_len(u32::from_le_bytes(len))?];
+    recv_exact(stream, &mut payload, &mut fds)?;
+    Ok((proto::decode(&payload)?, fds))
+}
+
+fn recv_exact(stream: &UnixStream, mut buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<()> {
+    while !buf.is_empty() {
+        match shm::recv_with_fds(stream.as_raw_fd(), buf) {
+            Ok((0, _)) => return Err(Error::BrokerGone),
+            Ok((n, got)) => {
+                fds.extend(got);
+                buf = &mut buf[n..];
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn readable_within(stream: &UnixStream, ms: u16) -> Result<bool> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let fd = std::os::fd::AsFd::as_fd(stream);
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    loop {
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(n) => return Ok(n > 0),
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(Error::Io(e.into())),
+        }
+    }
+}
+
+/// The broker's first reply, as the connection's kind expects it: `pick`
+/// takes the message it wants; an error from the broker becomes
+/// [`Error::Broker`] and anything else [`Error::Unexpected`] naming `what`
+/// was expected.
+pub(crate) fn expect_reply<T>(
+    reply: ServerMsg,
+    what: &str,
+    pick: impl FnOnce(ServerMsg) -> Result<T, ServerMsg>,
+) -> Result<T> {
+    match pick(reply) {
+        Ok(t) => Ok(t),
+        Err(ServerMsg::Error(e)) => Err(broker_error(e)),
+        Err(other) => Err(Error::Unexpected(format!("{other:?} instead of {what}"))),
+    }
+}
+
+/// The error the broker sent.
+pub(crate) fn broker_error(e: ErrorMsg) -> Error {
+    Error::Broker {
+        code: e.code,
+        message: e.message,
+    }
+}
+
+/// The broker said goodbye where a reply was expected.
+pub(crate) fn goodbye_error(reason: GoodbyeReason) -> Error {
+    Error::Broker {
+        code: ErrorCode::StreamEnded,
+        message: format!("the broker said goodbye ({reason:?})"),
+    }
+}
+
+/// Reads the next frame; the connection closing, cleanly or not, is
+/// [`Error::BrokerGone`].
+pub(crate) fn read_server_msg(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<ServerMsg> {
+    match proto::read_frame(r, buf) {
+        Ok(Some(m)) => Ok(m),
+        Ok(None) => Err(Error::BrokerGone),
+        Err(Error::Io(e))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            Err(Error::BrokerGone)
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Lists Rust functions longer than a limit (default 100 lines), and source
+files longer than a file limit (default 700 lines, tests excluded).
+
+A function runs from its `fn` line to the line of its closing brace, found
+by counting braces outside strings, chars and comments (good enough for
+this code base's style). Usage: long_functions.py [--max N] [--file-max N] DIR...
+Exits 1 when anything is over.
+"""
+import re
+import sys
+from pathlib import Path
+
+FN = re.compile(r"^\s*(pub(\([^)]*\))?\s+)?(async\s+)?(unsafe\s+)?(const\s+)?fn\s+(\w+)")
+
+
+def code_chars(line: str):
+    """The line without its string, char literals and `//` comment."""
+    out, i, n = [], 0, len(line)
+    while i < n:
+        c = line[i]
+        if line.startswith("//", i):
+            break
+        if c == '"':
+            i += 1
+            while i < n and line[i] != '"':
+                i += 2 if line[i] == "\\" else 1
+            i += 1
+            continue
+        if c == "'" and i + 2 < n and (line[i + 2] == "'" or line[i + 1] == "\\"):
+            j = line.find("'", i + 2)
+            i = j + 1 if j > 0 else n
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def functions(path: Path):
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = FN.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        depth, started, j = 0, False, i
+        while j < len(lines):
+            code = code_chars(lines[j])
+            if not started and ";" in code and "{" not in code:
+                break  # a declaration without a body
+            depth += code.count("{") - code.count("}")
+            started = started or "{" in code
+            if started and depth <= 0:
+                yield m.group(6), i + 1, j - i + 1
+                break
+            j += 1
+        i += 1
+
+
+def production_lines(path: Path) -> int:
+    text = path.read_text()
+    at = text.find("#[cfg(test)]\nmod tests")
+    return (text[:at] if at >= 0 else text).count("\n")
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    limit, file_limit = 100, 700
+    if args[:1] == ["--max"]:
+        limit, args = int(args[1]), args[2:]
+    if args[:1] == ["--file-max"]:
+        file_limit, args = int(args[1]), args[2:]
+    over = 0
+    for d in args:
+        for f in sorted(Path(d).rglob("*.rs")):
+            if f.name == "tests.rs" or "tests" in f.parts:
+                continue
+            n = production_lines(f)
+            if n > file_limit:
+                print(f"{f}: {n} lines outside tests (limit {file_limit})")
+                over += 1
+            for name, line, length in functions(f):
+                if length > limit:
+                    print(f"{f}:{line}: fn {name} is {length} lines (limit {limit})")
+                    over += 1
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
