@@ -5,95 +5,31 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{self, ErrorCode, Preamble, ServerMsg, StatsReply};
+use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::harness;
 
-const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
-const LIMIT: Duration = Duration::from_secs(120);
+mod common;
 
-struct Env {
-    dir: tempfile::TempDir,
-    broker: BrokerProcess,
-}
-
-impl Env {
-    fn start(config: &str) -> Env {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("broker.toml");
-        std::fs::write(&path, config).unwrap();
-        let log = dir.path().join("broker.log");
-        let broker = BrokerProcess::spawn(
-            Path::new(EXE),
-            Some(&path),
-            &dir.path().join("b.sock"),
-            Some(&log),
-        )
-        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
-        Env { dir, broker }
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.broker.socket.clone()
-    }
-
-    fn consumer(&self, args: &[&str]) -> std::process::Child {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        harness::spawn_consumer(Path::new(EXE), &self.socket(), &args).unwrap()
-    }
-
-    fn stats(&self) -> StatsReply {
-        self.broker.stats().unwrap()
-    }
-
-    /// Polls stats until `pred` holds (bounded).
-    fn wait_for(&self, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
-        let t0 = Instant::now();
-        loop {
-            let s = self.stats();
-            if pred(&s) {
-                return s;
-            }
-            assert!(
-                t0.elapsed() < LIMIT,
-                "timed out waiting for {what}; last stats: {s:#?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
-    }
-}
-
-fn report(child: std::process::Child) -> ConsumerReport {
-    harness::wait_report(child, LIMIT).unwrap()
-}
+use common::{EXE, Env, LIMIT, report};
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
-    format!(
-        r#"[[stream]]
-name = "train"
-batch_size = {batch}
-seed = 11
-slots = 6
-workers = 2
-{extra}
-
-[stream.synthetic]
-len = {len}
-fields = [
-  {{ name = "image", dtype = "u8", shape = [3, 16, 16] }},
-  {{ name = "label", dtype = "i64", shape = [] }},
-  {{ name = "weights", dtype = "f32", shape = [5] }},
-]
-"#
-    )
+    let fields: [(&str, &str, &[u64]); 3] = [
+        ("image", "u8", &[3, 16, 16]),
+        ("label", "i64", &[]),
+        ("weights", "f32", &[5]),
+    ];
+    StreamToml::synthetic("train", batch, len, &fields)
+        .key("seed", 11)
+        .key("slots", 6)
+        .key("workers", 2)
+        .raw(extra)
+        .to_toml()
 }
 
 #[test]

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::launch::{Summary, exit};
@@ -15,25 +16,15 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 /// A synthetic stream: `epochs` epochs of 16 batches of 32.
 fn stream(epochs: u64, extra: &str) -> String {
-    format!(
-        r#"[[stream]]
-name = "train"
-batch_size = 32
-epochs = {epochs}
-shuffle = true
-seed = 11
-slots = 6
-{extra}
-
-[stream.synthetic]
-len = 512
-fill = "full"
-fields = [
-  {{ name = "image", dtype = "u8", shape = [3, 16, 16] }},
-  {{ name = "label", dtype = "i64", shape = [] }},
-]
-"#
-    )
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 16, 16]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 32, 512, &fields)
+        .fill("full")
+        .epochs(epochs)
+        .key("shuffle", true)
+        .key("seed", 11)
+        .key("slots", 6)
+        .raw(extra)
+        .to_toml()
 }
 
 fn launch(dir: &Path, sweep: &str, extra_args: &[&str]) -> (Output, Option<Summary>) {

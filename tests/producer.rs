@@ -7,59 +7,31 @@ use std::time::Duration;
 
 use batchcast::proto::ErrorCode;
 use batchcast::{DType, Field, Producer, ProducerOptions};
-use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::config::StreamToml;
 
-const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
-const LIMIT: Duration = Duration::from_secs(120);
+mod common;
 
-struct Env {
-    dir: tempfile::TempDir,
-    broker: BrokerProcess,
+use common::{Env, report};
+
+/// `batchcast consume` of `stream`, waiting up to a minute for it to be
+/// registered, dumping what it gets to `dump`.
+fn consumer(env: &Env, stream: &str, dump: Option<&Path>) -> std::process::Child {
+    let dump = dump.map(|d| d.display().to_string());
+    let mut args = vec!["--stream", stream, "--connect-timeout", "60"];
+    if let Some(d) = &dump {
+        args.extend(["--dump", d]);
+    }
+    env.consumer(&args)
 }
 
-impl Env {
-    /// A broker with no configured stream, or with `config`.
-    fn start(config: Option<&str>) -> Env {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = config.map(|c| {
-            let p = dir.path().join("broker.toml");
-            std::fs::write(&p, c).unwrap();
-            p
-        });
-        let broker = BrokerProcess::spawn(
-            Path::new(EXE),
-            cfg.as_deref(),
-            &dir.path().join("b.sock"),
-            Some(&dir.path().join("broker.log")),
-        )
-        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
-        Env { dir, broker }
-    }
-
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-
-    fn consumer(&self, stream: &str, dump: Option<&Path>) -> std::process::Child {
-        let mut args: Vec<String> = ["--stream", stream, "--connect-timeout", "60"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        if let Some(d) = dump {
-            args.extend(["--dump".into(), d.display().to_string()]);
-        }
-        harness::spawn_consumer(Path::new(EXE), &self.broker.socket, &args).unwrap()
-    }
-
-    fn options(&self, stream: &str, batches: u64, epochs: Option<u64>) -> ProducerOptions {
-        let mut o = ProducerOptions::new(stream, fields(), BATCH, batches);
-        o.socket = Some(self.broker.socket.clone());
-        o.request.epochs = epochs;
-        o.name = "test-producer".into();
-        o.request.description = "tests/producer.rs".into();
-        o
-    }
+/// A producer of `stream`: `batches` per epoch of the test's fields.
+fn options(env: &Env, stream: &str, batches: u64, epochs: Option<u64>) -> ProducerOptions {
+    let mut o = ProducerOptions::new(stream, fields(), BATCH, batches);
+    o.socket = Some(env.socket());
+    o.request.epochs = epochs;
+    o.name = "test-producer".into();
+    o.request.description = "tests/producer.rs".into();
+    o
 }
 
 const BATCH: u64 = 8;
@@ -121,18 +93,17 @@ fn produce_all(p: &mut Producer, batches: u64) -> u64 {
     n
 }
 
-fn report(child: std::process::Child) -> ConsumerReport {
-    harness::wait_report(child, LIMIT).unwrap()
-}
-
 #[test]
 fn a_producer_shares_every_batch_with_every_consumer_including_short_last_batches() {
-    let env = Env::start(None);
+    let env = Env::bare();
     let (batches, epochs) = (3, 2);
     let dumps: Vec<PathBuf> = (0..2).map(|i| env.path(&format!("dump{i}"))).collect();
     // Consumers start first and wait for the stream to be registered.
-    let kids: Vec<_> = dumps.iter().map(|d| env.consumer("ext", Some(d))).collect();
-    let mut opts = env.options("ext", batches, Some(epochs));
+    let kids: Vec<_> = dumps
+        .iter()
+        .map(|d| consumer(&env, "ext", Some(d)))
+        .collect();
+    let mut opts = options(&env, "ext", batches, Some(epochs));
     opts.request.min_consumers = 2;
     opts.request.slots = 3;
     let mut producer = Producer::register(opts).unwrap();
@@ -155,15 +126,15 @@ fn a_producer_shares_every_batch_with_every_consumer_including_short_last_batche
         }
     }
     // The stream is gone once its producer is: the name can be registered again.
-    let again = Producer::register(env.options("ext", 1, Some(1)));
+    let again = Producer::register(options(&env, "ext", 1, Some(1)));
     assert!(again.is_ok(), "{again:?}");
 }
 
 #[test]
 fn a_producer_that_leaves_mid_epoch_gives_consumers_a_clear_error() {
-    let env = Env::start(None);
-    let kid = env.consumer("ext", None);
-    let mut producer = Producer::register(env.options("ext", 4, None)).unwrap();
+    let env = Env::bare();
+    let kid = consumer(&env, "ext", None);
+    let mut producer = Producer::register(options(&env, "ext", 4, None)).unwrap();
     let slot = producer.acquire().unwrap().unwrap();
     fill(&mut producer, &slot, BATCH);
     // Take the next slot and vanish while filling it.
@@ -184,10 +155,10 @@ fn a_producer_that_leaves_mid_epoch_gives_consumers_a_clear_error() {
 
 #[test]
 fn an_endless_stream_ends_normally_when_its_producer_stops_between_epochs() {
-    let env = Env::start(None);
-    let kid = env.consumer("ext", None);
+    let env = Env::bare();
+    let kid = consumer(&env, "ext", None);
     let batches = 2;
-    let mut producer = Producer::register(env.options("ext", batches, None)).unwrap();
+    let mut producer = Producer::register(options(&env, "ext", batches, None)).unwrap();
     for _ in 0..2 * batches {
         let slot = producer.acquire().unwrap().unwrap();
         let samples = samples_of(slot.index, batches);
@@ -201,44 +172,39 @@ fn an_endless_stream_ends_normally_when_its_producer_stops_between_epochs() {
 
 #[test]
 fn registrations_that_cannot_work_are_refused_with_what_to_change() {
-    let env = Env::start(Some(
-        r#"[[stream]]
-name = "train"
-batch_size = 4
-epochs = 1
-[stream.synthetic]
-len = 8
-fields = [{ name = "x", dtype = "u8", shape = [2] }]
-"#,
-    ));
-    let err = Producer::register(env.options("train", 2, Some(1))).unwrap_err();
+    let env = Env::start(
+        &StreamToml::synthetic("train", 4, 8, &[("x", "u8", &[2])])
+            .epochs(1)
+            .to_toml(),
+    );
+    let err = Producer::register(options(&env, "train", 2, Some(1))).unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::StreamExists), "{err}");
     assert!(
         err.to_string()
             .contains("already serves a stream named `train`")
     );
 
-    let mut zero = env.options("ext", 2, Some(1));
+    let mut zero = options(&env, "ext", 2, Some(1));
     zero.request.fields[0].shape = vec![0];
     let err = Producer::register(zero).unwrap_err();
     assert!(err.to_string().contains("zero dimension"), "{err}");
 
-    let mut slots = env.options("ext", 2, Some(1));
+    let mut slots = options(&env, "ext", 2, Some(1));
     slots.request.slots = 1;
     let err = Producer::register(slots).unwrap_err();
     assert!(err.to_string().contains("slots = 1"), "{err}");
 
     // A refused producer leaves nothing behind: the name is free.
-    let _ok = Producer::register(env.options("ext", 2, Some(1))).unwrap();
+    let _ok = Producer::register(options(&env, "ext", 2, Some(1))).unwrap();
     // And a second producer for the same name is refused while the first lives.
-    let err = Producer::register(env.options("ext", 2, Some(1))).unwrap_err();
+    let err = Producer::register(options(&env, "ext", 2, Some(1))).unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::StreamExists), "{err}");
 }
 
 #[test]
 fn consumers_of_an_external_stream_read_the_producers_bytes_in_place() {
-    let env = Env::start(None);
-    let mut producer = Producer::register(env.options("ext", 2, Some(1))).unwrap();
+    let env = Env::bare();
+    let mut producer = Producer::register(options(&env, "ext", 2, Some(1))).unwrap();
     let socket = env.broker.socket.clone();
     let reader = std::thread::spawn(move || {
         let opts = batchcast::ConsumerOptions {

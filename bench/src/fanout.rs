@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::{ConsumerReport, rss_anon_kb};
 use batchcast_broker::harness::{self, BrokerProcess};
 use clap::Parser;
@@ -62,24 +63,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn config(fill: &str, n: usize, slots: u32) -> String {
-    format!(
-        r#"[[stream]]
-name = "bench"
-batch_size = 64
-shuffle = false
-slots = {slots}
-workers = 1
-min_consumers = {n}
-
-[stream.synthetic]
-len = 64000
-fill = "{fill}"
-fields = [
-  {{ name = "image", dtype = "u8", shape = [3, 224, 224] }},
-  {{ name = "label", dtype = "i64", shape = [] }},
-]
-"#
-    )
+    let fields: [(&str, &str, &[u64]); 2] =
+        [("image", "u8", &[3, 224, 224]), ("label", "i64", &[])];
+    StreamToml::synthetic("bench", 64, 64000, &fields)
+        .fill(fill)
+        .key("shuffle", false)
+        .key("slots", slots)
+        .key("workers", 1)
+        .key("min_consumers", n)
+        .to_toml()
 }
 
 fn run(

@@ -3,13 +3,15 @@
 //! what it saw as JSON. The demo, the benchmark and the end-to-end tests run
 //! it as their consumer processes.
 
-use std::collections::VecDeque;
+use std::borrow::Cow;
+use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use batchcast::proto::EpochEnd;
 use batchcast::schema::SourceInfo;
-use batchcast::synthetic::mix64;
-use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy};
+use batchcast::synthetic::{SyntheticSpec, mix64};
+use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy, Schema};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -178,160 +180,21 @@ fn consume(
     report: &mut ConsumerReport,
 ) -> batchcast::Result<()> {
     let mut consumer = Consumer::connect(opts)?;
-    let schema = consumer.schema().clone();
-    let spec = match schema.source {
-        SourceInfo::Synthetic(spec) => Some(spec),
-        SourceInfo::Images(_) | SourceInfo::External(_) if args.verify => {
-            return Err(batchcast::Error::Schema(
-                "--verify checks synthetic streams; use --digest or --dump to compare what consumers of other streams receive".into(),
-            ));
-        }
-        SourceInfo::Images(_) | SourceInfo::External(_) => None,
-    };
-    let index_field = schema
-        .field("index")
-        .filter(|(_, f)| f.dtype == batchcast::DType::I64 && f.shape.is_empty())
-        .map(|(i, _)| i);
-    let mut seen = std::collections::HashSet::new();
-    if let Some(dir) = &args.dump {
-        std::fs::create_dir_all(dir).map_err(batchcast::Error::Io)?;
-    }
-    let mut orders: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
+    let mut check = Checker::new(args, consumer.schema().clone())?;
     let mut held: VecDeque<Batch> = VecDeque::new();
-    let mut handoff = Histogram::default();
-    let mut last: Option<(u64, u64, u64)> = None;
-    let mut digest = 0u64;
-    let mut cur = EpochReport {
-        epoch: u64::MAX,
-        batches: 0,
-        samples: 0,
-        complete: false,
-        digest: None,
-        distinct_indices: None,
-    };
-    let bpe = schema.batches_per_epoch;
     loop {
-        let event = match consumer.next_event()? {
+        let batch = match consumer.next_event()? {
             None | Some(Event::EndOfStream) => {
                 report.ended = true;
                 break;
             }
-            Some(e) => e,
-        };
-        let batch = match event {
-            Event::Batch(b) => b,
-            Event::EndOfEpoch(end) => {
-                if cur.epoch != end.epoch || cur.batches != end.batches {
-                    report.order_errors.push(format!(
-                        "end of epoch {end:?} after {} batches of epoch {}",
-                        cur.batches, cur.epoch
-                    ));
-                }
-                cur.complete = end.complete;
+            Some(Event::EndOfEpoch(end)) => {
+                check.epoch_end(end, report);
                 continue;
             }
-            Event::EndOfStream => unreachable!(),
+            Some(Event::Batch(b)) => b,
         };
-        handoff.record(batch.handoff_ns());
-        report.wait_s += batch.wait_ns() as f64 * 1e-9;
-        report.busy_s += batch.busy_ns() as f64 * 1e-9;
-        let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
-        match last {
-            Some((ps, pe, pi)) => {
-                let expect = if pi + 1 == bpe {
-                    (pe + 1, 0)
-                } else {
-                    (pe, pi + 1)
-                };
-                if seq <= ps || (epoch, index) != expect {
-                    report.order_errors.push(format!(
-                        "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
-                    ));
-                }
-            }
-            None if args.join == Join::NextEpoch && index != 0 => {
-                report.order_errors.push(format!(
-                    "first batch is index {index} of epoch {epoch}, not the start of an epoch"
-                ));
-            }
-            None => {}
-        }
-        last = Some((seq, epoch, index));
-        if epoch != cur.epoch {
-            if cur.epoch != u64::MAX {
-                let mut e = close_epoch(&mut cur, &mut digest, args.digest);
-                e.distinct_indices = index_field.map(|_| seen.len() as u64);
-                seen.clear();
-                report.epochs.push(e);
-            }
-            cur = EpochReport {
-                epoch,
-                batches: 0,
-                samples: 0,
-                complete: false,
-                digest: None,
-                distinct_indices: None,
-            };
-        }
-        cur.batches += 1;
-        cur.samples += batch.len() as u64;
-        report.batches += 1;
-        report.samples += batch.len() as u64;
-        // Host views, or for a device batch its bytes copied back from the
-        // GPU (this is a test consumer: what it checks is what arrived).
-        let fields: Vec<std::borrow::Cow<'_, [u8]>> = match batch.fields() {
-            Ok(views) => views.map(|f| f.bytes().into()).collect(),
-            Err(batchcast::Error::OnDevice { .. }) => (0..schema.fields.len())
-                .map(|i| batch.copy_field(i).map(Into::into))
-                .collect::<batchcast::Result<_>>()?,
-            Err(e) => return Err(e),
-        };
-        let sample = |fi: usize, j: usize| {
-            let bps = fields[fi].len() / batch.len().max(1);
-            &fields[fi][j * bps..(j + 1) * bps]
-        };
-        for (f, bytes) in schema.fields.iter().zip(&fields) {
-            report.bytes += bytes.len() as u64;
-            if args.digest {
-                digest = digest_bytes(digest, bytes);
-            }
-            if let Some(dir) = &args.dump {
-                let path = dir.join(format!("e{epoch}-b{index}-{}.bin", f.name));
-                std::fs::write(&path, bytes).map_err(batchcast::Error::Io)?;
-            }
-        }
-        if let Some(fi) = index_field {
-            for j in 0..batch.len() {
-                let v = i64::from_le_bytes(sample(fi, j).try_into().expect("i64 scalar"));
-                seen.insert(v);
-            }
-        }
-        if let Some(spec) = spec.filter(|_| args.verify) {
-            if !orders.iter().any(|(e, _)| *e == epoch) {
-                if orders.len() == 2 {
-                    orders.pop_front();
-                }
-                orders.push_back((epoch, spec.epoch_order(epoch)));
-            }
-            let order = &orders
-                .iter()
-                .find(|(e, _)| *e == epoch)
-                .expect("just inserted")
-                .1;
-            let first = (index * schema.batch_size) as usize;
-            for fi in 0..fields.len() {
-                for j in 0..batch.len() {
-                    let Some(&ds) = order.get(first + j) else {
-                        report.verify_failures += 1;
-                        continue;
-                    };
-                    if !spec.verify_sample(fi, ds, sample(fi, j)) {
-                        report.verify_failures += 1;
-                    }
-                }
-            }
-            report.verified_samples += batch.len() as u64;
-        }
+        check.batch(&batch, report)?;
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));
         }
@@ -351,15 +214,235 @@ fn consume(
             break;
         }
     }
-    if cur.epoch != u64::MAX {
-        let mut e = close_epoch(&mut cur, &mut digest, args.digest);
-        e.distinct_indices = index_field.map(|_| seen.len() as u64);
+    check.finish(report);
+    Ok(())
+}
+
+/// What `consume` checks and counts from batch to batch: order, epochs,
+/// digests, dumps, distinct dataset indices, synthetic bytes.
+struct Checker<'a> {
+    args: &'a ConsumeArgs,
+    schema: Schema,
+    /// Synthetic streams with `--verify`: what every sample must hold.
+    spec: Option<SyntheticSpec>,
+    /// Image streams: the `index` field, to count distinct samples.
+    index_field: Option<usize>,
+    seen: HashSet<i64>,
+    /// The sample order of the last two epochs seen.
+    orders: VecDeque<(u64, Vec<u64>)>,
+    handoff: Histogram,
+    /// `(seq, epoch, index)` of the last batch.
+    last: Option<(u64, u64, u64)>,
+    digest: u64,
+    cur: EpochReport,
+}
+
+impl<'a> Checker<'a> {
+    fn new(args: &'a ConsumeArgs, schema: Schema) -> batchcast::Result<Checker<'a>> {
+        let spec = match schema.source {
+            SourceInfo::Synthetic(spec) => Some(spec).filter(|_| args.verify),
+            SourceInfo::Images(_) | SourceInfo::External(_) if args.verify => {
+                return Err(batchcast::Error::Schema(
+                    "--verify checks synthetic streams; use --digest or --dump to compare what consumers of other streams receive".into(),
+                ));
+            }
+            SourceInfo::Images(_) | SourceInfo::External(_) => None,
+        };
+        let index_field = schema
+            .field("index")
+            .filter(|(_, f)| f.dtype == batchcast::DType::I64 && f.shape.is_empty())
+            .map(|(i, _)| i);
+        if let Some(dir) = &args.dump {
+            std::fs::create_dir_all(dir).map_err(batchcast::Error::Io)?;
+        }
+        Ok(Checker {
+            args,
+            schema,
+            spec,
+            index_field,
+            seen: HashSet::new(),
+            orders: VecDeque::new(),
+            handoff: Histogram::default(),
+            last: None,
+            digest: 0,
+            cur: EpochReport::new(u64::MAX),
+        })
+    }
+
+    fn epoch_end(&mut self, end: EpochEnd, report: &mut ConsumerReport) {
+        if self.cur.epoch != end.epoch || self.cur.batches != end.batches {
+            report.order_errors.push(format!(
+                "end of epoch {end:?} after {} batches of epoch {}",
+                self.cur.batches, self.cur.epoch
+            ));
+        }
+        self.cur.complete = end.complete;
+    }
+
+    /// Checks and counts one batch.
+    fn batch(&mut self, batch: &Batch, report: &mut ConsumerReport) -> batchcast::Result<()> {
+        self.handoff.record(batch.handoff_ns());
+        report.wait_s += batch.wait_ns() as f64 * 1e-9;
+        report.busy_s += batch.busy_ns() as f64 * 1e-9;
+        self.check_order(batch, report);
+        if batch.epoch() != self.cur.epoch {
+            self.close_epoch(report);
+            self.cur = EpochReport::new(batch.epoch());
+        }
+        self.cur.batches += 1;
+        self.cur.samples += batch.len() as u64;
+        report.batches += 1;
+        report.samples += batch.len() as u64;
+        // Host views, or for a device batch its bytes copied back from the
+        // GPU (this is a test consumer: what it checks is what arrived).
+        let fields: Vec<Cow<'_, [u8]>> = match batch.fields() {
+            Ok(views) => views.map(|f| f.bytes().into()).collect(),
+            Err(batchcast::Error::OnDevice { .. }) => (0..self.schema.fields.len())
+                .map(|i| batch.copy_field(i).map(Into::into))
+                .collect::<batchcast::Result<_>>()?,
+            Err(e) => return Err(e),
+        };
+        self.record_fields(batch, &fields, report)?;
+        if let Some(fi) = self.index_field {
+            for j in 0..batch.len() {
+                let v = i64::from_le_bytes(
+                    sample(&fields[fi], batch.len(), j)
+                        .try_into()
+                        .expect("i64 scalar"),
+                );
+                self.seen.insert(v);
+            }
+        }
+        if let Some(spec) = self.spec {
+            self.verify(spec, batch, &fields, report);
+        }
+        Ok(())
+    }
+
+    /// Batches come in sequence, epoch by epoch; the first at an epoch's
+    /// start unless joining mid-epoch.
+    fn check_order(&mut self, batch: &Batch, report: &mut ConsumerReport) {
+        let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
+        match self.last {
+            Some((ps, pe, pi)) => {
+                let expect = if pi + 1 == self.schema.batches_per_epoch {
+                    (pe + 1, 0)
+                } else {
+                    (pe, pi + 1)
+                };
+                if seq <= ps || (epoch, index) != expect {
+                    report.order_errors.push(format!(
+                        "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
+                    ));
+                }
+            }
+            None if self.args.join == Join::NextEpoch && index != 0 => {
+                report.order_errors.push(format!(
+                    "first batch is index {index} of epoch {epoch}, not the start of an epoch"
+                ));
+            }
+            None => {}
+        }
+        self.last = Some((seq, epoch, index));
+    }
+
+    /// Counts the bytes, and digests or dumps them when asked.
+    fn record_fields(
+        &mut self,
+        batch: &Batch,
+        fields: &[Cow<'_, [u8]>],
+        report: &mut ConsumerReport,
+    ) -> batchcast::Result<()> {
+        for (f, bytes) in self.schema.fields.iter().zip(fields) {
+            report.bytes += bytes.len() as u64;
+            if self.args.digest {
+                self.digest = digest_bytes(self.digest, bytes);
+            }
+            if let Some(dir) = &self.args.dump {
+                let path = dir.join(format!(
+                    "e{}-b{}-{}.bin",
+                    batch.epoch(),
+                    batch.index(),
+                    f.name
+                ));
+                std::fs::write(&path, bytes).map_err(batchcast::Error::Io)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every sample of a synthetic batch against the generator.
+    fn verify(
+        &mut self,
+        spec: SyntheticSpec,
+        batch: &Batch,
+        fields: &[Cow<'_, [u8]>],
+        report: &mut ConsumerReport,
+    ) {
+        let epoch = batch.epoch();
+        if !self.orders.iter().any(|(e, _)| *e == epoch) {
+            if self.orders.len() == 2 {
+                self.orders.pop_front();
+            }
+            self.orders.push_back((epoch, spec.epoch_order(epoch)));
+        }
+        let order = &self
+            .orders
+            .iter()
+            .find(|(e, _)| *e == epoch)
+            .expect("just inserted")
+            .1;
+        let first = (batch.index() * self.schema.batch_size) as usize;
+        for (fi, bytes) in fields.iter().enumerate() {
+            for j in 0..batch.len() {
+                let Some(&ds) = order.get(first + j) else {
+                    report.verify_failures += 1;
+                    continue;
+                };
+                if !spec.verify_sample(fi, ds, sample(bytes, batch.len(), j)) {
+                    report.verify_failures += 1;
+                }
+            }
+        }
+        report.verified_samples += batch.len() as u64;
+    }
+
+    /// Adds the epoch in progress, if any, to the report.
+    fn close_epoch(&mut self, report: &mut ConsumerReport) {
+        if self.cur.epoch == u64::MAX {
+            return;
+        }
+        let mut e = close_epoch(&mut self.cur, &mut self.digest, self.args.digest);
+        e.distinct_indices = self.index_field.map(|_| self.seen.len() as u64);
+        self.seen.clear();
         report.epochs.push(e);
     }
-    report.handoff_us_p50 = handoff.quantile(0.50) as f64 / 1e3;
-    report.handoff_us_p99 = handoff.quantile(0.99) as f64 / 1e3;
-    report.handoff_us_max = handoff.max as f64 / 1e3;
-    Ok(())
+
+    fn finish(mut self, report: &mut ConsumerReport) {
+        self.close_epoch(report);
+        report.handoff_us_p50 = self.handoff.quantile(0.50) as f64 / 1e3;
+        report.handoff_us_p99 = self.handoff.quantile(0.99) as f64 / 1e3;
+        report.handoff_us_max = self.handoff.max as f64 / 1e3;
+    }
+}
+
+/// Sample `j` of a field's bytes in a batch of `samples` samples.
+fn sample(field: &[u8], samples: usize, j: usize) -> &[u8] {
+    let bps = field.len() / samples.max(1);
+    &field[j * bps..(j + 1) * bps]
+}
+
+impl EpochReport {
+    fn new(epoch: u64) -> EpochReport {
+        EpochReport {
+            epoch,
+            batches: 0,
+            samples: 0,
+            complete: false,
+            digest: None,
+            distinct_indices: None,
+        }
+    }
 }
 
 fn close_epoch(cur: &mut EpochReport, digest: &mut u64, with_digest: bool) -> EpochReport {

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 
+use crate::config::StreamToml;
 use crate::consume::ConsumerReport;
 use crate::launch::{self, Stop, Summary, spec};
 
@@ -164,25 +165,15 @@ fn read_report(log: &Path) -> anyhow::Result<ConsumerReport> {
 }
 
 fn demo_config(epochs: u64) -> String {
-    format!(
-        r#"[[stream]]
-name = "train"
-batch_size = 64
-epochs = {epochs}
-shuffle = true
-seed = 2026
-slots = 8
-workers = 1
-
-[stream.synthetic]
-len = 4096
-fill = "full"
-fields = [
-  {{ name = "image", dtype = "u8", shape = [3, 64, 64] }},
-  {{ name = "label", dtype = "i64", shape = [] }},
-]
-"#
-    )
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 64, 64]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 64, 4096, &fields)
+        .fill("full")
+        .epochs(epochs)
+        .key("shuffle", true)
+        .key("seed", 2026)
+        .key("slots", 8)
+        .key("workers", 1)
+        .to_toml()
 }
 
 fn verdict(reports: &[ConsumerReport], epochs: u64, images: Option<u64>) -> String {
@@ -237,27 +228,13 @@ pub fn image_stream_toml(
     consumers: usize,
     extra: &str,
 ) -> String {
-    format!(
-        r#"[[stream]]
-name = "{name}"
-batch_size = 32
-epochs = {epochs}
-shuffle = true
-seed = 2026
-slots = 6
-drop_last = false
-min_consumers = {consumers}
-{extra}
-
-[stream.image_folder]
-root = "{}"
-
-[stream.transform]
-random_resized_crop = {{ size = {size} }}
-horizontal_flip = 0.5
-normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
-dtype = "f32"
-"#,
-        root.display()
-    )
+    StreamToml::image_folder(name, 32, root, size)
+        .epochs(epochs)
+        .key("shuffle", true)
+        .key("seed", 2026)
+        .key("slots", 6)
+        .key("drop_last", false)
+        .key("min_consumers", consumers)
+        .raw(extra)
+        .to_toml()
 }

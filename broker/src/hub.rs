@@ -38,6 +38,14 @@
 //! are by host consumers. So host and group slots are released
 //! independently: a host slot is refilled while a GPU still reads its copy.
 //! A member is sent a batch only once its copy has completed.
+//!
+//! # Layout
+//!
+//! Here: the types, joining and leaving, releases, the pipeline's side
+//! (`start_batch`, `finish_batch`). `send.rs`: publishing, sending within
+//! windows, the lag limit, unreferencing. `groups.rs`: GPU groups and their
+//! copies. `counts.rs`: numbers for stats. `invariants.rs` (tests): every
+//! rule above, checked after each step of the property tests (`tests.rs`).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -47,6 +55,8 @@ pub type ConsumerId = u64;
 pub type SlotId = u32;
 /// A ring of copies in other memory (one GPU); see [`Hub::add_group`].
 pub type GroupId = u32;
+
+pub use counts::{ConsumerCounts, GroupCounts, HubCounts};
 
 /// A copy the runtime must make: host slot `host`, holding batch `seq`,
 /// into slot `slot` of group `group`'s ring. The host slot stays as it is
@@ -195,15 +205,6 @@ struct Group {
     failed: bool,
 }
 
-/// One group's numbers for stats.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GroupCounts {
-    pub slots: u32,
-    pub in_use: u32,
-    /// Batches waiting for a free group slot.
-    pub waiting: u32,
-}
-
 #[derive(Debug, Clone)]
 struct Consumer {
     window: u32,
@@ -236,30 +237,6 @@ impl Consumer {
     fn owes(&self) -> usize {
         self.held.len() + self.queue.len()
     }
-}
-
-/// Per-consumer numbers for stats.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConsumerCounts {
-    pub window: u32,
-    pub delivered: u64,
-    pub held: u32,
-    pub queued: u32,
-    pub epoch: u64,
-}
-
-/// Per-stream numbers for stats.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HubCounts {
-    pub free: u32,
-    pub filling: u32,
-    pub in_use: u32,
-    pub produced: u64,
-    pub epoch: u64,
-    pub finished: bool,
-    pub deliveries: u64,
-    pub departed: u64,
-    pub detached: u64,
 }
 
 #[derive(Debug)]
@@ -352,28 +329,6 @@ impl Hub {
             && self.groups.iter().all(|g| g.replicas.is_empty())
     }
 
-    /// Adds a ring of `slots` copies (one GPU's arena); its members join
-    /// with [`Hub::join_group`].
-    pub fn add_group(&mut self, slots: u32) -> GroupId {
-        assert!(slots > 0, "validated by the config");
-        self.groups.push(Group {
-            slots: vec![None; slots as usize],
-            free: (0..slots).rev().collect(),
-            replicas: BTreeMap::new(),
-            waiting: VecDeque::new(),
-            failed: false,
-        });
-        (self.groups.len() - 1) as GroupId
-    }
-
-    pub fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
-        self.groups.get(g as usize).map(|grp| GroupCounts {
-            slots: grp.slots.len() as u32,
-            in_use: (grp.slots.len() - grp.free.len()) as u32,
-            waiting: grp.waiting.len() as u32,
-        })
-    }
-
     /// Whether a consumer with this window may join (in a group of
     /// `group_slots` slots): checked before anything is allocated for it.
     pub fn check_window(&self, window: u32, group_slots: Option<u32>) -> Result<(), HubError> {
@@ -397,66 +352,6 @@ impl Hub {
             return Err(HubError::WindowAboveGroupSlots { window, slots });
         }
         Ok(())
-    }
-
-    /// The copy `seq` to group `g` has completed: its members may be sent
-    /// it, and the host slot it was read from is given back.
-    pub fn copied(&mut self, g: GroupId, seq: u64) -> Result<(), HubError> {
-        let grp = self
-            .groups
-            .get_mut(g as usize)
-            .ok_or(HubError::UnknownGroup(g))?;
-        let r = grp
-            .replicas
-            .get_mut(&seq)
-            .filter(|r| r.slot.is_some() && !r.done)
-            .ok_or(HubError::NotCopying { group: g, seq })?;
-        r.done = true;
-        if r.refs == 0 {
-            // Every member that owed it left while it was being copied.
-            let slot = r.slot.expect("filtered above");
-            grp.replicas.remove(&seq);
-            grp.slots[slot as usize] = None;
-            grp.free.push(slot);
-        }
-        self.unpin(seq);
-        self.pump();
-        Ok(())
-    }
-
-    /// Copies to group `g` stopped for good (the GPU failed): its pending
-    /// copies are dropped, unpinning their host slots, and its members are
-    /// sent nothing more (they are told by the runtime and leave; what they
-    /// still hold they may release, to no effect). Returns the members. The
-    /// runtime must first make sure no copy still reads host memory.
-    pub fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
-        let Some(grp) = self.groups.get_mut(g as usize) else {
-            return Vec::new();
-        };
-        grp.failed = true;
-        let pinned: Vec<u64> = grp
-            .replicas
-            .iter()
-            .filter(|(_, r)| !r.done)
-            .map(|(&s, _)| s)
-            .collect();
-        grp.replicas.clear();
-        grp.waiting.clear();
-        grp.slots.fill(None);
-        grp.free = (0..grp.slots.len() as SlotId).rev().collect();
-        for seq in pinned {
-            self.unpin(seq);
-        }
-        let mut members = Vec::new();
-        for (&id, c) in self.consumers.iter_mut() {
-            if c.group == Some(g) {
-                c.queue.clear();
-                c.closing = true;
-                members.push(id);
-            }
-        }
-        self.pump();
-        members
     }
 
     /// Whether the pipeline could be given work now (a free slot, someone
@@ -692,440 +587,12 @@ impl Hub {
         }
         self.pump();
     }
-
-    fn publish(&mut self, seq: u64, b: Published) {
-        self.produced += 1;
-        self.last_epoch = b.epoch;
-        // Host consumers and groups with a copy to make pin the host slot.
-        let mut refs = 0;
-        for c in self.consumers.values_mut() {
-            if !c.wants(seq, b.epoch) {
-                continue;
-            }
-            c.queue.push_back(seq);
-            let Some(g) = c.group else {
-                refs += 1;
-                continue;
-            };
-            let grp = &mut self.groups[g as usize];
-            match grp.replicas.get_mut(&seq) {
-                Some(r) => r.refs += 1,
-                None => {
-                    grp.replicas.insert(
-                        seq,
-                        Replica {
-                            batch: b,
-                            slot: None,
-                            done: false,
-                            refs: 1,
-                        },
-                    );
-                    grp.waiting.push_back(seq);
-                    refs += 1;
-                }
-            }
-        }
-        if refs == 0 {
-            self.slots[b.slot as usize] = Slot::Free;
-            self.free.push(b.slot);
-        } else {
-            self.slots[b.slot as usize] = Slot::Published { seq, refs };
-            self.published.insert(seq, b);
-        }
-    }
-
-    /// A consumer (of `group`, or of host slots) no longer owes `seq`.
-    fn unref(&mut self, group: Option<GroupId>, seq: u64) {
-        let Some(g) = group else {
-            self.unpin(seq);
-            return;
-        };
-        let grp = &mut self.groups[g as usize];
-        if grp.failed {
-            return; // its replicas are gone
-        }
-        let r = grp
-            .replicas
-            .get_mut(&seq)
-            .expect("a member's batch has a replica");
-        r.refs -= 1;
-        if r.refs > 0 {
-            return;
-        }
-        match (r.slot, r.done) {
-            (None, _) => {
-                // Never copied: nobody needs it on this GPU any more.
-                grp.waiting.retain(|&s| s != seq);
-                grp.replicas.remove(&seq);
-                self.unpin(seq);
-            }
-            (Some(slot), true) => {
-                grp.replicas.remove(&seq);
-                grp.slots[slot as usize] = None;
-                grp.free.push(slot);
-            }
-            // Being copied: `copied` frees both slots.
-            (Some(_), false) => {}
-        }
-    }
-
-    /// Drops one pin of the host slot holding `seq`.
-    fn unpin(&mut self, seq: u64) {
-        let b = self
-            .published
-            .get(&seq)
-            .expect("a referenced batch is published");
-        let slot = b.slot as usize;
-        match &mut self.slots[slot] {
-            Slot::Published { refs, .. } if *refs > 1 => *refs -= 1,
-            Slot::Published { .. } => {
-                self.slots[slot] = Slot::Free;
-                self.free.push(slot as SlotId);
-                self.published.remove(&seq);
-            }
-            other => unreachable!("unref of slot {slot} in state {other:?}"),
-        }
-    }
-
-    /// Sends what windows allow, ends epochs and streams, enforces the lag limit.
-    fn pump(&mut self) {
-        self.start_copies();
-        let mut next = self.consumers.keys().next().copied();
-        while let Some(id) = next {
-            self.send_to(id);
-            next = self.consumers.range(id + 1..).next().map(|(&id, _)| id);
-        }
-        self.enforce_lag_limit();
-    }
-
-    /// What a release by `id` may change: its own window, and (with a lag
-    /// limit) who lags. Freeing a slot sends nobody anything.
-    fn pump_after_release(&mut self, id: ConsumerId) {
-        if self.cfg.lag_limit.is_some() || !self.groups.is_empty() {
-            return self.pump();
-        }
-        self.send_to(id);
-    }
-
-    /// Sends consumer `id` what its window allows, ends its epochs and its
-    /// stream.
-    fn send_to(&mut self, id: ConsumerId) {
-        let bpe = self.cfg.batches_per_epoch;
-        let exhausted = self.exhausted();
-        let Some(c) = self.consumers.get_mut(&id) else {
-            return;
-        };
-        while c.held.len() < c.ahead as usize
-            && let Some(&seq) = c.queue.front()
-        {
-            let (b, slot) = match c.group {
-                None => {
-                    let b = self.published[&seq];
-                    (b, b.slot)
-                }
-                Some(g) => match self.groups[g as usize].replicas[&seq] {
-                    Replica {
-                        batch,
-                        slot: Some(slot),
-                        done: true,
-                        ..
-                    } => (batch, slot),
-                    // Members get batches in order, each once copied.
-                    _ => break,
-                },
-            };
-            c.queue.pop_front();
-            c.held.push(seq);
-            c.delivered += 1;
-            self.deliveries += 1;
-            if b.epoch != c.cur_epoch {
-                c.cur_epoch = b.epoch;
-                c.in_epoch = 0;
-            }
-            c.in_epoch += 1;
-            self.out.push((
-                id,
-                Outbound::Batch {
-                    seq,
-                    epoch: b.epoch,
-                    index: b.index,
-                    slot,
-                    samples: b.samples,
-                },
-            ));
-            if b.index + 1 == bpe {
-                self.out.push((
-                    id,
-                    Outbound::EndOfEpoch {
-                        epoch: b.epoch,
-                        batches: c.in_epoch,
-                        complete: c.in_epoch == bpe,
-                    },
-                ));
-            }
-        }
-        if exhausted
-            && !c.ended
-            && !c.closing
-            && c.queue.is_empty()
-            && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
-        {
-            c.ended = true;
-            self.out.push((id, Outbound::EndOfStream));
-        }
-    }
-
-    /// Detaches whoever lags more than the lag limit.
-    fn enforce_lag_limit(&mut self) {
-        let mut detach = Vec::new();
-        if let Some(limit) = self.cfg.lag_limit {
-            let least = self
-                .consumers
-                .values()
-                .filter(|c| !c.closing)
-                .map(Consumer::owes)
-                .min()
-                .unwrap_or(0);
-            for (&id, c) in &self.consumers {
-                let lag = c.owes().saturating_sub(least);
-                if !c.closing && lag > limit as usize {
-                    detach.push((id, lag));
-                }
-            }
-        }
-        for (id, lag) in detach {
-            let reason = format!(
-                "detached: this consumer fell {lag} batches behind the others, more than the stream's lag_limit of {}; \
-                 it was holding every other consumer back. Process batches faster, or raise lag_limit in the broker config",
-                self.cfg.lag_limit.unwrap_or_default()
-            );
-            self.out.push((id, Outbound::Detached { reason }));
-            self.detached += 1;
-            self.remove(id);
-        }
-        // Removal may have freed group slots.
-        self.start_copies();
-    }
-
-    /// Orders the copies that have a free group slot, in sequence order.
-    fn start_copies(&mut self) {
-        for (g, grp) in self.groups.iter_mut().enumerate() {
-            while !grp.free.is_empty()
-                && let Some(seq) = grp.waiting.pop_front()
-            {
-                let slot = grp.free.pop().expect("checked above");
-                let r = grp.replicas.get_mut(&seq).expect("waiting has a replica");
-                r.slot = Some(slot);
-                grp.slots[slot as usize] = Some(seq);
-                self.copies.push(CopyOrder {
-                    group: g as GroupId,
-                    seq,
-                    host: r.batch.slot,
-                    slot,
-                });
-            }
-        }
-    }
-
-    pub fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
-        self.consumers.get(&id).map(|c| ConsumerCounts {
-            window: c.window,
-            delivered: c.delivered,
-            held: c.held.len() as u32,
-            queued: c.queue.len() as u32,
-            epoch: c.cur_epoch,
-        })
-    }
-
-    pub fn counts(&self) -> HubCounts {
-        let filling = self
-            .slots
-            .iter()
-            .filter(|s| matches!(s, Slot::Filling))
-            .count() as u32;
-        HubCounts {
-            free: self.free.len() as u32,
-            filling,
-            in_use: self.cfg.slots - self.free.len() as u32 - filling,
-            produced: self.produced,
-            epoch: self.last_epoch,
-            finished: self.finished(),
-            deliveries: self.deliveries,
-            departed: self.departed,
-            detached: self.detached,
-        }
-    }
-
-    /// Checks every structural invariant; tests call it after each step.
-    #[cfg(test)]
-    pub fn check_invariants(&self) {
-        let mut free_seen = vec![false; self.slots.len()];
-        for &s in &self.free {
-            assert_eq!(
-                self.slots[s as usize],
-                Slot::Free,
-                "free list holds a used slot {s}"
-            );
-            assert!(
-                !std::mem::replace(&mut free_seen[s as usize], true),
-                "slot {s} twice in the free list"
-            );
-        }
-        for (i, slot) in self.slots.iter().enumerate() {
-            match *slot {
-                Slot::Free => assert!(free_seen[i], "free slot {i} missing from the free list"),
-                Slot::Filling => {
-                    assert_eq!(
-                        self.inflight
-                            .values()
-                            .filter(|b| b.slot as usize == i)
-                            .count(),
-                        1
-                    )
-                }
-                Slot::Published { seq, refs } => {
-                    assert!(refs > 0, "published slot {i} with no references");
-                    assert_eq!(self.published[&seq].slot as usize, i);
-                    let owing = self
-                        .consumers
-                        .values()
-                        .filter(|c| c.group.is_none())
-                        .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
-                        .count() as u32;
-                    let copying = self
-                        .groups
-                        .iter()
-                        .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
-                        .count() as u32;
-                    assert_eq!(
-                        refs,
-                        owing + copying,
-                        "slot {i} (batch {seq}) refcount {refs} but {owing} host consumers owe it and {copying} groups copy it"
-                    );
-                }
-            }
-        }
-        assert_eq!(
-            self.published.len() + self.inflight.len() + self.free.len(),
-            self.slots.len()
-        );
-        for (g, grp) in self.groups.iter().enumerate() {
-            let g = g as GroupId;
-            let mut seen = vec![false; grp.slots.len()];
-            for &s in &grp.free {
-                assert_eq!(
-                    grp.slots[s as usize], None,
-                    "group {g}: free list holds a used slot {s}"
-                );
-                assert!(
-                    !std::mem::replace(&mut seen[s as usize], true),
-                    "group {g}: slot {s} freed twice"
-                );
-            }
-            for (i, slot) in grp.slots.iter().enumerate() {
-                match slot {
-                    None => assert!(
-                        seen[i],
-                        "group {g}: free slot {i} missing from the free list"
-                    ),
-                    Some(seq) => assert_eq!(
-                        grp.replicas[seq].slot,
-                        Some(i as SlotId),
-                        "group {g}: slot {i} and batch {seq} disagree"
-                    ),
-                }
-            }
-            for (&seq, r) in &grp.replicas {
-                let owing = self
-                    .consumers
-                    .values()
-                    .filter(|c| c.group == Some(g))
-                    .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
-                    .count() as u32;
-                assert_eq!(
-                    r.refs, owing,
-                    "group {g}: batch {seq} refcount {} but {owing} members owe it",
-                    r.refs
-                );
-                assert!(
-                    r.refs > 0 || (r.slot.is_some() && !r.done),
-                    "group {g}: batch {seq} kept for nobody"
-                );
-                if !r.done {
-                    assert!(
-                        self.published.contains_key(&seq),
-                        "group {g}: batch {seq} copied from an unpinned host slot"
-                    );
-                }
-                assert_eq!(
-                    r.slot.is_none(),
-                    grp.waiting.contains(&seq),
-                    "group {g}: batch {seq} both waiting and placed, or neither"
-                );
-            }
-            // Copies are placed in sequence order.
-            if let (Some(&first_waiting), Some(last_placed)) = (
-                grp.waiting.front(),
-                grp.replicas
-                    .iter()
-                    .filter(|(_, r)| r.slot.is_some())
-                    .map(|(&s, _)| s)
-                    .max(),
-            ) {
-                assert!(
-                    last_placed < first_waiting,
-                    "group {g}: batch {first_waiting} waits behind a later one"
-                );
-            }
-            assert!(
-                grp.waiting.is_empty() || grp.free.is_empty(),
-                "group {g}: a copy waits with a slot free"
-            );
-        }
-        for c in self.consumers.values() {
-            assert!(c.held.len() <= c.ahead as usize, "window exceeded");
-            if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed) {
-                let grp = &self.groups[g as usize];
-                for seq in &c.held {
-                    assert!(
-                        grp.replicas[seq].done,
-                        "member sent batch {seq} before its copy completed"
-                    );
-                }
-                for seq in &c.queue {
-                    assert!(
-                        grp.replicas.contains_key(seq),
-                        "member owes batch {seq} the group lacks"
-                    );
-                }
-            }
-            assert!(
-                c.queue
-                    .iter()
-                    .zip(c.queue.iter().skip(1))
-                    .all(|(a, b)| a < b),
-                "queue out of order"
-            );
-            if let (Some(&q), Some(&h)) = (c.queue.front(), c.held.iter().max()) {
-                assert!(q > h, "queued batch older than a sent one");
-            }
-            if c.closing {
-                assert!(c.queue.is_empty());
-            }
-        }
-        if let Some(limit) = self.cfg.lag_limit {
-            let active = || {
-                self.consumers
-                    .values()
-                    .filter(|c| !c.closing)
-                    .map(Consumer::owes)
-            };
-            if let (Some(least), Some(most)) = (active().min(), active().max()) {
-                assert!(most - least <= limit as usize, "lag limit not enforced");
-            }
-        }
-    }
 }
 
+mod counts;
+mod groups;
+#[cfg(test)]
+mod invariants;
+mod send;
 #[cfg(test)]
 mod tests;

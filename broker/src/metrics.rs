@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use batchcast::proto::StatsReply;
+use batchcast::proto::{ConsumerStats, GpuCopyStats, StatsReply, StreamStats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -98,6 +98,130 @@ impl Family<'_> {
     }
 }
 
+/// A metric: name, Prometheus type, help, and its value in a stats record.
+type Metric<T> = (&'static str, &'static str, &'static str, fn(&T) -> f64);
+
+/// Per stream, labelled `stream` (named `batchcast_stream_NAME`).
+static STREAM_METRICS: [Metric<StreamStats>; 11] = [
+    (
+        "batches_produced_total",
+        "counter",
+        "Batches the pipeline published.",
+        |st| st.batches_produced as f64,
+    ),
+    (
+        "deliveries_total",
+        "counter",
+        "Batch deliveries summed over consumers.",
+        |st| st.deliveries as f64,
+    ),
+    ("slots", "gauge", "Slots of the stream's arena.", |st| {
+        st.slots as f64
+    }),
+    (
+        "free_slots",
+        "gauge",
+        "Slots free for the pipeline.",
+        |st| st.free_slots as f64,
+    ),
+    (
+        "slots_in_use",
+        "gauge",
+        "Slots published and not yet released by everyone.",
+        |st| st.in_use as f64,
+    ),
+    (
+        "producer_blocked_seconds_total",
+        "counter",
+        "Seconds the pipeline waited for a free slot.",
+        |st| st.producer_blocked_s,
+    ),
+    (
+        "pipeline_cpu_seconds_total",
+        "counter",
+        "CPU seconds the pipeline threads spent filling slots.",
+        |st| st.pipeline_cpu_s,
+    ),
+    ("consumers", "gauge", "Consumers connected.", |st| {
+        st.consumers.len() as f64
+    }),
+    (
+        "images_decoded_total",
+        "counter",
+        "Images decoded (image streams).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.decoded as f64),
+    ),
+    (
+        "cache_hits_total",
+        "counter",
+        "Encoded-bytes cache hits (image streams).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.cache_hits as f64),
+    ),
+    (
+        "bad_files_skipped_total",
+        "counter",
+        "Samples replaced because their file was bad.",
+        |st| st.source.as_ref().map_or(0.0, |x| x.skipped as f64),
+    ),
+];
+
+/// Per consumer, labelled `stream`, `consumer` and `id`
+/// (`batchcast_consumer_NAME`).
+static CONSUMER_METRICS: [Metric<ConsumerStats>; 6] = [
+    (
+        "delivered_total",
+        "counter",
+        "Batches sent to the consumer.",
+        |c| c.delivered as f64,
+    ),
+    (
+        "samples_total",
+        "counter",
+        "Samples sent to the consumer.",
+        |c| c.samples as f64,
+    ),
+    ("held", "gauge", "Batches the consumer holds.", |c| {
+        c.held as f64
+    }),
+    (
+        "wait_seconds_total",
+        "counter",
+        "Seconds the consumer was blocked waiting for data (data stall).",
+        |c| c.wait_s,
+    ),
+    (
+        "busy_seconds_total",
+        "counter",
+        "Seconds the consumer worked between batches (training steps).",
+        |c| c.busy_s,
+    ),
+    ("stall_ratio", "gauge", "wait / (wait + busy).", |c| {
+        c.stall_fraction()
+    }),
+];
+
+/// Per GPU of a stream, labelled `stream` and `gpu`.
+static GPU_METRICS: [Metric<GpuCopyStats>; 3] = [
+    (
+        "gpu_copies_total",
+        "counter",
+        "Host-to-device copies of batches.",
+        |g| g.copies as f64,
+    ),
+    (
+        "gpu_copy_bytes_total",
+        "counter",
+        "Bytes copied to the GPU.",
+        |g| g.bytes as f64,
+    ),
+    (
+        "gpu_slots_in_use",
+        "gauge",
+        "Device slots holding a batch (being copied, or owed to a consumer).",
+        |g| g.slots_in_use as f64,
+    ),
+];
+
 /// The Prometheus text exposition of `s`.
 pub fn render(s: &StatsReply) -> String {
     let mut out = String::new();
@@ -108,122 +232,14 @@ pub fn render(s: &StatsReply) -> String {
         "Seconds since the broker started.",
     );
     f.sample("uptime_seconds", &[], s.uptime_s);
-
-    type StreamMetric = (
-        &'static str,
-        &'static str,
-        &'static str,
-        fn(&batchcast::proto::StreamStats) -> f64,
-    );
-    let streams: [StreamMetric; 11] = [
-        (
-            "batches_produced_total",
-            "counter",
-            "Batches the pipeline published.",
-            |st| st.batches_produced as f64,
-        ),
-        (
-            "deliveries_total",
-            "counter",
-            "Batch deliveries summed over consumers.",
-            |st| st.deliveries as f64,
-        ),
-        ("slots", "gauge", "Slots of the stream's arena.", |st| {
-            st.slots as f64
-        }),
-        (
-            "free_slots",
-            "gauge",
-            "Slots free for the pipeline.",
-            |st| st.free_slots as f64,
-        ),
-        (
-            "slots_in_use",
-            "gauge",
-            "Slots published and not yet released by everyone.",
-            |st| st.in_use as f64,
-        ),
-        (
-            "producer_blocked_seconds_total",
-            "counter",
-            "Seconds the pipeline waited for a free slot.",
-            |st| st.producer_blocked_s,
-        ),
-        (
-            "pipeline_cpu_seconds_total",
-            "counter",
-            "CPU seconds the pipeline threads spent filling slots.",
-            |st| st.pipeline_cpu_s,
-        ),
-        ("consumers", "gauge", "Consumers connected.", |st| {
-            st.consumers.len() as f64
-        }),
-        (
-            "images_decoded_total",
-            "counter",
-            "Images decoded (image streams).",
-            |st| st.source.as_ref().map_or(0.0, |x| x.decoded as f64),
-        ),
-        (
-            "cache_hits_total",
-            "counter",
-            "Encoded-bytes cache hits (image streams).",
-            |st| st.source.as_ref().map_or(0.0, |x| x.cache_hits as f64),
-        ),
-        (
-            "bad_files_skipped_total",
-            "counter",
-            "Samples replaced because their file was bad.",
-            |st| st.source.as_ref().map_or(0.0, |x| x.skipped as f64),
-        ),
-    ];
-    for (name, kind, help, get) in streams {
+    for (name, kind, help, get) in &STREAM_METRICS {
         let name = format!("stream_{name}");
         f.head(&name, kind, help);
         for st in &s.streams {
             f.sample(&name, &[("stream", &st.name)], get(st));
         }
     }
-
-    type ConsumerMetric = (
-        &'static str,
-        &'static str,
-        &'static str,
-        fn(&batchcast::proto::ConsumerStats) -> f64,
-    );
-    let consumers: [ConsumerMetric; 6] = [
-        (
-            "delivered_total",
-            "counter",
-            "Batches sent to the consumer.",
-            |c| c.delivered as f64,
-        ),
-        (
-            "samples_total",
-            "counter",
-            "Samples sent to the consumer.",
-            |c| c.samples as f64,
-        ),
-        ("held", "gauge", "Batches the consumer holds.", |c| {
-            c.held as f64
-        }),
-        (
-            "wait_seconds_total",
-            "counter",
-            "Seconds the consumer was blocked waiting for data (data stall).",
-            |c| c.wait_s,
-        ),
-        (
-            "busy_seconds_total",
-            "counter",
-            "Seconds the consumer worked between batches (training steps).",
-            |c| c.busy_s,
-        ),
-        ("stall_ratio", "gauge", "wait / (wait + busy).", |c| {
-            c.stall_fraction()
-        }),
-    ];
-    for (name, kind, help, get) in consumers {
+    for (name, kind, help, get) in &CONSUMER_METRICS {
         let name = format!("consumer_{name}");
         f.head(&name, kind, help);
         for st in &s.streams {
@@ -238,29 +254,7 @@ pub fn render(s: &StatsReply) -> String {
             }
         }
     }
-
-    type GpuValue = fn(&batchcast::proto::GpuCopyStats) -> f64;
-    let gpu_metrics: [(&str, &str, &str, GpuValue); 3] = [
-        (
-            "gpu_copies_total",
-            "counter",
-            "Host-to-device copies of batches.",
-            |g| g.copies as f64,
-        ),
-        (
-            "gpu_copy_bytes_total",
-            "counter",
-            "Bytes copied to the GPU.",
-            |g| g.bytes as f64,
-        ),
-        (
-            "gpu_slots_in_use",
-            "gauge",
-            "Device slots holding a batch (being copied, or owed to a consumer).",
-            |g| g.slots_in_use as f64,
-        ),
-    ];
-    for (name, kind, help, get) in gpu_metrics {
+    for (name, kind, help, get) in &GPU_METRICS {
         f.head(name, kind, help);
         for st in &s.streams {
             for g in &st.gpus {

@@ -679,17 +679,14 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::config::StreamToml;
 
-    const GOOD: &str = r#"
-[[stream]]
-name = "train"
-batch_size = 4
-epochs = 2
-
-[stream.synthetic]
-len = 10
-fields = [{ name = "x", dtype = "f32", shape = [3] }]
-"#;
+    /// A minimal valid config: one synthetic stream of 10 samples.
+    fn good() -> String {
+        StreamToml::synthetic("train", 4, 10, &[("x", "f32", &[3])])
+            .epochs(2)
+            .to_toml()
+    }
 
     fn plan(text: &str) -> Result<Vec<StreamPlan>, PlanError> {
         plan_config(&Config::parse(text, Path::new("test.toml")).unwrap())
@@ -697,7 +694,7 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
 
     #[test]
     fn a_minimal_config_gets_documented_defaults() {
-        let plans = plan(GOOD).unwrap();
+        let plans = plan(&good()).unwrap();
         let p = &plans[0];
         assert_eq!(
             (p.slots, p.gpu_slots, p.min_consumers, p.lag_limit),
@@ -717,13 +714,13 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
     #[test]
     fn a_typo_names_the_key_and_line() {
         let err = Config::parse(
-            &GOOD.replace("batch_size", "batch_szie"),
+            &good().replace("batch_size", "batch_szie"),
             Path::new("t.toml"),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("batch_szie") && err.contains("line 4"),
+            err.contains("batch_szie") && err.contains("line 3"),
             "{err}"
         );
     }
@@ -758,7 +755,7 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
                 Some("name"),
             ),
         ] {
-            let err = plan(&GOOD.replace(from, to)).unwrap_err();
+            let err = plan(&good().replace(from, to)).unwrap_err();
             let text = err.to_string();
             assert!(text.contains(expect) && text.contains("stream `"), "{text}");
             if let Some(culprit) = culprit {
@@ -768,7 +765,7 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
                 );
             }
         }
-        let twice = format!("{GOOD}\n{}", &GOOD[GOOD.find("[[stream]]").unwrap()..]);
+        let twice = format!("{}\n{}", good(), good());
         assert!(
             plan(&twice)
                 .unwrap_err()
@@ -779,7 +776,7 @@ fields = [{ name = "x", dtype = "f32", shape = [3] }]
 
     #[test]
     fn keeping_the_last_short_batch() {
-        let plans = plan(&GOOD.replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();
+        let plans = plan(&good().replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();
         assert_eq!(plans[0].schema.batches_per_epoch, 3);
         assert_eq!(plans[0].schema.samples_per_epoch, 10);
     }

@@ -32,23 +32,7 @@ pub fn render(s: &StatsReply) -> String {
         );
         let _ = writeln!(out, "  pipeline CPU {:.2} s", st.pipeline_cpu_s);
         if let Some(src) = &st.source {
-            let _ = write!(
-                out,
-                "  images: {} decoded ({} at reduced size), {} bad samples replaced",
-                src.decoded, src.reduced, src.skipped
-            );
-            if src.cache_budget > 0 {
-                let _ = write!(
-                    out,
-                    "; cache {} hits, {} misses, {} items, {:.1} of {:.1} MiB",
-                    src.cache_hits,
-                    src.cache_misses,
-                    src.cache_items,
-                    src.cache_bytes as f64 / (1 << 20) as f64,
-                    src.cache_budget as f64 / (1 << 20) as f64
-                );
-            }
-            let _ = writeln!(out);
+            source_line(&mut out, src);
         }
         if let Some(p) = &st.producer {
             let _ = writeln!(out, "  produced by {p}");
@@ -57,55 +41,86 @@ pub fn render(s: &StatsReply) -> String {
             let _ = writeln!(out, "  STOPPED: {why}");
         }
         for g in &st.gpus {
-            let _ = writeln!(
-                out,
-                "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s, device slots {}/{} in use{}{}",
-                g.gpu,
-                g.copies,
-                g.bytes as f64 / (1u64 << 30) as f64,
-                if g.copy_s > 0.0 {
-                    g.bytes as f64 / g.copy_s / 1e9
-                } else {
-                    0.0
-                },
-                g.slots_in_use,
-                g.slots,
-                if g.waiting > 0 {
-                    format!(", {} batches waiting for one", g.waiting)
-                } else {
-                    String::new()
-                },
-                if g.pinned {
-                    ""
-                } else {
-                    " (pageable host memory)"
-                }
-            );
+            gpu_line(&mut out, g);
         }
         if st.consumers.is_empty() {
             let _ = writeln!(out, "  (no consumers)");
         } else {
             consumer_table(&mut out, &st.consumers);
         }
-        if !st.past_consumers.is_empty() {
-            let shown = st.past_consumers.len().min(8);
-            let _ = writeln!(out, "  left ({}, latest {shown}):", st.past_consumers.len());
-            let recent = &st.past_consumers[st.past_consumers.len() - shown..];
-            for c in recent {
-                let _ = writeln!(
-                    out,
-                    "  {:>4}  {:<20} {:>8} {:>10} batches {:>5.1}% stall  {}",
-                    c.id,
-                    truncate(&c.name, 20),
-                    c.pid,
-                    c.delivered,
-                    100.0 * c.stall_fraction(),
-                    c.left.as_deref().unwrap_or("")
-                );
-            }
-        }
+        past_consumers(&mut out, &st.past_consumers);
     }
     out
+}
+
+/// The source's decodes, replacements and cache.
+fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
+    let _ = write!(
+        out,
+        "  images: {} decoded ({} at reduced size), {} bad samples replaced",
+        src.decoded, src.reduced, src.skipped
+    );
+    if src.cache_budget > 0 {
+        let _ = write!(
+            out,
+            "; cache {} hits, {} misses, {} items, {:.1} of {:.1} MiB",
+            src.cache_hits,
+            src.cache_misses,
+            src.cache_items,
+            src.cache_bytes as f64 / (1 << 20) as f64,
+            src.cache_budget as f64 / (1 << 20) as f64
+        );
+    }
+    let _ = writeln!(out);
+}
+
+/// One GPU's copies and device slots.
+fn gpu_line(out: &mut String, g: &batchcast::proto::GpuCopyStats) {
+    let _ = writeln!(
+        out,
+        "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s, device slots {}/{} in use{}{}",
+        g.gpu,
+        g.copies,
+        g.bytes as f64 / (1u64 << 30) as f64,
+        if g.copy_s > 0.0 {
+            g.bytes as f64 / g.copy_s / 1e9
+        } else {
+            0.0
+        },
+        g.slots_in_use,
+        g.slots,
+        if g.waiting > 0 {
+            format!(", {} batches waiting for one", g.waiting)
+        } else {
+            String::new()
+        },
+        if g.pinned {
+            ""
+        } else {
+            " (pageable host memory)"
+        }
+    );
+}
+
+/// The latest consumers that left, and why.
+fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
+    if !past.is_empty() {
+        let shown = past.len().min(8);
+        let _ = writeln!(out, "  left ({}, latest {shown}):", past.len());
+        let recent = &past[past.len() - shown..];
+        for c in recent {
+            let _ = writeln!(
+                out,
+                "  {:>4}  {:<20} {:>8} {:>10} batches {:>5.1}% stall  {}",
+                c.id,
+                truncate(&c.name, 20),
+                c.pid,
+                c.delivered,
+                100.0 * c.stall_fraction(),
+                c.left.as_deref().unwrap_or("")
+            );
+        }
+    }
 }
 
 fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {

@@ -48,11 +48,9 @@ def test_bad_devices_are_invalid_arguments(start_broker):
 def test_copy_true_gives_private_writable_arrays_and_frees_slots(start_broker):
     broker = start_broker(synthetic(epochs=1, min_consumers=2))
     shared = batchcast.Consumer(socket=broker.socket, output="numpy", name="shared", window=4)
-    # window=1: with copies that pinned their slots, the second batch could
-    # never arrive while the first one's copy is kept below.
-    private = batchcast.Consumer(
-        socket=broker.socket, output="numpy", name="private", copy=True, window=1
-    )
+    # Its window is 2: if the copies kept below pinned their slots, the
+    # third batch could never arrive.
+    private = batchcast.Consumer(socket=broker.socket, output="numpy", name="private", copy=True)
     base, length = private.arena
     kept = []
     for (images_p, labels_p), (images_s, labels_s) in zip(private, shared):

@@ -28,10 +28,13 @@
 //! `{gpu}`, `{batchcast}` (this executable) and the grid's keys; `{{` is a
 //! literal brace.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+pub use super::expand::substitute;
+use super::expand::{expand_trainers, gpu_value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
@@ -57,33 +60,33 @@ pub enum OnFailure {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct LaunchSection {
-    config: Option<PathBuf>,
-    socket: Option<PathBuf>,
-    run_dir: Option<PathBuf>,
+pub(super) struct LaunchSection {
+    pub(super) config: Option<PathBuf>,
+    pub(super) socket: Option<PathBuf>,
+    pub(super) run_dir: Option<PathBuf>,
     #[serde(default)]
-    on_failure: OnFailure,
-    stream: Option<String>,
-    gpus: Option<Vec<u32>>,
+    pub(super) on_failure: OnFailure,
+    pub(super) stream: Option<String>,
+    pub(super) gpus: Option<Vec<u32>>,
     /// Seconds between SIGTERM and SIGKILL when stopping trainers.
-    grace_s: Option<f64>,
+    pub(super) grace_s: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct SweepFile {
+pub(super) struct SweepFile {
     #[serde(default)]
-    launch: LaunchSection,
-    broker: Option<toml::Table>,
+    pub(super) launch: LaunchSection,
+    pub(super) broker: Option<toml::Table>,
     #[serde(default, rename = "stream")]
-    streams: Vec<toml::Table>,
+    pub(super) streams: Vec<toml::Table>,
     #[serde(default, rename = "trainer")]
-    trainers: Vec<TrainerSpec>,
+    pub(super) trainers: Vec<TrainerSpec>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum GpuSpec {
+pub(super) enum GpuSpec {
     Word(String),
     One(u32),
     List(Vec<u32>),
@@ -91,18 +94,18 @@ enum GpuSpec {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct TrainerSpec {
-    name: String,
-    command: Vec<String>,
-    copies: Option<u32>,
+pub(super) struct TrainerSpec {
+    pub(super) name: String,
+    pub(super) command: Vec<String>,
+    pub(super) copies: Option<u32>,
     #[serde(default)]
-    grid: BTreeMap<String, Vec<toml::Value>>,
+    pub(super) grid: BTreeMap<String, Vec<toml::Value>>,
     #[serde(default)]
-    env: BTreeMap<String, toml::Value>,
-    gpu: Option<GpuSpec>,
-    cwd: Option<PathBuf>,
-    stream: Option<String>,
-    baseline_command: Option<Vec<String>>,
+    pub(super) env: BTreeMap<String, toml::Value>,
+    pub(super) gpu: Option<GpuSpec>,
+    pub(super) cwd: Option<PathBuf>,
+    pub(super) stream: Option<String>,
+    pub(super) baseline_command: Option<Vec<String>>,
 }
 
 /// Where the broker's streams come from.
@@ -216,75 +219,8 @@ impl Sweep {
                 "no [[trainer]] defined; add one with a `name` and a `command`".into(),
             ));
         }
-        let (broker, mut streams, config_tables) = match (&l.socket, &l.config) {
-            (Some(_), Some(_)) => {
-                return Err(invalid(
-                    "[launch] has both `socket` (use a running broker) and `config` (start one); keep one"
-                        .into(),
-                ));
-            }
-            (Some(_), None) if !file.streams.is_empty() => {
-                return Err(invalid(
-                    "[launch] socket = … uses a running broker, so the [[stream]] tables here would be ignored; remove one or the other".into(),
-                ));
-            }
-            (Some(sock), None) => (BrokerSource::Reuse(dir.join(sock)), Vec::new(), None),
-            (None, Some(cfg)) => {
-                if !file.streams.is_empty() || file.broker.is_some() {
-                    return Err(invalid(format!(
-                        "[launch] config = {:?} names the broker's config, and this file also has [[stream]] or [broker] tables; keep one",
-                        cfg
-                    )));
-                }
-                let cfg_path = dir.join(cfg);
-                let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
-                    invalid(format!(
-                        "[launch] config: cannot read {}: {e}",
-                        cfg_path.display()
-                    ))
-                })?;
-                let table: toml::Table = toml::from_str(&text)
-                    .map_err(|e| invalid(format!("[launch] config {}: {e}", cfg_path.display())))?;
-                let cfg_dir = cfg_path.parent().unwrap_or(Path::new(".")).to_path_buf();
-                (
-                    BrokerSource::Start {
-                        config: String::new(),
-                        dir: cfg_dir,
-                    },
-                    Vec::new(),
-                    Some(table),
-                )
-            }
-            (None, None) => {
-                if file.streams.is_empty() {
-                    return Err(invalid(
-                        "no broker to use: add [[stream]] tables, `config = \"broker.toml\"` or `socket = \"…\"` (a running broker) under [launch]".into(),
-                    ));
-                }
-                let mut table = toml::Table::new();
-                if let Some(b) = &file.broker {
-                    table.insert("broker".into(), toml::Value::Table(b.clone()));
-                }
-                table.insert(
-                    "stream".into(),
-                    toml::Value::Array(
-                        file.streams
-                            .iter()
-                            .cloned()
-                            .map(toml::Value::Table)
-                            .collect(),
-                    ),
-                );
-                (
-                    BrokerSource::Start {
-                        config: String::new(),
-                        dir: dir.clone(),
-                    },
-                    Vec::new(),
-                    Some(table),
-                )
-            }
-        };
+        let (broker, config_tables) = broker_source(&file, &dir).map_err(invalid)?;
+        let mut streams = Vec::new();
         if let Some(t) = &config_tables {
             streams = stream_names(t).map_err(invalid)?;
         }
@@ -309,30 +245,8 @@ impl Sweep {
                 .map_err(invalid)?,
         };
 
-        let mut trainers = Vec::new();
-        let mut rr = 0usize;
-        let mut names = HashMap::new();
-        for (t_i, t) in file.trainers.iter().enumerate() {
-            let what = format!("trainer `{}` (the {} [[trainer]])", t.name, ordinal(t_i));
-            let expanded = expand_trainer(t, &what, host, &gpus, &mut rr, &default_stream, &dir)
-                .map_err(invalid)?;
-            for p in expanded {
-                if let Some(prev) = names.insert(p.name.clone(), what.clone()) {
-                    return Err(invalid(format!(
-                        "two trainers would be named `{}` ({prev} and {what}); give them different names",
-                        p.name
-                    )));
-                }
-                if !streams.is_empty() && !streams.contains(&p.stream) {
-                    return Err(invalid(format!(
-                        "{what} subscribes to stream `{}`, which the broker config does not define (it has: {})",
-                        p.stream,
-                        streams.join(", ")
-                    )));
-                }
-                trainers.push(p);
-            }
-        }
+        let trainers = expand_trainers(&file, host, &gpus, &default_stream, &dir, &streams)
+            .map_err(invalid)?;
         let broker = match (broker, config_tables) {
             (BrokerSource::Start { dir, .. }, Some(mut table)) => {
                 set_min_consumers(&mut table, &trainers);
@@ -377,7 +291,7 @@ impl Sweep {
     }
 }
 
-fn ordinal(i: usize) -> String {
+pub(super) fn ordinal(i: usize) -> String {
     match i + 1 {
         1 => "1st".into(),
         2 => "2nd".into(),
@@ -421,264 +335,75 @@ fn set_min_consumers(table: &mut toml::Table, trainers: &[TrainerPlan]) {
     }
 }
 
-fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, String> {
-    host.gpus.get(i as usize).cloned().ok_or_else(|| {
-        format!(
-            "{what}: GPU {i} does not exist: this machine shows {} GPU{}{}",
-            host.gpus.len(),
-            if host.gpus.len() == 1 { "" } else { "s" },
-            if host.gpus.is_empty() {
-                " (no CUDA driver or device); use gpu = \"none\"".to_string()
-            } else {
-                format!(" (0..{})", host.gpus.len() - 1)
-            }
-        )
-    })
-}
-
-fn value_text(v: &toml::Value) -> Result<String, String> {
-    match v {
-        toml::Value::String(s) => Ok(s.clone()),
-        toml::Value::Integer(i) => Ok(i.to_string()),
-        toml::Value::Float(f) => Ok(f.to_string()),
-        toml::Value::Boolean(b) => Ok(b.to_string()),
-        other => Err(format!(
-            "{other} is not a string, number or boolean ({})",
-            other.type_str()
-        )),
-    }
-}
-
-/// Replaces `{key}` with `vars[key]`; `{{` and `}}` are literal braces.
-pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, String> {
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(i) = rest.find(['{', '}']) {
-        out.push_str(&rest[..i]);
-        let tail = &rest[i..];
-        if tail.starts_with("{{") || tail.starts_with("}}") {
-            out.push_str(&tail[..1]);
-            rest = &tail[2..];
-            continue;
-        }
-        if tail.starts_with('}') {
-            return Err(format!(
-                "`{s}` has an unmatched `}}` (write `}}}}` for a brace)"
-            ));
-        }
-        let Some(end) = tail.find('}') else {
-            return Err(format!(
-                "`{s}` has an unclosed `{{` (write `{{{{` for a brace)"
-            ));
-        };
-        let key = &tail[1..end];
-        let v = vars.get(key).ok_or_else(|| {
-            format!(
-                "`{s}` uses {{{key}}}, which is not defined; placeholders here: {}",
-                vars.keys()
-                    .map(|k| format!("{{{k}}}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            )
-        })?;
-        out.push_str(v);
-        rest = &tail[end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
-}
-
-fn expand_trainer(
-    t: &TrainerSpec,
-    what: &str,
-    host: &Host,
-    gpus: &[String],
-    rr: &mut usize,
-    default_stream: &str,
+/// Which broker the sweep uses, and (to start one) its config as a table.
+fn broker_source(
+    file: &SweepFile,
     dir: &Path,
-) -> Result<Vec<TrainerPlan>, String> {
-    let e = |m: String| format!("{what}: {m}");
-    if t.name.is_empty()
-        || !t
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    {
-        return Err(e(format!(
-            "name {:?} must be letters, digits, `-`, `_` or `.` (it names log files)",
-            t.name
-        )));
-    }
-    if t.command.is_empty() || t.command[0].is_empty() {
-        return Err(e(
-            "`command` is empty; give the program and its arguments, e.g. [\"python\", \"train.py\"]"
-                .into(),
-        ));
-    }
-    if t.baseline_command.as_ref().is_some_and(|c| c.is_empty()) {
-        return Err(e("`baseline_command` is empty".into()));
-    }
-    if t.copies == Some(0) {
-        return Err(e(
-            "copies = 0 starts nothing; remove the trainer or use copies ≥ 1".into(),
-        ));
-    }
-    let mut combos: Vec<BTreeMap<String, String>> = vec![BTreeMap::new()];
-    for (key, values) in &t.grid {
-        if values.is_empty() {
-            return Err(e(format!("grid.{key} is an empty list")));
+) -> Result<(BrokerSource, Option<toml::Table>), String> {
+    let l = &file.launch;
+    Ok(match (&l.socket, &l.config) {
+        (Some(_), Some(_)) => {
+            return Err(
+                "[launch] has both `socket` (use a running broker) and `config` (start one); keep one"
+                    .into(),
+            );
         }
-        if matches!(key.as_str(), "name" | "index" | "gpu" | "batchcast") {
-            return Err(e(format!(
-                "grid.{key} would hide the built-in {{{key}}}; rename it"
-            )));
+        (Some(_), None) if !file.streams.is_empty() => {
+            return Err(
+                "[launch] socket = … uses a running broker, so the [[stream]] tables here would be ignored; remove one or the other".into(),
+            );
         }
-        let texts = values
-            .iter()
-            .map(|v| value_text(v).map_err(|m| e(format!("grid.{key}: {m}"))))
-            .collect::<Result<Vec<_>, _>>()?;
-        combos = combos
-            .into_iter()
-            .flat_map(|c| {
-                texts.iter().map(move |v| {
-                    let mut c = c.clone();
-                    c.insert(key.clone(), v.clone());
-                    c
-                })
-            })
-            .collect();
-    }
-    let copies = t.copies.unwrap_or(1) as usize;
-    let total = combos.len() * copies;
-    let gpu_for: Vec<Option<String>> = match &t.gpu {
-        None => round_robin(gpus, rr, total),
-        Some(GpuSpec::Word(w)) if w == "round-robin" => round_robin(gpus, rr, total),
-        Some(GpuSpec::Word(w)) if w == "none" => vec![None; total],
-        Some(GpuSpec::Word(w)) => {
-            return Err(e(format!(
-                "gpu = {w:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices"
-            )));
-        }
-        Some(GpuSpec::One(i)) => vec![Some(gpu_value(host, *i, &format!("{what}: gpu"))?); total],
-        Some(GpuSpec::List(list)) => {
-            if list.is_empty() {
-                return Err(e("gpu = [] is empty; use \"none\" for no GPU".into()));
+        (Some(sock), None) => (BrokerSource::Reuse(dir.join(sock)), None),
+        (None, Some(cfg)) => {
+            if !file.streams.is_empty() || file.broker.is_some() {
+                return Err(format!(
+                    "[launch] config = {:?} names the broker's config, and this file also has [[stream]] or [broker] tables; keep one",
+                    cfg
+                ));
             }
-            let vals = list
-                .iter()
-                .map(|&i| gpu_value(host, i, &format!("{what}: gpu")))
-                .collect::<Result<Vec<_>, _>>()?;
-            (0..total)
-                .map(|k| Some(vals[k % vals.len()].clone()))
-                .collect()
+            let cfg_path = dir.join(cfg);
+            let text = std::fs::read_to_string(&cfg_path)
+                .map_err(|e| format!("[launch] config: cannot read {}: {e}", cfg_path.display()))?;
+            let table: toml::Table = toml::from_str(&text)
+                .map_err(|e| format!("[launch] config {}: {e}", cfg_path.display()))?;
+            let cfg_dir = cfg_path.parent().unwrap_or(Path::new(".")).to_path_buf();
+            (
+                BrokerSource::Start {
+                    config: String::new(),
+                    dir: cfg_dir,
+                },
+                Some(table),
+            )
         }
-    };
-    let cwd = match &t.cwd {
-        Some(c) => dir.join(c),
-        None => dir.to_path_buf(),
-    };
-    if !cwd.is_dir() {
-        return Err(e(format!("cwd {} is not a folder", cwd.display())));
-    }
-    let mut out = Vec::with_capacity(total);
-    let mut index = 0usize;
-    for combo in &combos {
-        for _ in 0..copies {
-            let name = if total == 1 {
-                t.name.clone()
-            } else {
-                format!("{}-{index}", t.name)
-            };
-            let gpu = gpu_for[index].clone();
-            let mut vars = combo.clone();
-            vars.insert("name".into(), name.clone());
-            vars.insert("index".into(), index.to_string());
-            vars.insert("gpu".into(), gpu.clone().unwrap_or_default());
-            vars.insert("batchcast".into(), host.exe.display().to_string());
-            let sub = |v: &[String]| {
-                v.iter()
-                    .map(|a| substitute(a, &vars).map_err(&e))
-                    .collect::<Result<Vec<_>, _>>()
-            };
-            let mut argv = sub(&t.command)?;
-            argv[0] = resolve_program(&argv[0], &cwd, &host.exe).map_err(&e)?;
-            let baseline_argv = match &t.baseline_command {
-                Some(b) => {
-                    let mut v = sub(b)?;
-                    v[0] = resolve_program(&v[0], &cwd, &host.exe).map_err(&e)?;
-                    Some(v)
-                }
-                None => None,
-            };
-            let env = t
-                .env
-                .iter()
-                .map(|(k, v)| {
-                    let text = value_text(v).map_err(|m| e(format!("env.{k}: {m}")))?;
-                    Ok((k.clone(), substitute(&text, &vars).map_err(&e)?))
-                })
-                .collect::<Result<Vec<_>, String>>()?;
-            out.push(TrainerPlan {
-                name,
-                argv,
-                baseline_argv,
-                env,
-                cwd: cwd.clone(),
-                stream: t.stream.clone().unwrap_or_else(|| default_stream.into()),
-                gpu,
-            });
-            index += 1;
-        }
-    }
-    Ok(out)
-}
-
-fn round_robin(gpus: &[String], rr: &mut usize, n: usize) -> Vec<Option<String>> {
-    (0..n)
-        .map(|_| {
-            if gpus.is_empty() {
-                return None;
+        (None, None) => {
+            if file.streams.is_empty() {
+                return Err(
+                    "no broker to use: add [[stream]] tables, `config = \"broker.toml\"` or `socket = \"…\"` (a running broker) under [launch]".into(),
+                );
             }
-            let g = gpus[*rr % gpus.len()].clone();
-            *rr += 1;
-            Some(g)
-        })
-        .collect()
-}
-
-/// A program as the trainer's command names it: a path (relative to the
-/// trainer's folder), or a name looked up next to this executable first
-/// (so `rust-consumer` built in the same target folder is found), then on
-/// `PATH`.
-fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, String> {
-    if prog.contains('/') {
-        let p = cwd.join(prog);
-        return if p.is_file() {
-            Ok(p.display().to_string())
-        } else {
-            Err(format!(
-                "command {prog} does not exist (looked in {})",
-                cwd.display()
-            ))
-        };
-    }
-    let sibling = exe.parent().map(|d| d.join(prog));
-    if let Some(s) = sibling.filter(|s| s.is_file()) {
-        return Ok(s.display().to_string());
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    if std::env::split_paths(&path).any(|d| d.join(prog).is_file()) {
-        return Ok(prog.to_string());
-    }
-    Err(format!(
-        "command `{prog}` is not next to {} nor on PATH{}",
-        exe.display(),
-        if prog == "rust-consumer" {
-            "; build it with `cargo build --release` (the example trainers are built with the workspace)"
-        } else {
-            ""
+            let mut table = toml::Table::new();
+            if let Some(b) = &file.broker {
+                table.insert("broker".into(), toml::Value::Table(b.clone()));
+            }
+            table.insert(
+                "stream".into(),
+                toml::Value::Array(
+                    file.streams
+                        .iter()
+                        .cloned()
+                        .map(toml::Value::Table)
+                        .collect(),
+                ),
+            );
+            (
+                BrokerSource::Start {
+                    config: String::new(),
+                    dir: dir.to_path_buf(),
+                },
+                Some(table),
+            )
         }
-    ))
+    })
 }
 
 #[cfg(test)]

@@ -18,26 +18,20 @@ use tokio::sync::mpsc;
 
 use super::deliver::Request;
 use super::*;
-use crate::config::Config;
+use crate::config::{Config, StreamToml};
 use crate::gpu::test_gpu;
 use crate::hub::ConsumerId;
 use crate::plan::plan_config;
 
 fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
-    let text = format!(
-        r#"[[stream]]
-name = "t"
-batch_size = 4
-epochs = 2
-slots = 4
-gpu_slots = {gpu_slots}
-min_consumers = {min_consumers}
-workers = 1
-[stream.synthetic]
-len = 40
-fields = [{{ name = "x", dtype = "u8", shape = [3, 4, 4] }}, {{ name = "y", dtype = "i64", shape = [] }}]
-"#
-    );
+    let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
+    let text = StreamToml::synthetic("t", 4, 40, &fields)
+        .epochs(2)
+        .key("slots", 4)
+        .key("gpu_slots", gpu_slots)
+        .key("min_consumers", min_consumers)
+        .key("workers", 1)
+        .to_toml();
     let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
     let plan = plan_config(&cfg).unwrap().remove(0);
     Stream::start(plan).unwrap()

@@ -1,0 +1,67 @@
+//! The hub's numbers for `stats`: per stream, per consumer, per group.
+
+use super::{ConsumerId, Hub, Slot};
+
+/// One group's numbers for stats.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupCounts {
+    pub slots: u32,
+    pub in_use: u32,
+    /// Batches waiting for a free group slot.
+    pub waiting: u32,
+}
+
+/// Per-consumer numbers for stats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerCounts {
+    pub window: u32,
+    pub delivered: u64,
+    pub held: u32,
+    pub queued: u32,
+    pub epoch: u64,
+}
+
+/// Per-stream numbers for stats.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubCounts {
+    pub free: u32,
+    pub filling: u32,
+    pub in_use: u32,
+    pub produced: u64,
+    pub epoch: u64,
+    pub finished: bool,
+    pub deliveries: u64,
+    pub departed: u64,
+    pub detached: u64,
+}
+
+impl Hub {
+    pub fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
+        self.consumers.get(&id).map(|c| ConsumerCounts {
+            window: c.window,
+            delivered: c.delivered,
+            held: c.held.len() as u32,
+            queued: c.queue.len() as u32,
+            epoch: c.cur_epoch,
+        })
+    }
+
+    pub fn counts(&self) -> HubCounts {
+        let filling = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s, Slot::Filling))
+            .count() as u32;
+        HubCounts {
+            free: self.free.len() as u32,
+            filling,
+            in_use: self.cfg.slots - self.free.len() as u32 - filling,
+            produced: self.produced,
+            epoch: self.last_epoch,
+            finished: self.finished(),
+            deliveries: self.deliveries,
+            departed: self.departed,
+            detached: self.detached,
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Groups: rings of copies in other memory, one per GPU (see the module
+//! doc of [`crate::hub`], "Groups"). Adding one, ordering copies into free
+//! group slots in sequence order, a completed copy, a failed GPU.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::{ConsumerId, CopyOrder, Group, GroupCounts, GroupId, Hub, HubError, SlotId};
+
+impl Hub {
+    /// Adds a ring of `slots` copies (one GPU's arena); its members join
+    /// with [`Hub::join_group`].
+    pub fn add_group(&mut self, slots: u32) -> GroupId {
+        assert!(slots > 0, "validated by the config");
+        self.groups.push(Group {
+            slots: vec![None; slots as usize],
+            free: (0..slots).rev().collect(),
+            replicas: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            failed: false,
+        });
+        (self.groups.len() - 1) as GroupId
+    }
+
+    pub fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
+        self.groups.get(g as usize).map(|grp| GroupCounts {
+            slots: grp.slots.len() as u32,
+            in_use: (grp.slots.len() - grp.free.len()) as u32,
+            waiting: grp.waiting.len() as u32,
+        })
+    }
+
+    /// The copy `seq` to group `g` has completed: its members may be sent
+    /// it, and the host slot it was read from is given back.
+    pub fn copied(&mut self, g: GroupId, seq: u64) -> Result<(), HubError> {
+        let grp = self
+            .groups
+            .get_mut(g as usize)
+            .ok_or(HubError::UnknownGroup(g))?;
+        let r = grp
+            .replicas
+            .get_mut(&seq)
+            .filter(|r| r.slot.is_some() && !r.done)
+            .ok_or(HubError::NotCopying { group: g, seq })?;
+        r.done = true;
+        if r.refs == 0 {
+            // Every member that owed it left while it was being copied.
+            let slot = r.slot.expect("filtered above");
+            grp.replicas.remove(&seq);
+            grp.slots[slot as usize] = None;
+            grp.free.push(slot);
+        }
+        self.unpin(seq);
+        self.pump();
+        Ok(())
+    }
+
+    /// Copies to group `g` stopped for good (the GPU failed): its pending
+    /// copies are dropped, unpinning their host slots, and its members are
+    /// sent nothing more (they are told by the runtime and leave; what they
+    /// still hold they may release, to no effect). Returns the members. The
+    /// runtime must first make sure no copy still reads host memory.
+    pub fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
+        let Some(grp) = self.groups.get_mut(g as usize) else {
+            return Vec::new();
+        };
+        grp.failed = true;
+        let pinned: Vec<u64> = grp
+            .replicas
+            .iter()
+            .filter(|(_, r)| !r.done)
+            .map(|(&s, _)| s)
+            .collect();
+        grp.replicas.clear();
+        grp.waiting.clear();
+        grp.slots.fill(None);
+        grp.free = (0..grp.slots.len() as SlotId).rev().collect();
+        for seq in pinned {
+            self.unpin(seq);
+        }
+        let mut members = Vec::new();
+        for (&id, c) in self.consumers.iter_mut() {
+            if c.group == Some(g) {
+                c.queue.clear();
+                c.closing = true;
+                members.push(id);
+            }
+        }
+        self.pump();
+        members
+    }
+
+    /// Orders the copies that have a free group slot, in sequence order.
+    pub(super) fn start_copies(&mut self) {
+        for (g, grp) in self.groups.iter_mut().enumerate() {
+            while !grp.free.is_empty()
+                && let Some(seq) = grp.waiting.pop_front()
+            {
+                let slot = grp.free.pop().expect("checked above");
+                let r = grp.replicas.get_mut(&seq).expect("waiting has a replica");
+                r.slot = Some(slot);
+                grp.slots[slot as usize] = Some(seq);
+                self.copies.push(CopyOrder {
+                    group: g as GroupId,
+                    seq,
+                    host: r.batch.slot,
+                    slot,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! The hub's invariants, checked by the property tests after every step
+//! (`tests.rs`): host slots and their refcounts, each GPU group's ring, and
+//! each consumer's window, queue and lag.
+
+use super::{Consumer, GroupId, Hub, Slot, SlotId};
+
+impl Hub {
+    /// Checks every structural invariant.
+    pub fn check_invariants(&self) {
+        self.check_slots();
+        self.check_groups();
+        self.check_consumers();
+    }
+
+    /// Free list and slots agree; a published slot's refcount is what its
+    /// host consumers owe plus the copies reading it.
+    fn check_slots(&self) {
+        let mut free_seen = vec![false; self.slots.len()];
+        for &s in &self.free {
+            assert_eq!(
+                self.slots[s as usize],
+                Slot::Free,
+                "free list holds a used slot {s}"
+            );
+            assert!(
+                !std::mem::replace(&mut free_seen[s as usize], true),
+                "slot {s} twice in the free list"
+            );
+        }
+        for (i, slot) in self.slots.iter().enumerate() {
+            match *slot {
+                Slot::Free => assert!(free_seen[i], "free slot {i} missing from the free list"),
+                Slot::Filling => {
+                    assert_eq!(
+                        self.inflight
+                            .values()
+                            .filter(|b| b.slot as usize == i)
+                            .count(),
+                        1
+                    )
+                }
+                Slot::Published { seq, refs } => {
+                    assert!(refs > 0, "published slot {i} with no references");
+                    assert_eq!(self.published[&seq].slot as usize, i);
+                    let owing = self
+                        .consumers
+                        .values()
+                        .filter(|c| c.group.is_none())
+                        .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
+                        .count() as u32;
+                    let copying = self
+                        .groups
+                        .iter()
+                        .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
+                        .count() as u32;
+                    assert_eq!(
+                        refs,
+                        owing + copying,
+                        "slot {i} (batch {seq}) refcount {refs} but {owing} host consumers owe it and {copying} groups copy it"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            self.published.len() + self.inflight.len() + self.free.len(),
+            self.slots.len()
+        );
+    }
+
+    /// Each group's ring: free list, replicas, refcounts, copies in order.
+    fn check_groups(&self) {
+        for (g, grp) in self.groups.iter().enumerate() {
+            let g = g as GroupId;
+            let mut seen = vec![false; grp.slots.len()];
+            for &s in &grp.free {
+                assert_eq!(
+                    grp.slots[s as usize], None,
+                    "group {g}: free list holds a used slot {s}"
+                );
+                assert!(
+                    !std::mem::replace(&mut seen[s as usize], true),
+                    "group {g}: slot {s} freed twice"
+                );
+            }
+            for (i, slot) in grp.slots.iter().enumerate() {
+                match slot {
+                    None => assert!(
+                        seen[i],
+                        "group {g}: free slot {i} missing from the free list"
+                    ),
+                    Some(seq) => assert_eq!(
+                        grp.replicas[seq].slot,
+                        Some(i as SlotId),
+                        "group {g}: slot {i} and batch {seq} disagree"
+                    ),
+                }
+            }
+            for (&seq, r) in &grp.replicas {
+                let owing = self
+                    .consumers
+                    .values()
+                    .filter(|c| c.group == Some(g))
+                    .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
+                    .count() as u32;
+                assert_eq!(
+                    r.refs, owing,
+                    "group {g}: batch {seq} refcount {} but {owing} members owe it",
+                    r.refs
+                );
+                assert!(
+                    r.refs > 0 || (r.slot.is_some() && !r.done),
+                    "group {g}: batch {seq} kept for nobody"
+                );
+                if !r.done {
+                    assert!(
+                        self.published.contains_key(&seq),
+                        "group {g}: batch {seq} copied from an unpinned host slot"
+                    );
+                }
+                assert_eq!(
+                    r.slot.is_none(),
+                    grp.waiting.contains(&seq),
+                    "group {g}: batch {seq} both waiting and placed, or neither"
+                );
+            }
+            // Copies are placed in sequence order.
+            if let (Some(&first_waiting), Some(last_placed)) = (
+                grp.waiting.front(),
+                grp.replicas
+                    .iter()
+                    .filter(|(_, r)| r.slot.is_some())
+                    .map(|(&s, _)| s)
+                    .max(),
+            ) {
+                assert!(
+                    last_placed < first_waiting,
+                    "group {g}: batch {first_waiting} waits behind a later one"
+                );
+            }
+            assert!(
+                grp.waiting.is_empty() || grp.free.is_empty(),
+                "group {g}: a copy waits with a slot free"
+            );
+        }
+    }
+
+    /// Windows, queues in order, members sent only completed copies, the
+    /// lag limit.
+    fn check_consumers(&self) {
+        for c in self.consumers.values() {
+            assert!(c.held.len() <= c.ahead as usize, "window exceeded");
+            if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed) {
+                let grp = &self.groups[g as usize];
+                for seq in &c.held {
+                    assert!(
+                        grp.replicas[seq].done,
+                        "member sent batch {seq} before its copy completed"
+                    );
+                }
+                for seq in &c.queue {
+                    assert!(
+                        grp.replicas.contains_key(seq),
+                        "member owes batch {seq} the group lacks"
+                    );
+                }
+            }
+            assert!(
+                c.queue
+                    .iter()
+                    .zip(c.queue.iter().skip(1))
+                    .all(|(a, b)| a < b),
+                "queue out of order"
+            );
+            if let (Some(&q), Some(&h)) = (c.queue.front(), c.held.iter().max()) {
+                assert!(q > h, "queued batch older than a sent one");
+            }
+            if c.closing {
+                assert!(c.queue.is_empty());
+            }
+        }
+        if let Some(limit) = self.cfg.lag_limit {
+            let active = || {
+                self.consumers
+                    .values()
+                    .filter(|c| !c.closing)
+                    .map(Consumer::owes)
+            };
+            if let (Some(least), Some(most)) = (active().min(), active().max()) {
+                assert!(most - least <= limit as usize, "lag limit not enforced");
+            }
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Publishing and sending: a finished batch is published in sequence
+//! order to the consumers that want it (a host slot's refcount, a group's
+//! copy), each consumer is sent what its window (or sending ahead) allows,
+//! the lag limit detaches a straggler, and releases unreference slots.
+
+use super::{Consumer, ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
+
+impl Hub {
+    pub(super) fn publish(&mut self, seq: u64, b: Published) {
+        self.produced += 1;
+        self.last_epoch = b.epoch;
+        // Host consumers and groups with a copy to make pin the host slot.
+        let mut refs = 0;
+        for c in self.consumers.values_mut() {
+            if !c.wants(seq, b.epoch) {
+                continue;
+            }
+            c.queue.push_back(seq);
+            let Some(g) = c.group else {
+                refs += 1;
+                continue;
+            };
+            let grp = &mut self.groups[g as usize];
+            match grp.replicas.get_mut(&seq) {
+                Some(r) => r.refs += 1,
+                None => {
+                    grp.replicas.insert(
+                        seq,
+                        Replica {
+                            batch: b,
+                            slot: None,
+                            done: false,
+                            refs: 1,
+                        },
+                    );
+                    grp.waiting.push_back(seq);
+                    refs += 1;
+                }
+            }
+        }
+        if refs == 0 {
+            self.slots[b.slot as usize] = Slot::Free;
+            self.free.push(b.slot);
+        } else {
+            self.slots[b.slot as usize] = Slot::Published { seq, refs };
+            self.published.insert(seq, b);
+        }
+    }
+
+    /// A consumer (of `group`, or of host slots) no longer owes `seq`.
+    pub(super) fn unref(&mut self, group: Option<GroupId>, seq: u64) {
+        let Some(g) = group else {
+            self.unpin(seq);
+            return;
+        };
+        let grp = &mut self.groups[g as usize];
+        if grp.failed {
+            return; // its replicas are gone
+        }
+        let r = grp
+            .replicas
+            .get_mut(&seq)
+            .expect("a member's batch has a replica");
+        r.refs -= 1;
+        if r.refs > 0 {
+            return;
+        }
+        match (r.slot, r.done) {
+            (None, _) => {
+                // Never copied: nobody needs it on this GPU any more.
+                grp.waiting.retain(|&s| s != seq);
+                grp.replicas.remove(&seq);
+                self.unpin(seq);
+            }
+            (Some(slot), true) => {
+                grp.replicas.remove(&seq);
+                grp.slots[slot as usize] = None;
+                grp.free.push(slot);
+            }
+            // Being copied: `copied` frees both slots.
+            (Some(_), false) => {}
+        }
+    }
+
+    /// Drops one pin of the host slot holding `seq`.
+    pub(super) fn unpin(&mut self, seq: u64) {
+        let b = self
+            .published
+            .get(&seq)
+            .expect("a referenced batch is published");
+        let slot = b.slot as usize;
+        match &mut self.slots[slot] {
+            Slot::Published { refs, .. } if *refs > 1 => *refs -= 1,
+            Slot::Published { .. } => {
+                self.slots[slot] = Slot::Free;
+                self.free.push(slot as SlotId);
+                self.published.remove(&seq);
+            }
+            other => unreachable!("unref of slot {slot} in state {other:?}"),
+        }
+    }
+
+    /// Sends what windows allow, ends epochs and streams, enforces the lag limit.
+    pub(super) fn pump(&mut self) {
+        self.start_copies();
+        let mut next = self.consumers.keys().next().copied();
+        while let Some(id) = next {
+            self.send_to(id);
+            next = self.consumers.range(id + 1..).next().map(|(&id, _)| id);
+        }
+        self.enforce_lag_limit();
+    }
+
+    /// What a release by `id` may change: its own window, and (with a lag
+    /// limit) who lags. Freeing a slot sends nobody anything.
+    pub(super) fn pump_after_release(&mut self, id: ConsumerId) {
+        if self.cfg.lag_limit.is_some() || !self.groups.is_empty() {
+            return self.pump();
+        }
+        self.send_to(id);
+    }
+
+    /// Sends consumer `id` what its window allows, ends its epochs and its
+    /// stream.
+    pub(super) fn send_to(&mut self, id: ConsumerId) {
+        let bpe = self.cfg.batches_per_epoch;
+        let exhausted = self.exhausted();
+        let Some(c) = self.consumers.get_mut(&id) else {
+            return;
+        };
+        while c.held.len() < c.ahead as usize
+            && let Some(&seq) = c.queue.front()
+        {
+            let (b, slot) = match c.group {
+                None => {
+                    let b = self.published[&seq];
+                    (b, b.slot)
+                }
+                Some(g) => match self.groups[g as usize].replicas[&seq] {
+                    Replica {
+                        batch,
+                        slot: Some(slot),
+                        done: true,
+                        ..
+                    } => (batch, slot),
+                    // Members get batches in order, each once copied.
+                    _ => break,
+                },
+            };
+            c.queue.pop_front();
+            c.held.push(seq);
+            c.delivered += 1;
+            self.deliveries += 1;
+            if b.epoch != c.cur_epoch {
+                c.cur_epoch = b.epoch;
+                c.in_epoch = 0;
+            }
+            c.in_epoch += 1;
+            self.out.push((
+                id,
+                Outbound::Batch {
+                    seq,
+                    epoch: b.epoch,
+                    index: b.index,
+                    slot,
+                    samples: b.samples,
+                },
+            ));
+            if b.index + 1 == bpe {
+                self.out.push((
+                    id,
+                    Outbound::EndOfEpoch {
+                        epoch: b.epoch,
+                        batches: c.in_epoch,
+                        complete: c.in_epoch == bpe,
+                    },
+                ));
+            }
+        }
+        if exhausted
+            && !c.ended
+            && !c.closing
+            && c.queue.is_empty()
+            && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
+        {
+            c.ended = true;
+            self.out.push((id, Outbound::EndOfStream));
+        }
+    }
+
+    /// Detaches whoever lags more than the lag limit.
+    pub(super) fn enforce_lag_limit(&mut self) {
+        let mut detach = Vec::new();
+        if let Some(limit) = self.cfg.lag_limit {
+            let least = self
+                .consumers
+                .values()
+                .filter(|c| !c.closing)
+                .map(Consumer::owes)
+                .min()
+                .unwrap_or(0);
+            for (&id, c) in &self.consumers {
+                let lag = c.owes().saturating_sub(least);
+                if !c.closing && lag > limit as usize {
+                    detach.push((id, lag));
+                }
+            }
+        }
+        for (id, lag) in detach {
+            let reason = format!(
+                "detached: this consumer fell {lag} batches behind the others, more than the stream's lag_limit of {}; \
+                 it was holding every other consumer back. Process batches faster, or raise lag_limit in the broker config",
+                self.cfg.lag_limit.unwrap_or_default()
+            );
+            self.out.push((id, Outbound::Detached { reason }));
+            self.detached += 1;
+            self.remove(id);
+        }
+        // Removal may have freed group slots.
+        self.start_copies();
+    }
+}

@@ -1,0 +1,325 @@
+//! Expanding a sweep's `[[trainer]]` tables into trainers: grids of
+//! values, copies, GPUs (round-robin, fixed, or a list), `{key}`
+//! substitution in commands and environment, and finding each program.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use super::spec::{GpuSpec, Host, SweepFile, TrainerPlan, TrainerSpec, ordinal};
+
+pub(super) fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, String> {
+    host.gpus.get(i as usize).cloned().ok_or_else(|| {
+        format!(
+            "{what}: GPU {i} does not exist: this machine shows {} GPU{}{}",
+            host.gpus.len(),
+            if host.gpus.len() == 1 { "" } else { "s" },
+            if host.gpus.is_empty() {
+                " (no CUDA driver or device); use gpu = \"none\"".to_string()
+            } else {
+                format!(" (0..{})", host.gpus.len() - 1)
+            }
+        )
+    })
+}
+
+fn value_text(v: &toml::Value) -> Result<String, String> {
+    match v {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!(
+            "{other} is not a string, number or boolean ({})",
+            other.type_str()
+        )),
+    }
+}
+
+/// Replaces `{key}` with `vars[key]`; `{{` and `}}` are literal braces.
+pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            out.push_str(&tail[..1]);
+            rest = &tail[2..];
+            continue;
+        }
+        if tail.starts_with('}') {
+            return Err(format!(
+                "`{s}` has an unmatched `}}` (write `}}}}` for a brace)"
+            ));
+        }
+        let Some(end) = tail.find('}') else {
+            return Err(format!(
+                "`{s}` has an unclosed `{{` (write `{{{{` for a brace)"
+            ));
+        };
+        let key = &tail[1..end];
+        let v = vars.get(key).ok_or_else(|| {
+            format!(
+                "`{s}` uses {{{key}}}, which is not defined; placeholders here: {}",
+                vars.keys()
+                    .map(|k| format!("{{{k}}}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        })?;
+        out.push_str(v);
+        rest = &tail[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// One `[[trainer]]` table, expanded: a trainer per combination of its
+/// grid's values, times `copies`, each with its GPU, name and command.
+fn expand_trainer(
+    t: &TrainerSpec,
+    what: &str,
+    host: &Host,
+    gpus: &[String],
+    rr: &mut usize,
+    default_stream: &str,
+    dir: &Path,
+) -> Result<Vec<TrainerPlan>, String> {
+    let e = |m: String| format!("{what}: {m}");
+    check_trainer(t).map_err(e)?;
+    let combos = grid_combinations(t).map_err(e)?;
+    let copies = t.copies.unwrap_or(1) as usize;
+    let total = combos.len() * copies;
+    let gpu_for = gpu_assignment(t, what, host, gpus, rr, total)?;
+    let cwd = match &t.cwd {
+        Some(c) => dir.join(c),
+        None => dir.to_path_buf(),
+    };
+    if !cwd.is_dir() {
+        return Err(e(format!("cwd {} is not a folder", cwd.display())));
+    }
+    let mut out = Vec::with_capacity(total);
+    for (index, combo) in combos
+        .iter()
+        .flat_map(|c| std::iter::repeat_n(c, copies))
+        .enumerate()
+    {
+        let name = if total == 1 {
+            t.name.clone()
+        } else {
+            format!("{}-{index}", t.name)
+        };
+        let gpu = gpu_for[index].clone();
+        let mut vars = combo.clone();
+        vars.insert("name".into(), name.clone());
+        vars.insert("index".into(), index.to_string());
+        vars.insert("gpu".into(), gpu.clone().unwrap_or_default());
+        vars.insert("batchcast".into(), host.exe.display().to_string());
+        let command = |v: &[String]| -> Result<Vec<String>, String> {
+            let mut argv = v
+                .iter()
+                .map(|a| substitute(a, &vars).map_err(&e))
+                .collect::<Result<Vec<_>, _>>()?;
+            argv[0] = resolve_program(&argv[0], &cwd, &host.exe).map_err(&e)?;
+            Ok(argv)
+        };
+        let argv = command(&t.command)?;
+        let baseline_argv = t.baseline_command.as_deref().map(command).transpose()?;
+        let env = t
+            .env
+            .iter()
+            .map(|(k, v)| {
+                let text = value_text(v).map_err(|m| e(format!("env.{k}: {m}")))?;
+                Ok((k.clone(), substitute(&text, &vars).map_err(&e)?))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        out.push(TrainerPlan {
+            name,
+            argv,
+            baseline_argv,
+            env,
+            cwd: cwd.clone(),
+            stream: t.stream.clone().unwrap_or_else(|| default_stream.into()),
+            gpu,
+        });
+    }
+    Ok(out)
+}
+
+/// What a trainer table must hold before it is expanded.
+fn check_trainer(t: &TrainerSpec) -> Result<(), String> {
+    if t.name.is_empty()
+        || !t
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(format!(
+            "name {:?} must be letters, digits, `-`, `_` or `.` (it names log files)",
+            t.name
+        ));
+    }
+    if t.command.is_empty() || t.command[0].is_empty() {
+        return Err(
+            "`command` is empty; give the program and its arguments, e.g. [\"python\", \"train.py\"]"
+                .into(),
+        );
+    }
+    if t.baseline_command.as_ref().is_some_and(|c| c.is_empty()) {
+        return Err("`baseline_command` is empty".into());
+    }
+    if t.copies == Some(0) {
+        return Err("copies = 0 starts nothing; remove the trainer or use copies ≥ 1".into());
+    }
+    Ok(())
+}
+
+/// Every combination of the grid's values (one empty one without a grid).
+fn grid_combinations(t: &TrainerSpec) -> Result<Vec<BTreeMap<String, String>>, String> {
+    let mut combos: Vec<BTreeMap<String, String>> = vec![BTreeMap::new()];
+    for (key, values) in &t.grid {
+        if values.is_empty() {
+            return Err(format!("grid.{key} is an empty list"));
+        }
+        if matches!(key.as_str(), "name" | "index" | "gpu" | "batchcast") {
+            return Err(format!(
+                "grid.{key} would hide the built-in {{{key}}}; rename it"
+            ));
+        }
+        let texts = values
+            .iter()
+            .map(|v| value_text(v).map_err(|m| format!("grid.{key}: {m}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                texts.iter().map(move |v| {
+                    let mut c = c.clone();
+                    c.insert(key.clone(), v.clone());
+                    c
+                })
+            })
+            .collect();
+    }
+    Ok(combos)
+}
+
+/// The GPU of each of a table's `total` trainers.
+fn gpu_assignment(
+    t: &TrainerSpec,
+    what: &str,
+    host: &Host,
+    gpus: &[String],
+    rr: &mut usize,
+    total: usize,
+) -> Result<Vec<Option<String>>, String> {
+    Ok(match &t.gpu {
+        None => round_robin(gpus, rr, total),
+        Some(GpuSpec::Word(w)) if w == "round-robin" => round_robin(gpus, rr, total),
+        Some(GpuSpec::Word(w)) if w == "none" => vec![None; total],
+        Some(GpuSpec::Word(w)) => {
+            return Err(format!(
+                "{what}: gpu = {w:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices"
+            ));
+        }
+        Some(GpuSpec::One(i)) => vec![Some(gpu_value(host, *i, &format!("{what}: gpu"))?); total],
+        Some(GpuSpec::List(list)) => {
+            if list.is_empty() {
+                return Err(format!(
+                    "{what}: gpu = [] is empty; use \"none\" for no GPU"
+                ));
+            }
+            let vals = list
+                .iter()
+                .map(|&i| gpu_value(host, i, &format!("{what}: gpu")))
+                .collect::<Result<Vec<_>, _>>()?;
+            (0..total)
+                .map(|k| Some(vals[k % vals.len()].clone()))
+                .collect()
+        }
+    })
+}
+
+fn round_robin(gpus: &[String], rr: &mut usize, n: usize) -> Vec<Option<String>> {
+    (0..n)
+        .map(|_| {
+            if gpus.is_empty() {
+                return None;
+            }
+            let g = gpus[*rr % gpus.len()].clone();
+            *rr += 1;
+            Some(g)
+        })
+        .collect()
+}
+
+/// A program as the trainer's command names it: a path (relative to the
+/// trainer's folder), or a name looked up next to this executable first
+/// (so `rust-consumer` built in the same target folder is found), then on
+/// `PATH`.
+fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, String> {
+    if prog.contains('/') {
+        let p = cwd.join(prog);
+        return if p.is_file() {
+            Ok(p.display().to_string())
+        } else {
+            Err(format!(
+                "command {prog} does not exist (looked in {})",
+                cwd.display()
+            ))
+        };
+    }
+    let sibling = exe.parent().map(|d| d.join(prog));
+    if let Some(s) = sibling.filter(|s| s.is_file()) {
+        return Ok(s.display().to_string());
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|d| d.join(prog).is_file()) {
+        return Ok(prog.to_string());
+    }
+    Err(format!(
+        "command `{prog}` is not next to {} nor on PATH{}",
+        exe.display(),
+        if prog == "rust-consumer" {
+            "; build it with `cargo build --release` (the example trainers are built with the workspace)"
+        } else {
+            ""
+        }
+    ))
+}
+
+/// Every trainer of the file, expanded (grids, GPUs), with distinct names
+/// and streams the broker serves.
+pub(super) fn expand_trainers(
+    file: &SweepFile,
+    host: &Host,
+    gpus: &[String],
+    default_stream: &str,
+    dir: &Path,
+    streams: &[String],
+) -> Result<Vec<TrainerPlan>, String> {
+    let mut trainers = Vec::new();
+    let mut rr = 0usize;
+    let mut names = HashMap::new();
+    for (t_i, t) in file.trainers.iter().enumerate() {
+        let what = format!("trainer `{}` (the {} [[trainer]])", t.name, ordinal(t_i));
+        let expanded = expand_trainer(t, &what, host, gpus, &mut rr, default_stream, dir)?;
+        for p in expanded {
+            if let Some(prev) = names.insert(p.name.clone(), what.clone()) {
+                return Err(format!(
+                    "two trainers would be named `{}` ({prev} and {what}); give them different names",
+                    p.name
+                ));
+            }
+            if !streams.is_empty() && !streams.contains(&p.stream) {
+                return Err(format!(
+                    "{what} subscribes to stream `{}`, which the broker config does not define (it has: {})",
+                    p.stream,
+                    streams.join(", ")
+                ));
+            }
+            trainers.push(p);
+        }
+    }
+    Ok(trainers)
+}

@@ -1,0 +1,337 @@
+//! The trainers of a run: starting each in its own process group, what
+//! the broker says about each, stopping them (SIGTERM, then SIGKILL after
+//! the grace period), and each one's summary and table row.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use nix::sys::signal::Signal;
+use serde::Deserialize;
+
+use super::run::BrokerRun;
+use super::spec::TrainerPlan;
+use super::view;
+use super::{Mode, Stop, TrainerSummary};
+
+/// What the broker says about one trainer (summed over its subscriptions
+/// to its stream).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Seen {
+    subscribed: bool,
+    connected: bool,
+    batches: u64,
+    samples: u64,
+    epoch: u64,
+    held: u32,
+    wait_s: f64,
+    busy_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum State {
+    Starting,
+    Running,
+    Done,
+    Failed(String),
+    /// Stopped by the launcher (a failure elsewhere, or Ctrl-C).
+    Stopped,
+}
+
+#[derive(Debug)]
+pub(super) struct Trainer {
+    pub(super) plan: TrainerPlan,
+    pub(super) argv: Vec<String>,
+    pub(super) child: Option<Child>,
+    pub(super) pid: u32,
+    /// Index into the run's brokers; `None` for a trainer with its own loader.
+    pub(super) broker: Option<usize>,
+    pub(super) log: PathBuf,
+    pub(super) report: PathBuf,
+    pub(super) started: Instant,
+    pub(super) ended: Option<Instant>,
+    pub(super) status: Option<ExitStatus>,
+    pub(super) state: State,
+    pub(super) stopping: bool,
+    pub(super) seen: Seen,
+    /// (when, samples) at the previous refresh, for the current rate.
+    pub(super) prev: (Instant, u64),
+    pub(super) rate: f64,
+    pub(super) log_tail: Option<String>,
+}
+
+pub(super) fn spawn_trainer(
+    plan: &TrainerPlan,
+    mode: Mode,
+    socket: Option<&Path>,
+    dir: &Path,
+) -> anyhow::Result<Trainer> {
+    let log = dir.join(format!("{}.log", plan.name));
+    let report = std::path::absolute(dir.join(format!("{}.report.json", plan.name)))?;
+    let _ = std::fs::remove_file(&report);
+    let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let argv = match (mode, &plan.baseline_argv) {
+        (Mode::Baseline, Some(b)) => b.clone(),
+        _ => plan.argv.clone(),
+    };
+    let mut cmd = Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .current_dir(&plan.cwd)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .process_group(0)
+        .env("BATCHCAST_NAME", &plan.name)
+        .env("BATCHCAST_STREAM", &plan.stream)
+        .env("BATCHCAST_REPORT", &report)
+        .env(
+            "BATCHCAST_MODE",
+            match mode {
+                Mode::Shared => "shared",
+                Mode::Baseline => "baseline",
+            },
+        );
+    if std::env::var_os("BATCHCAST_CONNECT_TIMEOUT").is_none() {
+        cmd.env("BATCHCAST_CONNECT_TIMEOUT", "60");
+    }
+    match socket {
+        Some(s) => cmd.env("BATCHCAST_SOCKET", std::path::absolute(s)?),
+        None => cmd.env_remove("BATCHCAST_SOCKET"),
+    };
+    if let Some(g) = &plan.gpu {
+        cmd.env("CUDA_VISIBLE_DEVICES", g);
+    }
+    crate::child::die_with_parent(&mut cmd);
+    for (k, v) in &plan.env {
+        cmd.env(k, v);
+    }
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("running {:?} in {}", argv, plan.cwd.display()))?;
+    let now = Instant::now();
+    Ok(Trainer {
+        plan: plan.clone(),
+        argv,
+        pid: child.id(),
+        child: Some(child),
+        broker: None,
+        log,
+        report,
+        started: now,
+        ended: None,
+        status: None,
+        state: State::Starting,
+        stopping: false,
+        seen: Seen::default(),
+        prev: (now, 0),
+        rate: 0.0,
+        log_tail: None,
+    })
+}
+
+/// Records a trainer's exit.
+pub(super) fn finished(t: &mut Trainer, status: ExitStatus) {
+    t.child = None;
+    t.ended = Some(Instant::now());
+    t.status = Some(status);
+    t.state = if status.success() {
+        State::Done
+    } else if t.stopping {
+        State::Stopped
+    } else {
+        t.log_tail = Some(tail(&t.log, 12));
+        State::Failed(describe(status))
+    };
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => match Signal::try_from(s) {
+            Ok(sig) => format!("killed by {sig}"),
+            Err(_) => format!("killed by signal {s}"),
+        },
+        _ => status.to_string(),
+    }
+}
+
+/// The last `n` lines of a file (at most its last 16 KiB).
+fn tail(path: &Path, n: usize) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)));
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// SIGTERM to every live trainer's process group, then SIGKILL to those
+/// still there after `grace` seconds (at once on a second Ctrl-C).
+pub(super) fn stop_all(trainers: &mut [Trainer], grace: f64, stop: &Stop) {
+    for t in trainers.iter_mut().filter(|t| t.child.is_some()) {
+        t.stopping = true;
+        killpg(t.pid, Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(grace);
+    loop {
+        let mut alive = false;
+        for t in trainers.iter_mut() {
+            if let Some(status) = t.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                finished(t, status);
+            }
+            alive |= t.child.is_some();
+        }
+        if !alive {
+            break;
+        }
+        if Instant::now() >= deadline || stop.urgent() {
+            for t in trainers.iter_mut().filter(|t| t.child.is_some()) {
+                killpg(t.pid, Signal::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Whatever the trainers started in their groups goes too.
+    for t in trainers.iter() {
+        killpg(t.pid, Signal::SIGKILL);
+    }
+}
+
+fn killpg(pgid: u32, sig: Signal) {
+    let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid as i32), sig);
+}
+
+/// Updates a trainer's numbers from its broker's latest stats.
+pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
+    let Some(st) = b.stream(&t.plan.stream) else {
+        return;
+    };
+    let mut seen = Seen::default();
+    for c in st
+        .consumers
+        .iter()
+        .chain(&st.past_consumers)
+        .filter(|c| c.name == t.plan.name && !b.old_ids.contains(&c.id))
+    {
+        seen.subscribed = true;
+        seen.connected |= c.left.is_none();
+        seen.batches += c.delivered;
+        seen.samples += c.samples;
+        seen.epoch = seen.epoch.max(c.epoch);
+        seen.held += c.held;
+        seen.wait_s += c.wait_s;
+        seen.busy_s += c.busy_s;
+    }
+    if !seen.subscribed {
+        return;
+    }
+    let now = Instant::now();
+    let dt = now.duration_since(t.prev.0).as_secs_f64();
+    if dt >= 0.5 {
+        t.rate = seen.samples.saturating_sub(t.prev.1) as f64 / dt;
+        t.prev = (now, seen.samples);
+    }
+    if t.state == State::Starting {
+        t.state = State::Running;
+    }
+    t.seen = seen;
+}
+
+/// What a trainer may write to `$BATCHCAST_REPORT` when the broker does
+/// not see its data (its own loader, in a baseline run).
+#[derive(Debug, Deserialize)]
+struct TrainerReport {
+    samples: u64,
+    #[serde(default)]
+    batches: u64,
+    #[serde(default)]
+    wait_s: f64,
+    #[serde(default)]
+    busy_s: f64,
+}
+
+pub(super) fn summarise(t: &Trainer) -> TrainerSummary {
+    let wall = t
+        .ended
+        .unwrap_or_else(Instant::now)
+        .duration_since(t.started)
+        .as_secs_f64();
+    let report: Option<TrainerReport> = std::fs::read_to_string(&t.report)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    let (measured_by, batches, samples, wait_s, busy_s) = match (&report, t.seen.subscribed) {
+        (_, true) => (
+            "broker",
+            t.seen.batches,
+            t.seen.samples,
+            t.seen.wait_s,
+            t.seen.busy_s,
+        ),
+        (Some(r), false) => ("report", r.batches, r.samples, r.wait_s, r.busy_s),
+        (None, false) => ("none", 0, 0, 0.0, 0.0),
+    };
+    let total = wait_s + busy_s;
+    TrainerSummary {
+        name: t.plan.name.clone(),
+        command: t.argv.clone(),
+        stream: t.plan.stream.clone(),
+        gpu: t.plan.gpu.clone(),
+        log: t.log.clone(),
+        state: match &t.state {
+            State::Done => "done",
+            State::Failed(_) => "failed",
+            State::Stopped => "stopped",
+            State::Starting | State::Running => "killed",
+        }
+        .into(),
+        exit_code: t.status.and_then(|s| s.code()),
+        signal: t.status.and_then(|s| s.signal()),
+        wall_s: wall,
+        batches,
+        samples,
+        samples_per_s: samples as f64 / wall.max(1e-9),
+        stall_pct: if total > 0.0 {
+            100.0 * wait_s / total
+        } else {
+            0.0
+        },
+        wait_s,
+        busy_s,
+        measured_by: measured_by.into(),
+        log_tail: t.log_tail.clone(),
+    }
+}
+
+pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
+    trainers
+        .iter()
+        .map(|t| {
+            let total = t.seen.wait_s + t.seen.busy_s;
+            view::Row {
+                name: t.plan.name.clone(),
+                state: match &t.state {
+                    State::Starting => "starting".into(),
+                    State::Running if !t.seen.connected => "finishing".into(),
+                    State::Running => "running".into(),
+                    State::Done => "done".into(),
+                    State::Failed(why) => format!("FAILED: {why}"),
+                    State::Stopped => "stopped".into(),
+                },
+                epoch: t.seen.subscribed.then_some(t.seen.epoch),
+                batches: t.seen.batches,
+                rate: if t.child.is_some() { t.rate } else { 0.0 },
+                stall_pct: (total > 0.0).then(|| 100.0 * t.seen.wait_s / total),
+                held: t.seen.held,
+                gpu: t.plan.gpu.clone(),
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,95 @@
+//! What the end-to-end tests share: a real broker process in a temporary
+//! folder (config, socket, log), real consumer processes against it, and
+//! bounded waits on its stats. Each test binary uses part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use batchcast::proto::StatsReply;
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+
+pub const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
+/// The bound on every wait: a deadlock fails a test instead of hanging it.
+pub const LIMIT: Duration = Duration::from_secs(120);
+
+/// A broker started for one test, and the folder holding its files.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+    pub broker: BrokerProcess,
+}
+
+impl Env {
+    /// A broker serving the streams of `config`.
+    pub fn start(config: &str) -> Env {
+        Env::spawn(Some(config))
+    }
+
+    /// A broker with no configured stream (producers register theirs).
+    pub fn bare() -> Env {
+        Env::spawn(None)
+    }
+
+    fn spawn(config: Option<&str>) -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config.map(|c| {
+            let p = dir.path().join("broker.toml");
+            std::fs::write(&p, c).unwrap();
+            p
+        });
+        let broker = BrokerProcess::spawn(
+            Path::new(EXE),
+            cfg.as_deref(),
+            &dir.path().join("b.sock"),
+            Some(&dir.path().join("broker.log")),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        Env { dir, broker }
+    }
+
+    /// A path in the test's folder.
+    pub fn path(&self, p: &str) -> PathBuf {
+        self.dir.path().join(p)
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.broker.socket.clone()
+    }
+
+    /// Starts `batchcast consume` with `args` against this broker.
+    pub fn consumer(&self, args: &[&str]) -> std::process::Child {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        harness::spawn_consumer(Path::new(EXE), &self.socket(), &args).unwrap()
+    }
+
+    pub fn stats(&self) -> StatsReply {
+        self.broker.stats().unwrap()
+    }
+
+    /// Polls stats until `pred` holds (bounded).
+    pub fn wait_for(&self, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
+        let t0 = Instant::now();
+        loop {
+            let s = self.stats();
+            if pred(&s) {
+                return s;
+            }
+            assert!(
+                t0.elapsed() < LIMIT,
+                "timed out waiting for {what}; last stats: {s:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What the broker logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.path("broker.log")).unwrap_or_default()
+    }
+}
+
+/// A consumer process's report, once it has exited (bounded).
+pub fn report(child: std::process::Child) -> ConsumerReport {
+    harness::wait_report(child, LIMIT).unwrap()
+}
