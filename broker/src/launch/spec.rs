@@ -409,6 +409,7 @@ fn broker_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::StreamToml;
 
     fn host(gpus: usize) -> Host {
         Host {
@@ -417,10 +418,9 @@ mod tests {
         }
     }
 
-    const STREAM: &str = "[[stream]]\nname = \"train\"\nbatch_size = 8\n[stream.synthetic]\nlen = 64\nfields = [{ name = \"x\", dtype = \"u8\", shape = [4] }]\n";
-
     fn parse(trainers: &str, gpus: usize) -> Result<Sweep, SpecError> {
-        let text = format!("{STREAM}\n{trainers}");
+        let stream = StreamToml::synthetic("train", 8, 64, &[("x", "u8", &[4])]).to_toml();
+        let text = format!("{stream}\n{trainers}");
         Sweep::parse(&text, Path::new("/tmp/sweep.toml"), &host(gpus))
     }
 

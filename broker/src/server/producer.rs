@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use super::{Broker, Reject, next_frame, send_with_arena, write_msg};
 use crate::plan::StreamPlan;
-use crate::stream::{Acquire, Peer, Stream};
+use crate::stream::{Acquire, Peer, Stream, StreamFailed};
 
 /// Serves a producer: registers its stream, hands it slots one at a time,
 /// publishes what it fills, and ends or fails the stream when it leaves.
@@ -47,7 +47,10 @@ pub(super) async fn serve_producer(
     let opened = registered.ok().flatten();
     broker.unregister(&name, opened.as_ref());
     if let (Err(Reject(_, why)), Some(s)) = (&result, &opened) {
-        s.fail(format!("producer {who}: {why}"));
+        s.fail(StreamFailed::ProducerBroke {
+            who: who.clone(),
+            why: why.clone(),
+        });
     }
     result
 }
@@ -160,12 +163,12 @@ async fn serve_slots(
                     filling = None;
                 }
                 Some(ClientMsg::Fail { message }) => {
-                    stream.fail(format!("producer {who} failed: {message}"));
+                    stream.fail(StreamFailed::ProducerFailed { who: who.into(), message });
                     return Ok(());
                 }
                 Some(ClientMsg::Goodbye) | None => {
                     match filling {
-                        Some(w) => stream.fail(format!("producer {who} left while filling batch {} of epoch {}", w.index, w.epoch)),
+                        Some(w) => stream.fail(StreamFailed::ProducerLeftMidBatch { who: who.into(), index: w.index, epoch: w.epoch }),
                         None => stream.producer_done(who),
                     }
                     return Ok(());

@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 
 use super::mirror::request_copies;
 use super::stats::consumer_stats;
-use super::{Inner, Stream};
+use super::{Inner, Stream, StreamFailed};
 use crate::gpu::{GpuError, GpuKey};
 use crate::hub::{ConsumerId, Delivery, HubError, Outbound};
 
@@ -123,7 +123,7 @@ pub enum SubscribeError {
     #[error(transparent)]
     Hub(#[from] HubError),
     #[error("the stream stopped: {0}")]
-    Failed(String),
+    Failed(StreamFailed),
     #[error(transparent)]
     Device(GpuError),
     #[error("cannot make its mailbox: {0}")]

@@ -9,7 +9,7 @@ use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::deliver::settle;
-use super::{Inner, Stream};
+use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
 use crate::pipeline::PipelineError;
 use crate::pipeline::collate::{SlotWriter, ThreadState};
@@ -28,7 +28,7 @@ impl Stream {
         let mut state = match writer.thread_state() {
             Ok(s) => s,
             Err(e) => {
-                self.fail(format!("cannot start a decoder: {e}"));
+                self.fail(StreamFailed::Decoder(e.to_string()));
                 return;
             }
         };
@@ -56,7 +56,7 @@ impl Stream {
                 }),
                 Err(e) => {
                     // The slot stays in `Filling`: nobody ever sees a torn batch.
-                    self.fail(e.to_string());
+                    self.fail(StreamFailed::Source(e.to_string()));
                     return;
                 }
             }

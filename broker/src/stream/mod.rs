@@ -57,7 +57,7 @@ struct Inner {
     producer_blocked: Duration,
     pipeline_cpu: Duration,
     /// Why the source failed; the stream serves no one after that.
-    failed: Option<String>,
+    failed: Option<StreamFailed>,
     mirrors: HashMap<GpuKey, MirrorState>,
     /// The GPU of each hub group.
     groups: Vec<GpuKey>,
@@ -210,7 +210,7 @@ impl Stream {
     }
 
     /// Stops the stream because its source failed, telling every consumer.
-    pub fn fail(&self, why: String) {
+    pub fn fail(&self, why: StreamFailed) {
         tracing::error!(stream = %self.name(), "stream stopped: {why}");
         self.stop.store(true, Ordering::SeqCst);
         let mut inner = self.lock();

@@ -26,11 +26,36 @@ pub enum Acquire {
     Wait,
 }
 
-/// The stream stopped (its source failed, or the broker shuts down); the
-/// text says why.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct StreamFailed(pub String);
+/// Why a stream stopped serving: its source failed. Every consumer is told
+/// (`SourceFailed`), `stats` shows it, and new consumers are refused with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamFailed {
+    /// The pipeline failed: a bad file with `on_error = "fail"`, a dataset
+    /// that is mostly unreadable (the text names the file and why).
+    #[error("{0}")]
+    Source(String),
+    #[error("cannot start a decoder: {0}")]
+    Decoder(String),
+    /// The producer said it failed.
+    #[error("producer {who} failed: {message}")]
+    ProducerFailed { who: String, message: String },
+    #[error("producer {who} left while filling batch {index} of epoch {epoch}")]
+    ProducerLeftMidBatch { who: String, index: u64, epoch: u64 },
+    /// The producer left before every epoch was published.
+    #[error("the producer {who} stopped after {produced} batches, in epoch {epoch}{}", match epochs {
+        Some(e) => format!(" of {e}"),
+        None => " (mid-epoch)".into(),
+    })]
+    ProducerStopped {
+        who: String,
+        produced: u64,
+        epoch: u64,
+        epochs: Option<u64>,
+    },
+    /// The producer broke the protocol, and its connection was closed.
+    #[error("producer {who}: {why}")]
+    ProducerBroke { who: String, why: String },
+}
 
 impl Stream {
     /// Forbids any new writable mapping of the arena (see [`Stream::start`]).
@@ -47,7 +72,7 @@ impl Stream {
     pub fn acquire(&self) -> Result<Acquire, StreamFailed> {
         self.with_hub(|inner| {
             if let Some(why) = &inner.failed {
-                return Err(StreamFailed(why.clone()));
+                return Err(why.clone());
             }
             inner.producer_waiting = false;
             if inner.hub.exhausted() {
@@ -97,15 +122,12 @@ impl Stream {
                 return None;
             }
             let c = inner.hub.counts();
-            Some(format!(
-                "the producer {who} stopped after {} batches, in epoch {}{}",
-                c.produced,
-                c.epoch,
-                match self.plan.epochs {
-                    Some(e) => format!(" of {e}"),
-                    None => " (mid-epoch)".into(),
-                }
-            ))
+            Some(StreamFailed::ProducerStopped {
+                who: who.into(),
+                produced: c.produced,
+                epoch: c.epoch,
+                epochs: self.plan.epochs,
+            })
         });
         if let Some(why) = early {
             self.fail(why);

@@ -48,7 +48,7 @@ impl Stream {
                 )),
                 _ => None,
             },
-            failed: inner.failed.clone(),
+            failed: inner.failed.as_ref().map(|f| f.to_string()),
             gpus: gpu_stats(&inner),
             source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
                 let c = n.cache.unwrap_or_default();
