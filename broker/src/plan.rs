@@ -32,12 +32,10 @@ pub enum PlanError {
     NoStreams,
     #[error("stream `{0}` is defined twice")]
     Duplicate(String),
-    #[error("stream `{stream}`: {source}")]
-    Stream {
-        stream: String,
-        #[source]
-        source: StreamError,
-    },
+    /// (Its Display holds the stream's error, so it is not also a source:
+    /// an error chain would print it twice.)
+    #[error("stream `{stream}`: {error}")]
+    Stream { stream: String, error: StreamError },
     #[error(
         "the streams' arenas need {need_mib} MiB of shared memory, more than half of this host's {have_mib} MiB; lower slots or batch_size"
     )]
@@ -242,9 +240,9 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
     let mut plans = Vec::new();
     let mut arenas = 0u64;
     for s in &cfg.streams {
-        let plan = plan_stream(s).map_err(|source| PlanError::Stream {
+        let plan = plan_stream(s).map_err(|error| PlanError::Stream {
             stream: s.name.clone(),
-            source,
+            error,
         })?;
         if !names.insert(s.name.clone()) {
             return Err(PlanError::Duplicate(s.name.clone()));
@@ -760,7 +758,7 @@ mod tests {
             assert!(text.contains(expect) && text.contains("stream `"), "{text}");
             if let Some(culprit) = culprit {
                 assert!(
-                    matches!(&err, PlanError::Stream { source: StreamError::Key { key, .. }, .. } if *key == culprit),
+                    matches!(&err, PlanError::Stream { error: StreamError::Key { key, .. }, .. } if *key == culprit),
                     "{err:?}"
                 );
             }

@@ -83,7 +83,8 @@ pub enum Error {
     WindowFull { held: u32 },
     #[error("invalid option: {0}")]
     InvalidOption(String),
-    #[error("invalid option: {0}")]
+    /// A name that is not a dtype, device or join policy.
+    #[error(transparent)]
     Parse(#[from] ParseError),
     #[cfg(feature = "cuda")]
     #[error(transparent)]

@@ -83,7 +83,8 @@ impl SyntheticSpec {
     }
 
     /// Writes sample `index` of field number `field` into `out` (its bytes
-    /// for one sample), all of it or only the stamp, per `fill`.
+    /// for one sample), all of it or only the stamp, per `fill`. The
+    /// broker's side; consumers check with [`verify_sample`](Self::verify_sample).
     pub fn fill_sample(&self, field: usize, index: u64, out: &mut [u8]) {
         let n = match self.fill {
             Fill::Full => out.len(),

@@ -296,7 +296,7 @@ impl Stream {
         self.with_hub(|inner| inner.drain_all = true);
     }
 
-    /// See [`Hub::set_min_consumers`]; whether the stream was still
+    /// See [`crate::hub::Hub::set_min_consumers`]; whether the stream was still
     /// waiting to start.
     pub fn set_min_consumers(&self, min: u32) -> bool {
         self.with_hub(|inner| {
