@@ -12,7 +12,7 @@
 //!
 //! A [`Mirror`] is the same for every backend (its copier thread, its
 //! queue, what consumers are told); the backend makes the copies: CUDA, or
-//! in tests a host-memory stand-in ([`test_gpu`]) that lets the stream's
+//! in tests a host-memory stand-in (`test_gpu`) that lets the stream's
 //! GPU bookkeeping run on machines without a GPU.
 
 use std::sync::mpsc;

@@ -126,7 +126,7 @@ impl Batch {
             .min(self.wait_ns)
     }
     /// Nanoseconds the program was blocked asking for this batch: from its
-    /// first [`Consumer::wait_readable`] or [`Consumer::next_event`] call
+    /// first [`crate::Consumer::wait_readable`] or [`crate::Consumer::next_event`] call
     /// for it to its arrival (data stall).
     pub fn wait_ns(&self) -> u64 {
         self.wait_ns

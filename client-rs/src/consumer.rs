@@ -32,7 +32,7 @@ use crate::transport::{
 /// (else `train`) and `BATCHCAST_NAME` from the environment.
 #[derive(Debug, Clone)]
 pub struct ConsumerOptions {
-    /// The broker's socket; `None` for [`default_socket_path`].
+    /// The broker's socket; `None` for [`crate::default_socket_path`].
     pub socket: Option<PathBuf>,
     /// The stream to subscribe to.
     pub stream: String,

@@ -3,11 +3,11 @@
 //!
 //! * `mod.rs` (here): the [`Broker`]'s registry of streams, accepting,
 //!   the handshake, frames, and shutdown.
-//! * [`consumer`]: a consumer's connection: subscribe, the welcome with
+//! * `consumer`: a consumer's connection: subscribe, the welcome with
 //!   the arena's (and mailbox's) fd, then outbox out and releases in.
-//! * [`producer`]: an external producer's connection: register, seal the
+//! * `producer`: an external producer's connection: register, seal the
 //!   arena, hand out slots, publish.
-//! * [`stats`]: a stats connection, and the launcher's `SetMinConsumers`.
+//! * `stats`: a stats connection, and the launcher's `SetMinConsumers`.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd};

@@ -3,20 +3,20 @@
 //! role; each file adds its own `impl Stream`:
 //!
 //! * `mod.rs` (here): the stream's state and its lifecycle: start, fail,
-//!   shut down; the lock and [`Stream::with_hub`], through which every
+//!   shut down; the lock and `Stream::with_hub`, through which every
 //!   change to the hub goes.
-//! * [`fill`]: pipeline threads: waiting for a free slot (back-pressure,
+//! * `fill`: pipeline threads: waiting for a free slot (back-pressure,
 //!   pacing, naps), writing the batch ([`crate::pipeline::collate`]) and
 //!   publishing it; the threads' CPU clock.
-//! * [`deliver`]: consumers: subscribe, release, goodbye, leave; turning
+//! * `deliver`: consumers: subscribe, release, goodbye, leave; turning
 //!   what the hub emitted into mailbox notices and socket messages
 //!   (`dispatch`), taking mailbox releases (`settle`), and ending a
 //!   consumer that breaks its mailbox's protocol.
-//! * [`port`]: the external producer's side: slots handed out one at a
+//! * `port`: the external producer's side: slots handed out one at a
 //!   time, publishing, sealing the arena, the producer leaving.
-//! * [`mirror`]: GPU copies: a device ring per GPU (a hub group), the
+//! * `mirror`: GPU copies: a device ring per GPU (a hub group), the
 //!   copier's reports, a failing GPU.
-//! * [`stats`]: what `batchcast stats` shows of the stream.
+//! * `stats`: what `batchcast stats` shows of the stream.
 //!
 //! The hub and the connections sit behind one mutex so that what the hub
 //! emits is queued to each connection in the order the hub emitted it.
