@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import signal
 import subprocess
 import sys
 import time
@@ -137,10 +138,20 @@ def report(proc: subprocess.Popen) -> Dict:
     return json.loads(lines[-1])
 
 
-def python_child(code: str, *args: str) -> subprocess.Popen:
-    """A separate Python process running `code` with the same batchcast."""
+# A child inherits an ignored SIGINT (a suite started as a background job
+# runs with SIGINT ignored), and Python then never raises KeyboardInterrupt:
+# children start as an interactive Python would, whatever the parent.
+_INTERRUPTIBLE = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
+def python_child(code: str, *args: str, inherit_ignored_sigint: bool = False) -> subprocess.Popen:
+    """A separate Python process running `code` with the same batchcast;
+    Ctrl-C (SIGINT) raises KeyboardInterrupt in it. `inherit_ignored_sigint`
+    starts it as a background job's child: with SIGINT ignored."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherit_ignored_sigint else None
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-c", _INTERRUPTIBLE + code, *args],
+        preexec_fn=ignore,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,

@@ -187,8 +187,11 @@ def test_holding_the_whole_window_blocks_until_another_thread_releases(start_bro
     assert third.seq == second.seq + 1
 
 
-def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker):
+@pytest.mark.parametrize("inherit_ignored_sigint", [False, True])
+def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker, inherit_ignored_sigint):
     # Two consumers are required before anything is produced: the child waits.
+    # With `inherit_ignored_sigint` its parent ignores SIGINT, as a suite
+    # started as a background job does: the child must still be interruptible.
     broker = start_broker(synthetic(min_consumers=2))
     child = python_child(
         "import batchcast, sys\n"
@@ -200,6 +203,7 @@ def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker):
         "    print('interrupted', flush=True)\n"
         "    raise\n",
         broker.socket,
+        inherit_ignored_sigint=inherit_ignored_sigint,
     )
     line = child.stdout.readline().strip()
     assert line == "waiting", child.communicate(timeout=10)
