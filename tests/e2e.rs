@@ -418,6 +418,55 @@ fn consumers_cannot_write_into_shared_batches() {
 }
 
 #[test]
+fn a_config_key_out_of_bounds_is_refused_naming_the_key_and_its_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    for (key, line, limit) in [
+        ("workers", "workers = 100000", "256"),
+        ("min_consumers", "min_consumers = 4294967295", "1024"),
+    ] {
+        let cfg = dir.path().join(format!("{key}.toml"));
+        let text = config("", 100, 8);
+        let text = match key {
+            "workers" => text.replace("workers = 2", line),
+            _ => text.replace("workers = 2", &format!("workers = 2\n{line}")),
+        };
+        std::fs::write(&cfg, text).unwrap();
+        let mut broker = Command::new(EXE)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(dir.path().join(format!("{key}.sock")))
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // It must exit by itself, with an error: not abort, not serve.
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(s) = broker.try_wait().unwrap() {
+                break s;
+            }
+            if t0.elapsed() > LIMIT {
+                let _ = broker.kill();
+                panic!("the broker kept running with `{line}`");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        broker
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert_eq!(status.code(), Some(1), "{line}: {status:?}\n{err}");
+        assert!(
+            err.contains(&format!("{key} = ")) && err.contains(limit),
+            "{line}: {err}"
+        );
+    }
+}
+
+#[test]
 fn stats_command_shows_streams_and_consumers() {
     let env = Env::start(&config("", 100_000, 8));
     let c = env.consumer(&[

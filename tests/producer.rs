@@ -131,6 +131,20 @@ fn a_producer_shares_every_batch_with_every_consumer_including_short_last_batche
 }
 
 #[test]
+fn a_broker_configured_with_only_its_broker_section_serves_producer_streams() {
+    // The config sets who may connect and nothing else: no [[stream]].
+    let uid = nix::unistd::getuid().as_raw();
+    let env = Env::start(&format!("[broker]\nallow_uids = [{uid}]\n"));
+    assert!(env.stats().streams.is_empty());
+    let kid = consumer(&env, "ext", None);
+    let mut producer = Producer::register(options(&env, "ext", 2, Some(1))).unwrap();
+    assert_eq!(produce_all(&mut producer, 2), 2);
+    drop(producer);
+    let r = report(kid);
+    assert!(r.ok && r.ended && r.batches == 2, "{r:#?}");
+}
+
+#[test]
 fn a_producer_that_leaves_mid_epoch_gives_consumers_a_clear_error() {
     let env = Env::bare();
     let kid = consumer(&env, "ext", None);

@@ -78,7 +78,8 @@ pub enum ConfigError {
 pub struct Config {
     #[serde(default)]
     pub broker: BrokerSection,
-    #[serde(rename = "stream")]
+    /// Configured streams; none is fine (producers register theirs).
+    #[serde(rename = "stream", default)]
     pub streams: Vec<StreamConfig>,
 }
 

@@ -28,8 +28,6 @@ use crate::pipeline::transform::{Geometry, Transform};
 /// Why a config or a producer's request cannot become a stream.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("no [[stream]] defined; add at least one")]
-    NoStreams,
     #[error("stream `{0}` is defined twice")]
     Duplicate(String),
     /// (Its Display holds the stream's error, so it is not also a source:
@@ -89,6 +87,44 @@ fn key(key: &'static str, message: impl Into<String>) -> StreamError {
 
 /// Most slots of a stream: each mailbox consumer may owe every one of them.
 pub const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
+/// Most samples in a batch.
+pub const MAX_BATCH_SIZE: u64 = 1 << 20;
+/// Most pipeline threads of a stream (each has its own stack and decoder).
+pub const MAX_WORKERS: usize = 256;
+/// Most consumers a stream may wait for (the broker serves 1,024
+/// connections at once).
+pub const MAX_MIN_CONSUMERS: u32 = 1024;
+/// Most samples of a synthetic dataset (its order takes 8 bytes a sample
+/// per epoch).
+pub const MAX_SYNTHETIC_LEN: u64 = 1 << 27;
+/// Most samples a tar shuffle buffer holds.
+pub const MAX_SHUFFLE_BUFFER: usize = 1_000_000;
+/// Largest output side of a transform, in pixels.
+pub const MAX_SIDE: u32 = 16384;
+/// Largest `max_pixels` (an image's width × height).
+pub const MAX_PIXELS: u64 = 1 << 32;
+/// Most hosts a dataset is split over.
+pub const MAX_WORLD_SIZE: u64 = 1 << 20;
+/// Most batches in an external producer's epoch.
+pub const MAX_BATCHES_PER_EPOCH: u64 = 1 << 40;
+
+/// `key = value` must lie in `lo..=hi`; the error names the key, the limit
+/// and why it is there.
+fn within<T: PartialOrd + std::fmt::Display>(
+    key: &'static str,
+    value: T,
+    lo: T,
+    hi: T,
+    why: &str,
+) -> Result<(), StreamError> {
+    if value < lo || value > hi {
+        return Err(StreamError::Key {
+            key,
+            message: format!("{key} = {value} is out of range: use {lo} to {hi} ({why})"),
+        });
+    }
+    Ok(())
+}
 
 /// Where a stream's samples come from, described.
 #[derive(Debug, Clone)]
@@ -181,12 +217,13 @@ impl StreamPlan {
             return Err(StreamError::Field("the batch has no fields".into()));
         }
         check_fields(&req.fields)?;
-        if req.batches_per_epoch == 0 {
-            return Err(key(
-                "batches_per_epoch",
-                "batches_per_epoch must be at least 1",
-            ));
-        }
+        within(
+            "batches_per_epoch",
+            req.batches_per_epoch,
+            1,
+            MAX_BATCHES_PER_EPOCH,
+            "batches in one epoch",
+        )?;
         let schema = Schema {
             fields: req.fields.clone(),
             batch_size: req.batch_size,
@@ -231,11 +268,10 @@ impl StreamPlan {
 }
 
 /// Checks every configured stream and derives its plan; the arenas of all
-/// of them together must fit in half of the host's memory.
+/// of them together must fit in half of the host's memory. A config may
+/// define no stream (only `[broker]`: the socket and who may connect, for
+/// a broker that serves producers' streams).
 pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
-    if cfg.streams.is_empty() {
-        return Err(PlanError::NoStreams);
-    }
     let mut names = HashSet::new();
     let mut plans = Vec::new();
     let mut arenas = 0u64;
@@ -288,6 +324,13 @@ fn check_flow(
     if batch_size == 0 {
         return Err(key("batch_size", "batch_size must be at least 1"));
     }
+    within(
+        "batch_size",
+        batch_size,
+        1,
+        MAX_BATCH_SIZE,
+        "samples in one batch",
+    )?;
     if epochs == Some(0) {
         return Err(key(
             "epochs",
@@ -313,15 +356,29 @@ fn check_flow(
     if min_consumers == 0 {
         return Err(key("min_consumers", "min_consumers must be at least 1"));
     }
-    if let Some(g) = gpu_slots
-        && g < 2
-    {
-        return Err(key(
+    within(
+        "min_consumers",
+        min_consumers,
+        1,
+        MAX_MIN_CONSUMERS,
+        "the broker serves 1024 connections at once",
+    )?;
+    if let Some(g) = gpu_slots {
+        if g < 2 {
+            return Err(key(
+                "gpu_slots",
+                format!(
+                    "gpu_slots = {g} is too few: at least 2 so one batch can be copied while consumers read another"
+                ),
+            ));
+        }
+        within(
             "gpu_slots",
-            format!(
-                "gpu_slots = {g} is too few: at least 2 so one batch can be copied while consumers read another"
-            ),
-        ));
+            g,
+            2,
+            MAX_SLOTS,
+            "device slots of one GPU's ring",
+        )?;
     }
     if let Some(lag) = lag_limit
         && (lag == 0 || lag >= slots)
@@ -360,6 +417,38 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
     if s.workers == Some(0) {
         return Err(key("workers", "workers must be at least 1"));
     }
+    if let Some(w) = s.workers {
+        within(
+            "workers",
+            w,
+            1,
+            MAX_WORKERS,
+            "pipeline threads; more than the host's cores only adds overhead",
+        )?;
+    }
+    within(
+        "max_pixels",
+        s.max_pixels,
+        1,
+        MAX_PIXELS,
+        "the largest width × height decoded",
+    )?;
+    if let Some(total) = mem_total_bytes() {
+        within(
+            "cache_mib",
+            s.cache_mib,
+            0,
+            total >> 20,
+            "MiB of this host's memory",
+        )?;
+    }
+    within(
+        "world_size",
+        s.world_size,
+        1,
+        MAX_WORLD_SIZE,
+        "hosts the dataset is split over",
+    )?;
     let sources = [
         s.synthetic.is_some(),
         s.image_folder.is_some(),
@@ -439,9 +528,13 @@ fn check_fields(fields: &[Field]) -> Result<(), StreamError> {
 }
 
 fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, StreamError> {
-    if src.len == 0 {
-        return Err(key("synthetic.len", "synthetic.len must be at least 1"));
-    }
+    within(
+        "synthetic.len",
+        src.len,
+        1,
+        MAX_SYNTHETIC_LEN,
+        "samples; each epoch's order takes 8 bytes a sample",
+    )?;
     if s.world_size != 1 || s.transform.is_some() {
         return Err(key(
             "transform",
@@ -473,6 +566,13 @@ fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
     let positive = |what: &'static str, (h, w): (u32, u32)| {
         if h == 0 || w == 0 {
             Err(key(what, format!("transform.{what} must be positive")))
+        } else if h.max(w) > MAX_SIDE {
+            Err(key(
+                what,
+                format!(
+                    "transform.{what} = {h}×{w} is too large: at most {MAX_SIDE} pixels a side"
+                ),
+            ))
         } else {
             Ok((h, w))
         }
@@ -505,6 +605,10 @@ fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
                 ratio: (r.ratio[0], r.ratio[1]),
             })
         }
+        (None, Some(resize), _) if resize > MAX_SIDE => Err(key(
+            "transform.resize",
+            format!("transform.resize = {resize} is too large: at most {MAX_SIDE} pixels"),
+        )),
         (None, Some(resize), Some(crop)) if resize > 0 => Ok(Geometry::ResizeCenterCrop {
             resize,
             crop: positive("center_crop", crop.hw())?,
@@ -577,6 +681,13 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
             None,
         ),
         (_, Some(w)) => {
+            within(
+                "webdataset.shuffle_buffer",
+                w.shuffle_buffer,
+                1,
+                MAX_SHUFFLE_BUFFER,
+                "samples held to shuffle tar shards",
+            )?;
             let shards = expand_home(&w.shards);
             let paths = expand_pattern(&shards)?;
             (
@@ -770,6 +881,42 @@ mod tests {
                 .to_string()
                 .contains("defined twice")
         );
+    }
+
+    #[test]
+    fn every_numeric_key_is_bounded_and_the_error_names_key_and_limit() {
+        for (key, extra, limit) in [
+            ("workers", "workers = 100000", "256"),
+            ("batch_size", "", "1048576"),
+            ("min_consumers", "min_consumers = 5000", "1024"),
+            ("gpu_slots", "gpu_slots = 20000", "16384"),
+            ("max_pixels", "max_pixels = 10000000000", "4294967296"),
+            ("world_size", "world_size = 2000000", "1048576"),
+            ("synthetic.len", "", "134217728"),
+        ] {
+            let text = match key {
+                "batch_size" => good().replace("batch_size = 4", "batch_size = 2000000"),
+                "synthetic.len" => good().replace("len = 10", "len = 200000000"),
+                _ => good().replace("epochs = 2", &format!("epochs = 2\n{extra}")),
+            };
+            let err = plan(&text).unwrap_err();
+            let PlanError::Stream {
+                error: StreamError::Key { key: k, message },
+                ..
+            } = &err
+            else {
+                panic!("{key}: {err:?}")
+            };
+            assert_eq!(*k, key, "{message}");
+            assert!(message.contains(limit), "{key}: {message}");
+        }
+    }
+
+    #[test]
+    fn a_config_of_only_the_broker_section_plans_no_stream() {
+        let cfg = Config::parse("[broker]\nallow_uids = [1234]\n", Path::new("b.toml")).unwrap();
+        assert_eq!(cfg.broker.allow_uids, [1234]);
+        assert!(plan_config(&cfg).unwrap().is_empty());
     }
 
     #[test]
