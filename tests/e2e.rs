@@ -4,12 +4,17 @@
 //! test instead of hanging it.
 
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{self, ErrorCode, Preamble, ServerMsg, StatsReply};
+use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
+use batchcast::proto::{
+    self, ClientMsg, ErrorCode, Hello, Intent, Preamble, Release, ServerMsg, StatsReply, Welcome,
+};
+use batchcast::shm;
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
@@ -464,6 +469,130 @@ fn a_config_key_out_of_bounds_is_refused_naming_the_key_and_its_limit() {
             "{line}: {err}"
         );
     }
+}
+
+/// A consumer speaking the protocol by hand: the welcome, and the fds
+/// that came with it (the arena's, then the mailbox's).
+fn raw_subscribe(socket: &Path, name: &str, mailbox: bool) -> (UnixStream, Welcome, Vec<OwnedFd>) {
+    let s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = ClientMsg::Hello(Hello {
+        name: name.into(),
+        pid: std::process::id(),
+        intent: Intent::Consume {
+            stream: "train".into(),
+            window: 2,
+            join: batchcast::JoinPolicy::Immediate,
+            device: None,
+            mailbox,
+        },
+    });
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend(proto::encode(&hello).unwrap());
+    (&s).write_all(&out).unwrap();
+    let mut pre = [0u8; Preamble::LEN];
+    (&s).read_exact(&mut pre).unwrap();
+    let mut fds = Vec::new();
+    let mut recv = |buf: &mut [u8]| {
+        let mut at = 0;
+        while at < buf.len() {
+            let (n, got) = shm::recv_with_fds(s.as_raw_fd(), &mut buf[at..]).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            fds.extend(got);
+            at += n;
+        }
+    };
+    let mut len = [0u8; 4];
+    recv(&mut len);
+    let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
+    recv(&mut payload);
+    let ServerMsg::Welcome(w) = proto::decode(&payload).unwrap() else {
+        panic!("no welcome")
+    };
+    (s, *w, fds)
+}
+
+#[test]
+fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
+    let env = Env::start(&config("", 100_000, 8));
+    let good = env.consumer(&["--verify", "--max-batches", "500", "--name", "good"]);
+    for mailbox in [false, true] {
+        let name = if mailbox {
+            "forger-mailbox"
+        } else {
+            "forger-socket"
+        };
+        let (mut sock, welcome, mut fds) = raw_subscribe(&env.socket(), name, mailbox);
+        // Take a batch and release it claiming centuries of waiting; a
+        // mailbox consumer releases one through its mailbox and one on the
+        // socket, so both of its sums are huge.
+        if mailbox {
+            let spec = welcome.mailbox.expect("a mailbox was asked for");
+            let mb = ConsumerMailbox::open(fds.remove(1), spec).unwrap();
+            let t0 = Instant::now();
+            let mut seqs = Vec::new();
+            while seqs.len() < 2 {
+                if let Some(Notice::Batch(b)) = mb.pop().unwrap() {
+                    seqs.push(b.seq);
+                }
+                assert!(t0.elapsed() < LIMIT, "no batches");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let forged = Totals {
+                wait_ns: u64::MAX,
+                busy_ns: u64::MAX - 1,
+                hold_ns: u64::MAX,
+            };
+            assert!(mb.push_release(seqs[0], forged));
+            let r = ClientMsg::Release(Release {
+                seq: seqs[1],
+                wait_ns: u64::MAX,
+                busy_ns: u64::MAX,
+            });
+            sock.write_all(&proto::encode(&r).unwrap()).unwrap();
+        } else {
+            let seq = loop {
+                match proto::read_frame::<ServerMsg>(&mut sock, &mut Vec::new()).unwrap() {
+                    Some(ServerMsg::Batch(b)) => break b.seq,
+                    Some(_) => {}
+                    None => panic!("the broker closed the connection"),
+                }
+            };
+            let r = ClientMsg::Release(Release {
+                seq,
+                wait_ns: u64::MAX,
+                busy_ns: u64::MAX,
+            });
+            sock.write_all(&proto::encode(&r).unwrap()).unwrap();
+        }
+        let s = env.wait_for("the forged release", |s| {
+            s.streams[0]
+                .consumers
+                .iter()
+                .chain(&s.streams[0].past_consumers)
+                .any(|c| c.name == name && (c.wait_s > 0.0 || c.left.is_some()))
+        });
+        let all = s.streams[0]
+            .consumers
+            .iter()
+            .chain(&s.streams[0].past_consumers);
+        for c in all.filter(|c| c.name == name) {
+            // Nobody waits, works or holds longer than it has been connected.
+            for (what, v) in [("wait", c.wait_s), ("busy", c.busy_s), ("hold", c.hold_s)] {
+                assert!(
+                    v.is_finite() && v <= c.connected_s + 1e-3,
+                    "{name}: {what}_s = {v} after {} s connected",
+                    c.connected_s
+                );
+            }
+        }
+        drop(sock);
+    }
+    let r = report(good);
+    assert!(
+        r.ok && r.batches == 500,
+        "the others are unaffected: {r:#?}"
+    );
 }
 
 #[test]

@@ -327,7 +327,7 @@ fn release(inner: &mut Inner, id: ConsumerId, r: proto::Release, now: u64) -> Re
         c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
         c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
         if let Some(sent) = c.sent_ns.remove(&r.seq) {
-            c.hold_ns += now.saturating_sub(sent);
+            c.hold_ns = c.hold_ns.saturating_add(now.saturating_sub(sent));
         }
     }
     Ok(())

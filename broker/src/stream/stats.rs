@@ -96,6 +96,13 @@ fn gpu_stats(inner: &Inner) -> Vec<proto::GpuCopyStats> {
 pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerStats> {
     let conn = inner.conns.get(&id)?;
     let n = inner.hub.consumer_counts(id)?;
+    // Wait, busy and hold times are the client's own figures (a release
+    // carries them, a mailbox sums them): nobody can have waited, worked or
+    // held longer than it has been connected, whatever it writes.
+    let connected = conn.joined.elapsed();
+    let connected_ns = u64::try_from(connected.as_nanos()).unwrap_or(u64::MAX);
+    let secs =
+        |socket: u64, mailbox: u64| socket.saturating_add(mailbox).min(connected_ns) as f64 * 1e-9;
     Some(ConsumerStats {
         id,
         name: conn.name.clone(),
@@ -107,14 +114,14 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         queued: n.queued,
         epoch: n.epoch,
         samples: conn.samples,
-        wait_s: (conn.wait_ns + conn.mailbox_totals.wait_ns) as f64 * 1e-9,
-        busy_s: (conn.busy_ns + conn.mailbox_totals.busy_ns) as f64 * 1e-9,
-        hold_s: (conn.hold_ns + conn.mailbox_totals.hold_ns) as f64 * 1e-9,
+        wait_s: secs(conn.wait_ns, conn.mailbox_totals.wait_ns),
+        busy_s: secs(conn.busy_ns, conn.mailbox_totals.busy_ns),
+        hold_s: secs(conn.hold_ns, conn.mailbox_totals.hold_ns),
         device: conn
             .gpu
             .and_then(|k| inner.mirrors.get(&k))
             .map(|m| m.mirror.label().to_string()),
-        connected_s: conn.joined.elapsed().as_secs_f64(),
+        connected_s: connected.as_secs_f64(),
         left: None,
     })
 }
