@@ -419,6 +419,55 @@ fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
 }
 
 #[test]
+fn entries_that_are_not_regular_files_or_too_large_are_bad_files_and_never_block() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+        .trim()
+        .parse()
+        .unwrap();
+    let cat = env.path("ds/cat");
+    // A FIFO nobody writes (opening it for reading would wait forever), a
+    // link to an endless device, and a file over max_file_bytes.
+    nix::unistd::mkfifo(&cat.join("fifo.jpg"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", cat.join("zero.jpg")).unwrap();
+    let big = std::fs::File::create(cat.join("big.jpg")).unwrap();
+    big.set_len(2 << 20).unwrap();
+    drop(big);
+    let t = "resize = 64\ncenter_crop = 64\ndtype = \"u8\"";
+    env.start(&stream(
+        "s",
+        &folder(&env.p("ds")),
+        t,
+        "epochs = 2\nmax_file_bytes = 1048576\ndrop_last = false",
+    ));
+    let r = env.consume(&["--stream", "s"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    for e in &r.epochs {
+        assert_eq!(e.samples, n + 3, "every position filled");
+        assert_eq!(
+            e.distinct_indices,
+            Some(n),
+            "the three replaced by good samples"
+        );
+    }
+    let log = env.log();
+    for (name, why) in [
+        ("fifo.jpg", "a FIFO"),
+        ("zero.jpg", "a device"),
+        ("big.jpg", "max_file_bytes"),
+    ] {
+        assert!(
+            log.lines().any(|l| l.contains(name) && l.contains(why)),
+            "{name} skipped because {why}:\n{log}"
+        );
+    }
+    // And the broker stops by itself on SIGTERM (no pipeline thread stuck).
+    let broker = env.broker.take().unwrap();
+    let status = broker.terminate(LIMIT).unwrap();
+    assert!(status.success(), "{status:?}:\n{}", env.log());
+}
+
+#[test]
 fn unusable_datasets_are_refused_naming_the_path() {
     let env = Env::new();
     let t = "resize = 64\ncenter_crop = 64";

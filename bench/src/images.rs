@@ -88,6 +88,7 @@ fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::
         transform(),
         OnError::Skip,
         u64::MAX,
+        u64::MAX,
         reduced,
         0,
     ));

@@ -32,6 +32,7 @@
 //! batch_size = 64
 //! on_error = "skip"     # or "fail"
 //! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off
+//! max_file_bytes = 268435456   # larger samples are bad files
 //! rank = 0              # this host's share of a multi-host job
 //! world_size = 1
 //!
@@ -135,6 +136,9 @@ pub struct StreamConfig {
     /// Largest image (width × height) decoded; PIL's default limit.
     #[serde(default = "default_max_pixels")]
     pub max_pixels: u64,
+    /// Largest encoded sample read, in bytes (a file, or a tar member).
+    #[serde(default = "default_max_file_bytes")]
+    pub max_file_bytes: u64,
     /// Decode JPEGs at 1/2, 1/4 or 1/8 size when the output is that much
     /// smaller anyway.
     #[serde(default = "yes")]
@@ -217,6 +221,9 @@ fn one64() -> u64 {
 }
 fn default_max_pixels() -> u64 {
     89_478_485
+}
+fn default_max_file_bytes() -> u64 {
+    256 << 20
 }
 fn default_shuffle_buffer() -> usize {
     1000

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// The extensions torchvision's ImageFolder accepts (compared
@@ -92,15 +92,24 @@ impl Dataset {
         }
     }
 
-    /// The encoded bytes of item `index`.
-    pub fn read(&self, index: u64, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    /// The encoded bytes of item `index`, at most `max_bytes` of them: a
+    /// larger sample, or an entry that is not a regular file (a FIFO, a
+    /// device, a link to one), is an error, which the pipeline's `on_error`
+    /// policy handles like any bad file. Nothing is read before its size
+    /// is known, and opening never blocks.
+    pub fn read(&self, index: u64, buf: &mut Vec<u8>, max_bytes: u64) -> std::io::Result<()> {
         buf.clear();
         match &self.items[index as usize].loc {
             Location::File(p) => {
-                let mut f = File::open(p)?;
-                f.read_to_end(buf)?;
+                let (f, len) = open_regular(p)?;
+                check_size(len, max_bytes)?;
+                buf.reserve(len as usize);
+                // Bounded even if the file grew since it was measured.
+                f.take(max_bytes + 1).read_to_end(buf)?;
+                check_size(buf.len() as u64, max_bytes)?;
             }
             Location::Member { shard, offset, len } => {
+                check_size(*len, max_bytes)?;
                 buf.resize(*len as usize, 0);
                 self.shards[*shard as usize].1.read_exact_at(buf, *offset)?;
             }
@@ -175,10 +184,13 @@ impl Dataset {
                 path: path.clone(),
                 message,
             };
-            let file = File::open(path).map_err(|e| DatasetError::Unreadable {
-                path: path.clone(),
-                source: e,
-            })?;
+            let file =
+                open_regular(path)
+                    .map(|(f, _)| f)
+                    .map_err(|e| DatasetError::Unreadable {
+                        path: path.clone(),
+                        source: e,
+                    })?;
             let shard = shards.len() as u32;
             let before = items.len();
             index_shard(&file, shard, &mut items).map_err(shard_err)?;
@@ -353,6 +365,51 @@ fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), Str
     }
     if let Some(p) = cur.take() {
         flush(p, items)?;
+    }
+    Ok(())
+}
+
+/// Opens `path` (following links) without blocking, and only if it is a
+/// regular file: opening a FIFO for reading would wait for a writer, and a
+/// device (`/dev/zero`) never ends. The type and size come from the opened
+/// file itself, so a link swapped meanwhile cannot slip past. Returns the
+/// file and its size.
+pub fn open_regular(path: &Path) -> std::io::Result<(File, u64)> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        let kind = meta.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_dir() {
+            "a folder"
+        } else {
+            "not a regular file"
+        };
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is {what}; only regular files are read"),
+        ));
+    }
+    Ok((f, meta.len()))
+}
+
+fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
+    if len > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{len} bytes, more than max_file_bytes = {max_bytes}; raise it if such files are real samples"
+            ),
+        ));
     }
     Ok(())
 }

@@ -83,6 +83,8 @@ pub struct ImagePipeline {
     pub transform: Transform,
     pub on_error: OnError,
     pub max_pixels: u64,
+    /// Largest encoded sample read (a bigger one is a bad file).
+    pub max_file_bytes: u64,
     /// Decode JPEGs at reduced size when the transform shrinks them anyway.
     pub reduced_decode: bool,
     lut: Lut,
@@ -126,6 +128,7 @@ impl ImagePipeline {
         transform: Transform,
         on_error: OnError,
         max_pixels: u64,
+        max_file_bytes: u64,
         reduced_decode: bool,
         cache_bytes: u64,
     ) -> ImagePipeline {
@@ -135,6 +138,7 @@ impl ImagePipeline {
             transform,
             on_error,
             max_pixels,
+            max_file_bytes,
             reduced_decode,
             cache: (cache_bytes > 0).then(|| MinIoCache::new(cache_bytes)),
             bad: Mutex::new(HashSet::new()),
@@ -228,7 +232,7 @@ impl ImagePipeline {
             Some(b) => b,
             None => {
                 self.dataset
-                    .read(index, &mut w.bytes)
+                    .read(index, &mut w.bytes, self.max_file_bytes)
                     .map_err(|source| SampleError::Read {
                         path: path(),
                         source,

@@ -22,6 +22,9 @@
 //! emits is queued to each connection in the order the hub emitted it.
 //! Critical sections are short (bookkeeping only: no I/O, no filling).
 
+/// How long shutdown waits for the pipeline threads to stop.
+const WORKER_JOIN_WAIT: Duration = Duration::from_secs(1);
+
 mod deliver;
 mod fill;
 mod mirror;
@@ -120,6 +123,7 @@ impl Stream {
                 p.transform.clone(),
                 p.on_error,
                 p.max_pixels,
+                p.max_file_bytes,
                 p.reduced_decode,
                 p.cache_bytes,
             )))),
@@ -209,6 +213,33 @@ impl Stream {
         r
     }
 
+    /// Joins the pipeline threads that end within `wait`. One stuck in I/O
+    /// (a hung network filesystem) is left behind, named in the log: it
+    /// holds nothing anyone waits for, and shutdown must not wait on it.
+    fn join_workers(&self, wait: Duration) {
+        let mut workers =
+            std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        let deadline = std::time::Instant::now() + wait;
+        while !workers.is_empty() && std::time::Instant::now() < deadline {
+            let (done, running): (Vec<_>, Vec<_>) =
+                workers.into_iter().partition(|w| w.is_finished());
+            for w in done {
+                let _ = w.join();
+            }
+            workers = running;
+            if !workers.is_empty() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        for w in workers {
+            tracing::warn!(
+                stream = %self.name(),
+                thread = w.thread().name().unwrap_or("?"),
+                "a pipeline thread did not stop within {wait:?} (stuck reading?); leaving it"
+            );
+        }
+    }
+
     /// Stops the stream because its source failed, telling every consumer.
     pub fn fail(&self, why: StreamFailed) {
         tracing::error!(stream = %self.name(), "stream stopped: {why}");
@@ -238,10 +269,7 @@ impl Stream {
             }
         }
         self.work_cv.notify_all();
-        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
-        for w in workers {
-            let _ = w.join();
-        }
+        self.join_workers(WORKER_JOIN_WAIT);
         self.free_device_arenas();
     }
 }

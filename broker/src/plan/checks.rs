@@ -1,0 +1,218 @@
+//! The rules every stream's keys follow, whatever its source, and the
+//! bounds of every number: a value out of range is refused with the key,
+//! its limit and why the limit is there.
+
+use std::collections::HashSet;
+
+use batchcast::proto::MailboxSpec;
+use batchcast::schema::Field;
+
+use super::{StreamError, key, mem_total_bytes};
+use crate::config::StreamConfig;
+
+/// Most slots of a stream: each mailbox consumer may owe every one of them.
+pub const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
+/// Most samples in a batch.
+pub const MAX_BATCH_SIZE: u64 = 1 << 20;
+/// Most pipeline threads of a stream (each has its own stack and decoder).
+pub const MAX_WORKERS: usize = 256;
+/// Most consumers a stream may wait for (the broker serves 1,024
+/// connections at once).
+pub const MAX_MIN_CONSUMERS: u32 = 1024;
+/// Most samples of a synthetic dataset (its order takes 8 bytes a sample
+/// per epoch).
+pub const MAX_SYNTHETIC_LEN: u64 = 1 << 27;
+/// Most samples a tar shuffle buffer holds.
+pub const MAX_SHUFFLE_BUFFER: usize = 1_000_000;
+/// Largest output side of a transform, in pixels.
+pub const MAX_SIDE: u32 = 16384;
+/// Largest `max_pixels` (an image's width × height).
+pub const MAX_PIXELS: u64 = 1 << 32;
+/// Most hosts a dataset is split over.
+pub const MAX_WORLD_SIZE: u64 = 1 << 20;
+/// Largest `max_file_bytes`.
+pub const MAX_FILE_BYTES: u64 = 1 << 32;
+/// Most batches in an external producer's epoch.
+pub const MAX_BATCHES_PER_EPOCH: u64 = 1 << 40;
+
+/// `key = value` must lie in `lo..=hi`; the error names the key, the limit
+/// and why it is there.
+pub(super) fn within<T: PartialOrd + std::fmt::Display>(
+    key: &'static str,
+    value: T,
+    lo: T,
+    hi: T,
+    why: &str,
+) -> Result<(), StreamError> {
+    if value < lo || value > hi {
+        return Err(StreamError::Key {
+            key,
+            message: format!("{key} = {value} is out of range: use {lo} to {hi} ({why})"),
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn check_name(name: &str) -> Result<(), StreamError> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(key(
+            "name",
+            "name must be non-empty and use only letters, digits, `-`, `_` and `.`",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the keys every stream has, whatever its source: batching, slots
+/// and flow control.
+pub(super) fn check_flow(
+    batch_size: u64,
+    epochs: Option<u64>,
+    slots: u32,
+    gpu_slots: Option<u32>,
+    lag_limit: Option<u32>,
+    min_consumers: u32,
+) -> Result<(), StreamError> {
+    if batch_size == 0 {
+        return Err(key("batch_size", "batch_size must be at least 1"));
+    }
+    within(
+        "batch_size",
+        batch_size,
+        1,
+        MAX_BATCH_SIZE,
+        "samples in one batch",
+    )?;
+    if epochs == Some(0) {
+        return Err(key(
+            "epochs",
+            "epochs must be at least 1 (omit it for an endless stream)",
+        ));
+    }
+    if slots < 2 {
+        return Err(key(
+            "slots",
+            format!(
+                "slots = {slots} is too few: at least 2 so the pipeline can fill one while consumers read another"
+            ),
+        ));
+    }
+    if slots > MAX_SLOTS {
+        return Err(key(
+            "slots",
+            format!(
+                "slots = {slots} is too many: at most {MAX_SLOTS} (a consumer's mailbox has room for every slot's batch)"
+            ),
+        ));
+    }
+    if min_consumers == 0 {
+        return Err(key("min_consumers", "min_consumers must be at least 1"));
+    }
+    within(
+        "min_consumers",
+        min_consumers,
+        1,
+        MAX_MIN_CONSUMERS,
+        "the broker serves 1024 connections at once",
+    )?;
+    if let Some(g) = gpu_slots {
+        if g < 2 {
+            return Err(key(
+                "gpu_slots",
+                format!(
+                    "gpu_slots = {g} is too few: at least 2 so one batch can be copied while consumers read another"
+                ),
+            ));
+        }
+        within(
+            "gpu_slots",
+            g,
+            2,
+            MAX_SLOTS,
+            "device slots of one GPU's ring",
+        )?;
+    }
+    if let Some(lag) = lag_limit
+        && (lag == 0 || lag >= slots)
+    {
+        return Err(key(
+            "lag_limit",
+            format!(
+                "lag_limit = {lag} must be between 1 and slots - 1 ({}); a consumer can never lag by {slots} or more",
+                slots - 1
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The bounds of a configured stream's other numeric keys.
+pub(super) fn check_limits(s: &StreamConfig) -> Result<(), StreamError> {
+    if let Some(w) = s.workers {
+        within(
+            "workers",
+            w,
+            1,
+            MAX_WORKERS,
+            "pipeline threads; more than the host's cores only adds overhead",
+        )?;
+    }
+    within(
+        "max_pixels",
+        s.max_pixels,
+        1,
+        MAX_PIXELS,
+        "the largest width × height decoded",
+    )?;
+    within(
+        "max_file_bytes",
+        s.max_file_bytes,
+        1,
+        MAX_FILE_BYTES,
+        "the largest encoded sample read",
+    )?;
+    if let Some(total) = mem_total_bytes() {
+        within(
+            "cache_mib",
+            s.cache_mib,
+            0,
+            total >> 20,
+            "MiB of this host's memory",
+        )?;
+    }
+    within(
+        "world_size",
+        s.world_size,
+        1,
+        MAX_WORLD_SIZE,
+        "hosts the dataset is split over",
+    )?;
+    Ok(())
+}
+
+/// Field names are distinct and non-empty; no dimension is zero.
+pub(super) fn check_fields(fields: &[Field]) -> Result<(), StreamError> {
+    let mut seen = HashSet::new();
+    for f in fields {
+        if f.name.is_empty() {
+            return Err(StreamError::Field("a field has an empty name".into()));
+        }
+        if !seen.insert(&f.name) {
+            return Err(StreamError::Field(format!(
+                "field `{}` is listed twice",
+                f.name
+            )));
+        }
+        if f.shape.contains(&0) {
+            return Err(StreamError::Field(format!(
+                "field `{}` has a zero dimension in its shape {:?}",
+                f.name, f.shape
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,231 @@
+//! Planning an image source: its transform (torchvision's semantics and
+//! names, checked) and its dataset's listing (ImageFolder or tar shards),
+//! split over hosts.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use batchcast::DType;
+use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
+
+use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
+use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
+use crate::config::{StreamConfig, TransformConfig};
+use crate::pipeline::dataset::{Dataset, expand_pattern};
+use crate::pipeline::sampler::{Split, Uneven};
+use crate::pipeline::transform::{Geometry, Transform};
+
+fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
+    let positive = |what: &'static str, (h, w): (u32, u32)| {
+        if h == 0 || w == 0 {
+            Err(key(what, format!("transform.{what} must be positive")))
+        } else if h.max(w) > MAX_SIDE {
+            Err(key(
+                what,
+                format!(
+                    "transform.{what} = {h}×{w} is too large: at most {MAX_SIDE} pixels a side"
+                ),
+            ))
+        } else {
+            Ok((h, w))
+        }
+    };
+    match (&t.random_resized_crop, t.resize, t.center_crop) {
+        (Some(r), None, None) => {
+            let ok =
+                |[a, b]: [f64; 2], min: f64| a.is_finite() && b.is_finite() && a > min && a <= b;
+            if !ok(r.scale, 0.0) || r.scale[1] > 1.0 {
+                return Err(key(
+                    "transform.random_resized_crop.scale",
+                    format!(
+                        "transform.random_resized_crop.scale = {:?} must be 0 < lo <= hi <= 1",
+                        r.scale
+                    ),
+                ));
+            }
+            if !ok(r.ratio, 0.0) {
+                return Err(key(
+                    "transform.random_resized_crop.ratio",
+                    format!(
+                        "transform.random_resized_crop.ratio = {:?} must be 0 < lo <= hi",
+                        r.ratio
+                    ),
+                ));
+            }
+            Ok(Geometry::RandomResizedCrop {
+                size: positive("random_resized_crop.size", r.size.hw())?,
+                scale: (r.scale[0], r.scale[1]),
+                ratio: (r.ratio[0], r.ratio[1]),
+            })
+        }
+        (None, Some(resize), _) if resize > MAX_SIDE => Err(key(
+            "transform.resize",
+            format!("transform.resize = {resize} is too large: at most {MAX_SIDE} pixels"),
+        )),
+        (None, Some(resize), Some(crop)) if resize > 0 => Ok(Geometry::ResizeCenterCrop {
+            resize,
+            crop: positive("center_crop", crop.hw())?,
+        }),
+        (None, Some(0), _) => Err(key("transform.resize", "transform.resize must be positive")),
+        _ => Err(key(
+            "transform",
+            "transform needs exactly one geometry: random_resized_crop = { size = N }, or resize = N with center_crop = M",
+        )),
+    }
+}
+
+fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
+    let Some(t) = &s.transform else {
+        return Err(key(
+            "transform",
+            "an image source needs a [stream.transform] table (random_resized_crop, or resize + center_crop)",
+        ));
+    };
+    let geometry = geometry_of(t)?;
+    if !(0.0..=1.0).contains(&t.horizontal_flip) {
+        return Err(key(
+            "transform.horizontal_flip",
+            format!(
+                "transform.horizontal_flip = {} is a probability; use 0..1",
+                t.horizontal_flip
+            ),
+        ));
+    }
+    match t.dtype {
+        DType::U8 | DType::F16 | DType::Bf16 | DType::F32 => {}
+        other => {
+            return Err(key(
+                "transform.dtype",
+                format!(
+                    "transform.dtype = \"{other}\" is not an image type; use u8, f16, bf16 or f32"
+                ),
+            ));
+        }
+    }
+    if t.dtype == DType::U8 && t.normalize.is_some() {
+        return Err(key(
+            "transform.normalize",
+            "transform.normalize needs a float dtype (f16, bf16 or f32), not u8",
+        ));
+    }
+    if let Some(n) = &t.normalize
+        && n.std.iter().any(|&x| x == 0.0 || !x.is_finite())
+    {
+        return Err(key(
+            "transform.normalize.std",
+            format!("transform.normalize.std = {:?} must be non-zero", n.std),
+        ));
+    }
+    Ok(Transform {
+        geometry,
+        flip_p: t.horizontal_flip,
+        dtype: t.dtype,
+        layout: t.layout,
+        normalize: t.normalize.as_ref().map(|n| (n.mean, n.std)),
+        seed: s.seed,
+    })
+}
+
+/// Lists the dataset (ImageFolder or tar shards) named by the config.
+fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamError> {
+    Ok(match (&s.image_folder, &s.webdataset) {
+        (Some(f), _) => (
+            Dataset::image_folder(Path::new(&expand_home(&f.root.to_string_lossy())))?,
+            None,
+        ),
+        (_, Some(w)) => {
+            within(
+                "webdataset.shuffle_buffer",
+                w.shuffle_buffer,
+                1,
+                MAX_SHUFFLE_BUFFER,
+                "samples held to shuffle tar shards",
+            )?;
+            let shards = expand_home(&w.shards);
+            let paths = expand_pattern(&shards)?;
+            (
+                Dataset::webdataset(&shards, &paths)?,
+                Some(w.shuffle_buffer),
+            )
+        }
+        _ => return Err(StreamError::NoSource),
+    })
+}
+
+pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError> {
+    let transform = transform_of(s)?;
+    if s.world_size == 0 || s.rank >= s.world_size {
+        return Err(key(
+            "rank",
+            format!(
+                "rank = {} must be below world_size = {}",
+                s.rank, s.world_size
+            ),
+        ));
+    }
+    if s.max_pixels == 0 {
+        return Err(key("max_pixels", "max_pixels must be positive"));
+    }
+    let (dataset, shuffle_buffer) = list_dataset(s)?;
+    let split = Split {
+        rank: s.rank,
+        world_size: s.world_size,
+        uneven: s.uneven,
+    };
+    let len = dataset.len();
+    if split.uneven == Uneven::Drop && len < s.world_size {
+        return Err(key(
+            "world_size",
+            format!(
+                "{len} samples cannot be split over world_size = {} with uneven = \"drop\"",
+                s.world_size
+            ),
+        ));
+    }
+    let field = |name: &str, dtype, shape, aux| Field {
+        name: name.into(),
+        dtype,
+        shape,
+        aux,
+    };
+    let fields = vec![
+        field("image", transform.dtype, transform.shape(), false),
+        field("label", DType::I64, vec![], false),
+        field("index", DType::I64, vec![], true),
+    ];
+    let info = SourceInfo::Images(ImageSourceInfo {
+        format: dataset.format.into(),
+        root: dataset.root.clone(),
+        classes: dataset.classes.clone(),
+        dataset_len: len,
+        rank: s.rank,
+        world_size: s.world_size,
+    });
+    Ok(SourceParts {
+        fields,
+        len,
+        per_epoch: split.per_rank(len),
+        plan: SourcePlan::Images(ImagePlan {
+            dataset: Arc::new(dataset),
+            transform,
+            on_error: s.on_error,
+            max_pixels: s.max_pixels,
+            max_file_bytes: s.max_file_bytes,
+            reduced_decode: s.reduced_decode,
+            cache_bytes: s.cache_mib.saturating_mul(1 << 20),
+            split,
+            shuffle_buffer,
+            shuffle: s.shuffle,
+            seed: s.seed,
+        }),
+        info,
+    })
+}
+
+/// A leading `~/` in a dataset path is the user's home folder (`$HOME`).
+fn expand_home(path: &str) -> String {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => Path::new(&home).join(rest).to_string_lossy().into_owned(),
+        _ => path.to_string(),
+    }
+}

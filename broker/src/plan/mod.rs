@@ -1,0 +1,390 @@
+//! From a description to a plan: a configured stream ([`crate::config`]) or
+//! an external producer's request becomes a [`StreamPlan`], checked and with
+//! everything derived (schema, slot layout, sample order, the dataset's
+//! listing). This is where the disk is first touched (a dataset is listed
+//! here); nothing here runs: [`crate::stream::Stream::start`] turns a plan
+//! into threads, arenas and decoders.
+//!
+//! Every refusal is a [`PlanError`] that names the stream and the key at
+//! fault, and says what to change. `checks.rs` holds the rules every
+//! stream follows (and every number's bounds); `image.rs` plans an image
+//! source (its transform and its dataset's listing).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use batchcast::proto::ProduceRequest;
+use batchcast::schema::{ExternalSourceInfo, Field, Schema, SlotLayout, SourceInfo};
+use batchcast::synthetic::SyntheticSpec;
+
+use crate::config::{Config, StreamConfig, SyntheticConfig};
+use crate::pipeline::OnError;
+use crate::pipeline::dataset::{Dataset, DatasetError};
+use crate::pipeline::sampler::{self, Split};
+use crate::pipeline::transform::Transform;
+
+mod checks;
+mod image;
+#[cfg(test)]
+mod tests;
+
+pub use checks::{
+    MAX_BATCH_SIZE, MAX_BATCHES_PER_EPOCH, MAX_FILE_BYTES, MAX_MIN_CONSUMERS, MAX_PIXELS,
+    MAX_SHUFFLE_BUFFER, MAX_SIDE, MAX_SLOTS, MAX_SYNTHETIC_LEN, MAX_WORKERS, MAX_WORLD_SIZE,
+};
+use checks::{check_fields, check_flow, check_limits, check_name, within};
+use image::image_source;
+
+/// Why a config or a producer's request cannot become a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("stream `{0}` is defined twice")]
+    Duplicate(String),
+    /// (Its Display holds the stream's error, so it is not also a source:
+    /// an error chain would print it twice.)
+    #[error("stream `{stream}`: {error}")]
+    Stream { stream: String, error: StreamError },
+    #[error(
+        "the streams' arenas need {need_mib} MiB of shared memory, more than half of this host's {have_mib} MiB; lower slots or batch_size"
+    )]
+    SharedMemory { need_mib: u64, have_mib: u64 },
+}
+
+/// What is wrong with one stream.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// A key's value is out of its range or does not fit the others.
+    #[error("{message}")]
+    Key { key: &'static str, message: String },
+    #[error(
+        "no source: add a [stream.image_folder], [stream.webdataset] or [stream.synthetic] table"
+    )]
+    NoSource,
+    #[error("more than one source table; keep exactly one")]
+    ManySources,
+    #[error(
+        "the dataset has {samples} samples per epoch{}, fewer than one batch of {batch_size} with drop_last = true",
+        if samples != dataset { format!(" on this host (of {dataset})") } else { String::new() }
+    )]
+    FewerThanOneBatch {
+        samples: u64,
+        dataset: u64,
+        batch_size: u64,
+    },
+    #[error("{0}")]
+    Field(String),
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error("its slot layout: {0}")]
+    Layout(batchcast::Error),
+    #[error(
+        "the arena needs {need_mib} MiB of shared memory ({slots} slots of {slot_mib} MiB), more than half of this host's {have_mib} MiB; use fewer slots or smaller batches"
+    )]
+    ArenaTooLarge {
+        need_mib: u64,
+        slots: u32,
+        slot_mib: u64,
+        have_mib: u64,
+    },
+}
+
+fn key(key: &'static str, message: impl Into<String>) -> StreamError {
+    StreamError::Key {
+        key,
+        message: message.into(),
+    }
+}
+
+/// Where a stream's samples come from, described.
+#[derive(Debug, Clone)]
+pub enum SourcePlan {
+    Synthetic(SyntheticSpec),
+    Images(ImagePlan),
+    /// Filled by a producer process over the socket; the broker only does
+    /// the bookkeeping.
+    External,
+}
+
+/// An image stream's source: the dataset's listing and what to do with
+/// each sample.
+#[derive(Debug, Clone)]
+pub struct ImagePlan {
+    pub dataset: Arc<Dataset>,
+    pub transform: Transform,
+    pub on_error: OnError,
+    /// Largest image (width × height) decoded.
+    pub max_pixels: u64,
+    /// Largest encoded sample read.
+    pub max_file_bytes: u64,
+    pub reduced_decode: bool,
+    /// Budget of the cache of encoded bytes (0: none).
+    pub cache_bytes: u64,
+    pub split: Split,
+    /// Shuffle buffer for tar shards; `None` for random access.
+    pub shuffle_buffer: Option<usize>,
+    pub shuffle: bool,
+    pub seed: u64,
+}
+
+/// A stream, checked, with everything derived from its description.
+#[derive(Debug, Clone)]
+pub struct StreamPlan {
+    pub name: String,
+    /// Host slots of the arena.
+    pub slots: u32,
+    /// Slots of each GPU's arena.
+    pub gpu_slots: u32,
+    /// `None`: endless.
+    pub epochs: Option<u64>,
+    pub lag_limit: Option<u32>,
+    pub min_consumers: u32,
+    /// Pipeline threads (0 for an external producer).
+    pub workers: usize,
+    pub schema: Schema,
+    pub layout: SlotLayout,
+    pub source: SourcePlan,
+}
+
+impl StreamPlan {
+    pub fn arena_bytes(&self) -> u64 {
+        self.layout.slot_bytes * self.slots as u64
+    }
+
+    /// The dataset indices of `epoch`, in order, for this host.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<u64> {
+        match &self.source {
+            SourcePlan::Synthetic(spec) => spec.epoch_order(epoch),
+            SourcePlan::Images(p) => {
+                let whole = match p.shuffle_buffer {
+                    Some(b) => {
+                        sampler::sharded(&p.dataset.shard_items, p.shuffle, b, p.seed, epoch)
+                    }
+                    None => sampler::permutation(p.dataset.len(), p.shuffle, p.seed, epoch),
+                };
+                p.split.apply(whole)
+            }
+            // The producer decides what each batch holds.
+            SourcePlan::External => Vec::new(),
+        }
+    }
+
+    /// Plans the stream an external producer asked for, with the same
+    /// checks as a configured one.
+    pub fn external(
+        req: &ProduceRequest,
+        producer: &str,
+        pid: u32,
+    ) -> Result<StreamPlan, StreamError> {
+        check_name(&req.stream)?;
+        check_flow(
+            req.batch_size,
+            req.epochs,
+            req.slots,
+            None,
+            req.lag_limit,
+            req.min_consumers,
+        )?;
+        if req.fields.is_empty() {
+            return Err(StreamError::Field("the batch has no fields".into()));
+        }
+        check_fields(&req.fields)?;
+        within(
+            "batches_per_epoch",
+            req.batches_per_epoch,
+            1,
+            MAX_BATCHES_PER_EPOCH,
+            "batches in one epoch",
+        )?;
+        let schema = Schema {
+            fields: req.fields.clone(),
+            batch_size: req.batch_size,
+            samples_per_epoch: req.batches_per_epoch.saturating_mul(req.batch_size),
+            batches_per_epoch: req.batches_per_epoch,
+            epochs: req.epochs,
+            source: SourceInfo::External(ExternalSourceInfo {
+                producer: producer.into(),
+                pid,
+                description: req.description.clone(),
+                classes: req.classes.clone(),
+            }),
+        };
+        let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
+        let arena = layout
+            .slot_bytes
+            .checked_mul(req.slots as u64)
+            .ok_or_else(|| key("slots", "the arena size overflows"))?;
+        if let Some(total) = mem_total_bytes()
+            && arena > total / 2
+        {
+            return Err(StreamError::ArenaTooLarge {
+                need_mib: arena >> 20,
+                slots: req.slots,
+                slot_mib: layout.slot_bytes >> 20,
+                have_mib: total >> 20,
+            });
+        }
+        Ok(StreamPlan {
+            name: req.stream.clone(),
+            slots: req.slots,
+            gpu_slots: req.slots,
+            epochs: req.epochs,
+            lag_limit: req.lag_limit,
+            min_consumers: req.min_consumers,
+            workers: 0,
+            schema,
+            layout,
+            source: SourcePlan::External,
+        })
+    }
+}
+
+/// Checks every configured stream and derives its plan; the arenas of all
+/// of them together must fit in half of the host's memory. A config may
+/// define no stream (only `[broker]`: the socket and who may connect, for
+/// a broker that serves producers' streams).
+pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
+    let mut names = HashSet::new();
+    let mut plans = Vec::new();
+    let mut arenas = 0u64;
+    for s in &cfg.streams {
+        let plan = plan_stream(s).map_err(|error| PlanError::Stream {
+            stream: s.name.clone(),
+            error,
+        })?;
+        if !names.insert(s.name.clone()) {
+            return Err(PlanError::Duplicate(s.name.clone()));
+        }
+        arenas = arenas.saturating_add(plan.arena_bytes());
+        plans.push(plan);
+    }
+    if let Some(total) = mem_total_bytes()
+        && arenas > total / 2
+    {
+        return Err(PlanError::SharedMemory {
+            need_mib: arenas >> 20,
+            have_mib: total >> 20,
+        });
+    }
+    Ok(plans)
+}
+
+/// What a source contributes to its stream's plan.
+struct SourceParts {
+    fields: Vec<Field>,
+    /// Samples in the whole dataset, and in this host's share of an epoch.
+    len: u64,
+    per_epoch: u64,
+    plan: SourcePlan,
+    info: SourceInfo,
+}
+
+fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
+    check_name(&s.name)?;
+    check_flow(
+        s.batch_size,
+        s.epochs,
+        s.slots,
+        s.gpu_slots,
+        s.lag_limit,
+        s.min_consumers,
+    )?;
+    if s.workers == Some(0) {
+        return Err(key("workers", "workers must be at least 1"));
+    }
+    check_limits(s)?;
+    let sources = [
+        s.synthetic.is_some(),
+        s.image_folder.is_some(),
+        s.webdataset.is_some(),
+    ];
+    match sources.iter().filter(|&&x| x).count() {
+        0 => return Err(StreamError::NoSource),
+        1 => {}
+        _ => return Err(StreamError::ManySources),
+    }
+    let parts = match &s.synthetic {
+        Some(src) => synthetic_source(s, src)?,
+        None => image_source(s)?,
+    };
+    let batches_per_epoch = if s.drop_last {
+        parts.per_epoch / s.batch_size
+    } else {
+        parts.per_epoch.div_ceil(s.batch_size)
+    };
+    if batches_per_epoch == 0 {
+        return Err(StreamError::FewerThanOneBatch {
+            samples: parts.per_epoch,
+            dataset: parts.len,
+            batch_size: s.batch_size,
+        });
+    }
+    let schema = Schema {
+        fields: parts.fields,
+        batch_size: s.batch_size,
+        samples_per_epoch: if s.drop_last {
+            batches_per_epoch * s.batch_size
+        } else {
+            parts.per_epoch
+        },
+        batches_per_epoch,
+        epochs: s.epochs,
+        source: parts.info,
+    };
+    let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
+    let default_workers =
+        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
+    Ok(StreamPlan {
+        name: s.name.clone(),
+        slots: s.slots,
+        gpu_slots: s.gpu_slots.unwrap_or(s.slots),
+        epochs: s.epochs,
+        lag_limit: s.lag_limit,
+        min_consumers: s.min_consumers,
+        workers: s.workers.unwrap_or(default_workers),
+        schema,
+        layout,
+        source: parts.plan,
+    })
+}
+
+fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, StreamError> {
+    within(
+        "synthetic.len",
+        src.len,
+        1,
+        MAX_SYNTHETIC_LEN,
+        "samples; each epoch's order takes 8 bytes a sample",
+    )?;
+    if s.world_size != 1 || s.transform.is_some() {
+        return Err(key(
+            "transform",
+            "rank/world_size and [stream.transform] apply to image sources only",
+        ));
+    }
+    if src.fields.is_empty() {
+        return Err(StreamError::Field(
+            "synthetic.fields is empty; list at least one field".into(),
+        ));
+    }
+    check_fields(&src.fields)?;
+    let spec = SyntheticSpec {
+        seed: s.seed,
+        len: src.len,
+        shuffle: s.shuffle,
+        fill: src.fill,
+    };
+    Ok(SourceParts {
+        fields: src.fields.clone(),
+        len: src.len,
+        per_epoch: src.len,
+        plan: SourcePlan::Synthetic(spec),
+        info: SourceInfo::Synthetic(spec),
+    })
+}
+
+fn mem_total_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,0 +1,166 @@
+//! Planning configs and producer requests: defaults, every refusal names
+//! its culprit, bounds, and a config of only `[broker]`.
+use std::path::Path;
+
+use batchcast::DType;
+
+use super::*;
+use crate::config::StreamToml;
+
+/// A minimal valid config: one synthetic stream of 10 samples.
+fn good() -> String {
+    StreamToml::synthetic("train", 4, 10, &[("x", "f32", &[3])])
+        .epochs(2)
+        .to_toml()
+}
+
+fn plan(text: &str) -> Result<Vec<StreamPlan>, PlanError> {
+    plan_config(&Config::parse(text, Path::new("test.toml")).unwrap())
+}
+
+#[test]
+fn a_minimal_config_gets_documented_defaults() {
+    let plans = plan(&good()).unwrap();
+    let p = &plans[0];
+    assert_eq!(
+        (p.slots, p.gpu_slots, p.min_consumers, p.lag_limit),
+        (8, 8, 1, None)
+    );
+    let SourcePlan::Synthetic(spec) = p.source else {
+        panic!("a synthetic source")
+    };
+    assert!(spec.shuffle, "shuffled by default");
+    assert_eq!(
+        p.schema.batches_per_epoch, 2,
+        "10 samples / 4 with drop_last"
+    );
+    assert_eq!(p.schema.samples_per_epoch, 8);
+}
+
+#[test]
+fn a_typo_names_the_key_and_line() {
+    let err = Config::parse(
+        &good().replace("batch_size", "batch_szie"),
+        Path::new("t.toml"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("batch_szie") && err.contains("line 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn semantic_errors_name_the_stream_and_what_to_do() {
+    for (from, to, expect, culprit) in [
+        (
+            "epochs = 2",
+            "epochs = 2\nlag_limit = 8",
+            "lag_limit = 8",
+            Some("lag_limit"),
+        ),
+        ("len = 10", "len = 3", "fewer than one batch", None),
+        ("shape = [3]", "shape = [0]", "zero dimension", None),
+        (
+            "epochs = 2",
+            "epochs = 2\nslots = 1",
+            "slots = 1",
+            Some("slots"),
+        ),
+        (
+            "epochs = 2",
+            "epochs = 2\ngpu_slots = 1",
+            "gpu_slots = 1 is too few",
+            Some("gpu_slots"),
+        ),
+        (
+            "name = \"train\"",
+            "name = \"a b\"",
+            "name must",
+            Some("name"),
+        ),
+    ] {
+        let err = plan(&good().replace(from, to)).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(expect) && text.contains("stream `"), "{text}");
+        if let Some(culprit) = culprit {
+            assert!(
+                matches!(&err, PlanError::Stream { error: StreamError::Key { key, .. }, .. } if *key == culprit),
+                "{err:?}"
+            );
+        }
+    }
+    let twice = format!("{}\n{}", good(), good());
+    assert!(
+        plan(&twice)
+            .unwrap_err()
+            .to_string()
+            .contains("defined twice")
+    );
+}
+
+#[test]
+fn every_numeric_key_is_bounded_and_the_error_names_key_and_limit() {
+    for (key, extra, limit) in [
+        ("workers", "workers = 100000", "256"),
+        ("batch_size", "", "1048576"),
+        ("min_consumers", "min_consumers = 5000", "1024"),
+        ("gpu_slots", "gpu_slots = 20000", "16384"),
+        ("max_pixels", "max_pixels = 10000000000", "4294967296"),
+        ("world_size", "world_size = 2000000", "1048576"),
+        ("synthetic.len", "", "134217728"),
+    ] {
+        let text = match key {
+            "batch_size" => good().replace("batch_size = 4", "batch_size = 2000000"),
+            "synthetic.len" => good().replace("len = 10", "len = 200000000"),
+            _ => good().replace("epochs = 2", &format!("epochs = 2\n{extra}")),
+        };
+        let err = plan(&text).unwrap_err();
+        let PlanError::Stream {
+            error: StreamError::Key { key: k, message },
+            ..
+        } = &err
+        else {
+            panic!("{key}: {err:?}")
+        };
+        assert_eq!(*k, key, "{message}");
+        assert!(message.contains(limit), "{key}: {message}");
+    }
+}
+
+#[test]
+fn a_config_of_only_the_broker_section_plans_no_stream() {
+    let cfg = Config::parse("[broker]\nallow_uids = [1234]\n", Path::new("b.toml")).unwrap();
+    assert_eq!(cfg.broker.allow_uids, [1234]);
+    assert!(plan_config(&cfg).unwrap().is_empty());
+}
+
+#[test]
+fn keeping_the_last_short_batch() {
+    let plans = plan(&good().replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();
+    assert_eq!(plans[0].schema.batches_per_epoch, 3);
+    assert_eq!(plans[0].schema.samples_per_epoch, 10);
+}
+
+#[test]
+fn a_producer_request_is_checked_like_a_config() {
+    let field = Field {
+        name: "x".into(),
+        dtype: DType::U8,
+        shape: vec![4],
+        aux: false,
+    };
+    let mut req = ProduceRequest::new("ext", vec![field], 8, 3);
+    let p = StreamPlan::external(&req, "loader", 7).unwrap();
+    assert_eq!((p.slots, p.workers, p.schema.samples_per_epoch), (4, 0, 24));
+    req.slots = 1;
+    let err = StreamPlan::external(&req, "loader", 7).unwrap_err();
+    assert!(
+        matches!(err, StreamError::Key { key: "slots", .. }),
+        "{err}"
+    );
+    req.slots = 4;
+    req.stream = "a/b".into();
+    assert!(StreamPlan::external(&req, "loader", 7).is_err());
+}
