@@ -17,7 +17,7 @@ use batchcast::proto::{
 use batchcast::shm;
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness;
+use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
@@ -422,6 +422,148 @@ fn consumers_cannot_write_into_shared_batches() {
     assert!(r.ok && r.verify_failures == 0, "{r:#?}");
 }
 
+/// Runs `batchcast serve` that must exit by itself (not serve, not hang):
+/// its status and stderr. Bounded: a broker still running after LIMIT
+/// fails the test.
+fn serve_must_exit(config: Option<&Path>, socket: &Path) -> (std::process::ExitStatus, String) {
+    let mut cmd = Command::new(EXE);
+    cmd.arg("serve");
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    let mut broker = cmd
+        .arg("--socket")
+        .arg(socket)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = broker.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > LIMIT {
+            let _ = broker.kill();
+            panic!("the broker kept running on {}", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    broker
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status, err)
+}
+
+/// Tests that need a second user run as root (as CI does); elsewhere they
+/// say so and skip that part.
+fn is_root(what: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        eprintln!("SKIPPED (needs root to act as a second user): {what}");
+    }
+    root
+}
+
+#[test]
+fn a_socket_folder_another_user_could_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&open, &link).unwrap();
+    let mut cases = vec![(open.clone(), "mode 777"), (link, "symbolic link")];
+    if is_root("a socket folder owned by another user") {
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        nix::unistd::chown(&theirs, Some(65534.into()), Some(65534.into())).unwrap();
+        cases.push((theirs, "belongs to uid 65534"));
+    }
+    for (folder, why) in cases {
+        let (status, err) = serve_must_exit(None, &folder.join("b.sock"));
+        assert_eq!(status.code(), Some(1), "{why}: {status:?}\n{err}");
+        assert!(
+            err.contains("refusing the socket folder")
+                && err.contains(why)
+                && err.contains("chmod 700"),
+            "{why}: {err}"
+        );
+    }
+    // A sticky folder others may write (like /tmp) is fine.
+    let sticky = dir.path().join("sticky");
+    std::fs::create_dir(&sticky).unwrap();
+    std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let log = dir.path().join("sticky.log");
+    let b = BrokerProcess::spawn(Path::new(EXE), None, &sticky.join("b.sock"), Some(&log)).unwrap();
+    drop(b);
+}
+
+#[test]
+fn a_client_refuses_a_socket_served_by_another_user() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !is_root("a socket served by another user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let path = dir.path().join("b.sock");
+    // Another user's process listening where the broker should be.
+    let mut impostor = Command::new("python3")
+        .args([
+            "-c",
+            "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(8)\nwhile True:\n    s.accept()[0].close()",
+        ])
+        .arg(&path)
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(t0.elapsed() < LIMIT, "the impostor never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let opts = |uid: Option<u32>| batchcast::ConsumerOptions {
+        socket: Some(path.clone()),
+        stream: "train".into(),
+        broker_uid: uid,
+        ..Default::default()
+    };
+    let err = batchcast::Consumer::connect(opts(None)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            batchcast::Error::Impostor {
+                uid: 65534,
+                expected: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("BATCHCAST_BROKER_UID=65534"),
+        "{err}"
+    );
+    let stats = batchcast::StatsClient::connect(Some(path.clone())).unwrap_err();
+    assert!(
+        matches!(stats, batchcast::Error::Impostor { .. }),
+        "{stats}"
+    );
+    // Told to expect that user, the client talks to it (which hangs up).
+    let err = batchcast::Consumer::connect(opts(Some(65534))).unwrap_err();
+    assert!(!matches!(err, batchcast::Error::Impostor { .. }), "{err}");
+    let _ = impostor.kill();
+    let _ = impostor.wait();
+}
+
 #[test]
 fn a_config_key_out_of_bounds_is_refused_naming_the_key_and_its_limit() {
     let dir = tempfile::tempdir().unwrap();
@@ -436,33 +578,7 @@ fn a_config_key_out_of_bounds_is_refused_naming_the_key_and_its_limit() {
             _ => text.replace("workers = 2", &format!("workers = 2\n{line}")),
         };
         std::fs::write(&cfg, text).unwrap();
-        let mut broker = Command::new(EXE)
-            .args(["serve", "--config"])
-            .arg(&cfg)
-            .arg("--socket")
-            .arg(dir.path().join(format!("{key}.sock")))
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        // It must exit by itself, with an error: not abort, not serve.
-        let t0 = Instant::now();
-        let status = loop {
-            if let Some(s) = broker.try_wait().unwrap() {
-                break s;
-            }
-            if t0.elapsed() > LIMIT {
-                let _ = broker.kill();
-                panic!("the broker kept running with `{line}`");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let mut err = String::new();
-        broker
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .unwrap();
+        let (status, err) = serve_must_exit(Some(&cfg), &dir.path().join(format!("{key}.sock")));
         assert_eq!(status.code(), Some(1), "{line}: {status:?}\n{err}");
         assert!(
             err.contains(&format!("{key} = ")) && err.contains(limit),

@@ -12,6 +12,10 @@ pub enum ListenError {
     InUse(PathBuf),
     #[error("{0} exists and is not a socket; refusing to replace it (pass another --socket)")]
     NotASocket(PathBuf),
+    #[error(
+        "refusing the socket folder {dir}: {problem}, so another user could replace the socket and impersonate the broker. Remove it (the broker then creates it owner-only), `chmod 700` it, or pass --socket in a folder only you can write"
+    )]
+    UnsafeDir { dir: PathBuf, problem: String },
     #[error("cannot prepare socket {path}: {source}")]
     Io {
         path: PathBuf,
@@ -45,11 +49,12 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
         path: path.to_path_buf(),
         source,
     };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
-        && !dir.exists()
-    {
-        std::fs::create_dir_all(dir).map_err(io)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+        }
+        check_dir(dir)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
@@ -86,6 +91,43 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
         path: path.into(),
         ino,
     })
+}
+
+/// A socket's folder must be one only this user (or root) controls: owned
+/// by this user or root, not a link, and writable by nobody else unless
+/// sticky (like `/tmp`, where others cannot remove or rename this user's
+/// files). Otherwise another user could swap the socket for their own, as
+/// ssh-agent and tmux also refuse.
+pub fn check_dir(dir: &Path) -> Result<(), ListenError> {
+    let unsafe_dir = |problem: String| ListenError::UnsafeDir {
+        dir: dir.into(),
+        problem,
+    };
+    let meta = std::fs::symlink_metadata(dir).map_err(|source| ListenError::Io {
+        path: dir.into(),
+        source,
+    })?;
+    if meta.file_type().is_symlink() {
+        return Err(unsafe_dir("it is a symbolic link".into()));
+    }
+    if !meta.is_dir() {
+        return Err(unsafe_dir("it is not a folder".into()));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(unsafe_dir(format!(
+            "it belongs to uid {}, not to uid {me} (this broker) or root",
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode();
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err(unsafe_dir(format!(
+            "others may write in it (mode {:o}) and it is not sticky",
+            mode & 0o7777
+        )));
+    }
+    Ok(())
 }
 
 /// Who may connect: the broker's own user, plus the config's allow lists.

@@ -57,6 +57,10 @@ pub struct ConsumerOptions {
     /// which saves the broker two system calls per batch. Default: on,
     /// unless `$BATCHCAST_MAILBOX` is `0`.
     pub mailbox: bool,
+    /// The uid the broker must run as; a socket served by anyone else is
+    /// refused ([`Error::Impostor`]). `None`: `$BATCHCAST_BROKER_UID`, else
+    /// this process's own uid.
+    pub broker_uid: Option<u32>,
     /// Mailbox consumers: how long to poll for the next batch before
     /// sleeping (a sleeper costs the broker a wake-up system call). The
     /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
@@ -87,6 +91,7 @@ impl Default for ConsumerOptions {
                 .and_then(|d| d.parse().ok())
                 .unwrap_or_default(),
             mailbox: env("BATCHCAST_MAILBOX").is_none_or(|v| v != "0"),
+            broker_uid: None,
             spin: Duration::from_micros(
                 env("BATCHCAST_SPIN_US")
                     .and_then(|v| v.parse().ok())
@@ -135,9 +140,12 @@ impl Consumer {
     /// Connects to the broker, subscribes and maps the stream's arena.
     pub fn connect(opts: ConsumerOptions) -> Result<Consumer> {
         opts.validate()?;
-        connect_retrying(opts.socket.clone(), opts.connect_timeout, |stream| {
-            Consumer::subscribe(stream, &opts)
-        })
+        connect_retrying(
+            opts.socket.clone(),
+            opts.connect_timeout,
+            opts.broker_uid,
+            |stream| Consumer::subscribe(stream, &opts),
+        )
     }
 
     fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {

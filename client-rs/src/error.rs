@@ -47,6 +47,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the socket {path} is served by a process of uid {uid}, not uid {expected}: it may be an impostor, so nothing was sent. If a broker run by uid {uid} is the one you want, set BATCHCAST_BROKER_UID={uid} (ConsumerOptions::broker_uid in Rust)"
+    )]
+    Impostor {
+        path: PathBuf,
+        uid: u32,
+        expected: u32,
+    },
     #[error("socket I/O with the broker failed: {0}")]
     Io(#[from] std::io::Error),
     #[error("the broker closed the connection (it exited or was killed)")]

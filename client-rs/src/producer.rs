@@ -46,6 +46,8 @@ pub struct ProducerOptions {
     pub name: String,
     /// How long to retry while no broker is listening yet.
     pub connect_timeout: Duration,
+    /// The uid the broker must run as (see [`crate::ConsumerOptions::broker_uid`]).
+    pub broker_uid: Option<u32>,
     /// The stream: its name, fields, batch size, epochs, slots, ... exactly
     /// as the broker receives it.
     pub request: ProduceRequest,
@@ -64,6 +66,7 @@ impl ProducerOptions {
             socket: None,
             name: program_name("producer"),
             connect_timeout: Duration::ZERO,
+            broker_uid: None,
             request: ProduceRequest::new(stream, fields, batch_size, batches_per_epoch),
         }
     }
@@ -102,9 +105,12 @@ impl Producer {
             pid: std::process::id(),
             intent: Intent::Produce(Box::new(opts.request)),
         });
-        connect_retrying(opts.socket, opts.connect_timeout, |stream| {
-            Producer::open(stream, &hello)
-        })
+        connect_retrying(
+            opts.socket,
+            opts.connect_timeout,
+            opts.broker_uid,
+            |stream| Producer::open(stream, &hello),
+        )
     }
 
     fn open(stream: UnixStream, hello: &ClientMsg) -> Result<Producer> {

@@ -18,7 +18,7 @@ pub struct StatsClient {
 
 impl StatsClient {
     pub fn connect(socket: Option<PathBuf>) -> Result<StatsClient> {
-        connect_retrying(socket, Duration::ZERO, StatsClient::open)
+        connect_retrying(socket, Duration::ZERO, None, StatsClient::open)
     }
 
     fn open(stream: UnixStream) -> Result<StatsClient> {

@@ -59,11 +59,13 @@ pub(crate) fn send_msg(stream: &UnixStream, msg: &ClientMsg) -> Result<()> {
 }
 
 /// Connects to the broker's socket, retrying for up to `timeout` while it
-/// is not there yet, and runs `attempt` on the connection; an attempt that
-/// fails with [`Error::is_not_ready`] is retried too.
+/// is not there yet, checks that the process listening is the broker
+/// expected (see [`check_broker`]), and runs `attempt` on the connection;
+/// an attempt that fails with [`Error::is_not_ready`] is retried too.
 pub(crate) fn connect_retrying<T>(
     socket: Option<PathBuf>,
     timeout: Duration,
+    broker_uid: Option<u32>,
     mut attempt: impl FnMut(UnixStream) -> Result<T>,
 ) -> Result<T> {
     let path = socket.unwrap_or_else(default_socket_path);
@@ -74,6 +76,7 @@ pub(crate) fn connect_retrying<T>(
                 path: path.clone(),
                 source,
             })
+            .and_then(|s| check_broker(&s, &path, broker_uid).map(|()| s))
             .and_then(&mut attempt);
         match result {
             Err(e) if e.is_not_ready() && std::time::Instant::now() < deadline => {
@@ -82,6 +85,35 @@ pub(crate) fn connect_retrying<T>(
             other => return other,
         }
     }
+}
+
+/// The uid a broker must run as: `expected`, else `$BATCHCAST_BROKER_UID`,
+/// else this process's own.
+pub(crate) fn expected_broker_uid(expected: Option<u32>) -> u32 {
+    expected
+        .or_else(|| {
+            std::env::var("BATCHCAST_BROKER_UID")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or_else(|| nix::unistd::geteuid().as_raw())
+}
+
+/// Checks whom the socket leads to, from the kernel's record of the
+/// listening process (`SO_PEERCRED`): anyone who could replace the socket
+/// file could otherwise serve forged batches to this trainer.
+fn check_broker(stream: &UnixStream, path: &std::path::Path, expected: Option<u32>) -> Result<()> {
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| Error::Io(e.into()))?;
+    let expected = expected_broker_uid(expected);
+    if cred.uid() != expected {
+        return Err(Error::Impostor {
+            path: path.into(),
+            uid: cred.uid(),
+            expected,
+        });
+    }
+    Ok(())
 }
 
 /// Sends the preamble and `hello`, checks the broker's preamble and reads
