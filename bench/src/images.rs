@@ -28,7 +28,7 @@ use batchcast_broker::demo;
 use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Geometry, Layout, Transform};
-use batchcast_broker::pipeline::{ImagePipeline, OnError, Worker};
+use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -86,11 +86,13 @@ fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::
     let p = Arc::new(ImagePipeline::new(
         Arc::new(ds),
         transform(),
-        OnError::Skip,
-        u64::MAX,
-        u64::MAX,
-        reduced,
-        0,
+        SampleRules {
+            on_error: OnError::Skip,
+            max_pixels: u64::MAX,
+            max_file_bytes: u64::MAX,
+            reduced_decode: reduced,
+            cache_bytes: 0,
+        },
     ));
     let total = n * passes;
     let next = Arc::new(AtomicUsize::new(0));

@@ -77,16 +77,26 @@ pub struct PipelineCounts {
     pub cache: Option<CacheCounts>,
 }
 
-#[derive(Debug)]
-pub struct ImagePipeline {
-    pub dataset: Arc<Dataset>,
-    pub transform: Transform,
+/// How samples are read and decoded, and what a bad one does: the plan
+/// carries them, the pipeline follows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleRules {
     pub on_error: OnError,
+    /// Largest image (width × height) decoded.
     pub max_pixels: u64,
     /// Largest encoded sample read (a bigger one is a bad file).
     pub max_file_bytes: u64,
     /// Decode JPEGs at reduced size when the transform shrinks them anyway.
     pub reduced_decode: bool,
+    /// Budget of the cache of encoded bytes (0: none).
+    pub cache_bytes: u64,
+}
+
+#[derive(Debug)]
+pub struct ImagePipeline {
+    pub dataset: Arc<Dataset>,
+    pub transform: Transform,
+    pub rules: SampleRules,
     lut: Lut,
     cache: Option<MinIoCache>,
     bad: Mutex<HashSet<u64>>,
@@ -123,24 +133,13 @@ pub struct Filled {
 }
 
 impl ImagePipeline {
-    pub fn new(
-        dataset: Arc<Dataset>,
-        transform: Transform,
-        on_error: OnError,
-        max_pixels: u64,
-        max_file_bytes: u64,
-        reduced_decode: bool,
-        cache_bytes: u64,
-    ) -> ImagePipeline {
+    pub fn new(dataset: Arc<Dataset>, transform: Transform, rules: SampleRules) -> ImagePipeline {
         ImagePipeline {
             lut: Lut::new(&transform),
             dataset,
             transform,
-            on_error,
-            max_pixels,
-            max_file_bytes,
-            reduced_decode,
-            cache: (cache_bytes > 0).then(|| MinIoCache::new(cache_bytes)),
+            rules,
+            cache: (rules.cache_bytes > 0).then(|| MinIoCache::new(rules.cache_bytes)),
             bad: Mutex::new(HashSet::new()),
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
@@ -189,7 +188,7 @@ impl ImagePipeline {
                     });
                 }
                 Err(e) => {
-                    if self.on_error == OnError::Fail {
+                    if self.rules.on_error == OnError::Fail {
                         return Err(PipelineError::Failed(e));
                     }
                     if self
@@ -232,7 +231,7 @@ impl ImagePipeline {
             Some(b) => b,
             None => {
                 self.dataset
-                    .read(index, &mut w.bytes, self.max_file_bytes)
+                    .read(index, &mut w.bytes, self.rules.max_file_bytes)
                     .map_err(|source| SampleError::Read {
                         path: path(),
                         source,
@@ -246,11 +245,11 @@ impl ImagePipeline {
         };
         let header = w
             .decoder
-            .header(bytes, self.max_pixels)
+            .header(bytes, self.rules.max_pixels)
             .map_err(decode_err)?;
         let mut rng = self.transform.rng(epoch, position);
         let plan = self.transform.plan(header.width, header.height, &mut rng);
-        let denom = if self.reduced_decode && header.format == decode::Format::Jpeg {
+        let denom = if self.rules.reduced_decode && header.format == decode::Format::Jpeg {
             self.transform.reduction(&plan, header.width, header.height)
         } else {
             1

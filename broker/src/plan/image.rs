@@ -11,6 +11,7 @@ use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
 use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
 use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
 use crate::config::{StreamConfig, TransformConfig};
+use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, expand_pattern};
 use crate::pipeline::sampler::{Split, Uneven};
 use crate::pipeline::transform::{Geometry, Transform};
@@ -163,9 +164,6 @@ pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError>
             ),
         ));
     }
-    if s.max_pixels == 0 {
-        return Err(key("max_pixels", "max_pixels must be positive"));
-    }
     let (dataset, shuffle_buffer) = list_dataset(s)?;
     let split = Split {
         rank: s.rank,
@@ -208,11 +206,13 @@ pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError>
         plan: SourcePlan::Images(ImagePlan {
             dataset: Arc::new(dataset),
             transform,
-            on_error: s.on_error,
-            max_pixels: s.max_pixels,
-            max_file_bytes: s.max_file_bytes,
-            reduced_decode: s.reduced_decode,
-            cache_bytes: s.cache_mib.saturating_mul(1 << 20),
+            rules: SampleRules {
+                on_error: s.on_error,
+                max_pixels: s.max_pixels,
+                max_file_bytes: s.max_file_bytes,
+                reduced_decode: s.reduced_decode,
+                cache_bytes: s.cache_mib.saturating_mul(1 << 20),
+            },
             split,
             shuffle_buffer,
             shuffle: s.shuffle,

@@ -18,7 +18,7 @@ use batchcast::schema::{ExternalSourceInfo, Field, Schema, SlotLayout, SourceInf
 use batchcast::synthetic::SyntheticSpec;
 
 use crate::config::{Config, StreamConfig, SyntheticConfig};
-use crate::pipeline::OnError;
+use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, DatasetError};
 use crate::pipeline::sampler::{self, Split};
 use crate::pipeline::transform::Transform;
@@ -111,14 +111,7 @@ pub enum SourcePlan {
 pub struct ImagePlan {
     pub dataset: Arc<Dataset>,
     pub transform: Transform,
-    pub on_error: OnError,
-    /// Largest image (width × height) decoded.
-    pub max_pixels: u64,
-    /// Largest encoded sample read.
-    pub max_file_bytes: u64,
-    pub reduced_decode: bool,
-    /// Budget of the cache of encoded bytes (0: none).
-    pub cache_bytes: u64,
+    pub rules: SampleRules,
     pub split: Split,
     /// Shuffle buffer for tar shards; `None` for random access.
     pub shuffle_buffer: Option<usize>,

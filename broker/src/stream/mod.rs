@@ -121,11 +121,7 @@ impl Stream {
             SourcePlan::Images(p) => Some(SlotWriter::Images(Arc::new(ImagePipeline::new(
                 p.dataset.clone(),
                 p.transform.clone(),
-                p.on_error,
-                p.max_pixels,
-                p.max_file_bytes,
-                p.reduced_decode,
-                p.cache_bytes,
+                p.rules,
             )))),
             SourcePlan::External => None,
         };
