@@ -24,9 +24,13 @@ if [[ ! -x "$KIT/batchcast" ]] || ! ls "$KIT"/batchcast-*.whl >/dev/null 2>&1; t
     exit 2
 fi
 PY="${PYTHON:-python3}"
-VENV="${TMPDIR:-/tmp}/batchcast-gpu-venv"
-# Over the machine's own torch; the wheel has no dependencies to fetch.
-"$PY" -m venv --system-site-packages "$VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-index --force-reinstall "$KIT"/batchcast-*.whl
+# Beside the machine's own torch, never in a new venv: a venv made from a
+# venv's python (torch images often ship one) sees the base interpreter's
+# packages, not torch. The wheel has no dependencies to fetch.
+SITE="${TMPDIR:-/tmp}/batchcast-gpu-site"
+rm -rf "$SITE"
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$SITE" "$KIT"/batchcast-*.whl
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c 'import torch, batchcast; print("torch", torch.__version__, "batchcast", batchcast.__file__)'
 nvidia-smi -L 2>/dev/null || true
-exec "$VENV/bin/python" bench/gpu_bench.py --broker "$KIT/batchcast" "$@"
+exec "$PY" bench/gpu_bench.py --broker "$KIT/batchcast" "$@"

@@ -11,9 +11,11 @@ Needs torch with CUDA and the batchcast wheel; the broker binary is
   broker's H2D copies per batch published (target: 1.00 whatever the
   number of consumers: zero copies per consumer). Target: per-consumer rate
   with 4 ≥ 90 % of the rate with 1.
-* Hand-off latency, median: from the broker publishing a batch to the
-  trainer holding it, for a GPU consumer (includes the H2D copy) and a host
-  consumer of the same stream.
+* Hand-off latency, median: from the broker sending a batch (a device
+  batch is sent once its H2D copy is done) to the trainer holding it, for a
+  GPU consumer and a host consumer of the same stream.
+* Batches/s per consumer with 1, 2 and 4 host consumers of the same
+  stream: what of the scaling is not GPU-specific.
 * With two or more GPUs: how a batch best reaches a second GPU, measured
   with torch on the same bytes: a second host-to-device copy (what the
   broker does: one copy per GPU from page-locked host memory), or a
@@ -104,13 +106,14 @@ class Broker:
 CONSUMER = r"""
 import json, sys, time, torch, batchcast
 socket, limit = sys.argv[1], int(sys.argv[2])
-c = batchcast.Consumer(stream="gpu", socket=socket, device="cuda:0", window=4, connect_timeout=30)
+device = sys.argv[3]
+c = batchcast.Consumer(stream="gpu", socket=socket, device=device, window=4, connect_timeout=30)
 n, handoff, t0 = 0, [], None
 for epoch in range(1000):
     for images, labels in c:
         if t0 is None:
             t0 = time.perf_counter()
-        assert images.is_cuda and images.device.index == 0
+        assert images.is_cuda == (device != "cpu")
         n += 1
         if n >= limit:
             break
@@ -197,8 +200,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", required=True)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--batches", type=int, default=400, help="batches per consumer run")
+    p.add_argument("--batches", type=int, default=3000, help="batches per consumer run (fewer measure start-up, not the rate)")
     p.add_argument("--tmp", default=tempfile.gettempdir())
+    p.add_argument("--slots", type=int, default=8, help="host and device slots of the scaling runs")
+    p.add_argument("--dump", help="folder to write each run's `batchcast stats --json` into")
     a = p.parse_args()
     tmp = Path(a.tmp)
     assert torch.cuda.is_available(), "no CUDA device visible to torch"
@@ -207,37 +212,44 @@ def main() -> None:
     rows = []
 
     # 1. Rate per consumer with 1, 2, 4 GPU consumers; H2D bandwidth of the
-    # broker's copies; copies per batch.
-    rates = {}
-    broker_gbs = None
-    copies_per_batch = {}
-    for n in (1, 2, 4):
-        b = Broker(a.broker, config(a.batch, 10**9, 1, "stamp", 8, n), tmp)
-        try:
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, "-c", CONSUMER, b.socket, str(a.batches)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for _ in range(n)
-            ]
-            reports = []
-            for pr in procs:
-                out, err = pr.communicate(timeout=300)
-                if pr.returncode != 0:
-                    raise SystemExit(f"GPU consumer failed:\n{err}")
-                reports.append(json.loads(out.strip().splitlines()[-1]))
-            s = b.stats()
-        finally:
-            b.stop()
-        rates[n] = statistics.median(r["batches"] / r["seconds"] for r in reports)
-        g = s["gpus"][0]
-        copies_per_batch[n] = g["copies"] / max(s["batches_produced"], 1)
-        if n == 1:
-            broker_gbs = g["bytes"] / g["copy_s"] / 1e9 if g["copy_s"] > 0 else float("nan")
-            pinned = g["pinned"]
+    # broker's copies; copies per batch. The same with host consumers of the
+    # same stream shows what is GPU-specific.
+    def scaling(device: str) -> tuple[dict, dict]:
+        rates, stats = {}, {}
+        for n in (1, 2, 4):
+            # Long enough that no consumer reaches the end: the rate is steady state.
+            b = Broker(a.broker, config(a.batch, a.batch * (a.batches + 64), 1, "stamp", a.slots, n), tmp)
+            try:
+                procs = [
+                    subprocess.Popen(
+                        [sys.executable, "-c", CONSUMER, b.socket, str(a.batches), device],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    for _ in range(n)
+                ]
+                reports = []
+                for pr in procs:
+                    out, err = pr.communicate(timeout=300)
+                    if pr.returncode != 0:
+                        raise SystemExit(f"{device} consumer failed:\n{err}")
+                    reports.append(json.loads(out.strip().splitlines()[-1]))
+                stats[n] = b.stats()
+            finally:
+                b.stop()
+            rates[n] = statistics.median(r["batches"] / r["seconds"] for r in reports)
+            if a.dump:
+                Path(a.dump).mkdir(parents=True, exist_ok=True)
+                (Path(a.dump) / f"stats-{device.replace(':', '')}-{n}.json").write_text(json.dumps(stats[n], indent=1))
+        return rates, stats
+
+    rates, stats = scaling("cuda:0")
+    host_rates, _ = scaling("cpu")
+    copies_per_batch = {n: s["gpus"][0]["copies"] / max(s["batches_produced"], 1) for n, s in stats.items()}
+    g = stats[1]["gpus"][0]
+    broker_gbs = g["bytes"] / g["copy_s"] / 1e9 if g["copy_s"] > 0 else float("nan")
+    pinned = g["pinned"]
 
     torch_gbs = torch_h2d(slot_bytes)
     rows.append(("H2D, torch pinned .to(cuda, non_blocking)", f"{torch_gbs:.1f} GB/s", ""))
@@ -254,6 +266,14 @@ def main() -> None:
                 f"{n} GPU consumer(s), batches/s each",
                 f"{rates[n]:.0f}",
                 f"{100 * rates[n] / rates[1]:.0f} % of 1; H2D copies per batch {copies_per_batch[n]:.2f}",
+            )
+        )
+    for n in (1, 2, 4):
+        rows.append(
+            (
+                f"{n} host consumer(s) of the same stream, batches/s each",
+                f"{host_rates[n]:.0f}",
+                f"{100 * host_rates[n] / host_rates[1]:.0f} % of 1",
             )
         )
 
@@ -274,7 +294,7 @@ def main() -> None:
         b.stop()
     rows.append(
         (
-            "hand-off latency p50, GPU consumer (incl. H2D)",
+            "hand-off latency p50, GPU consumer (sent once copied)",
             f"{1e6 * statistics.median(lat_gpu):.0f} µs",
             f"host consumer {1e6 * statistics.median(lat_host):.0f} µs",
         )
