@@ -5,6 +5,9 @@
 //! socket = "/run/user/1000/batchcast.sock"   # optional; --socket overrides
 //! allow_uids = [1001]                         # other users who may connect
 //! allow_gids = [2000]
+//! max_connections = 1024                     # all users together
+//! max_connections_per_uid = 128              # each user but the broker's
+//! idle_timeout_s = 60                        # stats connections asking nothing
 //!
 //! [[stream]]
 //! name = "train"
@@ -94,6 +97,13 @@ pub struct BrokerSection {
     /// Groups (primary or supplementary) whose members may connect.
     #[serde(default)]
     pub allow_gids: Vec<u32>,
+    /// Connections served at once, all users together (default 1024).
+    pub max_connections: Option<u64>,
+    /// Connections each user other than the broker's may hold (default 128).
+    pub max_connections_per_uid: Option<u64>,
+    /// Seconds a stats connection may ask nothing before it is closed
+    /// (default 60).
+    pub idle_timeout_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

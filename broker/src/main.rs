@@ -137,6 +137,10 @@ fn serve(
         }
         None => (config::Config::default(), Vec::new()),
     };
+    let limits = plan::plan_broker(&cfg.broker).with_context(|| match &config_path {
+        Some(path) => format!("config {}", path.display()),
+        None => "the built-in defaults".into(),
+    })?;
     let allow = listen::Allow {
         own_uid: nix::unistd::getuid().as_raw(),
         uids: cfg.broker.allow_uids.clone(),
@@ -153,7 +157,16 @@ fn serve(
         streams.push(s);
     }
     batchcast_broker::gpu::announce();
-    let broker = Arc::new(server::Broker::new(streams, allow));
+    raise_fd_limit(limits.max_connections);
+    let admission = server::Admission::new(
+        allow,
+        server::Limits {
+            max_connections: limits.max_connections,
+            max_per_uid: limits.max_connections_per_uid,
+            idle: limits.idle_timeout,
+        },
+    );
+    let broker = Arc::new(server::Broker::new(streams, admission));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("batchcast-io")
@@ -188,9 +201,32 @@ fn serve(
         server::run(listener, broker, shutdown).await;
         anyhow::Ok(())
     })?;
+    // A pipeline thread stuck in I/O (see stream shutdown) or a blocking
+    // task must not hold the exit: SIGINT/SIGTERM end the broker in < 2 s.
+    rt.shutdown_timeout(Duration::from_millis(200));
     drop(bound);
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one: each connection is
+/// a descriptor (a consumer's arena and mailbox are sent, not kept). Says
+/// so once if `max_connections` cannot fit.
+fn raise_fd_limit(max_connections: usize) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_err() {
+        tracing::debug!("could not raise the open-file limit from {soft} to {hard}");
+    }
+    // Streams, pipeline files and the runtime take some beyond connections.
+    let need = max_connections as u64 + 256;
+    if hard < need {
+        tracing::warn!(
+            "the open-file limit is {hard}, below the {need} that max_connections = {max_connections} needs; connections past it fail to be accepted (raise `ulimit -n` or lower max_connections)"
+        );
+    }
 }
 
 fn stats(socket: Option<PathBuf>, json: bool, watch: bool) -> anyhow::Result<()> {

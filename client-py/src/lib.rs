@@ -25,7 +25,14 @@ const TICK: Duration = Duration::from_millis(50);
 fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let code = e.code();
     let class = match &e {
-        Error::Connect { .. } | Error::BrokerGone | Error::Impostor { .. } => "BrokerUnavailable",
+        Error::Connect { .. }
+        | Error::BrokerGone
+        | Error::Impostor { .. }
+        | Error::HandshakeTimeout { .. }
+        | Error::Broker {
+            code: ErrorCode::Busy | ErrorCode::NotAllowed,
+            ..
+        } => "BrokerUnavailable",
         Error::Io(io)
             if matches!(
                 io.kind(),

@@ -250,6 +250,33 @@ def test_errors_say_what_to_do(start_broker, tmp_path):
         batchcast.Consumer(socket=broker.socket, window=9, output="numpy")
 
 
+def test_a_full_or_silent_broker_raises_at_once_never_hangs(start_broker, tmp_path):
+    import socket as sk
+
+    broker = start_broker("[broker]\nmax_connections = 16\n" + synthetic())
+    # Sixteen connections that never say hello fill the broker.
+    idle = [sk.socket(sk.AF_UNIX) for _ in range(16)]
+    for s in idle:
+        s.connect(str(broker.socket))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(batchcast.BrokerUnavailable) as e:
+        batchcast.Consumer(socket=broker.socket, output="numpy", connect_timeout=30)
+    assert time.monotonic() - t0 < 10, "refused at once, not after connect_timeout"
+    assert e.value.code == "Busy" and "max_connections" in str(e.value)
+    for s in idle:
+        s.close()
+    # A listener that accepts and never answers: bounded by connect_timeout.
+    silent = sk.socket(sk.AF_UNIX)
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen(4)
+    t0 = time.monotonic()
+    with pytest.raises(batchcast.BrokerUnavailable, match="did not answer within"):
+        batchcast.Consumer(socket=tmp_path / "silent.sock", output="numpy", connect_timeout=2)
+    assert time.monotonic() - t0 < 20
+    silent.close()
+
+
 def test_dict_batches_and_metadata(start_broker):
     broker = start_broker(synthetic(epochs=1))
     c = batchcast.Consumer(socket=broker.socket, output="numpy", as_dict=True)

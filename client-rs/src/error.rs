@@ -3,6 +3,7 @@
 //! so every other module may use it without an import circle.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +35,12 @@ pub enum ErrorCode {
     /// driver error); the message names the CUDA error.
     DeviceUnavailable,
     Internal,
+    /// The broker is at a connection limit (its own, or this uid's share);
+    /// the message names the limit and who holds the connections.
+    Busy,
+    /// A stats connection asked nothing for the broker's `idle_timeout_s`
+    /// and was closed ([`crate::StatsClient`] reconnects by itself).
+    Idle,
 }
 
 /// Everything that can go wrong talking to a broker.
@@ -47,6 +54,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the broker at {path} accepted the connection but did not answer within {waited:?}: it may be overloaded or stuck (`batchcast stats` shows its connections); raise connect_timeout to wait longer"
+    )]
+    HandshakeTimeout { path: PathBuf, waited: Duration },
     #[error(
         "the socket {path} is served by a process of uid {uid}, not uid {expected}: it may be an impostor, so nothing was sent. If a broker run by uid {uid} is the one you want, set BATCHCAST_BROKER_UID={uid} (ConsumerOptions::broker_uid in Rust)"
     )]

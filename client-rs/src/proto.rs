@@ -37,7 +37,7 @@ use crate::parse::ParseError;
 use crate::schema::{Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the

@@ -14,15 +14,19 @@ use crate::transport::{broker_error, connect_retrying, handshake, read_server_ms
 pub struct StatsClient {
     stream: UnixStream,
     buf: Vec<u8>,
+    socket: Option<PathBuf>,
 }
 
 impl StatsClient {
     pub fn connect(socket: Option<PathBuf>) -> Result<StatsClient> {
-        connect_retrying(socket, Duration::ZERO, None, StatsClient::open)
+        let mut c = connect_retrying(socket.clone(), Duration::ZERO, None, StatsClient::open)?;
+        c.socket = socket;
+        // A broker that stops answering fails a request, never hangs it.
+        c.stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(c)
     }
 
     fn open(stream: UnixStream) -> Result<StatsClient> {
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let hello = ClientMsg::Hello(Hello {
             name: "stats".into(),
             pid: std::process::id(),
@@ -35,6 +39,7 @@ impl StatsClient {
         Ok(StatsClient {
             stream,
             buf: Vec::new(),
+            socket: None,
         })
     }
 
@@ -53,8 +58,27 @@ impl StatsClient {
         })
     }
 
+    /// Asks, and if the broker had closed this connection for idleness
+    /// (`idle_timeout_s`), asks again once on a new one. Both requests are
+    /// idempotent.
     fn ask(&mut self, msg: &ClientMsg) -> Result<StatsReply> {
-        proto::write_frame(&mut self.stream, msg)?;
+        match self.ask_once(msg) {
+            Err(e)
+                if e.code() == Some(crate::ErrorCode::Idle) || matches!(e, Error::BrokerGone) =>
+            {
+                *self = StatsClient::connect(self.socket.clone())?;
+                self.ask_once(msg)
+            }
+            other => other,
+        }
+    }
+
+    fn ask_once(&mut self, msg: &ClientMsg) -> Result<StatsReply> {
+        // The broker may have closed an idle connection: a failed write is
+        // read past, to the reason it left in the socket.
+        if let Err(e) = proto::write_frame(&mut self.stream, msg) {
+            tracing::debug!("stats request not sent: {e}");
+        }
         match read_server_msg(&mut self.stream, &mut self.buf)? {
             ServerMsg::Stats(s) => Ok(*s),
             ServerMsg::Error(e) => Err(broker_error(e)),

@@ -71,13 +71,31 @@ pub(crate) fn connect_retrying<T>(
     let path = socket.unwrap_or_else(default_socket_path);
     let deadline = std::time::Instant::now() + timeout;
     loop {
+        // However long is left, a live broker gets a moment to answer.
+        let patience = deadline
+            .saturating_duration_since(std::time::Instant::now())
+            .max(HANDSHAKE_FLOOR);
         let result = UnixStream::connect(&path)
             .map_err(|source| Error::Connect {
                 path: path.clone(),
                 source,
             })
             .and_then(|s| check_broker(&s, &path, broker_uid).map(|()| s))
-            .and_then(&mut attempt);
+            .and_then(|s| with_deadline(s, patience, &mut attempt))
+            .map_err(|e| match e {
+                Error::Io(io)
+                    if matches!(
+                        io.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    Error::HandshakeTimeout {
+                        path: path.clone(),
+                        waited: patience,
+                    }
+                }
+                other => other,
+            });
         match result {
             Err(e) if e.is_not_ready() && std::time::Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(100));
@@ -85,6 +103,29 @@ pub(crate) fn connect_retrying<T>(
             other => return other,
         }
     }
+}
+
+/// The least time a handshake is given, whatever is left of the connect
+/// timeout (a broker answers in microseconds when it is well).
+const HANDSHAKE_FLOOR: Duration = Duration::from_secs(2);
+
+/// Runs `attempt` (the handshake and whatever the connection's kind reads
+/// next) with every read and write on `s` bounded by `patience`, then
+/// lifts the bounds for the connection's life: a broker that accepts and
+/// then says nothing cannot hold a client past its connect timeout.
+fn with_deadline<T>(
+    s: UnixStream,
+    patience: Duration,
+    attempt: &mut impl FnMut(UnixStream) -> Result<T>,
+) -> Result<T> {
+    // A clone shares the socket, and with it the timeouts.
+    let ctl = s.try_clone()?;
+    ctl.set_read_timeout(Some(patience))?;
+    ctl.set_write_timeout(Some(patience))?;
+    let r = attempt(s)?;
+    ctl.set_read_timeout(None)?;
+    ctl.set_write_timeout(None)?;
+    Ok(r)
 }
 
 /// The uid a broker must run as: `expected`, else `$BATCHCAST_BROKER_UID`,
@@ -126,13 +167,19 @@ pub(crate) fn handshake(
     let mut out = Preamble::ours().to_bytes().to_vec();
     out.extend_from_slice(&proto::encode(hello)?);
     let mut w = stream;
-    std::io::Write::write_all(&mut w, &out)?;
+    // A broker that refuses a peer at accept (allow list, connection
+    // limits) writes its reason and closes without reading: the write may
+    // fail, and the reason is still there to read.
+    let written = std::io::Write::write_all(&mut w, &out);
     let mut pre = [0u8; Preamble::LEN];
     let mut r = stream;
-    r.read_exact(&mut pre).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => Error::BrokerGone,
-        _ => Error::Io(e),
-    })?;
+    if let Err(e) = r.read_exact(&mut pre) {
+        return Err(match (written, e.kind()) {
+            (Err(w), _) => Error::Io(w),
+            (Ok(()), std::io::ErrorKind::UnexpectedEof) => Error::BrokerGone,
+            (Ok(()), _) => Error::Io(e),
+        });
+    }
     Preamble::parse(pre)?.check()?;
     let mut fds = Vec::new();
     let mut len = [0u8; 4];

@@ -8,7 +8,7 @@ use batchcast::proto::MailboxSpec;
 use batchcast::schema::Field;
 
 use super::{StreamError, key, mem_total_bytes};
-use crate::config::StreamConfig;
+use crate::config::{BrokerSection, StreamConfig};
 
 /// Most slots of a stream: each mailbox consumer may owe every one of them.
 pub const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
@@ -17,7 +17,7 @@ pub const MAX_BATCH_SIZE: u64 = 1 << 20;
 /// Most pipeline threads of a stream (each has its own stack and decoder).
 pub const MAX_WORKERS: usize = 256;
 /// Most consumers a stream may wait for (the broker serves 1,024
-/// connections at once).
+/// connections at once by default).
 pub const MAX_MIN_CONSUMERS: u32 = 1024;
 /// Most samples of a synthetic dataset (its order takes 8 bytes a sample
 /// per epoch).
@@ -34,6 +34,49 @@ pub const MAX_WORLD_SIZE: u64 = 1 << 20;
 pub const MAX_FILE_BYTES: u64 = 1 << 32;
 /// Most batches in an external producer's epoch.
 pub const MAX_BATCHES_PER_EPOCH: u64 = 1 << 40;
+/// Most connections a broker serves (each is a file descriptor and a task).
+pub const MAX_CONNECTIONS: u64 = 65536;
+/// Longest `idle_timeout_s`: a day.
+pub const MAX_IDLE_S: u64 = 86400;
+/// The `[broker]` defaults.
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
+pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u64 = 128;
+pub const DEFAULT_IDLE_S: u64 = 60;
+
+/// The `[broker]` section's numbers within their bounds.
+pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, StreamError> {
+    let max = b.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+    within(
+        "max_connections",
+        max,
+        16,
+        MAX_CONNECTIONS,
+        "connections served at once, each a file descriptor",
+    )?;
+    let per_uid = b
+        .max_connections_per_uid
+        .unwrap_or(DEFAULT_MAX_CONNECTIONS_PER_UID.min(max - max / 4));
+    within(
+        "max_connections_per_uid",
+        per_uid,
+        1,
+        max - max / 4,
+        "connections of one user other than the broker's; all of them together may hold three quarters of max_connections",
+    )?;
+    let idle = b.idle_timeout_s.unwrap_or(DEFAULT_IDLE_S);
+    within(
+        "idle_timeout_s",
+        idle,
+        1,
+        MAX_IDLE_S,
+        "seconds a stats connection may ask nothing",
+    )?;
+    Ok(super::BrokerPlan {
+        max_connections: max as usize,
+        max_connections_per_uid: per_uid as usize,
+        idle_timeout: std::time::Duration::from_secs(idle),
+    })
+}
 
 /// `key = value` must lie in `lo..=hi`; the error names the key, the limit
 /// and why it is there.

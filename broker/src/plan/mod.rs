@@ -48,6 +48,21 @@ pub enum PlanError {
         "the streams' arenas need {need_mib} MiB of shared memory, more than half of this host's {have_mib} MiB; lower slots or batch_size"
     )]
     SharedMemory { need_mib: u64, have_mib: u64 },
+    #[error("[broker]: {0}")]
+    Broker(StreamError),
+}
+
+/// The `[broker]` section's numbers, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BrokerPlan {
+    pub max_connections: usize,
+    pub max_connections_per_uid: usize,
+    pub idle_timeout: std::time::Duration,
+}
+
+/// Checks the `[broker]` section's bounds; absent keys take the defaults.
+pub fn plan_broker(b: &crate::config::BrokerSection) -> Result<BrokerPlan, PlanError> {
+    checks::check_broker(b).map_err(PlanError::Broker)
 }
 
 /// What is wrong with one stream.

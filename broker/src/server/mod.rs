@@ -8,6 +8,8 @@
 //! * `producer`: an external producer's connection: register, seal the
 //!   arena, hand out slots, publish.
 //! * `stats`: a stats connection, and the launcher's `SetMinConsumers`.
+//! * `admit`: who gets a connection (allow list, limits per uid), decided
+//!   at accept before anything is read.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -24,15 +26,15 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::listen::Allow;
 use crate::stream::{Peer, Request, Stream};
 
+mod admit;
 mod consumer;
 mod producer;
 mod stats;
 
-/// Connections served at once; more wait in the listen backlog.
-const MAX_CONNECTIONS: usize = 1024;
+pub use admit::{Admission, Limits};
+
 /// How long a client may take to send its preamble and hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -42,7 +44,7 @@ pub struct Broker {
     /// Streams by name: the configured ones, and external ones while their
     /// producer is connected.
     streams: RwLock<HashMap<String, Entry>>,
-    pub allow: Allow,
+    pub admission: Arc<Admission>,
     pub started: Instant,
 }
 
@@ -54,7 +56,7 @@ enum Entry {
 }
 
 impl Broker {
-    pub fn new(streams: Vec<Arc<Stream>>, allow: Allow) -> Broker {
+    pub fn new(streams: Vec<Arc<Stream>>, admission: Arc<Admission>) -> Broker {
         Broker {
             streams: RwLock::new(
                 streams
@@ -62,7 +64,7 @@ impl Broker {
                     .map(|s| (s.name().to_string(), Entry::Ready(s)))
                     .collect(),
             ),
-            allow,
+            admission,
             started: Instant::now(),
         }
     }
@@ -171,22 +173,22 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let (stop_tx, stop_rx) = watch::channel(false);
-    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut tasks = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((sock, _)) => {
-                    let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                // Admission never waits: a refused peer is answered and
+                // closed here, so the loop always comes back to `shutdown`.
+                Ok((sock, _)) => if let Some((ticket, cred)) = admit(&broker.admission, &sock) {
                     let broker = broker.clone();
                     let stop = stop_rx.clone();
                     tasks.spawn(async move {
-                        serve_connection(sock, broker, stop).await;
-                        drop(permit);
+                        serve_connection(sock, cred, broker, stop).await;
+                        drop(ticket);
                     });
-                }
+                },
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -200,17 +202,59 @@ pub async fn run(
         tasks.len()
     );
     // Streams queue a goodbye to each consumer (whose task ends after writing
-    // it), then stats connections are told to stop.
-    for s in broker.streams() {
-        let _ = tokio::task::spawn_blocking(move || s.shutdown()).await;
-    }
+    // it), then stats connections are told to stop. All within 2 s in all,
+    // whatever the connections do: streams stop at once and together.
+    let stopping: Vec<_> = broker
+        .streams()
+        .into_iter()
+        .map(|s| tokio::task::spawn_blocking(move || s.shutdown()))
+        .collect();
+    let _ = tokio::time::timeout(Duration::from_millis(1200), async {
+        for s in stopping {
+            let _ = s.await;
+        }
+    })
+    .await;
     let _ = stop_tx.send(true);
-    let drained = tokio::time::timeout(Duration::from_secs(2), async {
+    let drained = tokio::time::timeout(Duration::from_millis(500), async {
         while tasks.join_next().await.is_some() {}
     })
     .await;
     if drained.is_err() {
         tasks.abort_all();
+    }
+}
+
+/// Decides from the peer's kernel credentials, before reading anything,
+/// whether it gets a connection; a refused peer is sent the broker's
+/// preamble and the reason (a client reads them as the answer to its
+/// hello) and closed.
+fn admit(
+    admission: &Arc<Admission>,
+    sock: &UnixStream,
+) -> Option<(admit::Ticket, tokio::net::unix::UCred)> {
+    let cred = match sock.peer_cred() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("no peer credentials: {e}");
+            return None;
+        }
+    };
+    match admission.admit(cred.uid(), cred.gid(), cred.pid()) {
+        Ok(ticket) => Some((ticket, cred)),
+        Err(refusal) => {
+            tracing::debug!(uid = cred.uid(), pid = ?cred.pid(), "{}", refusal.message);
+            let mut bytes = Preamble::ours().to_bytes().to_vec();
+            let error = ServerMsg::Error(ErrorMsg {
+                code: refusal.code,
+                message: refusal.message,
+            });
+            append(&mut bytes, &error);
+            // A fresh socket's buffer takes this small write whole; if not,
+            // the peer only loses the reason, never the broker its time.
+            let _ = sock.try_write(&bytes);
+            None
+        }
     }
 }
 
@@ -222,35 +266,43 @@ async fn write_msg(sock: &mut UnixStream, msg: &ServerMsg) -> std::io::Result<()
     sock.write_all(&bytes).await
 }
 
-async fn serve_connection(mut sock: UnixStream, broker: Arc<Broker>, stop: watch::Receiver<bool>) {
-    let cred = match sock.peer_cred() {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!("no peer credentials: {e}");
-            return;
-        }
-    };
+async fn serve_connection(
+    mut sock: UnixStream,
+    cred: tokio::net::unix::UCred,
+    broker: Arc<Broker>,
+    stop: watch::Receiver<bool>,
+) {
     let mut buf = Vec::with_capacity(4096);
     let result = async {
         let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut sock, &mut buf))
             .await
             .map_err(|_| Reject(ErrorCode::InvalidRequest, "no hello within 10 s".into()))??;
-        if !broker.allow.admits(cred.uid(), cred.gid(), cred.pid()) {
-            tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "refused a peer not in the allow list");
-            return Err(Reject(
-                ErrorCode::NotAllowed,
-                format!("uid {} is not allowed to use this broker; add it to allow_uids in the broker config", cred.uid()),
-            ));
-        }
-        let peer = Peer { name: hello.name, pid: hello.pid, uid: cred.uid() };
+        let peer = Peer {
+            name: hello.name,
+            pid: hello.pid,
+            uid: cred.uid(),
+        };
         match hello.intent {
             Intent::Stats => stats::serve_stats(&mut sock, &broker, &mut buf, stop).await,
-            Intent::Consume { stream, window, join, device, mailbox } => {
+            Intent::Consume {
+                stream,
+                window,
+                join,
+                device,
+                mailbox,
+            } => {
                 let s = broker.lookup(&stream)?;
-                let req = Request { window, join, device, mailbox };
+                let req = Request {
+                    window,
+                    join,
+                    device,
+                    mailbox,
+                };
                 consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
             }
-            Intent::Produce(req) => producer::serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await,
+            Intent::Produce(req) => {
+                producer::serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await
+            }
         }
     }
     .await;

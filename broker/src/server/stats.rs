@@ -15,9 +15,17 @@ pub(super) async fn serve_stats(
 ) -> Result<(), Reject> {
     // An answer to the hello, so clients know they were admitted.
     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
+    let idle = broker.admission.limits().idle;
     loop {
         let msg = tokio::select! {
-            m = next_frame(sock, buf) => m?,
+            m = tokio::time::timeout(idle, next_frame(sock, buf)) => match m {
+                Ok(m) => m?,
+                // Its place goes to someone else; `StatsClient` reconnects.
+                Err(_) => return Err(Reject(
+                    ErrorCode::Idle,
+                    format!("no request for {} s (idle_timeout_s): closing this stats connection", idle.as_secs()),
+                )),
+            },
             _ = stop.changed() => return Ok(()),
         };
         match msg {

@@ -18,7 +18,10 @@ class Error(Exception):
 
 
 class BrokerUnavailable(Error, ConnectionError):
-    """No broker at the socket, or it went away (exited or was killed)."""
+    """No broker at the socket, it went away (exited or was killed), it is
+    not the user it should be, it refused this user, or it is at a
+    connection limit (``code`` is ``"NotAllowed"`` or ``"Busy"`` then, and
+    the message names the limit)."""
 
 
 class StreamError(Error, RuntimeError):

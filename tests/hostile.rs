@@ -1,0 +1,312 @@
+//! Hostile and careless clients against the real broker binary: idle
+//! connections, connection floods from another user, a listener that never
+//! answers, signals while all of that goes on. Every wait is bounded, so a
+//! stall fails a test instead of hanging it. Parts that need a second user
+//! run as root (as CI does) and say SKIPPED elsewhere.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use batchcast::proto::{self, ClientMsg, ErrorCode, Hello, Intent, Preamble, ServerMsg};
+use batchcast::{Consumer, ConsumerOptions, Error, StatsClient};
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::harness::{self, BrokerProcess};
+
+mod common;
+
+use common::{EXE, Env, LIMIT, report};
+
+/// A uid with no other role here.
+const GUEST: u32 = 65534;
+const STRANGER: u32 = 65533;
+
+fn stream_config(broker: &str) -> String {
+    let body = StreamToml::synthetic("train", 4, 64, &[("x", "u8", &[16])])
+        .epochs(1)
+        .key("slots", 4)
+        .to_toml();
+    format!("[broker]\n{broker}\n{body}")
+}
+
+/// A connection that says hello as a stats client and then nothing: the
+/// broker's first answer (stats, or the reason it refused).
+fn idle_stats(socket: &Path) -> (UnixStream, ServerMsg) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = ClientMsg::Hello(Hello {
+        name: "idle".into(),
+        pid: std::process::id(),
+        intent: Intent::Stats,
+    });
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend_from_slice(&proto::encode(&hello).unwrap());
+    let _ = s.write_all(&out);
+    let mut pre = [0u8; Preamble::LEN];
+    s.read_exact(&mut pre).unwrap();
+    let mut buf = Vec::new();
+    let first = proto::read_frame::<ServerMsg>(&mut s, &mut buf)
+        .unwrap()
+        .expect("the broker closed without a word");
+    (s, first)
+}
+
+fn is_root(what: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        eprintln!("SKIPPED (needs root to act as a second user): {what}");
+    }
+    root
+}
+
+/// Runs `f` on a thread and fails the test if it has not returned within
+/// `limit` (the thread is left behind: the point is that it hung).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
+}
+
+fn consumer_options(socket: &Path, timeout: Duration) -> ConsumerOptions {
+    ConsumerOptions {
+        socket: Some(socket.into()),
+        stream: "train".into(),
+        connect_timeout: timeout,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn idle_connections_get_a_clear_refusal_time_out_and_never_hang_a_client() {
+    let env = Env::start(&stream_config(
+        "max_connections = 24\nmax_connections_per_uid = 8\nidle_timeout_s = 2",
+    ));
+    let socket = env.socket();
+    // The owner's own careless program: 24 stats connections that ask once
+    // and then nothing, the whole limit.
+    let idle: Vec<_> = (0..24)
+        .map(|_| {
+            let (s, first) = idle_stats(&socket);
+            assert!(matches!(first, ServerMsg::Stats(_)), "{first:?}");
+            s
+        })
+        .collect();
+    // A consumer is told at once, not after its connect timeout, and not
+    // never (before: it blocked in the handshake for good).
+    let t0 = Instant::now();
+    let s2 = socket.clone();
+    let err = within(
+        Duration::from_secs(20),
+        "a consumer at the limit",
+        move || Consumer::connect(consumer_options(&s2, Duration::from_secs(30))).unwrap_err(),
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "it waited {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(err.code(), Some(ErrorCode::Busy), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("24 connections (max_connections)") && text.contains("close idle ones"),
+        "{text}"
+    );
+    let s2 = socket.clone();
+    let err = within(Duration::from_secs(20), "stats at the limit", move || {
+        StatsClient::connect(Some(s2)).unwrap_err()
+    });
+    assert_eq!(err.code(), Some(ErrorCode::Busy), "{err}");
+    // Idle stats connections are closed after idle_timeout_s, with the
+    // reason, and their places go to the consumer.
+    for mut s in idle {
+        let mut buf = Vec::new();
+        match proto::read_frame::<ServerMsg>(&mut s, &mut buf) {
+            Ok(Some(ServerMsg::Error(e))) => {
+                assert_eq!(e.code, ErrorCode::Idle, "{e:?}");
+                assert!(e.message.contains("idle_timeout_s"), "{e:?}");
+            }
+            other => panic!("an idle stats connection got {other:?}"),
+        }
+    }
+    let kid = env.consumer(&["--verify"]);
+    let r = report(kid);
+    assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
+    // A StatsClient left idle past the timeout asks again on a new
+    // connection by itself.
+    let mut stats = StatsClient::connect(Some(socket.clone())).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let s = stats.fetch().unwrap();
+    assert_eq!(s.streams.len(), 1);
+}
+
+#[test]
+fn a_listener_that_never_answers_fails_the_handshake_within_the_connect_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("silent.sock");
+    // Accepts (the kernel does, from the backlog) and never says a word.
+    let _silent = UnixListener::bind(&path).unwrap();
+    let p = path.clone();
+    let t0 = Instant::now();
+    let err = within(
+        Duration::from_secs(30),
+        "a consumer's handshake",
+        move || Consumer::connect(consumer_options(&p, Duration::from_secs(3))).unwrap_err(),
+    );
+    let waited = t0.elapsed();
+    assert!(
+        matches!(err, Error::HandshakeTimeout { .. }),
+        "after {waited:?}: {err}"
+    );
+    assert!(err.to_string().contains("did not answer within"), "{err}");
+    // A producer and a stats client are bounded the same way.
+    let p = path.clone();
+    let err = within(Duration::from_secs(30), "a stats handshake", move || {
+        StatsClient::connect(Some(p)).unwrap_err()
+    });
+    assert!(matches!(err, Error::HandshakeTimeout { .. }), "{err}");
+}
+
+/// The broker ends within a couple of seconds of SIGINT or SIGTERM however
+/// many connections are open and whatever state they are in.
+#[test]
+fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
+    for signal in [
+        nix::sys::signal::Signal::SIGINT,
+        nix::sys::signal::Signal::SIGTERM,
+    ] {
+        let env = Env::start(&stream_config("max_connections = 32\nidle_timeout_s = 600"));
+        let socket = env.socket();
+        // Connections up to the limit (room left for the consumer and the
+        // test's stats): stats clients asking nothing, and raw connections
+        // that never finish their preamble.
+        let mut held: Vec<UnixStream> = (0..15).map(|_| idle_stats(&socket).0).collect();
+        for _ in 0..15 {
+            let mut s = UnixStream::connect(&socket).unwrap();
+            s.write_all(b"BC").unwrap();
+            held.push(s);
+        }
+        // And one consumer in the middle of its epoch, holding its window.
+        let kid = env.consumer(&["--sleep-ms", "500"]);
+        env.wait_for("the consumer to hold a batch", |s| {
+            s.streams[0].consumers.iter().any(|c| c.held > 0)
+        });
+        let mut broker = env.broker;
+        let t0 = Instant::now();
+        harness::signal(broker.pid(), signal);
+        let status = within_exit(&mut broker, Duration::from_secs(10));
+        let took = t0.elapsed();
+        assert!(
+            status.is_some(),
+            "{signal:?}: the broker still ran after 10 s"
+        );
+        eprintln!(
+            "{signal:?} to exit: {took:?} with {} connections",
+            held.len() + 1
+        );
+        drop(held);
+        let r = report(kid);
+        assert!(!r.ok, "the consumer is told the broker went away: {r:#?}");
+    }
+}
+
+fn within_exit(b: &mut BrokerProcess, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(s) = b.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Another user's flood: connections that say nothing, beyond its share,
+/// and a user outside the allow list. Run as those users by a child.
+#[test]
+fn another_users_connection_flood_is_held_to_its_share_and_checked_before_any_read() {
+    if !is_root("connection floods from a second and a third user") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Others may reach the socket, not write the folder.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let cfg = dir.path().join("b.toml");
+    std::fs::write(
+        &cfg,
+        stream_config(&format!(
+            "allow_uids = [{GUEST}]\nmax_connections = 64\nmax_connections_per_uid = 16\nidle_timeout_s = 600"
+        )),
+    )
+    .unwrap();
+    let socket = dir.path().join("b.sock");
+    let log = dir.path().join("broker.log");
+    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    // Each connection waits half a second for a word: admitted ones hear
+    // nothing (they have not said hello), refused ones hear the reason.
+    // The child keeps its connections until it is killed.
+    let flood = |uid: u32, n: usize| {
+        let mut child = Command::new("python3")
+            .args([
+                "-c",
+                r#"
+import socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+conns = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    conns.append(s)
+time.sleep(0.5)
+quiet, refused, reasons = 0, 0, set()
+for s in conns:
+    s.settimeout(0.5)
+    try:
+        data = s.recv(4096)
+    except socket.timeout:
+        quiet += 1
+        continue
+    refused += 1
+    for word in (b"max_connections_per_uid", b"not allowed"):
+        if word in data:
+            reasons.add(word.decode())
+print(quiet, refused, ",".join(sorted(reasons)), flush=True)
+time.sleep(3600)
+"#,
+            ])
+            .arg(&socket)
+            .arg(n.to_string())
+            .uid(uid)
+            .gid(uid)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        (child, line.trim().to_string())
+    };
+    let (mut guest, seen) = flood(GUEST, 100);
+    assert_eq!(seen, "16 84 max_connections_per_uid");
+    let (mut stranger, seen) = flood(STRANGER, 10);
+    assert_eq!(seen, "0 10 not allowed");
+    // The owner, while the guest holds its share, is served in full.
+    let kid = harness::spawn_consumer(Path::new(EXE), &socket, &["--verify".to_string()]).unwrap();
+    let r = harness::wait_report(kid, LIMIT).unwrap();
+    assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
+    for c in [&mut guest, &mut stranger] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    drop(broker);
+}
