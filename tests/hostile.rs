@@ -310,3 +310,92 @@ time.sleep(3600)
     }
     drop(broker);
 }
+
+/// A producer request for `stream` whose arena is `mib` MiB (4 slots).
+fn big_request(env_socket: &Path, stream: &str, mib: u64) -> batchcast::ProducerOptions {
+    let field = batchcast::Field {
+        name: "x".into(),
+        dtype: batchcast::DType::U8,
+        shape: vec![1 << 20],
+        aux: false,
+    };
+    let mut o = batchcast::ProducerOptions::new(stream, vec![field], mib / 4, 10);
+    o.socket = Some(env_socket.into());
+    o.request.slots = 4;
+    o.name = "big-producer".into();
+    o
+}
+
+#[test]
+fn registrations_are_held_to_the_memory_budget_listed_while_pending_and_time_out() {
+    let env = Env::start(
+        "[broker]\nmemory_mib = 256\nmax_connections = 32\nregistration_timeout_s = 3\n",
+    );
+    let socket = env.socket();
+    let mib = 1u64 << 20;
+    let s = env.stats();
+    // The frame buffers of every connection are reserved at start.
+    assert_eq!(s.memory.budget_bytes, 256 * mib);
+    assert_eq!(s.memory.frame_buffers_bytes, 32 * (64 * 1024 + 4096));
+    // A registration that never acquires: it holds its arena, and stats
+    // says so (before: nowhere, and for ever).
+    let a = batchcast::Producer::register(big_request(&socket, "a", 128)).unwrap();
+    let s = env.stats();
+    assert_eq!(s.pending.len(), 1, "{:#?}", s.pending);
+    let p = &s.pending[0];
+    assert_eq!(
+        (p.name.as_str(), p.producer.as_str()),
+        ("a", "big-producer")
+    );
+    assert_eq!(p.arena_bytes, 128 * mib);
+    assert_eq!(p.uid, nix::unistd::getuid().as_raw());
+    assert_eq!(s.memory.arenas_bytes, 128 * mib);
+    // One that does not fit is refused with the numbers, before anything
+    // is allocated.
+    let err = batchcast::Producer::register(big_request(&socket, "b", 128)).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Busy), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("an arena of 128 MiB for stream `b`")
+            && text.contains("of 256 MiB in use")
+            && text.contains("memory_mib"),
+        "{text}"
+    );
+    assert_eq!(env.stats().memory.refused, 1);
+    // The first registration times out without an Acquire and its arena
+    // goes back to the budget.
+    let s = env.wait_for("the registration to time out", |s| s.pending.is_empty());
+    assert_eq!(s.memory.arenas_bytes, 0, "{:#?}", s.memory);
+    let mut a = a;
+    let err = a.acquire().unwrap_err();
+    assert!(err.to_string().contains("not acquired within 3 s"), "{err}");
+    // Now the second fits.
+    let mut b = batchcast::Producer::register(big_request(&socket, "b", 128)).unwrap();
+    // Its first Acquire opens it (slots wait for a consumer).
+    let got = b.acquire_timeout(Duration::from_millis(100)).unwrap();
+    assert_eq!(got, batchcast::Acquired::Pending);
+    let s = env.wait_for("`b` to open", |s| s.streams.iter().any(|st| st.name == "b"));
+    assert!(s.pending.is_empty());
+    assert_eq!(s.memory.arenas_bytes, 128 * mib);
+}
+
+#[test]
+fn a_frame_larger_than_a_client_may_send_is_refused_before_it_is_buffered() {
+    let env = Env::start(&stream_config(""));
+    let mut s = UnixStream::connect(env.socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // A preamble, then a frame header claiming 512 KiB (the wire allows 1
+    // MiB; before, the broker waited to buffer all of it).
+    s.write_all(&Preamble::ours().to_bytes()).unwrap();
+    s.write_all(&(512u32 << 10).to_le_bytes()).unwrap();
+    let mut pre = [0u8; Preamble::LEN];
+    s.read_exact(&mut pre).unwrap();
+    let mut buf = Vec::new();
+    match proto::read_frame::<ServerMsg>(&mut s, &mut buf) {
+        Ok(Some(ServerMsg::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::FrameTooLarge, "{e:?}");
+            assert!(e.message.contains("at most 65536 bytes"), "{e:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

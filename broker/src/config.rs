@@ -8,6 +8,8 @@
 //! max_connections = 1024                     # all users together
 //! max_connections_per_uid = 128              # each user but the broker's
 //! idle_timeout_s = 60                        # stats connections asking nothing
+//! memory_mib = 16384                         # arenas, GPU arenas, mailboxes, buffers
+//! registration_timeout_s = 30                # a producer's first Acquire
 //!
 //! [[stream]]
 //! name = "train"
@@ -104,6 +106,12 @@ pub struct BrokerSection {
     /// Seconds a stats connection may ask nothing before it is closed
     /// (default 60).
     pub idle_timeout_s: Option<u64>,
+    /// MiB the broker may allocate for clients in all: arenas, GPU
+    /// arenas, mailboxes, frame buffers (default: half of this host's RAM).
+    pub memory_mib: Option<u64>,
+    /// Seconds a producer's registration may hold its arena before its
+    /// first `Acquire` (default 30).
+    pub registration_timeout_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -13,6 +13,7 @@
 //! * [`harness`]: starting real broker and consumer processes (demo,
 //!   benchmarks, end-to-end tests).
 
+pub mod budget;
 pub mod child;
 pub mod config;
 pub mod consume;

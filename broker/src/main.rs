@@ -150,10 +150,21 @@ fn serve(
         .or(cfg.broker.socket.clone())
         .unwrap_or_else(batchcast::default_socket_path);
     let bound = listen::bind(&path, allow.is_shared())?;
+    let own_uid = allow.own_uid;
+    let budget = batchcast_broker::budget::Budget::new(limits.memory_bytes, own_uid);
+    let buffers = budget
+        .take(
+            own_uid,
+            batchcast_broker::budget::Use::FrameBuffers,
+            limits.max_connections as u64 * server::FRAME_BUFFER_BYTES,
+            &format!("{} connections", limits.max_connections),
+        )
+        .context("lower max_connections")?;
     let mut streams = Vec::new();
     for plan in plans {
         let name = plan.name.clone();
-        let s = stream::Stream::start(plan).with_context(|| format!("starting stream `{name}`"))?;
+        let s = stream::Stream::start(plan, &budget, own_uid)
+            .with_context(|| format!("starting stream `{name}`"))?;
         streams.push(s);
     }
     batchcast_broker::gpu::announce();
@@ -164,9 +175,10 @@ fn serve(
             max_connections: limits.max_connections,
             max_per_uid: limits.max_connections_per_uid,
             idle: limits.idle_timeout,
+            register: limits.registration_timeout,
         },
     );
-    let broker = Arc::new(server::Broker::new(streams, admission));
+    let broker = Arc::new(server::Broker::new(streams, admission, budget, buffers));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("batchcast-io")

@@ -232,6 +232,49 @@ pub fn render(s: &StatsReply) -> String {
         "Seconds since the broker started.",
     );
     f.sample("uptime_seconds", &[], s.uptime_s);
+    let m = &s.memory;
+    let broker: [(&str, &str, &str, f64); 5] = [
+        (
+            "memory_budget_bytes",
+            "gauge",
+            "The broker's memory budget ([broker] memory_mib).",
+            m.budget_bytes as f64,
+        ),
+        (
+            "memory_used_bytes",
+            "gauge",
+            "Bytes of the budget held by arenas, GPU arenas, mailboxes and frame buffers.",
+            m.used_bytes as f64,
+        ),
+        (
+            "memory_refused_total",
+            "counter",
+            "Allocations refused for not fitting the budget.",
+            m.refused as f64,
+        ),
+        (
+            "connections",
+            "gauge",
+            "Connections held.",
+            f64::from(s.connections.held),
+        ),
+        (
+            "connections_refused_total",
+            "counter",
+            "Connections refused (allow list, limits).",
+            s.connections.refused as f64,
+        ),
+    ];
+    for (name, kind, help, v) in broker {
+        f.head(name, kind, help);
+        f.sample(name, &[], v);
+    }
+    f.head(
+        "pending_registrations",
+        "gauge",
+        "Producer registrations waiting for their first Acquire.",
+    );
+    f.sample("pending_registrations", &[], s.pending.len() as f64);
     for (name, kind, help, get) in &STREAM_METRICS {
         let name = format!("stream_{name}");
         f.head(&name, kind, help);

@@ -11,6 +11,7 @@ pub fn render(s: &StatsReply) -> String {
         "broker pid {} v{}, up {:.1} s",
         s.broker_pid, s.broker_version, s.uptime_s
     );
+    broker_lines(&mut out, s);
     for st in &s.streams {
         let _ = writeln!(
             out,
@@ -51,6 +52,49 @@ pub fn render(s: &StatsReply) -> String {
         past_consumers(&mut out, &st.past_consumers);
     }
     out
+}
+
+/// Memory, connections, and registrations not yet open.
+fn broker_lines(out: &mut String, s: &StatsReply) {
+    let m = &s.memory;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let _ = writeln!(
+        out,
+        "memory {:.0} of {:.0} MiB: arenas {:.0}, GPU arenas {:.0}, mailboxes {:.1}, frame buffers {:.0}; {} refused",
+        mib(m.used_bytes),
+        mib(m.budget_bytes),
+        mib(m.arenas_bytes),
+        mib(m.gpu_arenas_bytes),
+        mib(m.mailboxes_bytes),
+        mib(m.frame_buffers_bytes),
+        m.refused,
+    );
+    let c = &s.connections;
+    let by: Vec<String> = c
+        .by_uid
+        .iter()
+        .map(|(uid, n)| format!("uid {uid}: {n}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "connections {} of {} ({}); {} refused",
+        c.held,
+        c.max,
+        by.join(", "),
+        c.refused
+    );
+    for p in &s.pending {
+        let _ = writeln!(
+            out,
+            "registering `{}`: {} (pid {}, uid {}), arena {:.1} MiB, waiting {:.1} s for its first Acquire",
+            p.name,
+            p.producer,
+            p.pid,
+            p.uid,
+            mib(p.arena_bytes),
+            p.waiting_s
+        );
+    }
 }
 
 /// The source's decodes, replacements and cache.

@@ -33,8 +33,8 @@ use crate::proto::{ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registere
 use crate::schema::{Field, Schema, SlotLayout};
 use crate::shm::Mapping;
 use crate::transport::{
-    broker_error, connect_retrying, expect_reply, goodbye_error, handshake, program_name,
-    read_server_msg, readable_within, send_msg,
+    broker_error, connect_retrying, expect_reply, goodbye_error, handshake, last_words,
+    program_name, read_server_msg, readable_within, send_msg,
 };
 
 /// What to register, and how to reach the broker.
@@ -174,7 +174,9 @@ impl Producer {
             return Ok(Acquired::Ended);
         }
         if !self.requested {
-            send_msg(self.reader.get_ref(), &ClientMsg::Acquire)?;
+            if let Err(e) = send_msg(self.reader.get_ref(), &ClientMsg::Acquire) {
+                return Err(last_words(&mut self.reader, &mut self.buf, e));
+            }
             self.requested = true;
         }
         if self.reader.buffer().is_empty() {

@@ -385,6 +385,45 @@ pub struct StatsReply {
     pub broker_version: String,
     pub uptime_s: f64,
     pub streams: Vec<StreamStats>,
+    /// Producer registrations waiting for their first `Acquire`: not yet
+    /// open to consumers, but holding their arenas.
+    pub pending: Vec<PendingStream>,
+    pub memory: MemoryStats,
+    pub connections: ConnectionStats,
+}
+
+/// A producer's stream between `Registered` and its first `Acquire`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingStream {
+    pub name: String,
+    pub producer: String,
+    pub pid: u32,
+    pub uid: u32,
+    pub arena_bytes: u64,
+    pub waiting_s: f64,
+}
+
+/// The broker's memory budget and what holds it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    pub budget_bytes: u64,
+    pub used_bytes: u64,
+    pub arenas_bytes: u64,
+    pub gpu_arenas_bytes: u64,
+    pub mailboxes_bytes: u64,
+    /// Reserved up front: every connection's largest frame.
+    pub frame_buffers_bytes: u64,
+    /// Allocations refused for not fitting, since start.
+    pub refused: u64,
+}
+
+/// Connections held, by uid (largest first), and refused since start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConnectionStats {
+    pub held: u32,
+    pub max: u32,
+    pub refused: u64,
+    pub by_uid: Vec<(u32, u32)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -251,6 +251,25 @@ pub(crate) fn goodbye_error(reason: GoodbyeReason) -> Error {
 
 /// Reads the next frame; the connection closing, cleanly or not, is
 /// [`Error::BrokerGone`].
+/// What to report when a send found the broker gone (`sent` failed with
+/// [`Error::BrokerGone`]): the reason it left in the socket before closing
+/// (an error, a goodbye), if it left one. The socket is closed on its side,
+/// so reading does not block.
+pub(crate) fn last_words(r: &mut impl Read, buf: &mut Vec<u8>, sent: Error) -> Error {
+    if !matches!(sent, Error::BrokerGone) {
+        return sent;
+    }
+    loop {
+        match read_server_msg(r, buf) {
+            Ok(ServerMsg::Error(e)) => return broker_error(e),
+            Ok(ServerMsg::Goodbye(reason)) => return goodbye_error(reason),
+            // Messages sent before the reason.
+            Ok(_) => {}
+            Err(_) => return sent,
+        }
+    }
+}
+
 pub(crate) fn read_server_msg(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<ServerMsg> {
     match proto::read_frame(r, buf) {
         Ok(Some(m)) => Ok(m),

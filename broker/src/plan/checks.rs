@@ -42,6 +42,12 @@ pub const MAX_IDLE_S: u64 = 86400;
 pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u64 = 128;
 pub const DEFAULT_IDLE_S: u64 = 60;
+pub const DEFAULT_REGISTRATION_TIMEOUT_S: u64 = 30;
+/// The smallest memory budget: the frame buffers of a few connections and
+/// a small arena.
+pub const MIN_MEMORY_MIB: u64 = 64;
+/// The budget where the host's memory cannot be read: 4 GiB.
+const DEFAULT_MEMORY_MIB_UNKNOWN_RAM: u64 = 4096;
 
 /// The `[broker]` section's numbers within their bounds.
 pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, StreamError> {
@@ -71,10 +77,31 @@ pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, Strea
         MAX_IDLE_S,
         "seconds a stats connection may ask nothing",
     )?;
+    let ram_mib = mem_total_bytes().map_or(DEFAULT_MEMORY_MIB_UNKNOWN_RAM * 2, |b| b >> 20);
+    let memory = b.memory_mib.unwrap_or(ram_mib / 2);
+    within(
+        "memory_mib",
+        memory,
+        MIN_MEMORY_MIB,
+        ram_mib,
+        "MiB of this host's memory the broker may allocate for clients",
+    )?;
+    let register = b
+        .registration_timeout_s
+        .unwrap_or(DEFAULT_REGISTRATION_TIMEOUT_S);
+    within(
+        "registration_timeout_s",
+        register,
+        1,
+        MAX_IDLE_S,
+        "seconds a producer's registration may wait for its first Acquire",
+    )?;
     Ok(super::BrokerPlan {
         max_connections: max as usize,
         max_connections_per_uid: per_uid as usize,
         idle_timeout: std::time::Duration::from_secs(idle),
+        memory_bytes: memory << 20,
+        registration_timeout: std::time::Duration::from_secs(register),
     })
 }
 

@@ -44,10 +44,6 @@ pub enum PlanError {
     /// an error chain would print it twice.)
     #[error("stream `{stream}`: {error}")]
     Stream { stream: String, error: StreamError },
-    #[error(
-        "the streams' arenas need {need_mib} MiB of shared memory, more than half of this host's {have_mib} MiB; lower slots or batch_size"
-    )]
-    SharedMemory { need_mib: u64, have_mib: u64 },
     #[error("[broker]: {0}")]
     Broker(StreamError),
 }
@@ -58,6 +54,8 @@ pub struct BrokerPlan {
     pub max_connections: usize,
     pub max_connections_per_uid: usize,
     pub idle_timeout: std::time::Duration,
+    pub memory_bytes: u64,
+    pub registration_timeout: std::time::Duration,
 }
 
 /// Checks the `[broker]` section's bounds; absent keys take the defaults.
@@ -253,7 +251,6 @@ impl StreamPlan {
 pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
     let mut names = HashSet::new();
     let mut plans = Vec::new();
-    let mut arenas = 0u64;
     for s in &cfg.streams {
         let plan = plan_stream(s).map_err(|error| PlanError::Stream {
             stream: s.name.clone(),
@@ -262,17 +259,10 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
         if !names.insert(s.name.clone()) {
             return Err(PlanError::Duplicate(s.name.clone()));
         }
-        arenas = arenas.saturating_add(plan.arena_bytes());
         plans.push(plan);
     }
-    if let Some(total) = mem_total_bytes()
-        && arenas > total / 2
-    {
-        return Err(PlanError::SharedMemory {
-            need_mib: arenas >> 20,
-            have_mib: total >> 20,
-        });
-    }
+    // What all the arenas take together is the memory budget's to judge
+    // (`[broker] memory_mib`), when the broker starts them.
     Ok(plans)
 }
 

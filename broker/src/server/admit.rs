@@ -26,6 +26,9 @@ pub struct Limits {
     /// How long a stats connection may go without a request before it is
     /// closed (consumers and producers are bounded by their streams).
     pub idle: Duration,
+    /// How long a producer's registration may hold its arena before its
+    /// first `Acquire`.
+    pub register: Duration,
 }
 
 impl Limits {
@@ -211,6 +214,7 @@ mod tests {
                 max_connections: max,
                 max_per_uid: per_uid,
                 idle: Duration::from_secs(60),
+                register: Duration::from_secs(30),
             },
         )
     }

@@ -74,6 +74,7 @@ async fn subscribe(stream: &Arc<Stream>, req: Request, peer: Peer) -> Result<Sub
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
             SubscribeError::Mailbox(_) => ErrorCode::Internal,
+            SubscribeError::OverBudget(_) => ErrorCode::Busy,
         };
         Reject(
             code,

@@ -18,7 +18,8 @@ use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{
-    self, ClientMsg, ErrorCode, ErrorMsg, Hello, Intent, Preamble, ServerMsg, StatsReply,
+    self, ClientMsg, ConnectionStats, ErrorCode, ErrorMsg, Hello, Intent, PendingStream, Preamble,
+    ServerMsg, StatsReply,
 };
 use batchcast::shm;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
@@ -26,6 +27,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::budget::{Budget, Grant};
 use crate::stream::{Peer, Request, Stream};
 
 mod admit;
@@ -37,6 +39,12 @@ pub use admit::{Admission, Limits};
 
 /// How long a client may take to send its preamble and hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest frame a client may send (a producer's request with its
+/// schema is the largest; a few KiB). With it, every connection's buffer
+/// is bounded, and all of them together are reserved from the memory
+/// budget at start: `max_connections × FRAME_BUFFER_BYTES`.
+pub const MAX_CLIENT_FRAME: usize = 64 << 10;
+pub const FRAME_BUFFER_BYTES: u64 = (MAX_CLIENT_FRAME + 4096) as u64;
 
 /// Everything the connection tasks share.
 #[derive(Debug)]
@@ -45,6 +53,9 @@ pub struct Broker {
     /// producer is connected.
     streams: RwLock<HashMap<String, Entry>>,
     pub admission: Arc<Admission>,
+    pub budget: Arc<Budget>,
+    /// Every connection's frame buffer, reserved at start.
+    _buffers: Grant,
     pub started: Instant,
 }
 
@@ -52,11 +63,26 @@ pub struct Broker {
 enum Entry {
     Ready(Arc<Stream>),
     /// A producer is registering it; not yet open to consumers.
-    Pending,
+    Pending(Pending),
+}
+
+/// A registration between its request and its first `Acquire`.
+#[derive(Debug, Clone)]
+struct Pending {
+    producer: String,
+    pid: u32,
+    uid: u32,
+    arena_bytes: u64,
+    since: Instant,
 }
 
 impl Broker {
-    pub fn new(streams: Vec<Arc<Stream>>, admission: Arc<Admission>) -> Broker {
+    pub fn new(
+        streams: Vec<Arc<Stream>>,
+        admission: Arc<Admission>,
+        budget: Arc<Budget>,
+        buffers: Grant,
+    ) -> Broker {
         Broker {
             streams: RwLock::new(
                 streams
@@ -65,6 +91,8 @@ impl Broker {
                     .collect(),
             ),
             admission,
+            budget,
+            _buffers: buffers,
             started: Instant::now(),
         }
     }
@@ -83,7 +111,7 @@ impl Broker {
             .values()
             .filter_map(|e| match e {
                 Entry::Ready(s) => Some(s.clone()),
-                Entry::Pending => None,
+                Entry::Pending(_) => None,
             })
             .collect()
     }
@@ -92,7 +120,7 @@ impl Broker {
         let reg = self.registry();
         match reg.get(name) {
             Some(Entry::Ready(s)) => Ok(s.clone()),
-            Some(Entry::Pending) => Err(Reject(
+            Some(Entry::Pending(_)) => Err(Reject(
                 ErrorCode::UnknownStream,
                 format!(
                     "stream `{name}` is being registered by its producer; try again in a moment (or connect with a connect timeout)"
@@ -119,7 +147,7 @@ impl Broker {
     }
 
     /// Claims `name` for a producer that is registering it.
-    fn reserve(&self, name: &str) -> Result<(), Reject> {
+    fn reserve(&self, name: &str, pending: Pending) -> Result<(), Reject> {
         let mut reg = self.registry_mut();
         if reg.contains_key(name) {
             return Err(Reject(
@@ -129,7 +157,7 @@ impl Broker {
                 ),
             ));
         }
-        reg.insert(name.to_string(), Entry::Pending);
+        reg.insert(name.to_string(), Entry::Pending(pending));
         Ok(())
     }
 
@@ -144,7 +172,7 @@ impl Broker {
     fn unregister(&self, name: &str, stream: Option<&Arc<Stream>>) {
         let mut reg = self.registry_mut();
         let ours = match (reg.get(name), stream) {
-            (Some(Entry::Pending), _) => true,
+            (Some(Entry::Pending(_)), _) => true,
             (Some(Entry::Ready(s)), Some(mine)) => Arc::ptr_eq(s, mine),
             _ => false,
         };
@@ -156,11 +184,36 @@ impl Broker {
     pub fn stats(&self) -> StatsReply {
         let mut streams: Vec<_> = self.streams().iter().map(|s| s.stats()).collect();
         streams.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut pending: Vec<_> = self
+            .registry()
+            .iter()
+            .filter_map(|(name, e)| match e {
+                Entry::Pending(p) => Some(PendingStream {
+                    name: name.clone(),
+                    producer: p.producer.clone(),
+                    pid: p.pid,
+                    uid: p.uid,
+                    arena_bytes: p.arena_bytes,
+                    waiting_s: p.since.elapsed().as_secs_f64(),
+                }),
+                Entry::Ready(_) => None,
+            })
+            .collect();
+        pending.sort_by(|a, b| a.name.cmp(&b.name));
+        let (held, refused, by_uid) = self.admission.counts();
         StatsReply {
             broker_pid: std::process::id(),
             broker_version: env!("CARGO_PKG_VERSION").into(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             streams,
+            pending,
+            memory: self.budget.stats(),
+            connections: ConnectionStats {
+                held: held as u32,
+                max: self.admission.limits().max_connections as u32,
+                refused,
+                by_uid: by_uid.into_iter().map(|(u, n)| (u, n as u32)).collect(),
+            },
         }
     }
 }
@@ -356,6 +409,14 @@ fn take_frame(buf: &mut Vec<u8>) -> Result<Option<ClientMsg>, Reject> {
     }
     let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     let len = proto::check_len(len).map_err(|e| Reject(ErrorCode::FrameTooLarge, e.to_string()))?;
+    if len > MAX_CLIENT_FRAME {
+        return Err(Reject(
+            ErrorCode::FrameTooLarge,
+            format!(
+                "a frame of {len} bytes; a client's frames are at most {MAX_CLIENT_FRAME} bytes"
+            ),
+        ));
+    }
     if buf.len() < 4 + len {
         return Ok(None);
     }

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use super::{Broker, Reject, next_frame, send_with_arena, write_msg};
 use crate::plan::StreamPlan;
-use crate::stream::{Acquire, Peer, Stream, StreamFailed};
+use crate::stream::{Acquire, Peer, StartError, Stream, StreamFailed};
 
 /// Serves a producer: registers its stream, hands it slots one at a time,
 /// publishes what it fills, and ends or fails the stream when it leaves.
@@ -36,9 +36,18 @@ pub(super) async fn serve_producer(
             format!("cannot register stream `{name}`: {e}"),
         )
     })?;
-    broker.reserve(&name)?;
+    broker.reserve(
+        &name,
+        super::Pending {
+            producer: peer.name.clone(),
+            pid: peer.pid,
+            uid: peer.uid,
+            arena_bytes: plan.arena_bytes(),
+            since: Instant::now(),
+        },
+    )?;
     let who = format!("`{}` (pid {})", peer.name, peer.pid);
-    let registered = register(sock, broker, plan, &who, buf).await;
+    let registered = register(sock, broker, plan, peer.uid, &who, buf).await;
     let result = match &registered {
         Ok(Some(stream)) => serve_slots(sock, stream, &who, buf, stop).await,
         Ok(None) => Ok(()),
@@ -58,15 +67,28 @@ pub(super) async fn serve_producer(
 /// Starts the stream, sends the producer its arena, and once it asks for
 /// its first slot (it has mapped the arena), seals the arena and opens the
 /// stream to consumers. `None`: the producer left before that.
+///
+/// The arena is taken from the memory budget (a registration beyond it is
+/// refused with the numbers) and allocated on a blocking thread: creating
+/// gigabytes must not hold up the I/O threads that answer everyone else.
+/// A producer that does not `Acquire` within the registration timeout
+/// loses its registration, and the arena is freed.
 async fn register(
     sock: &mut UnixStream,
     broker: &Broker,
     plan: StreamPlan,
+    uid: u32,
     who: &str,
     buf: &mut Vec<u8>,
 ) -> Result<Option<Arc<Stream>>, Reject> {
-    let stream = Stream::start(plan)
-        .map_err(|e| Reject(ErrorCode::Internal, format!("cannot create the arena: {e}")))?;
+    let budget = broker.budget.clone();
+    let stream = tokio::task::spawn_blocking(move || Stream::start(plan, &budget, uid))
+        .await
+        .map_err(|e| Reject(ErrorCode::Internal, format!("creating the arena: {e}")))?
+        .map_err(|e| match e {
+            StartError::OverBudget(e) => Reject(ErrorCode::Busy, e.to_string()),
+            StartError::Arena(e) => Reject(ErrorCode::Internal, e.to_string()),
+        })?;
     let registered = ServerMsg::Registered(Box::new(Registered {
         stream: stream.name().into(),
         schema: stream.plan.schema.clone(),
@@ -80,7 +102,20 @@ async fn register(
     }
     // The first request means the producer has mapped the arena: seal it
     // against every other writer, then let consumers in.
-    match next_frame(sock, buf).await? {
+    let limit = broker.admission.limits().register;
+    let first = tokio::time::timeout(limit, next_frame(sock, buf))
+        .await
+        .map_err(|_| {
+            Reject(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "stream `{}` was registered but not acquired within {} s (registration_timeout_s); its arena is freed",
+                    stream.name(),
+                    limit.as_secs()
+                ),
+            )
+        })?;
+    match first? {
         Some(ClientMsg::Acquire) => {}
         Some(ClientMsg::Goodbye | ClientMsg::Fail { .. }) | None => return Ok(None),
         Some(other) => {

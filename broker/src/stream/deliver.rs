@@ -55,6 +55,8 @@ pub(super) struct Conn {
     /// Host consumers that asked for one: where their batches are noticed
     /// and their releases written (see [`batchcast::mailbox`]).
     pub(super) mailbox: Option<BrokerMailbox>,
+    /// The mailbox's bytes in the broker's memory budget.
+    pub(super) _mailbox_grant: Option<crate::budget::Grant>,
     /// Its mailbox got notices in this dispatch: ring the bell.
     pub(super) ring: bool,
     /// What it says of the batches it released through its mailbox (it
@@ -128,6 +130,8 @@ pub enum SubscribeError {
     Device(GpuError),
     #[error("cannot make its mailbox: {0}")]
     Mailbox(batchcast::Error),
+    #[error(transparent)]
+    OverBudget(#[from] crate::budget::OverBudget),
 }
 
 /// A mailbox granted to a consumer: the server sends its fd with the
@@ -187,19 +191,28 @@ impl Stream {
                 Stream::check_gpu(&inner, dev)?;
             }
         }
-        let mailbox = match req.mailbox && req.device.is_none() {
-            false => None,
-            true => Some(
-                BrokerMailbox::create(MailboxSpec::for_batches(self.plan.slots))
-                    .map_err(SubscribeError::Mailbox)?,
-            ),
+        let (mailbox, mailbox_grant) = match req.mailbox && req.device.is_none() {
+            false => (None, None),
+            true => {
+                let spec = MailboxSpec::for_batches(self.plan.slots);
+                let grant = self.budget.take(
+                    peer.uid,
+                    crate::budget::Use::Mailbox,
+                    spec.bytes(),
+                    &format!("consumer `{}` (pid {})", peer.name, peer.pid),
+                )?;
+                let mb = BrokerMailbox::create(spec).map_err(SubscribeError::Mailbox)?;
+                (Some(mb), Some(grant))
+            }
         };
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        let mirror = req
-            .device
-            .as_ref()
-            .map(|dev| self.open_mirror(dev))
-            .transpose()?;
+        let (mirror, gpu_grant) = match &req.device {
+            Some(dev) => {
+                let (m, g) = self.open_mirror(dev, &peer)?;
+                (Some(m), g)
+            }
+            None => (None, None),
+        };
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
         let delivery = match mailbox {
@@ -211,7 +224,9 @@ impl Stream {
                 return Err(SubscribeError::Failed(why.clone()));
             }
             let group = match (&mirror, &req.device) {
-                (Some(m), Some(dev)) => Some(Stream::mirror_group(inner, m, dev, gpu_slots)?),
+                (Some(m), Some(dev)) => Some(Stream::mirror_group(
+                    inner, m, gpu_grant, dev, gpu_slots,
+                )?),
                 _ => None,
             };
             let (id, start_epoch) = inner
@@ -234,6 +249,7 @@ impl Stream {
                     ending: None,
                     gpu: req.device.as_ref().map(|dev| dev.uuid),
                     mailbox,
+                    _mailbox_grant: mailbox_grant,
                     ring: false,
                     mailbox_totals: Totals::default(),
                 },

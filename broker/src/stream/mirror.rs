@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use batchcast::proto::{DeviceRequest, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
 
 use super::deliver::{Ending, send};
-use super::{Inner, Stream, SubscribeError};
+use super::{Inner, Peer, Stream, SubscribeError};
+use crate::budget::{Grant, Use};
 use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror};
 use crate::hub::GroupId;
 
@@ -25,6 +26,9 @@ pub(super) struct MirrorState {
     pub(super) copy_ns: u64,
     /// Why its copies stopped; its consumers were ended then.
     pub(super) failed: Option<GpuError>,
+    /// Its device arena's bytes in the broker's memory budget (`None` if
+    /// another consumer's subscription paid for it first).
+    pub(super) _grant: Option<Grant>,
 }
 
 impl Stream {
@@ -39,22 +43,44 @@ impl Stream {
 
     /// Opens (or finds) this stream's arena on the consumer's GPU. It takes
     /// a while (a device allocation): call it without the hub's lock.
+    ///
+    /// A GPU's first consumer pays for its arena from the broker's memory
+    /// budget: the grant comes back with the mirror, for the stream to keep
+    /// with it ([`Stream::mirror_group`]).
     pub(super) fn open_mirror(
         self: &Arc<Self>,
         req: &DeviceRequest,
-    ) -> Result<Arc<Mirror>, SubscribeError> {
+        peer: &Peer,
+    ) -> Result<(Arc<Mirror>, Option<Grant>), SubscribeError> {
+        let grant = match self.lock().mirrors.contains_key(&req.uuid) {
+            true => None,
+            false => Some(self.budget.take(
+                peer.uid,
+                Use::GpuArena,
+                u64::from(self.plan.gpu_slots) * self.plan.layout.slot_bytes,
+                &format!(
+                    "stream `{}` on cuda:{} ({})",
+                    self.name(),
+                    req.ordinal,
+                    req.name
+                ),
+            )?),
+        };
         let sink: std::sync::Weak<dyn CopySink> = Arc::downgrade(self) as _;
         let host = (self.arena.mapping().as_ptr(), self.arena.mapping().len());
         let slots = (self.plan.gpu_slots, self.plan.layout.slot_bytes);
-        self.gpus
+        let mirror = self
+            .gpus
             .mirror(req, sink, host, slots, self.name())
-            .map_err(SubscribeError::Device)
+            .map_err(SubscribeError::Device)?;
+        Ok((mirror, grant))
     }
 
     /// The hub group of the consumer's GPU, made on its first consumer.
     pub(super) fn mirror_group(
         inner: &mut Inner,
         mirror: &Arc<Mirror>,
+        grant: Option<Grant>,
         req: &DeviceRequest,
         gpu_slots: u32,
     ) -> Result<GroupId, SubscribeError> {
@@ -71,6 +97,7 @@ impl Stream {
                     bytes: 0,
                     copy_ns: 0,
                     failed: None,
+                    _grant: grant,
                 },
             );
         }

@@ -42,6 +42,7 @@ use std::time::Duration;
 use batchcast::proto::{ConsumerStats, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
 use batchcast::shm::Arena;
 
+use crate::budget::{Budget, Grant, OverBudget, Use};
 use crate::gpu::{GpuKey, Gpus};
 use crate::hub::{ConsumerId, Hub, HubConfig, Outbound};
 use crate::pipeline::ImagePipeline;
@@ -103,6 +104,23 @@ pub struct Stream {
     /// Wakes an external producer's connection task, as `work_cv` wakes
     /// pipeline threads (a stored permit: no wake-up is lost).
     ready: tokio::sync::Notify,
+    /// The broker's memory budget: mailboxes and GPU arenas are taken from
+    /// it as consumers come.
+    budget: Arc<Budget>,
+    /// Who the stream belongs to: the broker's uid for a configured
+    /// stream, its producer's for a registered one.
+    pub owner_uid: u32,
+    /// The arena's bytes in the budget, given back after the arena goes.
+    _arena_grant: Grant,
+}
+
+/// Why a stream could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
+    #[error("cannot create the arena: {0}")]
+    Arena(#[from] batchcast::Error),
 }
 
 impl Stream {
@@ -111,7 +129,20 @@ impl Stream {
     /// at once, except for an external stream: its producer maps it writable
     /// first, and the server seals it ([`Stream::seal`]) before any consumer
     /// can see it.
-    pub fn start(plan: StreamPlan) -> Result<Arc<Stream>, batchcast::Error> {
+    ///
+    /// The arena's bytes are taken from `budget` for `owner_uid` first; a
+    /// stream that does not fit is refused before anything is allocated.
+    pub fn start(
+        plan: StreamPlan,
+        budget: &Arc<Budget>,
+        owner_uid: u32,
+    ) -> Result<Arc<Stream>, StartError> {
+        let grant = budget.take(
+            owner_uid,
+            Use::Arena,
+            plan.arena_bytes(),
+            &format!("stream `{}`", plan.name),
+        )?;
         let arena = Arena::create(&plan.name, plan.arena_bytes())?;
         if !matches!(plan.source, SourcePlan::External) {
             arena.seal_writes()?;
@@ -160,6 +191,9 @@ impl Stream {
             stop: AtomicBool::new(false),
             workers: Mutex::new(Vec::new()),
             ready: tokio::sync::Notify::new(),
+            budget: budget.clone(),
+            owner_uid,
+            _arena_grant: grant,
         });
         let mut workers = stream.workers.lock().unwrap_or_else(|p| p.into_inner());
         for i in 0..stream.plan.workers {

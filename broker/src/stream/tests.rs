@@ -34,7 +34,7 @@ fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
         .to_toml();
     let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
     let plan = plan_config(&cfg).unwrap().remove(0);
-    Stream::start(plan).unwrap()
+    Stream::start(plan, &crate::budget::Budget::new(1 << 30, 0), 0).unwrap()
 }
 
 fn peer(name: &str) -> Peer {

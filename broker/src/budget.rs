@@ -1,0 +1,220 @@
+//! One memory budget for everything the broker allocates on clients'
+//! behalf: stream arenas (configured and registered), GPU arenas, consumer
+//! mailboxes, and the connections' frame buffers. Each allocation takes a
+//! [`Grant`] first, which gives its bytes back when dropped; one that does
+//! not fit is refused with the numbers, before anything is allocated.
+//!
+//! As with connections (`server/admit.rs`), uids other than the broker's
+//! may together hold three quarters of the budget, so a guest cannot leave
+//! the broker's owner without room for its own streams.
+
+use std::sync::{Arc, Mutex};
+
+use batchcast::proto::MemoryStats;
+
+/// What a grant pays for (a row of `stats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    Arena,
+    GpuArena,
+    Mailbox,
+    FrameBuffers,
+}
+
+impl Use {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Use::Arena => "an arena",
+            Use::GpuArena => "a GPU arena",
+            Use::Mailbox => "a mailbox",
+            Use::FrameBuffers => "frame buffers",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Budget {
+    total: u64,
+    own_uid: u32,
+    held: Mutex<Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    used: u64,
+    guests: u64,
+    by_use: [u64; 4],
+    refused: u64,
+}
+
+/// Bytes taken from the budget; dropping it gives them back.
+#[derive(Debug)]
+pub struct Grant {
+    budget: Arc<Budget>,
+    uid: u32,
+    what: Use,
+    bytes: u64,
+}
+
+/// An allocation that does not fit.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "{label} of {need_mib} MiB for {whom} does not fit the broker's memory budget: {used_mib} of {total_mib} MiB in use{guests}; free some (end a stream, fewer slots or smaller batches) or raise [broker] memory_mib"
+)]
+pub struct OverBudget {
+    pub label: &'static str,
+    pub whom: String,
+    pub need_mib: u64,
+    pub used_mib: u64,
+    pub total_mib: u64,
+    guests: String,
+}
+
+fn mib(b: u64) -> u64 {
+    b.div_ceil(1 << 20)
+}
+
+impl Budget {
+    pub fn new(total: u64, own_uid: u32) -> Arc<Budget> {
+        Arc::new(Budget {
+            total,
+            own_uid,
+            held: Mutex::new(Held::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn guest_share(&self) -> u64 {
+        self.total - self.total / 4
+    }
+
+    /// Takes `bytes` for `what` on behalf of `uid`, or says why not.
+    /// `whom` names the stream or consumer in the refusal.
+    pub fn take(
+        self: &Arc<Self>,
+        uid: u32,
+        what: Use,
+        bytes: u64,
+        whom: &str,
+    ) -> Result<Grant, OverBudget> {
+        let mut held = self.lock();
+        let guest = uid != self.own_uid;
+        let over_total = held.used.saturating_add(bytes) > self.total;
+        let over_share = guest && held.guests.saturating_add(bytes) > self.guest_share();
+        if over_total || over_share {
+            held.refused += 1;
+            return Err(OverBudget {
+                label: what.label(),
+                whom: whom.to_string(),
+                need_mib: mib(bytes),
+                used_mib: mib(held.used),
+                total_mib: mib(self.total),
+                guests: if over_share && !over_total {
+                    format!(
+                        ", and other users than uid {} hold {} MiB of the {} MiB (three quarters) they may",
+                        self.own_uid,
+                        mib(held.guests),
+                        mib(self.guest_share())
+                    )
+                } else {
+                    String::new()
+                },
+            });
+        }
+        held.used += bytes;
+        if guest {
+            held.guests += bytes;
+        }
+        held.by_use[what.index()] += bytes;
+        Ok(Grant {
+            budget: self.clone(),
+            uid,
+            what,
+            bytes,
+        })
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        let held = self.lock();
+        MemoryStats {
+            budget_bytes: self.total,
+            used_bytes: held.used,
+            arenas_bytes: held.by_use[Use::Arena.index()],
+            gpu_arenas_bytes: held.by_use[Use::GpuArena.index()],
+            mailboxes_bytes: held.by_use[Use::Mailbox.index()],
+            frame_buffers_bytes: held.by_use[Use::FrameBuffers.index()],
+            refused: held.refused,
+        }
+    }
+}
+
+impl Grant {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let guest = self.uid != self.budget.own_uid;
+        let mut held = self.budget.lock();
+        held.used -= self.bytes;
+        if guest {
+            held.guests -= self.bytes;
+        }
+        held.by_use[self.what.index()] -= self.bytes;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn grants_add_up_give_back_on_drop_and_refusals_name_the_numbers() {
+        let b = Budget::new(100 * MIB, 1000);
+        let a = b.take(1000, Use::Arena, 60 * MIB, "stream `a`").unwrap();
+        let m = b.take(1000, Use::Mailbox, MIB, "consumer 1").unwrap();
+        let e = b
+            .take(1000, Use::Arena, 40 * MIB, "stream `b`")
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("an arena of 40 MiB for stream `b`")
+                && text.contains("61 of 100 MiB in use")
+                && text.contains("memory_mib"),
+            "{text}"
+        );
+        let s = b.stats();
+        assert_eq!(
+            (s.used_bytes, s.arenas_bytes, s.mailboxes_bytes, s.refused),
+            (61 * MIB, 60 * MIB, MIB, 1)
+        );
+        drop(a);
+        assert_eq!(b.stats().used_bytes, MIB);
+        drop(m);
+        assert_eq!(b.stats().used_bytes, 0);
+    }
+
+    #[test]
+    fn other_users_together_get_three_quarters_and_the_owner_the_rest() {
+        let b = Budget::new(100 * MIB, 1000);
+        let g = b.take(1001, Use::Arena, 70 * MIB, "guest").unwrap();
+        let e = b
+            .take(1002, Use::Arena, 10 * MIB, "another guest")
+            .unwrap_err();
+        assert!(e.to_string().contains("three quarters"), "{e}");
+        let o = b.take(1000, Use::Arena, 30 * MIB, "owner").unwrap();
+        assert_eq!(b.stats().used_bytes, 100 * MIB);
+        drop((g, o));
+    }
+}
