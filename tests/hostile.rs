@@ -399,3 +399,105 @@ fn a_frame_larger_than_a_client_may_send_is_refused_before_it_is_buffered() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The guest's side of the tenant test below: run by it as uid 65534 in a
+/// child process (a copy of this test binary); does nothing otherwise.
+#[test]
+fn guest_side_of_the_tenant_test() {
+    let (Ok(socket), Ok(prefix)) = (
+        std::env::var("BATCHCAST_TEST_GUEST_SOCKET"),
+        std::env::var("BATCHCAST_TEST_GUEST_PREFIX"),
+    ) else {
+        return;
+    };
+    let socket = std::path::PathBuf::from(socket);
+    // The owner's names, configured or not, are not the guest's to take.
+    for name in ["train", "ext"] {
+        let err = batchcast::Producer::register(big_request(&socket, name, 4)).unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::NotAllowed), "{name}: {err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("may only register streams named `{prefix}...`")),
+            "{err}"
+        );
+    }
+    // Under its prefix it may, and the stream is its own.
+    let mine = format!("{prefix}ext");
+    let mut p = batchcast::Producer::register(big_request(&socket, &mine, 4)).unwrap();
+    assert_eq!(
+        p.acquire_timeout(Duration::from_millis(100)).unwrap(),
+        batchcast::Acquired::Pending
+    );
+    let mut stats = StatsClient::connect(Some(socket.clone())).unwrap();
+    let s = stats.fetch().unwrap();
+    let st = s.streams.iter().find(|st| st.name == mine).unwrap();
+    assert_eq!(st.owner_uid, GUEST);
+    // It controls its own stream, not the owner's.
+    stats.set_min_consumers(&mine, 2).unwrap();
+    let err = stats.set_min_consumers("train", u32::MAX).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::NotAllowed), "{err}");
+    assert!(err.to_string().contains("only its owner (uid 0)"), "{err}");
+    println!("guest done");
+}
+
+#[test]
+fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let cfg = dir.path().join("b.toml");
+    let body = StreamToml::synthetic("train", 4, 64, &[("x", "u8", &[16])])
+        .epochs(1)
+        .key("slots", 4)
+        .key("min_consumers", 2)
+        .to_toml();
+    std::fs::write(&cfg, format!("[broker]\nallow_uids = [{GUEST}]\n{body}")).unwrap();
+    let socket = dir.path().join("b.sock");
+    let log = dir.path().join("broker.log");
+    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    let me = nix::unistd::getuid().as_raw();
+    if is_root("a guest registering and controlling streams") {
+        let prefix = nix::unistd::User::from_uid(GUEST.into())
+            .unwrap()
+            .map_or_else(|| format!("u{GUEST}"), |u| u.name)
+            + ".";
+        // The guest runs a copy of this binary it can read.
+        let exe = dir.path().join("hostile-test");
+        std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = Command::new(&exe)
+            .args(["--exact", "guest_side_of_the_tenant_test", "--nocapture"])
+            .env("BATCHCAST_TEST_GUEST_SOCKET", &socket)
+            .env("BATCHCAST_TEST_GUEST_PREFIX", &prefix)
+            // A guest expects the broker's user, as a real one would.
+            .env("BATCHCAST_BROKER_UID", me.to_string())
+            .uid(GUEST)
+            .gid(GUEST)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("guest done"),
+            "{text}"
+        );
+    }
+    // The owner's stream still waits for its two consumers (not for
+    // 4294967295) and says whose it is.
+    let c = Consumer::connect(consumer_options(&socket, Duration::from_secs(10))).unwrap();
+    assert_eq!(c.welcome().owner_uid, me);
+    drop(c);
+    let kids: Vec<_> = (0..2)
+        .map(|_| {
+            harness::spawn_consumer(Path::new(EXE), &socket, &["--verify".to_string()]).unwrap()
+        })
+        .collect();
+    for kid in kids {
+        let r = harness::wait_report(kid, LIMIT).unwrap();
+        assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
+    }
+    let s = broker.stats().unwrap();
+    let train = s.streams.iter().find(|st| st.name == "train").unwrap();
+    assert_eq!(train.owner_uid, me);
+    drop(broker);
+}

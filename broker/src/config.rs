@@ -10,6 +10,7 @@
 //! idle_timeout_s = 60                        # stats connections asking nothing
 //! memory_mib = 16384                         # arenas, GPU arenas, mailboxes, buffers
 //! registration_timeout_s = 30                # a producer's first Acquire
+//! guest_stream_prefix = "{user}."             # names other users may register
 //!
 //! [[stream]]
 //! name = "train"
@@ -112,6 +113,10 @@ pub struct BrokerSection {
     /// Seconds a producer's registration may hold its arena before its
     /// first `Acquire` (default 30).
     pub registration_timeout_s: Option<u64>,
+    /// What the names of streams registered by other users than the
+    /// broker's must start with; `{user}` and `{uid}` are replaced
+    /// (default `"{user}."`; `""` allows any name not taken).
+    pub guest_stream_prefix: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

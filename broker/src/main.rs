@@ -176,6 +176,7 @@ fn serve(
             max_per_uid: limits.max_connections_per_uid,
             idle: limits.idle_timeout,
             register: limits.registration_timeout,
+            guest_prefix: limits.guest_stream_prefix.clone(),
         },
     );
     let broker = Arc::new(server::Broker::new(streams, admission, budget, buffers));

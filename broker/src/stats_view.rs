@@ -35,8 +35,13 @@ pub fn render(s: &StatsReply) -> String {
         if let Some(src) = &st.source {
             source_line(&mut out, src);
         }
-        if let Some(p) = &st.producer {
-            let _ = writeln!(out, "  produced by {p}");
+        match &st.producer {
+            Some(p) => {
+                let _ = writeln!(out, "  produced by {p}, uid {}", st.owner_uid);
+            }
+            None => {
+                let _ = writeln!(out, "  configured, owned by uid {}", st.owner_uid);
+            }
         }
         if let Some(why) = &st.failed {
             let _ = writeln!(out, "  STOPPED: {why}");

@@ -161,6 +161,7 @@ struct Consumer {
     schema: Arc<Schema>,
     window: u32,
     start_epoch: u64,
+    owner_uid: u32,
     arena: (usize, usize),
     /// DLPack `(device_type, device_id)` of delivered batches.
     device: (i32, i32),
@@ -210,6 +211,7 @@ impl Consumer {
             schema: Arc::new(consumer.schema().clone()),
             window: consumer.welcome().window,
             start_epoch: consumer.welcome().start_epoch,
+            owner_uid: consumer.welcome().owner_uid,
             arena: (base as usize, len),
             device: match consumer.device() {
                 batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),
@@ -281,6 +283,12 @@ impl Consumer {
     #[getter]
     fn start_epoch(&self) -> u64 {
         self.start_epoch
+    }
+
+    /// The uid the stream belongs to (the broker's, or its producer's).
+    #[getter]
+    fn owner_uid(&self) -> u32 {
+        self.owner_uid
     }
 
     /// Batches received and not yet released.

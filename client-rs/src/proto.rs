@@ -329,6 +329,10 @@ pub struct Welcome {
     /// and batches, epoch ends and the end of the stream arrive there
     /// instead of on the socket.
     pub mailbox: Option<MailboxSpec>,
+    /// The uid the stream belongs to: the broker's for a configured stream,
+    /// its producer's for a registered one. A trainer that expects its own
+    /// data can check it.
+    pub owner_uid: u32,
 }
 
 /// The rings of a consumer's [mailbox](crate::mailbox), in records.
@@ -455,6 +459,8 @@ pub struct StreamStats {
     pub source: Option<SourceStats>,
     /// External streams: who produces them.
     pub producer: Option<String>,
+    /// The uid the stream belongs to (see [`Welcome::owner_uid`]).
+    pub owner_uid: u32,
     /// Why the stream stopped, if its source or producer failed.
     pub failed: Option<String>,
     /// One entry per GPU this stream copies to.

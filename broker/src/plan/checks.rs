@@ -43,6 +43,7 @@ pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
 pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u64 = 128;
 pub const DEFAULT_IDLE_S: u64 = 60;
 pub const DEFAULT_REGISTRATION_TIMEOUT_S: u64 = 30;
+pub const DEFAULT_GUEST_PREFIX: &str = "{user}.";
 /// The smallest memory budget: the frame buffers of a few connections and
 /// a small arena.
 pub const MIN_MEMORY_MIB: u64 = 64;
@@ -96,7 +97,24 @@ pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, Strea
         MAX_IDLE_S,
         "seconds a producer's registration may wait for its first Acquire",
     )?;
+    let prefix = b
+        .guest_stream_prefix
+        .clone()
+        .unwrap_or_else(|| DEFAULT_GUEST_PREFIX.into());
+    let bare = prefix.replace("{user}", "").replace("{uid}", "");
+    if !bare
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(super::key(
+            "guest_stream_prefix",
+            format!(
+                "guest_stream_prefix = \"{prefix}\": stream names use only letters, digits, `-`, `_` and `.` (plus the placeholders {{user}} and {{uid}})"
+            ),
+        ));
+    }
     Ok(super::BrokerPlan {
+        guest_stream_prefix: prefix,
         max_connections: max as usize,
         max_connections_per_uid: per_uid as usize,
         idle_timeout: std::time::Duration::from_secs(idle),

@@ -49,13 +49,14 @@ pub enum PlanError {
 }
 
 /// The `[broker]` section's numbers, checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerPlan {
     pub max_connections: usize,
     pub max_connections_per_uid: usize,
     pub idle_timeout: std::time::Duration,
     pub memory_bytes: u64,
     pub registration_timeout: std::time::Duration,
+    pub guest_stream_prefix: String,
 }
 
 /// Checks the `[broker]` section's bounds; absent keys take the defaults.

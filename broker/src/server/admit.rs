@@ -18,7 +18,7 @@ use batchcast::proto::ErrorCode;
 
 use crate::listen::Allow;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
     /// For each uid other than the broker's.
@@ -29,6 +29,9 @@ pub struct Limits {
     /// How long a producer's registration may hold its arena before its
     /// first `Acquire`.
     pub register: Duration,
+    /// What a guest's stream names must start with: `{user}` and `{uid}`
+    /// are replaced; empty allows any name not taken.
+    pub guest_prefix: String,
 }
 
 impl Limits {
@@ -156,6 +159,53 @@ impl Admission {
         None
     }
 
+    /// Whether `uid` may register a stream called `name`: the broker's own
+    /// user may use any free name; another user only names under its
+    /// prefix, so no guest can take a name the owner's trainers expect.
+    pub fn may_name(&self, uid: u32, name: &str) -> Result<(), Refusal> {
+        if !self.is_guest(uid) {
+            return Ok(());
+        }
+        let prefix = self.prefix_of(uid);
+        if name.starts_with(&prefix) && name.len() > prefix.len() {
+            return Ok(());
+        }
+        Err(Refusal {
+            code: ErrorCode::NotAllowed,
+            message: format!(
+                "uid {uid} may only register streams named `{prefix}...` on this broker (guest_stream_prefix = \"{}\"); name it `{prefix}{name}`",
+                self.limits.guest_prefix
+            ),
+        })
+    }
+
+    /// `guest_prefix` for `uid`: its user name (or `u{uid}` without one).
+    pub fn prefix_of(&self, uid: u32) -> String {
+        let user = nix::unistd::User::from_uid(uid.into())
+            .ok()
+            .flatten()
+            .map_or_else(|| format!("u{uid}"), |u| u.name);
+        self.limits
+            .guest_prefix
+            .replace("{user}", &user)
+            .replace("{uid}", &uid.to_string())
+    }
+
+    /// Whether `uid` may change `owner`'s stream (its `min_consumers`): the
+    /// stream's owner and the broker's user may.
+    pub fn may_control(&self, uid: u32, owner: u32, stream: &str) -> Result<(), Refusal> {
+        if uid == owner || !self.is_guest(uid) {
+            return Ok(());
+        }
+        Err(Refusal {
+            code: ErrorCode::NotAllowed,
+            message: format!(
+                "uid {uid} may not control stream `{stream}`: only its owner (uid {owner}) or the broker's user (uid {}) may",
+                self.allow.own_uid
+            ),
+        })
+    }
+
     /// (connections held, refused so far, the uids holding most).
     pub fn counts(&self) -> (usize, u64, Vec<(u32, usize)>) {
         let held = self.lock();
@@ -215,6 +265,7 @@ mod tests {
                 max_per_uid: per_uid,
                 idle: Duration::from_secs(60),
                 register: Duration::from_secs(30),
+                guest_prefix: "{user}.".into(),
             },
         )
     }
@@ -254,6 +305,30 @@ mod tests {
         assert_eq!(r.code, ErrorCode::NotAllowed);
         assert!(r.message.contains("uid 4242"));
         assert_eq!(a.counts().0, 0);
+    }
+
+    #[test]
+    fn guests_name_streams_under_their_prefix_and_control_only_their_own() {
+        let a = admission(8, 4);
+        assert!(a.may_name(1000, "train").is_ok());
+        let r = a.may_name(1001, "train").unwrap_err();
+        assert_eq!(r.code, ErrorCode::NotAllowed);
+        let p = a.prefix_of(1001);
+        assert!(
+            r.message.contains(&format!("name it `{p}train`")),
+            "{}",
+            r.message
+        );
+        assert!(a.may_name(1001, &format!("{p}train")).is_ok());
+        assert!(a.may_name(1001, &p).is_err(), "the prefix alone is no name");
+        assert!(a.may_control(1001, 1001, "x").is_ok());
+        assert!(a.may_control(1000, 1001, "x").is_ok());
+        let r = a.may_control(1002, 1000, "train").unwrap_err();
+        assert!(
+            r.message.contains("only its owner (uid 1000)"),
+            "{}",
+            r.message
+        );
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub(super) async fn serve_consumer(
         broker: env!("CARGO_PKG_VERSION").into(),
         device: sub.device,
         mailbox: sub.mailbox.as_ref().map(|m| m.spec),
+        owner_uid: stream.owner_uid,
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
     let mailbox_fd = sub.mailbox.as_ref().map(|m| m.fd.as_fd());

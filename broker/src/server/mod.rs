@@ -336,7 +336,7 @@ async fn serve_connection(
             uid: cred.uid(),
         };
         match hello.intent {
-            Intent::Stats => stats::serve_stats(&mut sock, &broker, &mut buf, stop).await,
+            Intent::Stats => stats::serve_stats(&mut sock, &broker, peer.uid, &mut buf, stop).await,
             Intent::Consume {
                 stream,
                 window,

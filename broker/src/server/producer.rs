@@ -36,6 +36,10 @@ pub(super) async fn serve_producer(
             format!("cannot register stream `{name}`: {e}"),
         )
     })?;
+    broker
+        .admission
+        .may_name(peer.uid, &name)
+        .map_err(|r| Reject(r.code, r.message))?;
     broker.reserve(
         &name,
         super::Pending {

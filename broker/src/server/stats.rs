@@ -10,6 +10,7 @@ use super::{Broker, Reject, next_frame, write_msg};
 pub(super) async fn serve_stats(
     sock: &mut UnixStream,
     broker: &Broker,
+    uid: u32,
     buf: &mut Vec<u8>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
@@ -39,6 +40,10 @@ pub(super) async fn serve_stats(
             }
             Some(ClientMsg::SetMinConsumers { stream, min }) => {
                 let s = broker.lookup(&stream)?;
+                broker
+                    .admission
+                    .may_control(uid, s.owner_uid, &stream)
+                    .map_err(|r| Reject(r.code, r.message))?;
                 if s.set_min_consumers(min) {
                     tracing::info!(stream = %stream, min, "asked to wait for a different number of consumers");
                 }

@@ -35,6 +35,7 @@ impl Stream {
             detached: c.detached,
             producer_blocked_s: inner.producer_blocked.as_secs_f64(),
             pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
+            owner_uid: self.owner_uid,
             producer: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::External(e) => Some(format!(
                     "{} (pid {}){}",

@@ -299,6 +299,9 @@ class Consumer:
                     f"fields {missing} are not in stream {stream!r}; it has {self._names}"
                 )
             self._positional = [self._index_of[f] for f in fields]
+        #: The uid the stream belongs to: the broker's for a configured
+        #: stream, its producer's for a registered one.
+        self.owner_uid: int = self._native.owner_uid
         #: The epoch the next batch belongs to.
         self.epoch: int = self._native.start_epoch
         self._ended = False
