@@ -702,3 +702,63 @@ fn reduced_size_decoding_in_random_crops_stays_within_tolerance() {
     assert!(rep["mae_worst_image"].as_f64().unwrap() <= 2.0, "{rep}");
     eprintln!("reduced decode vs Pillow full size: {rep}");
 }
+
+/// Every file of the generated folder, every format and mode, decoded by
+/// the broker's decoder at full size against Pillow's `convert("RGB")`:
+/// lossless formats byte for byte; JPEG and lossy WebP (whose decoders
+/// round differently) within a small mean error per image.
+#[test]
+fn every_format_decodes_to_pillows_pixels() {
+    use batchcast_broker::pipeline::decode::{Decoder, Format, Rgb};
+    let env = Env::new();
+    imgtool(&["make-folder", &env.p("ds"), "--count", "1"]);
+    let n: usize = imgtool(&["decode-all", &env.p("ds"), &env.p("ref")])
+        .trim()
+        .parse()
+        .unwrap();
+    let index = json(&std::fs::read_to_string(env.path("ref/index.json")).unwrap());
+    let mut d = Decoder::new().unwrap();
+    let mut out = Rgb::default();
+    let mut seen = HashSet::new();
+    let mut report = Vec::new();
+    for (i, entry) in index.as_array().unwrap().iter().enumerate() {
+        let path = entry[0].as_str().unwrap();
+        let (w, h) = (entry[1].as_u64().unwrap(), entry[2].as_u64().unwrap());
+        let bytes = std::fs::read(path).unwrap();
+        let header = d
+            .header(&bytes, u64::MAX)
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        d.decode(&bytes, &header, 1, &mut out)
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!((out.width as u64, out.height as u64), (w, h), "{path}");
+        let want = std::fs::read(env.path(&format!("ref/{i}.rgb"))).unwrap();
+        let mae = out
+            .data
+            .iter()
+            .zip(&want)
+            .map(|(&a, &b)| a.abs_diff(b) as f64)
+            .sum::<f64>()
+            / want.len() as f64;
+        let lossy = header.format == Format::Jpeg || path.contains("lossy");
+        if lossy {
+            assert!(
+                mae <= 1.0,
+                "{path} ({:?}): mean error {mae:.3}",
+                header.format
+            );
+        } else {
+            assert!(
+                out.data == want,
+                "{path} ({:?}): mean error {mae:.3}",
+                header.format
+            );
+        }
+        seen.insert(format!("{:?}", header.format));
+        report.push(format!("{}: {mae:.3}", path.rsplit('/').next().unwrap()));
+    }
+    assert_eq!(index.as_array().unwrap().len(), n);
+    for f in ["Jpeg", "Png", "Bmp", "Pnm", "Tiff", "WebP", "Gif"] {
+        assert!(seen.contains(f), "no {f} file was checked: {seen:?}");
+    }
+    eprintln!("mean error per image vs Pillow: {}", report.join(", "));
+}

@@ -5,7 +5,7 @@ Subcommands:
   make-folder ROOT [--bad] [--large] [--count N]
       An ImageFolder of generated images in every mode the pipeline must
       read (baseline/progressive/grayscale/CMYK JPEG; 8/16-bit, palette,
-      alpha PNG; odd, tiny and large sizes). --bad adds corrupt, truncated,
+      alpha PNG; BMP, PPM/PGM, TIFF, WebP, GIF; odd, tiny and large sizes). --bad adds corrupt, truncated,
       empty, non-image and unsupported files.
   make-asymmetric ROOT N
       N images dark on the left, bright on the right (for flip statistics).
@@ -16,6 +16,9 @@ Subcommands:
       numpy (torchvision's procedure); prints a JSON report.
   check-labels DUMP ROOT
       Checks every dumped (index, label) pair against ImageFolder's listing.
+  decode-all ROOT OUT
+      Pillow's convert("RGB") of every image of an ImageFolder, as raw
+      bytes OUT/<n>.rgb, with OUT/index.json listing (path, width, height).
 """
 
 import argparse
@@ -81,6 +84,8 @@ def make_folder(root, bad=False, large=False, count=3):
             save(rgba, f"{d}/rgba_{k}.png")
             save(rgb.convert("LA"), f"{d}/la_{k}.png")
             n += 11
+            if k == 0:
+                n += other_formats(d, k, rgb, rgba, g16, pt)
         # odd and tiny sizes
         save(Image.fromarray(photo(3, 5, ci + 7)), f"{d}/sub/tiny.jpg", quality=95)
         save(Image.fromarray(photo(1, 1, ci + 8)), f"{d}/sub/one.png")
@@ -96,9 +101,34 @@ def make_folder(root, bad=False, large=False, count=3):
         open(f"{d}/zz_truncated.jpg", "wb").write(good[: len(good) // 2])
         open(f"{d}/zz_empty.png", "wb").write(b"")
         open(f"{d}/zz_text.png", "wb").write(b"this is not an image\n" * 10)
-        save(Image.fromarray(photo(20, 20, 5)), f"{d}/zz_unsupported.bmp")
+        # An icon under an image name: a format neither decodes here.
+        save(Image.fromarray(photo(20, 20, 5)), f"{d}/zz_unsupported.bmp", format="ICO")
         n += 5
     print(n)
+
+
+def other_formats(d, k, rgb, rgba, g16, pt):
+    """Every other format torchvision's ImageFolder lists, in the modes
+    Pillow writes; and GIF bytes under a listed name (ImageFolder lists by
+    extension; PIL and batchcast read by content). Returns the count."""
+    save(rgb, f"{d}/rgb_{k}.bmp")
+    save(rgba, f"{d}/rgba_{k}.bmp")
+    save(rgb.convert("L"), f"{d}/gray_{k}.bmp")
+    save(rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=64), f"{d}/pal_{k}.bmp")
+    save(rgb, f"{d}/rgb_{k}.ppm")
+    save(rgb.convert("L"), f"{d}/gray_{k}.pgm")
+    save(rgb, f"{d}/rgb_{k}.tif")
+    save(rgb, f"{d}/lzw_{k}.tiff", compression="tiff_lzw")
+    save(rgb.convert("L"), f"{d}/gray_{k}.tif", compression="tiff_deflate")
+    save(rgba, f"{d}/rgba_{k}.tif")
+    save(Image.fromarray(g16), f"{d}/gray16_{k}.tif")
+    save(rgb, f"{d}/lossless_{k}.webp", lossless=True)
+    save(rgb, f"{d}/lossy_{k}.webp", quality=90)
+    save(rgba, f"{d}/lossy_rgba_{k}.webp", quality=90)
+    buf = io.BytesIO()
+    pt.save(buf, format="GIF", transparency=3)
+    open(f"{d}/gif_{k}.png", "wb").write(buf.getvalue())
+    return 15
 
 
 def write_png16_rgb(a16, path):
@@ -153,6 +183,18 @@ def make_shards(root, out, per_shard):
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     print(len(samples))
+
+
+def decode_all(root, out):
+    _, samples = image_folder(root)
+    os.makedirs(out, exist_ok=True)
+    index = []
+    for n, (path, _) in enumerate(samples):
+        img = Image.open(path).convert("RGB")
+        open(os.path.join(out, f"{n}.rgb"), "wb").write(img.tobytes())
+        index.append([path, img.width, img.height])
+    json.dump(index, open(os.path.join(out, "index.json"), "w"))
+    print(len(index))
 
 
 def load_dump(dump):
@@ -260,6 +302,9 @@ def main():
     m = sub.add_parser("check-labels")
     m.add_argument("dump")
     m.add_argument("root")
+    m = sub.add_parser("decode-all")
+    m.add_argument("root")
+    m.add_argument("out")
     a = p.parse_args()
     if a.cmd == "make-folder":
         make_folder(a.root, a.bad, a.large, a.count)
@@ -271,6 +316,8 @@ def main():
         check_eval(a)
     elif a.cmd == "check-labels":
         check_labels(a)
+    elif a.cmd == "decode-all":
+        decode_all(a.root, a.out)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,17 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// The extensions torchvision's ImageFolder accepts (compared
-/// case-insensitively). Files whose bytes are not JPEG or PNG are listed
-/// but fail to decode, and follow the stream's `on_error` policy.
+/// case-insensitively). The format is read from the bytes: files in a
+/// format batchcast does not decode are listed but fail to decode, and
+/// follow the stream's `on_error` policy.
 pub const IMG_EXTENSIONS: &[&str] = &[
     "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp",
+];
+
+/// The image keys of a WebDataset sample: WebDataset's own image
+/// extensions (ImageFolder's, and GIF, PBM, PNM).
+const SHARD_IMAGE_KEYS: &[&str] = &[
+    "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "pbm", "pnm", "tif", "tiff", "webp", "gif",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -172,7 +179,7 @@ impl Dataset {
 
     /// Indexes WebDataset-style tar shards: members grouped into samples by
     /// their key (the path up to the first `.` of the file name), the image
-    /// under `.jpg`, `.jpeg` or `.png`, the label under `.cls` (a decimal
+    /// under one of [`SHARD_IMAGE_KEYS`], the label under `.cls` (a decimal
     /// integer). Only tar headers and labels are read here; image bytes are
     /// read later, by offset.
     pub fn webdataset(pattern: &str, paths: &[PathBuf]) -> Result<Dataset, DatasetError> {
@@ -344,7 +351,7 @@ fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), Str
             continue;
         };
         match ext.to_ascii_lowercase().as_str() {
-            "jpg" | "jpeg" | "png" => {
+            e if SHARD_IMAGE_KEYS.contains(&e) => {
                 p.image = Some((entry.raw_file_position(), entry.size()));
             }
             "cls" => {

@@ -3,9 +3,11 @@
 //! JPEG goes through libjpeg-turbo (TurboJPEG 3 API, built from source and
 //! linked statically), which can also decode at 1/2, 1/4 or 1/8 size in the
 //! DCT domain when the transform will shrink the image anyway. PNG goes
-//! through the `png` crate. The format is taken from the bytes, not the file
-//! name. Every size check happens on the header, before any pixel buffer is
-//! allocated.
+//! through the `png` crate; BMP, PPM/PGM, TIFF and WebP through `image`;
+//! GIF (its first frame) through `gif`, whose palette indices are mapped as
+//! PIL maps them (a transparent index keeps its palette colour). The format
+//! is taken from the bytes, not the file name. Every size check happens on
+//! the header, before any pixel buffer is allocated.
 
 use std::io::Cursor;
 
@@ -15,7 +17,9 @@ use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat, ScalingFactor};
 pub enum DecodeError {
     #[error("empty file")]
     Empty,
-    #[error("not a JPEG or PNG file (starts with {0:02x?})")]
+    #[error(
+        "not an image format batchcast decodes (JPEG, PNG, BMP, PPM/PGM, TIFF, WebP, GIF); it starts with {0:02x?}"
+    )]
     Unsupported(Vec<u8>),
     #[error(
         "{width}×{height} = {} pixels exceeds max_pixels = {limit} (a possible decompression bomb); raise max_pixels if the image is genuine",
@@ -26,12 +30,33 @@ pub enum DecodeError {
     Jpeg(String),
     #[error("corrupt or truncated PNG: {0}")]
     Png(String),
+    #[error("corrupt or truncated {0:?}: {1}")]
+    Other(Format, String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     Jpeg,
     Png,
+    Bmp,
+    /// PPM, PGM, PBM (binary and plain).
+    Pnm,
+    Tiff,
+    WebP,
+    Gif,
+}
+
+impl Format {
+    /// The `image` crate's name for the formats it decodes here.
+    fn image_format(self) -> Option<image::ImageFormat> {
+        Some(match self {
+            Format::Bmp => image::ImageFormat::Bmp,
+            Format::Pnm => image::ImageFormat::Pnm,
+            Format::Tiff => image::ImageFormat::Tiff,
+            Format::WebP => image::ImageFormat::WebP,
+            Format::Jpeg | Format::Png | Format::Gif => return None,
+        })
+    }
 }
 
 /// What the header says, before decoding.
@@ -66,10 +91,24 @@ pub fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
     if bytes.is_empty() {
         return Err(DecodeError::Empty);
     }
+    let pnm = bytes.len() >= 3
+        && bytes[0] == b'P'
+        && (b'1'..=b'6').contains(&bytes[1])
+        && bytes[2].is_ascii_whitespace();
     if bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
         Ok(Format::Jpeg)
     } else if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
         Ok(Format::Png)
+    } else if bytes.starts_with(b"BM") {
+        Ok(Format::Bmp)
+    } else if pnm {
+        Ok(Format::Pnm)
+    } else if bytes.starts_with(b"II*\0") || bytes.starts_with(b"MM\0*") {
+        Ok(Format::Tiff)
+    } else if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
+        Ok(Format::WebP)
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        Ok(Format::Gif)
     } else {
         Err(DecodeError::Unsupported(
             bytes[..bytes.len().min(8)].to_vec(),
@@ -102,11 +141,21 @@ impl Decoder {
                     .map_err(|e| DecodeError::Png(e.to_string()))?;
                 reader.info().size()
             }
+            Format::Gif => {
+                let dec = gif_options()
+                    .read_info(Cursor::new(bytes))
+                    .map_err(|e| DecodeError::Other(format, e.to_string()))?;
+                (u32::from(dec.width()), u32::from(dec.height()))
+            }
+            other => image_reader(bytes, other)
+                .into_dimensions()
+                .map_err(|e| DecodeError::Other(format, e.to_string()))?,
         };
         if width == 0 || height == 0 {
             return Err(match format {
                 Format::Jpeg => DecodeError::Jpeg("zero-sized image".into()),
                 Format::Png => DecodeError::Png("zero-sized image".into()),
+                other => DecodeError::Other(other, "zero-sized image".into()),
             });
         }
         if width as u64 * height as u64 > max_pixels {
@@ -142,6 +191,14 @@ impl Decoder {
                 r
             }
             Format::Png => png_rgb(bytes, out, &mut self.scratch),
+            Format::Gif => gif_rgb(bytes, header, out, &mut self.scratch),
+            other => {
+                let img = image_reader(bytes, other)
+                    .decode()
+                    .map_err(|e| DecodeError::Other(other, e.to_string()))?;
+                dynamic_rgb(img, out);
+                Ok(())
+            }
         }
     }
 
@@ -230,6 +287,127 @@ fn has_adobe_marker(bytes: &[u8]) -> bool {
         i += 2 + len;
     }
     false
+}
+
+/// A reader of `bytes` as `format` (one `image` decodes), with `image`'s
+/// own allocation limit as a second guard behind `max_pixels`.
+fn image_reader(bytes: &[u8], format: Format) -> image::ImageReader<Cursor<&[u8]>> {
+    let mut r = image::ImageReader::with_format(
+        Cursor::new(bytes),
+        format.image_format().expect("a format image decodes"),
+    );
+    r.limits(image::Limits::default());
+    r
+}
+
+/// Any decoded image → RGB8 as PIL's `convert("RGB")` gives it: alpha
+/// dropped (not composited), grey replicated, 16-bit grey *clamped* to 255
+/// (PIL's `I;16` → `L`), 16-bit colour reduced to its high byte, float
+/// scaled from 0..1.
+fn dynamic_rgb(img: image::DynamicImage, out: &mut Rgb) {
+    use image::DynamicImage as D;
+    let (w, h) = (img.width(), img.height());
+    out.width = w;
+    out.height = h;
+    out.data.resize(w as usize * h as usize * 3, 0);
+    let dst = out.data.chunks_exact_mut(3);
+    match img {
+        D::ImageRgb8(b) => out.data.copy_from_slice(b.as_raw()),
+        D::ImageRgba8(b) => {
+            for (p, d) in b.as_raw().chunks_exact(4).zip(dst) {
+                d.copy_from_slice(&p[..3]);
+            }
+        }
+        D::ImageLuma8(b) => {
+            for (&v, d) in b.as_raw().iter().zip(dst) {
+                d.fill(v);
+            }
+        }
+        D::ImageLumaA8(b) => {
+            for (p, d) in b.as_raw().chunks_exact(2).zip(dst) {
+                d.fill(p[0]);
+            }
+        }
+        D::ImageLuma16(b) => {
+            for (&v, d) in b.as_raw().iter().zip(dst) {
+                d.fill(v.min(255) as u8);
+            }
+        }
+        D::ImageLumaA16(b) => {
+            for (p, d) in b.as_raw().chunks_exact(2).zip(dst) {
+                d.fill(p[0].min(255) as u8);
+            }
+        }
+        D::ImageRgb16(b) => {
+            for (p, d) in b.as_raw().chunks_exact(3).zip(dst) {
+                for c in 0..3 {
+                    d[c] = (p[c] >> 8) as u8;
+                }
+            }
+        }
+        D::ImageRgba16(b) => {
+            for (p, d) in b.as_raw().chunks_exact(4).zip(dst) {
+                for c in 0..3 {
+                    d[c] = (p[c] >> 8) as u8;
+                }
+            }
+        }
+        other => out.data.copy_from_slice(other.to_rgb8().as_raw()),
+    }
+}
+
+fn gif_options() -> gif::DecodeOptions {
+    let mut o = gif::DecodeOptions::new();
+    o.set_color_output(gif::ColorOutput::Indexed);
+    o
+}
+
+/// A GIF's first frame → RGB8 as PIL gives it: each index through the
+/// frame's palette (else the global one), a transparent index to its
+/// palette colour; the rest of the logical screen, if the frame does not
+/// cover it, in the background colour.
+fn gif_rgb(
+    bytes: &[u8],
+    header: &Header,
+    out: &mut Rgb,
+    scratch: &mut Vec<u8>,
+) -> Result<(), DecodeError> {
+    let err = |e: gif::DecodingError| DecodeError::Other(Format::Gif, e.to_string());
+    let mut dec = gif_options().read_info(Cursor::new(bytes)).map_err(err)?;
+    let global = dec.global_palette().map(<[u8]>::to_vec).unwrap_or_default();
+    let bg = dec.bg_color().unwrap_or(0);
+    let frame = dec
+        .next_frame_info()
+        .map_err(err)?
+        .ok_or_else(|| DecodeError::Other(Format::Gif, "no image in the file".into()))?;
+    let (fx, fy) = (usize::from(frame.left), usize::from(frame.top));
+    let (fw, fh) = (usize::from(frame.width), usize::from(frame.height));
+    let palette = frame.palette.clone().unwrap_or(global);
+    scratch.resize(fw * fh, 0);
+    dec.read_into_buffer(scratch).map_err(err)?;
+    let colour = |i: usize| -> [u8; 3] {
+        palette
+            .get(3 * i..3 * i + 3)
+            .map_or([0, 0, 0], |c| [c[0], c[1], c[2]])
+    };
+    let (w, h) = (header.width as usize, header.height as usize);
+    out.width = header.width;
+    out.height = header.height;
+    out.data.clear();
+    out.data.reserve(w * h * 3);
+    let back = colour(bg);
+    for y in 0..h {
+        for x in 0..w {
+            let inside = (fx..fx + fw).contains(&x) && (fy..fy + fh).contains(&y);
+            let c = if inside {
+                colour(usize::from(scratch[(y - fy) * fw + (x - fx)]))
+            } else {
+                back
+            };
+            out.data.extend_from_slice(&c);
+        }
+    }
+    Ok(())
 }
 
 /// PNG → RGB8 as PIL converts it: palette expanded, alpha dropped (not
@@ -327,8 +505,12 @@ mod tests {
         let mut d = Decoder::new().unwrap();
         assert_eq!(d.header(b"", 100), Err(DecodeError::Empty));
         assert!(matches!(
-            d.header(b"GIF89a....", 100),
+            d.header(b"\x00\x00\x01\x00 an icon", 100),
             Err(DecodeError::Unsupported(_))
+        ));
+        assert!(matches!(
+            d.header(b"GIF89a....", 100),
+            Err(DecodeError::Other(Format::Gif, _))
         ));
         assert!(matches!(
             d.header(&[0xFF, 0xD8, 0xFF, 0xE0, 0, 0], 100),
