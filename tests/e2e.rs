@@ -21,7 +21,7 @@ use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, LIMIT, report};
+use common::{EXE, Env, LIMIT, is_root, report};
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
     let fields: [(&str, &str, &[u64]); 3] = [
@@ -456,16 +456,6 @@ fn serve_must_exit(config: Option<&Path>, socket: &Path) -> (std::process::ExitS
         .read_to_string(&mut err)
         .unwrap();
     (status, err)
-}
-
-/// Tests that need a second user run as root (as CI does); elsewhere they
-/// say so and skip that part.
-fn is_root(what: &str) -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    if !root {
-        eprintln!("SKIPPED (needs root to act as a second user): {what}");
-    }
-    root
 }
 
 #[test]

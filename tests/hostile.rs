@@ -19,7 +19,7 @@ use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, LIMIT, report};
+use common::{EXE, Env, LIMIT, is_root, report};
 
 /// A uid with no other role here.
 const GUEST: u32 = 65534;
@@ -53,14 +53,6 @@ fn idle_stats(socket: &Path) -> (UnixStream, ServerMsg) {
         .unwrap()
         .expect("the broker closed without a word");
     (s, first)
-}
-
-fn is_root(what: &str) -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    if !root {
-        eprintln!("SKIPPED (needs root to act as a second user): {what}");
-    }
-    root
 }
 
 /// Runs `f` on a thread and fails the test if it has not returned within

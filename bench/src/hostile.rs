@@ -170,6 +170,36 @@ fn median_max(mut v: Vec<f64>) -> (f64, f64) {
     (v[v.len() / 2], v[v.len() - 1])
 }
 
+/// The attacker: a copy of this binary (one uid 65534 can run) against
+/// `socket`.
+fn start_attacker(dir: &Path, socket: &Path, a: &Args) -> anyhow::Result<Child> {
+    let me = dir.join("hostile-attacker");
+    std::fs::copy(std::env::current_exe()?, &me)?;
+    std::fs::set_permissions(&me, std::fs::Permissions::from_mode(0o755))?;
+    let (idle, garbage) = (a.idle.to_string(), a.garbage.to_string());
+    Ok(Command::new(&me)
+        .arg("--attack")
+        .arg(socket)
+        .args(["--idle", &idle, "--garbage", &garbage])
+        .uid(GUEST)
+        .gid(GUEST)
+        .stdout(Stdio::null())
+        .spawn()?)
+}
+
+/// Seconds from SIGINT to the broker's exit (`None`: still running after 30 s).
+fn sigint_to_exit(broker: &mut BrokerProcess) -> anyhow::Result<Option<f64>> {
+    let t0 = Instant::now();
+    harness::signal(broker.pid(), nix::sys::signal::Signal::SIGINT);
+    while t0.elapsed() < Duration::from_secs(30) {
+        if broker.try_wait()?.is_some() {
+            return Ok(Some(t0.elapsed().as_secs_f64()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(None)
+}
+
 fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
     let dir = tempfile::tempdir()?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711))?;
@@ -188,23 +218,7 @@ fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
         .map(|_| first_batch(&socket))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let rss_quiet = harness::rss_kb(broker.pid()).unwrap_or(0);
-    // The attacker: a copy of this binary it can run.
-    let me = dir.path().join("hostile-attacker");
-    std::fs::copy(std::env::current_exe()?, &me)?;
-    std::fs::set_permissions(&me, std::fs::Permissions::from_mode(0o755))?;
-    let mut attacker: Child = Command::new(&me)
-        .arg("--attack")
-        .arg(&socket)
-        .args([
-            "--idle",
-            &a.idle.to_string(),
-            "--garbage",
-            &a.garbage.to_string(),
-        ])
-        .uid(GUEST)
-        .gid(GUEST)
-        .stdout(Stdio::null())
-        .spawn()?;
+    let mut attacker = start_attacker(dir.path(), &socket, a)?;
     std::thread::sleep(Duration::from_secs(2));
     let attacked = (0..a.trials)
         .map(|_| first_batch(&socket))
@@ -219,17 +233,7 @@ fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
         .iter()
         .find(|(u, _)| *u == GUEST)
         .map_or(0, |(_, n)| *n);
-    // SIGINT while the attack goes on.
-    let t0 = Instant::now();
-    harness::signal(broker.pid(), nix::sys::signal::Signal::SIGINT);
-    let mut exit_s = None;
-    while t0.elapsed() < Duration::from_secs(30) {
-        if broker.try_wait()?.is_some() {
-            exit_s = Some(t0.elapsed().as_secs_f64());
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let exit_s = sigint_to_exit(&mut broker)?;
     let _ = attacker.kill();
     let _ = attacker.wait();
     let (q50, qmax) = median_max(quiet);

@@ -93,3 +93,13 @@ impl Env {
 pub fn report(child: std::process::Child) -> ConsumerReport {
     harness::wait_report(child, LIMIT).unwrap()
 }
+
+/// Tests that need a second user run as root (as CI does); elsewhere they
+/// say so and skip that part.
+pub fn is_root(what: &str) -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        eprintln!("SKIPPED (needs root to act as a second user): {what}");
+    }
+    root
+}
