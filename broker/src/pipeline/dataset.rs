@@ -18,7 +18,7 @@ pub const IMG_EXTENSIONS: &[&str] = &[
 
 /// The image keys of a WebDataset sample: WebDataset's own image
 /// extensions (ImageFolder's, and GIF, PBM, PNM).
-const SHARD_IMAGE_KEYS: &[&str] = &[
+pub const SHARD_IMAGE_KEYS: &[&str] = &[
     "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "pbm", "pnm", "tif", "tiff", "webp", "gif",
 ];
 
