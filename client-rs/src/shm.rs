@@ -24,13 +24,21 @@ use std::ptr::NonNull;
 
 use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
-use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
 use crate::error::{Error, Result};
 
 fn shm_err(what: &str, e: nix::Error) -> Error {
     Error::Shm(format!("{what}: {e}"))
+}
+
+/// The system's page size.
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |p| p as u64)
 }
 
 /// A memory mapping of (part of) a memfd, unmapped on drop.
@@ -89,6 +97,89 @@ impl Mapping {
         let len = usize::try_from(size)
             .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
         Mapping::map(fd, len, prot, MapFlags::empty())
+    }
+
+    /// Maps `ring_len` bytes of `fd` starting at `offset` twice, back to
+    /// back: byte `i` of the ring is at `i` and at `ring_len + i`, the same
+    /// physical page. Any window of up to `ring_len` bytes that starts in
+    /// the ring is then one contiguous slice, across the wrap, without a
+    /// copy: the basis for a consumer's batches of any size over a ring of
+    /// samples. `offset` and `ring_len` must be multiples of the page size,
+    /// and `offset + ring_len` within the fd (checked).
+    pub fn mirrored(
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        ring_len: u64,
+        writable: bool,
+    ) -> Result<Mapping> {
+        let page = page_size();
+        if ring_len == 0 || !offset.is_multiple_of(page) || !ring_len.is_multiple_of(page) {
+            return Err(Error::Shm(format!(
+                "a mirrored ring needs a page-aligned offset and length (page {page}): got {offset} + {ring_len}"
+            )));
+        }
+        let size = nix::sys::stat::fstat(fd)
+            .map_err(|e| shm_err("fstat of the arena fd failed", e))?
+            .st_size as u64;
+        let end = offset.saturating_add(ring_len);
+        if end > size {
+            return Err(Error::Shm(format!(
+                "ring {offset}..{end} outside the arena fd of {size} bytes"
+            )));
+        }
+        let len = usize::try_from(ring_len)
+            .ok()
+            .and_then(|l| l.checked_mul(2))
+            .ok_or_else(|| Error::Shm("ring larger than the address space".into()))?;
+        let file_off = libc::off_t::try_from(offset)
+            .map_err(|_| Error::Shm("ring offset out of range".into()))?;
+        let prot = if writable {
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
+        } else {
+            ProtFlags::PROT_READ
+        };
+        let twice = NonZeroUsize::new(len).expect("ring_len > 0");
+        let half = NonZeroUsize::new(len / 2).expect("ring_len > 0");
+        // SAFETY: a fresh anonymous reservation chosen by the kernel
+        // (addr = None): no Rust object lives there. It only reserves the
+        // address range for the two views below.
+        let base = unsafe {
+            mmap_anonymous(
+                None,
+                twice,
+                ProtFlags::PROT_NONE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+            )
+        }
+        .map_err(|e| shm_err("reserving address space for a mirrored ring failed", e))?;
+        // Owns the reservation from here: unmapped if a view fails.
+        let reserved = Mapping {
+            ptr: base.cast(),
+            len,
+            writable,
+        };
+        for k in 0..2usize {
+            // SAFETY: `k · half` is 0 or half of the reservation's length,
+            // so the pointer stays inside it.
+            let at = unsafe { base.cast::<u8>().add(k * half.get()) };
+            // SAFETY: `at .. at + half` lies inside our own reservation
+            // above, which nothing else uses, so MAP_FIXED replaces only it;
+            // the fd holds `offset + ring_len` bytes (checked) and the arena
+            // is sealed against shrinking.
+            let view = unsafe {
+                mmap(
+                    Some(NonZeroUsize::new(at.as_ptr() as usize).expect("non-null")),
+                    half,
+                    prot,
+                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                    fd,
+                    file_off,
+                )
+            }
+            .map_err(|e| shm_err("mapping a view of a mirrored ring failed", e))?;
+            debug_assert_eq!(view.as_ptr() as usize, at.as_ptr() as usize);
+        }
+        Ok(reserved)
     }
 
     pub fn len(&self) -> usize {
@@ -269,6 +360,33 @@ pub fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mirrored_ring_is_one_contiguous_window_across_its_wrap() {
+        let page = page_size();
+        // A header page, then a ring of two pages.
+        let arena = Arena::create("ring", 3 * page).unwrap();
+        let writer = Mapping::mirrored(arena.fd(), page, 2 * page, true).unwrap();
+        let reader = Mapping::mirrored(arena.fd(), page, 2 * page, false).unwrap();
+        assert_eq!(writer.len() as u64, 4 * page);
+        // Write the ring's last 8 bytes and first 8 through the first view.
+        let end = 2 * page - 8;
+        // SAFETY: this test is the mapping's only user.
+        unsafe { writer.slice_mut(end, 8) }.copy_from_slice(b"ABCDEFGH");
+        // SAFETY: as above.
+        unsafe { writer.slice_mut(0, 8) }.copy_from_slice(b"12345678");
+        // One window across the wrap, in the other process's view too.
+        assert_eq!(reader.get(end, 16).unwrap(), b"ABCDEFGH12345678");
+        // The same bytes as the arena's own mapping at the ring's offset.
+        assert_eq!(arena.mapping().get(page, 8).unwrap(), b"12345678");
+        // Unaligned or out-of-range rings are refused.
+        assert!(Mapping::mirrored(arena.fd(), 1, page, false).is_err());
+        assert!(Mapping::mirrored(arena.fd(), page, 3 * page, false).is_err());
+        // A read-only view of a sealed arena still maps.
+        arena.seal_writes().unwrap();
+        let sealed = Mapping::mirrored(arena.fd(), page, 2 * page, false).unwrap();
+        assert_eq!(sealed.get(end, 16).unwrap(), b"ABCDEFGH12345678");
+    }
     use std::os::unix::net::UnixStream;
 
     #[test]
