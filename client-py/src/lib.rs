@@ -170,7 +170,7 @@ struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu"))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -181,6 +181,7 @@ impl Consumer {
         name: Option<String>,
         connect_timeout: f64,
         device: &str,
+        broker_uid: Option<u32>,
     ) -> PyResult<Consumer> {
         let device: batchcast::Device = device.parse().map_err(parse_error)?;
         let join: JoinPolicy = join.parse().map_err(parse_error)?;
@@ -196,6 +197,7 @@ impl Consumer {
             join,
             connect_timeout: Duration::from_secs_f64(connect_timeout),
             device,
+            broker_uid,
             ..Default::default()
         };
         if let Some(n) = name {
@@ -497,7 +499,7 @@ impl Producer {
 impl Producer {
     /// `fields`: `(name, dtype, shape)` per field, in order.
     #[new]
-    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0))]
+    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0, broker_uid=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -514,6 +516,7 @@ impl Producer {
         description: String,
         classes: Vec<String>,
         connect_timeout: f64,
+        broker_uid: Option<u32>,
     ) -> PyResult<Producer> {
         let fields = fields
             .into_iter()
@@ -543,6 +546,7 @@ impl Producer {
         r.classes = classes;
         opts.socket = socket;
         opts.connect_timeout = Duration::from_secs_f64(connect_timeout);
+        opts.broker_uid = broker_uid;
         if let Some(n) = name {
             opts.name = n;
         }

@@ -275,6 +275,14 @@ def test_a_full_or_silent_broker_raises_at_once_never_hangs(start_broker, tmp_pa
         batchcast.Consumer(socket=tmp_path / "silent.sock", output="numpy", connect_timeout=2)
     assert time.monotonic() - t0 < 20
     silent.close()
+    # Told to expect another user than the broker's, the client refuses it
+    # before sending anything.
+    import os
+
+    with pytest.raises(batchcast.BrokerUnavailable, match="may be an impostor"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", broker_uid=os.getuid() + 1)
+    with pytest.raises(batchcast.BrokerUnavailable, match="may be an impostor"):
+        batchcast.Producer([np.zeros((2, 3))], broker_uid=os.getuid() + 1, socket=broker.socket).run(epochs=1)
 
 
 def test_dict_batches_and_metadata(start_broker):

@@ -244,6 +244,9 @@ class Consumer:
         copy: give each trainer private, writable copies of the fields
             (costs one copy per field per batch; the slot is free as soon as
             the batch object is gone).
+        broker_uid: the uid the broker must run as; default
+            ``$BATCHCAST_BROKER_UID``, else this process's own. A socket
+            served by any other user is refused (it could be an impostor).
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -261,6 +264,7 @@ class Consumer:
         connect_timeout: Optional[float] = None,
         device: Any = "cpu",
         copy: bool = False,
+        broker_uid: Optional[int] = None,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
@@ -283,6 +287,7 @@ class Consumer:
             name=name,
             connect_timeout=timeout,
             device=dev,
+            broker_uid=broker_uid,
         )
         kind, index = self._native.device
         #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.

@@ -17,6 +17,7 @@ class Consumer:
         name: Optional[str] = None,
         connect_timeout: float = 0.0,
         device: str = "cpu",
+        broker_uid: Optional[int] = None,
     ) -> None: ...
     def next_event(
         self, timeout: Optional[float] = None
@@ -76,6 +77,7 @@ class Producer:
         description: str = "",
         classes: List[str] = ...,
         connect_timeout: float = 0.0,
+        broker_uid: Optional[int] = None,
     ) -> None: ...
     def schema(self) -> Dict[str, Any]: ...
     def acquire(self) -> Optional[Tuple[int, int, int]]: ...

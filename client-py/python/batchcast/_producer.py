@@ -196,6 +196,12 @@ class Producer:
         min_consumers: consumers that must subscribe before the first batch.
         lag_limit: detach a consumer this many batches behind the others.
         batches_per_epoch: for loaders without ``len()``.
+        name: shown in ``batchcast stats``.
+        connect_timeout: seconds to keep retrying while the broker is not up
+            yet; default ``$BATCHCAST_CONNECT_TIMEOUT`` or 0.
+        broker_uid: the uid the broker must run as (see :class:`Consumer`).
+            Registering on another user's broker: that broker's
+            ``guest_stream_prefix`` applies (default ``"{user}."``).
     """
 
     def __init__(
@@ -211,8 +217,10 @@ class Producer:
         batches_per_epoch: Optional[int] = None,
         name: Optional[str] = None,
         connect_timeout: Optional[float] = None,
+        broker_uid: Optional[int] = None,
     ) -> None:
         self.loader = loader
+        self.broker_uid = broker_uid
         self.stream = stream
         self.socket = os.fspath(socket) if socket is not None else None
         self.epochs = epochs
@@ -270,6 +278,7 @@ class Producer:
             description=description,
             classes=classes,
             connect_timeout=self.connect_timeout,
+            broker_uid=self.broker_uid,
         )
         self.schema = native.schema()
         t0 = time.perf_counter()
