@@ -445,6 +445,12 @@ async fn next_frame(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Option<C
                 ));
             }
             Ok(_) => {}
+            // A peer that exits with data unread (a consumer killed, or one
+            // leaving with batches held) resets the connection: between
+            // frames that is a close like any other, not a broken frame.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && buf.is_empty() => {
+                return Ok(None);
+            }
             Err(e) => {
                 return Err(Reject(
                     ErrorCode::MalformedFrame,
