@@ -223,6 +223,19 @@ fn within_exit(b: &mut BrokerProcess, limit: Duration) -> Option<std::process::E
     None
 }
 
+/// A broker of `config` whose socket other users can reach (its folder is
+/// 0711: they may enter it, not write in it): its folder, socket, process.
+fn shared_broker(config: &str) -> (tempfile::TempDir, std::path::PathBuf, BrokerProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let cfg = dir.path().join("b.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let socket = dir.path().join("b.sock");
+    let log = dir.path().join("broker.log");
+    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    (dir, socket, broker)
+}
+
 /// Another user's flood: connections that say nothing, beyond its share,
 /// and a user outside the allow list. Run as those users by a child.
 #[test]
@@ -230,20 +243,9 @@ fn another_users_connection_flood_is_held_to_its_share_and_checked_before_any_re
     if !is_root("connection floods from a second and a third user") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    // Others may reach the socket, not write the folder.
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
-    let cfg = dir.path().join("b.toml");
-    std::fs::write(
-        &cfg,
-        stream_config(&format!(
-            "allow_uids = [{GUEST}]\nmax_connections = 64\nmax_connections_per_uid = 16\nidle_timeout_s = 600"
-        )),
-    )
-    .unwrap();
-    let socket = dir.path().join("b.sock");
-    let log = dir.path().join("broker.log");
-    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    let (_dir, socket, broker) = shared_broker(&stream_config(&format!(
+        "allow_uids = [{GUEST}]\nmax_connections = 64\nmax_connections_per_uid = 16\nidle_timeout_s = 600"
+    )));
     // Each connection waits half a second for a word: admitted ones hear
     // nothing (they have not said hello), refused ones hear the reason.
     // The child keeps its connections until it is killed.
@@ -434,18 +436,12 @@ fn guest_side_of_the_tenant_test() {
 
 #[test]
 fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
-    let cfg = dir.path().join("b.toml");
     let body = StreamToml::synthetic("train", 4, 64, &[("x", "u8", &[16])])
         .epochs(1)
         .key("slots", 4)
         .key("min_consumers", 2)
         .to_toml();
-    std::fs::write(&cfg, format!("[broker]\nallow_uids = [{GUEST}]\n{body}")).unwrap();
-    let socket = dir.path().join("b.sock");
-    let log = dir.path().join("broker.log");
-    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    let (dir, socket, broker) = shared_broker(&format!("[broker]\nallow_uids = [{GUEST}]\n{body}"));
     let me = nix::unistd::getuid().as_raw();
     if is_root("a guest registering and controlling streams") {
         let prefix = nix::unistd::User::from_uid(GUEST.into())

@@ -169,16 +169,7 @@ fn serve(
     }
     batchcast_broker::gpu::announce();
     raise_fd_limit(limits.max_connections);
-    let admission = server::Admission::new(
-        allow,
-        server::Limits {
-            max_connections: limits.max_connections,
-            max_per_uid: limits.max_connections_per_uid,
-            idle: limits.idle_timeout,
-            register: limits.registration_timeout,
-            guest_prefix: limits.guest_stream_prefix.clone(),
-        },
-    );
+    let admission = server::Admission::new(allow, limits);
     let broker = Arc::new(server::Broker::new(streams, admission, budget, buffers));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

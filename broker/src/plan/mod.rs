@@ -51,11 +51,20 @@ pub enum PlanError {
 /// The `[broker]` section's numbers, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerPlan {
+    /// Connections served at once, all users together.
     pub max_connections: usize,
+    /// For each uid other than the broker's.
     pub max_connections_per_uid: usize,
+    /// How long a stats connection may go without a request before it is
+    /// closed (consumers and producers are bounded by their streams).
     pub idle_timeout: std::time::Duration,
+    /// What the broker may allocate for clients in all.
     pub memory_bytes: u64,
+    /// How long a producer's registration may hold its arena before its
+    /// first `Acquire`.
     pub registration_timeout: std::time::Duration,
+    /// What a guest's stream names must start with: `{user}` and `{uid}`
+    /// are replaced; empty allows any name not taken.
     pub guest_stream_prefix: String,
 }
 

@@ -10,42 +10,23 @@
 //! broker's owner always has a quarter of the connections to itself whatever
 //! guests do. The numbers come from `[broker]` (`plan::plan_broker`).
 
+use batchcast::proto::ErrorCode;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
-
-use batchcast::proto::ErrorCode;
 
 use crate::listen::Allow;
+use crate::plan::BrokerPlan;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
-    pub max_connections: usize,
-    /// For each uid other than the broker's.
-    pub max_per_uid: usize,
-    /// How long a stats connection may go without a request before it is
-    /// closed (consumers and producers are bounded by their streams).
-    pub idle: Duration,
-    /// How long a producer's registration may hold its arena before its
-    /// first `Acquire`.
-    pub register: Duration,
-    /// What a guest's stream names must start with: `{user}` and `{uid}`
-    /// are replaced; empty allows any name not taken.
-    pub guest_prefix: String,
-}
-
-impl Limits {
-    /// What all guests together may hold: the rest is the owner's.
-    fn guests(&self) -> usize {
-        self.max_connections - self.max_connections / 4
-    }
+/// What all guests together may hold of `max`: the rest is the owner's.
+fn guest_share(max: usize) -> usize {
+    max - max / 4
 }
 
 /// Counts connections by uid.
 #[derive(Debug)]
 pub struct Admission {
     allow: Allow,
-    limits: Limits,
+    limits: BrokerPlan,
     held: Mutex<Held>,
 }
 
@@ -72,7 +53,7 @@ pub struct Refusal {
 }
 
 impl Admission {
-    pub fn new(allow: Allow, limits: Limits) -> Arc<Admission> {
+    pub fn new(allow: Allow, limits: BrokerPlan) -> Arc<Admission> {
         Arc::new(Admission {
             allow,
             limits,
@@ -80,7 +61,7 @@ impl Admission {
         })
     }
 
-    pub fn limits(&self) -> &Limits {
+    pub fn limits(&self) -> &BrokerPlan {
         &self.limits
     }
 
@@ -143,13 +124,13 @@ impl Admission {
             ));
         }
         if self.is_guest(uid) {
-            if mine >= limits.max_per_uid {
+            if mine >= limits.max_connections_per_uid {
                 return busy(format!(
                     "uid {uid} holds {mine} connections (max_connections_per_uid = {}); close idle ones, or ask the broker's owner to raise it",
-                    limits.max_per_uid
+                    limits.max_connections_per_uid
                 ));
             }
-            if held.guests >= limits.guests() {
+            if held.guests >= guest_share(limits.max_connections) {
                 return busy(format!(
                     "other users hold {} connections, all they may (three quarters of max_connections = {}; the rest are kept for uid {})",
                     held.guests, limits.max_connections, self.allow.own_uid
@@ -174,7 +155,7 @@ impl Admission {
             code: ErrorCode::NotAllowed,
             message: format!(
                 "uid {uid} may only register streams named `{prefix}...` on this broker (guest_stream_prefix = \"{}\"); name it `{prefix}{name}`",
-                self.limits.guest_prefix
+                self.limits.guest_stream_prefix
             ),
         })
     }
@@ -186,7 +167,7 @@ impl Admission {
             .flatten()
             .map_or_else(|| format!("u{uid}"), |u| u.name);
         self.limits
-            .guest_prefix
+            .guest_stream_prefix
             .replace("{user}", &user)
             .replace("{uid}", &uid.to_string())
     }
@@ -250,6 +231,8 @@ impl Drop for Ticket {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn admission(max: usize, per_uid: usize) -> Arc<Admission> {
@@ -260,12 +243,13 @@ mod tests {
         };
         Admission::new(
             allow,
-            Limits {
+            BrokerPlan {
                 max_connections: max,
-                max_per_uid: per_uid,
-                idle: Duration::from_secs(60),
-                register: Duration::from_secs(30),
-                guest_prefix: "{user}.".into(),
+                max_connections_per_uid: per_uid,
+                idle_timeout: Duration::from_secs(60),
+                memory_bytes: 1 << 30,
+                registration_timeout: Duration::from_secs(30),
+                guest_stream_prefix: "{user}.".into(),
             },
         )
     }

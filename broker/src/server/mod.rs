@@ -35,7 +35,7 @@ mod consumer;
 mod producer;
 mod stats;
 
-pub use admit::{Admission, Limits};
+pub use admit::Admission;
 
 /// How long a client may take to send its preamble and hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

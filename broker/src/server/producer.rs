@@ -106,7 +106,7 @@ async fn register(
     }
     // The first request means the producer has mapped the arena: seal it
     // against every other writer, then let consumers in.
-    let limit = broker.admission.limits().register;
+    let limit = broker.admission.limits().registration_timeout;
     let first = tokio::time::timeout(limit, next_frame(sock, buf))
         .await
         .map_err(|_| {

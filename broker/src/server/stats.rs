@@ -16,7 +16,7 @@ pub(super) async fn serve_stats(
 ) -> Result<(), Reject> {
     // An answer to the hello, so clients know they were admitted.
     let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
-    let idle = broker.admission.limits().idle;
+    let idle = broker.admission.limits().idle_timeout;
     loop {
         let msg = tokio::select! {
             m = tokio::time::timeout(idle, next_frame(sock, buf)) => match m {
