@@ -586,6 +586,8 @@ fn raw_subscribe(socket: &Path, name: &str, mailbox: bool) -> (UnixStream, Welco
         name: name.into(),
         pid: std::process::id(),
         intent: Intent::Consume {
+            batch_size: None,
+            drop_last: false,
             stream: "train".into(),
             window: 2,
             join: batchcast::JoinPolicy::Immediate,
@@ -755,6 +757,8 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             name: "gpu".into(),
             pid: std::process::id(),
             intent: proto::Intent::Consume {
+                batch_size: None,
+                drop_last: false,
                 stream: "train".into(),
                 window,
                 join: batchcast::JoinPolicy::NextEpoch,
@@ -945,22 +949,24 @@ fn a_mailbox_consumer_keeps_to_its_window_and_gives_back_what_it_never_read() {
     );
     drop(second);
     // Leaving while the program still holds `third`: the connection stays
-    // open for it, but the batches sent and never read are given back, so
-    // the other consumer reads both epochs to the end.
+    // open for it, but the batches sent and never read are given back. The
+    // slots are a ring: the other consumer reads on until the ring comes
+    // round to `third`'s slot, and to the end once it is released.
     drop(a);
-    let got = bounded("the other consumer to read both epochs", move || {
+    let reader = std::thread::spawn(move || {
         let mut b = b;
         let mut got = Vec::new();
         for batch in b.by_ref() {
-            let batch = batch.unwrap();
+            let batch = batch.unwrap_or_else(|e| panic!("reader after {got:?}: {e}"));
             got.push((batch.epoch(), batch.index()));
         }
         got
     });
-    let want: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..6).map(move |i| (e, i))).collect();
-    assert_eq!(got, want);
-    let s = env.wait_for("the reader to leave", |s| {
-        s.streams[0].consumers.iter().all(|c| c.name != "reader")
+    let s = env.wait_for("the reader to reach the held slot", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "reader" && c.delivered == 2 + 4)
     });
     let holder = s.streams[0]
         .consumers
@@ -971,6 +977,15 @@ fn a_mailbox_consumer_keeps_to_its_window_and_gives_back_what_it_never_read() {
         holder.held, 1,
         "only the batch its program holds: {holder:?}"
     );
+    assert!(!reader.is_finished(), "the ring cannot pass the held slot");
     drop(third);
-    env.wait_for("the holder to leave", |s| s.streams[0].consumers.is_empty());
+    env.wait_for("the holder to leave", |s| {
+        s.streams[0].consumers.iter().all(|c| c.name != "holder")
+    });
+    let got = bounded("the other consumer to read both epochs", move || {
+        reader.join().unwrap()
+    });
+    let want: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..6).map(move |i| (e, i))).collect();
+    assert_eq!(got, want);
+    env.wait_for("both to leave", |s| s.streams[0].consumers.is_empty());
 }

@@ -69,6 +69,13 @@ pub struct ConsumeArgs {
     /// through a shared-memory mailbox (as `BATCHCAST_MAILBOX=0` does)
     #[arg(long)]
     pub no_mailbox: bool,
+    /// This consumer's own batch size [default: $BATCHCAST_BATCH_SIZE, else
+    /// the stream's]
+    #[arg(long)]
+    pub batch_size: Option<u64>,
+    /// Drop each epoch's last batch when it is short
+    #[arg(long)]
+    pub drop_last: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -141,6 +148,10 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     opts.socket = args.socket.clone();
     opts.window = args.window;
+    if args.batch_size.is_some() {
+        opts.batch_size = args.batch_size;
+    }
+    opts.drop_last = args.drop_last;
     if args.no_mailbox {
         opts.mailbox = false;
     }
@@ -180,7 +191,11 @@ fn consume(
     report: &mut ConsumerReport,
 ) -> batchcast::Result<()> {
     let mut consumer = Consumer::connect(opts)?;
-    let mut check = Checker::new(args, consumer.schema().clone())?;
+    let mut check = Checker::new(
+        args,
+        consumer.schema().clone(),
+        consumer.batches_per_epoch(),
+    )?;
     let mut held: VecDeque<Batch> = VecDeque::new();
     loop {
         let batch = match consumer.next_event()? {
@@ -223,6 +238,8 @@ fn consume(
 struct Checker<'a> {
     args: &'a ConsumeArgs,
     schema: Schema,
+    /// This consumer's batches in an epoch.
+    batches_per_epoch: u64,
     /// Synthetic streams with `--verify`: what every sample must hold.
     spec: Option<SyntheticSpec>,
     /// Image streams: the `index` field, to count distinct samples.
@@ -238,7 +255,11 @@ struct Checker<'a> {
 }
 
 impl<'a> Checker<'a> {
-    fn new(args: &'a ConsumeArgs, schema: Schema) -> batchcast::Result<Checker<'a>> {
+    fn new(
+        args: &'a ConsumeArgs,
+        schema: Schema,
+        batches_per_epoch: u64,
+    ) -> batchcast::Result<Checker<'a>> {
         let spec = match schema.source {
             SourceInfo::Synthetic(spec) => Some(spec).filter(|_| args.verify),
             SourceInfo::Images(_) | SourceInfo::External(_) if args.verify => {
@@ -258,6 +279,7 @@ impl<'a> Checker<'a> {
         Ok(Checker {
             args,
             schema,
+            batches_per_epoch,
             spec,
             index_field,
             seen: HashSet::new(),
@@ -325,12 +347,13 @@ impl<'a> Checker<'a> {
         let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
         match self.last {
             Some((ps, pe, pi)) => {
-                let expect = if pi + 1 == self.schema.batches_per_epoch {
+                let expect = if pi + 1 == self.batches_per_epoch {
                     (pe + 1, 0)
                 } else {
                     (pe, pi + 1)
                 };
-                if seq <= ps || (epoch, index) != expect {
+                // Batches smaller than the stream's share its units' seq.
+                if seq < ps || (epoch, index) != expect {
                     report.order_errors.push(format!(
                         "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
                     ));
@@ -353,11 +376,16 @@ impl<'a> Checker<'a> {
         fields: &[Cow<'_, [u8]>],
         report: &mut ConsumerReport,
     ) -> batchcast::Result<()> {
+        if self.args.digest {
+            // Sample by sample, so that consumers of any batch size agree.
+            for j in 0..batch.len() {
+                for bytes in fields {
+                    self.digest = digest_bytes(self.digest, sample(bytes, batch.len(), j));
+                }
+            }
+        }
         for (f, bytes) in self.schema.fields.iter().zip(fields) {
             report.bytes += bytes.len() as u64;
-            if self.args.digest {
-                self.digest = digest_bytes(self.digest, bytes);
-            }
             if let Some(dir) = &self.args.dump {
                 let path = dir.join(format!(
                     "e{}-b{}-{}.bin",
@@ -392,7 +420,7 @@ impl<'a> Checker<'a> {
             .find(|(e, _)| *e == epoch)
             .expect("just inserted")
             .1;
-        let first = (batch.index() * self.schema.batch_size) as usize;
+        let first = batch.first_sample() as usize;
         for (fi, bytes) in fields.iter().enumerate() {
             for j in 0..batch.len() {
                 let Some(&ds) = order.get(first + j) else {

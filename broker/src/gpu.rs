@@ -60,10 +60,21 @@ pub struct CopyRequest {
     pub seq: u64,
 }
 
+/// A piece of a batch to copy: `len` host bytes at `src` to `dst` bytes
+/// into its device slot.
+#[derive(Debug, Clone, Copy)]
+pub struct Piece {
+    pub src: *const u8,
+    pub len: usize,
+    pub dst: usize,
+}
+
 /// What the copier calls back into (the stream).
 pub trait CopySink: Send + Sync + 'static {
-    /// Host bytes of `slot`; valid while the sink is alive.
-    fn host_slot(&self, slot: u32) -> (*const u8, usize);
+    /// Where batch `seq`'s bytes lie in the host arena (each field's cells,
+    /// in one or two pieces around its ring's wrap), valid while the sink
+    /// is alive; and the size of a device slot.
+    fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize);
     /// The copy of `req` to GPU `key` completed after `elapsed_ns`.
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64);
     /// The GPU `key` failed; its consumers must be told.
@@ -265,16 +276,22 @@ mod cuda_backend {
             let mut next = Some(first);
             let result = (|| {
                 while let Some(req) = next.take().or_else(|| rx.try_recv().ok()) {
-                    let (ptr, len) = sink.host_slot(req.host);
+                    let (pieces, slot_bytes) = sink.host_pieces(req.seq);
                     let start = copies.record_timed_reusing(spare.pop())?;
-                    // SAFETY: `sink` (the stream, which owns the host arena)
-                    // is held until this copy's event has completed below,
-                    // so the source stays mapped; the hub pins the host
-                    // slot until this copy is reported (`copied`), and
-                    // gives it back unreported only after `fence`.
-                    unsafe { copies.copy_to_device(&buffer, req.device as usize * len, ptr, len)? };
+                    let base = req.device as usize * slot_bytes;
+                    let mut len = 0;
+                    for p in pieces {
+                        // SAFETY: `sink` (the stream, which owns the host
+                        // arena) is held until this copy's event has
+                        // completed below, so the source stays mapped; the
+                        // hub pins the batch's cells until this copy is
+                        // reported (`copied`), and gives them back
+                        // unreported only after `fence`.
+                        unsafe { copies.copy_to_device(&buffer, base + p.dst, p.src, p.len)? };
+                        len += p.len as u64;
+                    }
                     let end = copies.record_timed_reusing(spare.pop())?;
-                    queued.push((req, start, end, len as u64));
+                    queued.push((req, start, end, len));
                 }
                 // Copy time is GPU time between events around each copy:
                 // `bytes / copy_s` is the copy path's bandwidth.
@@ -344,13 +361,17 @@ pub mod test_gpu {
                         return;
                     }
                     n += 1;
-                    let (ptr, len) = sink.host_slot(req.host);
-                    // SAFETY: the sink (which owns the host arena) is held,
-                    // and the hub pins the host slot until `copied`.
-                    let src = unsafe { std::slice::from_raw_parts(ptr, len) };
-                    let at = req.device as usize * len;
-                    mem.lock().unwrap()[at..at + len].copy_from_slice(src);
-                    sink.copied(&UUID, req, len as u64, 0);
+                    let (pieces, slot_bytes) = sink.host_pieces(req.seq);
+                    let mut len = 0;
+                    for p in pieces {
+                        // SAFETY: the sink (which owns the host arena) is
+                        // held, and the hub pins the batch until `copied`.
+                        let src = unsafe { std::slice::from_raw_parts(p.src, p.len) };
+                        let at = req.device as usize * slot_bytes + p.dst;
+                        mem.lock().unwrap()[at..at + p.len].copy_from_slice(src);
+                        len += p.len as u64;
+                    }
+                    sink.copied(&UUID, req, len, 0);
                 }
             },
             "test-gpu-copier".into(),

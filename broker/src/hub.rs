@@ -15,8 +15,13 @@
 //! * [`Hub::start_batch`] returns `None` when no slot is free: the pipeline
 //!   blocks (back-pressure). Memory is the fixed set of slots; every queue
 //!   here is bounded by the number of slots.
-//! * The slowest consumer sets the pace. With a lag limit, a consumer that
-//!   owes more than `lag_limit` batches (held plus queued) is detached.
+//! * The slots are a ring: batch `seq` takes slot `seq mod slots` (the
+//!   host arena holds samples in rings, and a batch's samples are the
+//!   `seq × batch_size ..` cells), so the pipeline never runs more than
+//!   `slots` batches past the oldest batch anyone owes.
+//! * The slowest consumer sets the pace. With a lag limit, a consumer whose
+//!   oldest owed batch is more than `lag_limit` batches behind the others'
+//!   is detached (for one that releases in order: it owes more than that).
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
 //!   it held and all that was queued for it at once.
 //! * Joining: [`JoinPolicy::NextEpoch`] starts at the first epoch of which
@@ -234,8 +239,14 @@ impl Consumer {
     fn wants(&self, seq: u64, epoch: u64) -> bool {
         !self.closing && !self.ended && seq >= self.floor && epoch >= self.start_epoch
     }
-    fn owes(&self) -> usize {
-        self.held.len() + self.queue.len()
+    /// How far behind the first unpublished batch `head` the oldest batch
+    /// it owes is: what it keeps the ring from reusing (batches are slots
+    /// of a ring, reused in order). A consumer that keeps up and releases
+    /// in order is behind by exactly what it owes; one that keeps an old
+    /// batch while taking newer ones is behind by everything since.
+    fn behind(&self, head: u64) -> usize {
+        let oldest = self.held.iter().chain(self.queue.front()).min();
+        oldest.map_or(0, |&s| head.saturating_sub(s) as usize)
     }
 }
 
@@ -243,8 +254,8 @@ impl Consumer {
 pub struct Hub {
     cfg: HubConfig,
     slots: Vec<Slot>,
-    /// Free slots, reused last-in first-out so recently used (cache-warm)
-    /// slots are refilled first.
+    /// Free slots (for counts and checks: batch `seq` always takes slot
+    /// `seq mod slots`, see `next_slot`).
     free: Vec<SlotId>,
     started: bool,
     /// Cursor: the next batch the pipeline will be given.
@@ -354,10 +365,17 @@ impl Hub {
         Ok(())
     }
 
-    /// Whether the pipeline could be given work now (a free slot, someone
-    /// to produce for, epochs left).
+    /// Whether the pipeline could be given work now (the next slot of the
+    /// ring free, someone to produce for, epochs left).
     pub fn can_start(&self) -> bool {
-        self.wants_batches() && !self.free.is_empty()
+        self.wants_batches() && self.has_free_slot()
+    }
+
+    /// The slot the next batch goes to: the host arena is a ring of
+    /// samples, so batch `seq` takes slot `seq mod slots` (its samples are
+    /// `seq × unit ..`), and the ring cannot run past a slot still owed.
+    fn next_slot(&self) -> SlotId {
+        (self.next_seq % u64::from(self.cfg.slots)) as SlotId
     }
 
     /// Changes how many consumers the stream waits for before it starts
@@ -377,14 +395,21 @@ impl Hub {
             && !self.exhausted()
     }
 
-    /// Free slots.
+    /// Slots the pipeline may fill now: the free ones from the ring's next
+    /// slot on, up to the first still in use (a free slot beyond that one
+    /// waits for it).
     pub fn free_slots(&self) -> u32 {
-        self.free.len() as u32
+        let n = self.cfg.slots;
+        let next = self.next_slot();
+        (0..n)
+            .take_while(|k| self.slots[((next + k) % n) as usize] == Slot::Free)
+            .count() as u32
     }
 
-    /// Whether a slot is free (otherwise the pipeline is under back-pressure).
+    /// Whether the next slot of the ring is free (otherwise the pipeline is
+    /// under back-pressure).
     pub fn has_free_slot(&self) -> bool {
-        !self.free.is_empty()
+        self.slots[self.next_slot() as usize] == Slot::Free
     }
 
     /// Subscribes a host consumer; returns its id and the first epoch it
@@ -536,7 +561,8 @@ impl Hub {
             return None;
         }
         self.started = true;
-        let slot = self.free.pop()?;
+        let slot = self.next_slot();
+        self.free.retain(|&s| s != slot);
         self.slots[slot as usize] = Slot::Filling;
         let work = Work {
             seq: self.next_seq,

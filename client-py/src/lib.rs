@@ -49,6 +49,7 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
             ..
         } => "SchemaError",
         Error::WindowFull { .. } => "WindowFull",
+        Error::RingPinned { .. } => "RingPinned",
         Error::Device(_)
         | Error::Broker {
             code: ErrorCode::DeviceUnavailable,
@@ -160,6 +161,9 @@ struct Consumer {
     inner: Mutex<batchcast::Consumer>,
     schema: Arc<Schema>,
     window: u32,
+    /// This consumer's batch size, and its batches in a whole epoch.
+    batch_size: u64,
+    batches_per_epoch: u64,
     start_epoch: u64,
     owner_uid: u32,
     arena: (usize, usize),
@@ -170,7 +174,7 @@ struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -182,6 +186,8 @@ impl Consumer {
         connect_timeout: f64,
         device: &str,
         broker_uid: Option<u32>,
+        batch_size: Option<u64>,
+        drop_last: bool,
     ) -> PyResult<Consumer> {
         let device: batchcast::Device = device.parse().map_err(parse_error)?;
         let join: JoinPolicy = join.parse().map_err(parse_error)?;
@@ -203,6 +209,10 @@ impl Consumer {
         if let Some(n) = name {
             opts.name = n;
         }
+        if batch_size.is_some() {
+            opts.batch_size = batch_size;
+        }
+        opts.drop_last = drop_last;
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py
@@ -212,6 +222,8 @@ impl Consumer {
         Ok(Consumer {
             schema: Arc::new(consumer.schema().clone()),
             window: consumer.welcome().window,
+            batch_size: consumer.batch_size(),
+            batches_per_epoch: consumer.batches_per_epoch(),
             start_epoch: consumer.welcome().start_epoch,
             owner_uid: consumer.welcome().owner_uid,
             arena: (base as usize, len),
@@ -235,7 +247,7 @@ impl Consumer {
         let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
         let mut guard = lock(&self.inner);
         loop {
-            let c = &*guard;
+            let c = &mut *guard;
             let ready = py
                 .detach(|| c.wait_readable(TICK))
                 .map_err(|e| to_py(py, e))?;
@@ -280,6 +292,18 @@ impl Consumer {
     #[getter]
     fn window(&self) -> u32 {
         self.window
+    }
+
+    /// This consumer's batch size (its own, or the stream's).
+    #[getter]
+    fn batch_size(&self) -> u64 {
+        self.batch_size
+    }
+
+    /// This consumer's batches in a whole epoch.
+    #[getter]
+    fn batches_per_epoch(&self) -> u64 {
+        self.batches_per_epoch
     }
 
     #[getter]

@@ -7,10 +7,12 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::batcher::{Batcher, Run};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::ConsumerMailbox;
-use crate::proto::{self, BatchReady, ClientMsg, Release, Welcome};
+use crate::mailbox::Totals;
+use crate::proto::{self, ClientMsg, Release, Welcome};
 use crate::schema::{DType, Field, Schema};
 use crate::shm::Mapping;
 use crate::transport::send_msg;
@@ -22,7 +24,10 @@ use crate::transport::send_msg;
 pub(crate) struct Shared {
     /// Write half, used by `release` from any thread.
     pub(crate) writer: Mutex<UnixStream>,
+    /// Every ring of the host arena, mirrored ([`Mapping::rings`]).
     pub(crate) map: Mapping,
+    /// This consumer's batches over the stream's units.
+    pub(crate) batching: Mutex<Batching>,
     pub(crate) welcome: Welcome,
     /// Batches received and not yet released.
     pub(crate) held: AtomicU32,
@@ -31,7 +36,59 @@ pub(crate) struct Shared {
     pub(crate) mailbox: Option<ConsumerMailbox>,
 }
 
+/// The batcher, and the loop timing of released batches not yet reported
+/// (it rides with the next unit given back).
+#[derive(Debug)]
+pub(crate) struct Batching {
+    pub(crate) batcher: Batcher,
+    pub(crate) totals: Totals,
+}
+
 impl Shared {
+    /// Gives units back to the broker: through the mailbox (or the socket
+    /// when its ring is full), or for device units once the GPU work on
+    /// them is done. `totals` rides with the first.
+    pub(crate) fn give_back(&self, seqs: &[u64], mut totals: Totals) -> Result<()> {
+        for &seq in seqs {
+            let t = std::mem::take(&mut totals);
+            let release = Release {
+                seq,
+                wait_ns: t.wait_ns,
+                busy_ns: t.busy_ns,
+            };
+            if let Some(g) = &self.gpu {
+                g.release_after_gpu(release)?;
+                continue;
+            }
+            if let Some(mb) = &self.mailbox
+                && mb.push_release(seq, t)
+            {
+                if mb.wants_doorbell() {
+                    self.send(&ClientMsg::Doorbell)?;
+                }
+                continue;
+            }
+            self.send(&ClientMsg::Release(release))?;
+        }
+        self.flush_fenced(false)
+    }
+
+    /// A run was released (or never handed out): gives back the units it
+    /// was the last reader of.
+    pub(crate) fn release_run(&self, run: &Run, add: Totals) -> Result<()> {
+        let mut seqs = Vec::new();
+        let totals = {
+            let mut b = self.batching.lock().unwrap_or_else(|p| p.into_inner());
+            b.batcher.release(run, &mut seqs);
+            b.totals.add(add);
+            if seqs.is_empty() {
+                return Ok(());
+            }
+            std::mem::take(&mut b.totals)
+        };
+        self.give_back(&seqs, totals)
+    }
+
     pub(crate) fn send(&self, msg: &ClientMsg) -> Result<()> {
         let guard = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         send_msg(&guard, msg)
@@ -84,10 +141,17 @@ element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, u64
 
 /// One batch in shared memory. Read-only; released when dropped (or with
 /// [`Batch::release`]).
+///
+/// A batch is `len()` consecutive samples of one epoch, in this consumer's
+/// own batch size: each field is one contiguous view of the stream's ring
+/// of that field, however the broker's production units fall.
 #[derive(Debug)]
 pub struct Batch {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) meta: BatchReady,
+    pub(crate) run: Run,
+    /// The slot of its unit: a device batch's slot in its GPU's arena.
+    pub(crate) slot: u32,
+    pub(crate) sent_ns: u64,
     pub(crate) wait_ns: u64,
     pub(crate) busy_ns: u64,
     pub(crate) received_ns: u64,
@@ -95,25 +159,32 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The stream's sequence number of the production unit its first
+    /// sample is in (with the stream's batch size, the batch's own).
     pub fn seq(&self) -> u64 {
-        self.meta.seq
+        self.run.first_seq
     }
     pub fn epoch(&self) -> u64 {
-        self.meta.epoch
+        self.run.epoch
     }
-    /// Position of this batch in its epoch.
+    /// Position of this batch in its epoch, in this consumer's batches.
     pub fn index(&self) -> u64 {
-        self.meta.index
+        self.run.index
+    }
+    /// Index in its epoch of the batch's first sample.
+    pub fn first_sample(&self) -> u64 {
+        self.run.first
     }
     /// Valid samples in this batch.
     pub fn len(&self) -> usize {
-        self.meta.samples as usize
+        self.run.samples as usize
     }
     pub fn is_empty(&self) -> bool {
-        self.meta.samples == 0
+        self.run.samples == 0
     }
+    /// The slot of its first production unit (host), or of its GPU's arena.
     pub fn slot(&self) -> u32 {
-        self.meta.slot
+        self.slot
     }
     /// Nanoseconds the hand-off took: from the later of the broker sending
     /// the batch and the program asking for it, to this process having it.
@@ -122,7 +193,7 @@ impl Batch {
     /// not the hand-off, and is not counted.)
     pub fn handoff_ns(&self) -> u64 {
         self.received_ns
-            .saturating_sub(self.meta.sent_ns)
+            .saturating_sub(self.sent_ns)
             .min(self.wait_ns)
     }
     /// Nanoseconds the program was blocked asking for this batch: from its
@@ -180,7 +251,7 @@ impl Batch {
     pub fn shape(&self, i: usize) -> Option<Vec<u64>> {
         let f = self.schema().fields.get(i)?;
         Some(
-            std::iter::once(self.meta.samples)
+            std::iter::once(self.run.samples)
                 .chain(f.shape.iter().copied())
                 .collect(),
         )
@@ -197,11 +268,8 @@ impl Batch {
             name: format!("#{i}"),
             available: format!("{} fields", w.schema.fields.len()),
         })?;
-        let mut out = vec![0; (fl.bytes_per_sample * self.meta.samples) as usize];
-        g.read(
-            self.meta.slot as u64 * w.layout.slot_bytes + fl.offset,
-            &mut out,
-        )?;
+        let mut out = vec![0; (fl.bytes_per_sample * self.run.samples) as usize];
+        g.read(self.slot as u64 * w.layout.slot_bytes + fl.offset, &mut out)?;
         Ok(out)
     }
 
@@ -209,26 +277,24 @@ impl Batch {
         match &self.shared.gpu {
             None => Ok(()),
             Some(g) => Err(Error::OnDevice {
-                seq: self.meta.seq,
+                seq: self.run.first_seq,
                 device: g.device(),
             }),
         }
     }
 
-    /// For a host batch only: a device batch's slot is a device slot.
+    /// For a host batch only: its samples in field `i`'s mirrored ring.
     fn host_view(&self, i: usize) -> FieldView<'_> {
         let w = &self.shared.welcome;
-        let fl = w.layout.fields[i];
-        let start = self.meta.slot as u64 * w.layout.slot_bytes + fl.offset;
-        let bytes = self
-            .shared
-            .map
-            .get(start, fl.bytes_per_sample * self.meta.samples)
-            .expect("layout validated against the mapping at connect");
+        let bytes = w
+            .rings
+            .span(i, self.run.position, self.run.samples)
+            .and_then(|(start, len)| self.shared.map.get(start, len))
+            .expect("rings validated against the mapping at connect; runs fit the rings");
         FieldView {
             field: &w.schema.fields[i],
             bytes,
-            samples: self.meta.samples as usize,
+            samples: self.run.samples as usize,
         }
     }
 
@@ -245,7 +311,7 @@ impl Batch {
         let g = self.shared.gpu.as_ref()?;
         let w = &self.shared.welcome;
         let fl = w.layout.fields.get(i)?;
-        Some(g.base() + self.meta.slot as u64 * w.layout.slot_bytes + fl.offset)
+        Some(g.base() + self.slot as u64 * w.layout.slot_bytes + fl.offset)
     }
 
     /// Device batches: also wait for the work queued so far on `stream` (a
@@ -254,7 +320,7 @@ impl Batch {
     /// default stream is used.
     pub fn fence_on(&self, stream: u64) {
         if let Some(g) = &self.shared.gpu {
-            g.fence_on(self.meta.seq, stream);
+            g.fence_on(self.run.first_seq, stream);
         }
     }
 
@@ -270,36 +336,19 @@ impl Batch {
             return Ok(());
         }
         self.shared.held.fetch_sub(1, Ordering::AcqRel);
-        let release = Release {
-            seq: self.meta.seq,
-            wait_ns: self.wait_ns,
-            busy_ns: self.busy_ns,
-        };
-        if let Some(g) = &self.shared.gpu {
-            g.release_after_gpu(release)?;
-            return self.shared.flush_fenced(false);
-        }
-        let totals = crate::mailbox::Totals {
+        let totals = Totals {
             wait_ns: self.wait_ns,
             busy_ns: self.busy_ns,
             hold_ns: proto::monotonic_ns().saturating_sub(self.received_ns),
         };
-        if let Some(mb) = &self.shared.mailbox
-            && mb.push_release(release.seq, totals)
-        {
-            if mb.wants_doorbell() {
-                return self.shared.send(&ClientMsg::Doorbell);
-            }
-            return Ok(());
-        }
-        self.shared.send(&ClientMsg::Release(release))
+        self.shared.release_run(&self.run, totals)
     }
 }
 
 impl Drop for Batch {
     fn drop(&mut self) {
         if let Err(e) = self.do_release() {
-            tracing::debug!("release of batch {} failed: {e}", self.meta.seq);
+            tracing::debug!("release of batch {} failed: {e}", self.run.first_seq);
         }
     }
 }

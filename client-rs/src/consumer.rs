@@ -6,23 +6,23 @@
 //! [`Consumer`] yields only the batches, across all epochs, and ends when
 //! the stream ends.
 
+use std::collections::VecDeque;
 use std::io::BufReader;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::batch::{Batch, Shared};
+use crate::batch::{Batch, Batching, Shared};
+use crate::batcher::{Batcher, Run, Unit};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::mailbox::{ConsumerMailbox, Notice};
-use crate::proto::{
-    self, BatchReady, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Release, ServerMsg, Welcome,
-};
+use crate::mailbox::{ConsumerMailbox, Notice, Totals};
+use crate::proto::{self, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, ServerMsg, Welcome};
 use crate::schema::Schema;
-use crate::shm::Mapping;
+use crate::shm::{Mapping, RingView};
 use crate::transport::{
     broker_error, connect_retrying, expect_reply, goodbye_error, handshake, program_name,
     read_server_msg, readable_within,
@@ -66,6 +66,15 @@ pub struct ConsumerOptions {
     /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
     /// microseconds, else 50.
     pub spin: Duration,
+    /// This consumer's batch size: `None` for the stream's. Any size from
+    /// 1 to what the stream's slots hold with this window (the broker says
+    /// the limit when asked for more) is served without a copy: each field
+    /// of a batch is one contiguous view of the stream's ring. Default:
+    /// `$BATCHCAST_BATCH_SIZE`, else the stream's.
+    pub batch_size: Option<u64>,
+    /// Drop each epoch's last batch when it is short (fewer than
+    /// `batch_size` samples), as `DataLoader(drop_last=True)` does.
+    pub drop_last: bool,
 }
 
 impl ConsumerOptions {
@@ -74,6 +83,11 @@ impl ConsumerOptions {
     pub fn validate(&self) -> Result<()> {
         if self.window == 0 {
             return Err(Error::InvalidOption("window must be at least 1".into()));
+        }
+        if self.batch_size == Some(0) {
+            return Err(Error::InvalidOption(
+                "batch_size must be at least 1 (or unset for the stream's)".into(),
+            ));
         }
         Ok(())
     }
@@ -103,6 +117,8 @@ impl Default for ConsumerOptions {
                 .map(Duration::from_secs_f64)
                 .unwrap_or_default(),
             name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
+            batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
+            drop_last: false,
         }
     }
 }
@@ -113,6 +129,17 @@ pub enum Event {
     Batch(Batch),
     EndOfEpoch(EpochEnd),
     EndOfStream,
+}
+
+/// What the consumer hands out next, in order.
+#[derive(Debug)]
+enum Next {
+    /// A batch: its run, when its last unit was sent, its unit's slot.
+    Run(Run, u64, u32),
+    EndOfEpoch(EpochEnd),
+    EndOfStream,
+    /// The broker refused, detached or left; nothing follows.
+    Fail(Error),
 }
 
 /// A subscription to one stream of a broker.
@@ -130,10 +157,13 @@ pub struct Consumer {
     /// When the last batch arrived; 0 at the start and after an epoch end
     /// (time between epochs is neither a training step nor a stall).
     last_batch_ns: u64,
-    /// A mailbox consumer's next batch, read while the program held its
-    /// whole window (the broker sends mailbox consumers every batch at
-    /// once; the window is kept here).
-    stash: Option<BatchReady>,
+    /// Batches cut from the units received, and what follows them. Units
+    /// are taken only while no batch waits here, so the consumer holds at
+    /// most the units its window needs (a mailbox consumer is sent units
+    /// ahead; they wait in its mailbox).
+    next: VecDeque<Next>,
+    /// This consumer's batches handed out in the current epoch.
+    epoch_batches: (u64, u64),
 }
 
 impl Consumer {
@@ -158,6 +188,8 @@ impl Consumer {
                 join: opts.join,
                 device: opts.device.request()?,
                 mailbox: opts.mailbox && opts.device == Device::Cpu,
+                batch_size: opts.batch_size,
+                drop_last: opts.drop_last,
             },
         });
         let (reply, fds) = handshake(&stream, &hello)?;
@@ -178,24 +210,42 @@ impl Consumer {
                 Some(ConsumerMailbox::open(mfd, spec)?)
             }
         };
-        welcome.layout.validate(&welcome.schema)?;
-        let arena_len = welcome
-            .layout
-            .slot_bytes
-            .checked_mul(welcome.slots as u64)
-            .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
-        let map = Mapping::map_readonly(std::os::fd::AsFd::as_fd(&fd), arena_len)?;
+        welcome.rings.validate(&welcome.schema)?;
+        let unit = welcome.schema.batch_size;
+        if welcome.batch_size == 0
+            || (welcome.batch_size != unit && welcome.rings.unmirrored().is_some())
+        {
+            return Err(Error::Schema(format!(
+                "the broker granted batches of {} samples over units of {unit} it cannot serve",
+                welcome.batch_size
+            )));
+        }
+        let map = Mapping::rings(
+            std::os::fd::AsFd::as_fd(&fd),
+            &RingView::of(&welcome.rings),
+            false,
+        )?;
         drop::<OwnedFd>(fd); // the mapping keeps the memory alive
         let gpu = crate::gpu::DeviceSide::open(
             opts.device,
             welcome.device.as_ref(),
             welcome.layout.slot_bytes,
         )?;
+        let batcher = Batcher::new(
+            welcome.batch_size,
+            welcome.drop_last,
+            unit,
+            welcome.schema.batches_per_epoch,
+        );
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Consumer {
             shared: Arc::new(Shared {
                 writer: Mutex::new(stream),
                 map,
+                batching: Mutex::new(Batching {
+                    batcher,
+                    totals: Totals::default(),
+                }),
                 welcome,
                 held: AtomicU32::new(0),
                 gpu,
@@ -207,7 +257,8 @@ impl Consumer {
             spin: opts.spin,
             asking_since: AtomicU64::new(0),
             last_batch_ns: 0,
-            stash: None,
+            next: VecDeque::new(),
+            epoch_batches: (0, 0),
         })
     }
 
@@ -226,39 +277,59 @@ impl Consumer {
         self.shared.held.load(Ordering::Acquire)
     }
 
-    /// Address and length of the whole shared arena in this process.
+    /// This consumer's batch size (its own, or the stream's).
+    pub fn batch_size(&self) -> u64 {
+        self.shared.welcome.batch_size
+    }
+
+    /// This consumer's batches in a whole epoch.
+    pub fn batches_per_epoch(&self) -> u64 {
+        let w = &self.shared.welcome;
+        let n = w.schema.samples_per_epoch;
+        if w.drop_last {
+            n / w.batch_size
+        } else {
+            n.div_ceil(w.batch_size)
+        }
+    }
+
+    /// Address and length of the stream's rings as mapped in this process:
+    /// every host batch's views lie inside.
     pub fn arena(&self) -> (*const u8, usize) {
         (self.shared.map.as_ptr(), self.shared.map.len())
     }
 
-    /// Waits up to `timeout` for the broker's next message (or its going
-    /// away) without consuming it: `true` means [`Consumer::next_event`]
-    /// will not block for long. Lets callers stay interruptible.
-    pub fn wait_readable(&self, timeout: Duration) -> Result<bool> {
+    /// Waits up to `timeout` until [`Consumer::next_event`] will return
+    /// without blocking for long (a batch within the window, an epoch's
+    /// end, the stream's end, or an error). Takes what the broker has sent
+    /// meanwhile. Lets callers stay interruptible.
+    pub fn wait_readable(&mut self, timeout: Duration) -> Result<bool> {
         self.start_asking();
-        if self.finished || !self.reader.buffer().is_empty() {
-            return Ok(true);
-        }
-        if let Some(mb) = &self.shared.mailbox {
-            return self.wait_mailbox_readable(mb, std::time::Instant::now() + timeout);
-        }
-        // Releases waiting for GPU work are sent as it finishes: the broker
-        // may be waiting for one of them to send the next batch.
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = Instant::now() + timeout;
         loop {
-            self.shared.flush_fenced(false)?;
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            let step = if self.shared.fenced_pending() {
-                left.min(Duration::from_millis(1))
-            } else {
-                left
-            };
-            let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
-            if readable_within(self.reader.get_ref(), ms)? {
+            if self.finished || self.ready() || !self.reader.buffer().is_empty() {
                 return Ok(true);
             }
-            if left.is_zero() || step == left {
-                return Ok(false);
+            if self.window_full() {
+                if !self.poll_socket(deadline)? {
+                    return Ok(false);
+                }
+                continue;
+            }
+            if self.pinning().is_some() {
+                // `next_event` reports it once nothing came for a grace.
+                let grace = Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
+                let step = (Instant::now() + grace).min(deadline);
+                match self.receive(step)? {
+                    Some(msg) => self.intake(msg),
+                    None if step < deadline => return Ok(true),
+                    None => return Ok(false),
+                }
+                continue;
+            }
+            match self.receive(deadline)? {
+                Some(msg) => self.intake(msg),
+                None => return Ok(false),
             }
         }
     }
@@ -273,64 +344,45 @@ impl Consumer {
         }
         self.start_asking();
         self.wait_for_fenced()?;
-        let msg = if self.shared.mailbox.is_some() {
-            self.next_from_mailbox()?
-        } else {
-            if self.held() >= self.shared.welcome.window
-                && self.reader.buffer().is_empty()
-                && !readable_within(self.reader.get_ref(), WINDOW_FULL_GRACE_MS)?
-            {
-                return Err(Error::WindowFull { held: self.held() });
-            }
-            self.read_msg()?
-        };
-        let now = proto::monotonic_ns();
-        match msg {
-            ServerMsg::Batch(meta) => {
-                let slots = match &self.shared.gpu {
-                    Some(g) => g.slots(),
-                    None => self.shared.welcome.slots,
-                };
-                if meta.slot >= slots || meta.samples > self.schema().batch_size {
-                    return Err(Error::Unexpected(format!(
-                        "batch refers to slot {} / {} samples outside the arena",
-                        meta.slot, meta.samples
-                    )));
+        let mut full_since = None;
+        loop {
+            match self.next.front() {
+                Some(Next::Run(..)) if !self.window_full() => return Ok(Some(self.hand_out())),
+                Some(Next::EndOfEpoch(_) | Next::EndOfStream | Next::Fail(_)) => {
+                    return self.pop_event();
                 }
-                self.shared.held.fetch_add(1, Ordering::AcqRel);
-                let asked = self.asking_since.swap(0, Ordering::Relaxed);
-                let busy_ns = match self.last_batch_ns {
-                    0 => 0,
-                    last => asked.saturating_sub(last),
-                };
-                self.last_batch_ns = now;
-                Ok(Some(Event::Batch(Batch {
-                    shared: self.shared.clone(),
-                    meta,
-                    wait_ns: now.saturating_sub(asked),
-                    busy_ns,
-                    received_ns: now,
-                    released: false,
-                })))
+                _ => {}
             }
-            ServerMsg::EndOfEpoch(e) => {
-                self.asking_since.store(0, Ordering::Relaxed);
-                self.last_batch_ns = 0;
-                Ok(Some(Event::EndOfEpoch(e)))
+            if let Some(seq) = self.pinning() {
+                // The broker cannot make the next batch until this program
+                // releases an old one.
+                let since = *full_since.get_or_insert_with(Instant::now);
+                if Instant::now() >= since + Duration::from_millis(WINDOW_FULL_GRACE_MS.into()) {
+                    return Err(Error::RingPinned {
+                        seq,
+                        slots: self.shared.welcome.slots,
+                    });
+                }
+                if let Some(msg) = self.receive(Instant::now() + Duration::from_millis(1))? {
+                    self.intake(msg);
+                }
+                continue;
             }
-            ServerMsg::EndOfStream => {
-                self.finished = true;
-                Ok(Some(Event::EndOfStream))
+            if self.window_full() {
+                // No batch can be handed out until a release (by another
+                // thread, or the garbage collector).
+                let since = *full_since.get_or_insert_with(Instant::now);
+                let grace = since + Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
+                if Instant::now() >= grace {
+                    return Err(Error::WindowFull { held: self.held() });
+                }
+                self.poll_socket(grace.min(Instant::now() + Duration::from_millis(1)))?;
+                continue;
             }
-            ServerMsg::Error(e) => {
-                self.finished = true;
-                Err(broker_error(e))
+            let far = Instant::now() + Duration::from_secs(3600);
+            if let Some(msg) = self.receive(far)? {
+                self.intake(msg);
             }
-            ServerMsg::Goodbye(reason) => {
-                self.finished = true;
-                Err(goodbye_error(reason))
-            }
-            other => Err(Error::Unexpected(format!("{other:?}"))),
         }
     }
 }
@@ -352,147 +404,272 @@ enum Woke {
 }
 
 impl Consumer {
+    /// Whether `next_event` returns at once.
+    fn ready(&self) -> bool {
+        match self.next.front() {
+            Some(Next::Run(..)) => !self.window_full(),
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// The program holds its whole window.
+    fn window_full(&self) -> bool {
+        self.held() >= self.shared.welcome.window
+    }
+
+    /// The unit this host consumer holds that keeps the broker from making
+    /// the next one ([`Batcher::pins_ring`]), when nothing else is ready.
+    fn pinning(&self) -> Option<u64> {
+        if self.shared.gpu.is_some() || !self.next.is_empty() {
+            return None;
+        }
+        let b = self
+            .shared
+            .batching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        b.batcher.pins_ring(self.shared.welcome.slots)
+    }
+
+    /// Hands out the batch at the front.
+    fn hand_out(&mut self) -> Event {
+        let Some(Next::Run(run, sent_ns, slot)) = self.next.pop_front() else {
+            unreachable!("called with a run at the front");
+        };
+        let now = proto::monotonic_ns();
+        self.shared.held.fetch_add(1, Ordering::AcqRel);
+        let asked = self.asking_since.swap(0, Ordering::Relaxed);
+        let busy_ns = match self.last_batch_ns {
+            0 => 0,
+            last => asked.saturating_sub(last),
+        };
+        self.last_batch_ns = now;
+        if self.epoch_batches.0 != run.epoch {
+            self.epoch_batches = (run.epoch, 0);
+        }
+        self.epoch_batches.1 += 1;
+        Event::Batch(Batch {
+            shared: self.shared.clone(),
+            run,
+            slot,
+            sent_ns,
+            wait_ns: now.saturating_sub(asked),
+            busy_ns,
+            received_ns: now,
+            released: false,
+        })
+    }
+
+    /// Returns the event at the front, which is not a batch.
+    fn pop_event(&mut self) -> Result<Option<Event>> {
+        match self.next.pop_front() {
+            Some(Next::EndOfEpoch(mut e)) => {
+                self.asking_since.store(0, Ordering::Relaxed);
+                self.last_batch_ns = 0;
+                // Counted in this consumer's batches.
+                e.batches = match self.epoch_batches {
+                    (epoch, n) if epoch == e.epoch => n,
+                    _ => 0,
+                };
+                Ok(Some(Event::EndOfEpoch(e)))
+            }
+            Some(Next::EndOfStream) => {
+                self.finished = true;
+                Ok(Some(Event::EndOfStream))
+            }
+            Some(Next::Fail(e)) => {
+                self.finished = true;
+                Err(e)
+            }
+            Some(Next::Run(..)) | None => unreachable!("called with an event at the front"),
+        }
+    }
+
+    /// Takes one message: a unit is cut into batches, the rest queued in
+    /// order (a failure first: nothing after it matters).
+    fn intake(&mut self, msg: ServerMsg) {
+        if let Err(e) = self.take_message(msg) {
+            self.next.push_front(Next::Fail(e));
+        }
+    }
+
+    fn take_message(&mut self, msg: ServerMsg) -> Result<()> {
+        let mut give = Vec::new();
+        let shared = self.shared.clone();
+        let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+        let (sent_ns, slot) = match msg {
+            ServerMsg::Batch(meta) => {
+                let slots = match &shared.gpu {
+                    Some(g) => g.slots(),
+                    None => shared.welcome.slots,
+                };
+                if meta.slot >= slots {
+                    return Err(Error::Unexpected(format!(
+                        "batch {} in slot {} of {slots}",
+                        meta.seq, meta.slot
+                    )));
+                }
+                let unit = Unit {
+                    seq: meta.seq,
+                    epoch: meta.epoch,
+                    index: meta.index,
+                    samples: meta.samples,
+                };
+                b.batcher.push(unit, &mut give)?;
+                (meta.sent_ns, meta.slot)
+            }
+            ServerMsg::EndOfEpoch(e) => {
+                b.batcher.end_epoch(e.epoch, &mut give);
+                while let Some(run) = b.batcher.pop() {
+                    self.next
+                        .push_back(Next::Run(run, proto::monotonic_ns(), 0));
+                }
+                self.next.push_back(Next::EndOfEpoch(e));
+                (0, 0)
+            }
+            ServerMsg::EndOfStream => {
+                self.next.push_back(Next::EndOfStream);
+                (0, 0)
+            }
+            ServerMsg::Error(e) => return Err(broker_error(e)),
+            ServerMsg::Goodbye(reason) => return Err(goodbye_error(reason)),
+            other => return Err(Error::Unexpected(format!("{other:?}"))),
+        };
+        while let Some(run) = b.batcher.pop() {
+            self.next.push_back(Next::Run(run, sent_ns, slot));
+        }
+        let totals = if give.is_empty() {
+            Totals::default()
+        } else {
+            std::mem::take(&mut b.totals)
+        };
+        drop(b);
+        shared.give_back(&give, totals)
+    }
+
+    /// The next message, waiting until `deadline`: from the mailbox, else
+    /// the socket (an error, a goodbye, the broker gone). `None` at the
+    /// deadline.
+    fn receive(&mut self, deadline: Instant) -> Result<Option<ServerMsg>> {
+        let shared = self.shared.clone();
+        let Some(mb) = shared.mailbox.as_ref() else {
+            if !self.reader.buffer().is_empty() || self.socket_readable(deadline)? {
+                return self.read_msg().map(Some);
+            }
+            return Ok(None);
+        };
+        loop {
+            match mb.pop()? {
+                Some(Notice::Batch(b)) => return Ok(Some(ServerMsg::Batch(b))),
+                Some(Notice::EndOfEpoch(e)) => return Ok(Some(ServerMsg::EndOfEpoch(e))),
+                Some(Notice::EndOfStream) => return Ok(Some(ServerMsg::EndOfStream)),
+                None => {}
+            }
+            if !self.reader.buffer().is_empty() {
+                return self.read_msg().map(Some);
+            }
+            match self.wait_mailbox(mb, deadline)? {
+                Woke::Notice => {}
+                Woke::Socket if !mb.has_notice() => return self.read_msg().map(Some),
+                Woke::Socket => {}
+                Woke::Timeout => return Ok(None),
+            }
+        }
+    }
+
+    /// Socket consumers: waits until `deadline` for the socket, sending
+    /// the releases whose GPU work finishes meanwhile (the broker may be
+    /// waiting for one of them to send the next batch).
+    fn socket_readable(&self, deadline: Instant) -> Result<bool> {
+        loop {
+            self.shared.flush_fenced(false)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let step = if self.shared.fenced_pending() {
+                left.min(Duration::from_millis(1))
+            } else {
+                left
+            };
+            let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
+            if readable_within(self.reader.get_ref(), ms)? {
+                return Ok(true);
+            }
+            if left.is_zero() || (step == left && ms != u16::MAX) {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// While the window is full: takes a socket message (an error, a
+    /// goodbye) if one comes before `deadline`; `false` at the deadline.
+    fn poll_socket(&mut self, deadline: Instant) -> Result<bool> {
+        loop {
+            if !self.window_full() {
+                return Ok(true);
+            }
+            if !self.reader.buffer().is_empty() || readable_within(self.reader.get_ref(), 1)? {
+                let msg = self.read_msg()?;
+                self.intake(msg);
+                return Ok(true);
+            }
+            self.shared.flush_fenced(false)?;
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+        }
+    }
+
     /// Reads the next frame from the socket.
     fn read_msg(&mut self) -> Result<ServerMsg> {
         read_server_msg(&mut self.reader, &mut self.buf)
     }
 
-    /// The next message of a mailbox consumer: a notice from the mailbox,
-    /// else whatever the socket says (an error, a goodbye, the broker gone).
-    ///
-    /// The broker sends a mailbox consumer every batch as it is published;
-    /// the window is kept here: while the program holds its whole window,
-    /// the next batch waits (for a release from another thread, or until
-    /// [`Error::WindowFull`]).
-    fn next_from_mailbox(&mut self) -> Result<ServerMsg> {
-        let shared = self.shared.clone();
-        let mb = shared
-            .mailbox
-            .as_ref()
-            .expect("called for mailbox consumers");
-        let window = shared.welcome.window;
-        let mut full_since = None;
-        loop {
-            if self.stash.is_none() {
-                match mb.pop()? {
-                    Some(Notice::Batch(b)) => self.stash = Some(b),
-                    Some(Notice::EndOfEpoch(e)) => return Ok(ServerMsg::EndOfEpoch(e)),
-                    Some(Notice::EndOfStream) => return Ok(ServerMsg::EndOfStream),
-                    None => {}
-                }
-            }
-            if self.stash.is_some() && self.held() < window {
-                return Ok(ServerMsg::Batch(self.stash.take().expect("checked")));
-            }
-            if !self.reader.buffer().is_empty() {
-                return self.read_msg();
-            }
-            let now = std::time::Instant::now();
-            if self.held() >= window {
-                let since = *full_since.get_or_insert(now);
-                let grace = Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
-                if now.duration_since(since) >= grace {
-                    return Err(Error::WindowFull { held: self.held() });
-                }
-                if self.stash.is_some() {
-                    // Only a release by another thread can help now.
-                    if readable_within(self.reader.get_ref(), 1)? {
-                        return self.read_msg();
-                    }
-                    continue;
-                }
-                if self.wait_mailbox(mb, since + grace)? == Woke::Socket && !mb.has_notice() {
-                    return self.read_msg();
-                }
-                continue;
-            }
-            let deadline = now + Duration::from_secs(3600);
-            if self.wait_mailbox(mb, deadline)? == Woke::Socket && !mb.has_notice() {
-                return self.read_msg();
-            }
-        }
-    }
-
-    /// Whether a mailbox consumer's [`Consumer::next_event`] returns at
-    /// once: an epoch or stream end is next, or a batch and the program
-    /// holds less than its window.
-    fn mailbox_ready(&self, mb: &ConsumerMailbox) -> bool {
-        let room = self.held() < self.shared.welcome.window;
-        match (&self.stash, mb.next_is_batch()) {
-            (Some(_), _) | (None, Some(true)) => room,
-            (None, Some(false)) => true,
-            (None, None) => false,
-        }
-    }
-
-    /// [`Consumer::wait_readable`] for a mailbox consumer: a batch that
-    /// came while the program holds its whole window is not ready until it
-    /// releases one (from another thread, or the garbage collector).
-    fn wait_mailbox_readable(
-        &self,
-        mb: &ConsumerMailbox,
-        deadline: std::time::Instant,
-    ) -> Result<bool> {
-        loop {
-            if self.mailbox_ready(mb) || !self.reader.buffer().is_empty() {
-                return Ok(true);
-            }
-            if self.stash.is_some() || mb.has_notice() {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                let step = u16::try_from(left.as_millis().min(1)).unwrap_or(1);
-                if readable_within(self.reader.get_ref(), step)? {
-                    return Ok(true);
-                }
-                if left.is_zero() {
-                    return Ok(false);
-                }
-                continue;
-            }
-            match self.wait_mailbox(mb, deadline)? {
-                Woke::Notice => {}
-                Woke::Socket => return Ok(true),
-                Woke::Timeout => return Ok(false),
-            }
-        }
-    }
-
-    /// A mailbox consumer leaving: gives back the batches it was sent and
-    /// will never read, so they pin no slot until the connection closes.
+    /// Leaving: gives back every unit this consumer was sent and no batch
+    /// it handed out still reads (notices never read, batches cut and not
+    /// handed out, the batch being built), so they pin no slot until the
+    /// connection closes.
     fn give_back_unread(&mut self) {
-        let Some(mb) = self.shared.mailbox.as_ref() else {
-            return;
-        };
-        let mut unread: Vec<u64> = self.stash.take().map(|b| b.seq).into_iter().collect();
-        loop {
-            match mb.pop() {
-                Ok(Some(Notice::Batch(b))) => unread.push(b.seq),
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => break,
+        let mut seqs = Vec::new();
+        if let Some(mb) = self.shared.mailbox.as_ref() {
+            loop {
+                match mb.pop() {
+                    Ok(Some(Notice::Batch(b))) => seqs.push(b.seq),
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
             }
         }
-        for seq in unread {
-            if !mb.push_release(seq, crate::mailbox::Totals::default()) {
-                let _ = self.shared.send(&ClientMsg::Release(Release {
-                    seq,
-                    wait_ns: 0,
-                    busy_ns: 0,
-                }));
+        let totals = {
+            let mut b = self
+                .shared
+                .batching
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for n in self.next.drain(..) {
+                if let Next::Run(run, ..) = n {
+                    b.batcher.release(&run, &mut seqs);
+                }
             }
+            b.batcher.leave(&mut seqs);
+            std::mem::take(&mut b.totals)
+        };
+        if let Err(e) = self.shared.give_back(&seqs, totals) {
+            tracing::debug!("giving back unread batches: {e}");
         }
     }
 
     /// Waits for a notice, a socket message or `deadline`: polls for the
     /// spin time (yielding the CPU between looks), then sleeps on the bell,
     /// looking at the socket before each sleep.
-    fn wait_mailbox(&self, mb: &ConsumerMailbox, deadline: std::time::Instant) -> Result<Woke> {
-        let start = std::time::Instant::now();
+    fn wait_mailbox(&self, mb: &ConsumerMailbox, deadline: Instant) -> Result<Woke> {
+        let start = Instant::now();
         let spin_until = (start + self.spin).min(deadline);
         let mut looks = 0u32;
         loop {
             if mb.has_notice() {
                 return Ok(Woke::Notice);
             }
-            let now = std::time::Instant::now();
+            let now = Instant::now();
             if now < spin_until {
                 looks += 1;
                 if looks < 64 {

@@ -100,6 +100,11 @@ pub enum Error {
         "you hold {held} unreleased batches, the whole window; drop or release one before asking for the next (or connect with a larger window)"
     )]
     WindowFull { held: u32 },
+    #[error(
+        "you still hold a batch of the stream's unit {seq}, {slots} units ago: the stream's {slots} slots are a ring, \
+         and no newer batch can be made until it is released; drop or release old batches (copy what you keep)"
+    )]
+    RingPinned { seq: u64, slots: u32 },
     #[error("invalid option: {0}")]
     InvalidOption(String),
     /// A name that is not a dtype, device or join policy.

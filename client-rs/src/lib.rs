@@ -57,6 +57,7 @@
 //! never change what other consumers read.
 
 pub mod batch;
+pub mod batcher;
 pub mod consumer;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -122,6 +122,14 @@ pub struct Totals {
     pub hold_ns: u64,
 }
 
+impl Totals {
+    pub fn add(&mut self, o: Totals) {
+        self.wait_ns = self.wait_ns.wrapping_add(o.wait_ns);
+        self.busy_ns = self.busy_ns.wrapping_add(o.busy_ns);
+        self.hold_ns = self.hold_ns.wrapping_add(o.hold_ns);
+    }
+}
+
 /// A mailbox's memory and the word accessors both sides use.
 #[derive(Debug)]
 struct Words {

@@ -31,7 +31,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::proto::{ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registered, ServerMsg};
 use crate::schema::{Field, Schema, SlotLayout};
-use crate::shm::Mapping;
+use crate::shm::{Mapping, RingView};
 use crate::transport::{
     broker_error, connect_retrying, expect_reply, goodbye_error, handshake, last_words,
     program_name, read_server_msg, readable_within, send_msg,
@@ -123,13 +123,8 @@ impl Producer {
             .into_iter()
             .next()
             .ok_or_else(|| Error::Shm("the broker's registration carried no arena fd".into()))?;
-        registered.layout.validate(&registered.schema)?;
-        let len = registered
-            .layout
-            .slot_bytes
-            .checked_mul(registered.slots as u64)
-            .ok_or_else(|| Error::Schema("arena size overflows".into()))?;
-        let map = Mapping::map_readwrite(fd.as_fd(), len)?;
+        registered.rings.validate(&registered.schema)?;
+        let map = Mapping::rings(fd.as_fd(), &RingView::of(&registered.rings), true)?;
         Ok(Producer {
             reader: BufReader::with_capacity(4096, stream),
             buf: Vec::with_capacity(256),
@@ -209,31 +204,25 @@ impl Producer {
     }
 
     /// Writable views of every field of `slot`, in schema order, each sized
-    /// for a full batch (`batch_size × bytes per sample`).
+    /// for a full batch (`batch_size × bytes per sample`): the batch's cells
+    /// in each field's ring.
     pub fn fields_mut(&mut self, slot: &FillSlot) -> Vec<&mut [u8]> {
         assert_eq!(
             self.filling.as_ref(),
             Some(slot),
             "fields_mut of a slot this producer is not filling"
         );
-        let layout = &self.registered.layout;
-        let batch = self.registered.schema.batch_size;
-        let base = slot.slot as u64 * layout.slot_bytes;
-        // SAFETY: the broker handed this slot to this producer in its
-        // `Filling` state: no consumer holds it until `publish`, and the
-        // `&mut self` borrow keeps this process from making a second view.
-        let whole = unsafe { self.map.slice_mut(base, layout.slot_bytes) };
-        // Fields are laid out in order and never overlap (validated), so
-        // splitting the slot at their offsets yields disjoint views.
-        let mut views = Vec::with_capacity(layout.fields.len());
-        let mut rest = whole;
-        let mut at = 0u64;
-        for fl in &layout.fields {
-            let (_, tail) = rest.split_at_mut((fl.offset - at) as usize);
-            let (field, tail) = tail.split_at_mut((fl.bytes_per_sample * batch) as usize);
-            views.push(field);
-            rest = tail;
-            at = fl.offset + fl.bytes_per_sample * batch;
+        let rings = &self.registered.rings;
+        let mut views = Vec::with_capacity(rings.fields.len());
+        for (start, len) in rings.unit_spans(slot.seq) {
+            // SAFETY: the broker handed batch `seq` to this producer to fill:
+            // no consumer reads its samples until `publish`, and the hub
+            // keeps every other live batch's cells apart from them (slots
+            // are a ring of `slots × batch_size` samples at most); the
+            // `&mut self` borrow keeps this process from making a second
+            // view. Each field's span lies in its own ring's part of the
+            // mapping, so the views are disjoint.
+            views.push(unsafe { self.map.slice_mut(start, len) });
         }
         views
     }

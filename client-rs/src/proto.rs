@@ -34,10 +34,10 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 pub use crate::error::ErrorCode;
 use crate::error::{Error, Result};
 use crate::parse::ParseError;
-use crate::schema::{Schema, SlotLayout};
+use crate::schema::{RingLayout, Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -136,6 +136,12 @@ pub enum Intent {
         /// consumer gives back the notices it never read before its
         /// `Goodbye`.
         mailbox: bool,
+        /// This consumer's own batch size, `None` for the stream's. Batches
+        /// of any size are contiguous views of the stream's rings; the
+        /// window counts them.
+        batch_size: Option<u64>,
+        /// Drop each epoch's last batch when it is short.
+        drop_last: bool,
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
@@ -296,6 +302,8 @@ pub enum ServerMsg {
 pub struct Registered {
     pub stream: String,
     pub schema: Schema,
+    /// Where each field of batch `seq` goes: the arena's rings.
+    pub rings: RingLayout,
     pub layout: SlotLayout,
     pub slots: u32,
 }
@@ -313,10 +321,18 @@ pub struct Welcome {
     pub consumer_id: u64,
     pub stream: String,
     pub schema: Schema,
+    /// The host arena: a ring per field (batch `seq` of the stream holds
+    /// samples `seq × batch_size ..` of the rings).
+    pub rings: RingLayout,
+    /// A device arena's slots (each a whole batch of the stream).
     pub layout: SlotLayout,
     pub slots: u32,
-    /// Window granted (the requested one).
+    /// Window granted (the requested one), in this consumer's batches.
     pub window: u32,
+    /// This consumer's batch size (granted: the requested one, or the
+    /// stream's) and whether it drops an epoch's short last batch.
+    pub batch_size: u64,
+    pub drop_last: bool,
     /// First epoch this consumer will receive batches of.
     pub start_epoch: u64,
     /// The broker's version string, for diagnostics.

@@ -195,6 +195,217 @@ impl SlotLayout {
     }
 }
 
+/// Where one field's samples live in a host arena. The arena is
+/// field-major: each field is a ring of `cells` sample cells of
+/// `bytes_per_sample` bytes, and sample `p` of the stream (counted from
+/// the stream's start: production unit `seq` begins at `seq × unit`) lies
+/// in cell `p mod cells`.
+///
+/// A `mirrored` ring is mapped twice, back to back
+/// ([`crate::shm::Mapping::rings`]), so any run of up to `cells`
+/// consecutive samples is one contiguous slice, across the wrap: that is
+/// what lets each consumer take batches of its own size without a copy.
+/// Mirroring needs the ring to be whole pages; a field whose stride would
+/// make that cost too much is not mirrored, has exactly one cell per sample
+/// of the slots (`slots × unit`, so units never straddle its wrap), and its
+/// stream serves only batches of the production unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FieldRing {
+    /// Byte offset of the ring in the arena's memfd (page-aligned).
+    pub offset: u64,
+    pub bytes_per_sample: u64,
+    pub cells: u64,
+    /// Bytes the ring occupies in the memfd (whole pages; exactly
+    /// `cells × bytes_per_sample` when mirrored).
+    pub ring_bytes: u64,
+    pub mirrored: bool,
+}
+
+impl FieldRing {
+    /// Bytes of address space the ring takes when mapped: twice its bytes
+    /// when mirrored.
+    pub fn mapped_bytes(&self) -> u64 {
+        if self.mirrored {
+            2 * self.ring_bytes
+        } else {
+            self.ring_bytes
+        }
+    }
+}
+
+/// The host arena's field-major layout: a ring per field (see
+/// [`FieldRing`]), sized so that the `slots` production units the hub may
+/// keep live (`slots × unit` samples) never share a cell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingLayout {
+    /// One entry per schema field, in schema order.
+    pub fields: Vec<FieldRing>,
+    /// Samples in a production unit (the stream's `batch_size`).
+    pub unit: u64,
+    /// Production units the hub keeps live at most.
+    pub slots: u32,
+    /// Size of the arena's memfd.
+    pub arena_bytes: u64,
+}
+
+/// A mirrored ring may cost this many bytes over the live samples'...
+const MIRROR_SLACK_BYTES: u64 = 1 << 20;
+/// ...or this fraction of them (1/4), whichever is more.
+const MIRROR_SLACK_DIV: u64 = 4;
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+impl RingLayout {
+    /// Lays out the rings of `schema`'s fields for `slots` production units.
+    /// A field of stride `d` is mirrored when a whole-page ring of at least
+    /// `slots × unit` cells (a multiple of `4096 / gcd(4096, d)` cells)
+    /// costs at most the larger of 1 MiB and a quarter of the live bytes
+    /// more than `slots × unit` cells would.
+    pub fn for_schema(schema: &Schema, slots: u32) -> Result<RingLayout> {
+        let overflow = || Error::Schema("arena size overflows u64".into());
+        let live = schema
+            .batch_size
+            .checked_mul(u64::from(slots))
+            .filter(|&l| l > 0)
+            .ok_or_else(|| Error::Schema("a stream needs a batch size and slots".into()))?;
+        let mut offset = 0u64;
+        let mut fields = Vec::with_capacity(schema.fields.len());
+        for field in &schema.fields {
+            let bps = field.bytes_per_sample().ok_or_else(overflow)?.max(1);
+            let step = SLOT_ALIGN / gcd(SLOT_ALIGN, bps);
+            let cells = live.div_ceil(step).checked_mul(step).ok_or_else(overflow)?;
+            let live_bytes = live.checked_mul(bps).ok_or_else(overflow)?;
+            let ring = cells.checked_mul(bps).ok_or_else(overflow)?;
+            let slack = MIRROR_SLACK_BYTES.max(live_bytes / MIRROR_SLACK_DIV);
+            let ring = if ring - live_bytes <= slack {
+                FieldRing {
+                    offset,
+                    bytes_per_sample: bps,
+                    cells,
+                    ring_bytes: ring,
+                    mirrored: true,
+                }
+            } else {
+                FieldRing {
+                    offset,
+                    bytes_per_sample: bps,
+                    cells: live,
+                    ring_bytes: align_up(live_bytes, SLOT_ALIGN).ok_or_else(overflow)?,
+                    mirrored: false,
+                }
+            };
+            offset = offset.checked_add(ring.ring_bytes).ok_or_else(overflow)?;
+            fields.push(ring);
+        }
+        Ok(RingLayout {
+            fields,
+            unit: schema.batch_size,
+            slots,
+            arena_bytes: offset.max(SLOT_ALIGN),
+        })
+    }
+
+    /// Checks that the layout describes `schema` and stays inside its
+    /// arena, so that views built from it stay inside their rings.
+    pub fn validate(&self, schema: &Schema) -> Result<()> {
+        let bad = |what: String| Err(Error::Schema(format!("arena layout: {what}")));
+        if self.fields.len() != schema.fields.len() {
+            return bad(format!(
+                "{} rings for {} fields",
+                self.fields.len(),
+                schema.fields.len()
+            ));
+        }
+        if self.unit != schema.batch_size || self.slots == 0 {
+            return bad(format!(
+                "unit {} for batch size {}",
+                self.unit, schema.batch_size
+            ));
+        }
+        let live = self.unit.checked_mul(u64::from(self.slots));
+        let mut end = 0u64;
+        for (r, field) in self.fields.iter().zip(&schema.fields) {
+            let fits = field.bytes_per_sample().map(|b| b.max(1)) == Some(r.bytes_per_sample)
+                && r.offset >= end
+                && r.offset.is_multiple_of(SLOT_ALIGN)
+                && r.ring_bytes.is_multiple_of(SLOT_ALIGN)
+                && r.cells.checked_mul(r.bytes_per_sample).is_some_and(|b| {
+                    if r.mirrored {
+                        b == r.ring_bytes
+                    } else {
+                        b <= r.ring_bytes
+                    }
+                })
+                && live.is_some_and(|l| {
+                    if r.mirrored {
+                        r.cells >= l
+                    } else {
+                        r.cells == l
+                    }
+                });
+            end = r.offset.saturating_add(r.ring_bytes);
+            if !fits || end > self.arena_bytes {
+                return bad(format!(
+                    "field `{}` does not fit its ring: {r:?}",
+                    field.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Address-space offset of field `f`'s ring in a mapping of every ring
+    /// in order ([`crate::shm::Mapping::rings`]).
+    pub fn mapped_offset(&self, f: usize) -> u64 {
+        self.fields[..f].iter().map(FieldRing::mapped_bytes).sum()
+    }
+
+    /// Address space a mapping of every ring takes.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.fields.iter().map(FieldRing::mapped_bytes).sum()
+    }
+
+    /// Where each field of production unit `seq` (a whole unit's cells)
+    /// lies in a mapping of every ring: one contiguous span per field.
+    pub fn unit_spans(&self, seq: u64) -> Vec<(u64, u64)> {
+        (0..self.fields.len())
+            .map(|f| {
+                self.span(f, seq * self.unit, self.unit)
+                    .expect("a unit's cells are contiguous: rings hold whole units or are mirrored")
+            })
+            .collect()
+    }
+
+    /// `None` when a consumer may take batches of any size; otherwise the
+    /// first field whose ring is not mirrored.
+    pub fn unmirrored(&self) -> Option<usize> {
+        self.fields.iter().position(|r| !r.mirrored)
+    }
+
+    /// Where in field `f`'s mapped ring (see [`RingLayout::mapped_offset`])
+    /// `samples` samples starting at stream position `position` lie: one
+    /// contiguous range. `None` if they cannot be one (more than the ring,
+    /// or across the wrap of a ring that is not mirrored).
+    pub fn span(&self, f: usize, position: u64, samples: u64) -> Option<(u64, u64)> {
+        let r = self.fields.get(f)?;
+        let cell = position % r.cells;
+        let end_cell = cell.checked_add(samples)?;
+        let limit = if r.mirrored { 2 * r.cells } else { r.cells };
+        if samples > r.cells || end_cell > limit {
+            return None;
+        }
+        Some((
+            self.mapped_offset(f) + cell * r.bytes_per_sample,
+            samples * r.bytes_per_sample,
+        ))
+    }
+}
+
 /// Rounds `v` up to a multiple of `align` (a power of two), `None` on overflow.
 pub fn align_up(v: u64, align: u64) -> Option<u64> {
     debug_assert!(align.is_power_of_two());

@@ -41,6 +41,32 @@ fn page_size() -> u64 {
         .map_or(4096, |p| p as u64)
 }
 
+/// One ring of an arena to map with [`Mapping::rings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingView {
+    /// Offset in the fd (page-aligned).
+    pub offset: u64,
+    /// Bytes (whole pages).
+    pub len: u64,
+    /// Map it twice, back to back.
+    pub mirrored: bool,
+}
+
+impl RingView {
+    /// The views of every ring of `layout`, in order.
+    pub fn of(layout: &crate::schema::RingLayout) -> Vec<RingView> {
+        layout
+            .fields
+            .iter()
+            .map(|r| RingView {
+                offset: r.offset,
+                len: r.ring_bytes,
+                mirrored: r.mirrored,
+            })
+            .collect()
+    }
+}
+
 /// A memory mapping of (part of) a memfd, unmapped on drop.
 #[derive(Debug)]
 pub struct Mapping {
@@ -112,72 +138,103 @@ impl Mapping {
         ring_len: u64,
         writable: bool,
     ) -> Result<Mapping> {
+        Mapping::rings(
+            fd,
+            &[RingView {
+                offset,
+                len: ring_len,
+                mirrored: true,
+            }],
+            writable,
+        )
+    }
+
+    /// Maps the rings of an arena one after another in one range of
+    /// address space, each mirrored ([`Mapping::mirrored`]) or once: ring
+    /// `k` starts where ring `k − 1`'s views end. Offsets and lengths must
+    /// be multiples of the page size and lie within the fd (checked).
+    pub fn rings(fd: BorrowedFd<'_>, rings: &[RingView], writable: bool) -> Result<Mapping> {
         let page = page_size();
-        if ring_len == 0 || !offset.is_multiple_of(page) || !ring_len.is_multiple_of(page) {
-            return Err(Error::Shm(format!(
-                "a mirrored ring needs a page-aligned offset and length (page {page}): got {offset} + {ring_len}"
-            )));
-        }
         let size = nix::sys::stat::fstat(fd)
             .map_err(|e| shm_err("fstat of the arena fd failed", e))?
             .st_size as u64;
-        let end = offset.saturating_add(ring_len);
-        if end > size {
-            return Err(Error::Shm(format!(
-                "ring {offset}..{end} outside the arena fd of {size} bytes"
-            )));
+        let mut total = 0u64;
+        for r in rings {
+            if r.len == 0 || !r.offset.is_multiple_of(page) || !r.len.is_multiple_of(page) {
+                return Err(Error::Shm(format!(
+                    "a ring needs a page-aligned offset and length (page {page}): got {} + {}",
+                    r.offset, r.len
+                )));
+            }
+            let end = r.offset.saturating_add(r.len);
+            if end > size {
+                return Err(Error::Shm(format!(
+                    "ring {}..{end} outside the arena fd of {size} bytes",
+                    r.offset
+                )));
+            }
+            let views = if r.mirrored { 2 } else { 1 };
+            total = r
+                .len
+                .checked_mul(views)
+                .and_then(|b| total.checked_add(b))
+                .ok_or_else(|| Error::Shm("rings larger than the address space".into()))?;
         }
-        let len = usize::try_from(ring_len)
+        let len = usize::try_from(total)
             .ok()
-            .and_then(|l| l.checked_mul(2))
-            .ok_or_else(|| Error::Shm("ring larger than the address space".into()))?;
-        let file_off = libc::off_t::try_from(offset)
-            .map_err(|_| Error::Shm("ring offset out of range".into()))?;
+            .and_then(NonZeroUsize::new)
+            .ok_or_else(|| Error::Shm("no ring to map, or rings too large".into()))?;
         let prot = if writable {
             ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
         } else {
             ProtFlags::PROT_READ
         };
-        let twice = NonZeroUsize::new(len).expect("ring_len > 0");
-        let half = NonZeroUsize::new(len / 2).expect("ring_len > 0");
         // SAFETY: a fresh anonymous reservation chosen by the kernel
         // (addr = None): no Rust object lives there. It only reserves the
-        // address range for the two views below.
+        // address range for the views below.
         let base = unsafe {
             mmap_anonymous(
                 None,
-                twice,
+                len,
                 ProtFlags::PROT_NONE,
                 MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
             )
         }
-        .map_err(|e| shm_err("reserving address space for a mirrored ring failed", e))?;
+        .map_err(|e| shm_err("reserving address space for the arena's rings failed", e))?;
         // Owns the reservation from here: unmapped if a view fails.
         let reserved = Mapping {
             ptr: base.cast(),
-            len,
+            len: len.get(),
             writable,
         };
-        for k in 0..2usize {
-            // SAFETY: `k · half` is 0 or half of the reservation's length,
-            // so the pointer stays inside it.
-            let at = unsafe { base.cast::<u8>().add(k * half.get()) };
-            // SAFETY: `at .. at + half` lies inside our own reservation
-            // above, which nothing else uses, so MAP_FIXED replaces only it;
-            // the fd holds `offset + ring_len` bytes (checked) and the arena
-            // is sealed against shrinking.
-            let view = unsafe {
-                mmap(
-                    Some(NonZeroUsize::new(at.as_ptr() as usize).expect("non-null")),
-                    half,
-                    prot,
-                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
-                    fd,
-                    file_off,
-                )
+        let mut at_off = 0usize;
+        for r in rings {
+            let half = NonZeroUsize::new(r.len as usize).expect("checked non-zero");
+            let file_off = libc::off_t::try_from(r.offset)
+                .map_err(|_| Error::Shm("ring offset out of range".into()))?;
+            for _ in 0..if r.mirrored { 2 } else { 1 } {
+                // SAFETY: `at_off + half` is at most the reservation's
+                // length (the sum of every view, computed above), so the
+                // pointer stays inside it.
+                let at = unsafe { base.cast::<u8>().add(at_off) };
+                // SAFETY: `at .. at + half` lies inside our own reservation
+                // above, which nothing else uses, so MAP_FIXED replaces only
+                // it; the fd holds `offset + len` bytes (checked) and the
+                // arena is sealed against shrinking.
+                let view = unsafe {
+                    mmap(
+                        Some(NonZeroUsize::new(at.as_ptr() as usize).expect("non-null")),
+                        half,
+                        prot,
+                        MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                        fd,
+                        file_off,
+                    )
+                }
+                .map_err(|e| shm_err("mapping a view of an arena's ring failed", e))?;
+                debug_assert_eq!(view.as_ptr() as usize, at.as_ptr() as usize);
+                at_off += half.get();
             }
-            .map_err(|e| shm_err("mapping a view of a mirrored ring failed", e))?;
-            debug_assert_eq!(view.as_ptr() as usize, at.as_ptr() as usize);
         }
         Ok(reserved)
     }

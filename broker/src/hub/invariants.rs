@@ -2,7 +2,7 @@
 //! (`tests.rs`): host slots and their refcounts, each GPU group's ring, and
 //! each consumer's window, queue and lag.
 
-use super::{Consumer, GroupId, Hub, Slot, SlotId};
+use super::{GroupId, Hub, Slot, SlotId};
 
 impl Hub {
     /// Checks every structural invariant.
@@ -179,11 +179,17 @@ impl Hub {
             }
         }
         if let Some(limit) = self.cfg.lag_limit {
+            let head = self
+                .inflight
+                .keys()
+                .next()
+                .copied()
+                .unwrap_or(self.next_seq);
             let active = || {
                 self.consumers
                     .values()
                     .filter(|c| !c.closing)
-                    .map(Consumer::owes)
+                    .map(|c| c.behind(head))
             };
             if let (Some(least), Some(most)) = (active().min(), active().max()) {
                 assert!(most - least <= limit as usize, "lag limit not enforced");

@@ -3,7 +3,7 @@
 //! copy), each consumer is sent what its window (or sending ahead) allows,
 //! the lag limit detaches a straggler, and releases unreference slots.
 
-use super::{Consumer, ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
+use super::{ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -192,15 +192,22 @@ impl Hub {
     pub(super) fn enforce_lag_limit(&mut self) {
         let mut detach = Vec::new();
         if let Some(limit) = self.cfg.lag_limit {
+            // The first batch not yet published.
+            let head = self
+                .inflight
+                .keys()
+                .next()
+                .copied()
+                .unwrap_or(self.next_seq);
             let least = self
                 .consumers
                 .values()
                 .filter(|c| !c.closing)
-                .map(Consumer::owes)
+                .map(|c| c.behind(head))
                 .min()
                 .unwrap_or(0);
             for (&id, c) in &self.consumers {
-                let lag = c.owes().saturating_sub(least);
+                let lag = c.behind(head).saturating_sub(least);
                 if !c.closing && lag > limit as usize {
                     detach.push((id, lag));
                 }

@@ -93,10 +93,15 @@ fn slowest_consumer_sets_the_pace_and_slot_is_reused_only_at_zero() {
         "slow consumer still holds every slot"
     );
     h.release(slow, ws[1].seq).unwrap();
+    assert!(
+        h.start_batch().is_none(),
+        "slots are a ring: the next batch takes the oldest's slot, still held"
+    );
+    h.release(slow, ws[0].seq).unwrap();
     let w = h.start_batch().unwrap();
     assert_eq!(
-        w.slot, ws[1].slot,
-        "only the slot released by both is reused"
+        w.slot, ws[0].slot,
+        "the ring's next slot is reused once released by both"
     );
     h.check_invariants();
 }
@@ -124,13 +129,10 @@ fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
         "the ahead consumer still owes three of four slots"
     );
     h.release(ahead, ws[1].seq).unwrap();
-    assert_eq!(h.start_batch().unwrap().slot, ws[1].slot);
-    assert_eq!(
-        h.consumer_counts(ahead).unwrap().held,
-        3,
-        "0, 2 and {}",
-        w.seq
-    );
+    assert!(h.start_batch().is_none(), "the ring's next slot is ws[0]'s");
+    h.release(ahead, ws[0].seq).unwrap();
+    assert_eq!(h.start_batch().unwrap().slot, ws[0].slot);
+    assert_eq!(h.consumer_counts(ahead).unwrap().held, 2, "2 and {}", w.seq);
     h.check_invariants();
 }
 

@@ -133,6 +133,10 @@ fn expand_trainer(
                 Ok((k.clone(), substitute(&text, &vars).map_err(&e)?))
             })
             .collect::<Result<Vec<_>, String>>()?;
+        let mut env = env;
+        if let Some(bs) = trainer_batch_size(t, &vars).map_err(&e)? {
+            env.push(("BATCHCAST_BATCH_SIZE".into(), bs.to_string()));
+        }
         out.push(TrainerPlan {
             name,
             argv,
@@ -144,6 +148,30 @@ fn expand_trainer(
         });
     }
     Ok(out)
+}
+
+/// A trainer's own batch size: its `batch_size` key (placeholders
+/// substituted), else its grid's `batch_size` value; a whole number ≥ 1.
+fn trainer_batch_size(
+    t: &TrainerSpec,
+    vars: &BTreeMap<String, String>,
+) -> Result<Option<u64>, String> {
+    let text = match &t.batch_size {
+        Some(v) => substitute(
+            &value_text(v).map_err(|m| format!("batch_size: {m}"))?,
+            vars,
+        )?,
+        None => match vars.get("batch_size") {
+            Some(v) if t.grid.contains_key("batch_size") => v.clone(),
+            _ => return Ok(None),
+        },
+    };
+    match text.trim().parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(Some(n)),
+        _ => Err(format!(
+            "batch_size {text:?} is not a whole number ≥ 1 (a trainer's own batch size)"
+        )),
+    }
 }
 
 /// What a trainer table must hold before it is expanded.

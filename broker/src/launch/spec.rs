@@ -21,6 +21,8 @@
 //! gpu = "round-robin"           # or "none", an index, or a list of indices
 //! cwd = "."
 //! baseline_command = ["python", "train.py", "--loader", "dataloader", "--lr", "{lr}"]
+//! # batch_size = "{bs}"       # its own batch size ($BATCHCAST_BATCH_SIZE); a grid
+//!                             # key `batch_size` sets it too: grid = { batch_size = [64, 128, 256] }
 //! ```
 //!
 //! Relative paths are relative to the sweep file's folder. Placeholders in
@@ -106,6 +108,10 @@ pub(super) struct TrainerSpec {
     pub(super) cwd: Option<PathBuf>,
     pub(super) stream: Option<String>,
     pub(super) baseline_command: Option<Vec<String>>,
+    /// The trainer's own batch size (a number, or a placeholder such as
+    /// `"{bs}"`); a grid key `batch_size` sets it too. Given to the
+    /// trainer's consumer as `$BATCHCAST_BATCH_SIZE`.
+    pub(super) batch_size: Option<toml::Value>,
 }
 
 /// Where the broker's streams come from.

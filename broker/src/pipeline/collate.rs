@@ -4,14 +4,13 @@
 //! [`ImagePipeline::fill`]: read, decode, transform), its label and dataset
 //! index, and the synthetic source's fields.
 //!
-//! A slot holds each field contiguously for the whole batch, at the offset
-//! the stream's [`SlotLayout`] gives it: sample `j` of a field starts
-//! `j × bytes_per_sample` bytes into that field.
+//! A batch's samples are consecutive cells of each field's ring (the
+//! stream's [`batchcast::schema::RingLayout`]): the writer is handed each
+//! field's cells for the batch, and sample `j` starts `j ×
+//! bytes_per_sample` bytes in.
 
-use std::ops::Range;
 use std::sync::Arc;
 
-use batchcast::schema::{FieldLayout, SlotLayout};
 use batchcast::synthetic::SyntheticSpec;
 
 use super::decode::DecodeError;
@@ -39,29 +38,34 @@ impl SlotWriter {
     }
 
     /// Writes the samples `indices` (dataset indices, in batch order) of
-    /// `epoch` into `slot`; returns how many.
+    /// `epoch` into `fields` (each field's cells for exactly these samples,
+    /// in schema order); returns how many.
     pub fn write_batch(
         &self,
         state: &mut ThreadState,
         epoch: u64,
         indices: &[u64],
-        layout: &SlotLayout,
-        slot: &mut [u8],
+        fields: &mut [&mut [u8]],
     ) -> Result<u64, PipelineError> {
+        let n = indices.len().max(1);
         match (self, &mut state.0) {
             (SlotWriter::Synthetic(spec), _) => {
-                for (f, &fl) in layout.fields.iter().enumerate() {
+                for (f, cells) in fields.iter_mut().enumerate() {
+                    let b = cells.len() / n;
                     for (j, &index) in indices.iter().enumerate() {
-                        spec.fill_sample(f, index, &mut slot[sample(fl, j)]);
+                        spec.fill_sample(f, index, &mut cells[j * b..(j + 1) * b]);
                     }
                 }
             }
             (SlotWriter::Images(pipeline), Some(w)) => {
-                let [image, label, index] = [0, 1, 2].map(|f| layout.fields[f]);
+                let [image, label, index] = fields else {
+                    unreachable!("image streams have fields image, label, index")
+                };
+                let b = image.len() / n;
                 for (j, &i) in indices.iter().enumerate() {
-                    let got = pipeline.fill(w, epoch, i, &mut slot[sample(image, j)])?;
-                    slot[sample(label, j)].copy_from_slice(&got.label.to_le_bytes());
-                    slot[sample(index, j)].copy_from_slice(&(got.index as i64).to_le_bytes());
+                    let got = pipeline.fill(w, epoch, i, &mut image[j * b..(j + 1) * b])?;
+                    label[j * 8..(j + 1) * 8].copy_from_slice(&got.label.to_le_bytes());
+                    index[j * 8..(j + 1) * 8].copy_from_slice(&(got.index as i64).to_le_bytes());
                 }
             }
             (SlotWriter::Images(_), None) => {
@@ -78,10 +82,4 @@ impl SlotWriter {
             SlotWriter::Images(p) => Some(p.counts()),
         }
     }
-}
-
-/// Where sample `j` of field `fl` lies in its slot.
-fn sample(fl: FieldLayout, j: usize) -> Range<usize> {
-    let b = fl.bytes_per_sample as usize;
-    fl.offset as usize + j * b..fl.offset as usize + (j + 1) * b
 }

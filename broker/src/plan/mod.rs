@@ -14,7 +14,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use batchcast::proto::ProduceRequest;
-use batchcast::schema::{ExternalSourceInfo, Field, Schema, SlotLayout, SourceInfo};
+use batchcast::schema::{ExternalSourceInfo, Field, RingLayout, Schema, SlotLayout, SourceInfo};
 use batchcast::synthetic::SyntheticSpec;
 
 use crate::config::{Config, StreamConfig, SyntheticConfig};
@@ -157,13 +157,16 @@ pub struct StreamPlan {
     /// Pipeline threads (0 for an external producer).
     pub workers: usize,
     pub schema: Schema,
+    /// The host arena: a ring per field.
+    pub rings: RingLayout,
+    /// A device arena's slots (each a whole unit).
     pub layout: SlotLayout,
     pub source: SourcePlan,
 }
 
 impl StreamPlan {
     pub fn arena_bytes(&self) -> u64 {
-        self.layout.slot_bytes * self.slots as u64
+        self.rings.arena_bytes
     }
 
     /// The dataset indices of `epoch`, in order, for this host.
@@ -225,10 +228,8 @@ impl StreamPlan {
             }),
         };
         let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
-        let arena = layout
-            .slot_bytes
-            .checked_mul(req.slots as u64)
-            .ok_or_else(|| key("slots", "the arena size overflows"))?;
+        let rings = RingLayout::for_schema(&schema, req.slots).map_err(StreamError::Layout)?;
+        let arena = rings.arena_bytes;
         if let Some(total) = mem_total_bytes()
             && arena > total / 2
         {
@@ -248,6 +249,7 @@ impl StreamPlan {
             min_consumers: req.min_consumers,
             workers: 0,
             schema,
+            rings,
             layout,
             source: SourcePlan::External,
         })
@@ -339,6 +341,7 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
         source: parts.info,
     };
     let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
+    let rings = RingLayout::for_schema(&schema, s.slots).map_err(StreamError::Layout)?;
     let default_workers =
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
     Ok(StreamPlan {
@@ -350,6 +353,7 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),
         schema,
+        rings,
         layout,
         source: parts.plan,
     })

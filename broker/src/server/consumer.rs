@@ -25,7 +25,7 @@ pub(super) async fn serve_consumer(
     peer: Peer,
     buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
-    let window = req.window;
+    let (window, drop_last) = (req.window, req.drop_last);
     let sub = subscribe(&stream, req, peer).await?;
     // Whatever happens below, the consumer leaves the hub when this returns.
     struct Leave<'a>(&'a Stream, u64);
@@ -39,9 +39,12 @@ pub(super) async fn serve_consumer(
         consumer_id: sub.id,
         stream: stream.name().into(),
         schema: stream.plan.schema.clone(),
+        rings: stream.plan.rings.clone(),
         layout: stream.plan.layout.clone(),
         slots: stream.plan.slots,
         window,
+        batch_size: sub.shape.batch_size,
+        drop_last,
         start_epoch: sub.start_epoch,
         broker: env!("CARGO_PKG_VERSION").into(),
         device: sub.device,
@@ -71,7 +74,7 @@ async fn subscribe(stream: &Arc<Stream>, req: Request, peer: Peer) -> Result<Sub
         .map_err(|e| Reject(ErrorCode::Internal, format!("subscribing: {e}")))?;
     sub.map_err(|e| {
         let code = match e {
-            SubscribeError::Hub(_) => ErrorCode::InvalidRequest,
+            SubscribeError::Hub(_) | SubscribeError::BatchSize(_) => ErrorCode::InvalidRequest,
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
             SubscribeError::Mailbox(_) => ErrorCode::Internal,

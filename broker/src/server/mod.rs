@@ -343,6 +343,8 @@ async fn serve_connection(
                 join,
                 device,
                 mailbox,
+                batch_size,
+                drop_last,
             } => {
                 let s = broker.lookup(&stream)?;
                 let req = Request {
@@ -350,6 +352,8 @@ async fn serve_connection(
                     join,
                     device,
                     mailbox,
+                    batch_size,
+                    drop_last,
                 };
                 consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
             }

@@ -96,6 +96,7 @@ async fn register(
     let registered = ServerMsg::Registered(Box::new(Registered {
         stream: stream.name().into(),
         schema: stream.plan.schema.clone(),
+        rings: stream.plan.rings.clone(),
         layout: stream.plan.layout.clone(),
         slots: stream.plan.slots,
     }));

@@ -132,6 +132,8 @@ pub enum SubscribeError {
     Mailbox(batchcast::Error),
     #[error(transparent)]
     OverBudget(#[from] crate::budget::OverBudget),
+    #[error("{0}")]
+    BatchSize(String),
 }
 
 /// A mailbox granted to a consumer: the server sends its fd with the
@@ -148,6 +150,7 @@ pub struct MailboxGrant {
 pub struct Subscription {
     pub id: ConsumerId,
     pub start_epoch: u64,
+    pub shape: Shape,
     pub rx: mpsc::Receiver<ServerMsg>,
     /// Device consumers: the arena to open.
     pub device: Option<proto::DeviceArena>,
@@ -163,6 +166,18 @@ pub struct Request {
     pub device: Option<proto::DeviceRequest>,
     /// Host consumers: take notices and give releases through a mailbox.
     pub mailbox: bool,
+    /// Its own batch size (`None`: the stream's) and `drop_last`.
+    pub batch_size: Option<u64>,
+    pub drop_last: bool,
+}
+
+/// What a consumer's batches cost the hub: its batch size and the units it
+/// may hold for its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub batch_size: u64,
+    /// The hub's window for it, in production units.
+    pub units: u32,
 }
 
 impl Stream {
@@ -176,7 +191,8 @@ impl Stream {
     ) -> Result<Subscription, SubscribeError> {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
-        let (tx, rx) = mpsc::channel(2 * req.window as usize + 4);
+        let shape = self.shape(&req)?;
+        let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4);
         let gpu_slots = self.plan.gpu_slots;
         // Refusals that need no GPU come before a device arena is allocated.
         {
@@ -186,7 +202,7 @@ impl Stream {
             }
             inner
                 .hub
-                .check_window(req.window, req.device.as_ref().map(|_| gpu_slots))?;
+                .check_window(shape.units, req.device.as_ref().map(|_| gpu_slots))?;
             if let Some(dev) = &req.device {
                 Stream::check_gpu(&inner, dev)?;
             }
@@ -231,7 +247,7 @@ impl Stream {
             };
             let (id, start_epoch) = inner
                 .hub
-                .join_group(req.window, req.join, group, delivery)?;
+                .join_group(shape.units, req.join, group, delivery)?;
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             inner.conns.insert(
                 id,
@@ -257,10 +273,65 @@ impl Stream {
             Ok(Subscription {
                 id,
                 start_epoch,
+                shape,
                 rx,
                 device: mirror.as_ref().map(|m| m.arena()),
                 mailbox: grant,
             })
+        })
+    }
+
+    /// A consumer's batch size and what its window costs in units; the
+    /// refusal says what to ask for instead.
+    fn shape(&self, req: &Request) -> Result<Shape, SubscribeError> {
+        let unit = self.plan.schema.batch_size;
+        let size = req.batch_size.unwrap_or(unit);
+        let refuse = |why: String| Err(SubscribeError::BatchSize(why));
+        if size == 0 {
+            return refuse("batch_size must be at least 1".into());
+        }
+        if size != unit {
+            if req.device.is_some() {
+                return refuse(format!(
+                    "batch_size {size}: a GPU consumer takes the stream's batch size ({unit}) \
+                     (a device arena holds whole batches of the stream); leave batch_size unset, or use device=\"cpu\""
+                ));
+            }
+            if let Some(f) = self.plan.rings.unmirrored() {
+                let field = &self.plan.schema.fields[f];
+                return refuse(format!(
+                    "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
+                     ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
+                    self.name(),
+                    field.name,
+                    self.plan.rings.fields[f].bytes_per_sample
+                ));
+            }
+        }
+        let units = batchcast::batcher::units_needed(req.window, size, unit);
+        let slots = u64::from(self.plan.slots);
+        // With the stream's own size the hub checks the window.
+        if units > slots && size != unit {
+            // The largest batch this window allows.
+            // (window + 1) × (⌈(b − 1) / unit⌉ + 1) ≤ slots, or b = unit.
+            let per_run = slots / (u64::from(req.window) + 1);
+            let other = per_run.checked_sub(1).map(|k| k * unit + 1);
+            let own = (u64::from(req.window) <= slots).then_some(unit);
+            let most = other.max(own);
+            return refuse(format!(
+                "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
+                 (batches of {size} span up to that many while the window is full); {}, or raise the stream's slots to {units}",
+                req.window,
+                self.name(),
+                match most {
+                    Some(b) => format!("ask for batch_size ≤ {b} or a smaller window"),
+                    None => "ask for a smaller window".into(),
+                }
+            ));
+        }
+        Ok(Shape {
+            batch_size: size,
+            units: u32::try_from(units).unwrap_or(u32::MAX),
         })
     }
 

@@ -204,19 +204,27 @@ impl Stream {
         work: &Work,
         order: &[u64],
     ) -> Result<u64, PipelineError> {
-        let layout = &self.plan.layout;
         let batch_size = self.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
         let indices = &order[first..(first + batch_size).min(order.len())];
-        // SAFETY: the hub handed this slot to this worker in its `Filling`
-        // state: no consumer holds it and no other worker was given it, so
-        // this is the only reference to these bytes until `finish_batch`.
-        let slot = unsafe {
-            self.arena
-                .mapping()
-                .slice_mut(work.slot as u64 * layout.slot_bytes, layout.slot_bytes)
-        };
-        writer.write_batch(state, work.epoch, indices, layout, slot)
+        let rings = &self.plan.rings;
+        let mut fields: Vec<&mut [u8]> = (0..rings.fields.len())
+            .map(|f| {
+                let (start, len) = rings
+                    .span(f, work.seq * rings.unit, indices.len() as u64)
+                    .expect("a batch's cells are contiguous in every ring");
+                // SAFETY: the hub handed batch `seq` (slot `seq mod slots`)
+                // to this worker in its `Filling` state: no consumer holds
+                // it and no other worker was given it, and the ring keeps
+                // every live batch's cells apart (at most `slots` batches
+                // live, each `batch_size` cells of rings of at least
+                // `slots × batch_size`). Each field's span lies in its own
+                // ring's part of the mapping, so these views are disjoint,
+                // and the only references to these bytes until `finish_batch`.
+                unsafe { self.rings.slice_mut(start, len) }
+            })
+            .collect();
+        writer.write_batch(state, work.epoch, indices, &mut fields)
     }
 }
 

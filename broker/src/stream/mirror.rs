@@ -12,7 +12,7 @@ use batchcast::proto::{DeviceRequest, ErrorCode, ErrorMsg, GoodbyeReason, Server
 use super::deliver::{Ending, send};
 use super::{Inner, Peer, Stream, SubscribeError};
 use crate::budget::{Grant, Use};
-use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror};
+use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, Piece};
 use crate::hub::GroupId;
 
 /// One GPU's copies of this stream, as the stream tracks them.
@@ -157,14 +157,26 @@ pub(super) fn request_copies(inner: &mut Inner) {
 }
 
 impl CopySink for Stream {
-    fn host_slot(&self, slot: u32) -> (*const u8, usize) {
-        let bytes = self.plan.layout.slot_bytes;
-        let ptr = self
-            .arena
-            .mapping()
-            .as_ptr()
-            .wrapping_add((slot as u64 * bytes) as usize);
-        (ptr, bytes as usize)
+    fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize) {
+        let rings = &self.plan.rings;
+        let base = self.arena.mapping().as_ptr();
+        let mut pieces = Vec::with_capacity(2 * rings.fields.len());
+        for (r, fl) in rings.fields.iter().zip(&self.plan.layout.fields) {
+            let cell = (seq * rings.unit) % r.cells;
+            let first = rings.unit.min(r.cells - cell);
+            // The plain (page-locked) mapping: a unit straddling a
+            // mirrored ring's wrap is two pieces.
+            for (from, samples, to) in [(cell, first, 0), (0, rings.unit - first, first)] {
+                if samples > 0 {
+                    pieces.push(Piece {
+                        src: base.wrapping_add((r.offset + from * r.bytes_per_sample) as usize),
+                        len: (samples * r.bytes_per_sample) as usize,
+                        dst: (fl.offset + to * r.bytes_per_sample) as usize,
+                    });
+                }
+            }
+        }
+        (pieces, self.plan.layout.slot_bytes as usize)
     }
 
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {

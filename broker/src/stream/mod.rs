@@ -40,7 +40,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use batchcast::proto::{ConsumerStats, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
-use batchcast::shm::Arena;
+use batchcast::shm::{Arena, Mapping, RingView};
 
 use crate::budget::{Budget, Grant, OverBudget, Use};
 use crate::gpu::{GpuKey, Gpus};
@@ -94,6 +94,10 @@ pub struct Stream {
     gpus: Gpus,
     pub plan: StreamPlan,
     pub arena: Arena,
+    /// The arena's rings, mirrored and writable: where the pipeline
+    /// writes each batch's fields (the GPU copier reads `arena`'s plain
+    /// mapping, which is page-locked).
+    rings: Mapping,
     /// What fills the slots (`None`: an external producer does).
     writer: Option<SlotWriter>,
     inner: Mutex<Inner>,
@@ -144,6 +148,7 @@ impl Stream {
             &format!("stream `{}`", plan.name),
         )?;
         let arena = Arena::create(&plan.name, plan.arena_bytes())?;
+        let rings = Mapping::rings(arena.fd(), &RingView::of(&plan.rings), true)?;
         if !matches!(plan.source, SourcePlan::External) {
             arena.seal_writes()?;
         }
@@ -168,6 +173,7 @@ impl Stream {
             gpus: Gpus::default(),
             plan,
             arena,
+            rings,
             writer,
             inner: Mutex::new(Inner {
                 hub,

@@ -47,6 +47,8 @@ fn peer(name: &str) -> Peer {
 
 fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
     let req = Request {
+        batch_size: None,
+        drop_last: false,
         window: 2,
         join: JoinPolicy::NextEpoch,
         device: gpu.then(test_gpu::request),
@@ -87,29 +89,42 @@ fn spec(s: &Stream) -> &SyntheticSpec {
     }
 }
 
-/// Checks every sample of batch `b` in `slot_bytes` bytes from `memory`.
+/// Checks every sample of device batch `b` in its slot of `memory`.
 fn verify(s: &Stream, b: &BatchReady, memory: &[u8]) {
-    let order = s.plan.epoch_order(b.epoch);
     let layout = &s.plan.layout;
     let slot =
         &memory[(b.slot as u64 * layout.slot_bytes) as usize..][..layout.slot_bytes as usize];
-    for (f, fl) in layout.fields.iter().enumerate() {
-        let bps = fl.bytes_per_sample as usize;
+    let fields = layout.fields.iter().map(|fl| {
+        let bytes = (fl.bytes_per_sample * b.samples) as usize;
+        &slot[fl.offset as usize..][..bytes]
+    });
+    verify_fields(s, b, fields);
+}
+
+/// Checks every sample of host batch `b` in the stream's rings.
+fn verify_host(s: &Stream, b: &BatchReady) {
+    let rings = &s.plan.rings;
+    let fields = (0..rings.fields.len()).map(|f| {
+        let (start, len) = rings.span(f, b.seq * rings.unit, b.samples).unwrap();
+        s.rings.get(start, len).unwrap()
+    });
+    verify_fields(s, b, fields);
+}
+
+fn verify_fields<'a>(s: &Stream, b: &BatchReady, fields: impl Iterator<Item = &'a [u8]>) {
+    let order = s.plan.epoch_order(b.epoch);
+    for (f, bytes) in fields.enumerate() {
+        let bps = bytes.len() / b.samples as usize;
         for j in 0..b.samples as usize {
             let index = order[b.index as usize * 4 + j];
-            let at = fl.offset as usize + j * bps;
             assert!(
-                spec(s).verify_sample(f, index, &slot[at..at + bps]),
+                spec(s).verify_sample(f, index, &bytes[j * bps..(j + 1) * bps]),
                 "batch {} (slot {}) field {f} sample {j} is wrong",
                 b.seq,
                 b.slot
             );
         }
     }
-}
-
-fn host_memory(s: &Stream) -> &[u8] {
-    s.arena.mapping().get(0, s.plan.arena_bytes()).unwrap()
 }
 
 /// A mailbox consumer as the client library drives one: takes notices,
@@ -122,7 +137,7 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
         assert!(Instant::now() < deadline, "stalled after {seen:?}");
         match mb.pop().unwrap() {
             Some(Notice::Batch(b)) => {
-                verify(s, &b, host_memory(s));
+                verify_host(s, &b);
                 seen.push(b.seq);
                 assert!(mb.push_release(b.seq, Totals::default()));
                 if mb.wants_doorbell() {
@@ -143,6 +158,8 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
         let mut sub = s
             .subscribe(
                 Request {
+                    batch_size: None,
+                    drop_last: false,
                     window: 2,
                     join: JoinPolicy::NextEpoch,
                     device: None,
@@ -190,7 +207,7 @@ fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
         if !host_done {
             match next(&mut host) {
                 ServerMsg::Batch(b) => {
-                    verify(&s, &b, host_memory(&s));
+                    verify_host(&s, &b);
                     got_host.push((b.epoch, b.index));
                     release(&s, host.id, b.seq);
                 }
@@ -309,7 +326,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     loop {
         match next(&mut host) {
             ServerMsg::Batch(b) => {
-                verify(&s, &b, host_memory(&s));
+                verify_host(&s, &b);
                 release(&s, host.id, b.seq);
                 n += 1;
             }
@@ -320,6 +337,8 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     }
     assert_eq!(n, 20);
     let req = Request {
+        batch_size: None,
+        drop_last: false,
         window: 1,
         join: JoinPolicy::Immediate,
         device: Some(test_gpu::request()),

@@ -26,6 +26,7 @@ from .errors import (
     SchemaError,
     StreamError,
     WindowFull,
+    RingPinned,
     WindowFullWarning,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "SchemaError",
     "StreamError",
     "WindowFull",
+    "RingPinned",
     "WindowFullWarning",
     "default_socket_path",
 ]

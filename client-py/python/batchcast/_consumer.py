@@ -247,6 +247,14 @@ class Consumer:
         broker_uid: the uid the broker must run as; default
             ``$BATCHCAST_BROKER_UID``, else this process's own. A socket
             served by any other user is refused (it could be an impostor).
+        batch_size: this trainer's own batch size; default the stream's.
+            Trainers of one stream may each ask for a different one: every
+            trainer still gets every sample of every epoch once, in the
+            stream's order, and each field of a batch is still one view of
+            the shared memory, not a copy. The broker refuses sizes its
+            slots cannot hold (the message says the largest it can).
+        drop_last: drop each epoch's last batch when it is short, as
+            ``DataLoader(drop_last=True)``.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -265,9 +273,15 @@ class Consumer:
         device: Any = "cpu",
         copy: bool = False,
         broker_uid: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        drop_last: bool = False,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
+        if batch_size is not None and (
+            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+        ):
+            raise InvalidArgument(f"batch_size={batch_size!r} must be an integer ≥ 1 (or None for the stream's)")
         dev = _device(device)
         if output == "numpy" and dev != "cpu":
             raise InvalidArgument(
@@ -288,6 +302,8 @@ class Consumer:
             connect_timeout=timeout,
             device=dev,
             broker_uid=broker_uid,
+            batch_size=batch_size,
+            drop_last=bool(drop_last),
         )
         kind, index = self._native.device
         #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.
@@ -324,7 +340,8 @@ class Consumer:
 
     @property
     def batch_size(self) -> int:
-        return self.schema["batch_size"]
+        """This trainer's batch size (its own, or the stream's)."""
+        return self._native.batch_size
 
     @property
     def window(self) -> int:
@@ -347,7 +364,7 @@ class Consumer:
         return self._ended
 
     def __len__(self) -> int:
-        return self.schema["batches_per_epoch"]
+        return self._native.batches_per_epoch
 
     # -- iteration --------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -395,7 +412,7 @@ class Consumer:
             if (
                 epochs is not None
                 and raw.epoch == epochs - 1
-                and raw.index == self.schema["batches_per_epoch"] - 1
+                and raw.index == self._native.batches_per_epoch - 1
             ):
                 self._ended = True
             return Batch(raw, self)

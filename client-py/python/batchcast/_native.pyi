@@ -18,6 +18,8 @@ class Consumer:
         connect_timeout: float = 0.0,
         device: str = "cpu",
         broker_uid: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        drop_last: bool = False,
     ) -> None: ...
     def next_event(
         self, timeout: Optional[float] = None
@@ -25,6 +27,10 @@ class Consumer:
     def schema(self) -> Dict[str, Any]: ...
     @property
     def window(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def batches_per_epoch(self) -> int: ...
     @property
     def start_epoch(self) -> int: ...
     @property

@@ -47,6 +47,12 @@ class WindowFull(Error, RuntimeError):
     can release one."""
 
 
+class RingPinned(WindowFull):
+    """The program keeps a batch from a whole ring of slots ago while asking
+    for new ones: the broker cannot make the next batch until it is
+    released. Drop old batches (copy what you keep, e.g. ``copy=True``)."""
+
+
 class DeviceUnavailable(Error, RuntimeError):
     """Batches cannot be delivered on the GPU asked for: no CUDA driver on
     this host, no such device, a broker without GPU support, or a CUDA error
@@ -65,6 +71,7 @@ __all__ = [
     "InvalidArgument",
     "BatchReleased",
     "WindowFull",
+    "RingPinned",
     "WindowFullWarning",
     "DeviceUnavailable",
 ]

@@ -1,0 +1,385 @@
+//! A consumer's own batch size over the stream's production units, as plain
+//! logic (no I/O): the broker publishes units of the stream's batch size;
+//! the [`Batcher`] cuts them into this consumer's batches of `size`
+//! samples, each a [`Run`] of consecutive samples of one epoch, and says
+//! when a unit can be given back.
+//!
+//! The host arena is field-major with mirrored rings
+//! ([`crate::schema::RingLayout`]), so a run is one contiguous view per
+//! field whatever units it spans: nothing is copied.
+//!
+//! # Rules
+//!
+//! * Every sample of every unit received is in exactly one run, in order,
+//!   or (the short end of an epoch, with `drop_last`) in none.
+//! * Runs never cross an epoch: an epoch's last run is short, or dropped
+//!   with `drop_last`.
+//! * A unit is given back once every sample of it is in a run (or
+//!   dropped) and every run overlapping it was released: exactly once,
+//!   never while a handed-out run still reads it.
+//! * Units are taken one at a time, only when no run is ready, so the
+//!   consumer holds at most the units its held runs overlap plus the one
+//!   run it is building ([`units_needed`]).
+
+use std::collections::VecDeque;
+
+use crate::error::{Error, Result};
+
+/// A production unit, as the broker announced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unit {
+    pub seq: u64,
+    pub epoch: u64,
+    /// Its index in the epoch.
+    pub index: u64,
+    pub samples: u64,
+}
+
+/// One of this consumer's batches: `samples` consecutive samples of
+/// `epoch`, the first being sample `first` of the epoch and at stream
+/// position `position` (where the rings hold it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub epoch: u64,
+    /// Its index among this consumer's batches of the epoch (counted from
+    /// the epoch's start, also for a consumer that joined mid-epoch).
+    pub index: u64,
+    pub first: u64,
+    pub position: u64,
+    pub samples: u64,
+    /// The units it spans, `first_seq..=last_seq`.
+    pub first_seq: u64,
+    pub last_seq: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    unit: Unit,
+    /// Samples already in a run (or dropped).
+    consumed: u64,
+    /// Runs overlapping it, not yet released.
+    refs: u32,
+}
+
+/// The units a consumer may hold at once to keep `window` batches of
+/// `size` over units of `unit` samples, and build the next: `window`
+/// when the sizes are equal (each unit is a batch); otherwise the units
+/// `window + 1` runs can overlap, each run at most `⌈(size − 1) / unit⌉ + 1`.
+pub fn units_needed(window: u32, size: u64, unit: u64) -> u64 {
+    if size == unit {
+        return u64::from(window);
+    }
+    let per_run = (size.saturating_sub(1)).div_ceil(unit.max(1)) + 1;
+    (u64::from(window) + 1).saturating_mul(per_run)
+}
+
+/// Cuts units into runs of `size` samples; see the module doc.
+#[derive(Debug)]
+pub struct Batcher {
+    size: u64,
+    drop_last: bool,
+    unit: u64,
+    units_per_epoch: u64,
+    /// In sequence order.
+    held: VecDeque<Held>,
+    /// The last unit taken.
+    last_seq: Option<u64>,
+    /// The run being built: its first unit's position and samples so far.
+    building: Option<Run>,
+    ready: VecDeque<Run>,
+}
+
+impl Batcher {
+    /// Runs of `size` samples over units of `unit` samples, `units_per_epoch`
+    /// units to an epoch.
+    pub fn new(size: u64, drop_last: bool, unit: u64, units_per_epoch: u64) -> Batcher {
+        assert!(size > 0 && unit > 0, "checked by the options and the plan");
+        Batcher {
+            size,
+            drop_last,
+            unit,
+            units_per_epoch,
+            held: VecDeque::new(),
+            last_seq: None,
+            building: None,
+            ready: VecDeque::new(),
+        }
+    }
+
+    /// Whether it needs another unit to give a run.
+    pub fn wants_unit(&self) -> bool {
+        self.ready.is_empty()
+    }
+
+    /// Units held (received, not given back).
+    pub fn units_held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether the broker cannot send the next unit until this consumer
+    /// gives one back: the stream's `slots` are a ring, and the next unit
+    /// takes the slot of the one `slots` before it, which this consumer
+    /// still holds (the program keeps an old batch while asking for new
+    /// ones). Returns that unit.
+    pub fn pins_ring(&self, slots: u32) -> Option<u64> {
+        let oldest = self.held.front()?.unit.seq;
+        let last = self.last_seq?;
+        (oldest + u64::from(slots) <= last + 1).then_some(oldest)
+    }
+
+    /// Takes the next unit; its samples go into runs. An error if it does
+    /// not follow the last one (the broker sends each unit once, in order).
+    pub fn push(&mut self, unit: Unit, give_back: &mut Vec<u64>) -> Result<()> {
+        if let Some(last) = self.last_seq
+            && unit.seq <= last
+        {
+            return Err(Error::Unexpected(format!(
+                "batch {} after batch {last}: out of order",
+                unit.seq
+            )));
+        }
+        if unit.samples > self.unit || unit.index >= self.units_per_epoch {
+            return Err(Error::Unexpected(format!(
+                "batch {} claims {} samples at index {} (units of {}, {} to an epoch)",
+                unit.seq, unit.samples, unit.index, self.unit, self.units_per_epoch
+            )));
+        }
+        if let Some(b) = self.building
+            && (b.epoch != unit.epoch || b.position + b.samples != unit.seq * self.unit)
+        {
+            // Not contiguous: the epoch ended without its last unit (an
+            // external producer ending early) or it is a broken stream.
+            if b.epoch == unit.epoch {
+                return Err(Error::Unexpected(format!(
+                    "batch {} does not follow the samples before it",
+                    unit.seq
+                )));
+            }
+            self.end_epoch(b.epoch, give_back);
+        }
+        self.last_seq = Some(unit.seq);
+        self.held.push_back(Held {
+            unit,
+            consumed: 0,
+            refs: 0,
+        });
+        let mut offset = 0;
+        while offset < unit.samples {
+            let b = self.building.get_or_insert(Run {
+                epoch: unit.epoch,
+                index: (unit.index * self.unit + offset) / self.size,
+                first: unit.index * self.unit + offset,
+                position: unit.seq * self.unit + offset,
+                samples: 0,
+                first_seq: unit.seq,
+                last_seq: unit.seq,
+            });
+            let take = (self.size - b.samples).min(unit.samples - offset);
+            let joins = b.samples == 0 || b.last_seq != unit.seq;
+            b.samples += take;
+            b.last_seq = unit.seq;
+            let full = b.samples == self.size;
+            offset += take;
+            let h = self.held.back_mut().expect("pushed");
+            h.consumed += take;
+            // The run being built counts as a reader of each unit it spans.
+            h.refs += u32::from(joins);
+            if full {
+                self.ready.push_back(self.building.take().expect("built"));
+            }
+        }
+        if unit.index + 1 == self.units_per_epoch {
+            self.end_epoch(unit.epoch, give_back);
+        }
+        self.collect(give_back);
+        Ok(())
+    }
+
+    /// The epoch ended: a run still being built is cut short, or dropped
+    /// with `drop_last`.
+    pub fn end_epoch(&mut self, epoch: u64, give_back: &mut Vec<u64>) {
+        if let Some(b) = self.building
+            && b.epoch == epoch
+        {
+            self.building = None;
+            if self.drop_last && b.samples < self.size {
+                self.unref(&b);
+            } else {
+                self.ready.push_back(b);
+            }
+        }
+        self.collect(give_back);
+    }
+
+    /// The next run to hand out.
+    pub fn pop(&mut self) -> Option<Run> {
+        self.ready.pop_front()
+    }
+
+    /// A handed-out run was released: the units it was the last reader of
+    /// are given back.
+    pub fn release(&mut self, run: &Run, give_back: &mut Vec<u64>) {
+        self.unref(run);
+        self.collect(give_back);
+    }
+
+    /// Leaving: runs not handed out and the run being built are dropped;
+    /// every unit no handed-out run reads is given back.
+    pub fn leave(&mut self, give_back: &mut Vec<u64>) {
+        if let Some(b) = self.building.take() {
+            self.unref(&b);
+        }
+        while let Some(r) = self.ready.pop_front() {
+            self.unref(&r);
+        }
+        for h in &mut self.held {
+            h.consumed = h.unit.samples;
+        }
+        self.collect(give_back);
+    }
+
+    fn unref(&mut self, run: &Run) {
+        for h in &mut self.held {
+            if (run.first_seq..=run.last_seq).contains(&h.unit.seq) {
+                h.refs = h.refs.checked_sub(1).expect("a run's units are held");
+            }
+        }
+    }
+
+    fn collect(&mut self, give_back: &mut Vec<u64>) {
+        self.held.retain(|h| {
+            let done = h.refs == 0 && h.consumed == h.unit.samples;
+            if done {
+                give_back.push(h.unit.seq);
+            }
+            !done
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Units of `unit` samples, `per_epoch` to an epoch whose last holds
+    /// `last` samples, for `epochs` epochs from unit `skip` on.
+    fn units(unit: u64, per_epoch: u64, last: u64, epochs: u64, skip: u64) -> Vec<Unit> {
+        (skip..per_epoch * epochs)
+            .map(|seq| Unit {
+                seq,
+                epoch: seq / per_epoch,
+                index: seq % per_epoch,
+                samples: if seq % per_epoch + 1 == per_epoch {
+                    last
+                } else {
+                    unit
+                },
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Random sizes, a random join, random release order: every
+        /// sample in exactly one run, in order, runs cut at epochs, units
+        /// given back exactly once and never while a run reads them, and
+        /// never more units held than `units_needed`.
+        #[test]
+        fn runs_cover_every_sample_once_and_units_come_back_once(
+            size in 1u64..300, unit in 1u64..80, per_epoch in 1u64..6,
+            last_cut in 0u64..80, epochs in 1u64..4, skip in 0u64..5,
+            drop_last: bool, window in 1u32..4, seed: u64,
+        ) {
+            let last = 1 + last_cut % unit;
+            let all = units(unit, per_epoch, last, epochs, skip.min(per_epoch * epochs - 1));
+            let mut b = Batcher::new(size, drop_last, unit, per_epoch);
+            let mut rng = crate::synthetic::SplitMix64::new(seed);
+            let (mut given, mut out, mut held) = (Vec::new(), Vec::<Run>::new(), Vec::<Run>::new());
+            let mut it = all.iter().peekable();
+            loop {
+                // The program holds at most `window` runs; it releases a
+                // random one when full, or now and then.
+                if held.len() as u32 == window || (!held.is_empty() && rng.below(3) == 0) {
+                    let r = held.swap_remove(rng.below(held.len() as u64) as usize);
+                    b.release(&r, &mut given);
+                    continue;
+                }
+                if let Some(r) = b.pop() {
+                    for s in &given {
+                        prop_assert!(!(r.first_seq..=r.last_seq).contains(s), "unit {s} given back under a run");
+                    }
+                    held.push(r);
+                    out.push(r);
+                    continue;
+                }
+                prop_assert!(b.wants_unit());
+                let Some(&u) = it.next() else { break };
+                b.push(u, &mut given).unwrap();
+                prop_assert!(b.units_held() as u64 <= units_needed(window, size, unit),
+                    "{} units held, bound {}", b.units_held(), units_needed(window, size, unit));
+            }
+            for r in held.drain(..) {
+                b.release(&r, &mut given);
+            }
+            b.leave(&mut given);
+            // Units: each given back exactly once.
+            let mut seqs = given.clone();
+            seqs.sort_unstable();
+            prop_assert_eq!(seqs, all.iter().map(|u| u.seq).collect::<Vec<_>>());
+            // Samples: in order, each once, runs within epochs, full but
+            // for an epoch's last.
+            let mut expect: Vec<(u64, u64, u64)> = Vec::new(); // (epoch, first, position)
+            for u in &all {
+                for j in 0..u.samples {
+                    expect.push((u.epoch, u.index * unit + j, u.seq * unit + j));
+                }
+            }
+            let mut got = Vec::new();
+            for r in &out {
+                prop_assert!(r.samples >= 1 && r.samples <= size);
+                prop_assert_eq!(r.index, r.first / size);
+                for j in 0..r.samples {
+                    got.push((r.epoch, r.first + j, r.position + j));
+                }
+            }
+            if drop_last {
+                prop_assert!(out.iter().all(|r| r.samples == size));
+                let dropped: Vec<_> = expect.iter().filter(|s| !got.contains(s)).copied().collect();
+                // Only the tail of each epoch is dropped, less than a batch.
+                for e in 0..epochs {
+                    let n = dropped.iter().filter(|s| s.0 == e).count() as u64;
+                    prop_assert!(n < size);
+                }
+                expect.retain(|s| got.contains(s));
+            }
+            prop_assert_eq!(got, expect);
+        }
+    }
+
+    #[test]
+    fn equal_sizes_pass_units_through() {
+        let mut b = Batcher::new(4, false, 4, 3);
+        let mut given = Vec::new();
+        for u in units(4, 3, 2, 1, 0) {
+            b.push(u, &mut given).unwrap();
+            let r = b.pop().unwrap();
+            assert_eq!(
+                (r.first_seq, r.last_seq, r.samples),
+                (u.seq, u.seq, u.samples)
+            );
+            b.release(&r, &mut given);
+            assert_eq!(given.pop(), Some(u.seq));
+        }
+        assert_eq!(units_needed(2, 4, 4), 2);
+    }
+
+    #[test]
+    fn an_out_of_order_unit_is_an_error() {
+        let mut b = Batcher::new(3, false, 4, 10);
+        let mut given = Vec::new();
+        let u = units(4, 10, 4, 1, 0);
+        b.push(u[1], &mut given).unwrap();
+        assert!(b.push(u[0], &mut given).is_err());
+        assert!(b.push(u[3], &mut given).is_err(), "a gap inside an epoch");
+    }
+}
