@@ -619,6 +619,8 @@ mod counts;
 mod groups;
 #[cfg(test)]
 mod invariants;
+#[cfg(test)]
+mod mixed;
 mod send;
 #[cfg(test)]
 mod tests;

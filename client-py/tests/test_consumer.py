@@ -327,3 +327,57 @@ def test_the_broker_sees_the_trainers_wait_and_step_time(start_broker):
     # Python side's includes its own overhead, never less.
     assert me["wait_s"] <= local["wait_s"] + 1e-3, (me, local)
     del c
+
+
+def test_each_trainer_takes_its_own_batch_size_over_the_same_samples_without_a_copy(
+    start_broker, tmp_path
+):
+    # 100 samples made in batches of 8; trainers take 5 (20 batches) and 12
+    # with drop_last (8 batches, the last 4 samples dropped), as views of
+    # the shared rings, with the bytes a trainer of the stream's size sees.
+    broker = start_broker(synthetic(min_consumers=3, epochs=2, slots=16))
+    dump = tmp_path / "rust"
+    rust = broker.rust_consumer("--verify", "--dump", str(dump))
+    c5 = batchcast.Consumer(socket=broker.socket, output="numpy", name="b5", batch_size=5)
+    c12 = batchcast.Consumer(
+        socket=broker.socket, output="numpy", name="b12", batch_size=12, drop_last=True
+    )
+    assert (c5.batch_size, len(c5)) == (5, 20)
+    assert (c12.batch_size, len(c12)) == (12, 8)
+    got = {5: [], 12: []}
+    for epoch in range(2):
+        for size, c in ((5, c5), (12, c12)):
+            assert c.epoch == epoch
+            images, labels = [], []
+            base, length = c.arena
+            for image, label in c:
+                assert len(image) == len(label) <= size
+                ptr = image.__array_interface__["data"][0]
+                assert base <= ptr and ptr + image.nbytes <= base + length, "a view, not a copy"
+                images.append(image.tobytes())
+                labels.append(label.tobytes())
+            got[size].append((images, labels))
+    assert c5.ended and c12.ended
+    r = report(rust)
+    assert r["ok"] and r["verified_samples"] == 200, r
+    sample = 3 * 4 * 4
+    for epoch in range(2):
+        want_images = b"".join(read_dump(dump, epoch, i, "image") for i in range(13))
+        want_labels = b"".join(read_dump(dump, epoch, i, "label") for i in range(13))
+        images, labels = got[5][epoch]
+        assert [len(b) // sample for b in images] == [5] * 20
+        assert b"".join(images) == want_images and b"".join(labels) == want_labels
+        images, labels = got[12][epoch]
+        assert [len(b) // sample for b in images] == [12] * 8, "the short last batch dropped"
+        assert b"".join(images) == want_images[: 96 * sample]
+        assert b"".join(labels) == want_labels[: 96 * 8]
+
+
+def test_a_batch_size_the_stream_cannot_serve_says_what_it_can(start_broker):
+    broker = start_broker(synthetic(slots=4))
+    with pytest.raises(batchcast.InvalidArgument, match="batch_size=0 must be an integer"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=0)
+    with pytest.raises(
+        batchcast.StreamError, match=r"batch_size 100 with window 2.*batch_size ≤ 1 or the stream's 8"
+    ):
+        batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=100)

@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod wait;
+
 use crate::batch::{Batch, Batching, Shared};
 use crate::batcher::{Batcher, Run, Unit};
 use crate::device::Device;
@@ -25,7 +27,7 @@ use crate::schema::Schema;
 use crate::shm::{Mapping, RingView};
 use crate::transport::{
     broker_error, connect_retrying, expect_reply, goodbye_error, handshake, program_name,
-    read_server_msg, readable_within,
+    readable_within,
 };
 
 /// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
@@ -391,18 +393,6 @@ impl Consumer {
 /// before calling it [`Error::WindowFull`].
 const WINDOW_FULL_GRACE_MS: u16 = 50;
 
-/// Longest sleep of a mailbox consumer between looks at its socket (a
-/// broker that dies rings no bell).
-const MAILBOX_TICK: Duration = Duration::from_millis(50);
-
-/// Why [`Consumer::wait_mailbox`] returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Woke {
-    Notice,
-    Socket,
-    Timeout,
-}
-
 impl Consumer {
     /// Whether `next_event` returns at once.
     fn ready(&self) -> bool {
@@ -548,82 +538,6 @@ impl Consumer {
         shared.give_back(&give, totals)
     }
 
-    /// The next message, waiting until `deadline`: from the mailbox, else
-    /// the socket (an error, a goodbye, the broker gone). `None` at the
-    /// deadline.
-    fn receive(&mut self, deadline: Instant) -> Result<Option<ServerMsg>> {
-        let shared = self.shared.clone();
-        let Some(mb) = shared.mailbox.as_ref() else {
-            if !self.reader.buffer().is_empty() || self.socket_readable(deadline)? {
-                return self.read_msg().map(Some);
-            }
-            return Ok(None);
-        };
-        loop {
-            match mb.pop()? {
-                Some(Notice::Batch(b)) => return Ok(Some(ServerMsg::Batch(b))),
-                Some(Notice::EndOfEpoch(e)) => return Ok(Some(ServerMsg::EndOfEpoch(e))),
-                Some(Notice::EndOfStream) => return Ok(Some(ServerMsg::EndOfStream)),
-                None => {}
-            }
-            if !self.reader.buffer().is_empty() {
-                return self.read_msg().map(Some);
-            }
-            match self.wait_mailbox(mb, deadline)? {
-                Woke::Notice => {}
-                Woke::Socket if !mb.has_notice() => return self.read_msg().map(Some),
-                Woke::Socket => {}
-                Woke::Timeout => return Ok(None),
-            }
-        }
-    }
-
-    /// Socket consumers: waits until `deadline` for the socket, sending
-    /// the releases whose GPU work finishes meanwhile (the broker may be
-    /// waiting for one of them to send the next batch).
-    fn socket_readable(&self, deadline: Instant) -> Result<bool> {
-        loop {
-            self.shared.flush_fenced(false)?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let step = if self.shared.fenced_pending() {
-                left.min(Duration::from_millis(1))
-            } else {
-                left
-            };
-            let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
-            if readable_within(self.reader.get_ref(), ms)? {
-                return Ok(true);
-            }
-            if left.is_zero() || (step == left && ms != u16::MAX) {
-                return Ok(false);
-            }
-        }
-    }
-
-    /// While the window is full: takes a socket message (an error, a
-    /// goodbye) if one comes before `deadline`; `false` at the deadline.
-    fn poll_socket(&mut self, deadline: Instant) -> Result<bool> {
-        loop {
-            if !self.window_full() {
-                return Ok(true);
-            }
-            if !self.reader.buffer().is_empty() || readable_within(self.reader.get_ref(), 1)? {
-                let msg = self.read_msg()?;
-                self.intake(msg);
-                return Ok(true);
-            }
-            self.shared.flush_fenced(false)?;
-            if Instant::now() >= deadline {
-                return Ok(false);
-            }
-        }
-    }
-
-    /// Reads the next frame from the socket.
-    fn read_msg(&mut self) -> Result<ServerMsg> {
-        read_server_msg(&mut self.reader, &mut self.buf)
-    }
-
     /// Leaving: gives back every unit this consumer was sent and no batch
     /// it handed out still reads (notices never read, batches cut and not
     /// handed out, the batch being built), so they pin no slot until the
@@ -655,45 +569,6 @@ impl Consumer {
         };
         if let Err(e) = self.shared.give_back(&seqs, totals) {
             tracing::debug!("giving back unread batches: {e}");
-        }
-    }
-
-    /// Waits for a notice, a socket message or `deadline`: polls for the
-    /// spin time (yielding the CPU between looks), then sleeps on the bell,
-    /// looking at the socket before each sleep.
-    fn wait_mailbox(&self, mb: &ConsumerMailbox, deadline: Instant) -> Result<Woke> {
-        let start = Instant::now();
-        let spin_until = (start + self.spin).min(deadline);
-        let mut looks = 0u32;
-        loop {
-            if mb.has_notice() {
-                return Ok(Woke::Notice);
-            }
-            let now = Instant::now();
-            if now < spin_until {
-                looks += 1;
-                if looks < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-                continue;
-            }
-            let mut socket = Ok(false);
-            if now >= deadline {
-                socket = readable_within(self.reader.get_ref(), 0);
-            } else {
-                mb.sleep_unless((deadline - now).min(MAILBOX_TICK), || {
-                    socket = readable_within(self.reader.get_ref(), 0);
-                    !matches!(socket, Ok(false))
-                });
-            }
-            if socket? {
-                return Ok(Woke::Socket);
-            }
-            if now >= deadline {
-                return Ok(Woke::Timeout);
-            }
         }
     }
 

@@ -502,4 +502,94 @@ mod tests {
         l.fields[0].offset = 2; // misaligned for f32
         assert!(l.validate(&s).is_err());
     }
+
+    fn field(name: &str, dtype: DType, shape: &[u64]) -> Field {
+        Field {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            aux: false,
+        }
+    }
+
+    #[test]
+    fn rings_are_whole_pages_hold_the_live_samples_and_mirror_unless_too_costly() {
+        let s = schema(
+            vec![
+                field("image", DType::U8, &[3, 224, 224]),
+                field("label", DType::I64, &[]),
+                field("odd", DType::U8, &[3, 225, 225]),
+                field("rgb", DType::U8, &[3]),
+            ],
+            64,
+        );
+        let l = RingLayout::for_schema(&s, 8).unwrap();
+        l.validate(&s).unwrap();
+        let live = 8 * 64;
+        // 3×224×224 is a multiple of 1024: 512 cells cost nothing extra.
+        assert_eq!((l.fields[0].cells, l.fields[0].mirrored), (live, true));
+        // i64: 512 cells make a page.
+        assert_eq!((l.fields[1].cells, l.fields[1].mirrored), (512, true));
+        // An odd stride would need 4096 cells (×8): not mirrored, exactly
+        // the slots' cells, and the stream serves only its own batch size.
+        assert_eq!((l.fields[2].cells, l.fields[2].mirrored), (live, false));
+        assert_eq!(l.unmirrored(), Some(2));
+        // Tiny fields mirror whatever the factor (4096 cells of 3 bytes).
+        assert_eq!((l.fields[3].cells, l.fields[3].mirrored), (4096, true));
+        for (k, r) in l.fields.iter().enumerate() {
+            assert_eq!(r.offset % SLOT_ALIGN, 0);
+            assert_eq!(r.ring_bytes % SLOT_ALIGN, 0);
+            assert!(r.cells >= live);
+            if k > 0 {
+                let prev = l.fields[k - 1];
+                assert_eq!(
+                    r.offset,
+                    prev.offset + prev.ring_bytes,
+                    "rings back to back"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn spans_are_contiguous_across_a_mirrored_wrap_and_refused_past_a_plain_one() {
+        let s = schema(
+            vec![
+                field("x", DType::F32, &[5]),
+                field("odd", DType::U8, &[3, 225, 225]),
+            ],
+            10,
+        );
+        let l = RingLayout::for_schema(&s, 4).unwrap();
+        let x = l.fields[0];
+        assert!(x.mirrored && x.cells == 1024, "{x:?}");
+        // 20 samples from cell 1014: 10 before the wrap, 10 after, one span.
+        assert_eq!(l.span(0, 1014, 20), Some((1014 * 20, 20 * 20)));
+        assert_eq!(l.span(0, 1024 + 1014, 20), l.span(0, 1014, 20));
+        assert_eq!(l.span(0, 0, 1025), None, "more than the ring");
+        // The plain ring holds 40 cells: units never straddle, runs may not.
+        let odd = l.mapped_offset(1);
+        assert_eq!(odd, 2 * x.ring_bytes);
+        assert_eq!(l.span(1, 30, 10), Some((odd + 30 * 151_875, 10 * 151_875)));
+        assert_eq!(l.span(1, 35, 10), None);
+        assert_eq!(l.unit_spans(7)[1], l.span(1, 70, 10).unwrap());
+    }
+
+    #[test]
+    fn a_ring_layout_that_does_not_fit_is_rejected() {
+        let s = schema(vec![field("x", DType::F32, &[5])], 10);
+        let good = RingLayout::for_schema(&s, 4).unwrap();
+        let mut l = good.clone();
+        l.fields[0].cells += 1; // no longer whole pages
+        assert!(l.validate(&s).is_err());
+        let mut l = good.clone();
+        l.arena_bytes -= 4096;
+        assert!(l.validate(&s).is_err());
+        let mut l = good.clone();
+        l.fields[0].offset = 100;
+        assert!(l.validate(&s).is_err());
+        let mut l = good;
+        l.unit = 11;
+        assert!(l.validate(&s).is_err());
+    }
 }

@@ -316,16 +316,21 @@ impl Stream {
             // (window + 1) × (⌈(b − 1) / unit⌉ + 1) ≤ slots, or b = unit.
             let per_run = slots / (u64::from(req.window) + 1);
             let other = per_run.checked_sub(1).map(|k| k * unit + 1);
-            let own = (u64::from(req.window) <= slots).then_some(unit);
-            let most = other.max(own);
+            let own = u64::from(req.window) <= slots;
             return refuse(format!(
                 "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
                  (batches of {size} span up to that many while the window is full); {}, or raise the stream's slots to {units}",
                 req.window,
                 self.name(),
-                match most {
-                    Some(b) => format!("ask for batch_size ≤ {b} or a smaller window"),
-                    None => "ask for a smaller window".into(),
+                match (other, own) {
+                    (Some(b), _) if b >= unit =>
+                        format!("ask for batch_size ≤ {b} or a smaller window"),
+                    (Some(b), true) => format!(
+                        "ask for batch_size ≤ {b} or the stream's {unit}, or a smaller window"
+                    ),
+                    (None, true) =>
+                        format!("ask for the stream's batch_size {unit}, or a smaller window"),
+                    (_, false) => "ask for a smaller window".into(),
                 }
             ));
         }

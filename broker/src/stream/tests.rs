@@ -23,9 +23,12 @@ use crate::gpu::test_gpu;
 use crate::hub::ConsumerId;
 use crate::plan::plan_config;
 
+/// Batches of 3, 100 to an epoch: the rings hold
+/// 256 cells of `x` and 512 of `y`, so batches 85 and 170 straddle their
+/// wraps (a GPU copy is then two pieces).
 fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
     let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
-    let text = StreamToml::synthetic("t", 4, 40, &fields)
+    let text = StreamToml::synthetic("t", 3, 300, &fields)
         .epochs(2)
         .key("slots", 4)
         .key("gpu_slots", gpu_slots)
@@ -116,7 +119,7 @@ fn verify_fields<'a>(s: &Stream, b: &BatchReady, fields: impl Iterator<Item = &'
     for (f, bytes) in fields.enumerate() {
         let bps = bytes.len() / b.samples as usize;
         for j in 0..b.samples as usize {
-            let index = order[b.index as usize * 4 + j];
+            let index = order[b.index as usize * 3 + j];
             assert!(
                 spec(s).verify_sample(f, index, &bytes[j * bps..(j + 1) * bps]),
                 "batch {} (slot {}) field {f} sample {j} is wrong",
@@ -188,7 +191,7 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
     let seen = drain_as_mailbox_consumer(&s, &good_mb);
     assert_eq!(
         seen,
-        (0..20).collect::<Vec<_>>(),
+        (0..200).collect::<Vec<_>>(),
         "2 epochs of 10, in order"
     );
     drop(good);
@@ -240,13 +243,13 @@ fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
             }
         }
     }
-    let every: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..10).map(move |i| (e, i))).collect();
+    let every: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..100).map(move |i| (e, i))).collect();
     assert_eq!(got_host, every);
     assert_eq!(got_gpu, every);
     let st = s.stats();
     assert_eq!(st.gpus.len(), 1);
     let g = &st.gpus[0];
-    assert_eq!(g.copies, 20, "one copy per batch: {g:?}");
+    assert_eq!(g.copies, 200, "one copy per batch: {g:?}");
     assert_eq!((g.slots, g.slots_in_use, g.waiting), (2, 0, 0), "{g:?}");
     s.leave(host.id);
     s.leave(gpu.id);
@@ -335,7 +338,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
             m => panic!("{m:?}"),
         }
     }
-    assert_eq!(n, 20);
+    assert_eq!(n, 200);
     let req = Request {
         batch_size: None,
         drop_last: false,

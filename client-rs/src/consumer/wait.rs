@@ -1,0 +1,140 @@
+//! A consumer's waits: for the next message from its mailbox or its
+//! socket, with the spin-then-sleep of mailbox consumers, and the socket
+//! while the window is full.
+
+use std::time::{Duration, Instant};
+
+use super::Consumer;
+use crate::error::Result;
+use crate::mailbox::{ConsumerMailbox, Notice};
+use crate::proto::ServerMsg;
+use crate::transport::{read_server_msg, readable_within};
+
+/// Longest sleep of a mailbox consumer between looks at its socket (a
+/// broker that dies rings no bell).
+const MAILBOX_TICK: Duration = Duration::from_millis(50);
+
+/// Why [`Consumer::wait_mailbox`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Woke {
+    Notice,
+    Socket,
+    Timeout,
+}
+
+impl Consumer {
+    /// The next message, waiting until `deadline`: from the mailbox, else
+    /// the socket (an error, a goodbye, the broker gone). `None` at the
+    /// deadline.
+    pub(super) fn receive(&mut self, deadline: Instant) -> Result<Option<ServerMsg>> {
+        let shared = self.shared.clone();
+        let Some(mb) = shared.mailbox.as_ref() else {
+            if !self.reader.buffer().is_empty() || self.socket_readable(deadline)? {
+                return self.read_msg().map(Some);
+            }
+            return Ok(None);
+        };
+        loop {
+            match mb.pop()? {
+                Some(Notice::Batch(b)) => return Ok(Some(ServerMsg::Batch(b))),
+                Some(Notice::EndOfEpoch(e)) => return Ok(Some(ServerMsg::EndOfEpoch(e))),
+                Some(Notice::EndOfStream) => return Ok(Some(ServerMsg::EndOfStream)),
+                None => {}
+            }
+            if !self.reader.buffer().is_empty() {
+                return self.read_msg().map(Some);
+            }
+            match self.wait_mailbox(mb, deadline)? {
+                Woke::Notice => {}
+                Woke::Socket if !mb.has_notice() => return self.read_msg().map(Some),
+                Woke::Socket => {}
+                Woke::Timeout => return Ok(None),
+            }
+        }
+    }
+
+    /// Socket consumers: waits until `deadline` for the socket, sending
+    /// the releases whose GPU work finishes meanwhile (the broker may be
+    /// waiting for one of them to send the next batch).
+    pub(super) fn socket_readable(&self, deadline: Instant) -> Result<bool> {
+        loop {
+            self.shared.flush_fenced(false)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let step = if self.shared.fenced_pending() {
+                left.min(Duration::from_millis(1))
+            } else {
+                left
+            };
+            let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
+            if readable_within(self.reader.get_ref(), ms)? {
+                return Ok(true);
+            }
+            if left.is_zero() || (step == left && ms != u16::MAX) {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// While the window is full: takes a socket message (an error, a
+    /// goodbye) if one comes before `deadline`; `false` at the deadline.
+    pub(super) fn poll_socket(&mut self, deadline: Instant) -> Result<bool> {
+        loop {
+            if !self.window_full() {
+                return Ok(true);
+            }
+            if !self.reader.buffer().is_empty() || readable_within(self.reader.get_ref(), 1)? {
+                let msg = self.read_msg()?;
+                self.intake(msg);
+                return Ok(true);
+            }
+            self.shared.flush_fenced(false)?;
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Reads the next frame from the socket.
+    pub(super) fn read_msg(&mut self) -> Result<ServerMsg> {
+        read_server_msg(&mut self.reader, &mut self.buf)
+    }
+
+    /// Waits for a notice, a socket message or `deadline`: polls for the
+    /// spin time (yielding the CPU between looks), then sleeps on the bell,
+    /// looking at the socket before each sleep.
+    pub(super) fn wait_mailbox(&self, mb: &ConsumerMailbox, deadline: Instant) -> Result<Woke> {
+        let start = Instant::now();
+        let spin_until = (start + self.spin).min(deadline);
+        let mut looks = 0u32;
+        loop {
+            if mb.has_notice() {
+                return Ok(Woke::Notice);
+            }
+            let now = Instant::now();
+            if now < spin_until {
+                looks += 1;
+                if looks < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            let mut socket = Ok(false);
+            if now >= deadline {
+                socket = readable_within(self.reader.get_ref(), 0);
+            } else {
+                mb.sleep_unless((deadline - now).min(MAILBOX_TICK), || {
+                    socket = readable_within(self.reader.get_ref(), 0);
+                    !matches!(socket, Ok(false))
+                });
+            }
+            if socket? {
+                return Ok(Woke::Socket);
+            }
+            if now >= deadline {
+                return Ok(Woke::Timeout);
+            }
+        }
+    }
+}

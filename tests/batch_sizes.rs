@@ -1,0 +1,180 @@
+//! End-to-end tests of trainers that differ in batch size: the real broker,
+//! real consumer processes each asking for its own batch size, real shared
+//! memory. Each consumer must get every sample of every epoch once, in the
+//! stream's order, with the bytes every other consumer got, and nothing a
+//! killed or careless consumer does may change that for the others.
+
+use std::time::{Duration, Instant};
+
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+
+mod common;
+
+use common::{Env, LIMIT, report};
+
+/// 1000 samples a epoch in production units of 40: the label ring (1536
+/// cells) and the weights ring (2048) are not multiples of the unit, so
+/// units straddle those rings' wraps, and consumer batches straddle them
+/// too; 28 slots hold batches of up to 256 with a window of 2.
+fn config(extra: &str) -> String {
+    let fields: [(&str, &str, &[u64]); 3] = [
+        ("image", "u8", &[3, 16, 16]),
+        ("label", "i64", &[]),
+        ("weights", "f32", &[5]),
+    ];
+    StreamToml::synthetic("train", 40, 1000, &fields)
+        .key("seed", 5)
+        .key("slots", 28)
+        .key("workers", 2)
+        .key("shuffle", true)
+        .raw(extra)
+        .to_toml()
+}
+
+fn digests(r: &ConsumerReport) -> Vec<Option<String>> {
+    r.epochs.iter().map(|e| e.digest.clone()).collect()
+}
+
+#[test]
+fn consumers_of_mixed_batch_sizes_each_get_every_sample_once_and_a_killed_one_changes_nothing() {
+    let sizes: [u64; 7] = [1, 7, 32, 40, 64, 96, 256];
+    // Seven that finish, and one that is SIGKILLed holding batches.
+    let env = Env::start(&config("epochs = 3\nmin_consumers = 8"));
+    let kids: Vec<_> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let (name, b) = (format!("b{b}"), b.to_string());
+            let mut args = vec!["--verify", "--digest", "--batch-size", &b, "--name", &name];
+            if i % 2 == 1 {
+                args.push("--no-mailbox");
+            }
+            env.consumer(&args)
+        })
+        .collect();
+    let mut victim = env.consumer(&[
+        "--batch-size",
+        "13",
+        "--hold",
+        "2",
+        "--sleep-ms",
+        "2",
+        "--name",
+        "victim",
+    ]);
+    env.wait_for("the victim to read a few batches", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "victim" && c.delivered >= 5)
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    let reports: Vec<ConsumerReport> = kids.into_iter().map(report).collect();
+    for (r, &b) in reports.iter().zip(&sizes) {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.verified_samples, 3000, "batch size {b}");
+        assert_eq!(r.batches, 3 * 1000u64.div_ceil(b), "batch size {b}");
+        assert_eq!(
+            r.epochs
+                .iter()
+                .map(|e| (e.epoch, e.samples, e.complete))
+                .collect::<Vec<_>>(),
+            vec![(0, 1000, true), (1, 1000, true), (2, 1000, true)],
+            "batch size {b}"
+        );
+        assert_eq!(
+            digests(r),
+            digests(&reports[0]),
+            "batch size {b}: the same bytes as batches of 1"
+        );
+    }
+    let s = env.wait_for("the killed consumer to be gone", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    let st = &s.streams[0];
+    assert_eq!(
+        st.batches_produced,
+        3 * 25,
+        "each unit made once, whatever the consumers' sizes"
+    );
+    assert_eq!(st.in_use, 0, "every slot came back: {st:#?}");
+}
+
+#[test]
+fn drop_last_drops_only_a_short_last_batch() {
+    let env = Env::start(&config("epochs = 2\nmin_consumers = 2"));
+    let keep = env.consumer(&["--verify", "--batch-size", "96", "--name", "keep"]);
+    let drop = env.consumer(&[
+        "--verify",
+        "--batch-size",
+        "96",
+        "--drop-last",
+        "--name",
+        "drop",
+    ]);
+    let (keep, drop) = (report(keep), report(drop));
+    assert!(keep.ok && drop.ok, "{keep:#?} {drop:#?}");
+    // 1000 = 10 × 96 + 40.
+    assert_eq!((keep.batches, keep.samples), (2 * 11, 2000));
+    assert_eq!((drop.batches, drop.samples), (2 * 10, 2 * 960));
+    assert_eq!(drop.verified_samples, 1920, "the first 960 of each epoch");
+}
+
+#[test]
+fn a_batch_size_the_slots_cannot_hold_is_refused_with_the_largest_that_fits() {
+    let env = Env::start(&config("epochs = 1"));
+    let r = report(env.consumer(&["--batch-size", "1000", "--name", "big"]));
+    let err = r.error.clone().unwrap_or_default();
+    assert_eq!(r.error_code.as_deref(), Some("InvalidRequest"), "{r:#?}");
+    assert!(
+        err.contains("batch_size 1000 with window 2")
+            && err.contains("batch_size ≤ 321")
+            && err.contains("raise the stream's slots"),
+        "{err}"
+    );
+    let r = report(env.consumer(&["--batch-size", "0", "--name", "zero"]));
+    assert!(
+        r.error
+            .unwrap_or_default()
+            .contains("batch_size must be at least 1"),
+        "a zero batch size is refused before connecting"
+    );
+}
+
+#[test]
+fn a_program_that_keeps_an_old_batch_is_told_it_pins_the_ring() {
+    let env = Env::start(&config("epochs = 4"));
+    let mut c = batchcast::Consumer::connect(batchcast::ConsumerOptions {
+        socket: Some(env.socket()),
+        stream: "train".into(),
+        window: 2,
+        batch_size: Some(50),
+        name: "keeper".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    let first = c.next().unwrap().unwrap();
+    let t0 = Instant::now();
+    let err = loop {
+        match c.next().unwrap() {
+            Ok(b) => drop(b),
+            Err(e) => break e,
+        }
+        assert!(t0.elapsed() < LIMIT, "no error while pinning the ring");
+    };
+    assert!(
+        matches!(err, batchcast::Error::RingPinned { seq: 0, slots: 28 }),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "told at once, not after a hang"
+    );
+    drop(first);
+}
