@@ -79,6 +79,7 @@ fn consumers_of_mixed_batch_sizes_each_get_every_sample_once_and_a_killed_one_ch
     for (r, &b) in reports.iter().zip(&sizes) {
         assert!(r.ok && r.ended, "{r:#?}");
         assert_eq!(r.verified_samples, 3000, "batch size {b}");
+        assert_eq!(r.views_outside_arena, 0, "batch size {b}: a view is a copy");
         assert_eq!(r.batches, 3 * 1000u64.div_ceil(b), "batch size {b}");
         assert_eq!(
             r.epochs

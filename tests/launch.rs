@@ -546,3 +546,43 @@ command = ["{{batchcast}}", "consume", "--json", "--verify"]
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("shared vs baseline"), "{stdout}");
 }
+
+#[test]
+fn a_batch_size_grid_gives_each_trainer_its_own_batch_size_over_one_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 16, 16]), ("label", "i64", &[])];
+    let stream = StreamToml::synthetic("train", 32, 512, &fields)
+        .epochs(2)
+        .key("seed", 3)
+        .key("slots", 12)
+        .to_toml();
+    let sweep = format!(
+        r#"{stream}
+[[trainer]]
+name = "bs"
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--digest"]
+grid = {{ batch_size = [16, 32, 48] }}
+"#
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = summary.expect("summary.json").shared;
+    assert_eq!(
+        run.brokers[0].batches_produced, 32,
+        "2 epochs × 16 units, made once for every size"
+    );
+    let mut digests = Vec::new();
+    for (t, size) in run.trainers.iter().zip([16u64, 32, 48]) {
+        let own = own_report(&t.log);
+        assert!(own.ok && own.ended, "{own:?}");
+        assert_eq!(own.batches, 2 * 512u64.div_ceil(size), "{}", t.name);
+        assert_eq!((t.samples, own.verified_samples), (2 * 512, 2 * 512));
+        digests.push(
+            own.epochs
+                .iter()
+                .map(|e| e.digest.clone())
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
+}

@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::{ConsumerReport, rss_anon_kb};
 use batchcast_broker::harness::{self, BrokerProcess};
@@ -139,16 +139,7 @@ fn run(
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let exe = match &a.exe {
-        Some(e) => e.clone(),
-        None => std::env::current_exe()?.with_file_name("batchcast"),
-    };
-    if !exe.exists() {
-        bail!(
-            "{} not found; build it with `cargo build --release -p batchcast-broker` or pass --exe",
-            exe.display()
-        );
-    }
+    let exe = harness::batchcast_exe(a.exe.as_deref())?;
     let mut rows = Vec::new();
     for (fill, transport, batches) in [
         ("stamp", "mailbox", a.batches),

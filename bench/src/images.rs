@@ -196,10 +196,7 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = a.python.clone().unwrap_or(repo.join(".venv/bin/python"));
-    let exe = match &a.exe {
-        Some(e) => e.clone(),
-        None => std::env::current_exe()?.with_file_name("batchcast"),
-    };
+    let exe = harness::batchcast_exe(a.exe.as_deref())?;
     let n = Dataset::image_folder(&a.dataset)?.len();
     println!(
         "dataset: {} ({n} images), {} passes, RandomResizedCrop(224) + flip + Normalize, f32 NCHW\n",

@@ -124,6 +124,16 @@ pub struct ConsumerReport {
     pub busy_s: f64,
     pub rss_anon_kb_start: u64,
     pub rss_anon_kb_end: u64,
+    /// CPU seconds this process used (all threads, schedstat), in all
+    /// and by the time its first batch arrived (start-up and connecting).
+    #[serde(default)]
+    pub cpu_s: f64,
+    #[serde(default)]
+    pub cpu_first_batch_s: f64,
+    /// Host field views that did not lie in the shared mapping (a copy):
+    /// zero on the zero-copy path.
+    #[serde(default)]
+    pub views_outside_arena: u64,
 }
 
 /// Anonymous resident memory of this process (excludes the shared arena).
@@ -176,6 +186,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     report.seconds = t0.elapsed().as_secs_f64();
     report.batches_per_s = report.batches as f64 / report.seconds.max(1e-9);
     report.rss_anon_kb_end = rss_anon_kb("self");
+    report.cpu_s = crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
     if let Err(e) = result {
         report.error_code = e.code().map(|c| format!("{c:?}"));
         report.error = Some(e.to_string());
@@ -196,6 +207,8 @@ fn consume(
         consumer.schema().clone(),
         consumer.batches_per_epoch(),
     )?;
+    let (base, len) = consumer.arena();
+    check.arena = (base as usize, len);
     let mut held: VecDeque<Batch> = VecDeque::new();
     loop {
         let batch = match consumer.next_event()? {
@@ -209,6 +222,10 @@ fn consume(
             }
             Some(Event::Batch(b)) => b,
         };
+        if report.batches == 0 {
+            report.cpu_first_batch_s =
+                crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
+        }
         check.batch(&batch, report)?;
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));
@@ -252,6 +269,8 @@ struct Checker<'a> {
     last: Option<(u64, u64, u64)>,
     digest: u64,
     cur: EpochReport,
+    /// The shared mapping's address range in this process.
+    arena: (usize, usize),
 }
 
 impl<'a> Checker<'a> {
@@ -288,6 +307,7 @@ impl<'a> Checker<'a> {
             last: None,
             digest: 0,
             cur: EpochReport::new(u64::MAX),
+            arena: (0, 0),
         })
     }
 
@@ -324,6 +344,14 @@ impl<'a> Checker<'a> {
                 .collect::<batchcast::Result<_>>()?,
             Err(e) => return Err(e),
         };
+        for f in &fields {
+            if let Cow::Borrowed(b) = f {
+                let (p, (base, len)) = (b.as_ptr() as usize, self.arena);
+                if p < base || p + b.len() > base + len {
+                    report.views_outside_arena += 1;
+                }
+            }
+        }
         self.record_fields(batch, &fields, report)?;
         if let Some(fi) = self.index_field {
             for j in 0..batch.len() {

@@ -12,6 +12,8 @@ use batchcast::proto::StatsReply;
 
 use crate::consume::ConsumerReport;
 
+pub use crate::procstat::{cpu_seconds, rss_kb, thread_cpu_seconds};
+
 /// A `batchcast serve` child process; killed when dropped.
 #[derive(Debug)]
 pub struct BrokerProcess {
@@ -187,48 +189,22 @@ pub fn parse_report(out: &str) -> Result<ConsumerReport, String> {
     serde_json::from_str(line).map_err(|e| format!("bad report {line}: {e}"))
 }
 
-/// CPU seconds of a process's live threads, to the nanosecond (the first
-/// field of each `/proc/PID/task/*/schedstat`), or [`cpu_seconds`] without
-/// schedstat. For benchmarks: a short run is a few clock ticks; a thread
-/// that exits between two reads is not counted.
-pub fn thread_cpu_seconds(pid: u32) -> Option<f64> {
-    task_cpu_seconds(pid).or_else(|| cpu_seconds(pid))
-}
-
-fn task_cpu_seconds(pid: u32) -> Option<f64> {
-    let mut ns = 0u64;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let Ok(task) = task else { continue };
-        // A thread that exits meanwhile is skipped.
-        let Ok(s) = std::fs::read_to_string(task.path().join("schedstat")) else {
-            continue;
-        };
-        ns += s.split_whitespace().next()?.parse::<u64>().ok()?;
+/// The `batchcast` binary a benchmark runs: `given`, else the one next to
+/// the running executable; an error saying how to build it if it is not
+/// there.
+pub fn batchcast_exe(given: Option<&Path>) -> std::io::Result<PathBuf> {
+    let exe = match given {
+        Some(e) => e.to_path_buf(),
+        None => std::env::current_exe()?.with_file_name("batchcast"),
+    };
+    if !exe.exists() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!(
+                "{} not found; build it with `cargo build --release -p batchcast-broker` or pass --exe",
+                exe.display()
+            ),
+        ));
     }
-    Some(ns as f64 / 1e9)
-}
-
-/// User + system CPU seconds a process has used (`/proc/PID/stat`, in
-/// clock ticks of 10 ms; threads that exited included).
-pub fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .unwrap_or(100) as f64;
-    Some(ticks / hz)
-}
-
-/// Resident memory of a process in KiB (`VmRSS`).
-pub fn rss_kb(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    Ok(exe)
 }

@@ -27,6 +27,7 @@ pub mod listen;
 pub mod metrics;
 pub mod pipeline;
 pub mod plan;
+pub mod procstat;
 pub mod server;
 pub mod stats_view;
 pub mod stream;

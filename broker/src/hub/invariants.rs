@@ -179,12 +179,7 @@ impl Hub {
             }
         }
         if let Some(limit) = self.cfg.lag_limit {
-            let head = self
-                .inflight
-                .keys()
-                .next()
-                .copied()
-                .unwrap_or(self.next_seq);
+            let head = self.head();
             let active = || {
                 self.consumers
                     .values()

@@ -115,6 +115,18 @@ impl Model {
         self.inflight.push(w);
     }
 
+    /// The pipeline has filled `w`: a whole unit, or 3 samples (at most)
+    /// for an epoch's last.
+    fn finish(&mut self, w: Work) {
+        let samples = if w.index + 1 == self.bpe {
+            self.unit.min(3)
+        } else {
+            self.unit
+        };
+        self.hub.finish_batch(w.seq, samples);
+        self.drain();
+    }
+
     fn drain(&mut self) {
         for (id, o) in self.hub.take_outbound() {
             let c = self.clients.get_mut(&id).expect("a consumer that joined");
@@ -256,13 +268,7 @@ impl Model {
             Op::Start => self.start(),
             Op::Finish(i) if !self.inflight.is_empty() => {
                 let w = self.inflight.remove(i.index(self.inflight.len()));
-                let samples = if w.index + 1 == self.bpe {
-                    self.unit.min(3)
-                } else {
-                    self.unit
-                };
-                self.hub.finish_batch(w.seq, samples);
-                self.drain();
+                self.finish(w);
             }
             Op::Finish(_) => {}
             Op::Take(i) => {
@@ -300,13 +306,7 @@ impl Model {
             }
             self.start();
             if let Some(w) = self.inflight.pop() {
-                let samples = if w.index + 1 == self.bpe {
-                    self.unit.min(3)
-                } else {
-                    self.unit
-                };
-                self.hub.finish_batch(w.seq, samples);
-                self.drain();
+                self.finish(w);
             }
             self.hub.check_invariants();
             let idle = self.live().iter().all(|id| {

@@ -188,17 +188,20 @@ impl Hub {
         }
     }
 
+    /// The first batch not yet published.
+    pub(super) fn head(&self) -> u64 {
+        self.inflight
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(self.next_seq)
+    }
+
     /// Detaches whoever lags more than the lag limit.
     pub(super) fn enforce_lag_limit(&mut self) {
         let mut detach = Vec::new();
         if let Some(limit) = self.cfg.lag_limit {
-            // The first batch not yet published.
-            let head = self
-                .inflight
-                .keys()
-                .next()
-                .copied()
-                .unwrap_or(self.next_seq);
+            let head = self.head();
             let least = self
                 .consumers
                 .values()
