@@ -37,8 +37,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let schema = consumer.schema().clone();
     println!(
         "subscribed: {} batches of {} per epoch, fields: {}",
-        schema.batches_per_epoch,
-        schema.batch_size,
+        consumer.batches_per_epoch(),
+        consumer.batch_size(),
         schema
             .fields
             .iter()

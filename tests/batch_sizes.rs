@@ -63,12 +63,22 @@ fn consumers_of_mixed_batch_sizes_each_get_every_sample_once_and_a_killed_one_ch
         "--name",
         "victim",
     ]);
-    env.wait_for("the victim to read a few batches", |s| {
+    let s = env.wait_for("the victim to read a few batches", |s| {
         s.streams[0]
             .consumers
             .iter()
             .any(|c| c.name == "victim" && c.delivered >= 5)
     });
+    let sizes_seen: Vec<(String, u64, u32)> = s.streams[0]
+        .consumers
+        .iter()
+        .map(|c| (c.name.clone(), c.batch_size, c.window))
+        .collect();
+    assert!(
+        sizes_seen.contains(&("victim".into(), 13, 2))
+            && sizes_seen.contains(&("b256".into(), 256, 2)),
+        "stats show each consumer's own batch size and window: {sizes_seen:?}"
+    );
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(victim.id() as i32),
         nix::sys::signal::Signal::SIGKILL,

@@ -175,7 +175,7 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
 fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {
     let _ = writeln!(
         out,
-        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9} {:>7} {:>9}  device",
+        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9}  device",
         "id",
         "name",
         "pid",
@@ -183,6 +183,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
         "delivered",
         "held",
         "queued",
+        "batch",
         "window",
         "epoch",
         "wait s",
@@ -192,7 +193,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3}  {}",
+            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3}  {}",
             c.id,
             truncate(&c.name, 20),
             c.pid,
@@ -200,6 +201,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
             c.delivered,
             c.held,
             c.queued,
+            c.batch_size,
             c.window,
             c.epoch,
             c.wait_s,

@@ -536,11 +536,16 @@ pub struct ConsumerStats {
     pub name: String,
     pub pid: u32,
     pub uid: u32,
+    /// Its window, in its own batches.
     pub window: u32,
+    /// Its own batch size (the stream's unless it asked for another).
+    pub batch_size: u64,
+    /// The stream's batches (production units) sent to it; its own
+    /// batches are cut from them.
     pub delivered: u64,
-    /// Batches sent and not yet released.
+    /// Units sent and not yet released.
     pub held: u32,
-    /// Batches published for it but not yet sent (window full).
+    /// Units published for it but not yet sent (window full).
     pub queued: u32,
     /// Epoch of the last batch sent to it.
     pub epoch: u64,

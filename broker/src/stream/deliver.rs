@@ -46,6 +46,10 @@ pub(super) struct Conn {
     pub(super) busy_ns: u64,
     /// Samples in the batches sent to it.
     pub(super) samples: u64,
+    /// Its own batch size and window (in its batches; the hub counts the
+    /// units they span).
+    pub(super) batch_size: u64,
+    pub(super) window: u32,
     pub(super) joined: Instant,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
@@ -261,6 +265,8 @@ impl Stream {
                     wait_ns: 0,
                     busy_ns: 0,
                     samples: 0,
+                    batch_size: shape.batch_size,
+                    window: req.window,
                     joined: Instant::now(),
                     ending: None,
                     gpu: req.device.as_ref().map(|dev| dev.uuid),
