@@ -149,6 +149,10 @@ fn a_batch_size_the_slots_cannot_hold_is_refused_with_the_largest_that_fits() {
             && err.contains("raise the stream's slots"),
         "{err}"
     );
+    // The largest size a client can send is refused the same way, with no
+    // overflow in the arithmetic and nothing allocated for it.
+    let r = report(env.consumer(&["--batch-size", &u64::MAX.to_string(), "--name", "huge"]));
+    assert_eq!(r.error_code.as_deref(), Some("InvalidRequest"), "{r:#?}");
     let r = report(env.consumer(&["--batch-size", "0", "--name", "zero"]));
     assert!(
         r.error
