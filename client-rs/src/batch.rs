@@ -42,6 +42,8 @@ pub(crate) struct Shared {
 pub(crate) struct Batching {
     pub(crate) batcher: Batcher,
     pub(crate) totals: Totals,
+    /// Units to give back, reused.
+    pub(crate) scratch: Vec<u64>,
 }
 
 impl Shared {
@@ -76,17 +78,22 @@ impl Shared {
     /// A run was released (or never handed out): gives back the units it
     /// was the last reader of.
     pub(crate) fn release_run(&self, run: &Run, add: Totals) -> Result<()> {
-        let mut seqs = Vec::new();
-        let totals = {
-            let mut b = self.batching.lock().unwrap_or_else(|p| p.into_inner());
-            b.batcher.release(run, &mut seqs);
-            b.totals.add(add);
-            if seqs.is_empty() {
-                return Ok(());
-            }
-            std::mem::take(&mut b.totals)
-        };
-        self.give_back(&seqs, totals)
+        let mut guard = self.batching.lock().unwrap_or_else(|p| p.into_inner());
+        let Batching {
+            batcher,
+            totals,
+            scratch,
+        } = &mut *guard;
+        batcher.release(run, scratch);
+        totals.add(add);
+        if scratch.is_empty() {
+            return Ok(());
+        }
+        // Given back under the lock, from a buffer kept for it: no
+        // allocation per batch.
+        let result = self.give_back(scratch, std::mem::take(totals));
+        scratch.clear();
+        result
     }
 
     pub(crate) fn send(&self, msg: &ClientMsg) -> Result<()> {

@@ -247,6 +247,7 @@ impl Consumer {
                 batching: Mutex::new(Batching {
                     batcher,
                     totals: Totals::default(),
+                    scratch: Vec::with_capacity(16),
                 }),
                 welcome,
                 held: AtomicU32::new(0),

@@ -189,6 +189,13 @@ impl Mapping {
         } else {
             ProtFlags::PROT_READ
         };
+        // A writer (the broker's pipeline, a producer) touches every page
+        // of every ring: fault them in now, not one by one while filling.
+        let populate = if writable {
+            MapFlags::MAP_POPULATE
+        } else {
+            MapFlags::empty()
+        };
         // SAFETY: a fresh anonymous reservation chosen by the kernel
         // (addr = None): no Rust object lives there. It only reserves the
         // address range for the views below.
@@ -226,7 +233,7 @@ impl Mapping {
                         Some(NonZeroUsize::new(at.as_ptr() as usize).expect("non-null")),
                         half,
                         prot,
-                        MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                        MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | populate,
                         fd,
                         file_off,
                     )
