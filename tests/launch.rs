@@ -576,6 +576,11 @@ grid = {{ batch_size = [16, 32, 48] }}
         let own = own_report(&t.log);
         assert!(own.ok && own.ended, "{own:?}");
         assert_eq!(own.batches, 2 * 512u64.div_ceil(size), "{}", t.name);
+        assert_eq!(
+            t.batches, own.batches,
+            "{}: the launcher counts its own batches",
+            t.name
+        );
         assert_eq!((t.samples, own.verified_samples), (2 * 512, 2 * 512));
         digests.push(
             own.epochs

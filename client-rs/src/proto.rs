@@ -540,6 +540,9 @@ pub struct ConsumerStats {
     pub window: u32,
     /// Its own batch size (the stream's unless it asked for another).
     pub batch_size: u64,
+    /// Its own batches in what it was sent (an epoch in progress counted
+    /// as if it ended there).
+    pub batches: u64,
     /// The stream's batches (production units) sent to it; its own
     /// batches are cut from them.
     pub delivered: u64,

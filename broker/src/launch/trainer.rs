@@ -223,7 +223,7 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
     {
         seen.subscribed = true;
         seen.connected |= c.left.is_none();
-        seen.batches += c.delivered;
+        seen.batches += c.batches;
         seen.samples += c.samples;
         seen.epoch = seen.epoch.max(c.epoch);
         seen.held += c.held;

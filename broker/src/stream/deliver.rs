@@ -50,6 +50,8 @@ pub(super) struct Conn {
     /// units they span).
     pub(super) batch_size: u64,
     pub(super) window: u32,
+    /// Its own batches in what it was sent.
+    pub(super) cut: Cut,
     pub(super) joined: Instant,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
@@ -67,6 +69,51 @@ pub(super) struct Conn {
     /// times them itself: the broker takes those releases only now and
     /// then).
     pub(super) mailbox_totals: Totals,
+}
+
+/// Counts a consumer's own batches in the samples it was sent, epoch by
+/// epoch (each epoch's last batch short, or dropped with `drop_last`), as
+/// its client cuts them: stats show batches in its own size.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cut {
+    size: u64,
+    drop_last: bool,
+    /// Batches of the epochs before the current one.
+    done: u64,
+    epoch: Option<u64>,
+    /// Samples of the current epoch.
+    samples: u64,
+}
+
+impl Cut {
+    pub(super) fn new(size: u64, drop_last: bool) -> Cut {
+        Cut {
+            size: size.max(1),
+            drop_last,
+            done: 0,
+            epoch: None,
+            samples: 0,
+        }
+    }
+
+    fn add(&mut self, epoch: u64, samples: u64) {
+        if self.epoch != Some(epoch) {
+            self.done = self.batches();
+            self.epoch = Some(epoch);
+            self.samples = 0;
+        }
+        self.samples += samples;
+    }
+
+    /// Its batches so far: the current epoch's counted as if it ended now.
+    pub(super) fn batches(&self) -> u64 {
+        let n = if self.drop_last {
+            self.samples / self.size
+        } else {
+            self.samples.div_ceil(self.size)
+        };
+        self.done + n
+    }
 }
 
 /// Why a consumer is about to leave, once known; none means it
@@ -267,6 +314,7 @@ impl Stream {
                     samples: 0,
                     batch_size: shape.batch_size,
                     window: req.window,
+                    cut: Cut::new(shape.batch_size, req.drop_last),
                     joined: Instant::now(),
                     ending: None,
                     gpu: req.device.as_ref().map(|dev| dev.uuid),
@@ -583,6 +631,7 @@ impl Conn {
                     self.sent_ns.insert(seq, now);
                 }
                 self.samples += samples;
+                self.cut.add(epoch, samples);
                 ServerMsg::Batch(BatchReady {
                     seq,
                     epoch,

@@ -111,6 +111,7 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         uid: conn.uid,
         window: conn.window,
         batch_size: conn.batch_size,
+        batches: conn.cut.batches(),
         delivered: n.delivered,
         held: n.held,
         queued: n.queued,
