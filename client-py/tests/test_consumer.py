@@ -381,3 +381,20 @@ def test_a_batch_size_the_stream_cannot_serve_says_what_it_can(start_broker):
         batchcast.StreamError, match=r"batch_size 100 with window 2.*batch_size ≤ 1 or the stream's 8"
     ):
         batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=100)
+
+
+def test_keeping_an_old_batch_while_taking_new_ones_raises_ring_pinned(start_broker):
+    # 8 slots of 8 samples: a trainer that keeps its first batch (of 5)
+    # while it takes and drops the next ones stops the ring when it comes
+    # round; it is told so, promptly, instead of waiting forever.
+    broker = start_broker(synthetic(slots=8, epochs=None, length=1000))
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=5)
+    it = iter(c)
+    kept = next(it)
+    t0 = time.monotonic()
+    with pytest.raises(batchcast.RingPinned, match="slots are a ring") as e:
+        for _ in range(10_000):
+            next(it)
+    assert isinstance(e.value, batchcast.WindowFull)
+    assert time.monotonic() - t0 < 10
+    del kept

@@ -166,6 +166,8 @@ pub struct Consumer {
     next: VecDeque<Next>,
     /// This consumer's batches handed out in the current epoch.
     epoch_batches: (u64, u64),
+    /// Since when `wait_readable` has found it pinning the ring.
+    pinned_since: Option<Instant>,
 }
 
 impl Consumer {
@@ -262,6 +264,7 @@ impl Consumer {
             last_batch_ns: 0,
             next: VecDeque::new(),
             epoch_batches: (0, 0),
+            pinned_since: None,
         })
     }
 
@@ -320,16 +323,22 @@ impl Consumer {
                 continue;
             }
             if self.pinning().is_some() {
-                // `next_event` reports it once nothing came for a grace.
+                // `next_event` reports it once nothing came for a grace,
+                // counted from the first call that found it so (a caller
+                // polling in short steps still gets there).
                 let grace = Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
-                let step = (Instant::now() + grace).min(deadline);
-                match self.receive(step)? {
+                let since = *self.pinned_since.get_or_insert_with(Instant::now);
+                if Instant::now() >= since + grace {
+                    return Ok(true);
+                }
+                match self.receive((since + grace).min(deadline))? {
                     Some(msg) => self.intake(msg),
-                    None if step < deadline => return Ok(true),
-                    None => return Ok(false),
+                    None if deadline <= since + grace => return Ok(false),
+                    None => return Ok(true),
                 }
                 continue;
             }
+            self.pinned_since = None;
             match self.receive(deadline)? {
                 Some(msg) => self.intake(msg),
                 None => return Ok(false),
@@ -359,7 +368,7 @@ impl Consumer {
             if let Some(seq) = self.pinning() {
                 // The broker cannot make the next batch until this program
                 // releases an old one.
-                let since = *full_since.get_or_insert_with(Instant::now);
+                let since = *self.pinned_since.get_or_insert_with(Instant::now);
                 if Instant::now() >= since + Duration::from_millis(WINDOW_FULL_GRACE_MS.into()) {
                     return Err(Error::RingPinned {
                         seq,
@@ -371,6 +380,7 @@ impl Consumer {
                 }
                 continue;
             }
+            self.pinned_since = None;
             if self.window_full() {
                 // No batch can be handed out until a release (by another
                 // thread, or the garbage collector).
@@ -428,6 +438,7 @@ impl Consumer {
         let Some(Next::Run(run, sent_ns, slot)) = self.next.pop_front() else {
             unreachable!("called with a run at the front");
         };
+        self.pinned_since = None;
         let now = proto::monotonic_ns();
         self.shared.held.fetch_add(1, Ordering::AcqRel);
         let asked = self.asking_since.swap(0, Ordering::Relaxed);

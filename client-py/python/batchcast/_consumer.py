@@ -373,6 +373,9 @@ class Consumer:
             if batch is None:
                 return
             yield batch
+            # Not held here while waiting for the next one: a batch the
+            # program dropped must not count against its window.
+            del batch
 
     def next_batch(self) -> Optional[Batch]:
         """The next batch of the current epoch, or ``None`` at the end of
