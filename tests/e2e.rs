@@ -588,6 +588,7 @@ fn raw_subscribe(socket: &Path, name: &str, mailbox: bool) -> (UnixStream, Welco
         intent: Intent::Consume {
             batch_size: None,
             drop_last: false,
+            resume: None,
             stream: "train".into(),
             window: 2,
             join: batchcast::JoinPolicy::Immediate,
@@ -759,6 +760,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             intent: proto::Intent::Consume {
                 batch_size: None,
                 drop_last: false,
+                resume: None,
                 stream: "train".into(),
                 window,
                 join: batchcast::JoinPolicy::NextEpoch,

@@ -19,6 +19,8 @@ pub enum Use {
     GpuArena,
     Mailbox,
     FrameBuffers,
+    /// A consumer's replay arena (batches recomputed for it alone).
+    Replay,
 }
 
 impl Use {
@@ -32,6 +34,7 @@ impl Use {
             Use::GpuArena => "a GPU arena",
             Use::Mailbox => "a mailbox",
             Use::FrameBuffers => "frame buffers",
+            Use::Replay => "a replay arena",
         }
     }
 }
@@ -47,7 +50,7 @@ pub struct Budget {
 struct Held {
     used: u64,
     guests: u64,
-    by_use: [u64; 4],
+    by_use: [u64; 5],
     refused: u64,
 }
 
@@ -150,6 +153,7 @@ impl Budget {
             gpu_arenas_bytes: held.by_use[Use::GpuArena.index()],
             mailboxes_bytes: held.by_use[Use::Mailbox.index()],
             frame_buffers_bytes: held.by_use[Use::FrameBuffers.index()],
+            replay_bytes: held.by_use[Use::Replay.index()],
             refused: held.refused,
         }
     }

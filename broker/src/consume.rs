@@ -25,9 +25,15 @@ pub struct ConsumeArgs {
     /// Most batches held (received, not released) at once
     #[arg(long, default_value_t = 2)]
     pub window: u32,
-    /// Start with the next batch (`now`) or at the next epoch boundary
+    /// Join at the next epoch boundary, with the next batch (`immediate`:
+    /// a partial first epoch), or at once with a complete epoch (`now`:
+    /// the part already published is replayed)
     #[arg(long, value_enum, default_value = "next-epoch")]
     pub join: Join,
+    /// Start at EPOCH:SAMPLE of the stream (as a trainer resuming from a
+    /// checkpoint); overrides --join
+    #[arg(long, value_parser = parse_position)]
+    pub resume: Option<batchcast::proto::Position>,
     /// Name shown in `batchcast stats`
     #[arg(long)]
     pub name: Option<String>,
@@ -46,6 +52,9 @@ pub struct ConsumeArgs {
     /// Stop after this many batches
     #[arg(long)]
     pub max_batches: Option<u64>,
+    /// Stop after this many epoch ends
+    #[arg(long)]
+    pub max_epochs: Option<u64>,
     /// Crash after this many batches (SIGABRT, batches still held): a
     /// trainer dying mid-run, for tests of what survives it
     #[arg(long, hide = true)]
@@ -81,7 +90,23 @@ pub struct ConsumeArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Join {
     NextEpoch,
+    Immediate,
     Now,
+}
+
+fn parse_position(s: &str) -> Result<batchcast::proto::Position, String> {
+    let (e, i) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: write EPOCH:SAMPLE, e.g. 2:640"))?;
+    let num = |v: &str| {
+        v.trim()
+            .parse::<u64>()
+            .map_err(|e| format!("`{s}`: `{v}` is not a count ({e})"))
+    };
+    Ok(batchcast::proto::Position {
+        epoch: num(e)?,
+        sample: num(i)?,
+    })
 }
 
 /// One epoch as a consumer saw it.
@@ -134,6 +159,12 @@ pub struct ConsumerReport {
     /// zero on the zero-copy path.
     #[serde(default)]
     pub views_outside_arena: u64,
+    /// Seconds from start to the first batch (connecting included).
+    #[serde(default)]
+    pub first_batch_s: f64,
+    /// Batches recomputed for it alone (`--join now`, `--resume`).
+    #[serde(default)]
+    pub replayed_batches: u64,
 }
 
 /// Anonymous resident memory of this process (excludes the shared arena).
@@ -173,8 +204,10 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     opts.join = match args.join {
         Join::NextEpoch => JoinPolicy::NextEpoch,
-        Join::Now => JoinPolicy::Immediate,
+        Join::Immediate => JoinPolicy::Immediate,
+        Join::Now => JoinPolicy::Now,
     };
+    opts.resume = args.resume;
     let mut report = ConsumerReport {
         name: opts.name.clone(),
         pid: std::process::id(),
@@ -201,15 +234,21 @@ fn consume(
     opts: ConsumerOptions,
     report: &mut ConsumerReport,
 ) -> batchcast::Result<()> {
+    let t0 = Instant::now();
     let mut consumer = Consumer::connect(opts)?;
+    let arenas = [Some(consumer.arena()), consumer.replay_arena()]
+        .into_iter()
+        .flatten()
+        .map(|(base, len)| (base as usize, len))
+        .collect();
     let mut check = Checker::new(
         args,
         consumer.schema().clone(),
         consumer.batches_per_epoch(),
+        arenas,
     )?;
-    let (base, len) = consumer.arena();
-    check.arena = (base as usize, len);
     let mut held: VecDeque<Batch> = VecDeque::new();
+    let mut ends = 0u64;
     loop {
         let batch = match consumer.next_event()? {
             None | Some(Event::EndOfStream) => {
@@ -218,11 +257,16 @@ fn consume(
             }
             Some(Event::EndOfEpoch(end)) => {
                 check.epoch_end(end, report);
+                ends += 1;
+                if args.max_epochs.is_some_and(|m| ends >= m) {
+                    break;
+                }
                 continue;
             }
             Some(Event::Batch(b)) => b,
         };
         if report.batches == 0 {
+            report.first_batch_s = t0.elapsed().as_secs_f64();
             report.cpu_first_batch_s =
                 crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
@@ -269,8 +313,9 @@ struct Checker<'a> {
     last: Option<(u64, u64, u64)>,
     digest: u64,
     cur: EpochReport,
-    /// The shared mapping's address range in this process.
-    arena: (usize, usize),
+    /// The shared mapping's address range in this process, and the replay
+    /// arena's.
+    arenas: Vec<(usize, usize)>,
 }
 
 impl<'a> Checker<'a> {
@@ -278,6 +323,7 @@ impl<'a> Checker<'a> {
         args: &'a ConsumeArgs,
         schema: Schema,
         batches_per_epoch: u64,
+        arenas: Vec<(usize, usize)>,
     ) -> batchcast::Result<Checker<'a>> {
         let spec = match schema.source {
             SourceInfo::Synthetic(spec) => Some(spec).filter(|_| args.verify),
@@ -307,7 +353,7 @@ impl<'a> Checker<'a> {
             last: None,
             digest: 0,
             cur: EpochReport::new(u64::MAX),
-            arena: (0, 0),
+            arenas,
         })
     }
 
@@ -334,6 +380,7 @@ impl<'a> Checker<'a> {
         self.cur.batches += 1;
         self.cur.samples += batch.len() as u64;
         report.batches += 1;
+        report.replayed_batches += u64::from(batch.replayed());
         report.samples += batch.len() as u64;
         // Host views, or for a device batch its bytes copied back from the
         // GPU (this is a test consumer: what it checks is what arrived).
@@ -346,8 +393,12 @@ impl<'a> Checker<'a> {
         };
         for f in &fields {
             if let Cow::Borrowed(b) = f {
-                let (p, (base, len)) = (b.as_ptr() as usize, self.arena);
-                if p < base || p + b.len() > base + len {
+                let p = b.as_ptr() as usize;
+                if !self
+                    .arenas
+                    .iter()
+                    .any(|&(base, len)| p >= base && p + b.len() <= base + len)
+                {
                     report.views_outside_arena += 1;
                 }
             }
@@ -387,7 +438,21 @@ impl<'a> Checker<'a> {
                     ));
                 }
             }
-            None if self.args.join == Join::NextEpoch && index != 0 => {
+            None if self
+                .args
+                .resume
+                .is_some_and(|p| (p.epoch, p.sample) != (epoch, batch.first_sample())) =>
+            {
+                report.order_errors.push(format!(
+                    "first batch starts at sample {} of epoch {epoch}, not at the resume position {:?}",
+                    batch.first_sample(),
+                    self.args.resume
+                ));
+            }
+            None if self.args.resume.is_none()
+                && matches!(self.args.join, Join::NextEpoch | Join::Now)
+                && index != 0 =>
+            {
                 report.order_errors.push(format!(
                     "first batch is index {index} of epoch {epoch}, not the start of an epoch"
                 ));

@@ -221,6 +221,9 @@ struct Consumer {
     /// Receives batches with `seq >= floor` and `epoch >= start_epoch`.
     floor: u64,
     start_epoch: u64,
+    /// Epoch and index of the first batch it gets (at `floor`, or the
+    /// start of `start_epoch`).
+    first: (u64, u64),
     /// Published for it, not yet sent (in sequence order).
     queue: VecDeque<u64>,
     /// Sent, not yet released.
@@ -460,9 +463,9 @@ impl Hub {
             .find(|(_, b)| b.epoch >= self.live_epoch)
             .map(|(&seq, b)| (seq, b.epoch, b.index))
             .unwrap_or((self.next_seq, self.next_epoch, self.next_index));
-        let start_epoch = match join {
-            JoinPolicy::NextEpoch if index != 0 => epoch + 1,
-            _ => epoch,
+        let (start_epoch, first) = match join {
+            JoinPolicy::NextEpoch if index != 0 => (epoch + 1, (epoch + 1, 0)),
+            _ => (epoch, (epoch, index)),
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -474,6 +477,7 @@ impl Hub {
                 group,
                 floor,
                 start_epoch,
+                first,
                 queue: VecDeque::new(),
                 held: Vec::new(),
                 closing: false,
@@ -485,6 +489,12 @@ impl Hub {
         );
         self.pump();
         Ok((id, start_epoch))
+    }
+
+    /// Epoch and index in it of the first batch consumer `id` gets (unless
+    /// the stream ends before): where the shared stream begins for it.
+    pub fn first_batch(&self, id: ConsumerId) -> Option<(u64, u64)> {
+        self.consumers.get(&id).map(|c| c.first)
     }
 
     /// The consumer wants nothing more; what it holds stays held until it

@@ -65,13 +65,14 @@ fn broker_lines(out: &mut String, s: &StatsReply) {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let _ = writeln!(
         out,
-        "memory {:.0} of {:.0} MiB: arenas {:.0}, GPU arenas {:.0}, mailboxes {:.1}, frame buffers {:.0}; {} refused",
+        "memory {:.0} of {:.0} MiB: arenas {:.0}, GPU arenas {:.0}, mailboxes {:.1}, frame buffers {:.0}, replay {:.0}; {} refused",
         mib(m.used_bytes),
         mib(m.budget_bytes),
         mib(m.arenas_bytes),
         mib(m.gpu_arenas_bytes),
         mib(m.mailboxes_bytes),
         mib(m.frame_buffers_bytes),
+        mib(m.replay_bytes),
         m.refused,
     );
     let c = &s.connections;

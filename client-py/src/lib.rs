@@ -113,7 +113,7 @@ struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=false))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=false, resume=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -127,6 +127,7 @@ impl Consumer {
         broker_uid: Option<u32>,
         batch_size: Option<u64>,
         drop_last: bool,
+        resume: Option<(u64, u64)>,
     ) -> PyResult<Consumer> {
         let device: batchcast::Device = device.parse().map_err(parse_error)?;
         let join: JoinPolicy = join.parse().map_err(parse_error)?;
@@ -152,6 +153,7 @@ impl Consumer {
             opts.batch_size = batch_size;
         }
         opts.drop_last = drop_last;
+        opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py
@@ -202,7 +204,11 @@ impl Consumer {
         let event = py.detach(|| c.next_event()).map_err(|e| to_py(py, e))?;
         let out = match event {
             Some(Event::Batch(b)) => {
+                let next = b.next_position();
                 let batch = Batch {
+                    first_sample: b.first_sample(),
+                    replayed: b.replayed(),
+                    next_position: (next.epoch, next.sample),
                     seq: b.seq(),
                     epoch: b.epoch(),
                     index: b.index(),
@@ -290,6 +296,16 @@ struct Batch {
     index: u64,
     #[pyo3(get)]
     samples: u64,
+    /// Its first sample's place in the epoch's order.
+    #[pyo3(get)]
+    first_sample: u64,
+    /// Recomputed for this consumer alone (replay); the same bytes.
+    #[pyo3(get)]
+    replayed: bool,
+    /// `(epoch, sample)` right after it: where to resume from a checkpoint
+    /// saved after training on it.
+    #[pyo3(get)]
+    next_position: (u64, u64),
     /// Seconds the consumer waited for this batch to arrive.
     #[pyo3(get)]
     wait_s: f64,

@@ -398,3 +398,61 @@ def test_keeping_an_old_batch_while_taking_new_ones_raises_ring_pinned(start_bro
     assert isinstance(e.value, batchcast.WindowFull)
     assert time.monotonic() - t0 < 10
     del kept
+
+
+def test_join_now_mid_epoch_replays_its_start_then_shares_the_same_bytes(start_broker, tmp_path):
+    # A paced trainer reads two epochs of 13 batches of 8 (dumping them);
+    # a second joins with join="now" in the middle of epoch 1 and gets all
+    # of epoch 1 in batches of 5: its start recomputed for it alone, then
+    # the shared stream, the same bytes as the first trainer's.
+    broker = start_broker(synthetic(epochs=None, slots=6))
+    dump = tmp_path / "rust"
+    pacer = broker.rust_consumer("--dump", str(dump), "--max-epochs", "2", "--sleep-ms", "30", "--name", "pacer")
+    broker.wait_for(
+        "the pacer to be in epoch 1",
+        lambda s: any(c["name"] == "pacer" and c["delivered"] >= 16 for c in s["streams"][0]["consumers"]),
+    )
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", join="now", batch_size=5, name="late")
+    images, firsts, replayed = [], [], []
+    epoch = None
+    for batch in c:
+        epoch = batch.epoch
+        firsts.append(batch.first_sample)
+        replayed.append(batch.replayed)
+        images.append(batch[0].tobytes())
+    assert epoch is not None and epoch >= 1
+    assert firsts == list(range(0, 100, 5)), "a complete epoch, from its start"
+    assert replayed[0] and not replayed[-1], replayed
+    assert replayed == sorted(replayed, reverse=True), "replayed first, then shared"
+    r = report(pacer)
+    assert r["ok"], r
+    want = b"".join(read_dump(dump, epoch, i, "image") for i in range(13))
+    assert b"".join(images) == want
+    st = broker.stream("train")
+    me = next(x for x in st["consumers"] + st["past_consumers"] if x["name"] == "late")
+    assert me["replayed"] == 5 * sum(replayed) and me["replay_cpu_s"] > 0, me
+    del c
+
+
+def test_resume_starts_at_the_checkpoint_position(start_broker, tmp_path):
+    broker = start_broker(synthetic(epochs=3, slots=6))
+    dump = tmp_path / "rust"
+    r = report(broker.rust_consumer("--dump", str(dump)))
+    assert r["ok"] and r["ended"], r
+    # A trainer saved its checkpoint after the batch ending at sample 37 of
+    # epoch 1; it resumes there, in batches of 5.
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", resume=(1, 37), batch_size=5)
+    got, positions = [], []
+    for batch in c:
+        got.append(batch[0].tobytes())
+        positions.append((batch.epoch, batch.first_sample, batch.next_position))
+    assert positions[0] == (1, 37, (1, 42)), positions
+    assert positions[-1][2] == (2, 0), "the epoch's last batch: next is epoch 2's start"
+    want = b"".join(read_dump(dump, 1, i, "image") for i in range(13))
+    sample = 3 * 4 * 4
+    assert b"".join(got) == want[37 * sample :]
+    del c
+    with pytest.raises(batchcast.InvalidArgument, match=r"resume=\(1,\) must be \(epoch, sample\)"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", resume=(1,))
+    with pytest.raises(batchcast.StreamError, match="stream `train` has 3 epochs"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", resume=(3, 0))

@@ -244,3 +244,18 @@ def test_producer_arguments_are_checked(start_broker):
         batchcast.Producer([(np.zeros(2), ["a", "b"])], socket=broker.socket).run()
     with pytest.raises(ValueError, match="epochs"):
         batchcast.Producer([(np.zeros(2),)], socket=broker.socket).run(epochs=0)
+
+
+def test_a_producer_stream_refuses_replay_and_says_why(start_broker):
+    broker = start_broker()
+    t = threading.Thread(
+        target=lambda: batchcast.Producer(
+            Loader(), stream="ext", socket=broker.socket, epochs=1, min_consumers=1
+        ).run()
+    )
+    t.start()
+    with pytest.raises(batchcast.StreamError, match=r"fed by an external producer.*cannot be recomputed"):
+        batchcast.Consumer(stream="ext", socket=broker.socket, output="numpy", join="now", connect_timeout=60)
+    c = batchcast.Consumer(stream="ext", socket=broker.socket, output="numpy", join="immediate")
+    assert sum(1 for _ in c) == PER_EPOCH
+    t.join(60)

@@ -34,6 +34,8 @@ pub(crate) struct Shared {
     /// Device consumers: the stream's GPU arena in this process.
     pub(crate) gpu: Option<crate::gpu::DeviceSide>,
     pub(crate) mailbox: Option<ConsumerMailbox>,
+    /// Replay granted: its arena, mapped.
+    pub(crate) replay: Option<crate::consumer::ReplayArena>,
 }
 
 /// The batcher, and the loop timing of released batches not yet reported
@@ -158,6 +160,9 @@ pub struct Batch {
     pub(crate) run: Run,
     /// The slot of its unit: a device batch's slot in its GPU's arena.
     pub(crate) slot: u32,
+    /// Recomputed for this consumer alone, in its replay arena
+    /// (`run.first_seq` is its seq there).
+    pub(crate) replayed: bool,
     pub(crate) sent_ns: u64,
     pub(crate) wait_ns: u64,
     pub(crate) busy_ns: u64,
@@ -181,6 +186,26 @@ impl Batch {
     /// Index in its epoch of the batch's first sample.
     pub fn first_sample(&self) -> u64 {
         self.run.first
+    }
+
+    /// The position right after this batch: where a trainer that saves a
+    /// checkpoint after training on it resumes
+    /// ([`ConsumerOptions::resume`](crate::ConsumerOptions::resume)).
+    pub fn next_position(&self) -> proto::Position {
+        proto::Position {
+            epoch: self.run.epoch,
+            sample: self.run.first,
+        }
+        .advance(
+            self.run.samples,
+            self.shared.welcome.schema.samples_per_epoch,
+        )
+    }
+
+    /// Whether it was recomputed for this consumer alone (replay) rather
+    /// than read from the stream's shared ring; the bytes are the same.
+    pub fn replayed(&self) -> bool {
+        self.replayed
     }
     /// Valid samples in this batch.
     pub fn len(&self) -> usize {
@@ -293,10 +318,13 @@ impl Batch {
     /// For a host batch only: its samples in field `i`'s mirrored ring.
     fn host_view(&self, i: usize) -> FieldView<'_> {
         let w = &self.shared.welcome;
-        let bytes = w
-            .rings
+        let (rings, map) = match (&self.shared.replay, self.replayed) {
+            (Some(r), true) => (&r.rings, &r.map),
+            _ => (&w.rings, &self.shared.map),
+        };
+        let bytes = rings
             .span(i, self.run.position, self.run.samples)
-            .and_then(|(start, len)| self.shared.map.get(start, len))
+            .and_then(|(start, len)| map.get(start, len))
             .expect("rings validated against the mapping at connect; runs fit the rings");
         FieldView {
             field: &w.schema.fields[i],
@@ -348,6 +376,11 @@ impl Batch {
             busy_ns: self.busy_ns,
             hold_ns: proto::monotonic_ns().saturating_sub(self.received_ns),
         };
+        if self.replayed {
+            return self
+                .shared
+                .give_back(&[self.run.first_seq | proto::REPLAYED], totals);
+        }
         self.shared.release_run(&self.run, totals)
     }
 }

@@ -87,6 +87,9 @@ pub struct Batcher {
     /// The run being built: its first unit's position and samples so far.
     building: Option<Run>,
     ready: VecDeque<Run>,
+    /// Samples before this (epoch, sample) are not this consumer's: given
+    /// back unread (they were replayed to it, or it resumes past them).
+    skip: (u64, u64),
 }
 
 impl Batcher {
@@ -103,7 +106,14 @@ impl Batcher {
             last_seq: None,
             building: None,
             ready: VecDeque::new(),
+            skip: (0, 0),
         }
+    }
+
+    /// Samples before sample `sample` of `epoch` are given back unread;
+    /// runs start there (set before the first unit).
+    pub fn skip_to(&mut self, epoch: u64, sample: u64) {
+        self.skip = (epoch, sample);
     }
 
     /// Whether it needs another unit to give a run.
@@ -163,7 +173,14 @@ impl Batcher {
             consumed: 0,
             refs: 0,
         });
-        let mut offset = 0;
+        // Samples this consumer skips count as consumed, in no run.
+        let first = unit.index * self.unit;
+        let mut offset = match (unit.epoch, first) {
+            (e, _) if e < self.skip.0 => unit.samples,
+            (e, f) if e == self.skip.0 => self.skip.1.saturating_sub(f).min(unit.samples),
+            _ => 0,
+        };
+        self.held.back_mut().expect("pushed").consumed = offset;
         while offset < unit.samples {
             let b = self.building.get_or_insert(Run {
                 epoch: unit.epoch,
@@ -354,6 +371,28 @@ mod tests {
             }
             prop_assert_eq!(got, expect);
         }
+    }
+
+    #[test]
+    fn skipped_samples_are_given_back_unread() {
+        // Units of 4, 5 to an epoch (the last of 2); skip to epoch 1,
+        // sample 6: runs of 3 start there.
+        let mut b = Batcher::new(3, false, 4, 5);
+        b.skip_to(1, 6);
+        let mut given = Vec::new();
+        let mut runs = Vec::new();
+        for u in units(4, 5, 2, 2, 3) {
+            b.push(u, &mut given).unwrap();
+            while let Some(r) = b.pop() {
+                runs.push(r);
+            }
+        }
+        // Units 3 and 4 (epoch 0) and 5 (samples 0..4 of epoch 1) unread.
+        assert_eq!(given, vec![3, 4, 5]);
+        let firsts: Vec<_> = runs.iter().map(|r| (r.epoch, r.first, r.samples)).collect();
+        assert_eq!(firsts, vec![(1, 6, 3), (1, 9, 3), (1, 12, 3), (1, 15, 3)]);
+        assert_eq!(runs[0].index, 2);
+        assert_eq!(runs[0].position, 6 * 4 + 2);
     }
 
     #[test]

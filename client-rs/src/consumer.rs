@@ -15,14 +15,19 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod replay;
 mod wait;
+
+pub(crate) use replay::ReplayArena;
 
 use crate::batch::{Batch, Batching, Shared};
 use crate::batcher::{Batcher, Run, Unit};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::{ConsumerMailbox, Notice, Totals};
-use crate::proto::{self, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, ServerMsg, Welcome};
+use crate::proto::{
+    self, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Position, ServerMsg, Welcome,
+};
 use crate::schema::Schema;
 use crate::shm::{Mapping, RingView};
 use crate::transport::{
@@ -77,6 +82,11 @@ pub struct ConsumerOptions {
     /// Drop each epoch's last batch when it is short (fewer than
     /// `batch_size` samples), as `DataLoader(drop_last=True)` does.
     pub drop_last: bool,
+    /// Start at this position of the stream instead of joining (a trainer
+    /// restarting from a checkpoint saved with [`Batch::next_position`]):
+    /// what the stream already published from there is replayed (streams
+    /// the broker computes), a position ahead of it is waited for.
+    pub resume: Option<Position>,
 }
 
 impl ConsumerOptions {
@@ -121,6 +131,7 @@ impl Default for ConsumerOptions {
             name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
             batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
             drop_last: false,
+            resume: None,
         }
     }
 }
@@ -138,6 +149,8 @@ pub enum Event {
 enum Next {
     /// A batch: its run, when its last unit was sent, its unit's slot.
     Run(Run, u64, u32),
+    /// A replayed batch (in the replay arena; `first_seq` is its seq).
+    Replayed(Run),
     EndOfEpoch(EpochEnd),
     EndOfStream,
     /// The broker refused, detached or left; nothing follows.
@@ -168,6 +181,12 @@ pub struct Consumer {
     epoch_batches: (u64, u64),
     /// Since when `wait_readable` has found it pinning the ring.
     pinned_since: Option<Instant>,
+    /// Replay in progress: its batches go out before those in `next`.
+    replay: Option<replay::Replaying>,
+    /// Where the shared stream's samples become this consumer's (they were
+    /// replayed before, or it resumes there), and where replay began.
+    skip: Option<Position>,
+    replay_from: Option<Position>,
 }
 
 impl Consumer {
@@ -194,6 +213,7 @@ impl Consumer {
                 mailbox: opts.mailbox && opts.device == Device::Cpu,
                 batch_size: opts.batch_size,
                 drop_last: opts.drop_last,
+                resume: opts.resume,
             },
         });
         let (reply, fds) = handshake(&stream, &hello)?;
@@ -212,6 +232,15 @@ impl Consumer {
                     Error::Shm("the broker granted a mailbox but sent no fd for it".into())
                 })?;
                 Some(ConsumerMailbox::open(mfd, spec)?)
+            }
+        };
+        let replay_arena = match &welcome.replay {
+            None => None,
+            Some(g) => {
+                let rfd = fds.next().ok_or_else(|| {
+                    Error::Shm("the broker granted replay but sent no fd for its arena".into())
+                })?;
+                Some(replay::ReplayArena::open(rfd, g, &welcome)?)
             }
         };
         welcome.rings.validate(&welcome.schema)?;
@@ -235,12 +264,18 @@ impl Consumer {
             welcome.device.as_ref(),
             welcome.layout.slot_bytes,
         )?;
-        let batcher = Batcher::new(
+        let mut batcher = Batcher::new(
             welcome.batch_size,
             welcome.drop_last,
             unit,
             welcome.schema.batches_per_epoch,
         );
+        let skip = welcome.replay.as_ref().map(|g| g.to).or(opts.resume);
+        if let Some(p) = skip {
+            batcher.skip_to(p.epoch, p.sample);
+        }
+        let replaying = welcome.replay.as_ref().map(replay::Replaying::new);
+        let replay_from = welcome.replay.as_ref().map(|g| g.from);
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Consumer {
             shared: Arc::new(Shared {
@@ -255,6 +290,7 @@ impl Consumer {
                 held: AtomicU32::new(0),
                 gpu,
                 mailbox,
+                replay: replay_arena,
             }),
             reader,
             buf: Vec::with_capacity(256),
@@ -265,6 +301,9 @@ impl Consumer {
             next: VecDeque::new(),
             epoch_batches: (0, 0),
             pinned_since: None,
+            replay: replaying,
+            skip,
+            replay_from,
         })
     }
 
@@ -303,6 +342,13 @@ impl Consumer {
     /// every host batch's views lie inside.
     pub fn arena(&self) -> (*const u8, usize) {
         (self.shared.map.as_ptr(), self.shared.map.len())
+    }
+
+    /// Address and length of this consumer's replay arena, while it has
+    /// one (`join = "now"`, or resuming behind the stream).
+    pub fn replay_arena(&self) -> Option<(*const u8, usize)> {
+        let r = self.shared.replay.as_ref()?;
+        Some((r.map.as_ptr(), r.map.len()))
     }
 
     /// Waits up to `timeout` until [`Consumer::next_event`] will return
@@ -358,8 +404,10 @@ impl Consumer {
         self.wait_for_fenced()?;
         let mut full_since = None;
         loop {
-            match self.next.front() {
-                Some(Next::Run(..)) if !self.window_full() => return Ok(Some(self.hand_out())),
+            match self.front() {
+                Some(Next::Run(..) | Next::Replayed(_)) if !self.window_full() => {
+                    return Ok(Some(self.hand_out()));
+                }
                 Some(Next::EndOfEpoch(_) | Next::EndOfStream | Next::Fail(_)) => {
                     return self.pop_event();
                 }
@@ -407,8 +455,8 @@ const WINDOW_FULL_GRACE_MS: u16 = 50;
 impl Consumer {
     /// Whether `next_event` returns at once.
     fn ready(&self) -> bool {
-        match self.next.front() {
-            Some(Next::Run(..)) => !self.window_full(),
+        match self.front() {
+            Some(Next::Run(..) | Next::Replayed(_)) => !self.window_full(),
             Some(_) => true,
             None => false,
         }
@@ -422,7 +470,8 @@ impl Consumer {
     /// The unit this host consumer holds that keeps the broker from making
     /// the next one ([`Batcher::pins_ring`]), when nothing else is ready.
     fn pinning(&self) -> Option<u64> {
-        if self.shared.gpu.is_some() || !self.next.is_empty() {
+        // Replaying, it holds the shared units it has not reached yet.
+        if self.shared.gpu.is_some() || !self.next.is_empty() || self.replay.is_some() {
             return None;
         }
         let b = self
@@ -435,8 +484,10 @@ impl Consumer {
 
     /// Hands out the batch at the front.
     fn hand_out(&mut self) -> Event {
-        let Some(Next::Run(run, sent_ns, slot)) = self.next.pop_front() else {
-            unreachable!("called with a run at the front");
+        let (run, sent_ns, slot, replayed) = match self.pop_front() {
+            Some(Next::Run(run, sent_ns, slot)) => (run, sent_ns, slot, false),
+            Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, true),
+            _ => unreachable!("called with a run at the front"),
         };
         self.pinned_since = None;
         let now = proto::monotonic_ns();
@@ -455,6 +506,7 @@ impl Consumer {
             shared: self.shared.clone(),
             run,
             slot,
+            replayed,
             sent_ns,
             wait_ns: now.saturating_sub(asked),
             busy_ns,
@@ -465,7 +517,7 @@ impl Consumer {
 
     /// Returns the event at the front, which is not a batch.
     fn pop_event(&mut self) -> Result<Option<Event>> {
-        match self.next.pop_front() {
+        match self.pop_front() {
             Some(Next::EndOfEpoch(mut e)) => {
                 self.asking_since.store(0, Ordering::Relaxed);
                 self.last_batch_ns = 0;
@@ -484,7 +536,9 @@ impl Consumer {
                 self.finished = true;
                 Err(e)
             }
-            Some(Next::Run(..)) | None => unreachable!("called with an event at the front"),
+            Some(Next::Run(..) | Next::Replayed(_)) | None => {
+                unreachable!("called with an event at the front")
+            }
         }
     }
 
@@ -521,7 +575,22 @@ impl Consumer {
                 b.batcher.push(unit, &mut give)?;
                 (meta.sent_ns, meta.slot)
             }
-            ServerMsg::EndOfEpoch(e) => {
+            ServerMsg::Replay(r) => {
+                drop(b);
+                return self.take_replayed(r);
+            }
+            ServerMsg::EndOfEpoch(mut e) => {
+                if self.skip.is_some_and(|p| e.epoch < p.epoch) {
+                    return Ok(()); // an epoch it replayed, or resumes past
+                }
+                if self.replay_from.is_some_and(|p| {
+                    p <= Position {
+                        epoch: e.epoch,
+                        sample: 0,
+                    }
+                }) {
+                    e.complete = true; // its start was replayed
+                }
                 b.batcher.end_epoch(e.epoch, &mut give);
                 while let Some(run) = b.batcher.pop() {
                     self.next
@@ -560,6 +629,7 @@ impl Consumer {
             loop {
                 match mb.pop() {
                     Ok(Some(Notice::Batch(b))) => seqs.push(b.seq),
+                    Ok(Some(Notice::Replay(r))) => seqs.push(r.seq | proto::REPLAYED),
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => break,
                 }
@@ -575,6 +645,9 @@ impl Consumer {
                 if let Next::Run(run, ..) = n {
                     b.batcher.release(&run, &mut seqs);
                 }
+            }
+            if let Some(r) = self.replay.take() {
+                seqs.extend(r.unread());
             }
             b.batcher.leave(&mut seqs);
             std::mem::take(&mut b.totals)

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::proto::{BatchReady, EpochEnd, MailboxSpec};
+use crate::proto::{BatchReady, EpochEnd, MailboxSpec, ReplayReady};
 use crate::shm::{Arena, Mapping};
 
 const BELL: usize = 0;
@@ -66,6 +66,7 @@ const MAX_RECORDS: u32 = 1 << 16;
 const KIND_BATCH: u64 = 1;
 const KIND_EPOCH_END: u64 = 2;
 const KIND_END_OF_STREAM: u64 = 3;
+const KIND_REPLAY: u64 = 4;
 
 impl MailboxSpec {
     /// Most batches a mailbox can be sized for.
@@ -112,6 +113,7 @@ pub enum Notice {
     Batch(BatchReady),
     EndOfEpoch(EpochEnd),
     EndOfStream,
+    Replay(ReplayReady),
 }
 
 /// A consumer's running totals over its mailbox releases (ns), for stats.
@@ -299,6 +301,15 @@ impl BrokerMailbox {
                 0,
             ],
             Notice::EndOfStream => [KIND_END_OF_STREAM, 0, 0, 0, 0, 0, 0],
+            Notice::Replay(r) => [
+                KIND_REPLAY,
+                r.seq,
+                r.epoch,
+                r.first,
+                r.samples,
+                r.ends_epoch as u64,
+                0,
+            ],
         };
         for (i, v) in words.into_iter().enumerate() {
             w.notice(self.head, i + 1).store(v, Ordering::Relaxed);
@@ -435,6 +446,13 @@ impl ConsumerMailbox {
                 complete: v[4] != 0,
             }),
             KIND_END_OF_STREAM => Notice::EndOfStream,
+            KIND_REPLAY => Notice::Replay(ReplayReady {
+                seq: v[2],
+                epoch: v[3],
+                first: v[4],
+                samples: v[5],
+                ends_epoch: v[6] != 0,
+            }),
             k => {
                 return Err(Error::Unexpected(format!(
                     "mailbox: notice of unknown kind {k}"

@@ -37,7 +37,7 @@ use crate::parse::ParseError;
 use crate::schema::{RingLayout, Schema, SlotLayout};
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -98,24 +98,66 @@ pub enum JoinPolicy {
     /// Start with the next batch published; the first epoch is reported as
     /// partial.
     Immediate,
+    /// Start at once with a complete epoch: the part of the current epoch
+    /// already published is recomputed for this consumer alone (replayed),
+    /// then it merges into the shared stream. Only streams the broker
+    /// computes can replay; an external producer's stream refuses it.
+    Now,
 }
 
 impl std::str::FromStr for JoinPolicy {
     type Err = ParseError;
 
-    /// `next-epoch` or `immediate`, as configs and the Python client write them.
+    /// `next-epoch`, `immediate` or `now`, as configs and the Python client
+    /// write them.
     fn from_str(s: &str) -> Result<JoinPolicy, ParseError> {
         match s {
             "next-epoch" => Ok(JoinPolicy::NextEpoch),
             "immediate" => Ok(JoinPolicy::Immediate),
+            "now" => Ok(JoinPolicy::Now),
             _ => Err(ParseError::new(
                 "join",
                 s,
-                "\"next-epoch\" (whole epochs only) or \"immediate\"",
+                "\"next-epoch\" (whole epochs only), \"immediate\" (partial first epoch) or \"now\" (complete first epoch, replayed)",
             )),
         }
     }
 }
+
+/// A place in a stream: sample `sample` (counted from 0 in the epoch's
+/// order) of epoch `epoch`. The stream's order is a pure function of its
+/// seed and the epoch, so a position names the same samples for every
+/// consumer and every run of the same config.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct Position {
+    pub epoch: u64,
+    pub sample: u64,
+}
+
+impl Position {
+    /// The position `samples` samples on, in epochs of `per_epoch` samples
+    /// (an epoch's end is the next epoch's start).
+    pub fn advance(self, samples: u64, per_epoch: u64) -> Position {
+        let sample = self.sample.saturating_add(samples);
+        if sample >= per_epoch {
+            Position {
+                epoch: self.epoch + 1,
+                sample: 0,
+            }
+        } else {
+            Position {
+                epoch: self.epoch,
+                sample,
+            }
+        }
+    }
+}
+
+/// A release's `seq` with this bit set gives back a replayed batch
+/// ([`ReplayReady::seq`]) rather than a unit of the shared stream.
+pub const REPLAYED: u64 = 1 << 63;
 
 /// What a client wants from this connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -142,6 +184,11 @@ pub enum Intent {
         batch_size: Option<u64>,
         /// Drop each epoch's last batch when it is short.
         drop_last: bool,
+        /// Start at this position of the stream (a trainer restarting from
+        /// a checkpoint): what the stream already published from there on
+        /// is replayed, a position ahead of it is waited for. Overrides
+        /// `join`.
+        resume: Option<Position>,
     },
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
@@ -296,6 +343,37 @@ pub enum ServerMsg {
     Registered(Box<Registered>),
     /// Producer: fill `slot` with batch `seq` (`index` of `epoch`).
     Fill(FillSlot),
+    /// A replayed batch is ready in this consumer's replay arena.
+    Replay(ReplayReady),
+}
+
+/// A batch recomputed for one consumer ([`JoinPolicy::Now`],
+/// [`Intent::Consume`]'s `resume`): `samples` samples of `epoch` from
+/// sample `first` on, in its replay arena at ring position
+/// `seq × batch_size`. Released with `seq | REPLAYED`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayReady {
+    pub seq: u64,
+    pub epoch: u64,
+    pub first: u64,
+    pub samples: u64,
+    /// The last batch of `epoch` this consumer gets by replay, and the
+    /// epoch ends with it (the shared stream does not carry this epoch on
+    /// for it).
+    pub ends_epoch: bool,
+}
+
+/// Replay granted: batches from `from` up to `to` (excluded) are
+/// recomputed into a replay arena of the consumer's own (its fd follows
+/// the mailbox's, or the arena's), then the shared stream carries on from
+/// `to`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayGrant {
+    /// The replay arena: rings like the stream's, in units of this
+    /// consumer's batch size.
+    pub rings: RingLayout,
+    pub from: Position,
+    pub to: Position,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -349,6 +427,9 @@ pub struct Welcome {
     /// its producer's for a registered one. A trainer that expects its own
     /// data can check it.
     pub owner_uid: u32,
+    /// Replay granted (`join = "now"`, or a resume position behind the
+    /// stream).
+    pub replay: Option<ReplayGrant>,
 }
 
 /// The rings of a consumer's [mailbox](crate::mailbox), in records.
@@ -433,6 +514,8 @@ pub struct MemoryStats {
     pub mailboxes_bytes: u64,
     /// Reserved up front: every connection's largest frame.
     pub frame_buffers_bytes: u64,
+    /// Replay arenas (`join = "now"`, resumed consumers).
+    pub replay_bytes: u64,
     /// Allocations refused for not fitting, since start.
     pub refused: u64,
 }
@@ -469,8 +552,12 @@ pub struct StreamStats {
     /// Seconds the pipeline waited for a free slot (back-pressure).
     pub producer_blocked_s: f64,
     /// CPU seconds of the pipeline threads (filling slots, and their share
-    /// of the bookkeeping); read every 10 ms of a busy pipeline.
+    /// of the bookkeeping); read every 10 ms of a busy pipeline. Replay
+    /// is not in it: see `replay_cpu_s`.
     pub pipeline_cpu_s: f64,
+    /// CPU seconds the pipeline threads spent replaying batches for single
+    /// consumers (every consumer's, those gone included).
+    pub replay_cpu_s: f64,
     /// Image sources only.
     pub source: Option<SourceStats>,
     /// External streams: who produces them.
@@ -568,6 +655,10 @@ pub struct ConsumerStats {
     /// `None` while connected; else why it left (`closed`, `detached:
     /// lag limit`, …).
     pub left: Option<String>,
+    /// Samples recomputed for it alone (replay), and the pipeline CPU
+    /// seconds they cost.
+    pub replayed: u64,
+    pub replay_cpu_s: f64,
 }
 
 impl ConsumerStats {

@@ -50,13 +50,17 @@ pub(super) async fn serve_consumer(
         device: sub.device,
         mailbox: sub.mailbox.as_ref().map(|m| m.spec),
         owner_uid: stream.owner_uid,
+        replay: sub.replay.as_ref().map(|(g, _)| g.clone()),
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    let mailbox_fd = sub.mailbox.as_ref().map(|m| m.fd.as_fd());
-    if send_with_arena(sock, &bytes, &stream, mailbox_fd)
-        .await
-        .is_err()
-    {
+    let more: Vec<_> = sub
+        .mailbox
+        .as_ref()
+        .map(|m| m.fd.as_fd())
+        .into_iter()
+        .chain(sub.replay.as_ref().map(|(_, fd)| fd.as_fd()))
+        .collect();
+    if send_with_arena(sock, &bytes, &stream, &more).await.is_err() {
         return Ok(());
     }
     // A mailbox consumer may be asleep on its bell rather than on the
@@ -78,7 +82,9 @@ async fn subscribe(stream: &Arc<Stream>, req: Request, peer: Peer) -> Result<Sub
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
             SubscribeError::Mailbox(_) => ErrorCode::Internal,
-            SubscribeError::OverBudget(_) => ErrorCode::Busy,
+            SubscribeError::OverBudget(_)
+            | SubscribeError::Replay(crate::stream::ReplayError::OverBudget(_)) => ErrorCode::Busy,
+            SubscribeError::Replay(_) => ErrorCode::InvalidRequest,
         };
         Reject(
             code,

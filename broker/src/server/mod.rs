@@ -345,6 +345,7 @@ async fn serve_connection(
                 mailbox,
                 batch_size,
                 drop_last,
+                resume,
             } => {
                 let s = broker.lookup(&stream)?;
                 let req = Request {
@@ -354,6 +355,7 @@ async fn serve_connection(
                     mailbox,
                     batch_size,
                     drop_last,
+                    resume,
                 };
                 consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
             }
@@ -478,11 +480,11 @@ async fn send_with_arena(
     sock: &mut UnixStream,
     bytes: &[u8],
     stream: &Stream,
-    mailbox: Option<BorrowedFd<'_>>,
+    more: &[BorrowedFd<'_>],
 ) -> std::io::Result<()> {
     let raw = sock.as_raw_fd();
     let mut fds = vec![stream.arena.fd()];
-    fds.extend(mailbox);
+    fds.extend_from_slice(more);
     let n = sock
         .async_io(Interest::WRITABLE, || shm::send_with_fds(raw, bytes, &fds))
         .await?;

@@ -102,7 +102,7 @@ async fn register(
     }));
     let bytes =
         proto::encode(&registered).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    if send_with_arena(sock, &bytes, &stream, None).await.is_err() {
+    if send_with_arena(sock, &bytes, &stream, &[]).await.is_err() {
         return Ok(None);
     }
     // The first request means the producer has mapped the arena: seal it

@@ -20,12 +20,14 @@ use std::time::Instant;
 use batchcast::JoinPolicy;
 use batchcast::mailbox::{Bell, BrokerMailbox, Notice, Totals};
 use batchcast::proto::{
-    self, BatchReady, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, MailboxSpec, ServerMsg,
+    self, BatchReady, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, MailboxSpec, Position,
+    ReplayGrant, ServerMsg,
 };
 use tokio::sync::mpsc;
 
 use super::mirror::request_copies;
-use super::stats::consumer_stats;
+use super::replay::{self, Replay, ReplayError};
+use super::stats::{Cut, consumer_stats};
 use super::{Inner, Stream, StreamFailed};
 use crate::gpu::{GpuError, GpuKey};
 use crate::hub::{ConsumerId, Delivery, HubError, Outbound};
@@ -50,8 +52,17 @@ pub(super) struct Conn {
     /// units they span).
     pub(super) batch_size: u64,
     pub(super) window: u32,
-    /// Its own batches in what it was sent.
+    /// Its own batches in what it was sent: of the shared stream (from
+    /// where its replay ends) and replayed.
     pub(super) cut: Cut,
+    pub(super) replay_cut: Cut,
+    /// The stream's production unit (samples of a full batch).
+    pub(super) unit: u64,
+    /// Replay in progress ([`super::replay`]), samples replayed to it and
+    /// the CPU they cost.
+    pub(super) replay: Option<Replay>,
+    pub(super) replayed: u64,
+    pub(super) replay_cpu: std::time::Duration,
     pub(super) joined: Instant,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
@@ -69,51 +80,6 @@ pub(super) struct Conn {
     /// times them itself: the broker takes those releases only now and
     /// then).
     pub(super) mailbox_totals: Totals,
-}
-
-/// Counts a consumer's own batches in the samples it was sent, epoch by
-/// epoch (each epoch's last batch short, or dropped with `drop_last`), as
-/// its client cuts them: stats show batches in its own size.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Cut {
-    size: u64,
-    drop_last: bool,
-    /// Batches of the epochs before the current one.
-    done: u64,
-    epoch: Option<u64>,
-    /// Samples of the current epoch.
-    samples: u64,
-}
-
-impl Cut {
-    pub(super) fn new(size: u64, drop_last: bool) -> Cut {
-        Cut {
-            size: size.max(1),
-            drop_last,
-            done: 0,
-            epoch: None,
-            samples: 0,
-        }
-    }
-
-    fn add(&mut self, epoch: u64, samples: u64) {
-        if self.epoch != Some(epoch) {
-            self.done = self.batches();
-            self.epoch = Some(epoch);
-            self.samples = 0;
-        }
-        self.samples += samples;
-    }
-
-    /// Its batches so far: the current epoch's counted as if it ended now.
-    pub(super) fn batches(&self) -> u64 {
-        let n = if self.drop_last {
-            self.samples / self.size
-        } else {
-            self.samples.div_ceil(self.size)
-        };
-        self.done + n
-    }
 }
 
 /// Why a consumer is about to leave, once known; none means it
@@ -185,6 +151,17 @@ pub enum SubscribeError {
     OverBudget(#[from] crate::budget::OverBudget),
     #[error("{0}")]
     BatchSize(String),
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+}
+
+/// A release that does not name a batch the consumer holds.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseError {
+    #[error(transparent)]
+    Hub(#[from] HubError),
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
 }
 
 /// A mailbox granted to a consumer: the server sends its fd with the
@@ -206,6 +183,8 @@ pub struct Subscription {
     /// Device consumers: the arena to open.
     pub device: Option<proto::DeviceArena>,
     pub mailbox: Option<MailboxGrant>,
+    /// Replay granted: what the welcome says, and its arena's fd.
+    pub replay: Option<(ReplayGrant, OwnedFd)>,
 }
 
 /// What a consumer asked for.
@@ -220,6 +199,9 @@ pub struct Request {
     /// Its own batch size (`None`: the stream's) and `drop_last`.
     pub batch_size: Option<u64>,
     pub drop_last: bool,
+    /// Start at this position (a trainer resuming from a checkpoint):
+    /// replayed up to the shared stream if behind it.
+    pub resume: Option<Position>,
 }
 
 /// What a consumer's batches cost the hub: its batch size and the units it
@@ -273,6 +255,18 @@ impl Stream {
             }
         };
         let grant = mailbox.as_ref().map(grant).transpose()?;
+        // A replay arena, if it may be needed (whether it is depends on
+        // where the stream is when it joins).
+        let replaying = self.replay_request(&req)?;
+        let prepared = match replaying {
+            Some(_) => Some(self.prepare_replay(
+                shape.batch_size,
+                req.window,
+                peer.uid,
+                &format!("consumer `{}` (pid {})", peer.name, peer.pid),
+            )?),
+            None => None,
+        };
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => {
                 let (m, g) = self.open_mirror(dev, &peer)?;
@@ -296,9 +290,22 @@ impl Stream {
                 )?),
                 _ => None,
             };
-            let (id, start_epoch) = inner
-                .hub
-                .join_group(shape.units, req.join, group, delivery)?;
+            let join = match replaying {
+                Some(_) => JoinPolicy::Immediate,
+                None => req.join,
+            };
+            let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
+            let (replay, replay_grant, skip) =
+                match self.start_replay(inner, id, replaying, prepared, shape.batch_size) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        inner.hub.leave(id);
+                        return Err(e);
+                    }
+                };
+            if let Some((g, _)) = &replay_grant {
+                start_epoch = g.from.epoch;
+            }
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             inner.conns.insert(
                 id,
@@ -314,7 +321,12 @@ impl Stream {
                     samples: 0,
                     batch_size: shape.batch_size,
                     window: req.window,
-                    cut: Cut::new(shape.batch_size, req.drop_last),
+                    cut: Cut::new(shape.batch_size, req.drop_last).skipping(skip),
+                    replay_cut: Cut::new(shape.batch_size, req.drop_last),
+                    unit: self.plan.schema.batch_size,
+                    replay,
+                    replayed: 0,
+                    replay_cpu: std::time::Duration::ZERO,
                     joined: Instant::now(),
                     ending: None,
                     gpu: req.device.as_ref().map(|dev| dev.uuid),
@@ -331,8 +343,100 @@ impl Stream {
                 rx,
                 device: mirror.as_ref().map(|m| m.arena()),
                 mailbox: grant,
+                replay: replay_grant,
             })
         })
+    }
+
+    /// Whether this request may need replay: `Some(None)` to replay the
+    /// epoch in progress (`join = "now"`), `Some(Some(p))` to start at
+    /// `p`; refused for what cannot replay, with what to do instead.
+    fn replay_request(&self, req: &Request) -> Result<Option<Option<Position>>, SubscribeError> {
+        let wanted = match (req.resume, req.join) {
+            (Some(p), _) => Some(Some(p)),
+            (None, JoinPolicy::Now) => Some(None),
+            (None, _) => None,
+        };
+        if wanted.is_none() {
+            return Ok(None);
+        }
+        let what = match req.resume {
+            Some(p) => format!("resuming at epoch {} sample {}", p.epoch, p.sample),
+            None => "join=\"now\"".to_string(),
+        };
+        let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
+        if self.writer.is_none() {
+            return refuse(format!(
+                "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
+                self.name()
+            ));
+        }
+        if req.device.is_some() {
+            return refuse(format!(
+                "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
+            ));
+        }
+        if let Some(p) = req.resume {
+            let per_epoch = self.plan.schema.samples_per_epoch;
+            if p.sample >= per_epoch {
+                return refuse(format!(
+                    "{what}: an epoch of stream `{}` has {per_epoch} samples (0 to {})",
+                    self.name(),
+                    per_epoch.saturating_sub(1)
+                ));
+            }
+            if let Some(epochs) = self.plan.epochs
+                && p.epoch >= epochs
+            {
+                return refuse(format!(
+                    "{what}: stream `{}` has {epochs} epochs (0 to {})",
+                    self.name(),
+                    epochs.saturating_sub(1)
+                ));
+            }
+        }
+        Ok(wanted)
+    }
+
+    /// Consumer `id` just joined: where the shared stream begins for it
+    /// decides what is replayed. Returns the replay, its grant, and from
+    /// where its shared samples count.
+    #[allow(clippy::type_complexity)]
+    fn start_replay(
+        &self,
+        inner: &mut Inner,
+        id: ConsumerId,
+        replaying: Option<Option<Position>>,
+        prepared: Option<replay::Prepared>,
+        batch: u64,
+    ) -> Result<
+        (
+            Option<Replay>,
+            Option<(ReplayGrant, OwnedFd)>,
+            Option<Position>,
+        ),
+        SubscribeError,
+    > {
+        let (Some(resume), Some(prepared)) = (replaying, prepared) else {
+            return Ok((None, None, None));
+        };
+        let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
+        let shared = Position {
+            epoch,
+            sample: index * self.plan.schema.batch_size,
+        };
+        let from = resume.unwrap_or(Position { epoch, sample: 0 });
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        match replay::replay_end(from, shared, batch, per_epoch) {
+            Some(to) => {
+                let (r, g, fd) = prepared.start(from, to, batch, per_epoch)?;
+                tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
+                self.work_cv.notify_all();
+                Ok((Some(r), Some((g, fd)), Some(to)))
+            }
+            // Nothing to replay; a resume point ahead is skipped to.
+            None => Ok((None, None, resume)),
+        }
     }
 
     /// A consumer's batch size and what its window costs in units; the
@@ -394,7 +498,7 @@ impl Stream {
         })
     }
 
-    pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), HubError> {
+    pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), ReleaseError> {
         let now = proto::monotonic_ns();
         self.with_hub(|inner| release(inner, id, r, now))
     }
@@ -467,8 +571,13 @@ fn grant(m: &BrokerMailbox) -> Result<MailboxGrant, SubscribeError> {
 
 /// Counts a release (from the socket or a mailbox) in the hub and in the
 /// consumer's numbers.
-fn release(inner: &mut Inner, id: ConsumerId, r: proto::Release, now: u64) -> Result<(), HubError> {
-    inner.hub.release(id, r.seq)?;
+fn release(
+    inner: &mut Inner,
+    id: ConsumerId,
+    r: proto::Release,
+    now: u64,
+) -> Result<(), ReleaseError> {
+    take_release(inner, id, r.seq)?;
     if let Some(c) = inner.conns.get_mut(&id) {
         c.wait_ns = c.wait_ns.saturating_add(r.wait_ns);
         c.busy_ns = c.busy_ns.saturating_add(r.busy_ns);
@@ -511,11 +620,39 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
     }
 }
 
+/// A release of a shared unit, or (with [`proto::REPLAYED`]) of a
+/// replayed batch.
+fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), ReleaseError> {
+    if seq & proto::REPLAYED != 0 {
+        replay::release(inner, id, seq & !proto::REPLAYED)?;
+        return Ok(());
+    }
+    Ok(inner.hub.release(id, seq)?)
+}
+
+/// Takes the releases of consumers being replayed to (a pipeline thread
+/// waits on them), and sends what the hub emits after.
+pub(super) fn drain_replaying(inner: &mut Inner) {
+    std::sync::atomic::fence(Ordering::SeqCst);
+    if drain(inner, |c| c.replay.is_some()) {
+        dispatch(inner);
+    }
+}
+
 /// Takes the releases written to every mailbox; whether there were any.
 fn drain_mailboxes(inner: &mut Inner) -> bool {
+    drain(inner, |_| true)
+}
+
+/// Takes the releases written to the mailboxes of the consumers `which`
+/// picks; whether there were any.
+fn drain(inner: &mut Inner, which: impl Fn(&Conn) -> bool) -> bool {
     let mut taken = std::mem::take(&mut inner.drained);
     let mut broken = Vec::new();
     for (&id, conn) in inner.conns.iter_mut() {
+        if !which(conn) {
+            continue;
+        }
         let Some(mb) = conn.mailbox.as_mut() else {
             continue;
         };
@@ -526,7 +663,7 @@ fn drain_mailboxes(inner: &mut Inner) -> bool {
     }
     let any = !taken.is_empty();
     for (id, seq) in taken.drain(..) {
-        if let Err(e) = inner.hub.release(id, seq) {
+        if let Err(e) = take_release(inner, id, seq) {
             broken.push((id, format!("bad release: {e}")));
         }
     }
@@ -539,7 +676,7 @@ fn drain_mailboxes(inner: &mut Inner) -> bool {
 
 /// A consumer broke the mailbox protocol: it gets an error and nothing
 /// more, and leaves when its connection closes. Nobody else is affected.
-fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
+pub(super) fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
     let Some(conn) = inner.conns.get_mut(&id) else {
         return;
     };
@@ -631,7 +768,7 @@ impl Conn {
                     self.sent_ns.insert(seq, now);
                 }
                 self.samples += samples;
-                self.cut.add(epoch, samples);
+                self.cut.add(epoch, index * self.unit, samples);
                 ServerMsg::Batch(BatchReady {
                     seq,
                     epoch,

@@ -9,6 +9,7 @@ use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::deliver::settle;
+use super::replay::{self, ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
 use crate::pipeline::PipelineError;
@@ -35,14 +36,24 @@ impl Stream {
         let mut orders = OrderCache::default();
         let mut pace = Pace::default();
         let mut cpu = CpuClock::new();
+        let mut replayed_last = false;
         loop {
-            let work = {
+            let job = {
                 let inner = self.lock();
-                match self.wait_for_slot(inner, &mut pace, &mut cpu) {
-                    Some(w) => w,
+                match self.wait_for_job(inner, &mut pace, &mut cpu, replayed_last) {
+                    Some(j) => j,
                     None => return,
                 }
             };
+            let work = match job {
+                Job::Shared(work) => work,
+                Job::Replay(job) => {
+                    replayed_last = true;
+                    self.replay(writer, &mut state, job, &mut orders, &mut cpu);
+                    continue;
+                }
+            };
+            replayed_last = false;
             let t0 = Instant::now();
             let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
             let filled = self.fill(writer, &mut state, &work, &order);
@@ -63,6 +74,56 @@ impl Stream {
         }
     }
 
+    /// Makes a replayed batch into its consumer's replay arena and sends
+    /// it (see [`super::replay`]); its CPU time is counted as replay.
+    fn replay(
+        &self,
+        writer: &SlotWriter,
+        state: &mut ThreadState,
+        job: ReplayJob,
+        orders: &mut OrderCache,
+        cpu: &mut CpuClock,
+    ) {
+        let before = cpu.spent(true);
+        let order = orders.get(job.epoch, |e| self.plan.epoch_order(e));
+        let range = job.first as usize..(job.first + job.samples) as usize;
+        let made = match order.get(range) {
+            None => Err(format!(
+                "samples {}..{} of epoch {} lie outside its {} samples",
+                job.first,
+                job.first + job.samples,
+                job.epoch,
+                order.len()
+            )),
+            Some(indices) => {
+                let mut fields: Vec<&mut [u8]> = job
+                    .spans
+                    .iter()
+                    .map(|&(start, len)| {
+                        // SAFETY: replayed batch `seq` of this consumer was
+                        // handed to this thread alone (`replay::take_job`),
+                        // and its slot of the replay ring is free: the batch
+                        // `slots` before it was released, and batches after
+                        // it are not started until this one is released in
+                        // turn. Each field's span lies in its own ring's part
+                        // of the mapping, so these views are disjoint, and
+                        // the only references to these bytes until it is sent.
+                        unsafe { job.rings.slice_mut(start, len) }
+                    })
+                    .collect();
+                writer
+                    .write_batch(state, job.epoch, indices, &mut fields)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+        };
+        let spent = cpu.spent(true);
+        self.with_hub(|inner| {
+            inner.pipeline_cpu += before;
+            replay::finish(inner, job.id, job.seq, spent, made);
+        });
+    }
+
     /// Waits until the hub gives this pipeline thread a slot to fill;
     /// `None` when the stream stops.
     ///
@@ -76,12 +137,16 @@ impl Stream {
     /// without a free slot (consumers pause, or are slow), it asks them to
     /// ring a doorbell when they release and sleeps until one does. With a
     /// consumer on the socket, its releases wake the thread at once.
-    fn wait_for_slot<'a>(
+    ///
+    /// A replayed batch for some consumer goes first when one may start
+    /// (`replay::take_job`; `replayed_last`: this thread made one last).
+    fn wait_for_job<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner>,
         pace: &mut Pace,
         cpu: &mut CpuClock,
-    ) -> Option<Work> {
+        replayed_last: bool,
+    ) -> Option<Job> {
         // Since when it waits on slots (back-pressure, as opposed to waiting
         // for consumers or after the last epoch).
         let mut blocked_since: Option<Instant> = None;
@@ -93,6 +158,12 @@ impl Stream {
         let work = loop {
             if self.stop.load(Ordering::SeqCst) {
                 return None;
+            }
+            if let Some(job) = replay::take_job(&mut inner, replayed_last) {
+                if let Some(t) = blocked_since {
+                    inner.producer_blocked += t.elapsed();
+                }
+                return Some(Job::Replay(job));
             }
             // Not waiting yet: any free slot will do (the path of every
             // batch in a burst, so it looks at nothing else).
@@ -130,7 +201,10 @@ impl Stream {
                 inner.pipeline_cpu += cpu.spent(true);
                 blocked_since = None;
                 wake_at = None;
-                inner = self.idle(inner, false, IDLE_WAIT);
+                // A consumer being replayed to is asked to ring when it
+                // releases: nobody else would look at its mailbox.
+                let armed = replay::active(&inner);
+                inner = self.idle(inner, armed, IDLE_WAIT);
                 continue;
             }
             blocked_since.get_or_insert(now);
@@ -164,7 +238,7 @@ impl Stream {
         if let Some(t) = blocked_since {
             inner.producer_blocked += t.elapsed();
         }
-        Some(work)
+        Some(Job::Shared(work))
     }
 
     /// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes
@@ -182,7 +256,7 @@ impl Stream {
             inner.armed_workers += 1;
             settle(&mut inner, true);
         }
-        if !(armed && inner.hub.can_start()) {
+        if !(armed && (inner.hub.can_start() || replay::has_work(&inner))) {
             inner = self
                 .work_cv
                 .wait_timeout(inner, timeout)
@@ -226,6 +300,12 @@ impl Stream {
             .collect();
         writer.write_batch(state, work.epoch, indices, &mut fields)
     }
+}
+
+/// What a pipeline thread does next.
+enum Job {
+    Shared(Work),
+    Replay(ReplayJob),
 }
 
 /// Counts a thread's CPU time. Reading it is a system call (a third of a

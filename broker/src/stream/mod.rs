@@ -29,6 +29,7 @@ mod deliver;
 mod fill;
 mod mirror;
 mod port;
+mod replay;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -50,9 +51,10 @@ use crate::pipeline::collate::SlotWriter;
 use crate::plan::{SourcePlan, StreamPlan};
 
 use deliver::{Conns, settle};
-pub use deliver::{MailboxGrant, Peer, Request, SubscribeError, Subscription};
+pub use deliver::{MailboxGrant, Peer, ReleaseError, Request, SubscribeError, Subscription};
 use mirror::MirrorState;
 pub use port::{Acquire, StreamFailed};
+pub use replay::ReplayError;
 
 #[derive(Debug)]
 struct Inner {
@@ -85,6 +87,9 @@ struct Inner {
     drained: Vec<(ConsumerId, u64)>,
     /// What the hub emitted, reused between dispatches.
     outbound: Vec<(ConsumerId, Outbound)>,
+    /// Replayed batches being made, and the CPU replay has cost.
+    replaying: u32,
+    replay_cpu: Duration,
 }
 
 #[derive(Debug)]
@@ -192,6 +197,8 @@ impl Stream {
                 drain_all: false,
                 drained: Vec::new(),
                 outbound: Vec::new(),
+                replaying: 0,
+                replay_cpu: Duration::ZERO,
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -237,14 +244,13 @@ impl Stream {
         let mut inner = self.lock();
         let r = f(&mut inner);
         settle(&mut inner, false);
-        if inner.hub.can_start() {
-            // Waiters count themselves under this lock before they wait.
-            if inner.idle_workers > 0 {
-                self.work_cv.notify_all();
-            }
-            if inner.producer_waiting {
-                self.ready.notify_one();
-            }
+        let can_start = inner.hub.can_start();
+        // Waiters count themselves under this lock before they wait.
+        if (can_start || replay::has_work(&inner)) && inner.idle_workers > 0 {
+            self.work_cv.notify_all();
+        }
+        if can_start && inner.producer_waiting {
+            self.ready.notify_one();
         }
         r
     }

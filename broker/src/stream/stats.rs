@@ -3,7 +3,7 @@
 //! decodes and cache, its GPUs' copies, and each consumer's numbers,
 //! connected and departed.
 
-use batchcast::proto::{self, ConsumerStats, SourceStats, StreamStats};
+use batchcast::proto::{self, ConsumerStats, Position, SourceStats, StreamStats};
 
 use super::{Inner, Stream};
 use crate::hub::ConsumerId;
@@ -35,6 +35,7 @@ impl Stream {
             detached: c.detached,
             producer_blocked_s: inner.producer_blocked.as_secs_f64(),
             pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
+            replay_cpu_s: inner.replay_cpu.as_secs_f64(),
             owner_uid: self.owner_uid,
             producer: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::External(e) => Some(format!(
@@ -111,7 +112,7 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         uid: conn.uid,
         window: conn.window,
         batch_size: conn.batch_size,
-        batches: conn.cut.batches(),
+        batches: conn.cut.batches() + conn.replay_cut.batches(),
         delivered: n.delivered,
         held: n.held,
         queued: n.queued,
@@ -126,5 +127,72 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
             .map(|m| m.mirror.label().to_string()),
         connected_s: connected.as_secs_f64(),
         left: None,
+        replayed: conn.replayed,
+        replay_cpu_s: conn.replay_cpu.as_secs_f64(),
     })
+}
+
+/// Counts a consumer's own batches in the samples it was sent, epoch by
+/// epoch (each epoch's last batch short, or dropped with `drop_last`), as
+/// its client cuts them: stats show batches in its own size.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cut {
+    size: u64,
+    drop_last: bool,
+    /// Batches of the epochs before the current one.
+    done: u64,
+    epoch: Option<u64>,
+    /// Samples of the current epoch.
+    samples: u64,
+    /// Samples before this position are not its (its client gives them
+    /// back unread: they were replayed, or it resumes past them).
+    skip: Option<Position>,
+}
+
+impl Cut {
+    pub(super) fn new(size: u64, drop_last: bool) -> Cut {
+        Cut {
+            size: size.max(1),
+            drop_last,
+            done: 0,
+            epoch: None,
+            samples: 0,
+            skip: None,
+        }
+    }
+
+    /// Counts only samples from `skip` on.
+    pub(super) fn skipping(mut self, skip: Option<Position>) -> Cut {
+        self.skip = skip;
+        self
+    }
+
+    /// `samples` samples of `epoch` from sample `first` on.
+    pub(super) fn add(&mut self, epoch: u64, first: u64, samples: u64) {
+        let mut samples = samples;
+        if let Some(skip) = self.skip {
+            if epoch < skip.epoch {
+                return;
+            }
+            if epoch == skip.epoch && first < skip.sample {
+                samples = samples.saturating_sub(skip.sample - first);
+            }
+        }
+        if self.epoch != Some(epoch) {
+            self.done = self.batches();
+            self.epoch = Some(epoch);
+            self.samples = 0;
+        }
+        self.samples += samples;
+    }
+
+    /// Its batches so far: the current epoch's counted as if it ended now.
+    pub(super) fn batches(&self) -> u64 {
+        let n = if self.drop_last {
+            self.samples / self.size
+        } else {
+            self.samples.div_ceil(self.size)
+        };
+        self.done + n
+    }
 }

@@ -52,6 +52,7 @@ fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
     let req = Request {
         batch_size: None,
         drop_last: false,
+        resume: None,
         window: 2,
         join: JoinPolicy::NextEpoch,
         device: gpu.then(test_gpu::request),
@@ -149,6 +150,7 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
             }
             Some(Notice::EndOfEpoch(_)) => {}
             Some(Notice::EndOfStream) => return seen,
+            Some(Notice::Replay(r)) => panic!("replayed batch {r:?} without asking for replay"),
             None => mb.sleep_unless(Duration::from_millis(5), || false),
         }
     }
@@ -163,6 +165,7 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
                 Request {
                     batch_size: None,
                     drop_last: false,
+                    resume: None,
                     window: 2,
                     join: JoinPolicy::NextEpoch,
                     device: None,
@@ -342,6 +345,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     let req = Request {
         batch_size: None,
         drop_last: false,
+        resume: None,
         window: 1,
         join: JoinPolicy::Immediate,
         device: Some(test_gpu::request()),

@@ -68,6 +68,19 @@ def _device(device: Any) -> str:
     return text
 
 
+def _position(p: Any) -> Optional[Tuple[int, int]]:
+    """A resume position as the native module takes it."""
+    if p is None:
+        return None
+    try:
+        epoch, sample = p
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, sample)):
+            return (epoch, sample)
+    except (TypeError, ValueError):
+        pass
+    raise InvalidArgument(f"resume={p!r} must be (epoch, sample): two integers ≥ 0, as batch.next_position gives")
+
+
 class Batch:
     """One batch in shared memory.
 
@@ -110,6 +123,23 @@ class Batch:
     def samples(self) -> int:
         """Valid samples (the batch size, or fewer for a short last batch)."""
         return self._raw.samples
+
+    @property
+    def first_sample(self) -> int:
+        """Its first sample's place in the epoch's order."""
+        return self._raw.first_sample
+
+    @property
+    def replayed(self) -> bool:
+        """Recomputed for this trainer alone (``join="now"``, ``resume``);
+        the bytes are those the shared stream carried."""
+        return self._raw.replayed
+
+    @property
+    def next_position(self) -> Tuple[int, int]:
+        """``(epoch, sample)`` right after this batch: save it with a
+        checkpoint and pass it as ``Consumer(resume=...)`` to go on there."""
+        return self._raw.next_position
 
     @property
     def wait_s(self) -> float:
@@ -222,9 +252,12 @@ class Consumer:
             once. Holding a whole window makes the next wait block until a
             batch is released (from another thread, or by the garbage
             collector); after a few seconds a ``WindowFullWarning`` says so.
-        join: ``"next-epoch"`` (the first epoch seen is complete) or
+        join: ``"next-epoch"`` (the first epoch seen is complete),
             ``"immediate"`` (start with the next batch; that first epoch is
-            partial).
+            partial) or ``"now"`` (start at once with a complete epoch: the
+            part of the epoch in progress already published is recomputed
+            for this trainer alone, byte for byte, then it reads the shared
+            stream; streams an external producer feeds cannot do this).
         output: ``"torch"`` or ``"numpy"``.
         as_dict: make each batch behave as a dict of name to tensor.
         fields: the fields a batch unpacks to, by name; default every field
@@ -255,6 +288,11 @@ class Consumer:
             slots cannot hold (the message says the largest it can).
         drop_last: drop each epoch's last batch when it is short, as
             ``DataLoader(drop_last=True)``.
+        resume: ``(epoch, sample)`` to start at instead of joining: a
+            trainer restarting from a checkpoint passes the
+            ``batch.next_position`` of the last batch it trained on. What
+            the stream already published from there is replayed; a position
+            ahead of the stream is waited for.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -275,6 +313,7 @@ class Consumer:
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
         drop_last: bool = False,
+        resume: Optional[Tuple[int, int]] = None,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
@@ -304,6 +343,7 @@ class Consumer:
             broker_uid=broker_uid,
             batch_size=batch_size,
             drop_last=bool(drop_last),
+            resume=_position(resume),
         )
         kind, index = self._native.device
         #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.

@@ -20,6 +20,7 @@ class Consumer:
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
         drop_last: bool = False,
+        resume: Optional[Tuple[int, int]] = None,
     ) -> None: ...
     def next_event(
         self, timeout: Optional[float] = None
@@ -47,6 +48,9 @@ class Batch:
     epoch: int
     index: int
     samples: int
+    first_sample: int
+    replayed: bool
+    next_position: Tuple[int, int]
     wait_s: float
     handoff_s: float
     def field(self, i: int, host: bool = False) -> "DLField": ...

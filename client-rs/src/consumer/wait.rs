@@ -39,6 +39,7 @@ impl Consumer {
                 Some(Notice::Batch(b)) => return Ok(Some(ServerMsg::Batch(b))),
                 Some(Notice::EndOfEpoch(e)) => return Ok(Some(ServerMsg::EndOfEpoch(e))),
                 Some(Notice::EndOfStream) => return Ok(Some(ServerMsg::EndOfStream)),
+                Some(Notice::Replay(r)) => return Ok(Some(ServerMsg::Replay(r))),
                 None => {}
             }
             if !self.reader.buffer().is_empty() {

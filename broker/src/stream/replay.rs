@@ -1,0 +1,463 @@
+//! Replay: batches recomputed for one consumer alone. A stream the broker
+//! computes is a pure function of `(seed, epoch, dataset index)`
+//! (`StreamPlan::epoch_order`, `SlotWriter`), so any part of it can be made
+//! again, byte for byte, into a small arena of that consumer's own.
+//!
+//! A consumer that joins with `join = "now"` (from the start of the epoch
+//! in progress), or resumes from a position behind the stream, joins the
+//! hub at once, like `immediate`. What lies between its start and the
+//! first of its own batch boundaries at or past where the shared stream
+//! begins for it ([`replay_end`]) is replayed; its client gives back the
+//! shared samples before that boundary unread, and hands out the replayed
+//! batches first, then the shared ones: every sample once, in order.
+//!
+//! # Rules
+//!
+//! * Replayed batches are made by the pipeline threads, in any order and
+//!   on any thread, and sent in order (`seq` 0, 1, …).
+//! * Its arena is a ring of `slots` batches of the consumer's batch size:
+//!   batch `seq` at ring position `seq × batch_size`. A batch is started
+//!   only once the batch `slots` before it was released, so no batch the
+//!   consumer may read is ever written.
+//! * A release names a batch sent and not yet released, or it ends that
+//!   consumer (alone), as a bad release of a shared unit does.
+//! * Fairness: a pipeline thread that could make a shared batch and made a
+//!   replayed one last makes the shared one; at most half the threads (at
+//!   least one) replay while the shared pipeline could go on. Replay is
+//!   paced by its consumer's releases, so what it costs is bounded by what
+//!   that consumer reads.
+//! * Lockstep: the consumer is a member of the hub while it replays, so
+//!   the shared units it has not reached yet pin the ring like any other
+//!   consumer's, and the lag limit applies to it as to anyone.
+//! * Its memory is taken from the broker's budget for the consumer's uid,
+//!   and given back when the last replayed batch is released or it leaves.
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use batchcast::mailbox::Notice;
+use batchcast::proto::{Position, ReplayGrant, ReplayReady, ServerMsg};
+use batchcast::schema::{RingLayout, Schema};
+use batchcast::shm::{Arena, Mapping, RingView};
+
+use super::deliver::{Conn, end_mailbox_consumer, send};
+use super::{Inner, Stream};
+use crate::budget::{Grant, Use};
+use crate::hub::ConsumerId;
+
+/// Where replay ends for a consumer of batch size `batch` that starts at
+/// `from`, when the shared stream carries on for it from `shared`: its
+/// first batch boundary (counted from `from`, or from the epoch's start)
+/// at or past `shared`, or the end of that epoch. `None`: nothing to
+/// replay.
+pub(super) fn replay_end(
+    from: Position,
+    shared: Position,
+    batch: u64,
+    per_epoch: u64,
+) -> Option<Position> {
+    if from >= shared {
+        return None;
+    }
+    if shared.sample == 0 {
+        return Some(shared);
+    }
+    let base = if from.epoch == shared.epoch {
+        from.sample
+    } else {
+        0
+    };
+    let end = base + (shared.sample - base).div_ceil(batch.max(1)) * batch.max(1);
+    Some(
+        Position {
+            epoch: shared.epoch,
+            sample: 0,
+        }
+        .advance(end, per_epoch),
+    )
+}
+
+/// A replay arena made before the consumer joins (outside the hub's lock).
+#[derive(Debug)]
+pub(super) struct Prepared {
+    arena: Arena,
+    rings: Arc<Mapping>,
+    layout: RingLayout,
+    slots: u32,
+    grant: Grant,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    OverBudget(#[from] crate::budget::OverBudget),
+    #[error("cannot make its replay arena: {0}")]
+    Arena(#[from] batchcast::Error),
+    #[error("replayed batch {seq} is not held by this consumer (already released, or never sent)")]
+    NotHeld { seq: u64 },
+}
+
+impl Stream {
+    /// A replay arena for a consumer of batch size `batch` and `window`:
+    /// `window + 2` batches (one being written while it holds its window,
+    /// one more so two threads can work ahead).
+    pub(super) fn prepare_replay(
+        &self,
+        batch: u64,
+        window: u32,
+        uid: u32,
+        whom: &str,
+    ) -> Result<Prepared, ReplayError> {
+        let slots = window.saturating_add(2);
+        let schema = Schema {
+            batch_size: batch,
+            ..self.plan.schema.clone()
+        };
+        let layout = RingLayout::for_schema(&schema, slots)?;
+        let grant = self
+            .budget
+            .take(uid, Use::Replay, layout.arena_bytes, whom)?;
+        let arena = Arena::create(&format!("{}-replay", self.name()), layout.arena_bytes)?;
+        let rings = Mapping::rings(arena.fd(), &RingView::of(&layout), true)?;
+        arena.seal_writes()?;
+        Ok(Prepared {
+            arena,
+            rings: Arc::new(rings),
+            layout,
+            slots,
+            grant,
+        })
+    }
+}
+
+impl Prepared {
+    /// Starts replaying `from..to` in batches of `batch`; the grant for the
+    /// welcome and the fd the consumer maps.
+    pub(super) fn start(
+        self,
+        from: Position,
+        to: Position,
+        batch: u64,
+        per_epoch: u64,
+    ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
+        let fd = self
+            .arena
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| ReplayError::Arena(e.into()))?;
+        let grant = ReplayGrant {
+            rings: self.layout.clone(),
+            from,
+            to,
+        };
+        let replay = Replay {
+            rings: self.rings,
+            layout: self.layout,
+            batch,
+            slots: self.slots,
+            per_epoch,
+            cursor: from,
+            to,
+            next_seq: 0,
+            live: BTreeMap::new(),
+            sent: 0,
+            _arena: self.arena,
+            _grant: self.grant,
+        };
+        Ok((replay, grant, fd))
+    }
+}
+
+/// One consumer's replay in progress.
+#[derive(Debug)]
+pub(super) struct Replay {
+    rings: Arc<Mapping>,
+    layout: RingLayout,
+    batch: u64,
+    slots: u32,
+    per_epoch: u64,
+    /// The next batch to start, and where replay ends.
+    cursor: Position,
+    to: Position,
+    next_seq: u64,
+    /// Batches started and not released, by seq.
+    live: BTreeMap<u64, Entry>,
+    /// Batches below this were sent.
+    sent: u64,
+    _arena: Arena,
+    _grant: Grant,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    epoch: u64,
+    first: u64,
+    samples: u64,
+    state: State,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Making,
+    Made,
+    Sent,
+}
+
+/// A replayed batch for a pipeline thread to make: `samples` samples of
+/// `epoch` from sample `first` on, into `spans` of `rings`.
+#[derive(Debug)]
+pub(super) struct ReplayJob {
+    pub(super) id: ConsumerId,
+    pub(super) seq: u64,
+    pub(super) epoch: u64,
+    pub(super) first: u64,
+    pub(super) samples: u64,
+    pub(super) rings: Arc<Mapping>,
+    /// Per field: offset and length in `rings`.
+    pub(super) spans: Vec<(u64, u64)>,
+}
+
+impl Replay {
+    fn can_start(&self) -> bool {
+        let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
+        self.cursor < self.to && self.next_seq < oldest + u64::from(self.slots)
+    }
+
+    /// Waits for its consumer to release a batch.
+    fn blocked(&self) -> bool {
+        self.cursor < self.to && !self.can_start()
+    }
+
+    fn start(&mut self, id: ConsumerId) -> ReplayJob {
+        let c = self.cursor;
+        let samples = self.batch.min(self.per_epoch - c.sample);
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.cursor = c.advance(samples, self.per_epoch);
+        self.live.insert(
+            seq,
+            Entry {
+                epoch: c.epoch,
+                first: c.sample,
+                samples,
+                state: State::Making,
+            },
+        );
+        let spans = (0..self.layout.fields.len())
+            .map(|f| {
+                self.layout
+                    .span(f, seq * self.batch, samples)
+                    .expect("a replayed batch lies in one slot of its ring")
+            })
+            .collect();
+        ReplayJob {
+            id,
+            seq,
+            epoch: c.epoch,
+            first: c.sample,
+            samples,
+            rings: self.rings.clone(),
+            spans,
+        }
+    }
+
+    /// Every batch made and released.
+    fn done(&self) -> bool {
+        self.cursor >= self.to && self.live.is_empty()
+    }
+}
+
+/// Takes a replayed batch for a pipeline thread to make, if one may start
+/// (see the module's rules). `shared_first`: the thread made a replayed
+/// batch last and the shared pipeline could go on.
+pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJob> {
+    let shared_waits = !inner.hub.can_start();
+    if shared_first && !shared_waits {
+        return None;
+    }
+    let cap = if shared_waits {
+        u32::MAX
+    } else {
+        (inner.workers / 2).max(1)
+    };
+    if inner.replaying >= cap {
+        return None;
+    }
+    if inner
+        .conns
+        .values()
+        .any(|c| c.replay.as_ref().is_some_and(Replay::blocked))
+    {
+        super::deliver::drain_replaying(inner);
+    }
+    let (&id, conn) = inner
+        .conns
+        .iter_mut()
+        .filter(|(_, c)| c.replay.as_ref().is_some_and(Replay::can_start))
+        .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, |r| r.live.len()))?;
+    let job = conn.replay.as_mut().expect("filtered").start(id);
+    inner.replaying += 1;
+    Some(job)
+}
+
+/// Whether a replayed batch could start now.
+pub(super) fn has_work(inner: &Inner) -> bool {
+    inner
+        .conns
+        .values()
+        .any(|c| c.replay.as_ref().is_some_and(Replay::can_start))
+}
+
+/// Whether some consumer is still being replayed to (its releases must be
+/// taken even while the shared pipeline has nothing to do).
+pub(super) fn active(inner: &Inner) -> bool {
+    inner
+        .conns
+        .values()
+        .any(|c| c.replay.as_ref().is_some_and(|r| r.cursor < r.to))
+}
+
+/// A pipeline thread made replayed batch `seq` for consumer `id` (or
+/// failed to: the source changed under the stream, and that consumer is
+/// ended); what is made is sent in order.
+pub(super) fn finish(
+    inner: &mut Inner,
+    id: ConsumerId,
+    seq: u64,
+    cpu: Duration,
+    made: Result<(), String>,
+) {
+    inner.replaying = inner.replaying.saturating_sub(1);
+    inner.replay_cpu += cpu;
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return; // it left meanwhile
+    };
+    conn.replay_cpu += cpu;
+    if let Err(why) = made {
+        conn.replay = None;
+        let why = format!("replaying its batches failed: {why}");
+        if conn.mailbox.is_some() {
+            end_mailbox_consumer(inner, id, why);
+        } else {
+            end_socket_consumer(inner, id, why);
+        }
+        return;
+    }
+    let Some(r) = conn.replay.as_mut() else {
+        return;
+    };
+    if let Some(e) = r.live.get_mut(&seq) {
+        e.state = State::Made;
+    }
+    let mut ready = Vec::new();
+    while let Some(e) = r.live.get_mut(&r.sent).filter(|e| e.state == State::Made) {
+        e.state = State::Sent;
+        ready.push(ReplayReady {
+            seq: r.sent,
+            epoch: e.epoch,
+            first: e.first,
+            samples: e.samples,
+            ends_epoch: e.first + e.samples == r.per_epoch,
+        });
+        r.sent += 1;
+    }
+    for m in ready {
+        conn.replayed += m.samples;
+        conn.replay_cut.add(m.epoch, m.first, m.samples);
+        if let Some(why) = deliver(conn, id, m) {
+            end_mailbox_consumer(inner, id, why);
+            return;
+        }
+    }
+}
+
+/// Sends a replayed batch: a notice in its mailbox, else a message.
+fn deliver(conn: &mut Conn, id: ConsumerId, ready: ReplayReady) -> Option<String> {
+    match conn.mailbox.as_mut() {
+        Some(mb) => match mb.push(&Notice::Replay(ready)) {
+            Ok(()) => {
+                mb.ring();
+                None
+            }
+            Err(e) => Some(e.to_string()),
+        },
+        None => {
+            send(conn, id, ServerMsg::Replay(ready));
+            None
+        }
+    }
+}
+
+/// A socket consumer whose replay failed: told why, then detached.
+fn end_socket_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
+    conn.ending = Some(super::deliver::Ending::Ended(why.clone()));
+    send(
+        conn,
+        id,
+        ServerMsg::Error(batchcast::proto::ErrorMsg {
+            code: batchcast::proto::ErrorCode::SourceFailed,
+            message: format!("the broker ended this consumer: {why}"),
+        }),
+    );
+    send(
+        conn,
+        id,
+        ServerMsg::Goodbye(batchcast::proto::GoodbyeReason::Detached),
+    );
+    let _ = inner.hub.goodbye(id);
+}
+
+/// Consumer `id` released replayed batch `seq`.
+pub(super) fn release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), ReplayError> {
+    let conn = inner
+        .conns
+        .get_mut(&id)
+        .ok_or(ReplayError::NotHeld { seq })?;
+    let r = conn.replay.as_mut().ok_or(ReplayError::NotHeld { seq })?;
+    match r.live.get(&seq) {
+        Some(e) if e.state == State::Sent => {
+            r.live.remove(&seq);
+        }
+        _ => return Err(ReplayError::NotHeld { seq }),
+    }
+    if r.done() {
+        // Its arena and budget go back now.
+        conn.replay = None;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(epoch: u64, sample: u64) -> Position {
+        Position { epoch, sample }
+    }
+
+    #[test]
+    fn replay_ends_on_the_consumers_own_batch_boundary() {
+        // Epochs of 100 samples; the shared stream starts at sample 40.
+        assert_eq!(replay_end(p(0, 0), p(0, 40), 32, 100), Some(p(0, 64)));
+        assert_eq!(replay_end(p(0, 0), p(0, 40), 8, 100), Some(p(0, 40)));
+        // The boundary past the epoch's end: the whole epoch is replayed.
+        assert_eq!(replay_end(p(0, 0), p(0, 90), 64, 100), Some(p(1, 0)));
+        // Resuming mid-epoch: boundaries counted from the resume point.
+        assert_eq!(replay_end(p(0, 10), p(0, 40), 32, 100), Some(p(0, 42)));
+        // From an earlier epoch: boundaries of the shared epoch's own.
+        assert_eq!(replay_end(p(0, 10), p(1, 40), 32, 100), Some(p(1, 64)));
+        // At an epoch's start: replay up to it.
+        assert_eq!(replay_end(p(0, 0), p(1, 0), 7, 100), Some(p(1, 0)));
+        // Nothing published before the start, or a start ahead.
+        assert_eq!(replay_end(p(0, 0), p(0, 0), 32, 100), None);
+        assert_eq!(replay_end(p(2, 5), p(1, 40), 32, 100), None);
+    }
+}

@@ -1,0 +1,206 @@
+//! End-to-end tests of replay: the real broker, real consumer processes.
+//! A trainer that joins mid-epoch with `join = "now"` gets a complete first
+//! epoch (the part already published recomputed for it alone, byte for
+//! byte what the shared pipeline made), wherever in the epoch it joins; a
+//! trainer resuming from a checkpoint position starts exactly there; a
+//! replaying trainer killed mid-replay leaves nothing behind; a stream that
+//! cannot replay says so.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+
+mod common;
+
+use common::{Env, report};
+
+/// 400 samples an epoch in units of 40 (10 units), endless, 8 slots.
+fn config(extra: &str) -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 40, 400, &fields)
+        .key("seed", 11)
+        .key("slots", 8)
+        .key("workers", 2)
+        .key("shuffle", true)
+        .raw(extra)
+        .to_toml()
+}
+
+const UNIT: u64 = 40;
+const PER_EPOCH: u64 = 400;
+
+/// Units the stream has made, once it stays put (paused: nobody is
+/// subscribed).
+fn paused_at(env: &Env) -> u64 {
+    let mut last = u64::MAX;
+    loop {
+        let s = env.wait_for("the stream to have no consumer", |s| {
+            s.streams[0].consumers.is_empty()
+        });
+        let n = s.streams[0].batches_produced;
+        if n == last {
+            return n;
+        }
+        last = n;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn epochs(r: &ConsumerReport) -> Vec<(u64, u64, bool)> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.samples, e.complete))
+        .collect()
+}
+
+#[test]
+fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the_same_bytes() {
+    let env = Env::start(&config(""));
+    let b: u64 = 32;
+    let per_epoch_batches = PER_EPOCH.div_ceil(b);
+    let mut seen = BTreeSet::new();
+    for round in 0..60 {
+        if seen.len() as u64 == PER_EPOCH / UNIT {
+            break;
+        }
+        // Move the stream on by a unit or more with a consumer that joins
+        // immediately, reads one batch and leaves; the stream pauses.
+        if round > 0 {
+            let pacer =
+                env.consumer(&["--join", "immediate", "--max-batches", "1", "--window", "1"]);
+            let r = report(pacer);
+            assert!(r.ok, "{r:#?}");
+        }
+        let produced = paused_at(&env);
+        let at = produced % (PER_EPOCH / UNIT);
+        let epoch = produced / (PER_EPOCH / UNIT);
+        // Joins now, reads its first epoch, leaves.
+        let r = report(env.consumer(&[
+            "--join",
+            "now",
+            "--verify",
+            "--batch-size",
+            "32",
+            "--max-epochs",
+            "1",
+        ]));
+        assert!(r.ok, "joined at unit {at}: {r:#?}");
+        assert_eq!(
+            epochs(&r),
+            vec![(epoch, PER_EPOCH, true)],
+            "joined at unit {at} of epoch {epoch}: a complete first epoch"
+        );
+        assert_eq!(
+            r.verified_samples, PER_EPOCH,
+            "every byte as the stream makes it"
+        );
+        assert_eq!(r.views_outside_arena, 0, "replayed batches are views too");
+        assert_eq!(
+            r.replayed_batches,
+            (at * UNIT).div_ceil(b).min(per_epoch_batches),
+            "joined at unit {at}: replays up to its first batch boundary past it"
+        );
+        seen.insert(at);
+    }
+    assert_eq!(
+        seen.len() as u64,
+        PER_EPOCH / UNIT,
+        "joins at every unit of an epoch: {seen:?}"
+    );
+    let s = env.stats();
+    assert_eq!(s.memory.replay_bytes, 0, "replay arenas given back");
+    let past = &s.streams[0].past_consumers;
+    assert!(
+        past.iter().any(|c| c.replayed > 0 && c.replay_cpu_s > 0.0),
+        "stats count replayed samples and their CPU: {past:#?}"
+    );
+}
+
+#[test]
+fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
+    let env = Env::start(&config(""));
+    // Run the stream into its third epoch, then stop.
+    let r = report(env.consumer(&["--max-batches", "25"]));
+    assert!(r.ok, "{r:#?}");
+    let produced = paused_at(&env);
+    assert!(produced >= 25);
+    // Behind: from sample 50 of epoch 0, through epoch 1, into the shared
+    // stream; batches of 16 from there.
+    let r = report(env.consumer(&[
+        "--resume",
+        "0:50",
+        "--verify",
+        "--batch-size",
+        "16",
+        "--max-epochs",
+        "2",
+    ]));
+    assert!(r.ok, "{r:#?}");
+    let e = epochs(&r);
+    assert_eq!(e[0], (0, 350, false), "resumed mid-epoch 0: {e:?}");
+    assert_eq!(e[1], (1, 400, true), "{e:?}");
+    assert_eq!(r.verified_samples, r.samples);
+    assert!(r.replayed_batches >= 22 + 25, "{r:#?}");
+    // Ahead: epoch 9, sample 120: waited for, nothing before it.
+    let r = report(env.consumer(&["--resume", "9:120", "--verify", "--max-batches", "3"]));
+    assert!(r.ok, "{r:#?}");
+    assert_eq!(r.replayed_batches, 0);
+    assert_eq!(epochs(&r), vec![(9, 120, false)]);
+    // A position outside the epoch is refused, naming it.
+    let r = report(env.consumer(&["--resume", "0:400"]));
+    assert!(!r.ok);
+    let err = r.error.unwrap_or_default();
+    assert!(err.contains("400 samples"), "{err}");
+}
+
+#[test]
+fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
+    let env = Env::start(&config(""));
+    let r = report(env.consumer(&["--max-batches", "7"]));
+    assert!(r.ok);
+    paused_at(&env);
+    let steady = env.consumer(&[
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        "60",
+        "--name",
+        "steady",
+    ]);
+    // Joins now and holds its replayed batches without reading on.
+    let mut victim = env.consumer(&[
+        "--join",
+        "now",
+        "--batch-size",
+        "8",
+        "--hold",
+        "2",
+        "--sleep-ms",
+        "200",
+        "--name",
+        "victim",
+    ]);
+    env.wait_for("the victim to be replayed to", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "victim" && c.replayed > 0)
+            && s.memory.replay_bytes > 0
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    let r = report(steady);
+    assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
+    let s = env.wait_for("the victim to be gone", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
+    assert_eq!(s.streams[0].in_use, 0, "every slot came back");
+}
