@@ -144,6 +144,12 @@ fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
     assert_eq!(r.verified_samples, r.samples);
     assert!(r.replayed_batches >= 22 + 25, "{r:#?}");
     // Ahead: epoch 9, sample 120: waited for, nothing before it.
+    let at = paused_at(&env);
+    assert!(
+        at < 9 * 10,
+        "the stream is at unit {at}, not yet at epoch 9: {:#?}",
+        env.stats().streams[0].past_consumers
+    );
     let r = report(env.consumer(&["--resume", "9:120", "--verify", "--max-batches", "3"]));
     assert!(r.ok, "{r:#?}");
     assert_eq!(r.replayed_batches, 0);
@@ -170,12 +176,15 @@ fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
         "--name",
         "steady",
     ]);
-    // Joins now and holds its replayed batches without reading on.
+    // Resumes from the start of epoch 0 (far behind: it replays for a long
+    // while), holding two batches and reading slowly.
     let mut victim = env.consumer(&[
-        "--join",
-        "now",
+        "--resume",
+        "0:0",
         "--batch-size",
         "8",
+        "--window",
+        "3",
         "--hold",
         "2",
         "--sleep-ms",

@@ -27,9 +27,10 @@ pub struct ConsumeArgs {
     pub window: u32,
     /// Join at the next epoch boundary, with the next batch (`immediate`:
     /// a partial first epoch), or at once with a complete epoch (`now`:
-    /// the part already published is replayed)
-    #[arg(long, value_enum, default_value = "next-epoch")]
-    pub join: Join,
+    /// the part already published is replayed) [default: $BATCHCAST_JOIN,
+    /// else next-epoch]
+    #[arg(long, value_enum)]
+    pub join: Option<Join>,
     /// Start at EPOCH:SAMPLE of the stream (as a trainer resuming from a
     /// checkpoint); overrides --join
     #[arg(long, value_parser = parse_position)]
@@ -202,11 +203,13 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     if args.connect_timeout > 0.0 && args.connect_timeout.is_finite() {
         opts.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
     }
-    opts.join = match args.join {
-        Join::NextEpoch => JoinPolicy::NextEpoch,
-        Join::Immediate => JoinPolicy::Immediate,
-        Join::Now => JoinPolicy::Now,
-    };
+    if let Some(join) = args.join {
+        opts.join = match join {
+            Join::NextEpoch => JoinPolicy::NextEpoch,
+            Join::Immediate => JoinPolicy::Immediate,
+            Join::Now => JoinPolicy::Now,
+        };
+    }
     opts.resume = args.resume;
     let mut report = ConsumerReport {
         name: opts.name.clone(),
@@ -235,6 +238,7 @@ fn consume(
     report: &mut ConsumerReport,
 ) -> batchcast::Result<()> {
     let t0 = Instant::now();
+    let join = opts.join;
     let mut consumer = Consumer::connect(opts)?;
     let arenas = [Some(consumer.arena()), consumer.replay_arena()]
         .into_iter()
@@ -246,6 +250,7 @@ fn consume(
         consumer.schema().clone(),
         consumer.batches_per_epoch(),
         arenas,
+        join,
     )?;
     let mut held: VecDeque<Batch> = VecDeque::new();
     let mut ends = 0u64;
@@ -298,6 +303,8 @@ fn consume(
 /// digests, dumps, distinct dataset indices, synthetic bytes.
 struct Checker<'a> {
     args: &'a ConsumeArgs,
+    /// How it joined: a first batch mid-epoch is an error unless immediate.
+    join: JoinPolicy,
     schema: Schema,
     /// This consumer's batches in an epoch.
     batches_per_epoch: u64,
@@ -324,6 +331,7 @@ impl<'a> Checker<'a> {
         schema: Schema,
         batches_per_epoch: u64,
         arenas: Vec<(usize, usize)>,
+        join: JoinPolicy,
     ) -> batchcast::Result<Checker<'a>> {
         let spec = match schema.source {
             SourceInfo::Synthetic(spec) => Some(spec).filter(|_| args.verify),
@@ -343,6 +351,7 @@ impl<'a> Checker<'a> {
         }
         Ok(Checker {
             args,
+            join,
             schema,
             batches_per_epoch,
             spec,
@@ -450,7 +459,7 @@ impl<'a> Checker<'a> {
                 ));
             }
             None if self.args.resume.is_none()
-                && matches!(self.args.join, Join::NextEpoch | Join::Now)
+                && self.join != JoinPolicy::Immediate
                 && index != 0 =>
             {
                 report.order_errors.push(format!(

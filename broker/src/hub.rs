@@ -23,7 +23,8 @@
 //!   oldest owed batch is more than `lag_limit` batches behind the others'
 //!   is detached (for one that releases in order: it owes more than that).
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
-//!   it held and all that was queued for it at once.
+//!   it held and all that was queued for it at once. One that said goodbye
+//!   takes nothing more: with nobody else, the stream pauses.
 //! * Joining: [`JoinPolicy::NextEpoch`] starts at the first epoch of which
 //!   nothing has been published; [`JoinPolicy::Immediate`] at the next batch
 //!   published. With no consumer at all, the pipeline pauses; a consumer
@@ -394,8 +395,15 @@ impl Hub {
     /// (someone to produce for, epochs left).
     pub fn wants_batches(&self) -> bool {
         (self.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
-            && !self.consumers.is_empty()
+            && self.anyone_reading()
             && !self.exhausted()
+    }
+
+    /// Whether some consumer still takes batches (one that said goodbye, or
+    /// was sent the end of the stream, only gives back what it holds): with
+    /// none, the stream pauses rather than make batches for nobody.
+    fn anyone_reading(&self) -> bool {
+        self.consumers.values().any(|c| !c.closing && !c.ended)
     }
 
     /// Slots the pipeline may fill now: the free ones from the ring's next
@@ -448,7 +456,7 @@ impl Hub {
             Delivery::Window => window,
             Delivery::Ahead => group_slots.unwrap_or(self.cfg.slots),
         };
-        if join == JoinPolicy::NextEpoch && self.consumers.is_empty() && self.next_index != 0 {
+        if join == JoinPolicy::NextEpoch && !self.anyone_reading() && self.next_index != 0 {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
             // in flight are published to nobody.

@@ -3,6 +3,7 @@
 //! handed out, which keeps the arena mapped and the connection open until
 //! the last batch is dropped.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,9 +13,10 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::ConsumerMailbox;
 use crate::mailbox::Totals;
+use crate::proto::ReplayGrant;
 use crate::proto::{self, ClientMsg, Release, Welcome};
-use crate::schema::{DType, Field, Schema};
-use crate::shm::Mapping;
+use crate::schema::{DType, Field, RingLayout, Schema};
+use crate::shm::{Mapping, RingView};
 use crate::transport::send_msg;
 
 /// State shared by a consumer and the batches it handed out: the mapping
@@ -35,7 +37,41 @@ pub(crate) struct Shared {
     pub(crate) gpu: Option<crate::gpu::DeviceSide>,
     pub(crate) mailbox: Option<ConsumerMailbox>,
     /// Replay granted: its arena, mapped.
-    pub(crate) replay: Option<crate::consumer::ReplayArena>,
+    pub(crate) replay: Option<ReplayArena>,
+}
+
+/// The replay arena, mapped read-only.
+#[derive(Debug)]
+pub(crate) struct ReplayArena {
+    pub(crate) map: Mapping,
+    pub(crate) rings: RingLayout,
+}
+
+impl ReplayArena {
+    /// Maps the arena the broker granted, after checking its layout holds
+    /// this consumer's batches.
+    pub(crate) fn open(fd: OwnedFd, grant: &ReplayGrant, welcome: &Welcome) -> Result<ReplayArena> {
+        let schema = Schema {
+            batch_size: welcome.batch_size,
+            ..welcome.schema.clone()
+        };
+        grant.rings.validate(&schema)?;
+        if grant.rings.unit != welcome.batch_size || grant.from >= grant.to {
+            return Err(Error::Schema(format!(
+                "the broker granted replay from {:?} to {:?} in batches of {} (this consumer's are {})",
+                grant.from, grant.to, grant.rings.unit, welcome.batch_size
+            )));
+        }
+        let map = Mapping::rings(
+            std::os::fd::AsFd::as_fd(&fd),
+            &RingView::of(&grant.rings),
+            false,
+        )?;
+        Ok(ReplayArena {
+            map,
+            rings: grant.rings.clone(),
+        })
+    }
 }
 
 /// The batcher, and the loop timing of released batches not yet reported

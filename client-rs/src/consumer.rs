@@ -10,131 +10,27 @@ use std::collections::VecDeque;
 use std::io::BufReader;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod options;
 mod replay;
 mod wait;
 
-pub(crate) use replay::ReplayArena;
+pub use options::ConsumerOptions;
 
-use crate::batch::{Batch, Batching, Shared};
+use crate::batch::{Batch, Batching, ReplayArena, Shared};
 use crate::batcher::{Batcher, Run, Unit};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::{ConsumerMailbox, Notice, Totals};
-use crate::proto::{
-    self, ClientMsg, EpochEnd, Hello, Intent, JoinPolicy, Position, ServerMsg, Welcome,
-};
+use crate::proto::{self, ClientMsg, EpochEnd, Hello, Intent, Position, ServerMsg, Welcome};
 use crate::schema::Schema;
 use crate::shm::{Mapping, RingView};
 use crate::transport::{
-    broker_error, connect_retrying, expect_reply, goodbye_error, handshake, program_name,
-    readable_within,
+    broker_error, connect_retrying, expect_reply, goodbye_error, handshake, readable_within,
 };
-
-/// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
-/// (else `train`) and `BATCHCAST_NAME` from the environment.
-#[derive(Debug, Clone)]
-pub struct ConsumerOptions {
-    /// The broker's socket; `None` for [`crate::default_socket_path`].
-    pub socket: Option<PathBuf>,
-    /// The stream to subscribe to.
-    pub stream: String,
-    /// Most batches the program may hold (received, not released) at once,
-    /// ≥ 1: it gets no more until it releases one. (A mailbox consumer is
-    /// sent batches ahead of that; they wait in its mailbox, and are given
-    /// back unread when it leaves.)
-    pub window: u32,
-    pub join: JoinPolicy,
-    /// The name shown in `batchcast stats`.
-    pub name: String,
-    /// How long to keep retrying while the broker is not up yet or the
-    /// stream is not registered yet (a producer still starting). Zero: fail
-    /// at once. Default: `$BATCHCAST_CONNECT_TIMEOUT` seconds, else zero.
-    pub connect_timeout: Duration,
-    /// Where batches are delivered: host memory, or a GPU's memory (the
-    /// broker copies each batch once per GPU; see [`Batch::device_ptr`]).
-    /// Default: `$BATCHCAST_DEVICE`, else `cpu`.
-    pub device: Device,
-    /// Host consumers: take batch notices and give releases back through
-    /// a [mailbox](crate::mailbox) in shared memory instead of the socket,
-    /// which saves the broker two system calls per batch. Default: on,
-    /// unless `$BATCHCAST_MAILBOX` is `0`.
-    pub mailbox: bool,
-    /// The uid the broker must run as; a socket served by anyone else is
-    /// refused ([`Error::Impostor`]). `None`: `$BATCHCAST_BROKER_UID`, else
-    /// this process's own uid.
-    pub broker_uid: Option<u32>,
-    /// Mailbox consumers: how long to poll for the next batch before
-    /// sleeping (a sleeper costs the broker a wake-up system call). The
-    /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
-    /// microseconds, else 50.
-    pub spin: Duration,
-    /// This consumer's batch size: `None` for the stream's. Any size from
-    /// 1 to what the stream's slots hold with this window (the broker says
-    /// the limit when asked for more) is served without a copy: each field
-    /// of a batch is one contiguous view of the stream's ring. Default:
-    /// `$BATCHCAST_BATCH_SIZE`, else the stream's.
-    pub batch_size: Option<u64>,
-    /// Drop each epoch's last batch when it is short (fewer than
-    /// `batch_size` samples), as `DataLoader(drop_last=True)` does.
-    pub drop_last: bool,
-    /// Start at this position of the stream instead of joining (a trainer
-    /// restarting from a checkpoint saved with [`Batch::next_position`]):
-    /// what the stream already published from there is replayed (streams
-    /// the broker computes), a position ahead of it is waited for.
-    pub resume: Option<Position>,
-}
-
-impl ConsumerOptions {
-    /// Checks what can be checked before connecting: bindings call it (via
-    /// [`Consumer::connect`]) rather than repeating the rules.
-    pub fn validate(&self) -> Result<()> {
-        if self.window == 0 {
-            return Err(Error::InvalidOption("window must be at least 1".into()));
-        }
-        if self.batch_size == Some(0) {
-            return Err(Error::InvalidOption(
-                "batch_size must be at least 1 (or unset for the stream's)".into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl Default for ConsumerOptions {
-    fn default() -> Self {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        ConsumerOptions {
-            socket: None,
-            stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
-            window: 2,
-            join: JoinPolicy::NextEpoch,
-            device: env("BATCHCAST_DEVICE")
-                .and_then(|d| d.parse().ok())
-                .unwrap_or_default(),
-            mailbox: env("BATCHCAST_MAILBOX").is_none_or(|v| v != "0"),
-            broker_uid: None,
-            spin: Duration::from_micros(
-                env("BATCHCAST_SPIN_US")
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(50),
-            ),
-            connect_timeout: env("BATCHCAST_CONNECT_TIMEOUT")
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .map(Duration::from_secs_f64)
-                .unwrap_or_default(),
-            name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
-            batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
-            drop_last: false,
-            resume: None,
-        }
-    }
-}
 
 /// What the broker says next.
 #[derive(Debug)]
@@ -221,44 +117,7 @@ impl Consumer {
             ServerMsg::Welcome(w) => Ok(*w),
             other => Err(other),
         })?;
-        let mut fds = fds.into_iter();
-        let fd = fds
-            .next()
-            .ok_or_else(|| Error::Shm("the broker's welcome carried no arena fd".into()))?;
-        let mailbox = match welcome.mailbox {
-            None => None,
-            Some(spec) => {
-                let mfd = fds.next().ok_or_else(|| {
-                    Error::Shm("the broker granted a mailbox but sent no fd for it".into())
-                })?;
-                Some(ConsumerMailbox::open(mfd, spec)?)
-            }
-        };
-        let replay_arena = match &welcome.replay {
-            None => None,
-            Some(g) => {
-                let rfd = fds.next().ok_or_else(|| {
-                    Error::Shm("the broker granted replay but sent no fd for its arena".into())
-                })?;
-                Some(replay::ReplayArena::open(rfd, g, &welcome)?)
-            }
-        };
-        welcome.rings.validate(&welcome.schema)?;
-        let unit = welcome.schema.batch_size;
-        if welcome.batch_size == 0
-            || (welcome.batch_size != unit && welcome.rings.unmirrored().is_some())
-        {
-            return Err(Error::Schema(format!(
-                "the broker granted batches of {} samples over units of {unit} it cannot serve",
-                welcome.batch_size
-            )));
-        }
-        let map = Mapping::rings(
-            std::os::fd::AsFd::as_fd(&fd),
-            &RingView::of(&welcome.rings),
-            false,
-        )?;
-        drop::<OwnedFd>(fd); // the mapping keeps the memory alive
+        let (map, mailbox, replay_arena) = open_arenas(&welcome, fds)?;
         let gpu = crate::gpu::DeviceSide::open(
             opts.device,
             welcome.device.as_ref(),
@@ -267,7 +126,7 @@ impl Consumer {
         let mut batcher = Batcher::new(
             welcome.batch_size,
             welcome.drop_last,
-            unit,
+            welcome.schema.batch_size,
             welcome.schema.batches_per_epoch,
         );
         let skip = welcome.replay.as_ref().map(|g| g.to).or(opts.resume);
@@ -446,6 +305,53 @@ impl Consumer {
             }
         }
     }
+}
+
+/// Maps what the welcome's fds hold, in order: the stream's rings, the
+/// mailbox (if granted), the replay arena (if granted), each checked
+/// against what the welcome says first.
+fn open_arenas(
+    welcome: &Welcome,
+    fds: Vec<OwnedFd>,
+) -> Result<(Mapping, Option<ConsumerMailbox>, Option<ReplayArena>)> {
+    let mut fds = fds.into_iter();
+    let fd = fds
+        .next()
+        .ok_or_else(|| Error::Shm("the broker's welcome carried no arena fd".into()))?;
+    let mailbox = match welcome.mailbox {
+        None => None,
+        Some(spec) => {
+            let mfd = fds.next().ok_or_else(|| {
+                Error::Shm("the broker granted a mailbox but sent no fd for it".into())
+            })?;
+            Some(ConsumerMailbox::open(mfd, spec)?)
+        }
+    };
+    let replay = match &welcome.replay {
+        None => None,
+        Some(g) => {
+            let rfd = fds.next().ok_or_else(|| {
+                Error::Shm("the broker granted replay but sent no fd for its arena".into())
+            })?;
+            Some(ReplayArena::open(rfd, g, welcome)?)
+        }
+    };
+    welcome.rings.validate(&welcome.schema)?;
+    let unit = welcome.schema.batch_size;
+    if welcome.batch_size == 0
+        || (welcome.batch_size != unit && welcome.rings.unmirrored().is_some())
+    {
+        return Err(Error::Schema(format!(
+            "the broker granted batches of {} samples over units of {unit} it cannot serve",
+            welcome.batch_size
+        )));
+    }
+    let map = Mapping::rings(
+        std::os::fd::AsFd::as_fd(&fd),
+        &RingView::of(&welcome.rings),
+        false,
+    )?;
+    Ok((map, mailbox, replay)) // the mappings keep the memory alive
 }
 
 /// How long a consumer holding its whole window waits for a message

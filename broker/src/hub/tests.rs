@@ -32,6 +32,25 @@ fn batches(out: &[(ConsumerId, Outbound)], who: ConsumerId) -> Vec<(u64, u64)> {
 }
 
 #[test]
+fn a_stream_whose_only_consumer_said_goodbye_pauses() {
+    let mut h = hub(4, 10, None, None);
+    let (a, _) = h.join(1, JoinPolicy::Immediate).unwrap();
+    let w = produce(&mut h).unwrap();
+    h.take_outbound();
+    h.goodbye(a).unwrap();
+    // It still holds batch 0, and is still subscribed until it leaves,
+    // but takes nothing more: nothing is made for nobody.
+    assert!(
+        !h.can_start(),
+        "a closing consumer is nobody to produce for"
+    );
+    h.release(a, w.seq).unwrap();
+    assert!(!h.can_start());
+    let (_b, _) = h.join(1, JoinPolicy::Immediate).unwrap();
+    assert!(h.can_start(), "a new reader starts it again");
+}
+
+#[test]
 fn pipeline_waits_for_the_first_consumer_then_for_free_slots() {
     let mut h = hub(2, 10, None, None);
     assert!(h.start_batch().is_none(), "nobody subscribed yet");

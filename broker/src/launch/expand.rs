@@ -137,6 +137,11 @@ fn expand_trainer(
         if let Some(bs) = trainer_batch_size(t, &vars).map_err(&e)? {
             env.push(("BATCHCAST_BATCH_SIZE".into(), bs.to_string()));
         }
+        if let Some(join) = &t.join {
+            join.parse::<batchcast::JoinPolicy>()
+                .map_err(|m| e(format!("join: {m}")))?;
+            env.push(("BATCHCAST_JOIN".into(), join.clone()));
+        }
         out.push(TrainerPlan {
             name,
             argv,

@@ -23,6 +23,8 @@
 //! baseline_command = ["python", "train.py", "--loader", "dataloader", "--lr", "{lr}"]
 //! # batch_size = "{bs}"       # its own batch size ($BATCHCAST_BATCH_SIZE); a grid
 //!                             # key `batch_size` sets it too: grid = { batch_size = [64, 128, 256] }
+//! # join = "now"              # how it joins ($BATCHCAST_JOIN): "next-epoch", "immediate",
+//!                             # or "now" (a complete first epoch at once, replayed)
 //! ```
 //!
 //! Relative paths are relative to the sweep file's folder. Placeholders in
@@ -112,6 +114,9 @@ pub(super) struct TrainerSpec {
     /// `"{bs}"`); a grid key `batch_size` sets it too. Given to the
     /// trainer's consumer as `$BATCHCAST_BATCH_SIZE`.
     pub(super) batch_size: Option<toml::Value>,
+    /// How its consumer joins (`"next-epoch"`, `"immediate"`, `"now"`),
+    /// given as `$BATCHCAST_JOIN`.
+    pub(super) join: Option<String>,
 }
 
 /// Where the broker's streams come from.
@@ -464,6 +469,19 @@ mod tests {
     }
 
     #[test]
+    fn a_trainers_join_reaches_its_consumer() {
+        let s = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\njoin = \"now\"\n",
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            s.trainers[0].env,
+            [("BATCHCAST_JOIN".to_string(), "now".to_string())]
+        );
+    }
+
+    #[test]
     fn gpu_indices_are_checked_against_the_machine() {
         let e = parse(
             "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\ngpu = [0, 2]\n",
@@ -499,6 +517,7 @@ mod tests {
             ("grid = { lr = [] }", "grid.lr is an empty list"),
             ("gpu = \"all\"", "round-robin"),
             ("cwd = \"/no/such/folder\"", "is not a folder"),
+            ("join = \"later\"", "join: join `later`"),
         ] {
             let e = parse(
                 &format!("[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n{bad}\n"),

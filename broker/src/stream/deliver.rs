@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::BuildHasherDefault;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -107,28 +106,6 @@ impl fmt::Display for Ending {
     }
 }
 
-/// The stream's consumers by id.
-pub(super) type Conns = HashMap<ConsumerId, Conn, BuildHasherDefault<IdHasher>>;
-
-/// Consumer ids are the hub's own counter, not chosen by peers: looking a
-/// connection up needs no keyed hash (it is done per consumer per batch).
-#[derive(Debug, Default)]
-pub(super) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
 /// Who is connecting, for stats.
 #[derive(Debug, Clone)]
 pub struct Peer {
@@ -209,6 +186,8 @@ pub struct Request {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     pub batch_size: u64,
+    /// The stream's production unit (samples of a full batch).
+    pub unit: u64,
     /// The hub's window for it, in production units.
     pub units: u32,
 }
@@ -225,7 +204,13 @@ impl Stream {
         // Room for a full window of batches, one end-of-epoch marker per
         // batch, and the final messages.
         let shape = self.shape(&req)?;
-        let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4);
+        let replaying = self.replay_request(&req)?;
+        // And the replayed batches it may be sent ahead of its releases.
+        let replayed = match replaying {
+            Some(_) => req.window as usize + 2,
+            None => 0,
+        };
+        let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
         let gpu_slots = self.plan.gpu_slots;
         // Refusals that need no GPU come before a device arena is allocated.
         {
@@ -240,24 +225,10 @@ impl Stream {
                 Stream::check_gpu(&inner, dev)?;
             }
         }
-        let (mailbox, mailbox_grant) = match req.mailbox && req.device.is_none() {
-            false => (None, None),
-            true => {
-                let spec = MailboxSpec::for_batches(self.plan.slots);
-                let grant = self.budget.take(
-                    peer.uid,
-                    crate::budget::Use::Mailbox,
-                    spec.bytes(),
-                    &format!("consumer `{}` (pid {})", peer.name, peer.pid),
-                )?;
-                let mb = BrokerMailbox::create(spec).map_err(SubscribeError::Mailbox)?;
-                (Some(mb), Some(grant))
-            }
-        };
+        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, replaying.is_some())?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         // A replay arena, if it may be needed (whether it is depends on
         // where the stream is when it joins).
-        let replaying = self.replay_request(&req)?;
         let prepared = match replaying {
             Some(_) => Some(self.prepare_replay(
                 shape.batch_size,
@@ -307,35 +278,8 @@ impl Stream {
                 start_epoch = g.from.epoch;
             }
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
-            inner.conns.insert(
-                id,
-                Conn {
-                    tx,
-                    name: peer.name,
-                    pid: peer.pid,
-                    uid: peer.uid,
-                    sent_ns: HashMap::new(),
-                    hold_ns: 0,
-                    wait_ns: 0,
-                    busy_ns: 0,
-                    samples: 0,
-                    batch_size: shape.batch_size,
-                    window: req.window,
-                    cut: Cut::new(shape.batch_size, req.drop_last).skipping(skip),
-                    replay_cut: Cut::new(shape.batch_size, req.drop_last),
-                    unit: self.plan.schema.batch_size,
-                    replay,
-                    replayed: 0,
-                    replay_cpu: std::time::Duration::ZERO,
-                    joined: Instant::now(),
-                    ending: None,
-                    gpu: req.device.as_ref().map(|dev| dev.uuid),
-                    mailbox,
-                    _mailbox_grant: mailbox_grant,
-                    ring: false,
-                    mailbox_totals: Totals::default(),
-                },
-            );
+            let conn = Conn::new(tx, peer, shape, &req, (mailbox, mailbox_grant), replay, skip);
+            inner.conns.insert(id, conn);
             Ok(Subscription {
                 id,
                 start_epoch,
@@ -348,154 +292,32 @@ impl Stream {
         })
     }
 
-    /// Whether this request may need replay: `Some(None)` to replay the
-    /// epoch in progress (`join = "now"`), `Some(Some(p))` to start at
-    /// `p`; refused for what cannot replay, with what to do instead.
-    fn replay_request(&self, req: &Request) -> Result<Option<Option<Position>>, SubscribeError> {
-        let wanted = match (req.resume, req.join) {
-            (Some(p), _) => Some(Some(p)),
-            (None, JoinPolicy::Now) => Some(None),
-            (None, _) => None,
-        };
-        if wanted.is_none() {
-            return Ok(None);
-        }
-        let what = match req.resume {
-            Some(p) => format!("resuming at epoch {} sample {}", p.epoch, p.sample),
-            None => "join=\"now\"".to_string(),
-        };
-        let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
-        if self.writer.is_none() {
-            return refuse(format!(
-                "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
-                self.name()
-            ));
-        }
-        if req.device.is_some() {
-            return refuse(format!(
-                "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
-            ));
-        }
-        if let Some(p) = req.resume {
-            let per_epoch = self.plan.schema.samples_per_epoch;
-            if p.sample >= per_epoch {
-                return refuse(format!(
-                    "{what}: an epoch of stream `{}` has {per_epoch} samples (0 to {})",
-                    self.name(),
-                    per_epoch.saturating_sub(1)
-                ));
-            }
-            if let Some(epochs) = self.plan.epochs
-                && p.epoch >= epochs
-            {
-                return refuse(format!(
-                    "{what}: stream `{}` has {epochs} epochs (0 to {})",
-                    self.name(),
-                    epochs.saturating_sub(1)
-                ));
-            }
-        }
-        Ok(wanted)
-    }
-
-    /// Consumer `id` just joined: where the shared stream begins for it
-    /// decides what is replayed. Returns the replay, its grant, and from
-    /// where its shared samples count.
-    #[allow(clippy::type_complexity)]
-    fn start_replay(
+    /// A mailbox for a host consumer that asked for one, in the budget
+    /// under its uid: room for every unit of the stream's slots, and for
+    /// the replayed batches it may be sent.
+    fn make_mailbox(
         &self,
-        inner: &mut Inner,
-        id: ConsumerId,
-        replaying: Option<Option<Position>>,
-        prepared: Option<replay::Prepared>,
-        batch: u64,
-    ) -> Result<
-        (
-            Option<Replay>,
-            Option<(ReplayGrant, OwnedFd)>,
-            Option<Position>,
-        ),
-        SubscribeError,
-    > {
-        let (Some(resume), Some(prepared)) = (replaying, prepared) else {
-            return Ok((None, None, None));
+        req: &Request,
+        peer: &Peer,
+        replaying: bool,
+    ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {
+        if !req.mailbox || req.device.is_some() {
+            return Ok((None, None));
+        }
+        let replayed = if replaying {
+            req.window.saturating_add(2)
+        } else {
+            0
         };
-        let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
-        let shared = Position {
-            epoch,
-            sample: index * self.plan.schema.batch_size,
-        };
-        let from = resume.unwrap_or(Position { epoch, sample: 0 });
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        match replay::replay_end(from, shared, batch, per_epoch) {
-            Some(to) => {
-                let (r, g, fd) = prepared.start(from, to, batch, per_epoch)?;
-                tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
-                self.work_cv.notify_all();
-                Ok((Some(r), Some((g, fd)), Some(to)))
-            }
-            // Nothing to replay; a resume point ahead is skipped to.
-            None => Ok((None, None, resume)),
-        }
-    }
-
-    /// A consumer's batch size and what its window costs in units; the
-    /// refusal says what to ask for instead.
-    fn shape(&self, req: &Request) -> Result<Shape, SubscribeError> {
-        let unit = self.plan.schema.batch_size;
-        let size = req.batch_size.unwrap_or(unit);
-        let refuse = |why: String| Err(SubscribeError::BatchSize(why));
-        if size == 0 {
-            return refuse("batch_size must be at least 1".into());
-        }
-        if size != unit {
-            if req.device.is_some() {
-                return refuse(format!(
-                    "batch_size {size}: a GPU consumer takes the stream's batch size ({unit}) \
-                     (a device arena holds whole batches of the stream); leave batch_size unset, or use device=\"cpu\""
-                ));
-            }
-            if let Some(f) = self.plan.rings.unmirrored() {
-                let field = &self.plan.schema.fields[f];
-                return refuse(format!(
-                    "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
-                     ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
-                    self.name(),
-                    field.name,
-                    self.plan.rings.fields[f].bytes_per_sample
-                ));
-            }
-        }
-        let units = batchcast::batcher::units_needed(req.window, size, unit);
-        let slots = u64::from(self.plan.slots);
-        // With the stream's own size the hub checks the window.
-        if units > slots && size != unit {
-            // The largest batch this window allows.
-            // (window + 1) × (⌈(b − 1) / unit⌉ + 1) ≤ slots, or b = unit.
-            let per_run = slots / (u64::from(req.window) + 1);
-            let other = per_run.checked_sub(1).map(|k| k * unit + 1);
-            let own = u64::from(req.window) <= slots;
-            return refuse(format!(
-                "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
-                 (batches of {size} span up to that many while the window is full); {}, or raise the stream's slots to {units}",
-                req.window,
-                self.name(),
-                match (other, own) {
-                    (Some(b), _) if b >= unit =>
-                        format!("ask for batch_size ≤ {b} or a smaller window"),
-                    (Some(b), true) => format!(
-                        "ask for batch_size ≤ {b} or the stream's {unit}, or a smaller window"
-                    ),
-                    (None, true) =>
-                        format!("ask for the stream's batch_size {unit}, or a smaller window"),
-                    (_, false) => "ask for a smaller window".into(),
-                }
-            ));
-        }
-        Ok(Shape {
-            batch_size: size,
-            units: u32::try_from(units).unwrap_or(u32::MAX),
-        })
+        let spec = MailboxSpec::for_batches(self.plan.slots.saturating_add(replayed));
+        let grant = self.budget.take(
+            peer.uid,
+            crate::budget::Use::Mailbox,
+            spec.bytes(),
+            &format!("consumer `{}` (pid {})", peer.name, peer.pid),
+        )?;
+        let mb = BrokerMailbox::create(spec).map_err(SubscribeError::Mailbox)?;
+        Ok((Some(mb), Some(grant)))
     }
 
     pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), ReleaseError> {
@@ -752,6 +574,45 @@ fn notice(msg: &ServerMsg) -> Option<Notice> {
 }
 
 impl Conn {
+    /// A consumer that just joined; `skip`: where its shared samples
+    /// begin to count (see [`Cut`]).
+    fn new(
+        tx: mpsc::Sender<ServerMsg>,
+        peer: Peer,
+        shape: Shape,
+        req: &Request,
+        mailbox: (Option<BrokerMailbox>, Option<crate::budget::Grant>),
+        replay: Option<Replay>,
+        skip: Option<Position>,
+    ) -> Conn {
+        Conn {
+            tx,
+            name: peer.name,
+            pid: peer.pid,
+            uid: peer.uid,
+            sent_ns: HashMap::new(),
+            hold_ns: 0,
+            wait_ns: 0,
+            busy_ns: 0,
+            samples: 0,
+            batch_size: shape.batch_size,
+            window: req.window,
+            cut: Cut::new(shape.batch_size, req.drop_last).skipping(skip),
+            replay_cut: Cut::new(shape.batch_size, req.drop_last),
+            unit: shape.unit,
+            replay,
+            replayed: 0,
+            replay_cpu: std::time::Duration::ZERO,
+            joined: Instant::now(),
+            ending: None,
+            gpu: req.device.as_ref().map(|dev| dev.uuid),
+            mailbox: mailbox.0,
+            _mailbox_grant: mailbox.1,
+            ring: false,
+            mailbox_totals: Totals::default(),
+        }
+    }
+
     /// The message for what the hub emitted to this consumer, counting a
     /// batch in its numbers and noting why it is about to leave. A detached
     /// consumer is sent its error first, then the goodbye returned here.

@@ -30,6 +30,7 @@ mod fill;
 mod mirror;
 mod port;
 mod replay;
+mod shape;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -50,7 +51,7 @@ use crate::pipeline::ImagePipeline;
 use crate::pipeline::collate::SlotWriter;
 use crate::plan::{SourcePlan, StreamPlan};
 
-use deliver::{Conns, settle};
+use deliver::settle;
 pub use deliver::{MailboxGrant, Peer, ReleaseError, Request, SubscribeError, Subscription};
 use mirror::MirrorState;
 pub use port::{Acquire, StreamFailed};
@@ -313,5 +314,27 @@ impl Stream {
         self.work_cv.notify_all();
         self.join_workers(WORKER_JOIN_WAIT);
         self.free_device_arenas();
+    }
+}
+
+/// The stream's consumers by id.
+type Conns = HashMap<ConsumerId, deliver::Conn, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// Consumer ids are the hub's own counter, not chosen by peers: looking a
+/// connection up needs no keyed hash (it is done per consumer per batch).
+#[derive(Debug, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
     }
 }

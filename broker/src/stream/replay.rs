@@ -37,12 +37,13 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use batchcast::JoinPolicy;
 use batchcast::mailbox::Notice;
 use batchcast::proto::{Position, ReplayGrant, ReplayReady, ServerMsg};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Mapping, RingView};
 
-use super::deliver::{Conn, end_mailbox_consumer, send};
+use super::deliver::{Conn, Request, SubscribeError, end_mailbox_consumer, send};
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
 use crate::hub::ConsumerId;
@@ -102,9 +103,104 @@ pub enum ReplayError {
 }
 
 impl Stream {
+    /// Whether this request may need replay: `Some(None)` to replay the
+    /// epoch in progress (`join = "now"`), `Some(Some(p))` to start at
+    /// `p`; refused for what cannot replay, with what to do instead.
+    pub(super) fn replay_request(
+        &self,
+        req: &Request,
+    ) -> Result<Option<Option<Position>>, SubscribeError> {
+        let wanted = match (req.resume, req.join) {
+            (Some(p), _) => Some(Some(p)),
+            (None, JoinPolicy::Now) => Some(None),
+            (None, _) => None,
+        };
+        if wanted.is_none() {
+            return Ok(None);
+        }
+        let what = match req.resume {
+            Some(p) => format!("resuming at epoch {} sample {}", p.epoch, p.sample),
+            None => "join=\"now\"".to_string(),
+        };
+        let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
+        if self.writer.is_none() {
+            return refuse(format!(
+                "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
+                self.name()
+            ));
+        }
+        if req.device.is_some() {
+            return refuse(format!(
+                "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
+            ));
+        }
+        if let Some(p) = req.resume {
+            let per_epoch = self.plan.schema.samples_per_epoch;
+            if p.sample >= per_epoch {
+                return refuse(format!(
+                    "{what}: an epoch of stream `{}` has {per_epoch} samples (0 to {})",
+                    self.name(),
+                    per_epoch.saturating_sub(1)
+                ));
+            }
+            if let Some(epochs) = self.plan.epochs
+                && p.epoch >= epochs
+            {
+                return refuse(format!(
+                    "{what}: stream `{}` has {epochs} epochs (0 to {})",
+                    self.name(),
+                    epochs.saturating_sub(1)
+                ));
+            }
+        }
+        Ok(wanted)
+    }
+
+    /// Consumer `id` just joined: where the shared stream begins for it
+    /// decides what is replayed. Returns the replay, its grant, and from
+    /// where its shared samples count.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn start_replay(
+        &self,
+        inner: &mut Inner,
+        id: ConsumerId,
+        replaying: Option<Option<Position>>,
+        prepared: Option<Prepared>,
+        batch: u64,
+    ) -> Result<
+        (
+            Option<Replay>,
+            Option<(ReplayGrant, OwnedFd)>,
+            Option<Position>,
+        ),
+        SubscribeError,
+    > {
+        let (Some(resume), Some(prepared)) = (replaying, prepared) else {
+            return Ok((None, None, None));
+        };
+        let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
+        let shared = Position {
+            epoch,
+            sample: index * self.plan.schema.batch_size,
+        };
+        let from = resume.unwrap_or(Position { epoch, sample: 0 });
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        match replay_end(from, shared, batch, per_epoch) {
+            Some(to) => {
+                let (r, g, fd) = prepared.start(from, to, batch, per_epoch)?;
+                tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
+                self.work_cv.notify_all();
+                Ok((Some(r), Some((g, fd)), Some(to)))
+            }
+            // Nothing to replay; a resume point ahead is skipped to.
+            None => Ok((None, None, resume)),
+        }
+    }
+
     /// A replay arena for a consumer of batch size `batch` and `window`:
     /// `window + 2` batches (one being written while it holds its window,
-    /// one more so two threads can work ahead).
+    /// one more so two threads can work ahead). Its mailbox is sized for
+    /// as many more notices (`deliver.rs`, `subscribe`).
     pub(super) fn prepare_replay(
         &self,
         batch: u64,
@@ -300,6 +396,12 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
         .filter(|(_, c)| c.replay.as_ref().is_some_and(Replay::can_start))
         .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, |r| r.live.len()))?;
     let job = conn.replay.as_mut().expect("filtered").start(id);
+    tracing::debug!(
+        consumer = id,
+        seq = job.seq,
+        shared_waits,
+        "replaying a batch"
+    );
     inner.replaying += 1;
     Some(job)
 }
@@ -366,6 +468,13 @@ pub(super) fn finish(
         r.sent += 1;
     }
     for m in ready {
+        tracing::debug!(
+            consumer = id,
+            seq = m.seq,
+            epoch = m.epoch,
+            first = m.first,
+            "replayed batch sent"
+        );
         conn.replayed += m.samples;
         conn.replay_cut.add(m.epoch, m.first, m.samples);
         if let Some(why) = deliver(conn, id, m) {

@@ -356,3 +356,73 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     s.leave(host.id);
     s.shutdown();
 }
+
+/// A socket consumer that joins now, mid-epoch, is replayed the epoch's
+/// start in order, and a release of a replayed batch it does not hold
+/// (forged, repeated, never sent) is refused without touching anyone
+/// else's batches.
+#[test]
+fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
+    let s = start(2, 1);
+    let mut first = subscribe(&s, "first", false);
+    // Read and release ten batches, so the stream is mid-epoch 0.
+    let mut n = 0;
+    while n < 10 {
+        if let ServerMsg::Batch(b) = next(&mut first) {
+            release(&s, first.id, b.seq);
+            n += 1;
+        }
+    }
+    let req = Request {
+        batch_size: None,
+        drop_last: false,
+        resume: None,
+        window: 2,
+        join: JoinPolicy::Now,
+        device: None,
+        mailbox: false,
+    };
+    let mut late = s.subscribe(req, peer("late")).unwrap();
+    let (grant, _fd) = late.replay.take().expect("mid-epoch: replay granted");
+    assert_eq!(
+        grant.from,
+        batchcast::proto::Position {
+            epoch: 0,
+            sample: 0
+        }
+    );
+    assert!(grant.to.sample >= 30, "{grant:?}");
+    let forged = |seq: u64| Release {
+        seq: seq | batchcast::proto::REPLAYED,
+        wait_ns: 0,
+        busy_ns: 0,
+    };
+    assert!(matches!(
+        s.release(late.id, forged(1000)),
+        Err(ReleaseError::Replay(ReplayError::NotHeld { seq: 1000 }))
+    ));
+    assert!(
+        s.release(first.id, forged(0)).is_err(),
+        "a consumer without replay holds no replayed batch"
+    );
+    let mut seq = 0;
+    let mut at = 0;
+    while at < grant.to.sample {
+        match next(&mut late) {
+            ServerMsg::Replay(r) => {
+                assert_eq!((r.seq, r.epoch, r.first), (seq, 0, at));
+                s.release(late.id, forged(r.seq)).unwrap();
+                assert!(s.release(late.id, forged(r.seq)).is_err(), "released twice");
+                at += r.samples;
+                seq += 1;
+            }
+            ServerMsg::Batch(_) => {} // shared units, held for after
+            m => panic!("{m:?}"),
+        }
+    }
+    s.leave(late.id);
+    s.leave(first.id);
+    let st = s.stats();
+    assert!(st.replay_cpu_s > 0.0);
+    s.shutdown();
+}

@@ -258,6 +258,8 @@ class Consumer:
             part of the epoch in progress already published is recomputed
             for this trainer alone, byte for byte, then it reads the shared
             stream; streams an external producer feeds cannot do this).
+            Default ``$BATCHCAST_JOIN`` (``batchcast launch`` sets it from
+            a trainer's ``join`` key), else ``"next-epoch"``.
         output: ``"torch"`` or ``"numpy"``.
         as_dict: make each batch behave as a dict of name to tensor.
         fields: the fields a batch unpacks to, by name; default every field
@@ -302,7 +304,7 @@ class Consumer:
         stream: str = "train",
         socket: Optional[PathLike] = None,
         window: int = 2,
-        join: str = "next-epoch",
+        join: Optional[str] = None,
         output: str = "torch",
         as_dict: bool = False,
         fields: Optional[Sequence[str]] = None,
@@ -336,7 +338,7 @@ class Consumer:
             stream,
             socket=os.fspath(socket) if socket is not None else None,
             window=window,
-            join=join,
+            join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
             name=name,
             connect_timeout=timeout,
             device=dev,

@@ -6,48 +6,11 @@
 //! ([`crate::batcher::Batcher::skip_to`]).
 
 use std::collections::VecDeque;
-use std::os::fd::OwnedFd;
 
 use super::{Consumer, Next};
 use crate::batcher::Run;
 use crate::error::{Error, Result};
-use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, Welcome};
-use crate::schema::{RingLayout, Schema};
-use crate::shm::{Mapping, RingView};
-
-/// The replay arena, mapped read-only.
-#[derive(Debug)]
-pub(crate) struct ReplayArena {
-    pub(crate) map: Mapping,
-    pub(crate) rings: RingLayout,
-}
-
-impl ReplayArena {
-    /// Maps the arena the broker granted, after checking its layout holds
-    /// this consumer's batches.
-    pub(crate) fn open(fd: OwnedFd, grant: &ReplayGrant, welcome: &Welcome) -> Result<ReplayArena> {
-        let schema = Schema {
-            batch_size: welcome.batch_size,
-            ..welcome.schema.clone()
-        };
-        grant.rings.validate(&schema)?;
-        if grant.rings.unit != welcome.batch_size || grant.from >= grant.to {
-            return Err(Error::Schema(format!(
-                "the broker granted replay from {:?} to {:?} in batches of {} (this consumer's are {})",
-                grant.from, grant.to, grant.rings.unit, welcome.batch_size
-            )));
-        }
-        let map = Mapping::rings(
-            std::os::fd::AsFd::as_fd(&fd),
-            &RingView::of(&grant.rings),
-            false,
-        )?;
-        Ok(ReplayArena {
-            map,
-            rings: grant.rings.clone(),
-        })
-    }
-}
+use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady};
 
 /// Replayed batches received and not yet handed out.
 #[derive(Debug)]

@@ -1,0 +1,67 @@
+//! A consumer's own batch size: whether the stream can serve it, and what
+//! its window costs the hub in production units.
+
+use super::Stream;
+use super::deliver::{Request, Shape, SubscribeError};
+
+impl Stream {
+    /// A consumer's batch size and what its window costs in units; the
+    /// refusal says what to ask for instead.
+    pub(super) fn shape(&self, req: &Request) -> Result<Shape, SubscribeError> {
+        let unit = self.plan.schema.batch_size;
+        let size = req.batch_size.unwrap_or(unit);
+        let refuse = |why: String| Err(SubscribeError::BatchSize(why));
+        if size == 0 {
+            return refuse("batch_size must be at least 1".into());
+        }
+        if size != unit {
+            if req.device.is_some() {
+                return refuse(format!(
+                    "batch_size {size}: a GPU consumer takes the stream's batch size ({unit}) \
+                     (a device arena holds whole batches of the stream); leave batch_size unset, or use device=\"cpu\""
+                ));
+            }
+            if let Some(f) = self.plan.rings.unmirrored() {
+                let field = &self.plan.schema.fields[f];
+                return refuse(format!(
+                    "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
+                     ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
+                    self.name(),
+                    field.name,
+                    self.plan.rings.fields[f].bytes_per_sample
+                ));
+            }
+        }
+        let units = batchcast::batcher::units_needed(req.window, size, unit);
+        let slots = u64::from(self.plan.slots);
+        // With the stream's own size the hub checks the window.
+        if units > slots && size != unit {
+            // The largest batch this window allows.
+            // (window + 1) × (⌈(b − 1) / unit⌉ + 1) ≤ slots, or b = unit.
+            let per_run = slots / (u64::from(req.window) + 1);
+            let other = per_run.checked_sub(1).map(|k| k * unit + 1);
+            let own = u64::from(req.window) <= slots;
+            return refuse(format!(
+                "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
+                 (batches of {size} span up to that many while the window is full); {}, or raise the stream's slots to {units}",
+                req.window,
+                self.name(),
+                match (other, own) {
+                    (Some(b), _) if b >= unit =>
+                        format!("ask for batch_size ≤ {b} or a smaller window"),
+                    (Some(b), true) => format!(
+                        "ask for batch_size ≤ {b} or the stream's {unit}, or a smaller window"
+                    ),
+                    (None, true) =>
+                        format!("ask for the stream's batch_size {unit}, or a smaller window"),
+                    (_, false) => "ask for a smaller window".into(),
+                }
+            ));
+        }
+        Ok(Shape {
+            batch_size: size,
+            unit,
+            units: u32::try_from(units).unwrap_or(u32::MAX),
+        })
+    }
+}

@@ -1,0 +1,113 @@
+//! How a consumer connects and what it asks for ([`ConsumerOptions`]).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::proto::{JoinPolicy, Position};
+use crate::transport::program_name;
+
+/// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
+/// (else `train`), `BATCHCAST_NAME`, `BATCHCAST_JOIN` (else `next-epoch`)
+/// and the others named below from the environment.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// The broker's socket; `None` for [`crate::default_socket_path`].
+    pub socket: Option<PathBuf>,
+    /// The stream to subscribe to.
+    pub stream: String,
+    /// Most batches the program may hold (received, not released) at once,
+    /// ≥ 1: it gets no more until it releases one. (A mailbox consumer is
+    /// sent batches ahead of that; they wait in its mailbox, and are given
+    /// back unread when it leaves.)
+    pub window: u32,
+    pub join: JoinPolicy,
+    /// The name shown in `batchcast stats`.
+    pub name: String,
+    /// How long to keep retrying while the broker is not up yet or the
+    /// stream is not registered yet (a producer still starting). Zero: fail
+    /// at once. Default: `$BATCHCAST_CONNECT_TIMEOUT` seconds, else zero.
+    pub connect_timeout: Duration,
+    /// Where batches are delivered: host memory, or a GPU's memory (the
+    /// broker copies each batch once per GPU; see [`Batch::device_ptr`](crate::Batch::device_ptr)).
+    /// Default: `$BATCHCAST_DEVICE`, else `cpu`.
+    pub device: Device,
+    /// Host consumers: take batch notices and give releases back through
+    /// a [mailbox](crate::mailbox) in shared memory instead of the socket,
+    /// which saves the broker two system calls per batch. Default: on,
+    /// unless `$BATCHCAST_MAILBOX` is `0`.
+    pub mailbox: bool,
+    /// The uid the broker must run as; a socket served by anyone else is
+    /// refused ([`Error::Impostor`]). `None`: `$BATCHCAST_BROKER_UID`, else
+    /// this process's own uid.
+    pub broker_uid: Option<u32>,
+    /// Mailbox consumers: how long to poll for the next batch before
+    /// sleeping (a sleeper costs the broker a wake-up system call). The
+    /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
+    /// microseconds, else 50.
+    pub spin: Duration,
+    /// This consumer's batch size: `None` for the stream's. Any size from
+    /// 1 to what the stream's slots hold with this window (the broker says
+    /// the limit when asked for more) is served without a copy: each field
+    /// of a batch is one contiguous view of the stream's ring. Default:
+    /// `$BATCHCAST_BATCH_SIZE`, else the stream's.
+    pub batch_size: Option<u64>,
+    /// Drop each epoch's last batch when it is short (fewer than
+    /// `batch_size` samples), as `DataLoader(drop_last=True)` does.
+    pub drop_last: bool,
+    /// Start at this position of the stream instead of joining (a trainer
+    /// restarting from a checkpoint saved with [`Batch::next_position`](crate::Batch::next_position)):
+    /// what the stream already published from there is replayed (streams
+    /// the broker computes), a position ahead of it is waited for.
+    pub resume: Option<Position>,
+}
+
+impl ConsumerOptions {
+    /// Checks what can be checked before connecting: bindings call it (via
+    /// [`Consumer::connect`](crate::Consumer::connect)) rather than repeating the rules.
+    pub fn validate(&self) -> Result<()> {
+        if self.window == 0 {
+            return Err(Error::InvalidOption("window must be at least 1".into()));
+        }
+        if self.batch_size == Some(0) {
+            return Err(Error::InvalidOption(
+                "batch_size must be at least 1 (or unset for the stream's)".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        ConsumerOptions {
+            socket: None,
+            stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
+            window: 2,
+            join: env("BATCHCAST_JOIN")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(JoinPolicy::NextEpoch),
+            device: env("BATCHCAST_DEVICE")
+                .and_then(|d| d.parse().ok())
+                .unwrap_or_default(),
+            mailbox: env("BATCHCAST_MAILBOX").is_none_or(|v| v != "0"),
+            broker_uid: None,
+            spin: Duration::from_micros(
+                env("BATCHCAST_SPIN_US")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(50),
+            ),
+            connect_timeout: env("BATCHCAST_CONNECT_TIMEOUT")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .unwrap_or_default(),
+            name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
+            batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
+            drop_last: false,
+            resume: None,
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! What `batchcast stats` and the launcher read: the broker's snapshot of
+//! its streams, consumers, memory and connections.
+
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of what the broker is doing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatsReply {
+    pub broker_pid: u32,
+    pub broker_version: String,
+    pub uptime_s: f64,
+    pub streams: Vec<StreamStats>,
+    /// Producer registrations waiting for their first `Acquire`: not yet
+    /// open to consumers, but holding their arenas.
+    pub pending: Vec<PendingStream>,
+    pub memory: MemoryStats,
+    pub connections: ConnectionStats,
+}
+
+/// A producer's stream between `Registered` and its first `Acquire`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingStream {
+    pub name: String,
+    pub producer: String,
+    pub pid: u32,
+    pub uid: u32,
+    pub arena_bytes: u64,
+    pub waiting_s: f64,
+}
+
+/// The broker's memory budget and what holds it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    pub budget_bytes: u64,
+    pub used_bytes: u64,
+    pub arenas_bytes: u64,
+    pub gpu_arenas_bytes: u64,
+    pub mailboxes_bytes: u64,
+    /// Reserved up front: every connection's largest frame.
+    pub frame_buffers_bytes: u64,
+    /// Replay arenas (`join = "now"`, resumed consumers).
+    pub replay_bytes: u64,
+    /// Allocations refused for not fitting, since start.
+    pub refused: u64,
+}
+
+/// Connections held, by uid (largest first), and refused since start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConnectionStats {
+    pub held: u32,
+    pub max: u32,
+    pub refused: u64,
+    pub by_uid: Vec<(u32, u32)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StreamStats {
+    pub name: String,
+    pub slots: u32,
+    pub slot_bytes: u64,
+    pub free_slots: u32,
+    /// Slots being filled by the pipeline.
+    pub filling: u32,
+    /// Slots published and still owed to or held by a consumer.
+    pub in_use: u32,
+    pub batches_produced: u64,
+    /// The epoch of the most recently published batch.
+    pub epoch: u64,
+    pub finished: bool,
+    /// Batch deliveries summed over all consumers, past and present.
+    pub deliveries: u64,
+    /// Consumers that left (disconnected, died or detached).
+    pub departed: u64,
+    /// Consumers detached for exceeding the lag limit.
+    pub detached: u64,
+    /// Seconds the pipeline waited for a free slot (back-pressure).
+    pub producer_blocked_s: f64,
+    /// CPU seconds of the pipeline threads (filling slots, and their share
+    /// of the bookkeeping); read every 10 ms of a busy pipeline. Replay
+    /// is not in it: see `replay_cpu_s`.
+    pub pipeline_cpu_s: f64,
+    /// CPU seconds the pipeline threads spent replaying batches for single
+    /// consumers (every consumer's, those gone included).
+    pub replay_cpu_s: f64,
+    /// Image sources only.
+    pub source: Option<SourceStats>,
+    /// External streams: who produces them.
+    pub producer: Option<String>,
+    /// The uid the stream belongs to (see [`Welcome::owner_uid`](super::Welcome::owner_uid)).
+    pub owner_uid: u32,
+    /// Why the stream stopped, if its source or producer failed.
+    pub failed: Option<String>,
+    /// One entry per GPU this stream copies to.
+    pub gpus: Vec<GpuCopyStats>,
+    pub consumers: Vec<ConsumerStats>,
+    /// Consumers that have left, with their final numbers (the most recent
+    /// [`PAST_CONSUMERS`]).
+    pub past_consumers: Vec<ConsumerStats>,
+}
+
+/// How many departed consumers a stream's stats remember.
+pub const PAST_CONSUMERS: usize = 256;
+
+/// The broker's host-to-device copies of one stream to one GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuCopyStats {
+    pub gpu: String,
+    /// Batches copied: one per batch published while the GPU had
+    /// consumers, however many consumers it has.
+    pub copies: u64,
+    pub bytes: u64,
+    /// GPU seconds of these copies (CUDA events around each); `bytes /
+    /// copy_s` is the bandwidth of the broker's copy path.
+    pub copy_s: f64,
+    /// Whether the host arena is page-locked (else copies are staged by
+    /// the driver and slower).
+    pub pinned: bool,
+    /// Device slots, and how many hold a batch (being copied, or owed to a
+    /// consumer).
+    pub slots: u32,
+    pub slots_in_use: u32,
+    /// Batches whose copy waits for a free device slot (their host slots
+    /// stay pinned meanwhile).
+    pub waiting: u32,
+}
+
+/// What an image source has done so far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceStats {
+    /// Images decoded and written into slots.
+    pub decoded: u64,
+    /// Samples replaced because their file was bad (once per epoch each).
+    pub skipped: u64,
+    /// JPEGs decoded at reduced size.
+    pub reduced: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_bytes: u64,
+    pub cache_items: u64,
+    /// 0 when the cache is off.
+    pub cache_budget: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConsumerStats {
+    pub id: u64,
+    pub name: String,
+    pub pid: u32,
+    pub uid: u32,
+    /// Its window, in its own batches.
+    pub window: u32,
+    /// Its own batch size (the stream's unless it asked for another).
+    pub batch_size: u64,
+    /// Its own batches in what it was sent (an epoch in progress counted
+    /// as if it ended there).
+    pub batches: u64,
+    /// The stream's batches (production units) sent to it; its own
+    /// batches are cut from them.
+    pub delivered: u64,
+    /// Units sent and not yet released.
+    pub held: u32,
+    /// Units published for it but not yet sent (window full).
+    pub queued: u32,
+    /// Epoch of the last batch sent to it.
+    pub epoch: u64,
+    /// Samples in the batches sent to it.
+    pub samples: u64,
+    /// Seconds it reported being blocked waiting for data (data stall).
+    pub wait_s: f64,
+    /// Seconds it reported working between batches (its training steps).
+    /// `wait_s / (wait_s + busy_s)` is its data-stall fraction.
+    pub busy_s: f64,
+    /// Seconds its batches spent between sending and release, summed.
+    pub hold_s: f64,
+    /// `None`: host memory; else the GPU its batches are delivered on.
+    pub device: Option<String>,
+    /// Connected for this long (until it left, for a past consumer).
+    pub connected_s: f64,
+    /// `None` while connected; else why it left (`closed`, `detached:
+    /// lag limit`, …).
+    pub left: Option<String>,
+    /// Samples recomputed for it alone (replay), and the pipeline CPU
+    /// seconds they cost.
+    pub replayed: u64,
+    pub replay_cpu_s: f64,
+}
+
+impl ConsumerStats {
+    /// Share of its loop time the consumer spent waiting for data.
+    pub fn stall_fraction(&self) -> f64 {
+        let total = self.wait_s + self.busy_s;
+        if total > 0.0 {
+            self.wait_s / total
+        } else {
+            0.0
+        }
+    }
+}
