@@ -61,48 +61,78 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
     let b: u64 = 32;
     let per_epoch_batches = PER_EPOCH.div_ceil(b);
     let mut seen = BTreeSet::new();
-    for round in 0..60 {
-        if seen.len() as u64 == PER_EPOCH / UNIT {
+    let units = PER_EPOCH / UNIT;
+    // How far the pipeline runs ahead of a reader that reads slowly: the
+    // ring's slots, less what it holds; learned as it goes.
+    let mut ahead = 8;
+    let mut produced = paused_at(&env);
+    for round in 0..40 {
+        let Some(target) = (0..units).find(|k| !seen.contains(k)) else {
             break;
-        }
-        // Move the stream on by a unit or more with a consumer that joins
-        // immediately, reads one batch and leaves; the stream pauses.
-        if round > 0 {
-            let pacer =
-                env.consumer(&["--join", "immediate", "--max-batches", "1", "--window", "1"]);
+        };
+        // Move the stream to unit `target` of an epoch with a consumer that
+        // joins immediately, reads m batches slowly (the ring fills before
+        // each read) and leaves; the stream pauses.
+        if produced % units != target {
+            let m = match (target + 3 * units - produced % units - ahead % units) % units {
+                0 => units,
+                m => m,
+            };
+            let pacer = env.consumer(&[
+                "--join",
+                "immediate",
+                "--max-batches",
+                &m.to_string(),
+                "--sleep-ms",
+                "3",
+            ]);
             let r = report(pacer);
             assert!(r.ok, "{r:#?}");
+            let before = produced;
+            produced = paused_at(&env);
+            ahead = (produced - before).saturating_sub(m);
         }
-        let produced = paused_at(&env);
-        let at = produced % (PER_EPOCH / UNIT);
-        let epoch = produced / (PER_EPOCH / UNIT);
-        // Joins now, reads its first epoch, leaves.
-        let r = report(env.consumer(&[
-            "--join",
-            "now",
-            "--verify",
-            "--batch-size",
-            "32",
-            "--max-epochs",
-            "1",
-        ]));
-        assert!(r.ok, "joined at unit {at}: {r:#?}");
+        let at = produced % units;
+        let epoch = produced / units;
+        // Joins now, reads its first epoch, leaves: through its mailbox or
+        // on the socket, keeping or dropping the epoch's short last batch.
+        let mut args = vec!["--join", "now", "--verify", "--batch-size", "32"];
+        args.extend(["--max-epochs", "1"]);
+        let socket = round % 2 == 1;
+        let drop_last = round % 3 == 2;
+        if socket {
+            args.push("--no-mailbox");
+        }
+        if drop_last {
+            args.push("--drop-last");
+        }
+        let r = report(env.consumer(&args));
+        let what = format!(
+            "joined at unit {at} of epoch {epoch} (socket {socket}, drop_last {drop_last})"
+        );
+        assert!(r.ok, "{what}: {r:#?}");
+        let samples = if drop_last {
+            PER_EPOCH / b * b
+        } else {
+            PER_EPOCH
+        };
         assert_eq!(
             epochs(&r),
-            vec![(epoch, PER_EPOCH, true)],
-            "joined at unit {at} of epoch {epoch}: a complete first epoch"
+            vec![(epoch, samples, true)],
+            "{what}: a complete first epoch"
         );
         assert_eq!(
-            r.verified_samples, PER_EPOCH,
+            r.verified_samples, samples,
             "every byte as the stream makes it"
         );
         assert_eq!(r.views_outside_arena, 0, "replayed batches are views too");
         assert_eq!(
             r.replayed_batches,
             (at * UNIT).div_ceil(b).min(per_epoch_batches),
-            "joined at unit {at}: replays up to its first batch boundary past it"
+            "{what}: replays up to its first batch boundary past it"
         );
         seen.insert(at);
+        produced = paused_at(&env);
     }
     assert_eq!(
         seen.len() as u64,

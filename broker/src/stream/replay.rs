@@ -43,7 +43,7 @@ use batchcast::proto::{Position, ReplayGrant, ReplayReady, ServerMsg};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Mapping, RingView};
 
-use super::deliver::{Conn, Request, SubscribeError, end_mailbox_consumer, send};
+use super::deliver::{Conn, Ending, Request, SubscribeError, end_mailbox_consumer, send};
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
 use crate::hub::ConsumerId;
@@ -393,7 +393,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     let (&id, conn) = inner
         .conns
         .iter_mut()
-        .filter(|(_, c)| c.replay.as_ref().is_some_and(Replay::can_start))
+        .filter(|(_, c)| wants_replay(c))
         .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, |r| r.live.len()))?;
     let job = conn.replay.as_mut().expect("filtered").start(id);
     tracing::debug!(
@@ -406,12 +406,17 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     Some(job)
 }
 
+/// Whether a replayed batch could start now for this consumer: not once
+/// it said goodbye or was ended (it would never read it); the end of the
+/// shared stream comes after its replayed batches, so that one counts not.
+fn wants_replay(c: &Conn) -> bool {
+    matches!(c.ending, None | Some(Ending::StreamEnded))
+        && c.replay.as_ref().is_some_and(Replay::can_start)
+}
+
 /// Whether a replayed batch could start now.
 pub(super) fn has_work(inner: &Inner) -> bool {
-    inner
-        .conns
-        .values()
-        .any(|c| c.replay.as_ref().is_some_and(Replay::can_start))
+    inner.conns.values().any(wants_replay)
 }
 
 /// Whether some consumer is still being replayed to (its releases must be
@@ -507,7 +512,7 @@ fn end_socket_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
         return;
     };
     tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
-    conn.ending = Some(super::deliver::Ending::Ended(why.clone()));
+    conn.ending = Some(Ending::Ended(why.clone()));
     send(
         conn,
         id,
