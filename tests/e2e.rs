@@ -4,24 +4,20 @@
 //! test instead of hanging it.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
-use batchcast::proto::{
-    self, ClientMsg, ErrorCode, Hello, Intent, Preamble, Release, ServerMsg, StatsReply, Welcome,
-};
-use batchcast::shm;
+use batchcast::proto::{self, ClientMsg, ErrorCode, Preamble, Release, ServerMsg, StatsReply};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, LIMIT, is_root, report};
+use common::{EXE, Env, LIMIT, is_root, raw_subscribe, report};
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
     let fields: [(&str, &str, &[u64]); 3] = [
@@ -577,50 +573,6 @@ fn a_config_key_out_of_bounds_is_refused_naming_the_key_and_its_limit() {
     }
 }
 
-/// A consumer speaking the protocol by hand: the welcome, and the fds
-/// that came with it (the arena's, then the mailbox's).
-fn raw_subscribe(socket: &Path, name: &str, mailbox: bool) -> (UnixStream, Welcome, Vec<OwnedFd>) {
-    let s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = ClientMsg::Hello(Hello {
-        name: name.into(),
-        pid: std::process::id(),
-        intent: Intent::Consume {
-            batch_size: None,
-            drop_last: false,
-            resume: None,
-            stream: "train".into(),
-            window: 2,
-            join: batchcast::JoinPolicy::Immediate,
-            device: None,
-            mailbox,
-        },
-    });
-    let mut out = Preamble::ours().to_bytes().to_vec();
-    out.extend(proto::encode(&hello).unwrap());
-    (&s).write_all(&out).unwrap();
-    let mut pre = [0u8; Preamble::LEN];
-    (&s).read_exact(&mut pre).unwrap();
-    let mut fds = Vec::new();
-    let mut recv = |buf: &mut [u8]| {
-        let mut at = 0;
-        while at < buf.len() {
-            let (n, got) = shm::recv_with_fds(s.as_raw_fd(), &mut buf[at..]).unwrap();
-            assert!(n > 0, "the broker closed the connection");
-            fds.extend(got);
-            at += n;
-        }
-    };
-    let mut len = [0u8; 4];
-    recv(&mut len);
-    let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
-    recv(&mut payload);
-    let ServerMsg::Welcome(w) = proto::decode(&payload).unwrap() else {
-        panic!("no welcome")
-    };
-    (s, *w, fds)
-}
-
 #[test]
 fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
     let env = Env::start(&config("", 100_000, 8));
@@ -631,7 +583,12 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
         } else {
             "forger-socket"
         };
-        let (mut sock, welcome, mut fds) = raw_subscribe(&env.socket(), name, mailbox);
+        let (mut sock, welcome, mut fds) = raw_subscribe(
+            &env.socket(),
+            name,
+            mailbox,
+            batchcast::JoinPolicy::Immediate,
+        );
         // Take a batch and release it claiming centuries of waiting; a
         // mailbox consumer releases one through its mailbox and one on the
         // socket, so both of its sums are huge.

@@ -7,8 +7,10 @@
 //! cannot replay says so.
 
 use std::collections::BTreeSet;
+use std::io::Write;
 use std::time::Duration;
 
+use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 
@@ -242,4 +244,59 @@ fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
     });
     assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
     assert_eq!(s.streams[0].in_use, 0, "every slot came back");
+}
+
+#[test]
+fn a_forged_release_of_a_replayed_batch_ends_only_that_consumer() {
+    let env = Env::start(&config(""));
+    let r = report(env.consumer(&["--max-batches", "5"]));
+    assert!(r.ok);
+    paused_at(&env);
+    let steady = env.consumer(&[
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        "40",
+        "--name",
+        "steady",
+    ]);
+    // Joins now on the socket, by hand: granted replay (the replay arena's
+    // fd after the arena's), it releases a replayed batch it never got.
+    let (mut sock, welcome, fds) =
+        common::raw_subscribe(&env.socket(), "forger", false, batchcast::JoinPolicy::Now);
+    let grant = welcome.replay.expect("mid-epoch: replay granted");
+    assert!(
+        grant.to.sample > 0 && fds.len() == 2,
+        "{grant:?}, {} fds",
+        fds.len()
+    );
+    let forged = ClientMsg::Release(Release {
+        seq: 999 | batchcast::proto::REPLAYED,
+        wait_ns: 0,
+        busy_ns: 0,
+    });
+    sock.write_all(&proto::encode(&forged).unwrap()).unwrap();
+    let error = loop {
+        match proto::read_frame::<ServerMsg>(&mut sock, &mut Vec::new()) {
+            Ok(Some(ServerMsg::Error(e))) => break e,
+            Ok(Some(_)) => {}
+            other => panic!("the connection ended without an error: {other:?}"),
+        }
+    };
+    assert_eq!(error.code, ErrorCode::InvalidRequest);
+    assert!(
+        error.message.contains("replayed batch 999 is not held"),
+        "{}",
+        error.message
+    );
+    let r = report(steady);
+    assert!(
+        r.ok && r.batches == 40 && r.verified_samples == r.samples,
+        "the others are unaffected: {r:#?}"
+    );
+    let s = env.wait_for("the forger to be gone", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
 }

@@ -3,10 +3,14 @@
 //! bounded waits on its stats. Each test binary uses part of it.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use batchcast::proto::StatsReply;
+use batchcast::proto::{self, ClientMsg, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome};
+use batchcast::shm;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 
@@ -102,4 +106,54 @@ pub fn is_root(what: &str) -> bool {
         eprintln!("SKIPPED (needs root to act as a second user): {what}");
     }
     root
+}
+
+/// A consumer speaking the protocol by hand: the welcome, and the fds
+/// that came with it (the arena's, then the mailbox's, then the replay
+/// arena's).
+pub fn raw_subscribe(
+    socket: &Path,
+    name: &str,
+    mailbox: bool,
+    join: batchcast::JoinPolicy,
+) -> (UnixStream, Welcome, Vec<OwnedFd>) {
+    let s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = ClientMsg::Hello(Hello {
+        name: name.into(),
+        pid: std::process::id(),
+        intent: Intent::Consume {
+            batch_size: None,
+            drop_last: false,
+            resume: None,
+            stream: "train".into(),
+            window: 2,
+            join,
+            device: None,
+            mailbox,
+        },
+    });
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend(proto::encode(&hello).unwrap());
+    (&s).write_all(&out).unwrap();
+    let mut pre = [0u8; Preamble::LEN];
+    (&s).read_exact(&mut pre).unwrap();
+    let mut fds = Vec::new();
+    let mut recv = |buf: &mut [u8]| {
+        let mut at = 0;
+        while at < buf.len() {
+            let (n, got) = shm::recv_with_fds(s.as_raw_fd(), &mut buf[at..]).unwrap();
+            assert!(n > 0, "the broker closed the connection");
+            fds.extend(got);
+            at += n;
+        }
+    };
+    let mut len = [0u8; 4];
+    recv(&mut len);
+    let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
+    recv(&mut payload);
+    let ServerMsg::Welcome(w) = proto::decode(&payload).unwrap() else {
+        panic!("no welcome")
+    };
+    (s, *w, fds)
 }
