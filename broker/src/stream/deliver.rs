@@ -266,19 +266,24 @@ impl Stream {
                 None => req.join,
             };
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
-            let (replay, replay_grant, skip) =
-                match self.start_replay(inner, id, replaying, prepared, shape.batch_size) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        inner.hub.leave(id);
-                        return Err(e);
-                    }
-                };
-            if let Some((g, _)) = &replay_grant {
+            let started = self
+                .start_replay(inner, id, replaying, prepared, shape.batch_size)
+                .inspect_err(|_| {
+                    inner.hub.leave(id);
+                })?;
+            if let Some((g, _)) = &started.grant {
                 start_epoch = g.from.epoch;
             }
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
-            let conn = Conn::new(tx, peer, shape, &req, (mailbox, mailbox_grant), replay, skip);
+            let conn = Conn::new(
+                tx,
+                peer,
+                shape,
+                &req,
+                (mailbox, mailbox_grant),
+                started.replay,
+                started.skip,
+            );
             inner.conns.insert(id, conn);
             Ok(Subscription {
                 id,
@@ -287,7 +292,7 @@ impl Stream {
                 rx,
                 device: mirror.as_ref().map(|m| m.arena()),
                 mailbox: grant,
-                replay: replay_grant,
+                replay: started.grant,
             })
         })
     }

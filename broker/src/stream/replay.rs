@@ -157,9 +157,7 @@ impl Stream {
     }
 
     /// Consumer `id` just joined: where the shared stream begins for it
-    /// decides what is replayed. Returns the replay, its grant, and from
-    /// where its shared samples count.
-    #[allow(clippy::type_complexity)]
+    /// decides what is replayed.
     pub(super) fn start_replay(
         &self,
         inner: &mut Inner,
@@ -167,16 +165,9 @@ impl Stream {
         replaying: Option<Option<Position>>,
         prepared: Option<Prepared>,
         batch: u64,
-    ) -> Result<
-        (
-            Option<Replay>,
-            Option<(ReplayGrant, OwnedFd)>,
-            Option<Position>,
-        ),
-        SubscribeError,
-    > {
+    ) -> Result<Started, SubscribeError> {
         let (Some(resume), Some(prepared)) = (replaying, prepared) else {
-            return Ok((None, None, None));
+            return Ok(Started::default());
         };
         let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
         let shared = Position {
@@ -187,13 +178,20 @@ impl Stream {
         let per_epoch = self.plan.schema.samples_per_epoch;
         match replay_end(from, shared, batch, per_epoch) {
             Some(to) => {
-                let (r, g, fd) = prepared.start(from, to, batch, per_epoch)?;
+                let (replay, grant, fd) = prepared.start(from, to, batch, per_epoch)?;
                 tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
                 self.work_cv.notify_all();
-                Ok((Some(r), Some((g, fd)), Some(to)))
+                Ok(Started {
+                    replay: Some(replay),
+                    grant: Some((grant, fd)),
+                    skip: Some(to),
+                })
             }
             // Nothing to replay; a resume point ahead is skipped to.
-            None => Ok((None, None, resume)),
+            None => Ok(Started {
+                skip: resume,
+                ..Started::default()
+            }),
         }
     }
 
@@ -266,6 +264,16 @@ impl Prepared {
         };
         Ok((replay, grant, fd))
     }
+}
+
+/// What a consumer that just joined gets of replay: the replay itself, the
+/// grant and arena fd for its welcome, and where its shared samples begin
+/// to count (the end of its replay, or a resume point ahead).
+#[derive(Debug, Default)]
+pub(super) struct Started {
+    pub(super) replay: Option<Replay>,
+    pub(super) grant: Option<(ReplayGrant, OwnedFd)>,
+    pub(super) skip: Option<Position>,
 }
 
 /// One consumer's replay in progress.
