@@ -50,6 +50,27 @@ fn paused_at(env: &Env) -> u64 {
     }
 }
 
+/// A broker whose stream stands mid-epoch (a first consumer read `read`
+/// batches and left), and a consumer `steady` that joins immediately and
+/// verifies `steady_batches` batches.
+fn mid_epoch_with_a_steady_reader(read: u64, steady_batches: u64) -> (Env, std::process::Child) {
+    let env = Env::start(&config(""));
+    let r = report(env.consumer(&["--max-batches", &read.to_string()]));
+    assert!(r.ok, "{r:#?}");
+    paused_at(&env);
+    let n = steady_batches.to_string();
+    let steady = env.consumer(&[
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        &n,
+        "--name",
+        "steady",
+    ]);
+    (env, steady)
+}
+
 fn epochs(r: &ConsumerReport) -> Vec<(u64, u64, bool)> {
     r.epochs
         .iter()
@@ -195,19 +216,7 @@ fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
 
 #[test]
 fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
-    let env = Env::start(&config(""));
-    let r = report(env.consumer(&["--max-batches", "7"]));
-    assert!(r.ok);
-    paused_at(&env);
-    let steady = env.consumer(&[
-        "--join",
-        "immediate",
-        "--verify",
-        "--max-batches",
-        "60",
-        "--name",
-        "steady",
-    ]);
+    let (env, steady) = mid_epoch_with_a_steady_reader(7, 60);
     // Resumes from the start of epoch 0 (far behind: it replays for a long
     // while), holding two batches and reading slowly.
     let mut victim = env.consumer(&[
@@ -248,19 +257,7 @@ fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
 
 #[test]
 fn a_forged_release_of_a_replayed_batch_ends_only_that_consumer() {
-    let env = Env::start(&config(""));
-    let r = report(env.consumer(&["--max-batches", "5"]));
-    assert!(r.ok);
-    paused_at(&env);
-    let steady = env.consumer(&[
-        "--join",
-        "immediate",
-        "--verify",
-        "--max-batches",
-        "40",
-        "--name",
-        "steady",
-    ]);
+    let (env, steady) = mid_epoch_with_a_steady_reader(5, 40);
     // Joins now on the socket, by hand: granted replay (the replay arena's
     // fd after the arena's), it releases a replayed batch it never got.
     let (mut sock, welcome, fds) =

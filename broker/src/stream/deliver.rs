@@ -207,7 +207,7 @@ impl Stream {
         let replaying = self.replay_request(&req)?;
         // And the replayed batches it may be sent ahead of its releases.
         let replayed = match replaying {
-            Some(_) => req.window as usize + 2,
+            Some(_) => replay::slots(req.window) as usize,
             None => 0,
         };
         let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
@@ -310,7 +310,7 @@ impl Stream {
             return Ok((None, None));
         }
         let replayed = if replaying {
-            req.window.saturating_add(2)
+            replay::slots(req.window)
         } else {
             0
         };
@@ -507,16 +507,27 @@ pub(super) fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: Strin
     let Some(conn) = inner.conns.get_mut(&id) else {
         return;
     };
-    if conn.mailbox.take().is_none() {
+    if conn.mailbox.is_none() {
         return; // already ended
     }
+    end_consumer(inner, id, ErrorCode::InvalidRequest, why);
+}
+
+/// Ends one consumer: its mailbox is dropped (no more notices), it is sent
+/// an error with `code` and a goodbye, and it takes nothing more from the
+/// hub; it leaves when its connection closes. Nobody else is affected.
+pub(super) fn end_consumer(inner: &mut Inner, id: ConsumerId, code: ErrorCode, why: String) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    conn.mailbox = None;
     tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
     conn.ending = Some(Ending::Ended(why.clone()));
     send(
         conn,
         id,
         ServerMsg::Error(ErrorMsg {
-            code: ErrorCode::InvalidRequest,
+            code,
             message: format!("the broker ended this consumer: {why}"),
         }),
     );

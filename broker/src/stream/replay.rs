@@ -39,11 +39,13 @@ use std::time::Duration;
 
 use batchcast::JoinPolicy;
 use batchcast::mailbox::Notice;
-use batchcast::proto::{Position, ReplayGrant, ReplayReady, ServerMsg};
+use batchcast::proto::{ErrorCode, Position, ReplayGrant, ReplayReady, ServerMsg};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Mapping, RingView};
 
-use super::deliver::{Conn, Ending, Request, SubscribeError, end_mailbox_consumer, send};
+use super::deliver::{
+    Conn, Ending, Request, SubscribeError, end_consumer, end_mailbox_consumer, send,
+};
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
 use crate::hub::ConsumerId;
@@ -78,6 +80,13 @@ pub(super) fn replay_end(
         }
         .advance(end, per_epoch),
     )
+}
+
+/// Batches in the replay arena of a consumer with `window`: its window,
+/// one being made, and one more so two threads can work ahead. Its
+/// mailbox and outbox have room for as many more messages.
+pub(super) fn slots(window: u32) -> u32 {
+    window.saturating_add(2)
 }
 
 /// A replay arena made before the consumer joins (outside the hub's lock).
@@ -196,9 +205,7 @@ impl Stream {
     }
 
     /// A replay arena for a consumer of batch size `batch` and `window`:
-    /// `window + 2` batches (one being written while it holds its window,
-    /// one more so two threads can work ahead). Its mailbox is sized for
-    /// as many more notices (`deliver.rs`, `subscribe`).
+    /// [`slots`] of its batches.
     pub(super) fn prepare_replay(
         &self,
         batch: u64,
@@ -206,7 +213,7 @@ impl Stream {
         uid: u32,
         whom: &str,
     ) -> Result<Prepared, ReplayError> {
-        let slots = window.saturating_add(2);
+        let slots = slots(window);
         let schema = Schema {
             batch_size: batch,
             ..self.plan.schema.clone()
@@ -455,11 +462,7 @@ pub(super) fn finish(
     if let Err(why) = made {
         conn.replay = None;
         let why = format!("replaying its batches failed: {why}");
-        if conn.mailbox.is_some() {
-            end_mailbox_consumer(inner, id, why);
-        } else {
-            end_socket_consumer(inner, id, why);
-        }
+        end_consumer(inner, id, ErrorCode::SourceFailed, why);
         return;
     }
     let Some(r) = conn.replay.as_mut() else {
@@ -512,29 +515,6 @@ fn deliver(conn: &mut Conn, id: ConsumerId, ready: ReplayReady) -> Option<String
             None
         }
     }
-}
-
-/// A socket consumer whose replay failed: told why, then detached.
-fn end_socket_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
-    let Some(conn) = inner.conns.get_mut(&id) else {
-        return;
-    };
-    tracing::warn!(consumer = id, name = %conn.name, "ending a consumer: {why}");
-    conn.ending = Some(Ending::Ended(why.clone()));
-    send(
-        conn,
-        id,
-        ServerMsg::Error(batchcast::proto::ErrorMsg {
-            code: batchcast::proto::ErrorCode::SourceFailed,
-            message: format!("the broker ended this consumer: {why}"),
-        }),
-    );
-    send(
-        conn,
-        id,
-        ServerMsg::Goodbye(batchcast::proto::GoodbyeReason::Detached),
-    );
-    let _ = inner.hub.goodbye(id);
 }
 
 /// Consumer `id` released replayed batch `seq`.
