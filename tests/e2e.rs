@@ -588,6 +588,7 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
             name,
             mailbox,
             batchcast::JoinPolicy::Immediate,
+            None,
         );
         // Take a batch and release it claiming centuries of waiting; a
         // mailbox consumer releases one through its mailbox and one on the

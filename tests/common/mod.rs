@@ -116,6 +116,7 @@ pub fn raw_subscribe(
     name: &str,
     mailbox: bool,
     join: batchcast::JoinPolicy,
+    resume: Option<proto::Position>,
 ) -> (UnixStream, Welcome, Vec<OwnedFd>) {
     let s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -125,7 +126,7 @@ pub fn raw_subscribe(
         intent: Intent::Consume {
             batch_size: None,
             drop_last: false,
-            resume: None,
+            resume,
             stream: "train".into(),
             window: 2,
             join,
