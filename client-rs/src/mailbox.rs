@@ -40,13 +40,14 @@
 //! `SeqCst` fence, then looks once more; a side that publishes work first
 //! stores it, then a `SeqCst` fence, then reads the other's flag.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::proto::{BatchReady, EpochEnd, MailboxSpec, ReplayReady};
+use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, ReplayReady};
 use crate::shm::{Arena, Mapping};
 
 const BELL: usize = 0;
@@ -209,6 +210,10 @@ pub struct BrokerMailbox {
     tail: u64,
     drained: u64,
     want: bool,
+    /// The notice index and seq (tagged [`proto::REPLAYED`] for a replayed
+    /// batch) of each batch noticed at or after `tail`: what the consumer
+    /// may not have read. At most the ring's capacity.
+    units: VecDeque<(u64, u64)>,
 }
 
 /// A consumer's mailbox broke the protocol; that consumer is ended.
@@ -242,6 +247,7 @@ impl BrokerMailbox {
             tail: 0,
             drained: 0,
             want: false,
+            units: VecDeque::new(),
         })
     }
 
@@ -269,18 +275,19 @@ impl BrokerMailbox {
 
     /// Writes one notice (see [`ring`](Self::ring)).
     pub fn push(&mut self, notice: &Notice) -> std::result::Result<(), MailboxError> {
-        let w = &self.words;
-        let cap = w.spec.notices as u64;
+        let cap = self.words.spec.notices as u64;
         if self.head.wrapping_sub(self.tail) >= cap {
-            self.tail = w.u64(TAIL).load(Ordering::Acquire);
+            self.tail = self.words.u64(TAIL).load(Ordering::Acquire);
+            self.forget_read();
             let unread = self.head.wrapping_sub(self.tail);
             if unread >= cap {
                 return Err(MailboxError::Full {
                     unread,
-                    capacity: w.spec.notices,
+                    capacity: self.words.spec.notices,
                 });
             }
         }
+        let w = &self.words;
         let words: [u64; NOTICE_WORDS - 1] = match *notice {
             Notice::Batch(b) => [
                 KIND_BATCH,
@@ -316,8 +323,36 @@ impl BrokerMailbox {
         }
         w.notice(self.head, 0)
             .store(self.head + 1, Ordering::Release);
+        match *notice {
+            Notice::Batch(b) => self.units.push_back((self.head, b.seq)),
+            Notice::Replay(r) => self.units.push_back((self.head, r.seq | proto::REPLAYED)),
+            Notice::EndOfEpoch(_) | Notice::EndOfStream => {}
+        }
         self.head += 1;
         Ok(())
+    }
+
+    /// Drops the record of units noticed before `tail`.
+    fn forget_read(&mut self) {
+        while self.units.front().is_some_and(|&(n, _)| n < self.tail) {
+            self.units.pop_front();
+        }
+    }
+
+    /// The units (seqs, replayed ones tagged [`proto::REPLAYED`]) noticed
+    /// and not read, by the consumer's `tail`: what a consumer that said
+    /// goodbye will never give back itself. A consumer's `tail` is its own
+    /// word, so a forged one only makes the broker give back units that
+    /// consumer holds (releases of which are then refused) or keep units
+    /// it would have given back (until its connection closes).
+    pub fn unread_units(&mut self) -> Vec<u64> {
+        let tail = self.words.u64(TAIL).load(Ordering::Acquire);
+        if tail > self.head {
+            return Vec::new(); // forged: nothing is unread
+        }
+        self.tail = self.tail.max(tail);
+        self.forget_read();
+        self.units.iter().map(|&(_, seq)| seq).collect()
     }
 
     /// Asks the consumer to send a doorbell after each release (`true`), or
@@ -581,6 +616,44 @@ mod tests {
             busy_ns: 2 * wait_ns,
             hold_ns: 3 * wait_ns,
         }
+    }
+
+    #[test]
+    fn the_broker_knows_which_units_were_noticed_and_not_read() {
+        let (mut b, c) = pair(2);
+        let cap = b.spec().notices as u64;
+        // Wraps the ring several times, so records of read units are
+        // forgotten as the broker learns of reads.
+        for seq in 0..3 * cap {
+            b.push(&batch(seq)).unwrap();
+            assert_eq!(c.pop().unwrap(), Some(batch(seq)));
+        }
+        let next = 3 * cap;
+        b.push(&batch(next)).unwrap();
+        b.push(&Notice::EndOfEpoch(EpochEnd {
+            epoch: 0,
+            batches: 1,
+            complete: true,
+        }))
+        .unwrap();
+        b.push(&Notice::Replay(ReplayReady {
+            seq: 5,
+            epoch: 0,
+            first: 0,
+            samples: 3,
+            ends_epoch: false,
+        }))
+        .unwrap();
+        assert_eq!(b.unread_units(), vec![next, 5 | proto::REPLAYED]);
+        assert_eq!(c.pop().unwrap(), Some(batch(next)));
+        assert_eq!(b.unread_units(), vec![5 | proto::REPLAYED]);
+        assert!(c.pop().unwrap().is_some());
+        assert!(c.pop().unwrap().is_some());
+        assert_eq!(b.unread_units(), Vec::<u64>::new());
+        // A tail forged past what was written: nothing is unread.
+        b.push(&batch(next + 1)).unwrap();
+        c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
+        assert_eq!(b.unread_units(), Vec::<u64>::new());
     }
 
     #[test]

@@ -332,9 +332,26 @@ impl Stream {
 
     pub fn goodbye(&self, id: ConsumerId) {
         self.with_hub(|inner| {
-            // A mailbox consumer gives back the notices it will never read
-            // before it says goodbye: take them now.
+            // A mailbox consumer gives back the notices it read and will
+            // not use before it says goodbye: take them now. Notices
+            // written after it last looked it never read: give those back
+            // for it (a release of one of them that still comes is refused,
+            // which ends only this consumer, which is leaving anyway).
             inner.drain_all = true;
+            if drain(inner, |cid, _| cid == id) {
+                dispatch(inner);
+            }
+            let unread = inner
+                .conns
+                .get_mut(&id)
+                .and_then(|c| c.mailbox.as_mut())
+                .map(BrokerMailbox::unread_units)
+                .unwrap_or_default();
+            for seq in unread {
+                if let Err(e) = take_release(inner, id, seq) {
+                    tracing::debug!(consumer = id, "giving back an unread notice: {e}");
+                }
+            }
             let _ = inner.hub.goodbye(id);
             if let Some(c) = inner.conns.get_mut(&id) {
                 c.ending.get_or_insert(Ending::SaidGoodbye);
@@ -461,23 +478,23 @@ fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), Relea
 /// waits on them), and sends what the hub emits after.
 pub(super) fn drain_replaying(inner: &mut Inner) {
     std::sync::atomic::fence(Ordering::SeqCst);
-    if drain(inner, |c| c.replay.is_some()) {
+    if drain(inner, |_, c| c.replay.is_some()) {
         dispatch(inner);
     }
 }
 
 /// Takes the releases written to every mailbox; whether there were any.
 fn drain_mailboxes(inner: &mut Inner) -> bool {
-    drain(inner, |_| true)
+    drain(inner, |_, _| true)
 }
 
 /// Takes the releases written to the mailboxes of the consumers `which`
 /// picks; whether there were any.
-fn drain(inner: &mut Inner, which: impl Fn(&Conn) -> bool) -> bool {
+fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
     let mut taken = std::mem::take(&mut inner.drained);
     let mut broken = Vec::new();
     for (&id, conn) in inner.conns.iter_mut() {
-        if !which(conn) {
+        if !which(id, conn) {
             continue;
         }
         let Some(mb) = conn.mailbox.as_mut() else {
