@@ -147,6 +147,14 @@ pub enum HubError {
     UnknownConsumer(ConsumerId),
     #[error("batch {seq} is not held by this consumer (already released, or never sent)")]
     NotHeld { seq: u64 },
+    #[error("a consumer of a GPU's copies, or one that said goodbye, is not cut from the stream")]
+    NotCuttable,
+    #[error("consumer {0} was not cut from the stream, or said goodbye since")]
+    NotCut(ConsumerId),
+    #[error(
+        "batch {seq} is no longer published (or it holds batch {seq} or a later one): it cannot rejoin there"
+    )]
+    NotLive { seq: u64 },
     #[error(
         "window {window} exceeds the {slots} device slots of this stream's GPU arena; ask for a window of at most {slots}"
     )]
@@ -231,6 +239,9 @@ struct Consumer {
     held: Vec<u64>,
     /// Said goodbye: nothing more is sent, held batches await release.
     closing: bool,
+    /// Cut from the shared stream ([`Hub::cut`]): nothing more is published
+    /// to it until it [rejoins](Hub::rejoin); held batches await release.
+    cut: bool,
     /// End of stream was sent.
     ended: bool,
     delivered: u64,
@@ -241,7 +252,7 @@ struct Consumer {
 
 impl Consumer {
     fn wants(&self, seq: u64, epoch: u64) -> bool {
-        !self.closing && !self.ended && seq >= self.floor && epoch >= self.start_epoch
+        !self.closing && !self.cut && !self.ended && seq >= self.floor && epoch >= self.start_epoch
     }
     /// How far behind the first unpublished batch `head` the oldest batch
     /// it owes is: what it keeps the ring from reusing (batches are slots
@@ -403,7 +414,9 @@ impl Hub {
     /// was sent the end of the stream, only gives back what it holds): with
     /// none, the stream pauses rather than make batches for nobody.
     fn anyone_reading(&self) -> bool {
-        self.consumers.values().any(|c| !c.closing && !c.ended)
+        self.consumers
+            .values()
+            .any(|c| !c.closing && !c.cut && !c.ended)
     }
 
     /// Slots the pipeline may fill now: the free ones from the ring's next
@@ -489,6 +502,7 @@ impl Hub {
                 queue: VecDeque::new(),
                 held: Vec::new(),
                 closing: false,
+                cut: false,
                 ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,
@@ -520,6 +534,89 @@ impl Hub {
         }
         self.pump();
         Ok(())
+    }
+
+    /// Cuts a host consumer from the shared stream (decoupled pace: it fell
+    /// too far behind, and goes on from replay): what was queued for it,
+    /// and the batches in `revoke` that it was sent and never took, are
+    /// given back; nothing more is published to it until it
+    /// [rejoins](Hub::rejoin). What it took stays held until released.
+    /// The runtime must be sure it never reads the `revoke`d batches (the
+    /// mailbox's cut handshake).
+    pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(), HubError> {
+        let c = self
+            .consumers
+            .get_mut(&id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        if c.group.is_some() || c.closing || c.ended {
+            return Err(HubError::NotCuttable);
+        }
+        if let Some(&seq) = revoke.iter().find(|s| !c.held.contains(s)) {
+            return Err(HubError::NotHeld { seq });
+        }
+        c.cut = true;
+        c.held.retain(|s| !revoke.contains(s));
+        let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
+        for seq in dropped {
+            self.unpin(seq);
+        }
+        self.pump();
+        Ok(())
+    }
+
+    /// Puts a cut consumer back in the shared stream from batch `seq` on:
+    /// it owes every batch from there, published or to come. Refused
+    /// ([`HubError::NotLive`]) unless every batch from `seq` to the head is
+    /// still published (nobody may reuse a slot it is to read) and it holds
+    /// nothing from `seq` on.
+    pub fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
+        let head = self.head();
+        let c = self
+            .consumers
+            .get(&id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        if !c.cut || c.closing || c.ended {
+            return Err(HubError::NotCut(id));
+        }
+        let live = (seq..head).all(|s| self.published.contains_key(&s));
+        // Batches from there on follow each other in the epoch (none of an
+        // epoch abandoned while nobody read it, see `join_group`).
+        let epoch = self.position(seq).map(|(epoch, _)| epoch);
+        let whole = epoch.is_some_and(|epoch| epoch >= self.live_epoch);
+        if seq > head || !live || !whole || c.held.iter().any(|&h| h >= seq) {
+            return Err(HubError::NotLive { seq });
+        }
+        for s in seq..head {
+            let slot = self.published[&s].slot as usize;
+            match &mut self.slots[slot] {
+                Slot::Published { refs, .. } => *refs += 1,
+                other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
+            }
+        }
+        let c = self.consumers.get_mut(&id).expect("looked up above");
+        c.cut = false;
+        c.floor = seq;
+        c.start_epoch = epoch.expect("checked above");
+        c.queue.extend(seq..head);
+        self.pump();
+        Ok(())
+    }
+
+    /// Epoch and index of batch `seq`, if it is published, being made, or
+    /// the next one to be made.
+    pub fn position(&self, seq: u64) -> Option<(u64, u64)> {
+        if let Some(b) = self.published.get(&seq) {
+            return Some((b.epoch, b.index));
+        }
+        if let Some(b) = self.inflight.get(&seq) {
+            return Some((b.epoch, b.index));
+        }
+        (seq == self.next_seq).then_some((self.next_epoch, self.next_index))
+    }
+
+    /// Whether consumer `id` is cut from the shared stream.
+    pub fn is_cut(&self, id: ConsumerId) -> bool {
+        self.consumers.get(&id).is_some_and(|c| c.cut)
     }
 
     /// The consumer is gone: everything it held or was owed is given back.

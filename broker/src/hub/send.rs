@@ -180,6 +180,7 @@ impl Hub {
         if exhausted
             && !c.ended
             && !c.closing
+            && !c.cut
             && c.queue.is_empty()
             && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
         {

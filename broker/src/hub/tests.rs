@@ -366,6 +366,62 @@ fn goodbye_stops_sending_but_keeps_held_batches_valid() {
     );
 }
 
+#[test]
+fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() {
+    let mut h = hub(4, 100, None, None);
+    let (fast, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let (slow, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let ws: Vec<Work> = (0..4).map(|_| produce(&mut h).unwrap()).collect();
+    h.take_outbound();
+    for w in &ws {
+        h.release(fast, w.seq).unwrap();
+    }
+    assert!(h.start_batch().is_none(), "the slow one owes the ring");
+    h.release(slow, ws[0].seq).unwrap();
+    let w4 = produce(&mut h).unwrap();
+    h.take_outbound();
+    // It took batch 1 and never took 2, 3 and 4.
+    assert_eq!(h.cut(slow, &[9]), Err(HubError::NotHeld { seq: 9 }));
+    h.cut(slow, &[ws[2].seq, ws[3].seq, w4.seq]).unwrap();
+    assert!(h.is_cut(slow));
+    assert_eq!(h.consumer_counts(slow).unwrap().held, 1);
+    assert_eq!(
+        h.release(slow, ws[2].seq),
+        Err(HubError::NotHeld { seq: 2 })
+    );
+    assert!(h.start_batch().is_none(), "batch 1 is still held");
+    assert_eq!(
+        batches(&h.take_outbound(), slow),
+        vec![],
+        "nothing while cut"
+    );
+    // Rejoining where a batch is gone, or where it holds one, is refused.
+    assert_eq!(h.rejoin(slow, ws[2].seq), Err(HubError::NotLive { seq: 2 }));
+    assert_eq!(h.rejoin(slow, ws[1].seq), Err(HubError::NotLive { seq: 1 }));
+    assert_eq!(h.rejoin(fast, w4.seq), Err(HubError::NotCut(fast)));
+    h.release(slow, ws[1].seq).unwrap();
+    // The fast one reads on; batch 4 is still owed by it: the slow one may
+    // rejoin there, and gets 4, 5, ... in order.
+    let w5 = produce(&mut h).unwrap();
+    h.rejoin(slow, w4.seq).unwrap();
+    assert!(!h.is_cut(slow));
+    let w6 = produce(&mut h).unwrap();
+    assert_eq!(
+        batches(&h.take_outbound(), slow),
+        vec![(0, 4), (0, 5), (0, 6)]
+    );
+    for w in [w4, w5, w6] {
+        h.release(fast, w.seq).unwrap();
+        h.release(slow, w.seq).unwrap();
+    }
+    assert_eq!(h.counts().free, 4);
+    h.check_invariants();
+}
+
 /// `(seq, slot)` of every batch sent to `who`.
 fn sent(out: &[(ConsumerId, Outbound)], who: ConsumerId) -> Vec<(u64, SlotId)> {
     out.iter()
@@ -607,6 +663,18 @@ enum Op {
     },
     Die(prop::sample::Index),
     Goodbye(prop::sample::Index),
+    /// Cuts a host consumer, revoking the batches it holds from `from`
+    /// (in sequence order) on, as if it never took them.
+    Cut {
+        who: prop::sample::Index,
+        from: prop::sample::Index,
+    },
+    /// A cut consumer rejoins at a seq between the oldest published batch
+    /// and the head (refused where that is not live).
+    Rejoin {
+        who: prop::sample::Index,
+        at: prop::sample::Index,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -618,6 +686,8 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, which)| Op::Release { who, which }),
         1 => any::<prop::sample::Index>().prop_map(Op::Die),
         1 => any::<prop::sample::Index>().prop_map(Op::Goodbye),
+        1 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, from)| Op::Cut { who, from }),
+        2 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, at)| Op::Rejoin { who, at }),
     ]
 }
 
@@ -634,6 +704,11 @@ struct Seen {
     ended: bool,
     gone: bool,
     closing: bool,
+    /// Cut from the stream; was ever cut; the seq its next batch must be
+    /// after a rejoin.
+    cut: bool,
+    was_cut: bool,
+    rejoined_at: Option<u64>,
 }
 
 struct Model {
@@ -693,6 +768,7 @@ impl Model {
                     ..
                 } => {
                     assert!(!s.ended && !s.closing, "batch after end or goodbye");
+                    assert!(!s.cut, "batch {seq} sent to a cut consumer");
                     let content = match s.group {
                         None => &self.content,
                         Some(g) => &self.device[g as usize],
@@ -703,7 +779,11 @@ impl Model {
                         "slot {slot} (group {:?}) does not hold batch {seq}",
                         s.group
                     );
-                    if let Some(&(pseq, pe, pi)) = s.got.last() {
+                    if let Some(at) = s.rejoined_at.take() {
+                        assert_eq!(seq, at, "a rejoined consumer starts where it rejoined");
+                        // (It may get again a batch it took before the cut:
+                        // it skips to where its replay ended.)
+                    } else if let Some(&(pseq, pe, pi)) = s.got.last() {
                         assert!(seq > pseq, "out of order");
                         let expect = if pi + 1 == self.bpe {
                             (pe + 1, 0)
@@ -868,6 +948,8 @@ impl Model {
                     self.seen.get_mut(&id).unwrap().closing = true;
                 }
             }
+            Op::Cut { who, from } => self.cut(who, from),
+            Op::Rejoin { who, at } => self.rejoin(who, at),
             Op::Copy(i) if !self.copying.is_empty() => {
                 let k = i.index(self.copying.len());
                 self.complete_copy(k);
@@ -878,9 +960,90 @@ impl Model {
         self.hub.check_invariants();
     }
 
-    /// Every live consumer releases promptly until the stream ends.
+    fn cut(&mut self, who: prop::sample::Index, from: prop::sample::Index) {
+        let cuttable: Vec<ConsumerId> = self
+            .seen
+            .iter()
+            .filter(|(_, s)| !s.gone && !s.closing && !s.ended && !s.cut && s.group.is_none())
+            .map(|(&id, _)| id)
+            .collect();
+        if cuttable.is_empty() {
+            return;
+        }
+        let id = cuttable[who.index(cuttable.len())];
+        let s = self.seen.get_mut(&id).unwrap();
+        let mut held: Vec<u64> = s.held.iter().map(|&(seq, _)| seq).collect();
+        held.sort_unstable();
+        let revoke = held.split_off(from.index(held.len() + 1));
+        s.held.retain(|(seq, _)| !revoke.contains(seq));
+        s.cut = true;
+        s.was_cut = true;
+        s.rejoined_at = None;
+        self.hub.cut(id, &revoke).unwrap();
+    }
+
+    fn rejoin(&mut self, who: prop::sample::Index, at: prop::sample::Index) {
+        let cut: Vec<ConsumerId> = self
+            .seen
+            .iter()
+            .filter(|(_, s)| !s.gone && !s.closing && s.cut)
+            .map(|(&id, _)| id)
+            .collect();
+        if cut.is_empty() {
+            return;
+        }
+        let id = cut[who.index(cut.len())];
+        let head = self.hub.head();
+        let oldest = self.hub.published.keys().next().copied().unwrap_or(head);
+        let seq = oldest + at.index((head - oldest + 2) as usize) as u64;
+        let s = self.seen.get_mut(&id).unwrap();
+        let live = seq <= head
+            && (seq..head).all(|q| self.hub.published.contains_key(&q))
+            && self
+                .hub
+                .position(seq)
+                .is_some_and(|(e, _)| e >= self.hub.live_epoch)
+            && s.held.iter().all(|&(h, _)| h < seq);
+        match self.hub.rejoin(id, seq) {
+            Ok(()) => {
+                assert!(live, "rejoined at {seq}, which is not live");
+                s.cut = false;
+                s.rejoined_at = Some(seq);
+            }
+            Err(HubError::NotLive { .. }) => assert!(!live, "refused to rejoin at live {seq}"),
+            Err(e) => panic!("rejoin: {e}"),
+        }
+    }
+
+    /// Each cut consumer that holds nothing rejoins at the head (where its
+    /// replay would meet the shared stream).
+    fn rejoin_at_head(&mut self) {
+        let cut: Vec<ConsumerId> = self
+            .seen
+            .iter()
+            .filter(|(_, s)| !s.gone && !s.closing && s.cut && s.held.is_empty())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cut {
+            let head = self.hub.head();
+            match self.hub.rejoin(id, head) {
+                Ok(()) => {}
+                // Batches of an epoch nobody read are still in flight.
+                Err(HubError::NotLive { .. }) => continue,
+                Err(e) => panic!("rejoin at the head: {e}"),
+            }
+            let s = self.seen.get_mut(&id).unwrap();
+            s.cut = false;
+            s.rejoined_at = Some(head);
+            self.drain();
+        }
+    }
+
+    /// Every live consumer releases promptly until the stream ends; a cut
+    /// one rejoins at the head once it holds nothing.
     fn run_to_end(&mut self) {
         for _ in 0..10_000 {
+            self.rejoin_at_head();
             if self.live().iter().all(|id| self.seen[id].closing) {
                 self.step(Op::Join {
                     window: 1,
@@ -909,6 +1072,7 @@ impl Model {
             self.drain();
             self.hub.check_invariants();
             if self.hub.finished() && self.inflight.is_empty() {
+                self.rejoin_at_head();
                 break;
             }
         }
@@ -959,7 +1123,7 @@ proptest! {
             // Invariant 1: a consumer present to the end got every batch of
             // every epoch from its start, once, in order.
             prop_assert!(s.ended, "consumer {id} never saw the end of the stream");
-            if let Some(&(_, e, i)) = s.got.last() {
+            if let Some(&(_, e, i)) = s.got.last().filter(|_| !s.was_cut) {
                 prop_assert_eq!((e, i), (2, bpe - 1), "consumer {} stopped early", id);
             }
         }
