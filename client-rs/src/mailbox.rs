@@ -16,7 +16,7 @@
 //!
 //! | offset | written by | words |
 //! |---:|---|---|
-//! | 0 | broker | `bell` (u32 futex word, bumped to wake a sleeper), `want` (u32: 1 = send [`ClientMsg::Doorbell`](crate::proto::ClientMsg) after releasing), `drained` (u64: release records taken) |
+//! | 0 | broker | `bell` (u32 futex word, bumped to wake a sleeper), `want` (u32: 1 = send [`ClientMsg::Doorbell`](crate::proto::ClientMsg) after releasing), `drained` (u64: release records taken), `cut` (u64: the batch notices last taken back, see below) |
 //! | 64 | consumer | `sleeping` (u32: 1 = waiting on `bell`) |
 //! | 128 | consumer | `tail` (u64: notices read) |
 //! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns |
@@ -35,6 +35,19 @@
 //! a consumer cannot make the broker fault. What a consumer writes can harm
 //! only itself.
 //!
+//! Taking notices back (decoupled pace: a consumer that fell behind is cut
+//! from the shared stream and goes on from replay). The broker may take
+//! back only the batches the consumer has not taken. Both sides store,
+//! then read the other's word, both `SeqCst` (so at least one sees the
+//! other): the consumer stores `tail` past a notice, then reads `cut`; the
+//! broker stores `cut = 1` (under way), reads `tail` as `T`, then stores
+//! the range `[T, head)` in `cut`. A batch notice at `i` is taken back iff
+//! `T <= i < head` in the range the consumer reads after taking it (it
+//! waits while `cut` reads 1): the broker then gives back exactly the
+//! batches noticed at or after the `tail` it read, and the consumer drops
+//! exactly those. The range is one word (`T + 2` in the low 47 bits, its
+//! length above), so it is never read half old, half new.
+//!
 //! Lost wake-ups are ruled out by the same pattern on both sides: a side
 //! that is about to wait first publishes that (`sleeping`, `want`), then a
 //! `SeqCst` fence, then looks once more; a side that publishes work first
@@ -44,7 +57,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, ReplayReady};
@@ -53,6 +66,7 @@ use crate::shm::{Arena, Mapping};
 const BELL: usize = 0;
 const WANT: usize = 4;
 const DRAINED: usize = 8;
+const CUT: usize = 16;
 const SLEEPING: usize = 64;
 const TAIL: usize = 128;
 const RELEASED: usize = 192;
@@ -68,6 +82,13 @@ const KIND_BATCH: u64 = 1;
 const KIND_EPOCH_END: u64 = 2;
 const KIND_END_OF_STREAM: u64 = 3;
 const KIND_REPLAY: u64 = 4;
+
+/// `cut` while the broker takes notices back.
+const CUT_UNDER_WAY: u64 = 1;
+/// Bits of `cut` holding the first notice taken back, plus 2.
+const CUT_FROM_BITS: u32 = 47;
+/// Longest a consumer waits for a cut under way to be written.
+const CUT_WAIT: Duration = Duration::from_secs(1);
 
 impl MailboxSpec {
     /// Most batches a mailbox can be sized for.
@@ -214,6 +235,8 @@ pub struct BrokerMailbox {
     /// batch) of each batch noticed at or after `tail`: what the consumer
     /// may not have read. At most the ring's capacity.
     units: VecDeque<(u64, u64)>,
+    /// The notices the last cut took back: `[from, to)`.
+    cut: (u64, u64),
 }
 
 /// A consumer's mailbox broke the protocol; that consumer is ended.
@@ -248,6 +271,7 @@ impl BrokerMailbox {
             drained: 0,
             want: false,
             units: VecDeque::new(),
+            cut: (0, 0),
         })
     }
 
@@ -330,6 +354,39 @@ impl BrokerMailbox {
         }
         self.head += 1;
         Ok(())
+    }
+
+    /// Takes back the shared batches noticed and not yet taken by the
+    /// consumer (see the module's notes), and returns their seqs: the
+    /// consumer will never read them. Replayed batches are not taken back.
+    /// `None` if the notice count outgrew the word (never, in practice).
+    pub fn cut(&mut self) -> Option<Vec<u64>> {
+        let w = &self.words;
+        if self.head + 2 >= 1 << CUT_FROM_BITS {
+            return None;
+        }
+        w.u64(CUT).store(CUT_UNDER_WAY, Ordering::SeqCst);
+        // A tail past what was written is forged: nothing is unread.
+        let tail = w.u64(TAIL).load(Ordering::SeqCst).min(self.head);
+        // The consumer may not have passed all the last cut took back: the
+        // word must still cover that (it replaces the last one).
+        let from = if tail < self.cut.1 { self.cut.0 } else { tail };
+        self.cut = (from, self.head);
+        w.u64(CUT).store(
+            ((self.head - from) << CUT_FROM_BITS) | (from + 2),
+            Ordering::SeqCst,
+        );
+        self.tail = self.tail.max(tail);
+        self.forget_read();
+        let mut revoked = Vec::new();
+        self.units.retain(|&(n, seq)| {
+            let take = n >= tail && seq & proto::REPLAYED == 0;
+            if take {
+                revoked.push(seq);
+            }
+            !take
+        });
+        Some(revoked)
     }
 
     /// Drops the record of units noticed before `tail`.
@@ -443,6 +500,29 @@ impl ConsumerMailbox {
         w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
     }
 
+    /// Whether the batch noticed at `n`, just taken, was taken back by the
+    /// broker (read after storing `tail` past it).
+    fn taken_back(&self, n: u64) -> Result<bool> {
+        let cut = self.words.u64(CUT);
+        let mut word = cut.load(Ordering::SeqCst);
+        let start = Instant::now();
+        while word == CUT_UNDER_WAY {
+            if start.elapsed() > CUT_WAIT {
+                return Err(Error::Unexpected(
+                    "mailbox: the broker began taking notices back and never finished".into(),
+                ));
+            }
+            std::hint::spin_loop();
+            word = cut.load(Ordering::SeqCst);
+        }
+        let from = word & ((1 << CUT_FROM_BITS) - 1);
+        if from < 2 {
+            return Ok(false); // never cut
+        }
+        let from = from - 2;
+        Ok(n >= from && n - from < word >> CUT_FROM_BITS)
+    }
+
     /// Whether the next notice is a batch (`None`: no notice yet).
     pub fn next_is_batch(&self) -> Option<bool> {
         let w = &self.words;
@@ -453,17 +533,24 @@ impl ConsumerMailbox {
         Some(w.notice(tail, 1).load(Ordering::Relaxed) == KIND_BATCH)
     }
 
-    /// Takes the next notice, if any. Call from one thread at a time.
+    /// Takes the next notice, if any, passing over batches the broker took
+    /// back. Call from one thread at a time.
     pub fn pop(&self) -> Result<Option<Notice>> {
         let w = &self.words;
-        let tail = w.u64(TAIL).load(Ordering::Relaxed);
-        if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
-            return Ok(None);
-        }
-        let v: [u64; NOTICE_WORDS] =
-            std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
-        // The entry may be rewritten once `tail` moves on.
-        w.u64(TAIL).store(tail + 1, Ordering::Release);
+        let v = loop {
+            let tail = w.u64(TAIL).load(Ordering::Relaxed);
+            if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+                return Ok(None);
+            }
+            let v: [u64; NOTICE_WORDS] =
+                std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
+            // The entry may be rewritten once `tail` moves on. `SeqCst`:
+            // ordered before reading `cut` (see the module's notes).
+            w.u64(TAIL).store(tail + 1, Ordering::SeqCst);
+            if v[1] != KIND_BATCH || !self.taken_back(tail)? {
+                break v;
+            }
+        };
         let notice = match v[1] {
             KIND_BATCH => Notice::Batch(BatchReady {
                 seq: v[2],
@@ -654,6 +741,95 @@ mod tests {
         b.push(&batch(next + 1)).unwrap();
         c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
         assert_eq!(b.unread_units(), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_cut_takes_back_exactly_the_batches_not_yet_taken() {
+        let (mut b, c) = pair(4);
+        for seq in 0..5 {
+            b.push(&batch(seq)).unwrap();
+        }
+        assert_eq!(c.pop().unwrap(), Some(batch(0)));
+        assert_eq!(c.pop().unwrap(), Some(batch(1)));
+        assert_eq!(b.cut(), Some(vec![2, 3, 4]));
+        // What comes after the cut is read; what it took back is passed over.
+        let end = Notice::EndOfEpoch(EpochEnd {
+            epoch: 0,
+            batches: 5,
+            complete: true,
+        });
+        b.push(&end).unwrap();
+        b.push(&batch(7)).unwrap();
+        assert_eq!(c.pop().unwrap(), Some(end));
+        assert_eq!(c.pop().unwrap(), Some(batch(7)));
+        assert_eq!(c.pop().unwrap(), None);
+        // A second cut with nothing unread takes nothing, and the goodbye
+        // record no longer holds what was taken back.
+        assert_eq!(b.cut(), Some(vec![]));
+        b.push(&batch(8)).unwrap();
+        assert_eq!(b.unread_units(), vec![8]);
+        assert_eq!(c.pop().unwrap(), Some(batch(8)));
+    }
+
+    /// A consumer taking notices while the broker cuts at random moments:
+    /// every batch is either taken by the consumer or given back by the
+    /// broker, never both, never neither.
+    #[test]
+    fn cuts_racing_a_reader_split_every_batch_exactly_once() {
+        let (mut all_taken, mut all_revoked) = (0, 0);
+        for round in 0..20u64 {
+            let (mut b, c) = pair(8);
+            let total = 20_000u64;
+            let reader = std::thread::spawn(move || {
+                let mut taken = Vec::new();
+                while taken.last() != Some(&u64::MAX) {
+                    match c.pop().unwrap() {
+                        Some(Notice::Batch(n)) => taken.push(n.seq),
+                        Some(Notice::EndOfStream) => taken.push(u64::MAX),
+                        _ => std::hint::spin_loop(),
+                    }
+                }
+                taken.pop();
+                taken
+            });
+            let mut revoked = Vec::new();
+            let mut seq = 0;
+            while seq < total {
+                match b.push(&batch(seq)) {
+                    Ok(()) => seq += 1,
+                    Err(MailboxError::Full { .. }) => std::thread::yield_now(),
+                    Err(e) => panic!("{e}"),
+                }
+                if (seq * 7919 + round) % 97 == 0 {
+                    revoked.extend(b.cut().unwrap());
+                }
+            }
+            while b.push(&Notice::EndOfStream).is_err() {
+                std::thread::yield_now();
+            }
+            let taken = reader.join().unwrap();
+            all_taken += taken.len();
+            all_revoked += revoked.len();
+            let mut count = vec![0u32; total as usize];
+            for &s in taken.iter().chain(&revoked) {
+                count[s as usize] += 1;
+            }
+            let wrong: Vec<(usize, u32)> = count
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| **n != 1)
+                .map(|(s, n)| (s, *n))
+                .take(10)
+                .collect();
+            assert!(
+                wrong.is_empty(),
+                "round {round}: (seq, times) {wrong:?}; {} taken, {} revoked",
+                taken.len(),
+                revoked.len()
+            );
+            assert!(taken.windows(2).all(|w| w[0] < w[1]), "in order");
+        }
+        assert!(all_taken > 0 && all_revoked > 0, "both sides won races");
     }
 
     #[test]
