@@ -23,6 +23,8 @@
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
 //! lag_limit = 4         # omit to let the slowest consumer set the pace
+//! pace = "lockstep"     # or "decoupled": see README "Decoupled pace"
+//! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! min_consumers = 1
 //!
 //! [stream.synthetic]
@@ -119,6 +121,21 @@ pub struct BrokerSection {
     pub guest_stream_prefix: Option<String>,
 }
 
+/// Who sets a stream's pace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pace {
+    /// The slowest consumer: the pipeline waits for it (the default).
+    #[default]
+    Lockstep,
+    /// The fastest consumers: the arena holds what slower ones have not
+    /// read yet; one that falls a whole arena behind is cut from the
+    /// shared stream and goes on from replay (recomputed batches), and
+    /// merges back where the shared stream still holds its samples.
+    /// Consumers of host memory with a mailbox only; others keep lockstep.
+    Decoupled,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamConfig {
@@ -140,6 +157,12 @@ pub struct StreamConfig {
     /// Pipeline threads; default: all cores but one.
     pub workers: Option<usize>,
     pub lag_limit: Option<u32>,
+    /// Who sets the pipeline's pace; see [`Pace`].
+    #[serde(default)]
+    pub pace: Pace,
+    /// Decoupled pace: how far the pipeline may run ahead of the slowest
+    /// consumer, as memory (MiB of the host arena); sets `slots`.
+    pub run_ahead_mib: Option<u64>,
     #[serde(default = "one")]
     pub min_consumers: u32,
     pub synthetic: Option<SyntheticConfig>,

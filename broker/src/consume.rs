@@ -47,6 +47,12 @@ pub struct ConsumeArgs {
     /// Sleep this long while holding each batch (a slow trainer)
     #[arg(long, default_value_t = 0)]
     pub sleep_ms: u64,
+    /// After releasing batch N (counted from 1), stall for --stall-ms (a
+    /// trainer pausing between steps: evaluating, saving a checkpoint)
+    #[arg(long)]
+    pub stall_after: Option<u64>,
+    #[arg(long, default_value_t = 1000)]
+    pub stall_ms: u64,
     /// Keep the last N batches instead of releasing each at once
     #[arg(long, default_value_t = 0)]
     pub hold: usize,
@@ -283,6 +289,9 @@ fn consume(
         while held.len() > args.hold {
             held.pop_front(); // dropping releases
         }
+        if args.stall_after == Some(report.batches) {
+            std::thread::sleep(Duration::from_millis(args.stall_ms));
+        }
         if args.abort_after.is_some_and(|m| report.batches >= m) {
             eprintln!(
                 "consume: --abort-after {}: aborting with {} batches held",
@@ -316,8 +325,9 @@ struct Checker<'a> {
     /// The sample order of the last two epochs seen.
     orders: VecDeque<(u64, Vec<u64>)>,
     handoff: Histogram,
-    /// `(seq, epoch, index)` of the last batch.
+    /// `(seq, epoch, index)` of the last batch, and whether it was replayed.
     last: Option<(u64, u64, u64)>,
+    last_replayed: bool,
     digest: u64,
     cur: EpochReport,
     /// The shared mapping's address range in this process, and the replay
@@ -360,6 +370,7 @@ impl<'a> Checker<'a> {
             orders: VecDeque::new(),
             handoff: Histogram::default(),
             last: None,
+            last_replayed: false,
             digest: 0,
             cur: EpochReport::new(u64::MAX),
             arenas,
@@ -440,8 +451,10 @@ impl<'a> Checker<'a> {
                 } else {
                     (pe, pi + 1)
                 };
-                // Batches smaller than the stream's share its units' seq.
-                if seq < ps || (epoch, index) != expect {
+                // Batches smaller than the stream's share its units' seq;
+                // replayed batches count seqs of their own.
+                let replay = batch.replayed() || self.last_replayed;
+                if (!replay && seq < ps) || (epoch, index) != expect {
                     report.order_errors.push(format!(
                         "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
                     ));
@@ -469,6 +482,7 @@ impl<'a> Checker<'a> {
             None => {}
         }
         self.last = Some((seq, epoch, index));
+        self.last_replayed = batch.replayed();
     }
 
     /// Counts the bytes, and digests or dumps them when asked.

@@ -543,10 +543,14 @@ impl Hub {
     /// [rejoins](Hub::rejoin). What it took stays held until released.
     /// The runtime must be sure it never reads the `revoke`d batches (the
     /// mailbox's cut handshake).
-    pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(), HubError> {
+    ///
+    /// Returns the epoch and index of the first batch it no longer gets
+    /// (its replay begins there, or at its batch boundary before).
+    pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(u64, u64), HubError> {
+        let head = self.head();
         let c = self
             .consumers
-            .get_mut(&id)
+            .get(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
         if c.group.is_some() || c.closing || c.ended {
             return Err(HubError::NotCuttable);
@@ -554,6 +558,23 @@ impl Hub {
         if let Some(&seq) = revoke.iter().find(|s| !c.held.contains(s)) {
             return Err(HubError::NotHeld { seq });
         }
+        // What it took ends before this batch; one it never got yet starts
+        // where it would have (its first epoch, if not reached).
+        let lost = revoke
+            .iter()
+            .copied()
+            .chain(c.queue.front().copied())
+            .min()
+            .unwrap_or(head.max(c.floor));
+        let at = self
+            .position(lost)
+            .unwrap_or((self.next_epoch, self.next_index));
+        let first = if at.0 < c.start_epoch {
+            (c.start_epoch, 0)
+        } else {
+            at
+        };
+        let c = self.consumers.get_mut(&id).expect("looked up above");
         c.cut = true;
         c.held.retain(|s| !revoke.contains(s));
         let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
@@ -561,7 +582,7 @@ impl Hub {
             self.unpin(seq);
         }
         self.pump();
-        Ok(())
+        Ok(first)
     }
 
     /// Puts a cut consumer back in the shared stream from batch `seq` on:
@@ -612,6 +633,56 @@ impl Hub {
             return Some((b.epoch, b.index));
         }
         (seq == self.next_seq).then_some((self.next_epoch, self.next_index))
+    }
+
+    /// The seq of batch `index` of `epoch`, if it is published, being made,
+    /// or the next one to be made.
+    pub fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
+        if (self.next_epoch, self.next_index) == (epoch, index) {
+            return Some(self.next_seq);
+        }
+        let found = |e: u64, i: u64| (e, i) == (epoch, index);
+        self.published
+            .iter()
+            .find(|(_, b)| found(b.epoch, b.index))
+            .map(|(&s, _)| s)
+            .or_else(|| {
+                self.inflight
+                    .iter()
+                    .find(|(_, b)| found(b.epoch, b.index))
+                    .map(|(&s, _)| s)
+            })
+    }
+
+    /// The batch in the ring's next slot, which the pipeline waits for
+    /// (`None` if the slot is free or being filled), and the consumers
+    /// that owe it.
+    pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
+        let Slot::Published { seq, .. } = self.slots[self.next_slot() as usize] else {
+            return None;
+        };
+        let owe = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| c.group.is_none() && (c.held.contains(&seq) || c.queue.contains(&seq)))
+            .map(|(&id, _)| id)
+            .collect();
+        Some((seq, owe))
+    }
+
+    /// Whether consumer `id` takes batches from the shared stream now (not
+    /// cut, closing or ended), and how many wait for it here, unsent.
+    pub fn reading(&self, id: ConsumerId) -> Option<usize> {
+        self.consumers
+            .get(&id)
+            .filter(|c| !c.cut && !c.closing && !c.ended)
+            .map(|c| c.queue.len())
+    }
+
+    /// The head: the first batch not yet published, and how many slots
+    /// the ring has.
+    pub fn head_seq(&self) -> (u64, u32) {
+        (self.head(), self.cfg.slots)
     }
 
     /// Whether consumer `id` is cut from the shared stream.

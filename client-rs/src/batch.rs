@@ -56,7 +56,9 @@ impl ReplayArena {
             ..welcome.schema.clone()
         };
         grant.rings.validate(&schema)?;
-        if grant.rings.unit != welcome.batch_size || grant.from >= grant.to {
+        // `from == to`: nothing to replay yet (decoupled pace: a cut may
+        // begin replay later).
+        if grant.rings.unit != welcome.batch_size || grant.from > grant.to {
             return Err(Error::Schema(format!(
                 "the broker granted replay from {:?} to {:?} in batches of {} (this consumer's are {})",
                 grant.from, grant.to, grant.rings.unit, welcome.batch_size

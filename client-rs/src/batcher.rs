@@ -90,6 +90,9 @@ pub struct Batcher {
     /// Samples before this (epoch, sample) are not this consumer's: given
     /// back unread (they were replayed to it, or it resumes past them).
     skip: (u64, u64),
+    /// Where the run after the last one cut begins (the next epoch's start
+    /// once an epoch ended).
+    after: Option<(u64, u64)>,
 }
 
 impl Batcher {
@@ -107,6 +110,7 @@ impl Batcher {
             building: None,
             ready: VecDeque::new(),
             skip: (0, 0),
+            after: None,
         }
     }
 
@@ -114,6 +118,33 @@ impl Batcher {
     /// runs start there (set before the first unit).
     pub fn skip_to(&mut self, epoch: u64, sample: u64) {
         self.skip = (epoch, sample);
+    }
+
+    /// Where its next run begins: the first sample of the run being built,
+    /// else the one after the last run cut (or the skip point past it).
+    /// `None` before any unit.
+    pub fn next_position(&self) -> Option<(u64, u64)> {
+        let at = self.building.map(|b| (b.epoch, b.first)).or(self.after)?;
+        Some(at.max(self.skip))
+    }
+
+    /// Cut from the shared stream (decoupled pace): the run being built is
+    /// dropped, and what units hold beyond the runs cut counts as read (it
+    /// comes replayed); units no handed-out run reads are given back.
+    /// Units from then on may repeat earlier seqs (it rejoins the shared
+    /// stream where its replay ends, see [`skip_to`](Self::skip_to)).
+    /// Returns where the dropped run began, or the next run would have.
+    pub fn cut(&mut self, give_back: &mut Vec<u64>) -> Option<(u64, u64)> {
+        let at = self.next_position();
+        if let Some(b) = self.building.take() {
+            self.unref(&b);
+        }
+        for h in &mut self.held {
+            h.consumed = h.unit.samples;
+        }
+        self.last_seq = None;
+        self.collect(give_back);
+        at
     }
 
     /// Whether it needs another unit to give a run.
@@ -202,7 +233,9 @@ impl Batcher {
             // The run being built counts as a reader of each unit it spans.
             h.refs += u32::from(joins);
             if full {
-                self.ready.push_back(self.building.take().expect("built"));
+                let run = self.building.take().expect("built");
+                self.after = Some((run.epoch, run.first + run.samples));
+                self.ready.push_back(run);
             }
         }
         if unit.index + 1 == self.units_per_epoch {
@@ -215,6 +248,9 @@ impl Batcher {
     /// The epoch ended: a run still being built is cut short, or dropped
     /// with `drop_last`.
     pub fn end_epoch(&mut self, epoch: u64, give_back: &mut Vec<u64>) {
+        if self.after.is_none_or(|(e, _)| e <= epoch) {
+            self.after = Some((epoch + 1, 0));
+        }
         if let Some(b) = self.building
             && b.epoch == epoch
         {

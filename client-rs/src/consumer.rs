@@ -83,6 +83,14 @@ pub struct Consumer {
     /// replayed before, or it resumes there), and where replay began.
     skip: Option<Position>,
     replay_from: Option<Position>,
+    /// Ends of epochs read among notices a cut took back, until the cut's
+    /// own notice says which count.
+    deferred: Vec<EpochEnd>,
+    /// The seq of the next replayed batch (replay may come in several
+    /// stretches, decoupled pace).
+    replay_seq: u64,
+    /// Where the first batch handed out began.
+    started_at: Option<Position>,
 }
 
 impl Consumer {
@@ -133,7 +141,13 @@ impl Consumer {
         if let Some(p) = skip {
             batcher.skip_to(p.epoch, p.sample);
         }
-        let replaying = welcome.replay.as_ref().map(replay::Replaying::new);
+        // A decoupled consumer is granted a replay arena with nothing to
+        // replay yet (`from == to`).
+        let replaying = welcome
+            .replay
+            .as_ref()
+            .filter(|g| g.from < g.to)
+            .map(replay::Replaying::new);
         let replay_from = welcome.replay.as_ref().map(|g| g.from);
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         Ok(Consumer {
@@ -163,6 +177,9 @@ impl Consumer {
             replay: replaying,
             skip,
             replay_from,
+            deferred: Vec::new(),
+            replay_seq: 0,
+            started_at: None,
         })
     }
 
@@ -408,6 +425,10 @@ impl Consumer {
             self.epoch_batches = (run.epoch, 0);
         }
         self.epoch_batches.1 += 1;
+        self.started_at.get_or_insert(Position {
+            epoch: run.epoch,
+            sample: run.first,
+        });
         Event::Batch(Batch {
             shared: self.shared.clone(),
             run,
@@ -485,6 +506,14 @@ impl Consumer {
                 drop(b);
                 return self.take_replayed(r);
             }
+            ServerMsg::Cut(restart) => {
+                drop(b);
+                return self.take_cut(restart);
+            }
+            ServerMsg::Merge(at) => {
+                drop(b);
+                return self.take_merge(at);
+            }
             ServerMsg::EndOfEpoch(mut e) => {
                 if self.skip.is_some_and(|p| e.epoch < p.epoch) {
                     return Ok(()); // an epoch it replayed, or resumes past
@@ -553,7 +582,13 @@ impl Consumer {
                 }
             }
             if let Some(r) = self.replay.take() {
-                seqs.extend(r.unread());
+                for n in r.queue {
+                    match n {
+                        Next::Replayed(run) => seqs.push(run.first_seq | proto::REPLAYED),
+                        Next::Run(run, ..) => b.batcher.release(&run, &mut seqs),
+                        _ => {}
+                    }
+                }
             }
             b.batcher.leave(&mut seqs);
             std::mem::take(&mut b.totals)

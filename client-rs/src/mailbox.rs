@@ -60,7 +60,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, ReplayReady};
+use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady};
 use crate::shm::{Arena, Mapping};
 
 const BELL: usize = 0;
@@ -82,6 +82,8 @@ const KIND_BATCH: u64 = 1;
 const KIND_EPOCH_END: u64 = 2;
 const KIND_END_OF_STREAM: u64 = 3;
 const KIND_REPLAY: u64 = 4;
+const KIND_CUT: u64 = 5;
+const KIND_MERGE: u64 = 6;
 
 /// `cut` while the broker takes notices back.
 const CUT_UNDER_WAY: u64 = 1;
@@ -102,7 +104,7 @@ impl MailboxSpec {
     pub fn for_batches(batches: u32) -> MailboxSpec {
         let w = batches.clamp(1, Self::MAX_BATCHES);
         MailboxSpec {
-            notices: (2 * w + 2).next_power_of_two().max(8),
+            notices: (2 * w + 4).next_power_of_two().max(8),
             releases: w.next_power_of_two().max(8),
         }
     }
@@ -136,6 +138,10 @@ pub enum Notice {
     EndOfEpoch(EpochEnd),
     EndOfStream,
     Replay(ReplayReady),
+    /// See [`crate::proto::ServerMsg::Cut`].
+    Cut(Position),
+    /// See [`crate::proto::ServerMsg::Merge`].
+    Merge(Position),
 }
 
 /// A consumer's running totals over its mailbox releases (ns), for stats.
@@ -341,6 +347,8 @@ impl BrokerMailbox {
                 r.ends_epoch as u64,
                 0,
             ],
+            Notice::Cut(p) => [KIND_CUT, p.epoch, p.sample, 0, 0, 0, 0],
+            Notice::Merge(p) => [KIND_MERGE, p.epoch, p.sample, 0, 0, 0, 0],
         };
         for (i, v) in words.into_iter().enumerate() {
             w.notice(self.head, i + 1).store(v, Ordering::Relaxed);
@@ -350,7 +358,7 @@ impl BrokerMailbox {
         match *notice {
             Notice::Batch(b) => self.units.push_back((self.head, b.seq)),
             Notice::Replay(r) => self.units.push_back((self.head, r.seq | proto::REPLAYED)),
-            Notice::EndOfEpoch(_) | Notice::EndOfStream => {}
+            Notice::EndOfEpoch(_) | Notice::EndOfStream | Notice::Cut(_) | Notice::Merge(_) => {}
         }
         self.head += 1;
         Ok(())
@@ -536,8 +544,16 @@ impl ConsumerMailbox {
     /// Takes the next notice, if any, passing over batches the broker took
     /// back. Call from one thread at a time.
     pub fn pop(&self) -> Result<Option<Notice>> {
+        Ok(self.pop_marked()?.map(|(n, _)| n))
+    }
+
+    /// [`pop`](Self::pop), also saying whether a notice other than a batch
+    /// lies among the notices the last cut took back (an end of epoch
+    /// written after batches taken back: it counts only if its epoch ends
+    /// before where the cut's replay begins).
+    pub fn pop_marked(&self) -> Result<Option<(Notice, bool)>> {
         let w = &self.words;
-        let v = loop {
+        let (v, in_cut) = loop {
             let tail = w.u64(TAIL).load(Ordering::Relaxed);
             if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
                 return Ok(None);
@@ -547,8 +563,9 @@ impl ConsumerMailbox {
             // The entry may be rewritten once `tail` moves on. `SeqCst`:
             // ordered before reading `cut` (see the module's notes).
             w.u64(TAIL).store(tail + 1, Ordering::SeqCst);
-            if v[1] != KIND_BATCH || !self.taken_back(tail)? {
-                break v;
+            let in_cut = self.taken_back(tail)?;
+            if v[1] != KIND_BATCH || !in_cut {
+                break (v, in_cut);
             }
         };
         let notice = match v[1] {
@@ -575,13 +592,21 @@ impl ConsumerMailbox {
                 samples: v[5],
                 ends_epoch: v[6] != 0,
             }),
+            KIND_CUT => Notice::Cut(Position {
+                epoch: v[2],
+                sample: v[3],
+            }),
+            KIND_MERGE => Notice::Merge(Position {
+                epoch: v[2],
+                sample: v[3],
+            }),
             k => {
                 return Err(Error::Unexpected(format!(
                     "mailbox: notice of unknown kind {k}"
                 )));
             }
         };
-        Ok(Some(notice))
+        Ok(Some((notice, in_cut)))
     }
 
     /// Sleeps until the broker rings or `timeout` passes, unless a notice

@@ -40,7 +40,7 @@ mod stats;
 pub use stats::*;
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -348,6 +348,15 @@ pub enum ServerMsg {
     Fill(FillSlot),
     /// A replayed batch is ready in this consumer's replay arena.
     Replay(ReplayReady),
+    /// Decoupled pace: this consumer fell more than the run-ahead budget
+    /// behind and was cut from the shared stream. It drops the batch it
+    /// was building (which begins at this position, or the position after
+    /// its last batch); batches from here on come replayed, until
+    /// [`ServerMsg::Merge`].
+    Cut(Position),
+    /// Decoupled pace: replay ends at this position (a batch boundary of
+    /// this consumer's); the shared stream carries on from there.
+    Merge(Position),
 }
 
 /// A batch recomputed for one consumer ([`JoinPolicy::Now`],

@@ -386,7 +386,7 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     h.take_outbound();
     // It took batch 1 and never took 2, 3 and 4.
     assert_eq!(h.cut(slow, &[9]), Err(HubError::NotHeld { seq: 9 }));
-    h.cut(slow, &[ws[2].seq, ws[3].seq, w4.seq]).unwrap();
+    assert_eq!(h.cut(slow, &[ws[2].seq, ws[3].seq, w4.seq]), Ok((0, 2)));
     assert!(h.is_cut(slow));
     assert_eq!(h.consumer_counts(slow).unwrap().held, 1);
     assert_eq!(

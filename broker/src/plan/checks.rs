@@ -8,7 +8,7 @@ use batchcast::proto::MailboxSpec;
 use batchcast::schema::Field;
 
 use super::{StreamError, key, mem_total_bytes};
-use crate::config::{BrokerSection, StreamConfig};
+use crate::config::{BrokerSection, Pace, StreamConfig};
 
 /// Most slots of a stream: each mailbox consumer may owe every one of them.
 pub const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
@@ -236,6 +236,46 @@ pub(super) fn check_flow(
         ));
     }
     Ok(())
+}
+
+/// `pace` and `run_ahead_mib` go together, and not with a lag limit.
+pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
+    match (s.pace, s.run_ahead_mib, s.lag_limit) {
+        (Pace::Lockstep, Some(_), _) => Err(key(
+            "run_ahead_mib",
+            "run_ahead_mib applies to pace = \"decoupled\" only; a lockstep stream's memory is set by slots",
+        )),
+        (Pace::Decoupled, _, Some(_)) => Err(key(
+            "lag_limit",
+            "lag_limit detaches a consumer that falls behind, and pace = \"decoupled\" replays to it instead: choose one",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The slots `run_ahead_mib` MiB hold, each of `slot_bytes`.
+pub(super) fn run_ahead_slots(mib: u64, slot_bytes: u64) -> Result<u32, StreamError> {
+    let slots = mib.saturating_mul(1 << 20) / slot_bytes.max(1);
+    let need_mib = (2 * slot_bytes).div_ceil(1 << 20);
+    if slots < 2 {
+        return Err(key(
+            "run_ahead_mib",
+            format!(
+                "run_ahead_mib = {mib} holds fewer than 2 batches of {} KiB: give at least {need_mib}",
+                slot_bytes >> 10
+            ),
+        ));
+    }
+    if slots > u64::from(MAX_SLOTS) {
+        return Err(key(
+            "run_ahead_mib",
+            format!(
+                "run_ahead_mib = {mib} holds {slots} batches, more than {MAX_SLOTS}: give at most {}",
+                (u64::from(MAX_SLOTS) * slot_bytes) >> 20
+            ),
+        ));
+    }
+    Ok(slots as u32)
 }
 
 /// The bounds of a configured stream's other numeric keys.

@@ -17,7 +17,7 @@ use batchcast::proto::ProduceRequest;
 use batchcast::schema::{ExternalSourceInfo, Field, RingLayout, Schema, SlotLayout, SourceInfo};
 use batchcast::synthetic::SyntheticSpec;
 
-use crate::config::{Config, StreamConfig, SyntheticConfig};
+use crate::config::{Config, Pace, StreamConfig, SyntheticConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, DatasetError};
 use crate::pipeline::sampler::{self, Split};
@@ -32,7 +32,9 @@ pub use checks::{
     MAX_BATCH_SIZE, MAX_BATCHES_PER_EPOCH, MAX_FILE_BYTES, MAX_MIN_CONSUMERS, MAX_PIXELS,
     MAX_SHUFFLE_BUFFER, MAX_SIDE, MAX_SLOTS, MAX_SYNTHETIC_LEN, MAX_WORKERS, MAX_WORLD_SIZE,
 };
-use checks::{check_fields, check_flow, check_limits, check_name, within};
+use checks::{
+    check_fields, check_flow, check_limits, check_name, check_pace, run_ahead_slots, within,
+};
 use image::image_source;
 
 /// Why a config or a producer's request cannot become a stream.
@@ -153,6 +155,7 @@ pub struct StreamPlan {
     /// `None`: endless.
     pub epochs: Option<u64>,
     pub lag_limit: Option<u32>,
+    pub pace: Pace,
     pub min_consumers: u32,
     /// Pipeline threads (0 for an external producer).
     pub workers: usize,
@@ -246,6 +249,7 @@ impl StreamPlan {
             gpu_slots: req.slots,
             epochs: req.epochs,
             lag_limit: req.lag_limit,
+            pace: Pace::Lockstep,
             min_consumers: req.min_consumers,
             workers: 0,
             schema,
@@ -290,6 +294,7 @@ struct SourceParts {
 
 fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
     check_name(&s.name)?;
+    check_pace(s)?;
     check_flow(
         s.batch_size,
         s.epochs,
@@ -341,15 +346,20 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
         source: parts.info,
     };
     let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
-    let rings = RingLayout::for_schema(&schema, s.slots).map_err(StreamError::Layout)?;
+    let slots = match s.run_ahead_mib {
+        Some(mib) => run_ahead_slots(mib, layout.slot_bytes)?,
+        None => s.slots,
+    };
+    let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
     let default_workers =
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
     Ok(StreamPlan {
         name: s.name.clone(),
-        slots: s.slots,
-        gpu_slots: s.gpu_slots.unwrap_or(s.slots),
+        slots,
+        gpu_slots: s.gpu_slots.unwrap_or(slots),
         epochs: s.epochs,
         lag_limit: s.lag_limit,
+        pace: s.pace,
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),
         schema,

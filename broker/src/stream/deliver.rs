@@ -28,6 +28,7 @@ use super::mirror::request_copies;
 use super::replay::{self, Replay, ReplayError};
 use super::stats::{Cut, consumer_stats};
 use super::{Inner, Stream, StreamFailed};
+use crate::config::Pace;
 use crate::gpu::{GpuError, GpuKey};
 use crate::hub::{ConsumerId, Delivery, HubError, Outbound};
 
@@ -62,6 +63,11 @@ pub(super) struct Conn {
     pub(super) replay: Option<Replay>,
     pub(super) replayed: u64,
     pub(super) replay_cpu: std::time::Duration,
+    /// Where its first batch begins (its batch boundaries are counted from
+    /// there in that epoch, from each epoch's start after).
+    pub(super) anchor: Position,
+    /// Decoupled pace: how often it was cut from the shared stream.
+    pub(super) cuts: u64,
     pub(super) joined: Instant,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
@@ -205,10 +211,18 @@ impl Stream {
         // batch, and the final messages.
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
+        // Decoupled pace: a host consumer with a mailbox of a stream the
+        // broker computes may be cut from the shared stream and replayed
+        // to; others keep lockstep.
+        let decoupled = self.plan.pace == Pace::Decoupled
+            && self.writer.is_some()
+            && req.mailbox
+            && req.device.is_none();
+        let replays = replaying.is_some() || decoupled;
         // And the replayed batches it may be sent ahead of its releases.
-        let replayed = match replaying {
-            Some(_) => replay::slots(req.window) as usize,
-            None => 0,
+        let replayed = match replays {
+            true => replay::slots(req.window) as usize,
+            false => 0,
         };
         let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
         let gpu_slots = self.plan.gpu_slots;
@@ -225,18 +239,19 @@ impl Stream {
                 Stream::check_gpu(&inner, dev)?;
             }
         }
-        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, replaying.is_some())?;
+        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, replays)?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         // A replay arena, if it may be needed (whether it is depends on
-        // where the stream is when it joins).
-        let prepared = match replaying {
-            Some(_) => Some(self.prepare_replay(
+        // where the stream is when it joins, and for a decoupled consumer
+        // on whether it falls behind).
+        let prepared = match replays {
+            true => Some(self.prepare_replay(
                 shape.batch_size,
                 req.window,
                 peer.uid,
                 &format!("consumer `{}` (pid {})", peer.name, peer.pid),
             )?),
-            None => None,
+            false => None,
         };
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => {
@@ -282,7 +297,7 @@ impl Stream {
                 &req,
                 (mailbox, mailbox_grant),
                 started.replay,
-                started.skip,
+                (started.skip, started.anchor),
             );
             inner.conns.insert(id, conn);
             Ok(Subscription {
@@ -616,7 +631,7 @@ impl Conn {
         req: &Request,
         mailbox: (Option<BrokerMailbox>, Option<crate::budget::Grant>),
         replay: Option<Replay>,
-        skip: Option<Position>,
+        (skip, anchor): (Option<Position>, Position),
     ) -> Conn {
         Conn {
             tx,
@@ -636,6 +651,8 @@ impl Conn {
             replay,
             replayed: 0,
             replay_cpu: std::time::Duration::ZERO,
+            anchor,
+            cuts: 0,
             joined: Instant::now(),
             ending: None,
             gpu: req.device.as_ref().map(|dev| dev.uuid),

@@ -159,6 +159,7 @@ impl Stream {
             if self.stop.load(Ordering::SeqCst) {
                 return None;
             }
+            self.merge_replays(&mut inner);
             if let Some(job) = replay::take_job(&mut inner, replayed_last) {
                 if let Some(t) = blocked_since {
                     inner.producer_blocked += t.elapsed();
@@ -208,6 +209,12 @@ impl Stream {
                 continue;
             }
             blocked_since.get_or_insert(now);
+            // Decoupled pace: a consumer a whole ring behind is cut (it
+            // goes on from replay) rather than waited for.
+            if free == 0 && self.cut_laggards(&mut inner) {
+                settle(&mut inner, true);
+                continue;
+            }
             let arm_after = if target > 1 { ARM_AFTER } else { ARM_AFTER_ONE };
             if mailboxes == 0 || (free == 0 && waited >= arm_after) {
                 // Socket releases notify; mailbox consumers are asked to ring.

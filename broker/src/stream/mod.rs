@@ -25,6 +25,7 @@
 /// How long shutdown waits for the pipeline threads to stop.
 const WORKER_JOIN_WAIT: Duration = Duration::from_secs(1);
 
+mod decouple;
 mod deliver;
 mod fill;
 mod mirror;

@@ -48,6 +48,7 @@ use super::deliver::{
 };
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
+use crate::config::Pace;
 use crate::hub::ConsumerId;
 
 /// Where replay ends for a consumer of batch size `batch` that starts at
@@ -166,7 +167,9 @@ impl Stream {
     }
 
     /// Consumer `id` just joined: where the shared stream begins for it
-    /// decides what is replayed.
+    /// decides what is replayed. `prepared`: its replay arena, if it may
+    /// need one (it asked for replay, or the stream's pace is decoupled:
+    /// then the arena stays, for the replay a cut begins).
     pub(super) fn start_replay(
         &self,
         inner: &mut Inner,
@@ -175,33 +178,51 @@ impl Stream {
         prepared: Option<Prepared>,
         batch: u64,
     ) -> Result<Started, SubscribeError> {
-        let (Some(resume), Some(prepared)) = (replaying, prepared) else {
-            return Ok(Started::default());
-        };
         let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
         let shared = Position {
             epoch,
             sample: index * self.plan.schema.batch_size,
         };
-        let from = resume.unwrap_or(Position { epoch, sample: 0 });
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        match replay_end(from, shared, batch, per_epoch) {
-            Some(to) => {
-                let (replay, grant, fd) = prepared.start(from, to, batch, per_epoch)?;
-                tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
-                self.work_cv.notify_all();
-                Ok(Started {
-                    replay: Some(replay),
-                    grant: Some((grant, fd)),
-                    skip: Some(to),
-                })
-            }
-            // Nothing to replay; a resume point ahead is skipped to.
-            None => Ok(Started {
-                skip: resume,
+        let from = match replaying {
+            Some(resume) => resume.unwrap_or(Position { epoch, sample: 0 }),
+            None => shared,
+        };
+        let Some(prepared) = prepared else {
+            return Ok(Started {
+                skip: replaying.flatten(),
+                anchor: from,
                 ..Started::default()
-            }),
+            });
+        };
+        let keep = self.plan.pace == Pace::Decoupled;
+        let limit = Position {
+            epoch: self.plan.epochs.unwrap_or(u64::MAX),
+            sample: 0,
+        };
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        let to = match replay_end(from, shared, batch, per_epoch) {
+            Some(to) => to,
+            // Nothing to replay; a resume point ahead is skipped to.
+            None if keep => from.max(shared),
+            None => {
+                return Ok(Started {
+                    skip: replaying.flatten(),
+                    anchor: from,
+                    ..Started::default()
+                });
+            }
+        };
+        let (replay, grant, fd) = prepared.start((from, to), batch, per_epoch, (keep, limit))?;
+        if from < to {
+            tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
+            self.work_cv.notify_all();
         }
+        Ok(Started {
+            replay: Some(replay),
+            grant: Some((grant, fd)),
+            skip: Some(to),
+            anchor: from.min(to),
+        })
     }
 
     /// A replay arena for a consumer of batch size `batch` and `window`:
@@ -237,13 +258,15 @@ impl Stream {
 
 impl Prepared {
     /// Starts replaying `from..to` in batches of `batch`; the grant for the
-    /// welcome and the fd the consumer maps.
+    /// welcome and the fd the consumer maps. `keep`: the arena stays once
+    /// that is done (decoupled pace: replay may start again, up to `limit`,
+    /// the stream's end).
     pub(super) fn start(
         self,
-        from: Position,
-        to: Position,
+        (from, to): (Position, Position),
         batch: u64,
         per_epoch: u64,
+        (keep, limit): (bool, Position),
     ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
         let fd = self
             .arena
@@ -262,7 +285,9 @@ impl Prepared {
             slots: self.slots,
             per_epoch,
             cursor: from,
-            to,
+            to: Some(to),
+            limit,
+            keep,
             next_seq: 0,
             live: BTreeMap::new(),
             sent: 0,
@@ -281,6 +306,9 @@ pub(super) struct Started {
     pub(super) replay: Option<Replay>,
     pub(super) grant: Option<(ReplayGrant, OwnedFd)>,
     pub(super) skip: Option<Position>,
+    /// Where its first batch begins: its batches' boundaries are counted
+    /// from there in that epoch (from each epoch's start after).
+    pub(super) anchor: Position,
 }
 
 /// One consumer's replay in progress.
@@ -291,9 +319,14 @@ pub(super) struct Replay {
     batch: u64,
     slots: u32,
     per_epoch: u64,
-    /// The next batch to start, and where replay ends.
-    cursor: Position,
-    to: Position,
+    /// The next batch to start, and where replay ends (`None`: open, a
+    /// cut consumer's until it merges back; never past `limit`, the
+    /// stream's end).
+    pub(super) cursor: Position,
+    pub(super) to: Option<Position>,
+    limit: Position,
+    /// Decoupled pace: the arena stays when a stretch of replay is done.
+    pub(super) keep: bool,
     next_seq: u64,
     /// Batches started and not released, by seq.
     live: BTreeMap<u64, Entry>,
@@ -333,14 +366,36 @@ pub(super) struct ReplayJob {
 }
 
 impl Replay {
+    /// Where this stretch of replay stops.
+    fn end(&self) -> Position {
+        self.to.unwrap_or(self.limit).min(self.limit)
+    }
+
+    /// A stretch of replay is under way (batches are still to start).
+    pub(super) fn running(&self) -> bool {
+        self.cursor < self.end()
+    }
+
+    /// An open stretch (a cut consumer's, until it merges back).
+    pub(super) fn open(&self) -> bool {
+        self.to.is_none()
+    }
+
+    /// Opens a stretch from `from` (the consumer was cut from the shared
+    /// stream there); seqs go on from the last stretch's.
+    pub(super) fn reopen(&mut self, from: Position) {
+        self.cursor = from;
+        self.to = None;
+    }
+
     fn can_start(&self) -> bool {
         let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
-        self.cursor < self.to && self.next_seq < oldest + u64::from(self.slots)
+        self.running() && self.next_seq < oldest + u64::from(self.slots)
     }
 
     /// Waits for its consumer to release a batch.
     fn blocked(&self) -> bool {
-        self.cursor < self.to && !self.can_start()
+        self.running() && !self.can_start()
     }
 
     fn start(&mut self, id: ConsumerId) -> ReplayJob {
@@ -376,9 +431,9 @@ impl Replay {
         }
     }
 
-    /// Every batch made and released.
+    /// Every batch made and released, and no more to come.
     fn done(&self) -> bool {
-        self.cursor >= self.to && self.live.is_empty()
+        self.to.is_some() && !self.running() && self.live.is_empty()
     }
 }
 
@@ -440,7 +495,7 @@ pub(super) fn active(inner: &Inner) -> bool {
     inner
         .conns
         .values()
-        .any(|c| c.replay.as_ref().is_some_and(|r| r.cursor < r.to))
+        .any(|c| c.replay.as_ref().is_some_and(Replay::running))
 }
 
 /// A pipeline thread made replayed batch `seq` for consumer `id` (or
@@ -530,7 +585,7 @@ pub(super) fn release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(),
         }
         _ => return Err(ReplayError::NotHeld { seq }),
     }
-    if r.done() {
+    if r.done() && !r.keep {
         // Its arena and budget go back now.
         conn.replay = None;
     }

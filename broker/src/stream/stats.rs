@@ -3,6 +3,8 @@
 //! decodes and cache, its GPUs' copies, and each consumer's numbers,
 //! connected and departed.
 
+use std::collections::BTreeMap;
+
 use batchcast::proto::{self, ConsumerStats, Position, SourceStats, StreamStats};
 
 use super::{Inner, Stream};
@@ -129,25 +131,29 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         left: None,
         replayed: conn.replayed,
         replay_cpu_s: conn.replay_cpu.as_secs_f64(),
+        cuts: conn.cuts,
     })
 }
 
 /// Counts a consumer's own batches in the samples it was sent, epoch by
 /// epoch (each epoch's last batch short, or dropped with `drop_last`), as
 /// its client cuts them: stats show batches in its own size.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Cut {
     size: u64,
     drop_last: bool,
-    /// Batches of the epochs before the current one.
+    /// Batches of epochs no longer kept below.
     done: u64,
-    epoch: Option<u64>,
-    /// Samples of the current epoch.
-    samples: u64,
+    /// Per recent epoch: the first sample counted and how many.
+    epochs: BTreeMap<u64, (u64, u64)>,
     /// Samples before this position are not its (its client gives them
     /// back unread: they were replayed, or it resumes past them).
     skip: Option<Position>,
 }
+
+/// Epochs a [`Cut`] keeps apart (a rewind reaches back at most a ring of
+/// units, and a stream's epochs hold at least one each).
+const CUT_EPOCHS: usize = 4096;
 
 impl Cut {
     pub(super) fn new(size: u64, drop_last: bool) -> Cut {
@@ -155,8 +161,7 @@ impl Cut {
             size: size.max(1),
             drop_last,
             done: 0,
-            epoch: None,
-            samples: 0,
+            epochs: BTreeMap::new(),
             skip: None,
         }
     }
@@ -169,30 +174,49 @@ impl Cut {
 
     /// `samples` samples of `epoch` from sample `first` on.
     pub(super) fn add(&mut self, epoch: u64, first: u64, samples: u64) {
-        let mut samples = samples;
+        let (mut first, mut samples) = (first, samples);
         if let Some(skip) = self.skip {
             if epoch < skip.epoch {
                 return;
             }
             if epoch == skip.epoch && first < skip.sample {
                 samples = samples.saturating_sub(skip.sample - first);
+                first = skip.sample;
             }
         }
-        if self.epoch != Some(epoch) {
-            self.done = self.batches();
-            self.epoch = Some(epoch);
-            self.samples = 0;
+        let e = self.epochs.entry(epoch).or_insert((first, 0));
+        e.1 += samples;
+        if self.epochs.len() > CUT_EPOCHS
+            && let Some((_, (_, n))) = self.epochs.pop_first()
+        {
+            self.done += self.of(n);
         }
-        self.samples += samples;
+    }
+
+    /// Samples from `at` on were not its after all (decoupled pace: they
+    /// were taken back, and come replayed).
+    pub(super) fn rewind(&mut self, at: Position) {
+        self.epochs.retain(|&e, _| e <= at.epoch);
+        if let Some((first, n)) = self.epochs.get_mut(&at.epoch) {
+            *n = (*n).min(at.sample.saturating_sub(*first));
+        }
+    }
+
+    /// Starts counting again from `skip` (it merged back there).
+    pub(super) fn resume_at(&mut self, skip: Position) {
+        self.skip = Some(skip);
+    }
+
+    fn of(&self, samples: u64) -> u64 {
+        if self.drop_last {
+            samples / self.size
+        } else {
+            samples.div_ceil(self.size)
+        }
     }
 
     /// Its batches so far: the current epoch's counted as if it ended now.
     pub(super) fn batches(&self) -> u64 {
-        let n = if self.drop_last {
-            self.samples / self.size
-        } else {
-            self.samples.div_ceil(self.size)
-        };
-        self.done + n
+        self.done + self.epochs.values().map(|&(_, n)| self.of(n)).sum::<u64>()
     }
 }

@@ -151,6 +151,9 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
             Some(Notice::EndOfEpoch(_)) => {}
             Some(Notice::EndOfStream) => return seen,
             Some(Notice::Replay(r)) => panic!("replayed batch {r:?} without asking for replay"),
+            Some(n @ (Notice::Cut(_) | Notice::Merge(_))) => {
+                panic!("{n:?} in a lockstep stream")
+            }
             None => mb.sleep_unless(Duration::from_millis(5), || false),
         }
     }

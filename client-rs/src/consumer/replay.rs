@@ -4,20 +4,29 @@
 //! and sends those batches in order. They are handed out first; the shared
 //! units before `to` are given back unread by the batcher
 //! ([`crate::batcher::Batcher::skip_to`]).
+//!
+//! Decoupled pace: a consumer that fell behind by more than the run-ahead
+//! budget is cut from the shared stream ([`ServerMsg::Cut`](crate::proto::ServerMsg)):
+//! it drops the batch it was building, and replay goes on from where that
+//! batch began, with no end until the broker merges it back
+//! ([`ServerMsg::Merge`](crate::proto::ServerMsg)) at a batch boundary
+//! where the shared stream still holds the units.
 
 use std::collections::VecDeque;
 
 use super::{Consumer, Next};
 use crate::batcher::Run;
 use crate::error::{Error, Result};
-use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady};
+use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg};
 
 /// Replayed batches received and not yet handed out.
 #[derive(Debug)]
 pub(super) struct Replaying {
-    /// Where the next replayed batch must start, and where replay ends.
+    /// Where the next replayed batch must start, and where replay ends
+    /// (`None`: not known yet, a cut's replay before its merge).
     at: Position,
-    to: Position,
+    to: Option<Position>,
+    /// Where the consumer began (for epochs' completeness).
     from: Position,
     next_seq: u64,
     pub(super) queue: VecDeque<Next>,
@@ -27,7 +36,7 @@ impl Replaying {
     pub(super) fn new(grant: &ReplayGrant) -> Replaying {
         Replaying {
             at: grant.from,
-            to: grant.to,
+            to: Some(grant.to),
             from: grant.from,
             next_seq: 0,
             queue: VecDeque::new(),
@@ -36,15 +45,7 @@ impl Replaying {
 
     /// Every replayed batch arrived.
     pub(super) fn received(&self) -> bool {
-        self.at >= self.to
-    }
-
-    /// The releases of what was received and not handed out (leaving).
-    pub(super) fn unread(self) -> impl Iterator<Item = u64> {
-        self.queue.into_iter().filter_map(|n| match n {
-            Next::Replayed(run) => Some(run.first_seq | proto::REPLAYED),
-            _ => None,
-        })
+        self.to.is_some_and(|to| self.at >= to)
     }
 }
 
@@ -68,9 +69,87 @@ impl Consumer {
         };
         let n = r.queue.pop_front();
         if r.received() && r.queue.is_empty() {
+            self.replay_seq = r.next_seq;
             self.replay = None;
         }
         n
+    }
+
+    /// Cut from the shared stream at `restart`: ends of epochs read among
+    /// the batches taken back count if they end epochs before it; the
+    /// batch being built is dropped (it must begin at `restart`); what is
+    /// waiting to be handed out goes first, then replay from `restart`.
+    pub(super) fn take_cut(&mut self, restart: Position) -> Result<()> {
+        for e in std::mem::take(&mut self.deferred) {
+            if e.epoch < restart.epoch {
+                self.take_message(ServerMsg::EndOfEpoch(e))?;
+            }
+        }
+        let mut give = Vec::new();
+        let shared = self.shared.clone();
+        let (at, totals) = {
+            let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+            let at = b.batcher.cut(&mut give);
+            (at, std::mem::take(&mut b.totals))
+        };
+        shared.give_back(&give, totals)?;
+        if let Some((epoch, sample)) = at
+            && (Position { epoch, sample }) != restart
+        {
+            return Err(Error::Unexpected(format!(
+                "the broker replays this consumer from epoch {} sample {}, but its next batch begins at epoch {epoch} sample {sample}",
+                restart.epoch, restart.sample
+            )));
+        }
+        let from = *self
+            .replay_from
+            .get_or_insert(self.started_at.unwrap_or(restart));
+        tracing::debug!(?restart, "cut from the shared stream; replay follows");
+        let r = self.replay.get_or_insert_with(|| Replaying {
+            at: restart,
+            to: None,
+            from,
+            next_seq: self.replay_seq,
+            queue: VecDeque::new(),
+        });
+        if r.to.is_some_and(|to| to > restart) || r.at > restart {
+            return Err(Error::Unexpected(format!(
+                "cut at epoch {} sample {} before its replay reached there",
+                restart.epoch, restart.sample
+            )));
+        }
+        r.at = restart;
+        r.to = None;
+        r.queue.extend(self.next.drain(..));
+        Ok(())
+    }
+
+    /// Replay ends at `at`; the shared stream's samples from there are
+    /// this consumer's.
+    pub(super) fn take_merge(&mut self, at: Position) -> Result<()> {
+        let Some(r) = self
+            .replay
+            .as_mut()
+            .filter(|r| r.to.is_none() && r.at <= at)
+        else {
+            return Err(Error::Unexpected(format!(
+                "merged at epoch {} sample {} without a replay open before there",
+                at.epoch, at.sample
+            )));
+        };
+        r.to = Some(at);
+        if r.received() && r.queue.is_empty() {
+            // Everything replayed was handed out already.
+            self.replay_seq = r.next_seq;
+            self.replay = None;
+        }
+        self.skip = Some(at);
+        let shared = self.shared.clone();
+        let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+        b.batcher.skip_to(at.epoch, at.sample);
+        drop(b);
+        tracing::debug!(?at, "merged back into the shared stream");
+        Ok(())
     }
 
     /// A replayed batch arrived: checked to be the next one, at the place
@@ -95,6 +174,8 @@ impl Consumer {
             || m.first + m.samples > per_epoch
             || m.ends_epoch != ends
             || r.received()
+            || r.to
+                .is_some_and(|to| r.at.advance(m.samples, per_epoch) > to)
         {
             return Err(Error::Unexpected(format!(
                 "replayed batch {} ({} samples of epoch {} from {}) does not follow batch {} ending at {:?}",

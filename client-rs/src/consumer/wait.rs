@@ -22,6 +22,18 @@ pub(super) enum Woke {
     Timeout,
 }
 
+/// A notice as the message it stands for.
+fn message(n: Notice) -> ServerMsg {
+    match n {
+        Notice::Batch(b) => ServerMsg::Batch(b),
+        Notice::EndOfEpoch(e) => ServerMsg::EndOfEpoch(e),
+        Notice::EndOfStream => ServerMsg::EndOfStream,
+        Notice::Replay(r) => ServerMsg::Replay(r),
+        Notice::Cut(p) => ServerMsg::Cut(p),
+        Notice::Merge(p) => ServerMsg::Merge(p),
+    }
+}
+
 impl Consumer {
     /// The next message, waiting until `deadline`: from the mailbox, else
     /// the socket (an error, a goodbye, the broker gone). `None` at the
@@ -35,11 +47,15 @@ impl Consumer {
             return Ok(None);
         };
         loop {
-            match mb.pop()? {
-                Some(Notice::Batch(b)) => return Ok(Some(ServerMsg::Batch(b))),
-                Some(Notice::EndOfEpoch(e)) => return Ok(Some(ServerMsg::EndOfEpoch(e))),
-                Some(Notice::EndOfStream) => return Ok(Some(ServerMsg::EndOfStream)),
-                Some(Notice::Replay(r)) => return Ok(Some(ServerMsg::Replay(r))),
+            match mb.pop_marked()? {
+                // An end of epoch among batches a cut took back: it counts
+                // only if it ends an epoch before where replay begins,
+                // which the cut's notice, next, says.
+                Some((Notice::EndOfEpoch(e), true)) => {
+                    self.deferred.push(e);
+                    continue;
+                }
+                Some((n, _)) => return Ok(Some(message(n))),
                 None => {}
             }
             if !self.reader.buffer().is_empty() {

@@ -183,6 +183,9 @@ pub struct ConsumerStats {
     /// seconds they cost.
     pub replayed: u64,
     pub replay_cpu_s: f64,
+    /// Decoupled pace: how often it fell a ring behind and was cut from
+    /// the shared stream (replay followed).
+    pub cuts: u64,
 }
 
 impl ConsumerStats {
