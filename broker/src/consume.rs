@@ -537,6 +537,7 @@ impl<'a> Checker<'a> {
             .expect("just inserted")
             .1;
         let first = batch.first_sample() as usize;
+        let before = report.verify_failures;
         for (fi, bytes) in fields.iter().enumerate() {
             for j in 0..batch.len() {
                 let Some(&ds) = order.get(first + j) else {
@@ -547,6 +548,19 @@ impl<'a> Checker<'a> {
                     report.verify_failures += 1;
                 }
             }
+        }
+        if report.verify_failures > before && report.order_errors.len() < 20 {
+            report.order_errors.push(format!(
+                "verify: {} wrong in batch of epoch {epoch}, samples {first}..{} ({}, seq {})",
+                report.verify_failures - before,
+                first + batch.len(),
+                if batch.replayed() {
+                    "replayed"
+                } else {
+                    "shared"
+                },
+                batch.seq()
+            ));
         }
         report.verified_samples += batch.len() as u64;
     }

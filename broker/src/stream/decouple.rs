@@ -20,7 +20,8 @@
 //!   client drops the batch it was building, which begins there.
 //! * It merges back when its replay is to start a batch inside a unit the
 //!   shared stream still publishes, with at most half the ring ahead of it
-//!   (room to keep up): the hub re-joins it at that unit ([`crate::hub::Hub::rejoin`]),
+//!   (room to keep up), once it holds no unit from before its cut (it would
+//!   pin the ring again at once): the hub re-joins it at that unit ([`crate::hub::Hub::rejoin`]),
 //!   its replay ends there, and its client skips the unit's samples before
 //!   that point. At the stream's end it merges at the end.
 //! * Every sample reaches it once, in order: from the shared stream before
@@ -64,7 +65,8 @@ fn unread(c: &mut Conn) -> usize {
 }
 
 /// Whether consumer `id` may be cut: decoupled, reading the shared stream
-/// (not replaying), and behind (units wait for it, noticed or queued).
+/// (its last replay's batches all sent: a cut's notice must follow them),
+/// and behind (units wait for it, noticed or queued).
 fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
     let Some(queued) = hub.reading(id) else {
         return false;
@@ -73,7 +75,7 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
         && c.ending.is_none()
         && c.replay
             .as_ref()
-            .is_some_and(|r| r.keep && !r.running() && !r.open())
+            .is_some_and(|r| r.keep && !r.running() && !r.open() && r.settled())
         && (queued > 0 || unread(c) > 0)
 }
 
@@ -194,7 +196,13 @@ impl Stream {
             return false;
         };
         let (head, slots) = inner.hub.head_seq();
-        if head.saturating_sub(seq) > u64::from(slots / 2) || inner.hub.rejoin(id, seq).is_err() {
+        // It still holds units of the shared stream from before its cut: it
+        // would pin the ring again at once.
+        let holds = inner.hub.consumer_counts(id).is_none_or(|c| c.held > 0);
+        if holds
+            || head.saturating_sub(seq) > u64::from(slots / 2)
+            || inner.hub.rejoin(id, seq).is_err()
+        {
             return false;
         }
         let conn = inner.conns.get_mut(&id).expect("listed above");

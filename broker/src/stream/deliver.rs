@@ -239,7 +239,7 @@ impl Stream {
                 Stream::check_gpu(&inner, dev)?;
             }
         }
-        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, replays)?;
+        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         // A replay arena, if it may be needed (whether it is depends on
         // where the stream is when it joins, and for a decoupled consumer
@@ -319,7 +319,7 @@ impl Stream {
         &self,
         req: &Request,
         peer: &Peer,
-        replaying: bool,
+        (replaying, decoupled): (bool, bool),
     ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {
         if !req.mailbox || req.device.is_some() {
             return Ok((None, None));
@@ -329,7 +329,15 @@ impl Stream {
         } else {
             0
         };
-        let spec = MailboxSpec::for_batches(self.plan.slots.saturating_add(replayed));
+        // Decoupled: the notices a cut took back wait until the consumer
+        // passes them, and a ring more may come after its merge.
+        let rings = if decoupled { 2 } else { 1 };
+        let spec = MailboxSpec::for_batches(
+            self.plan
+                .slots
+                .saturating_mul(rings)
+                .saturating_add(replayed),
+        );
         let grant = self.budget.take(
             peer.uid,
             crate::budget::Use::Mailbox,

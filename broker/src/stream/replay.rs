@@ -376,6 +376,11 @@ impl Replay {
         self.cursor < self.end()
     }
 
+    /// Every batch started was sent.
+    pub(super) fn settled(&self) -> bool {
+        self.sent == self.next_seq
+    }
+
     /// An open stretch (a cut consumer's, until it merges back).
     pub(super) fn open(&self) -> bool {
         self.to.is_none()

@@ -105,6 +105,14 @@ impl Consumer {
             .replay_from
             .get_or_insert(self.started_at.unwrap_or(restart));
         tracing::debug!(?restart, "cut from the shared stream; replay follows");
+        if let Some(r) = &self.replay
+            && (!r.received() || r.at > restart)
+        {
+            return Err(Error::Unexpected(format!(
+                "cut at epoch {} sample {} before its last replay was all received",
+                restart.epoch, restart.sample
+            )));
+        }
         let r = self.replay.get_or_insert_with(|| Replaying {
             at: restart,
             to: None,
@@ -112,12 +120,6 @@ impl Consumer {
             next_seq: self.replay_seq,
             queue: VecDeque::new(),
         });
-        if r.to.is_some_and(|to| to > restart) || r.at > restart {
-            return Err(Error::Unexpected(format!(
-                "cut at epoch {} sample {} before its replay reached there",
-                restart.epoch, restart.sample
-            )));
-        }
         r.at = restart;
         r.to = None;
         r.queue.extend(self.next.drain(..));

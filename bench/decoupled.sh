@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Decoupled pace benchmark: builds release binaries and prints a markdown
+# table. Extra arguments go to the harness (`target/release/decoupled --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p batchcast-broker -p batchcast-bench
+exec target/release/decoupled "$@"
