@@ -253,7 +253,7 @@ pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
     }
 }
 
-/// The slots `run_ahead_mib` MiB hold, each of `slot_bytes`.
+/// The slots `run_ahead_mib` MiB hold, each unit of `slot_bytes`.
 pub(super) fn run_ahead_slots(mib: u64, slot_bytes: u64) -> Result<u32, StreamError> {
     let slots = mib.saturating_mul(1 << 20) / slot_bytes.max(1);
     let need_mib = (2 * slot_bytes).div_ceil(1 << 20);
@@ -261,8 +261,8 @@ pub(super) fn run_ahead_slots(mib: u64, slot_bytes: u64) -> Result<u32, StreamEr
         return Err(key(
             "run_ahead_mib",
             format!(
-                "run_ahead_mib = {mib} holds fewer than 2 batches of {} KiB: give at least {need_mib}",
-                slot_bytes >> 10
+                "run_ahead_mib = {mib} holds fewer than 2 batches of {:.1} KiB: give at least {need_mib}",
+                slot_bytes as f64 / 1024.0
             ),
         ));
     }

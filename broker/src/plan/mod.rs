@@ -347,7 +347,16 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
     };
     let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
     let slots = match s.run_ahead_mib {
-        Some(mib) => run_ahead_slots(mib, layout.slot_bytes)?,
+        Some(mib) => {
+            // A unit's bytes in the rings (page rounding aside).
+            let unit_bytes = schema
+                .fields
+                .iter()
+                .filter_map(|f| f.bytes_per_sample())
+                .sum::<u64>()
+                .saturating_mul(schema.batch_size);
+            run_ahead_slots(mib, unit_bytes)?
+        }
         None => s.slots,
     };
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;

@@ -101,6 +101,68 @@ fn semantic_errors_name_the_stream_and_what_to_do() {
 }
 
 #[test]
+fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
+    // Batches of 4 × 3 f32: 48 bytes; 1 MiB holds 21845 of them, more than
+    // a ring may: refused, naming the most it may be.
+    let decoupled = |extra: &str| {
+        plan(&good().replace(
+            "epochs = 2",
+            &format!("epochs = 2\npace = \"decoupled\"\n{extra}"),
+        ))
+    };
+    let p = &decoupled("").unwrap()[0];
+    assert_eq!((p.pace, p.slots), (Pace::Decoupled, 8));
+    let err = decoupled("run_ahead_mib = 1").unwrap_err().to_string();
+    assert!(
+        err.contains("run_ahead_mib = 1 holds 21845 batches"),
+        "{err}"
+    );
+    // A bigger batch: 4 × 65536 f32 = 1 MiB a batch.
+    let big = good().replace("shape = [3]", "shape = [65536]").replace(
+        "epochs = 2",
+        "epochs = 2\npace = \"decoupled\"\nrun_ahead_mib = 64",
+    );
+    assert_eq!(plan(&big).unwrap()[0].slots, 64);
+    let err = plan(&big.replace("run_ahead_mib = 64", "run_ahead_mib = 1"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fewer than 2 batches") && err.contains("at least 2"),
+        "{err}"
+    );
+    for (extra, culprit, expect) in [
+        (
+            "run_ahead_mib = 64",
+            "run_ahead_mib",
+            "pace = \"decoupled\" only",
+        ),
+        (
+            "pace = \"decoupled\"\nlag_limit = 4",
+            "lag_limit",
+            "choose one",
+        ),
+    ] {
+        let err = plan(&good().replace("epochs = 2", &format!("epochs = 2\n{extra}"))).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(expect), "{text}");
+        assert!(
+            matches!(&err, PlanError::Stream { error: StreamError::Key { key, .. }, .. } if *key == culprit),
+            "{err:?}"
+        );
+    }
+    let err = Config::parse(
+        &good().replace("epochs = 2", "epochs = 2\npace = \"sometimes\""),
+        Path::new("t.toml"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("sometimes") && err.contains("lockstep"),
+        "{err}"
+    );
+}
+
+#[test]
 fn every_numeric_key_is_bounded_and_the_error_names_key_and_limit() {
     for (key, extra, limit) in [
         ("workers", "workers = 100000", "256"),
