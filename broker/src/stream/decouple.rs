@@ -8,9 +8,11 @@
 //! # Rules
 //!
 //! * A cut happens only when the pipeline waits for the ring's next slot,
-//!   some consumer has read everything published for it (it waits for the
-//!   pipeline), and every consumer that owes the unit in that slot can be
-//!   cut: a decoupled consumer (host memory, a mailbox, not replaying)
+//!   the unit in it was made at least [`CUT_AFTER`] ago (a consumer a
+//!   moment late, as trainers starting together are, is not worth a
+//!   replay), some consumer has read everything published for it (it
+//!   waits for the pipeline), and every consumer that owes that unit can
+//!   be cut: a decoupled consumer (host memory, a mailbox, not replaying)
 //!   with units noticed and not taken. Otherwise the pipeline waits, as in
 //!   lockstep.
 //! * The cut takes back, through the mailbox's handshake
@@ -27,6 +29,8 @@
 //! * Every sample reaches it once, in order: from the shared stream before
 //!   the cut, replayed between, from the shared stream after the merge.
 
+use std::time::{Duration, Instant};
+
 use batchcast::mailbox::{BrokerMailbox, Notice};
 use batchcast::proto::{self, Position};
 
@@ -34,6 +38,10 @@ use super::deliver::{Conn, end_mailbox_consumer, settle};
 use super::{Inner, Stream};
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Hub};
+
+/// How old the unit in the ring's next slot must be before the consumers
+/// that owe it are cut.
+pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 
 /// The batch boundary at or before `p` of a consumer of batch size `batch`
 /// whose first batch begins at `anchor`: boundaries are counted from the
@@ -80,15 +88,35 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
 }
 
 impl Stream {
+    /// Unit `seq` was made (decoupled pace: its age decides a cut).
+    pub(super) fn made(&self, inner: &mut Inner, seq: u64) {
+        if self.plan.pace != Pace::Decoupled {
+            return;
+        }
+        inner.made_at.push_back((seq, Instant::now()));
+        while inner.made_at.len() > self.plan.slots as usize {
+            inner.made_at.pop_front();
+        }
+    }
+
     /// The pipeline waits for the ring's next slot: cuts the consumers that
     /// owe its unit if the rules allow (see the module's). Whether it did.
     pub(super) fn cut_laggards(&self, inner: &mut Inner) -> bool {
         if self.plan.pace != Pace::Decoupled {
             return false;
         }
-        let Some((_, owe)) = inner.hub.pinning() else {
+        let Some((seq, owe)) = inner.hub.pinning() else {
             return false;
         };
+        // Made longer ago than the ring remembers: old enough.
+        let young = inner
+            .made_at
+            .iter()
+            .find(|(s, _)| *s == seq)
+            .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER);
+        if young {
+            return false;
+        }
         let Inner { hub, conns, .. } = &mut *inner;
         let hungry = conns
             .iter_mut()

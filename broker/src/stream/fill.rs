@@ -63,7 +63,8 @@ impl Stream {
                 Ok(samples) => self.with_hub(|inner| {
                     inner.fill_ns = fill_ns;
                     inner.pipeline_cpu += spent;
-                    inner.hub.finish_batch(work.seq, samples)
+                    inner.hub.finish_batch(work.seq, samples);
+                    self.made(inner, work.seq);
                 }),
                 Err(e) => {
                     // The slot stays in `Filling`: nobody ever sees a torn batch.
@@ -211,7 +212,7 @@ impl Stream {
             blocked_since.get_or_insert(now);
             // Decoupled pace: a consumer a whole ring behind is cut (it
             // goes on from replay) rather than waited for.
-            if free == 0 && waited >= CUT_AFTER && self.cut_laggards(&mut inner) {
+            if free == 0 && self.cut_laggards(&mut inner) {
                 settle(&mut inner, true);
                 continue;
             }
@@ -389,10 +390,6 @@ const ARM_AFTER: Duration = Duration::from_millis(5);
 /// socket consumers are there): naps of about 10, 20, 40 and 80 µs.
 const ARM_AFTER_ONE: Duration = Duration::from_micros(150);
 /// Longest sleep of an idle or armed pipeline thread between looks.
-/// Decoupled pace: how long the pipeline waits for the ring's next slot
-/// before it cuts the consumers that owe it (a consumer a moment late, as
-/// trainers starting together are, is not worth a replay).
-const CUT_AFTER: Duration = Duration::from_millis(10);
 const IDLE_WAIT: Duration = Duration::from_millis(200);
 
 /// What a pipeline thread learned of how fast consumers free slots.

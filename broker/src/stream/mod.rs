@@ -92,6 +92,8 @@ struct Inner {
     /// Replayed batches being made, and the CPU replay has cost.
     replaying: u32,
     replay_cpu: Duration,
+    /// Decoupled pace: when each of the last units of the ring was made.
+    made_at: VecDeque<(u64, std::time::Instant)>,
 }
 
 #[derive(Debug)]
@@ -201,6 +203,7 @@ impl Stream {
                 outbound: Vec::new(),
                 replaying: 0,
                 replay_cpu: Duration::ZERO,
+                made_at: VecDeque::new(),
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
