@@ -176,7 +176,7 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
 fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {
     let _ = writeln!(
         out,
-        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9}  device",
+        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>5}  device",
         "id",
         "name",
         "pid",
@@ -190,12 +190,13 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
         "wait s",
         "stall",
         "hold s",
-        "replayed"
+        "replayed",
+        "cuts"
     );
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9}  {}",
+            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}",
             c.id,
             truncate(&c.name, 20),
             c.pid,
@@ -210,6 +211,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
             100.0 * c.stall_fraction(),
             c.hold_s,
             c.replayed,
+            c.cuts,
             c.device.as_deref().unwrap_or("cpu")
         );
     }
