@@ -2,7 +2,8 @@
 //! processes. Trainers of different speeds on one stream each read every
 //! sample once, in order, byte for byte, whatever their batch size; one
 //! that stalls for a second is cut from the shared stream (the others go
-//! on) and catches up from replay; a stream keeps consumers that cannot be
+//! on) and catches up from replay; one killed while it is being replayed
+//! to leaves nothing behind; a stream keeps consumers that cannot be
 //! replayed to (on the socket) in lockstep.
 
 use batchcast_broker::config::StreamToml;
@@ -136,4 +137,60 @@ fn a_socket_consumer_keeps_lockstep_in_a_decoupled_stream() {
     assert_eq!(slow.replayed_batches, 0);
     let s = env.stats();
     assert!(s.streams[0].past_consumers.iter().all(|c| c.cuts == 0));
+}
+
+#[test]
+fn a_trainer_killed_while_cut_and_replayed_to_leaves_nothing_behind() {
+    // An endless stream: a steady reader, and a slow one (holding two
+    // batches, 100 ms a batch) that falls a ring behind, is cut, and is
+    // killed while it is being replayed to.
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
+            .key("seed", 5)
+            .key("slots", 12)
+            .key("workers", 2)
+            .key("min_consumers", 2)
+            .raw("pace = \"decoupled\"")
+            .to_toml(),
+    );
+    let steady = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "1",
+        "--max-batches",
+        "400",
+        "--name",
+        "steady",
+    ]);
+    let mut victim = env.consumer(&[
+        "--verify",
+        "--window",
+        "3",
+        "--hold",
+        "2",
+        "--sleep-ms",
+        "100",
+        "--name",
+        "victim",
+    ]);
+    env.wait_for("the victim to be cut and replayed to", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "victim" && c.cuts > 0 && c.replayed > 0)
+            && s.memory.replay_bytes > 0
+    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    let r = report(steady);
+    assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
+    assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
+    let s = env.wait_for("both to be gone", |s| s.streams[0].consumers.is_empty());
+    assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
+    assert_eq!(s.streams[0].in_use, 0, "every slot came back");
 }
