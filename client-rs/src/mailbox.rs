@@ -404,12 +404,10 @@ impl BrokerMailbox {
         }
     }
 
-    /// The units (seqs, replayed ones tagged [`proto::REPLAYED`]) noticed
-    /// and not read, by the consumer's `tail`: what a consumer that said
-    /// goodbye will never give back itself. A consumer's `tail` is its own
-    /// word, so a forged one only makes the broker give back units that
-    /// consumer holds (releases of which are then refused) or keep units
-    /// it would have given back (until its connection closes).
+    /// The units (seqs; replayed ones tagged [`proto::REPLAYED`]) noticed
+    /// and not read by the consumer's `tail`: what a consumer that said
+    /// goodbye will never give back itself. A forged `tail` harms only that
+    /// consumer (units it holds given back, or units kept until it leaves).
     pub fn unread_units(&mut self) -> Vec<u64> {
         let tail = self.words.u64(TAIL).load(Ordering::Acquire);
         if tail > self.head {

@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -28,9 +27,8 @@ use super::mirror::request_copies;
 use super::replay::{self, Replay, ReplayError};
 use super::stats::{Cut, consumer_stats};
 use super::{Inner, Stream, StreamFailed};
-use crate::config::Pace;
 use crate::gpu::{GpuError, GpuKey};
-use crate::hub::{ConsumerId, Delivery, HubError, Outbound};
+use crate::hub::{ConsumerId, HubError, Outbound};
 
 /// A connected consumer, as the stream sees it.
 #[derive(Debug)]
@@ -199,155 +197,6 @@ pub struct Shape {
 }
 
 impl Stream {
-    /// Subscribes a consumer: checks what needs no GPU, makes its mailbox
-    /// or opens its GPU's arena (outside the hub's lock: both take a
-    /// while), then joins it to the hub.
-    pub fn subscribe(
-        self: &Arc<Self>,
-        req: Request,
-        peer: Peer,
-    ) -> Result<Subscription, SubscribeError> {
-        // Room for a full window of batches, one end-of-epoch marker per
-        // batch, and the final messages.
-        let shape = self.shape(&req)?;
-        let replaying = self.replay_request(&req)?;
-        // Decoupled pace: a host consumer with a mailbox of a stream the
-        // broker computes may be cut from the shared stream and replayed
-        // to; others keep lockstep.
-        let decoupled = self.plan.pace == Pace::Decoupled
-            && self.writer.is_some()
-            && req.mailbox
-            && req.device.is_none();
-        let replays = replaying.is_some() || decoupled;
-        // And the replayed batches it may be sent ahead of its releases.
-        let replayed = match replays {
-            true => replay::slots(req.window) as usize,
-            false => 0,
-        };
-        let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
-        let gpu_slots = self.plan.gpu_slots;
-        // Refusals that need no GPU come before a device arena is allocated.
-        {
-            let inner = self.lock();
-            if let Some(why) = &inner.failed {
-                return Err(SubscribeError::Failed(why.clone()));
-            }
-            inner
-                .hub
-                .check_window(shape.units, req.device.as_ref().map(|_| gpu_slots))?;
-            if let Some(dev) = &req.device {
-                Stream::check_gpu(&inner, dev)?;
-            }
-        }
-        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
-        let grant = mailbox.as_ref().map(grant).transpose()?;
-        // A replay arena, if it may be needed (whether it is depends on
-        // where the stream is when it joins, and for a decoupled consumer
-        // on whether it falls behind).
-        let prepared = match replays {
-            true => Some(self.prepare_replay(
-                shape.batch_size,
-                req.window,
-                peer.uid,
-                &format!("consumer `{}` (pid {})", peer.name, peer.pid),
-            )?),
-            false => None,
-        };
-        let (mirror, gpu_grant) = match &req.device {
-            Some(dev) => {
-                let (m, g) = self.open_mirror(dev, &peer)?;
-                (Some(m), g)
-            }
-            None => (None, None),
-        };
-        // A mailbox consumer is sent every batch at once and keeps to its
-        // window itself: it never waits for the broker to take a release.
-        let delivery = match mailbox {
-            Some(_) => Delivery::Ahead,
-            None => Delivery::Window,
-        };
-        self.with_hub(|inner| {
-            if let Some(why) = &inner.failed {
-                return Err(SubscribeError::Failed(why.clone()));
-            }
-            let group = match (&mirror, &req.device) {
-                (Some(m), Some(dev)) => Some(Stream::mirror_group(
-                    inner, m, gpu_grant, dev, gpu_slots,
-                )?),
-                _ => None,
-            };
-            let join = match replaying {
-                Some(_) => JoinPolicy::Immediate,
-                None => req.join,
-            };
-            let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
-            let started = self
-                .start_replay(inner, id, replaying, prepared, shape.batch_size)
-                .inspect_err(|_| {
-                    inner.hub.leave(id);
-                })?;
-            if let Some((g, _)) = &started.grant {
-                start_epoch = g.from.epoch;
-            }
-            tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
-            let conn = Conn::new(
-                tx,
-                peer,
-                shape,
-                &req,
-                (mailbox, mailbox_grant),
-                started.replay,
-                (started.skip, started.anchor),
-            );
-            inner.conns.insert(id, conn);
-            Ok(Subscription {
-                id,
-                start_epoch,
-                shape,
-                rx,
-                device: mirror.as_ref().map(|m| m.arena()),
-                mailbox: grant,
-                replay: started.grant,
-            })
-        })
-    }
-
-    /// A mailbox for a host consumer that asked for one, in the budget
-    /// under its uid: room for every unit of the stream's slots, and for
-    /// the replayed batches it may be sent.
-    fn make_mailbox(
-        &self,
-        req: &Request,
-        peer: &Peer,
-        (replaying, decoupled): (bool, bool),
-    ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {
-        if !req.mailbox || req.device.is_some() {
-            return Ok((None, None));
-        }
-        let replayed = if replaying {
-            replay::slots(req.window)
-        } else {
-            0
-        };
-        // Decoupled: the notices a cut took back wait until the consumer
-        // passes them, and a ring more may come after its merge.
-        let rings = if decoupled { 2 } else { 1 };
-        let spec = MailboxSpec::for_batches(
-            self.plan
-                .slots
-                .saturating_mul(rings)
-                .saturating_add(replayed),
-        );
-        let grant = self.budget.take(
-            peer.uid,
-            crate::budget::Use::Mailbox,
-            spec.bytes(),
-            &format!("consumer `{}` (pid {})", peer.name, peer.pid),
-        )?;
-        let mb = BrokerMailbox::create(spec).map_err(SubscribeError::Mailbox)?;
-        Ok((Some(mb), Some(grant)))
-    }
-
     pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), ReleaseError> {
         let now = proto::monotonic_ns();
         self.with_hub(|inner| release(inner, id, r, now))
@@ -422,18 +271,6 @@ impl Stream {
             waiting
         })
     }
-}
-
-/// What the server needs to hand a mailbox to its consumer.
-fn grant(m: &BrokerMailbox) -> Result<MailboxGrant, SubscribeError> {
-    Ok(MailboxGrant {
-        spec: m.spec(),
-        fd: m
-            .fd()
-            .try_clone_to_owned()
-            .map_err(|e| SubscribeError::Mailbox(e.into()))?,
-        bell: m.bell(),
-    })
 }
 
 /// Counts a release (from the socket or a mailbox) in the hub and in the
@@ -632,7 +469,7 @@ fn notice(msg: &ServerMsg) -> Option<Notice> {
 impl Conn {
     /// A consumer that just joined; `skip`: where its shared samples
     /// begin to count (see [`Cut`]).
-    fn new(
+    pub(super) fn new(
         tx: mpsc::Sender<ServerMsg>,
         peer: Peer,
         shape: Shape,

@@ -210,8 +210,7 @@ impl Stream {
                 continue;
             }
             blocked_since.get_or_insert(now);
-            // Decoupled pace: a consumer a whole ring behind is cut (it
-            // goes on from replay) rather than waited for.
+            // Decoupled pace: one a ring behind is cut, not waited for.
             if free == 0 && self.cut_laggards(&mut inner) {
                 settle(&mut inner, true);
                 continue;
@@ -224,20 +223,7 @@ impl Stream {
                 take_any = true;
                 continue;
             }
-            // Nap until the slots it waits for are likely free: learned for
-            // the first nap, then from how many came in the time waited so
-            // far; as long again when none came.
-            let until = match wake_at {
-                Some(w) if w > now => w,
-                _ => {
-                    let nap = match (wake_at, free) {
-                        (None, _) => pace.first_nap(target),
-                        (Some(_), 0) => waited,
-                        (Some(_), f) => waited * (target - f) / f,
-                    };
-                    now + nap.clamp(MIN_NAP, MAX_NAP)
-                }
-            };
+            let until = pace.wake_at(wake_at, now, waited, (free, target));
             wake_at = Some(until);
             naps += 1;
             inner = self.idle(inner, false, until - now);
@@ -412,5 +398,29 @@ impl Pace {
     /// The first nap of a wait for `gather` slots.
     fn first_nap(&self, gather: u32) -> Duration {
         self.per_slot.map_or(MIN_NAP, |p| p * gather)
+    }
+
+    /// When to look again, waiting for `target` slots with `free` free
+    /// after `waited`: at the end of the nap under way (`wake_at`), else
+    /// when they are likely free: learned for the first nap, then from how
+    /// many came in the time waited so far; as long again when none came.
+    fn wake_at(
+        &self,
+        wake_at: Option<Instant>,
+        now: Instant,
+        waited: Duration,
+        (free, target): (u32, u32),
+    ) -> Instant {
+        match wake_at {
+            Some(w) if w > now => w,
+            _ => {
+                let nap = match (wake_at, free) {
+                    (None, _) => self.first_nap(target),
+                    (Some(_), 0) => waited,
+                    (Some(_), f) => waited * (target - f) / f,
+                };
+                now + nap.clamp(MIN_NAP, MAX_NAP)
+            }
+        }
     }
 }

@@ -33,6 +33,7 @@ mod port;
 mod replay;
 mod shape;
 mod stats;
+mod subscribe;
 #[cfg(test)]
 mod tests;
 

@@ -1,0 +1,163 @@
+//! Decoupled pace: cutting a host consumer from the shared stream (it fell
+//! a ring behind and goes on from replay) and re-joining it where the
+//! shared stream still holds its samples. What it took stays held; what it
+//! never took, or was queued for it, is given back; nothing is published to
+//! it while it is cut. The property tests cut and re-join at random.
+
+use super::{ConsumerId, Hub, HubError, Slot};
+
+impl Hub {
+    /// Cuts a host consumer from the shared stream (decoupled pace: it fell
+    /// too far behind, and goes on from replay): what was queued for it,
+    /// and the batches in `revoke` that it was sent and never took, are
+    /// given back; nothing more is published to it until it
+    /// [rejoins](Hub::rejoin). What it took stays held until released.
+    /// The runtime must be sure it never reads the `revoke`d batches (the
+    /// mailbox's cut handshake).
+    ///
+    /// Returns the epoch and index of the first batch it no longer gets
+    /// (its replay begins there, or at its batch boundary before).
+    pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(u64, u64), HubError> {
+        let head = self.head();
+        let c = self
+            .consumers
+            .get(&id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        if c.group.is_some() || c.closing || c.ended {
+            return Err(HubError::NotCuttable);
+        }
+        if let Some(&seq) = revoke.iter().find(|s| !c.held.contains(s)) {
+            return Err(HubError::NotHeld { seq });
+        }
+        // What it took ends before this batch; one it never got yet starts
+        // where it would have (its first epoch, if not reached).
+        let lost = revoke
+            .iter()
+            .copied()
+            .chain(c.queue.front().copied())
+            .min()
+            .unwrap_or(head.max(c.floor));
+        let at = self
+            .position(lost)
+            .unwrap_or((self.next_epoch, self.next_index));
+        let first = if at.0 < c.start_epoch {
+            (c.start_epoch, 0)
+        } else {
+            at
+        };
+        let c = self.consumers.get_mut(&id).expect("looked up above");
+        c.cut = true;
+        c.held.retain(|s| !revoke.contains(s));
+        let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
+        for seq in dropped {
+            self.unpin(seq);
+        }
+        self.pump();
+        Ok(first)
+    }
+
+    /// Puts a cut consumer back in the shared stream from batch `seq` on:
+    /// it owes every batch from there, published or to come. Refused
+    /// ([`HubError::NotLive`]) unless every batch from `seq` to the head is
+    /// still published (nobody may reuse a slot it is to read) and it holds
+    /// nothing from `seq` on.
+    pub fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
+        let head = self.head();
+        let c = self
+            .consumers
+            .get(&id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        if !c.cut || c.closing || c.ended {
+            return Err(HubError::NotCut(id));
+        }
+        let live = (seq..head).all(|s| self.published.contains_key(&s));
+        // Batches from there on follow each other in the epoch (none of an
+        // epoch abandoned while nobody read it, see `join_group`).
+        let epoch = self.position(seq).map(|(epoch, _)| epoch);
+        let whole = epoch.is_some_and(|epoch| epoch >= self.live_epoch);
+        if seq > head || !live || !whole || c.held.iter().any(|&h| h >= seq) {
+            return Err(HubError::NotLive { seq });
+        }
+        for s in seq..head {
+            let slot = self.published[&s].slot as usize;
+            match &mut self.slots[slot] {
+                Slot::Published { refs, .. } => *refs += 1,
+                other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
+            }
+        }
+        let c = self.consumers.get_mut(&id).expect("looked up above");
+        c.cut = false;
+        c.floor = seq;
+        c.start_epoch = epoch.expect("checked above");
+        c.queue.extend(seq..head);
+        self.pump();
+        Ok(())
+    }
+
+    /// Epoch and index of batch `seq`, if it is published, being made, or
+    /// the next one to be made.
+    pub fn position(&self, seq: u64) -> Option<(u64, u64)> {
+        if let Some(b) = self.published.get(&seq) {
+            return Some((b.epoch, b.index));
+        }
+        if let Some(b) = self.inflight.get(&seq) {
+            return Some((b.epoch, b.index));
+        }
+        (seq == self.next_seq).then_some((self.next_epoch, self.next_index))
+    }
+
+    /// The seq of batch `index` of `epoch`, if it is published, being made,
+    /// or the next one to be made.
+    pub fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
+        if (self.next_epoch, self.next_index) == (epoch, index) {
+            return Some(self.next_seq);
+        }
+        let found = |e: u64, i: u64| (e, i) == (epoch, index);
+        self.published
+            .iter()
+            .find(|(_, b)| found(b.epoch, b.index))
+            .map(|(&s, _)| s)
+            .or_else(|| {
+                self.inflight
+                    .iter()
+                    .find(|(_, b)| found(b.epoch, b.index))
+                    .map(|(&s, _)| s)
+            })
+    }
+
+    /// The batch in the ring's next slot, which the pipeline waits for
+    /// (`None` if the slot is free or being filled), and the consumers
+    /// that owe it.
+    pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
+        let Slot::Published { seq, .. } = self.slots[self.next_slot() as usize] else {
+            return None;
+        };
+        let owe = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| c.group.is_none() && (c.held.contains(&seq) || c.queue.contains(&seq)))
+            .map(|(&id, _)| id)
+            .collect();
+        Some((seq, owe))
+    }
+
+    /// Whether consumer `id` takes batches from the shared stream now (not
+    /// cut, closing or ended), and how many wait for it here, unsent.
+    pub fn reading(&self, id: ConsumerId) -> Option<usize> {
+        self.consumers
+            .get(&id)
+            .filter(|c| !c.cut && !c.closing && !c.ended)
+            .map(|c| c.queue.len())
+    }
+
+    /// The head: the first batch not yet published, and how many slots
+    /// the ring has.
+    pub fn head_seq(&self) -> (u64, u32) {
+        (self.head(), self.cfg.slots)
+    }
+
+    /// Whether consumer `id` is cut from the shared stream.
+    pub fn is_cut(&self, id: ConsumerId) -> bool {
+        self.consumers.get(&id).is_some_and(|c| c.cut)
+    }
+}
