@@ -79,12 +79,7 @@ fn consumers_of_mixed_batch_sizes_each_get_every_sample_once_and_a_killed_one_ch
             && sizes_seen.contains(&("b256".into(), 256, 2)),
         "stats show each consumer's own batch size and window: {sizes_seen:?}"
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    victim.wait().unwrap();
+    common::sigkill(&mut victim);
     let reports: Vec<ConsumerReport> = kids.into_iter().map(report).collect();
     for (r, &b) in reports.iter().zip(&sizes) {
         assert!(r.ok && r.ended, "{r:#?}");

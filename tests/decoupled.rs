@@ -181,12 +181,7 @@ fn a_trainer_killed_while_cut_and_replayed_to_leaves_nothing_behind() {
             .any(|c| c.name == "victim" && c.cuts > 0 && c.replayed > 0)
             && s.memory.replay_bytes > 0
     });
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    victim.wait().unwrap();
+    common::sigkill(&mut victim);
     let r = report(steady);
     assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
     assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);

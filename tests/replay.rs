@@ -240,12 +240,7 @@ fn a_consumer_killed_while_replaying_leaves_nothing_behind_and_others_go_on() {
             .any(|c| c.name == "victim" && c.replayed > 0)
             && s.memory.replay_bytes > 0
     });
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    victim.wait().unwrap();
+    common::sigkill(&mut victim);
     let r = report(steady);
     assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
     let s = env.wait_for("the victim to be gone", |s| {

@@ -98,6 +98,12 @@ pub fn report(child: std::process::Child) -> ConsumerReport {
     harness::wait_report(child, LIMIT).unwrap()
 }
 
+/// SIGKILLs a consumer process (a trainer dying mid-step) and reaps it.
+pub fn sigkill(child: &mut std::process::Child) {
+    harness::signal(child.id(), nix::sys::signal::Signal::SIGKILL);
+    child.wait().unwrap();
+}
+
 /// Tests that need a second user run as root (as CI does); elsewhere they
 /// say so and skip that part.
 pub fn is_root(what: &str) -> bool {

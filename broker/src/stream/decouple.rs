@@ -62,6 +62,21 @@ pub(super) fn boundary(anchor: Position, p: Position, batch: u64) -> Position {
     }
 }
 
+/// Writes a notice to consumer `id`'s mailbox and rings; a full mailbox
+/// ends that consumer (`false`).
+fn notify(inner: &mut Inner, id: ConsumerId, notice: Notice) -> bool {
+    let pushed = inner
+        .conns
+        .get_mut(&id)
+        .and_then(|c| c.mailbox.as_mut())
+        .map(|mb| mb.push(&notice).map(|()| mb.ring()));
+    if let Some(Err(e)) = pushed {
+        end_mailbox_consumer(inner, id, e.to_string());
+        return false;
+    }
+    true
+}
+
 /// Shared units noticed to this consumer and not yet taken.
 fn unread(c: &mut Conn) -> usize {
     c.mailbox.as_mut().map_or(0, |mb| {
@@ -170,12 +185,7 @@ impl Stream {
         if let Some(r) = conn.replay.as_mut() {
             r.reopen(restart);
         }
-        let pushed = conn
-            .mailbox
-            .as_mut()
-            .map(|mb| mb.push(&Notice::Cut(restart)).map(|()| mb.ring()));
-        if let Some(Err(e)) = pushed {
-            end_mailbox_consumer(inner, id, e.to_string());
+        if !notify(inner, id, Notice::Cut(restart)) {
             return true;
         }
         tracing::info!(
@@ -238,12 +248,7 @@ impl Stream {
             r.to = Some(at);
         }
         conn.cut.resume_at(at);
-        let pushed = conn
-            .mailbox
-            .as_mut()
-            .map(|mb| mb.push(&Notice::Merge(at)).map(|()| mb.ring()));
-        if let Some(Err(e)) = pushed {
-            end_mailbox_consumer(inner, id, e.to_string());
+        if !notify(inner, id, Notice::Merge(at)) {
             return true;
         }
         tracing::info!(
