@@ -434,6 +434,34 @@ def test_join_now_mid_epoch_replays_its_start_then_shares_the_same_bytes(start_b
     del c
 
 
+def test_a_slow_trainer_of_a_decoupled_stream_is_replayed_to_and_gets_the_same_bytes(start_broker, tmp_path):
+    # A fast trainer (dumping its batches) and a slow one in Python (20 ms a
+    # batch of 5) on a decoupled stream with a ring of 8 units: the slow one
+    # falls behind, is cut from the shared stream and replayed to, and
+    # still reads every sample of every epoch once, in order, the same
+    # bytes as the fast one, which is never replayed to.
+    broker = start_broker(synthetic(epochs=3, slots=8, min_consumers=2, extra='pace = "decoupled"'))
+    dump = tmp_path / "rust"
+    fast = broker.rust_consumer("--dump", str(dump), "--name", "fast")
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=5, name="slow")
+    images, firsts, replayed = [], [], []
+    for _ in range(3):  # one epoch per iteration, as a DataLoader
+        for batch in c:
+            firsts.append((batch.epoch, batch.first_sample))
+            replayed.append(batch.replayed)
+            images.append(batch[0].tobytes())
+            time.sleep(0.02)
+    assert firsts == [(e, s) for e in range(3) for s in range(0, 100, 5)], firsts
+    assert any(replayed), "it fell behind and was replayed to"
+    r = report(fast)
+    assert r["ok"] and r["ended"] and r["replayed_batches"] == 0, r
+    want = b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+    assert b"".join(images) == want
+    st = broker.stream("train")
+    me = next(x for x in st["consumers"] + st["past_consumers"] if x["name"] == "slow")
+    assert me["cuts"] >= 1 and me["replayed"] == 5 * sum(replayed), me
+
+
 def test_resume_starts_at_the_checkpoint_position(start_broker, tmp_path):
     broker = start_broker(synthetic(epochs=3, slots=6))
     dump = tmp_path / "rust"
