@@ -129,8 +129,8 @@ impl Batcher {
     }
 
     /// Cut from the shared stream (decoupled pace): the run being built is
-    /// dropped, and what units hold beyond the runs cut counts as read (it
-    /// comes replayed); units no handed-out run reads are given back.
+    /// dropped (its samples come replayed); units no handed-out run reads
+    /// are given back.
     /// Units from then on may repeat earlier seqs (it rejoins the shared
     /// stream where its replay ends, see [`skip_to`](Self::skip_to)).
     /// Returns where the dropped run began, or the next run would have.
@@ -138,9 +138,6 @@ impl Batcher {
         let at = self.next_position();
         if let Some(b) = self.building.take() {
             self.unref(&b);
-        }
-        for h in &mut self.held {
-            h.consumed = h.unit.samples;
         }
         self.last_seq = None;
         self.collect(give_back);
@@ -405,6 +402,89 @@ mod tests {
                 }
                 expect.retain(|s| got.contains(s));
             }
+            prop_assert_eq!(got, expect);
+        }
+    }
+
+    proptest! {
+        /// Decoupled pace: cut after a random number of units (the batch
+        /// being built is dropped and must begin at the broker's restart,
+        /// its batch boundary at or before the first unit not taken), the
+        /// samples from there to a later boundary replayed, then units
+        /// again from the one holding that boundary (seqs taken before may
+        /// repeat), skipping to it: every sample once, in order.
+        #[test]
+        fn a_cut_and_a_merge_lose_and_repeat_no_sample(
+            size in 1u64..50, unit in 1u64..30, per_epoch in 1u64..6,
+            last_cut in 0u64..30, epochs in 1u64..4, skip in 0u64..4,
+            cut_after in 0u64..20, ahead in 0u64..6,
+        ) {
+            let last = 1 + last_cut % unit;
+            let all = units(unit, per_epoch, last, epochs, skip.min(per_epoch * epochs - 1));
+            let epoch_samples = (per_epoch - 1) * unit + last;
+            let first = (all[0].epoch, all[0].index * unit);
+            let taken = (cut_after as usize).min(all.len());
+            let mut b = Batcher::new(size, false, unit, per_epoch);
+            let (mut given, mut got, mut pushed) = (Vec::new(), Vec::new(), Vec::new());
+            let take = |r: Run, got: &mut Vec<(u64, u64)>| {
+                for j in 0..r.samples {
+                    got.push((r.epoch, r.first + j));
+                }
+            };
+            for &u in &all[..taken] {
+                pushed.push(u.seq);
+                b.push(u, &mut given).unwrap();
+                while let Some(r) = b.pop() {
+                    take(r, &mut got);
+                    b.release(&r, &mut given);
+                }
+            }
+            // The broker's restart: the boundary at or before the first
+            // sample it did not take.
+            let lost = all.get(taken).map_or((epochs, 0), |u| (u.epoch, u.index * unit));
+            let base = if lost.0 == first.0 { first.1 } else { 0 };
+            let restart = if lost <= first {
+                first
+            } else {
+                (lost.0, base + (lost.1 - base) / size * size)
+            };
+            let at = b.cut(&mut given);
+            prop_assert!(at.is_none_or(|a| a == restart), "batcher at {at:?}, broker {restart:?}");
+            // Every run was released: the cut gives every unit back.
+            prop_assert_eq!(b.units_held(), 0);
+            // Replayed: batches of `size` from the restart, `ahead` of them
+            // (an epoch's last one short), to the merge point.
+            let mut x = restart;
+            for _ in 0..ahead {
+                if x.0 >= epochs {
+                    break;
+                }
+                let n = size.min(epoch_samples - x.1);
+                for j in 0..n {
+                    got.push((x.0, x.1 + j));
+                }
+                x = if x.1 + n == epoch_samples { (x.0 + 1, 0) } else { (x.0, x.1 + n) };
+            }
+            // Merged at x: the shared units from the one holding it.
+            b.skip_to(x.0, x.1);
+            let from = all.iter().position(|u| (u.epoch, u.index) >= (x.0, x.1 / unit));
+            for &u in from.map_or(&[][..], |k| &all[k..]) {
+                pushed.push(u.seq);
+                b.push(u, &mut given).unwrap();
+                while let Some(r) = b.pop() {
+                    take(r, &mut got);
+                    b.release(&r, &mut given);
+                }
+            }
+            b.leave(&mut given);
+            // Every unit taken given back once for each time it was taken.
+            given.sort_unstable();
+            pushed.sort_unstable();
+            prop_assert_eq!(given, pushed);
+            let expect: Vec<(u64, u64)> = all
+                .iter()
+                .flat_map(|u| (0..u.samples).map(move |j| (u.epoch, u.index * unit + j)))
+                .collect();
             prop_assert_eq!(got, expect);
         }
     }
