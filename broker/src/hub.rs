@@ -32,6 +32,11 @@
 //!   epoch nobody was watching.
 //! * Batches are published in sequence order even when the pipeline finishes
 //!   them out of order.
+//! * Decoupled pace: a host consumer may be cut ([`Hub::cut`]): what was
+//!   queued for it and what it was sent but never took are given back,
+//!   what it took stays held, and nothing is published to it until it
+//!   re-joins ([`Hub::rejoin`]) at a batch still published, from where it
+//!   owes every batch again, in order.
 //!
 //! # Groups: copies in other memory
 //!
