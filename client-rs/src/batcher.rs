@@ -417,7 +417,7 @@ mod tests {
         fn a_cut_and_a_merge_lose_and_repeat_no_sample(
             size in 1u64..50, unit in 1u64..30, per_epoch in 1u64..6,
             last_cut in 0u64..30, epochs in 1u64..4, skip in 0u64..4,
-            cut_after in 0u64..20, ahead in 0u64..6,
+            cut_after in 0u64..20, ahead in 0u64..6, again_after in 0u64..8,
         ) {
             let last = 1 + last_cut % unit;
             let all = units(unit, per_epoch, last, epochs, skip.min(per_epoch * epochs - 1));
@@ -440,35 +440,47 @@ mod tests {
                 }
             }
             // The broker's restart: the boundary at or before the first
-            // sample it did not take.
-            let lost = all.get(taken).map_or((epochs, 0), |u| (u.epoch, u.index * unit));
-            let base = if lost.0 == first.0 { first.1 } else { 0 };
-            let restart = if lost <= first {
-                first
-            } else {
-                (lost.0, base + (lost.1 - base) / size * size)
+            // sample it did not take (not before where it last merged).
+            let restart_at = |lost: (u64, u64), merged: (u64, u64)| {
+                let base = if lost.0 == first.0 { first.1 } else { 0 };
+                let r = if lost <= first {
+                    first
+                } else {
+                    (lost.0, base + (lost.1 - base) / size * size)
+                };
+                r.max(merged)
             };
+            let lost = all.get(taken).map_or((epochs, 0), |u| (u.epoch, u.index * unit));
+            let restart = restart_at(lost, first);
             let at = b.cut(&mut given);
             prop_assert!(at.is_none_or(|a| a == restart), "batcher at {at:?}, broker {restart:?}");
             // Every run was released: the cut gives every unit back.
             prop_assert_eq!(b.units_held(), 0);
-            // Replayed: batches of `size` from the restart, `ahead` of them
-            // (an epoch's last one short), to the merge point.
-            let mut x = restart;
-            for _ in 0..ahead {
-                if x.0 >= epochs {
-                    break;
+            // Replayed: batches of `size` from `x`, `n` of them (an
+            // epoch's last one short); where replay stops.
+            let replay = |mut x: (u64, u64), n: u64, got: &mut Vec<(u64, u64)>| {
+                for _ in 0..n {
+                    if x.0 >= epochs {
+                        break;
+                    }
+                    let k = size.min(epoch_samples - x.1);
+                    for j in 0..k {
+                        got.push((x.0, x.1 + j));
+                    }
+                    x = if x.1 + k == epoch_samples { (x.0 + 1, 0) } else { (x.0, x.1 + k) };
                 }
-                let n = size.min(epoch_samples - x.1);
-                for j in 0..n {
-                    got.push((x.0, x.1 + j));
-                }
-                x = if x.1 + n == epoch_samples { (x.0 + 1, 0) } else { (x.0, x.1 + n) };
-            }
-            // Merged at x: the shared units from the one holding it.
+                x
+            };
+            let x = replay(restart, ahead, &mut got);
+            // Merged at x: the shared units from the one holding it, some
+            // taken, then cut again and replayed to the end.
             b.skip_to(x.0, x.1);
-            let from = all.iter().position(|u| (u.epoch, u.index) >= (x.0, x.1 / unit));
-            for &u in from.map_or(&[][..], |k| &all[k..]) {
+            let from = all
+                .iter()
+                .position(|u| (u.epoch, u.index) >= (x.0, x.1 / unit))
+                .unwrap_or(all.len());
+            let again = (from + again_after as usize).min(all.len());
+            for &u in &all[from..again] {
                 pushed.push(u.seq);
                 b.push(u, &mut given).unwrap();
                 while let Some(r) = b.pop() {
@@ -476,6 +488,11 @@ mod tests {
                     b.release(&r, &mut given);
                 }
             }
+            let lost = all.get(again).map_or((epochs, 0), |u| (u.epoch, u.index * unit));
+            let restart = restart_at(lost, x);
+            let at = b.cut(&mut given);
+            prop_assert!(at.is_none_or(|a| a == restart), "again: batcher at {at:?}, broker {restart:?}");
+            replay(restart, u64::MAX, &mut got);
             b.leave(&mut given);
             // Every unit taken given back once for each time it was taken.
             given.sort_unstable();

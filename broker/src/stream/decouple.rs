@@ -18,8 +18,10 @@
 //! * The cut takes back, through the mailbox's handshake
 //!   ([`batchcast::mailbox`]), exactly the units it has not taken; what it
 //!   took stays held until released. Its replay begins at its own batch
-//!   boundary at or before the first sample it lost ([`boundary`]): its
-//!   client drops the batch it was building, which begins there.
+//!   boundary at or before the first sample it lost ([`boundary`]), and not
+//!   before where it last merged back (the unit holding that point began
+//!   before it): its client drops the batch it was building, which begins
+//!   there.
 //! * It merges back when its replay is to start a batch inside a unit the
 //!   shared stream still publishes, with at most half the ring ahead of it
 //!   (room to keep up), once it holds no unit from before its cut (it would
@@ -179,7 +181,9 @@ impl Stream {
             epoch,
             sample: index * unit,
         };
-        let restart = boundary(conn.anchor, lost, conn.batch_size);
+        // Not before where it last merged back: it has every sample before
+        // that (the unit holding it began earlier).
+        let restart = boundary(conn.anchor, lost, conn.batch_size).max(conn.merged_at);
         conn.cut.rewind(restart);
         conn.cuts += 1;
         if let Some(r) = conn.replay.as_mut() {
@@ -248,6 +252,7 @@ impl Stream {
             r.to = Some(at);
         }
         conn.cut.resume_at(at);
+        conn.merged_at = at;
         if !notify(inner, id, Notice::Merge(at)) {
             return true;
         }

@@ -64,8 +64,10 @@ pub(super) struct Conn {
     /// Where its first batch begins (its batch boundaries are counted from
     /// there in that epoch, from each epoch's start after).
     pub(super) anchor: Position,
-    /// Decoupled pace: how often it was cut from the shared stream.
+    /// Decoupled pace: how often it was cut from the shared stream, and
+    /// where it last merged back (its anchor until then).
     pub(super) cuts: u64,
+    pub(super) merged_at: Position,
     pub(super) joined: Instant,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
@@ -498,6 +500,7 @@ impl Conn {
             replay_cpu: std::time::Duration::ZERO,
             anchor,
             cuts: 0,
+            merged_at: anchor,
             joined: Instant::now(),
             ending: None,
             gpu: req.device.as_ref().map(|dev| dev.uuid),
