@@ -794,6 +794,27 @@ mod tests {
         assert_eq!(c.pop().unwrap(), Some(batch(8)));
     }
 
+    #[test]
+    fn a_forged_tail_changes_only_what_that_consumer_is_given_back() {
+        // Ahead of what was written: nothing counts as unread, nothing is
+        // taken back (the units stay held for it, as a slow reader's).
+        let (mut b, c) = pair(4);
+        for seq in 0..4 {
+            b.push(&batch(seq)).unwrap();
+        }
+        c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
+        assert_eq!(b.cut(), Some(vec![]));
+        // Behind what it read: units it took are taken back (its own loss;
+        // the hub gives back only references it holds).
+        let (mut b, c) = pair(4);
+        for seq in 0..4 {
+            b.push(&batch(seq)).unwrap();
+        }
+        assert_eq!(c.pop().unwrap(), Some(batch(0)));
+        c.words.u64(TAIL).store(0, Ordering::Release);
+        assert_eq!(b.cut(), Some(vec![0, 1, 2, 3]));
+    }
+
     /// A consumer taking notices while the broker cuts at random moments:
     /// every batch is either taken by the consumer or given back by the
     /// broker, never both, never neither.
