@@ -93,6 +93,7 @@ fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::
             reduced_decode: reduced,
             cache_bytes: 0,
         },
+        None,
     ));
     let total = n * passes;
     let next = Arc::new(AtomicUsize::new(0));
@@ -108,7 +109,7 @@ fn native(root: &Path, threads: usize, passes: usize, reduced: bool) -> anyhow::
                     if k >= total {
                         return Ok(());
                     }
-                    p.fill(&mut w, (k / n) as u64, (k % n) as u64, &mut out)?;
+                    p.fill(&mut w, (k / n) as u64, (k % n) as u64, None, &mut out)?;
                 }
             })
         })

@@ -53,6 +53,23 @@
 //! normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }
 //! dtype = "f32"         # u8 | f16 | bf16 | f32
 //! layout = "NCHW"       # or "NHWC"
+//!
+//! [[source]]            # one dataset, order and split, decoded once for
+//! name = "photos"       # every stream that names it: see README "Shared sources"
+//! shuffle = true        # every dataset key of a stream lives here instead
+//! seed = 0
+//! decode = "exact"      # or "once": see `DecodeShare`
+//! ahead = 1024          # samples a stream may run ahead of a slower one
+//! decoded_mib = 512     # decoded images left for the other streams, at most
+//! [source.image_folder]
+//! root = "/data/photos"
+//!
+//! [[stream]]
+//! name = "crop160"
+//! source = "photos"
+//! batch_size = 128
+//! [stream.transform]
+//! random_resized_crop = { size = 160 }
 //! ```
 //!
 //! This module only describes: it parses and names what was written. The
@@ -68,6 +85,7 @@ use serde::Deserialize;
 
 use crate::pipeline::OnError;
 use crate::pipeline::sampler::Uneven;
+use crate::pipeline::shared::DecodeShare;
 use crate::pipeline::transform::Layout;
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +108,70 @@ pub struct Config {
     /// Configured streams; none is fine (producers register theirs).
     #[serde(rename = "stream", default)]
     pub streams: Vec<StreamConfig>,
+    /// Sources several streams share (each names one with `source`).
+    #[serde(rename = "source", default)]
+    pub sources: Vec<SourceConfig>,
+}
+
+/// The keys of a `[[stream]]` that describe its source (dataset, order,
+/// split, what a bad file does): a stream that names a `[[source]]`
+/// takes them from it.
+pub const SOURCE_KEYS: [&str; 12] = [
+    "image_folder",
+    "webdataset",
+    "shuffle",
+    "seed",
+    "rank",
+    "world_size",
+    "uneven",
+    "on_error",
+    "max_pixels",
+    "max_file_bytes",
+    "reduced_decode",
+    "cache_mib",
+];
+
+/// A `[[source]]`: a dataset, its order and split, shared by the streams
+/// that name it; its keys mean what they mean in a `[[stream]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    pub name: String,
+    pub image_folder: Option<ImageFolderConfig>,
+    pub webdataset: Option<WebDatasetConfig>,
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub rank: u64,
+    #[serde(default = "one64")]
+    pub world_size: u64,
+    #[serde(default)]
+    pub uneven: Uneven,
+    #[serde(default)]
+    pub on_error: OnError,
+    #[serde(default = "default_max_pixels")]
+    pub max_pixels: u64,
+    #[serde(default = "default_max_file_bytes")]
+    pub max_file_bytes: u64,
+    #[serde(default = "yes")]
+    pub reduced_decode: bool,
+    #[serde(default)]
+    pub cache_mib: u64,
+    /// Which JPEG scale a shared decode is made at.
+    #[serde(default)]
+    pub decode: DecodeShare,
+    /// Samples a stream may run ahead of a slower stream of the source
+    /// (default: four times the largest `workers × batch_size`).
+    pub ahead: Option<u64>,
+    /// MiB of decoded images left for the other streams, at most.
+    #[serde(default = "default_decoded_mib")]
+    pub decoded_mib: u64,
+}
+
+fn default_decoded_mib() -> u64 {
+    512
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -140,6 +222,12 @@ pub enum Pace {
 #[serde(deny_unknown_fields)]
 pub struct StreamConfig {
     pub name: String,
+    /// A `[[source]]` this stream shares (its dataset keys come from there).
+    pub source: Option<String>,
+    /// Which of [`SOURCE_KEYS`] the stream's own table writes (filled by
+    /// [`Config::parse`]; a stream that names a source may write none).
+    #[serde(skip)]
+    pub own_source_keys: Vec<&'static str>,
     pub batch_size: u64,
     /// `None`: endless.
     pub epochs: Option<u64>,
@@ -314,10 +402,24 @@ impl Config {
 
     /// Parses TOML; errors name the key and line (`path` is only for messages).
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let err = |e: toml::de::Error| ConfigError::Parse {
             path: path.into(),
             message: e.to_string(),
-        })
+        };
+        let mut cfg: Config = toml::from_str(text).map_err(err)?;
+        // Which source keys each stream wrote itself (defaults hide that).
+        let table: toml::Table = toml::from_str(text).map_err(err)?;
+        if let Some(toml::Value::Array(streams)) = table.get("stream") {
+            for (s, raw) in cfg.streams.iter_mut().zip(streams) {
+                if let toml::Value::Table(t) = raw {
+                    s.own_source_keys = SOURCE_KEYS
+                        .into_iter()
+                        .filter(|k| t.contains_key(*k))
+                        .collect();
+                }
+            }
+        }
+        Ok(cfg)
     }
 }
 

@@ -105,11 +105,30 @@ fn broker_lines(out: &mut String, s: &StatsReply) {
 
 /// The source's decodes, replacements and cache.
 fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
-    let _ = write!(
-        out,
-        "  images: {} decoded ({} at reduced size), {} bad samples replaced",
-        src.decoded, src.reduced, src.skipped
-    );
+    match &src.shared {
+        None => {
+            let _ = write!(
+                out,
+                "  images: {} decoded ({} at reduced size), {} bad samples replaced",
+                src.decoded, src.reduced, src.skipped
+            );
+        }
+        Some(sh) => {
+            let _ = write!(
+                out,
+                "  images: {} written, {} of them decoded by another stream; {} bad samples replaced\n  source `{}`: {} decodes for its {} streams, this one held {:.2} s by slower ones, {} decoded images ({:.1} MiB) left for others",
+                src.decoded,
+                sh.taken,
+                src.skipped,
+                sh.source,
+                sh.decodes,
+                sh.streams,
+                sh.held_s,
+                sh.entries,
+                sh.bytes as f64 / (1 << 20) as f64
+            );
+        }
+    }
     if src.cache_budget > 0 {
         let _ = write!(
             out,

@@ -40,7 +40,7 @@ mod stats;
 pub use stats::*;
 
 /// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 11;
+pub const PROTOCOL_VERSION: u16 = 12;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use batchcast::synthetic::SyntheticSpec;
 
 use super::decode::DecodeError;
-use super::{ImagePipeline, PipelineCounts, PipelineError, Worker};
+use super::{ImagePipeline, PipelineCounts, PipelineError, Place, Worker};
 
 /// What fills a stream's slots, shared by its pipeline threads.
 #[derive(Debug, Clone)]
@@ -39,11 +39,14 @@ impl SlotWriter {
 
     /// Writes the samples `indices` (dataset indices, in batch order) of
     /// `epoch` into `fields` (each field's cells for exactly these samples,
-    /// in schema order); returns how many.
+    /// in schema order); returns how many. `first`: where the first sample
+    /// lies in the source's sequence (the next ones follow it), and
+    /// whether this is a replayed batch.
     pub fn write_batch(
         &self,
         state: &mut ThreadState,
         epoch: u64,
+        first: Place,
         indices: &[u64],
         fields: &mut [&mut [u8]],
     ) -> Result<u64, PipelineError> {
@@ -62,17 +65,41 @@ impl SlotWriter {
                     unreachable!("image streams have fields image, label, index")
                 };
                 let b = image.len() / n;
-                for (j, &i) in indices.iter().enumerate() {
-                    let got = pipeline.fill(w, epoch, i, &mut image[j * b..(j + 1) * b])?;
-                    label[j * 8..(j + 1) * 8].copy_from_slice(&got.label.to_le_bytes());
-                    index[j * 8..(j + 1) * 8].copy_from_slice(&(got.index as i64).to_le_bytes());
+                let end = first.at + indices.len() as u64;
+                if !first.replay {
+                    pipeline.batch_started(first.at);
                 }
+                let filled = (|| -> Result<(), PipelineError> {
+                    for (j, &i) in indices.iter().enumerate() {
+                        let place = Place {
+                            at: first.at + j as u64,
+                            replay: first.replay,
+                        };
+                        let got =
+                            pipeline.fill(w, epoch, i, Some(place), &mut image[j * b..(j + 1) * b])?;
+                        label[j * 8..(j + 1) * 8].copy_from_slice(&got.label.to_le_bytes());
+                        index[j * 8..(j + 1) * 8]
+                            .copy_from_slice(&(got.index as i64).to_le_bytes());
+                    }
+                    Ok(())
+                })();
+                if !first.replay {
+                    pipeline.batch_done(first.at, end);
+                }
+                filled?;
             }
             (SlotWriter::Images(_), None) => {
                 unreachable!("thread_state gives image writers a decoder")
             }
         }
         Ok(indices.len() as u64)
+    }
+
+    /// Tells a shared source whether this stream takes batches.
+    pub fn set_live(&self, live: bool) {
+        if let SlotWriter::Images(p) = self {
+            p.set_live(live);
+        }
     }
 
     /// The image pipeline's counts (decodes, skips, cache), if it has one.

@@ -12,6 +12,7 @@ pub mod collate;
 pub mod dataset;
 pub mod decode;
 pub mod sampler;
+pub mod shared;
 pub mod transform;
 
 use std::collections::HashSet;
@@ -22,7 +23,8 @@ use serde::Deserialize;
 
 use cache::{CacheCounts, MinIoCache};
 use dataset::Dataset;
-use decode::{DecodeError, Decoder, Rgb};
+use decode::{DecodeError, Decoder, Format, Header, Rgb};
+use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceShare};
 use transform::{Lut, Scratch, Transform};
 
 /// What to do with a sample that cannot be read or decoded.
@@ -69,12 +71,14 @@ pub enum PipelineError {
     TooManyBad(u64, u64, SampleError),
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PipelineCounts {
     pub decoded: u64,
     pub skipped: u64,
     pub reduced: u64,
     pub cache: Option<CacheCounts>,
+    /// A stream on a shared source: the source's name and counts.
+    pub shared: Option<(String, ShareCounts)>,
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan
@@ -98,8 +102,13 @@ pub struct ImagePipeline {
     pub transform: Transform,
     pub rules: SampleRules,
     lut: Lut,
-    cache: Option<MinIoCache>,
-    bad: Mutex<HashSet<u64>>,
+    cache: Option<Arc<MinIoCache>>,
+    /// Known bad files (shared by the streams of a shared source, so each
+    /// is logged once).
+    bad: Arc<Mutex<HashSet<u64>>>,
+    /// A stream on a shared source: the source, and which stream of it
+    /// this is.
+    share: Option<(Arc<SourceShare>, usize)>,
     decoded: AtomicU64,
     skipped: AtomicU64,
     reduced: AtomicU64,
@@ -125,6 +134,16 @@ impl Worker {
     }
 }
 
+/// Where a sample lies in its source's sequence (`epoch × samples per
+/// epoch + position`), for a stream on a shared source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub at: u64,
+    /// A replayed batch: it takes what another stream left, but neither
+    /// waits for the others nor leaves anything for them.
+    pub replay: bool,
+}
+
 /// What ended up in a sample's place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Filled {
@@ -133,14 +152,28 @@ pub struct Filled {
 }
 
 impl ImagePipeline {
-    pub fn new(dataset: Arc<Dataset>, transform: Transform, rules: SampleRules) -> ImagePipeline {
+    /// `share`: the shared source this stream is on, and its member number.
+    pub fn new(
+        dataset: Arc<Dataset>,
+        transform: Transform,
+        rules: SampleRules,
+        share: Option<(Arc<SourceShare>, usize)>,
+    ) -> ImagePipeline {
+        let (cache, bad) = match &share {
+            Some((s, _)) => (s.cache.clone(), s.bad.clone()),
+            None => (
+                (rules.cache_bytes > 0).then(|| Arc::new(MinIoCache::new(rules.cache_bytes))),
+                Arc::default(),
+            ),
+        };
         ImagePipeline {
             lut: Lut::new(&transform),
             dataset,
             transform,
             rules,
-            cache: (rules.cache_bytes > 0).then(|| MinIoCache::new(rules.cache_bytes)),
-            bad: Mutex::new(HashSet::new()),
+            cache,
+            bad,
+            share,
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             reduced: AtomicU64::new(0),
@@ -153,16 +186,43 @@ impl ImagePipeline {
             skipped: self.skipped.load(Ordering::Relaxed),
             reduced: self.reduced.load(Ordering::Relaxed),
             cache: self.cache.as_ref().map(|c| c.counts()),
+            shared: self
+                .share
+                .as_ref()
+                .map(|(s, m)| (s.name.clone(), s.counts(*m))),
         }
     }
 
-    /// Fills one sample's image tensor (`out`) for position `index` of
-    /// `epoch`, replacing a bad sample per the policy.
+    /// Tells a shared source whether this stream takes batches.
+    pub fn set_live(&self, live: bool) {
+        if let Some((s, m)) = &self.share {
+            s.set_live(*m, live);
+        }
+    }
+
+    /// A batch of this stream's own (not a replay) starts at `at` in its
+    /// source's sequence; [`ImagePipeline::batch_done`] when it is filled.
+    pub fn batch_started(&self, at: u64) {
+        if let Some((s, m)) = &self.share {
+            s.begin(*m, at);
+        }
+    }
+
+    pub fn batch_done(&self, at: u64, end: u64) {
+        if let Some((s, m)) = &self.share {
+            s.end(*m, at, end);
+        }
+    }
+
+    /// Fills one sample's image tensor (`out`) for dataset index `index`
+    /// of `epoch` (at `place` in a shared source's sequence), replacing a
+    /// bad sample per the policy.
     pub fn fill(
         &self,
         w: &mut Worker,
         epoch: u64,
         index: u64,
+        place: Option<Place>,
         out: &mut [u8],
     ) -> Result<Filled, PipelineError> {
         let len = self.dataset.len();
@@ -174,7 +234,7 @@ impl ImagePipeline {
             }
             // Randomness follows the position, not the replacement, so a
             // skipped sample does not shift anyone else's augmentation.
-            match self.try_fill(w, epoch, index, candidate, out) {
+            match self.try_fill(w, epoch, index, candidate, place, out) {
                 Ok(()) => {
                     self.decoded.fetch_add(1, Ordering::Relaxed);
                     if step > 0 {
@@ -217,61 +277,130 @@ impl ImagePipeline {
             .contains(&index)
     }
 
+    /// Reads sample `index`'s bytes: from the cache (returned), or into
+    /// `w.bytes`.
+    fn read(&self, w: &mut Worker, index: u64) -> Result<Option<Arc<[u8]>>, SampleError> {
+        if let Some(b) = self.cache.as_ref().and_then(|c| c.get(index)) {
+            return Ok(Some(b));
+        }
+        self.dataset
+            .read(index, &mut w.bytes, self.rules.max_file_bytes)
+            .map_err(|source| SampleError::Read {
+                path: self.dataset.describe(index),
+                source,
+            })?;
+        Ok(None)
+    }
+
+    /// Reads and decodes sample `index` (the replacement of `position`
+    /// when they differ) and writes its transformed tensor. On a shared
+    /// source its size and decode may come from another stream.
     fn try_fill(
         &self,
         w: &mut Worker,
         epoch: u64,
         position: u64,
         index: u64,
+        place: Option<Place>,
         out: &mut [u8],
     ) -> Result<(), SampleError> {
         let path = || self.dataset.describe(index);
-        let cached = self.cache.as_ref().and_then(|c| c.get(index));
-        let bytes: &[u8] = match &cached {
-            Some(b) => b,
-            None => {
-                self.dataset
-                    .read(index, &mut w.bytes, self.rules.max_file_bytes)
-                    .map_err(|source| SampleError::Read {
-                        path: path(),
-                        source,
-                    })?;
-                &w.bytes
-            }
-        };
         let decode_err = |source| SampleError::Decode {
             path: path(),
             source,
         };
-        let header = w
-            .decoder
-            .header(bytes, self.rules.max_pixels)
-            .map_err(decode_err)?;
-        let mut rng = self.transform.rng(epoch, position);
-        let plan = self.transform.plan(header.width, header.height, &mut rng);
-        let denom = if self.rules.reduced_decode && header.format == decode::Format::Jpeg {
-            self.transform.reduction(&plan, header.width, header.height)
-        } else {
-            1
+        // Only a sample in its own place is shared (a replacement is not
+        // where the other streams look for it).
+        let shared = match (&self.share, place) {
+            (Some((s, m)), Some(p)) if index == position => Some((s, *m, p)),
+            _ => None,
         };
-        w.decoder
-            .decode(bytes, &header, denom, &mut w.rgb)
-            .map_err(decode_err)?;
-        if denom > 1 {
-            self.reduced.fetch_add(1, Ordering::Relaxed);
-        }
+        let known = shared.and_then(|(s, m, p)| s.dims(m, p.at, index, !p.replay));
+        let mut read: Option<(Option<Arc<[u8]>>, Header)> = None;
+        let dims = match known {
+            Some(d) => d,
+            None => {
+                let cached = self.read(w, index)?;
+                let bytes = cached.as_deref().unwrap_or(&w.bytes);
+                let h = w
+                    .decoder
+                    .header(bytes, self.rules.max_pixels)
+                    .map_err(decode_err)?;
+                read = Some((cached, h));
+                Dims {
+                    width: h.width,
+                    height: h.height,
+                    format: h.format,
+                }
+            }
+        };
+        let mut rng = self.transform.rng(epoch, position);
+        let plan = self.transform.plan(dims.width, dims.height, &mut rng);
+        let denom = match shared {
+            _ if !self.rules.reduced_decode || dims.format != Format::Jpeg => 1,
+            Some((s, _, _)) if s.policy == DecodeShare::Once => s.finest(epoch, position, dims),
+            _ => self.transform.reduction(&plan, dims.width, dims.height),
+        };
+        let claim = match shared {
+            Some((s, m, p)) => s.claim(m, p.at, index, dims, denom, !p.replay),
+            None => Claim::Alone,
+        };
+        let img = match claim {
+            Claim::Ready(img) => Some(img),
+            claim => {
+                let (cached, header) = match read.take() {
+                    Some(r) => r,
+                    None => {
+                        let cached = self.read(w, index)?;
+                        let bytes = cached.as_deref().unwrap_or(&w.bytes);
+                        let h = w
+                            .decoder
+                            .header(bytes, self.rules.max_pixels)
+                            .map_err(decode_err)?;
+                        (cached, h)
+                    }
+                };
+                if (header.width, header.height) != (dims.width, dims.height) {
+                    return Err(SampleError::Transform {
+                        path: path(),
+                        message: "the file changed while the streams of its source read it".into(),
+                    });
+                }
+                let bytes = cached.as_deref().unwrap_or(&w.bytes);
+                let mine = matches!(claim, Claim::Mine(_));
+                let mut fresh = Rgb::default();
+                let rgb = if mine { &mut fresh } else { &mut w.rgb };
+                w.decoder
+                    .decode(bytes, &header, denom, rgb)
+                    .map_err(decode_err)?;
+                if denom > 1 {
+                    self.reduced.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some((s, _)) = &self.share {
+                    s.count_decode();
+                }
+                // Only what decoded is worth keeping.
+                if cached.is_none()
+                    && let Some(c) = &self.cache
+                {
+                    c.offer(index, bytes);
+                }
+                match claim {
+                    Claim::Mine(ticket) => {
+                        let img = Arc::new(fresh);
+                        ticket.publish(img.clone());
+                        Some(img)
+                    }
+                    _ => None,
+                }
+            }
+        };
+        let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
         self.transform
-            .apply(&w.rgb, &plan, denom, &self.lut, &mut w.scratch, out)
+            .apply(src, &plan, denom, &self.lut, &mut w.scratch, out)
             .map_err(|e| SampleError::Transform {
                 path: path(),
                 message: e.to_string(),
-            })?;
-        // Only what decoded is worth keeping.
-        if cached.is_none()
-            && let Some(c) = &self.cache
-        {
-            c.offer(index, bytes);
-        }
-        Ok(())
+            })
     }
 }

@@ -153,7 +153,12 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
     })
 }
 
-pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError> {
+/// `listed`: the dataset already listed (by another stream of a shared
+/// source), with its shuffle buffer.
+pub(super) fn image_source(
+    s: &StreamConfig,
+    listed: Option<(Arc<Dataset>, Option<usize>)>,
+) -> Result<SourceParts, StreamError> {
     let transform = transform_of(s)?;
     if s.world_size == 0 || s.rank >= s.world_size {
         return Err(key(
@@ -164,7 +169,13 @@ pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError>
             ),
         ));
     }
-    let (dataset, shuffle_buffer) = list_dataset(s)?;
+    let (dataset, shuffle_buffer) = match listed {
+        Some(l) => l,
+        None => {
+            let (d, b) = list_dataset(s)?;
+            (Arc::new(d), b)
+        }
+    };
     let split = Split {
         rank: s.rank,
         world_size: s.world_size,
@@ -204,7 +215,7 @@ pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError>
         len,
         per_epoch: split.per_rank(len),
         plan: SourcePlan::Images(ImagePlan {
-            dataset: Arc::new(dataset),
+            dataset,
             transform,
             rules: SampleRules {
                 on_error: s.on_error,
@@ -217,6 +228,7 @@ pub(super) fn image_source(s: &StreamConfig) -> Result<SourceParts, StreamError>
             shuffle_buffer,
             shuffle: s.shuffle,
             seed: s.seed,
+            share: None,
         }),
         info,
     })

@@ -25,6 +25,7 @@ use crate::pipeline::transform::Transform;
 
 mod checks;
 mod image;
+mod source;
 #[cfg(test)]
 mod tests;
 
@@ -48,6 +49,8 @@ pub enum PlanError {
     Stream { stream: String, error: StreamError },
     #[error("[broker]: {0}")]
     Broker(StreamError),
+    #[error("source `{name}`: {message}")]
+    Source { name: String, message: String },
 }
 
 /// The `[broker]` section's numbers, checked.
@@ -142,6 +145,9 @@ pub struct ImagePlan {
     pub shuffle_buffer: Option<usize>,
     pub shuffle: bool,
     pub seed: u64,
+    /// A stream on a shared source: the source, and which of its streams
+    /// this is.
+    pub share: Option<(Arc<crate::pipeline::shared::SourceShare>, usize)>,
 }
 
 /// A stream, checked, with everything derived from its description.
@@ -265,10 +271,19 @@ impl StreamPlan {
 /// define no stream (only `[broker]`: the socket and who may connect, for
 /// a broker that serves producers' streams).
 pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
+    let streams = source::resolve(cfg)?;
     let mut names = HashSet::new();
-    let mut plans = Vec::new();
-    for s in &cfg.streams {
-        let plan = plan_stream(s).map_err(|error| PlanError::Stream {
+    let mut plans: Vec<StreamPlan> = Vec::new();
+    for (i, s) in streams.iter().enumerate() {
+        // The streams of a source list its dataset once.
+        let listed = streams[..i]
+            .iter()
+            .position(|t| source::same_listing(t, s))
+            .and_then(|j| match &plans[j].source {
+                SourcePlan::Images(p) => Some((p.dataset.clone(), p.shuffle_buffer)),
+                _ => None,
+            });
+        let plan = plan_stream(s, listed).map_err(|error| PlanError::Stream {
             stream: s.name.clone(),
             error,
         })?;
@@ -277,6 +292,7 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
         }
         plans.push(plan);
     }
+    source::attach(cfg, &streams, &mut plans)?;
     // What all the arenas take together is the memory budget's to judge
     // (`[broker] memory_mib`), when the broker starts them.
     Ok(plans)
@@ -292,7 +308,12 @@ struct SourceParts {
     info: SourceInfo,
 }
 
-fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
+/// `listed`: the dataset's listing, when another stream of its source
+/// has made it.
+fn plan_stream(
+    s: &StreamConfig,
+    listed: Option<(Arc<Dataset>, Option<usize>)>,
+) -> Result<StreamPlan, StreamError> {
     check_name(&s.name)?;
     check_pace(s)?;
     check_flow(
@@ -319,7 +340,7 @@ fn plan_stream(s: &StreamConfig) -> Result<StreamPlan, StreamError> {
     }
     let parts = match &s.synthetic {
         Some(src) => synthetic_source(s, src)?,
-        None => image_source(s)?,
+        None => image_source(s, listed)?,
     };
     let batches_per_epoch = if s.drop_last {
         parts.per_epoch / s.batch_size

@@ -12,7 +12,7 @@ use super::deliver::settle;
 use super::replay::{self, ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
-use crate::pipeline::PipelineError;
+use crate::pipeline::{PipelineError, Place};
 use crate::pipeline::collate::{SlotWriter, ThreadState};
 
 impl Stream {
@@ -112,8 +112,12 @@ impl Stream {
                         unsafe { job.rings.slice_mut(start, len) }
                     })
                     .collect();
+                let first = Place {
+                    at: job.epoch * order.len() as u64 + job.first,
+                    replay: true,
+                };
                 writer
-                    .write_batch(state, job.epoch, indices, &mut fields)
+                    .write_batch(state, job.epoch, first, indices, &mut fields)
                     .map(|_| ())
                     .map_err(|e| e.to_string())
             }
@@ -200,6 +204,7 @@ impl Stream {
             }
             if !inner.hub.wants_batches() {
                 // Idle: nothing to do until a hub change notifies it.
+                self.tell_source(&mut inner);
                 inner.pipeline_cpu += cpu.spent(true);
                 blocked_since = None;
                 wake_at = None;
@@ -292,7 +297,11 @@ impl Stream {
                 unsafe { self.rings.slice_mut(start, len) }
             })
             .collect();
-        writer.write_batch(state, work.epoch, indices, &mut fields)
+        let first = Place {
+            at: work.epoch * order.len() as u64 + first as u64,
+            replay: false,
+        };
+        writer.write_batch(state, work.epoch, first, indices, &mut fields)
     }
 }
 

@@ -95,6 +95,9 @@ struct Inner {
     replay_cpu: Duration,
     /// Decoupled pace: when each of the last units of the ring was made.
     made_at: VecDeque<(u64, std::time::Instant)>,
+    /// What a shared source was last told: whether this stream takes
+    /// batches (see [`Stream::tell_source`]).
+    told_live: bool,
 }
 
 #[derive(Debug)]
@@ -157,6 +160,11 @@ impl Stream {
             plan.arena_bytes(),
             &format!("stream `{}`", plan.name),
         )?;
+        if let SourcePlan::Images(p) = &plan.source
+            && let Some((share, _)) = &p.share
+        {
+            share.reserve(budget, owner_uid)?;
+        }
         let arena = Arena::create(&plan.name, plan.arena_bytes())?;
         let rings = Mapping::rings(arena.fd(), &RingView::of(&plan.rings), true)?;
         if !matches!(plan.source, SourcePlan::External) {
@@ -168,6 +176,7 @@ impl Stream {
                 p.dataset.clone(),
                 p.transform.clone(),
                 p.rules,
+                p.share.clone(),
             )))),
             SourcePlan::External => None,
         };
@@ -205,6 +214,7 @@ impl Stream {
                 replaying: 0,
                 replay_cpu: Duration::ZERO,
                 made_at: VecDeque::new(),
+                told_live: false,
             }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -250,6 +260,7 @@ impl Stream {
         let mut inner = self.lock();
         let r = f(&mut inner);
         settle(&mut inner, false);
+        self.tell_source(&mut inner);
         let can_start = inner.hub.can_start();
         // Waiters count themselves under this lock before they wait.
         if (can_start || replay::has_work(&inner)) && inner.idle_workers > 0 {
@@ -259,6 +270,19 @@ impl Stream {
             self.ready.notify_one();
         }
         r
+    }
+
+    /// Tells a shared source whether this stream takes batches (someone
+    /// reads, epochs are left, the stream has not stopped): one that does
+    /// not never holds the source's other streams.
+    fn tell_source(&self, inner: &mut Inner) {
+        let live = !self.stop.load(Ordering::SeqCst) && inner.hub.wants_batches();
+        if live != inner.told_live
+            && let Some(w) = &self.writer
+        {
+            inner.told_live = live;
+            w.set_live(live);
+        }
     }
 
     /// Joins the pipeline threads that end within `wait`. One stuck in I/O
@@ -303,6 +327,7 @@ impl Stream {
             }));
             let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
         }
+        self.tell_source(&mut inner);
         drop(inner);
         self.work_cv.notify_all();
     }
@@ -311,10 +336,11 @@ impl Stream {
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
         {
-            let inner = self.lock();
+            let mut inner = self.lock();
             for c in inner.conns.values() {
                 let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
             }
+            self.tell_source(&mut inner);
         }
         self.work_cv.notify_all();
         self.join_workers(WORKER_JOIN_WAIT);

@@ -56,6 +56,15 @@ impl Stream {
             gpus: gpu_stats(&inner),
             source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
                 let c = n.cache.unwrap_or_default();
+                let shared = n.shared.map(|(name, s)| proto::SharedSourceStats {
+                    source: name,
+                    streams: s.streams,
+                    decodes: s.decodes,
+                    taken: s.taken,
+                    held_s: s.held.as_secs_f64(),
+                    entries: s.entries,
+                    bytes: s.bytes,
+                });
                 SourceStats {
                     decoded: n.decoded,
                     skipped: n.skipped,
@@ -65,6 +74,7 @@ impl Stream {
                     cache_bytes: c.bytes,
                     cache_items: c.items,
                     cache_budget: c.budget,
+                    shared,
                 }
             }),
             consumers,

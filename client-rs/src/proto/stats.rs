@@ -125,9 +125,10 @@ pub struct GpuCopyStats {
 }
 
 /// What an image source has done so far.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SourceStats {
-    /// Images decoded and written into slots.
+    /// Images written into slots (on a shared source, some decoded by
+    /// another stream: see `shared`).
     pub decoded: u64,
     /// Samples replaced because their file was bad (once per epoch each).
     pub skipped: u64,
@@ -139,6 +140,26 @@ pub struct SourceStats {
     pub cache_items: u64,
     /// 0 when the cache is off.
     pub cache_budget: u64,
+    /// A stream on a shared source (protocol 12).
+    pub shared: Option<SharedSourceStats>,
+}
+
+/// A shared source, as one of its streams sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SharedSourceStats {
+    /// The `[[source]]`'s name.
+    pub source: String,
+    /// Streams on the source.
+    pub streams: u32,
+    /// Decodes run by all of the source's streams together.
+    pub decodes: u64,
+    /// Images this stream took from another stream's decode.
+    pub taken: u64,
+    /// Seconds this stream's pipeline waited for slower streams.
+    pub held_s: f64,
+    /// Decoded images left for other streams now, and their bytes.
+    pub entries: u64,
+    pub bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,754 @@
+//! Shared sources: several streams over one dataset, order and split
+//! (a `[[source]]` their `[[stream]]`s name) read and decode each sample
+//! once, and each applies its own transform into its own slots.
+//!
+//! The bound: on photographs decoding is most of a sample's cost, and a
+//! stream alone decodes every sample it writes. N streams on one source
+//! need one decode per sample (per distinct JPEG scale, under
+//! [`DecodeShare::Exact`]); everything after the decode is per stream.
+//!
+//! How it works. Samples are numbered by their place in the source's
+//! sequence (`epoch × samples per epoch + position`), the same in every
+//! stream of the source because they share the order. The first stream at
+//! a sample reads and decodes it and leaves the decoded image here, in an
+//! *entry*, for the other streams that have not passed that place yet;
+//! each takes it (an `Arc`, no copy) and the entry goes when all have, or
+//! when every stream has passed it. A miss is never an error: the stream
+//! decodes alone, so what a stream writes never depends on the others.
+//!
+//! Streams advance together: a stream may not work more than `window`
+//! samples ahead of a slower one that *holds* the source (it waits), so
+//! entries are taken before they pile up. A stream holds only while it
+//! is live (it has consumers taking batches), within `window` of the
+//! leader, and moving: one whose place has not moved for `HOLD_STALL`
+//! (`DECOUPLED_HOLD` for a decoupled stream) while another waits is let
+//! go, and decodes alone until it is back within half a window of the
+//! leader. So a stalled trainer, or a stream nobody reads, never stops
+//! the others for long, and nothing can wait on itself in a circle (the
+//! stream furthest behind never waits). Entries also fit in a byte
+//! budget: beyond it a stream decodes alone rather than leave more.
+//!
+//! Who can reach this: only the broker's pipeline threads. A consumer
+//! changes a stream's pace (how fast its batches are released), which is
+//! bounded as above; it cannot put or change an entry.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+use super::cache::MinIoCache;
+use crate::budget::{Budget, Grant, OverBudget, Use};
+use super::decode::{Format, Rgb};
+use super::transform::Transform;
+
+/// At most this many streams share one source (a bit each in an entry).
+pub const MAX_MEMBERS: usize = 64;
+
+/// A lockstep stream that has not moved for this long while another
+/// waits for it stops holding the source.
+pub const HOLD_STALL: Duration = Duration::from_secs(1);
+/// The same for a decoupled stream (its consumers fall back on replay).
+pub const DECOUPLED_HOLD: Duration = Duration::from_millis(10);
+/// A waiter looks again at least this often.
+const RECHECK: Duration = Duration::from_millis(50);
+
+/// Which JPEG scale a shared decode is made at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecodeShare {
+    /// Each stream gets the scale it would choose alone, so its bytes are
+    /// exactly those it makes alone; streams whose crops ask for
+    /// different scales of one sample decode it once per scale.
+    #[default]
+    Exact,
+    /// One decode per sample, at the finest scale any stream of the
+    /// source asks for; a stream that alone would decode smaller gets
+    /// bytes within a few levels of those (libjpeg's scaled IDCT is not a
+    /// downscale of the full decode).
+    Once,
+}
+
+/// One stream of a source, as planned.
+#[derive(Debug, Clone)]
+pub struct MemberSpec {
+    pub stream: String,
+    pub transform: Transform,
+    pub decoupled: bool,
+}
+
+/// A decoded image's size and format, known without decoding it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub width: u32,
+    pub height: u32,
+    pub format: Format,
+}
+
+#[derive(Debug)]
+struct Decode {
+    denom: u32,
+    /// `None` while the stream that claimed it decodes.
+    img: Option<Arc<Rgb>>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    index: u64,
+    dims: Dims,
+    decodes: Vec<Decode>,
+    /// Members that may still take it.
+    want: u64,
+    bytes: u64,
+}
+
+impl Entry {
+    fn pending(&self) -> bool {
+        self.decodes.iter().any(|d| d.img.is_none())
+    }
+}
+
+#[derive(Debug)]
+struct Progress {
+    /// Its stream takes batches (it has consumers, epochs left).
+    live: bool,
+    /// It holds the others back (see the module's rules).
+    holding: bool,
+    /// Starts of the batches it is filling.
+    in_flight: Vec<u64>,
+    /// End of the furthest batch it has filled.
+    done_to: u64,
+    /// When its place last moved.
+    moved_at: Instant,
+}
+
+impl Progress {
+    /// The first sample it may still need.
+    fn marker(&self) -> u64 {
+        self.in_flight.iter().copied().min().unwrap_or(self.done_to)
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    entries: BTreeMap<u64, Entry>,
+    bytes: u64,
+    members: Vec<Progress>,
+}
+
+/// A source shared by several streams: its entries, its streams'
+/// progress, and what it has counted.
+#[derive(Debug)]
+pub struct SourceShare {
+    pub name: String,
+    pub policy: DecodeShare,
+    /// Samples a stream may run ahead of one that holds the source.
+    pub window: u64,
+    /// Bytes of decoded images left for other streams, at most.
+    pub budget: u64,
+    pub members: Vec<MemberSpec>,
+    /// The cache of encoded bytes and the known bad files, one per source.
+    pub cache: Option<Arc<MinIoCache>>,
+    pub bad: Arc<Mutex<HashSet<u64>>>,
+    state: Mutex<State>,
+    changed: Condvar,
+    decodes: AtomicU64,
+    held_ns: Vec<AtomicU64>,
+    taken: Vec<AtomicU64>,
+    /// `budget` bytes of the broker's memory budget, taken by the first
+    /// of its streams to start.
+    grant: Mutex<Option<Grant>>,
+}
+
+/// What a stream does for one sample's decode.
+#[derive(Debug)]
+pub enum Claim {
+    /// Another stream decoded it at this scale.
+    Ready(Arc<Rgb>),
+    /// Decode it and [`Ticket::publish`] it: others wait for it.
+    Mine(Ticket),
+    /// Decode it for this stream only.
+    Alone,
+}
+
+/// A decode this stream promised the others; dropped unpublished (an
+/// error), it is withdrawn and whoever waited decodes alone.
+#[derive(Debug)]
+pub struct Ticket {
+    share: Arc<SourceShare>,
+    member: usize,
+    at: u64,
+    denom: u32,
+    done: bool,
+}
+
+impl Ticket {
+    /// Leaves the decoded image for the other streams.
+    pub fn publish(mut self, img: Arc<Rgb>) {
+        self.done = true;
+        let mut st = self.share.lock();
+        let bit = 1u64 << self.member;
+        if let Some(e) = st.entries.get_mut(&self.at) {
+            if let Some(d) = e.decodes.iter_mut().find(|d| d.denom == self.denom) {
+                d.img = Some(img);
+            }
+            e.want &= !bit;
+        }
+        SourceShare::drop_if_done(&mut st, self.at);
+        drop(st);
+        self.share.changed.notify_all();
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut st = self.share.lock();
+        if let Some(e) = st.entries.get_mut(&self.at) {
+            e.decodes
+                .retain(|d| !(d.denom == self.denom && d.img.is_none()));
+        }
+        SourceShare::drop_if_done(&mut st, self.at);
+        drop(st);
+        self.share.changed.notify_all();
+    }
+}
+
+/// What a shared source counted, for one of its streams.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ShareCounts {
+    /// Streams on the source.
+    pub streams: u32,
+    /// Decodes run by all the source's streams together.
+    pub decodes: u64,
+    /// Images this stream took from another's decode.
+    pub taken: u64,
+    /// Time this stream's pipeline waited for slower streams.
+    pub held: Duration,
+    /// Decoded images left for other streams now, and their bytes.
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+impl SourceShare {
+    pub fn new(
+        name: String,
+        policy: DecodeShare,
+        window: u64,
+        budget: u64,
+        members: Vec<MemberSpec>,
+        cache_bytes: u64,
+    ) -> SourceShare {
+        let now = Instant::now();
+        let n = members.len().min(MAX_MEMBERS);
+        SourceShare {
+            name,
+            policy,
+            window: window.max(1),
+            budget,
+            cache: (cache_bytes > 0).then(|| Arc::new(MinIoCache::new(cache_bytes))),
+            bad: Arc::new(Mutex::new(HashSet::new())),
+            state: Mutex::new(State {
+                entries: BTreeMap::new(),
+                bytes: 0,
+                members: (0..n)
+                    .map(|_| Progress {
+                        live: false,
+                        holding: true,
+                        in_flight: Vec::new(),
+                        done_to: 0,
+                        moved_at: now,
+                    })
+                    .collect(),
+            }),
+            changed: Condvar::new(),
+            decodes: AtomicU64::new(0),
+            held_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            taken: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            grant: Mutex::new(None),
+            members: members.into_iter().take(n).collect(),
+        }
+    }
+
+    /// Takes the decoded images' budget from the broker's, once.
+    pub fn reserve(&self, budget: &Arc<Budget>, uid: u32) -> Result<(), OverBudget> {
+        let mut g = self.grant.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(budget.take(
+                uid,
+                Use::Arena,
+                self.budget,
+                &format!("shared source `{}` (decoded_mib)", self.name),
+            )?);
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn counts(&self, member: usize) -> ShareCounts {
+        let st = self.lock();
+        ShareCounts {
+            streams: self.members.len() as u32,
+            decodes: self.decodes.load(Ordering::Relaxed),
+            taken: self.taken[member].load(Ordering::Relaxed),
+            held: Duration::from_nanos(self.held_ns[member].load(Ordering::Relaxed)),
+            entries: st.entries.len() as u64,
+            bytes: st.bytes,
+        }
+    }
+
+    /// Counts one decode run by any of the source's streams.
+    pub fn count_decode(&self) {
+        self.decodes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether a stream takes batches (it has consumers and epochs left);
+    /// one that does not neither holds the others nor is left entries.
+    pub fn set_live(&self, member: usize, live: bool) {
+        let mut st = self.lock();
+        let lead = Self::lead(&st);
+        let p = &mut st.members[member];
+        if p.live == live {
+            return;
+        }
+        p.live = live;
+        p.moved_at = Instant::now();
+        p.holding = live && p.marker().saturating_add(self.window / 2) >= lead;
+        if !live {
+            let bit = 1u64 << member;
+            let keys: Vec<u64> = st.entries.keys().copied().collect();
+            for k in keys {
+                if let Some(e) = st.entries.get_mut(&k) {
+                    e.want &= !bit;
+                }
+                Self::drop_if_done(&mut st, k);
+            }
+        }
+        self.sweep(&mut st);
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// A stream starts filling the batch whose first sample is `at`.
+    pub fn begin(&self, member: usize, at: u64) {
+        let mut st = self.lock();
+        st.members[member].in_flight.push(at);
+    }
+
+    /// It has filled the batch `at..end`.
+    pub fn end(&self, member: usize, at: u64, end: u64) {
+        let mut st = self.lock();
+        let lead = Self::lead(&st);
+        let window = self.window;
+        let p = &mut st.members[member];
+        let before = p.marker();
+        if let Some(i) = p.in_flight.iter().position(|&s| s == at) {
+            p.in_flight.swap_remove(i);
+        }
+        p.done_to = p.done_to.max(end);
+        if p.marker() != before {
+            p.moved_at = Instant::now();
+        }
+        if p.live && !p.holding && p.marker().saturating_add(window / 2) >= lead {
+            p.holding = true;
+        }
+        self.sweep(&mut st);
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The furthest place of a live stream.
+    fn lead(st: &State) -> u64 {
+        st.members
+            .iter()
+            .filter(|p| p.live)
+            .map(Progress::marker)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Drops the entries every live stream has passed.
+    fn sweep(&self, st: &mut State) {
+        let Some(low) = st
+            .members
+            .iter()
+            .filter(|p| p.live)
+            .map(Progress::marker)
+            .min()
+        else {
+            // Nobody takes batches: nothing left is wanted.
+            let keys: Vec<u64> = st.entries.keys().copied().collect();
+            for k in keys {
+                if let Some(e) = st.entries.get_mut(&k) {
+                    e.want = 0;
+                }
+                Self::drop_if_done(st, k);
+            }
+            return;
+        };
+        let passed: Vec<u64> = st.entries.range(..low).map(|(&k, _)| k).collect();
+        for k in passed {
+            if let Some(e) = st.entries.get_mut(&k) {
+                e.want = 0;
+            }
+            Self::drop_if_done(st, k);
+        }
+    }
+
+    fn drop_if_done(st: &mut State, at: u64) {
+        if st
+            .entries
+            .get(&at)
+            .is_some_and(|e| e.want == 0 && !e.pending())
+            && let Some(e) = st.entries.remove(&at)
+        {
+            st.bytes -= e.bytes;
+        }
+    }
+
+    /// Waits while a slower stream that holds the source is `window`
+    /// samples or more behind `at`; lets go of one that does not move.
+    fn wait_turn<'a>(&'a self, mut st: MutexGuard<'a, State>, member: usize, at: u64) -> MutexGuard<'a, State> {
+        let mut since: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            let mut blocked = false;
+            for (k, p) in st.members.iter_mut().enumerate() {
+                if k == member || !p.live || !p.holding {
+                    continue;
+                }
+                if p.marker().saturating_add(self.window) > at {
+                    continue;
+                }
+                let patience = if self.members[k].decoupled {
+                    DECOUPLED_HOLD
+                } else {
+                    HOLD_STALL
+                };
+                if now.duration_since(p.moved_at) >= patience {
+                    tracing::debug!(
+                        source = %self.name,
+                        stream = %self.members[k].stream,
+                        "a stream on this source stopped moving: the others go on without it"
+                    );
+                    p.holding = false;
+                } else {
+                    blocked = true;
+                }
+            }
+            if !blocked {
+                if let Some(t) = since {
+                    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    self.held_ns[member].fetch_add(ns, Ordering::Relaxed);
+                }
+                return st;
+            }
+            since.get_or_insert(now);
+            st = self
+                .changed
+                .wait_timeout(st, RECHECK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The size of sample `at` (dataset index `index`) if a stream has
+    /// read it. `turn`: a stream's own fill, which first waits its turn
+    /// (a replayed batch neither waits nor holds).
+    pub fn dims(&self, member: usize, at: u64, index: u64, turn: bool) -> Option<Dims> {
+        let mut st = self.lock();
+        if turn {
+            st = self.wait_turn(st, member, at);
+        }
+        st.entries
+            .get(&at)
+            .filter(|e| e.index == index)
+            .map(|e| e.dims)
+    }
+
+    /// Under [`DecodeShare::Once`]: the finest scale any stream of the
+    /// source asks for this sample (the same whichever stream asks).
+    pub fn finest(&self, epoch: u64, index: u64, dims: Dims) -> u32 {
+        self.members
+            .iter()
+            .map(|m| {
+                let mut rng = m.transform.rng(epoch, index);
+                let plan = m.transform.plan(dims.width, dims.height, &mut rng);
+                m.transform.reduction(&plan, dims.width, dims.height)
+            })
+            .min()
+            .unwrap_or(1)
+    }
+
+    /// Takes sample `at` decoded at `denom` from another stream, waiting
+    /// for one that is decoding it, or says who decodes it.
+    /// `share`: a stream's own fill (a replayed batch only takes).
+    pub fn claim(
+        self: &Arc<Self>,
+        member: usize,
+        at: u64,
+        index: u64,
+        dims: Dims,
+        denom: u32,
+        share: bool,
+    ) -> Claim {
+        let bit = 1u64 << member;
+        let bytes = u64::from(dims.width.div_ceil(denom))
+            * u64::from(dims.height.div_ceil(denom))
+            * 3;
+        let mut st = self.lock();
+        loop {
+            let others = if share {
+                Self::wanting(&st, member, at)
+            } else {
+                0
+            };
+            let fits = st.bytes.saturating_add(bytes) <= self.budget;
+            let Some(e) = st.entries.get_mut(&at).filter(|e| e.index == index) else {
+                if others == 0 || !fits || st.entries.contains_key(&at) {
+                    return Claim::Alone;
+                }
+                st.entries.insert(
+                    at,
+                    Entry {
+                        index,
+                        dims,
+                        decodes: vec![Decode { denom, img: None }],
+                        want: others | bit,
+                        bytes,
+                    },
+                );
+                st.bytes += bytes;
+                return Claim::Mine(self.ticket(member, at, denom));
+            };
+            match e.decodes.iter().find(|d| d.denom == denom) {
+                Some(Decode { img: Some(img), .. }) => {
+                    let img = img.clone();
+                    e.want &= !bit;
+                    Self::drop_if_done(&mut st, at);
+                    self.taken[member].fetch_add(1, Ordering::Relaxed);
+                    return Claim::Ready(img);
+                }
+                Some(Decode { img: None, .. }) => {
+                    st = self
+                        .changed
+                        .wait_timeout(st, RECHECK)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                None => {
+                    if !share || !fits || e.want & !bit == 0 {
+                        return Claim::Alone;
+                    }
+                    e.decodes.push(Decode { denom, img: None });
+                    e.want |= bit;
+                    e.bytes += bytes;
+                    st.bytes += bytes;
+                    return Claim::Mine(self.ticket(member, at, denom));
+                }
+            }
+        }
+    }
+
+    fn ticket(self: &Arc<Self>, member: usize, at: u64, denom: u32) -> Ticket {
+        Ticket {
+            share: self.clone(),
+            member,
+            at,
+            denom,
+            done: false,
+        }
+    }
+
+    /// The live streams (holding the source) other than `member` that
+    /// have not passed `at`: those an entry is left for.
+    fn wanting(st: &State, member: usize, at: u64) -> u64 {
+        st.members
+            .iter()
+            .enumerate()
+            .filter(|&(k, p)| k != member && p.live && p.holding && p.marker() <= at)
+            .fold(0, |acc, (k, _)| acc | (1 << k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::transform::{Geometry, Layout};
+    use batchcast::DType;
+
+    fn share(n: usize, window: u64, budget: u64) -> Arc<SourceShare> {
+        let t = Transform {
+            geometry: Geometry::RandomResizedCrop {
+                size: (8, 8),
+                scale: (0.08, 1.0),
+                ratio: (0.75, 4.0 / 3.0),
+            },
+            flip_p: 0.0,
+            dtype: DType::U8,
+            layout: Layout::Nchw,
+            normalize: None,
+            seed: 0,
+        };
+        let members = (0..n)
+            .map(|i| MemberSpec {
+                stream: format!("s{i}"),
+                transform: t.clone(),
+                decoupled: false,
+            })
+            .collect();
+        Arc::new(SourceShare::new("src".into(), DecodeShare::Exact, window, budget, members, 0))
+    }
+
+    const DIMS: Dims = Dims {
+        width: 4,
+        height: 4,
+        format: Format::Jpeg,
+    };
+
+    fn img() -> Arc<Rgb> {
+        Arc::new(Rgb {
+            width: 4,
+            height: 4,
+            data: vec![7; 48],
+        })
+    }
+
+    #[test]
+    fn the_first_stream_decodes_and_the_others_take_it_once() {
+        let s = share(3, 100, 1 << 20);
+        for m in 0..3 {
+            s.set_live(m, true);
+            s.begin(m, 0);
+        }
+        let Claim::Mine(t) = s.claim(0, 0, 5, DIMS, 1, true) else {
+            panic!("the first stream decodes")
+        };
+        t.publish(img());
+        assert_eq!(s.dims(1, 0, 5, true), Some(DIMS));
+        assert!(matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Ready(_)));
+        assert_eq!(s.counts(0).entries, 1, "stream 2 has not taken it yet");
+        assert!(matches!(s.claim(2, 0, 5, DIMS, 1, true), Claim::Ready(_)));
+        let c = s.counts(2);
+        assert_eq!((c.entries, c.bytes, c.taken), (0, 0, 1), "taken by all: gone");
+        // Once the others have passed it, a second take (a padded split
+        // repeats a sample) decodes alone and leaves nothing.
+        s.end(0, 0, 4);
+        s.end(2, 0, 4);
+        assert!(matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Alone));
+    }
+
+    #[test]
+    fn another_scale_or_another_index_is_decoded_apart() {
+        let s = share(3, 100, 1 << 20);
+        for m in 0..3 {
+            s.set_live(m, true);
+            s.begin(m, 0);
+        }
+        let Claim::Mine(t) = s.claim(0, 0, 5, DIMS, 1, true) else {
+            panic!()
+        };
+        t.publish(img());
+        // Stream 1 wants half scale: it claims that one too (stream 2 may
+        // want it), fails, and withdraws it.
+        let Claim::Mine(t) = s.claim(1, 0, 5, DIMS, 2, true) else {
+            panic!("a second scale is claimed")
+        };
+        drop(t);
+        assert_eq!(s.dims(2, 0, 6, true), None, "another index is not this entry");
+        assert!(matches!(s.claim(2, 0, 6, DIMS, 1, true), Claim::Alone));
+        assert!(matches!(s.claim(2, 0, 5, DIMS, 1, true), Claim::Ready(_)));
+        // A replayed batch takes but never claims.
+        assert!(matches!(s.claim(2, 0, 5, DIMS, 4, false), Claim::Alone));
+        assert!(matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Ready(_)));
+        assert_eq!(s.counts(0).entries, 0);
+    }
+
+    #[test]
+    fn nothing_is_left_for_streams_that_are_not_live_or_past_it_or_over_budget() {
+        let s = share(3, 100, 100);
+        s.set_live(0, true);
+        s.begin(0, 0);
+        assert!(matches!(s.claim(0, 0, 1, DIMS, 1, true), Claim::Alone), "alone");
+        s.set_live(1, true);
+        s.begin(1, 10);
+        assert!(
+            matches!(s.claim(0, 3, 1, DIMS, 1, true), Claim::Alone),
+            "stream 1 is past sample 3"
+        );
+        let Claim::Mine(t) = s.claim(0, 12, 1, DIMS, 1, true) else {
+            panic!()
+        };
+        t.publish(img());
+        // 48 bytes held; another 48 fits the 100, a third does not.
+        let Claim::Mine(t) = s.claim(0, 13, 2, DIMS, 1, true) else {
+            panic!()
+        };
+        t.publish(img());
+        assert!(matches!(s.claim(0, 14, 3, DIMS, 1, true), Claim::Alone), "budget");
+        // Stream 1 leaves: what was left for it goes.
+        s.set_live(1, false);
+        assert_eq!(s.counts(0).bytes, 0);
+    }
+
+    #[test]
+    fn a_stream_waits_for_a_moving_slower_one_and_lets_a_stalled_one_go() {
+        let s = share(2, 10, 1 << 20);
+        s.set_live(0, true);
+        s.set_live(1, true);
+        s.begin(1, 0);
+        // Stream 1 moves every 20 ms up to sample 20: stream 0 at 25
+        // waits until it is past 15.
+        let mover = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for at in 0..4u64 {
+                    std::thread::sleep(Duration::from_millis(20));
+                    s.begin(1, (at + 1) * 5);
+                    s.end(1, at * 5, (at + 1) * 5);
+                }
+            })
+        };
+        let t0 = Instant::now();
+        s.dims(0, 25, 0, true);
+        assert!(t0.elapsed() >= Duration::from_millis(50), "{:?}", t0.elapsed());
+        mover.join().unwrap();
+        // Now stream 1 stops at 20 (batch 20..25 in flight): stream 0 at 40
+        // waits about HOLD_STALL, then goes on without it.
+        let t0 = Instant::now();
+        s.dims(0, 40, 0, true);
+        assert!(t0.elapsed() >= Duration::from_millis(500));
+        assert!(s.counts(0).held >= Duration::from_millis(500));
+        // Released: no more waiting, and nothing left for it.
+        let held = s.counts(0).held;
+        s.dims(0, 60, 0, true);
+        assert_eq!(s.counts(0).held, held);
+        assert!(matches!(s.claim(0, 60, 1, DIMS, 1, true), Claim::Alone));
+    }
+
+    #[test]
+    fn a_stream_waiting_for_anothers_decode_gets_it() {
+        let s = share(2, 100, 1 << 20);
+        for m in 0..2 {
+            s.set_live(m, true);
+            s.begin(m, 0);
+        }
+        let Claim::Mine(t) = s.claim(0, 0, 5, DIMS, 1, true) else {
+            panic!()
+        };
+        let taker = {
+            let s = s.clone();
+            std::thread::spawn(move || matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Ready(_)))
+        };
+        std::thread::sleep(Duration::from_millis(30));
+        t.publish(img());
+        assert!(taker.join().unwrap());
+    }
+}
