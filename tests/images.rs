@@ -14,40 +14,11 @@ use batchcast::proto::StatsReply;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 
+mod common;
+use common::imgtool;
+
 const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
 const LIMIT: Duration = Duration::from_secs(180);
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("BATCHCAST_PYTHON") {
-        return p.into();
-    }
-    let venv = repo().join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "{} is missing: run `bash scripts/test` once (it creates .venv with Pillow and numpy), or set BATCHCAST_PYTHON",
-        venv.display()
-    );
-    venv
-}
-
-/// Runs `imgtool.py ARGS` and returns its stdout.
-fn imgtool(args: &[&str]) -> String {
-    let out = Command::new(python())
-        .arg(repo().join("tests/images/imgtool.py"))
-        .args(args)
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "imgtool {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"))

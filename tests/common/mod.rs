@@ -93,6 +93,69 @@ impl Env {
     }
 }
 
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The Python with Pillow and numpy that `scripts/test` puts in `.venv`
+/// (or `BATCHCAST_PYTHON`).
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("BATCHCAST_PYTHON") {
+        return p.into();
+    }
+    let venv = repo().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "{} is missing: run `bash scripts/test` once (it creates .venv with Pillow and numpy), or set BATCHCAST_PYTHON",
+        venv.display()
+    );
+    venv
+}
+
+/// Runs `tests/images/imgtool.py ARGS` (test images, Pillow references)
+/// and returns its stdout.
+pub fn imgtool(args: &[&str]) -> String {
+    let out = std::process::Command::new(python())
+        .arg(repo().join("tests/images/imgtool.py"))
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "imgtool {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// An i64 field of the batches `consume --dump DIR` wrote, per epoch, in
+/// batch order.
+pub fn dumped_i64_by_epoch(dir: &Path, field: &str) -> std::collections::BTreeMap<u64, Vec<i64>> {
+    let suffix = format!("-{field}.bin");
+    let mut files: Vec<((u64, u64), PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter_map(|p| {
+            let name = p.file_name()?.to_str()?.strip_suffix(&suffix)?.to_string();
+            let (e, b) = name.strip_prefix('e')?.split_once("-b")?;
+            Some(((e.parse().ok()?, b.parse().ok()?), p))
+        })
+        .collect();
+    files.sort();
+    let mut out = std::collections::BTreeMap::new();
+    for ((epoch, _), f) in files {
+        let v: &mut Vec<i64> = out.entry(epoch).or_default();
+        v.extend(
+            std::fs::read(f)
+                .unwrap()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap())),
+        );
+    }
+    out
+}
+
 /// A consumer process's report, once it has exited (bounded).
 pub fn report(child: std::process::Child) -> ConsumerReport {
     harness::wait_report(child, LIMIT).unwrap()

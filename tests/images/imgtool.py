@@ -9,6 +9,8 @@ Subcommands:
       empty, non-image and unsupported files.
   make-asymmetric ROOT N
       N images dark on the left, bright on the right (for flip statistics).
+  make-photos ROOT N
+      N photo-like JPEGs of several sizes in two classes; prints N.
   make-shards ROOT OUT PER_SHARD
       WebDataset tar shards (key.jpg/png + key.cls) of an ImageFolder.
   check-eval DUMP ROOT --resize R --crop C [--mean ... --std ...] --dtype D
@@ -157,6 +159,15 @@ def make_asymmetric(root, n):
         save(Image.fromarray(a), os.path.join(root, "only", f"{i:05d}.png"))
 
 
+def make_photos(root, n):
+    sizes = [(320, 240), (241, 379), (500, 333), (640, 480), (400, 400)]
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        img = Image.fromarray(photo(w, h, 500 + i))
+        save(img, os.path.join(root, ["a", "b"][i % 2], f"{i:05d}.jpg"), quality=90)
+    print(n)
+
+
 def image_folder(root):
     """torchvision.datasets.ImageFolder's (path, label) list."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
@@ -286,6 +297,9 @@ def main():
     m = sub.add_parser("make-asymmetric")
     m.add_argument("root")
     m.add_argument("n", type=int)
+    m = sub.add_parser("make-photos")
+    m.add_argument("root")
+    m.add_argument("n", type=int)
     m = sub.add_parser("make-shards")
     m.add_argument("root")
     m.add_argument("out")
@@ -310,6 +324,8 @@ def main():
         make_folder(a.root, a.bad, a.large, a.count)
     elif a.cmd == "make-asymmetric":
         make_asymmetric(a.root, a.n)
+    elif a.cmd == "make-photos":
+        make_photos(a.root, a.n)
     elif a.cmd == "make-shards":
         make_shards(a.root, a.out, a.per_shard)
     elif a.cmd == "check-eval":

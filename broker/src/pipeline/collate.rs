@@ -75,8 +75,13 @@ impl SlotWriter {
                             at: first.at + j as u64,
                             replay: first.replay,
                         };
-                        let got =
-                            pipeline.fill(w, epoch, i, Some(place), &mut image[j * b..(j + 1) * b])?;
+                        let got = pipeline.fill(
+                            w,
+                            epoch,
+                            i,
+                            Some(place),
+                            &mut image[j * b..(j + 1) * b],
+                        )?;
                         label[j * 8..(j + 1) * 8].copy_from_slice(&got.label.to_le_bytes());
                         index[j * 8..(j + 1) * 8]
                             .copy_from_slice(&(got.index as i64).to_le_bytes());

@@ -19,8 +19,9 @@
 //! Streams advance together: a stream may not work more than `window`
 //! samples ahead of a slower one that *holds* the source (it waits), so
 //! entries are taken before they pile up. A stream holds only while it
-//! is live (it has consumers taking batches), within `window` of the
-//! leader, and moving: one whose place has not moved for `HOLD_STALL`
+//! is live (it has consumers taking batches), and moving; one that starts
+//! more than `REACH_WINDOWS` windows behind the leader (a trainer that
+//! came much later) holds only once it is within half a window. And: one whose place has not moved for `HOLD_STALL`
 //! (`DECOUPLED_HOLD` for a decoupled stream) while another waits is let
 //! go, and decodes alone until it is back within half a window of the
 //! leader. So a stalled trainer, or a stream nobody reads, never stops
@@ -40,9 +41,9 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use super::cache::MinIoCache;
-use crate::budget::{Budget, Grant, OverBudget, Use};
 use super::decode::{Format, Rgb};
 use super::transform::Transform;
+use crate::budget::{Budget, Grant, OverBudget, Use};
 
 /// At most this many streams share one source (a bit each in an entry).
 pub const MAX_MEMBERS: usize = 64;
@@ -52,6 +53,11 @@ pub const MAX_MEMBERS: usize = 64;
 pub const HOLD_STALL: Duration = Duration::from_secs(1);
 /// The same for a decoupled stream (its consumers fall back on replay).
 pub const DECOUPLED_HOLD: Duration = Duration::from_millis(10);
+/// A stream that starts taking batches up to this many windows behind
+/// the leader holds the source at once (the leader waits while it
+/// catches up, as a slow consumer holds a stream); one further behind
+/// decodes alone until it is within half a window.
+pub const REACH_WINDOWS: u64 = 8;
 /// A waiter looks again at least this often.
 const RECHECK: Duration = Duration::from_millis(50);
 
@@ -320,7 +326,10 @@ impl SourceShare {
         }
         p.live = live;
         p.moved_at = Instant::now();
-        p.holding = live && p.marker().saturating_add(self.window / 2) >= lead;
+        p.holding = live
+            && p.marker()
+                .saturating_add(self.window.saturating_mul(REACH_WINDOWS))
+                >= lead;
         if !live {
             let bit = 1u64 << member;
             let keys: Vec<u64> = st.entries.keys().copied().collect();
@@ -415,7 +424,12 @@ impl SourceShare {
 
     /// Waits while a slower stream that holds the source is `window`
     /// samples or more behind `at`; lets go of one that does not move.
-    fn wait_turn<'a>(&'a self, mut st: MutexGuard<'a, State>, member: usize, at: u64) -> MutexGuard<'a, State> {
+    fn wait_turn<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        member: usize,
+        at: u64,
+    ) -> MutexGuard<'a, State> {
         let mut since: Option<Instant> = None;
         loop {
             let now = Instant::now();
@@ -500,9 +514,8 @@ impl SourceShare {
         share: bool,
     ) -> Claim {
         let bit = 1u64 << member;
-        let bytes = u64::from(dims.width.div_ceil(denom))
-            * u64::from(dims.height.div_ceil(denom))
-            * 3;
+        let bytes =
+            u64::from(dims.width.div_ceil(denom)) * u64::from(dims.height.div_ceil(denom)) * 3;
         let mut st = self.lock();
         loop {
             let others = if share {
@@ -604,7 +617,14 @@ mod tests {
                 decoupled: false,
             })
             .collect();
-        Arc::new(SourceShare::new("src".into(), DecodeShare::Exact, window, budget, members, 0))
+        Arc::new(SourceShare::new(
+            "src".into(),
+            DecodeShare::Exact,
+            window,
+            budget,
+            members,
+            0,
+        ))
     }
 
     const DIMS: Dims = Dims {
@@ -637,7 +657,11 @@ mod tests {
         assert_eq!(s.counts(0).entries, 1, "stream 2 has not taken it yet");
         assert!(matches!(s.claim(2, 0, 5, DIMS, 1, true), Claim::Ready(_)));
         let c = s.counts(2);
-        assert_eq!((c.entries, c.bytes, c.taken), (0, 0, 1), "taken by all: gone");
+        assert_eq!(
+            (c.entries, c.bytes, c.taken),
+            (0, 0, 1),
+            "taken by all: gone"
+        );
         // Once the others have passed it, a second take (a padded split
         // repeats a sample) decodes alone and leaves nothing.
         s.end(0, 0, 4);
@@ -662,7 +686,11 @@ mod tests {
             panic!("a second scale is claimed")
         };
         drop(t);
-        assert_eq!(s.dims(2, 0, 6, true), None, "another index is not this entry");
+        assert_eq!(
+            s.dims(2, 0, 6, true),
+            None,
+            "another index is not this entry"
+        );
         assert!(matches!(s.claim(2, 0, 6, DIMS, 1, true), Claim::Alone));
         assert!(matches!(s.claim(2, 0, 5, DIMS, 1, true), Claim::Ready(_)));
         // A replayed batch takes but never claims.
@@ -676,7 +704,10 @@ mod tests {
         let s = share(3, 100, 100);
         s.set_live(0, true);
         s.begin(0, 0);
-        assert!(matches!(s.claim(0, 0, 1, DIMS, 1, true), Claim::Alone), "alone");
+        assert!(
+            matches!(s.claim(0, 0, 1, DIMS, 1, true), Claim::Alone),
+            "alone"
+        );
         s.set_live(1, true);
         s.begin(1, 10);
         assert!(
@@ -692,7 +723,10 @@ mod tests {
             panic!()
         };
         t.publish(img());
-        assert!(matches!(s.claim(0, 14, 3, DIMS, 1, true), Claim::Alone), "budget");
+        assert!(
+            matches!(s.claim(0, 14, 3, DIMS, 1, true), Claim::Alone),
+            "budget"
+        );
         // Stream 1 leaves: what was left for it goes.
         s.set_live(1, false);
         assert_eq!(s.counts(0).bytes, 0);
@@ -718,7 +752,11 @@ mod tests {
         };
         let t0 = Instant::now();
         s.dims(0, 25, 0, true);
-        assert!(t0.elapsed() >= Duration::from_millis(50), "{:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() >= Duration::from_millis(50),
+            "{:?}",
+            t0.elapsed()
+        );
         mover.join().unwrap();
         // Now stream 1 stops at 20 (batch 20..25 in flight): stream 0 at 40
         // waits about HOLD_STALL, then goes on without it.

@@ -214,7 +214,7 @@ pub(super) fn image_source(
         fields,
         len,
         per_epoch: split.per_rank(len),
-        plan: SourcePlan::Images(ImagePlan {
+        plan: SourcePlan::Images(Box::new(ImagePlan {
             dataset,
             transform,
             rules: SampleRules {
@@ -229,7 +229,7 @@ pub(super) fn image_source(
             shuffle: s.shuffle,
             seed: s.seed,
             share: None,
-        }),
+        })),
         info,
     })
 }

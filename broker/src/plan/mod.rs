@@ -127,7 +127,7 @@ fn key(key: &'static str, message: impl Into<String>) -> StreamError {
 #[derive(Debug, Clone)]
 pub enum SourcePlan {
     Synthetic(SyntheticSpec),
-    Images(ImagePlan),
+    Images(Box<ImagePlan>),
     /// Filled by a producer process over the socket; the broker only does
     /// the bookkeeping.
     External,

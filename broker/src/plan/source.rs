@@ -214,9 +214,15 @@ root = "/nonexistent"
         let s = resolve(&cfg).unwrap();
         assert!(!s[0].shuffle && s[0].seed == 9 && s[0].image_folder.is_some());
 
-        let cfg = parse(&format!("{SOURCE}\n{}", stream("a", "seed = 3\nshuffle = true")));
+        let cfg = parse(&format!(
+            "{SOURCE}\n{}",
+            stream("a", "seed = 3\nshuffle = true")
+        ));
         let e = resolve(&cfg).unwrap_err().to_string();
-        assert!(e.contains("stream `a`") && e.contains("`shuffle`") || e.contains("`seed`"), "{e}");
+        assert!(
+            e.contains("stream `a`") && e.contains("`shuffle`") || e.contains("`seed`"),
+            "{e}"
+        );
         assert!(e.contains("move it there"), "{e}");
     }
 
@@ -226,14 +232,25 @@ root = "/nonexistent"
         let e = resolve(&cfg).unwrap_err().to_string();
         assert!(e.contains("names no [[source]] (defined: none)"), "{e}");
 
-        let cfg = parse(&format!("{SOURCE}\n[[source]]\nname = \"other\"\n[source.image_folder]\nroot = \"/y\"\n{}", stream("a", "")));
+        let cfg = parse(&format!(
+            "{SOURCE}\n[[source]]\nname = \"other\"\n[source.image_folder]\nroot = \"/y\"\n{}",
+            stream("a", "")
+        ));
         let e = resolve(&cfg).unwrap_err().to_string();
         assert!(e.contains("source `other`: no stream names it"), "{e}");
 
         let cfg = parse(&format!("{SOURCE}{SOURCE}{}", stream("a", "")));
-        assert!(resolve(&cfg).unwrap_err().to_string().contains("defined twice"));
+        assert!(
+            resolve(&cfg)
+                .unwrap_err()
+                .to_string()
+                .contains("defined twice")
+        );
 
-        let cfg = parse(&format!("[[source]]\nname = \"photos\"\n{}", stream("a", "")));
+        let cfg = parse(&format!(
+            "[[source]]\nname = \"photos\"\n{}",
+            stream("a", "")
+        ));
         let e = resolve(&cfg).unwrap_err().to_string();
         assert!(e.contains("needs exactly one dataset"), "{e}");
     }

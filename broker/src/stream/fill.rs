@@ -12,8 +12,8 @@ use super::deliver::settle;
 use super::replay::{self, ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
-use crate::pipeline::{PipelineError, Place};
 use crate::pipeline::collate::{SlotWriter, ThreadState};
+use crate::pipeline::{PipelineError, Place};
 
 impl Stream {
     /// A pipeline thread: take work from the hub, fill the slot, publish.

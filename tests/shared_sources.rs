@@ -1,0 +1,277 @@
+//! End-to-end tests of shared sources: several streams naming one
+//! `[[source]]` in a real broker, real consumer processes on every stream
+//! (one SIGKILLed), real image files (generated with Pillow). What each
+//! stream delivers must be byte for byte what the same stream delivers
+//! alone, while the source decodes each image about once.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use batchcast::proto::{SharedSourceStats, StatsReply};
+use common::{Env, dumped_i64_by_epoch, imgtool, report, sigkill};
+
+/// Three transforms a sweep varies: two crop sizes (one in batches that
+/// do not divide the epoch, kept), and an evaluation transform in f32.
+const STREAMS: [(&str, &str, &str); 3] = [
+    (
+        "crop32",
+        "batch_size = 8\nmin_consumers = 2",
+        "random_resized_crop = { size = 32 }\nhorizontal_flip = 0.5\ndtype = \"u8\"",
+    ),
+    (
+        "crop24",
+        "batch_size = 5\ndrop_last = false",
+        "random_resized_crop = { size = 24 }\ndtype = \"u8\"",
+    ),
+    (
+        "eval",
+        "batch_size = 16",
+        "resize = 40\ncenter_crop = 32\ndtype = \"f32\"\nnormalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }",
+    ),
+];
+
+/// The dataset keys, in a `[[source]]` or in a stream of its own.
+fn dataset(root: &str, table: &str) -> String {
+    format!("seed = 11\nworkers = 2\n[{table}.image_folder]\nroot = \"{root}\"\n")
+}
+
+/// The streams on one source named `photos`.
+fn shared_config(root: &str, extra_source: &str) -> String {
+    let mut c = format!(
+        "[[source]]\nname = \"photos\"\nseed = 11\n{extra_source}\n[source.image_folder]\nroot = \"{root}\"\n"
+    );
+    for (name, keys, t) in STREAMS {
+        c += &format!(
+            "\n[[stream]]\nname = \"{name}\"\nsource = \"photos\"\nepochs = 2\nslots = 4\nworkers = 2\n{keys}\n[stream.transform]\n{t}\n"
+        );
+    }
+    c
+}
+
+/// The same streams, each reading and decoding alone.
+fn alone_config(root: &str) -> String {
+    let mut c = String::new();
+    for (name, keys, t) in STREAMS {
+        let keys = keys.replace("min_consumers = 2", "");
+        c += &format!(
+            "\n[[stream]]\nname = \"{name}\"\nepochs = 2\nslots = 4\n{keys}\n{}\n[stream.transform]\n{t}\n",
+            dataset(root, "stream")
+        );
+    }
+    c
+}
+
+/// Each epoch's digest of what one consumer of `stream` received.
+fn digests(env: &Env, stream: &str) -> BTreeMap<u64, String> {
+    let r = report(env.consumer(&["--stream", stream, "--digest"]));
+    assert!(r.ok && r.ended, "{stream}: {r:#?}");
+    epochs_of(&r)
+}
+
+fn epochs_of(r: &batchcast_broker::consume::ConsumerReport) -> BTreeMap<u64, String> {
+    r.epochs
+        .iter()
+        .filter(|e| e.complete)
+        .map(|e| (e.epoch, e.digest.clone().expect("--digest")))
+        .collect()
+}
+
+fn shared_of(st: &StatsReply, stream: &str) -> SharedSourceStats {
+    st.streams
+        .iter()
+        .find(|s| s.name == stream)
+        .and_then(|s| s.source.as_ref())
+        .and_then(|s| s.shared.clone())
+        .unwrap_or_else(|| panic!("{stream} is on a shared source: {st:#?}"))
+}
+
+#[test]
+fn streams_on_one_source_deliver_their_bytes_alone_with_one_decode_per_image_even_when_a_trainer_dies()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ds");
+    let root = root.to_str().unwrap();
+    // JPEGs only: every sample may be decoded at a reduced scale.
+    let n: u64 = imgtool(&["make-photos", root, "60"])
+        .trim()
+        .parse()
+        .unwrap();
+
+    // Alone: three independent streams (each reads and decodes).
+    let env = Env::start(&alone_config(root));
+    let alone: BTreeMap<&str, _> = STREAMS
+        .iter()
+        .map(|(s, _, _)| (*s, digests(&env, s)))
+        .collect();
+    drop(env);
+
+    let env = Env::start(&shared_config(root, ""));
+    // Two trainers on crop32 (it waits for both); one is SIGKILLed after
+    // a few batches, holding some.
+    let mut doomed = env.consumer(&["--stream", "crop32", "--sleep-ms", "30", "--hold", "2"]);
+    let survivors: Vec<_> = STREAMS
+        .iter()
+        .map(|(s, _, _)| (*s, env.consumer(&["--stream", s, "--digest"])))
+        .collect();
+    env.wait_for("the doomed trainer to take batches", |st| {
+        st.streams
+            .iter()
+            .find(|s| s.name == "crop32")
+            .is_some_and(|s| s.consumers.iter().any(|c| c.batches >= 3))
+    });
+    sigkill(&mut doomed);
+    for (stream, child) in survivors {
+        let r = report(child);
+        assert!(r.ok && r.ended, "{stream}: {r:#?}");
+        assert_eq!(
+            epochs_of(&r),
+            alone[stream],
+            "{stream} on the shared source delivers what it delivers alone"
+        );
+        assert_eq!(epochs_of(&r).len(), 2, "{stream}: both epochs");
+    }
+    let st = env.stats();
+    let images = 2 * n;
+    let (mut taken, mut written) = (0, 0);
+    for (stream, _, _) in STREAMS {
+        let sh = shared_of(&st, stream);
+        let s = st.streams.iter().find(|s| s.name == stream).unwrap();
+        written += s.source.as_ref().unwrap().decoded;
+        assert_eq!((sh.source.as_str(), sh.streams), ("photos", 3));
+        assert!(sh.taken > 0, "{stream} took others' decodes: {sh:?}");
+        assert_eq!(
+            sh.entries, 0,
+            "nothing left once every stream ended: {sh:?}"
+        );
+        taken += sh.taken;
+    }
+    let decodes = shared_of(&st, "eval").decodes;
+    // Alone, the three streams decode 3 × images; shared, each image at
+    // most once per distinct scale its streams ask for.
+    assert!(
+        decodes >= images && decodes < 2 * images,
+        "{decodes} decodes for {images} images in 3 streams"
+    );
+    assert_eq!(
+        decodes + taken,
+        written,
+        "every sample written was decoded or taken"
+    );
+    // drop_last leaves out 4 samples an epoch in crop32, 12 in eval.
+    assert_eq!(written, 3 * images - 2 * (4 + 12));
+}
+
+#[test]
+fn decode_once_makes_one_decode_per_image_and_a_bad_file_is_replaced_alike_in_every_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ds");
+    let root = root.to_str().unwrap();
+    let n: u64 = imgtool(&["make-folder", root, "--count", "1", "--bad"])
+        .trim()
+        .parse()
+        .unwrap();
+    let env = Env::start(&shared_config(root, "decode = \"once\"\nshuffle = false"));
+    let dumps: Vec<_> = STREAMS
+        .iter()
+        .map(|(s, _, _)| {
+            let d = env.path(s);
+            std::fs::create_dir_all(&d).unwrap();
+            let min2 = if *s == "crop32" {
+                // Its second consumer (the stream waits for two).
+                Some(env.consumer(&["--stream", s]))
+            } else {
+                None
+            };
+            let c = env.consumer(&["--stream", s, "--dump", d.to_str().unwrap()]);
+            (d, c, min2)
+        })
+        .collect();
+    let mut indices = Vec::new();
+    for (d, c, min2) in dumps {
+        assert!(report(c).ok);
+        if let Some(c) = min2 {
+            assert!(report(c).ok);
+        }
+        indices.push(dumped_i64_by_epoch(&d, "index"));
+    }
+    let st = env.stats();
+    // Five bad files: each replaced by the next good sample, the same one
+    // in every stream, and logged once for the whole source.
+    let bad = 5;
+    for (k, (stream, _, _)) in STREAMS.iter().enumerate() {
+        let s = st.streams.iter().find(|s| s.name == *stream).unwrap();
+        assert_eq!(s.source.as_ref().unwrap().skipped, 2 * bad, "{stream}");
+        for (epoch, seq) in &indices[k] {
+            let common = seq.len().min(indices[0][epoch].len());
+            assert_eq!(
+                seq[..common],
+                indices[0][epoch][..common],
+                "{stream} epoch {epoch}: the same samples in the same places"
+            );
+            let distinct: std::collections::HashSet<_> = seq.iter().collect();
+            assert!(
+                distinct.len() as u64 <= n - bad,
+                "{stream}: no bad file served"
+            );
+        }
+    }
+    let log = env.log();
+    for name in ["zz_corrupt.jpg", "zz_truncated.jpg", "zz_empty.png"] {
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(name) && l.contains("skipping"))
+            .count();
+        assert_eq!(lines, 1, "{name} logged once for the source:\n{log}");
+    }
+    // About one decode per good image and epoch, against three alone (a
+    // bad file's replacement is decoded by each stream apart, as alone,
+    // and a stream whose trainer came a little later decodes alone until
+    // the others take it into account).
+    let sh = shared_of(&st, "eval");
+    let good = 2 * (n - bad);
+    assert!(
+        sh.decodes >= good && 2 * sh.decodes < 3 * good,
+        "{} decodes for {good} good samples: {sh:?}",
+        sh.decodes
+    );
+}
+
+#[test]
+fn a_source_is_refused_when_a_stream_writes_its_keys_or_names_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    let refused = |text: &str| {
+        std::fs::write(&cfg, text).unwrap();
+        let out = std::process::Command::new(common::EXE)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(dir.path().join("s.sock"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "should refuse:\n{text}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let root = dir.path().join("ds");
+    let root = root.to_str().unwrap();
+    imgtool(&["make-photos", root, "20"]);
+    let e = refused(&shared_config(root, "").replace(
+        "name = \"crop24\"\nsource = \"photos\"",
+        "name = \"crop24\"\nsource = \"photos\"\nshuffle = false",
+    ));
+    assert!(
+        e.contains("stream `crop24`") && e.contains("`shuffle` belongs to its source"),
+        "{e}"
+    );
+    let e = refused(&shared_config(root, "").replace("source = \"photos\"", "source = \"photo\""));
+    assert!(
+        e.contains("source = \"photo\" names no [[source]] (defined: photos)"),
+        "{e}"
+    );
+    let e = refused(&shared_config(root, "ahead = 2"));
+    assert!(
+        e.contains("source `photos`: ahead = 2 must be at least"),
+        "{e}"
+    );
+}
