@@ -251,6 +251,82 @@ fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch(
     assert_ne!(digests(&a)[0], digests(&a)[1], "each epoch draws new crops");
 }
 
+/// Augmentations drawn at random give the same bytes on any number of
+/// threads; fixed ones (probability 1, a one-point range) match
+/// torchvision's ops on Pillow's crop.
+#[test]
+fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+        .trim()
+        .parse()
+        .unwrap();
+    let root = env.p("ds");
+    let random = |aug: &str| {
+        format!(
+            "random_resized_crop = {{ size = 64 }}\nhorizontal_flip = 0.5\ndtype = \"u8\"\n{aug}"
+        )
+    };
+    let autos = [
+        "trivial_augment_wide = true\ncolor_jitter = { brightness = 0.4, contrast = 0.4, saturation = 0.4 }",
+        "rand_augment = { num_ops = 3, magnitude = 12 }\nvertical_flip = 0.5\ngrayscale = 0.2",
+        "auto_augment = \"imagenet\"",
+    ];
+    let fixed = "resize = 80\ncenter_crop = 64\ndtype = \"u8\"\nvertical_flip = 1.0\ncolor_jitter = { brightness = [1.25, 1.25] }\ngrayscale = 1.0";
+    let extra = |w: u32| format!("seed = 9\nworkers = {w}\nepochs = 2\ndrop_last = false");
+    let mut cfg = String::new();
+    for (k, aug) in autos.iter().enumerate() {
+        cfg += &stream(
+            &format!("a{k}-one"),
+            &folder(&root),
+            &random(aug),
+            &extra(1),
+        );
+        cfg += &stream(
+            &format!("a{k}-three"),
+            &folder(&root),
+            &random(aug),
+            &extra(3),
+        );
+    }
+    cfg += &stream("fixed", &folder(&root), fixed, "drop_last = false");
+    env.start(&cfg);
+    let digests = |r: &ConsumerReport| {
+        assert!(r.ok && r.ended, "{r:#?}");
+        r.epochs
+            .iter()
+            .map(|e| e.digest.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    for (k, aug) in autos.iter().enumerate() {
+        let a = env.consume(&["--stream", &format!("a{k}-one"), "--digest"]);
+        let b = env.consume(&["--stream", &format!("a{k}-three"), "--digest"]);
+        assert_eq!(
+            digests(&a),
+            digests(&b),
+            "{aug}: same bytes on 1 and 3 threads"
+        );
+        assert_ne!(digests(&a)[0], digests(&a)[1], "each epoch draws anew");
+    }
+    let dump = env.p("dump");
+    assert!(env.consume(&["--stream", "fixed", "--dump", &dump]).ok);
+    let rep = json(&imgtool(&[
+        "check-eval",
+        &dump,
+        &root,
+        "--resize",
+        "80",
+        "--crop",
+        "64",
+        "--ops",
+        r#"[["VerticalFlip", 0], ["Brightness", 1.25], ["Grayscale", 0]]"#,
+    ]));
+    assert_eq!(rep["checked"], n);
+    // The resize differs from Pillow's by at most 2 levels on average
+    // (the eval test's bound); the ops add no error of their own.
+    assert!(rep["mae_worst_image"].as_f64().unwrap() <= 2.5, "{rep}");
+}
+
 #[test]
 fn horizontal_flip_happens_with_its_probability() {
     let mut env = Env::new();

@@ -63,6 +63,7 @@ fn transform() -> Transform {
             scale: (0.08, 1.0),
             ratio: (3.0 / 4.0, 4.0 / 3.0),
         },
+        augment: Vec::new(),
         flip_p: 0.5,
         dtype: DType::F32,
         layout: Layout::Nchw,

@@ -53,6 +53,12 @@
 //! normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }
 //! dtype = "f32"         # u8 | f16 | bf16 | f32
 //! layout = "NCHW"       # or "NHWC"
+//! # augmentations, applied in this order after the crop and flip:
+//! vertical_flip = 0.0
+//! color_jitter = { brightness = 0.4, contrast = 0.4, saturation = 0.4 }
+//! grayscale = 0.0       # RandomGrayscale(p)
+//! trivial_augment_wide = true   # or rand_augment = { num_ops = 2, magnitude = 9 }
+//!                               # or auto_augment = "imagenet"
 //!
 //! [[source]]            # one dataset, order and split, decoded once for
 //! name = "photos"       # every stream that names it: see README "Shared sources"
@@ -348,6 +354,70 @@ pub struct TransformConfig {
     pub dtype: DType,
     #[serde(default)]
     pub layout: Layout,
+    /// Probability of a vertical flip (after the horizontal one).
+    #[serde(default)]
+    pub vertical_flip: f64,
+    /// `ColorJitter(brightness, contrast, saturation, hue)`.
+    pub color_jitter: Option<ColorJitterConfig>,
+    /// `RandomGrayscale(p)`.
+    #[serde(default)]
+    pub grayscale: f64,
+    /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31 }`.
+    pub trivial_augment_wide: Option<AutoAugmentSwitch>,
+    /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
+    pub rand_augment: Option<RandAugmentConfig>,
+    /// `AutoAugment(policy)`: `"imagenet"`.
+    pub auto_augment: Option<String>,
+}
+
+/// A `ColorJitter` amount: `x` (the factor is drawn from `[max(0, 1 - x),
+/// 1 + x]`) or `[lo, hi]`, as torchvision takes them.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum Jitter {
+    Amount(f64),
+    Range([f64; 2]),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ColorJitterConfig {
+    pub brightness: Option<Jitter>,
+    pub contrast: Option<Jitter>,
+    pub saturation: Option<Jitter>,
+    pub hue: Option<Jitter>,
+}
+
+/// `true`/`false`, or the table of an automatic augmentation's options.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum AutoAugmentSwitch {
+    On(bool),
+    Bins {
+        #[serde(default = "default_bins")]
+        num_magnitude_bins: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandAugmentConfig {
+    #[serde(default = "default_num_ops")]
+    pub num_ops: u32,
+    #[serde(default = "default_magnitude")]
+    pub magnitude: u32,
+    #[serde(default = "default_bins")]
+    pub num_magnitude_bins: u32,
+}
+
+fn default_bins() -> u32 {
+    31
+}
+fn default_num_ops() -> u32 {
+    2
+}
+fn default_magnitude() -> u32 {
+    9
 }
 
 fn one64() -> u64 {

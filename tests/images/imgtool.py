@@ -11,11 +11,16 @@ Subcommands:
       N images dark on the left, bright on the right (for flip statistics).
   make-photos ROOT N
       N photo-like JPEGs of several sizes in two classes; prints N.
+  ops-reference OUT W H SEED OPS_JSON
+      A W×H photo-like image (OUT/src.rgb) and, for each [name, magnitude]
+      of OPS_JSON, what torchvision's op on a PIL image makes of it
+      (OUT/<i>.rgb): the reference for tests/augment.rs.
   make-shards ROOT OUT PER_SHARD
       WebDataset tar shards (key.jpg/png + key.cls) of an ImageFolder.
-  check-eval DUMP ROOT --resize R --crop C [--mean ... --std ...] --dtype D
-      Compares dumped batches of a Resize + CenterCrop stream with Pillow +
-      numpy (torchvision's procedure); prints a JSON report.
+  check-eval DUMP ROOT --resize R --crop C [--mean ... --std ...] --dtype D [--ops JSON]
+      Compares dumped batches of a Resize + CenterCrop stream (then the
+      torchvision ops of --ops, in order) with Pillow + numpy
+      (torchvision's procedure); prints a JSON report.
   check-labels DUMP ROOT
       Checks every dumped (index, label) pair against ImageFolder's listing.
   decode-all ROOT OUT
@@ -26,6 +31,7 @@ Subcommands:
 import argparse
 import io
 import json
+import math
 import os
 import sys
 import tarfile
@@ -168,6 +174,87 @@ def make_photos(root, n):
     print(n)
 
 
+def tv_inverse_affine(center, angle, translate, scale, shear):
+    """torchvision.transforms.functional._get_inverse_affine_matrix."""
+    rot = math.radians(angle)
+    sx, sy = math.radians(shear[0]), math.radians(shear[1])
+    cx, cy = center
+    tx, ty = translate
+    a = math.cos(rot - sy) / math.cos(sy)
+    b = -math.cos(rot - sy) * math.tan(sx) / math.cos(sy) - math.sin(rot)
+    c = math.sin(rot - sy) / math.cos(sy)
+    d = -math.sin(rot - sy) * math.tan(sx) / math.cos(sy) + math.cos(rot)
+    m = [d, -b, 0.0, -c, a, 0.0]
+    m = [x / scale for x in m]
+    m[2] += m[0] * (-cx - tx) + m[1] * (-cy - ty)
+    m[5] += m[3] * (-cx - tx) + m[4] * (-cy - ty)
+    m[2] += cx
+    m[5] += cy
+    return m
+
+
+def tv_op(img, name, m):
+    """torchvision.transforms.autoaugment._apply_op (and the other
+    transforms' functional calls) on a PIL image, as torchvision does it."""
+    from PIL import ImageEnhance, ImageOps
+
+    w, h = img.size
+
+    def affine(center, translate, shear):
+        if center is None:
+            center = [w * 0.5, h * 0.5]
+        mat = tv_inverse_affine(center, 0.0, translate, 1.0, shear)
+        return img.transform((w, h), Image.AFFINE, mat, Image.NEAREST, fillcolor=0)
+
+    if name == "ShearX":
+        return affine([0, 0], [0, 0], [math.degrees(math.atan(m)), 0.0])
+    if name == "ShearY":
+        return affine([0, 0], [0, 0], [0.0, math.degrees(math.atan(m))])
+    if name == "TranslateX":
+        return affine(None, [int(m), 0], [0.0, 0.0])
+    if name == "TranslateY":
+        return affine(None, [0, int(m)], [0.0, 0.0])
+    if name == "Rotate":
+        return img.rotate(m, Image.NEAREST, expand=False, center=None, fillcolor=0)
+    if name == "Brightness":
+        return ImageEnhance.Brightness(img).enhance(m)
+    if name == "Color":
+        return ImageEnhance.Color(img).enhance(m)
+    if name == "Contrast":
+        return ImageEnhance.Contrast(img).enhance(m)
+    if name == "Sharpness":
+        return ImageEnhance.Sharpness(img).enhance(m)
+    if name == "Posterize":
+        return ImageOps.posterize(img, int(m))
+    if name == "Solarize":
+        return ImageOps.solarize(img, m)
+    if name == "AutoContrast":
+        return ImageOps.autocontrast(img)
+    if name == "Equalize":
+        return ImageOps.equalize(img)
+    if name == "Invert":
+        return ImageOps.invert(img)
+    if name == "Grayscale":
+        return img.convert("L").convert("RGB")
+    if name == "VerticalFlip":
+        return img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+    if name == "HorizontalFlip":
+        return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if name == "Identity":
+        return img
+    raise SystemExit(f"unknown op {name}")
+
+
+def ops_reference(out, w, h, seed, ops):
+    os.makedirs(out, exist_ok=True)
+    src = Image.fromarray(photo(w, h, seed))
+    with open(os.path.join(out, "src.rgb"), "wb") as f:
+        f.write(src.tobytes())
+    for i, (name, m) in enumerate(json.loads(ops)):
+        with open(os.path.join(out, f"{i}.rgb"), "wb") as f:
+            f.write(tv_op(src, name, m).convert("RGB").tobytes())
+
+
 def image_folder(root):
     """torchvision.datasets.ImageFolder's (path, label) list."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
@@ -248,7 +335,10 @@ def check_eval(a):
         h, w = (a.whole[1], a.whole[0]) if a.whole else (a.crop, a.crop)
         img = np.frombuffer(fields["image"], dt).reshape(len(idx), 3, h, w)
         for j, i in enumerate(idx):
-            ref = reference_eval(samples[i][0], a.resize, a.crop, a.whole).astype(np.float64)
+            ref = reference_eval(samples[i][0], a.resize, a.crop, a.whole)
+            for name, m in json.loads(a.ops or "[]"):
+                ref = np.asarray(tv_op(Image.fromarray(ref), name, m).convert("RGB"))
+            ref = ref.astype(np.float64)
             ref = ref.transpose(2, 0, 1)
             got = img[j].astype(np.float64)
             if a.dtype != "u8":
@@ -300,6 +390,12 @@ def main():
     m = sub.add_parser("make-photos")
     m.add_argument("root")
     m.add_argument("n", type=int)
+    m = sub.add_parser("ops-reference")
+    m.add_argument("out")
+    m.add_argument("w", type=int)
+    m.add_argument("h", type=int)
+    m.add_argument("seed", type=int)
+    m.add_argument("ops")
     m = sub.add_parser("make-shards")
     m.add_argument("root")
     m.add_argument("out")
@@ -313,6 +409,7 @@ def main():
     m.add_argument("--mean", type=float, nargs=3)
     m.add_argument("--std", type=float, nargs=3)
     m.add_argument("--dtype", default="u8")
+    m.add_argument("--ops", help="JSON [[name, magnitude], ...] applied after the crop")
     m = sub.add_parser("check-labels")
     m.add_argument("dump")
     m.add_argument("root")
@@ -326,6 +423,8 @@ def main():
         make_asymmetric(a.root, a.n)
     elif a.cmd == "make-photos":
         make_photos(a.root, a.n)
+    elif a.cmd == "ops-reference":
+        ops_reference(a.out, a.w, a.h, a.seed, a.ops)
     elif a.cmd == "make-shards":
         make_shards(a.root, a.out, a.per_shard)
     elif a.cmd == "check-eval":

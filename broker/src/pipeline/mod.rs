@@ -7,6 +7,7 @@
 //! logged once with the reason; with `"fail"` the stream stops and every
 //! consumer is told which file and why.
 
+pub mod augment;
 pub mod cache;
 pub mod collate;
 pub mod dataset;
@@ -277,6 +278,73 @@ impl ImagePipeline {
             .contains(&index)
     }
 
+    /// Decodes sample `index` at `denom` (reading it unless `read` holds
+    /// its bytes and header): into `w.rgb` (`None` returned) for this
+    /// stream alone, or into a new image left for the source's other
+    /// streams when the claim says so.
+    fn decode(
+        &self,
+        w: &mut Worker,
+        index: u64,
+        read: Option<(Option<Arc<[u8]>>, Header)>,
+        dims: Dims,
+        denom: u32,
+        claim: Claim,
+    ) -> Result<Option<Arc<Rgb>>, SampleError> {
+        let path = || self.dataset.describe(index);
+        let decode_err = |source| SampleError::Decode {
+            path: path(),
+            source,
+        };
+        let (cached, header) = match read {
+            Some(r) => r,
+            None => {
+                let cached = self.read(w, index)?;
+                let bytes = cached.as_deref().unwrap_or(&w.bytes);
+                let h = w
+                    .decoder
+                    .header(bytes, self.rules.max_pixels)
+                    .map_err(decode_err)?;
+                (cached, h)
+            }
+        };
+        if (header.width, header.height) != (dims.width, dims.height) {
+            return Err(SampleError::Transform {
+                path: path(),
+                message: "the file changed while the streams of its source read it".into(),
+            });
+        }
+        let bytes = cached.as_deref().unwrap_or(&w.bytes);
+        let mut fresh = Rgb::default();
+        let rgb = match claim {
+            Claim::Mine(_) => &mut fresh,
+            _ => &mut w.rgb,
+        };
+        w.decoder
+            .decode(bytes, &header, denom, rgb)
+            .map_err(decode_err)?;
+        if denom > 1 {
+            self.reduced.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some((s, _)) = &self.share {
+            s.count_decode();
+        }
+        // Only what decoded is worth keeping.
+        if cached.is_none()
+            && let Some(c) = &self.cache
+        {
+            c.offer(index, bytes);
+        }
+        Ok(match claim {
+            Claim::Mine(ticket) => {
+                let img = Arc::new(fresh);
+                ticket.publish(img.clone());
+                Some(img)
+            }
+            _ => None,
+        })
+    }
+
     /// Reads sample `index`'s bytes: from the cache (returned), or into
     /// `w.bytes`.
     fn read(&self, w: &mut Worker, index: u64) -> Result<Option<Arc<[u8]>>, SampleError> {
@@ -347,53 +415,7 @@ impl ImagePipeline {
         };
         let img = match claim {
             Claim::Ready(img) => Some(img),
-            claim => {
-                let (cached, header) = match read.take() {
-                    Some(r) => r,
-                    None => {
-                        let cached = self.read(w, index)?;
-                        let bytes = cached.as_deref().unwrap_or(&w.bytes);
-                        let h = w
-                            .decoder
-                            .header(bytes, self.rules.max_pixels)
-                            .map_err(decode_err)?;
-                        (cached, h)
-                    }
-                };
-                if (header.width, header.height) != (dims.width, dims.height) {
-                    return Err(SampleError::Transform {
-                        path: path(),
-                        message: "the file changed while the streams of its source read it".into(),
-                    });
-                }
-                let bytes = cached.as_deref().unwrap_or(&w.bytes);
-                let mine = matches!(claim, Claim::Mine(_));
-                let mut fresh = Rgb::default();
-                let rgb = if mine { &mut fresh } else { &mut w.rgb };
-                w.decoder
-                    .decode(bytes, &header, denom, rgb)
-                    .map_err(decode_err)?;
-                if denom > 1 {
-                    self.reduced.fetch_add(1, Ordering::Relaxed);
-                }
-                if let Some((s, _)) = &self.share {
-                    s.count_decode();
-                }
-                // Only what decoded is worth keeping.
-                if cached.is_none()
-                    && let Some(c) = &self.cache
-                {
-                    c.offer(index, bytes);
-                }
-                match claim {
-                    Claim::Mine(ticket) => {
-                        let img = Arc::new(fresh);
-                        ticket.publish(img.clone());
-                        Some(img)
-                    }
-                    _ => None,
-                }
-            }
+            claim => self.decode(w, index, read, dims, denom, claim)?,
         };
         let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
         self.transform

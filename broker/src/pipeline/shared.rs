@@ -604,6 +604,7 @@ mod tests {
                 scale: (0.08, 1.0),
                 ratio: (0.75, 4.0 / 3.0),
             },
+            augment: Vec::new(),
             flip_p: 0.0,
             dtype: DType::U8,
             layout: Layout::Nchw,

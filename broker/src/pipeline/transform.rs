@@ -18,6 +18,7 @@ use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use serde::Deserialize;
 
+use super::augment::{Augment, Canvas, Op};
 use super::decode::Rgb;
 
 /// Channel order of the output tensor.
@@ -55,7 +56,7 @@ pub struct CropBox {
 }
 
 /// The per-sample decisions of a transform.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     /// Region of the source image that becomes the output.
     pub crop: CropBox,
@@ -63,11 +64,15 @@ pub struct Plan {
     /// (width, height), and `crop` is then in *resized* pixels.
     pub resized: Option<(u32, u32)>,
     pub flip: bool,
+    /// The augmentations' ops, in order (after the flip).
+    pub ops: Vec<Op>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Transform {
     pub geometry: Geometry,
+    /// Augmentations after the crop and flip, in order.
+    pub augment: Vec<Augment>,
     pub flip_p: f64,
     pub dtype: DType,
     pub layout: Layout,
@@ -137,10 +142,17 @@ impl Transform {
         };
         // RandomHorizontalFlip draws after the crop in a Compose.
         let flip = self.flip_p > 0.0 && uniform(rng, 0.0, 1.0) < self.flip_p;
+        // Then each augmentation, in Compose order, on the output's size.
+        let (oh, ow) = self.out_size();
+        let mut ops = Vec::new();
+        for a in &self.augment {
+            a.draw((ow, oh), rng, &mut ops);
+        }
         Plan {
             crop,
             resized,
             flip,
+            ops,
         }
     }
 
@@ -228,6 +240,7 @@ pub struct Scratch {
     resizer: Resizer,
     resized: Vec<u8>,
     out: Vec<u8>,
+    canvas: Canvas,
 }
 
 /// What one input byte becomes in each channel, for every output dtype.
@@ -321,7 +334,22 @@ impl Transform {
                 );
             }
         }
-        write_tensor(&scratch.resized, oh, ow, plan.flip, self.layout, lut, out);
+        let mut flip = plan.flip;
+        if !plan.ops.is_empty() {
+            // The ops see the flipped image, as in a Compose.
+            let c = &mut scratch.canvas;
+            (c.width, c.height) = (ow, oh);
+            std::mem::swap(&mut c.data, &mut scratch.resized);
+            if flip {
+                c.apply(Op::HorizontalFlip);
+                flip = false;
+            }
+            for &op in &plan.ops {
+                c.apply(op);
+            }
+            std::mem::swap(&mut c.data, &mut scratch.resized);
+        }
+        write_tensor(&scratch.resized, oh, ow, flip, self.layout, lut, out);
         Ok(())
     }
 }
@@ -458,6 +486,7 @@ mod tests {
                 scale: (0.08, 1.0),
                 ratio: (0.75, 4.0 / 3.0),
             },
+            augment: Vec::new(),
             flip_p: 0.5,
             dtype: DType::F32,
             layout: Layout::Nchw,

@@ -117,8 +117,10 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
             format!("transform.normalize.std = {:?} must be non-zero", n.std),
         ));
     }
+    let augment = super::augment::augments_of(t)?;
     Ok(Transform {
         geometry,
+        augment,
         flip_p: t.horizontal_flip,
         dtype: t.dtype,
         layout: t.layout,

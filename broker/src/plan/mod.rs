@@ -23,6 +23,7 @@ use crate::pipeline::dataset::{Dataset, DatasetError};
 use crate::pipeline::sampler::{self, Split};
 use crate::pipeline::transform::Transform;
 
+mod augment;
 mod checks;
 mod image;
 mod source;

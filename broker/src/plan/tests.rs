@@ -226,3 +226,67 @@ fn a_producer_request_is_checked_like_a_config() {
     req.stream = "a/b".into();
     assert!(StreamPlan::external(&req, "loader", 7).is_err());
 }
+
+#[test]
+fn augmentations_are_checked_and_named() {
+    let with = |aug: &str| {
+        format!(
+            "[[stream]]\nname = \"aug\"\nbatch_size = 4\n[stream.image_folder]\nroot = \"/nonexistent\"\n[stream.transform]\nrandom_resized_crop = {{ size = 32 }}\n{aug}\n"
+        )
+    };
+    for (aug, expect) in [
+        (
+            "vertical_flip = 1.5",
+            "transform.vertical_flip = 1.5 is a probability",
+        ),
+        (
+            "grayscale = -0.1",
+            "transform.grayscale = -0.1 is a probability",
+        ),
+        (
+            "color_jitter = { hue = 0.1 }",
+            "transform.color_jitter.hue is not supported yet",
+        ),
+        (
+            "color_jitter = { brightness = [1.5, 1.2] }",
+            "transform.color_jitter.brightness must be",
+        ),
+        (
+            "color_jitter = { contrast = -0.2 }",
+            "transform.color_jitter.contrast must be",
+        ),
+        (
+            "trivial_augment_wide = true\nauto_augment = \"imagenet\"",
+            "at most one of trivial_augment_wide, rand_augment and auto_augment",
+        ),
+        (
+            "rand_augment = { magnitude = 31 }",
+            "magnitude = 31 must be below num_magnitude_bins = 31",
+        ),
+        (
+            "rand_augment = { num_ops = 99 }",
+            "num_ops = 99 is more than 16",
+        ),
+        (
+            "trivial_augment_wide = { num_magnitude_bins = 1 }",
+            "num_magnitude_bins = 1 must be between 2 and 1024",
+        ),
+        ("auto_augment = \"cifar10\"", "is not a policy here"),
+    ] {
+        let err = plan(&with(aug)).unwrap_err().to_string();
+        assert!(
+            err.contains("stream `aug`") && err.contains(expect),
+            "{aug}: {err}"
+        );
+    }
+    // Valid ones get as far as listing the (missing) dataset.
+    for aug in [
+        "trivial_augment_wide = true",
+        "trivial_augment_wide = false\nrand_augment = {}",
+        "color_jitter = { brightness = 0.4, saturation = [0.5, 1.0] }\ngrayscale = 0.1\nvertical_flip = 0.5",
+        "auto_augment = \"imagenet\"",
+    ] {
+        let err = plan(&with(aug)).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent"), "{aug}: {err}");
+    }
+}

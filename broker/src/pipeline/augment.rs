@@ -1,0 +1,704 @@
+//! The augmentations ImageNet-class recipes use, with torchvision's
+//! semantics on PIL images (which call Pillow): each works on the
+//! cropped, resized `H × W` RGB image, in the order of a torchvision
+//! `Compose` (see [`Augment`]), and its randomness is drawn with the rest
+//! of the sample's plan, before the image is decoded.
+//!
+//! Every op reproduces Pillow's arithmetic: enhancements blend with a
+//! degenerate image in 32-bit float and truncate (`ImageEnhance`,
+//! `Image.blend`), lookup-table ops follow `ImageOps`, grayscale is
+//! Pillow's fixed-point ITU-R 601-2 luma, and geometric ops (shear,
+//! translate, rotate; nearest neighbour, fill 0) map pixel centres through
+//! the inverse matrix torchvision computes, in Pillow's 16.16 fixed point.
+//! `tests/augment.rs` compares each with Pillow on generated images.
+//!
+//! Not here (yet): `ColorJitter`'s hue (Pillow's HSV round trip).
+
+use batchcast::synthetic::SplitMix64;
+
+/// One image operation with its drawn magnitude.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Op {
+    Identity,
+    /// `F.affine(shear=[degrees(atan(m)), 0], center=[0, 0])`.
+    ShearX(f64),
+    ShearY(f64),
+    /// Whole pixels (`int(magnitude)`), as torchvision passes them.
+    TranslateX(f64),
+    TranslateY(f64),
+    /// Degrees, counter-clockwise, about the image's centre.
+    Rotate(f64),
+    /// Enhancement factors (1.0 leaves the image as it is).
+    Brightness(f64),
+    Color(f64),
+    Contrast(f64),
+    Sharpness(f64),
+    /// Bits kept per channel.
+    Posterize(u8),
+    /// Values at or above the threshold are inverted.
+    Solarize(f64),
+    AutoContrast,
+    Equalize,
+    Invert,
+    /// Luma in all three channels.
+    Grayscale,
+    VerticalFlip,
+    HorizontalFlip,
+}
+
+/// An augmentation of a transform, in the order they run: after the crop
+/// and the horizontal flip, before the conversion to a tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Augment {
+    /// `RandomVerticalFlip(p)`.
+    VerticalFlip(f64),
+    /// `ColorJitter(brightness, contrast, saturation)`: each a factor
+    /// range `[lo, hi]` (torchvision's `x` is `[max(0, 1 - x), 1 + x]`),
+    /// or `None`; applied in a random order.
+    ColorJitter([Option<(f64, f64)>; 3]),
+    /// `RandomGrayscale(p)`.
+    Grayscale(f64),
+    /// `TrivialAugmentWide(num_magnitude_bins)`.
+    TrivialAugmentWide { bins: u32 },
+    /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
+    RandAugment {
+        num_ops: u32,
+        magnitude: u32,
+        bins: u32,
+    },
+    /// `AutoAugment(AutoAugmentPolicy.IMAGENET)`.
+    AutoAugmentImageNet,
+}
+
+/// Uniform in `[lo, hi)`.
+fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
+    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
+    lo + (hi - lo) * u
+}
+
+/// `torch.linspace(lo, hi, n)[k]` (float32, as torch computes it).
+fn linspace(lo: f64, hi: f64, n: u32, k: u32) -> f64 {
+    if n <= 1 {
+        return lo as f32 as f64;
+    }
+    let (lo32, hi32) = (lo as f32, hi as f32);
+    let step = (hi32 - lo32) / (n - 1) as f32;
+    let v = if k < n / 2 {
+        lo32 + step * k as f32
+    } else {
+        hi32 - step * (n - 1 - k) as f32
+    };
+    v as f64
+}
+
+/// The op space of the automatic augmentations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Identity,
+    ShearX,
+    ShearY,
+    TranslateX,
+    TranslateY,
+    Rotate,
+    Brightness,
+    Color,
+    Contrast,
+    Sharpness,
+    Posterize,
+    Solarize,
+    AutoContrast,
+    Equalize,
+    Invert,
+}
+
+/// TrivialAugmentWide's and RandAugment's ops, in torchvision's order.
+const SPACE: [Kind; 14] = [
+    Kind::Identity,
+    Kind::ShearX,
+    Kind::ShearY,
+    Kind::TranslateX,
+    Kind::TranslateY,
+    Kind::Rotate,
+    Kind::Brightness,
+    Kind::Color,
+    Kind::Contrast,
+    Kind::Sharpness,
+    Kind::Posterize,
+    Kind::Solarize,
+    Kind::AutoContrast,
+    Kind::Equalize,
+];
+
+/// Which magnitude ranges: TrivialAugmentWide's, or RandAugment's and
+/// AutoAugment's (which scale translations with the image).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Space {
+    Wide,
+    Standard,
+}
+
+impl Kind {
+    /// Magnitude of bin `k` of `bins`, and whether it takes a random sign;
+    /// `None`: the op has no magnitude.
+    fn magnitude(self, space: Space, bins: u32, k: u32, (w, h): (u32, u32)) -> Option<(f64, bool)> {
+        let wide = space == Space::Wide;
+        let lin = |hi: f64| linspace(0.0, hi, bins, k);
+        Some(match self {
+            Kind::ShearX | Kind::ShearY => (lin(if wide { 0.99 } else { 0.3 }), true),
+            Kind::TranslateX => (
+                lin(if wide { 32.0 } else { 150.0 / 331.0 * w as f64 }),
+                true,
+            ),
+            Kind::TranslateY => (
+                lin(if wide { 32.0 } else { 150.0 / 331.0 * h as f64 }),
+                true,
+            ),
+            Kind::Rotate => (lin(if wide { 135.0 } else { 30.0 }), true),
+            Kind::Brightness | Kind::Color | Kind::Contrast | Kind::Sharpness => {
+                (lin(if wide { 0.99 } else { 0.9 }), true)
+            }
+            Kind::Posterize => {
+                let per = (bins.max(2) - 1) as f64 / if wide { 6.0 } else { 4.0 };
+                ((8.0 - (k as f64 / per).round_ties_even()).max(1.0), false)
+            }
+            Kind::Solarize => (linspace(255.0, 0.0, bins, k), false),
+            Kind::Identity | Kind::AutoContrast | Kind::Equalize | Kind::Invert => return None,
+        })
+    }
+
+    fn op(self, m: f64) -> Op {
+        match self {
+            Kind::Identity => Op::Identity,
+            Kind::ShearX => Op::ShearX(m),
+            Kind::ShearY => Op::ShearY(m),
+            Kind::TranslateX => Op::TranslateX(m),
+            Kind::TranslateY => Op::TranslateY(m),
+            Kind::Rotate => Op::Rotate(m),
+            Kind::Brightness => Op::Brightness(1.0 + m),
+            Kind::Color => Op::Color(1.0 + m),
+            Kind::Contrast => Op::Contrast(1.0 + m),
+            Kind::Sharpness => Op::Sharpness(1.0 + m),
+            Kind::Posterize => Op::Posterize(m as u8),
+            Kind::Solarize => Op::Solarize(m),
+            Kind::AutoContrast => Op::AutoContrast,
+            Kind::Equalize => Op::Equalize,
+            Kind::Invert => Op::Invert,
+        }
+    }
+}
+
+/// AutoAugment's ImageNet policy: pairs of (op, probability, magnitude bin).
+#[rustfmt::skip]
+const IMAGENET_POLICY: [[(Kind, f64, u32); 2]; 25] = {
+    use Kind::*;
+    [
+        [(Posterize, 0.4, 8), (Rotate, 0.6, 9)],
+        [(Solarize, 0.6, 5), (AutoContrast, 0.6, 0)],
+        [(Equalize, 0.8, 0), (Equalize, 0.6, 0)],
+        [(Posterize, 0.6, 7), (Posterize, 0.6, 6)],
+        [(Equalize, 0.4, 0), (Solarize, 0.2, 4)],
+        [(Equalize, 0.4, 0), (Rotate, 0.8, 8)],
+        [(Solarize, 0.6, 3), (Equalize, 0.6, 0)],
+        [(Posterize, 0.8, 5), (Equalize, 1.0, 0)],
+        [(Rotate, 0.2, 3), (Solarize, 0.6, 8)],
+        [(Equalize, 0.6, 0), (Posterize, 0.4, 6)],
+        [(Rotate, 0.8, 8), (Color, 0.4, 0)],
+        [(Rotate, 0.4, 9), (Equalize, 0.6, 0)],
+        [(Equalize, 0.0, 0), (Equalize, 0.8, 0)],
+        [(Invert, 0.6, 0), (Equalize, 1.0, 0)],
+        [(Color, 0.6, 4), (Contrast, 1.0, 8)],
+        [(Rotate, 0.8, 8), (Color, 1.0, 2)],
+        [(Color, 0.8, 8), (Solarize, 0.8, 7)],
+        [(Sharpness, 0.4, 7), (Invert, 0.6, 0)],
+        [(ShearX, 0.6, 5), (Equalize, 1.0, 0)],
+        [(Color, 0.4, 0), (Equalize, 0.6, 0)],
+        [(Equalize, 0.4, 0), (Solarize, 0.2, 4)],
+        [(Solarize, 0.6, 5), (AutoContrast, 0.6, 0)],
+        [(Invert, 0.6, 0), (Equalize, 1.0, 0)],
+        [(Color, 0.6, 4), (Contrast, 1.0, 8)],
+        [(Equalize, 0.8, 0), (Equalize, 0.6, 0)],
+    ]
+};
+
+impl Augment {
+    /// Draws this augmentation's ops for one image of `size` (width,
+    /// height), appending them to `ops` in the order they apply.
+    pub fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
+        match *self {
+            Augment::VerticalFlip(p) => {
+                if p > 0.0 && uniform(rng, 0.0, 1.0) < p {
+                    ops.push(Op::VerticalFlip);
+                }
+            }
+            Augment::Grayscale(p) => {
+                if p > 0.0 && uniform(rng, 0.0, 1.0) < p {
+                    ops.push(Op::Grayscale);
+                }
+            }
+            Augment::ColorJitter(ranges) => {
+                // get_params: a permutation, then each factor in turn.
+                let mut order = [0usize, 1, 2];
+                for i in (1..order.len()).rev() {
+                    order.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+                let factors = ranges.map(|r| r.map(|(lo, hi)| uniform(rng, lo, hi)));
+                for k in order {
+                    if let Some(f) = factors[k] {
+                        ops.push([Op::Brightness(f), Op::Contrast(f), Op::Color(f)][k]);
+                    }
+                }
+            }
+            Augment::TrivialAugmentWide { bins } => {
+                let kind = SPACE[rng.below(SPACE.len() as u64) as usize];
+                let k = rng.below(u64::from(bins.max(1))) as u32;
+                ops.push(signed(
+                    kind,
+                    kind.magnitude(Space::Wide, bins, k, size),
+                    rng,
+                ));
+            }
+            Augment::RandAugment {
+                num_ops,
+                magnitude,
+                bins,
+            } => {
+                for _ in 0..num_ops {
+                    let kind = SPACE[rng.below(SPACE.len() as u64) as usize];
+                    let m = kind.magnitude(Space::Standard, bins, magnitude, size);
+                    ops.push(signed(kind, m, rng));
+                }
+            }
+            Augment::AutoAugmentImageNet => {
+                let policy = IMAGENET_POLICY[rng.below(IMAGENET_POLICY.len() as u64) as usize];
+                let probs = [uniform(rng, 0.0, 1.0), uniform(rng, 0.0, 1.0)];
+                let signs = [rng.below(2), rng.below(2)];
+                for (i, (kind, p, bin)) in policy.into_iter().enumerate() {
+                    if probs[i] <= p {
+                        let m = match kind.magnitude(Space::Standard, 10, bin, size) {
+                            Some((m, true)) if signs[i] == 0 => -m,
+                            Some((m, _)) => m,
+                            None => 0.0,
+                        };
+                        ops.push(kind.op(m));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The op with its magnitude, negated half the time if it is signed.
+fn signed(kind: Kind, m: Option<(f64, bool)>, rng: &mut SplitMix64) -> Op {
+    let m = match m {
+        Some((m, true)) if rng.below(2) == 1 => -m,
+        Some((m, _)) => m,
+        None => 0.0,
+    };
+    kind.op(m)
+}
+
+/// An RGB image being augmented, and a second buffer of its size.
+#[derive(Debug, Default)]
+pub struct Canvas {
+    pub width: u32,
+    pub height: u32,
+    /// `height × width × 3`, row-major.
+    pub data: Vec<u8>,
+    spare: Vec<u8>,
+}
+
+impl Canvas {
+    pub fn new(width: u32, height: u32, data: Vec<u8>) -> Canvas {
+        Canvas {
+            width,
+            height,
+            data,
+            spare: Vec::new(),
+        }
+    }
+
+    /// Applies one op in place.
+    pub fn apply(&mut self, op: Op) {
+        match op {
+            Op::Identity => {}
+            Op::ShearX(m) => self.affine([1.0, m, 0.0, 0.0, 1.0, 0.0]),
+            Op::ShearY(m) => self.affine([1.0, 0.0, 0.0, m, 1.0, 0.0]),
+            Op::TranslateX(m) => self.affine([1.0, 0.0, -(m.trunc()), 0.0, 1.0, 0.0]),
+            Op::TranslateY(m) => self.affine([1.0, 0.0, 0.0, 0.0, 1.0, -(m.trunc())]),
+            Op::Rotate(deg) => self.rotate(deg),
+            Op::Brightness(f) => self.blend_with(f, |_, _| [0, 0, 0]),
+            Op::Color(f) => self.blend_with(f, |_, px| {
+                let l = luma(px);
+                [l, l, l]
+            }),
+            Op::Contrast(f) => {
+                let mean = self.mean_luma();
+                self.blend_with(f, move |_, _| [mean, mean, mean]);
+            }
+            Op::Sharpness(f) => self.sharpness(f),
+            Op::Posterize(bits) => {
+                let mask = !((1u16 << (8 - bits.clamp(1, 8))) - 1) as u8;
+                self.lut(|_, v| v & mask);
+            }
+            Op::Solarize(t) => self.lut(|_, v| if (v as f64) < t { v } else { 255 - v }),
+            Op::AutoContrast => self.autocontrast(),
+            Op::Equalize => self.equalize(),
+            Op::Invert => self.lut(|_, v| 255 - v),
+            Op::Grayscale => {
+                for px in self.data.chunks_exact_mut(3) {
+                    let l = luma(px);
+                    px.copy_from_slice(&[l, l, l]);
+                }
+            }
+            Op::VerticalFlip => {
+                let row = self.width as usize * 3;
+                let h = self.height as usize;
+                for y in 0..h / 2 {
+                    let (top, bottom) = self.data.split_at_mut((h - 1 - y) * row);
+                    top[y * row..(y + 1) * row].swap_with_slice(&mut bottom[..row]);
+                }
+            }
+            Op::HorizontalFlip => {
+                let w = self.width as usize;
+                for row in self.data.chunks_exact_mut(w * 3) {
+                    for x in 0..w / 2 {
+                        for c in 0..3 {
+                            row.swap(x * 3 + c, (w - 1 - x) * 3 + c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A per-channel lookup table, `f(channel, value)`.
+    fn lut(&mut self, f: impl Fn(usize, u8) -> u8) {
+        let mut t = [[0u8; 256]; 3];
+        for (c, tc) in t.iter_mut().enumerate() {
+            for (v, e) in tc.iter_mut().enumerate() {
+                *e = f(c, v as u8);
+            }
+        }
+        for px in self.data.chunks_exact_mut(3) {
+            for c in 0..3 {
+                px[c] = t[c][px[c] as usize];
+            }
+        }
+    }
+
+    /// `Image.blend(degenerate, image, f)`, the degenerate image's pixel
+    /// given by `d(index, pixel)`.
+    fn blend_with(&mut self, f: f64, d: impl Fn(usize, &[u8]) -> [u8; 3]) {
+        let alpha = f as f32;
+        if alpha == 1.0 {
+            return;
+        }
+        let inside = (0.0..=1.0).contains(&alpha);
+        for (i, px) in self.data.chunks_exact_mut(3).enumerate() {
+            let g = d(i, px);
+            for c in 0..3 {
+                px[c] = blend(g[c], px[c], alpha, inside);
+            }
+        }
+    }
+
+    /// `ImageStat.Stat(image.convert("L")).mean`, rounded as
+    /// `ImageEnhance.Contrast` does.
+    fn mean_luma(&self) -> u8 {
+        let n = (self.data.len() / 3).max(1);
+        let sum: u64 = self.data.chunks_exact(3).map(|p| u64::from(luma(p))).sum();
+        (sum as f64 / n as f64 + 0.5) as u8
+    }
+
+    /// `ImageEnhance.Sharpness`: blends with `ImageFilter.SMOOTH` (3×3,
+    /// centre 5, divisor 13), whose border pixels are the image's own.
+    fn sharpness(&mut self, f: f64) {
+        let (w, h) = (self.width as usize, self.height as usize);
+        self.spare.clear();
+        self.spare.extend_from_slice(&self.data);
+        if w >= 3 && h >= 3 {
+            let src = &self.data;
+            for y in 1..h - 1 {
+                for x in 1..w - 1 {
+                    for c in 0..3 {
+                        let mut s = 0u32;
+                        for dy in 0..3 {
+                            for dx in 0..3 {
+                                let k = if dx == 1 && dy == 1 { 5 } else { 1 };
+                                s += k * u32::from(src[((y + dy - 1) * w + x + dx - 1) * 3 + c]);
+                            }
+                        }
+                        self.spare[(y * w + x) * 3 + c] = smooth_round(s);
+                    }
+                }
+            }
+        }
+        let alpha = f as f32;
+        let inside = (0.0..=1.0).contains(&alpha);
+        for (px, d) in self.data.iter_mut().zip(&self.spare) {
+            *px = blend(*d, *px, alpha, inside);
+        }
+    }
+
+    /// Per-channel histogram.
+    fn histograms(&self) -> [[u64; 256]; 3] {
+        let mut h = [[0u64; 256]; 3];
+        for px in self.data.chunks_exact(3) {
+            for c in 0..3 {
+                h[c][px[c] as usize] += 1;
+            }
+        }
+        h
+    }
+
+    /// `ImageOps.autocontrast(image)` (no cutoff).
+    fn autocontrast(&mut self) {
+        let hist = self.histograms();
+        let mut t = [[0u8; 256]; 3];
+        for c in 0..3 {
+            let lo = hist[c].iter().position(|&n| n > 0);
+            let hi = hist[c].iter().rposition(|&n| n > 0);
+            match (lo, hi) {
+                (Some(lo), Some(hi)) if hi > lo => {
+                    let scale = 255.0 / (hi - lo) as f64;
+                    let offset = -(lo as f64) * scale;
+                    for (v, e) in t[c].iter_mut().enumerate() {
+                        *e = ((v as f64 * scale + offset) as i64).clamp(0, 255) as u8;
+                    }
+                }
+                _ => t[c] = std::array::from_fn(|v| v as u8),
+            }
+        }
+        self.lut(|c, v| t[c][v as usize]);
+    }
+
+    /// `ImageOps.equalize(image)`.
+    fn equalize(&mut self) {
+        let hist = self.histograms();
+        let mut t = [[0u8; 256]; 3];
+        for c in 0..3 {
+            t[c] = std::array::from_fn(|v| v as u8);
+            let used: Vec<u64> = hist[c].iter().copied().filter(|&n| n > 0).collect();
+            if used.len() <= 1 {
+                continue;
+            }
+            let step = (used.iter().sum::<u64>() - used[used.len() - 1]) / 255;
+            if step == 0 {
+                continue;
+            }
+            let mut n = step / 2;
+            for v in 0..256 {
+                t[c][v] = (n / step).min(255) as u8;
+                n += hist[c][v];
+            }
+        }
+        self.lut(|c, v| t[c][v as usize]);
+    }
+
+    /// `Image.rotate(deg)` (nearest, fill 0, about the centre, same size).
+    fn rotate(&mut self, deg: f64) {
+        let deg = deg.rem_euclid(360.0);
+        if deg == 0.0 {
+            return;
+        }
+        let a = -deg.to_radians();
+        let r15 = |x: f64| (x * 1e15).round() / 1e15;
+        let (cos, sin) = (r15(a.cos()), r15(a.sin()));
+        let (cx, cy) = (self.width as f64 / 2.0, self.height as f64 / 2.0);
+        let m = [
+            cos,
+            sin,
+            cos * -cx + sin * -cy + cx,
+            -sin,
+            cos,
+            -sin * -cx + cos * -cy + cy,
+        ];
+        self.affine(m);
+    }
+
+    /// `Image.transform(size, AFFINE, m, NEAREST)` with fill 0: output
+    /// pixel `(x, y)` takes input pixel `m · (x + ½, y + ½)`, in Pillow's
+    /// 16.16 fixed point.
+    fn affine(&mut self, m: [f64; 6]) {
+        let fix = |v: f64| (v * 65536.0 + 0.5).floor() as i64;
+        let (w, h) = (self.width as i64, self.height as i64);
+        let (a0, a1, a3, a4) = (fix(m[0]), fix(m[1]), fix(m[3]), fix(m[4]));
+        let mut a2 = fix(m[2] + m[0] * 0.5 + m[1] * 0.5);
+        let mut a5 = fix(m[5] + m[3] * 0.5 + m[4] * 0.5);
+        self.spare.clear();
+        self.spare.resize(self.data.len(), 0);
+        for y in 0..h {
+            let (mut xx, mut yy) = (a2, a5);
+            for x in 0..w {
+                let (xin, yin) = (xx >> 16, yy >> 16);
+                if (0..w).contains(&xin) && (0..h).contains(&yin) {
+                    let s = ((yin * w + xin) * 3) as usize;
+                    let d = ((y * w + x) * 3) as usize;
+                    self.spare[d..d + 3].copy_from_slice(&self.data[s..s + 3]);
+                }
+                xx += a0;
+                yy += a3;
+            }
+            a2 += a1;
+            a5 += a4;
+        }
+        std::mem::swap(&mut self.data, &mut self.spare);
+    }
+}
+
+/// Pillow's RGB → L: `(R·19595 + G·38470 + B·7471 + 0x8000) >> 16`.
+pub fn luma(px: &[u8]) -> u8 {
+    ((u32::from(px[0]) * 19595 + u32::from(px[1]) * 38470 + u32::from(px[2]) * 7471 + 0x8000) >> 16)
+        as u8
+}
+
+/// `Image.blend` of one value: `in1 + alpha · (in2 − in1)` in float,
+/// truncated (clipped when extrapolating).
+fn blend(in1: u8, in2: u8, alpha: f32, inside: bool) -> u8 {
+    let t = f32::from(in1) + alpha * (f32::from(in2) - f32::from(in1));
+    if inside {
+        t as u8
+    } else if t <= 0.0 {
+        0
+    } else if t >= 255.0 {
+        255
+    } else {
+        t as u8
+    }
+}
+
+/// A SMOOTH sum (weights total 13) back to a pixel, as Pillow's 3×3
+/// filter rounds it.
+fn smooth_round(sum: u32) -> u8 {
+    ((sum as f32 / 13.0) + 0.5).min(255.0) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draws(a: &Augment, n: u64) -> Vec<Vec<Op>> {
+        (0..n)
+            .map(|i| {
+                let mut rng = SplitMix64::new(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let mut ops = Vec::new();
+                a.draw((224, 160), &mut rng, &mut ops);
+                ops
+            })
+            .collect()
+    }
+
+    fn name(op: &Op) -> &'static str {
+        match op {
+            Op::Identity => "Identity",
+            Op::ShearX(_) => "ShearX",
+            Op::ShearY(_) => "ShearY",
+            Op::TranslateX(_) => "TranslateX",
+            Op::TranslateY(_) => "TranslateY",
+            Op::Rotate(_) => "Rotate",
+            Op::Brightness(_) => "Brightness",
+            Op::Color(_) => "Color",
+            Op::Contrast(_) => "Contrast",
+            Op::Sharpness(_) => "Sharpness",
+            Op::Posterize(_) => "Posterize",
+            Op::Solarize(_) => "Solarize",
+            Op::AutoContrast => "AutoContrast",
+            Op::Equalize => "Equalize",
+            Op::Invert => "Invert",
+            Op::Grayscale => "Grayscale",
+            Op::VerticalFlip => "VerticalFlip",
+            Op::HorizontalFlip => "HorizontalFlip",
+        }
+    }
+
+    #[test]
+    fn trivial_augment_wide_picks_each_op_evenly_within_torchvisions_ranges() {
+        let n = 28_000;
+        let mut count = std::collections::HashMap::new();
+        let mut negative = 0;
+        for ops in draws(&Augment::TrivialAugmentWide { bins: 31 }, n) {
+            assert_eq!(ops.len(), 1);
+            *count.entry(name(&ops[0])).or_insert(0u64) += 1;
+            match ops[0] {
+                Op::ShearX(m) | Op::ShearY(m) => assert!(m.abs() <= 0.99 + 1e-6),
+                Op::TranslateX(m) | Op::TranslateY(m) => assert!(m.abs() <= 32.0),
+                Op::Rotate(m) => {
+                    assert!(m.abs() <= 135.0);
+                    negative += u64::from(m < 0.0);
+                }
+                Op::Brightness(f) | Op::Color(f) | Op::Contrast(f) | Op::Sharpness(f) => {
+                    assert!((0.01 - 1e-6..=1.99 + 1e-6).contains(&f), "{f}")
+                }
+                Op::Posterize(b) => assert!((2..=8).contains(&b)),
+                Op::Solarize(t) => assert!((0.0..=255.0).contains(&t)),
+                _ => {}
+            }
+        }
+        assert_eq!(count.len(), 14, "{count:?}");
+        for (op, c) in &count {
+            // 2000 expected each; 5 sigma is about 220.
+            assert!((1780..=2220).contains(c), "{op}: {c}");
+        }
+        let rotations = count["Rotate"];
+        assert!(negative * 10 > rotations * 4 && negative * 10 < rotations * 6);
+    }
+
+    #[test]
+    fn rand_augment_uses_its_magnitude_and_auto_augment_its_policy() {
+        for ops in draws(
+            &Augment::RandAugment {
+                num_ops: 2,
+                magnitude: 30,
+                bins: 31,
+            },
+            500,
+        ) {
+            assert_eq!(ops.len(), 2);
+            for op in ops {
+                match op {
+                    Op::TranslateX(m) => assert!((m.abs() - 150.0 / 331.0 * 224.0).abs() < 1e-3),
+                    Op::TranslateY(m) => assert!((m.abs() - 150.0 / 331.0 * 160.0).abs() < 1e-3),
+                    Op::Rotate(m) => assert_eq!(m.abs(), 30.0),
+                    Op::Posterize(b) => assert_eq!(b, 4),
+                    Op::Solarize(t) => assert_eq!(t, 0.0),
+                    _ => {}
+                }
+            }
+        }
+        // ImageNet policy: at most two ops, only its ops, Invert among them.
+        let all = draws(&Augment::AutoAugmentImageNet, 5000);
+        assert!(all.iter().all(|o| o.len() <= 2));
+        let names: std::collections::HashSet<_> = all.iter().flatten().map(name).collect();
+        for n in [
+            "Invert",
+            "Equalize",
+            "Posterize",
+            "Rotate",
+            "Solarize",
+            "ShearX",
+        ] {
+            assert!(names.contains(n), "{n}");
+        }
+        for n in ["TranslateX", "ShearY", "Brightness", "Identity"] {
+            assert!(!names.contains(n), "{n} is not in the ImageNet policy");
+        }
+    }
+
+    #[test]
+    fn color_jitter_draws_each_factor_in_its_range_in_every_order() {
+        let a = Augment::ColorJitter([Some((0.6, 1.4)), None, Some((0.0, 2.0))]);
+        let mut orders = std::collections::HashSet::new();
+        for ops in draws(&a, 2000) {
+            assert_eq!(ops.len(), 2);
+            orders.insert(ops.iter().map(name).collect::<Vec<_>>());
+            for op in ops {
+                match op {
+                    Op::Brightness(f) => assert!((0.6..1.4).contains(&f)),
+                    Op::Color(f) => assert!((0.0..2.0).contains(&f)),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(orders.len(), 2, "both orders of the two jitters");
+    }
+}

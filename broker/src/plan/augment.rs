@@ -1,0 +1,148 @@
+//! Planning a transform's augmentations: torchvision's parameters,
+//! checked, in the order they apply.
+
+use super::{StreamError, key};
+use crate::config::{AutoAugmentSwitch, Jitter, TransformConfig};
+use crate::pipeline::augment::Augment;
+
+/// Most magnitude bins an automatic augmentation may have.
+pub const MAX_BINS: u32 = 1024;
+/// Most ops RandAugment may chain.
+pub const MAX_RAND_OPS: u32 = 16;
+
+fn probability(name: &'static str, p: f64) -> Result<f64, StreamError> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(p)
+    } else {
+        Err(key(
+            name,
+            format!("{name} = {p} is a probability; use 0..1"),
+        ))
+    }
+}
+
+/// A `ColorJitter` amount as a factor range, as torchvision's
+/// `_check_input` makes it (`None`: that part is off).
+fn jitter(name: &'static str, j: Option<Jitter>) -> Result<Option<(f64, f64)>, StreamError> {
+    let (lo, hi) = match j {
+        None => return Ok(None),
+        Some(Jitter::Amount(x)) if x.is_finite() && x >= 0.0 => ((1.0 - x).max(0.0), 1.0 + x),
+        Some(Jitter::Range([lo, hi]))
+            if lo.is_finite() && hi.is_finite() && 0.0 <= lo && lo <= hi =>
+        {
+            (lo, hi)
+        }
+        Some(_) => {
+            return Err(key(
+                name,
+                format!(
+                    "{name} must be a non-negative amount or a range [lo, hi] with 0 <= lo <= hi"
+                ),
+            ));
+        }
+    };
+    // torchvision leaves out a jitter that can only give 1.
+    Ok((lo, hi).ne(&(1.0, 1.0)).then_some((lo, hi)))
+}
+
+fn bins(name: &'static str, n: u32) -> Result<u32, StreamError> {
+    if (2..=MAX_BINS).contains(&n) {
+        Ok(n)
+    } else {
+        Err(key(
+            name,
+            format!("{name} = {n} must be between 2 and {MAX_BINS}"),
+        ))
+    }
+}
+
+/// The transform's augmentations, in the order they apply: vertical flip,
+/// color jitter, grayscale, then at most one of TrivialAugmentWide,
+/// RandAugment and AutoAugment.
+pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamError> {
+    let mut out = Vec::new();
+    if probability("transform.vertical_flip", t.vertical_flip)? > 0.0 {
+        out.push(Augment::VerticalFlip(t.vertical_flip));
+    }
+    if let Some(cj) = &t.color_jitter {
+        if cj.hue.is_some() {
+            return Err(key(
+                "transform.color_jitter.hue",
+                "transform.color_jitter.hue is not supported yet (Pillow's HSV round trip is not reproduced); leave it out, or jitter hue in the trainer",
+            ));
+        }
+        let ranges = [
+            jitter("transform.color_jitter.brightness", cj.brightness)?,
+            jitter("transform.color_jitter.contrast", cj.contrast)?,
+            jitter("transform.color_jitter.saturation", cj.saturation)?,
+        ];
+        if ranges.iter().any(Option::is_some) {
+            out.push(Augment::ColorJitter(ranges));
+        }
+    }
+    if probability("transform.grayscale", t.grayscale)? > 0.0 {
+        out.push(Augment::Grayscale(t.grayscale));
+    }
+    let mut auto = Vec::new();
+    match t.trivial_augment_wide {
+        None | Some(AutoAugmentSwitch::On(false)) => {}
+        Some(AutoAugmentSwitch::On(true)) => auto.push(Augment::TrivialAugmentWide { bins: 31 }),
+        Some(AutoAugmentSwitch::Bins { num_magnitude_bins }) => {
+            auto.push(Augment::TrivialAugmentWide {
+                bins: bins(
+                    "transform.trivial_augment_wide.num_magnitude_bins",
+                    num_magnitude_bins,
+                )?,
+            })
+        }
+    }
+    if let Some(r) = t.rand_augment {
+        let bins = bins(
+            "transform.rand_augment.num_magnitude_bins",
+            r.num_magnitude_bins,
+        )?;
+        if r.magnitude >= bins {
+            return Err(key(
+                "transform.rand_augment.magnitude",
+                format!(
+                    "transform.rand_augment.magnitude = {} must be below num_magnitude_bins = {bins}",
+                    r.magnitude
+                ),
+            ));
+        }
+        if r.num_ops > MAX_RAND_OPS {
+            return Err(key(
+                "transform.rand_augment.num_ops",
+                format!(
+                    "transform.rand_augment.num_ops = {} is more than {MAX_RAND_OPS}",
+                    r.num_ops
+                ),
+            ));
+        }
+        auto.push(Augment::RandAugment {
+            num_ops: r.num_ops,
+            magnitude: r.magnitude,
+            bins,
+        });
+    }
+    match t.auto_augment.as_deref() {
+        None => {}
+        Some("imagenet" | "IMAGENET") => auto.push(Augment::AutoAugmentImageNet),
+        Some(other) => {
+            return Err(key(
+                "transform.auto_augment",
+                format!(
+                    "transform.auto_augment = \"{other}\" is not a policy here; use \"imagenet\" (the CIFAR-10 and SVHN policies are for 32×32 images)"
+                ),
+            ));
+        }
+    }
+    if auto.len() > 1 {
+        return Err(key(
+            "transform",
+            "use at most one of trivial_augment_wide, rand_augment and auto_augment",
+        ));
+    }
+    out.extend(auto);
+    Ok(out)
+}
