@@ -326,15 +326,13 @@ impl Canvas {
             Op::TranslateX(m) => self.affine([1.0, 0.0, -(m.trunc()), 0.0, 1.0, 0.0]),
             Op::TranslateY(m) => self.affine([1.0, 0.0, 0.0, 0.0, 1.0, -(m.trunc())]),
             Op::Rotate(deg) => self.rotate(deg),
-            Op::Brightness(f) => self.blend_with(f, |_, _| [0, 0, 0]),
-            Op::Color(f) => self.blend_with(f, |_, px| {
-                let l = luma(px);
-                [l, l, l]
-            }),
+            // A constant degenerate image: one table for every value.
+            Op::Brightness(f) => self.blend_constant(0, f),
             Op::Contrast(f) => {
                 let mean = self.mean_luma();
-                self.blend_with(f, move |_, _| [mean, mean, mean]);
+                self.blend_constant(mean, f);
             }
+            Op::Color(f) => self.color(f),
             Op::Sharpness(f) => self.sharpness(f),
             Op::Posterize(bits) => {
                 let mask = !((1u16 << (8 - bits.clamp(1, 8))) - 1) as u8;
@@ -386,18 +384,30 @@ impl Canvas {
         }
     }
 
-    /// `Image.blend(degenerate, image, f)`, the degenerate image's pixel
-    /// given by `d(index, pixel)`.
-    fn blend_with(&mut self, f: f64, d: impl Fn(usize, &[u8]) -> [u8; 3]) {
+    /// `Image.blend(degenerate, image, f)` with a degenerate image of one
+    /// grey level `d`: a table.
+    fn blend_constant(&mut self, d: u8, f: f64) {
         let alpha = f as f32;
         if alpha == 1.0 {
             return;
         }
         let inside = (0.0..=1.0).contains(&alpha);
-        for (i, px) in self.data.chunks_exact_mut(3).enumerate() {
-            let g = d(i, px);
-            for c in 0..3 {
-                px[c] = blend(g[c], px[c], alpha, inside);
+        let t: [u8; 256] = std::array::from_fn(|v| blend(d, v as u8, alpha, inside));
+        for v in &mut self.data {
+            *v = t[*v as usize];
+        }
+    }
+
+    /// `ImageEnhance.Color`: blends each pixel with its own luma.
+    fn color(&mut self, f: f64) {
+        let alpha = f as f32;
+        if alpha == 1.0 {
+            return;
+        }
+        for px in self.data.chunks_exact_mut(3) {
+            let l = f32::from(luma(px));
+            for v in px.iter_mut() {
+                *v = blend_clamped(l, *v, alpha);
             }
         }
     }
@@ -528,16 +538,29 @@ impl Canvas {
         self.spare.clear();
         self.spare.resize(self.data.len(), 0);
         for y in 0..h {
-            let (mut xx, mut yy) = (a2, a5);
-            for x in 0..w {
-                let (xin, yin) = (xx >> 16, yy >> 16);
-                if (0..w).contains(&xin) && (0..h).contains(&yin) {
-                    let s = ((yin * w + xin) * 3) as usize;
-                    let d = ((y * w + x) * 3) as usize;
-                    self.spare[d..d + 3].copy_from_slice(&self.data[s..s + 3]);
+            // The outputs x whose source lies inside: where both fixed-point
+            // coordinates are in [0, size · 2^16), an interval of x.
+            let (x0, x1) = inside(a2, a0, w << 16, w);
+            let (y0, y1) = inside(a5, a3, h << 16, w);
+            let (lo, hi) = (x0.max(y0), x1.min(y1));
+            let (mut xx, mut yy) = (a2 + lo * a0, a5 + lo * a3);
+            if lo < hi && a0 == 1 << 16 && a3 == 0 {
+                // A shift along the row (translation, horizontal shear):
+                // one run of consecutive source pixels.
+                let s = (((yy >> 16) * w + (xx >> 16)) * 3) as usize;
+                let d = ((y * w + lo) * 3) as usize;
+                let n = ((hi - lo) * 3) as usize;
+                self.spare[d..d + n].copy_from_slice(&self.data[s..s + n]);
+            } else {
+                // Pixels as 3-byte arrays: one bounds check per copy.
+                let (src, _) = self.data.as_chunks::<3>();
+                let (dst, _) = self.spare.as_chunks_mut::<3>();
+                let row = &mut dst[(y * w) as usize..((y + 1) * w) as usize];
+                for px in &mut row[lo as usize..hi.max(lo) as usize] {
+                    *px = src[((yy >> 16) * w + (xx >> 16)) as usize];
+                    xx += a0;
+                    yy += a3;
                 }
-                xx += a0;
-                yy += a3;
             }
             a2 += a1;
             a5 += a4;
@@ -546,10 +569,39 @@ impl Canvas {
     }
 }
 
+/// The `x` in `0..n` with `0 <= start + x · step < end`, as a range.
+fn inside(start: i64, step: i64, end: i64, n: i64) -> (i64, i64) {
+    // Smallest x with start + x·step >= v (step > 0), by exact division.
+    let first_at_least =
+        |v: i64| (v - start).div_euclid(step) + i64::from((v - start).rem_euclid(step) != 0);
+    let (lo, hi) = match step.signum() {
+        0 => match (0..end).contains(&start) {
+            true => (0, n),
+            false => (0, 0),
+        },
+        1 => (first_at_least(0), first_at_least(end)),
+        _ => {
+            // start + x·step >= 0 ⟺ x <= start / −step; < end ⟺ x > (start − end) / −step.
+            let s = -step;
+            let last = start.div_euclid(s);
+            let first = (start - end).div_euclid(s) + 1;
+            (first, last + 1)
+        }
+    };
+    (lo.clamp(0, n), hi.clamp(0, n))
+}
+
 /// Pillow's RGB → L: `(R·19595 + G·38470 + B·7471 + 0x8000) >> 16`.
 pub fn luma(px: &[u8]) -> u8 {
     ((u32::from(px[0]) * 19595 + u32::from(px[1]) * 38470 + u32::from(px[2]) * 7471 + 0x8000) >> 16)
         as u8
+}
+
+/// [`blend`] without the branch: inside `[0, 1]` the result is already
+/// within 0..=255, so clamping and truncating is what both of Pillow's
+/// cases do.
+fn blend_clamped(in1: f32, in2: u8, alpha: f32) -> u8 {
+    (in1 + alpha * (f32::from(in2) - in1)).clamp(0.0, 255.0) as u8
 }
 
 /// `Image.blend` of one value: `in1 + alpha · (in2 − in1)` in float,
@@ -681,6 +733,27 @@ mod tests {
         }
         for n in ["TranslateX", "ShearY", "Brightness", "Identity"] {
             assert!(!names.contains(n), "{n} is not in the ImageNet policy");
+        }
+    }
+
+    #[test]
+    fn the_inside_interval_is_exactly_where_coordinates_are_in_bounds() {
+        let mut rng = SplitMix64::new(7);
+        for _ in 0..20_000 {
+            let n = 1 + rng.below(50) as i64;
+            let end = (1 + rng.below(40) as i64) << 16;
+            let start = rng.below(200 << 16) as i64 - (100 << 16);
+            let step = rng.below(4 << 16) as i64 - (2 << 16);
+            let step = if rng.below(8) == 0 { 0 } else { step };
+            let (lo, hi) = inside(start, step, end, n);
+            for x in 0..n {
+                let v = start + x * step;
+                assert_eq!(
+                    (lo..hi).contains(&x),
+                    (0..end).contains(&v),
+                    "start {start} step {step} end {end} x {x}: {lo}..{hi}"
+                );
+            }
         }
     }
 
