@@ -29,6 +29,9 @@ fn cases() -> Vec<(&'static str, f64, Op)> {
         v.push(("Contrast", m, Op::Contrast(m)));
         v.push(("Sharpness", m, Op::Sharpness(m)));
     }
+    for f in [-0.5, -0.3, -0.1, -0.004, 0.002, 0.05, 0.25, 0.5] {
+        v.push(("Hue", f, Op::Hue(f)));
+    }
     for bits in [1u8, 2, 4, 6, 8] {
         v.push(("Posterize", bits as f64, Op::Posterize(bits)));
     }

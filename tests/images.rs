@@ -290,6 +290,10 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
         );
     }
     cfg += &stream("fixed", &folder(&root), fixed, "drop_last = false");
+    let erased = format!(
+        "random_resized_crop = {{ size = 32 }}\ndtype = \"f32\"\n{NORM}\nrandom_erasing = {{ p = 1.0, value = [7.5, 7.5, 7.5] }}"
+    );
+    cfg += &stream("erased", &folder(&root), &erased, "drop_last = false");
     env.start(&cfg);
     let digests = |r: &ConsumerReport| {
         assert!(r.ok && r.ended, "{r:#?}");
@@ -325,6 +329,39 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
     // The resize differs from Pillow's by at most 2 levels on average
     // (the eval test's bound); the ops add no error of their own.
     assert!(rep["mae_worst_image"].as_f64().unwrap() <= 2.5, "{rep}");
+
+    // RandomErasing with p = 1: a rectangle of the value (which Normalize
+    // never makes) in nearly every sample, 2-33% of it, in every channel.
+    let dump = env.p("erased");
+    assert!(env.consume(&["--stream", "erased", "--dump", &dump]).ok);
+    let mut erased = 0;
+    let mut files = 0;
+    for f in std::fs::read_dir(&dump).unwrap() {
+        let f = f.unwrap().path();
+        if !f.to_string_lossy().ends_with("-image.bin") {
+            continue;
+        }
+        let v: Vec<f32> = std::fs::read(&f)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        for sample in v.chunks_exact(3 * 32 * 32) {
+            files += 1;
+            let planes: Vec<usize> = sample
+                .chunks_exact(32 * 32)
+                .map(|p| p.iter().filter(|&&x| x == 7.5).count())
+                .collect();
+            assert!(planes.iter().all(|&c| c == planes[0]), "{planes:?}");
+            let frac = planes[0] as f64 / (32.0 * 32.0);
+            if frac > 0.0 {
+                assert!((0.01..=0.35).contains(&frac), "{frac}");
+                erased += 1;
+            }
+        }
+    }
+    assert_eq!(files, n as usize);
+    assert!(erased * 10 >= files * 9, "{erased} of {files} erased");
 }
 
 #[test]

@@ -59,6 +59,7 @@
 //! grayscale = 0.0       # RandomGrayscale(p)
 //! trivial_augment_wide = true   # or rand_augment = { num_ops = 2, magnitude = 9 }
 //!                               # or auto_augment = "imagenet"
+//! random_erasing = { p = 0.25 }   # on the tensor, last (scale, ratio, value as torchvision)
 //!
 //! [[source]]            # one dataset, order and split, decoded once for
 //! name = "photos"       # every stream that names it: see README "Shared sources"
@@ -368,6 +369,48 @@ pub struct TransformConfig {
     pub rand_augment: Option<RandAugmentConfig>,
     /// `AutoAugment(policy)`: `"imagenet"`.
     pub auto_augment: Option<String>,
+    /// `RandomErasing(p, scale, ratio, value)`, on the tensor, last.
+    pub random_erasing: Option<RandomErasingConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomErasingConfig {
+    #[serde(default = "half")]
+    pub p: f64,
+    #[serde(default = "default_erase_scale")]
+    pub scale: [f64; 2],
+    #[serde(default = "default_erase_ratio")]
+    pub ratio: [f64; 2],
+    /// One value for every channel, or one per channel (in the tensor's
+    /// units, after Normalize).
+    #[serde(default)]
+    pub value: ErasingValue,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ErasingValue {
+    One(f64),
+    PerChannel([f64; 3]),
+    /// `"random"` (torchvision's normal noise): refused by the plan.
+    Named(String),
+}
+
+impl Default for ErasingValue {
+    fn default() -> ErasingValue {
+        ErasingValue::One(0.0)
+    }
+}
+
+fn half() -> f64 {
+    0.5
+}
+fn default_erase_scale() -> [f64; 2] {
+    [0.02, 0.33]
+}
+fn default_erase_ratio() -> [f64; 2] {
+    [0.3, 3.3]
 }
 
 /// A `ColorJitter` amount: `x` (the factor is drawn from `[max(0, 1 - x),

@@ -224,6 +224,13 @@ def tv_op(img, name, m):
         return ImageEnhance.Contrast(img).enhance(m)
     if name == "Sharpness":
         return ImageEnhance.Sharpness(img).enhance(m)
+    if name == "Hue":
+        # torchvision.transforms.functional_pil.adjust_hue
+        h, s, v = img.convert("HSV").split()
+        np_h = np.array(h, dtype=np.uint8)
+        with np.errstate(over="ignore"):
+            np_h += np.array(m * 255).astype(np.uint8)
+        return Image.merge("HSV", (Image.fromarray(np_h, "L"), s, v)).convert("RGB")
     if name == "Posterize":
         return ImageOps.posterize(img, int(m))
     if name == "Solarize":

@@ -33,6 +33,9 @@ pub enum Op {
     Color(f64),
     Contrast(f64),
     Sharpness(f64),
+    /// `F.adjust_hue(factor)`, factor in `[-0.5, 0.5]`: Pillow's HSV, the
+    /// hue byte shifted with wrap-around, and back.
+    Hue(f64),
     /// Bits kept per channel.
     Posterize(u8),
     /// Values at or above the threshold are inverted.
@@ -52,10 +55,10 @@ pub enum Op {
 pub enum Augment {
     /// `RandomVerticalFlip(p)`.
     VerticalFlip(f64),
-    /// `ColorJitter(brightness, contrast, saturation)`: each a factor
-    /// range `[lo, hi]` (torchvision's `x` is `[max(0, 1 - x), 1 + x]`),
-    /// or `None`; applied in a random order.
-    ColorJitter([Option<(f64, f64)>; 3]),
+    /// `ColorJitter(brightness, contrast, saturation, hue)`: each a range
+    /// `[lo, hi]` (a factor; for hue a shift in `[-0.5, 0.5]`), or `None`;
+    /// applied in a random order.
+    ColorJitter([Option<(f64, f64)>; 4]),
     /// `RandomGrayscale(p)`.
     Grayscale(f64),
     /// `TrivialAugmentWide(num_magnitude_bins)`.
@@ -237,14 +240,14 @@ impl Augment {
             }
             Augment::ColorJitter(ranges) => {
                 // get_params: a permutation, then each factor in turn.
-                let mut order = [0usize, 1, 2];
+                let mut order = [0usize, 1, 2, 3];
                 for i in (1..order.len()).rev() {
                     order.swap(i, rng.below(i as u64 + 1) as usize);
                 }
                 let factors = ranges.map(|r| r.map(|(lo, hi)| uniform(rng, lo, hi)));
                 for k in order {
                     if let Some(f) = factors[k] {
-                        ops.push([Op::Brightness(f), Op::Contrast(f), Op::Color(f)][k]);
+                        ops.push([Op::Brightness(f), Op::Contrast(f), Op::Color(f), Op::Hue(f)][k]);
                     }
                 }
             }
@@ -334,6 +337,7 @@ impl Canvas {
             }
             Op::Color(f) => self.color(f),
             Op::Sharpness(f) => self.sharpness(f),
+            Op::Hue(f) => self.hue(f),
             Op::Posterize(bits) => {
                 let mask = !((1u16 << (8 - bits.clamp(1, 8))) - 1) as u8;
                 self.lut(|_, v| v & mask);
@@ -409,6 +413,17 @@ impl Canvas {
             for v in px.iter_mut() {
                 *v = blend_clamped(l, *v, alpha);
             }
+        }
+    }
+
+    /// `F.adjust_hue` on a PIL image: `convert("HSV")`, the hue byte plus
+    /// `uint8(factor · 255)` (wrapping), `convert("RGB")`.
+    fn hue(&mut self, f: f64) {
+        // Even a zero shift goes through HSV and back, which is lossy.
+        let shift = ((f * 255.0) as i64) as u8;
+        for px in self.data.chunks_exact_mut(3) {
+            let [h, s, v] = rgb_to_hsv([px[0], px[1], px[2]]);
+            px.copy_from_slice(&hsv_to_rgb([h.wrapping_add(shift), s, v]));
         }
     }
 
@@ -591,6 +606,58 @@ fn inside(start: i64, step: i64, end: i64, n: i64) -> (i64, i64) {
     (lo.clamp(0, n), hi.clamp(0, n))
 }
 
+/// Pillow's RGB → HSV (`Convert.c`, after Python's `colorsys`): floats,
+/// each byte truncated.
+fn rgb_to_hsv([r, g, b]: [u8; 3]) -> [u8; 3] {
+    let maxc = r.max(g).max(b);
+    let minc = r.min(g).min(b);
+    if maxc == minc {
+        return [0, 0, maxc];
+    }
+    let cr = f32::from(maxc - minc);
+    let s = cr / f32::from(maxc);
+    let rc = f32::from(maxc - r) / cr;
+    let gc = f32::from(maxc - g) / cr;
+    let bc = f32::from(maxc - b) / cr;
+    // `2.0 + rc - bc` is double arithmetic in C (a double literal).
+    let h = if r == maxc {
+        bc - gc
+    } else if g == maxc {
+        (2.0 + f64::from(rc) - f64::from(bc)) as f32
+    } else {
+        (4.0 + f64::from(gc) - f64::from(rc)) as f32
+    };
+    // In double, as C promotes `h / 6.0 + 1.0`; stored back in a float.
+    let h = ((f64::from(h) / 6.0 + 1.0) % 1.0) as f32;
+    let clip = |x: f32| (f64::from(x) * 255.0).clamp(0.0, 255.0) as i64 as u8;
+    [clip(h), clip(s), maxc]
+}
+
+/// Pillow's HSV → RGB (`Convert.c`).
+fn hsv_to_rgb([h, s, v]: [u8; 3]) -> [u8; 3] {
+    if s == 0 {
+        return [v, v, v];
+    }
+    let h6 = f64::from(h) * 6.0 / 255.0;
+    let i = h6.floor() as i64;
+    let f = (h6 - i as f64) as f32;
+    let fs = (f64::from(s) / 255.0) as f32;
+    let vf = f64::from(v);
+    let round = |x: f64| x.round().clamp(0.0, 255.0) as u8;
+    let p = round(vf * (1.0 - f64::from(fs)));
+    // `fs * f` multiplies two floats (in float), the rest is double.
+    let q = round(vf * (1.0 - f64::from(fs * f)));
+    let t = round(vf * (1.0 - f64::from(fs) * (1.0 - f64::from(f))));
+    match i % 6 {
+        0 => [v, t, p],
+        1 => [q, v, p],
+        2 => [p, v, t],
+        3 => [p, q, v],
+        4 => [t, p, v],
+        _ => [v, p, q],
+    }
+}
+
 /// Pillow's RGB → L: `(R·19595 + G·38470 + B·7471 + 0x8000) >> 16`.
 pub fn luma(px: &[u8]) -> u8 {
     ((u32::from(px[0]) * 19595 + u32::from(px[1]) * 38470 + u32::from(px[2]) * 7471 + 0x8000) >> 16)
@@ -652,6 +719,7 @@ mod tests {
             Op::Color(_) => "Color",
             Op::Contrast(_) => "Contrast",
             Op::Sharpness(_) => "Sharpness",
+            Op::Hue(_) => "Hue",
             Op::Posterize(_) => "Posterize",
             Op::Solarize(_) => "Solarize",
             Op::AutoContrast => "AutoContrast",
@@ -759,7 +827,7 @@ mod tests {
 
     #[test]
     fn color_jitter_draws_each_factor_in_its_range_in_every_order() {
-        let a = Augment::ColorJitter([Some((0.6, 1.4)), None, Some((0.0, 2.0))]);
+        let a = Augment::ColorJitter([Some((0.6, 1.4)), None, Some((0.0, 2.0)), None]);
         let mut orders = std::collections::HashSet::new();
         for ops in draws(&a, 2000) {
             assert_eq!(ops.len(), 2);

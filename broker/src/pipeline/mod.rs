@@ -12,6 +12,7 @@ pub mod cache;
 pub mod collate;
 pub mod dataset;
 pub mod decode;
+pub mod erase;
 pub mod sampler;
 pub mod shared;
 pub mod transform;

@@ -20,6 +20,7 @@ use serde::Deserialize;
 
 use super::augment::{Augment, Canvas, Op};
 use super::decode::Rgb;
+use super::erase::{Erasing, Rect};
 
 /// Channel order of the output tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -66,6 +67,8 @@ pub struct Plan {
     pub flip: bool,
     /// The augmentations' ops, in order (after the flip).
     pub ops: Vec<Op>,
+    /// `RandomErasing`'s rectangle of the tensor.
+    pub erase: Option<Rect>,
 }
 
 #[derive(Debug, Clone)]
@@ -73,6 +76,8 @@ pub struct Transform {
     pub geometry: Geometry,
     /// Augmentations after the crop and flip, in order.
     pub augment: Vec<Augment>,
+    /// `RandomErasing` of the tensor, last.
+    pub erasing: Option<Erasing>,
     pub flip_p: f64,
     pub dtype: DType,
     pub layout: Layout,
@@ -148,11 +153,13 @@ impl Transform {
         for a in &self.augment {
             a.draw((ow, oh), rng, &mut ops);
         }
+        let erase = self.erasing.as_ref().and_then(|e| e.draw((oh, ow), rng));
         Plan {
             crop,
             resized,
             flip,
             ops,
+            erase,
         }
     }
 
@@ -350,6 +357,9 @@ impl Transform {
             std::mem::swap(&mut c.data, &mut scratch.resized);
         }
         write_tensor(&scratch.resized, oh, ow, flip, self.layout, lut, out);
+        if let (Some(e), Some(r)) = (&self.erasing, plan.erase) {
+            e.apply(r, (oh, ow), self.layout, self.dtype, out);
+        }
         Ok(())
     }
 }
@@ -487,6 +497,7 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            erasing: None,
             flip_p: 0.5,
             dtype: DType::F32,
             layout: Layout::Nchw,

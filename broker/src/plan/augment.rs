@@ -2,8 +2,11 @@
 //! checked, in the order they apply.
 
 use super::{StreamError, key};
-use crate::config::{AutoAugmentSwitch, Jitter, TransformConfig};
+use batchcast::DType;
+
+use crate::config::{AutoAugmentSwitch, ErasingValue, Jitter, TransformConfig};
 use crate::pipeline::augment::Augment;
+use crate::pipeline::erase::Erasing;
 
 /// Most magnitude bins an automatic augmentation may have.
 pub const MAX_BINS: u32 = 1024;
@@ -45,6 +48,24 @@ fn jitter(name: &'static str, j: Option<Jitter>) -> Result<Option<(f64, f64)>, S
     Ok((lo, hi).ne(&(1.0, 1.0)).then_some((lo, hi)))
 }
 
+/// `ColorJitter`'s hue: `h` is `[-h, h]`; within `[-0.5, 0.5]`.
+fn hue(j: Option<Jitter>) -> Result<Option<(f64, f64)>, StreamError> {
+    let name = "transform.color_jitter.hue";
+    let ok = |x: f64| (-0.5..=0.5).contains(&x);
+    let (lo, hi) = match j {
+        None => return Ok(None),
+        Some(Jitter::Amount(h)) if (0.0..=0.5).contains(&h) => (-h, h),
+        Some(Jitter::Range([lo, hi])) if ok(lo) && ok(hi) && lo <= hi => (lo, hi),
+        Some(_) => {
+            return Err(key(
+                name,
+                format!("{name} must be an amount in 0..0.5 or a range [lo, hi] within -0.5..0.5"),
+            ));
+        }
+    };
+    Ok((lo, hi).ne(&(0.0, 0.0)).then_some((lo, hi)))
+}
+
 fn bins(name: &'static str, n: u32) -> Result<u32, StreamError> {
     if (2..=MAX_BINS).contains(&n) {
         Ok(n)
@@ -65,16 +86,11 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
         out.push(Augment::VerticalFlip(t.vertical_flip));
     }
     if let Some(cj) = &t.color_jitter {
-        if cj.hue.is_some() {
-            return Err(key(
-                "transform.color_jitter.hue",
-                "transform.color_jitter.hue is not supported yet (Pillow's HSV round trip is not reproduced); leave it out, or jitter hue in the trainer",
-            ));
-        }
         let ranges = [
             jitter("transform.color_jitter.brightness", cj.brightness)?,
             jitter("transform.color_jitter.contrast", cj.contrast)?,
             jitter("transform.color_jitter.saturation", cj.saturation)?,
+            hue(cj.hue)?,
         ];
         if ranges.iter().any(Option::is_some) {
             out.push(Augment::ColorJitter(ranges));
@@ -145,4 +161,62 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
     }
     out.extend(auto);
     Ok(out)
+}
+
+/// `RandomErasing`, checked as torchvision checks it; on a u8 tensor the
+/// value must be a whole number in 0..=255.
+pub(super) fn erasing_of(t: &TransformConfig) -> Result<Option<Erasing>, StreamError> {
+    let Some(e) = &t.random_erasing else {
+        return Ok(None);
+    };
+    let p = probability("transform.random_erasing.p", e.p)?;
+    let [s0, s1] = e.scale;
+    if !(0.0 <= s0 && s0 <= s1 && s1 <= 1.0) {
+        return Err(key(
+            "transform.random_erasing.scale",
+            format!(
+                "transform.random_erasing.scale = {:?} must be 0 <= lo <= hi <= 1",
+                e.scale
+            ),
+        ));
+    }
+    let [r0, r1] = e.ratio;
+    if !(r0 > 0.0 && r0 <= r1 && r1.is_finite()) {
+        return Err(key(
+            "transform.random_erasing.ratio",
+            format!(
+                "transform.random_erasing.ratio = {:?} must be 0 < lo <= hi",
+                e.ratio
+            ),
+        ));
+    }
+    let value = match &e.value {
+        ErasingValue::One(v) => [*v; 3],
+        ErasingValue::PerChannel(v) => *v,
+        ErasingValue::Named(n) => {
+            return Err(key(
+                "transform.random_erasing.value",
+                format!(
+                    "transform.random_erasing.value = \"{n}\" is not supported (normal noise); use a number or [r, g, b]"
+                ),
+            ));
+        }
+    };
+    let whole = |v: f64| v.fract() == 0.0 && (0.0..=255.0).contains(&v);
+    if value.iter().any(|v| !v.is_finite())
+        || (t.dtype == DType::U8 && !value.iter().all(|&v| whole(v)))
+    {
+        return Err(key(
+            "transform.random_erasing.value",
+            format!(
+                "transform.random_erasing.value = {value:?} must be finite (whole numbers in 0..255 for a u8 tensor)"
+            ),
+        ));
+    }
+    Ok(Some(Erasing {
+        p,
+        scale: (s0, s1),
+        ratio: (r0, r1),
+        value,
+    }))
 }

@@ -118,9 +118,11 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
         ));
     }
     let augment = super::augment::augments_of(t)?;
+    let erasing = super::augment::erasing_of(t)?;
     Ok(Transform {
         geometry,
         augment,
+        erasing,
         flip_p: t.horizontal_flip,
         dtype: t.dtype,
         layout: t.layout,

@@ -244,8 +244,8 @@ fn augmentations_are_checked_and_named() {
             "transform.grayscale = -0.1 is a probability",
         ),
         (
-            "color_jitter = { hue = 0.1 }",
-            "transform.color_jitter.hue is not supported yet",
+            "color_jitter = { hue = 0.6 }",
+            "transform.color_jitter.hue must be an amount in 0..0.5",
         ),
         (
             "color_jitter = { brightness = [1.5, 1.2] }",
@@ -272,6 +272,22 @@ fn augmentations_are_checked_and_named() {
             "num_magnitude_bins = 1 must be between 2 and 1024",
         ),
         ("auto_augment = \"cifar10\"", "is not a policy here"),
+        (
+            "random_erasing = { value = \"random\" }",
+            "is not supported (normal noise)",
+        ),
+        (
+            "random_erasing = { value = 0.5 }\ndtype = \"u8\"",
+            "whole numbers in 0..255 for a u8 tensor",
+        ),
+        (
+            "random_erasing = { scale = [0.5, 0.1] }",
+            "random_erasing.scale = [0.5, 0.1] must be",
+        ),
+        (
+            "random_erasing = { p = 2 }",
+            "random_erasing.p = 2 is a probability",
+        ),
     ] {
         let err = plan(&with(aug)).unwrap_err().to_string();
         assert!(
@@ -283,8 +299,10 @@ fn augmentations_are_checked_and_named() {
     for aug in [
         "trivial_augment_wide = true",
         "trivial_augment_wide = false\nrand_augment = {}",
-        "color_jitter = { brightness = 0.4, saturation = [0.5, 1.0] }\ngrayscale = 0.1\nvertical_flip = 0.5",
+        "color_jitter = { brightness = 0.4, saturation = [0.5, 1.0], hue = [-0.1, 0.2] }\ngrayscale = 0.1\nvertical_flip = 0.5",
         "auto_augment = \"imagenet\"",
+        "random_erasing = { p = 0.25, value = [0.1, 0.2, 0.3] }",
+        "random_erasing = {}\ndtype = \"u8\"",
     ] {
         let err = plan(&with(aug)).unwrap_err().to_string();
         assert!(err.contains("/nonexistent"), "{aug}: {err}");
