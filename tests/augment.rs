@@ -5,7 +5,10 @@
 //!
 //! Every op must match byte for byte: the geometric ones too (nearest
 //! neighbour through Pillow's 16.16 fixed point, so a pixel centre on an
-//! edge goes the same way in both).
+//! edge goes the same way in both). The exception is `GaussianBlur`, which
+//! torchvision computes as a float32 convolution in torch (whose summation
+//! order nobody else reproduces): against that procedure in float64, at
+//! most 1 level off, in at most 1% of values.
 
 mod common;
 
@@ -13,7 +16,28 @@ use batchcast_broker::pipeline::augment::{Canvas, Op};
 use common::imgtool;
 
 /// (torchvision name, magnitude, our op).
-fn cases() -> Vec<(&'static str, f64, Op)> {
+fn cases() -> Vec<(&'static str, serde_json::Value, Op)> {
+    let mut v: Vec<(&'static str, serde_json::Value, Op)> = scalar_cases()
+        .into_iter()
+        .map(|(n, m, op)| (n, serde_json::json!(m), op))
+        .collect();
+    for (kx, ky, sigma) in [
+        (3u16, 3u16, 0.1),
+        (5, 5, 1.0),
+        (9, 3, 2.0),
+        (23, 23, 1.7),
+        (1, 7, 0.8),
+    ] {
+        v.push((
+            "Blur",
+            serde_json::json!([kx, ky, sigma]),
+            Op::Blur(kx, ky, sigma),
+        ));
+    }
+    v
+}
+
+fn scalar_cases() -> Vec<(&'static str, f64, Op)> {
     let mut v = vec![
         ("Identity", 0.0, Op::Identity),
         ("AutoContrast", 0.0, Op::AutoContrast),
@@ -56,7 +80,7 @@ fn cases() -> Vec<(&'static str, f64, Op)> {
 fn every_op_matches_torchvision_on_pil_images() {
     let dir = tempfile::tempdir().unwrap();
     let cases = cases();
-    let spec: Vec<(&str, f64)> = cases.iter().map(|c| (c.0, c.1)).collect();
+    let spec: Vec<(&str, &serde_json::Value)> = cases.iter().map(|c| (c.0, &c.1)).collect();
     let spec = serde_json::to_string(&spec).unwrap();
     let mut failures = Vec::new();
     for (w, h, seed) in [(64u32, 48u32, 1u64), (37, 53, 2), (224, 224, 3)] {
@@ -82,7 +106,18 @@ fn every_op_matches_torchvision_on_pil_images() {
                 .zip(want.chunks_exact(3))
                 .filter(|(a, b)| a != b)
                 .count();
-            if differ > 0 {
+            let worst = c
+                .data
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| a.abs_diff(*b))
+                .max()
+                .unwrap_or(0);
+            let ok = match *name {
+                "Blur" => worst <= 1 && differ * 100 <= px,
+                _ => differ == 0,
+            };
+            if !ok {
                 let first = c
                     .data
                     .chunks_exact(3)
@@ -90,7 +125,7 @@ fn every_op_matches_torchvision_on_pil_images() {
                     .position(|(a, b)| a != b)
                     .unwrap();
                 failures.push(format!(
-                    "{name}({m}) on {w}x{h}: {differ} of {px} pixels differ; first at ({}, {}): ours {:?}, Pillow {:?}",
+                    "{name}({m}) on {w}x{h}: {differ} of {px} pixels differ, by up to {worst}; first at ({}, {}): ours {:?}, Pillow {:?}",
                     first % w as usize,
                     first / w as usize,
                     &c.data[first * 3..first * 3 + 3],

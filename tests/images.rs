@@ -270,7 +270,7 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
     let autos = [
         "trivial_augment_wide = true\ncolor_jitter = { brightness = 0.4, contrast = 0.4, saturation = 0.4 }",
         "rand_augment = { num_ops = 3, magnitude = 12 }\nvertical_flip = 0.5\ngrayscale = 0.2",
-        "auto_augment = \"imagenet\"",
+        "auto_augment = \"imagenet\"\ngaussian_blur = { kernel_size = 5, p = 0.5 }\ncolor_jitter = { hue = 0.1, p = 0.8 }",
     ];
     let fixed = "resize = 80\ncenter_crop = 64\ndtype = \"u8\"\nvertical_flip = 1.0\ncolor_jitter = { brightness = [1.25, 1.25] }\ngrayscale = 1.0";
     let extra = |w: u32| format!("seed = 9\nworkers = {w}\nepochs = 2\ndrop_last = false");

@@ -57,6 +57,7 @@
 //! vertical_flip = 0.0
 //! color_jitter = { brightness = 0.4, contrast = 0.4, saturation = 0.4 }
 //! grayscale = 0.0       # RandomGrayscale(p)
+//! gaussian_blur = { kernel_size = 23, sigma = [0.1, 2.0], p = 0.5 }
 //! trivial_augment_wide = true   # or rand_augment = { num_ops = 2, magnitude = 9 }
 //!                               # or auto_augment = "imagenet"
 //! random_erasing = { p = 0.25 }   # on the tensor, last (scale, ratio, value as torchvision)
@@ -363,6 +364,8 @@ pub struct TransformConfig {
     /// `RandomGrayscale(p)`.
     #[serde(default)]
     pub grayscale: f64,
+    /// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
+    pub gaussian_blur: Option<GaussianBlurConfig>,
     /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31 }`.
     pub trivial_augment_wide: Option<AutoAugmentSwitch>,
     /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
@@ -425,10 +428,33 @@ pub enum Jitter {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ColorJitterConfig {
+    /// `RandomApply([ColorJitter(...)], p)` (default 1: always).
+    #[serde(default = "one_f64")]
+    pub p: f64,
     pub brightness: Option<Jitter>,
     pub contrast: Option<Jitter>,
     pub saturation: Option<Jitter>,
     pub hue: Option<Jitter>,
+}
+
+/// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GaussianBlurConfig {
+    #[serde(default = "one_f64")]
+    pub p: f64,
+    /// Odd; an int, or `[x, y]` as torchvision takes it.
+    pub kernel_size: Size,
+    /// A fixed sigma, or `[lo, hi]` to draw from (torchvision's default).
+    #[serde(default = "default_sigma")]
+    pub sigma: Jitter,
+}
+
+fn one_f64() -> f64 {
+    1.0
+}
+fn default_sigma() -> Jitter {
+    Jitter::Range([0.1, 2.0])
 }
 
 /// `true`/`false`, or the table of an automatic augmentation's options.

@@ -231,6 +231,25 @@ def tv_op(img, name, m):
         with np.errstate(over="ignore"):
             np_h += np.array(m * 255).astype(np.uint8)
         return Image.merge("HSV", (Image.fromarray(np_h, "L"), s, v)).convert("RGB")
+    if name == "Blur":
+        # torchvision.transforms.functional_tensor.gaussian_blur on the
+        # PIL image's uint8 tensor: float32 kernel, reflect padding, a 2-D
+        # correlation (here in float64), rounded half to even.
+        kx, ky, sigma = m
+
+        def kernel1d(k):
+            x = np.linspace(-(k - 1) * 0.5, (k - 1) * 0.5, k).astype(np.float32)
+            pdf = np.exp(-0.5 * (x / np.float32(sigma)) ** 2).astype(np.float32)
+            return (pdf / pdf.sum()).astype(np.float32)
+
+        k2 = np.outer(kernel1d(ky), kernel1d(kx)).astype(np.float64)
+        a = np.asarray(img).astype(np.float64)
+        pad = np.pad(a, ((ky // 2, ky // 2), (kx // 2, kx // 2), (0, 0)), mode="reflect")
+        out = np.zeros_like(a)
+        for dy in range(ky):
+            for dx in range(kx):
+                out += k2[dy, dx] * pad[dy : dy + a.shape[0], dx : dx + a.shape[1]]
+        return Image.fromarray(np.clip(np.round(out), 0, 255).astype(np.uint8))
     if name == "Posterize":
         return ImageOps.posterize(img, int(m))
     if name == "Solarize":

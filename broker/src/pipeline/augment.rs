@@ -14,7 +14,10 @@
 //!
 //! Not here (yet): `ColorJitter`'s hue (Pillow's HSV round trip).
 
-use batchcast::synthetic::SplitMix64;
+mod draw;
+
+pub use draw::Augment;
+use draw::linspace;
 
 /// One image operation with its drawn magnitude.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,261 +46,13 @@ pub enum Op {
     AutoContrast,
     Equalize,
     Invert,
+    /// `F.gaussian_blur(kernel (x, y), sigma)`: torchvision's float32
+    /// kernel, reflect padding, rounded half to even.
+    Blur(u16, u16, f64),
     /// Luma in all three channels.
     Grayscale,
     VerticalFlip,
     HorizontalFlip,
-}
-
-/// An augmentation of a transform, in the order they run: after the crop
-/// and the horizontal flip, before the conversion to a tensor.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Augment {
-    /// `RandomVerticalFlip(p)`.
-    VerticalFlip(f64),
-    /// `ColorJitter(brightness, contrast, saturation, hue)`: each a range
-    /// `[lo, hi]` (a factor; for hue a shift in `[-0.5, 0.5]`), or `None`;
-    /// applied in a random order.
-    ColorJitter([Option<(f64, f64)>; 4]),
-    /// `RandomGrayscale(p)`.
-    Grayscale(f64),
-    /// `TrivialAugmentWide(num_magnitude_bins)`.
-    TrivialAugmentWide { bins: u32 },
-    /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
-    RandAugment {
-        num_ops: u32,
-        magnitude: u32,
-        bins: u32,
-    },
-    /// `AutoAugment(AutoAugmentPolicy.IMAGENET)`.
-    AutoAugmentImageNet,
-}
-
-/// Uniform in `[lo, hi)`.
-fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
-    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-    lo + (hi - lo) * u
-}
-
-/// `torch.linspace(lo, hi, n)[k]` (float32, as torch computes it).
-fn linspace(lo: f64, hi: f64, n: u32, k: u32) -> f64 {
-    if n <= 1 {
-        return lo as f32 as f64;
-    }
-    let (lo32, hi32) = (lo as f32, hi as f32);
-    let step = (hi32 - lo32) / (n - 1) as f32;
-    let v = if k < n / 2 {
-        lo32 + step * k as f32
-    } else {
-        hi32 - step * (n - 1 - k) as f32
-    };
-    v as f64
-}
-
-/// The op space of the automatic augmentations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Identity,
-    ShearX,
-    ShearY,
-    TranslateX,
-    TranslateY,
-    Rotate,
-    Brightness,
-    Color,
-    Contrast,
-    Sharpness,
-    Posterize,
-    Solarize,
-    AutoContrast,
-    Equalize,
-    Invert,
-}
-
-/// TrivialAugmentWide's and RandAugment's ops, in torchvision's order.
-const SPACE: [Kind; 14] = [
-    Kind::Identity,
-    Kind::ShearX,
-    Kind::ShearY,
-    Kind::TranslateX,
-    Kind::TranslateY,
-    Kind::Rotate,
-    Kind::Brightness,
-    Kind::Color,
-    Kind::Contrast,
-    Kind::Sharpness,
-    Kind::Posterize,
-    Kind::Solarize,
-    Kind::AutoContrast,
-    Kind::Equalize,
-];
-
-/// Which magnitude ranges: TrivialAugmentWide's, or RandAugment's and
-/// AutoAugment's (which scale translations with the image).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Space {
-    Wide,
-    Standard,
-}
-
-impl Kind {
-    /// Magnitude of bin `k` of `bins`, and whether it takes a random sign;
-    /// `None`: the op has no magnitude.
-    fn magnitude(self, space: Space, bins: u32, k: u32, (w, h): (u32, u32)) -> Option<(f64, bool)> {
-        let wide = space == Space::Wide;
-        let lin = |hi: f64| linspace(0.0, hi, bins, k);
-        Some(match self {
-            Kind::ShearX | Kind::ShearY => (lin(if wide { 0.99 } else { 0.3 }), true),
-            Kind::TranslateX => (
-                lin(if wide { 32.0 } else { 150.0 / 331.0 * w as f64 }),
-                true,
-            ),
-            Kind::TranslateY => (
-                lin(if wide { 32.0 } else { 150.0 / 331.0 * h as f64 }),
-                true,
-            ),
-            Kind::Rotate => (lin(if wide { 135.0 } else { 30.0 }), true),
-            Kind::Brightness | Kind::Color | Kind::Contrast | Kind::Sharpness => {
-                (lin(if wide { 0.99 } else { 0.9 }), true)
-            }
-            Kind::Posterize => {
-                let per = (bins.max(2) - 1) as f64 / if wide { 6.0 } else { 4.0 };
-                ((8.0 - (k as f64 / per).round_ties_even()).max(1.0), false)
-            }
-            Kind::Solarize => (linspace(255.0, 0.0, bins, k), false),
-            Kind::Identity | Kind::AutoContrast | Kind::Equalize | Kind::Invert => return None,
-        })
-    }
-
-    fn op(self, m: f64) -> Op {
-        match self {
-            Kind::Identity => Op::Identity,
-            Kind::ShearX => Op::ShearX(m),
-            Kind::ShearY => Op::ShearY(m),
-            Kind::TranslateX => Op::TranslateX(m),
-            Kind::TranslateY => Op::TranslateY(m),
-            Kind::Rotate => Op::Rotate(m),
-            Kind::Brightness => Op::Brightness(1.0 + m),
-            Kind::Color => Op::Color(1.0 + m),
-            Kind::Contrast => Op::Contrast(1.0 + m),
-            Kind::Sharpness => Op::Sharpness(1.0 + m),
-            Kind::Posterize => Op::Posterize(m as u8),
-            Kind::Solarize => Op::Solarize(m),
-            Kind::AutoContrast => Op::AutoContrast,
-            Kind::Equalize => Op::Equalize,
-            Kind::Invert => Op::Invert,
-        }
-    }
-}
-
-/// AutoAugment's ImageNet policy: pairs of (op, probability, magnitude bin).
-#[rustfmt::skip]
-const IMAGENET_POLICY: [[(Kind, f64, u32); 2]; 25] = {
-    use Kind::*;
-    [
-        [(Posterize, 0.4, 8), (Rotate, 0.6, 9)],
-        [(Solarize, 0.6, 5), (AutoContrast, 0.6, 0)],
-        [(Equalize, 0.8, 0), (Equalize, 0.6, 0)],
-        [(Posterize, 0.6, 7), (Posterize, 0.6, 6)],
-        [(Equalize, 0.4, 0), (Solarize, 0.2, 4)],
-        [(Equalize, 0.4, 0), (Rotate, 0.8, 8)],
-        [(Solarize, 0.6, 3), (Equalize, 0.6, 0)],
-        [(Posterize, 0.8, 5), (Equalize, 1.0, 0)],
-        [(Rotate, 0.2, 3), (Solarize, 0.6, 8)],
-        [(Equalize, 0.6, 0), (Posterize, 0.4, 6)],
-        [(Rotate, 0.8, 8), (Color, 0.4, 0)],
-        [(Rotate, 0.4, 9), (Equalize, 0.6, 0)],
-        [(Equalize, 0.0, 0), (Equalize, 0.8, 0)],
-        [(Invert, 0.6, 0), (Equalize, 1.0, 0)],
-        [(Color, 0.6, 4), (Contrast, 1.0, 8)],
-        [(Rotate, 0.8, 8), (Color, 1.0, 2)],
-        [(Color, 0.8, 8), (Solarize, 0.8, 7)],
-        [(Sharpness, 0.4, 7), (Invert, 0.6, 0)],
-        [(ShearX, 0.6, 5), (Equalize, 1.0, 0)],
-        [(Color, 0.4, 0), (Equalize, 0.6, 0)],
-        [(Equalize, 0.4, 0), (Solarize, 0.2, 4)],
-        [(Solarize, 0.6, 5), (AutoContrast, 0.6, 0)],
-        [(Invert, 0.6, 0), (Equalize, 1.0, 0)],
-        [(Color, 0.6, 4), (Contrast, 1.0, 8)],
-        [(Equalize, 0.8, 0), (Equalize, 0.6, 0)],
-    ]
-};
-
-impl Augment {
-    /// Draws this augmentation's ops for one image of `size` (width,
-    /// height), appending them to `ops` in the order they apply.
-    pub fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
-        match *self {
-            Augment::VerticalFlip(p) => {
-                if p > 0.0 && uniform(rng, 0.0, 1.0) < p {
-                    ops.push(Op::VerticalFlip);
-                }
-            }
-            Augment::Grayscale(p) => {
-                if p > 0.0 && uniform(rng, 0.0, 1.0) < p {
-                    ops.push(Op::Grayscale);
-                }
-            }
-            Augment::ColorJitter(ranges) => {
-                // get_params: a permutation, then each factor in turn.
-                let mut order = [0usize, 1, 2, 3];
-                for i in (1..order.len()).rev() {
-                    order.swap(i, rng.below(i as u64 + 1) as usize);
-                }
-                let factors = ranges.map(|r| r.map(|(lo, hi)| uniform(rng, lo, hi)));
-                for k in order {
-                    if let Some(f) = factors[k] {
-                        ops.push([Op::Brightness(f), Op::Contrast(f), Op::Color(f), Op::Hue(f)][k]);
-                    }
-                }
-            }
-            Augment::TrivialAugmentWide { bins } => {
-                let kind = SPACE[rng.below(SPACE.len() as u64) as usize];
-                let k = rng.below(u64::from(bins.max(1))) as u32;
-                ops.push(signed(
-                    kind,
-                    kind.magnitude(Space::Wide, bins, k, size),
-                    rng,
-                ));
-            }
-            Augment::RandAugment {
-                num_ops,
-                magnitude,
-                bins,
-            } => {
-                for _ in 0..num_ops {
-                    let kind = SPACE[rng.below(SPACE.len() as u64) as usize];
-                    let m = kind.magnitude(Space::Standard, bins, magnitude, size);
-                    ops.push(signed(kind, m, rng));
-                }
-            }
-            Augment::AutoAugmentImageNet => {
-                let policy = IMAGENET_POLICY[rng.below(IMAGENET_POLICY.len() as u64) as usize];
-                let probs = [uniform(rng, 0.0, 1.0), uniform(rng, 0.0, 1.0)];
-                let signs = [rng.below(2), rng.below(2)];
-                for (i, (kind, p, bin)) in policy.into_iter().enumerate() {
-                    if probs[i] <= p {
-                        let m = match kind.magnitude(Space::Standard, 10, bin, size) {
-                            Some((m, true)) if signs[i] == 0 => -m,
-                            Some((m, _)) => m,
-                            None => 0.0,
-                        };
-                        ops.push(kind.op(m));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The op with its magnitude, negated half the time if it is signed.
-fn signed(kind: Kind, m: Option<(f64, bool)>, rng: &mut SplitMix64) -> Op {
-    let m = match m {
-        Some((m, true)) if rng.below(2) == 1 => -m,
-        Some((m, _)) => m,
-        None => 0.0,
-    };
-    kind.op(m)
 }
 
 /// An RGB image being augmented, and a second buffer of its size.
@@ -338,6 +93,7 @@ impl Canvas {
             Op::Color(f) => self.color(f),
             Op::Sharpness(f) => self.sharpness(f),
             Op::Hue(f) => self.hue(f),
+            Op::Blur(kx, ky, sigma) => self.blur(kx, ky, sigma),
             Op::Posterize(bits) => {
                 let mask = !((1u16 << (8 - bits.clamp(1, 8))) - 1) as u8;
                 self.lut(|_, v| v & mask);
@@ -424,6 +180,41 @@ impl Canvas {
         for px in self.data.chunks_exact_mut(3) {
             let [h, s, v] = rgb_to_hsv([px[0], px[1], px[2]]);
             px.copy_from_slice(&hsv_to_rgb([h.wrapping_add(shift), s, v]));
+        }
+    }
+
+    /// `F.gaussian_blur` on a PIL image (through a uint8 tensor):
+    /// separable float32 passes with torchvision's kernel and reflect
+    /// padding, rounded half to even.
+    fn blur(&mut self, kx: u16, ky: u16, sigma: f64) {
+        let (w, h) = (self.width as usize, self.height as usize);
+        let (kx, ky) = (gaussian_kernel(kx, sigma), gaussian_kernel(ky, sigma));
+        let mut rows = vec![0f32; w * h * 3];
+        let hx = (kx.len() / 2) as i64;
+        for y in 0..h {
+            for x in 0..w {
+                for c in 0..3 {
+                    let mut acc = 0f32;
+                    for (k, &wt) in kx.iter().enumerate() {
+                        let sx = reflect(x as i64 + k as i64 - hx, w);
+                        acc += wt * f32::from(self.data[(y * w + sx) * 3 + c]);
+                    }
+                    rows[(y * w + x) * 3 + c] = acc;
+                }
+            }
+        }
+        let hy = (ky.len() / 2) as i64;
+        for y in 0..h {
+            for x in 0..w {
+                for c in 0..3 {
+                    let mut acc = 0f32;
+                    for (k, &wt) in ky.iter().enumerate() {
+                        let sy = reflect(y as i64 + k as i64 - hy, h);
+                        acc += wt * rows[(sy * w + x) * 3 + c];
+                    }
+                    self.data[(y * w + x) * 3 + c] = acc.round_ties_even().clamp(0.0, 255.0) as u8;
+                }
+            }
         }
     }
 
@@ -606,6 +397,31 @@ fn inside(start: i64, step: i64, end: i64, n: i64) -> (i64, i64) {
     (lo.clamp(0, n), hi.clamp(0, n))
 }
 
+/// torchvision's `_get_gaussian_kernel1d`, in float32.
+fn gaussian_kernel(size: u16, sigma: f64) -> Vec<f32> {
+    let half = (f64::from(size) - 1.0) * 0.5;
+    let sigma = sigma as f32;
+    let pdf: Vec<f32> = (0..u32::from(size))
+        .map(|k| {
+            let x = linspace(-half, half, u32::from(size), k) as f32;
+            (-0.5 * (x / sigma).powi(2)).exp()
+        })
+        .collect();
+    let sum: f32 = pdf.iter().sum();
+    pdf.iter().map(|p| p / sum).collect()
+}
+
+/// Reflect padding's index (`-1` is `1`), for any distance.
+fn reflect(i: i64, n: usize) -> usize {
+    let n = n as i64;
+    if n == 1 {
+        return 0;
+    }
+    let period = 2 * (n - 1);
+    let m = i.rem_euclid(period);
+    (if m < n { m } else { period - m }) as usize
+}
+
 /// Pillow's RGB → HSV (`Convert.c`, after Python's `colorsys`): floats,
 /// each byte truncated.
 fn rgb_to_hsv([r, g, b]: [u8; 3]) -> [u8; 3] {
@@ -695,6 +511,7 @@ fn smooth_round(sum: u32) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use batchcast::synthetic::SplitMix64;
 
     fn draws(a: &Augment, n: u64) -> Vec<Vec<Op>> {
         (0..n)
@@ -720,6 +537,7 @@ mod tests {
             Op::Contrast(_) => "Contrast",
             Op::Sharpness(_) => "Sharpness",
             Op::Hue(_) => "Hue",
+            Op::Blur(..) => "Blur",
             Op::Posterize(_) => "Posterize",
             Op::Solarize(_) => "Solarize",
             Op::AutoContrast => "AutoContrast",
@@ -827,7 +645,10 @@ mod tests {
 
     #[test]
     fn color_jitter_draws_each_factor_in_its_range_in_every_order() {
-        let a = Augment::ColorJitter([Some((0.6, 1.4)), None, Some((0.0, 2.0)), None]);
+        let a = Augment::ColorJitter {
+            p: 1.0,
+            ranges: [Some((0.6, 1.4)), None, Some((0.0, 2.0)), None],
+        };
         let mut orders = std::collections::HashSet::new();
         for ops in draws(&a, 2000) {
             assert_eq!(ops.len(), 2);

@@ -4,7 +4,9 @@
 use super::{StreamError, key};
 use batchcast::DType;
 
-use crate::config::{AutoAugmentSwitch, ErasingValue, Jitter, TransformConfig};
+use crate::config::{
+    AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, Size, TransformConfig,
+};
 use crate::pipeline::augment::Augment;
 use crate::pipeline::erase::Erasing;
 
@@ -12,6 +14,8 @@ use crate::pipeline::erase::Erasing;
 pub const MAX_BINS: u32 = 1024;
 /// Most ops RandAugment may chain.
 pub const MAX_RAND_OPS: u32 = 16;
+/// Largest Gaussian blur kernel side.
+pub const MAX_KERNEL: u32 = 255;
 
 fn probability(name: &'static str, p: f64) -> Result<f64, StreamError> {
     if (0.0..=1.0).contains(&p) {
@@ -78,8 +82,8 @@ fn bins(name: &'static str, n: u32) -> Result<u32, StreamError> {
 }
 
 /// The transform's augmentations, in the order they apply: vertical flip,
-/// color jitter, grayscale, then at most one of TrivialAugmentWide,
-/// RandAugment and AutoAugment.
+/// color jitter, grayscale, Gaussian blur, then at most one of
+/// TrivialAugmentWide, RandAugment and AutoAugment.
 pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamError> {
     let mut out = Vec::new();
     if probability("transform.vertical_flip", t.vertical_flip)? > 0.0 {
@@ -92,12 +96,16 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
             jitter("transform.color_jitter.saturation", cj.saturation)?,
             hue(cj.hue)?,
         ];
-        if ranges.iter().any(Option::is_some) {
-            out.push(Augment::ColorJitter(ranges));
+        let p = probability("transform.color_jitter.p", cj.p)?;
+        if ranges.iter().any(Option::is_some) && p > 0.0 {
+            out.push(Augment::ColorJitter { p, ranges });
         }
     }
     if probability("transform.grayscale", t.grayscale)? > 0.0 {
         out.push(Augment::Grayscale(t.grayscale));
+    }
+    if let Some(g) = &t.gaussian_blur {
+        out.extend(gaussian_blur(g)?);
     }
     let mut auto = Vec::new();
     match t.trivial_augment_wide {
@@ -161,6 +169,40 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
     }
     out.extend(auto);
     Ok(out)
+}
+
+/// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`: odd kernel sides
+/// up to `MAX_KERNEL`, `0 < sigma_lo <= sigma_hi`.
+fn gaussian_blur(g: &GaussianBlurConfig) -> Result<Option<Augment>, StreamError> {
+    let p = probability("transform.gaussian_blur.p", g.p)?;
+    let (kx, ky) = match g.kernel_size {
+        Size::Square(k) => (k, k),
+        // torchvision's kernel_size is (x, y), unlike its sizes.
+        Size::HeightWidth([x, y]) => (x, y),
+    };
+    if [kx, ky].iter().any(|&k| k % 2 == 0 || k > MAX_KERNEL) {
+        return Err(key(
+            "transform.gaussian_blur.kernel_size",
+            format!(
+                "transform.gaussian_blur.kernel_size = {kx}×{ky} must be odd and at most {MAX_KERNEL}"
+            ),
+        ));
+    }
+    let (s0, s1) = match g.sigma {
+        Jitter::Amount(s) => (s, s),
+        Jitter::Range([a, b]) => (a, b),
+    };
+    if !(s0 > 0.0 && s0 <= s1 && s1.is_finite()) {
+        return Err(key(
+            "transform.gaussian_blur.sigma",
+            format!("transform.gaussian_blur.sigma = [{s0}, {s1}] must be 0 < lo <= hi"),
+        ));
+    }
+    Ok((p > 0.0).then_some(Augment::GaussianBlur {
+        p,
+        kernel: (kx as u16, ky as u16),
+        sigma: (s0, s1),
+    }))
 }
 
 /// `RandomErasing`, checked as torchvision checks it; on a u8 tensor the

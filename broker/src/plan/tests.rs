@@ -303,6 +303,7 @@ fn augmentations_are_checked_and_named() {
         "auto_augment = \"imagenet\"",
         "random_erasing = { p = 0.25, value = [0.1, 0.2, 0.3] }",
         "random_erasing = {}\ndtype = \"u8\"",
+        "gaussian_blur = { kernel_size = 23, p = 0.5 }\ncolor_jitter = { brightness = 0.4, p = 0.8 }",
     ] {
         let err = plan(&with(aug)).unwrap_err().to_string();
         assert!(err.contains("/nonexistent"), "{aug}: {err}");
