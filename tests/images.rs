@@ -364,6 +364,85 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
     assert!(erased * 10 >= files * 9, "{erased} of {files} erased");
 }
 
+/// `Resize((h, w))`, `CenterCrop` larger than the image (zero-padded),
+/// `Pad`, and `RandomCrop` with padding: torchvision's geometry.
+#[test]
+fn exact_resize_center_crop_pad_and_random_crop_follow_torchvision() {
+    let mut env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+        .trim()
+        .parse()
+        .unwrap();
+    let root = env.p("ds");
+    let fixed = "resize = [40, 48]\ncenter_crop = [44, 30]\npad = [1, 2, 3, 4]\ndtype = \"u8\"";
+    let random =
+        "resize = [40, 48]\nrandom_crop = { size = [40, 48], padding = 4 }\ndtype = \"u8\"";
+    let cfg = format!(
+        "{}\n{}",
+        stream("fixed", &folder(&root), fixed, "drop_last = false"),
+        stream(
+            "random",
+            &folder(&root),
+            random,
+            "drop_last = false\nepochs = 3"
+        ),
+    );
+    env.start(&cfg);
+    let dump = env.p("fixed");
+    assert!(env.consume(&["--stream", "fixed", "--dump", &dump]).ok);
+    let rep = json(&imgtool(&[
+        "check-eval",
+        &dump,
+        &root,
+        "--geometry",
+        r#"[["resize", [40, 48]], ["center_crop", [44, 30]], ["pad", [1, 2, 3, 4]]]"#,
+        "--size",
+        "50",
+        "34",
+    ]));
+    assert_eq!(rep["checked"], n);
+    assert!(rep["mae_worst_image"].as_f64().unwrap() <= 2.0, "{rep}");
+
+    // RandomCrop(size = the image, padding = 4): each sample is the image
+    // shifted by -4..=4 each way, zeros where it moved out.
+    let dump = env.p("random");
+    assert!(env.consume(&["--stream", "random", "--dump", &dump]).ok);
+    let mut shifts = HashSet::new();
+    for f in std::fs::read_dir(&dump).unwrap() {
+        let f = f.unwrap().path();
+        if !f.to_string_lossy().ends_with("-image.bin") {
+            continue;
+        }
+        for img in std::fs::read(&f).unwrap().chunks_exact(3 * 40 * 48) {
+            let zero_rows = |rows: &mut dyn Iterator<Item = usize>| {
+                rows.take_while(|&y| {
+                    (0..3).all(|c| img[c * 1920 + y * 48..][..48].iter().all(|&v| v == 0))
+                })
+                .count()
+            };
+            let zero_cols = |cols: &mut dyn Iterator<Item = usize>| {
+                cols.take_while(|&x| {
+                    (0..3).all(|c| (0..40).all(|y| img[c * 1920 + y * 48 + x] == 0))
+                })
+                .count()
+            };
+            let (top, bottom) = (zero_rows(&mut (0..40)), zero_rows(&mut (0..40).rev()));
+            let (left, right) = (zero_cols(&mut (0..48)), zero_cols(&mut (0..48).rev()));
+            assert!(
+                top.min(bottom) == 0 && top.max(bottom) <= 4,
+                "rows {top} {bottom}"
+            );
+            assert!(
+                left.min(right) == 0 && left.max(right) <= 4,
+                "cols {left} {right}"
+            );
+            shifts.insert((top as i64 - bottom as i64, left as i64 - right as i64));
+        }
+    }
+    // 81 shifts are possible; three epochs of the folder see many.
+    assert!(shifts.len() > 20, "{shifts:?}");
+}
+
 #[test]
 fn horizontal_flip_happens_with_its_probability() {
     let mut env = Env::new();

@@ -64,6 +64,7 @@ fn transform() -> Transform {
             ratio: (3.0 / 4.0, 4.0 / 3.0),
         },
         augment: Vec::new(),
+        pad: [0; 4],
         erasing: None,
         flip_p: 0.5,
         dtype: DType::F32,

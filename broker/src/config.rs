@@ -49,6 +49,7 @@
 //!
 //! [stream.transform]
 //! random_resized_crop = { size = 224 }   # or resize = 256, center_crop = 224
+//! # or: resize = [h, w]; random_crop = { size = 32, padding = 4 }; pad = 4
 //! horizontal_flip = 0.5
 //! normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }
 //! dtype = "f32"         # u8 | f16 | bf16 | f32
@@ -345,9 +346,14 @@ pub struct NormalizeConfig {
 #[serde(deny_unknown_fields)]
 pub struct TransformConfig {
     pub random_resized_crop: Option<RandomResizedCropConfig>,
-    /// Shorter side, for evaluation (with `center_crop`).
-    pub resize: Option<u32>,
+    /// `Resize`: an int is the shorter side (then a crop must follow),
+    /// `[h, w]` the exact size.
+    pub resize: Option<Size>,
     pub center_crop: Option<Size>,
+    /// `RandomCrop(size, padding, pad_if_needed)` (fill 0).
+    pub random_crop: Option<RandomCropConfig>,
+    /// `Pad(padding)` with 0, after the crop.
+    pub pad: Option<Padding>,
     /// Probability of a horizontal flip.
     #[serde(default)]
     pub horizontal_flip: f64,
@@ -414,6 +420,24 @@ fn default_erase_scale() -> [f64; 2] {
 }
 fn default_erase_ratio() -> [f64; 2] {
     [0.3, 3.3]
+}
+
+/// torchvision's padding: `n` (all sides), `[left/right, top/bottom]` or
+/// `[left, top, right, bottom]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Padding {
+    All(u32),
+    Sides(Vec<u32>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomCropConfig {
+    pub size: Size,
+    pub padding: Option<Padding>,
+    #[serde(default)]
+    pub pad_if_needed: bool,
 }
 
 /// A `ColorJitter` amount: `x` (the factor is drawn from `[max(0, 1 - x),

@@ -347,6 +347,37 @@ def reference_eval(path, resize, crop, whole=None):
     return np.asarray(img.crop((left, top, left + crop, top + crop)))
 
 
+def tv_geometry(path, steps):
+    """torchvision's Resize / CenterCrop / Pad on a PIL image, in order;
+    HWC u8."""
+    from PIL import ImageOps
+
+    img = Image.open(path).convert("RGB")
+    for name, arg in steps:
+        w, h = img.size
+        if name == "resize" and isinstance(arg, int):
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(arg * long / short)
+            img = img.resize((arg, new_long) if w <= h else (new_long, arg), Image.BILINEAR)
+        elif name == "resize":
+            img = img.resize((arg[1], arg[0]), Image.BILINEAR)
+        elif name == "center_crop":
+            ch, cw = arg
+            if cw > w or ch > h:
+                # F.center_crop pads first.
+                ltrb = [(cw - w) // 2 if cw > w else 0, (ch - h) // 2 if ch > h else 0,
+                        (cw - w + 1) // 2 if cw > w else 0, (ch - h + 1) // 2 if ch > h else 0]
+                img = ImageOps.expand(img, border=tuple(ltrb), fill=0)
+                w, h = img.size
+            top, left = int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0))
+            img = img.crop((left, top, left + cw, top + ch))
+        elif name == "pad":
+            img = ImageOps.expand(img, border=tuple(arg), fill=0)
+        else:
+            raise SystemExit(f"unknown step {name}")
+    return np.asarray(img)
+
+
 def check_eval(a):
     _, samples = image_folder(a.root)
     dump = load_dump(a.dump)
@@ -359,9 +390,14 @@ def check_eval(a):
     for (_, _), fields in sorted(dump.items()):
         idx = np.frombuffer(fields["index"], np.int64)
         h, w = (a.whole[1], a.whole[0]) if a.whole else (a.crop, a.crop)
+        if a.size:
+            h, w = a.size
         img = np.frombuffer(fields["image"], dt).reshape(len(idx), 3, h, w)
         for j, i in enumerate(idx):
-            ref = reference_eval(samples[i][0], a.resize, a.crop, a.whole)
+            if a.geometry:
+                ref = tv_geometry(samples[i][0], json.loads(a.geometry))
+            else:
+                ref = reference_eval(samples[i][0], a.resize, a.crop, a.whole)
             for name, m in json.loads(a.ops or "[]"):
                 ref = np.asarray(tv_op(Image.fromarray(ref), name, m).convert("RGB"))
             ref = ref.astype(np.float64)
@@ -436,6 +472,8 @@ def main():
     m.add_argument("--std", type=float, nargs=3)
     m.add_argument("--dtype", default="u8")
     m.add_argument("--ops", help="JSON [[name, magnitude], ...] applied after the crop")
+    m.add_argument("--geometry", help="JSON [[resize|center_crop|pad, arg], ...] instead of --resize/--crop")
+    m.add_argument("--size", type=int, nargs=2, help="H W of the dumped images")
     m = sub.add_parser("check-labels")
     m.add_argument("dump")
     m.add_argument("root")

@@ -605,6 +605,7 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            pad: [0; 4],
             erasing: None,
             flip_p: 0.0,
             dtype: DType::U8,

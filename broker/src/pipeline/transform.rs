@@ -43,8 +43,34 @@ pub enum Geometry {
         scale: (f64, f64),
         ratio: (f64, f64),
     },
-    /// Resize the shorter side to `resize`, then take the central `crop`.
-    ResizeCenterCrop { resize: u32, crop: (u32, u32) },
+    /// An optional `Resize`, then an optional crop (at least one; the plan
+    /// checks the output has one size).
+    ResizeCrop {
+        resize: Option<Resize>,
+        crop: Option<Crop>,
+    },
+}
+
+/// torchvision's `Resize(size)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Resize {
+    /// An int: the shorter side becomes it, the aspect stays.
+    Shorter(u32),
+    /// `(h, w)`: exactly.
+    Exact((u32, u32)),
+}
+
+/// The crop after a resize.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Crop {
+    /// `CenterCrop((h, w))` (zero-padded when the image is smaller).
+    Center((u32, u32)),
+    /// `RandomCrop((h, w), padding = [l, t, r, b], pad_if_needed)`, fill 0.
+    Random {
+        size: (u32, u32),
+        padding: [u32; 4],
+        pad_if_needed: bool,
+    },
 }
 
 /// A crop box in source pixels: top, left, height, width.
@@ -65,6 +91,9 @@ pub struct Plan {
     /// (width, height), and `crop` is then in *resized* pixels.
     pub resized: Option<(u32, u32)>,
     pub flip: bool,
+    /// `RandomCrop` cannot fit even after its padding (torchvision raises
+    /// an error for such an image): the sample fails as a bad one.
+    pub too_small: bool,
     /// The augmentations' ops, in order (after the flip).
     pub ops: Vec<Op>,
     /// `RandomErasing`'s rectangle of the tensor.
@@ -74,6 +103,8 @@ pub struct Plan {
 #[derive(Debug, Clone)]
 pub struct Transform {
     pub geometry: Geometry,
+    /// `Pad`: zeros `[left, top, right, bottom]` around the crop.
+    pub pad: [u32; 4],
     /// Augmentations after the crop and flip, in order.
     pub augment: Vec<Augment>,
     /// `RandomErasing` of the tensor, last.
@@ -99,11 +130,27 @@ pub fn round_half_even(x: f64) -> f64 {
 }
 
 impl Transform {
-    /// Output (height, width).
+    /// Output (height, width): the crop's, with the padding.
     pub fn out_size(&self) -> (u32, u32) {
+        let (h, w) = self.crop_size();
+        let [l, t, r, b] = self.pad;
+        (h + t + b, w + l + r)
+    }
+
+    /// The crop's (height, width), before `Pad`.
+    pub fn crop_size(&self) -> (u32, u32) {
         match self.geometry {
             Geometry::RandomResizedCrop { size, .. } => size,
-            Geometry::ResizeCenterCrop { crop, .. } => crop,
+            Geometry::ResizeCrop {
+                crop: Some(Crop::Center(size) | Crop::Random { size, .. }),
+                ..
+            }
+            | Geometry::ResizeCrop {
+                resize: Some(Resize::Exact(size)),
+                crop: None,
+            } => size,
+            // The plan refuses a shorter-side resize with no crop.
+            Geometry::ResizeCrop { .. } => (0, 0),
         }
     }
 
@@ -124,20 +171,35 @@ impl Transform {
 
     /// Decides the crop and flip for an image of `width × height`.
     pub fn plan(&self, width: u32, height: u32, rng: &mut SplitMix64) -> Plan {
+        let mut too_small = false;
         let (crop, resized) = match self.geometry {
             Geometry::RandomResizedCrop { scale, ratio, .. } => {
                 (rrc_params(width, height, scale, ratio, rng), None)
             }
-            Geometry::ResizeCenterCrop { resize, crop } => {
-                let (rw, rh) = resize_shorter(width, height, resize);
-                let (ch, cw) = crop;
-                // torchvision's center_crop: int(round((h - ch) / 2)).
-                let top = round_half_even((rh as f64 - ch as f64) / 2.0);
-                let left = round_half_even((rw as f64 - cw as f64) / 2.0);
+            Geometry::ResizeCrop { resize, crop } => {
+                let (rw, rh) = match resize {
+                    Some(Resize::Shorter(n)) => resize_shorter(width, height, n),
+                    Some(Resize::Exact((h, w))) => (w, h),
+                    None => (width, height),
+                };
+                let (top, left, too) = match crop {
+                    Some(Crop::Center(size)) => {
+                        let (t, l) = center_offsets((rh, rw), size);
+                        (t, l, false)
+                    }
+                    Some(Crop::Random {
+                        size,
+                        padding,
+                        pad_if_needed,
+                    }) => random_crop_offsets((rh, rw), size, padding, pad_if_needed, rng),
+                    None => (0, 0, false),
+                };
+                too_small = too;
+                let (ch, cw) = self.crop_size();
                 (
                     CropBox {
-                        top,
-                        left,
+                        top: top as f64,
+                        left: left as f64,
                         height: ch as f64,
                         width: cw as f64,
                     },
@@ -158,6 +220,7 @@ impl Transform {
             crop,
             resized,
             flip,
+            too_small,
             ops,
             erase,
         }
@@ -195,6 +258,55 @@ pub fn resize_shorter(width: u32, height: u32, size: u32) -> (u32, u32) {
     } else {
         (new_long, size)
     }
+}
+
+/// `F.center_crop`'s offsets of an `(h, w)` crop in an `(ih, iw)` image
+/// (negative: the image is padded with zeros on that side).
+fn center_offsets((ih, iw): (u32, u32), (h, w): (u32, u32)) -> (i64, i64) {
+    let one = |image: u32, crop: u32| {
+        if crop > image {
+            // Padded by (crop - image) // 2 before, then cropped at 0.
+            -(i64::from(crop - image) / 2)
+        } else {
+            round_half_even((f64::from(image) - f64::from(crop)) / 2.0) as i64
+        }
+    };
+    (one(ih, h), one(iw, w))
+}
+
+/// `RandomCrop`'s padding, `pad_if_needed` and `get_params` on an
+/// `(ih, iw)` image: the crop's offsets (negative inside the padding), and
+/// whether it cannot fit.
+fn random_crop_offsets(
+    (ih, iw): (u32, u32),
+    (h, w): (u32, u32),
+    [l, t, r, b]: [u32; 4],
+    pad_if_needed: bool,
+    rng: &mut SplitMix64,
+) -> (i64, i64, bool) {
+    let (mut ph, mut pw) = (i64::from(ih + t + b), i64::from(iw + l + r));
+    let (mut top_pad, mut left_pad) = (i64::from(t), i64::from(l));
+    let (h, w) = (i64::from(h), i64::from(w));
+    // Width first, then height, each by the shortfall on both sides.
+    if pad_if_needed && pw < w {
+        left_pad += w - pw;
+        pw += 2 * (w - pw);
+    }
+    if pad_if_needed && ph < h {
+        top_pad += h - ph;
+        ph += 2 * (h - ph);
+    }
+    if ph < h || pw < w {
+        return (0, 0, true);
+    }
+    let (i, j) = if ph == h && pw == w {
+        (0, 0)
+    } else {
+        let i = rng.below((ph - h + 1) as u64) as i64;
+        let j = rng.below((pw - w + 1) as u64) as i64;
+        (i, j)
+    };
+    (i - top_pad, j - left_pad, false)
 }
 
 /// `RandomResizedCrop.get_params`.
@@ -299,47 +411,22 @@ impl Transform {
         scratch: &mut Scratch,
         out: &mut [u8],
     ) -> Result<(), ResizeError> {
-        let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
+        if plan.too_small {
+            return Err(ResizeError(format!(
+                "a {}×{} image is smaller than random_crop's size even with its padding",
+                img.width, img.height
+            )));
+        }
+        self.crop_into(img, plan, denom, scratch)?;
         let (oh, ow) = self.out_size();
-        let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3)
-            .map_err(|e| err(&e))?;
-        let bilinear =
-            ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
-        scratch.resized.resize(oh as usize * ow as usize * 3, 0);
-        match plan.resized {
-            None => {
-                // The crop box was chosen on the full-size image; a decode
-                // reduced in the DCT domain maps pixel x to x / denom.
-                let f = 1.0 / denom as f64;
-                let c = plan.crop;
-                let opts = bilinear.crop(c.left * f, c.top * f, c.width * f, c.height * f);
-                let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
-                    .map_err(|e| err(&e))?;
-                scratch
-                    .resizer
-                    .resize(&src, &mut dst, &opts)
-                    .map_err(|e| err(&e))?;
-            }
-            Some((rw, rh)) => {
-                scratch.out.resize(rw as usize * rh as usize * 3, 0);
-                let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
-                    .map_err(|e| err(&e))?;
-                scratch
-                    .resizer
-                    .resize(&src, &mut full, &bilinear)
-                    .map_err(|e| err(&e))?;
-                let (top, left) = (plan.crop.top as i64, plan.crop.left as i64);
-                copy_crop(
-                    &scratch.out,
-                    rw,
-                    rh,
-                    top,
-                    left,
-                    oh,
-                    ow,
-                    &mut scratch.resized,
-                );
-            }
+        let [l, t, r, b] = self.pad;
+        if l + t + r + b > 0 {
+            // `Pad`: the crop inside a border of zeros.
+            let (ch, cw) = self.crop_size();
+            scratch.out.resize(oh as usize * ow as usize * 3, 0);
+            let at = (-i64::from(t), -i64::from(l));
+            copy_crop(&scratch.resized, cw, ch, at, (oh, ow), &mut scratch.out);
+            std::mem::swap(&mut scratch.out, &mut scratch.resized);
         }
         let mut flip = plan.flip;
         if !plan.ops.is_empty() {
@@ -362,12 +449,67 @@ impl Transform {
         }
         Ok(())
     }
+
+    /// The geometry: the crop (resized) into `scratch.resized`, at the
+    /// crop's size.
+    fn crop_into(
+        &self,
+        img: &Rgb,
+        plan: &Plan,
+        denom: u32,
+        scratch: &mut Scratch,
+    ) -> Result<(), ResizeError> {
+        let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
+        let (oh, ow) = self.crop_size();
+        let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3)
+            .map_err(|e| err(&e))?;
+        let bilinear =
+            ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        scratch.resized.resize(oh as usize * ow as usize * 3, 0);
+        let at = (plan.crop.top as i64, plan.crop.left as i64);
+        match plan.resized {
+            None => {
+                // The crop box was chosen on the full-size image; a decode
+                // reduced in the DCT domain maps pixel x to x / denom.
+                let f = 1.0 / denom as f64;
+                let c = plan.crop;
+                let opts = bilinear.crop(c.left * f, c.top * f, c.width * f, c.height * f);
+                let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
+                    .map_err(|e| err(&e))?;
+                scratch
+                    .resizer
+                    .resize(&src, &mut dst, &opts)
+                    .map_err(|e| err(&e))?;
+            }
+            // No resize (a crop of the image as decoded): copy.
+            Some((rw, rh)) if (rw, rh) == (img.width, img.height) => {
+                copy_crop(&img.data, rw, rh, at, (oh, ow), &mut scratch.resized);
+            }
+            Some((rw, rh)) => {
+                scratch.out.resize(rw as usize * rh as usize * 3, 0);
+                let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
+                    .map_err(|e| err(&e))?;
+                scratch
+                    .resizer
+                    .resize(&src, &mut full, &bilinear)
+                    .map_err(|e| err(&e))?;
+                copy_crop(&scratch.out, rw, rh, at, (oh, ow), &mut scratch.resized);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Copies an `oh × ow` window at (`top`, `left`) of an RGB image, padding
 /// with zeros outside it (torchvision's CenterCrop pads a too-small image).
-#[allow(clippy::too_many_arguments)]
-fn copy_crop(src: &[u8], sw: u32, sh: u32, top: i64, left: i64, oh: u32, ow: u32, dst: &mut [u8]) {
+fn copy_crop(
+    src: &[u8],
+    sw: u32,
+    sh: u32,
+    (top, left): (i64, i64),
+    (oh, ow): (u32, u32),
+    dst: &mut [u8],
+) {
     dst.fill(0);
     for y in 0..oh as i64 {
         let sy = top + y;
@@ -489,6 +631,36 @@ mod tests {
     }
 
     #[test]
+    fn random_crop_pads_like_torchvision() {
+        let mut rng = SplitMix64::new(5);
+        // Too small without pad_if_needed: torchvision raises; a bad sample here.
+        assert!(random_crop_offsets((10, 10), (14, 12), [0; 4], false, &mut rng).2);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            // pad_if_needed pads the shortfall on both sides: 10 → 18 rows
+            // (top pad 4) and 10 → 14 columns (left pad 2).
+            let (top, left, too) = random_crop_offsets((10, 10), (14, 12), [0; 4], true, &mut rng);
+            assert!(!too);
+            assert!(
+                (-4..=0).contains(&top) && (-2..=0).contains(&left),
+                "{top} {left}"
+            );
+            seen.insert((top, left));
+            // padding = [l, t, r, b] = [1, 2, 3, 4]: 16 × 14 around 10 × 10.
+            let (top, left, _) =
+                random_crop_offsets((10, 10), (10, 10), [1, 2, 3, 4], false, &mut rng);
+            assert!(
+                (-2..=4).contains(&top) && (-1..=3).contains(&left),
+                "{top} {left}"
+            );
+        }
+        assert_eq!(seen.len(), 5 * 3, "every offset happens");
+        // CenterCrop larger than the image: padded by (crop - image) // 2.
+        assert_eq!(center_offsets((10, 11), (13, 11)), (-1, 0));
+        assert_eq!(center_offsets((11, 20), (4, 5)), (4, 8));
+    }
+
+    #[test]
     fn reduction_never_goes_below_the_output_size() {
         let t = Transform {
             geometry: Geometry::RandomResizedCrop {
@@ -497,6 +669,7 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            pad: [0; 4],
             erasing: None,
             flip_p: 0.5,
             dtype: DType::F32,

@@ -10,11 +10,11 @@ use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
 
 use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
 use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
-use crate::config::{StreamConfig, TransformConfig};
+use crate::config::{Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, expand_pattern};
 use crate::pipeline::sampler::{Split, Uneven};
-use crate::pipeline::transform::{Geometry, Transform};
+use crate::pipeline::transform::{Crop, Geometry, Resize, Transform};
 
 fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
     let positive = |what: &'static str, (h, w): (u32, u32)| {
@@ -32,7 +32,7 @@ fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
         }
     };
     match (&t.random_resized_crop, t.resize, t.center_crop) {
-        (Some(r), None, None) => {
+        (Some(r), None, None) if t.random_crop.is_none() => {
             let ok =
                 |[a, b]: [f64; 2], min: f64| a.is_finite() && b.is_finite() && a > min && a <= b;
             if !ok(r.scale, 0.0) || r.scale[1] > 1.0 {
@@ -59,19 +59,87 @@ fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
                 ratio: (r.ratio[0], r.ratio[1]),
             })
         }
-        (None, Some(resize), _) if resize > MAX_SIDE => Err(key(
-            "transform.resize",
-            format!("transform.resize = {resize} is too large: at most {MAX_SIDE} pixels"),
-        )),
-        (None, Some(resize), Some(crop)) if resize > 0 => Ok(Geometry::ResizeCenterCrop {
-            resize,
-            crop: positive("center_crop", crop.hw())?,
-        }),
-        (None, Some(0), _) => Err(key("transform.resize", "transform.resize must be positive")),
-        _ => Err(key(
+        (None, _, _) => resize_crop(t, positive),
+        (Some(_), _, _) => Err(key(
             "transform",
-            "transform needs exactly one geometry: random_resized_crop = { size = N }, or resize = N with center_crop = M",
+            "random_resized_crop takes no resize, center_crop or random_crop: use one geometry",
         )),
+    }
+}
+
+/// torchvision's padding as `[left, top, right, bottom]`.
+fn padding(name: &'static str, p: &Padding) -> Result<[u32; 4], StreamError> {
+    let sides = match p {
+        Padding::All(n) => [*n; 4],
+        Padding::Sides(v) => match v.as_slice() {
+            [x, y] => [*x, *y, *x, *y],
+            [l, t, r, b] => [*l, *t, *r, *b],
+            _ => {
+                return Err(key(
+                    name,
+                    format!(
+                        "{name} must be n, [left/right, top/bottom] or [left, top, right, bottom]"
+                    ),
+                ));
+            }
+        },
+    };
+    if sides.iter().any(|&n| n > MAX_SIDE) {
+        return Err(key(
+            name,
+            format!("{name} = {sides:?}: at most {MAX_SIDE} a side"),
+        ));
+    }
+    Ok(sides)
+}
+
+/// `Resize` and a crop: evaluation (`resize = 256`, `center_crop = 224`),
+/// an exact size (`resize = [h, w]`), a random crop with padding.
+fn resize_crop(
+    t: &TransformConfig,
+    positive: impl Fn(&'static str, (u32, u32)) -> Result<(u32, u32), StreamError>,
+) -> Result<Geometry, StreamError> {
+    let resize = match t.resize {
+        None => None,
+        Some(Size::Square(0)) => {
+            return Err(key("transform.resize", "transform.resize must be positive"));
+        }
+        Some(Size::Square(n)) if n > MAX_SIDE => {
+            return Err(key(
+                "transform.resize",
+                format!("transform.resize = {n} is too large: at most {MAX_SIDE} pixels"),
+            ));
+        }
+        Some(Size::Square(n)) => Some(Resize::Shorter(n)),
+        Some(size @ Size::HeightWidth(_)) => Some(Resize::Exact(positive("resize", size.hw())?)),
+    };
+    let crop = match (t.center_crop, &t.random_crop) {
+        (Some(_), Some(_)) => {
+            return Err(key("transform", "use center_crop or random_crop, not both"));
+        }
+        (Some(c), None) => Some(Crop::Center(positive("center_crop", c.hw())?)),
+        (None, Some(r)) => Some(Crop::Random {
+            size: positive("random_crop.size", r.size.hw())?,
+            padding: match &r.padding {
+                Some(p) => padding("transform.random_crop.padding", p)?,
+                None => [0; 4],
+            },
+            pad_if_needed: r.pad_if_needed,
+        }),
+        (None, None) => None,
+    };
+    match (resize, crop) {
+        (None, None) => Err(key(
+            "transform",
+            "transform needs a geometry: random_resized_crop = { size = N }, resize = N with center_crop = M, resize = [h, w], or a center_crop / random_crop",
+        )),
+        (Some(Resize::Shorter(n)), None) => Err(key(
+            "transform.resize",
+            format!(
+                "transform.resize = {n} alone gives images of different sizes; add center_crop or random_crop, or give resize = [h, w]"
+            ),
+        )),
+        (resize, crop) => Ok(Geometry::ResizeCrop { resize, crop }),
     }
 }
 
@@ -79,7 +147,7 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
     let Some(t) = &s.transform else {
         return Err(key(
             "transform",
-            "an image source needs a [stream.transform] table (random_resized_crop, or resize + center_crop)",
+            "an image source needs a [stream.transform] table (random_resized_crop, or resize + center_crop, ...)",
         ));
     };
     let geometry = geometry_of(t)?;
@@ -119,8 +187,13 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
     }
     let augment = super::augment::augments_of(t)?;
     let erasing = super::augment::erasing_of(t)?;
+    let pad = match &t.pad {
+        Some(p) => padding("transform.pad", p)?,
+        None => [0; 4],
+    };
     Ok(Transform {
         geometry,
+        pad,
         augment,
         erasing,
         flip_p: t.horizontal_flip,

@@ -309,3 +309,37 @@ fn augmentations_are_checked_and_named() {
         assert!(err.contains("/nonexistent"), "{aug}: {err}");
     }
 }
+
+#[test]
+fn resize_and_crop_combinations_are_checked() {
+    let with = |t: &str| {
+        format!(
+            "[[stream]]\nname = \"geo\"\nbatch_size = 4\n[stream.image_folder]\nroot = \"/nonexistent\"\n[stream.transform]\n{t}\n"
+        )
+    };
+    for (t, expect) in [
+        (
+            "resize = 64",
+            "resize = 64 alone gives images of different sizes",
+        ),
+        (
+            "center_crop = 8\nrandom_crop = { size = 8 }",
+            "use center_crop or random_crop, not both",
+        ),
+        ("horizontal_flip = 0.5", "transform needs a geometry"),
+        ("resize = [0, 8]", "transform.resize must be positive"),
+    ] {
+        let err = plan(&with(t)).unwrap_err().to_string();
+        assert!(err.contains(expect), "{t}: {err}");
+    }
+    for t in [
+        "resize = [32, 48]",
+        "center_crop = 24",
+        "random_crop = { size = 32, padding = 4 }",
+        "random_crop = { size = [32, 16], padding = [1, 2], pad_if_needed = true }\npad = 2",
+        "resize = 40\nrandom_crop = { size = 32 }",
+    ] {
+        let err = plan(&with(t)).unwrap_err().to_string();
+        assert!(err.contains("/nonexistent"), "{t}: {err}");
+    }
+}
