@@ -5,7 +5,7 @@ Usage: python bench/augment_ops.py DATASET OUT N OPS_JSON
 Takes the first N photographs of the ImageFolder DATASET, centre-crops
 each to 224×224 (Resize 256 + CenterCrop 224), writes the crops as raw RGB
 to OUT/<i>.rgb (the Rust side times its ops on the same pixels), then
-prints a JSON object: op name -> best seconds per image over five passes.
+prints a JSON object: op name -> median seconds per image of five passes.
 """
 
 import json
@@ -32,13 +32,13 @@ def main():
         raise SystemExit(f"{root} has {len(crops)} images, fewer than {n}")
     times = {}
     for name, m in ops:
-        best = float("inf")
+        passes = []
         for _ in range(5):
             t0 = time.perf_counter()
             for c in crops:
                 tv_op(c, name, m)
-            best = min(best, (time.perf_counter() - t0) / len(crops))
-        times[name] = best
+            passes.append((time.perf_counter() - t0) / len(crops))
+        times[name] = sorted(passes)[len(passes) // 2]
     print(json.dumps(times))
 
 

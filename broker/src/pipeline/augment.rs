@@ -10,9 +10,10 @@
 //! Pillow's fixed-point ITU-R 601-2 luma, and geometric ops (shear,
 //! translate, rotate; nearest neighbour, fill 0) map pixel centres through
 //! the inverse matrix torchvision computes, in Pillow's 16.16 fixed point.
+//! Hue goes through Pillow's HSV and back (`Convert.c`'s float and double
+//! arithmetic, as C promotes it). `GaussianBlur` follows torchvision's
+//! tensor path (a float32 kernel, reflect padding, rounding half to even).
 //! `tests/augment.rs` compares each with Pillow on generated images.
-//!
-//! Not here (yet): `ColorJitter`'s hue (Pillow's HSV round trip).
 
 mod draw;
 
