@@ -146,6 +146,10 @@ pub struct Place {
     pub replay: bool,
 }
 
+/// A sample read: its bytes when they came from the cache (else they are
+/// in the worker's buffer), and its header.
+type Read = (Option<Arc<[u8]>>, Header);
+
 /// What ended up in a sample's place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Filled {
@@ -287,7 +291,7 @@ impl ImagePipeline {
         &self,
         w: &mut Worker,
         index: u64,
-        read: Option<(Option<Arc<[u8]>>, Header)>,
+        read: Option<Read>,
         dims: Dims,
         denom: u32,
         claim: Claim,
@@ -299,15 +303,7 @@ impl ImagePipeline {
         };
         let (cached, header) = match read {
             Some(r) => r,
-            None => {
-                let cached = self.read(w, index)?;
-                let bytes = cached.as_deref().unwrap_or(&w.bytes);
-                let h = w
-                    .decoder
-                    .header(bytes, self.rules.max_pixels)
-                    .map_err(decode_err)?;
-                (cached, h)
-            }
+            None => self.read_header(w, index)?,
         };
         if (header.width, header.height) != (dims.width, dims.height) {
             return Err(SampleError::Transform {
@@ -346,6 +342,20 @@ impl ImagePipeline {
         })
     }
 
+    /// Reads sample `index` ([`ImagePipeline::read`]) and its header.
+    fn read_header(&self, w: &mut Worker, index: u64) -> Result<Read, SampleError> {
+        let cached = self.read(w, index)?;
+        let bytes = cached.as_deref().unwrap_or(&w.bytes);
+        let h = w
+            .decoder
+            .header(bytes, self.rules.max_pixels)
+            .map_err(|source| SampleError::Decode {
+                path: self.dataset.describe(index),
+                source,
+            })?;
+        Ok((cached, h))
+    }
+
     /// Reads sample `index`'s bytes: from the cache (returned), or into
     /// `w.bytes`.
     fn read(&self, w: &mut Worker, index: u64) -> Result<Option<Arc<[u8]>>, SampleError> {
@@ -374,10 +384,6 @@ impl ImagePipeline {
         out: &mut [u8],
     ) -> Result<(), SampleError> {
         let path = || self.dataset.describe(index);
-        let decode_err = |source| SampleError::Decode {
-            path: path(),
-            source,
-        };
         // Only a sample in its own place is shared (a replacement is not
         // where the other streams look for it).
         let shared = match (&self.share, place) {
@@ -385,16 +391,11 @@ impl ImagePipeline {
             _ => None,
         };
         let known = shared.and_then(|(s, m, p)| s.dims(m, p.at, index, !p.replay));
-        let mut read: Option<(Option<Arc<[u8]>>, Header)> = None;
+        let mut read: Option<Read> = None;
         let dims = match known {
             Some(d) => d,
             None => {
-                let cached = self.read(w, index)?;
-                let bytes = cached.as_deref().unwrap_or(&w.bytes);
-                let h = w
-                    .decoder
-                    .header(bytes, self.rules.max_pixels)
-                    .map_err(decode_err)?;
+                let (cached, h) = self.read_header(w, index)?;
                 read = Some((cached, h));
                 Dims {
                     width: h.width,
