@@ -433,9 +433,12 @@ impl SourceShare {
         let mut since: Option<Instant> = None;
         loop {
             let now = Instant::now();
+            // A stream that stopped taking batches (stopping, its consumers
+            // gone) finishes its batch without waiting.
             let mut blocked = false;
+            let waiting = st.members[member].live;
             for (k, p) in st.members.iter_mut().enumerate() {
-                if k == member || !p.live || !p.holding {
+                if !waiting || k == member || !p.live || !p.holding {
                     continue;
                 }
                 if p.marker().saturating_add(self.window) > at {
