@@ -64,6 +64,8 @@ pub struct Canvas {
     /// `height × width × 3`, row-major.
     pub data: Vec<u8>,
     spare: Vec<u8>,
+    /// The blur's first pass, kept between images.
+    rows: Vec<f32>,
 }
 
 impl Canvas {
@@ -73,6 +75,7 @@ impl Canvas {
             height,
             data,
             spare: Vec::new(),
+            rows: Vec::new(),
         }
     }
 
@@ -152,8 +155,7 @@ impl Canvas {
         if alpha == 1.0 {
             return;
         }
-        let inside = (0.0..=1.0).contains(&alpha);
-        let t: [u8; 256] = std::array::from_fn(|v| blend(d, v as u8, alpha, inside));
+        let t: [u8; 256] = std::array::from_fn(|v| blend(f32::from(d), v as u8, alpha));
         for v in &mut self.data {
             *v = t[*v as usize];
         }
@@ -168,7 +170,7 @@ impl Canvas {
         for px in self.data.chunks_exact_mut(3) {
             let l = f32::from(luma(px));
             for v in px.iter_mut() {
-                *v = blend_clamped(l, *v, alpha);
+                *v = blend(l, *v, alpha);
             }
         }
     }
@@ -190,7 +192,9 @@ impl Canvas {
     fn blur(&mut self, kx: u16, ky: u16, sigma: f64) {
         let (w, h) = (self.width as usize, self.height as usize);
         let (kx, ky) = (gaussian_kernel(kx, sigma), gaussian_kernel(ky, sigma));
-        let mut rows = vec![0f32; w * h * 3];
+        let rows = &mut self.rows;
+        rows.clear();
+        rows.resize(w * h * 3, 0.0);
         let hx = (kx.len() / 2) as i64;
         for y in 0..h {
             for x in 0..w {
@@ -251,9 +255,8 @@ impl Canvas {
             }
         }
         let alpha = f as f32;
-        let inside = (0.0..=1.0).contains(&alpha);
         for (px, d) in self.data.iter_mut().zip(&self.spare) {
-            *px = blend(*d, *px, alpha, inside);
+            *px = blend(f32::from(*d), *px, alpha);
         }
     }
 
@@ -481,26 +484,12 @@ pub fn luma(px: &[u8]) -> u8 {
         as u8
 }
 
-/// [`blend`] without the branch: inside `[0, 1]` the result is already
-/// within 0..=255, so clamping and truncating is what both of Pillow's
-/// cases do.
-fn blend_clamped(in1: f32, in2: u8, alpha: f32) -> u8 {
+/// `Image.blend` of one value: `in1 + alpha · (in2 − in1)` in 32-bit
+/// float, truncated. Pillow clips only when extrapolating (`alpha`
+/// outside `[0, 1]`); inside, the result is already within 0..=255, so
+/// clamping and truncating is what both of its cases do.
+fn blend(in1: f32, in2: u8, alpha: f32) -> u8 {
     (in1 + alpha * (f32::from(in2) - in1)).clamp(0.0, 255.0) as u8
-}
-
-/// `Image.blend` of one value: `in1 + alpha · (in2 − in1)` in float,
-/// truncated (clipped when extrapolating).
-fn blend(in1: u8, in2: u8, alpha: f32, inside: bool) -> u8 {
-    let t = f32::from(in1) + alpha * (f32::from(in2) - f32::from(in1));
-    if inside {
-        t as u8
-    } else if t <= 0.0 {
-        0
-    } else if t >= 255.0 {
-        255
-    } else {
-        t as u8
-    }
 }
 
 /// A SMOOTH sum (weights total 13) back to a pixel, as Pillow's 3×3

@@ -5,7 +5,7 @@
 use batchcast::DType;
 use batchcast::synthetic::SplitMix64;
 
-use super::transform::{Layout, round_half_even};
+use super::transform::{Layout, round_half_even, uniform};
 
 /// A `RandomErasing`, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,12 +24,6 @@ pub struct Rect {
     pub left: u32,
     pub height: u32,
     pub width: u32,
-}
-
-/// Uniform in `[lo, hi)`.
-fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
-    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-    lo + (hi - lo) * u
 }
 
 impl Erasing {

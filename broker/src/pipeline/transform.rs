@@ -118,8 +118,9 @@ pub struct Transform {
     pub seed: u64,
 }
 
-/// Uniform in `[lo, hi)`.
-fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
+/// Uniform in `[lo, hi)`: every random draw of a sample's plan (crop,
+/// flips, augmentations, erasing).
+pub(crate) fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
     let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
     lo + (hi - lo) * u
 }

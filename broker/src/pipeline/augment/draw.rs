@@ -4,6 +4,7 @@
 use batchcast::synthetic::SplitMix64;
 
 use super::Op;
+use crate::pipeline::transform::uniform;
 
 /// An augmentation of a transform, in the order they run: after the crop
 /// and the horizontal flip, before the conversion to a tensor.
@@ -36,12 +37,6 @@ pub enum Augment {
     },
     /// `AutoAugment(AutoAugmentPolicy.IMAGENET)`.
     AutoAugmentImageNet,
-}
-
-/// Uniform in `[lo, hi)`.
-fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
-    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-    lo + (hi - lo) * u
 }
 
 /// `torch.linspace(lo, hi, n)[k]` (float32, as torch computes it).
