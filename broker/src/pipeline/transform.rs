@@ -547,6 +547,9 @@ fn write_tensor(src: &[u8], h: u32, w: u32, flip: bool, layout: Layout, lut: &Lu
     }
 }
 
+/// One pixel's three elements in an NCHW tensor: red, green, blue planes.
+type PixelOut<'a> = ((&'a mut [u8], &'a mut [u8]), &'a mut [u8]);
+
 /// `N` is the element size, known at compile time so each store is one
 /// move; `LOOKUP` is false for `u8`, whose table is the identity.
 fn write_tensor_n<const N: usize, const LOOKUP: bool>(
@@ -603,7 +606,7 @@ fn write_tensor_n<const N: usize, const LOOKUP: bool>(
             .chunks_exact_mut(N)
             .zip(g.chunks_exact_mut(N))
             .zip(b.chunks_exact_mut(N));
-        let put = |(((r, g), b), p): (((&mut [u8], &mut [u8]), &mut [u8]), &[u8])| {
+        let put = |(((r, g), b), p): (PixelOut, &[u8])| {
             r.copy_from_slice(&elem(0, p[0]));
             g.copy_from_slice(&elem(1, p[1]));
             b.copy_from_slice(&elem(2, p[2]));
