@@ -606,7 +606,7 @@ fn write_tensor_n<const N: usize, const LOOKUP: bool>(
             .chunks_exact_mut(N)
             .zip(g.chunks_exact_mut(N))
             .zip(b.chunks_exact_mut(N));
-        let put = |(((r, g), b), p): (PixelOut, &[u8])| {
+        let put = |(((r, g), b), p): (PixelOut<'_>, &[u8])| {
             r.copy_from_slice(&elem(0, p[0]));
             g.copy_from_slice(&elem(1, p[1]));
             b.copy_from_slice(&elem(2, p[2]));
