@@ -311,12 +311,31 @@ fn bad_input_gets_a_clear_error_and_other_consumers_are_unaffected() {
     assert_eq!(pre.version, proto::PROTOCOL_VERSION);
     expect_error(msg, ErrorCode::NotBatchcast, "not a batchcast client");
 
+    // A client of a newer release: the refusal names both releases and
+    // says to upgrade the broker.
     let mut v999 = ours;
     v999[4..6].copy_from_slice(&999u16.to_le_bytes());
+    v999[6..8].copy_from_slice(&[9, 9]);
+    let (_, msg) = raw_exchange(&sock, &v999);
     expect_error(
-        raw_exchange(&sock, &v999).1,
+        msg.clone(),
         ErrorCode::VersionMismatch,
-        "v999",
+        "the client is batchcast 9.9 (protocol 999)",
+    );
+    let broker = format!(
+        "the broker batchcast {} (protocol {})",
+        proto::ReleaseLine::OURS,
+        proto::PROTOCOL_VERSION
+    );
+    expect_error(msg.clone(), ErrorCode::VersionMismatch, &broker);
+    expect_error(msg, ErrorCode::VersionMismatch, "upgrade the broker");
+    // A client from before the preamble carried releases (protocol 12).
+    let mut v12 = ours;
+    v12[4..8].copy_from_slice(&[12, 0, 0, 0]);
+    expect_error(
+        raw_exchange(&sock, &v12).1,
+        ErrorCode::VersionMismatch,
+        "batchcast 0.1 or earlier (protocol 12)",
     );
 
     let mut garbage = ours.to_vec();
@@ -948,4 +967,45 @@ fn a_mailbox_consumer_keeps_to_its_window_and_gives_back_what_it_never_read() {
     let want: Vec<(u64, u64)> = (0..2).flat_map(|e| (0..6).map(move |i| (e, i))).collect();
     assert_eq!(got, want);
     env.wait_for("both to leave", |s| s.streams[0].consumers.is_empty());
+}
+
+/// A client meeting a broker of another release (played by a listener that
+/// answers with a newer preamble: nothing else can run a different
+/// release here) refuses it with both releases named and what to upgrade.
+#[test]
+fn a_broker_of_another_release_is_refused_naming_both_releases() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("newer.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut pre = [0u8; 8];
+        s.read_exact(&mut pre).unwrap();
+        s.write_all(&[b'B', b'C', b'S', b'T', 14, 0, 0, 3]).unwrap();
+        // Stay open until the client gives up, so it fails on the preamble
+        // alone and not on a closed socket.
+        let _ = s.read(&mut [0u8; 64]);
+        Preamble::parse(pre).unwrap()
+    });
+    let kid = harness::spawn_consumer(Path::new(EXE), &socket, &[]).unwrap();
+    let r = harness::wait_report(kid, LIMIT).unwrap();
+    let client = fake.join().unwrap();
+    assert_eq!(
+        client,
+        Preamble::ours(),
+        "the client announces its own release"
+    );
+    let err = r.error.expect("the client refuses the broker");
+    for needle in [
+        &format!(
+            "the client is batchcast {} (protocol {})",
+            proto::ReleaseLine::OURS,
+            proto::PROTOCOL_VERSION
+        ),
+        "the broker batchcast 0.3 (protocol 14)",
+        "upgrade the client",
+        "pip install 'batchcast==0.3.*'",
+    ] {
+        assert!(err.contains(needle), "`{err}` lacks `{needle}`");
+    }
 }

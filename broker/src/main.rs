@@ -13,10 +13,23 @@ use clap::{Parser, Subcommand};
 /// batchcast: run the input pipeline once per host, share every batch with
 /// every trainer, zero-copy.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(name = "batchcast", version = version(), about)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// `--version`: the release and the protocol it speaks (a client must
+/// speak the same one; the Python package's `__version__` is the release).
+fn version() -> &'static str {
+    static V: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "{} (protocol {})",
+            env!("CARGO_PKG_VERSION"),
+            batchcast::proto::PROTOCOL_VERSION
+        )
+    });
+    &V
 }
 
 #[derive(Debug, Subcommand)]

@@ -32,6 +32,7 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
             code: ErrorCode::SchemaMismatch,
             ..
         } => "SchemaError",
+        Error::VersionMismatch { .. } => "VersionMismatch",
         Error::WindowFull { .. } => "WindowFull",
         Error::RingPinned { .. } => "RingPinned",
         Error::Device(_)

@@ -669,5 +669,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Producer>()?;
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
     m.add("PROTOCOL_VERSION", batchcast::proto::PROTOCOL_VERSION)?;
+    // The release: the wheel's version (every crate shares the workspace's).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,15 +1,14 @@
 """Fixtures: a real broker process per test, real consumer processes.
 
-The broker binary is `$BATCHCAST_BIN`, else the workspace's
-`target/debug/batchcast` (built by `cargo test`, which the test script runs
-first).
+The broker binary is the one `batchcast.executable()` finds: `$BATCHCAST_BIN`,
+else the binary the installed wheel carries (scripts/test builds the wheel
+with the workspace's debug broker), else `batchcast` on PATH.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import signal
 import subprocess
 import sys
@@ -24,9 +23,11 @@ LIMIT = 60.0
 
 
 def broker_bin() -> str:
-    exe = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "debug" / "batchcast")
-    if not Path(exe).exists():
-        pytest.fail(f"no broker binary at {exe}: run `cargo build -p batchcast-broker` or set BATCHCAST_BIN")
+    import batchcast
+
+    exe = batchcast.executable(required=False)
+    if exe is None:
+        pytest.fail("no broker binary: install the wheel (scripts/test does) or set BATCHCAST_BIN")
     return exe
 
 

@@ -70,10 +70,13 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("the broker closed the connection (it exited or was killed)")]
     BrokerGone,
-    #[error(
-        "protocol version mismatch: this client speaks v{ours}, the broker speaks v{theirs}; use a client and broker from the same release"
-    )]
-    VersionMismatch { ours: u16, theirs: u16 },
+    /// `message` names both releases and which to upgrade.
+    #[error("protocol version mismatch: {message}")]
+    VersionMismatch {
+        ours: u16,
+        theirs: u16,
+        message: String,
+    },
     #[error("the peer is not a batchcast broker (bad preamble {found:02x?})")]
     NotABroker { found: [u8; 4] },
     #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
@@ -140,6 +143,7 @@ impl Error {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             Error::Broker { code, .. } => Some(*code),
+            Error::VersionMismatch { .. } => Some(ErrorCode::VersionMismatch),
             _ => None,
         }
     }

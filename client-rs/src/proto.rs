@@ -39,18 +39,82 @@ use crate::schema::{RingLayout, Schema, SlotLayout};
 mod stats;
 pub use stats::*;
 
-/// Version of this protocol. Bump on any incompatible change to a message.
-pub const PROTOCOL_VERSION: u16 = 12;
+/// Version of this protocol. Bump on any incompatible change to a message;
+/// a new protocol comes with a new minor (0.x) or major release, never a
+/// patch release, so a release's (major, minor) names its protocol.
+pub const PROTOCOL_VERSION: u16 = 13;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
 /// largest is a stats reply for many consumers.
 pub const MAX_FRAME: u32 = 1 << 20;
 
-/// The 8 bytes that open a connection in each direction.
+/// A release's (major, minor), as the preamble carries it (from protocol
+/// 13 on; earlier peers send zeros there, [`ReleaseLine::UNKNOWN`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReleaseLine {
+    pub major: u8,
+    pub minor: u8,
+}
+
+impl ReleaseLine {
+    /// What a peer before protocol 13 (release 0.1) sends.
+    pub const UNKNOWN: ReleaseLine = ReleaseLine { major: 0, minor: 0 };
+
+    /// This build's release line (the workspace's version).
+    pub const OURS: ReleaseLine = ReleaseLine {
+        major: parse_u8(env!("CARGO_PKG_VERSION_MAJOR")),
+        minor: parse_u8(env!("CARGO_PKG_VERSION_MINOR")),
+    };
+
+    /// A pip requirement that installs this line (`==0.2.*`), or one that
+    /// installs the releases before the preamble carried it.
+    pub fn pip_spec(self) -> String {
+        match self {
+            ReleaseLine::UNKNOWN => "batchcast<0.2".into(),
+            ReleaseLine { major, minor } => format!("batchcast=={major}.{minor}.*"),
+        }
+    }
+}
+
+impl std::fmt::Display for ReleaseLine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            ReleaseLine::UNKNOWN => f.write_str("0.1 or earlier"),
+            ReleaseLine { major, minor } => write!(f, "{major}.{minor}"),
+        }
+    }
+}
+
+/// A version component at compile time ("255" at most: the preamble's
+/// byte; a bigger one fails the build).
+const fn parse_u8(s: &str) -> u8 {
+    let b = s.as_bytes();
+    let mut v: u32 = 0;
+    let mut i = 0;
+    while i < b.len() {
+        assert!(b[i].is_ascii_digit(), "a version component is digits");
+        v = v * 10 + (b[i] - b'0') as u32;
+        assert!(v <= 255, "a release's major and minor fit a byte");
+        i += 1;
+    }
+    v as u8
+}
+
+/// The 8 bytes that open a connection in each direction: magic, protocol
+/// version, release line. Every protocol keeps this shape, so two releases
+/// can always tell each other apart and say which one to upgrade.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Preamble {
     pub version: u16,
+    pub release: ReleaseLine,
+}
+
+/// Which end of a connection is speaking, for [`mismatch`]'s advice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Client,
+    Broker,
 }
 
 impl Preamble {
@@ -59,12 +123,16 @@ impl Preamble {
     pub fn ours() -> Preamble {
         Preamble {
             version: PROTOCOL_VERSION,
+            release: ReleaseLine::OURS,
         }
     }
 
     pub fn to_bytes(self) -> [u8; Self::LEN] {
         let v = self.version.to_le_bytes();
-        [MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], v[0], v[1], 0, 0]
+        let r = self.release;
+        [
+            MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], v[0], v[1], r.major, r.minor,
+        ]
     }
 
     /// Parses a peer's preamble; wrong magic is [`Error::NotABroker`].
@@ -75,10 +143,15 @@ impl Preamble {
         }
         Ok(Preamble {
             version: u16::from_le_bytes([bytes[4], bytes[5]]),
+            release: ReleaseLine {
+                major: bytes[6],
+                minor: bytes[7],
+            },
         })
     }
 
-    /// Errors unless the peer speaks our version.
+    /// Errors unless the broker (`self`, as a client reads it) speaks our
+    /// version; the error names both releases and which to upgrade.
     pub fn check(self) -> Result<()> {
         if self.version == PROTOCOL_VERSION {
             Ok(())
@@ -86,9 +159,37 @@ impl Preamble {
             Err(Error::VersionMismatch {
                 ours: PROTOCOL_VERSION,
                 theirs: self.version,
+                message: mismatch(Preamble::ours(), self, Side::Client),
             })
         }
     }
+}
+
+/// Why `ours` (speaking as `side`) and `theirs` cannot talk, naming both
+/// releases and protocols, and what to upgrade: the side with the older
+/// protocol (a peer's numbers are only echoed, never trusted for anything).
+pub fn mismatch(ours: Preamble, theirs: Preamble, side: Side) -> String {
+    let (client, broker) = match side {
+        Side::Client => (ours, theirs),
+        Side::Broker => (theirs, ours),
+    };
+    let said = format!(
+        "the client is batchcast {} (protocol {}) and the broker batchcast {} (protocol {})",
+        client.release, client.version, broker.release, broker.version
+    );
+    let advice = if client.version < broker.version {
+        format!(
+            "upgrade the client to the broker's release: pip install '{}' (Rust: the batchcast crate of that release)",
+            broker.release.pip_spec()
+        )
+    } else {
+        format!(
+            "upgrade the broker to the client's release (pip install '{}' puts that `batchcast` command on PATH), or use the broker's client: pip install '{}'",
+            client.release.pip_spec(),
+            broker.release.pip_spec()
+        )
+    };
+    format!("{said}, which cannot talk to each other: {advice}")
 }
 
 /// How a consumer that arrives mid-stream joins.
@@ -609,10 +710,62 @@ mod tests {
             Preamble::parse(other).unwrap().check(),
             Err(Error::VersionMismatch { theirs: 99, .. })
         ));
+        let back = Preamble::parse(ours).unwrap();
+        assert_eq!(back.release, ReleaseLine::OURS);
+        assert_eq!(
+            ReleaseLine::OURS.to_string(),
+            format!(
+                "{}.{}",
+                env!("CARGO_PKG_VERSION_MAJOR"),
+                env!("CARGO_PKG_VERSION_MINOR")
+            )
+        );
         assert!(matches!(
             Preamble::parse(*b"GET / HT"),
             Err(Error::NotABroker { .. })
         ));
+    }
+
+    /// The advice names both releases and protocols and always upgrades
+    /// the side with the older protocol.
+    #[test]
+    fn a_mismatch_names_both_releases_and_what_to_upgrade() {
+        let old = Preamble {
+            version: 12,
+            release: ReleaseLine::UNKNOWN,
+        };
+        let new = Preamble {
+            version: 14,
+            release: ReleaseLine { major: 0, minor: 3 },
+        };
+        let ours = Preamble::ours();
+        // A newer broker: the client upgrades, to the broker's line.
+        let m = mismatch(ours, new, Side::Client);
+        assert!(
+            m.contains(&format!(
+                "the client is batchcast {} (protocol {PROTOCOL_VERSION})",
+                ReleaseLine::OURS
+            )),
+            "{m}"
+        );
+        assert!(m.contains("the broker batchcast 0.3 (protocol 14)"), "{m}");
+        assert!(
+            m.contains("upgrade the client") && m.contains("batchcast==0.3.*"),
+            "{m}"
+        );
+        // The same pair seen from the broker gives the same advice.
+        let b = mismatch(new, ours, Side::Broker);
+        assert_eq!(m, b);
+        // An older broker (before the preamble carried releases): upgrade it.
+        let m = mismatch(ours, old, Side::Client);
+        assert!(
+            m.contains("the broker batchcast 0.1 or earlier (protocol 12)"),
+            "{m}"
+        );
+        assert!(
+            m.contains("upgrade the broker") && m.contains("batchcast<0.2"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -386,14 +386,8 @@ async fn handshake(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Hello, Re
         )
     })?;
     if theirs.version != proto::PROTOCOL_VERSION {
-        return Err(Reject(
-            ErrorCode::VersionMismatch,
-            format!(
-                "client speaks protocol v{}, this broker v{}; use a client and broker from the same release",
-                theirs.version,
-                proto::PROTOCOL_VERSION
-            ),
-        ));
+        let why = proto::mismatch(Preamble::ours(), theirs, proto::Side::Broker);
+        return Err(Reject(ErrorCode::VersionMismatch, why));
     }
     match next_frame(sock, buf).await? {
         Some(ClientMsg::Hello(h)) => Ok(h),

@@ -15,7 +15,8 @@ or share an existing DataLoader with :class:`Producer`::
 """
 
 from ._consumer import Batch, Consumer
-from ._native import PROTOCOL_VERSION, default_socket_path
+from ._exe import executable
+from ._native import PROTOCOL_VERSION, __version__, default_socket_path
 from ._producer import Producer
 from .errors import (
     BatchReleased,
@@ -25,17 +26,11 @@ from .errors import (
     InvalidArgument,
     SchemaError,
     StreamError,
+    VersionMismatch,
     WindowFull,
     RingPinned,
     WindowFullWarning,
 )
-
-try:
-    from importlib.metadata import version as _version
-
-    __version__ = _version("batchcast")
-except Exception:  # running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = [
     "Batch",
@@ -49,8 +44,11 @@ __all__ = [
     "Producer",
     "SchemaError",
     "StreamError",
+    "VersionMismatch",
     "WindowFull",
     "RingPinned",
     "WindowFullWarning",
+    "__version__",
     "default_socket_path",
+    "executable",
 ]

@@ -4,6 +4,7 @@ API instead of this module directly."""
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION: int
+__version__: str
 
 def default_socket_path() -> str: ...
 

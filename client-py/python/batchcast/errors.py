@@ -24,6 +24,12 @@ class BrokerUnavailable(Error, ConnectionError):
     the message names the limit)."""
 
 
+class VersionMismatch(Error, RuntimeError):
+    """The broker is from a release that speaks another protocol. The
+    message names both releases (``batchcast --version`` and
+    ``batchcast.__version__`` show yours) and which one to upgrade."""
+
+
 class StreamError(Error, RuntimeError):
     """The broker refused or ended the subscription, or the protocol broke:
     an unknown stream, a consumer detached for lagging, a failed source."""
