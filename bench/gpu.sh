@@ -2,7 +2,7 @@
 # The GPU path end to end, in one call, on a machine with an NVIDIA GPU and
 # PyTorch but no Rust toolchain. Prints one table (see bench/gpu_bench.py).
 #
-#   bash bench/gpu.sh --build   # here: release broker + abi3 wheel into target/gpu-kit
+#   bash bench/gpu.sh --build   # here: the manylinux wheel (with the broker) into target/gpu-kit
 #   bash bench/gpu.sh           # there, with target/gpu-kit carried along
 #
 # Extra arguments go to bench/gpu_bench.py (--batch, --batches).
@@ -10,12 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=target/gpu-kit
 if [[ "${1:-}" == "--build" ]]; then
-    bash scripts/setup
+    # The release's manylinux_2_28 wheel (it carries the broker; glibc 2.28
+    # is enough on the GPU host), and its broker beside it for the harness.
     rm -rf "$KIT" && mkdir -p "$KIT"
-    cargo build --release --locked -p batchcast-broker
-    cp target/release/batchcast "$KIT/"
-    strip "$KIT/batchcast" 2>/dev/null || true  # line tables are not needed there; carry limit
-    .venv/bin/maturin build --quiet --release --locked -m client-py/Cargo.toml -o "$KIT"
+    bash scripts/build-wheels "$KIT"
+    rm -f "$KIT"/*.tar.gz
+    strip -o "$KIT/batchcast" target/x86_64-unknown-linux-gnu/release/batchcast
     ls -l "$KIT"
     exit 0
 fi
@@ -29,7 +29,7 @@ PY="${PYTHON:-python3}"
 # packages, not torch. The wheel has no dependencies to fetch.
 SITE="${TMPDIR:-/tmp}/batchcast-gpu-site"
 rm -rf "$SITE"
-"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$SITE" "$KIT"/batchcast-*.whl
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$SITE" "$KIT"/batchcast-*"$(uname -m)".whl
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, batchcast; print("torch", torch.__version__, "batchcast", batchcast.__file__)'
 nvidia-smi -L 2>/dev/null || true

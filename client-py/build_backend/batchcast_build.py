@@ -29,7 +29,6 @@ import maturin
 from maturin import (  # noqa: F401  (re-exported hooks)
     get_requires_for_build_sdist,
     get_requires_for_build_wheel,
-    prepare_metadata_for_build_wheel,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +77,12 @@ def stage_broker() -> Path:
         shutil.copyfile(src, dst)
     dst.chmod(dst.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return dst
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    # maturin wants its `data` folder to exist even for the metadata.
+    SCRIPTS.mkdir(parents=True, exist_ok=True)
+    return maturin.prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
