@@ -6,7 +6,7 @@ and stages its binary where maturin's `data` setting puts it into the wheel
 (`batchcast-X.data/scripts/batchcast`), so `pip install` puts the
 `batchcast` command on PATH. `BATCHCAST_WHEEL_BROKER=/path/to/batchcast`
 stages a binary built elsewhere instead (scripts/build-wheels does, for
-manylinux builds).
+manylinux builds), and `BATCHCAST_STRIP` names the strip program for it.
 
 The sdist is the whole source tree (the Cargo workspace, both clients and
 the broker), so a machine with no matching wheel builds everything from it
@@ -70,7 +70,8 @@ def stage_broker() -> Path:
     dst = SCRIPTS / "batchcast"
     if dst.exists():
         dst.unlink()
-    strip = shutil.which("strip")
+    # The host's strip; BATCHCAST_STRIP names another (a cross build's).
+    strip = shutil.which(os.environ.get("BATCHCAST_STRIP", "strip"))
     if strip:
         subprocess.run([strip, "-o", str(dst), str(src)], check=True)
     else:

@@ -26,8 +26,11 @@
 //! go, and decodes alone until it is back within half a window of the
 //! leader. So a stalled trainer, or a stream nobody reads, never stops
 //! the others for long, and nothing can wait on itself in a circle (the
-//! stream furthest behind never waits). Entries also fit in a byte
-//! budget: beyond it a stream decodes alone rather than leave more.
+//! stream furthest behind never waits). Streams start a moment apart
+//! (their trainers connect one after another), so for `START_GRACE` after
+//! the first becomes live, the first decodes are also left for streams
+//! not live yet. Entries also fit in a byte budget: beyond it a stream
+//! decodes alone rather than leave more.
 //!
 //! Who can reach this: only the broker's pipeline threads. A consumer
 //! changes a stream's pace (how fast its batches are released), which is
@@ -58,6 +61,12 @@ pub const DECOUPLED_HOLD: Duration = Duration::from_millis(10);
 /// catches up, as a slow consumer holds a stream); one further behind
 /// decodes alone until it is within half a window.
 pub const REACH_WINDOWS: u64 = 8;
+/// Streams on a source start a moment apart (their trainers connect one
+/// after another): for this long after the first becomes live, decodes
+/// of the first `REACH_WINDOWS` windows are also left for the streams not
+/// live yet, so one that starts a little late takes them instead of
+/// decoding its first batches again. The byte budget bounds what waits.
+pub const START_GRACE: Duration = Duration::from_secs(2);
 /// A waiter looks again at least this often.
 const RECHECK: Duration = Duration::from_millis(50);
 
@@ -142,6 +151,9 @@ struct State {
     entries: BTreeMap<u64, Entry>,
     bytes: u64,
     members: Vec<Progress>,
+    /// When the first stream became live, and the streams that have been.
+    first_live: Option<Instant>,
+    ever_live: u64,
 }
 
 /// A source shared by several streams: its entries, its streams'
@@ -154,6 +166,8 @@ pub struct SourceShare {
     pub window: u64,
     /// Bytes of decoded images left for other streams, at most.
     pub budget: u64,
+    /// [`START_GRACE`] (shorter in tests).
+    start_grace: Duration,
     pub members: Vec<MemberSpec>,
     /// The cache of encoded bytes and the known bad files, one per source.
     pub cache: Option<Arc<MinIoCache>>,
@@ -256,6 +270,7 @@ impl SourceShare {
             policy,
             window: window.max(1),
             budget,
+            start_grace: START_GRACE,
             cache: (cache_bytes > 0).then(|| Arc::new(MinIoCache::new(cache_bytes))),
             bad: Arc::new(Mutex::new(HashSet::new())),
             state: Mutex::new(State {
@@ -270,6 +285,8 @@ impl SourceShare {
                         moved_at: now,
                     })
                     .collect(),
+                first_live: None,
+                ever_live: 0,
             }),
             changed: Condvar::new(),
             decodes: AtomicU64::new(0),
@@ -278,6 +295,13 @@ impl SourceShare {
             grant: Mutex::new(None),
             members: members.into_iter().take(n).collect(),
         }
+    }
+
+    /// The same share with another start grace (tests).
+    #[cfg(test)]
+    fn with_start_grace(mut self, grace: Duration) -> SourceShare {
+        self.start_grace = grace;
+        self
     }
 
     /// Takes the decoded images' budget from the broker's, once.
@@ -324,8 +348,14 @@ impl SourceShare {
         if p.live == live {
             return;
         }
+        let now = Instant::now();
         p.live = live;
-        p.moved_at = Instant::now();
+        p.moved_at = now;
+        if live {
+            st.first_live.get_or_insert(now);
+            st.ever_live |= 1 << member;
+        }
+        let p = &mut st.members[member];
         p.holding = live
             && p.marker()
                 .saturating_add(self.window.saturating_mul(REACH_WINDOWS))
@@ -404,8 +434,9 @@ impl SourceShare {
         };
         let passed: Vec<u64> = st.entries.range(..low).map(|(&k, _)| k).collect();
         for k in passed {
+            let keep = self.expected(st, k);
             if let Some(e) = st.entries.get_mut(&k) {
-                e.want = 0;
+                e.want &= keep;
             }
             Self::drop_if_done(st, k);
         }
@@ -522,7 +553,7 @@ impl SourceShare {
         let mut st = self.lock();
         loop {
             let others = if share {
-                Self::wanting(&st, member, at)
+                self.wanting(&st, member, at)
             } else {
                 0
             };
@@ -583,14 +614,28 @@ impl SourceShare {
         }
     }
 
-    /// The live streams (holding the source) other than `member` that
-    /// have not passed `at`: those an entry is left for.
-    fn wanting(st: &State, member: usize, at: u64) -> u64 {
-        st.members
+    /// The streams other than `member` an entry at `at` is left for: the
+    /// live ones holding the source that have not passed it, and those
+    /// still [`expected`](Self::expected).
+    fn wanting(&self, st: &State, member: usize, at: u64) -> u64 {
+        let live = st
+            .members
             .iter()
             .enumerate()
             .filter(|&(k, p)| k != member && p.live && p.holding && p.marker() <= at)
-            .fold(0, |acc, (k, _)| acc | (1 << k))
+            .fold(0, |acc, (k, _)| acc | (1 << k));
+        (live | self.expected(st, at)) & !(1 << member)
+    }
+
+    /// The streams never live yet, while the start grace lasts and `at`
+    /// is within their reach (see [`START_GRACE`]).
+    fn expected(&self, st: &State, at: u64) -> u64 {
+        let Some(t) = st.first_live else { return 0 };
+        if t.elapsed() >= self.start_grace || at >= self.window.saturating_mul(REACH_WINDOWS) {
+            return 0;
+        }
+        let all = u64::MAX >> (64 - st.members.len().clamp(1, MAX_MEMBERS));
+        all & !st.ever_live
     }
 }
 
@@ -601,6 +646,10 @@ mod tests {
     use batchcast::DType;
 
     fn share(n: usize, window: u64, budget: u64) -> Arc<SourceShare> {
+        share_with_grace(n, window, budget, Duration::ZERO)
+    }
+
+    fn share_with_grace(n: usize, window: u64, budget: u64, grace: Duration) -> Arc<SourceShare> {
         let t = Transform {
             geometry: Geometry::RandomResizedCrop {
                 size: (8, 8),
@@ -623,14 +672,10 @@ mod tests {
                 decoupled: false,
             })
             .collect();
-        Arc::new(SourceShare::new(
-            "src".into(),
-            DecodeShare::Exact,
-            window,
-            budget,
-            members,
-            0,
-        ))
+        Arc::new(
+            SourceShare::new("src".into(), DecodeShare::Exact, window, budget, members, 0)
+                .with_start_grace(grace),
+        )
     }
 
     const DIMS: Dims = Dims {
@@ -736,6 +781,46 @@ mod tests {
         // Stream 1 leaves: what was left for it goes.
         s.set_live(1, false);
         assert_eq!(s.counts(0).bytes, 0);
+    }
+
+    /// A stream that becomes live within the start grace takes what the
+    /// first decoded before it came; after the grace nothing waits for
+    /// one that never came, and one that comes then decodes alone.
+    #[test]
+    fn a_stream_starting_a_moment_late_takes_the_first_decodes() {
+        let s = share_with_grace(3, 10, 1 << 20, Duration::from_millis(300));
+        s.set_live(0, true);
+        s.begin(0, 0);
+        let Claim::Mine(t) = s.claim(0, 0, 5, DIMS, 1, true) else {
+            panic!("left for the streams not live yet")
+        };
+        t.publish(img());
+        s.end(0, 0, 4);
+        assert_eq!(
+            s.counts(0).entries,
+            1,
+            "passed by every live stream, still expected"
+        );
+        // Beyond the reach of a late stream, nothing is left for it.
+        assert!(matches!(
+            s.claim(0, 10 * REACH_WINDOWS, 9, DIMS, 1, true),
+            Claim::Alone
+        ));
+        s.set_live(1, true);
+        s.begin(1, 0);
+        assert!(matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Ready(_)));
+        assert_eq!(s.counts(1).taken, 1);
+        assert_eq!(s.counts(0).entries, 1, "stream 2 may still come");
+        std::thread::sleep(Duration::from_millis(350));
+        s.end(1, 0, 4);
+        assert_eq!(
+            s.counts(0).entries,
+            0,
+            "the grace is over: nobody else is expected"
+        );
+        s.set_live(2, true);
+        s.begin(2, 0);
+        assert!(matches!(s.claim(2, 0, 5, DIMS, 1, true), Claim::Alone));
     }
 
     #[test]
