@@ -147,13 +147,13 @@ fn streams_on_one_source_deliver_their_bytes_alone_with_one_decode_per_image_eve
         taken += sh.taken;
     }
     let decodes = shared_of(&st, "eval").decodes;
-    // Alone, the three streams decode every sample they write (328 here,
-    // 2.7 per image); shared, each image once per distinct scale its
-    // streams ask for (about 1.5 per image with these crops), plus what a
-    // stream decodes alone before the others start (a few ms apart; more
-    // on a loaded machine), kept well under the unshared count.
+    // Alone, the three streams decode every sample they write (2.7 per
+    // image here); shared, each image once per distinct scale its streams
+    // ask for (about 1.45 per image with these crops; trainers that start
+    // a moment apart still share, see START_GRACE), with room for what
+    // the SIGKILLed trainer's stream may decode alone.
     assert!(
-        decodes >= images && 5 * decodes < 12 * images,
+        decodes >= images && decodes < 2 * images,
         "{decodes} decodes for {images} images in 3 streams"
     );
     assert_eq!(
@@ -227,14 +227,13 @@ fn decode_once_makes_one_decode_per_image_and_a_bad_file_is_replaced_alike_in_ev
             .count();
         assert_eq!(lines, 1, "{name} logged once for the source:\n{log}");
     }
-    // About one decode per good image and epoch, against three alone (a
-    // bad file's replacement is decoded by each stream apart, as alone,
-    // and a stream whose trainer came a little later decodes alone until
-    // the others take it into account).
+    // One decode per good image and epoch, against three alone, plus each
+    // bad file's replacement, which every stream decodes apart (it is not
+    // in its own place), as alone.
     let sh = shared_of(&st, "eval");
     let good = 2 * (n - bad);
     assert!(
-        sh.decodes >= good && 2 * sh.decodes < 3 * good,
+        sh.decodes >= good && sh.decodes <= good + 2 * bad * 3,
         "{} decodes for {good} good samples: {sh:?}",
         sh.decodes
     );

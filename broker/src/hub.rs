@@ -353,6 +353,12 @@ impl Hub {
         std::mem::take(&mut self.copies)
     }
 
+    /// Whether batches are being filled (taken by the pipeline, not yet
+    /// published).
+    pub fn filling(&self) -> bool {
+        !self.inflight.is_empty()
+    }
+
     /// True once every batch has been produced, published and given back.
     pub fn finished(&self) -> bool {
         self.exhausted()

@@ -273,10 +273,14 @@ impl Stream {
     }
 
     /// Tells a shared source whether this stream takes batches (someone
-    /// reads, epochs are left, the stream has not stopped): one that does
-    /// not never holds the source's other streams.
+    /// reads and epochs are left, or its last batches are being filled;
+    /// the stream has not stopped): one that does not never holds the
+    /// source's other streams.
     fn tell_source(&self, inner: &mut Inner) {
-        let live = !self.stop.load(Ordering::SeqCst) && inner.hub.wants_batches();
+        // Batches still being filled count: the last ones of a run are
+        // filled after the hub has handed out its last batch.
+        let live =
+            !self.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.filling());
         if live != inner.told_live
             && let Some(w) = &self.writer
         {
