@@ -547,9 +547,6 @@ fn write_tensor(src: &[u8], h: u32, w: u32, flip: bool, layout: Layout, lut: &Lu
     }
 }
 
-/// One pixel's three elements in an NCHW tensor: red, green, blue planes.
-type PixelOut<'a> = ((&'a mut [u8], &'a mut [u8]), &'a mut [u8]);
-
 /// `N` is the element size, known at compile time so each store is one
 /// move; `LOOKUP` is false for `u8`, whose table is the identity.
 fn write_tensor_n<const N: usize, const LOOKUP: bool>(
@@ -560,28 +557,19 @@ fn write_tensor_n<const N: usize, const LOOKUP: bool>(
     lut: &Lut,
     out: &mut [u8],
 ) {
-    let table = &lut.bytes;
-    let elem = |c: usize, v: u8| -> [u8; N] {
-        let mut e = [0u8; N];
-        if LOOKUP {
-            e.copy_from_slice(&table[c * 256 + v as usize][..N]);
-        } else {
-            e[0] = v;
-        }
-        e
-    };
+    // One 256-entry table per channel, as arrays: a u8 index needs no
+    // bounds check.
+    let t: [&[[u8; 4]; 256]; 3] = std::array::from_fn(|c| {
+        lut.bytes[c * 256..(c + 1) * 256]
+            .try_into()
+            .expect("a table of 256 entries per channel")
+    });
+    let rows = src.chunks_exact(w * 3).map(|row| row.as_chunks::<3>().0);
     if layout == Layout::Nhwc {
-        let rows = out.chunks_exact_mut(w * 3 * N).zip(src.chunks_exact(w * 3));
-        for (dst, row) in rows {
-            let dst = dst.chunks_exact_mut(3 * N);
-            let put = |(d, p): (&mut [u8], &[u8])| {
-                for c in 0..3 {
-                    d[c * N..(c + 1) * N].copy_from_slice(&elem(c, p[c]));
-                }
-            };
+        for (dst, px) in out.chunks_exact_mut(w * 3 * N).zip(rows) {
             match flip {
-                true => dst.zip(row.chunks_exact(3).rev()).for_each(put),
-                false => dst.zip(row.chunks_exact(3)).for_each(put),
+                true => pixels_row::<N, LOOKUP>(px.iter().rev(), &t, dst),
+                false => pixels_row::<N, LOOKUP>(px.iter(), &t, dst),
             }
         }
         return;
@@ -590,11 +578,11 @@ fn write_tensor_n<const N: usize, const LOOKUP: bool>(
     let (r, rest) = out[..3 * plane].split_at_mut(plane);
     let (g, b) = rest.split_at_mut(plane);
     let planes = r.chunks_exact_mut(w * N).zip(g.chunks_exact_mut(w * N));
-    for ((r, g), (b, row)) in planes.zip(b.chunks_exact_mut(w * N).zip(src.chunks_exact(w * 3))) {
+    for ((r, g), (b, px)) in planes.zip(b.chunks_exact_mut(w * N).zip(rows)) {
         if !LOOKUP {
-            // u8: a plain de-interleave, in blocks the compiler vectorizes;
-            // a flip reverses the planes' rows after (a vectorized reverse).
-            deinterleave(row, r, g, b);
+            // u8: a plain de-interleave, in blocks; a flip reverses the
+            // planes' rows after (a vectorized reverse).
+            deinterleave(px.as_flattened(), r, g, b);
             if flip {
                 r.reverse();
                 g.reverse();
@@ -602,18 +590,46 @@ fn write_tensor_n<const N: usize, const LOOKUP: bool>(
             }
             continue;
         }
-        let dst = r
-            .chunks_exact_mut(N)
-            .zip(g.chunks_exact_mut(N))
-            .zip(b.chunks_exact_mut(N));
-        let put = |(((r, g), b), p): (PixelOut<'_>, &[u8])| {
-            r.copy_from_slice(&elem(0, p[0]));
-            g.copy_from_slice(&elem(1, p[1]));
-            b.copy_from_slice(&elem(2, p[2]));
-        };
         match flip {
-            true => dst.zip(row.chunks_exact(3).rev()).for_each(put),
-            false => dst.zip(row.chunks_exact(3)).for_each(put),
+            true => planes_row::<N>(px.iter().rev(), &t, [r, g, b]),
+            false => planes_row::<N>(px.iter(), &t, [r, g, b]),
+        }
+    }
+}
+
+/// One row's pixels, in output order, through the tables into the
+/// three planes' rows (NCHW).
+#[inline(always)]
+fn planes_row<'a, const N: usize>(
+    px: impl Iterator<Item = &'a [u8; 3]>,
+    t: &[&[[u8; 4]; 256]; 3],
+    [r, g, b]: [&mut [u8]; 3],
+) {
+    let (r, g, b) = (
+        r.as_chunks_mut::<N>().0,
+        g.as_chunks_mut::<N>().0,
+        b.as_chunks_mut::<N>().0,
+    );
+    for (((p, r), g), b) in px.zip(r).zip(g).zip(b) {
+        r.copy_from_slice(&t[0][p[0] as usize][..N]);
+        g.copy_from_slice(&t[1][p[1] as usize][..N]);
+        b.copy_from_slice(&t[2][p[2] as usize][..N]);
+    }
+}
+
+/// One row's pixels, in output order, into an NHWC row.
+#[inline(always)]
+fn pixels_row<'a, const N: usize, const LOOKUP: bool>(
+    px: impl Iterator<Item = &'a [u8; 3]>,
+    t: &[&[[u8; 4]; 256]; 3],
+    dst: &mut [u8],
+) {
+    for (p, d) in px.zip(dst.chunks_exact_mut(3 * N)) {
+        for c in 0..3 {
+            match LOOKUP {
+                true => d[c * N..(c + 1) * N].copy_from_slice(&t[c][p[c] as usize][..N]),
+                false => d[c] = p[c],
+            }
         }
     }
 }
