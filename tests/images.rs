@@ -444,6 +444,120 @@ fn exact_resize_center_crop_pad_and_random_crop_follow_torchvision() {
 }
 
 #[test]
+fn interpolations_fills_and_padding_modes_follow_torchvision() {
+    let mut env = Env::new();
+    imgtool(&["make-folder", &env.p("ds"), "--count", "1"]);
+    let root = env.p("ds");
+    let filters = [
+        "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos",
+    ];
+    let modes = ["constant", "edge", "reflect", "symmetric"];
+    let mut cfg = String::new();
+    let drop = "drop_last = false";
+    for f in filters {
+        let t = format!("resize = [40, 48]\ninterpolation = \"{f}\"\ndtype = \"u8\"");
+        cfg += &stream(&format!("resize-{f}"), &folder(&root), &t, drop);
+    }
+    for m in modes {
+        let pad = format!(
+            "center_crop = [30, 24]\npad = {{ padding = [3, 5, 7, 2], fill = [10, 200, 30], padding_mode = \"{m}\" }}\ndtype = \"u8\""
+        );
+        cfg += &stream(&format!("pad-{m}"), &folder(&root), &pad, drop);
+        // pad_if_needed pads the padded image again: 24 × 30 → 56 × 66.
+        let crop = format!(
+            "resize = [20, 24]\nrandom_crop = {{ size = [40, 48], padding = [4, 3, 2, 1], pad_if_needed = true, fill = [10, 200, 30], padding_mode = \"{m}\" }}\ndtype = \"u8\""
+        );
+        cfg += &stream(&format!("crop-{m}"), &folder(&root), &crop, drop);
+    }
+    env.start(&cfg);
+    let n = |rep: &serde_json::Value| rep["checked"].as_u64().unwrap();
+    for f in filters {
+        let dump = env.p(&format!("resize-{f}"));
+        assert!(
+            env.consume(&["--stream", &format!("resize-{f}"), "--dump", &dump])
+                .ok
+        );
+        let steps = format!(r#"[["resize", [40, 48], "{f}"]]"#);
+        let rep = json(&imgtool(&[
+            "check-eval",
+            &dump,
+            &root,
+            "--geometry",
+            &steps,
+            "--size",
+            "40",
+            "48",
+        ]));
+        assert!(n(&rep) > 40, "{rep}");
+        // Within 2 levels on average: what decoding alone differs by.
+        assert!(
+            rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
+            "{f}: {rep}"
+        );
+    }
+    for m in modes {
+        let dump = env.p(&format!("pad-{m}"));
+        assert!(
+            env.consume(&["--stream", &format!("pad-{m}"), "--dump", &dump])
+                .ok
+        );
+        let steps =
+            format!(r#"[["center_crop", [30, 24]], ["pad", [3, 5, 7, 2], [10, 200, 30], "{m}"]]"#);
+        let rep = json(&imgtool(&[
+            "check-eval",
+            &dump,
+            &root,
+            "--geometry",
+            &steps,
+            "--size",
+            "37",
+            "34",
+        ]));
+        assert!(n(&rep) > 40, "{rep}");
+        assert!(
+            rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
+            "pad {m}: {rep}"
+        );
+
+        let dump = env.p(&format!("crop-{m}"));
+        assert!(
+            env.consume(&["--stream", &format!("crop-{m}"), "--dump", &dump])
+                .ok
+        );
+        let rep = json(&imgtool(&[
+            "check-random-crop",
+            &dump,
+            &root,
+            "--resize",
+            "20",
+            "24",
+            "--size",
+            "40",
+            "48",
+            "--padding",
+            "4",
+            "3",
+            "2",
+            "1",
+            "--pad-if-needed",
+            "--fill",
+            "10",
+            "200",
+            "30",
+            "--mode",
+            m,
+        ]));
+        assert!(n(&rep) > 40, "{rep}");
+        // Every sample is one of RandomCrop's windows, and they vary.
+        assert!(
+            rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
+            "crop {m}: {rep}"
+        );
+        assert!(rep["offsets"].as_u64().unwrap() > 10, "crop {m}: {rep}");
+    }
+}
+
+#[test]
 fn horizontal_flip_happens_with_its_probability() {
     let mut env = Env::new();
     let n = 400;

@@ -27,7 +27,7 @@ use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::demo;
 use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::pipeline::dataset::Dataset;
-use batchcast_broker::pipeline::transform::{Geometry, Layout, Transform};
+use batchcast_broker::pipeline::transform::{Border, Geometry, Interpolation, Layout, Transform};
 use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
 use clap::Parser;
 
@@ -64,7 +64,9 @@ fn transform() -> Transform {
             ratio: (3.0 / 4.0, 4.0 / 3.0),
         },
         augment: Vec::new(),
+        interpolation: Interpolation::Bilinear,
         pad: [0; 4],
+        pad_border: Border::default(),
         erasing: None,
         flip_p: 0.5,
         dtype: DType::F32,

@@ -87,7 +87,6 @@
 
 use std::path::{Path, PathBuf};
 
-use batchcast::DType;
 use batchcast::schema::Field;
 use batchcast::synthetic::Fill;
 use serde::Deserialize;
@@ -95,7 +94,9 @@ use serde::Deserialize;
 use crate::pipeline::OnError;
 use crate::pipeline::sampler::Uneven;
 use crate::pipeline::shared::DecodeShare;
-use crate::pipeline::transform::Layout;
+
+mod transform;
+pub use transform::*;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -307,212 +308,6 @@ pub struct WebDatasetConfig {
     pub shuffle_buffer: usize,
 }
 
-/// `int` or `[height, width]`, as torchvision takes sizes.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(untagged)]
-pub enum Size {
-    Square(u32),
-    HeightWidth([u32; 2]),
-}
-
-impl Size {
-    /// `(height, width)`.
-    pub fn hw(self) -> (u32, u32) {
-        match self {
-            Size::Square(s) => (s, s),
-            Size::HeightWidth([h, w]) => (h, w),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RandomResizedCropConfig {
-    pub size: Size,
-    #[serde(default = "default_scale")]
-    pub scale: [f64; 2],
-    #[serde(default = "default_ratio")]
-    pub ratio: [f64; 2],
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NormalizeConfig {
-    pub mean: [f64; 3],
-    pub std: [f64; 3],
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TransformConfig {
-    pub random_resized_crop: Option<RandomResizedCropConfig>,
-    /// `Resize`: an int is the shorter side (then a crop must follow),
-    /// `[h, w]` the exact size.
-    pub resize: Option<Size>,
-    pub center_crop: Option<Size>,
-    /// `RandomCrop(size, padding, pad_if_needed)` (fill 0).
-    pub random_crop: Option<RandomCropConfig>,
-    /// `Pad(padding)` with 0, after the crop.
-    pub pad: Option<Padding>,
-    /// Probability of a horizontal flip.
-    #[serde(default)]
-    pub horizontal_flip: f64,
-    pub normalize: Option<NormalizeConfig>,
-    #[serde(default = "default_dtype")]
-    pub dtype: DType,
-    #[serde(default)]
-    pub layout: Layout,
-    /// Probability of a vertical flip (after the horizontal one).
-    #[serde(default)]
-    pub vertical_flip: f64,
-    /// `ColorJitter(brightness, contrast, saturation, hue)`.
-    pub color_jitter: Option<ColorJitterConfig>,
-    /// `RandomGrayscale(p)`.
-    #[serde(default)]
-    pub grayscale: f64,
-    /// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
-    pub gaussian_blur: Option<GaussianBlurConfig>,
-    /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31 }`.
-    pub trivial_augment_wide: Option<AutoAugmentSwitch>,
-    /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
-    pub rand_augment: Option<RandAugmentConfig>,
-    /// `AutoAugment(policy)`: `"imagenet"`.
-    pub auto_augment: Option<String>,
-    /// `RandomErasing(p, scale, ratio, value)`, on the tensor, last.
-    pub random_erasing: Option<RandomErasingConfig>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RandomErasingConfig {
-    #[serde(default = "half")]
-    pub p: f64,
-    #[serde(default = "default_erase_scale")]
-    pub scale: [f64; 2],
-    #[serde(default = "default_erase_ratio")]
-    pub ratio: [f64; 2],
-    /// One value for every channel, or one per channel (in the tensor's
-    /// units, after Normalize).
-    #[serde(default)]
-    pub value: ErasingValue,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum ErasingValue {
-    One(f64),
-    PerChannel([f64; 3]),
-    /// `"random"` (torchvision's normal noise): refused by the plan.
-    Named(String),
-}
-
-impl Default for ErasingValue {
-    fn default() -> ErasingValue {
-        ErasingValue::One(0.0)
-    }
-}
-
-fn half() -> f64 {
-    0.5
-}
-fn default_erase_scale() -> [f64; 2] {
-    [0.02, 0.33]
-}
-fn default_erase_ratio() -> [f64; 2] {
-    [0.3, 3.3]
-}
-
-/// torchvision's padding: `n` (all sides), `[left/right, top/bottom]` or
-/// `[left, top, right, bottom]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum Padding {
-    All(u32),
-    Sides(Vec<u32>),
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RandomCropConfig {
-    pub size: Size,
-    pub padding: Option<Padding>,
-    #[serde(default)]
-    pub pad_if_needed: bool,
-}
-
-/// A `ColorJitter` amount: `x` (the factor is drawn from `[max(0, 1 - x),
-/// 1 + x]`) or `[lo, hi]`, as torchvision takes them.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(untagged)]
-pub enum Jitter {
-    Amount(f64),
-    Range([f64; 2]),
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ColorJitterConfig {
-    /// `RandomApply([ColorJitter(...)], p)` (default 1: always).
-    #[serde(default = "one_f64")]
-    pub p: f64,
-    pub brightness: Option<Jitter>,
-    pub contrast: Option<Jitter>,
-    pub saturation: Option<Jitter>,
-    pub hue: Option<Jitter>,
-}
-
-/// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GaussianBlurConfig {
-    #[serde(default = "one_f64")]
-    pub p: f64,
-    /// Odd; an int, or `[x, y]` as torchvision takes it.
-    pub kernel_size: Size,
-    /// A fixed sigma, or `[lo, hi]` to draw from (torchvision's default).
-    #[serde(default = "default_sigma")]
-    pub sigma: Jitter,
-}
-
-fn one_f64() -> f64 {
-    1.0
-}
-fn default_sigma() -> Jitter {
-    Jitter::Range([0.1, 2.0])
-}
-
-/// `true`/`false`, or the table of an automatic augmentation's options.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(untagged)]
-pub enum AutoAugmentSwitch {
-    On(bool),
-    Bins {
-        #[serde(default = "default_bins")]
-        num_magnitude_bins: u32,
-    },
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RandAugmentConfig {
-    #[serde(default = "default_num_ops")]
-    pub num_ops: u32,
-    #[serde(default = "default_magnitude")]
-    pub magnitude: u32,
-    #[serde(default = "default_bins")]
-    pub num_magnitude_bins: u32,
-}
-
-fn default_bins() -> u32 {
-    31
-}
-fn default_num_ops() -> u32 {
-    2
-}
-fn default_magnitude() -> u32 {
-    9
-}
-
 fn one64() -> u64 {
     1
 }
@@ -525,16 +320,6 @@ fn default_max_file_bytes() -> u64 {
 fn default_shuffle_buffer() -> usize {
     1000
 }
-fn default_scale() -> [f64; 2] {
-    [0.08, 1.0]
-}
-fn default_ratio() -> [f64; 2] {
-    [3.0 / 4.0, 4.0 / 3.0]
-}
-fn default_dtype() -> DType {
-    DType::F32
-}
-
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SyntheticConfig {

@@ -347,35 +347,84 @@ def reference_eval(path, resize, crop, whole=None):
     return np.asarray(img.crop((left, top, left + crop, top + crop)))
 
 
-def tv_geometry(path, steps):
-    """torchvision's Resize / CenterCrop / Pad on a PIL image, in order;
-    HWC u8."""
+FILTERS = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC,
+           "box": Image.BOX, "hamming": Image.HAMMING, "lanczos": Image.LANCZOS}
+
+
+def tv_pad(img, ltrb, fill=0, mode="constant"):
+    """torchvision's F.pad on a PIL image: ImageOps.expand for constant,
+    np.pad for the other modes."""
     from PIL import ImageOps
 
+    if mode == "constant":
+        fill = tuple(fill) if isinstance(fill, list) else (fill,) * 3
+        return ImageOps.expand(img, border=tuple(ltrb), fill=fill)
+    l, t, r, b = ltrb
+    return Image.fromarray(np.pad(np.asarray(img), ((t, b), (l, r), (0, 0)), mode))
+
+
+def tv_geometry(path, steps):
+    """torchvision's Resize / CenterCrop / Pad on a PIL image, in order;
+    HWC u8. Steps: ["resize", n | [h, w], interpolation?],
+    ["center_crop", [h, w]], ["pad", [l, t, r, b], fill?, padding_mode?]."""
     img = Image.open(path).convert("RGB")
-    for name, arg in steps:
+    for name, arg, *more in steps:
         w, h = img.size
+        filt = FILTERS[more[0]] if more and name == "resize" else Image.BILINEAR
         if name == "resize" and isinstance(arg, int):
             short, long = (w, h) if w <= h else (h, w)
             new_long = int(arg * long / short)
-            img = img.resize((arg, new_long) if w <= h else (new_long, arg), Image.BILINEAR)
+            img = img.resize((arg, new_long) if w <= h else (new_long, arg), filt)
         elif name == "resize":
-            img = img.resize((arg[1], arg[0]), Image.BILINEAR)
+            img = img.resize((arg[1], arg[0]), filt)
         elif name == "center_crop":
             ch, cw = arg
             if cw > w or ch > h:
                 # F.center_crop pads first.
                 ltrb = [(cw - w) // 2 if cw > w else 0, (ch - h) // 2 if ch > h else 0,
                         (cw - w + 1) // 2 if cw > w else 0, (ch - h + 1) // 2 if ch > h else 0]
-                img = ImageOps.expand(img, border=tuple(ltrb), fill=0)
+                img = tv_pad(img, ltrb)
                 w, h = img.size
             top, left = int(round((h - ch) / 2.0)), int(round((w - cw) / 2.0))
             img = img.crop((left, top, left + cw, top + ch))
         elif name == "pad":
-            img = ImageOps.expand(img, border=tuple(arg), fill=0)
+            img = tv_pad(img, arg, *more)
         else:
             raise SystemExit(f"unknown step {name}")
     return np.asarray(img)
+
+
+def check_random_crop(a):
+    """Each dumped u8 sample against every window torchvision's RandomCrop
+    could take (its padding, then pad_if_needed's, with fill and
+    padding_mode): the best window's MAE per sample, and how many distinct
+    windows were best."""
+    _, samples = image_folder(a.root)
+    dump = load_dump(a.dump)
+    h, w = a.size
+    worst, checked, offsets = 0.0, 0, set()
+    for (_, _), fields in sorted(dump.items()):
+        idx = np.frombuffer(fields["index"], np.int64)
+        got = np.frombuffer(fields["image"], np.uint8).reshape(len(idx), 3, h, w).astype(np.float64)
+        for j, i in enumerate(idx):
+            steps = [["resize", a.resize]] if a.resize else []
+            img = Image.fromarray(tv_geometry(samples[i][0], steps))
+            img = tv_pad(img, a.padding, a.fill, a.mode)
+            if a.pad_if_needed and img.size[0] < w:
+                img = tv_pad(img, [w - img.size[0], 0, w - img.size[0], 0], a.fill, a.mode)
+            if a.pad_if_needed and img.size[1] < h:
+                img = tv_pad(img, [0, h - img.size[1], 0, h - img.size[1]], a.fill, a.mode)
+            ref = np.asarray(img).astype(np.float64).transpose(2, 0, 1)
+            best = None
+            for top in range(ref.shape[1] - h + 1):
+                for left in range(ref.shape[2] - w + 1):
+                    mae = np.abs(ref[:, top:top + h, left:left + w] - got[j]).mean()
+                    if best is None or mae < best[0]:
+                        best = (mae, top, left)
+            worst = max(worst, best[0])
+            offsets.add(best[1:])
+            checked += 1
+    print(json.dumps({"checked": checked, "mae_worst_image": worst, "offsets": len(offsets)}))
 
 
 def check_eval(a):
@@ -474,6 +523,15 @@ def main():
     m.add_argument("--ops", help="JSON [[name, magnitude], ...] applied after the crop")
     m.add_argument("--geometry", help="JSON [[resize|center_crop|pad, arg], ...] instead of --resize/--crop")
     m.add_argument("--size", type=int, nargs=2, help="H W of the dumped images")
+    m = sub.add_parser("check-random-crop")
+    m.add_argument("dump")
+    m.add_argument("root")
+    m.add_argument("--resize", type=int, nargs=2, help="H W: the exact resize before the crop")
+    m.add_argument("--size", type=int, nargs=2, required=True, help="H W of the crop")
+    m.add_argument("--padding", type=int, nargs=4, required=True, help="L T R B")
+    m.add_argument("--pad-if-needed", action="store_true")
+    m.add_argument("--fill", type=int, nargs=3, default=[0, 0, 0])
+    m.add_argument("--mode", default="constant")
     m = sub.add_parser("check-labels")
     m.add_argument("dump")
     m.add_argument("root")
@@ -493,6 +551,8 @@ def main():
         make_shards(a.root, a.out, a.per_shard)
     elif a.cmd == "check-eval":
         check_eval(a)
+    elif a.cmd == "check-random-crop":
+        check_random_crop(a)
     elif a.cmd == "check-labels":
         check_labels(a)
     elif a.cmd == "decode-all":

@@ -642,7 +642,7 @@ impl SourceShare {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::transform::{Geometry, Layout};
+    use crate::pipeline::transform::{Border, Geometry, Interpolation, Layout};
     use batchcast::DType;
 
     fn share(n: usize, window: u64, budget: u64) -> Arc<SourceShare> {
@@ -657,7 +657,9 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            interpolation: Interpolation::Bilinear,
             pad: [0; 4],
+            pad_border: Border::default(),
             erasing: None,
             flip_p: 0.0,
             dtype: DType::U8,

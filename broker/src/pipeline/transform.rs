@@ -4,10 +4,12 @@
 //! * `RandomResizedCrop(size, scale, ratio)`: ten tries of a random area and
 //!   log-uniform aspect ratio, then the central fallback, exactly as
 //!   `torchvision.transforms.RandomResizedCrop.get_params`.
-//! * `Resize(shorter side)` + `CenterCrop(size)` for evaluation.
+//! * `Resize(shorter side | (h, w))`, `CenterCrop(size)`, `RandomCrop(size,
+//!   padding, pad_if_needed, fill, padding_mode)`, `Pad(padding, fill,
+//!   padding_mode)`, with `np.pad`'s modes as torchvision uses on PIL images.
 //! * `RandomHorizontalFlip(p)`, `ToTensor` + `Normalize(mean, std)`.
-//! * Antialiased bilinear resampling (Pillow's convolution, via
-//!   `fast_image_resize`).
+//! * Pillow's resampling filters (`interpolation`; antialiased convolution
+//!   via `fast_image_resize`).
 //!
 //! Randomness is drawn from a generator seeded by `(seed, epoch, index)`, so
 //! results do not depend on which thread handles a sample.
@@ -32,6 +34,102 @@ pub enum Layout {
     /// `[H, W, 3]`.
     #[serde(rename = "NHWC", alias = "nhwc")]
     Nhwc,
+}
+
+/// torchvision's `interpolation` of a resize, on PIL images: Pillow's
+/// filters (all but `nearest` antialiased, as Pillow always is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Interpolation {
+    Nearest,
+    #[default]
+    Bilinear,
+    /// Pillow's bicubic (a = -0.5, Catmull-Rom).
+    Bicubic,
+    Box,
+    Hamming,
+    /// Pillow's Lanczos (three lobes).
+    Lanczos,
+}
+
+impl Interpolation {
+    fn options(self) -> ResizeOptions {
+        let conv = |f| ResizeAlg::Convolution(f);
+        ResizeOptions::new().resize_alg(match self {
+            Interpolation::Nearest => ResizeAlg::Nearest,
+            Interpolation::Bilinear => conv(FilterType::Bilinear),
+            Interpolation::Bicubic => conv(FilterType::CatmullRom),
+            Interpolation::Box => conv(FilterType::Box),
+            Interpolation::Hamming => conv(FilterType::Hamming),
+            Interpolation::Lanczos => conv(FilterType::Lanczos3),
+        })
+    }
+}
+
+/// torchvision's `padding_mode` (on PIL images: `np.pad`'s modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PaddingMode {
+    /// The fill value.
+    #[default]
+    Constant,
+    /// The nearest edge pixel, repeated.
+    Edge,
+    /// Mirrored without repeating the edge: `d c b | a b c d | c b a`.
+    Reflect,
+    /// Mirrored with the edge: `c b a | a b c d | d c b`.
+    Symmetric,
+}
+
+/// An axis's padding steps, in turn: `(before, after)` each.
+pub type Steps = [(i64, i64); 2];
+
+/// What a padding puts outside an image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Border {
+    pub mode: PaddingMode,
+    /// Per channel, for [`PaddingMode::Constant`].
+    pub fill: [u8; 3],
+}
+
+impl Border {
+    /// Which of `n` pixels position `i` (outside `0..n`) shows, or `None`
+    /// for the fill.
+    fn fold(self, i: i64, n: i64) -> Option<i64> {
+        Some(match self.mode {
+            PaddingMode::Constant => return None,
+            PaddingMode::Edge => i.clamp(0, n - 1),
+            PaddingMode::Reflect if n == 1 => 0,
+            PaddingMode::Reflect => {
+                let m = i.rem_euclid(2 * (n - 1));
+                if m < n { m } else { 2 * (n - 1) - m }
+            }
+            PaddingMode::Symmetric => {
+                let m = i.rem_euclid(2 * n);
+                if m < n { m } else { 2 * n - 1 - m }
+            }
+        })
+    }
+
+    /// Which pixel of an axis of `n` position `i` shows after the axis was
+    /// padded by `steps` in turn (`(before, after)` each; torchvision pads
+    /// a second time for `pad_if_needed`, mirroring the first padding).
+    /// `i` counts from the unpadded image's first pixel.
+    fn source(self, i: i64, n: i64, steps: Steps) -> Option<i64> {
+        let [(b1, a1), _] = steps;
+        // Into the once-padded axis (starting at -b1), then into the image.
+        let mut j = i + b1;
+        let n1 = n + b1 + a1;
+        if !(0..n1).contains(&j) {
+            j = self.fold(j, n1)?;
+        }
+        let i = j - b1;
+        if (0..n).contains(&i) {
+            Some(i)
+        } else {
+            self.fold(i, n)
+        }
+    }
 }
 
 /// The geometric part of a transform.
@@ -65,11 +163,13 @@ pub enum Resize {
 pub enum Crop {
     /// `CenterCrop((h, w))` (zero-padded when the image is smaller).
     Center((u32, u32)),
-    /// `RandomCrop((h, w), padding = [l, t, r, b], pad_if_needed)`, fill 0.
+    /// `RandomCrop((h, w), padding = [l, t, r, b], pad_if_needed, fill,
+    /// padding_mode)`.
     Random {
         size: (u32, u32),
         padding: [u32; 4],
         pad_if_needed: bool,
+        border: Border,
     },
 }
 
@@ -103,8 +203,11 @@ pub struct Plan {
 #[derive(Debug, Clone)]
 pub struct Transform {
     pub geometry: Geometry,
-    /// `Pad`: zeros `[left, top, right, bottom]` around the crop.
+    /// The resampling of the geometry's resize.
+    pub interpolation: Interpolation,
+    /// `Pad`: `[left, top, right, bottom]` around the crop.
     pub pad: [u32; 4],
+    pub pad_border: Border,
     /// Augmentations after the crop and flip, in order.
     pub augment: Vec<Augment>,
     /// `RandomErasing` of the tensor, last.
@@ -192,6 +295,7 @@ impl Transform {
                         size,
                         padding,
                         pad_if_needed,
+                        ..
                     }) => random_crop_offsets((rh, rw), size, padding, pad_if_needed, rng),
                     None => (0, 0, false),
                 };
@@ -229,8 +333,17 @@ impl Transform {
 
     /// The largest DCT downscale (1, 2, 4 or 8) that still leaves at least
     /// the output's resolution in the region that becomes the output, so the
-    /// final resize only ever shrinks.
+    /// final resize only ever shrinks. None for `nearest` and `box`: they
+    /// pick or average exact source pixels, which a DCT-reduced decode has
+    /// already blended (up to 7 levels off on photos, where the smooth
+    /// filters stay within 1).
     pub fn reduction(&self, plan: &Plan, width: u32, height: u32) -> u32 {
+        if matches!(
+            self.interpolation,
+            Interpolation::Nearest | Interpolation::Box
+        ) {
+            return 1;
+        }
         let (oh, ow) = self.out_size();
         // Source pixels per output pixel along each axis.
         let (sx, sy) = match plan.resized {
@@ -275,28 +388,41 @@ fn center_offsets((ih, iw): (u32, u32), (h, w): (u32, u32)) -> (i64, i64) {
     (one(ih, h), one(iw, w))
 }
 
+/// `RandomCrop`'s padding steps on an `(ih, iw)` image, per axis
+/// (`(before, after)` of `padding`, then of `pad_if_needed`, which pads the
+/// shortfall on both sides): `(rows, columns)`.
+fn random_crop_steps(
+    (ih, iw): (u32, u32),
+    (h, w): (u32, u32),
+    [l, t, r, b]: [u32; 4],
+    pad_if_needed: bool,
+) -> (Steps, Steps) {
+    let axis = |n: u32, before: u32, after: u32, want: u32| {
+        let padded = i64::from(n + before + after);
+        let extra = if pad_if_needed {
+            (i64::from(want) - padded).max(0)
+        } else {
+            0
+        };
+        [(i64::from(before), i64::from(after)), (extra, extra)]
+    };
+    (axis(ih, t, b, h), axis(iw, l, r, w))
+}
+
 /// `RandomCrop`'s padding, `pad_if_needed` and `get_params` on an
 /// `(ih, iw)` image: the crop's offsets (negative inside the padding), and
 /// whether it cannot fit.
 fn random_crop_offsets(
     (ih, iw): (u32, u32),
     (h, w): (u32, u32),
-    [l, t, r, b]: [u32; 4],
+    padding: [u32; 4],
     pad_if_needed: bool,
     rng: &mut SplitMix64,
 ) -> (i64, i64, bool) {
-    let (mut ph, mut pw) = (i64::from(ih + t + b), i64::from(iw + l + r));
-    let (mut top_pad, mut left_pad) = (i64::from(t), i64::from(l));
+    let (rows, cols) = random_crop_steps((ih, iw), (h, w), padding, pad_if_needed);
+    let span = |n: u32, [(b1, a1), (b2, a2)]: Steps| i64::from(n) + b1 + a1 + b2 + a2;
+    let (ph, pw) = (span(ih, rows), span(iw, cols));
     let (h, w) = (i64::from(h), i64::from(w));
-    // Width first, then height, each by the shortfall on both sides.
-    if pad_if_needed && pw < w {
-        left_pad += w - pw;
-        pw += 2 * (w - pw);
-    }
-    if pad_if_needed && ph < h {
-        top_pad += h - ph;
-        ph += 2 * (h - ph);
-    }
     if ph < h || pw < w {
         return (0, 0, true);
     }
@@ -307,7 +433,7 @@ fn random_crop_offsets(
         let j = rng.below((pw - w + 1) as u64) as i64;
         (i, j)
     };
-    (i - top_pad, j - left_pad, false)
+    (i - rows[0].0 - rows[1].0, j - cols[0].0 - cols[1].0, false)
 }
 
 /// `RandomResizedCrop.get_params`.
@@ -422,11 +548,17 @@ impl Transform {
         let (oh, ow) = self.out_size();
         let [l, t, r, b] = self.pad;
         if l + t + r + b > 0 {
-            // `Pad`: the crop inside a border of zeros.
+            // `Pad`: the crop inside its border.
             let (ch, cw) = self.crop_size();
             scratch.out.resize(oh as usize * ow as usize * 3, 0);
-            let at = (-i64::from(t), -i64::from(l));
-            copy_crop(&scratch.resized, cw, ch, at, (oh, ow), &mut scratch.out);
+            let steps = |before: u32, after: u32| [(i64::from(before), i64::from(after)), (0, 0)];
+            let window = Window {
+                at: (-i64::from(t), -i64::from(l)),
+                size: (oh, ow),
+                border: self.pad_border,
+                steps: (steps(t, b), steps(l, r)),
+            };
+            window.copy(&scratch.resized, cw, ch, &mut scratch.out);
             std::mem::swap(&mut scratch.out, &mut scratch.resized);
         }
         let mut flip = plan.flip;
@@ -464,68 +596,116 @@ impl Transform {
         let (oh, ow) = self.crop_size();
         let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3)
             .map_err(|e| err(&e))?;
-        let bilinear =
-            ResizeOptions::new().resize_alg(ResizeAlg::Convolution(FilterType::Bilinear));
+        let resample = self.interpolation.options();
         scratch.resized.resize(oh as usize * ow as usize * 3, 0);
-        let at = (plan.crop.top as i64, plan.crop.left as i64);
-        match plan.resized {
+        let (rw, rh) = match plan.resized {
             None => {
                 // The crop box was chosen on the full-size image; a decode
                 // reduced in the DCT domain maps pixel x to x / denom.
                 let f = 1.0 / denom as f64;
                 let c = plan.crop;
-                let opts = bilinear.crop(c.left * f, c.top * f, c.width * f, c.height * f);
+                let opts = resample.crop(c.left * f, c.top * f, c.width * f, c.height * f);
                 let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
                     .map_err(|e| err(&e))?;
                 scratch
                     .resizer
                     .resize(&src, &mut dst, &opts)
                     .map_err(|e| err(&e))?;
+                return Ok(());
             }
-            // No resize (a crop of the image as decoded): copy.
-            Some((rw, rh)) if (rw, rh) == (img.width, img.height) => {
-                copy_crop(&img.data, rw, rh, at, (oh, ow), &mut scratch.resized);
-            }
-            Some((rw, rh)) => {
-                scratch.out.resize(rw as usize * rh as usize * 3, 0);
-                let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
-                    .map_err(|e| err(&e))?;
-                scratch
-                    .resizer
-                    .resize(&src, &mut full, &bilinear)
-                    .map_err(|e| err(&e))?;
-                copy_crop(&scratch.out, rw, rh, at, (oh, ow), &mut scratch.resized);
-            }
+            Some(size) => size,
+        };
+        // A crop of the image as decoded (copied), or of it resized.
+        let resized = (rw, rh) != (img.width, img.height);
+        if resized {
+            scratch.out.resize(rw as usize * rh as usize * 3, 0);
+            let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
+                .map_err(|e| err(&e))?;
+            scratch
+                .resizer
+                .resize(&src, &mut full, &resample)
+                .map_err(|e| err(&e))?;
         }
+        let no_steps = [(0, 0), (0, 0)];
+        let (border, steps) = match self.geometry {
+            Geometry::ResizeCrop {
+                crop:
+                    Some(Crop::Random {
+                        size,
+                        padding,
+                        pad_if_needed,
+                        border,
+                    }),
+                ..
+            } => (
+                border,
+                random_crop_steps((rh, rw), size, padding, pad_if_needed),
+            ),
+            // CenterCrop pads a smaller image with zeros.
+            _ => (Border::default(), (no_steps, no_steps)),
+        };
+        let window = Window {
+            at: (plan.crop.top as i64, plan.crop.left as i64),
+            size: (oh, ow),
+            border,
+            steps,
+        };
+        let from = if resized { &scratch.out } else { &img.data };
+        window.copy(from, rw, rh, &mut scratch.resized);
         Ok(())
     }
 }
 
-/// Copies an `oh × ow` window at (`top`, `left`) of an RGB image, padding
-/// with zeros outside it (torchvision's CenterCrop pads a too-small image).
-fn copy_crop(
-    src: &[u8],
-    sw: u32,
-    sh: u32,
-    (top, left): (i64, i64),
-    (oh, ow): (u32, u32),
-    dst: &mut [u8],
-) {
-    dst.fill(0);
-    for y in 0..oh as i64 {
-        let sy = top + y;
-        if sy < 0 || sy >= sh as i64 {
-            continue;
+/// An `oh × ow` window of an RGB image at (`top`, `left`), which may reach
+/// outside it: there the image is padded per `border`, in `steps` per axis
+/// (`(rows, columns)`).
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    at: (i64, i64),
+    size: (u32, u32),
+    border: Border,
+    steps: (Steps, Steps),
+}
+
+impl Window {
+    fn copy(&self, src: &[u8], sw: u32, sh: u32, dst: &mut [u8]) {
+        let ((top, left), (oh, ow)) = (self.at, self.size);
+        let (sw, ow) = (i64::from(sw), ow as usize);
+        let fill = self.border.fill;
+        // The columns inside the image are one copy per row.
+        let x0 = (-left).clamp(0, ow as i64) as usize;
+        let x1 = (sw - left).clamp(x0 as i64, ow as i64) as usize;
+        let cols: Vec<Option<usize>> = if x0 == 0 && x1 == ow {
+            Vec::new()
+        } else {
+            (0..ow)
+                .map(|x| {
+                    let sx = self.border.source(left + x as i64, sw, self.steps.1);
+                    sx.map(|v| v as usize)
+                })
+                .collect()
+        };
+        for (y, row) in dst.chunks_exact_mut(ow * 3).take(oh as usize).enumerate() {
+            let Some(sy) = self
+                .border
+                .source(top + y as i64, i64::from(sh), self.steps.0)
+            else {
+                for px in row.chunks_exact_mut(3) {
+                    px.copy_from_slice(&fill);
+                }
+                continue;
+            };
+            let line = &src[sy as usize * sw as usize * 3..][..sw as usize * 3];
+            let start = (left + x0 as i64) as usize * 3;
+            row[x0 * 3..x1 * 3].copy_from_slice(&line[start..start + (x1 - x0) * 3]);
+            for x in (0..x0).chain(x1..ow) {
+                let px = &mut row[x * 3..x * 3 + 3];
+                match cols[x] {
+                    Some(sx) => px.copy_from_slice(&line[sx * 3..sx * 3 + 3]),
+                    None => px.copy_from_slice(&fill),
+                }
+            }
         }
-        let x0 = left.max(0);
-        let x1 = (left + ow as i64).min(sw as i64);
-        if x0 >= x1 {
-            continue;
-        }
-        let s = ((sy * sw as i64 + x0) * 3) as usize;
-        let d = ((y * ow as i64 + (x0 - left)) * 3) as usize;
-        let n = ((x1 - x0) * 3) as usize;
-        dst[d..d + n].copy_from_slice(&src[s..s + n]);
     }
 }
 
@@ -754,7 +934,9 @@ mod tests {
                             crop: None,
                         },
                         augment: Vec::new(),
+                        interpolation: Interpolation::Bilinear,
                         pad: [0; 4],
+                        pad_border: Border::default(),
                         erasing: None,
                         flip_p: 0.0,
                         dtype,
@@ -785,6 +967,53 @@ mod tests {
     }
 
     #[test]
+    fn padding_modes_fold_like_np_pad_in_one_and_two_steps() {
+        let row = |mode, n: i64, steps: Steps| -> Vec<Option<i64>> {
+            let b = Border { mode, fill: [0; 3] };
+            let [(b1, a1), (b2, a2)] = steps;
+            (-(b1 + b2)..n + a1 + a2)
+                .map(|i| b.source(i, n, steps))
+                .collect()
+        };
+        let one = |before: i64, after: i64| [(before, after), (0, 0)];
+        let s = |v: &[i64]| v.iter().map(|&x| Some(x)).collect::<Vec<_>>();
+        // np.pad([a b c d], 3, mode) as indices.
+        assert_eq!(
+            row(PaddingMode::Reflect, 4, one(3, 3)),
+            s(&[3, 2, 1, 0, 1, 2, 3, 2, 1, 0])
+        );
+        assert_eq!(
+            row(PaddingMode::Symmetric, 4, one(3, 3)),
+            s(&[2, 1, 0, 0, 1, 2, 3, 3, 2, 1])
+        );
+        assert_eq!(
+            row(PaddingMode::Edge, 4, one(3, 3)),
+            s(&[0, 0, 0, 0, 1, 2, 3, 3, 3, 3])
+        );
+        let mut c = vec![None; 3];
+        c.extend(s(&[0, 1, 2, 3]));
+        c.extend([None; 3]);
+        assert_eq!(row(PaddingMode::Constant, 4, one(3, 3)), c);
+        // Wider than the image: np.pad keeps reflecting.
+        assert_eq!(
+            row(PaddingMode::Reflect, 3, one(5, 0)),
+            s(&[1, 0, 1, 2, 1, 0, 1, 2])
+        );
+        assert_eq!(row(PaddingMode::Reflect, 1, one(2, 2)), s(&[0; 5]));
+        // Two steps: np.pad(np.pad([a b c], 1, "reflect"), 2, "reflect")
+        // = np.pad([b a b c b], 2) = [b a | b a b c b | c b]: the second
+        // step mirrors the first one's padding, not the image.
+        assert_eq!(
+            row(PaddingMode::Reflect, 3, [(1, 1), (2, 2)]),
+            s(&[1, 0, 1, 0, 1, 2, 1, 2, 1])
+        );
+        assert_eq!(
+            row(PaddingMode::Symmetric, 3, [(1, 1), (2, 2)]),
+            s(&[0, 0, 0, 0, 1, 2, 2, 2, 2])
+        );
+    }
+
+    #[test]
     fn reduction_never_goes_below_the_output_size() {
         let t = Transform {
             geometry: Geometry::RandomResizedCrop {
@@ -793,7 +1022,9 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            interpolation: Interpolation::Bilinear,
             pad: [0; 4],
+            pad_border: Border::default(),
             erasing: None,
             flip_p: 0.5,
             dtype: DType::F32,

@@ -8,7 +8,7 @@ use crate::config::{
     AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, Size, TransformConfig,
 };
 use crate::pipeline::augment::Augment;
-use crate::pipeline::erase::Erasing;
+use crate::pipeline::erase::{EraseValue, Erasing};
 
 /// Most magnitude bins an automatic augmentation may have.
 pub const MAX_BINS: u32 = 1024;
@@ -235,11 +235,25 @@ pub(super) fn erasing_of(t: &TransformConfig) -> Result<Option<Erasing>, StreamE
     let value = match &e.value {
         ErasingValue::One(v) => [*v; 3],
         ErasingValue::PerChannel(v) => *v,
+        ErasingValue::Named(n) if n == "random" && t.dtype == DType::U8 => {
+            return Err(key(
+                "transform.random_erasing.value",
+                "transform.random_erasing.value = \"random\" draws normal noise in the tensor's units, which a u8 tensor cannot hold; use a float dtype, or a number or [r, g, b]",
+            ));
+        }
+        ErasingValue::Named(n) if n == "random" => {
+            return Ok(Some(Erasing {
+                p,
+                scale: (s0, s1),
+                ratio: (r0, r1),
+                value: EraseValue::Normal,
+            }));
+        }
         ErasingValue::Named(n) => {
             return Err(key(
                 "transform.random_erasing.value",
                 format!(
-                    "transform.random_erasing.value = \"{n}\" is not supported (normal noise); use a number or [r, g, b]"
+                    "transform.random_erasing.value = \"{n}\" is not a value; use a number, [r, g, b] or \"random\""
                 ),
             ));
         }
@@ -259,6 +273,6 @@ pub(super) fn erasing_of(t: &TransformConfig) -> Result<Option<Erasing>, StreamE
         p,
         scale: (s0, s1),
         ratio: (r0, r1),
-        value,
+        value: EraseValue::Fixed(value),
     }))
 }

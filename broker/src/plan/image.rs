@@ -10,11 +10,11 @@ use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
 
 use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
 use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
-use crate::config::{Padding, Size, StreamConfig, TransformConfig};
+use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, expand_pattern};
 use crate::pipeline::sampler::{Split, Uneven};
-use crate::pipeline::transform::{Crop, Geometry, Resize, Transform};
+use crate::pipeline::transform::{Border, Crop, Geometry, PaddingMode, Resize, Transform};
 
 fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
     let positive = |what: &'static str, (h, w): (u32, u32)| {
@@ -93,6 +93,13 @@ fn padding(name: &'static str, p: &Padding) -> Result<[u32; 4], StreamError> {
     Ok(sides)
 }
 
+fn border(fill: PadFill, mode: PaddingMode) -> Border {
+    Border {
+        mode,
+        fill: fill.rgb(),
+    }
+}
+
 /// `Resize` and a crop: evaluation (`resize = 256`, `center_crop = 224`),
 /// an exact size (`resize = [h, w]`), a random crop with padding.
 fn resize_crop(
@@ -125,6 +132,7 @@ fn resize_crop(
                 None => [0; 4],
             },
             pad_if_needed: r.pad_if_needed,
+            border: border(r.fill, r.padding_mode),
         }),
         (None, None) => None,
     };
@@ -187,13 +195,19 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
     }
     let augment = super::augment::augments_of(t)?;
     let erasing = super::augment::erasing_of(t)?;
-    let pad = match &t.pad {
-        Some(p) => padding("transform.pad", p)?,
-        None => [0; 4],
+    let (pad, pad_border) = match &t.pad {
+        Some(PadConfig::Zeros(p)) => (padding("transform.pad", p)?, Border::default()),
+        Some(PadConfig::With(p)) => (
+            padding("transform.pad.padding", &p.padding)?,
+            border(p.fill, p.padding_mode),
+        ),
+        None => ([0; 4], Border::default()),
     };
     Ok(Transform {
         geometry,
+        interpolation: t.interpolation,
         pad,
+        pad_border,
         augment,
         erasing,
         flip_p: t.horizontal_flip,

@@ -273,8 +273,12 @@ fn augmentations_are_checked_and_named() {
         ),
         ("auto_augment = \"cifar10\"", "is not a policy here"),
         (
-            "random_erasing = { value = \"random\" }",
-            "is not supported (normal noise)",
+            "random_erasing = { value = \"random\" }\ndtype = \"u8\"",
+            "draws normal noise in the tensor's units, which a u8 tensor cannot hold",
+        ),
+        (
+            "random_erasing = { value = \"noise\" }",
+            "value = \"noise\" is not a value; use a number, [r, g, b] or \"random\"",
         ),
         (
             "random_erasing = { value = 0.5 }\ndtype = \"u8\"",
@@ -303,6 +307,7 @@ fn augmentations_are_checked_and_named() {
         "auto_augment = \"imagenet\"",
         "random_erasing = { p = 0.25, value = [0.1, 0.2, 0.3] }",
         "random_erasing = {}\ndtype = \"u8\"",
+        "random_erasing = { value = \"random\" }\ndtype = \"bf16\"",
         "gaussian_blur = { kernel_size = 23, p = 0.5 }\ncolor_jitter = { brightness = 0.4, p = 0.8 }",
     ] {
         let err = plan(&with(aug)).unwrap_err().to_string();
@@ -328,8 +333,33 @@ fn resize_and_crop_combinations_are_checked() {
         ),
         ("horizontal_flip = 0.5", "transform needs a geometry"),
         ("resize = [0, 8]", "transform.resize must be positive"),
+        (
+            "resize = [8, 8]\ninterpolation = \"cubic\"",
+            "unknown variant `cubic`, expected one of `nearest`, `bilinear`, `bicubic`",
+        ),
+        (
+            "center_crop = 8\npad = { padding = 2, padding_mode = \"wrap\" }",
+            "pad = n, [lr, tb], [l, t, r, b], or { padding = ..., fill = 0 or [r, g, b], padding_mode",
+        ),
+        (
+            "center_crop = 8\npad = { padding = [1, 2, 3], fill = 9 }",
+            "transform.pad.padding must be n, [left/right, top/bottom] or [left, top, right, bottom]",
+        ),
+        (
+            "random_crop = { size = 8, fill = 256 }",
+            "fill = a pixel level 0..255 for every channel, or [r, g, b]",
+        ),
+        (
+            "random_crop = { size = 8, padding_mode = \"mirror\" }",
+            "unknown variant `mirror`, expected one of `constant`, `edge`, `reflect`, `symmetric`",
+        ),
     ] {
-        let err = plan(&with(t)).unwrap_err().to_string();
+        // Unknown names and shapes fail as the file is read, the rest when
+        // it is planned; both name the key.
+        let err = match Config::parse(&with(t), Path::new("test.toml")) {
+            Ok(c) => plan_config(&c).unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
         assert!(err.contains(expect), "{t}: {err}");
     }
     for t in [
@@ -338,6 +368,11 @@ fn resize_and_crop_combinations_are_checked() {
         "random_crop = { size = 32, padding = 4 }",
         "random_crop = { size = [32, 16], padding = [1, 2], pad_if_needed = true }\npad = 2",
         "resize = 40\nrandom_crop = { size = 32 }",
+        "resize = [32, 48]\ninterpolation = \"bicubic\"",
+        "random_resized_crop = { size = 32 }\ninterpolation = \"lanczos\"",
+        "random_crop = { size = 32, padding = 4, fill = [1, 2, 3], padding_mode = \"reflect\" }",
+        "center_crop = 24\npad = { padding = [1, 2], fill = 7, padding_mode = \"symmetric\" }",
+        "center_crop = 24\npad = { padding = 3 }",
     ] {
         let err = plan(&with(t)).unwrap_err().to_string();
         assert!(err.contains("/nonexistent"), "{t}: {err}");
