@@ -469,7 +469,28 @@ fn interpolations_fills_and_padding_modes_follow_torchvision() {
         );
         cfg += &stream(&format!("crop-{m}"), &folder(&root), &crop, drop);
     }
+    // TrivialAugmentWide's geometric ops fill with a colour no photo here has.
+    let ta = "random_resized_crop = { size = 32 }\ntrivial_augment_wide = { interpolation = \"bilinear\", fill = [255, 0, 255] }\ndtype = \"u8\"\nlayout = \"NHWC\"";
+    cfg += &stream("ta-fill", &folder(&root), ta, drop);
     env.start(&cfg);
+    let dump = env.p("ta-fill");
+    assert!(env.consume(&["--stream", "ta-fill", "--dump", &dump]).ok);
+    let (mut samples, mut filled) = (0, 0);
+    for f in std::fs::read_dir(&dump).unwrap() {
+        let f = f.unwrap().path();
+        if f.to_string_lossy().ends_with("-image.bin") {
+            for img in std::fs::read(&f).unwrap().chunks_exact(32 * 32 * 3) {
+                samples += 1;
+                let fill = img.chunks_exact(3).filter(|p| p == &[255, 0, 255]).count();
+                filled += usize::from(fill >= 8);
+            }
+        }
+    }
+    // About 5 in 14 ops are geometric, most of them with a border.
+    assert!(
+        samples > 40 && filled >= 5 && filled < samples / 2,
+        "{filled} of {samples}"
+    );
     let n = |rep: &serde_json::Value| rep["checked"].as_u64().unwrap();
     for f in filters {
         let dump = env.p(&format!("resize-{f}"));

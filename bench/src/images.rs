@@ -26,6 +26,7 @@ use batchcast::DType;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::demo;
 use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::pipeline::augment::Resample;
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Border, Geometry, Interpolation, Layout, Transform};
 use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
@@ -64,6 +65,7 @@ fn transform() -> Transform {
             ratio: (3.0 / 4.0, 4.0 / 3.0),
         },
         augment: Vec::new(),
+        resample: Resample::default(),
         interpolation: Interpolation::Bilinear,
         pad: [0; 4],
         pad_border: Border::default(),

@@ -193,18 +193,22 @@ def tv_inverse_affine(center, angle, translate, scale, shear):
     return m
 
 
-def tv_op(img, name, m):
+def tv_op(img, name, m, interpolation="nearest", fill=None):
     """torchvision.transforms.autoaugment._apply_op (and the other
-    transforms' functional calls) on a PIL image, as torchvision does it."""
+    transforms' functional calls) on a PIL image, as torchvision does it,
+    with the augmentation's interpolation and fill."""
     from PIL import ImageEnhance, ImageOps
 
     w, h = img.size
+    resample = FILTERS[interpolation]
+    # torchvision's _parse_fill: None is 0; a number or a list, as ints.
+    fill = 0 if fill is None else tuple(int(v) for v in fill) if isinstance(fill, list) else int(fill)
 
     def affine(center, translate, shear):
         if center is None:
             center = [w * 0.5, h * 0.5]
         mat = tv_inverse_affine(center, 0.0, translate, 1.0, shear)
-        return img.transform((w, h), Image.AFFINE, mat, Image.NEAREST, fillcolor=0)
+        return img.transform((w, h), Image.AFFINE, mat, resample, fillcolor=fill)
 
     if name == "ShearX":
         return affine([0, 0], [0, 0], [math.degrees(math.atan(m)), 0.0])
@@ -215,7 +219,7 @@ def tv_op(img, name, m):
     if name == "TranslateY":
         return affine(None, [0, int(m)], [0.0, 0.0])
     if name == "Rotate":
-        return img.rotate(m, Image.NEAREST, expand=False, center=None, fillcolor=0)
+        return img.rotate(m, resample, expand=False, center=None, fillcolor=fill)
     if name == "Brightness":
         return ImageEnhance.Brightness(img).enhance(m)
     if name == "Color":
@@ -276,9 +280,9 @@ def ops_reference(out, w, h, seed, ops):
     src = Image.fromarray(photo(w, h, seed))
     with open(os.path.join(out, "src.rgb"), "wb") as f:
         f.write(src.tobytes())
-    for i, (name, m) in enumerate(json.loads(ops)):
+    for i, (name, m, *opts) in enumerate(json.loads(ops)):
         with open(os.path.join(out, f"{i}.rgb"), "wb") as f:
-            f.write(tv_op(src, name, m).convert("RGB").tobytes())
+            f.write(tv_op(src, name, m, **(opts[0] if opts else {})).convert("RGB").tobytes())
 
 
 def image_folder(root):

@@ -4,6 +4,7 @@
 use batchcast::DType;
 use serde::Deserialize;
 
+use crate::pipeline::augment::AffineFilter;
 use crate::pipeline::transform::{Interpolation, Layout, PaddingMode};
 
 /// `int` or `[height, width]`, as torchvision takes sizes.
@@ -75,12 +76,15 @@ pub struct TransformConfig {
     pub grayscale: f64,
     /// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
     pub gaussian_blur: Option<GaussianBlurConfig>,
-    /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31 }`.
+    /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31,
+    /// interpolation, fill }`.
     pub trivial_augment_wide: Option<AutoAugmentSwitch>,
-    /// `RandAugment(num_ops, magnitude, num_magnitude_bins)`.
+    /// `RandAugment(num_ops, magnitude, num_magnitude_bins, interpolation,
+    /// fill)`.
     pub rand_augment: Option<RandAugmentConfig>,
-    /// `AutoAugment(policy)`: `"imagenet"`.
-    pub auto_augment: Option<String>,
+    /// `AutoAugment(policy)`: `"imagenet"`, or `{ policy, interpolation,
+    /// fill }`.
+    pub auto_augment: Option<AutoAugmentConfig>,
     /// `RandomErasing(p, scale, ratio, value)`, on the tensor, last.
     pub random_erasing: Option<RandomErasingConfig>,
 }
@@ -237,15 +241,25 @@ fn default_sigma() -> Jitter {
     Jitter::Range([0.1, 2.0])
 }
 
-/// `true`/`false`, or the table of an automatic augmentation's options.
+/// `true`/`false`, or the table of `TrivialAugmentWide`'s options.
 #[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "trivial_augment_wide = true, false or { num_magnitude_bins = 31, interpolation = \"nearest\" | \"bilinear\" | \"bicubic\", fill = 0 or [r, g, b] }"
+)]
 pub enum AutoAugmentSwitch {
     On(bool),
-    Bins {
-        #[serde(default = "default_bins")]
-        num_magnitude_bins: u32,
-    },
+    Table(TrivialAugmentTable),
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrivialAugmentTable {
+    #[serde(default = "default_bins")]
+    pub num_magnitude_bins: u32,
+    #[serde(default)]
+    pub interpolation: AffineFilter,
+    pub fill: Option<PadFill>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -257,6 +271,30 @@ pub struct RandAugmentConfig {
     pub magnitude: u32,
     #[serde(default = "default_bins")]
     pub num_magnitude_bins: u32,
+    #[serde(default)]
+    pub interpolation: AffineFilter,
+    pub fill: Option<PadFill>,
+}
+
+/// `AutoAugment(policy)`: the policy's name, or a table with the
+/// geometric ops' `interpolation` and `fill`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "auto_augment = \"imagenet\" or { policy = \"imagenet\", interpolation = \"nearest\" | \"bilinear\" | \"bicubic\", fill = 0 or [r, g, b] }"
+)]
+pub enum AutoAugmentConfig {
+    Policy(String),
+    Table(AutoAugmentTable),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AutoAugmentTable {
+    pub policy: String,
+    #[serde(default)]
+    pub interpolation: AffineFilter,
+    pub fill: Option<PadFill>,
 }
 
 fn default_bins() -> u32 {

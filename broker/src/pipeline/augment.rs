@@ -8,8 +8,11 @@
 //! degenerate image in 32-bit float and truncate (`ImageEnhance`,
 //! `Image.blend`), lookup-table ops follow `ImageOps`, grayscale is
 //! Pillow's fixed-point ITU-R 601-2 luma, and geometric ops (shear,
-//! translate, rotate; nearest neighbour, fill 0) map pixel centres through
-//! the inverse matrix torchvision computes, in Pillow's 16.16 fixed point.
+//! translate, rotate) map pixel centres through the inverse matrix
+//! torchvision computes: nearest neighbour in Pillow's 16.16 fixed point,
+//! bilinear and bicubic as Pillow's generic transform (double precision,
+//! its clamped neighbours, truncation), the area mapped from outside the
+//! image taking `fill` (see [`Resample`]).
 //! Hue goes through Pillow's HSV and back (`Convert.c`'s float and double
 //! arithmetic, as C promotes it). `GaussianBlur` follows torchvision's
 //! tensor path (a float32 kernel, reflect padding, rounding half to even).
@@ -56,6 +59,25 @@ pub enum Op {
     HorizontalFlip,
 }
 
+/// The `interpolation` of the automatic augmentations' geometric ops
+/// (Pillow's transform filters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AffineFilter {
+    #[default]
+    Nearest,
+    Bilinear,
+    Bicubic,
+}
+
+/// How the geometric ops resample, and what they put where the source
+/// lies outside the image (torchvision's `interpolation` and `fill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Resample {
+    pub filter: AffineFilter,
+    pub fill: [u8; 3],
+}
+
 /// An RGB image being augmented, and a second buffer of its size.
 #[derive(Debug, Default)]
 pub struct Canvas {
@@ -63,6 +85,8 @@ pub struct Canvas {
     pub height: u32,
     /// `height × width × 3`, row-major.
     pub data: Vec<u8>,
+    /// For the geometric ops.
+    pub resample: Resample,
     spare: Vec<u8>,
     /// The blur's first pass, kept between images.
     rows: Vec<f32>,
@@ -74,6 +98,7 @@ impl Canvas {
             width,
             height,
             data,
+            resample: Resample::default(),
             spare: Vec::new(),
             rows: Vec::new(),
         }
@@ -83,8 +108,8 @@ impl Canvas {
     pub fn apply(&mut self, op: Op) {
         match op {
             Op::Identity => {}
-            Op::ShearX(m) => self.affine([1.0, m, 0.0, 0.0, 1.0, 0.0]),
-            Op::ShearY(m) => self.affine([1.0, 0.0, 0.0, m, 1.0, 0.0]),
+            Op::ShearX(m) => self.affine(shear_matrix(m, 0.0)),
+            Op::ShearY(m) => self.affine(shear_matrix(0.0, m)),
             Op::TranslateX(m) => self.affine([1.0, 0.0, -(m.trunc()), 0.0, 1.0, 0.0]),
             Op::TranslateY(m) => self.affine([1.0, 0.0, 0.0, 0.0, 1.0, -(m.trunc())]),
             Op::Rotate(deg) => self.rotate(deg),
@@ -315,14 +340,15 @@ impl Canvas {
         self.lut(|c, v| t[c][v as usize]);
     }
 
-    /// `Image.rotate(deg)` (nearest, fill 0, about the centre, same size).
+    /// `Image.rotate(deg, fillcolor)` (about the centre, same size).
     fn rotate(&mut self, deg: f64) {
         let deg = deg.rem_euclid(360.0);
         if deg == 0.0 {
             return;
         }
-        let a = -deg.to_radians();
-        let r15 = |x: f64| (x * 1e15).round() / 1e15;
+        let a = -(deg * (std::f64::consts::PI / 180.0));
+        // Python's `round(x, 15)`: correctly rounded in decimal.
+        let r15 = |x: f64| format!("{x:.15}").parse::<f64>().unwrap_or(x);
         let (cos, sin) = (r15(a.cos()), r15(a.sin()));
         let (cx, cy) = (self.width as f64 / 2.0, self.height as f64 / 2.0);
         let m = [
@@ -336,17 +362,31 @@ impl Canvas {
         self.affine(m);
     }
 
-    /// `Image.transform(size, AFFINE, m, NEAREST)` with fill 0: output
-    /// pixel `(x, y)` takes input pixel `m · (x + ½, y + ½)`, in Pillow's
-    /// 16.16 fixed point.
+    /// `Image.transform(size, AFFINE, m, filter, fillcolor)`: output pixel
+    /// `(x, y)` samples the input at `m · (x + ½, y + ½)`.
     fn affine(&mut self, m: [f64; 6]) {
+        self.spare.clear();
+        match self.resample.fill {
+            // One value (black, most often): a memset.
+            [v, g, b] if v == g && g == b => self.spare.resize(self.data.len(), v),
+            fill => self
+                .spare
+                .extend(std::iter::repeat_n(fill, self.data.len() / 3).flatten()),
+        }
+        match self.resample.filter {
+            AffineFilter::Nearest => self.affine_nearest(m),
+            filter => self.affine_smooth(m, filter == AffineFilter::Bicubic),
+        }
+        std::mem::swap(&mut self.data, &mut self.spare);
+    }
+
+    /// Nearest neighbour, in Pillow's 16.16 fixed point, into `spare`.
+    fn affine_nearest(&mut self, m: [f64; 6]) {
         let fix = |v: f64| (v * 65536.0 + 0.5).floor() as i64;
         let (w, h) = (self.width as i64, self.height as i64);
         let (a0, a1, a3, a4) = (fix(m[0]), fix(m[1]), fix(m[3]), fix(m[4]));
         let mut a2 = fix(m[2] + m[0] * 0.5 + m[1] * 0.5);
         let mut a5 = fix(m[5] + m[3] * 0.5 + m[4] * 0.5);
-        self.spare.clear();
-        self.spare.resize(self.data.len(), 0);
         for y in 0..h {
             // The outputs x whose source lies inside: where both fixed-point
             // coordinates are in [0, size · 2^16), an interval of x.
@@ -375,8 +415,97 @@ impl Canvas {
             a2 += a1;
             a5 += a4;
         }
-        std::mem::swap(&mut self.data, &mut self.spare);
     }
+
+    /// Pillow's generic transform with its bilinear or bicubic filter, into
+    /// `spare`: the source point in double precision; outside the image it
+    /// keeps the fill; inside, neighbours past the edge are clamped to it
+    /// (rows below the last repeat the previous row's result), and the
+    /// value is truncated (bicubic clamped to 0..=255 first).
+    fn affine_smooth(&mut self, m: [f64; 6], bicubic: bool) {
+        let (w, h) = (self.width as usize, self.height as usize);
+        let (wf, hf) = (w as f64, h as f64);
+        let (src, _) = self.data.as_chunks::<3>();
+        let (dst, _) = self.spare.as_chunks_mut::<3>();
+        let clip = |v: i64, n: usize| v.clamp(0, n as i64 - 1) as usize;
+        let taps: i64 = if bicubic { 4 } else { 2 };
+        for (y, row) in dst.chunks_exact_mut(w).enumerate() {
+            let yo = y as f64 + 0.5;
+            for (x, px) in row.iter_mut().enumerate() {
+                let xo = x as f64 + 0.5;
+                let xin = m[0] * xo + m[1] * yo + m[2];
+                let yin = m[3] * xo + m[4] * yo + m[5];
+                if !(xin >= 0.0 && xin < wf && yin >= 0.0 && yin < hf) {
+                    continue;
+                }
+                let (xs, ys) = (xin - 0.5, yin - 0.5);
+                let (fx, fy) = (xs.floor(), ys.floor());
+                let (dx, dy) = (xs - fx, ys - fy);
+                // The first tap: one to the left / above for bicubic.
+                let (x0, y0) = (fx as i64 - taps / 2 + 1, fy as i64 - taps / 2 + 1);
+                let cols: [usize; 4] = std::array::from_fn(|k| clip(x0 + k as i64, w));
+                for c in 0..3 {
+                    // Each row's value along x; a row outside the image
+                    // (below the first tap's clamped one) repeats the last.
+                    let mut rows = [0f64; 4];
+                    for k in 0..taps as usize {
+                        let yy = y0 + k as i64;
+                        rows[k] = if k == 0 || (0..h as i64).contains(&yy) {
+                            let line = &src[clip(yy, h) * w..];
+                            let v = |j: usize| f64::from(line[cols[j]][c]);
+                            if bicubic {
+                                cubic(v(0), v(1), v(2), v(3), dx)
+                            } else {
+                                v(0) + (v(1) - v(0)) * dx
+                            }
+                        } else {
+                            rows[k - 1]
+                        };
+                    }
+                    px[c] = if bicubic {
+                        let v = cubic(rows[0], rows[1], rows[2], rows[3], dy);
+                        if v <= 0.0 {
+                            0
+                        } else if v >= 255.0 {
+                            255
+                        } else {
+                            v as u8
+                        }
+                    } else {
+                        (rows[0] + (rows[1] - rows[0]) * dy) as u8
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The matrix `F.affine(angle = 0, translate = [0, 0], scale = 1, shear =
+/// [degrees(atan(mx)), degrees(atan(my))], center = [0, 0])` hands Pillow:
+/// torchvision's `_get_inverse_affine_matrix`, in its order of operations
+/// (the smooth filters see its last bits, which `tan(atan(m))` changes).
+fn shear_matrix(mx: f64, my: f64) -> [f64; 6] {
+    use std::f64::consts::PI;
+    let radians = |deg: f64| deg * (PI / 180.0);
+    let degrees = |rad: f64| rad * (180.0 / PI);
+    let (sx, sy) = (radians(degrees(mx.atan())), radians(degrees(my.atan())));
+    let rot = 0.0f64;
+    let a = (rot - sy).cos() / sy.cos();
+    let b = -(rot - sy).cos() * sx.tan() / sy.cos() - rot.sin();
+    let c = (rot - sy).sin() / sy.cos();
+    let d = -(rot - sy).sin() * sx.tan() / sy.cos() + rot.cos();
+    // Centre and translation are zero: the offsets stay 0.
+    [d, -b, 0.0, -c, a, 0.0]
+}
+
+/// Pillow's transform bicubic (a = -1) through four values at `d` past
+/// the second.
+fn cubic(v1: f64, v2: f64, v3: f64, v4: f64, d: f64) -> f64 {
+    let p1 = v2;
+    let p2 = -v1 + v3;
+    let p3 = 2.0 * (v1 - v2) + v3 - v4;
+    let p4 = -v1 + v2 - v3 + v4;
+    p1 + d * (p2 + d * (p3 + d * p4))
 }
 
 /// The `x` in `0..n` with `0 <= start + x · step < end`, as a range.

@@ -642,6 +642,7 @@ impl SourceShare {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pipeline::augment::Resample;
     use crate::pipeline::transform::{Border, Geometry, Interpolation, Layout};
     use batchcast::DType;
 
@@ -657,6 +658,7 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            resample: Resample::default(),
             interpolation: Interpolation::Bilinear,
             pad: [0; 4],
             pad_border: Border::default(),

@@ -20,7 +20,7 @@ use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use serde::Deserialize;
 
-use super::augment::{Augment, Canvas, Op};
+use super::augment::{Augment, Canvas, Op, Resample};
 use super::decode::Rgb;
 use super::erase::{Erasing, Rect};
 
@@ -210,6 +210,8 @@ pub struct Transform {
     pub pad_border: Border,
     /// Augmentations after the crop and flip, in order.
     pub augment: Vec<Augment>,
+    /// The geometric augmentation ops' interpolation and fill.
+    pub resample: Resample,
     /// `RandomErasing` of the tensor, last.
     pub erasing: Option<Erasing>,
     pub flip_p: f64,
@@ -566,6 +568,7 @@ impl Transform {
             // The ops see the flipped image, as in a Compose.
             let c = &mut scratch.canvas;
             (c.width, c.height) = (ow, oh);
+            c.resample = self.resample;
             std::mem::swap(&mut c.data, &mut scratch.resized);
             if flip {
                 c.apply(Op::HorizontalFlip);
@@ -934,6 +937,7 @@ mod tests {
                             crop: None,
                         },
                         augment: Vec::new(),
+                        resample: Resample::default(),
                         interpolation: Interpolation::Bilinear,
                         pad: [0; 4],
                         pad_border: Border::default(),
@@ -1022,6 +1026,7 @@ mod tests {
                 ratio: (0.75, 4.0 / 3.0),
             },
             augment: Vec::new(),
+            resample: Resample::default(),
             interpolation: Interpolation::Bilinear,
             pad: [0; 4],
             pad_border: Border::default(),

@@ -5,9 +5,10 @@ use super::{StreamError, key};
 use batchcast::DType;
 
 use crate::config::{
-    AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, Size, TransformConfig,
+    AutoAugmentConfig, AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, PadFill, Size,
+    TransformConfig,
 };
-use crate::pipeline::augment::Augment;
+use crate::pipeline::augment::{Augment, Resample};
 use crate::pipeline::erase::{EraseValue, Erasing};
 
 /// Most magnitude bins an automatic augmentation may have.
@@ -111,14 +112,12 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
     match t.trivial_augment_wide {
         None | Some(AutoAugmentSwitch::On(false)) => {}
         Some(AutoAugmentSwitch::On(true)) => auto.push(Augment::TrivialAugmentWide { bins: 31 }),
-        Some(AutoAugmentSwitch::Bins { num_magnitude_bins }) => {
-            auto.push(Augment::TrivialAugmentWide {
-                bins: bins(
-                    "transform.trivial_augment_wide.num_magnitude_bins",
-                    num_magnitude_bins,
-                )?,
-            })
-        }
+        Some(AutoAugmentSwitch::Table(ta)) => auto.push(Augment::TrivialAugmentWide {
+            bins: bins(
+                "transform.trivial_augment_wide.num_magnitude_bins",
+                ta.num_magnitude_bins,
+            )?,
+        }),
     }
     if let Some(r) = t.rand_augment {
         let bins = bins(
@@ -149,7 +148,12 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
             bins,
         });
     }
-    match t.auto_augment.as_deref() {
+    let policy = match &t.auto_augment {
+        None => None,
+        Some(AutoAugmentConfig::Policy(p)) => Some(p),
+        Some(AutoAugmentConfig::Table(a)) => Some(&a.policy),
+    };
+    match policy.map(String::as_str) {
         None => {}
         Some("imagenet" | "IMAGENET") => auto.push(Augment::AutoAugmentImageNet),
         Some(other) => {
@@ -275,4 +279,19 @@ pub(super) fn erasing_of(t: &TransformConfig) -> Result<Option<Erasing>, StreamE
         ratio: (r0, r1),
         value: EraseValue::Fixed(value),
     }))
+}
+
+/// The geometric ops' `interpolation` and `fill`, from whichever automatic
+/// augmentation the transform has (at most one; the default otherwise).
+pub(super) fn resample_of(t: &TransformConfig) -> Resample {
+    let (filter, fill) = match (&t.trivial_augment_wide, &t.rand_augment, &t.auto_augment) {
+        (Some(AutoAugmentSwitch::Table(a)), _, _) => (a.interpolation, a.fill),
+        (_, Some(r), _) => (r.interpolation, r.fill),
+        (_, _, Some(AutoAugmentConfig::Table(a))) => (a.interpolation, a.fill),
+        _ => return Resample::default(),
+    };
+    Resample {
+        filter,
+        fill: fill.map(PadFill::rgb).unwrap_or_default(),
+    }
 }

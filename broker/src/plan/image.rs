@@ -194,6 +194,7 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
         ));
     }
     let augment = super::augment::augments_of(t)?;
+    let resample = super::augment::resample_of(t);
     let erasing = super::augment::erasing_of(t)?;
     let (pad, pad_border) = match &t.pad {
         Some(PadConfig::Zeros(p)) => (padding("transform.pad", p)?, Border::default()),
@@ -205,6 +206,7 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
     };
     Ok(Transform {
         geometry,
+        resample,
         interpolation: t.interpolation,
         pad,
         pad_border,

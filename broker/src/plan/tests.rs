@@ -305,6 +305,8 @@ fn augmentations_are_checked_and_named() {
         "trivial_augment_wide = false\nrand_augment = {}",
         "color_jitter = { brightness = 0.4, saturation = [0.5, 1.0], hue = [-0.1, 0.2] }\ngrayscale = 0.1\nvertical_flip = 0.5",
         "auto_augment = \"imagenet\"",
+        "auto_augment = { policy = \"imagenet\", interpolation = \"bilinear\", fill = 7 }",
+        "trivial_augment_wide = { num_magnitude_bins = 15, interpolation = \"bicubic\" }",
         "random_erasing = { p = 0.25, value = [0.1, 0.2, 0.3] }",
         "random_erasing = {}\ndtype = \"u8\"",
         "random_erasing = { value = \"random\" }\ndtype = \"bf16\"",
@@ -376,5 +378,60 @@ fn resize_and_crop_combinations_are_checked() {
     ] {
         let err = plan(&with(t)).unwrap_err().to_string();
         assert!(err.contains("/nonexistent"), "{t}: {err}");
+    }
+}
+
+#[test]
+fn automatic_augmentations_carry_their_interpolation_and_fill() {
+    use crate::config::TransformConfig;
+    use crate::pipeline::augment::{AffineFilter, Resample};
+    let resample = |aug: &str| {
+        let t = format!("random_resized_crop = {{ size = 8 }}\n{aug}");
+        let t: TransformConfig = toml::from_str(&t).unwrap_or_else(|e| panic!("{aug}: {e}"));
+        super::augment::resample_of(&t)
+    };
+    assert_eq!(resample("trivial_augment_wide = true"), Resample::default());
+    assert_eq!(resample(""), Resample::default());
+    assert_eq!(
+        resample("trivial_augment_wide = { interpolation = \"bilinear\", fill = 128 }"),
+        Resample {
+            filter: AffineFilter::Bilinear,
+            fill: [128; 3]
+        }
+    );
+    assert_eq!(
+        resample("rand_augment = { magnitude = 9, interpolation = \"bicubic\", fill = [1, 2, 3] }"),
+        Resample {
+            filter: AffineFilter::Bicubic,
+            fill: [1, 2, 3]
+        }
+    );
+    assert_eq!(
+        resample("auto_augment = { policy = \"imagenet\", fill = [124, 116, 104] }"),
+        Resample {
+            filter: AffineFilter::Nearest,
+            fill: [124, 116, 104]
+        }
+    );
+    // Pillow's transform has no other filters; unknown keys are named.
+    for (aug, expect) in [
+        (
+            "trivial_augment_wide = { interpolation = \"lanczos\" }",
+            "trivial_augment_wide = true, false or { num_magnitude_bins = 31, interpolation",
+        ),
+        (
+            "rand_augment = { interpolation = \"lanczos\" }",
+            "unknown variant `lanczos`, expected one of `nearest`, `bilinear`, `bicubic`",
+        ),
+        (
+            "auto_augment = { policy = \"imagenet\", fil = 3 }",
+            "auto_augment = \"imagenet\" or { policy = \"imagenet\", interpolation",
+        ),
+    ] {
+        let t = format!("random_resized_crop = {{ size = 8 }}\n{aug}");
+        let err = toml::from_str::<TransformConfig>(&t)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expect), "{aug}: {err}");
     }
 }
