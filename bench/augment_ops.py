@@ -5,7 +5,8 @@ Usage: python bench/augment_ops.py DATASET OUT N OPS_JSON
 Takes the first N photographs of the ImageFolder DATASET, centre-crops
 each to 224×224 (Resize 256 + CenterCrop 224), writes the crops as raw RGB
 to OUT/<i>.rgb (the Rust side times its ops on the same pixels), then
-prints a JSON object: op name -> median seconds per image of five passes.
+prints a JSON object: op label -> median seconds per image of five passes.
+OPS_JSON: [[label, torchvision name, magnitude, {"interpolation": ...}], ...].
 """
 
 import json
@@ -31,14 +32,14 @@ def main():
     if len(crops) < n:
         raise SystemExit(f"{root} has {len(crops)} images, fewer than {n}")
     times = {}
-    for name, m in ops:
+    for label, name, m, opts in ops:
         passes = []
         for _ in range(5):
             t0 = time.perf_counter()
             for c in crops:
-                tv_op(c, name, m)
+                tv_op(c, name, m, **opts)
             passes.append((time.perf_counter() - t0) / len(crops))
-        times[name] = sorted(passes)[len(passes) // 2]
+        times[label] = sorted(passes)[len(passes) // 2]
     print(json.dumps(times))
 
 

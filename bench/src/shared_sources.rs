@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use batchcast_broker::harness::{self, BrokerProcess};
-use batchcast_broker::pipeline::augment::{Canvas, Op};
+use batchcast_broker::pipeline::augment::{AffineFilter, Canvas, Op};
 use batchcast_broker::procstat;
 use clap::Parser;
 
@@ -229,31 +229,57 @@ fn shared_table(a: &Args, exe: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The ops timed, as (torchvision name, magnitude, ours).
-fn ops() -> Vec<(&'static str, f64, Op)> {
+/// The ops timed, as (torchvision name, magnitude, ours, the geometric
+/// ops' interpolation).
+fn ops() -> Vec<(&'static str, f64, Op, AffineFilter)> {
+    let nearest = AffineFilter::Nearest;
     vec![
-        ("ShearX", 0.5, Op::ShearX(0.5)),
-        ("TranslateX", 16.0, Op::TranslateX(16.0)),
-        ("Rotate", 30.0, Op::Rotate(30.0)),
-        ("Brightness", 1.5, Op::Brightness(1.5)),
-        ("Color", 1.5, Op::Color(1.5)),
-        ("Contrast", 1.5, Op::Contrast(1.5)),
-        ("Sharpness", 1.5, Op::Sharpness(1.5)),
-        ("Hue", 0.1, Op::Hue(0.1)),
-        ("Posterize", 4.0, Op::Posterize(4)),
-        ("Solarize", 128.0, Op::Solarize(128.0)),
-        ("AutoContrast", 0.0, Op::AutoContrast),
-        ("Equalize", 0.0, Op::Equalize),
-        ("Grayscale", 0.0, Op::Grayscale),
-        ("VerticalFlip", 0.0, Op::VerticalFlip),
+        ("ShearX", 0.5, Op::ShearX(0.5), nearest),
+        ("ShearX", 0.5, Op::ShearX(0.5), AffineFilter::Bilinear),
+        ("TranslateX", 16.0, Op::TranslateX(16.0), nearest),
+        ("Rotate", 30.0, Op::Rotate(30.0), nearest),
+        ("Rotate", 30.0, Op::Rotate(30.0), AffineFilter::Bilinear),
+        ("Rotate", 30.0, Op::Rotate(30.0), AffineFilter::Bicubic),
+        ("Brightness", 1.5, Op::Brightness(1.5), nearest),
+        ("Color", 1.5, Op::Color(1.5), nearest),
+        ("Contrast", 1.5, Op::Contrast(1.5), nearest),
+        ("Sharpness", 1.5, Op::Sharpness(1.5), nearest),
+        ("Hue", 0.1, Op::Hue(0.1), nearest),
+        ("Posterize", 4.0, Op::Posterize(4), nearest),
+        ("Solarize", 128.0, Op::Solarize(128.0), nearest),
+        ("AutoContrast", 0.0, Op::AutoContrast, nearest),
+        ("Equalize", 0.0, Op::Equalize, nearest),
+        ("Grayscale", 0.0, Op::Grayscale, nearest),
+        ("VerticalFlip", 0.0, Op::VerticalFlip, nearest),
     ]
+}
+
+/// An op's row label: the filter named for the geometric ops.
+fn label(name: &str, m: f64, filter: AffineFilter) -> String {
+    match (name, filter) {
+        ("ShearX" | "TranslateX" | "Rotate", f) => format!("{name}({m}, {})", filter_name(f)),
+        _ => format!("{name}({m})"),
+    }
+}
+
+fn filter_name(f: AffineFilter) -> &'static str {
+    match f {
+        AffineFilter::Nearest => "nearest",
+        AffineFilter::Bilinear => "bilinear",
+        AffineFilter::Bicubic => "bicubic",
+    }
 }
 
 /// Microseconds per 224×224 image of each op: ours, in this process,
 /// and Pillow's (torchvision's PIL path) on the same crops.
 fn ops_table(a: &Args) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let spec: Vec<(&str, f64)> = ops().iter().map(|o| (o.0, o.1)).collect();
+    let spec: Vec<serde_json::Value> = ops()
+        .iter()
+        .map(|&(n, m, _, f)| {
+            serde_json::json!([label(n, m, f), n, m, {"interpolation": filter_name(f)}])
+        })
+        .collect();
     let out = std::process::Command::new(&a.python)
         .arg("bench/augment_ops.py")
         .arg(&a.dataset)
@@ -274,12 +300,17 @@ fn ops_table(a: &Args) -> anyhow::Result<()> {
         "| op on a 224×224 image | native µs | Pillow (torchvision's op) µs | native speed-up |"
     );
     println!("|---|---:|---:|---:|");
-    for (name, m, op) in ops() {
+    for (name, m, op, filter) in ops() {
+        let label = label(name, m, filter);
         // The median of five passes over all crops, each on fresh pixels
         // in canvases used before (as a pipeline thread's canvas is).
         let mut canvases: Vec<Canvas> = crops
             .iter()
-            .map(|c| Canvas::new(224, 224, c.clone()))
+            .map(|c| {
+                let mut c = Canvas::new(224, 224, c.clone());
+                c.resample.filter = filter;
+                c
+            })
             .collect();
         for c in &mut canvases {
             c.apply(op);
@@ -297,9 +328,9 @@ fn ops_table(a: &Args) -> anyhow::Result<()> {
         }
         passes.sort_by(f64::total_cmp);
         let median = passes[passes.len() / 2];
-        let p = pillow.get(name).copied().unwrap_or(f64::NAN);
+        let p = pillow.get(&label).copied().unwrap_or(f64::NAN);
         println!(
-            "| {name}({m}) | {:.1} | {:.1} | {:.1}× |",
+            "| {label} | {:.1} | {:.1} | {:.1}× |",
             median * 1e6,
             p * 1e6,
             p / median

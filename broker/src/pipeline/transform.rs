@@ -24,6 +24,13 @@ use super::augment::{Augment, Canvas, Op, Resample};
 use super::decode::Rgb;
 use super::erase::{Erasing, Rect};
 
+mod pad;
+mod tensor;
+pub use pad::{Border, PaddingMode, Steps};
+use pad::{Window, random_crop_steps};
+pub use tensor::Lut;
+use tensor::write_tensor;
+
 /// Channel order of the output tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 pub enum Layout {
@@ -63,72 +70,6 @@ impl Interpolation {
             Interpolation::Hamming => conv(FilterType::Hamming),
             Interpolation::Lanczos => conv(FilterType::Lanczos3),
         })
-    }
-}
-
-/// torchvision's `padding_mode` (on PIL images: `np.pad`'s modes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PaddingMode {
-    /// The fill value.
-    #[default]
-    Constant,
-    /// The nearest edge pixel, repeated.
-    Edge,
-    /// Mirrored without repeating the edge: `d c b | a b c d | c b a`.
-    Reflect,
-    /// Mirrored with the edge: `c b a | a b c d | d c b`.
-    Symmetric,
-}
-
-/// An axis's padding steps, in turn: `(before, after)` each.
-pub type Steps = [(i64, i64); 2];
-
-/// What a padding puts outside an image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Border {
-    pub mode: PaddingMode,
-    /// Per channel, for [`PaddingMode::Constant`].
-    pub fill: [u8; 3],
-}
-
-impl Border {
-    /// Which of `n` pixels position `i` (outside `0..n`) shows, or `None`
-    /// for the fill.
-    fn fold(self, i: i64, n: i64) -> Option<i64> {
-        Some(match self.mode {
-            PaddingMode::Constant => return None,
-            PaddingMode::Edge => i.clamp(0, n - 1),
-            PaddingMode::Reflect if n == 1 => 0,
-            PaddingMode::Reflect => {
-                let m = i.rem_euclid(2 * (n - 1));
-                if m < n { m } else { 2 * (n - 1) - m }
-            }
-            PaddingMode::Symmetric => {
-                let m = i.rem_euclid(2 * n);
-                if m < n { m } else { 2 * n - 1 - m }
-            }
-        })
-    }
-
-    /// Which pixel of an axis of `n` position `i` shows after the axis was
-    /// padded by `steps` in turn (`(before, after)` each; torchvision pads
-    /// a second time for `pad_if_needed`, mirroring the first padding).
-    /// `i` counts from the unpadded image's first pixel.
-    fn source(self, i: i64, n: i64, steps: Steps) -> Option<i64> {
-        let [(b1, a1), _] = steps;
-        // Into the once-padded axis (starting at -b1), then into the image.
-        let mut j = i + b1;
-        let n1 = n + b1 + a1;
-        if !(0..n1).contains(&j) {
-            j = self.fold(j, n1)?;
-        }
-        let i = j - b1;
-        if (0..n).contains(&i) {
-            Some(i)
-        } else {
-            self.fold(i, n)
-        }
     }
 }
 
@@ -390,27 +331,6 @@ fn center_offsets((ih, iw): (u32, u32), (h, w): (u32, u32)) -> (i64, i64) {
     (one(ih, h), one(iw, w))
 }
 
-/// `RandomCrop`'s padding steps on an `(ih, iw)` image, per axis
-/// (`(before, after)` of `padding`, then of `pad_if_needed`, which pads the
-/// shortfall on both sides): `(rows, columns)`.
-fn random_crop_steps(
-    (ih, iw): (u32, u32),
-    (h, w): (u32, u32),
-    [l, t, r, b]: [u32; 4],
-    pad_if_needed: bool,
-) -> (Steps, Steps) {
-    let axis = |n: u32, before: u32, after: u32, want: u32| {
-        let padded = i64::from(n + before + after);
-        let extra = if pad_if_needed {
-            (i64::from(want) - padded).max(0)
-        } else {
-            0
-        };
-        [(i64::from(before), i64::from(after)), (extra, extra)]
-    };
-    (axis(ih, t, b, h), axis(iw, l, r, w))
-}
-
 /// `RandomCrop`'s padding, `pad_if_needed` and `get_params` on an
 /// `(ih, iw)` image: the crop's offsets (negative inside the padding), and
 /// whether it cannot fit.
@@ -489,38 +409,6 @@ pub struct Scratch {
     resized: Vec<u8>,
     out: Vec<u8>,
     canvas: Canvas,
-}
-
-/// What one input byte becomes in each channel, for every output dtype.
-#[derive(Debug, Clone)]
-pub struct Lut {
-    /// Indexed by `channel * 256 + value`; holds the output element's bytes.
-    bytes: Vec<[u8; 4]>,
-    size: usize,
-}
-
-impl Lut {
-    pub fn new(t: &Transform) -> Lut {
-        let size = t.dtype.size() as usize;
-        let mut bytes = vec![[0u8; 4]; 3 * 256];
-        for c in 0..3 {
-            for v in 0..256usize {
-                let x = match t.normalize {
-                    Some((mean, std)) => ((v as f64 / 255.0) - mean[c]) / std[c],
-                    None => v as f64 / 255.0,
-                };
-                let e = &mut bytes[c * 256 + v];
-                match t.dtype {
-                    DType::U8 => e[0] = v as u8,
-                    DType::F32 => e.copy_from_slice(&(x as f32).to_le_bytes()),
-                    DType::F16 => e[..2].copy_from_slice(&half::f16::from_f64(x).to_le_bytes()),
-                    DType::Bf16 => e[..2].copy_from_slice(&half::bf16::from_f64(x).to_le_bytes()),
-                    _ => unreachable!("validated in config"),
-                }
-            }
-        }
-        Lut { bytes, size }
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -656,182 +544,6 @@ impl Transform {
         let from = if resized { &scratch.out } else { &img.data };
         window.copy(from, rw, rh, &mut scratch.resized);
         Ok(())
-    }
-}
-
-/// An `oh × ow` window of an RGB image at (`top`, `left`), which may reach
-/// outside it: there the image is padded per `border`, in `steps` per axis
-/// (`(rows, columns)`).
-#[derive(Debug, Clone, Copy)]
-struct Window {
-    at: (i64, i64),
-    size: (u32, u32),
-    border: Border,
-    steps: (Steps, Steps),
-}
-
-impl Window {
-    fn copy(&self, src: &[u8], sw: u32, sh: u32, dst: &mut [u8]) {
-        let ((top, left), (oh, ow)) = (self.at, self.size);
-        let (sw, ow) = (i64::from(sw), ow as usize);
-        let fill = self.border.fill;
-        // The columns inside the image are one copy per row.
-        let x0 = (-left).clamp(0, ow as i64) as usize;
-        let x1 = (sw - left).clamp(x0 as i64, ow as i64) as usize;
-        let cols: Vec<Option<usize>> = if x0 == 0 && x1 == ow {
-            Vec::new()
-        } else {
-            (0..ow)
-                .map(|x| {
-                    let sx = self.border.source(left + x as i64, sw, self.steps.1);
-                    sx.map(|v| v as usize)
-                })
-                .collect()
-        };
-        for (y, row) in dst.chunks_exact_mut(ow * 3).take(oh as usize).enumerate() {
-            let Some(sy) = self
-                .border
-                .source(top + y as i64, i64::from(sh), self.steps.0)
-            else {
-                for px in row.chunks_exact_mut(3) {
-                    px.copy_from_slice(&fill);
-                }
-                continue;
-            };
-            let line = &src[sy as usize * sw as usize * 3..][..sw as usize * 3];
-            let start = (left + x0 as i64) as usize * 3;
-            row[x0 * 3..x1 * 3].copy_from_slice(&line[start..start + (x1 - x0) * 3]);
-            for x in (0..x0).chain(x1..ow) {
-                let px = &mut row[x * 3..x * 3 + 3];
-                match cols[x] {
-                    Some(sx) => px.copy_from_slice(&line[sx * 3..sx * 3 + 3]),
-                    None => px.copy_from_slice(&fill),
-                }
-            }
-        }
-    }
-}
-
-/// HWC u8 → the output tensor, flipping horizontally if asked.
-///
-/// One pass over the source: each pixel's three channels go to their three
-/// planes (NCHW) or stay together (NHWC) in the same step. `u8` output is
-/// the identity table, so it is copied without a lookup (NHWC unflipped is
-/// one copy).
-fn write_tensor(src: &[u8], h: u32, w: u32, flip: bool, layout: Layout, lut: &Lut, out: &mut [u8]) {
-    let (h, w) = (h as usize, w as usize);
-    let src = &src[..h * w * 3];
-    match (lut.size, layout) {
-        (1, Layout::Nhwc) if !flip => out[..src.len()].copy_from_slice(src),
-        (1, _) => write_tensor_n::<1, false>(src, w, flip, layout, lut, out),
-        (2, _) => write_tensor_n::<2, true>(src, w, flip, layout, lut, out),
-        (4, _) => write_tensor_n::<4, true>(src, w, flip, layout, lut, out),
-        (n, _) => unreachable!("no image dtype of {n} bytes"),
-    }
-}
-
-/// `N` is the element size, known at compile time so each store is one
-/// move; `LOOKUP` is false for `u8`, whose table is the identity.
-fn write_tensor_n<const N: usize, const LOOKUP: bool>(
-    src: &[u8],
-    w: usize,
-    flip: bool,
-    layout: Layout,
-    lut: &Lut,
-    out: &mut [u8],
-) {
-    // One 256-entry table per channel, as arrays: a u8 index needs no
-    // bounds check.
-    let t: [&[[u8; 4]; 256]; 3] = std::array::from_fn(|c| {
-        lut.bytes[c * 256..(c + 1) * 256]
-            .try_into()
-            .expect("a table of 256 entries per channel")
-    });
-    let rows = src.chunks_exact(w * 3).map(|row| row.as_chunks::<3>().0);
-    if layout == Layout::Nhwc {
-        for (dst, px) in out.chunks_exact_mut(w * 3 * N).zip(rows) {
-            match flip {
-                true => pixels_row::<N, LOOKUP>(px.iter().rev(), &t, dst),
-                false => pixels_row::<N, LOOKUP>(px.iter(), &t, dst),
-            }
-        }
-        return;
-    }
-    let plane = src.len() / 3 * N;
-    let (r, rest) = out[..3 * plane].split_at_mut(plane);
-    let (g, b) = rest.split_at_mut(plane);
-    let planes = r.chunks_exact_mut(w * N).zip(g.chunks_exact_mut(w * N));
-    for ((r, g), (b, px)) in planes.zip(b.chunks_exact_mut(w * N).zip(rows)) {
-        if !LOOKUP {
-            // u8: a plain de-interleave, in blocks; a flip reverses the
-            // planes' rows after (a vectorized reverse).
-            deinterleave(px.as_flattened(), r, g, b);
-            if flip {
-                r.reverse();
-                g.reverse();
-                b.reverse();
-            }
-            continue;
-        }
-        match flip {
-            true => planes_row::<N>(px.iter().rev(), &t, [r, g, b]),
-            false => planes_row::<N>(px.iter(), &t, [r, g, b]),
-        }
-    }
-}
-
-/// One row's pixels, in output order, through the tables into the
-/// three planes' rows (NCHW).
-#[inline(always)]
-fn planes_row<'a, const N: usize>(
-    px: impl Iterator<Item = &'a [u8; 3]>,
-    t: &[&[[u8; 4]; 256]; 3],
-    [r, g, b]: [&mut [u8]; 3],
-) {
-    let (r, g, b) = (
-        r.as_chunks_mut::<N>().0,
-        g.as_chunks_mut::<N>().0,
-        b.as_chunks_mut::<N>().0,
-    );
-    for (((p, r), g), b) in px.zip(r).zip(g).zip(b) {
-        r.copy_from_slice(&t[0][p[0] as usize][..N]);
-        g.copy_from_slice(&t[1][p[1] as usize][..N]);
-        b.copy_from_slice(&t[2][p[2] as usize][..N]);
-    }
-}
-
-/// One row's pixels, in output order, into an NHWC row.
-#[inline(always)]
-fn pixels_row<'a, const N: usize, const LOOKUP: bool>(
-    px: impl Iterator<Item = &'a [u8; 3]>,
-    t: &[&[[u8; 4]; 256]; 3],
-    dst: &mut [u8],
-) {
-    for (p, d) in px.zip(dst.chunks_exact_mut(3 * N)) {
-        for c in 0..3 {
-            match LOOKUP {
-                true => d[c * N..(c + 1) * N].copy_from_slice(&t[c][p[c] as usize][..N]),
-                false => d[c] = p[c],
-            }
-        }
-    }
-}
-
-/// One row of RGB pixels into its three planes' rows.
-fn deinterleave(row: &[u8], r: &mut [u8], g: &mut [u8], b: &mut [u8]) {
-    const B: usize = 16;
-    let n = r.len() / B * B;
-    let blocks = row[..n * 3].chunks_exact(3 * B);
-    let planes = r[..n].chunks_exact_mut(B).zip(g[..n].chunks_exact_mut(B));
-    for (px, ((r, g), b)) in blocks.zip(planes.zip(b[..n].chunks_exact_mut(B))) {
-        for i in 0..B {
-            r[i] = px[3 * i];
-            g[i] = px[3 * i + 1];
-            b[i] = px[3 * i + 2];
-        }
-    }
-    for (i, px) in row[n * 3..].chunks_exact(3).enumerate() {
-        (r[n + i], g[n + i], b[n + i]) = (px[0], px[1], px[2]);
     }
 }
 
