@@ -375,7 +375,8 @@ impl Canvas {
         }
         match self.resample.filter {
             AffineFilter::Nearest => self.affine_nearest(m),
-            filter => self.affine_smooth(m, filter == AffineFilter::Bicubic),
+            AffineFilter::Bilinear => self.affine_smooth::<2>(m),
+            AffineFilter::Bicubic => self.affine_smooth::<4>(m),
         }
         std::mem::swap(&mut self.data, &mut self.spare);
     }
@@ -417,53 +418,61 @@ impl Canvas {
         }
     }
 
-    /// Pillow's generic transform with its bilinear or bicubic filter, into
-    /// `spare`: the source point in double precision; outside the image it
-    /// keeps the fill; inside, neighbours past the edge are clamped to it
-    /// (rows below the last repeat the previous row's result), and the
-    /// value is truncated (bicubic clamped to 0..=255 first).
-    fn affine_smooth(&mut self, m: [f64; 6], bicubic: bool) {
+    /// Pillow's generic transform with its bilinear (`TAPS` 2) or bicubic
+    /// (4) filter, into `spare`: the source point in double precision;
+    /// outside the image it keeps the fill; inside, neighbours past the edge
+    /// are clamped to it (a row below the last repeats the previous row),
+    /// and the value is truncated (bicubic clamped to 0..=255 first).
+    fn affine_smooth<const TAPS: usize>(&mut self, m: [f64; 6]) {
         let (w, h) = (self.width as usize, self.height as usize);
         let (wf, hf) = (w as f64, h as f64);
         let (src, _) = self.data.as_chunks::<3>();
         let (dst, _) = self.spare.as_chunks_mut::<3>();
-        let clip = |v: i64, n: usize| v.clamp(0, n as i64 - 1) as usize;
-        let taps: i64 = if bicubic { 4 } else { 2 };
+        // The first tap is one to the left of / above the point's pixel for
+        // bicubic, the pixel itself for bilinear.
+        let back = TAPS as i64 / 2 - 1;
         for (y, row) in dst.chunks_exact_mut(w).enumerate() {
             let yo = y as f64 + 0.5;
+            let (row_x, row_y) = (m[1] * yo, m[4] * yo);
             for (x, px) in row.iter_mut().enumerate() {
                 let xo = x as f64 + 0.5;
-                let xin = m[0] * xo + m[1] * yo + m[2];
-                let yin = m[3] * xo + m[4] * yo + m[5];
+                // Pillow's `a0 * xin + a1 * yin + a2`, in that order.
+                let xin = m[0] * xo + row_x + m[2];
+                let yin = m[3] * xo + row_y + m[5];
                 if !(xin >= 0.0 && xin < wf && yin >= 0.0 && yin < hf) {
                     continue;
                 }
                 let (xs, ys) = (xin - 0.5, yin - 0.5);
-                let (fx, fy) = (xs.floor(), ys.floor());
-                let (dx, dy) = (xs - fx, ys - fy);
-                // The first tap: one to the left / above for bicubic.
-                let (x0, y0) = (fx as i64 - taps / 2 + 1, fy as i64 - taps / 2 + 1);
-                let cols: [usize; 4] = std::array::from_fn(|k| clip(x0 + k as i64, w));
-                for c in 0..3 {
-                    // Each row's value along x; a row outside the image
-                    // (below the first tap's clamped one) repeats the last.
-                    let mut rows = [0f64; 4];
-                    for k in 0..taps as usize {
-                        let yy = y0 + k as i64;
-                        rows[k] = if k == 0 || (0..h as i64).contains(&yy) {
-                            let line = &src[clip(yy, h) * w..];
-                            let v = |j: usize| f64::from(line[cols[j]][c]);
-                            if bicubic {
-                                cubic(v(0), v(1), v(2), v(3), dx)
-                            } else {
-                                v(0) + (v(1) - v(0)) * dx
-                            }
+                let (fx, fy) = (floor(xs), floor(ys));
+                let (dx, dy) = (xs - fx as f64, ys - fy as f64);
+                let (x0, y0) = (fx - back, fy - back);
+                let cols: [usize; TAPS] =
+                    std::array::from_fn(|k| (x0 + k as i64).clamp(0, w as i64 - 1) as usize);
+                // The first row clamped; a later one outside repeats it.
+                let mut rows = [(y0.clamp(0, h as i64 - 1) as usize) * w; TAPS];
+                for k in 1..TAPS {
+                    let r = y0 + k as i64;
+                    rows[k] = if (0..h as i64).contains(&r) {
+                        r as usize * w
+                    } else {
+                        rows[k - 1]
+                    };
+                }
+                // Each row along x, then the rows along y; three channels.
+                let along_x = |r: usize| -> [f64; 3] {
+                    std::array::from_fn(|c| {
+                        let v = |k: usize| f64::from(src[r + cols[k]][c]);
+                        if TAPS == 4 {
+                            cubic(v(0), v(1), v(2), v(3), dx)
                         } else {
-                            rows[k - 1]
-                        };
-                    }
-                    px[c] = if bicubic {
-                        let v = cubic(rows[0], rows[1], rows[2], rows[3], dy);
+                            v(0) + (v(1) - v(0)) * dx
+                        }
+                    })
+                };
+                let v: [[f64; 3]; TAPS] = std::array::from_fn(|k| along_x(rows[k]));
+                for c in 0..3 {
+                    px[c] = if TAPS == 4 {
+                        let v = cubic(v[0][c], v[1][c], v[2][c], v[3][c], dy);
                         if v <= 0.0 {
                             0
                         } else if v >= 255.0 {
@@ -472,12 +481,19 @@ impl Canvas {
                             v as u8
                         }
                     } else {
-                        (rows[0] + (rows[1] - rows[0]) * dy) as u8
+                        (v[0][c] + (v[1][c] - v[0][c]) * dy) as u8
                     };
                 }
             }
         }
     }
+}
+
+/// `floor` as an integer without a libm call (baseline x86-64 has no
+/// rounding instruction): truncation, one lower for negative fractions.
+fn floor(v: f64) -> i64 {
+    let t = v as i64;
+    t - i64::from((t as f64) > v)
 }
 
 /// The matrix `F.affine(angle = 0, translate = [0, 0], scale = 1, shear =
