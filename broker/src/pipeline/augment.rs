@@ -373,7 +373,12 @@ impl Canvas {
                 .spare
                 .extend(std::iter::repeat_n(fill, self.data.len() / 3).flatten()),
         }
+        // A whole-pixel shift samples pixel centres exactly (the
+        // interpolation weights are 0 and 1): every filter gives the copy.
+        let shift = m[0] == 1.0 && m[1] == 0.0 && m[3] == 0.0 && m[4] == 1.0;
+        let whole = shift && m[2].fract() == 0.0 && m[5].fract() == 0.0;
         match self.resample.filter {
+            _ if whole => self.affine_nearest(m),
             AffineFilter::Nearest => self.affine_nearest(m),
             AffineFilter::Bilinear => self.affine_smooth::<2>(m),
             AffineFilter::Bicubic => self.affine_smooth::<4>(m),

@@ -112,7 +112,7 @@ impl Dataset {
                 check_size(len, max_bytes)?;
                 buf.reserve(len as usize);
                 // Bounded even if the file grew since it was measured.
-                f.take(max_bytes + 1).read_to_end(buf)?;
+                f.take(max_bytes.saturating_add(1)).read_to_end(buf)?;
                 check_size(buf.len() as u64, max_bytes)?;
             }
             Location::Member { shard, offset, len } => {
