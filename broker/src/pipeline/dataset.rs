@@ -426,6 +426,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn reads_are_bounded_and_an_unbounded_limit_reads_everything() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("c")).unwrap();
+        std::fs::write(dir.path().join("c/a.jpg"), [7u8; 100]).unwrap();
+        let ds = Dataset::image_folder(dir.path()).unwrap();
+        let mut buf = Vec::new();
+        for max in [100, 1 << 20, u64::MAX] {
+            ds.read(0, &mut buf, max).unwrap();
+            assert_eq!(buf, [7u8; 100], "max_bytes = {max}");
+        }
+        assert!(ds.read(0, &mut buf, 99).is_err());
+    }
+
+    #[test]
     fn shard_patterns_expand_with_their_width() {
         let v = expand_pattern("/d/shard-{000008..000011}.tar").unwrap();
         assert_eq!(v.len(), 4);
