@@ -492,53 +492,36 @@ fn interpolations_fills_and_padding_modes_follow_torchvision() {
         "{filled} of {samples}"
     );
     let n = |rep: &serde_json::Value| rep["checked"].as_u64().unwrap();
-    for f in filters {
-        let dump = env.p(&format!("resize-{f}"));
-        assert!(
-            env.consume(&["--stream", &format!("resize-{f}"), "--dump", &dump])
-                .ok
-        );
-        let steps = format!(r#"[["resize", [40, 48], "{f}"]]"#);
+    // A stream's dump against torchvision's geometry steps on each file.
+    let check_geometry = |stream: &str, steps: &str, (h, w): (u32, u32)| {
+        let dump = env.p(stream);
+        assert!(env.consume(&["--stream", stream, "--dump", &dump]).ok);
+        let (h, w) = (h.to_string(), w.to_string());
         let rep = json(&imgtool(&[
             "check-eval",
             &dump,
             &root,
             "--geometry",
-            &steps,
+            steps,
             "--size",
-            "40",
-            "48",
+            &h,
+            &w,
         ]));
         assert!(n(&rep) > 40, "{rep}");
         // Within 2 levels on average: what decoding alone differs by.
         assert!(
             rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
-            "{f}: {rep}"
+            "{stream}: {rep}"
         );
+    };
+    for f in filters {
+        let steps = format!(r#"[["resize", [40, 48], "{f}"]]"#);
+        check_geometry(&format!("resize-{f}"), &steps, (40, 48));
     }
     for m in modes {
-        let dump = env.p(&format!("pad-{m}"));
-        assert!(
-            env.consume(&["--stream", &format!("pad-{m}"), "--dump", &dump])
-                .ok
-        );
         let steps =
             format!(r#"[["center_crop", [30, 24]], ["pad", [3, 5, 7, 2], [10, 200, 30], "{m}"]]"#);
-        let rep = json(&imgtool(&[
-            "check-eval",
-            &dump,
-            &root,
-            "--geometry",
-            &steps,
-            "--size",
-            "37",
-            "34",
-        ]));
-        assert!(n(&rep) > 40, "{rep}");
-        assert!(
-            rep["mae_worst_image"].as_f64().unwrap() <= 2.0,
-            "pad {m}: {rep}"
-        );
+        check_geometry(&format!("pad-{m}"), &steps, (37, 34));
 
         let dump = env.p(&format!("crop-{m}"));
         assert!(
