@@ -377,8 +377,12 @@ impl Canvas {
         // interpolation weights are 0 and 1): every filter gives the copy.
         let shift = m[0] == 1.0 && m[1] == 0.0 && m[3] == 0.0 && m[4] == 1.0;
         let whole = shift && m[2].fract() == 0.0 && m[5].fract() == 0.0;
-        match self.resample.filter {
-            _ if whole => self.affine_nearest(m),
+        let filter = if whole {
+            AffineFilter::Nearest
+        } else {
+            self.resample.filter
+        };
+        match filter {
             AffineFilter::Nearest => self.affine_nearest(m),
             AffineFilter::Bilinear => self.affine_smooth::<2>(m),
             AffineFilter::Bicubic => self.affine_smooth::<4>(m),

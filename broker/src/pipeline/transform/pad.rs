@@ -109,16 +109,6 @@ impl Window {
         // The columns inside the image are one copy per row.
         let x0 = (-left).clamp(0, ow as i64) as usize;
         let x1 = (sw - left).clamp(x0 as i64, ow as i64) as usize;
-        let cols: Vec<Option<usize>> = if x0 == 0 && x1 == ow {
-            Vec::new()
-        } else {
-            (0..ow)
-                .map(|x| {
-                    let sx = self.border.source(left + x as i64, sw, self.steps.1);
-                    sx.map(|v| v as usize)
-                })
-                .collect()
-        };
         for (y, row) in dst.chunks_exact_mut(ow * 3).take(oh as usize).enumerate() {
             let Some(sy) = self
                 .border
@@ -132,10 +122,11 @@ impl Window {
             let line = &src[sy as usize * sw as usize * 3..][..sw as usize * 3];
             let start = (left + x0 as i64) as usize * 3;
             row[x0 * 3..x1 * 3].copy_from_slice(&line[start..start + (x1 - x0) * 3]);
+            // The few columns in the border, folded back one by one.
             for x in (0..x0).chain(x1..ow) {
                 let px = &mut row[x * 3..x * 3 + 3];
-                match cols[x] {
-                    Some(sx) => px.copy_from_slice(&line[sx * 3..sx * 3 + 3]),
+                match self.border.source(left + x as i64, sw, self.steps.1) {
+                    Some(sx) => px.copy_from_slice(&line[sx as usize * 3..][..3]),
                     None => px.copy_from_slice(&fill),
                 }
             }
