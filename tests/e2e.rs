@@ -977,11 +977,19 @@ fn a_broker_of_another_release_is_refused_naming_both_releases() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("newer.sock");
     let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let next = proto::ReleaseLine {
+        major: proto::ReleaseLine::OURS.major,
+        minor: proto::ReleaseLine::OURS.minor + 1,
+    };
+    let newer = Preamble {
+        version: proto::PROTOCOL_VERSION + 1,
+        release: next,
+    };
     let fake = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         let mut pre = [0u8; 8];
         s.read_exact(&mut pre).unwrap();
-        s.write_all(&[b'B', b'C', b'S', b'T', 14, 0, 0, 3]).unwrap();
+        s.write_all(&newer.to_bytes()).unwrap();
         // Stay open until the client gives up, so it fails on the preamble
         // alone and not on a closed socket.
         let _ = s.read(&mut [0u8; 64]);
@@ -1002,9 +1010,12 @@ fn a_broker_of_another_release_is_refused_naming_both_releases() {
             proto::ReleaseLine::OURS,
             proto::PROTOCOL_VERSION
         ),
-        "the broker batchcast 0.3 (protocol 14)",
+        &format!(
+            "the broker batchcast {next} (protocol {})",
+            proto::PROTOCOL_VERSION + 1
+        ),
         "upgrade the client",
-        "pip install 'batchcast==0.3.*'",
+        &format!("pip install '{}'", next.pip_spec()),
     ] {
         assert!(err.contains(needle), "`{err}` lacks `{needle}`");
     }

@@ -489,3 +489,115 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
     assert_eq!(train.owner_uid, me);
     drop(broker);
 }
+
+/// A raw hello as a stats client named `name`: the broker's first answer.
+fn hello_named(socket: &Path, name: &str) -> ServerMsg {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = ClientMsg::Hello(Hello {
+        name: name.into(),
+        pid: std::process::id(),
+        intent: Intent::Stats,
+    });
+    let mut out = Preamble::ours().to_bytes().to_vec();
+    out.extend_from_slice(&proto::encode(&hello).unwrap());
+    s.write_all(&out).unwrap();
+    let mut pre = [0u8; Preamble::LEN];
+    s.read_exact(&mut pre).unwrap();
+    proto::read_frame::<ServerMsg>(&mut s, &mut Vec::new())
+        .unwrap()
+        .expect("the broker closed without a word")
+}
+
+fn refused_with(msg: ServerMsg, needle: &str) {
+    match msg {
+        ServerMsg::Error(e) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{e:?}");
+            assert!(
+                e.message.contains(needle),
+                "`{}` lacks `{needle}`",
+                e.message
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// Names are bounded at hello (length and characters), so consumers that
+/// come and go with the longest names allowed leave a stats reply that is
+/// still answered; a flood of refused preambles is counted in stats and
+/// logs a few lines, not one per connection.
+#[test]
+fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
+    let body = StreamToml::synthetic("train", 4, 64, &[("x", "u8", &[16])])
+        .epochs(100_000)
+        .key("slots", 4)
+        .to_toml();
+    let env = Env::start(&body);
+    let sock = env.socket();
+
+    refused_with(hello_named(&sock, &"x".repeat(60_000)), "at most 128 bytes");
+    refused_with(hello_named(&sock, "trainer\u{1b}[2J"), "control character");
+    let longest = "n".repeat(proto::MAX_NAME_BYTES);
+    assert!(matches!(hello_named(&sock, &longest), ServerMsg::Stats(_)));
+
+    // Consumers with the longest names come and go (more than stats keeps).
+    let n = proto::PAST_CONSUMERS + 44;
+    for _ in 0..n {
+        let (s, _, _) = common::raw_subscribe(
+            &sock,
+            &longest,
+            true,
+            batchcast::JoinPolicy::Immediate,
+            None,
+        );
+        drop(s);
+    }
+    let s = env.wait_for("every consumer to have left", |s| {
+        s.streams[0].departed == n as u64 && s.streams[0].consumers.is_empty()
+    });
+    let train = &s.streams[0];
+    assert_eq!(train.past_consumers.len(), proto::PAST_CONSUMERS);
+    assert!(train.past_consumers.iter().all(|c| c.name == longest));
+    let bytes = proto::encode(&ServerMsg::Stats(Box::new(s.clone()))).unwrap();
+    assert!(
+        bytes.len() <= proto::MAX_STATS_BYTES,
+        "{} bytes",
+        bytes.len()
+    );
+
+    // A flood of preambles of another protocol: each refused, counted,
+    // and a few logged.
+    let flood = 300;
+    let mut other = Preamble::ours().to_bytes();
+    other[4..6].copy_from_slice(&999u16.to_le_bytes());
+    for _ in 0..flood {
+        let mut c = UnixStream::connect(&sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&other).unwrap();
+        let mut pre = [0u8; Preamble::LEN];
+        c.read_exact(&mut pre).unwrap();
+        let msg = proto::read_frame::<ServerMsg>(&mut c, &mut Vec::new()).unwrap();
+        assert!(
+            matches!(msg, Some(ServerMsg::Error(ref e)) if e.code == ErrorCode::VersionMismatch),
+            "{msg:?}"
+        );
+    }
+    let s = env.wait_for("the refusals to be counted", |s| {
+        s.connections.handshakes_refused >= flood
+    });
+    // The two bad names are refused after the handshake.
+    assert_eq!(s.connections.handshakes_refused, flood);
+    assert_eq!(s.connections.requests_refused, flood + 2);
+    let logged = env
+        .log()
+        .lines()
+        .filter(|l| l.contains("cannot talk to each other"))
+        .count();
+    // At most 10 a window of 10 s; the flood takes well under a window
+    // here, and never more than a few.
+    assert!(
+        (1..=30).contains(&logged),
+        "{logged} refusal lines logged for {flood} refusals"
+    );
+}

@@ -233,7 +233,7 @@ pub fn render(s: &StatsReply) -> String {
     );
     f.sample("uptime_seconds", &[], s.uptime_s);
     let m = &s.memory;
-    let broker: [(&str, &str, &str, f64); 5] = [
+    let broker: [(&str, &str, &str, f64); 7] = [
         (
             "memory_budget_bytes",
             "gauge",
@@ -263,6 +263,18 @@ pub fn render(s: &StatsReply) -> String {
             "counter",
             "Connections refused (allow list, limits).",
             s.connections.refused as f64,
+        ),
+        (
+            "handshakes_refused_total",
+            "counter",
+            "Connections refused at the handshake (another protocol, no preamble, no hello).",
+            s.connections.handshakes_refused as f64,
+        ),
+        (
+            "requests_refused_total",
+            "counter",
+            "Connections refused after admission, for any reason (logged at a bounded rate).",
+            s.connections.requests_refused as f64,
         ),
     ];
     for (name, kind, help, v) in broker {

@@ -83,11 +83,13 @@ fn broker_lines(out: &mut String, s: &StatsReply) {
         .collect();
     let _ = writeln!(
         out,
-        "connections {} of {} ({}); {} refused",
+        "connections {} of {} ({}); {} refused at accept, {} refused after (handshake {})",
         c.held,
         c.max,
         by.join(", "),
-        c.refused
+        c.refused,
+        c.requests_refused,
+        c.handshakes_refused,
     );
     for p in &s.pending {
         let _ = writeln!(

@@ -50,18 +50,18 @@ def test_a_broker_of_another_release_is_refused_naming_both(tmp_path):
         conn, _ = server.accept()
         with conn:
             seen["preamble"] = conn.recv(8)
-            conn.sendall(b"BCST" + (14).to_bytes(2, "little") + bytes([0, 3]))
+            conn.sendall(b"BCST" + (batchcast.PROTOCOL_VERSION + 1).to_bytes(2, "little") + bytes([major, minor + 1]))
             conn.recv(64)  # open until the client gives up
 
+    major, minor = (int(x) for x in batchcast.__version__.split(".")[:2])
     t = threading.Thread(target=fake_broker, daemon=True)
     t.start()
     with pytest.raises(batchcast.VersionMismatch) as e:
         batchcast.Consumer(stream="train", socket=path, output="numpy")
     t.join(10)
-    major, minor = (int(x) for x in batchcast.__version__.split(".")[:2])
     assert seen["preamble"] == b"BCST" + batchcast.PROTOCOL_VERSION.to_bytes(2, "little") + bytes([major, minor])
     msg = str(e.value)
     assert f"the client is batchcast {major}.{minor} (protocol {batchcast.PROTOCOL_VERSION})" in msg
-    assert "the broker batchcast 0.3 (protocol 14)" in msg
-    assert "pip install 'batchcast==0.3.*'" in msg
+    assert f"the broker batchcast {major}.{minor + 1} (protocol {batchcast.PROTOCOL_VERSION + 1})" in msg
+    assert f"pip install 'batchcast=={major}.{minor + 1}.*'" in msg
     assert e.value.code == "VersionMismatch"

@@ -42,7 +42,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 13;
+pub const PROTOCOL_VERSION: u16 = 14;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -167,7 +167,10 @@ impl Preamble {
 
 /// Why `ours` (speaking as `side`) and `theirs` cannot talk, naming both
 /// releases and protocols, and what to upgrade: the side with the older
-/// protocol (a peer's numbers are only echoed, never trusted for anything).
+/// protocol, never the newer one (a peer's numbers are only echoed, never
+/// trusted for anything). A release to install is named only when it is
+/// newer than the one it replaces: a peer may claim any numbers, and the
+/// advice must never be a downgrade.
 pub fn mismatch(ours: Preamble, theirs: Preamble, side: Side) -> String {
     let (client, broker) = match side {
         Side::Client => (ours, theirs),
@@ -177,19 +180,74 @@ pub fn mismatch(ours: Preamble, theirs: Preamble, side: Side) -> String {
         "the client is batchcast {} (protocol {}) and the broker batchcast {} (protocol {})",
         client.release, client.version, broker.release, broker.version
     );
-    let advice = if client.version < broker.version {
-        format!(
-            "upgrade the client to the broker's release: pip install '{}' (Rust: the batchcast crate of that release)",
-            broker.release.pip_spec()
-        )
+    let (older, newer, what) = if client.version < broker.version {
+        (client, broker, "the client")
     } else {
-        format!(
-            "upgrade the broker to the client's release (pip install '{}' puts that `batchcast` command on PATH), or use the broker's client: pip install '{}'",
-            client.release.pip_spec(),
-            broker.release.pip_spec()
-        )
+        (broker, client, "the broker")
     };
-    format!("{said}, which cannot talk to each other: {advice}")
+    let install = if newer.release > older.release {
+        match what {
+            "the client" => format!(
+                ": pip install '{}' (Rust: the batchcast crate of that release)",
+                newer.release.pip_spec()
+            ),
+            _ => format!(
+                ": pip install '{}' puts that `batchcast` command on PATH",
+                newer.release.pip_spec()
+            ),
+        }
+    } else {
+        format!(" (any release that speaks protocol {})", newer.version)
+    };
+    let whose = if what == "the client" {
+        "the broker's"
+    } else {
+        "the client's"
+    };
+    format!("{said}, which cannot talk to each other: upgrade {what} to {whose} release{install}")
+}
+
+/// The longest name a client may give itself (`Hello.name`: a trainer's
+/// name in `stats`), a stream may have, or a producer's description, in
+/// bytes of UTF-8. Names are shown on every stats line and kept for
+/// departed consumers, so their length bounds the stats reply.
+pub const MAX_NAME_BYTES: usize = 128;
+/// The longest description an external producer may give its stream.
+pub const MAX_DESCRIPTION_BYTES: usize = 512;
+
+/// Checks a client's name (`Hello.name`): at most [`MAX_NAME_BYTES`] and
+/// no control characters (it is printed on terminals: no escapes). The
+/// error says which rule it broke and what to do.
+pub fn check_peer_name(name: &str) -> std::result::Result<(), String> {
+    check_text(
+        "the client's name",
+        name,
+        MAX_NAME_BYTES,
+        "a shorter name (ConsumerOptions::name, Python name=, BATCHCAST_NAME)",
+    )
+}
+
+/// Checks a text a client gives the broker to show to others: at most
+/// `max` bytes, no control characters.
+pub fn check_text(
+    what: &str,
+    text: &str,
+    max: usize,
+    fix: &str,
+) -> std::result::Result<(), String> {
+    if text.len() > max {
+        return Err(format!(
+            "{what} is {} bytes long; at most {max} bytes are allowed: give it {fix}",
+            text.len()
+        ));
+    }
+    if let Some(c) = text.chars().find(|c| c.is_control()) {
+        return Err(format!(
+            "{what} holds the control character {:?}; names are shown on terminals: give it {fix}",
+            c
+        ));
+    }
+    Ok(())
 }
 
 /// How a consumer that arrives mid-stream joins.
@@ -726,17 +784,21 @@ mod tests {
         ));
     }
 
-    /// The advice names both releases and protocols and always upgrades
-    /// the side with the older protocol.
+    /// The advice names both releases and protocols, always upgrades the
+    /// side with the older protocol, and never names a downgrade.
     #[test]
     fn a_mismatch_names_both_releases_and_what_to_upgrade() {
         let old = Preamble {
             version: 12,
             release: ReleaseLine::UNKNOWN,
         };
+        let next = ReleaseLine {
+            major: ReleaseLine::OURS.major,
+            minor: ReleaseLine::OURS.minor + 1,
+        };
         let new = Preamble {
-            version: 14,
-            release: ReleaseLine { major: 0, minor: 3 },
+            version: PROTOCOL_VERSION + 1,
+            release: next,
         };
         let ours = Preamble::ours();
         // A newer broker: the client upgrades, to the broker's line.
@@ -748,22 +810,46 @@ mod tests {
             )),
             "{m}"
         );
-        assert!(m.contains("the broker batchcast 0.3 (protocol 14)"), "{m}");
         assert!(
-            m.contains("upgrade the client") && m.contains("batchcast==0.3.*"),
+            m.contains(&format!(
+                "the broker batchcast {next} (protocol {})",
+                PROTOCOL_VERSION + 1
+            )),
+            "{m}"
+        );
+        assert!(
+            m.contains("upgrade the client") && m.contains(&next.pip_spec()),
             "{m}"
         );
         // The same pair seen from the broker gives the same advice.
         let b = mismatch(new, ours, Side::Broker);
         assert_eq!(m, b);
-        // An older broker (before the preamble carried releases): upgrade it.
+        // An older broker (before the preamble carried releases): upgrade
+        // it, and nothing says to install the old release on the client.
         let m = mismatch(ours, old, Side::Client);
         assert!(
             m.contains("the broker batchcast 0.1 or earlier (protocol 12)"),
             "{m}"
         );
         assert!(
-            m.contains("upgrade the broker") && m.contains("batchcast<0.2"),
+            m.contains("upgrade the broker") && m.contains(&ReleaseLine::OURS.pip_spec()),
+            "{m}"
+        );
+        assert!(!m.contains("batchcast<0.2"), "a downgrade: {m}");
+        // A peer claiming a newer protocol with an older release line (a
+        // forged or broken preamble): no release is named to install.
+        let forged = Preamble {
+            version: PROTOCOL_VERSION + 1,
+            release: ReleaseLine::UNKNOWN,
+        };
+        let m = mismatch(ours, forged, Side::Broker);
+        assert!(m.contains("upgrade the broker"), "{m}");
+        assert!(
+            !m.contains("pip install"),
+            "names a release to install: {m}"
+        );
+        assert!(
+            m.contains(&format!("speaks protocol {}", PROTOCOL_VERSION + 1)),
             "{m}"
         );
     }

@@ -30,14 +30,30 @@ pub fn default_socket_path() -> PathBuf {
 
 /// This program's file name (for `batchcast stats`), else `fallback`.
 pub(crate) fn program_name(fallback: &str) -> String {
-    std::env::args()
+    let name = std::env::args()
         .next()
         .and_then(|a| {
             PathBuf::from(a)
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
         })
-        .unwrap_or_else(|| fallback.into())
+        .unwrap_or_else(|| fallback.into());
+    fit_name(&name)
+}
+
+/// A name the broker accepts ([`proto::check_peer_name`]): control
+/// characters dropped, cut to [`proto::MAX_NAME_BYTES`] on a character
+/// boundary. For names the client makes up; a name the program gives is
+/// sent as it is, and a bad one is refused with the reason.
+pub(crate) fn fit_name(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars().filter(|c| !c.is_control()) {
+        if out.len() + c.len_utf8() > proto::MAX_NAME_BYTES {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Sends one frame; a dead broker is [`Error::BrokerGone`], never SIGPIPE.

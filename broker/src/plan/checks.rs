@@ -143,13 +143,17 @@ pub(super) fn within<T: PartialOrd + std::fmt::Display>(
 
 pub(super) fn check_name(name: &str) -> Result<(), StreamError> {
     if name.is_empty()
+        || name.len() > batchcast::proto::MAX_NAME_BYTES
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
     {
         return Err(key(
             "name",
-            "name must be non-empty and use only letters, digits, `-`, `_` and `.`",
+            format!(
+                "name must be 1 to {} characters, only letters, digits, `-`, `_` and `.`",
+                batchcast::proto::MAX_NAME_BYTES
+            ),
         ));
     }
     Ok(())

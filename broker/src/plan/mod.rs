@@ -205,6 +205,16 @@ impl StreamPlan {
         pid: u32,
     ) -> Result<StreamPlan, StreamError> {
         check_name(&req.stream)?;
+        batchcast::proto::check_text(
+            "the producer's description",
+            &req.description,
+            batchcast::proto::MAX_DESCRIPTION_BYTES,
+            "a shorter description",
+        )
+        .map_err(|m| StreamError::Key {
+            key: "description",
+            message: m,
+        })?;
         check_flow(
             req.batch_size,
             req.epochs,

@@ -33,6 +33,7 @@ use crate::stream::{Peer, Request, Stream};
 mod admit;
 mod consumer;
 mod producer;
+mod refusals;
 mod stats;
 
 pub use admit::Admission;
@@ -57,6 +58,8 @@ pub struct Broker {
     /// Every connection's frame buffer, reserved at start.
     _buffers: Grant,
     pub started: Instant,
+    /// Refused connections: counted, and logged at a bounded rate.
+    refusals: refusals::Refusals,
 }
 
 #[derive(Debug)]
@@ -94,6 +97,7 @@ impl Broker {
             budget,
             _buffers: buffers,
             started: Instant::now(),
+            refusals: refusals::Refusals::default(),
         }
     }
 
@@ -201,7 +205,8 @@ impl Broker {
             .collect();
         pending.sort_by(|a, b| a.name.cmp(&b.name));
         let (held, refused, by_uid) = self.admission.counts();
-        StatsReply {
+        let (handshakes_refused, requests_refused) = self.refusals.counts();
+        let mut reply = StatsReply {
             broker_pid: std::process::id(),
             broker_version: env!("CARGO_PKG_VERSION").into(),
             uptime_s: self.started.elapsed().as_secs_f64(),
@@ -213,8 +218,20 @@ impl Broker {
                 max: self.admission.limits().max_connections as u32,
                 refused,
                 by_uid: by_uid.into_iter().map(|(u, n)| (u, n as u32)).collect(),
+                handshakes_refused,
+                requests_refused,
             },
+            streams_left_out: 0,
+            pending_left_out: 0,
+        };
+        if reply.fit(proto::MAX_STATS_BYTES) {
+            tracing::debug!(
+                streams_left_out = reply.streams_left_out,
+                pending_left_out = reply.pending_left_out,
+                "the stats reply was shortened to fit a frame"
+            );
         }
+        reply
     }
 }
 
@@ -314,8 +331,23 @@ fn admit(
 /// A protocol failure to report to the peer before closing.
 struct Reject(ErrorCode, String);
 
+/// Writes one message. One that cannot be encoded (over a frame: never
+/// expected, replies are bounded by construction) is logged and answered
+/// with an `Internal` error instead, so the peer is never left waiting.
 async fn write_msg(sock: &mut UnixStream, msg: &ServerMsg) -> std::io::Result<()> {
-    let bytes = proto::encode(msg).map_err(std::io::Error::other)?;
+    let bytes = match proto::encode(msg) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!("cannot send a message: {e}");
+            let error = ServerMsg::Error(ErrorMsg {
+                code: ErrorCode::Internal,
+                message: format!("the broker could not send its answer: {e}"),
+            });
+            let b = proto::encode(&error).map_err(std::io::Error::other)?;
+            sock.write_all(&b).await?;
+            return Err(std::io::Error::other(e));
+        }
+    };
     sock.write_all(&bytes).await
 }
 
@@ -326,10 +358,14 @@ async fn serve_connection(
     stop: watch::Receiver<bool>,
 ) {
     let mut buf = Vec::with_capacity(4096);
+    let mut in_handshake = true;
     let result = async {
         let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut sock, &mut buf))
             .await
             .map_err(|_| Reject(ErrorCode::InvalidRequest, "no hello within 10 s".into()))??;
+        in_handshake = false;
+        proto::check_peer_name(&hello.name)
+            .map_err(|why| Reject(ErrorCode::InvalidRequest, why))?;
         let peer = Peer {
             name: hello.name,
             pid: hello.pid,
@@ -366,7 +402,18 @@ async fn serve_connection(
     }
     .await;
     if let Err(Reject(code, message)) = result {
-        tracing::info!(pid = ?cred.pid(), ?code, "{message}");
+        match broker.refusals.note(in_handshake, Instant::now()) {
+            refusals::Verdict::Log { left_out } => {
+                if left_out > 0 {
+                    tracing::info!(
+                        "{left_out} more connection(s) refused in the last {} s, not logged (`batchcast stats` counts them)",
+                        refusals::WINDOW.as_secs()
+                    );
+                }
+                tracing::info!(uid = cred.uid(), pid = ?cred.pid(), ?code, "{message}");
+            }
+            refusals::Verdict::Quiet => {}
+        }
         let _ = write_msg(&mut sock, &ServerMsg::Error(ErrorMsg { code, message })).await;
         let _ = sock.shutdown().await;
     }

@@ -78,6 +78,7 @@ impl Stream {
                 }
             }),
             consumers,
+            consumers_left_out: 0,
             past_consumers: inner.past.iter().cloned().collect(),
         }
     }

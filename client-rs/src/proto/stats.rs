@@ -15,6 +15,60 @@ pub struct StatsReply {
     pub pending: Vec<PendingStream>,
     pub memory: MemoryStats,
     pub connections: ConnectionStats,
+    /// Streams and registrations left out of this reply to keep it within
+    /// [`MAX_STATS_BYTES`] (protocol 14; see [`StatsReply::fit`]).
+    pub streams_left_out: u32,
+    pub pending_left_out: u32,
+}
+
+/// The largest stats reply a broker sends, encoded: well inside a frame
+/// ([`super::MAX_FRAME`]), whatever its clients are called or how many
+/// came and went.
+pub const MAX_STATS_BYTES: usize = 768 << 10;
+
+impl StatsReply {
+    /// Shrinks the reply until it encodes in at most `limit` bytes, and
+    /// says what it left out: first the oldest departed consumers (a
+    /// stream's `departed` still counts them all), then connected
+    /// consumers beyond the first (`consumers_left_out`), then pending
+    /// registrations, then streams. So a reply always fits, and nothing is
+    /// dropped without a count. Whether anything was left out.
+    pub fn fit(&mut self, limit: usize) -> bool {
+        let fits = |r: &StatsReply| postcard::to_stdvec(r).is_ok_and(|v| v.len() <= limit);
+        if fits(self) {
+            return false;
+        }
+        let most_past = self.streams.iter().map(|s| s.past_consumers.len()).max();
+        let mut keep = most_past.unwrap_or(0);
+        while keep > 0 && !fits(self) {
+            keep /= 2;
+            for s in &mut self.streams {
+                let n = s.past_consumers.len().saturating_sub(keep);
+                s.past_consumers.drain(..n); // the oldest first
+            }
+        }
+        let most = self.streams.iter().map(|s| s.consumers.len()).max();
+        let mut keep = most.unwrap_or(0);
+        while keep > 0 && !fits(self) {
+            keep /= 2;
+            for s in &mut self.streams {
+                let n = s.consumers.len().saturating_sub(keep);
+                s.consumers.truncate(keep);
+                s.consumers_left_out += n as u32;
+            }
+        }
+        while !self.pending.is_empty() && !fits(self) {
+            let keep = self.pending.len() / 2;
+            self.pending_left_out += (self.pending.len() - keep) as u32;
+            self.pending.truncate(keep);
+        }
+        while !self.streams.is_empty() && !fits(self) {
+            let keep = self.streams.len() / 2;
+            self.streams_left_out += (self.streams.len() - keep) as u32;
+            self.streams.truncate(keep);
+        }
+        true
+    }
 }
 
 /// A producer's stream between `Registered` and its first `Acquire`.
@@ -49,8 +103,16 @@ pub struct MemoryStats {
 pub struct ConnectionStats {
     pub held: u32,
     pub max: u32,
+    /// Refused at accept (the allow list, connection limits), since start.
     pub refused: u64,
     pub by_uid: Vec<(u32, u32)>,
+    /// Admitted, then refused at the handshake (a preamble of another
+    /// protocol or none, no hello in time), since start (protocol 14).
+    pub handshakes_refused: u64,
+    /// Admitted, then refused at any point (the handshake's included: a
+    /// bad name, an unknown stream, a request the stream refuses), since
+    /// start. The broker logs at most a few of these every 10 s.
+    pub requests_refused: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -93,8 +155,12 @@ pub struct StreamStats {
     /// One entry per GPU this stream copies to.
     pub gpus: Vec<GpuCopyStats>,
     pub consumers: Vec<ConsumerStats>,
+    /// Connected consumers left out of `consumers` to keep the reply
+    /// within [`MAX_STATS_BYTES`] (protocol 14).
+    pub consumers_left_out: u32,
     /// Consumers that have left, with their final numbers (the most recent
-    /// [`PAST_CONSUMERS`]).
+    /// [`PAST_CONSUMERS`], fewer where the reply had to shrink: `departed`
+    /// counts them all).
     pub past_consumers: Vec<ConsumerStats>,
 }
 
@@ -218,5 +284,123 @@ impl ConsumerStats {
         } else {
             0.0
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn consumer(id: u64, name: &str) -> ConsumerStats {
+        ConsumerStats {
+            id,
+            name: name.into(),
+            pid: 1,
+            uid: 1,
+            window: 2,
+            batch_size: 64,
+            batches: 0,
+            delivered: 0,
+            held: 0,
+            queued: 0,
+            epoch: 0,
+            samples: 0,
+            wait_s: 0.0,
+            busy_s: 0.0,
+            hold_s: 0.0,
+            device: None,
+            connected_s: 0.0,
+            left: Some("closed".into()),
+            replayed: 0,
+            replay_cpu_s: 0.0,
+            cuts: 0,
+        }
+    }
+
+    fn stream(name: &str, connected: u64, past: u64) -> StreamStats {
+        let long = "n".repeat(crate::proto::MAX_NAME_BYTES);
+        StreamStats {
+            name: name.into(),
+            slots: 8,
+            slot_bytes: 1,
+            free_slots: 8,
+            filling: 0,
+            in_use: 0,
+            batches_produced: 0,
+            epoch: 0,
+            finished: false,
+            deliveries: 0,
+            departed: past,
+            detached: 0,
+            producer_blocked_s: 0.0,
+            pipeline_cpu_s: 0.0,
+            replay_cpu_s: 0.0,
+            source: None,
+            producer: None,
+            owner_uid: 0,
+            failed: None,
+            gpus: Vec::new(),
+            consumers: (0..connected).map(|i| consumer(i, &long)).collect(),
+            consumers_left_out: 0,
+            past_consumers: (0..past).map(|i| consumer(1000 + i, &long)).collect(),
+        }
+    }
+
+    fn reply(streams: Vec<StreamStats>) -> StatsReply {
+        StatsReply {
+            broker_pid: 1,
+            broker_version: "0".into(),
+            uptime_s: 0.0,
+            streams,
+            pending: Vec::new(),
+            memory: MemoryStats::default(),
+            connections: ConnectionStats::default(),
+            streams_left_out: 0,
+            pending_left_out: 0,
+        }
+    }
+
+    fn len(r: &StatsReply) -> usize {
+        postcard::to_stdvec(r).unwrap().len()
+    }
+
+    #[test]
+    fn a_small_reply_is_left_whole() {
+        let mut r = reply(vec![stream("a", 3, 3)]);
+        let before = r.clone();
+        assert!(!r.fit(MAX_STATS_BYTES));
+        assert_eq!(r, before);
+    }
+
+    /// Departed consumers go first (the newest kept), then connected ones
+    /// (counted), then whole streams (counted): always within the limit.
+    #[test]
+    fn a_large_reply_shrinks_to_the_limit_and_counts_what_it_left_out() {
+        let mut r = reply(vec![stream("a", 40, 256), stream("b", 40, 256)]);
+        assert!(len(&r) > 64 << 10);
+        assert!(r.fit(64 << 10));
+        assert!(len(&r) <= 64 << 10);
+        for s in &r.streams {
+            assert_eq!(s.consumers.len(), 40, "connected kept while departed go");
+            assert!(s.past_consumers.len() < 256);
+            // The newest departed stay.
+            assert_eq!(s.past_consumers.last().unwrap().id, 1000 + 255);
+            assert_eq!(s.departed, 256, "departed still counts them all");
+        }
+
+        let mut r = reply(vec![stream("a", 300, 256), stream("b", 300, 256)]);
+        assert!(r.fit(32 << 10));
+        assert!(len(&r) <= 32 << 10);
+        for s in &r.streams {
+            assert!(s.past_consumers.is_empty());
+            assert_eq!(s.consumers.len() as u32 + s.consumers_left_out, 300);
+            assert!(s.consumers_left_out > 0);
+        }
+
+        let many: Vec<_> = (0..200).map(|i| stream(&format!("s{i}"), 1, 0)).collect();
+        let mut r = reply(many);
+        assert!(r.fit(8 << 10));
+        assert!(len(&r) <= 8 << 10);
+        assert_eq!(r.streams.len() as u32 + r.streams_left_out, 200);
     }
 }
