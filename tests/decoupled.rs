@@ -3,8 +3,9 @@
 //! sample once, in order, byte for byte, whatever their batch size; one
 //! that stalls for a second is cut from the shared stream (the others go
 //! on) and catches up from replay; one killed while it is being replayed
-//! to leaves nothing behind; a stream keeps consumers that cannot be
-//! replayed to (on the socket) in lockstep.
+//! to leaves nothing behind; a socket consumer is cut like a mailbox one;
+//! one that pins the ring (holding a batch, or paused while replayed to)
+//! is detached after the stream's hold limit, and the others go on.
 
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
@@ -117,15 +118,15 @@ fn a_trainer_that_stalls_for_a_second_is_replayed_to_while_the_others_go_on() {
 }
 
 #[test]
-fn a_socket_consumer_keeps_lockstep_in_a_decoupled_stream() {
-    // Without a mailbox it cannot be cut: the others wait for it, as in
-    // lockstep, and everyone still gets everything.
+fn a_slow_socket_consumer_is_cut_and_replayed_to_like_a_mailbox_one() {
+    // Without a mailbox it took everything it was sent; what was queued
+    // for it is what it gives back when it falls a ring behind.
     let env = Env::start(&config(2));
     let fast = env.consumer(&["--verify", "--name", "fast"]);
     let slow = env.consumer(&[
         "--verify",
         "--sleep-ms",
-        "1",
+        "3",
         "--no-mailbox",
         "--name",
         "slow",
@@ -134,9 +135,189 @@ fn a_socket_consumer_keeps_lockstep_in_a_decoupled_stream() {
     let slow = report(slow);
     assert_whole(&fast, 40, false);
     assert_whole(&slow, 40, false);
-    assert_eq!(slow.replayed_batches, 0);
-    let s = env.stats();
-    assert!(s.streams[0].past_consumers.iter().all(|c| c.cuts == 0));
+    let s = env.wait_for("both to be gone", |s| {
+        s.streams[0].past_consumers.len() == 2
+    });
+    let past = &s.streams[0].past_consumers;
+    let slow_stats = past.iter().find(|c| c.name == "slow").unwrap();
+    assert!(
+        slow_stats.cuts >= 1 && slow.replayed_batches > 0,
+        "{slow_stats:#?} {slow:#?}"
+    );
+}
+
+#[test]
+fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
+    // A paused socket consumer keeps the window it was sent (it cannot be
+    // taken back without its reading): the hold limit bounds the wait.
+    let env = Env::start(&held_config(1.0));
+    let steady = steady(&env, 600);
+    env.wait_for("the steady reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    let paused = env.consumer(&[
+        "--stall-after",
+        "3",
+        "--stall-ms",
+        "12000",
+        "--no-mailbox",
+        "--join",
+        "immediate",
+        "--name",
+        "paused",
+    ]);
+    let steady = report(steady);
+    let paused = report(paused);
+    assert!(
+        steady.ok && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+    assert!(
+        steady.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        steady.seconds
+    );
+    assert_eq!(
+        paused.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{paused:#?}"
+    );
+}
+
+/// An endless decoupled stream whose pipeline waits at most `hold` s for
+/// a consumer it cannot cut.
+fn held_config(hold: f64) -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+        .raw("pace = \"decoupled\"")
+        .raw(&format!("hold_limit_s = {hold}"))
+        .to_toml()
+}
+
+/// A steady reader of `batches` batches, 2 ms each (alone: about 2 ms ×
+/// `batches`).
+fn steady(env: &Env, batches: u64) -> std::process::Child {
+    env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        &batches.to_string(),
+        "--name",
+        "steady",
+    ])
+}
+
+#[test]
+fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold_limit() {
+    let env = Env::start(&held_config(1.0));
+    let steady = steady(&env, 600);
+    env.wait_for("the steady reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    // Keeps its last batch through a 12 s pause: it pins the ring.
+    let holder = env.consumer(&[
+        "--stall-after",
+        "5",
+        "--stall-ms",
+        "12000",
+        "--hold",
+        "1",
+        "--join",
+        "immediate",
+        "--name",
+        "holder",
+    ]);
+    let holder = report(holder);
+    let steady = report(steady);
+    assert!(
+        steady.ok && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+    assert_eq!(steady.batches, 600);
+    assert_eq!(
+        holder.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{holder:#?}"
+    );
+    let why = holder.error.unwrap_or_default();
+    assert!(why.contains("hold_limit_s of 1"), "{why}");
+    // 600 batches at 2 ms are 1.2 s alone; held by the holder they would
+    // take its whole 12 s pause. The bound: the hold limit and slack.
+    assert!(
+        steady.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        steady.seconds
+    );
+    let s = env.wait_for("the holder to be gone", |s| {
+        s.streams[0]
+            .past_consumers
+            .iter()
+            .any(|c| c.name == "holder")
+    });
+    assert_eq!(s.streams[0].detached, 1);
+    let past = &s.streams[0].past_consumers;
+    let left = past
+        .iter()
+        .find(|c| c.name == "holder")
+        .unwrap()
+        .left
+        .clone();
+    assert!(
+        left.is_some_and(|l| l.contains("hold_limit_s")),
+        "{past:#?}"
+    );
+}
+
+#[test]
+fn a_consumer_being_replayed_to_that_pauses_does_not_hold_the_others_past_the_hold_limit() {
+    let env = Env::start(&held_config(1.0));
+    let steady = steady(&env, 600);
+    env.wait_for("the steady reader to be mid-epoch", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 3)
+    });
+    // Joins with a complete epoch (replayed), reads one batch, pauses.
+    let paused = env.consumer(&[
+        "--verify",
+        "--join",
+        "now",
+        "--stall-after",
+        "1",
+        "--stall-ms",
+        "12000",
+        "--max-batches",
+        "30",
+        "--name",
+        "paused",
+    ]);
+    let steady = report(steady);
+    assert!(
+        steady.ok && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+    assert!(
+        steady.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        steady.seconds
+    );
+    // It was either detached (still being replayed to) or cut (replay
+    // done): either way it never kept the others past the limit, and what
+    // it read is right.
+    let paused = report(paused);
+    match paused.error_code.as_deref() {
+        Some("HoldLimit") => {}
+        None => {
+            assert!(
+                paused.ok && paused.verified_samples == paused.samples,
+                "{paused:#?}"
+            );
+            assert!(paused.order_errors.is_empty(), "{:?}", paused.order_errors);
+        }
+        other => panic!("unexpected end {other:?}: {paused:#?}"),
+    }
 }
 
 #[test]
@@ -188,4 +369,67 @@ fn a_trainer_killed_while_cut_and_replayed_to_leaves_nothing_behind() {
     let s = env.wait_for("both to be gone", |s| s.streams[0].consumers.is_empty());
     assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
     assert_eq!(s.streams[0].in_use, 0, "every slot came back");
+}
+
+#[test]
+fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
+    // A hostile client speaking the protocol by hand: it takes every
+    // batch noticed to it (its mailbox's `tail` says so) and gives none
+    // back, keeping its connection open.
+    use batchcast::mailbox::{ConsumerMailbox, Notice};
+    use batchcast::proto::{ErrorCode, ServerMsg};
+    let env = Env::start(&held_config(1.0));
+    let steady = steady(&env, 600);
+    env.wait_for("the steady reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    let (sock, welcome, mut fds) = common::raw_subscribe(
+        &env.socket(),
+        "hoarder",
+        true,
+        batchcast::JoinPolicy::Immediate,
+        None,
+    );
+    let mb = ConsumerMailbox::open(fds.remove(1), welcome.mailbox.expect("a mailbox")).unwrap();
+    let hoard = std::thread::spawn(move || {
+        let t0 = std::time::Instant::now();
+        let mut taken = 0u64;
+        while t0.elapsed() < std::time::Duration::from_secs(20) {
+            match mb.pop() {
+                Ok(Some(Notice::Batch(_))) => taken += 1,
+                Ok(_) => std::thread::sleep(std::time::Duration::from_millis(1)),
+                Err(_) => break,
+            }
+            // Stop once the broker has said why it ended this client.
+            let mut poll = [nix::poll::PollFd::new(
+                std::os::fd::AsFd::as_fd(&sock),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            if nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+                break;
+            }
+        }
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let msg = batchcast::proto::read_frame::<ServerMsg>(&mut &sock, &mut Vec::new());
+        (taken, msg)
+    });
+    let steady = report(steady);
+    assert!(
+        steady.ok && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+    assert!(
+        steady.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        steady.seconds
+    );
+    let (taken, msg) = hoard.join().unwrap();
+    assert!(taken > 0);
+    match msg {
+        Ok(Some(ServerMsg::Error(e))) => {
+            assert_eq!(e.code, ErrorCode::HoldLimit, "{e:?}");
+        }
+        other => panic!("expected a HoldLimit error, got {other:?}"),
+    }
 }

@@ -25,6 +25,7 @@
 //! lag_limit = 4         # omit to let the slowest consumer set the pace
 //! pace = "lockstep"     # or "decoupled": see README "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
+//! hold_limit_s = 30     # decoupled: longest wait for a consumer that cannot be cut
 //! min_consumers = 1
 //!
 //! [stream.synthetic]
@@ -261,6 +262,10 @@ pub struct StreamConfig {
     /// Decoupled pace: how far the pipeline may run ahead of the slowest
     /// consumer, as memory (MiB of the host arena); sets `slots`.
     pub run_ahead_mib: Option<u64>,
+    /// Decoupled pace: the longest the pipeline waits for a consumer it
+    /// cannot cut (one holding batches, one being replayed to that
+    /// pauses) before detaching it; default 30 s.
+    pub hold_limit_s: Option<f64>,
     #[serde(default = "one")]
     pub min_consumers: u32,
     pub synthetic: Option<SyntheticConfig>,

@@ -62,6 +62,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use batchcast::JoinPolicy;
+use batchcast::proto::ErrorCode;
 
 pub type ConsumerId = u64;
 pub type SlotId = u32;
@@ -136,6 +137,8 @@ pub enum Outbound {
     /// The consumer has been removed from the hub; tell it why and close.
     Detached {
         reason: String,
+        /// `LagLimit`, or `HoldLimit` (decoupled pace).
+        code: ErrorCode,
     },
 }
 

@@ -41,6 +41,10 @@ pub enum ErrorCode {
     /// A stats connection asked nothing for the broker's `idle_timeout_s`
     /// and was closed ([`crate::StatsClient`] reconnects by itself).
     Idle,
+    /// Decoupled pace: the consumer kept the pipeline waiting longer than
+    /// the stream's `hold_limit_s` (it held batches, or paused while being
+    /// replayed to) and was detached (protocol 14).
+    HoldLimit,
 }
 
 /// Everything that can go wrong talking to a broker.

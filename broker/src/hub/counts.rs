@@ -12,7 +12,7 @@ pub struct GroupCounts {
 }
 
 /// Per-consumer numbers for stats.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConsumerCounts {
     pub window: u32,
     pub delivered: u64,

@@ -4,9 +4,33 @@
 //! never took, or was queued for it, is given back; nothing is published to
 //! it while it is cut. The property tests cut and re-join at random.
 
-use super::{ConsumerId, Hub, HubError, Slot};
+use batchcast::proto::ErrorCode;
+
+use super::{ConsumerId, Hub, HubError, Outbound, Slot};
 
 impl Hub {
+    /// Detaches a consumer that kept the pipeline waiting too long
+    /// (decoupled pace's hold limit): it is removed, everything it held or
+    /// was owed is given back (a batch it still reads may be rewritten: its
+    /// own loss, as with the lag limit), and it is told `reason`.
+    pub fn detach(&mut self, id: ConsumerId, reason: String) -> bool {
+        if !self.consumers.contains_key(&id) {
+            return false;
+        }
+        self.out.push((
+            id,
+            Outbound::Detached {
+                reason,
+                code: ErrorCode::HoldLimit,
+            },
+        ));
+        self.detached += 1;
+        self.remove(id);
+        self.pump();
+        self.start_copies();
+        true
+    }
+
     /// Cuts a host consumer from the shared stream (decoupled pace: it fell
     /// too far behind, and goes on from replay): what was queued for it,
     /// and the batches in `revoke` that it was sent and never took, are

@@ -3,6 +3,8 @@
 //! copy), each consumer is sent what its window (or sending ahead) allows,
 //! the lag limit detaches a straggler, and releases unreference slots.
 
+use batchcast::proto::ErrorCode;
+
 use super::{ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
 
 impl Hub {
@@ -223,7 +225,13 @@ impl Hub {
                  it was holding every other consumer back. Process batches faster, or raise lag_limit in the broker config",
                 self.cfg.lag_limit.unwrap_or_default()
             );
-            self.out.push((id, Outbound::Detached { reason }));
+            self.out.push((
+                id,
+                Outbound::Detached {
+                    reason,
+                    code: ErrorCode::LagLimit,
+                },
+            ));
             self.detached += 1;
             self.remove(id);
         }

@@ -264,7 +264,7 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
         let Some(w) = produce(&mut h) else { break };
         h.release(fast, w.seq).unwrap();
         for (id, o) in h.take_outbound() {
-            if let Outbound::Detached { reason } = o {
+            if let Outbound::Detached { reason, .. } = o {
                 assert_eq!(id, slow);
                 assert!(reason.contains("lag_limit of 3"), "{reason}");
                 detached = true;
@@ -662,6 +662,8 @@ enum Op {
         which: prop::sample::Index,
     },
     Die(prop::sample::Index),
+    /// Detached for pinning the ring past the hold limit (decoupled pace).
+    Detach(prop::sample::Index),
     Goodbye(prop::sample::Index),
     /// Cuts a host consumer, revoking the batches it holds from `from`
     /// (in sequence order) on, as if it never took them.
@@ -685,6 +687,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => any::<prop::sample::Index>().prop_map(Op::Finish),
         6 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, which)| Op::Release { who, which }),
         1 => any::<prop::sample::Index>().prop_map(Op::Die),
+        1 => any::<prop::sample::Index>().prop_map(Op::Detach),
         1 => any::<prop::sample::Index>().prop_map(Op::Goodbye),
         1 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, from)| Op::Cut { who, from }),
         2 => (any::<prop::sample::Index>(), any::<prop::sample::Index>()).prop_map(|(who, at)| Op::Rejoin { who, at }),
@@ -938,6 +941,14 @@ impl Model {
                     let id = live[i.index(live.len())];
                     assert!(self.hub.leave(id));
                     self.seen.get_mut(&id).unwrap().gone = true;
+                }
+            }
+            Op::Detach(i) => {
+                let live = self.live();
+                if !live.is_empty() {
+                    let id = live[i.index(live.len())];
+                    assert!(self.hub.detach(id, "held too long".into()));
+                    // Its `Detached` message marks it gone when drained.
                 }
             }
             Op::Goodbye(i) => {

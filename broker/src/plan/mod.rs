@@ -12,6 +12,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use batchcast::proto::ProduceRequest;
 use batchcast::schema::{ExternalSourceInfo, Field, RingLayout, Schema, SlotLayout, SourceInfo};
@@ -151,6 +152,12 @@ pub struct ImagePlan {
     pub share: Option<(Arc<crate::pipeline::shared::SourceShare>, usize)>,
 }
 
+/// Decoupled pace: how long the pipeline waits, by default, for a
+/// consumer that pins the ring and cannot be cut (it holds batches, or is
+/// replayed to and pauses) before detaching it: long enough for a
+/// trainer's checkpoint or a short evaluation with a batch still held.
+pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(30);
+
 /// A stream, checked, with everything derived from its description.
 #[derive(Debug, Clone)]
 pub struct StreamPlan {
@@ -163,6 +170,9 @@ pub struct StreamPlan {
     pub epochs: Option<u64>,
     pub lag_limit: Option<u32>,
     pub pace: Pace,
+    /// Decoupled pace: how long the pipeline waits for a consumer that
+    /// pins the ring and cannot be cut before detaching it.
+    pub hold_limit: Duration,
     pub min_consumers: u32,
     /// Pipeline threads (0 for an external producer).
     pub workers: usize,
@@ -267,6 +277,7 @@ impl StreamPlan {
             epochs: req.epochs,
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
+            hold_limit: DEFAULT_HOLD_LIMIT,
             min_consumers: req.min_consumers,
             workers: 0,
             schema,
@@ -401,6 +412,9 @@ fn plan_stream(
         epochs: s.epochs,
         lag_limit: s.lag_limit,
         pace: s.pace,
+        hold_limit: s
+            .hold_limit_s
+            .map_or(DEFAULT_HOLD_LIMIT, Duration::from_secs_f64),
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),
         schema,

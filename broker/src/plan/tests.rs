@@ -112,6 +112,9 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
     };
     let p = &decoupled("").unwrap()[0];
     assert_eq!((p.pace, p.slots), (Pace::Decoupled, 8));
+    assert_eq!(p.hold_limit, crate::plan::DEFAULT_HOLD_LIMIT);
+    let p = &decoupled("hold_limit_s = 2.5").unwrap()[0];
+    assert_eq!(p.hold_limit, std::time::Duration::from_millis(2500));
     let err = decoupled("run_ahead_mib = 1").unwrap_err().to_string();
     assert!(
         err.contains("run_ahead_mib = 1 holds 21845 batches"),
@@ -140,6 +143,12 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
             "pace = \"decoupled\"\nlag_limit = 4",
             "lag_limit",
             "choose one",
+        ),
+        ("hold_limit_s = 5", "hold_limit_s", "lag_limit detaches"),
+        (
+            "pace = \"decoupled\"\nhold_limit_s = 0",
+            "hold_limit_s",
+            "use 0.1 to 86400",
         ),
     ] {
         let err = plan(&good().replace("epochs = 2", &format!("epochs = 2\n{extra}"))).unwrap_err();

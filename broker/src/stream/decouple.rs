@@ -30,13 +30,23 @@
 //!   that point. At the stream's end it merges at the end.
 //! * Every sample reaches it once, in order: from the shared stream before
 //!   the cut, replayed between, from the shared stream after the merge.
+//! * A consumer on the socket is cut the same way: what was queued for it
+//!   and never sent is what it gives back (everything sent, it took).
+//! * No consumer keeps the others waiting longer than the stream's hold
+//!   limit (`hold_limit_s`, [`crate::plan::DEFAULT_HOLD_LIMIT`]): while
+//!   another consumer waits for data, a consumer that owes the unit in the
+//!   ring's next slot and cannot be cut (it holds that unit: a batch its
+//!   program keeps, a mailbox `tail` claiming it took it, or it is being
+//!   replayed to and does not read) is detached once the unit has been
+//!   pinned that long (`HoldLimit`; everything it held is given back, as
+//!   the lag limit does under lockstep).
 
 use std::time::{Duration, Instant};
 
-use batchcast::mailbox::{BrokerMailbox, Notice};
-use batchcast::proto::{self, Position};
+use batchcast::mailbox::Notice;
+use batchcast::proto::{self, Position, ServerMsg};
 
-use super::deliver::{Conn, end_mailbox_consumer, settle};
+use super::deliver::{Conn, end_mailbox_consumer, send, settle};
 use super::{Inner, Stream};
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Hub};
@@ -64,15 +74,23 @@ pub(super) fn boundary(anchor: Position, p: Position, batch: u64) -> Position {
     }
 }
 
-/// Writes a notice to consumer `id`'s mailbox and rings; a full mailbox
-/// ends that consumer (`false`).
+/// Tells consumer `id` of a cut or a merge: a notice in its mailbox (and
+/// a ring), or the message on its socket. A full mailbox ends that
+/// consumer (`false`).
 fn notify(inner: &mut Inner, id: ConsumerId, notice: Notice) -> bool {
-    let pushed = inner
-        .conns
-        .get_mut(&id)
-        .and_then(|c| c.mailbox.as_mut())
-        .map(|mb| mb.push(&notice).map(|()| mb.ring()));
-    if let Some(Err(e)) = pushed {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return false;
+    };
+    let Some(mb) = conn.mailbox.as_mut() else {
+        let msg = match notice {
+            Notice::Cut(p) => ServerMsg::Cut(p),
+            Notice::Merge(p) => ServerMsg::Merge(p),
+            _ => unreachable!("only cuts and merges are told here"),
+        };
+        send(conn, id, msg);
+        return true;
+    };
+    if let Err(e) = mb.push(&notice).map(|()| mb.ring()) {
         end_mailbox_consumer(inner, id, e.to_string());
         return false;
     }
@@ -89,14 +107,14 @@ fn unread(c: &mut Conn) -> usize {
     })
 }
 
-/// Whether consumer `id` may be cut: decoupled, reading the shared stream
-/// (its last replay's batches all sent: a cut's notice must follow them),
-/// and behind (units wait for it, noticed or queued).
+/// Whether consumer `id` may be cut: decoupled, in host memory, reading
+/// the shared stream (its last replay's batches all sent: a cut's notice
+/// must follow them), and behind (units wait for it, noticed or queued).
 fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
     let Some(queued) = hub.reading(id) else {
         return false;
     };
-    c.mailbox.is_some()
+    c.gpu.is_none()
         && c.ending.is_none()
         && c.replay
             .as_ref()
@@ -117,12 +135,15 @@ impl Stream {
     }
 
     /// The pipeline waits for the ring's next slot: cuts the consumers that
-    /// owe its unit if the rules allow (see the module's). Whether it did.
+    /// owe its unit if the rules allow, or detaches those that cannot be
+    /// cut once they have pinned it for the hold limit (see the module's).
+    /// Whether it did either.
     pub(super) fn cut_laggards(&self, inner: &mut Inner) -> bool {
         if self.plan.pace != Pace::Decoupled {
             return false;
         }
         let Some((seq, owe)) = inner.hub.pinning() else {
+            inner.pinned = None;
             return false;
         };
         // Made longer ago than the ring remembers: old enough.
@@ -141,27 +162,66 @@ impl Stream {
         if !hungry || owe.is_empty() {
             return false;
         }
-        let all = owe
-            .iter()
-            .all(|id| conns.get_mut(id).is_some_and(|c| cuttable(hub, *id, c)));
-        if !all {
-            return false;
+        let (can, cannot): (Vec<ConsumerId>, Vec<ConsumerId>) = owe
+            .into_iter()
+            .partition(|id| conns.get_mut(id).is_some_and(|c| cuttable(hub, *id, c)));
+        let cannot_was_empty = cannot.is_empty();
+        if !cannot_was_empty {
+            // Someone waits for data while these pin the ring: within the
+            // hold limit, counted from when this unit was first pinned.
+            let since = match inner.pinned {
+                Some((s, t)) if s == seq => t,
+                _ => inner.pinned.insert((seq, Instant::now())).1,
+            };
+            let held = since.elapsed();
+            if held < self.plan.hold_limit {
+                return false;
+            }
+            for id in cannot {
+                self.detach_holder(inner, id, held);
+            }
         }
-        let mut any = false;
-        for id in owe {
+        inner.pinned = None;
+        // Detaching freed the slot of whoever could not be cut; cutting the
+        // others frees it of them.
+        let mut any = !cannot_was_empty;
+        for id in can {
             any |= self.cut(inner, id);
         }
         any
     }
 
+    /// Detaches consumer `id`, which kept the pipeline waiting for `held`.
+    fn detach_holder(&self, inner: &mut Inner, id: ConsumerId, held: Duration) {
+        let limit = self.plan.hold_limit.as_secs_f64();
+        let reason = format!(
+            "detached: this consumer kept the stream's pipeline waiting for {:.1} s, more than the stream's hold_limit_s of {limit}: it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused), while other consumers waited for data. \
+             Release batches before a long pause (drop or `del` them), or raise hold_limit_s in the broker config",
+            held.as_secs_f64()
+        );
+        if inner.hub.detach(id, reason) {
+            tracing::warn!(
+                stream = %self.name(),
+                consumer = id,
+                held_s = held.as_secs_f64(),
+                "decoupled pace: detached a consumer that pinned the ring past the hold limit"
+            );
+        }
+    }
+
     /// Cuts consumer `id` from the shared stream; replay follows.
     fn cut(&self, inner: &mut Inner, id: ConsumerId) -> bool {
         let unit = self.plan.schema.batch_size;
+        // A mailbox consumer gives back the notices it has not taken; a
+        // socket consumer took everything it was sent, and gives back only
+        // what was queued for it (the hub drops the queue).
         let Some(revoked) = inner
             .conns
             .get_mut(&id)
-            .and_then(|c| c.mailbox.as_mut())
-            .and_then(BrokerMailbox::cut)
+            .and_then(|c| match c.mailbox.as_mut() {
+                Some(mb) => mb.cut(),
+                None => Some(Vec::new()),
+            })
         else {
             return false;
         };

@@ -550,13 +550,13 @@ impl Conn {
                 self.ending = Some(Ending::StreamEnded);
                 ServerMsg::EndOfStream
             }
-            Outbound::Detached { reason } => {
+            Outbound::Detached { reason, code } => {
                 tracing::warn!(consumer = id, name = %self.name, "{reason}");
                 send(
                     self,
                     id,
                     ServerMsg::Error(ErrorMsg {
-                        code: ErrorCode::LagLimit,
+                        code,
                         message: reason.clone(),
                     }),
                 );

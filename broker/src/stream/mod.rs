@@ -95,6 +95,10 @@ struct Inner {
     replay_cpu: Duration,
     /// Decoupled pace: when each of the last units of the ring was made.
     made_at: VecDeque<(u64, std::time::Instant)>,
+    /// Decoupled pace: the unit in the ring's next slot that consumers who
+    /// cannot be cut keep the pipeline from reusing, and since when (the
+    /// hold limit runs from there).
+    pinned: Option<(u64, std::time::Instant)>,
     /// What a shared source was last told: whether this stream takes
     /// batches (see [`Stream::tell_source`]).
     told_live: bool,
@@ -214,6 +218,7 @@ impl Stream {
                 replaying: 0,
                 replay_cpu: Duration::ZERO,
                 made_at: VecDeque::new(),
+                pinned: None,
                 told_live: false,
             }),
             work_cv: Condvar::new(),

@@ -124,14 +124,11 @@ impl Stream {
         Ok(())
     }
 
-    /// Decoupled pace: a host consumer with a mailbox of a stream the
+    /// Decoupled pace: a host consumer (mailbox or socket) of a stream the
     /// broker computes may be cut from the shared stream and replayed to;
-    /// others keep lockstep.
+    /// GPU consumers keep lockstep.
     fn decoupled(&self, req: &Request) -> bool {
-        self.plan.pace == Pace::Decoupled
-            && self.writer.is_some()
-            && req.mailbox
-            && req.device.is_none()
+        self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
     }
 
     /// A mailbox for a host consumer that asked for one, in the budget
