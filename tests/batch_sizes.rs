@@ -132,6 +132,60 @@ fn drop_last_drops_only_a_short_last_batch() {
     assert_eq!(drop.verified_samples, 1920, "the first 960 of each epoch");
 }
 
+/// The stream makes every sample of every epoch (1000 in units of 64:
+/// the last unit holds 40): what is dropped is each consumer's choice,
+/// and the stream's `drop_last` is only the default of those that do not
+/// choose.
+#[test]
+fn every_consumer_gets_the_epochs_tail_unless_it_drops_it_itself() {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 16, 16]), ("label", "i64", &[])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 64, 1000, &fields)
+            .key("seed", 5)
+            .key("slots", 16)
+            .key("workers", 2)
+            .key("epochs", 2)
+            .key("drop_last", true)
+            .key("min_consumers", 4)
+            .to_toml(),
+    );
+    let run = |name: &str, extra: &[&str]| {
+        let mut args = vec!["--verify", "--name", name];
+        args.extend_from_slice(extra);
+        env.consumer(&args)
+    };
+    let own = run("own32", &["--batch-size", "32", "--drop-last=false"]);
+    let default = run("default32", &["--batch-size", "32"]);
+    let unit = run("unit", &["--drop-last=false"]);
+    let unit_default = run("unit-default", &[]);
+    let (own, default, unit, unit_default) = (
+        report(own),
+        report(default),
+        report(unit),
+        report(unit_default),
+    );
+    for r in [&own, &default, &unit, &unit_default] {
+        assert!(r.ok && r.ended && r.verified_samples == r.samples, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
+    }
+    // Its own choice: every sample, the last batch short (1000 = 31 × 32 + 8).
+    assert_eq!((own.batches, own.samples), (2 * 32, 2000));
+    // The stream's default (drop_last = true): 31 batches of 32.
+    assert_eq!((default.batches, default.samples), (2 * 31, 2 * 992));
+    // At the stream's own batch size: 15 × 64 + 40.
+    assert_eq!((unit.batches, unit.samples), (2 * 16, 2000));
+    assert_eq!(
+        (unit_default.batches, unit_default.samples),
+        (2 * 15, 2 * 960)
+    );
+    let s = env.stats();
+    assert_eq!(
+        s.streams[0].batches_produced,
+        2 * 16,
+        "the short unit is made"
+    );
+}
+
 #[test]
 fn a_batch_size_the_slots_cannot_hold_is_refused_with_the_largest_that_fits() {
     let env = Env::start(&config("epochs = 1"));

@@ -736,7 +736,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             pid: std::process::id(),
             intent: proto::Intent::Consume {
                 batch_size: None,
-                drop_last: false,
+                drop_last: None,
                 resume: None,
                 stream: "train".into(),
                 window,

@@ -161,8 +161,9 @@ fn streams_on_one_source_deliver_their_bytes_alone_with_one_decode_per_image_eve
         written,
         "every sample written was decoded or taken"
     );
-    // drop_last leaves out 4 samples an epoch in crop32, 12 in eval.
-    assert_eq!(written, 3 * images - 2 * (4 + 12));
+    // Every stream makes every sample of the epoch (what a consumer drops
+    // of a short last batch is its own choice).
+    assert_eq!(written, 3 * images);
 }
 
 #[test]

@@ -18,7 +18,7 @@
 //! epochs = 3            # omit for an endless stream
 //! shuffle = true
 //! seed = 0
-//! drop_last = true
+//! drop_last = false     # consumers' default; each may choose its own
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
@@ -246,7 +246,10 @@ pub struct StreamConfig {
     pub shuffle: bool,
     #[serde(default)]
     pub seed: u64,
-    #[serde(default = "yes")]
+    /// The default of consumers that do not choose whether to drop an
+    /// epoch's short last batch (false, as a DataLoader's). The stream
+    /// makes every sample of every epoch either way.
+    #[serde(default)]
     pub drop_last: bool,
     #[serde(default = "default_slots")]
     pub slots: u32,

@@ -89,9 +89,11 @@ pub struct ConsumeArgs {
     /// the stream's]
     #[arg(long)]
     pub batch_size: Option<u64>,
-    /// Drop each epoch's last batch when it is short
-    #[arg(long)]
-    pub drop_last: bool,
+    /// Drop each epoch's last batch when it is short [default: the
+    /// stream's drop_last]; `--drop-last=false` keeps it whatever the
+    /// stream says
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub drop_last: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

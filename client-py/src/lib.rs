@@ -113,7 +113,7 @@ struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=false, resume=None))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -126,7 +126,7 @@ impl Consumer {
         device: &str,
         broker_uid: Option<u32>,
         batch_size: Option<u64>,
-        drop_last: bool,
+        drop_last: Option<bool>,
         resume: Option<(u64, u64)>,
     ) -> PyResult<Consumer> {
         let device: batchcast::Device = device.parse().map_err(parse_error)?;

@@ -344,8 +344,10 @@ pub enum Intent {
         /// of any size are contiguous views of the stream's rings; the
         /// window counts them.
         batch_size: Option<u64>,
-        /// Drop each epoch's last batch when it is short.
-        drop_last: bool,
+        /// Drop each epoch's last batch when it is short; `None`: the
+        /// stream's `drop_last` (protocol 14). The stream makes every
+        /// sample of every epoch either way.
+        drop_last: Option<bool>,
         /// Start at this position of the stream (a trainer restarting from
         /// a checkpoint): what the stream already published from there on
         /// is replayed, a position ahead of it is waited for. Overrides

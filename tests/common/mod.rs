@@ -194,7 +194,7 @@ pub fn raw_subscribe(
         pid: std::process::id(),
         intent: Intent::Consume {
             batch_size: None,
-            drop_last: false,
+            drop_last: None,
             resume,
             stream: "train".into(),
             window: 2,

@@ -170,6 +170,9 @@ pub struct StreamPlan {
     pub epochs: Option<u64>,
     pub lag_limit: Option<u32>,
     pub pace: Pace,
+    /// The default of consumers that do not say whether to drop an epoch's
+    /// short last batch (the stream makes every sample either way).
+    pub drop_last: bool,
     /// Decoupled pace: how long the pipeline waits for a consumer that
     /// pins the ring and cannot be cut before detaching it.
     pub hold_limit: Duration,
@@ -278,6 +281,7 @@ impl StreamPlan {
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
             hold_limit: DEFAULT_HOLD_LIMIT,
+            drop_last: false,
             min_consumers: req.min_consumers,
             workers: 0,
             schema,
@@ -364,12 +368,11 @@ fn plan_stream(
         Some(src) => synthetic_source(s, src)?,
         None => image_source(s, listed)?,
     };
-    let batches_per_epoch = if s.drop_last {
-        parts.per_epoch / s.batch_size
-    } else {
-        parts.per_epoch.div_ceil(s.batch_size)
-    };
-    if batches_per_epoch == 0 {
+    // Every sample of the epoch is made (the last unit short): whether a
+    // consumer drops a short last batch is its own choice, the stream's
+    // `drop_last` only its default.
+    let batches_per_epoch = parts.per_epoch.div_ceil(s.batch_size);
+    if batches_per_epoch == 0 || (s.drop_last && parts.per_epoch < s.batch_size) {
         return Err(StreamError::FewerThanOneBatch {
             samples: parts.per_epoch,
             dataset: parts.len,
@@ -379,11 +382,7 @@ fn plan_stream(
     let schema = Schema {
         fields: parts.fields,
         batch_size: s.batch_size,
-        samples_per_epoch: if s.drop_last {
-            batches_per_epoch * s.batch_size
-        } else {
-            parts.per_epoch
-        },
+        samples_per_epoch: parts.per_epoch,
         batches_per_epoch,
         epochs: s.epochs,
         source: parts.info,
@@ -415,6 +414,7 @@ fn plan_stream(
         hold_limit: s
             .hold_limit_s
             .map_or(DEFAULT_HOLD_LIMIT, Duration::from_secs_f64),
+        drop_last: s.drop_last,
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),
         schema,

@@ -30,11 +30,19 @@ fn a_minimal_config_gets_documented_defaults() {
         panic!("a synthetic source")
     };
     assert!(spec.shuffle, "shuffled by default");
-    assert_eq!(
-        p.schema.batches_per_epoch, 2,
-        "10 samples / 4 with drop_last"
-    );
-    assert_eq!(p.schema.samples_per_epoch, 8);
+    // Every sample is made, the last unit short; consumers drop it only
+    // if they choose to (the stream's drop_last, false, is their default).
+    assert_eq!(p.schema.batches_per_epoch, 3, "10 samples in units of 4");
+    assert_eq!(p.schema.samples_per_epoch, 10);
+    assert!(!p.drop_last);
+    let dropping = good().replace("epochs = 2", "epochs = 2\ndrop_last = true");
+    let p = &plan(&dropping).unwrap()[0];
+    assert_eq!((p.schema.batches_per_epoch, p.drop_last), (3, true));
+    // Fewer samples than a batch: fine unless consumers drop short batches
+    // by default (they would get none).
+    assert!(plan(&good().replace("len = 10", "len = 3")).is_ok());
+    let err = plan(&dropping.replace("len = 10", "len = 3")).unwrap_err();
+    assert!(err.to_string().contains("fewer than one batch"), "{err}");
 }
 
 #[test]
@@ -60,7 +68,6 @@ fn semantic_errors_name_the_stream_and_what_to_do() {
             "lag_limit = 8",
             Some("lag_limit"),
         ),
-        ("len = 10", "len = 3", "fewer than one batch", None),
         ("shape = [3]", "shape = [0]", "zero dimension", None),
         (
             "epochs = 2",

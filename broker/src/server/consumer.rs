@@ -25,7 +25,7 @@ pub(super) async fn serve_consumer(
     peer: Peer,
     buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
-    let (window, drop_last) = (req.window, req.drop_last);
+    let window = req.window;
     let sub = subscribe(&stream, req, peer).await?;
     // Whatever happens below, the consumer leaves the hub when this returns.
     struct Leave<'a>(&'a Stream, u64);
@@ -44,7 +44,7 @@ pub(super) async fn serve_consumer(
         slots: stream.plan.slots,
         window,
         batch_size: sub.shape.batch_size,
-        drop_last,
+        drop_last: sub.shape.drop_last,
         start_epoch: sub.start_epoch,
         broker: env!("CARGO_PKG_VERSION").into(),
         device: sub.device,

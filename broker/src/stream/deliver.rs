@@ -181,7 +181,7 @@ pub struct Request {
     pub mailbox: bool,
     /// Its own batch size (`None`: the stream's) and `drop_last`.
     pub batch_size: Option<u64>,
-    pub drop_last: bool,
+    pub drop_last: Option<bool>,
     /// Start at this position (a trainer resuming from a checkpoint):
     /// replayed up to the shared stream if behind it.
     pub resume: Option<Position>,
@@ -192,6 +192,9 @@ pub struct Request {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     pub batch_size: u64,
+    /// Whether it drops an epoch's short last batch: its own choice, else
+    /// the stream's `drop_last`.
+    pub drop_last: bool,
     /// The stream's production unit (samples of a full batch).
     pub unit: u64,
     /// The hub's window for it, in production units.
@@ -492,8 +495,8 @@ impl Conn {
             samples: 0,
             batch_size: shape.batch_size,
             window: req.window,
-            cut: Cut::new(shape.batch_size, req.drop_last).skipping(skip),
-            replay_cut: Cut::new(shape.batch_size, req.drop_last),
+            cut: Cut::new(shape.batch_size, shape.drop_last).skipping(skip),
+            replay_cut: Cut::new(shape.batch_size, shape.drop_last),
             unit: shape.unit,
             replay,
             replayed: 0,

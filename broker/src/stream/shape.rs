@@ -60,6 +60,7 @@ impl Stream {
         }
         Ok(Shape {
             batch_size: size,
+            drop_last: req.drop_last.unwrap_or(self.plan.drop_last),
             unit,
             units: u32::try_from(units).unwrap_or(u32::MAX),
         })

@@ -51,7 +51,7 @@ fn peer(name: &str) -> Peer {
 fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
     let req = Request {
         batch_size: None,
-        drop_last: false,
+        drop_last: Some(false),
         resume: None,
         window: 2,
         join: JoinPolicy::NextEpoch,
@@ -167,7 +167,7 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
             .subscribe(
                 Request {
                     batch_size: None,
-                    drop_last: false,
+                    drop_last: Some(false),
                     resume: None,
                     window: 2,
                     join: JoinPolicy::NextEpoch,
@@ -347,7 +347,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     assert_eq!(n, 200);
     let req = Request {
         batch_size: None,
-        drop_last: false,
+        drop_last: Some(false),
         resume: None,
         window: 1,
         join: JoinPolicy::Immediate,
@@ -378,7 +378,7 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
     }
     let req = Request {
         batch_size: None,
-        drop_last: false,
+        drop_last: Some(false),
         resume: None,
         window: 2,
         join: JoinPolicy::Now,

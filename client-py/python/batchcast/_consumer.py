@@ -289,7 +289,10 @@ class Consumer:
             the shared memory, not a copy. The broker refuses sizes its
             slots cannot hold (the message says the largest it can).
         drop_last: drop each epoch's last batch when it is short, as
-            ``DataLoader(drop_last=True)``.
+            ``DataLoader(drop_last=True)``; default the stream's
+            ``drop_last`` (False unless its config says). The stream makes
+            every sample of every epoch: what is dropped is this trainer's
+            choice alone.
         resume: ``(epoch, sample)`` to start at instead of joining: a
             trainer restarting from a checkpoint passes the
             ``batch.next_position`` of the last batch it trained on. What
@@ -314,7 +317,7 @@ class Consumer:
         copy: bool = False,
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
-        drop_last: bool = False,
+        drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
     ) -> None:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -344,7 +347,7 @@ class Consumer:
             device=dev,
             broker_uid=broker_uid,
             batch_size=batch_size,
-            drop_last=bool(drop_last),
+            drop_last=None if drop_last is None else bool(drop_last),
             resume=_position(resume),
         )
         kind, index = self._native.device

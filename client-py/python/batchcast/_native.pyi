@@ -20,7 +20,7 @@ class Consumer:
         device: str = "cpu",
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
-        drop_last: bool = False,
+        drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
     ) -> None: ...
     def next_event(

@@ -55,7 +55,10 @@ pub struct ConsumerOptions {
     pub batch_size: Option<u64>,
     /// Drop each epoch's last batch when it is short (fewer than
     /// `batch_size` samples), as `DataLoader(drop_last=True)` does.
-    pub drop_last: bool,
+    /// `None`: the stream's `drop_last` (false unless its config says).
+    /// Either way the stream makes every sample of the epoch: what is
+    /// dropped is this consumer's choice alone.
+    pub drop_last: Option<bool>,
     /// Start at this position of the stream instead of joining (a trainer
     /// restarting from a checkpoint saved with [`Batch::next_position`](crate::Batch::next_position)):
     /// what the stream already published from there is replayed (streams
@@ -106,7 +109,7 @@ impl Default for ConsumerOptions {
                 .unwrap_or_default(),
             name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
             batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
-            drop_last: false,
+            drop_last: None,
             resume: None,
         }
     }
