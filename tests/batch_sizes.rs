@@ -186,6 +186,55 @@ fn every_consumer_gets_the_epochs_tail_unless_it_drops_it_itself() {
     );
 }
 
+/// A stream sizes its ring for the batch sizes it will be asked: by
+/// default a few times its own (no `slots` to compute by hand), with
+/// `max_batch_size` for exactly that; beyond it the refusal stays.
+#[test]
+fn a_stream_sizes_its_ring_for_the_batch_sizes_it_will_be_asked() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
+    let stream = |name: &str, extra: &str| {
+        StreamToml::synthetic(name, 8, 256, &fields)
+            .key("epochs", 1)
+            .raw(extra)
+            .to_toml()
+    };
+    let env = Env::start(&format!(
+        "{}{}",
+        stream("train", ""),
+        stream("grid", "max_batch_size = 64")
+    ));
+    // The default ring takes 4 × its batch size (32 with a window of 2).
+    let r = report(env.consumer(&["--verify", "--batch-size", "32", "--name", "b32"]));
+    assert!(
+        r.ok && r.samples == 256 && r.verified_samples == 256,
+        "{r:#?}"
+    );
+    let r = report(env.consumer(&[
+        "--stream",
+        "grid",
+        "--verify",
+        "--batch-size",
+        "64",
+        "--name",
+        "b64",
+    ]));
+    assert!(
+        r.ok && r.samples == 256 && r.verified_samples == 256,
+        "{r:#?}"
+    );
+    let s = env.stats();
+    let slots = |n: &str| s.streams.iter().find(|s| s.name == n).unwrap().slots;
+    assert_eq!(slots("train"), 15, "(2 + 1) × (⌈31 / 8⌉ + 1)");
+    assert_eq!(slots("grid"), 27, "(2 + 1) × (⌈63 / 8⌉ + 1)");
+    // Beyond what it was sized for: refused, naming the key to set.
+    let r = report(env.consumer(&["--stream", "grid", "--batch-size", "128", "--name", "b128"]));
+    let err = r.error.unwrap_or_default();
+    assert!(
+        err.contains("max_batch_size = 128") && err.contains("batch_size ≤ 65"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_batch_size_the_slots_cannot_hold_is_refused_with_the_largest_that_fits() {
     let env = Env::start(&config("epochs = 1"));
@@ -195,7 +244,7 @@ fn a_batch_size_the_slots_cannot_hold_is_refused_with_the_largest_that_fits() {
     assert!(
         err.contains("batch_size 1000 with window 2")
             && err.contains("batch_size ≤ 321")
-            && err.contains("raise the stream's slots"),
+            && err.contains("max_batch_size = 1000"),
         "{err}"
     );
     // The largest size a client can send is refused the same way, with no

@@ -251,8 +251,14 @@ pub struct StreamConfig {
     /// makes every sample of every epoch either way.
     #[serde(default)]
     pub drop_last: bool,
-    #[serde(default = "default_slots")]
-    pub slots: u32,
+    /// Slots of the host ring; default: enough for `max_batch_size` (at
+    /// least 8).
+    pub slots: Option<u32>,
+    /// The largest batch size a consumer of the stream will ask for with
+    /// the default window of 2: the ring is sized for it (default: a few
+    /// times `batch_size`, as far as a quarter of the memory budget
+    /// allows). Larger sizes are refused with the largest that fits.
+    pub max_batch_size: Option<u64>,
     /// Slots of each GPU's arena (default: `slots`). Released independently
     /// of host slots, so GPU memory can be smaller than host memory.
     pub gpu_slots: Option<u32>,
@@ -342,9 +348,6 @@ fn yes() -> bool {
 }
 fn one() -> u32 {
     1
-}
-fn default_slots() -> u32 {
-    8
 }
 
 impl Config {

@@ -261,6 +261,7 @@ impl Sweep {
         let broker = match (broker, config_tables) {
             (BrokerSource::Start { dir, .. }, Some(mut table)) => {
                 set_min_consumers(&mut table, &trainers);
+                set_max_batch_size(&mut table, &trainers);
                 BrokerSource::Start {
                     config: toml::to_string(&table)
                         .map_err(|e| invalid(format!("cannot write the broker config: {e}")))?,
@@ -332,6 +333,35 @@ fn stream_names(table: &toml::Table) -> Result<Vec<String>, String> {
 /// Streams wait for every trainer subscribed to them, unless the file
 /// says otherwise: a sweep's trainers start together, and one that joined
 /// late would miss the first epoch.
+/// Sizes each stream's ring for the largest batch size its trainers ask
+/// (`max_batch_size`, raised to theirs where the config gives less), so a
+/// grid over batch sizes needs no hand-computed `slots`.
+fn set_max_batch_size(table: &mut toml::Table, trainers: &[TrainerPlan]) {
+    let Some(toml::Value::Array(streams)) = table.get_mut("stream") else {
+        return;
+    };
+    for s in streams {
+        let Some(t) = s.as_table_mut() else { continue };
+        let name = t.get("name").and_then(|n| n.as_str()).unwrap_or_default();
+        let asked = trainers
+            .iter()
+            .filter(|p| p.stream == name)
+            .filter_map(|p| {
+                p.env
+                    .iter()
+                    .find(|(k, _)| k == "BATCHCAST_BATCH_SIZE")
+                    .and_then(|(_, v)| v.parse::<i64>().ok())
+            })
+            .max();
+        let given = t.get("max_batch_size").and_then(toml::Value::as_integer);
+        if let Some(asked) = asked
+            && given.is_none_or(|g| g < asked)
+        {
+            t.insert("max_batch_size".into(), toml::Value::Integer(asked));
+        }
+    }
+}
+
 fn set_min_consumers(table: &mut toml::Table, trainers: &[TrainerPlan]) {
     let Some(toml::Value::Array(streams)) = table.get_mut("stream") else {
         return;
@@ -466,6 +496,44 @@ mod tests {
             panic!()
         };
         assert!(config.contains("min_consumers = 8"), "{config}");
+    }
+
+    #[test]
+    fn a_grid_over_batch_sizes_sizes_the_streams_ring() {
+        let s = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\ngrid = { batch_size = [64, 256, 128] }\n",
+            0,
+        )
+        .unwrap();
+        let BrokerSource::Start { config, .. } = &s.broker else {
+            panic!()
+        };
+        assert!(config.contains("max_batch_size = 256"), "{config}");
+        // The broker plans it: the ring holds batches of 256 over units of 8.
+        let cfg = crate::config::Config::parse(config, Path::new("b.toml")).unwrap();
+        let plans = crate::plan::plan_config(&cfg).unwrap();
+        assert_eq!(plans[0].slots, 3 * (255u32.div_ceil(8) + 1));
+        // A larger max_batch_size in the config stays; a smaller one rises.
+        let stream = StreamToml::synthetic("train", 8, 64, &[("x", "u8", &[4])]).to_toml();
+        for (given, want) in [(512, 512), (100, 256)] {
+            let text = format!(
+                "{}\nmax_batch_size = {given}\n[stream.synthetic]{}\n[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\ngrid = {{ batch_size = [64, 256] }}\n",
+                stream
+                    .split("[stream.synthetic]")
+                    .next()
+                    .unwrap()
+                    .trim_end(),
+                stream.split("[stream.synthetic]").nth(1).unwrap()
+            );
+            let s = Sweep::parse(&text, Path::new("/tmp/sweep.toml"), &host(0)).unwrap();
+            let BrokerSource::Start { config, .. } = &s.broker else {
+                panic!()
+            };
+            assert!(
+                config.contains(&format!("max_batch_size = {want}")),
+                "{config}"
+            );
+        }
     }
 
     #[test]

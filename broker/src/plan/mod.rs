@@ -152,6 +152,16 @@ pub struct ImagePlan {
     pub share: Option<(Arc<crate::pipeline::shared::SourceShare>, usize)>,
 }
 
+/// Host slots when nothing asks for more (the fewest a stream gets when
+/// its ring is sized for it).
+pub const DEFAULT_SLOTS: u32 = 8;
+/// The window a stream's ring is sized for (the clients' default).
+pub const SIZING_WINDOW: u32 = 2;
+/// Without `max_batch_size`, a ring is sized for consumers asking up to
+/// this many times the stream's batch size, where a quarter of the memory
+/// budget allows.
+pub const DEFAULT_BATCH_MULTIPLE: u64 = 4;
+
 /// Decoupled pace: how long the pipeline waits, by default, for a
 /// consumer that pins the ring and cannot be cut (it holds batches, or is
 /// replayed to and pauses) before detaching it: long enough for a
@@ -298,6 +308,14 @@ impl StreamPlan {
 /// a broker that serves producers' streams).
 pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
     let streams = source::resolve(cfg)?;
+    // The broker's memory budget (`[broker] memory_mib`, else half the
+    // host's memory): a ring sized by default takes at most a quarter.
+    let budget = cfg
+        .broker
+        .memory_mib
+        .map(|m| m.saturating_mul(1 << 20))
+        .or_else(|| mem_total_bytes().map(|b| b / 2))
+        .unwrap_or(u64::MAX);
     let mut names = HashSet::new();
     let mut plans: Vec<StreamPlan> = Vec::new();
     for (i, s) in streams.iter().enumerate() {
@@ -309,7 +327,7 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
                 SourcePlan::Images(p) => Some((p.dataset.clone(), p.shuffle_buffer)),
                 _ => None,
             });
-        let plan = plan_stream(s, listed).map_err(|error| PlanError::Stream {
+        let plan = plan_stream(s, listed, budget).map_err(|error| PlanError::Stream {
             stream: s.name.clone(),
             error,
         })?;
@@ -339,13 +357,14 @@ struct SourceParts {
 fn plan_stream(
     s: &StreamConfig,
     listed: Option<(Arc<Dataset>, Option<usize>)>,
+    budget: u64,
 ) -> Result<StreamPlan, StreamError> {
     check_name(&s.name)?;
     check_pace(s)?;
     check_flow(
         s.batch_size,
         s.epochs,
-        s.slots,
+        s.slots.unwrap_or(DEFAULT_SLOTS),
         s.gpu_slots,
         s.lag_limit,
         s.min_consumers,
@@ -388,19 +407,18 @@ fn plan_stream(
         source: parts.info,
     };
     let layout = SlotLayout::for_schema(&schema).map_err(StreamError::Layout)?;
-    let slots = match s.run_ahead_mib {
-        Some(mib) => {
-            // A unit's bytes in the rings (page rounding aside).
-            let unit_bytes = schema
-                .fields
-                .iter()
-                .filter_map(|f| f.bytes_per_sample())
-                .sum::<u64>()
-                .saturating_mul(schema.batch_size);
-            run_ahead_slots(mib, unit_bytes)?
-        }
-        None => s.slots,
+    // A unit's bytes in the rings (page rounding aside).
+    let unit_bytes = schema
+        .fields
+        .iter()
+        .filter_map(|f| f.bytes_per_sample())
+        .sum::<u64>()
+        .saturating_mul(schema.batch_size);
+    let given = match s.run_ahead_mib {
+        Some(mib) => Some(("run_ahead_mib", run_ahead_slots(mib, unit_bytes)?)),
+        None => s.slots.map(|n| ("slots", n)),
     };
+    let slots = ring_slots(s.batch_size, s.max_batch_size, given, unit_bytes, budget)?;
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
     let default_workers =
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
@@ -464,4 +482,58 @@ fn mem_total_bytes() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// The host ring's slots: what the config gives (`slots`, or
+/// `run_ahead_mib`'s), which must hold `max_batch_size` if that is given;
+/// else enough for `max_batch_size` with the default window; else enough
+/// for a few times the batch size, within a quarter of `budget`.
+fn ring_slots(
+    unit: u64,
+    max_batch: Option<u64>,
+    given: Option<(&'static str, u32)>,
+    unit_bytes: u64,
+    budget: u64,
+) -> Result<u32, StreamError> {
+    let need = |b: u64| {
+        batchcast::batcher::units_needed(SIZING_WINDOW, b, unit).max(u64::from(DEFAULT_SLOTS))
+    };
+    let Some(max) = max_batch else {
+        if let Some((_, n)) = given {
+            return Ok(n);
+        }
+        let fits = |n: u64| n <= u64::from(MAX_SLOTS) && n.saturating_mul(unit_bytes) <= budget / 4;
+        let n = (1..=DEFAULT_BATCH_MULTIPLE)
+            .rev()
+            .map(|k| need(k * unit))
+            .find(|&n| fits(n))
+            .unwrap_or(u64::from(DEFAULT_SLOTS));
+        return Ok(n as u32);
+    };
+    within(
+        "max_batch_size",
+        max,
+        1,
+        MAX_BATCH_SIZE,
+        "samples in one consumer's batch",
+    )?;
+    let needed = need(max);
+    if needed > u64::from(MAX_SLOTS) {
+        return Err(key(
+            "max_batch_size",
+            format!(
+                "max_batch_size = {max} needs {needed} slots of {unit} samples (batches of {max} span that many with a window of {SIZING_WINDOW}), more than {MAX_SLOTS}: raise batch_size, or ask for smaller batches"
+            ),
+        ));
+    }
+    match given {
+        Some((k, n)) if u64::from(n) < needed => Err(key(
+            k,
+            format!(
+                "{k} gives {n} slots, fewer than the {needed} that max_batch_size = {max} needs (batches of {max} span that many units of {unit} with a window of {SIZING_WINDOW}): raise it, or leave slots out and the ring is sized for max_batch_size"
+            ),
+        )),
+        Some((_, n)) => Ok(n),
+        None => Ok(needed as u32),
+    }
 }

@@ -22,9 +22,11 @@ fn plan(text: &str) -> Result<Vec<StreamPlan>, PlanError> {
 fn a_minimal_config_gets_documented_defaults() {
     let plans = plan(&good()).unwrap();
     let p = &plans[0];
+    // The ring holds 4 × the batch size with a window of 2: (2 + 1) ×
+    // (⌈15 / 4⌉ + 1) = 15 units.
     assert_eq!(
         (p.slots, p.gpu_slots, p.min_consumers, p.lag_limit),
-        (8, 8, 1, None)
+        (15, 15, 1, None)
     );
     let SourcePlan::Synthetic(spec) = p.source else {
         panic!("a synthetic source")
@@ -108,6 +110,44 @@ fn semantic_errors_name_the_stream_and_what_to_do() {
 }
 
 #[test]
+fn the_ring_is_sized_for_max_batch_size_and_refuses_fewer_slots() {
+    let with = |extra: &str| plan(&good().replace("epochs = 2", &format!("epochs = 2\n{extra}")));
+    // Batches of 10 over units of 4, window 2: (2 + 1) × (⌈9 / 4⌉ + 1).
+    assert_eq!(with("max_batch_size = 10").unwrap()[0].slots, 12);
+    // Never below the default; an explicit larger ring stays.
+    assert_eq!(with("max_batch_size = 4").unwrap()[0].slots, 8);
+    assert_eq!(
+        with("max_batch_size = 10\nslots = 20").unwrap()[0].slots,
+        20
+    );
+    assert_eq!(with("slots = 4").unwrap()[0].slots, 4);
+    for (extra, culprit, expect) in [
+        (
+            "max_batch_size = 10\nslots = 4",
+            "slots",
+            "fewer than the 12",
+        ),
+        ("max_batch_size = 100000", "max_batch_size", "more than"),
+        ("max_batch_size = 0", "max_batch_size", "out of range"),
+    ] {
+        let err = with(extra).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(expect), "{text}");
+        assert!(
+            matches!(&err, PlanError::Stream { error: StreamError::Key { key, .. }, .. } if *key == culprit),
+            "{err:?}"
+        );
+    }
+    // The default multiple shrinks to fit a quarter of the memory budget:
+    // units of 1 MiB, a 40 MiB budget: 4 × (15 slots) and 3 × (12) do
+    // not fit in 10 MiB, 2 × (9) does; nothing fits: the old default.
+    let mib = 1 << 20;
+    assert_eq!(super::ring_slots(4, None, None, mib, u64::MAX).unwrap(), 15);
+    assert_eq!(super::ring_slots(4, None, None, mib, 40 * mib).unwrap(), 9);
+    assert_eq!(super::ring_slots(4, None, None, mib, mib).unwrap(), 8);
+}
+
+#[test]
 fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
     // Batches of 4 × 3 f32: 48 bytes; 1 MiB holds 21845 of them, more than
     // a ring may: refused, naming the most it may be.
@@ -118,7 +158,7 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
         ))
     };
     let p = &decoupled("").unwrap()[0];
-    assert_eq!((p.pace, p.slots), (Pace::Decoupled, 8));
+    assert_eq!((p.pace, p.slots), (Pace::Decoupled, 15));
     assert_eq!(p.hold_limit, crate::plan::DEFAULT_HOLD_LIMIT);
     let p = &decoupled("hold_limit_s = 2.5").unwrap()[0];
     assert_eq!(p.hold_limit, std::time::Duration::from_millis(2500));

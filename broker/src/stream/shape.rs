@@ -43,7 +43,7 @@ impl Stream {
             let own = u64::from(req.window) <= slots;
             return refuse(format!(
                 "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
-                 (batches of {size} span up to that many while the window is full); {}, or raise the stream's slots to {units}",
+                 (batches of {size} span up to that many while the window is full); {}, or size the stream for it: max_batch_size = {size} in its config (`batchcast launch` sets it from the sweep's batch sizes), or slots = {units}",
                 req.window,
                 self.name(),
                 match (other, own) {
