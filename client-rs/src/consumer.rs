@@ -99,7 +99,7 @@ impl Consumer {
         opts.validate()?;
         connect_retrying(
             opts.socket.clone(),
-            opts.connect_timeout,
+            (opts.connect_timeout, crate::transport::HANDSHAKE_FLOOR),
             opts.broker_uid,
             |stream| Consumer::subscribe(stream, &opts),
         )

@@ -266,7 +266,7 @@ impl BrokerMailbox {
     pub fn create(spec: MailboxSpec) -> Result<BrokerMailbox> {
         spec.validate()?;
         // Sealed against resizing: a consumer cannot make the broker fault.
-        let arena = Arena::create("mailbox", spec.bytes())?;
+        let arena = Arena::create("mailbox", spec.bytes(), crate::shm::Fault::Now)?;
         Ok(BrokerMailbox {
             words: Arc::new(Words {
                 mem: Mem::Owner(arena),

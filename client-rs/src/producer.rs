@@ -100,6 +100,19 @@ pub struct Producer {
 impl Producer {
     /// Connects, registers the stream and maps its arena writable.
     pub fn register(opts: ProducerOptions) -> Result<Producer> {
+        // The broker creates and pre-faults the arena before it answers:
+        // give it time for that on top of the usual floor (at 0.5 GB/s, a
+        // loaded host's worst, 2 s a GiB).
+        let arena: u64 = opts
+            .request
+            .fields
+            .iter()
+            .filter_map(|f| f.bytes_per_sample())
+            .sum::<u64>()
+            .saturating_mul(opts.request.batch_size)
+            .saturating_mul(u64::from(opts.request.slots));
+        let floor = crate::transport::HANDSHAKE_FLOOR
+            + Duration::from_secs_f64(2.0 * arena as f64 / f64::from(1u32 << 30));
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
@@ -107,7 +120,7 @@ impl Producer {
         });
         connect_retrying(
             opts.socket,
-            opts.connect_timeout,
+            (opts.connect_timeout, floor),
             opts.broker_uid,
             |stream| Producer::open(stream, &hello),
         )

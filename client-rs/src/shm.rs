@@ -154,6 +154,21 @@ impl Mapping {
     /// `k` starts where ring `k − 1`'s views end. Offsets and lengths must
     /// be multiples of the page size and lie within the fd (checked).
     pub fn rings(fd: BorrowedFd<'_>, rings: &[RingView], writable: bool) -> Result<Mapping> {
+        Mapping::rings_faulted(fd, rings, writable, Fault::from_writable(writable))
+    }
+
+    /// [`Mapping::rings`], saying when the views' pages are faulted in: a
+    /// writer that fills every page soon wants [`Fault::Now`]; a mapping
+    /// made while the process serves others (a replay arena, a producer's
+    /// arena the broker only reads) wants [`Fault::Lazily`], since
+    /// populating holds the process's memory map lock for as long as it
+    /// takes and stalls every other thread that maps or unmaps.
+    pub fn rings_faulted(
+        fd: BorrowedFd<'_>,
+        rings: &[RingView],
+        writable: bool,
+        fault: Fault,
+    ) -> Result<Mapping> {
         let page = page_size();
         let size = nix::sys::stat::fstat(fd)
             .map_err(|e| shm_err("fstat of the arena fd failed", e))?
@@ -189,13 +204,7 @@ impl Mapping {
         } else {
             ProtFlags::PROT_READ
         };
-        // A writer (the broker's pipeline, a producer) touches every page
-        // of every ring: fault them in now, not one by one while filling.
-        let populate = if writable {
-            MapFlags::MAP_POPULATE
-        } else {
-            MapFlags::empty()
-        };
+        let populate = fault.flags();
         // SAFETY: a fresh anonymous reservation chosen by the kernel
         // (addr = None): no Rust object lives there. It only reserves the
         // address range for the views below.
@@ -322,9 +331,13 @@ pub struct Arena {
 }
 
 impl Arena {
-    /// Creates an anonymous arena of `len` bytes, pre-faulted so its memory
-    /// is committed at stream start, sealed against shrinking and growing.
-    pub fn create(name: &str, len: u64) -> Result<Arena> {
+    /// Creates an anonymous arena of `len` bytes, its memory allocated at
+    /// once (`fallocate`: committed now, so a lack of memory is an error
+    /// here, not a fault later), sealed against shrinking and growing, and
+    /// mapped; `fault` says whether the mapping's pages are faulted in now.
+    /// Allocating takes no lock of the process's memory map, so other
+    /// threads go on meanwhile.
+    pub fn create(name: &str, len: u64, fault: Fault) -> Result<Arena> {
         let cname = std::ffi::CString::new(format!("batchcast:{name}"))
             .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
         let fd = memfd_create(
@@ -336,6 +349,10 @@ impl Arena {
             .map_err(|_| Error::Shm(format!("arena of {len} bytes is too large")))?;
         nix::unistd::ftruncate(&fd, size)
             .map_err(|e| shm_err(&format!("sizing the arena to {len} bytes failed"), e))?;
+        if size > 0 {
+            nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, size)
+                .map_err(|e| shm_err(&format!("allocating the arena's {len} bytes failed"), e))?;
+        }
         fcntl(
             &fd,
             FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
@@ -347,7 +364,7 @@ impl Arena {
             fd.as_fd(),
             len,
             ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_POPULATE,
+            fault.flags(),
         )?;
         Ok(Arena { fd, map })
     }
@@ -370,6 +387,30 @@ impl Arena {
 
     pub fn mapping(&self) -> &Mapping {
         &self.map
+    }
+}
+
+/// When a mapping's pages are faulted in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// At once (`MAP_POPULATE`): for a writer about to fill every page,
+    /// before it serves anyone.
+    Now,
+    /// On first touch: for mappings made while the process serves others.
+    Lazily,
+}
+
+impl Fault {
+    /// A writer faults in at once; a reader as it reads.
+    pub fn from_writable(writable: bool) -> Fault {
+        if writable { Fault::Now } else { Fault::Lazily }
+    }
+
+    fn flags(self) -> MapFlags {
+        match self {
+            Fault::Now => MapFlags::MAP_POPULATE,
+            Fault::Lazily => MapFlags::empty(),
+        }
     }
 }
 
@@ -429,7 +470,7 @@ mod tests {
     fn a_mirrored_ring_is_one_contiguous_window_across_its_wrap() {
         let page = page_size();
         // A header page, then a ring of two pages.
-        let arena = Arena::create("ring", 3 * page).unwrap();
+        let arena = Arena::create("ring", 3 * page, Fault::Now).unwrap();
         let writer = Mapping::mirrored(arena.fd(), page, 2 * page, true).unwrap();
         let reader = Mapping::mirrored(arena.fd(), page, 2 * page, false).unwrap();
         assert_eq!(writer.len() as u64, 4 * page);
@@ -455,7 +496,7 @@ mod tests {
 
     #[test]
     fn arena_passes_over_a_socket_and_maps_read_only() {
-        let arena = Arena::create("test", 3 * 4096).unwrap();
+        let arena = Arena::create("test", 3 * 4096, Fault::Lazily).unwrap();
         // SAFETY: test owns the arena and nothing reads it concurrently.
         unsafe { arena.mapping().slice_mut(4096, 4) }.copy_from_slice(b"abcd");
         arena.seal_writes().unwrap();
@@ -476,7 +517,7 @@ mod tests {
 
     #[test]
     fn sealed_arena_refuses_new_writable_mappings_and_resizing() {
-        let arena = Arena::create("seal", 4096).unwrap();
+        let arena = Arena::create("seal", 4096, Fault::Now).unwrap();
         arena.seal_writes().unwrap();
         let w = Mapping::map(
             arena.fd(),

@@ -19,7 +19,12 @@ pub struct StatsClient {
 
 impl StatsClient {
     pub fn connect(socket: Option<PathBuf>) -> Result<StatsClient> {
-        let mut c = connect_retrying(socket.clone(), Duration::ZERO, None, StatsClient::open)?;
+        let mut c = connect_retrying(
+            socket.clone(),
+            (Duration::ZERO, crate::transport::HANDSHAKE_FLOOR),
+            None,
+            StatsClient::open,
+        )?;
         c.socket = socket;
         // A broker that stops answering fails a request, never hangs it.
         c.stream.set_read_timeout(Some(Duration::from_secs(10)))?;

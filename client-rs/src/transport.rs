@@ -78,9 +78,11 @@ pub(crate) fn send_msg(stream: &UnixStream, msg: &ClientMsg) -> Result<()> {
 /// is not there yet, checks that the process listening is the broker
 /// expected (see [`check_broker`]), and runs `attempt` on the connection;
 /// an attempt that fails with [`Error::is_not_ready`] is retried too.
+/// However little of `timeout` is left, a live broker gets `floor` to
+/// answer ([`HANDSHAKE_FLOOR`], more for work it must do first).
 pub(crate) fn connect_retrying<T>(
     socket: Option<PathBuf>,
-    timeout: Duration,
+    (timeout, floor): (Duration, Duration),
     broker_uid: Option<u32>,
     mut attempt: impl FnMut(UnixStream) -> Result<T>,
 ) -> Result<T> {
@@ -90,7 +92,7 @@ pub(crate) fn connect_retrying<T>(
         // However long is left, a live broker gets a moment to answer.
         let patience = deadline
             .saturating_duration_since(std::time::Instant::now())
-            .max(HANDSHAKE_FLOOR);
+            .max(floor);
         let result = UnixStream::connect(&path)
             .map_err(|source| Error::Connect {
                 path: path.clone(),
@@ -123,7 +125,7 @@ pub(crate) fn connect_retrying<T>(
 
 /// The least time a handshake is given, whatever is left of the connect
 /// timeout (a broker answers in microseconds when it is well).
-const HANDSHAKE_FLOOR: Duration = Duration::from_secs(2);
+pub(crate) const HANDSHAKE_FLOOR: Duration = Duration::from_secs(2);
 
 /// Runs `attempt` (the handshake and whatever the connection's kind reads
 /// next) with every read and write on `s` bounded by `patience`, then

@@ -65,6 +65,11 @@ pub(super) async fn serve_producer(
             why: why.clone(),
         });
     }
+    // Freeing a large arena (its pages, its mappings) takes a while: not
+    // on a thread that serves other connections.
+    if let Some(s) = opened {
+        tokio::task::spawn_blocking(move || drop(s));
+    }
     result
 }
 

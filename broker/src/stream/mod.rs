@@ -44,7 +44,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use batchcast::proto::{ConsumerStats, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
-use batchcast::shm::{Arena, Mapping, RingView};
+use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use crate::budget::{Budget, Grant, OverBudget, Use};
 use crate::gpu::{GpuKey, Gpus};
@@ -169,8 +169,18 @@ impl Stream {
         {
             share.reserve(budget, owner_uid)?;
         }
-        let arena = Arena::create(&plan.name, plan.arena_bytes())?;
-        let rings = Mapping::rings(arena.fd(), &RingView::of(&plan.rings), true)?;
+        // The memory is allocated at once either way (committed). The
+        // pipeline writes every page of its rings: those are faulted in
+        // now. A producer's arena is written by the producer, and a
+        // registration comes while the broker serves others: nothing is
+        // faulted in here (populating holds the process's memory map lock
+        // and stalled every other connection while it ran).
+        let fault = match plan.source {
+            SourcePlan::External => Fault::Lazily,
+            _ => Fault::Now,
+        };
+        let arena = Arena::create(&plan.name, plan.arena_bytes(), Fault::Lazily)?;
+        let rings = Mapping::rings_faulted(arena.fd(), &RingView::of(&plan.rings), true, fault)?;
         if !matches!(plan.source, SourcePlan::External) {
             arena.seal_writes()?;
         }

@@ -41,7 +41,7 @@ use batchcast::JoinPolicy;
 use batchcast::mailbox::Notice;
 use batchcast::proto::{ErrorCode, Position, ReplayGrant, ReplayReady, ServerMsg};
 use batchcast::schema::{RingLayout, Schema};
-use batchcast::shm::{Arena, Mapping, RingView};
+use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use super::deliver::{
     Conn, Ending, Request, SubscribeError, end_consumer, end_mailbox_consumer, send,
@@ -243,8 +243,15 @@ impl Stream {
         let grant = self
             .budget
             .take(uid, Use::Replay, layout.arena_bytes, whom)?;
-        let arena = Arena::create(&format!("{}-replay", self.name()), layout.arena_bytes)?;
-        let rings = Mapping::rings(arena.fd(), &RingView::of(&layout), true)?;
+        // Made while the broker serves others: allocated at once, faulted
+        // in as the pipeline writes (see `Stream::start`).
+        let arena = Arena::create(
+            &format!("{}-replay", self.name()),
+            layout.arena_bytes,
+            Fault::Lazily,
+        )?;
+        let rings =
+            Mapping::rings_faulted(arena.fd(), &RingView::of(&layout), true, Fault::Lazily)?;
         arena.seal_writes()?;
         Ok(Prepared {
             arena,
