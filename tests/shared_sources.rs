@@ -278,3 +278,54 @@ fn a_source_is_refused_when_a_stream_writes_its_keys_or_names_none() {
         "{e}"
     );
 }
+
+/// A trainer that keeps reading, slowly, holds its sibling streams only
+/// within the bound (`HOLD_STALL` of their waiting in all): then its
+/// stream decodes alone and the others go at their own pace.
+#[test]
+fn a_slow_but_moving_stream_holds_its_siblings_only_within_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ds");
+    let root = root.to_str().unwrap();
+    imgtool(&["make-photos", root, "60"]);
+    let mut c = format!(
+        "[[source]]\nname = \"photos\"\nseed = 11\n[source.image_folder]\nroot = \"{root}\"\n"
+    );
+    for name in ["fast", "slow"] {
+        c += &format!(
+            "\n[[stream]]\nname = \"{name}\"\nsource = \"photos\"\nepochs = 4\nslots = 4\nworkers = 2\nbatch_size = 6\n[stream.transform]\nrandom_resized_crop = {{ size = 24 }}\ndtype = \"u8\"\n"
+        );
+    }
+    let env = Env::start(&c);
+    // A batch every 400 ms: 40 batches would take 16 s.
+    let slow = env.consumer(&[
+        "--stream",
+        "slow",
+        "--sleep-ms",
+        "400",
+        "--max-batches",
+        "20",
+        "--name",
+        "slow",
+    ]);
+    env.wait_for("the slow trainer to read", |st| {
+        st.streams
+            .iter()
+            .any(|s| s.name == "slow" && s.consumers.iter().any(|c| c.batches >= 1))
+    });
+    let fast = report(env.consumer(&["--stream", "fast", "--digest", "--name", "fast"]));
+    assert!(fast.ok && fast.ended, "{fast:#?}");
+    assert_eq!(epochs_of(&fast).len(), 4, "every epoch, complete");
+    // Held to the slow trainer's pace, its 40 batches would take over
+    // 10 s; within the bound, about a second plus its own pace.
+    assert!(
+        fast.seconds < 6.0,
+        "the fast stream was held {:.1} s by a slow sibling",
+        fast.seconds
+    );
+    let st = env.stats();
+    let held = shared_of(&st, "fast").held_s;
+    assert!(held < 4.0, "held {held:.2} s");
+    let slow = report(slow);
+    assert!(slow.ok, "{slow:#?}");
+}

@@ -24,8 +24,10 @@
 //! came much later) holds only once it is within half a window. And: one whose place has not moved for `HOLD_STALL`
 //! (`DECOUPLED_HOLD` for a decoupled stream) while another waits is let
 //! go, and decodes alone until it is back within half a window of the
-//! leader. So a stalled trainer, or a stream nobody reads, never stops
-//! the others for long, and nothing can wait on itself in a circle (the
+//! leader; so is one that keeps moving but has kept the others waiting
+//! `HOLD_STALL` (`DECOUPLED_HOLD`) in all since it last held (a slow
+//! trainer that will not catch up). So a stalled or slow trainer, or a
+//! stream nobody reads, never stops the others for longer than that, and nothing can wait on itself in a circle (the
 //! stream furthest behind never waits). Streams start a moment apart
 //! (their trainers connect one after another), so for `START_GRACE` after
 //! the first becomes live, the first decodes are also left for streams
@@ -137,6 +139,9 @@ struct Progress {
     done_to: u64,
     /// When its place last moved.
     moved_at: Instant,
+    /// How long it has kept other streams waiting since it last began
+    /// holding: at `HOLD_STALL` (`DECOUPLED_HOLD`) it is let go.
+    kept_waiting: Duration,
 }
 
 impl Progress {
@@ -283,6 +288,7 @@ impl SourceShare {
                         in_flight: Vec::new(),
                         done_to: 0,
                         moved_at: now,
+                        kept_waiting: Duration::ZERO,
                     })
                     .collect(),
                 first_live: None,
@@ -360,6 +366,7 @@ impl SourceShare {
             && p.marker()
                 .saturating_add(self.window.saturating_mul(REACH_WINDOWS))
                 >= lead;
+        p.kept_waiting = Duration::ZERO;
         if !live {
             let bit = 1u64 << member;
             let keys: Vec<u64> = st.entries.keys().copied().collect();
@@ -397,6 +404,7 @@ impl SourceShare {
         }
         if p.live && !p.holding && p.marker().saturating_add(window / 2) >= lead {
             p.holding = true;
+            p.kept_waiting = Duration::ZERO;
         }
         self.sweep(&mut st);
         drop(st);
@@ -454,7 +462,8 @@ impl SourceShare {
     }
 
     /// Waits while a slower stream that holds the source is `window`
-    /// samples or more behind `at`; lets go of one that does not move.
+    /// samples or more behind `at`; lets go of one that does not move, or
+    /// that has kept the others waiting its patience in all.
     fn wait_turn<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -462,8 +471,12 @@ impl SourceShare {
         at: u64,
     ) -> MutexGuard<'a, State> {
         let mut since: Option<Instant> = None;
+        let mut last: Option<Instant> = None;
         loop {
             let now = Instant::now();
+            // This wait so far is charged to every stream it waits for.
+            let waited = last.map_or(Duration::ZERO, |t| now.duration_since(t));
+            last = Some(now);
             // A stream that stopped taking batches (stopping, its consumers
             // gone) finishes its batch without waiting.
             let mut blocked = false;
@@ -480,11 +493,20 @@ impl SourceShare {
                 } else {
                     HOLD_STALL
                 };
+                p.kept_waiting += waited;
                 if now.duration_since(p.moved_at) >= patience {
                     tracing::debug!(
                         source = %self.name,
                         stream = %self.members[k].stream,
                         "a stream on this source stopped moving: the others go on without it"
+                    );
+                    p.holding = false;
+                } else if p.kept_waiting >= patience {
+                    tracing::debug!(
+                        source = %self.name,
+                        stream = %self.members[k].stream,
+                        kept_waiting_ms = p.kept_waiting.as_millis() as u64,
+                        "a slow stream on this source kept the others waiting too long: it decodes alone until it catches up"
                     );
                     p.holding = false;
                 } else {
