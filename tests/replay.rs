@@ -298,3 +298,66 @@ fn a_forged_release_of_a_replayed_batch_ends_only_that_consumer() {
     });
     assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
 }
+
+/// A ring larger than the whole run: the pipeline has made every epoch
+/// before the trainers finished the first. A trainer joining with
+/// `join = "now"` joins where the trainers read, not where the pipeline
+/// is: it gets every epoch its peers still have ahead, taking from the
+/// ring what it still holds (the start of the epoch before the oldest
+/// batch held is all that is replayed).
+#[test]
+fn joining_now_joins_where_the_trainers_read_when_the_ring_is_ahead() {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 8, 64, &fields)
+            .key("seed", 11)
+            .key("slots", 40)
+            .key("workers", 2)
+            .key("epochs", 3)
+            .key("min_consumers", 4)
+            .to_toml(),
+    );
+    let peers: Vec<_> = (0..4)
+        .map(|i| {
+            env.consumer(&[
+                "--verify",
+                "--sleep-ms",
+                "30",
+                "--name",
+                &format!("peer{i}"),
+            ])
+        })
+        .collect();
+    let s = env.wait_for("the peers to be a few batches in", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .filter(|c| c.batches >= 3)
+            .count()
+            == 4
+    });
+    // The pipeline ran ahead: it made the whole run already.
+    assert!(s.streams[0].batches_produced >= 20, "{:#?}", s.streams[0]);
+    let late = report(env.consumer(&["--verify", "--join", "now", "--name", "late"]));
+    assert!(late.ok && late.ended, "{late:#?}");
+    assert_eq!(late.verified_samples, late.samples);
+    assert!(late.order_errors.is_empty(), "{:?}", late.order_errors);
+    let epochs: Vec<(u64, u64, bool)> = late
+        .epochs
+        .iter()
+        .map(|e| (e.epoch, e.samples, e.complete))
+        .collect();
+    assert_eq!(
+        epochs,
+        vec![(0, 64, true), (1, 64, true), (2, 64, true)],
+        "every epoch its peers had ahead"
+    );
+    // Only the start of epoch 0 before the oldest batch the ring held was
+    // recomputed, not whole epochs.
+    assert!(late.replayed_batches < 8, "{late:#?}");
+    assert!(late.first_batch_s < 1.0, "{late:#?}");
+    for p in peers {
+        let r = report(p);
+        assert!(r.ok && r.samples == 3 * 64, "{r:#?}");
+    }
+}

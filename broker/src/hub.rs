@@ -503,6 +503,19 @@ impl Hub {
             JoinPolicy::NextEpoch if index != 0 => (epoch + 1, (epoch + 1, 0)),
             _ => (epoch, (epoch, index)),
         };
+        // `Now` starts where the readers are, not where the pipeline is:
+        // at the oldest batch still published (the ring holds it: it is
+        // sent from there, not recomputed), when there is one.
+        // (Host consumers only: a GPU member's batches are its group's
+        // copies, made as they are published.)
+        let oldest = match (join, group) {
+            (JoinPolicy::Now, None) => self.oldest_live(),
+            _ => None,
+        };
+        let (floor, start_epoch, first) = match oldest {
+            Some((seq, e, i)) => (seq, e, (e, i)),
+            None => (floor, start_epoch, first),
+        };
         let id = self.next_id;
         self.next_id += 1;
         self.consumers.insert(
@@ -524,8 +537,35 @@ impl Hub {
                 in_epoch: 0,
             },
         );
+        if oldest.is_some() {
+            // It owes every published batch from its floor on.
+            let head = self.head();
+            for s in floor..head {
+                let slot = self.published[&s].slot as usize;
+                match &mut self.slots[slot] {
+                    Slot::Published { refs, .. } => *refs += 1,
+                    other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
+                }
+            }
+            let c = self.consumers.get_mut(&id).expect("inserted above");
+            c.queue.extend(floor..head);
+        }
         self.pump();
         Ok((id, start_epoch))
+    }
+
+    /// The oldest batch from which every batch up to the head is still
+    /// published (of an epoch not abandoned): seq, epoch, index.
+    pub(crate) fn oldest_live(&self) -> Option<(u64, u64, u64)> {
+        let mut s = self.head();
+        while let Some(prev) = s.checked_sub(1)
+            && let Some(b) = self.published.get(&prev)
+            && b.epoch >= self.live_epoch
+        {
+            s = prev;
+        }
+        let b = self.published.get(&s)?;
+        Some((s, b.epoch, b.index))
     }
 
     /// Epoch and index in it of the first batch consumer `id` gets (unless

@@ -647,7 +647,9 @@ fn a_window_larger_than_the_group_is_refused() {
 enum Op {
     Join {
         window: u32,
-        immediate: bool,
+        /// 0: next epoch, 1: immediate, 2: now (host consumers start at
+        /// the oldest batch still published).
+        policy: u8,
         /// Sent every batch at once (a mailbox consumer).
         ahead: bool,
         /// `Some`: a member of that group (a GPU consumer).
@@ -681,7 +683,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        1 => (1u32..4, any::<bool>(), any::<bool>(), prop::option::of(0u32..2)).prop_map(|(window, immediate, ahead, group)| Op::Join { window, immediate, ahead, group }),
+        1 => (1u32..4, 0u8..3, any::<bool>(), prop::option::of(0u32..2)).prop_map(|(window, policy, ahead, group)| Op::Join { window, policy, ahead, group }),
         4 => Just(Op::Start),
         3 => any::<prop::sample::Index>().prop_map(Op::Copy),
         4 => any::<prop::sample::Index>().prop_map(Op::Finish),
@@ -704,6 +706,8 @@ struct Seen {
     group: Option<GroupId>,
     start_epoch: u64,
     immediate: bool,
+    /// Where its first batch must be (a `Now` joiner).
+    first: Option<(u64, u64)>,
     ended: bool,
     gone: bool,
     closing: bool,
@@ -794,6 +798,12 @@ impl Model {
                             (pe, pi + 1)
                         };
                         assert_eq!((epoch, index), expect, "gap or repeat in the stream");
+                    } else if let Some(first) = s.first.filter(|_| !s.was_cut) {
+                        assert_eq!(
+                            (epoch, index),
+                            first,
+                            "a `Now` joiner starts at the oldest batch"
+                        );
                     } else if !s.immediate {
                         assert_eq!(
                             (epoch, index),
@@ -873,29 +883,41 @@ impl Model {
         match op {
             Op::Join {
                 window,
-                immediate,
+                policy,
                 ahead,
                 group,
             } => {
-                let policy = if immediate {
-                    JoinPolicy::Immediate
-                } else {
-                    JoinPolicy::NextEpoch
+                let immediate = policy > 0;
+                let policy = match policy {
+                    0 => JoinPolicy::NextEpoch,
+                    1 => JoinPolicy::Immediate,
+                    _ => JoinPolicy::Now,
                 };
                 let delivery = if ahead {
                     Delivery::Ahead
                 } else {
                     Delivery::Window
                 };
+                let oldest = self.hub.oldest_live();
                 let (id, start_epoch) = self
                     .hub
                     .join_group(window, policy, group, delivery)
                     .unwrap();
+                // `Now` (host): its first batch is the oldest still
+                // published, whatever the pipeline made since.
+                let first = match (policy, group, oldest) {
+                    (JoinPolicy::Now, None, Some((_, e, i))) => {
+                        assert_eq!(self.hub.first_batch(id), Some((e, i)));
+                        Some((e, i))
+                    }
+                    _ => None,
+                };
                 self.seen.insert(
                     id,
                     Seen {
                         start_epoch,
                         immediate,
+                        first,
                         group,
                         ..Default::default()
                     },
@@ -1058,7 +1080,7 @@ impl Model {
             if self.live().iter().all(|id| self.seen[id].closing) {
                 self.step(Op::Join {
                     window: 1,
-                    immediate: false,
+                    policy: 0,
                     ahead: false,
                     group: None,
                 });

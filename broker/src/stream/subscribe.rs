@@ -74,8 +74,13 @@ impl Stream {
                 )?),
                 _ => None,
             };
+            // Where a consumer starts (`join`, `resume`): a replaying one
+            // joins where the readers are, at the oldest batch the ring
+            // still holds (`JoinPolicy::Now` in the hub): it is sent what
+            // the ring holds from there and replayed only what came before
+            // (its epoch's start, or from its resume position).
             let join = match replaying {
-                Some(_) => JoinPolicy::Immediate,
+                Some(_) => JoinPolicy::Now,
                 None => req.join,
             };
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
