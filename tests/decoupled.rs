@@ -168,15 +168,7 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
     ]);
     let steady = report(steady);
     let paused = report(paused);
-    assert!(
-        steady.ok && steady.verified_samples == steady.samples,
-        "{steady:#?}"
-    );
-    assert!(
-        steady.seconds < 8.0,
-        "the steady reader was held {:.1} s",
-        steady.seconds
-    );
+    assert_not_held(&steady);
     assert_eq!(
         paused.error_code.as_deref(),
         Some("HoldLimit"),
@@ -195,6 +187,22 @@ fn held_config(hold: f64) -> String {
         .raw("pace = \"decoupled\"")
         .raw(&format!("hold_limit_s = {hold}"))
         .to_toml()
+}
+
+/// The steady reader got everything right and was not held: 600 batches
+/// at 2 ms are 1.2 s alone; held by the consumer under test they would
+/// take its whole 12 s pause (the bound: the hold limit and slack).
+fn assert_not_held(steady: &ConsumerReport) {
+    assert!(
+        steady.ok && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+    assert_eq!(steady.batches, 600);
+    assert!(
+        steady.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        steady.seconds
+    );
 }
 
 /// A steady reader of `batches` batches, 2 ms each (alone: about 2 ms ×
@@ -233,11 +241,7 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
     ]);
     let holder = report(holder);
     let steady = report(steady);
-    assert!(
-        steady.ok && steady.verified_samples == steady.samples,
-        "{steady:#?}"
-    );
-    assert_eq!(steady.batches, 600);
+    assert_not_held(&steady);
     assert_eq!(
         holder.error_code.as_deref(),
         Some("HoldLimit"),
@@ -245,13 +249,6 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
     );
     let why = holder.error.unwrap_or_default();
     assert!(why.contains("hold_limit_s of 1"), "{why}");
-    // 600 batches at 2 ms are 1.2 s alone; held by the holder they would
-    // take its whole 12 s pause. The bound: the hold limit and slack.
-    assert!(
-        steady.seconds < 8.0,
-        "the steady reader was held {:.1} s",
-        steady.seconds
-    );
     let s = env.wait_for("the holder to be gone", |s| {
         s.streams[0]
             .past_consumers
@@ -294,15 +291,7 @@ fn a_consumer_being_replayed_to_that_pauses_does_not_hold_the_others_past_the_ho
         "paused",
     ]);
     let steady = report(steady);
-    assert!(
-        steady.ok && steady.verified_samples == steady.samples,
-        "{steady:#?}"
-    );
-    assert!(
-        steady.seconds < 8.0,
-        "the steady reader was held {:.1} s",
-        steady.seconds
-    );
+    assert_not_held(&steady);
     // It was either detached (still being replayed to) or cut (replay
     // done): either way it never kept the others past the limit, and what
     // it read is right.
@@ -415,15 +404,7 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
         (taken, msg)
     });
     let steady = report(steady);
-    assert!(
-        steady.ok && steady.verified_samples == steady.samples,
-        "{steady:#?}"
-    );
-    assert!(
-        steady.seconds < 8.0,
-        "the steady reader was held {:.1} s",
-        steady.seconds
-    );
+    assert_not_held(&steady);
     let (taken, msg) = hoard.join().unwrap();
     assert!(taken > 0);
     match msg {

@@ -45,6 +45,11 @@ struct Args {
     /// Runs per case (the median first-batch time is shown)
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// The stream's slots, one table each: smaller than an epoch (12
+    /// units) and larger (the pipeline then runs ahead of the trainers
+    /// into the next epoch)
+    #[arg(long, value_delimiter = ',', default_values_t = vec![6, 24])]
+    slots: Vec<u32>,
 }
 
 const UNITS_PER_EPOCH: u64 = 12; // 360 images in units of 32
@@ -64,10 +69,14 @@ struct Case {
 /// One broker: the steady trainer reads 3 epochs; when the stream has
 /// made `at` units of epoch 1 the late one starts with `join` and reads
 /// one epoch.
-fn run(exe: &Path, root: &Path, join: &str, at: u64) -> anyhow::Result<Case> {
+fn run(exe: &Path, root: &Path, join: &str, at: u64, slots: u32) -> anyhow::Result<Case> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.toml");
-    let cfg = batchcast_broker::demo::image_stream_toml("img", root, 224, 3, 1, "workers = 2");
+    let cfg = batchcast_broker::demo::image_stream_toml("img", root, 224, 3, 1, "workers = 2")
+        .replace("slots = 6", &format!("slots = {slots}"));
+    if !cfg.contains(&format!("slots = {slots}")) {
+        bail!("the demo stream's config no longer sets its slots: update this benchmark");
+    }
     std::fs::write(&path, cfg)?;
     let sock = dir.path().join("b.sock");
     let broker = BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
@@ -119,6 +128,22 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let exe = harness::batchcast_exe(a.exe.as_deref())?;
     let root = batchcast_broker::demo_images::ensure().context("the demo images")?;
+    for &slots in &a.slots {
+        println!(
+            "\n{slots} slots ({}):\n",
+            if u64::from(slots) < UNITS_PER_EPOCH {
+                "less than an epoch"
+            } else {
+                "more than an epoch"
+            }
+        );
+        table(&a, &exe, &root, slots)?;
+    }
+    Ok(())
+}
+
+/// One table: every join at every position, with `slots` slots.
+fn table(a: &Args, exe: &Path, root: &Path, slots: u32) -> anyhow::Result<()> {
     println!(
         "| join | stream at unit | first batch (s, median of {}) | first epoch: epoch, samples | complete | replayed batches | bytes = shared | replay CPU (s) | steady trainer's stall (s) |",
         a.repeats
@@ -133,7 +158,7 @@ fn main() -> anyhow::Result<()> {
                     k + 1,
                     a.repeats
                 );
-                cases.push(run(&exe, &root, join, at)?);
+                cases.push(run(exe, root, join, at, slots)?);
             }
             let first = median(cases.iter().map(|c| c.first_batch_s).collect());
             let c = &cases[0];

@@ -538,34 +538,10 @@ impl Hub {
             },
         );
         if oldest.is_some() {
-            // It owes every published batch from its floor on.
-            let head = self.head();
-            for s in floor..head {
-                let slot = self.published[&s].slot as usize;
-                match &mut self.slots[slot] {
-                    Slot::Published { refs, .. } => *refs += 1,
-                    other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
-                }
-            }
-            let c = self.consumers.get_mut(&id).expect("inserted above");
-            c.queue.extend(floor..head);
+            self.owe_published(id, floor);
         }
         self.pump();
         Ok((id, start_epoch))
-    }
-
-    /// The oldest batch from which every batch up to the head is still
-    /// published (of an epoch not abandoned): seq, epoch, index.
-    pub(crate) fn oldest_live(&self) -> Option<(u64, u64, u64)> {
-        let mut s = self.head();
-        while let Some(prev) = s.checked_sub(1)
-            && let Some(b) = self.published.get(&prev)
-            && b.epoch >= self.live_epoch
-        {
-            s = prev;
-        }
-        let b = self.published.get(&s)?;
-        Some((s, b.epoch, b.index))
     }
 
     /// Epoch and index in it of the first batch consumer `id` gets (unless

@@ -9,6 +9,36 @@ use batchcast::proto::ErrorCode;
 use super::{ConsumerId, Hub, HubError, Outbound, Slot};
 
 impl Hub {
+    /// Consumer `id` owes every published batch from `seq` to the head
+    /// (all still published: the caller checked): referenced and queued.
+    pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
+        let head = self.head();
+        for s in seq..head {
+            let slot = self.published[&s].slot as usize;
+            match &mut self.slots[slot] {
+                Slot::Published { refs, .. } => *refs += 1,
+                other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
+            }
+        }
+        if let Some(c) = self.consumers.get_mut(&id) {
+            c.queue.extend(seq..head);
+        }
+    }
+
+    /// The oldest batch from which every batch up to the head is still
+    /// published (of an epoch not abandoned): seq, epoch, index.
+    pub(crate) fn oldest_live(&self) -> Option<(u64, u64, u64)> {
+        let mut s = self.head();
+        while let Some(prev) = s.checked_sub(1)
+            && let Some(b) = self.published.get(&prev)
+            && b.epoch >= self.live_epoch
+        {
+            s = prev;
+        }
+        let b = self.published.get(&s)?;
+        Some((s, b.epoch, b.index))
+    }
+
     /// Detaches a consumer that kept the pipeline waiting too long
     /// (decoupled pace's hold limit): it is removed, everything it held or
     /// was owed is given back (a batch it still reads may be rewritten: its
@@ -102,18 +132,11 @@ impl Hub {
         if seq > head || !live || !whole || c.held.iter().any(|&h| h >= seq) {
             return Err(HubError::NotLive { seq });
         }
-        for s in seq..head {
-            let slot = self.published[&s].slot as usize;
-            match &mut self.slots[slot] {
-                Slot::Published { refs, .. } => *refs += 1,
-                other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
-            }
-        }
         let c = self.consumers.get_mut(&id).expect("looked up above");
         c.cut = false;
         c.floor = seq;
         c.start_epoch = epoch.expect("checked above");
-        c.queue.extend(seq..head);
+        self.owe_published(id, seq);
         self.pump();
         Ok(())
     }

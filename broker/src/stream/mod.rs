@@ -169,17 +169,8 @@ impl Stream {
         {
             share.reserve(budget, owner_uid)?;
         }
-        // The memory is allocated at once either way (committed). The
-        // pipeline writes every page of its rings: those are faulted in
-        // now. A producer's arena is written by the producer, and a
-        // registration comes while the broker serves others: nothing is
-        // faulted in here (populating holds the process's memory map lock
-        // and stalled every other connection while it ran).
-        let fault = match plan.source {
-            SourcePlan::External => Fault::Lazily,
-            _ => Fault::Now,
-        };
         let arena = Arena::create(&plan.name, plan.arena_bytes(), Fault::Lazily)?;
+        let fault = ring_fault(&plan.source);
         let rings = Mapping::rings_faulted(arena.fd(), &RingView::of(&plan.rings), true, fault)?;
         if !matches!(plan.source, SourcePlan::External) {
             arena.seal_writes()?;
@@ -386,5 +377,18 @@ impl std::hash::Hasher for IdHasher {
     }
     fn write_u64(&mut self, n: u64) {
         self.0 = n;
+    }
+}
+
+/// When a stream's rings are faulted into the broker. The memory is
+/// allocated at once either way (committed). The pipeline writes every
+/// page of its rings: those are faulted in now. A producer's arena is
+/// written by the producer, and a registration comes while the broker
+/// serves others: nothing is faulted in (populating holds the process's
+/// memory map lock, and stalled every other connection while it ran).
+fn ring_fault(source: &SourcePlan) -> Fault {
+    match source {
+        SourcePlan::External => Fault::Lazily,
+        _ => Fault::Now,
     }
 }
