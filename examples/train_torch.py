@@ -33,6 +33,25 @@ STD = (0.229, 0.224, 0.225)
 REPO = Path(__file__).resolve().parents[1]
 
 
+def write_report(total, samples, batches, wait, busy):
+    """Writes the trainer's numbers so far to $BATCHCAST_REPORT (the run's
+    totals plus the epoch in progress), replacing the file whole:
+    `batchcast launch` reads it while the trainer runs when the broker
+    cannot see its data (its own DataLoader in a --baseline run)."""
+    path = os.environ.get("BATCHCAST_REPORT")
+    if not path:
+        return
+    now = {
+        "samples": total["samples"] + samples,
+        "batches": total["batches"] + batches,
+        "wait_s": total["wait_s"] + wait,
+        "busy_s": total["busy_s"] + busy,
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(now, f)
+    os.replace(tmp, path)
+
 def demo_images() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return Path(cache) / "batchcast" / "demo-images-v1"
@@ -239,9 +258,10 @@ def main() -> None:
         loss_fn = nn.CrossEntropyLoss()
         print(f"{args.loader}: {classes} classes, {len(loader)} batches/epoch, device {device}, lr {args.lr}")
         total = {"samples": 0, "batches": 0, "wait_s": 0.0, "busy_s": 0.0}
+        reported = time.perf_counter()
         for epoch in range(args.epochs):
             wait = busy = 0.0
-            images_seen = 0
+            images_seen = batches = 0
             t_epoch = time.perf_counter()
             t = t_epoch
             for images, labels in loader:
@@ -254,11 +274,15 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 images_seen += len(labels)
+                batches += 1
                 t = time.perf_counter()
                 busy += t - t_data
+                if t - reported >= 2.0:
+                    reported = t
+                    write_report(total, images_seen, batches, wait, busy)
             seconds = time.perf_counter() - t_epoch
             total["samples"] += images_seen
-            total["batches"] += len(loader)
+            total["batches"] += batches
             total["wait_s"] += wait
             total["busy_s"] += busy
             stall = wait / (wait + busy) if wait + busy > 0 else 0.0
@@ -268,9 +292,7 @@ def main() -> None:
             )
         # `batchcast launch` reads this when the broker cannot see the
         # trainer's data (its own DataLoader in a --baseline run).
-        if os.environ.get("BATCHCAST_REPORT"):
-            with open(os.environ["BATCHCAST_REPORT"], "w") as f:
-                json.dump(total, f)
+        write_report(total, 0, 0, 0.0, 0.0)
         if args.loader == "shared":
             s = loader.stats()
             print(f"batchcast consumer: waited {s['wait_s']:.2f} s, stall fraction {100 * s['stall_fraction']:.0f}%")

@@ -591,3 +591,88 @@ grid = {{ batch_size = [16, 32, 48] }}
     }
     assert!(digests.windows(2).all(|w| w[0] == w[1]), "{digests:?}");
 }
+
+/// The broker's account of a trainer that decoupled pace cut and
+/// replayed to counts every sample it received (replayed ones too, shown
+/// apart), live and in the summary, and never goes backwards.
+#[test]
+fn a_cut_and_replayed_trainer_is_counted_whole_live_and_in_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "fast"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1"]
+
+[[trainer]]
+name = "cut"
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1", "--stall-after", "10", "--stall-ms", "6000"]
+"#,
+        stream(3, "pace = \"decoupled\"")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = summary.expect("summary.json").shared;
+    for t in &run.trainers {
+        let own = own_report(&t.log);
+        assert!(own.ok && own.verified_samples == own.samples, "{own:?}");
+        assert_eq!(
+            (t.batches, t.samples),
+            (own.batches, own.samples),
+            "{}: the summary vs what the trainer received",
+            t.name
+        );
+        assert_eq!(t.samples, 3 * 512);
+        assert_eq!(t.replayed, own.replayed_batches * 32, "{}", t.name);
+    }
+    let cut = run.trainers.iter().find(|t| t.name == "cut").unwrap();
+    assert!(cut.replayed > 0, "it was cut and replayed to: {cut:?}");
+    assert_eq!(
+        run.samples,
+        run.trainers.iter().map(|t| t.samples).sum::<u64>()
+    );
+    // The live lines (every 5 s in a pipe): its count never goes back.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let counts: Vec<u64> = stdout
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains(" cut "))
+        .filter_map(|l| l.split(" batches ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(!counts.is_empty(), "{stdout}");
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+}
+
+/// A baseline trainer on its own loader is seen while it runs, from the
+/// report it rewrites (as `examples/train_torch.py` does every 2 s).
+#[test]
+fn a_baseline_trainer_reports_progress_while_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    // (Braces doubled: the sweep file's placeholders are in braces.)
+    let script = r#"for i in 1 2 3 4 5 6 7 8; do printf '{{"samples": %d, "batches": %d}}' $((i * 64)) $i > "$BATCHCAST_REPORT.tmp" && mv "$BATCHCAST_REPORT.tmp" "$BATCHCAST_REPORT"; sleep 1; done"#;
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "own"
+command = ["{{batchcast}}", "consume", "--json", "--max-batches", "4"]
+baseline_command = ["sh", "-c", {script:?}]
+"#,
+        stream(1, "")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &["--baseline"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let base = summary.unwrap().baseline.expect("a baseline run");
+    let t = &base.trainers[0];
+    assert_eq!((t.measured_by.as_str(), t.samples), ("report", 8 * 64));
+    // A live line from the middle of its run shows it moving.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let live: Vec<u64> = stdout
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains(" own "))
+        .filter_map(|l| l.split(" batches ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(
+        live.iter().any(|&b| (1..8).contains(&b)),
+        "no progress seen while it ran: {live:?}\n{stdout}"
+    );
+}

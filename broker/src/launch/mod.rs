@@ -77,7 +77,12 @@ pub struct TrainerSummary {
     pub signal: Option<i32>,
     pub wall_s: f64,
     pub batches: u64,
+    /// Every sample it received, shared or replayed.
     pub samples: u64,
+    /// Of those, recomputed for it alone (a late join, a resume, a cut
+    /// under decoupled pace).
+    #[serde(default)]
+    pub replayed: u64,
     pub samples_per_s: f64,
     /// Share of its loop time spent waiting for data.
     pub stall_pct: f64,

@@ -230,8 +230,10 @@ fn supervise(
                 b.poll();
             }
             for t in trainers.iter_mut() {
-                if let Some(b) = t.broker {
-                    refresh(t, &brokers[b]);
+                match t.broker {
+                    Some(b) => refresh(t, &brokers[b]),
+                    // Its own loader (a baseline): what it reports.
+                    None => super::trainer::refresh_from_report(t),
                 }
             }
             if !all_done {

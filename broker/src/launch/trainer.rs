@@ -25,7 +25,10 @@ pub(super) struct Seen {
     subscribed: bool,
     connected: bool,
     batches: u64,
+    /// Every sample it received, shared or replayed; `replayed` of them
+    /// recomputed for it alone.
     samples: u64,
+    replayed: u64,
     epoch: u64,
     held: u32,
     wait_s: f64,
@@ -225,6 +228,7 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
         seen.connected |= c.left.is_none();
         seen.batches += c.batches;
         seen.samples += c.samples;
+        seen.replayed += c.replayed;
         seen.epoch = seen.epoch.max(c.epoch);
         seen.held += c.held;
         seen.wait_s += c.wait_s;
@@ -233,6 +237,11 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
     if !seen.subscribed {
         return;
     }
+    // Counts never go backwards: batches decoupled pace took back unread
+    // leave the broker's count a moment before they come replayed.
+    seen.batches = seen.batches.max(t.seen.batches);
+    seen.samples = seen.samples.max(t.seen.samples);
+    seen.replayed = seen.replayed.max(t.seen.replayed);
     let now = Instant::now();
     let dt = now.duration_since(t.prev.0).as_secs_f64();
     if dt >= 0.5 {
@@ -243,6 +252,33 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
         t.state = State::Running;
     }
     t.seen = seen;
+}
+
+/// Updates a trainer the broker does not see (its own loader, in a
+/// baseline run) from its `$BATCHCAST_REPORT`, which it may rewrite as it
+/// runs (every few seconds: `examples/train_torch.py` does), so the live
+/// table compares both modes as they run. Counts never go backwards.
+pub(super) fn refresh_from_report(t: &mut Trainer) {
+    let Some(r) = std::fs::read_to_string(&t.report)
+        .ok()
+        .and_then(|s| serde_json::from_str::<TrainerReport>(&s).ok())
+    else {
+        return;
+    };
+    let now = Instant::now();
+    let samples = r.samples.max(t.seen.samples);
+    let dt = now.duration_since(t.prev.0).as_secs_f64();
+    if dt >= 0.5 {
+        t.rate = samples.saturating_sub(t.prev.1) as f64 / dt;
+        t.prev = (now, samples);
+    }
+    t.seen.batches = r.batches.max(t.seen.batches);
+    t.seen.samples = samples;
+    t.seen.wait_s = r.wait_s;
+    t.seen.busy_s = r.busy_s;
+    if t.state == State::Starting {
+        t.state = State::Running;
+    }
 }
 
 /// What a trainer may write to `$BATCHCAST_REPORT` when the broker does
@@ -278,6 +314,11 @@ pub(super) fn summarise(t: &Trainer) -> TrainerSummary {
         (Some(r), false) => ("report", r.batches, r.samples, r.wait_s, r.busy_s),
         (None, false) => ("none", 0, 0, 0.0, 0.0),
     };
+    let replayed = if t.seen.subscribed {
+        t.seen.replayed
+    } else {
+        0
+    };
     let total = wait_s + busy_s;
     TrainerSummary {
         name: t.plan.name.clone(),
@@ -297,6 +338,7 @@ pub(super) fn summarise(t: &Trainer) -> TrainerSummary {
         wall_s: wall,
         batches,
         samples,
+        replayed,
         samples_per_s: samples as f64 / wall.max(1e-9),
         stall_pct: if total > 0.0 {
             100.0 * wait_s / total

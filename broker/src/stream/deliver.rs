@@ -44,8 +44,6 @@ pub(super) struct Conn {
     pub(super) hold_ns: u64,
     pub(super) wait_ns: u64,
     pub(super) busy_ns: u64,
-    /// Samples in the batches sent to it.
-    pub(super) samples: u64,
     /// Its own batch size and window (in its batches; the hub counts the
     /// units they span).
     pub(super) batch_size: u64,
@@ -492,7 +490,6 @@ impl Conn {
             hold_ns: 0,
             wait_ns: 0,
             busy_ns: 0,
-            samples: 0,
             batch_size: shape.batch_size,
             window: req.window,
             cut: Cut::new(shape.batch_size, shape.drop_last).skipping(skip),
@@ -529,7 +526,6 @@ impl Conn {
                 if self.mailbox.is_none() {
                     self.sent_ns.insert(seq, now);
                 }
-                self.samples += samples;
                 self.cut.add(epoch, index * self.unit, samples);
                 ServerMsg::Batch(BatchReady {
                     seq,

@@ -132,7 +132,9 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         held: n.held,
         queued: n.queued,
         epoch: n.epoch,
-        samples: conn.samples,
+        // Its own batches' samples, shared and replayed alike (not the
+        // shared samples it skipped, nor those taken back to replay).
+        samples: conn.cut.samples() + conn.replay_cut.samples(),
         wait_s: secs(conn.wait_ns, conn.mailbox_totals.wait_ns),
         busy_s: secs(conn.busy_ns, conn.mailbox_totals.busy_ns),
         hold_s: secs(conn.hold_ns, conn.mailbox_totals.hold_ns),
@@ -155,8 +157,9 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
 pub(super) struct Cut {
     size: u64,
     drop_last: bool,
-    /// Batches of epochs no longer kept below.
+    /// Batches and samples of epochs no longer kept below.
     done: u64,
+    done_samples: u64,
     /// Per recent epoch: the first sample counted and how many.
     epochs: BTreeMap<u64, (u64, u64)>,
     /// Samples before this position are not its (its client gives them
@@ -174,6 +177,7 @@ impl Cut {
             size: size.max(1),
             drop_last,
             done: 0,
+            done_samples: 0,
             epochs: BTreeMap::new(),
             skip: None,
         }
@@ -203,6 +207,7 @@ impl Cut {
             && let Some((_, (_, n))) = self.epochs.pop_first()
         {
             self.done += self.of(n);
+            self.done_samples += self.kept(n);
         }
     }
 
@@ -231,5 +236,24 @@ impl Cut {
     /// Its batches so far: the current epoch's counted as if it ended now.
     pub(super) fn batches(&self) -> u64 {
         self.done + self.epochs.values().map(|&(_, n)| self.of(n)).sum::<u64>()
+    }
+
+    /// The samples of those batches (a dropped short one's not counted).
+    pub(super) fn samples(&self) -> u64 {
+        self.done_samples
+            + self
+                .epochs
+                .values()
+                .map(|&(_, n)| self.kept(n))
+                .sum::<u64>()
+    }
+
+    /// Of `samples` of one epoch, those in its batches.
+    fn kept(&self, samples: u64) -> u64 {
+        if self.drop_last {
+            samples / self.size * self.size
+        } else {
+            samples
+        }
     }
 }

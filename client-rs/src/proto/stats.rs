@@ -250,7 +250,9 @@ pub struct ConsumerStats {
     pub queued: u32,
     /// Epoch of the last batch sent to it.
     pub epoch: u64,
-    /// Samples in the batches sent to it.
+    /// Samples in its own batches so far, shared and replayed (its
+    /// `replayed` among them); may dip when decoupled pace takes back
+    /// batches it had not read, which then come replayed.
     pub samples: u64,
     /// Seconds it reported being blocked waiting for data (data stall).
     pub wait_s: f64,
