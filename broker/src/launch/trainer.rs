@@ -276,6 +276,7 @@ pub(super) fn refresh_from_report(t: &mut Trainer) {
     t.seen.samples = samples;
     t.seen.wait_s = r.wait_s;
     t.seen.busy_s = r.busy_s;
+    t.seen.connected = t.child.is_some();
     if t.state == State::Starting {
         t.state = State::Running;
     }
@@ -369,6 +370,7 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                 },
                 epoch: t.seen.subscribed.then_some(t.seen.epoch),
                 batches: t.seen.batches,
+                replayed: t.seen.replayed,
                 rate: if t.child.is_some() { t.rate } else { 0.0 },
                 stall_pct: (total > 0.0).then(|| 100.0 * t.seen.wait_s / total),
                 held: t.seen.held,

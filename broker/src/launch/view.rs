@@ -15,6 +15,8 @@ pub struct Row {
     pub state: String,
     pub epoch: Option<u64>,
     pub batches: u64,
+    /// Samples recomputed for it alone (counted in its batches and rate).
+    pub replayed: u64,
     pub rate: f64,
     pub stall_pct: Option<f64>,
     pub held: u32,
@@ -79,12 +81,13 @@ impl View {
             for r in rows {
                 let _ = writeln!(
                     out,
-                    "[{:>6.1}s] {} {} epoch {} batches {} {:.0} samples/s stall {} held {}",
+                    "[{:>6.1}s] {} {} epoch {} batches {} replayed {} {:.0} samples/s stall {} held {}",
                     elapsed.as_secs_f64(),
                     r.name,
                     r.state,
                     r.epoch.map_or("-".into(), |e| e.to_string()),
                     r.batches,
+                    r.replayed,
                     r.rate,
                     r.stall_pct.map_or("-".into(), |s| format!("{s:.0}%")),
                     r.held
@@ -97,16 +100,17 @@ impl View {
 
 fn render(rows: &[Row], elapsed: Duration) -> String {
     let mut s = format!(
-        "{:<18} {:<22} {:>5} {:>8} {:>10} {:>7} {:>5}  {}\n",
-        "trainer", "state", "epoch", "batches", "samples/s", "stall", "held", "gpu"
+        "{:<18} {:<22} {:>5} {:>8} {:>9} {:>10} {:>7} {:>5}  {}\n",
+        "trainer", "state", "epoch", "batches", "replayed", "samples/s", "stall", "held", "gpu"
     );
     for r in rows {
         s += &format!(
-            "{:<18} {:<22} {:>5} {:>8} {:>10.0} {:>7} {:>5}  {}\n",
+            "{:<18} {:<22} {:>5} {:>8} {:>9} {:>10.0} {:>7} {:>5}  {}\n",
             truncate(&r.name, 18),
             truncate(&r.state, 22),
             r.epoch.map_or("-".into(), |e| e.to_string()),
             r.batches,
+            r.replayed,
             r.rate,
             r.stall_pct.map_or("-".into(), |p| format!("{p:.1}%")),
             r.held,
