@@ -61,6 +61,8 @@ pub(super) struct Trainer {
     pub(super) state: State,
     pub(super) stopping: bool,
     pub(super) seen: Seen,
+    /// The most batches and samples shown so far (the live table's).
+    pub(super) shown: (u64, u64),
     /// (when, samples) at the previous refresh, for the current rate.
     pub(super) prev: (Instant, u64),
     pub(super) rate: f64,
@@ -130,6 +132,7 @@ pub(super) fn spawn_trainer(
         state: State::Starting,
         stopping: false,
         seen: Seen::default(),
+        shown: (0, 0),
         prev: (now, 0),
         rate: 0.0,
         log_tail: None,
@@ -237,16 +240,15 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
     if !seen.subscribed {
         return;
     }
-    // Counts never go backwards: batches decoupled pace took back unread
-    // leave the broker's count a moment before they come replayed.
-    seen.batches = seen.batches.max(t.seen.batches);
-    seen.samples = seen.samples.max(t.seen.samples);
-    seen.replayed = seen.replayed.max(t.seen.replayed);
+    // The live table's counts never go backwards (batches decoupled pace
+    // took back unread leave the broker's count a moment before they come
+    // replayed); the summary takes the broker's final account.
+    t.shown = (seen.batches.max(t.shown.0), seen.samples.max(t.shown.1));
     let now = Instant::now();
     let dt = now.duration_since(t.prev.0).as_secs_f64();
     if dt >= 0.5 {
-        t.rate = seen.samples.saturating_sub(t.prev.1) as f64 / dt;
-        t.prev = (now, seen.samples);
+        t.rate = t.shown.1.saturating_sub(t.prev.1) as f64 / dt;
+        t.prev = (now, t.shown.1);
     }
     if t.state == State::Starting {
         t.state = State::Running;
@@ -369,7 +371,7 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                     State::Stopped => "stopped".into(),
                 },
                 epoch: t.seen.subscribed.then_some(t.seen.epoch),
-                batches: t.seen.batches,
+                batches: t.shown.0.max(t.seen.batches),
                 replayed: t.seen.replayed,
                 rate: if t.child.is_some() { t.rate } else { 0.0 },
                 stall_pct: (total > 0.0).then(|| 100.0 * t.seen.wait_s / total),
