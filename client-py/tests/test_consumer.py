@@ -408,9 +408,14 @@ def test_join_now_mid_epoch_replays_its_start_then_shares_the_same_bytes(start_b
     broker = start_broker(synthetic(epochs=None, slots=6))
     dump = tmp_path / "rust"
     pacer = broker.rust_consumer("--dump", str(dump), "--max-epochs", "2", "--sleep-ms", "30", "--name", "pacer")
+    # Reading epoch 1: it gave back 16 units (13 to an epoch). A late
+    # trainer joins where the trainers read (the oldest unit the ring
+    # holds), not where the pipeline is.
     broker.wait_for(
-        "the pacer to be in epoch 1",
-        lambda s: any(c["name"] == "pacer" and c["delivered"] >= 16 for c in s["streams"][0]["consumers"]),
+        "the pacer to be reading epoch 1",
+        lambda s: any(
+            c["name"] == "pacer" and c["delivered"] - c["held"] >= 16 for c in s["streams"][0]["consumers"]
+        ),
     )
     c = batchcast.Consumer(socket=broker.socket, output="numpy", join="now", batch_size=5, name="late")
     images, firsts, replayed = [], [], []
