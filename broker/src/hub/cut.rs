@@ -110,6 +110,21 @@ impl Hub {
         Ok(first)
     }
 
+    /// Cuts consumer `id` as it joins, before anything the hub sent it has
+    /// left the hub (decoupled pace: a consumer that needs replay starts
+    /// from replay): what it was sent is taken back with its messages, so
+    /// it owes and holds nothing. Returns what [`Hub::cut`] does.
+    pub fn cut_at_join(&mut self, id: ConsumerId) -> Result<(u64, u64), HubError> {
+        let sent = self
+            .consumers
+            .get(&id)
+            .ok_or(HubError::UnknownConsumer(id))?
+            .held
+            .clone();
+        self.out.retain(|(to, _)| *to != id);
+        self.cut(id, &sent)
+    }
+
     /// Puts a cut consumer back in the shared stream from batch `seq` on:
     /// it owes every batch from there, published or to come. Refused
     /// ([`HubError::NotLive`]) unless every batch from `seq` to the head is

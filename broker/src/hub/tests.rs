@@ -1167,3 +1167,31 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_consumer_cut_as_it_joins_owes_and_holds_nothing_and_is_sent_nothing() {
+    let mut h = hub(4, 100, None, None);
+    let (reader, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let ws: Vec<Work> = (0..4).map(|_| produce(&mut h).unwrap()).collect();
+    h.take_outbound();
+    // Joining `now` sends it the published batches (at once: ahead)...
+    let (late, _) = h
+        .join_group(1, JoinPolicy::Now, None, Delivery::Ahead)
+        .unwrap();
+    assert_eq!(h.consumer_counts(late).unwrap().held, 4);
+    // ...all taken back before they left the hub.
+    assert_eq!(h.cut_at_join(late), Ok((0, 0)));
+    assert!(h.is_cut(late));
+    assert_eq!(h.consumer_counts(late).unwrap().held, 0);
+    assert_eq!(batches(&h.take_outbound(), late), vec![]);
+    // The ring waits only for the reader.
+    let (seq, owe) = h.pinning().unwrap();
+    assert_eq!((seq, owe), (ws[0].seq, vec![reader]));
+    for w in &ws {
+        h.release(reader, w.seq).unwrap();
+    }
+    assert!(h.start_batch().is_some(), "nobody else owes the ring");
+    h.check_invariants();
+}

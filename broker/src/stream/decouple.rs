@@ -32,12 +32,15 @@
 //!   the cut, replayed between, from the shared stream after the merge.
 //! * A consumer on the socket is cut the same way: what was queued for it
 //!   and never sent is what it gives back (everything sent, it took).
+//! * A consumer that joins needing replay (`join = "now"`, `resume`)
+//!   starts cut ([`super::replay`]): it is never waited for while it is
+//!   replayed to, and merges back by the rule above.
 //! * No consumer keeps the others waiting longer than the stream's hold
 //!   limit (`hold_limit_s`, [`crate::plan::DEFAULT_HOLD_LIMIT`]): while
 //!   another consumer waits for data, a consumer that owes the unit in the
 //!   ring's next slot and cannot be cut (it holds that unit: a batch its
-//!   program keeps, a mailbox `tail` claiming it took it, or it is being
-//!   replayed to and does not read) is detached once the unit has been
+//!   program keeps, a mailbox `tail` claiming it took it, or a socket
+//!   window sent and not read) is detached once the unit has been
 //!   pinned that long (`HoldLimit`; everything it held is given back, as
 //!   the lag limit does under lockstep).
 
@@ -207,6 +210,12 @@ impl Stream {
                 "decoupled pace: detached a consumer that pinned the ring past the hold limit"
             );
         }
+    }
+
+    /// Tells consumer `id`, which joined cut (it needs replay, see
+    /// [`super::replay`]), that it is replayed to from `from`.
+    pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
+        notify(inner, id, Notice::Cut(from));
     }
 
     /// Cuts consumer `id` from the shared stream; replay follows.

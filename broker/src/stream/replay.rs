@@ -29,6 +29,11 @@
 //! * Lockstep: the consumer is a member of the hub while it replays, so
 //!   the shared units it has not reached yet pin the ring like any other
 //!   consumer's, and the lag limit applies to it as to anyone.
+//! * Decoupled pace: it is never waited for while it is replayed to. It
+//!   starts cut from the shared stream (nothing shared is owed to it), its
+//!   replay is open from its start, and it merges back like any cut
+//!   consumer ([`super::decouple`]): what the ring still holds when its
+//!   replay gets there is not recomputed.
 //! * Its memory is taken from the broker's budget for the consumer's uid,
 //!   and given back when the last replayed batch is released or it leaves.
 
@@ -212,6 +217,9 @@ impl Stream {
                 });
             }
         };
+        if keep && from < to {
+            return self.start_cut(inner, id, prepared, (from, batch), limit);
+        }
         let (replay, grant, fd) = prepared.start((from, to), batch, per_epoch, (keep, limit))?;
         if from < to {
             tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
@@ -222,6 +230,37 @@ impl Stream {
             grant: Some((grant, fd)),
             skip: Some(to),
             anchor: from.min(to),
+            cut: None,
+        })
+    }
+
+    /// Decoupled pace: a consumer that needs replay to start at `from`
+    /// starts cut from the shared stream, so nothing shared waits for it
+    /// while it is replayed to (it may pause there like anywhere). Its
+    /// replay is open from `from`, and it merges back like any cut
+    /// consumer ([`super::decouple`]); its welcome grants the arena with
+    /// nothing to replay (`from == to`), and the cut notice follows it.
+    fn start_cut(
+        &self,
+        inner: &mut Inner,
+        id: ConsumerId,
+        prepared: Prepared,
+        (from, batch): (Position, u64),
+        limit: Position,
+    ) -> Result<Started, SubscribeError> {
+        inner.hub.cut_at_join(id)?;
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        let (mut replay, grant, fd) =
+            prepared.start((from, from), batch, per_epoch, (true, limit))?;
+        replay.reopen(from);
+        tracing::info!(stream = %self.name(), consumer = id, ?from, "replaying, cut from the shared stream until it merges back");
+        self.work_cv.notify_all();
+        Ok(Started {
+            replay: Some(replay),
+            grant: Some((grant, fd)),
+            skip: Some(from),
+            anchor: from,
+            cut: Some(from),
         })
     }
 
@@ -316,6 +355,9 @@ pub(super) struct Started {
     /// Where its first batch begins: its batches' boundaries are counted
     /// from there in that epoch (from each epoch's start after).
     pub(super) anchor: Position,
+    /// Decoupled pace: it starts cut, replayed to from here (its client is
+    /// told so once it is connected).
+    pub(super) cut: Option<Position>,
 }
 
 /// One consumer's replay in progress.

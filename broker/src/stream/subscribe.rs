@@ -103,6 +103,9 @@ impl Stream {
                 (started.skip, started.anchor),
             );
             inner.conns.insert(id, conn);
+            if let Some(from) = started.cut {
+                Stream::tell_cut(inner, id, from);
+            }
             Ok(Subscription {
                 id,
                 start_epoch,
