@@ -6,7 +6,6 @@
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
@@ -17,7 +16,7 @@ use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, LIMIT, is_root, raw_subscribe, report};
+use common::{EXE, Env, Guard, LIMIT, command, is_root, raw_subscribe, report, run};
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
     let fields: [(&str, &str, &[u64]); 3] = [
@@ -248,8 +247,8 @@ fn sigterm_says_goodbye_to_every_consumer_and_removes_the_socket() {
         vec!["train", "val"]
     );
     let socket = env.socket();
-    let Env { dir, broker } = env;
-    let status = broker.terminate(Duration::from_secs(10)).unwrap();
+    let mut env = env;
+    let status = env.broker.terminate(Duration::from_secs(10)).unwrap();
     assert!(status.success(), "broker exit status {status}");
     for r in [report(t), report(v)] {
         assert!(
@@ -259,7 +258,6 @@ fn sigterm_says_goodbye_to_every_consumer_and_removes_the_socket() {
         assert_eq!(r.verify_failures, 0);
     }
     assert!(!socket.exists(), "socket file left behind");
-    drop(dir);
 }
 
 /// Connects raw, sends `bytes`, returns the broker's preamble and first frame.
@@ -372,13 +370,11 @@ fn bad_input_gets_a_clear_error_and_other_consumers_are_unaffected() {
         config("", 100, 8).replace("batch_size", "batch_szie"),
     )
     .unwrap();
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["serve", "--config"])
         .arg(&typo)
         .arg("--socket")
-        .arg(env.dir.path().join("t.sock"))
-        .output()
-        .unwrap();
+        .arg(env.dir.path().join("t.sock")));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -386,13 +382,11 @@ fn bad_input_gets_a_clear_error_and_other_consumers_are_unaffected() {
         "{err}"
     );
 
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["serve", "--config"])
         .arg(env.dir.path().join("broker.toml"))
         .arg("--socket")
-        .arg(&sock)
-        .output()
-        .unwrap();
+        .arg(&sock));
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("already serving"),
@@ -441,36 +435,13 @@ fn consumers_cannot_write_into_shared_batches() {
 /// its status and stderr. Bounded: a broker still running after LIMIT
 /// fails the test.
 fn serve_must_exit(config: Option<&Path>, socket: &Path) -> (std::process::ExitStatus, String) {
-    let mut cmd = Command::new(EXE);
+    let mut cmd = command(EXE);
     cmd.arg("serve");
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
-    let mut broker = cmd
-        .arg("--socket")
-        .arg(socket)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = broker.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > LIMIT {
-            let _ = broker.kill();
-            panic!("the broker kept running on {}", socket.display());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut err = String::new();
-    broker
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    (status, err)
+    let out = run(cmd.arg("--socket").arg(socket));
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[test]
@@ -520,7 +491,7 @@ fn a_client_refuses_a_socket_served_by_another_user() {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     let path = dir.path().join("b.sock");
     // Another user's process listening where the broker should be.
-    let mut impostor = Command::new("python3")
+    let _impostor = Guard(command("python3")
         .args([
             "-c",
             "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(8)\nwhile True:\n    s.accept()[0].close()",
@@ -529,7 +500,7 @@ fn a_client_refuses_a_socket_served_by_another_user() {
         .uid(65534)
         .gid(65534)
         .spawn()
-        .unwrap();
+        .unwrap());
     let t0 = Instant::now();
     while !path.exists() {
         assert!(t0.elapsed() < LIMIT, "the impostor never listened");
@@ -565,8 +536,6 @@ fn a_client_refuses_a_socket_served_by_another_user() {
     // Told to expect that user, the client talks to it (which hangs up).
     let err = batchcast::Consumer::connect(opts(Some(65534))).unwrap_err();
     assert!(!matches!(err, batchcast::Error::Impostor { .. }), "{err}");
-    let _ = impostor.kill();
-    let _ = impostor.wait();
 }
 
 #[test]
@@ -695,12 +664,7 @@ fn stats_command_shows_streams_and_consumers() {
     env.wait_for("the consumer", |s| {
         s.streams[0].consumers.iter().any(|c| c.delivered > 0)
     });
-    let out = Command::new(EXE)
-        .arg("stats")
-        .arg("--socket")
-        .arg(env.socket())
-        .output()
-        .unwrap();
+    let out = run(command(EXE).arg("stats").arg("--socket").arg(env.socket()));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -713,12 +677,10 @@ fn stats_command_shows_streams_and_consumers() {
             && text.contains("delivered"),
         "{text}"
     );
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["stats", "--json"])
         .arg("--socket")
-        .arg(env.socket())
-        .output()
-        .unwrap();
+        .arg(env.socket()));
     let s: StatsReply = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(s.broker_pid, env.broker.pid());
     assert!(report(c).ok);
@@ -788,11 +750,9 @@ fn consume_cli_without_a_gpu_says_so_and_points_to_the_host_path() {
             "{err}"
         );
     }
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["consume", "--device", "tpu:0", "--socket"])
-        .arg(env.socket())
-        .output()
-        .unwrap();
+        .arg(env.socket()));
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("cuda:N"),
@@ -809,15 +769,17 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     std::fs::write(&cfg, config("epochs = 1", 256, 32)).unwrap();
     let log = dir.path().join("broker.log");
     let sock = dir.path().join("b.sock");
-    let mut broker = Command::new(EXE)
-        .args(["serve", "--metrics", "127.0.0.1:0", "--config"])
-        .arg(&cfg)
-        .arg("--socket")
-        .arg(&sock)
-        .env("NO_COLOR", "1")
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let mut broker = Guard(
+        command(EXE)
+            .args(["serve", "--metrics", "127.0.0.1:0", "--config"])
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(&sock)
+            .env("NO_COLOR", "1")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
     let t0 = Instant::now();
     let addr = loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -879,7 +841,7 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     );
     assert!(get("/other").starts_with("HTTP/1.1 404"));
     harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
-    harness::wait_timeout(&mut broker, LIMIT).unwrap();
+    harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
 }
 
 /// Runs `f` on a thread and waits for it at most `LIMIT` (a client that

@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{self, ClientMsg, ErrorCode, Hello, Intent, Preamble, ServerMsg};
@@ -19,7 +19,7 @@ use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, LIMIT, is_root, report};
+use common::{EXE, Env, Guard, LIMIT, command, is_root, report, run};
 
 /// A uid with no other role here.
 const GUEST: u32 = 65534;
@@ -193,10 +193,10 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
         env.wait_for("the consumer to hold a batch", |s| {
             s.streams[0].consumers.iter().any(|c| c.held > 0)
         });
-        let mut broker = env.broker;
+        let mut env = env;
         let t0 = Instant::now();
-        harness::signal(broker.pid(), signal);
-        let status = within_exit(&mut broker, Duration::from_secs(10));
+        harness::signal(env.broker.pid(), signal);
+        let status = within_exit(&mut env.broker, Duration::from_secs(10));
         let took = t0.elapsed();
         assert!(
             status.is_some(),
@@ -250,7 +250,7 @@ fn another_users_connection_flood_is_held_to_its_share_and_checked_before_any_re
     // nothing (they have not said hello), refused ones hear the reason.
     // The child keeps its connections until it is killed.
     let flood = |uid: u32, n: usize| {
-        let mut child = Command::new("python3")
+        let child = command("python3")
             .args([
                 "-c",
                 r#"
@@ -275,33 +275,32 @@ for s in conns:
         if word in data:
             reasons.add(word.decode())
 print(quiet, refused, ",".join(sorted(reasons)), flush=True)
-time.sleep(3600)
+sys.stdin.read()  # until the test closes it, or ends
 "#,
             ])
             .arg(&socket)
             .arg(n.to_string())
             .uid(uid)
             .gid(uid)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        let mut child = Guard(child);
         let mut line = String::new();
         let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
         std::io::BufRead::read_line(&mut out, &mut line).unwrap();
         (child, line.trim().to_string())
     };
-    let (mut guest, seen) = flood(GUEST, 100);
+    let (guest, seen) = flood(GUEST, 100);
     assert_eq!(seen, "16 84 max_connections_per_uid");
-    let (mut stranger, seen) = flood(STRANGER, 10);
+    let (stranger, seen) = flood(STRANGER, 10);
     assert_eq!(seen, "0 10 not allowed");
     // The owner, while the guest holds its share, is served in full.
     let kid = harness::spawn_consumer(Path::new(EXE), &socket, &["--verify".to_string()]).unwrap();
     let r = harness::wait_report(kid, LIMIT).unwrap();
     assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
-    for c in [&mut guest, &mut stranger] {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    drop((guest, stranger));
     drop(broker);
 }
 
@@ -452,7 +451,7 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
         let exe = dir.path().join("hostile-test");
         std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let out = Command::new(&exe)
+        let out = run(command(&exe)
             .args(["--exact", "guest_side_of_the_tenant_test", "--nocapture"])
             .env("BATCHCAST_TEST_GUEST_SOCKET", &socket)
             .env("BATCHCAST_TEST_GUEST_PREFIX", &prefix)
@@ -460,9 +459,7 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
             .env("BATCHCAST_BROKER_UID", me.to_string())
             .uid(GUEST)
             .gid(GUEST)
-            .current_dir(dir.path())
-            .output()
-            .unwrap();
+            .current_dir(dir.path()));
         let text = String::from_utf8_lossy(&out.stdout).to_string()
             + &String::from_utf8_lossy(&out.stderr);
         assert!(
@@ -668,12 +665,10 @@ fn large_registrations_do_not_stall_other_clients() {
     };
     std::thread::sleep(Duration::from_millis(200));
     let exe = std::env::current_exe().unwrap();
-    let out = Command::new(&exe)
+    let out = run(command(&exe)
         .args(["--exact", "large_registrations_side", "--nocapture"])
         .env("BATCHCAST_TEST_BIG_SOCKET", &socket)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+        .stdin(Stdio::null()));
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -7,7 +7,6 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use batchcast::proto::StatsReply;
@@ -15,7 +14,7 @@ use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
-use common::imgtool;
+use common::{command, imgtool, run};
 
 const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
 const LIMIT: Duration = Duration::from_secs(180);
@@ -76,13 +75,11 @@ impl Env {
     fn serve_fails(&self, config: &str) -> String {
         let path = self.path("bad.toml");
         std::fs::write(&path, config).unwrap();
-        let out = Command::new(EXE)
+        let out = run(command(EXE)
             .args(["serve", "--config"])
             .arg(&path)
             .arg("--socket")
-            .arg(self.path("bad.sock"))
-            .output()
-            .unwrap();
+            .arg(self.path("bad.sock")));
         assert!(!out.status.success(), "serve should have refused {config}");
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
@@ -743,7 +740,7 @@ fn entries_that_are_not_regular_files_or_too_large_are_bad_files_and_never_block
         );
     }
     // And the broker stops by itself on SIGTERM (no pipeline thread stuck).
-    let broker = env.broker.take().unwrap();
+    let mut broker = env.broker.take().unwrap();
     let status = broker.terminate(LIMIT).unwrap();
     assert!(status.success(), "{status:?}:\n{}", env.log());
 }
@@ -884,11 +881,9 @@ fn tar_shards_cache_and_multi_host_split() {
 #[test]
 fn the_demo_generates_images_and_serves_them_to_every_consumer() {
     let env = Env::new();
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["demo", "--consumers", "2", "--epochs", "2"])
-        .env("XDG_CACHE_HOME", env.path("cache"))
-        .output()
-        .unwrap();
+        .env("XDG_CACHE_HOME", env.path("cache")));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -941,11 +936,9 @@ fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
         log.contains(&format!("{}/zebra/", env.p("ds"))) && log.contains("No such file"),
         "the log names the missing files: {log}"
     );
-    let out = Command::new(EXE)
+    let out = run(command(EXE)
         .args(["stats", "--socket"])
-        .arg(env.path("b.sock"))
-        .output()
-        .unwrap();
+        .arg(env.path("b.sock")));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("bad samples replaced"), "{text}");
 }

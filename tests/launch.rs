@@ -3,7 +3,7 @@
 //! then reading what it wrote. Every wait is bounded.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use batchcast_broker::config::StreamToml;
@@ -11,8 +11,10 @@ use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::launch::{Summary, exit};
 
-const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
-const LIMIT: Duration = Duration::from_secs(120);
+mod common;
+
+use common::EXE;
+use common::LIMIT;
 
 /// A synthetic stream: `epochs` epochs of 16 batches of 32.
 fn stream(epochs: u64, extra: &str) -> String {
@@ -31,32 +33,14 @@ fn launch(dir: &Path, sweep: &str, extra_args: &[&str]) -> (Output, Option<Summa
     let file = dir.join("sweep.toml");
     std::fs::write(&file, sweep).unwrap();
     let run = dir.join("run");
-    let mut child = Command::new(EXE)
-        .arg("launch")
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(&run)
-        .args(extra_args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let read = |mut r: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = r.read_to_end(&mut v);
-            v
-        })
-    };
-    let (o, e) = (read(Box::new(out)), read(Box::new(err)));
-    let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
-    let output = Output {
-        status,
-        stdout: o.join().unwrap(),
-        stderr: e.join().unwrap(),
-    };
+    let output = common::run(
+        common::command(EXE)
+            .arg("launch")
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(&run)
+            .args(extra_args),
+    );
     let summary = std::fs::read_to_string(run.join("summary.json"))
         .ok()
         .map(|s| serde_json::from_str(&s).unwrap());
@@ -300,11 +284,11 @@ command = ["{{batchcast}}", "consume", "--abort-after", "3"]
 /// Starts `batchcast launch` on `sweep` with its run folder `dir/run`,
 /// output discarded; returns the launcher and the run folder's path (which
 /// every process of the run mentions).
-fn launch_in_background(dir: &Path, sweep: &str) -> (std::process::Child, String) {
+fn launch_in_background(dir: &Path, sweep: &str) -> (common::Guard, String) {
     let file = dir.join("sweep.toml");
     std::fs::write(&file, sweep).unwrap();
     let run = dir.join("run");
-    let child = Command::new(EXE)
+    let child = common::command(EXE)
         .arg("launch")
         .arg(&file)
         .arg("--run-dir")
@@ -314,7 +298,7 @@ fn launch_in_background(dir: &Path, sweep: &str) -> (std::process::Child, String
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    (child, run.display().to_string())
+    (common::Guard(child), run.display().to_string())
 }
 
 /// Processes whose command line or environment mentions `needle`.
@@ -341,9 +325,16 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
     found
 }
 
+/// Entries of /dev/shm that batchcast could have made (its arenas are
+/// memfds, so none; a GPU host's other users add their own meanwhile).
 fn shm_entries() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir("/dev/shm")
-        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.to_string_lossy().contains("batchcast"))
+                .collect()
+        })
         .unwrap_or_default();
     v.sort();
     v
@@ -399,7 +390,7 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
         std::thread::sleep(Duration::from_millis(50));
     }
     harness::signal(child.id(), nix::sys::signal::Signal::SIGINT);
-    let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
+    let status = harness::wait_timeout(&mut child.0, LIMIT).unwrap();
     assert_eq!(status.code(), Some(exit::INTERRUPTED));
     assert_eq!(processes_mentioning(&needle), Vec::<String>::new());
     assert_eq!(shm_entries(), shm_before, "nothing new in /dev/shm");
@@ -449,6 +440,14 @@ command = ["sh", "-c", "exec sleep 1000"]
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Its broker's socket was in the run folder (nothing outside it), and
+    // the broker, told by the kernel, removed it.
+    let sockets: Vec<_> = std::fs::read_dir(Path::new(&needle).join("sockets"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(sockets, Vec::<PathBuf>::new());
 }
 
 #[test]

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use batchcast::proto::{SharedSourceStats, StatsReply};
-use common::{Env, dumped_i64_by_epoch, imgtool, report, sigkill};
+use common::{Env, command, dumped_i64_by_epoch, imgtool, report, run, sigkill};
 
 /// Three transforms a sweep varies: two crop sizes (one in batches that
 /// do not divide the epoch, kept), and an evaluation transform in f32.
@@ -246,13 +246,11 @@ fn a_source_is_refused_when_a_stream_writes_its_keys_or_names_none() {
     let cfg = dir.path().join("bad.toml");
     let refused = |text: &str| {
         std::fs::write(&cfg, text).unwrap();
-        let out = std::process::Command::new(common::EXE)
+        let out = run(command(common::EXE)
             .args(["serve", "--config"])
             .arg(&cfg)
             .arg("--socket")
-            .arg(dir.path().join("s.sock"))
-            .output()
-            .unwrap();
+            .arg(dir.path().join("s.sock")));
         assert!(!out.status.success(), "should refuse:\n{text}");
         String::from_utf8_lossy(&out.stderr).into_owned()
     };

@@ -87,7 +87,7 @@ fn run(exe: &Path, cfg: &str, sizes: &[Option<u64>], extra: &[&str]) -> anyhow::
     let path = dir.path().join("bench.toml");
     std::fs::write(&path, cfg)?;
     let sock = dir.path().join("b.sock");
-    let broker = BrokerProcess::spawn(
+    let mut broker = BrokerProcess::spawn(
         exe,
         Some(&path),
         &sock,

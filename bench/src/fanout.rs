@@ -85,7 +85,7 @@ fn run(
     let cfg = dir.path().join("bench.toml");
     std::fs::write(&cfg, config(fill, n, a.slots))?;
     let sock = dir.path().join("b.sock");
-    let broker =
+    let mut broker =
         BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("broker.log")))?;
     let cpu0 = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0);
     let mut args: Vec<String> = [

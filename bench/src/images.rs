@@ -174,7 +174,7 @@ fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, 
     let toml = demo::image_stream_toml("train", root, 224, 1, n, "workers = 2");
     std::fs::write(&cfg, toml)?;
     let sock = dir.path().join("b.sock");
-    let broker = BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("log")))?;
+    let mut broker = BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("log")))?;
     let cpu0 = harness::thread_cpu_seconds(broker.pid()).unwrap_or(0.0);
     let t0 = Instant::now();
     let kids = (0..n)

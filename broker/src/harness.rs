@@ -31,8 +31,18 @@ impl BrokerProcess {
         socket: &Path,
         log: Option<&Path>,
     ) -> std::io::Result<BrokerProcess> {
-        let mut cmd = Command::new(exe);
-        Self::start(cmd.current_dir("."), config, socket, log)
+        Self::spawn_with(Command::new(exe), config, socket, log)
+    }
+
+    /// [`BrokerProcess::spawn`] from a command the caller prepared (its
+    /// environment, say): `serve` and the rest are added to it.
+    pub fn spawn_with(
+        mut cmd: Command,
+        config: Option<&Path>,
+        socket: &Path,
+        log: Option<&Path>,
+    ) -> std::io::Result<BrokerProcess> {
+        Self::start(&mut cmd, config, socket, log)
     }
 
     /// [`BrokerProcess::spawn`] with the broker running in `cwd` (relative
@@ -108,7 +118,7 @@ impl BrokerProcess {
     }
 
     /// SIGTERM, then up to `grace` for it to exit, then SIGKILL.
-    pub fn terminate(mut self, grace: Duration) -> std::io::Result<ExitStatus> {
+    pub fn terminate(&mut self, grace: Duration) -> std::io::Result<ExitStatus> {
         signal(self.child.id(), nix::sys::signal::Signal::SIGTERM);
         wait_timeout(&mut self.child, grace)
     }

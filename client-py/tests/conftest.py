@@ -21,6 +21,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 60.0
 
+# A developer's shell must not change what the tests do (BATCHCAST_JOIN,
+# BATCHCAST_MAILBOX=0 are read by every consumer): the tests set the
+# BATCHCAST_* variables they mean. BATCHCAST_BIN picks the broker only.
+for _k in [k for k in os.environ if k.startswith("BATCHCAST_") and k != "BATCHCAST_BIN"]:
+    del os.environ[_k]
+
 
 def broker_bin() -> str:
     import batchcast

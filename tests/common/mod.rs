@@ -7,6 +7,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{self, ClientMsg, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome};
@@ -19,9 +20,129 @@ pub const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
 pub const LIMIT: Duration = Duration::from_secs(120);
 
 /// A broker started for one test, and the folder holding its files.
+/// Dropped in this order: the consumers it started that are still
+/// running (killed and reaped), the broker, then the folder.
 pub struct Env {
-    pub dir: tempfile::TempDir,
     pub broker: BrokerProcess,
+    pub dir: tempfile::TempDir,
+    children: Children,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.children.reap();
+    }
+}
+
+/// Processes a test started, by pid: whichever is still running (an
+/// unreaped child: its pid cannot have been reused) is killed and reaped
+/// when the test ends, passed or failed.
+#[derive(Default)]
+pub struct Children(std::sync::Mutex<Vec<u32>>);
+
+impl Children {
+    pub fn add(&self, pid: u32) {
+        self.0.lock().unwrap().push(pid);
+    }
+
+    pub fn reap(&self) {
+        use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+        let pid = |p: u32| nix::unistd::Pid::from_raw(p as i32);
+        for p in self.0.lock().unwrap().drain(..) {
+            if let Ok(WaitStatus::StillAlive) = waitpid(pid(p), Some(WaitPidFlag::WNOHANG)) {
+                let _ = nix::sys::signal::kill(pid(p), nix::sys::signal::Signal::SIGKILL);
+                let _ = waitpid(pid(p), None);
+            }
+        }
+    }
+}
+
+/// A command for a program the tests start, without the `BATCHCAST_*`
+/// variables of the shell that runs the tests (a developer's
+/// `BATCHCAST_JOIN` must not change what a test does); a test sets the
+/// ones it means.
+pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("BATCHCAST_") && k != SKIPS {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Runs `cmd` (no input, output captured) to its end, within [`LIMIT`]:
+/// a program that should exit and hangs fails the test with what was
+/// running and what it said, instead of hanging the suite.
+pub fn run(cmd: &mut Command) -> Output {
+    run_within(cmd, LIMIT)
+}
+
+/// [`run`] within `limit`.
+pub fn run_within(cmd: &mut Command, limit: Duration) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            let (o, e) = (out.join().unwrap(), err.join().unwrap());
+            panic!(
+                "{cmd:?} did not exit within {limit:?}; its output:\n{}\n{}",
+                String::from_utf8_lossy(&o),
+                String::from_utf8_lossy(&e)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    }
+}
+
+/// Where `scripts/test` collects the tests' skips (one line each), to
+/// count and name them at its end.
+pub const SKIPS: &str = "BATCHCAST_TEST_SKIPS";
+
+/// Records that part of a test did not run, and why: on stderr, and in
+/// the file `scripts/test` counts skips in.
+pub fn skip(what: &str, why: &str) {
+    eprintln!("SKIPPED ({why}): {what}");
+    if let Some(path) = std::env::var_os(SKIPS) {
+        let line = format!("{}: {what} ({why})\n", test_name());
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+    }
+}
+
+/// The running test's name (its thread's, as the harness names it).
+fn test_name() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string()
 }
 
 impl Env {
@@ -42,14 +163,18 @@ impl Env {
             std::fs::write(&p, c).unwrap();
             p
         });
-        let broker = BrokerProcess::spawn(
-            Path::new(EXE),
+        let broker = BrokerProcess::spawn_with(
+            command(EXE),
             cfg.as_deref(),
             &dir.path().join("b.sock"),
             Some(&dir.path().join("broker.log")),
         )
         .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
-        Env { dir, broker }
+        Env {
+            broker,
+            dir,
+            children: Children::default(),
+        }
     }
 
     /// A path in the test's folder.
@@ -61,10 +186,25 @@ impl Env {
         self.broker.socket.clone()
     }
 
-    /// Starts `batchcast consume` with `args` against this broker.
+    /// Starts `batchcast consume` with `args` against this broker (killed
+    /// when the test ends, if it is still running then).
     pub fn consumer(&self, args: &[&str]) -> std::process::Child {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        harness::spawn_consumer(Path::new(EXE), &self.socket(), &args).unwrap()
+        let child = command(EXE)
+            .args(["consume", "--json", "--socket"])
+            .arg(self.socket())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        self.own(child)
+    }
+
+    /// Makes a child the test started its own: killed and reaped when
+    /// the test ends, if it is still running then.
+    pub fn own(&self, child: Child) -> Child {
+        self.children.add(child.id());
+        child
     }
 
     pub fn stats(&self) -> StatsReply {
@@ -116,11 +256,9 @@ pub fn python() -> PathBuf {
 /// Runs `tests/images/imgtool.py ARGS` (test images, Pillow references)
 /// and returns its stdout.
 pub fn imgtool(args: &[&str]) -> String {
-    let out = std::process::Command::new(python())
+    let out = run(command(python())
         .arg(repo().join("tests/images/imgtool.py"))
-        .args(args)
-        .output()
-        .expect("run python");
+        .args(args));
     assert!(
         out.status.success(),
         "imgtool {args:?} failed:\n{}",
@@ -168,11 +306,11 @@ pub fn sigkill(child: &mut std::process::Child) {
 }
 
 /// Tests that need a second user run as root (as CI does); elsewhere they
-/// say so and skip that part.
+/// skip that part, and say so ([`skip`]).
 pub fn is_root(what: &str) -> bool {
     let root = nix::unistd::geteuid().is_root();
     if !root {
-        eprintln!("SKIPPED (needs root to act as a second user): {what}");
+        skip(what, "needs root to act as a second user");
     }
     root
 }
@@ -226,4 +364,30 @@ pub fn raw_subscribe(
         panic!("no welcome")
     };
     (s, *w, fds)
+}
+
+/// A child process a test started, killed and reaped when the guard is
+/// dropped (the test ended, passed or failed) if it is still running.
+pub struct Guard(pub Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for Guard {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Guard {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
 }

@@ -68,12 +68,7 @@ pub(super) fn run_mode(
 ) -> anyhow::Result<RunSummary> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let exe = std::env::current_exe().context("cannot find the batchcast executable")?;
-    // Socket paths are limited to 108 bytes: keep them in a short private
-    // folder rather than in a possibly deep run folder.
-    let sockets = tempfile::Builder::new()
-        .prefix("batchcast-launch-")
-        .tempdir()
-        .context("creating a folder for the broker sockets")?;
+    let sockets = SocketDir::new(dir)?;
     let cpu_before = children_cpu_s();
     let t0 = Instant::now();
     let (mut brokers, assignment) = start_brokers(sweep, mode, dir, sockets.path(), &exe)?;
@@ -334,7 +329,7 @@ fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64) {
             cache_hits: sum(&|s| s.source.as_ref().map_or(0, |x| x.cache_hits)),
             bad_files_skipped: sum(&|s| s.source.as_ref().map_or(0, |x| x.skipped)),
         });
-        if let Some(p) = b.process
+        if let Some(mut p) = b.process
             && let Err(e) = p.terminate(Duration::from_secs(10))
         {
             tracing::warn!("stopping the broker: {e}");
@@ -410,5 +405,50 @@ fn children_cpu_s() -> f64 {
             tv(u.user_time()) + tv(u.system_time())
         }
         Err(_) => 0.0,
+    }
+}
+
+/// Where the brokers' sockets go: the run folder's `sockets/` when their
+/// paths fit a socket address (108 bytes), so a launcher killed with
+/// SIGKILL leaves nothing outside its run folder; else a short private
+/// folder in the temporary directory, removed when the run ends.
+enum SocketDir {
+    InRun(PathBuf),
+    Temp(tempfile::TempDir),
+}
+
+impl SocketDir {
+    /// The longest socket name a run uses (`broker.sock`, `N.sock`).
+    const NAME: usize = 16;
+    const MAX_PATH: usize = 107;
+
+    fn new(run: &Path) -> anyhow::Result<SocketDir> {
+        let dir = std::path::absolute(run.join("sockets")).unwrap_or_else(|_| run.join("sockets"));
+        if dir.as_os_str().len() + 1 + Self::NAME <= Self::MAX_PATH {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("creating {}", dir.display()))?;
+            return Ok(SocketDir::InRun(dir));
+        }
+        tempfile::Builder::new()
+            .prefix("batchcast-launch-")
+            .tempdir()
+            .map(SocketDir::Temp)
+            .context("creating a folder for the broker sockets")
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            SocketDir::InRun(p) => p,
+            SocketDir::Temp(t) => t.path(),
+        }
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        if let SocketDir::InRun(p) = self {
+            // Empty once the brokers removed their sockets.
+            let _ = std::fs::remove_dir(p);
+        }
     }
 }
