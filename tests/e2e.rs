@@ -441,7 +441,10 @@ fn serve_must_exit(config: Option<&Path>, socket: &Path) -> (std::process::ExitS
         cmd.arg("--config").arg(c);
     }
     let out = run(cmd.arg("--socket").arg(socket));
-    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]

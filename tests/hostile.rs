@@ -80,9 +80,11 @@ fn consumer_options(socket: &Path, timeout: Duration) -> ConsumerOptions {
 }
 
 #[test]
-fn idle_connections_get_a_clear_refusal_time_out_and_never_hang_a_client() {
+fn connections_past_the_limit_get_a_clear_refusal_and_never_hang_a_client() {
+    // An idle timeout far longer than the test: the refusals below cannot
+    // depend on how fast a loaded machine opens 24 connections.
     let env = Env::start(&stream_config(
-        "max_connections = 24\nmax_connections_per_uid = 8\nidle_timeout_s = 2",
+        "max_connections = 24\nmax_connections_per_uid = 8\nidle_timeout_s = 600",
     ));
     let socket = env.socket();
     // The owner's own careless program: 24 stats connections that ask once
@@ -94,17 +96,17 @@ fn idle_connections_get_a_clear_refusal_time_out_and_never_hang_a_client() {
             s
         })
         .collect();
-    // A consumer is told at once, not after its connect timeout, and not
-    // never (before: it blocked in the handshake for good).
+    // A consumer is told at once, not after its connect timeout (30 s),
+    // and not never (before: it blocked in the handshake for good).
     let t0 = Instant::now();
     let s2 = socket.clone();
     let err = within(
-        Duration::from_secs(20),
+        Duration::from_secs(60),
         "a consumer at the limit",
         move || Consumer::connect(consumer_options(&s2, Duration::from_secs(30))).unwrap_err(),
     );
     assert!(
-        t0.elapsed() < Duration::from_secs(10),
+        t0.elapsed() < Duration::from_secs(20),
         "it waited {:?}",
         t0.elapsed()
     );
@@ -115,15 +117,26 @@ fn idle_connections_get_a_clear_refusal_time_out_and_never_hang_a_client() {
         "{text}"
     );
     let s2 = socket.clone();
-    let err = within(Duration::from_secs(20), "stats at the limit", move || {
+    let err = within(Duration::from_secs(60), "stats at the limit", move || {
         StatsClient::connect(Some(s2)).unwrap_err()
     });
     assert_eq!(err.code(), Some(ErrorCode::Busy), "{err}");
-    // Idle stats connections are closed after idle_timeout_s, with the
-    // reason, and their places go to the consumer.
-    for mut s in idle {
-        let mut buf = Vec::new();
-        match proto::read_frame::<ServerMsg>(&mut s, &mut buf) {
+    // Their places go to the consumer once they close.
+    drop(idle);
+    let kid = env.consumer(&["--verify"]);
+    let r = report(kid);
+    assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
+}
+
+#[test]
+fn idle_connections_are_closed_with_the_reason_and_a_stats_client_asks_again() {
+    let env = Env::start(&stream_config("idle_timeout_s = 2"));
+    let socket = env.socket();
+    // Closed after idle_timeout_s with the reason (read within 10 s).
+    for _ in 0..3 {
+        let (mut s, first) = idle_stats(&socket);
+        assert!(matches!(first, ServerMsg::Stats(_)), "{first:?}");
+        match proto::read_frame::<ServerMsg>(&mut s, &mut Vec::new()) {
             Ok(Some(ServerMsg::Error(e))) => {
                 assert_eq!(e.code, ErrorCode::Idle, "{e:?}");
                 assert!(e.message.contains("idle_timeout_s"), "{e:?}");
@@ -131,13 +144,18 @@ fn idle_connections_get_a_clear_refusal_time_out_and_never_hang_a_client() {
             other => panic!("an idle stats connection got {other:?}"),
         }
     }
-    let kid = env.consumer(&["--verify"]);
-    let r = report(kid);
-    assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
-    // A StatsClient left idle past the timeout asks again on a new
-    // connection by itself.
+    // A StatsClient left idle until the broker closed its connection (seen
+    // in the broker's count of open ones) asks again on a new connection
+    // by itself.
+    let held = || env.stats().connections.held;
+    let alone = held();
     let mut stats = StatsClient::connect(Some(socket.clone())).unwrap();
-    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(held(), alone + 1);
+    let t0 = Instant::now();
+    while held() > alone {
+        assert!(t0.elapsed() < LIMIT, "the idle connection was never closed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let s = stats.fetch().unwrap();
     assert_eq!(s.streams.len(), 1);
 }
@@ -395,7 +413,9 @@ fn a_frame_larger_than_a_client_may_send_is_refused_before_it_is_buffered() {
 
 /// The guest's side of the tenant test below: run by it as uid 65534 in a
 /// child process (a copy of this test binary); does nothing otherwise.
+/// Run only by its parent test, as a child process (`--ignored`).
 #[test]
+#[ignore = "the child side of another test, which runs it"]
 fn guest_side_of_the_tenant_test() {
     let (Ok(socket), Ok(prefix)) = (
         std::env::var("BATCHCAST_TEST_GUEST_SOCKET"),
@@ -452,7 +472,12 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
         std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
         let out = run(command(&exe)
-            .args(["--exact", "guest_side_of_the_tenant_test", "--nocapture"])
+            .args([
+                "--exact",
+                "guest_side_of_the_tenant_test",
+                "--ignored",
+                "--nocapture",
+            ])
             .env("BATCHCAST_TEST_GUEST_SOCKET", &socket)
             .env("BATCHCAST_TEST_GUEST_PREFIX", &prefix)
             // A guest expects the broker's user, as a real one would.
@@ -566,6 +591,7 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
     // A flood of preambles of another protocol: each refused, counted,
     // and a few logged.
     let flood = 300;
+    let t0 = Instant::now();
     let mut other = Preamble::ours().to_bytes();
     other[4..6].copy_from_slice(&999u16.to_le_bytes());
     for _ in 0..flood {
@@ -591,11 +617,11 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
         .lines()
         .filter(|l| l.contains("cannot talk to each other"))
         .count();
-    // At most 10 a window of 10 s; the flood takes well under a window
-    // here, and never more than a few.
+    // At most 10 a window of 10 s, however long a loaded machine took.
+    let windows = t0.elapsed().as_secs() / 10 + 2;
     assert!(
-        (1..=30).contains(&logged),
-        "{logged} refusal lines logged for {flood} refusals"
+        logged >= 1 && logged as u64 <= 10 * windows,
+        "{logged} refusal lines logged for {flood} refusals in {windows} windows"
     );
 }
 
@@ -603,7 +629,9 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
 /// (a copy of this test binary: its own memory map, as a real producer
 /// has); does nothing otherwise. Two rounds of two 1 GiB registrations,
 /// each acquired (sealed, opened) and then left (freed).
+/// Run only by its parent test, as a child process (`--ignored`).
 #[test]
+#[ignore = "the child side of another test, which runs it"]
 fn large_registrations_side() {
     let Ok(socket) = std::env::var("BATCHCAST_TEST_BIG_SOCKET") else {
         return;
@@ -666,7 +694,12 @@ fn large_registrations_do_not_stall_other_clients() {
     std::thread::sleep(Duration::from_millis(200));
     let exe = std::env::current_exe().unwrap();
     let out = run(command(&exe)
-        .args(["--exact", "large_registrations_side", "--nocapture"])
+        .args([
+            "--exact",
+            "large_registrations_side",
+            "--ignored",
+            "--nocapture",
+        ])
         .env("BATCHCAST_TEST_BIG_SOCKET", &socket)
         .stdin(Stdio::null()));
     let text =

@@ -118,12 +118,32 @@ env = {{ TRAINER_INDEX = "{{index}}" }}
             t.busy_s,
             t.batches
         );
-        assert!(t.stall_pct >= 0.0 && t.stall_pct <= 100.0);
+        // The stall share is the trainer's wait over its loop time.
+        let loop_s = t.wait_s + t.busy_s;
+        assert!(t.wait_s >= 0.0 && loop_s > 0.0, "{t:?}");
+        assert!(
+            (t.stall_pct - 100.0 * t.wait_s / loop_s).abs() < 1e-6,
+            "{t:?}"
+        );
         batches += t.batches;
     }
     assert_eq!(broker.deliveries, batches);
     assert_eq!(run.samples, 3 * 3 * 512);
-    assert!(run.cpu_s > 0.0, "CPU is accounted: {run:?}");
+    // CPU is accounted: the run's covers what each trainer says it spent
+    // (their own getrusage, taken before they exit) and its broker's
+    // (clock ticks: 0 for a broker this idle is possible).
+    let trainers_cpu: f64 = run.trainers.iter().map(|t| own_report(&t.log).cpu_s).sum();
+    let broker_cpu = run.brokers[0].cpu_s;
+    assert!(trainers_cpu > 0.0 && broker_cpu >= 0.0, "{run:?}");
+    assert!(
+        run.cpu_s >= trainers_cpu + broker_cpu - 0.02,
+        "{trainers_cpu} {run:?}"
+    );
+    let per_sample = run.cpu_ms_per_sample.expect("samples were made");
+    assert!(
+        (per_sample - 1000.0 * run.cpu_s / run.samples as f64).abs() < 1e-6,
+        "{run:?}"
+    );
     // The per-copy environment reached each trainer (its name and index).
     let stdout = String::from_utf8_lossy(&out.stdout);
     for name in ["t-0", "t-1", "t-2"] {
@@ -442,7 +462,7 @@ command = ["sh", "-c", "exec sleep 1000"]
     }
     // Its broker's socket was in the run folder (nothing outside it), and
     // the broker, told by the kernel, removed it.
-    let sockets: Vec<_> = std::fs::read_dir(Path::new(&needle).join("sockets"))
+    let sockets: Vec<_> = std::fs::read_dir(Path::new(&needle).join("shared/sockets"))
         .unwrap()
         .flatten()
         .map(|e| e.path())
@@ -541,7 +561,22 @@ command = ["{{batchcast}}", "consume", "--json", "--verify"]
     }
     assert_eq!(s.shared.brokers[0].batches_produced, 32);
     let c = s.comparison.as_ref().unwrap();
-    assert!(c.speedup > 0.0 && c.throughput_ratio > 0.0);
+    // The comparison is made of the two runs' own numbers.
+    let shared = &s.shared;
+    assert!(shared.wall_s > 0.0 && base.wall_s > 0.0);
+    assert!(
+        (c.speedup - base.wall_s / shared.wall_s).abs() < 1e-9,
+        "{c:?}"
+    );
+    assert!(
+        (c.throughput_ratio - shared.samples_per_s / base.samples_per_s).abs() < 1e-9,
+        "{c:?}"
+    );
+    assert_eq!(
+        (shared.samples, base.samples),
+        (2 * 2 * 512, 2 * 2 * 512),
+        "both runs read the same samples"
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("shared vs baseline"), "{stdout}");
 }

@@ -33,21 +33,14 @@ fn config(extra: &str) -> String {
 const UNIT: u64 = 40;
 const PER_EPOCH: u64 = 400;
 
-/// Units the stream has made, once it stays put (paused: nobody is
-/// subscribed).
+/// Units the stream has made, once it stays put: nobody is subscribed
+/// (so nothing new starts) and no slot is being filled (what had started
+/// is published). A state, not a pause in the counts.
 fn paused_at(env: &Env) -> u64 {
-    let mut last = u64::MAX;
-    loop {
-        let s = env.wait_for("the stream to have no consumer", |s| {
-            s.streams[0].consumers.is_empty()
-        });
-        let n = s.streams[0].batches_produced;
-        if n == last {
-            return n;
-        }
-        last = n;
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let s = env.wait_for("the stream to stand still", |s| {
+        s.streams[0].consumers.is_empty() && s.streams[0].filling == 0
+    });
+    s.streams[0].batches_produced
 }
 
 /// A broker whose stream stands mid-epoch (a first consumer read `read`

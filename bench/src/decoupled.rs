@@ -78,7 +78,8 @@ fn run(exe: &Path, epochs: u64, pace: &str, slots: u32, steps: &[u64]) -> anyhow
     let path = dir.path().join("bench.toml");
     std::fs::write(&path, stream(epochs, pace, slots, steps.len()))?;
     let sock = dir.path().join("b.sock");
-    let mut broker = BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
+    let mut broker =
+        BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
     let mut children = Vec::new();
     for step in steps {
         let args: Vec<String> = [

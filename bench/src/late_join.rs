@@ -79,7 +79,8 @@ fn run(exe: &Path, root: &Path, join: &str, at: u64, slots: u32) -> anyhow::Resu
     }
     std::fs::write(&path, cfg)?;
     let sock = dir.path().join("b.sock");
-    let mut broker = BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
+    let mut broker =
+        BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
     let args = |more: &[&str]| {
         let mut a: Vec<String> = ["--stream", "img", "--digest"].map(String::from).to_vec();
         a.extend(more.iter().map(|s| s.to_string()));

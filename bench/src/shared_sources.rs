@@ -117,7 +117,8 @@ fn run(exe: &Path, cfg: &str) -> anyhow::Result<Run> {
     let path = dir.path().join("bench.toml");
     std::fs::write(&path, cfg)?;
     let sock = dir.path().join("b.sock");
-    let mut broker = BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
+    let mut broker =
+        BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
     let cpu0 = procstat::cpu_seconds(broker.pid()).unwrap_or(0.0);
     let t0 = Instant::now();
     let mut children = Vec::new();

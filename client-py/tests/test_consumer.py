@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -176,13 +178,25 @@ def test_holding_the_whole_window_blocks_until_another_thread_releases(start_bro
     c = batchcast.Consumer(socket=broker.socket, output="numpy", window=2)
     first, second = c.next_batch(), c.next_batch()
     assert c.held == 2
-    timer = threading.Timer(2.5, first.release)
-    timer.start()
-    t0 = time.monotonic()
-    with pytest.warns(batchcast.WindowFullWarning, match="holds all 2 batches"):
+    # Another thread releases a batch once the program was warned (ordered
+    # by the warning itself, not by a sleep a loaded machine can outrun).
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+
+        def release_once_warned():
+            deadline = time.monotonic() + 60
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first.release()
+
+        releaser = threading.Thread(target=release_once_warned)
+        releaser.start()
+        t0 = time.monotonic()
         third = c.next_batch()
-    waited = time.monotonic() - t0
-    timer.join()
+        waited = time.monotonic() - t0
+        releaser.join()
+    full = [w for w in seen if issubclass(w.category, batchcast.WindowFullWarning)]
+    assert len(full) == 1 and "holds all 2 batches" in str(full[0].message), [str(w.message) for w in seen]
     assert waited >= 2.0, f"next_batch returned after {waited:.2f} s while the window was full"
     assert third.seq == second.seq + 1
 
@@ -196,8 +210,8 @@ def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker, inherit_ignore
     child = python_child(
         "import batchcast, sys\n"
         "c = batchcast.Consumer(socket=sys.argv[1], output='numpy')\n"
-        "print('waiting', flush=True)\n"
         "try:\n"
+        "    print('waiting', flush=True)\n"
         "    next(iter(c))\n"
         "except KeyboardInterrupt:\n"
         "    print('interrupted', flush=True)\n"
@@ -207,13 +221,30 @@ def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker, inherit_ignore
     )
     line = child.stdout.readline().strip()
     assert line == "waiting", child.communicate(timeout=10)
-    time.sleep(0.3)
+    # Signalled once it sleeps in the wait (not while still running Python
+    # code before it: that would test nothing).
+    wait_until_asleep(child.pid)
     t0 = time.monotonic()
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=10)
     took = time.monotonic() - t0
     assert "interrupted" in out and "KeyboardInterrupt" in err, (out, err)
     assert took < 2.0, f"Ctrl-C took {took:.2f} s"
+
+
+def wait_until_asleep(pid: int) -> None:
+    """Waits (bounded) until every thread of process `pid` sleeps: it is
+    blocked, not running code."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s == "S" for s in states):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} never blocked: thread states {states}")
 
 
 def test_a_killed_broker_surfaces_as_connection_error_promptly(start_broker):

@@ -425,8 +425,7 @@ impl SocketDir {
     fn new(run: &Path) -> anyhow::Result<SocketDir> {
         let dir = std::path::absolute(run.join("sockets")).unwrap_or_else(|_| run.join("sockets"));
         if dir.as_os_str().len() + 1 + Self::NAME <= Self::MAX_PATH {
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             return Ok(SocketDir::InRun(dir));
         }
         tempfile::Builder::new()

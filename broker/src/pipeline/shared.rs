@@ -814,7 +814,11 @@ mod tests {
     /// one that never came, and one that comes then decodes alone.
     #[test]
     fn a_stream_starting_a_moment_late_takes_the_first_decodes() {
-        let s = share_with_grace(3, 10, 1 << 20, Duration::from_millis(300));
+        // A grace far longer than the steps before its end take, however
+        // loaded the machine: the test sleeps past it, measured from here.
+        let grace = Duration::from_millis(1500);
+        let t0 = Instant::now();
+        let s = share_with_grace(3, 10, 1 << 20, grace);
         s.set_live(0, true);
         s.begin(0, 0);
         let Claim::Mine(t) = s.claim(0, 0, 5, DIMS, 1, true) else {
@@ -836,8 +840,9 @@ mod tests {
         s.begin(1, 0);
         assert!(matches!(s.claim(1, 0, 5, DIMS, 1, true), Claim::Ready(_)));
         assert_eq!(s.counts(1).taken, 1);
+        assert!(t0.elapsed() < grace, "the steps above outran the grace");
         assert_eq!(s.counts(0).entries, 1, "stream 2 may still come");
-        std::thread::sleep(Duration::from_millis(350));
+        std::thread::sleep((grace + Duration::from_millis(200)).saturating_sub(t0.elapsed()));
         s.end(1, 0, 4);
         assert_eq!(
             s.counts(0).entries,
