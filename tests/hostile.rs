@@ -224,10 +224,48 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
             "{signal:?} to exit: {took:?} with {} connections",
             held.len() + 1
         );
+        // README: promptly, whatever the connections do. Waiting on any of
+        // them would take the handshake's 10 s or the idle 600 s.
+        assert!(took < Duration::from_secs(3), "{signal:?}: {took:?}");
+        assert!(!socket.exists(), "the socket file is removed");
         drop(held);
         let r = report(kid);
         assert!(!r.ok, "the consumer is told the broker went away: {r:#?}");
+        let why = r.error.unwrap_or_default();
+        assert!(why.contains("Shutdown"), "told it shut down: {why}");
     }
+}
+
+/// README: a connection that has not said hello within 10 s is closed
+/// (and counted), whether it sent part of a preamble or nothing.
+#[test]
+fn a_silent_handshake_is_closed_after_ten_seconds() {
+    let env = Env::start(&stream_config("idle_timeout_s = 600"));
+    let socket = env.socket();
+    let t0 = Instant::now();
+    let waiters: Vec<_> = [&b""[..], &b"BC"[..]]
+        .into_iter()
+        .map(|sent| {
+            let mut s = UnixStream::connect(&socket).unwrap();
+            s.write_all(sent).unwrap();
+            s.set_read_timeout(Some(LIMIT)).unwrap();
+            std::thread::spawn(move || {
+                // Whatever it says first, the broker then closes.
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                t0.elapsed()
+            })
+        })
+        .collect();
+    for w in waiters {
+        let closed = w.join().unwrap();
+        assert!(
+            closed >= Duration::from_secs(9) && closed < Duration::from_secs(30),
+            "closed after {closed:?}"
+        );
+    }
+    let s = env.stats();
+    assert_eq!(s.connections.handshakes_refused, 2);
 }
 
 fn within_exit(b: &mut BrokerProcess, limit: Duration) -> Option<std::process::ExitStatus> {

@@ -8,7 +8,6 @@
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::time::Duration;
 
 use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
 use batchcast_broker::config::StreamToml;
