@@ -12,7 +12,7 @@ use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
 use batchcast::proto::{self, ClientMsg, ErrorCode, Preamble, Release, ServerMsg, StatsReply};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::harness;
 
 mod common;
 
@@ -479,7 +479,7 @@ fn a_socket_folder_another_user_could_write_is_refused() {
     std::fs::create_dir(&sticky).unwrap();
     std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
     let log = dir.path().join("sticky.log");
-    let b = BrokerProcess::spawn(Path::new(EXE), None, &sticky.join("b.sock"), Some(&log)).unwrap();
+    let b = common::broker(None, &sticky.join("b.sock"), Some(&log)).unwrap();
     drop(b);
 }
 
@@ -744,7 +744,12 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
 fn consume_cli_without_a_gpu_says_so_and_points_to_the_host_path() {
     let env = Env::start(&config("", 1000, 8));
     // (On a GPU host this consumer would simply work: gpu.sh covers that.)
-    if !std::path::Path::new("/dev/nvidiactl").exists() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        common::skip(
+            "a `--device cuda:0` consumer refused without a driver",
+            "this host has a GPU; bench/gpu.sh covers it there",
+        );
+    } else {
         let r = report(env.consumer(&["--device", "cuda:0"]));
         assert!(!r.ok, "{r:#?}");
         let err = r.error.unwrap_or_default();
@@ -795,21 +800,19 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    let consumer = harness::spawn_consumer(
-        Path::new(EXE),
+    let consumer = common::spawn_consumer(
         &sock,
         &[
-            "--name".into(),
-            "scraped".into(),
-            "--hold".into(),
-            "1".into(),
-            "--window".into(),
-            "2".into(),
-            "--max-batches".into(),
-            "8".into(),
+            "--name",
+            "scraped",
+            "--hold",
+            "1",
+            "--window",
+            "2",
+            "--max-batches",
+            "8",
         ],
-    )
-    .unwrap();
+    );
     let r = report(consumer);
     assert_eq!(r.batches, 8);
     let get = |path: &str| {
@@ -960,7 +963,7 @@ fn a_broker_of_another_release_is_refused_naming_both_releases() {
         let _ = s.read(&mut [0u8; 64]);
         Preamble::parse(pre).unwrap()
     });
-    let kid = harness::spawn_consumer(Path::new(EXE), &socket, &[]).unwrap();
+    let kid = common::spawn_consumer(&socket, &[]);
     let r = harness::wait_report(kid, LIMIT).unwrap();
     let client = fake.join().unwrap();
     assert_eq!(

@@ -19,7 +19,7 @@ use batchcast_broker::harness::{self, BrokerProcess};
 
 mod common;
 
-use common::{EXE, Env, Guard, LIMIT, command, is_root, report, run};
+use common::{Env, Guard, LIMIT, command, is_root, report, run};
 
 /// A uid with no other role here.
 const GUEST: u32 = 65534;
@@ -288,7 +288,7 @@ fn shared_broker(config: &str) -> (tempfile::TempDir, std::path::PathBuf, Broker
     std::fs::write(&cfg, config).unwrap();
     let socket = dir.path().join("b.sock");
     let log = dir.path().join("broker.log");
-    let broker = BrokerProcess::spawn(Path::new(EXE), Some(&cfg), &socket, Some(&log)).unwrap();
+    let broker = common::broker(Some(&cfg), &socket, Some(&log)).unwrap();
     (dir, socket, broker)
 }
 
@@ -353,7 +353,7 @@ sys.stdin.read()  # until the test closes it, or ends
     let (stranger, seen) = flood(STRANGER, 10);
     assert_eq!(seen, "0 10 not allowed");
     // The owner, while the guest holds its share, is served in full.
-    let kid = harness::spawn_consumer(Path::new(EXE), &socket, &["--verify".to_string()]).unwrap();
+    let kid = common::spawn_consumer(&socket, &["--verify"]);
     let r = harness::wait_report(kid, LIMIT).unwrap();
     assert!(r.ok && r.ended && r.batches == 16, "{r:#?}");
     drop((guest, stranger));
@@ -536,9 +536,7 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
     assert_eq!(c.welcome().owner_uid, me);
     drop(c);
     let kids: Vec<_> = (0..2)
-        .map(|_| {
-            harness::spawn_consumer(Path::new(EXE), &socket, &["--verify".to_string()]).unwrap()
-        })
+        .map(|_| common::spawn_consumer(&socket, &["--verify"]))
         .collect();
     for kid in kids {
         let r = harness::wait_report(kid, LIMIT).unwrap();

@@ -23,16 +23,17 @@ fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
+/// Dropped in this order: the broker, then its folder.
 struct Env {
-    dir: tempfile::TempDir,
     broker: Option<BrokerProcess>,
+    dir: tempfile::TempDir,
 }
 
 impl Env {
     fn new() -> Env {
         Env {
-            dir: tempfile::tempdir().unwrap(),
             broker: None,
+            dir: tempfile::tempdir().unwrap(),
         }
     }
 
@@ -47,8 +48,7 @@ impl Env {
     fn start(&mut self, config: &str) {
         let path = self.path("broker.toml");
         std::fs::write(&path, config).unwrap();
-        let b = BrokerProcess::spawn(
-            Path::new(EXE),
+        let b = common::broker(
             Some(&path),
             &self.path("b.sock"),
             Some(&self.path("broker.log")),
@@ -58,8 +58,7 @@ impl Env {
     }
 
     fn consume(&self, args: &[&str]) -> ConsumerReport {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let child = harness::spawn_consumer(Path::new(EXE), &self.path("b.sock"), &args).unwrap();
+        let child = common::spawn_consumer(&self.path("b.sock"), args);
         harness::wait_report(child, LIMIT).unwrap()
     }
 
@@ -916,10 +915,8 @@ fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
         "epochs = 3\ndrop_last = false\nshuffle = false\ncache_mib = 0",
     ));
     // A slow consumer, so the second and third epochs are read after the removal.
-    let args: Vec<String> = ["--stream", "s", "--window", "1", "--sleep-ms", "30"]
-        .map(String::from)
-        .to_vec();
-    let child = harness::spawn_consumer(Path::new(EXE), &env.path("b.sock"), &args).unwrap();
+    let args = ["--stream", "s", "--window", "1", "--sleep-ms", "30"];
+    let child = common::spawn_consumer(&env.path("b.sock"), &args);
     let t0 = std::time::Instant::now();
     while env.stats().streams[0].deliveries == 0 {
         assert!(t0.elapsed() < LIMIT);

@@ -8,13 +8,12 @@ use std::time::{Duration, Instant};
 
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness::{self, BrokerProcess};
+use batchcast_broker::harness;
 use batchcast_broker::launch::{Summary, exit};
 
 mod common;
 
-use common::EXE;
-use common::LIMIT;
+use common::{EXE, LIMIT};
 
 /// A synthetic stream: `epochs` epochs of 16 batches of 32.
 fn stream(epochs: u64, extra: &str) -> String {
@@ -164,13 +163,7 @@ fn a_crashing_trainer_is_marked_failed_its_slots_come_back_and_the_others_finish
     let cfg = dir.path().join("broker.toml");
     std::fs::write(&cfg, stream(2, "min_consumers = 3")).unwrap();
     let sock = dir.path().join("b.sock");
-    let broker = BrokerProcess::spawn(
-        Path::new(EXE),
-        Some(&cfg),
-        &sock,
-        Some(&dir.path().join("b.log")),
-    )
-    .unwrap();
+    let broker = common::broker(Some(&cfg), &sock, Some(&dir.path().join("b.log"))).unwrap();
     let sweep = format!(
         r#"[launch]
 socket = "{}"
@@ -709,4 +702,81 @@ baseline_command = ["sh", "-c", {script:?}]
         live.iter().any(|&b| (1..8).contains(&b)),
         "no progress seen while it ran: {live:?}\n{stdout}"
     );
+}
+
+/// README: Ctrl-C stops the trainers with SIGTERM, SIGKILLs one still
+/// running after `grace_s`, and a second Ctrl-C does so at once.
+#[test]
+fn a_trainer_that_ignores_sigterm_is_killed_after_grace_s_or_at_a_second_ctrl_c() {
+    for (grace_s, ctrl_c) in [(1, 1), (60, 2)] {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let sweep = format!(
+            r#"[launch]
+grace_s = {grace_s}
+{}
+[[trainer]]
+name = "polite"
+command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
+
+[[trainer]]
+name = "stubborn"
+command = ["sh", "-c", "trap '' TERM; echo ready; while true; do sleep 0.1; done"]
+"#,
+            stream(100_000, "min_consumers = 1")
+        );
+        let (mut child, needle) = launch_in_background(dir.path(), &sweep);
+        let stubborn_log = run.join("shared/stubborn.log");
+        let t0 = Instant::now();
+        while !std::fs::read_to_string(&stubborn_log).is_ok_and(|l| l.contains("ready")) {
+            assert!(t0.elapsed() < LIMIT, "{:?}", processes_mentioning(&needle));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let t0 = Instant::now();
+        harness::signal(child.id(), nix::sys::signal::Signal::SIGINT);
+        if ctrl_c == 2 {
+            // Once the polite trainer has gone (the SIGTERM was sent), the
+            // second Ctrl-C.
+            let polite = || {
+                processes_mentioning(&needle)
+                    .into_iter()
+                    .any(|p| p.contains(" consume "))
+            };
+            while polite() {
+                assert!(t0.elapsed() < LIMIT, "the polite trainer never stopped");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            harness::signal(child.id(), nix::sys::signal::Signal::SIGINT);
+        }
+        let status = harness::wait_timeout(&mut child.0, LIMIT).unwrap();
+        let took = t0.elapsed();
+        assert_eq!(status.code(), Some(exit::INTERRUPTED));
+        // After the grace (1 s), or well before it (60 s) on a second Ctrl-C.
+        let (at_least, below) = match ctrl_c {
+            1 => (Duration::from_secs(1), Duration::from_secs(30)),
+            _ => (Duration::ZERO, Duration::from_secs(30)),
+        };
+        assert!(
+            took >= at_least && took < below,
+            "grace_s {grace_s}: {took:?}"
+        );
+        let s: Summary =
+            serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap())
+                .unwrap();
+        let stubborn = s
+            .shared
+            .trainers
+            .iter()
+            .find(|t| t.name == "stubborn")
+            .unwrap();
+        assert_eq!(stubborn.signal, Some(9), "SIGKILLed: {stubborn:?}");
+        let polite = s
+            .shared
+            .trainers
+            .iter()
+            .find(|t| t.name == "polite")
+            .unwrap();
+        assert_ne!(polite.signal, Some(9), "stopped by its SIGTERM: {polite:?}");
+        assert_eq!(processes_mentioning(&needle), Vec::<String>::new());
+    }
 }

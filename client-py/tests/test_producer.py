@@ -259,3 +259,77 @@ def test_a_producer_stream_refuses_replay_and_says_why(start_broker):
     c = batchcast.Consumer(stream="ext", socket=broker.socket, output="numpy", join="immediate")
     assert sum(1 for _ in c) == PER_EPOCH
     t.join(60)
+
+
+class _Loader:
+    """A loader whose len() says `says` batches and which yields `yields`."""
+
+    def __init__(self, says: int, yields: int):
+        self.says, self.yields = says, yields
+
+    def __len__(self) -> int:
+        return self.says
+
+    def __iter__(self):
+        for i in range(self.yields):
+            yield (np.full((2, 2), i, np.int32),)
+
+
+@pytest.mark.parametrize("says,yields,why", [(5, 3, "ended after 3 batches"), (3, 5, "more than 3 batches")])
+def test_a_loader_whose_length_disagrees_with_len_stops_the_stream(start_broker, says, yields, why):
+    # README: a loader whose length disagrees with len() stops the stream:
+    # the producer raises SchemaError and the consumers get SourceFailed.
+    broker = start_broker()
+    errors = []
+
+    def read_epochs():
+        # Across epochs: one too long fails only once its epoch is done.
+        c = batchcast.Consumer(stream="s", socket=broker.socket, output="numpy", connect_timeout=60)
+        try:
+            for _ in range(3):
+                for _ in c:
+                    pass
+        except batchcast.StreamError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=read_epochs, daemon=True)
+    t.start()
+    with pytest.raises(batchcast.SchemaError, match=why):
+        batchcast.Producer(_Loader(says, yields), stream="s", socket=broker.socket, epochs=2).run()
+    t.join(30)
+    assert not t.is_alive()
+    assert errors and errors[0].code == "SourceFailed" and why in str(errors[0]), errors
+
+
+def test_ctrl_c_in_a_producer_stops_its_stream_and_the_consumers_hear_why(start_broker):
+    broker = start_broker()
+    producer = python_child(
+        r"""
+import sys, time
+import numpy as np
+import batchcast
+def loader():
+    for i in range(1000):
+        if i == 2:
+            print("producing", flush=True)
+        time.sleep(0.02)
+        yield (np.full((4, 2), i, np.int32),)
+try:
+    batchcast.Producer(loader(), stream="s", socket=sys.argv[1], batches_per_epoch=1000).run()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+""",
+        broker.socket,
+    )
+    c = batchcast.Consumer(stream="s", socket=broker.socket, output="numpy", connect_timeout=60)
+    it = iter(c)
+    next(it)
+    assert producer.stdout.readline().strip() == "producing"
+    producer.send_signal(signal.SIGINT)
+    out, err = producer.communicate(timeout=30)
+    assert "interrupted" in out, (out, err)
+    with pytest.raises(batchcast.StreamError) as e:
+        for _ in range(1000):
+            next(it)
+    assert e.value.code == "SourceFailed"
+    assert "KeyboardInterrupt" in str(e.value), str(e.value)

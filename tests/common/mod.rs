@@ -57,6 +57,33 @@ impl Children {
     }
 }
 
+/// `batchcast serve` for a test (see [`BrokerProcess::spawn`]), with the
+/// test's environment ([`command`]), stopped if the test process dies
+/// (SIGKILL included), not only when the test drops it. (Tied to the
+/// calling thread: start it from the test's own.)
+pub fn broker(
+    config: Option<&Path>,
+    socket: &Path,
+    log: Option<&Path>,
+) -> std::io::Result<BrokerProcess> {
+    let mut cmd = command(EXE);
+    batchcast_broker::child::die_with_parent(&mut cmd);
+    BrokerProcess::spawn_with(cmd, config, socket, log)
+}
+
+/// `batchcast consume --json --socket SOCKET ARGS` with stdout piped (its
+/// report), with the test's environment ([`command`]).
+pub fn spawn_consumer(socket: &Path, args: &[&str]) -> Child {
+    command(EXE)
+        .args(["consume", "--json", "--socket"])
+        .arg(socket)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// A command for a program the tests start, without the `BATCHCAST_*`
 /// variables of the shell that runs the tests (a developer's
 /// `BATCHCAST_JOIN` must not change what a test does); a test sets the
@@ -163,8 +190,7 @@ impl Env {
             std::fs::write(&p, c).unwrap();
             p
         });
-        let broker = BrokerProcess::spawn_with(
-            command(EXE),
+        let broker = broker(
             cfg.as_deref(),
             &dir.path().join("b.sock"),
             Some(&dir.path().join("broker.log")),
@@ -189,15 +215,7 @@ impl Env {
     /// Starts `batchcast consume` with `args` against this broker (killed
     /// when the test ends, if it is still running then).
     pub fn consumer(&self, args: &[&str]) -> std::process::Child {
-        let child = command(EXE)
-            .args(["consume", "--json", "--socket"])
-            .arg(self.socket())
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        self.own(child)
+        self.own(spawn_consumer(&self.socket(), args))
     }
 
     /// Makes a child the test started its own: killed and reaped when
