@@ -100,7 +100,7 @@ fn a_trainer_that_stalls_is_replayed_to_while_the_others_go_on_unheld() {
     assert_whole(&big, 64, true);
     assert_whole(&stalls, 40, false);
     // The others were not held: each read its whole run in less time than
-    // the stall (README: fast trainers are not held by a slow one).
+    // the stall (docs: fast trainers are not held by a slow one).
     for r in [&fast, &odd, &big] {
         assert!(r.seconds < 4.0, "{} took {:.1} s", r.name, r.seconds);
     }

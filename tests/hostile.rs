@@ -224,7 +224,7 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
             "{signal:?} to exit: {took:?} with {} connections",
             held.len() + 1
         );
-        // README: promptly, whatever the connections do. Waiting on any of
+        // docs/protocol.md: promptly, whatever the connections do. Waiting on any of
         // them would take the handshake's 10 s or the idle 600 s.
         assert!(took < Duration::from_secs(3), "{signal:?}: {took:?}");
         assert!(!socket.exists(), "the socket file is removed");
@@ -236,7 +236,7 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
     }
 }
 
-/// README: a connection that has not said hello within 10 s is closed
+/// docs/protocol.md: a connection that has not said hello within 10 s is closed
 /// (and counted), whether it sent part of a preamble or nothing.
 #[test]
 fn a_silent_handshake_is_closed_after_ten_seconds() {

@@ -704,7 +704,7 @@ baseline_command = ["sh", "-c", {script:?}]
     );
 }
 
-/// README: Ctrl-C stops the trainers with SIGTERM, SIGKILLs one still
+/// docs/sweeps.md: Ctrl-C stops the trainers with SIGTERM, SIGKILLs one still
 /// running after `grace_s`, and a second Ctrl-C does so at once.
 #[test]
 fn a_trainer_that_ignores_sigterm_is_killed_after_grace_s_or_at_a_second_ctrl_c() {

@@ -13,7 +13,7 @@
 //! the broker, CPU per epoch is the decode work once, whatever the number of
 //! consumers.
 //!
-//! Run: `bench/images.sh PATH` (see README "Image pipeline benchmark").
+//! Run: `bench/images.sh PATH` (see bench/RESULTS.md "Image pipeline benchmark").
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -23,7 +23,7 @@
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
 //! lag_limit = 4         # omit to let the slowest consumer set the pace
-//! pace = "lockstep"     # or "decoupled": see README "Decoupled pace"
+//! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 30     # decoupled: longest wait for a consumer that cannot be cut
 //! min_consumers = 1
@@ -36,7 +36,7 @@
 //!   { name = "label", dtype = "i64", shape = [] },
 //! ]
 //!
-//! [[stream]]            # real images: see README "Image streams"
+//! [[stream]]            # real images: see docs/image-streams.md
 //! name = "imagenet"
 //! batch_size = 64
 //! on_error = "skip"     # or "fail"
@@ -65,7 +65,7 @@
 //! random_erasing = { p = 0.25 }   # on the tensor, last (scale, ratio, value as torchvision)
 //!
 //! [[source]]            # one dataset, order and split, decoded once for
-//! name = "photos"       # every stream that names it: see README "Shared sources"
+//! name = "photos"       # every stream that names it: see docs/image-streams.md "Shared sources"
 //! shuffle = true        # every dataset key of a stream lives here instead
 //! seed = 0
 //! decode = "exact"      # or "once": see `DecodeShare`

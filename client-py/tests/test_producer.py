@@ -277,7 +277,7 @@ class _Loader:
 
 @pytest.mark.parametrize("says,yields,why", [(5, 3, "ended after 3 batches"), (3, 5, "more than 3 batches")])
 def test_a_loader_whose_length_disagrees_with_len_stops_the_stream(start_broker, says, yields, why):
-    # README: a loader whose length disagrees with len() stops the stream:
+    # docs/python-client.md: a loader whose length disagrees with len() stops the stream:
     # the producer raises SchemaError and the consumers get SourceFailed.
     broker = start_broker()
     errors = []
