@@ -20,6 +20,7 @@ pub const SLOT_ALIGN: u64 = 4096;
 
 /// One named tensor of every sample, e.g. `image: u8 [3, 224, 224]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Field {
     pub name: String,
     pub dtype: DType,
