@@ -699,7 +699,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
         let hello = proto::ClientMsg::Hello(proto::Hello {
             name: "gpu".into(),
             pid: std::process::id(),
-            intent: proto::Intent::Consume {
+            intent: proto::Intent::Consume(proto::ConsumeRequest {
                 batch_size: None,
                 drop_last: None,
                 resume: None,
@@ -712,7 +712,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
                     name: "no such GPU".into(),
                 }),
                 mailbox: false,
-            },
+            }),
         });
         let mut bytes = Preamble::ours().to_bytes().to_vec();
         bytes.extend_from_slice(&proto::encode(&hello).unwrap());

@@ -25,7 +25,9 @@ use crate::batcher::{Batcher, Run, Unit};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::{ConsumerMailbox, Notice, Totals};
-use crate::proto::{self, ClientMsg, EpochEnd, Hello, Intent, Position, ServerMsg, Welcome};
+use crate::proto::{
+    self, ClientMsg, ConsumeRequest, EpochEnd, Hello, Intent, Position, ServerMsg, Welcome,
+};
 use crate::schema::Schema;
 use crate::shm::{Mapping, RingView};
 use crate::transport::{
@@ -109,7 +111,7 @@ impl Consumer {
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
-            intent: Intent::Consume {
+            intent: Intent::Consume(ConsumeRequest {
                 stream: opts.stream.clone(),
                 window: opts.window,
                 join: opts.join,
@@ -118,7 +120,7 @@ impl Consumer {
                 batch_size: opts.batch_size,
                 drop_last: opts.drop_last,
                 resume: opts.resume,
-            },
+            }),
         });
         let (reply, fds) = handshake(&stream, &hello)?;
         let welcome = expect_reply(reply, "a welcome", |m| match m {

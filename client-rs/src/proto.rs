@@ -280,39 +280,44 @@ impl Position {
 /// ([`ReplayReady::seq`]) rather than a unit of the shared stream.
 pub const REPLAYED: u64 = 1 << 63;
 
+/// What a consumer asks for, from its hello to the stream that serves it
+/// (the broker passes it on as it came).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumeRequest {
+    pub stream: String,
+    /// Most unreleased batches the program holds at once: on the socket,
+    /// the most the broker sends ahead; a mailbox consumer is sent
+    /// batches up to the stream's slots and keeps the window itself.
+    pub window: u32,
+    pub join: JoinPolicy,
+    /// `Some`: deliver batches in this GPU's memory (CUDA IPC) instead
+    /// of host memory.
+    pub device: Option<DeviceRequest>,
+    /// Ask for a [mailbox](crate::mailbox): batch notices and releases
+    /// in shared memory instead of on the socket (host consumers). The
+    /// consumer gives back the notices it never read before its
+    /// `Goodbye`.
+    pub mailbox: bool,
+    /// This consumer's own batch size, `None` for the stream's. Batches
+    /// of any size are contiguous views of the stream's rings; the
+    /// window counts them.
+    pub batch_size: Option<u64>,
+    /// Drop each epoch's last batch when it is short; `None`: the
+    /// stream's `drop_last` (protocol 14). The stream makes every
+    /// sample of every epoch either way.
+    pub drop_last: Option<bool>,
+    /// Start at this position of the stream (a trainer restarting from
+    /// a checkpoint): what the stream already published from there on
+    /// is replayed, a position ahead of it is waited for. Overrides
+    /// `join`.
+    pub resume: Option<Position>,
+}
+
 /// What a client wants from this connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Intent {
     /// Receive the batches of a stream.
-    Consume {
-        stream: String,
-        /// Most unreleased batches the program holds at once: on the socket,
-        /// the most the broker sends ahead; a mailbox consumer is sent
-        /// batches up to the stream's slots and keeps the window itself.
-        window: u32,
-        join: JoinPolicy,
-        /// `Some`: deliver batches in this GPU's memory (CUDA IPC) instead
-        /// of host memory.
-        device: Option<DeviceRequest>,
-        /// Ask for a [mailbox](crate::mailbox): batch notices and releases
-        /// in shared memory instead of on the socket (host consumers). The
-        /// consumer gives back the notices it never read before its
-        /// `Goodbye`.
-        mailbox: bool,
-        /// This consumer's own batch size, `None` for the stream's. Batches
-        /// of any size are contiguous views of the stream's rings; the
-        /// window counts them.
-        batch_size: Option<u64>,
-        /// Drop each epoch's last batch when it is short; `None`: the
-        /// stream's `drop_last` (protocol 14). The stream makes every
-        /// sample of every epoch either way.
-        drop_last: Option<bool>,
-        /// Start at this position of the stream (a trainer restarting from
-        /// a checkpoint): what the stream already published from there on
-        /// is replayed, a position ahead of it is waited for. Overrides
-        /// `join`.
-        resume: Option<Position>,
-    },
+    Consume(ConsumeRequest),
     /// Ask for statistics with [`ClientMsg::StatsRequest`].
     Stats,
     /// Register a stream whose batches this client writes.
@@ -480,7 +485,7 @@ pub enum ServerMsg {
 }
 
 /// A batch recomputed for one consumer ([`JoinPolicy::Now`],
-/// [`Intent::Consume`]'s `resume`): `samples` samples of `epoch` from
+/// [`ConsumeRequest::resume`]): `samples` samples of `epoch` from
 /// sample `first` on, in its replay arena at ring position
 /// `seq × batch_size`. Released with `seq | REPLAYED`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -348,7 +348,7 @@ pub fn raw_subscribe(
     let hello = ClientMsg::Hello(Hello {
         name: name.into(),
         pid: std::process::id(),
-        intent: Intent::Consume {
+        intent: Intent::Consume(proto::ConsumeRequest {
             batch_size: None,
             drop_last: None,
             resume,
@@ -357,7 +357,7 @@ pub fn raw_subscribe(
             join,
             device: None,
             mailbox,
-        },
+        }),
     });
     let mut out = Preamble::ours().to_bytes().to_vec();
     out.extend(proto::encode(&hello).unwrap());

@@ -15,13 +15,13 @@ use tokio::sync::mpsc;
 
 use super::{Broker, Reject, append, next_frame, send_with_arena, write_msg};
 use crate::hub::ConsumerId;
-use crate::stream::{Peer, Request, Stream, SubscribeError, Subscription};
+use crate::stream::{ConsumeRequest, Peer, Stream, SubscribeError, Subscription};
 
 pub(super) async fn serve_consumer(
     sock: &mut UnixStream,
     broker: &Broker,
     stream: Arc<Stream>,
-    req: Request,
+    req: ConsumeRequest,
     peer: Peer,
     buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
@@ -71,7 +71,11 @@ pub(super) async fn serve_consumer(
 
 /// Subscribes on a blocking thread: opening a GPU (driver calls, a device
 /// allocation) must not hold up the async runtime's threads.
-async fn subscribe(stream: &Arc<Stream>, req: Request, peer: Peer) -> Result<Subscription, Reject> {
+async fn subscribe(
+    stream: &Arc<Stream>,
+    req: ConsumeRequest,
+    peer: Peer,
+) -> Result<Subscription, Reject> {
     let s = stream.clone();
     let sub = tokio::task::spawn_blocking(move || s.subscribe(req, peer))
         .await

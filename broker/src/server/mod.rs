@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::budget::{Budget, Grant};
-use crate::stream::{Peer, Request, Stream};
+use crate::stream::{Peer, Stream};
 
 mod admit;
 mod consumer;
@@ -373,26 +373,8 @@ async fn serve_connection(
         };
         match hello.intent {
             Intent::Stats => stats::serve_stats(&mut sock, &broker, peer.uid, &mut buf, stop).await,
-            Intent::Consume {
-                stream,
-                window,
-                join,
-                device,
-                mailbox,
-                batch_size,
-                drop_last,
-                resume,
-            } => {
-                let s = broker.lookup(&stream)?;
-                let req = Request {
-                    window,
-                    join,
-                    device,
-                    mailbox,
-                    batch_size,
-                    drop_last,
-                    resume,
-                };
+            Intent::Consume(req) => {
+                let s = broker.lookup(&req.stream)?;
                 consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
             }
             Intent::Produce(req) => {

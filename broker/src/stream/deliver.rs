@@ -15,7 +15,6 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use batchcast::JoinPolicy;
 use batchcast::mailbox::{Bell, BrokerMailbox, Notice, Totals};
 use batchcast::proto::{
     self, BatchReady, EpochEnd, ErrorCode, ErrorMsg, GoodbyeReason, MailboxSpec, Position,
@@ -168,22 +167,8 @@ pub struct Subscription {
     pub replay: Option<(ReplayGrant, OwnedFd)>,
 }
 
-/// What a consumer asked for.
-#[derive(Debug, Clone)]
-pub struct Request {
-    pub window: u32,
-    pub join: JoinPolicy,
-    /// Device consumers: their GPU.
-    pub device: Option<proto::DeviceRequest>,
-    /// Host consumers: take notices and give releases through a mailbox.
-    pub mailbox: bool,
-    /// Its own batch size (`None`: the stream's) and `drop_last`.
-    pub batch_size: Option<u64>,
-    pub drop_last: Option<bool>,
-    /// Start at this position (a trainer resuming from a checkpoint):
-    /// replayed up to the shared stream if behind it.
-    pub resume: Option<Position>,
-}
+/// What a consumer asks for: its hello's request, as it came.
+pub use batchcast::proto::ConsumeRequest;
 
 /// What a consumer's batches cost the hub: its batch size and the units it
 /// may hold for its window.
@@ -476,7 +461,7 @@ impl Conn {
         tx: mpsc::Sender<ServerMsg>,
         peer: Peer,
         shape: Shape,
-        req: &Request,
+        req: &ConsumeRequest,
         mailbox: (Option<BrokerMailbox>, Option<crate::budget::Grant>),
         replay: Option<Replay>,
         (skip, anchor): (Option<Position>, Position),

@@ -54,7 +54,7 @@ use crate::pipeline::collate::SlotWriter;
 use crate::plan::{SourcePlan, StreamPlan};
 
 use deliver::settle;
-pub use deliver::{MailboxGrant, Peer, ReleaseError, Request, SubscribeError, Subscription};
+pub use deliver::{ConsumeRequest, MailboxGrant, Peer, ReleaseError, SubscribeError, Subscription};
 use mirror::MirrorState;
 pub use port::{Acquire, StreamFailed};
 pub use replay::ReplayError;

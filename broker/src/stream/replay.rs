@@ -49,7 +49,7 @@ use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use super::deliver::{
-    Conn, Ending, Request, SubscribeError, end_consumer, end_mailbox_consumer, send,
+    Conn, ConsumeRequest, Ending, SubscribeError, end_consumer, end_mailbox_consumer, send,
 };
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
@@ -123,7 +123,7 @@ impl Stream {
     /// `p`; refused for what cannot replay, with what to do instead.
     pub(super) fn replay_request(
         &self,
-        req: &Request,
+        req: &ConsumeRequest,
     ) -> Result<Option<Option<Position>>, SubscribeError> {
         let wanted = match (req.resume, req.join) {
             (Some(p), _) => Some(Some(p)),

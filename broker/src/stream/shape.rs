@@ -2,12 +2,12 @@
 //! its window costs the hub in production units.
 
 use super::Stream;
-use super::deliver::{Request, Shape, SubscribeError};
+use super::deliver::{ConsumeRequest, Shape, SubscribeError};
 
 impl Stream {
     /// A consumer's batch size and what its window costs in units; the
     /// refusal says what to ask for instead.
-    pub(super) fn shape(&self, req: &Request) -> Result<Shape, SubscribeError> {
+    pub(super) fn shape(&self, req: &ConsumeRequest) -> Result<Shape, SubscribeError> {
         let unit = self.plan.schema.batch_size;
         let size = req.batch_size.unwrap_or(unit);
         let refuse = |why: String| Err(SubscribeError::BatchSize(why));

@@ -9,7 +9,9 @@ use batchcast::mailbox::BrokerMailbox;
 use batchcast::proto::MailboxSpec;
 use tokio::sync::mpsc;
 
-use super::deliver::{Conn, MailboxGrant, Peer, Request, Shape, SubscribeError, Subscription};
+use super::deliver::{
+    Conn, ConsumeRequest, MailboxGrant, Peer, Shape, SubscribeError, Subscription,
+};
 use super::{Stream, replay};
 use crate::config::Pace;
 use crate::hub::Delivery;
@@ -20,7 +22,7 @@ impl Stream {
     /// while), then joins it to the hub.
     pub fn subscribe(
         self: &Arc<Self>,
-        req: Request,
+        req: ConsumeRequest,
         peer: Peer,
     ) -> Result<Subscription, SubscribeError> {
         // Room for a full window of batches, one end-of-epoch marker per
@@ -119,7 +121,7 @@ impl Stream {
     }
 
     /// Refusals that need no GPU, before a device arena is allocated.
-    fn check_subscription(&self, req: &Request, shape: Shape) -> Result<(), SubscribeError> {
+    fn check_subscription(&self, req: &ConsumeRequest, shape: Shape) -> Result<(), SubscribeError> {
         let inner = self.lock();
         if let Some(why) = &inner.failed {
             return Err(SubscribeError::Failed(why.clone()));
@@ -135,7 +137,7 @@ impl Stream {
     /// Decoupled pace: a host consumer (mailbox or socket) of a stream the
     /// broker computes may be cut from the shared stream and replayed to;
     /// GPU consumers keep lockstep.
-    fn decoupled(&self, req: &Request) -> bool {
+    fn decoupled(&self, req: &ConsumeRequest) -> bool {
         self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
     }
 
@@ -144,7 +146,7 @@ impl Stream {
     /// the replayed batches it may be sent.
     fn make_mailbox(
         &self,
-        req: &Request,
+        req: &ConsumeRequest,
         peer: &Peer,
         (replaying, decoupled): (bool, bool),
     ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {

@@ -16,7 +16,7 @@ use batchcast::mailbox::{Notice, Totals};
 use batchcast::proto::{BatchReady, ErrorCode, ServerMsg};
 use tokio::sync::mpsc;
 
-use super::deliver::Request;
+use super::deliver::ConsumeRequest;
 use super::*;
 use crate::config::{Config, StreamToml};
 use crate::gpu::test_gpu;
@@ -49,7 +49,8 @@ fn peer(name: &str) -> Peer {
 }
 
 fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
-    let req = Request {
+    let req = ConsumeRequest {
+        stream: "train".into(),
         batch_size: None,
         drop_last: Some(false),
         resume: None,
@@ -165,7 +166,8 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
     let grant = |name: &str| {
         let mut sub = s
             .subscribe(
-                Request {
+                ConsumeRequest {
+                    stream: "train".into(),
                     batch_size: None,
                     drop_last: Some(false),
                     resume: None,
@@ -345,7 +347,8 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
         }
     }
     assert_eq!(n, 200);
-    let req = Request {
+    let req = ConsumeRequest {
+        stream: "train".into(),
         batch_size: None,
         drop_last: Some(false),
         resume: None,
@@ -376,7 +379,8 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
             n += 1;
         }
     }
-    let req = Request {
+    let req = ConsumeRequest {
+        stream: "train".into(),
         batch_size: None,
         drop_last: Some(false),
         resume: None,
