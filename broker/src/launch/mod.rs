@@ -9,6 +9,7 @@
 //! order. Arenas are memfds: they vanish with the last process mapping
 //! them, so nothing is left in shared memory.
 
+mod brokers;
 mod expand;
 mod run;
 pub mod spec;

@@ -13,7 +13,7 @@ use anyhow::Context;
 use nix::sys::signal::Signal;
 use serde::Deserialize;
 
-use super::run::BrokerRun;
+use super::brokers::BrokerRun;
 use super::spec::TrainerPlan;
 use super::view;
 use super::{Mode, Stop, TrainerSummary};

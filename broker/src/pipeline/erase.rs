@@ -8,7 +8,8 @@
 use batchcast::DType;
 use batchcast::synthetic::SplitMix64;
 
-use super::transform::{Layout, round_half_even, uniform};
+use super::layout::Layout;
+use super::random::{round_half_even, uniform};
 
 /// A `RandomErasing`, checked.
 #[derive(Debug, Clone, PartialEq)]

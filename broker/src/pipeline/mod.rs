@@ -13,6 +13,8 @@ pub mod collate;
 pub mod dataset;
 pub mod decode;
 pub mod erase;
+pub mod layout;
+pub mod random;
 pub mod sampler;
 pub mod shared;
 pub mod transform;

@@ -23,6 +23,9 @@ use serde::Deserialize;
 use super::augment::{Augment, Canvas, Op, Resample};
 use super::decode::Rgb;
 use super::erase::{Erasing, Rect};
+pub use super::layout::Layout;
+pub use super::random::round_half_even;
+use super::random::uniform;
 
 mod pad;
 mod tensor;
@@ -30,18 +33,6 @@ pub use pad::{Border, PaddingMode, Steps};
 use pad::{Window, random_crop_steps};
 pub use tensor::Lut;
 use tensor::write_tensor;
-
-/// Channel order of the output tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-pub enum Layout {
-    /// `[3, H, W]`, what `ToTensor` gives.
-    #[default]
-    #[serde(rename = "NCHW", alias = "nchw")]
-    Nchw,
-    /// `[H, W, 3]`.
-    #[serde(rename = "NHWC", alias = "nhwc")]
-    Nhwc,
-}
 
 /// torchvision's `interpolation` of a resize, on PIL images: Pillow's
 /// filters (all but `nearest` antialiased, as Pillow always is).
@@ -162,18 +153,6 @@ pub struct Transform {
     /// float outputs and raw values for `u8`.
     pub normalize: Option<([f64; 3], [f64; 3])>,
     pub seed: u64,
-}
-
-/// Uniform in `[lo, hi)`: every random draw of a sample's plan (crop,
-/// flips, augmentations, erasing).
-pub(crate) fn uniform(rng: &mut SplitMix64, lo: f64, hi: f64) -> f64 {
-    let u = (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
-    lo + (hi - lo) * u
-}
-
-/// Python's `round`: halves go to the even neighbour.
-pub fn round_half_even(x: f64) -> f64 {
-    x.round_ties_even()
 }
 
 impl Transform {

@@ -4,7 +4,7 @@
 use batchcast::synthetic::SplitMix64;
 
 use super::Op;
-use crate::pipeline::transform::uniform;
+use crate::pipeline::random::uniform;
 
 /// An augmentation of a transform, in the order they run: after the crop
 /// and the horizontal flip, before the conversion to a tensor.
