@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Fails when the modules of a crate import each other in a circle.
 
-Each crate's top-level modules (`src/foo.rs` or `src/foo/`) are nodes; an
-edge a -> b is any `crate::b` path (or `use crate::{b, ..}`) written in a's
-non-test code. Prints every circle found and exits 1; silent and 0 otherwise.
+Twice: between a crate's top-level modules (`src/foo.rs` or `src/foo/`:
+an edge a -> b is any `crate::b` path, or `use crate::{b, ..}`, in a's
+non-test code), and between its files (every module file is a node; an
+edge a -> b is a `crate::`, `super::` or `self::` path in a's non-test
+code naming module b; a child naming its own ancestors is not counted).
+Prints every circle found and exits 1; silent and 0 otherwise. The file
+circles in KNOWN are still owed (the stream runtime's restructuring)
+and only printed.
 Usage: module_cycles.py CRATE_SRC_DIR...
 """
 import re
@@ -80,12 +85,75 @@ def cycles(edges: dict) -> list:
     return found
 
 
+# File-level circles not yet broken: each is named here until it is.
+KNOWN = {
+    frozenset({"stream::deliver", "stream::mirror"}),
+    frozenset({"stream::deliver", "stream::replay"}),
+}
+
+
+def file_modules(src: Path) -> dict:
+    """Module path (a tuple) -> its file, tests left out."""
+    mods = {}
+    for f in sorted(src.rglob("*.rs")):
+        rel = list(f.relative_to(src).with_suffix("").parts)
+        if rel[-1] in ("mod", "lib", "main"):
+            rel = rel[:-1]
+        if rel and rel[-1] == "tests":
+            continue
+        mods[tuple(rel)] = f
+    return mods
+
+
+def resolve(mods: dict, here: tuple, path: str):
+    """The deepest module a `crate::`/`super::`/`self::` path names."""
+    parts = path.split("::")
+    if parts[0] == "crate":
+        base, parts = [], parts[1:]
+    else:
+        base = list(here)
+        while parts and parts[0] in ("super", "self"):
+            if parts[0] == "super":
+                base = base[:-1]
+            parts = parts[1:]
+    best, cur = None, list(base)
+    for p in parts:
+        cur = cur + [p]
+        if tuple(cur) not in mods:
+            break
+        best = tuple(cur)
+    return best
+
+
+def file_graph(src: Path) -> dict:
+    mods = file_modules(src)
+    edges = {}
+    for m, f in mods.items():
+        text = strip_comments(strip_tests(f.read_text()))
+        paths = set(re.findall(r"\b((?:crate|super|self)(?:::\w+)+)", text))
+        for pre, grp in re.findall(r"\b((?:crate|super|self)(?:::\w+)*)::\{([^;]*?)\}", text, re.S):
+            for part in re.split(r"[,\s{}]+", grp):
+                if part and part != "self":
+                    paths.add(pre + "::" + part.split("::")[0])
+        deps = set()
+        for p in paths:
+            r = resolve(mods, m, p)
+            if r and r != m and m[: len(r)] != r:
+                deps.add("::".join(r))
+        edges["::".join(m)] = deps
+    return edges
+
+
 def main() -> int:
     bad = 0
     for arg in sys.argv[1:]:
         for cyc in cycles(graph(Path(arg))):
             print(f"{arg}: module import circle: {' -> '.join(cyc)}")
             bad += 1
+        for cyc in cycles(file_graph(Path(arg))):
+            known = frozenset(cyc) in KNOWN
+            print(f"{arg}: file import circle{' (known, owed)' if known else ''}: {' -> '.join(cyc)}")
+            bad += 0 if known else 1
     return 1 if bad else 0
 
 

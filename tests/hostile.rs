@@ -226,7 +226,7 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
         );
         // docs/protocol.md: promptly, whatever the connections do. Waiting on any of
         // them would take the handshake's 10 s or the idle 600 s.
-        assert!(took < Duration::from_secs(3), "{signal:?}: {took:?}");
+        assert!(took < Duration::from_secs(5), "{signal:?}: {took:?}");
         assert!(!socket.exists(), "the socket file is removed");
         drop(held);
         let r = report(kid);
@@ -704,30 +704,53 @@ fn large_registrations_do_not_stall_other_clients() {
             .to_toml()
     ));
     let socket = env.socket();
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // Other clients: stats round trips and consumers subscribing, timed.
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let stop = Arc::new(AtomicBool::new(false));
+    // Registrations under way (after a quiet phase that measures what a
+    // round trip costs on this machine now, load included).
+    let busy = Arc::new(AtomicBool::new(false));
+    let quiet_calls = Arc::new(AtomicU32::new(0));
+    // Other clients: stats round trips and consumers subscribing, timed,
+    // the worst of each phase kept apart.
     let watcher = {
-        let (socket, stop) = (socket.clone(), stop.clone());
+        let (socket, stop, busy, quiet_calls) = (
+            socket.clone(),
+            stop.clone(),
+            busy.clone(),
+            quiet_calls.clone(),
+        );
         std::thread::spawn(move || {
-            let (mut worst_stats, mut worst_sub) = (Duration::ZERO, Duration::ZERO);
+            // [quiet, busy] × [stats, subscription]
+            let mut worst = [[Duration::ZERO; 2]; 2];
             let mut calls = 0u32;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) {
+                let phase = usize::from(busy.load(Ordering::Relaxed));
                 let t0 = Instant::now();
                 let mut c = StatsClient::connect(Some(socket.clone())).unwrap();
                 c.fetch().unwrap();
-                worst_stats = worst_stats.max(t0.elapsed());
+                worst[phase][0] = worst[phase][0].max(t0.elapsed());
                 let t0 = Instant::now();
                 let consumer =
                     Consumer::connect(consumer_options(&socket, Duration::from_secs(10)));
                 assert!(consumer.is_ok(), "{:?}", consumer.err());
-                worst_sub = worst_sub.max(t0.elapsed());
-                calls += 1;
+                worst[phase][1] = worst[phase][1].max(t0.elapsed());
+                if phase == 1 {
+                    calls += 1;
+                } else {
+                    quiet_calls.fetch_add(1, Ordering::Relaxed);
+                }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            (worst_stats, worst_sub, calls)
+            (worst, calls)
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    while quiet_calls.load(Ordering::Relaxed) < 20 {
+        assert!(t0.elapsed() < LIMIT, "the quiet phase never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    busy.store(true, Ordering::Relaxed);
     let exe = std::env::current_exe().unwrap();
     let out = run(command(&exe)
         .args([
@@ -748,20 +771,22 @@ fn large_registrations_do_not_stall_other_clients() {
         s.memory.arenas_bytes < (1 << 20)
     });
     std::thread::sleep(Duration::from_millis(200));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (worst_stats, worst_sub, calls) = watcher.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let (worst, calls) = watcher.join().unwrap();
     eprintln!(
-        "{calls} stats calls and subscriptions; the slowest: stats {worst_stats:?}, subscription {worst_sub:?}"
+        "{calls} stats calls and subscriptions during the registrations; the slowest (quiet, during): {worst:?}"
     );
     assert!(calls > 5);
     // Faulting 1 GiB arenas in while serving stalled every connection for
     // 0.8 s here (the memory map lock), and 2 s with 3 GiB; answered at
-    // once, a round trip takes about 10 ms even with a build running
-    // beside it. The bound is generous for a loaded machine.
-    for (what, worst) in [("stats", worst_stats), ("subscription", worst_sub)] {
+    // once, a round trip takes about 10 ms. The bound: 400 ms more than
+    // three times the slowest round trip of the quiet phase, so a machine
+    // loaded throughout slows both phases alike and still passes.
+    for (k, what) in ["stats", "subscription"].iter().enumerate() {
+        let (quiet, during) = (worst[0][k], worst[1][k]);
         assert!(
-            worst < Duration::from_millis(400),
-            "a {what} waited {worst:?}"
+            during < Duration::from_millis(400) + 3 * quiet,
+            "a {what} waited {during:?} during the registrations ({quiet:?} at worst before)"
         );
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use super::spec::{GpuSpec, Host, SweepFile, TrainerPlan, TrainerSpec, ordinal};
+use super::file::{GpuSpec, Host, SweepFile, TrainerPlan, TrainerSpec, ordinal};
 
 pub(super) fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, String> {
     host.gpus.get(i as usize).cloned().ok_or_else(|| {

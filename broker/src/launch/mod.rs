@@ -11,6 +11,7 @@
 
 mod brokers;
 mod expand;
+mod file;
 mod run;
 pub mod spec;
 mod trainer;
