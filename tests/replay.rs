@@ -353,3 +353,108 @@ fn joining_now_joins_where_the_trainers_read_when_the_ring_is_ahead() {
         assert!(r.ok && r.samples == 3 * 64, "{r:#?}");
     }
 }
+
+/// docs (replay's limits): replay is paced by its consumer's releases,
+/// `window + 2` of its batches ahead: a joiner that read one batch and
+/// pauses is not replayed the rest of its epoch meanwhile.
+#[test]
+fn replay_runs_at_most_window_plus_two_batches_ahead_of_its_reader() {
+    let env = Env::start(&config(""));
+    // The stream stands at unit 6 or later of its epoch: at least 240
+    // samples to replay, more than the 160 the pacing allows ahead.
+    let mut produced = paused_at(&env);
+    for _ in 0..40 {
+        if produced % (PER_EPOCH / UNIT) >= 6 {
+            break;
+        }
+        let r = report(env.consumer(&["--join", "immediate", "--max-batches", "1"]));
+        assert!(r.ok, "{r:#?}");
+        produced = paused_at(&env);
+    }
+    assert!(produced % (PER_EPOCH / UNIT) >= 6, "stands at {produced}");
+    let epoch = produced / (PER_EPOCH / UNIT);
+    let joiner = env.consumer(&[
+        "--join",
+        "now",
+        "--verify",
+        "--batch-size",
+        "32",
+        "--window",
+        "2",
+        "--stall-after",
+        "1",
+        "--stall-ms",
+        "3000",
+        "--max-epochs",
+        "1",
+        "--name",
+        "joiner",
+    ]);
+    let replayed = |s: &proto::StatsReply| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .find(|c| c.name == "joiner")
+            .map_or(0, |c| c.replayed)
+    };
+    // One batch read and released, window 2 + 2 more made: 5 × 32.
+    let bound = 5 * 32;
+    env.wait_for("the joiner's replay to fill its window", |s| {
+        replayed(s) >= bound
+    });
+    // It stays there while the joiner pauses (were replay not paced by its
+    // releases, all 360 samples would be made now).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let s = env.stats();
+    assert!(
+        s.streams[0].consumers.iter().any(|c| c.name == "joiner"),
+        "still paused"
+    );
+    assert_eq!(replayed(&s), bound);
+    let r = report(joiner);
+    assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
+    assert_eq!(epochs(&r), vec![(epoch, 400, true)]);
+}
+
+/// docs (replay's limits): under lockstep a joiner is a member of the
+/// stream while it is replayed to, and the lag limit detaches it like
+/// anyone when it stalls there.
+#[test]
+fn the_lag_limit_detaches_a_replayed_joiner_that_stalls() {
+    let env = Env::start(&config("lag_limit = 2"));
+    let r = report(env.consumer(&["--max-batches", "9"]));
+    assert!(r.ok, "{r:#?}");
+    paused_at(&env);
+    let steady = env.consumer(&[
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        "60",
+        "--name",
+        "steady",
+    ]);
+    let joiner = env.consumer(&[
+        "--join",
+        "now",
+        "--stall-after",
+        "1",
+        "--stall-ms",
+        "6000",
+        "--max-batches",
+        "20",
+        "--name",
+        "joiner",
+    ]);
+    let joiner = report(joiner);
+    assert_eq!(
+        joiner.error_code.as_deref(),
+        Some("LagLimit"),
+        "{joiner:#?}"
+    );
+    let steady = report(steady);
+    assert!(
+        steady.ok && steady.batches == 60 && steady.verified_samples == steady.samples,
+        "{steady:#?}"
+    );
+}
