@@ -624,6 +624,7 @@ fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
     env.start(&cfg);
     let r = env.consume(&["--stream", "skip", "--digest"]);
     assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.epochs.len(), 2, "{r:#?}");
     for e in &r.epochs {
         assert_eq!(e.samples, n, "no torn or short batches");
         assert_eq!(
@@ -719,6 +720,7 @@ fn entries_that_are_not_regular_files_or_too_large_are_bad_files_and_never_block
     ));
     let r = env.consume(&["--stream", "s"]);
     assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.epochs.len(), 2, "{r:#?}");
     for e in &r.epochs {
         assert_eq!(e.samples, n + 3, "every position filled");
         assert_eq!(
@@ -821,6 +823,7 @@ fn tar_shards_cache_and_multi_host_split() {
     let dump = env.p("dump-wds");
     let r = env.consume(&["--stream", "wds", "--dump", &dump]);
     assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.epochs.len(), 2, "{r:#?}");
     for e in &r.epochs {
         assert_eq!(e.distinct_indices, Some(n), "every sample once per epoch");
     }

@@ -93,6 +93,7 @@ env = {{ TRAINER_INDEX = "{{index}}" }}
     assert!(broker.started);
     assert_eq!(broker.batches_produced, 48, "3 epochs × 16 batches");
     let mut batches = 0;
+    assert_eq!(run.trainers.len(), 3, "{run:?}");
     for t in &run.trainers {
         assert_eq!(t.state, "done", "{t:?}");
         assert_eq!(t.exit_code, Some(0));
@@ -410,6 +411,7 @@ command = ["{{batchcast}}", "consume", "--sleep-ms", "20"]
     let s: Summary =
         serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     assert!(s.shared.interrupted);
+    assert_eq!(s.shared.trainers.len(), 3, "{:?}", s.shared.trainers);
     for t in &s.shared.trainers {
         // SIGTERM ends `consume` cleanly or by the signal; either way the
         // launcher stopped it, and it received something first.
@@ -641,6 +643,7 @@ command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1", 
     let (out, summary) = launch(dir.path(), &sweep, &[]);
     assert!(out.status.success(), "{}", text(&out));
     let run = summary.expect("summary.json").shared;
+    assert_eq!(run.trainers.len(), 3, "two fast copies and the cut one");
     for t in &run.trainers {
         let own = own_report(&t.log);
         assert!(own.ok && own.verified_samples == own.samples, "{own:?}");

@@ -551,7 +551,12 @@ mod tests {
         let mut given = Vec::new();
         let u = units(4, 10, 4, 1, 0);
         b.push(u[1], &mut given).unwrap();
-        assert!(b.push(u[0], &mut given).is_err());
-        assert!(b.push(u[3], &mut given).is_err(), "a gap inside an epoch");
+        let err = b.push(u[0], &mut given).unwrap_err().to_string();
+        assert!(err.contains("out of order"), "{err}");
+        let err = b.push(u[3], &mut given).unwrap_err().to_string();
+        assert!(
+            err.contains("does not follow"),
+            "a gap inside an epoch: {err}"
+        );
     }
 }

@@ -436,7 +436,8 @@ mod tests {
             ds.read(0, &mut buf, max).unwrap();
             assert_eq!(buf, [7u8; 100], "max_bytes = {max}");
         }
-        assert!(ds.read(0, &mut buf, 99).is_err());
+        let err = ds.read(0, &mut buf, 99).unwrap_err().to_string();
+        assert!(err.contains("more than max_file_bytes = 99"), "{err}");
     }
 
     #[test]

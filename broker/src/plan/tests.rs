@@ -280,7 +280,12 @@ fn a_producer_request_is_checked_like_a_config() {
     );
     req.slots = 4;
     req.stream = "a/b".into();
-    assert!(StreamPlan::external(&req, "loader", 7).is_err());
+    let err = StreamPlan::external(&req, "loader", 7).unwrap_err();
+    assert!(
+        matches!(err, StreamError::Key { key: "name", .. })
+            && err.to_string().contains("only letters"),
+        "{err}"
+    );
 }
 
 #[test]
