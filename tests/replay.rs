@@ -425,15 +425,21 @@ fn the_lag_limit_detaches_a_replayed_joiner_that_stalls() {
     let r = report(env.consumer(&["--max-batches", "9"]));
     assert!(r.ok, "{r:#?}");
     paused_at(&env);
+    // Still reading (100 batches at 20 ms) while the joiner stalls.
     let steady = env.consumer(&[
         "--join",
         "immediate",
         "--verify",
+        "--sleep-ms",
+        "20",
         "--max-batches",
-        "60",
+        "100",
         "--name",
         "steady",
     ]);
+    env.wait_for("the steady reader to read", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
     let joiner = env.consumer(&[
         "--join",
         "now",
@@ -454,7 +460,7 @@ fn the_lag_limit_detaches_a_replayed_joiner_that_stalls() {
     );
     let steady = report(steady);
     assert!(
-        steady.ok && steady.batches == 60 && steady.verified_samples == steady.samples,
+        steady.ok && steady.batches == 100 && steady.verified_samples == steady.samples,
         "{steady:#?}"
     );
 }
