@@ -16,6 +16,8 @@ if [[ "${1:-}" == "--build" ]]; then
     bash scripts/build-wheels "$KIT"
     rm -f "$KIT"/*.tar.gz
     strip -o "$KIT/batchcast" target/x86_64-unknown-linux-gnu/release/batchcast
+    # pytest for the GPU tests (the GPU host reaches no package index).
+    .venv/bin/pip download -q --disable-pip-version-check --only-binary :all: -d "$KIT/pytest" pytest
     ls -l "$KIT"
     exit 0
 fi
@@ -33,4 +35,11 @@ rm -rf "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, batchcast; print("torch", torch.__version__, "batchcast", batchcast.__file__)'
 nvidia-smi -L 2>/dev/null || true
+# The GPU client side's tests first (client-py/tests/test_gpu.py).
+if ls "$KIT"/pytest/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$SITE" "$KIT"/pytest/*.whl
+    BATCHCAST_BIN="$KIT/batchcast" "$PY" -m pytest -q -p no:cacheprovider -rs client-py/tests/test_gpu.py
+else
+    echo "no pytest in $KIT: the GPU tests did not run (bash bench/gpu.sh --build brings it)" >&2
+fi
 exec "$PY" bench/gpu_bench.py --broker "$KIT/batchcast" "$@"

@@ -13,7 +13,7 @@ use common::{Env, command, dumped_i64_by_epoch, imgtool, report, run, sigkill};
 
 /// Three transforms a sweep varies: two crop sizes (one in batches that
 /// do not divide the epoch, kept), and an evaluation transform in f32.
-const STREAMS: [(&str, &str, &str); 3] = [
+const STREAMS: [StreamDef; 3] = [
     (
         "crop32",
         "batch_size = 8\nmin_consumers = 2",
@@ -36,12 +36,19 @@ fn dataset(root: &str, table: &str) -> String {
     format!("seed = 11\nworkers = 2\n[{table}.image_folder]\nroot = \"{root}\"\n")
 }
 
+/// A stream: its name, its keys, its transform.
+type StreamDef = (&'static str, &'static str, &'static str);
+
 /// The streams on one source named `photos`.
 fn shared_config(root: &str, extra_source: &str) -> String {
+    shared_config_of(root, extra_source, &STREAMS)
+}
+
+fn shared_config_of(root: &str, extra_source: &str, streams: &[StreamDef]) -> String {
     let mut c = format!(
         "[[source]]\nname = \"photos\"\nseed = 11\n{extra_source}\n[source.image_folder]\nroot = \"{root}\"\n"
     );
-    for (name, keys, t) in STREAMS {
+    for (name, keys, t) in streams {
         c += &format!(
             "\n[[stream]]\nname = \"{name}\"\nsource = \"photos\"\nepochs = 2\nslots = 4\nworkers = 2\n{keys}\n[stream.transform]\n{t}\n"
         );
@@ -51,8 +58,12 @@ fn shared_config(root: &str, extra_source: &str) -> String {
 
 /// The same streams, each reading and decoding alone.
 fn alone_config(root: &str) -> String {
+    alone_config_of(root, &STREAMS)
+}
+
+fn alone_config_of(root: &str, streams: &[StreamDef]) -> String {
     let mut c = String::new();
-    for (name, keys, t) in STREAMS {
+    for (name, keys, t) in streams {
         let keys = keys.replace("min_consumers = 2", "");
         c += &format!(
             "\n[[stream]]\nname = \"{name}\"\nepochs = 2\nslots = 4\n{keys}\n{}\n[stream.transform]\n{t}\n",
@@ -326,4 +337,97 @@ fn a_slow_but_moving_stream_holds_its_siblings_only_within_the_bound() {
     assert!(held < 4.0, "held {held:.2} s");
     let slow = report(slow);
     assert!(slow.ok, "{slow:#?}");
+}
+
+/// Docs (image streams): on a shared source "a miss never changes bytes,
+/// only CPU: a replayed batch takes what it finds and decodes the rest".
+/// A trainer joining a lockstep stream `now` is replayed the epoch's
+/// start, and one that pauses on a decoupled stream is cut and replayed
+/// what it missed: each gets the bytes of its stream alone, and both were
+/// replayed to (else this tests nothing).
+#[test]
+fn replayed_and_cut_consumers_on_a_shared_source_get_the_bytes_of_the_stream_alone() {
+    const BOTH: [StreamDef; 2] = [
+        (
+            "lock",
+            "batch_size = 4",
+            "random_resized_crop = { size = 32 }\nhorizontal_flip = 0.5\ndtype = \"u8\"",
+        ),
+        (
+            "loose",
+            "batch_size = 5\npace = \"decoupled\"\nmin_consumers = 2",
+            "random_resized_crop = { size = 24 }\ndtype = \"u8\"",
+        ),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("ds");
+    let root = root.to_str().unwrap();
+    imgtool(&["make-photos", root, "60"]);
+    let env = Env::start(&alone_config_of(root, &BOTH));
+    let alone: BTreeMap<&str, _> = BOTH
+        .iter()
+        .map(|(s, _, _)| (*s, digests(&env, s)))
+        .collect();
+    drop(env);
+
+    let env = Env::start(&shared_config_of(root, "", &BOTH));
+    // lock: a steady trainer at 100 ms a batch (1.5 s an epoch), and one
+    // joining `now` once it has read 7 batches: mid-epoch, and the 4 slots
+    // of the ring no longer hold the epoch's start (it is replayed).
+    let steady = env.consumer(&["--stream", "lock", "--digest", "--sleep-ms", "100"]);
+    // loose: a fast trainer, and one that stalls 4 s after two batches
+    // (the fast one reads the whole run meanwhile: it is cut); the stream
+    // starts once both are there.
+    let fast = env.consumer(&["--stream", "loose", "--digest", "--name", "fast"]);
+    let stalls = env.consumer(&[
+        "--stream",
+        "loose",
+        "--digest",
+        "--stall-after",
+        "2",
+        "--stall-ms",
+        "4000",
+        "--name",
+        "stalls",
+    ]);
+    env.wait_for("the steady trainer to be mid-epoch", |st| {
+        st.streams
+            .iter()
+            .any(|s| s.name == "lock" && s.consumers.iter().any(|c| c.batches >= 7))
+    });
+    let joiner = env.consumer(&["--stream", "lock", "--digest", "--join", "now"]);
+    for (stream, child) in [("lock", steady), ("loose", fast)] {
+        let r = report(child);
+        assert!(r.ok && r.ended, "{stream}: {r:#?}");
+        assert_eq!(epochs_of(&r), alone[stream], "{stream}: a steady trainer");
+    }
+    let joiner = report(joiner);
+    let stalls = report(stalls);
+    for (stream, r) in [("lock", &joiner), ("loose", &stalls)] {
+        assert!(r.ok && r.ended, "{stream}: {r:#?}");
+        assert!(r.replayed_batches > 0, "{stream}: replayed to: {r:#?}");
+        let got = epochs_of(r);
+        assert!(!got.is_empty(), "{stream}: a complete epoch: {r:#?}");
+        for (epoch, digest) in &got {
+            assert_eq!(
+                Some(digest),
+                alone[stream].get(epoch),
+                "{stream}, epoch {epoch}: {} gets the stream's bytes alone",
+                r.name
+            );
+        }
+    }
+    assert_eq!(
+        epochs_of(&stalls).len(),
+        2,
+        "the cut trainer misses nothing"
+    );
+    let st = env.stats();
+    let loose = st.streams.iter().find(|s| s.name == "loose").unwrap();
+    let cut = loose.past_consumers.iter().find(|c| c.name == "stalls");
+    assert!(
+        cut.is_some_and(|c| c.cuts >= 1),
+        "the stalling trainer was cut: {:#?}",
+        loose.past_consumers
+    );
 }

@@ -499,12 +499,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     if shared_first && !shared_waits {
         return None;
     }
-    let cap = if shared_waits {
-        u32::MAX
-    } else {
-        (inner.workers / 2).max(1)
-    };
-    if inner.replaying >= cap {
+    if inner.replaying >= replay_threads(inner.workers, shared_waits) {
         return None;
     }
     if inner
@@ -528,6 +523,17 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     );
     inner.replaying += 1;
     Some(job)
+}
+
+/// How many of `workers` pipeline threads may make replayed batches at
+/// once: at most half (at least one) while the shared pipeline could go
+/// on, any number while it waits.
+fn replay_threads(workers: u32, shared_waits: bool) -> u32 {
+    if shared_waits {
+        workers.max(1)
+    } else {
+        (workers / 2).max(1)
+    }
 }
 
 /// Whether a replayed batch could start now for this consumer: not once
@@ -652,6 +658,22 @@ mod tests {
 
     fn p(epoch: u64, sample: u64) -> Position {
         Position { epoch, sample }
+    }
+
+    /// Docs (replay's limits): while the shared pipeline could go on, at
+    /// most half the pipeline threads replay.
+    #[test]
+    fn at_most_half_the_threads_replay_while_the_shared_pipeline_could_go_on() {
+        for (workers, could_go_on, waits) in
+            [(1, 1, 1), (2, 1, 2), (3, 1, 3), (4, 2, 4), (16, 8, 16)]
+        {
+            assert_eq!(
+                replay_threads(workers, false),
+                could_go_on,
+                "{workers} threads"
+            );
+            assert_eq!(replay_threads(workers, true), waits, "{workers} threads");
+        }
     }
 
     #[test]

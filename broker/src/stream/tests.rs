@@ -1,4 +1,6 @@
-//! The stream's GPU bookkeeping (device rings, copies, what GPU consumers
+//! The stream driven in-process: replay (what a joiner is sent, what its
+//! releases may name, whose budget its arena is in), and the GPU
+//! bookkeeping (device rings, copies, what GPU consumers
 //! are sent, a failing GPU) driven through a GPU made of host memory
 //! ([`crate::gpu::test_gpu`]): CUDA itself is exercised by `bench/gpu.sh`.
 use std::path::Path;
@@ -18,6 +20,7 @@ use tokio::sync::mpsc;
 
 use super::deliver::ConsumeRequest;
 use super::*;
+use crate::budget::{Budget, Use};
 use crate::config::{Config, StreamToml};
 use crate::gpu::test_gpu;
 use crate::hub::ConsumerId;
@@ -27,6 +30,11 @@ use crate::plan::plan_config;
 /// 256 cells of `x` and 512 of `y`, so batches 85 and 170 straddle their
 /// wraps (a GPU copy is then two pieces).
 fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
+    start_in(gpu_slots, min_consumers, &Budget::new(1 << 30, 0))
+}
+
+/// [`start`] with its arena in `budget`, under uid 0.
+fn start_in(gpu_slots: u32, min_consumers: u32, budget: &Arc<Budget>) -> Arc<Stream> {
     let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
     let text = StreamToml::synthetic("t", 3, 300, &fields)
         .epochs(2)
@@ -37,14 +45,43 @@ fn start(gpu_slots: u32, min_consumers: u32) -> Arc<Stream> {
         .to_toml();
     let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
     let plan = plan_config(&cfg).unwrap().remove(0);
-    Stream::start(plan, &crate::budget::Budget::new(1 << 30, 0), 0).unwrap()
+    Stream::start(plan, budget, 0).unwrap()
 }
 
 fn peer(name: &str) -> Peer {
+    peer_of(name, 0)
+}
+
+fn peer_of(name: &str, uid: u32) -> Peer {
     Peer {
         name: name.into(),
         pid: std::process::id(),
-        uid: 0,
+        uid,
+    }
+}
+
+/// A socket consumer's request to join `train` now.
+fn join_now() -> ConsumeRequest {
+    ConsumeRequest {
+        stream: "train".into(),
+        batch_size: None,
+        drop_last: Some(false),
+        resume: None,
+        window: 2,
+        join: JoinPolicy::Now,
+        device: None,
+        mailbox: false,
+    }
+}
+
+/// Reads and releases `n` batches as `sub`.
+fn read(s: &Stream, sub: &mut Subscription, n: usize) {
+    let mut read = 0;
+    while read < n {
+        if let ServerMsg::Batch(b) = next(sub) {
+            release(s, sub.id, b.seq);
+            read += 1;
+        }
     }
 }
 
@@ -372,24 +409,8 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
     let s = start(2, 1);
     let mut first = subscribe(&s, "first", false);
     // Read and release ten batches, so the stream is mid-epoch 0.
-    let mut n = 0;
-    while n < 10 {
-        if let ServerMsg::Batch(b) = next(&mut first) {
-            release(&s, first.id, b.seq);
-            n += 1;
-        }
-    }
-    let req = ConsumeRequest {
-        stream: "train".into(),
-        batch_size: None,
-        drop_last: Some(false),
-        resume: None,
-        window: 2,
-        join: JoinPolicy::Now,
-        device: None,
-        mailbox: false,
-    };
-    let mut late = s.subscribe(req, peer("late")).unwrap();
+    read(&s, &mut first, 10);
+    let mut late = s.subscribe(join_now(), peer("late")).unwrap();
     let (grant, _fd) = late.replay.take().expect("mid-epoch: replay granted");
     assert_eq!(
         grant.from,
@@ -431,5 +452,44 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
     s.leave(first.id);
     let st = s.stats();
     assert!(st.replay_cpu_s > 0.0);
+    s.shutdown();
+}
+
+/// Docs (threat model): a joiner's replay arena is taken from the budget
+/// under its own uid, so another user's joiner counts against the three
+/// quarters all other users may hold, and it is given back when it leaves.
+#[test]
+fn a_replay_arena_is_charged_to_the_joiners_uid() {
+    let budget = Budget::new(1 << 30, 0);
+    let s = start_in(2, 1, &budget);
+    let mut first = subscribe(&s, "first", false);
+    read(&s, &mut first, 10);
+    let late = s.subscribe(join_now(), peer("owner")).unwrap();
+    assert!(late.replay.is_some(), "mid-epoch: replay granted");
+    let arena = budget.stats().replay_bytes;
+    assert!(arena > 0);
+    s.leave(late.id);
+    assert_eq!(budget.stats().replay_bytes, 0, "given back as it leaves");
+    // Other users hold all but `arena - 1` bytes of their three quarters.
+    let others = budget
+        .take(1000, Use::Arena, (3 << 30) / 4 - arena + 1, "another user")
+        .unwrap();
+    let Err(e) = s.subscribe(join_now(), peer_of("guest", 1001)) else {
+        panic!("a guest's replay arena does not fit the guests' share");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("a replay arena") && e.contains("other users than uid 0"),
+        "{e}"
+    );
+    let owner = s.subscribe(join_now(), peer("owner")).unwrap();
+    assert_eq!(budget.stats().replay_bytes, arena, "the owner's fits");
+    s.leave(owner.id);
+    drop(others);
+    let guest = s.subscribe(join_now(), peer_of("guest", 1001)).unwrap();
+    assert_eq!(budget.stats().replay_bytes, arena);
+    s.leave(guest.id);
+    s.leave(first.id);
+    assert_eq!(budget.stats().replay_bytes, 0);
     s.shutdown();
 }
