@@ -6,9 +6,7 @@ an edge a -> b is any `crate::b` path, or `use crate::{b, ..}`, in a's
 non-test code), and between its files (every module file is a node; an
 edge a -> b is a `crate::`, `super::` or `self::` path in a's non-test
 code naming module b; a child naming its own ancestors is not counted).
-Prints every circle found and exits 1; silent and 0 otherwise. The file
-circles in KNOWN are still owed (the stream runtime's restructuring)
-and only printed.
+Prints every circle found and exits 1; silent and 0 otherwise.
 Usage: module_cycles.py CRATE_SRC_DIR...
 """
 import re
@@ -85,11 +83,9 @@ def cycles(edges: dict) -> list:
     return found
 
 
-# File-level circles not yet broken: each is named here until it is.
-KNOWN = {
-    frozenset({"stream::deliver", "stream::mirror"}),
-    frozenset({"stream::deliver", "stream::replay"}),
-}
+# File-level circles not yet broken: each is named here until it is
+# (none left).
+KNOWN: set = set()
 
 
 def file_modules(src: Path) -> dict:

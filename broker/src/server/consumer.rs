@@ -15,7 +15,9 @@ use tokio::sync::mpsc;
 
 use super::{Broker, Reject, append, next_frame, send_with_arena, write_msg};
 use crate::hub::ConsumerId;
-use crate::stream::{ConsumeRequest, Peer, Stream, SubscribeError, Subscription};
+use batchcast::proto::ConsumeRequest;
+
+use crate::stream::{Peer, Stream, SubscribeError, Subscription};
 
 pub(super) async fn serve_consumer(
     sock: &mut UnixStream,

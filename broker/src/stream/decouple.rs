@@ -18,7 +18,7 @@
 //! * The cut takes back, through the mailbox's handshake
 //!   ([`batchcast::mailbox`]), exactly the units it has not taken; what it
 //!   took stays held until released. Its replay begins at its own batch
-//!   boundary at or before the first sample it lost ([`boundary`]), and not
+//!   boundary at or before the first sample it lost ([`super::batches::Boundaries`]), and not
 //!   before where it last merged back (the unit holding that point began
 //!   before it): its client drops the batch it was building, which begins
 //!   there.
@@ -46,10 +46,11 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast::mailbox::Notice;
 use batchcast::proto::{self, Position, ServerMsg};
 
-use super::deliver::{Conn, end_mailbox_consumer, send, settle};
+use super::conn::{Conn, end_mailbox_consumer};
+use super::deliver::settle;
+use super::replay::book::ArenaLife;
 use super::{Inner, Stream};
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Hub};
@@ -58,43 +59,15 @@ use crate::hub::{ConsumerId, Hub};
 /// that owe it are cut.
 pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 
-/// The batch boundary at or before `p` of a consumer of batch size `batch`
-/// whose first batch begins at `anchor`: boundaries are counted from the
-/// anchor in its epoch, from each epoch's start after.
-pub(super) fn boundary(anchor: Position, p: Position, batch: u64) -> Position {
-    if p <= anchor {
-        return anchor;
-    }
-    let batch = batch.max(1);
-    let base = if p.epoch == anchor.epoch {
-        anchor.sample
-    } else {
-        0
-    };
-    Position {
-        epoch: p.epoch,
-        sample: base + (p.sample - base) / batch * batch,
-    }
-}
-
-/// Tells consumer `id` of a cut or a merge: a notice in its mailbox (and
-/// a ring), or the message on its socket. A full mailbox ends that
-/// consumer (`false`).
-fn notify(inner: &mut Inner, id: ConsumerId, notice: Notice) -> bool {
+/// Tells consumer `id` of a cut or a merge (`ServerMsg::Cut`/`Merge`): a
+/// notice in its mailbox (and a ring), or the message on its socket. A
+/// full mailbox ends that consumer (`false`).
+fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool {
     let Some(conn) = inner.conns.get_mut(&id) else {
         return false;
     };
-    let Some(mb) = conn.mailbox.as_mut() else {
-        let msg = match notice {
-            Notice::Cut(p) => ServerMsg::Cut(p),
-            Notice::Merge(p) => ServerMsg::Merge(p),
-            _ => unreachable!("only cuts and merges are told here"),
-        };
-        send(conn, id, msg);
-        return true;
-    };
-    if let Err(e) = mb.push(&notice).map(|()| mb.ring()) {
-        end_mailbox_consumer(inner, id, e.to_string());
+    if let Err(why) = conn.out.deliver_now(msg) {
+        end_mailbox_consumer(inner, id, why.to_string());
         return false;
     }
     true
@@ -102,7 +75,7 @@ fn notify(inner: &mut Inner, id: ConsumerId, notice: Notice) -> bool {
 
 /// Shared units noticed to this consumer and not yet taken.
 fn unread(c: &mut Conn) -> usize {
-    c.mailbox.as_mut().map_or(0, |mb| {
+    c.out.mailbox_mut().map_or(0, |mb| {
         mb.unread_units()
             .iter()
             .filter(|&&s| s & proto::REPLAYED == 0)
@@ -119,9 +92,9 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
     };
     c.gpu.is_none()
         && c.ending.is_none()
-        && c.replay
-            .as_ref()
-            .is_some_and(|r| r.keep && !r.running() && !r.open() && r.settled())
+        && c.replay.as_ref().is_some_and(|r| {
+            r.life == ArenaLife::WhileConnected && !r.running() && !r.open() && r.settled()
+        })
         && (queued > 0 || unread(c) > 0)
 }
 
@@ -215,7 +188,7 @@ impl Stream {
     /// Tells consumer `id`, which joined cut (it needs replay, see
     /// [`super::replay`]), that it is replayed to from `from`.
     pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
-        notify(inner, id, Notice::Cut(from));
+        notify(inner, id, ServerMsg::Cut(from));
     }
 
     /// Cuts consumer `id` from the shared stream; replay follows.
@@ -227,7 +200,7 @@ impl Stream {
         let Some(revoked) = inner
             .conns
             .get_mut(&id)
-            .and_then(|c| match c.mailbox.as_mut() {
+            .and_then(|c| match c.out.mailbox_mut() {
                 Some(mb) => mb.cut(),
                 None => Some(Vec::new()),
             })
@@ -244,7 +217,7 @@ impl Stream {
         };
         let conn = inner.conns.get_mut(&id).expect("cut above");
         for seq in &revoked {
-            conn.sent_ns.remove(seq);
+            conn.tally.sent_ns.remove(seq);
         }
         let lost = Position {
             epoch,
@@ -252,13 +225,17 @@ impl Stream {
         };
         // Not before where it last merged back: it has every sample before
         // that (the unit holding it began earlier).
-        let restart = boundary(conn.anchor, lost, conn.batch_size).max(conn.merged_at);
-        conn.cut.rewind(restart);
-        conn.cuts += 1;
+        let restart = conn
+            .own
+            .boundaries()
+            .at_or_before(lost)
+            .max(conn.merges.merged_at);
+        conn.own.shared.rewind(restart);
+        conn.merges.cuts += 1;
         if let Some(r) = conn.replay.as_mut() {
             r.reopen(restart);
         }
-        if !notify(inner, id, Notice::Cut(restart)) {
+        if !notify(inner, id, ServerMsg::Cut(restart)) {
             return true;
         }
         tracing::info!(
@@ -320,9 +297,9 @@ impl Stream {
         if let Some(r) = conn.replay.as_mut() {
             r.to = Some(at);
         }
-        conn.cut.resume_at(at);
-        conn.merged_at = at;
-        if !notify(inner, id, Notice::Merge(at)) {
+        conn.own.shared.resume_at(at);
+        conn.merges.merged_at = at;
+        if !notify(inner, id, ServerMsg::Merge(at)) {
             return true;
         }
         tracing::info!(
@@ -332,29 +309,5 @@ impl Stream {
             "decoupled pace: a replayed consumer merged back into the shared stream"
         );
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn p(epoch: u64, sample: u64) -> Position {
-        Position { epoch, sample }
-    }
-
-    #[test]
-    fn replay_restarts_on_the_consumers_own_batch_boundary() {
-        // Batches of 32 from the epoch's start: the boundary at or before.
-        assert_eq!(boundary(p(0, 0), p(0, 100), 32), p(0, 96));
-        assert_eq!(boundary(p(0, 0), p(0, 96), 32), p(0, 96));
-        // Joined (or resumed) mid-epoch at 10: boundaries 10 + k·32 there,
-        // k·32 in later epochs.
-        assert_eq!(boundary(p(0, 10), p(0, 100), 32), p(0, 74));
-        assert_eq!(boundary(p(0, 10), p(1, 100), 32), p(1, 96));
-        // An epoch's start is always a boundary; nothing before the anchor.
-        assert_eq!(boundary(p(0, 10), p(2, 0), 32), p(2, 0));
-        assert_eq!(boundary(p(3, 0), p(1, 50), 32), p(3, 0));
-        assert_eq!(boundary(p(0, 10), p(0, 10), 32), p(0, 10));
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::deliver::settle;
-use super::replay::{self, ReplayJob};
+use super::replay::{self, book::ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
 use crate::pipeline::collate::{SlotWriter, ThreadState};
@@ -180,7 +180,11 @@ impl Stream {
             }
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
-            let mailboxes = inner.conns.values().filter(|c| c.mailbox.is_some()).count();
+            let mailboxes = inner
+                .conns
+                .values()
+                .filter(|c| c.out.mailbox().is_some())
+                .count();
             let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
             // Slots to wait for once blocked.
             let target = match quick && mailboxes == inner.conns.len() {

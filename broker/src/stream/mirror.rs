@@ -7,10 +7,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{DeviceRequest, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
+use batchcast::proto::{DeviceRequest, ErrorCode, GoodbyeReason};
 
-use super::deliver::{Ending, send};
-use super::{Inner, Peer, Stream, SubscribeError};
+use super::conn::{Ending, Peer};
+use super::error::SubscribeError;
+use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
 use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, Piece};
 use crate::hub::GroupId;
@@ -120,7 +121,7 @@ impl Stream {
                     .conns
                     .values()
                     .filter(|c| c.gpu.is_some())
-                    .map(|c| format!("{} (pid {})", c.name, c.pid))
+                    .map(|c| format!("{} (pid {})", c.peer.name, c.peer.pid))
                     .collect()
             };
             if on_gpu.is_empty() {
@@ -216,15 +217,11 @@ impl CopySink for Stream {
                 };
                 conn.ending
                     .get_or_insert_with(|| Ending::DeviceFailed(why.clone()));
-                send(
-                    conn,
-                    id,
-                    ServerMsg::Error(ErrorMsg {
-                        code: ErrorCode::DeviceUnavailable,
-                        message: failure.to_string(),
-                    }),
+                conn.out.end(
+                    ErrorCode::DeviceUnavailable,
+                    failure.to_string(),
+                    GoodbyeReason::Shutdown,
                 );
-                send(conn, id, ServerMsg::Goodbye(GoodbyeReason::Shutdown));
             }
         });
     }

@@ -1,22 +1,37 @@
 //! One stream at run time: its arena, its hub, the pipeline threads that
-//! fill slots, and the connections of its consumers. The stream is split by
-//! role; each file adds its own `impl Stream`:
+//! fill slots, and the connections of its consumers. Files by role, lowest
+//! first (a file imports only those above it in this list, and `mod.rs`):
 //!
+//! * `batches`: a consumer's own batches in the stream's samples: where
+//!   they begin ([`batches::Boundaries`]) and how many it was sent. Pure.
+//! * `error`: what the stream refuses ([`SubscribeError`],
+//!   [`ReleaseError`], [`ReplayError`]) and why it stops ([`StreamFailed`]).
+//! * `outbox`: the only writer to a consumer: socket messages, mailbox
+//!   notices and their bell, "an error, then a goodbye".
+//! * `replay/book`: one consumer's replay: its arena (with a named
+//!   lifetime), batches making, made, sent, released.
+//! * `shape`: a consumer's own batch size and what its window costs.
+//! * `conn`: a connected consumer, made of parts (peer, outbox, own
+//!   batches, tally, replay, merges), and ending one consumer alone.
+//! * `stats`: what `batchcast stats` shows of the stream.
+//! * `mirror`: GPU copies: a device ring per GPU (a hub group), the
+//!   copier's reports, a failing GPU.
+//! * `deliver`: release, goodbye, leave; what the hub emitted turned into
+//!   messages (`dispatch`), mailbox releases taken (`settle`).
+//! * `replay`: replay's rules: who is replayed what, which thread makes
+//!   which replayed batch, sending them in order.
+//! * `decouple`: decoupled pace: cutting a consumer that fell a ring
+//!   behind, merging it back, the hold limit.
+//! * `subscribe`: a consumer joining: what is made outside the lock, then
+//!   the hub, then replay.
+//! * `fill`: pipeline threads: waiting for a free slot or a replay job
+//!   (back-pressure, pacing, naps), writing the batch
+//!   ([`crate::pipeline::collate`]) and publishing it; their CPU clock.
+//! * `port`: the external producer's side: slots handed out one at a
+//!   time, publishing, sealing the arena, the producer leaving.
 //! * `mod.rs` (here): the stream's state and its lifecycle: start, fail,
 //!   shut down; the lock and `Stream::with_hub`, through which every
 //!   change to the hub goes.
-//! * `fill`: pipeline threads: waiting for a free slot (back-pressure,
-//!   pacing, naps), writing the batch ([`crate::pipeline::collate`]) and
-//!   publishing it; the threads' CPU clock.
-//! * `deliver`: consumers: subscribe, release, goodbye, leave; turning
-//!   what the hub emitted into mailbox notices and socket messages
-//!   (`dispatch`), taking mailbox releases (`settle`), and ending a
-//!   consumer that breaks its mailbox's protocol.
-//! * `port`: the external producer's side: slots handed out one at a
-//!   time, publishing, sealing the arena, the producer leaving.
-//! * `mirror`: GPU copies: a device ring per GPU (a hub group), the
-//!   copier's reports, a failing GPU.
-//! * `stats`: what `batchcast stats` shows of the stream.
 //!
 //! The hub and the connections sit behind one mutex so that what the hub
 //! emits is queued to each connection in the order the hub emitted it.
@@ -25,10 +40,14 @@
 /// How long shutdown waits for the pipeline threads to stop.
 const WORKER_JOIN_WAIT: Duration = Duration::from_secs(1);
 
+mod batches;
+mod conn;
 mod decouple;
 mod deliver;
+mod error;
 mod fill;
 mod mirror;
+mod outbox;
 mod port;
 mod replay;
 mod shape;
@@ -43,7 +62,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use batchcast::proto::{ConsumerStats, ErrorCode, ErrorMsg, GoodbyeReason, ServerMsg};
+use batchcast::proto::{ConsumerStats, ErrorCode, GoodbyeReason, ServerMsg};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use crate::budget::{Budget, Grant, OverBudget, Use};
@@ -53,11 +72,12 @@ use crate::pipeline::ImagePipeline;
 use crate::pipeline::collate::SlotWriter;
 use crate::plan::{SourcePlan, StreamPlan};
 
+pub use conn::Peer;
 use deliver::settle;
-pub use deliver::{ConsumeRequest, MailboxGrant, Peer, ReleaseError, SubscribeError, Subscription};
+pub use error::{ReleaseError, ReplayError, StreamFailed, SubscribeError};
 use mirror::MirrorState;
-pub use port::{Acquire, StreamFailed};
-pub use replay::ReplayError;
+pub use port::Acquire;
+pub use subscribe::{MailboxGrant, Subscription};
 
 #[derive(Debug)]
 struct Inner {
@@ -331,11 +351,11 @@ impl Stream {
             inner.failed = Some(why.clone());
         }
         for c in inner.conns.values() {
-            let _ = c.tx.try_send(ServerMsg::Error(ErrorMsg {
-                code: ErrorCode::SourceFailed,
-                message: format!("stream `{}` stopped: {why}", self.name()),
-            }));
-            let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+            c.out.end(
+                ErrorCode::SourceFailed,
+                format!("stream `{}` stopped: {why}", self.name()),
+                GoodbyeReason::Shutdown,
+            );
         }
         self.tell_source(&mut inner);
         drop(inner);
@@ -348,7 +368,7 @@ impl Stream {
         {
             let mut inner = self.lock();
             for c in inner.conns.values() {
-                let _ = c.tx.try_send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
+                c.out.send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
             }
             self.tell_source(&mut inner);
         }
@@ -359,7 +379,7 @@ impl Stream {
 }
 
 /// The stream's consumers by id.
-type Conns = HashMap<ConsumerId, deliver::Conn, std::hash::BuildHasherDefault<IdHasher>>;
+type Conns = HashMap<ConsumerId, conn::Conn, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// Consumer ids are the hub's own counter, not chosen by peers: looking a
 /// connection up needs no keyed hash (it is done per consumer per batch).

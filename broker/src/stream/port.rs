@@ -14,6 +14,7 @@ use std::time::Duration;
 use batchcast::FillSlot;
 
 use super::Stream;
+use super::error::StreamFailed;
 
 /// What an external producer's slot request finds.
 #[derive(Debug)]
@@ -24,37 +25,6 @@ pub enum Acquire {
     /// Nothing now (no free slot, or too few consumers): wait for
     /// [`Stream::ready`].
     Wait,
-}
-
-/// Why a stream stopped serving: its source failed. Every consumer is told
-/// (`SourceFailed`), `stats` shows it, and new consumers are refused with it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StreamFailed {
-    /// The pipeline failed: a bad file with `on_error = "fail"`, a dataset
-    /// that is mostly unreadable (the text names the file and why).
-    #[error("{0}")]
-    Source(String),
-    #[error("cannot start a decoder: {0}")]
-    Decoder(String),
-    /// The producer said it failed.
-    #[error("producer {who} failed: {message}")]
-    ProducerFailed { who: String, message: String },
-    #[error("producer {who} left while filling batch {index} of epoch {epoch}")]
-    ProducerLeftMidBatch { who: String, index: u64, epoch: u64 },
-    /// The producer left before every epoch was published.
-    #[error("the producer {who} stopped after {produced} batches, in epoch {epoch}{}", match epochs {
-        Some(e) => format!(" of {e}"),
-        None => " (mid-epoch)".into(),
-    })]
-    ProducerStopped {
-        who: String,
-        produced: u64,
-        epoch: u64,
-        epochs: Option<u64>,
-    },
-    /// The producer broke the protocol, and its connection was closed.
-    #[error("producer {who}: {why}")]
-    ProducerBroke { who: String, why: String },
 }
 
 impl Stream {

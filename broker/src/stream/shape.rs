@@ -1,8 +1,24 @@
 //! A consumer's own batch size: whether the stream can serve it, and what
 //! its window costs the hub in production units.
 
+use batchcast::proto::ConsumeRequest;
+
 use super::Stream;
-use super::deliver::{ConsumeRequest, Shape, SubscribeError};
+use super::error::SubscribeError;
+
+/// What a consumer's batches cost the hub: its batch size and the units it
+/// may hold for its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub batch_size: u64,
+    /// Whether it drops an epoch's short last batch: its own choice, else
+    /// the stream's `drop_last`.
+    pub drop_last: bool,
+    /// The stream's production unit (samples of a full batch).
+    pub unit: u64,
+    /// The hub's window for it, in production units.
+    pub units: u32,
+}
 
 impl Stream {
     /// A consumer's batch size and what its window costs in units; the

@@ -2,19 +2,44 @@
 //! are made outside the hub's lock (they take a while), then it joins the
 //! hub, and replay starts if it needs any.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use batchcast::JoinPolicy;
-use batchcast::mailbox::BrokerMailbox;
-use batchcast::proto::MailboxSpec;
+use batchcast::mailbox::{Bell, BrokerMailbox};
+use batchcast::proto::{self, ConsumeRequest, MailboxSpec, ReplayGrant, ServerMsg};
 use tokio::sync::mpsc;
 
-use super::deliver::{
-    Conn, ConsumeRequest, MailboxGrant, Peer, Shape, SubscribeError, Subscription,
-};
-use super::{Stream, replay};
+use super::Stream;
+use super::conn::{Conn, Peer, Start};
+use super::error::SubscribeError;
+use super::replay::book;
+use super::shape::Shape;
 use crate::config::Pace;
-use crate::hub::Delivery;
+use crate::hub::{ConsumerId, Delivery};
+
+/// A mailbox granted to a consumer: the server sends its fd with the
+/// welcome and rings its bell after each socket write.
+#[derive(Debug)]
+pub struct MailboxGrant {
+    pub spec: MailboxSpec,
+    pub fd: OwnedFd,
+    pub bell: Bell,
+}
+
+/// What a consumer gets on subscribing.
+#[derive(Debug)]
+pub struct Subscription {
+    pub id: ConsumerId,
+    pub start_epoch: u64,
+    pub shape: Shape,
+    pub rx: mpsc::Receiver<ServerMsg>,
+    /// Device consumers: the arena to open.
+    pub device: Option<proto::DeviceArena>,
+    pub mailbox: Option<MailboxGrant>,
+    /// Replay granted: what the welcome says, and its arena's fd.
+    pub replay: Option<(ReplayGrant, OwnedFd)>,
+}
 
 impl Stream {
     /// Subscribes a consumer: checks what needs no GPU, makes its mailbox
@@ -33,7 +58,7 @@ impl Stream {
         let replays = replaying.is_some() || decoupled;
         // And the replayed batches it may be sent ahead of its releases.
         let replayed = match replays {
-            true => replay::slots(req.window) as usize,
+            true => book::slots(req.window) as usize,
             false => 0,
         };
         let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
@@ -96,13 +121,15 @@ impl Stream {
             }
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             let conn = Conn::new(
-                tx,
+                (id, tx),
                 peer,
-                shape,
-                &req,
+                (shape, &req),
                 (mailbox, mailbox_grant),
                 started.replay,
-                (started.skip, started.anchor),
+                Start {
+                    skip: started.skip,
+                    anchor: started.anchor,
+                },
             );
             inner.conns.insert(id, conn);
             if let Some(from) = started.cut {
@@ -154,7 +181,7 @@ impl Stream {
             return Ok((None, None));
         }
         let replayed = if replaying {
-            replay::slots(req.window)
+            book::slots(req.window)
         } else {
             0
         };

@@ -18,13 +18,13 @@ use batchcast::mailbox::{Notice, Totals};
 use batchcast::proto::{BatchReady, ErrorCode, ServerMsg};
 use tokio::sync::mpsc;
 
-use super::deliver::ConsumeRequest;
 use super::*;
 use crate::budget::{Budget, Use};
 use crate::config::{Config, StreamToml};
 use crate::gpu::test_gpu;
 use crate::hub::ConsumerId;
 use crate::plan::plan_config;
+use batchcast::proto::ConsumeRequest;
 
 /// Batches of 3, 100 to an epoch: the rings hold
 /// 256 cells of `x` and 512 of `y`, so batches 85 and 170 straddle their

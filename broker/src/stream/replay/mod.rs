@@ -7,7 +7,7 @@
 //! in progress), or resumes from a position behind the stream, joins the
 //! hub at once, like `immediate`. What lies between its start and the
 //! first of its own batch boundaries at or past where the shared stream
-//! begins for it ([`replay_end`]) is replayed; its client gives back the
+//! begins for it ([`super::batches::replay_end`]) is replayed; its client gives back the
 //! shared samples before that boundary unread, and hands out the replayed
 //! batches first, then the shared ones: every sample once, in order.
 //!
@@ -37,97 +37,52 @@
 //! * Its memory is taken from the broker's budget for the consumer's uid,
 //!   and given back when the last replayed batch is released or it leaves.
 
-use std::collections::BTreeMap;
+pub(super) mod book;
+
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
 use std::time::Duration;
 
 use batchcast::JoinPolicy;
-use batchcast::mailbox::Notice;
-use batchcast::proto::{ErrorCode, Position, ReplayGrant, ReplayReady, ServerMsg};
-use batchcast::schema::{RingLayout, Schema};
-use batchcast::shm::{Arena, Fault, Mapping, RingView};
+use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ServerMsg};
+use batchcast::schema::Schema;
 
-use super::deliver::{
-    Conn, ConsumeRequest, Ending, SubscribeError, end_consumer, end_mailbox_consumer, send,
-};
+use super::batches::replay_end;
+use super::conn::{Conn, Ending, end_consumer, end_mailbox_consumer};
+use super::error::{ReplayError, SubscribeError};
 use super::{Inner, Stream};
-use crate::budget::{Grant, Use};
+use crate::budget::Use;
 use crate::config::Pace;
 use crate::hub::ConsumerId;
+use book::{ArenaLife, Prepared, Replay, ReplayJob};
 
-/// Where replay ends for a consumer of batch size `batch` that starts at
-/// `from`, when the shared stream carries on for it from `shared`: its
-/// first batch boundary (counted from `from`, or from the epoch's start)
-/// at or past `shared`, or the end of that epoch. `None`: nothing to
-/// replay.
-pub(super) fn replay_end(
-    from: Position,
-    shared: Position,
-    batch: u64,
-    per_epoch: u64,
-) -> Option<Position> {
-    if from >= shared {
-        return None;
-    }
-    if shared.sample == 0 {
-        return Some(shared);
-    }
-    let base = if from.epoch == shared.epoch {
-        from.sample
-    } else {
-        0
-    };
-    let end = base + (shared.sample - base).div_ceil(batch.max(1)) * batch.max(1);
-    Some(
-        Position {
-            epoch: shared.epoch,
-            sample: 0,
+/// Where a consumer asks to start, when that may need replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ReplayFrom {
+    /// `join = "now"`: the start of the epoch in progress.
+    EpochStart,
+    /// `resume`: this position of the stream.
+    Resume(Position),
+}
+
+impl ReplayFrom {
+    fn resume(self) -> Option<Position> {
+        match self {
+            ReplayFrom::EpochStart => None,
+            ReplayFrom::Resume(p) => Some(p),
         }
-        .advance(end, per_epoch),
-    )
-}
-
-/// Batches in the replay arena of a consumer with `window`: its window,
-/// one being made, and one more so two threads can work ahead. Its
-/// mailbox and outbox have room for as many more messages.
-pub(super) fn slots(window: u32) -> u32 {
-    window.saturating_add(2)
-}
-
-/// A replay arena made before the consumer joins (outside the hub's lock).
-#[derive(Debug)]
-pub(super) struct Prepared {
-    arena: Arena,
-    rings: Arc<Mapping>,
-    layout: RingLayout,
-    slots: u32,
-    grant: Grant,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReplayError {
-    #[error("{0}")]
-    Refused(String),
-    #[error(transparent)]
-    OverBudget(#[from] crate::budget::OverBudget),
-    #[error("cannot make its replay arena: {0}")]
-    Arena(#[from] batchcast::Error),
-    #[error("replayed batch {seq} is not held by this consumer (already released, or never sent)")]
-    NotHeld { seq: u64 },
+    }
 }
 
 impl Stream {
-    /// Whether this request may need replay: `Some(None)` to replay the
-    /// epoch in progress (`join = "now"`), `Some(Some(p))` to start at
-    /// `p`; refused for what cannot replay, with what to do instead.
+    /// Where this request starts if that may need replay; refused for what
+    /// cannot replay, with what to do instead.
     pub(super) fn replay_request(
         &self,
         req: &ConsumeRequest,
-    ) -> Result<Option<Option<Position>>, SubscribeError> {
+    ) -> Result<Option<ReplayFrom>, SubscribeError> {
         let wanted = match (req.resume, req.join) {
-            (Some(p), _) => Some(Some(p)),
-            (None, JoinPolicy::Now) => Some(None),
+            (Some(p), _) => Some(ReplayFrom::Resume(p)),
+            (None, JoinPolicy::Now) => Some(ReplayFrom::EpochStart),
             (None, _) => None,
         };
         if wanted.is_none() {
@@ -179,7 +134,7 @@ impl Stream {
         &self,
         inner: &mut Inner,
         id: ConsumerId,
-        replaying: Option<Option<Position>>,
+        replaying: Option<ReplayFrom>,
         prepared: Option<Prepared>,
         batch: u64,
     ) -> Result<Started, SubscribeError> {
@@ -189,17 +144,21 @@ impl Stream {
             sample: index * self.plan.schema.batch_size,
         };
         let from = match replaying {
-            Some(resume) => resume.unwrap_or(Position { epoch, sample: 0 }),
+            Some(wanted) => wanted.resume().unwrap_or(Position { epoch, sample: 0 }),
             None => shared,
         };
         let Some(prepared) = prepared else {
             return Ok(Started {
-                skip: replaying.flatten(),
+                skip: replaying.and_then(ReplayFrom::resume),
                 anchor: from,
                 ..Started::default()
             });
         };
-        let keep = self.plan.pace == Pace::Decoupled;
+        let life = match self.plan.pace {
+            Pace::Decoupled => ArenaLife::WhileConnected,
+            Pace::Lockstep => ArenaLife::UntilDone,
+        };
+        let keep = life == ArenaLife::WhileConnected;
         let limit = Position {
             epoch: self.plan.epochs.unwrap_or(u64::MAX),
             sample: 0,
@@ -211,7 +170,7 @@ impl Stream {
             None if keep => from.max(shared),
             None => {
                 return Ok(Started {
-                    skip: replaying.flatten(),
+                    skip: replaying.and_then(ReplayFrom::resume),
                     anchor: from,
                     ..Started::default()
                 });
@@ -220,7 +179,7 @@ impl Stream {
         if keep && from < to {
             return self.start_cut(inner, id, prepared, (from, batch), limit);
         }
-        let (replay, grant, fd) = prepared.start((from, to), batch, per_epoch, (keep, limit))?;
+        let (replay, grant, fd) = prepared.start((from, to), batch, per_epoch, (life, limit))?;
         if from < to {
             tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
             self.work_cv.notify_all();
@@ -250,8 +209,12 @@ impl Stream {
     ) -> Result<Started, SubscribeError> {
         inner.hub.cut_at_join(id)?;
         let per_epoch = self.plan.schema.samples_per_epoch;
-        let (mut replay, grant, fd) =
-            prepared.start((from, from), batch, per_epoch, (true, limit))?;
+        let (mut replay, grant, fd) = prepared.start(
+            (from, from),
+            batch,
+            per_epoch,
+            (ArenaLife::WhileConnected, limit),
+        )?;
         replay.reopen(from);
         tracing::info!(stream = %self.name(), consumer = id, ?from, "replaying, cut from the shared stream until it merges back");
         self.work_cv.notify_all();
@@ -265,7 +228,7 @@ impl Stream {
     }
 
     /// A replay arena for a consumer of batch size `batch` and `window`:
-    /// [`slots`] of its batches.
+    /// [`book::slots`] of its batches, in the budget under `uid`.
     pub(super) fn prepare_replay(
         &self,
         batch: u64,
@@ -273,74 +236,15 @@ impl Stream {
         uid: u32,
         whom: &str,
     ) -> Result<Prepared, ReplayError> {
-        let slots = slots(window);
         let schema = Schema {
             batch_size: batch,
             ..self.plan.schema.clone()
         };
-        let layout = RingLayout::for_schema(&schema, slots)?;
+        let layout = Prepared::layout(&schema, window)?;
         let grant = self
             .budget
             .take(uid, Use::Replay, layout.arena_bytes, whom)?;
-        // Made while the broker serves others: allocated at once, faulted
-        // in as the pipeline writes (see `Stream::start`).
-        let arena = Arena::create(
-            &format!("{}-replay", self.name()),
-            layout.arena_bytes,
-            Fault::Lazily,
-        )?;
-        let rings =
-            Mapping::rings_faulted(arena.fd(), &RingView::of(&layout), true, Fault::Lazily)?;
-        arena.seal_writes()?;
-        Ok(Prepared {
-            arena,
-            rings: Arc::new(rings),
-            layout,
-            slots,
-            grant,
-        })
-    }
-}
-
-impl Prepared {
-    /// Starts replaying `from..to` in batches of `batch`; the grant for the
-    /// welcome and the fd the consumer maps. `keep`: the arena stays once
-    /// that is done (decoupled pace: replay may start again, up to `limit`,
-    /// the stream's end).
-    pub(super) fn start(
-        self,
-        (from, to): (Position, Position),
-        batch: u64,
-        per_epoch: u64,
-        (keep, limit): (bool, Position),
-    ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
-        let fd = self
-            .arena
-            .fd()
-            .try_clone_to_owned()
-            .map_err(|e| ReplayError::Arena(e.into()))?;
-        let grant = ReplayGrant {
-            rings: self.layout.clone(),
-            from,
-            to,
-        };
-        let replay = Replay {
-            rings: self.rings,
-            layout: self.layout,
-            batch,
-            slots: self.slots,
-            per_epoch,
-            cursor: from,
-            to: Some(to),
-            limit,
-            keep,
-            next_seq: 0,
-            live: BTreeMap::new(),
-            sent: 0,
-            _arena: self.arena,
-            _grant: self.grant,
-        };
-        Ok((replay, grant, fd))
+        Prepared::make(self.name(), layout, window, grant)
     }
 }
 
@@ -358,137 +262,6 @@ pub(super) struct Started {
     /// Decoupled pace: it starts cut, replayed to from here (its client is
     /// told so once it is connected).
     pub(super) cut: Option<Position>,
-}
-
-/// One consumer's replay in progress.
-#[derive(Debug)]
-pub(super) struct Replay {
-    rings: Arc<Mapping>,
-    layout: RingLayout,
-    batch: u64,
-    slots: u32,
-    per_epoch: u64,
-    /// The next batch to start, and where replay ends (`None`: open, a
-    /// cut consumer's until it merges back; never past `limit`, the
-    /// stream's end).
-    pub(super) cursor: Position,
-    pub(super) to: Option<Position>,
-    limit: Position,
-    /// Decoupled pace: the arena stays when a stretch of replay is done.
-    pub(super) keep: bool,
-    next_seq: u64,
-    /// Batches started and not released, by seq.
-    live: BTreeMap<u64, Entry>,
-    /// Batches below this were sent.
-    sent: u64,
-    _arena: Arena,
-    _grant: Grant,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Entry {
-    epoch: u64,
-    first: u64,
-    samples: u64,
-    state: State,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    Making,
-    Made,
-    Sent,
-}
-
-/// A replayed batch for a pipeline thread to make: `samples` samples of
-/// `epoch` from sample `first` on, into `spans` of `rings`.
-#[derive(Debug)]
-pub(super) struct ReplayJob {
-    pub(super) id: ConsumerId,
-    pub(super) seq: u64,
-    pub(super) epoch: u64,
-    pub(super) first: u64,
-    pub(super) samples: u64,
-    pub(super) rings: Arc<Mapping>,
-    /// Per field: offset and length in `rings`.
-    pub(super) spans: Vec<(u64, u64)>,
-}
-
-impl Replay {
-    /// Where this stretch of replay stops.
-    fn end(&self) -> Position {
-        self.to.unwrap_or(self.limit).min(self.limit)
-    }
-
-    /// A stretch of replay is under way (batches are still to start).
-    pub(super) fn running(&self) -> bool {
-        self.cursor < self.end()
-    }
-
-    /// Every batch started was sent.
-    pub(super) fn settled(&self) -> bool {
-        self.sent == self.next_seq
-    }
-
-    /// An open stretch (a cut consumer's, until it merges back).
-    pub(super) fn open(&self) -> bool {
-        self.to.is_none()
-    }
-
-    /// Opens a stretch from `from` (the consumer was cut from the shared
-    /// stream there); seqs go on from the last stretch's.
-    pub(super) fn reopen(&mut self, from: Position) {
-        self.cursor = from;
-        self.to = None;
-    }
-
-    fn can_start(&self) -> bool {
-        let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
-        self.running() && self.next_seq < oldest + u64::from(self.slots)
-    }
-
-    /// Waits for its consumer to release a batch.
-    fn blocked(&self) -> bool {
-        self.running() && !self.can_start()
-    }
-
-    fn start(&mut self, id: ConsumerId) -> ReplayJob {
-        let c = self.cursor;
-        let samples = self.batch.min(self.per_epoch - c.sample);
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.cursor = c.advance(samples, self.per_epoch);
-        self.live.insert(
-            seq,
-            Entry {
-                epoch: c.epoch,
-                first: c.sample,
-                samples,
-                state: State::Making,
-            },
-        );
-        let spans = (0..self.layout.fields.len())
-            .map(|f| {
-                self.layout
-                    .span(f, seq * self.batch, samples)
-                    .expect("a replayed batch lies in one slot of its ring")
-            })
-            .collect();
-        ReplayJob {
-            id,
-            seq,
-            epoch: c.epoch,
-            first: c.sample,
-            samples,
-            rings: self.rings.clone(),
-            spans,
-        }
-    }
-
-    /// Every batch made and released, and no more to come.
-    fn done(&self) -> bool {
-        self.to.is_some() && !self.running() && self.live.is_empty()
-    }
 }
 
 /// Takes a replayed batch for a pipeline thread to make, if one may start
@@ -513,7 +286,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
         .conns
         .iter_mut()
         .filter(|(_, c)| wants_replay(c))
-        .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, |r| r.live.len()))?;
+        .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, Replay::in_flight))?;
     let job = conn.replay.as_mut().expect("filtered").start(id);
     tracing::debug!(
         consumer = id,
@@ -573,7 +346,7 @@ pub(super) fn finish(
     let Some(conn) = inner.conns.get_mut(&id) else {
         return; // it left meanwhile
     };
-    conn.replay_cpu += cpu;
+    conn.tally.replay_cpu += cpu;
     if let Err(why) = made {
         conn.replay = None;
         let why = format!("replaying its batches failed: {why}");
@@ -583,22 +356,7 @@ pub(super) fn finish(
     let Some(r) = conn.replay.as_mut() else {
         return;
     };
-    if let Some(e) = r.live.get_mut(&seq) {
-        e.state = State::Made;
-    }
-    let mut ready = Vec::new();
-    while let Some(e) = r.live.get_mut(&r.sent).filter(|e| e.state == State::Made) {
-        e.state = State::Sent;
-        ready.push(ReplayReady {
-            seq: r.sent,
-            epoch: e.epoch,
-            first: e.first,
-            samples: e.samples,
-            ends_epoch: e.first + e.samples == r.per_epoch,
-        });
-        r.sent += 1;
-    }
-    for m in ready {
+    for m in r.made(seq) {
         tracing::debug!(
             consumer = id,
             seq = m.seq,
@@ -606,59 +364,18 @@ pub(super) fn finish(
             first = m.first,
             "replayed batch sent"
         );
-        conn.replayed += m.samples;
-        conn.replay_cut.add(m.epoch, m.first, m.samples);
-        if let Some(why) = deliver(conn, id, m) {
-            end_mailbox_consumer(inner, id, why);
+        conn.tally.replayed += m.samples;
+        conn.own.replayed.add(m.epoch, m.first, m.samples);
+        if let Err(why) = conn.out.deliver_now(ServerMsg::Replay(m)) {
+            end_mailbox_consumer(inner, id, why.to_string());
             return;
         }
     }
 }
 
-/// Sends a replayed batch: a notice in its mailbox, else a message.
-fn deliver(conn: &mut Conn, id: ConsumerId, ready: ReplayReady) -> Option<String> {
-    match conn.mailbox.as_mut() {
-        Some(mb) => match mb.push(&Notice::Replay(ready)) {
-            Ok(()) => {
-                mb.ring();
-                None
-            }
-            Err(e) => Some(e.to_string()),
-        },
-        None => {
-            send(conn, id, ServerMsg::Replay(ready));
-            None
-        }
-    }
-}
-
-/// Consumer `id` released replayed batch `seq`.
-pub(super) fn release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), ReplayError> {
-    let conn = inner
-        .conns
-        .get_mut(&id)
-        .ok_or(ReplayError::NotHeld { seq })?;
-    let r = conn.replay.as_mut().ok_or(ReplayError::NotHeld { seq })?;
-    match r.live.get(&seq) {
-        Some(e) if e.state == State::Sent => {
-            r.live.remove(&seq);
-        }
-        _ => return Err(ReplayError::NotHeld { seq }),
-    }
-    if r.done() && !r.keep {
-        // Its arena and budget go back now.
-        conn.replay = None;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn p(epoch: u64, sample: u64) -> Position {
-        Position { epoch, sample }
-    }
 
     /// Docs (replay's limits): while the shared pipeline could go on, at
     /// most half the pipeline threads replay.
@@ -674,23 +391,5 @@ mod tests {
             );
             assert_eq!(replay_threads(workers, true), waits, "{workers} threads");
         }
-    }
-
-    #[test]
-    fn replay_ends_on_the_consumers_own_batch_boundary() {
-        // Epochs of 100 samples; the shared stream starts at sample 40.
-        assert_eq!(replay_end(p(0, 0), p(0, 40), 32, 100), Some(p(0, 64)));
-        assert_eq!(replay_end(p(0, 0), p(0, 40), 8, 100), Some(p(0, 40)));
-        // The boundary past the epoch's end: the whole epoch is replayed.
-        assert_eq!(replay_end(p(0, 0), p(0, 90), 64, 100), Some(p(1, 0)));
-        // Resuming mid-epoch: boundaries counted from the resume point.
-        assert_eq!(replay_end(p(0, 10), p(0, 40), 32, 100), Some(p(0, 42)));
-        // From an earlier epoch: boundaries of the shared epoch's own.
-        assert_eq!(replay_end(p(0, 10), p(1, 40), 32, 100), Some(p(1, 64)));
-        // At an epoch's start: replay up to it.
-        assert_eq!(replay_end(p(0, 0), p(1, 0), 7, 100), Some(p(1, 0)));
-        // Nothing published before the start, or a start ahead.
-        assert_eq!(replay_end(p(0, 0), p(0, 0), 32, 100), None);
-        assert_eq!(replay_end(p(2, 5), p(1, 40), 32, 100), None);
     }
 }

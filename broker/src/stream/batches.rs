@@ -1,0 +1,239 @@
+//! A consumer's own batches in the stream's samples, each consumer cutting
+//! the stream in its own batch size: where its batches begin
+//! ([`Boundaries`], the one place that says so: replay ends on one, a cut
+//! restarts on one) and how many it has been sent ([`BatchCounter`], for
+//! `stats`). Pure arithmetic, no state of the stream's.
+
+use std::collections::BTreeMap;
+
+use batchcast::proto::Position;
+
+/// Where the batches of a consumer of batch size `batch` begin, its first
+/// at `anchor`: counted from the anchor in its epoch, from each epoch's
+/// start after (an epoch's start is always a boundary).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Boundaries {
+    anchor: Position,
+    batch: u64,
+}
+
+impl Boundaries {
+    pub(super) fn new(anchor: Position, batch: u64) -> Boundaries {
+        Boundaries {
+            anchor,
+            batch: batch.max(1),
+        }
+    }
+
+    /// Where boundaries are counted from in `epoch`.
+    fn base(&self, epoch: u64) -> u64 {
+        if epoch == self.anchor.epoch {
+            self.anchor.sample
+        } else {
+            0
+        }
+    }
+
+    /// The boundary at or before `p` (never before the anchor).
+    pub(super) fn at_or_before(&self, p: Position) -> Position {
+        if p <= self.anchor {
+            return self.anchor;
+        }
+        let base = self.base(p.epoch);
+        Position {
+            epoch: p.epoch,
+            sample: base + (p.sample - base) / self.batch * self.batch,
+        }
+    }
+
+    /// The boundary at or after `p`, or the end of `p`'s epoch (the next
+    /// epoch's start) if that comes first; epochs of `per_epoch` samples.
+    pub(super) fn at_or_after(&self, p: Position, per_epoch: u64) -> Position {
+        if p <= self.anchor {
+            return self.anchor;
+        }
+        let base = self.base(p.epoch);
+        let end = base + (p.sample - base).div_ceil(self.batch) * self.batch;
+        Position {
+            epoch: p.epoch,
+            sample: 0,
+        }
+        .advance(end, per_epoch)
+    }
+}
+
+/// Where replay ends for a consumer of batch size `batch` that starts at
+/// `from`, when the shared stream carries on for it from `shared`: its
+/// first batch boundary at or past `shared` (or the end of that epoch).
+/// `None`: nothing to replay.
+pub(super) fn replay_end(
+    from: Position,
+    shared: Position,
+    batch: u64,
+    per_epoch: u64,
+) -> Option<Position> {
+    (from < shared).then(|| Boundaries::new(from, batch).at_or_after(shared, per_epoch))
+}
+
+/// Counts a consumer's own batches in the samples it was sent, epoch by
+/// epoch (each epoch's last batch short, or dropped with `drop_last`), as
+/// its client cuts them: stats show batches in its own size.
+#[derive(Debug, Clone)]
+pub(super) struct BatchCounter {
+    size: u64,
+    drop_last: bool,
+    /// Batches and samples of epochs no longer kept below.
+    done: u64,
+    done_samples: u64,
+    /// Per recent epoch: the first sample counted and how many.
+    epochs: BTreeMap<u64, (u64, u64)>,
+    /// Samples before this position are not its (its client gives them
+    /// back unread: they were replayed, or it resumes past them).
+    skip: Option<Position>,
+}
+
+/// Epochs a [`BatchCounter`] keeps apart (a rewind reaches back at most a ring of
+/// units, and a stream's epochs hold at least one each).
+const COUNTED_EPOCHS: usize = 4096;
+
+impl BatchCounter {
+    pub(super) fn new(size: u64, drop_last: bool) -> BatchCounter {
+        BatchCounter {
+            size: size.max(1),
+            drop_last,
+            done: 0,
+            done_samples: 0,
+            epochs: BTreeMap::new(),
+            skip: None,
+        }
+    }
+
+    /// Counts only samples from `skip` on.
+    pub(super) fn skipping(mut self, skip: Option<Position>) -> BatchCounter {
+        self.skip = skip;
+        self
+    }
+
+    /// `samples` samples of `epoch` from sample `first` on.
+    pub(super) fn add(&mut self, epoch: u64, first: u64, samples: u64) {
+        let (mut first, mut samples) = (first, samples);
+        if let Some(skip) = self.skip {
+            if epoch < skip.epoch {
+                return;
+            }
+            if epoch == skip.epoch && first < skip.sample {
+                samples = samples.saturating_sub(skip.sample - first);
+                first = skip.sample;
+            }
+        }
+        let e = self.epochs.entry(epoch).or_insert((first, 0));
+        e.1 += samples;
+        if self.epochs.len() > COUNTED_EPOCHS
+            && let Some((_, (_, n))) = self.epochs.pop_first()
+        {
+            self.done += self.of(n);
+            self.done_samples += self.kept(n);
+        }
+    }
+
+    /// Samples from `at` on were not its after all (decoupled pace: they
+    /// were taken back, and come replayed).
+    pub(super) fn rewind(&mut self, at: Position) {
+        self.epochs.retain(|&e, _| e <= at.epoch);
+        if let Some((first, n)) = self.epochs.get_mut(&at.epoch) {
+            *n = (*n).min(at.sample.saturating_sub(*first));
+        }
+    }
+
+    /// Starts counting again from `skip` (it merged back there).
+    pub(super) fn resume_at(&mut self, skip: Position) {
+        self.skip = Some(skip);
+    }
+
+    fn of(&self, samples: u64) -> u64 {
+        if self.drop_last {
+            samples / self.size
+        } else {
+            samples.div_ceil(self.size)
+        }
+    }
+
+    /// Its batches so far: the current epoch's counted as if it ended now.
+    pub(super) fn batches(&self) -> u64 {
+        self.done + self.epochs.values().map(|&(_, n)| self.of(n)).sum::<u64>()
+    }
+
+    /// The samples of those batches (a dropped short one's not counted).
+    pub(super) fn samples(&self) -> u64 {
+        self.done_samples
+            + self
+                .epochs
+                .values()
+                .map(|&(_, n)| self.kept(n))
+                .sum::<u64>()
+    }
+
+    /// Of `samples` of one epoch, those in its batches.
+    fn kept(&self, samples: u64) -> u64 {
+        if self.drop_last {
+            samples / self.size * self.size
+        } else {
+            samples
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(epoch: u64, sample: u64) -> Position {
+        Position { epoch, sample }
+    }
+
+    #[test]
+    fn a_cut_restarts_on_the_consumers_own_batch_boundary() {
+        let at = |anchor, q| Boundaries::new(anchor, 32).at_or_before(q);
+        // Batches of 32 from the epoch's start: the boundary at or before.
+        assert_eq!(at(p(0, 0), p(0, 100)), p(0, 96));
+        assert_eq!(at(p(0, 0), p(0, 96)), p(0, 96));
+        // Joined (or resumed) mid-epoch at 10: boundaries 10 + k·32 there,
+        // k·32 in later epochs.
+        assert_eq!(at(p(0, 10), p(0, 100)), p(0, 74));
+        assert_eq!(at(p(0, 10), p(1, 100)), p(1, 96));
+        // An epoch's start is always a boundary; nothing before the anchor.
+        assert_eq!(at(p(0, 10), p(2, 0)), p(2, 0));
+        assert_eq!(at(p(3, 0), p(1, 50)), p(3, 0));
+        assert_eq!(at(p(0, 10), p(0, 10)), p(0, 10));
+    }
+
+    #[test]
+    fn replay_ends_on_the_consumers_own_batch_boundary() {
+        // Epochs of 100 samples; the shared stream starts at sample 40.
+        assert_eq!(replay_end(p(0, 0), p(0, 40), 32, 100), Some(p(0, 64)));
+        assert_eq!(replay_end(p(0, 0), p(0, 40), 8, 100), Some(p(0, 40)));
+        // The boundary past the epoch's end: the whole epoch is replayed.
+        assert_eq!(replay_end(p(0, 0), p(0, 90), 64, 100), Some(p(1, 0)));
+        // Resuming mid-epoch: boundaries counted from the resume point.
+        assert_eq!(replay_end(p(0, 10), p(0, 40), 32, 100), Some(p(0, 42)));
+        // From an earlier epoch: boundaries of the shared epoch's own.
+        assert_eq!(replay_end(p(0, 10), p(1, 40), 32, 100), Some(p(1, 64)));
+        // At an epoch's start: replay up to it.
+        assert_eq!(replay_end(p(0, 0), p(1, 0), 7, 100), Some(p(1, 0)));
+        // Nothing published before the start, or a start ahead.
+        assert_eq!(replay_end(p(0, 0), p(0, 0), 32, 100), None);
+        assert_eq!(replay_end(p(2, 5), p(1, 40), 32, 100), None);
+    }
+
+    #[test]
+    fn the_counter_counts_batches_in_the_consumers_own_size() {
+        let mut c = BatchCounter::new(32, false);
+        c.add(0, 0, 100);
+        assert_eq!((c.batches(), c.samples()), (4, 100));
+        let mut d = BatchCounter::new(32, true).skipping(Some(p(0, 36)));
+        d.add(0, 0, 100);
+        assert_eq!((d.batches(), d.samples()), (2, 64));
+        d.rewind(p(0, 68));
+        assert_eq!((d.batches(), d.samples()), (1, 32));
+    }
+}

@@ -1,0 +1,251 @@
+//! A connected consumer as the stream sees it, made of parts that each
+//! have one job: who it is ([`Peer`]), what it is sent ([`Outbox`], the
+//! only writer to it), its own batching ([`OwnBatches`]), its numbers
+//! ([`Tally`]), its replay ([`Replay`]) and, under decoupled pace, its
+//! cuts and merges ([`Merges`]); and why it is about to leave.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use batchcast::mailbox::{BrokerMailbox, Totals};
+use batchcast::proto::{
+    BatchReady, ConsumeRequest, EpochEnd, ErrorCode, GoodbyeReason, Position, ServerMsg,
+};
+use tokio::sync::mpsc;
+
+use super::Inner;
+use super::batches::{BatchCounter, Boundaries};
+use super::outbox::Outbox;
+use super::replay::book::Replay;
+use super::shape::Shape;
+use crate::budget::Grant;
+use crate::gpu::{GpuError, GpuKey};
+use crate::hub::{ConsumerId, Outbound};
+
+/// A connected consumer.
+#[derive(Debug)]
+pub(super) struct Conn {
+    pub(super) peer: Peer,
+    pub(super) out: Outbox,
+    pub(super) own: OwnBatches,
+    pub(super) tally: Tally,
+    /// Replay in progress, or kept for the next (decoupled pace).
+    pub(super) replay: Option<Replay>,
+    pub(super) merges: Merges,
+    /// Device consumers: their GPU.
+    pub(super) gpu: Option<GpuKey>,
+    /// Why it is about to leave, once known (the stream ended for it, it
+    /// was detached, it said goodbye); otherwise it disconnected.
+    pub(super) ending: Option<Ending>,
+}
+
+/// Who is connecting, for stats and the budget.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub name: String,
+    pub pid: u32,
+    pub uid: u32,
+}
+
+/// The consumer's own batches: its batch size and window, where they
+/// begin, and how many it was sent, of the shared stream and replayed.
+#[derive(Debug)]
+pub(super) struct OwnBatches {
+    pub(super) batch_size: u64,
+    /// In its batches (the hub counts the units they span).
+    pub(super) window: u32,
+    /// The stream's production unit (samples of a full batch).
+    pub(super) unit: u64,
+    /// Where its first batch begins (its batch boundaries are counted from
+    /// there in that epoch, from each epoch's start after).
+    pub(super) anchor: Position,
+    pub(super) shared: BatchCounter,
+    pub(super) replayed: BatchCounter,
+}
+
+impl OwnBatches {
+    pub(super) fn boundaries(&self) -> Boundaries {
+        Boundaries::new(self.anchor, self.batch_size)
+    }
+}
+
+/// Its numbers for `stats`: hold, wait and busy times (the client's own
+/// figures for the latter two), and what replay cost.
+#[derive(Debug)]
+pub(super) struct Tally {
+    /// When each unreleased batch was handed to the connection (ns).
+    pub(super) sent_ns: HashMap<u64, u64>,
+    pub(super) hold_ns: u64,
+    pub(super) wait_ns: u64,
+    pub(super) busy_ns: u64,
+    /// What it says of the batches it released through its mailbox (it
+    /// times them itself: the broker takes those releases only now and
+    /// then).
+    pub(super) mailbox: Totals,
+    /// Samples replayed to it, and the CPU they cost.
+    pub(super) replayed: u64,
+    pub(super) replay_cpu: Duration,
+    pub(super) joined: Instant,
+}
+
+/// Decoupled pace: how often it was cut from the shared stream, and where
+/// it last merged back (its anchor until then).
+#[derive(Debug)]
+pub(super) struct Merges {
+    pub(super) cuts: u64,
+    pub(super) merged_at: Position,
+}
+
+/// Why a consumer is about to leave, once known; none means it
+/// disconnected. Shown in `stats` as its last line's `left`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Ending {
+    StreamEnded,
+    SaidGoodbye,
+    /// Its lag passed the stream's limit.
+    Detached(String),
+    /// It broke its mailbox's protocol.
+    Ended(String),
+    DeviceFailed(GpuError),
+}
+
+impl fmt::Display for Ending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Ending::StreamEnded => f.write_str("stream ended"),
+            Ending::SaidGoodbye => f.write_str("said goodbye"),
+            Ending::Detached(why) => write!(f, "detached: {why}"),
+            Ending::Ended(why) => write!(f, "ended: {why}"),
+            Ending::DeviceFailed(why) => write!(f, "device failed: {why}"),
+        }
+    }
+}
+
+/// Where a consumer that just joined begins: `skip`, where its shared
+/// samples begin to count (see [`BatchCounter`]); `anchor`, where its
+/// first batch begins.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Start {
+    pub(super) skip: Option<Position>,
+    pub(super) anchor: Position,
+}
+
+impl Conn {
+    /// A consumer that just joined.
+    pub(super) fn new(
+        (id, tx): (ConsumerId, mpsc::Sender<ServerMsg>),
+        peer: Peer,
+        (shape, req): (Shape, &ConsumeRequest),
+        mailbox: (Option<BrokerMailbox>, Option<Grant>),
+        replay: Option<Replay>,
+        start: Start,
+    ) -> Conn {
+        Conn {
+            peer,
+            out: Outbox::new(id, tx, mailbox),
+            own: OwnBatches {
+                batch_size: shape.batch_size,
+                window: req.window,
+                unit: shape.unit,
+                anchor: start.anchor,
+                shared: BatchCounter::new(shape.batch_size, shape.drop_last).skipping(start.skip),
+                replayed: BatchCounter::new(shape.batch_size, shape.drop_last),
+            },
+            tally: Tally {
+                sent_ns: HashMap::new(),
+                hold_ns: 0,
+                wait_ns: 0,
+                busy_ns: 0,
+                mailbox: Totals::default(),
+                replayed: 0,
+                replay_cpu: Duration::ZERO,
+                joined: Instant::now(),
+            },
+            replay,
+            merges: Merges {
+                cuts: 0,
+                merged_at: start.anchor,
+            },
+            gpu: req.device.as_ref().map(|dev| dev.uuid),
+            ending: None,
+        }
+    }
+
+    /// The message for what the hub emitted to this consumer, counting a
+    /// batch in its numbers and noting why it is about to leave. A detached
+    /// consumer is sent its error and goodbye here, and `None` returned.
+    pub(super) fn message(&mut self, id: ConsumerId, out: Outbound, now: u64) -> Option<ServerMsg> {
+        Some(match out {
+            Outbound::Batch {
+                seq,
+                epoch,
+                index,
+                slot,
+                samples,
+            } => {
+                if self.out.mailbox().is_none() {
+                    self.tally.sent_ns.insert(seq, now);
+                }
+                self.own.shared.add(epoch, index * self.own.unit, samples);
+                ServerMsg::Batch(BatchReady {
+                    seq,
+                    epoch,
+                    index,
+                    slot,
+                    samples,
+                    sent_ns: now,
+                })
+            }
+            Outbound::EndOfEpoch {
+                epoch,
+                batches,
+                complete,
+            } => ServerMsg::EndOfEpoch(EpochEnd {
+                epoch,
+                batches,
+                complete,
+            }),
+            Outbound::EndOfStream => {
+                self.ending = Some(Ending::StreamEnded);
+                ServerMsg::EndOfStream
+            }
+            Outbound::Detached { reason, code } => {
+                tracing::warn!(consumer = id, name = %self.peer.name, "{reason}");
+                self.out.end(code, reason.clone(), GoodbyeReason::Detached);
+                self.ending = Some(Ending::Detached(reason));
+                return None;
+            }
+        })
+    }
+}
+
+/// A consumer broke the mailbox protocol: it gets an error and nothing
+/// more, and leaves when its connection closes. Nobody else is affected.
+pub(super) fn end_mailbox_consumer(inner: &mut Inner, id: ConsumerId, why: String) {
+    let Some(conn) = inner.conns.get(&id) else {
+        return;
+    };
+    if conn.out.mailbox().is_none() {
+        return; // already ended
+    }
+    end_consumer(inner, id, ErrorCode::InvalidRequest, why);
+}
+
+/// Ends one consumer: its mailbox is dropped (no more notices), it is sent
+/// an error with `code` and a goodbye, and it takes nothing more from the
+/// hub; it leaves when its connection closes. Nobody else is affected.
+pub(super) fn end_consumer(inner: &mut Inner, id: ConsumerId, code: ErrorCode, why: String) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    conn.out.close_mailbox();
+    tracing::warn!(consumer = id, name = %conn.peer.name, "ending a consumer: {why}");
+    conn.ending = Some(Ending::Ended(why.clone()));
+    conn.out.end(
+        code,
+        format!("the broker ended this consumer: {why}"),
+        GoodbyeReason::Detached,
+    );
+    let _ = inner.hub.goodbye(id);
+}

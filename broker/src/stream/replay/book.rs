@@ -1,0 +1,287 @@
+//! The book of one consumer's replay: its arena (a ring of `slots` of its
+//! batches, in the budget under its uid, living as long as [`ArenaLife`]
+//! says), which batches are being made, made, sent and released, and where
+//! the stretch under way ends. No locks, no I/O: the stream drives it
+//! under its lock ([`super`]).
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use batchcast::proto::{Position, ReplayGrant, ReplayReady};
+use batchcast::schema::{RingLayout, Schema};
+use batchcast::shm::{Arena, Fault, Mapping, RingView};
+
+use crate::budget::Grant;
+use crate::hub::ConsumerId;
+use crate::stream::error::ReplayError;
+
+/// How long a consumer's replay arena lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::stream) enum ArenaLife {
+    /// Until the stretch it was made for is replayed and released
+    /// (lockstep: a joiner's catch-up); its memory goes back then.
+    UntilDone,
+    /// As long as its consumer (decoupled pace: a cut may open another
+    /// stretch at any time, up to the stream's end).
+    WhileConnected,
+}
+
+/// Batches in the replay arena of a consumer with `window`: its window,
+/// one being made, and one more so two threads can work ahead. Its
+/// mailbox and outbox have room for as many more messages.
+pub(in crate::stream) fn slots(window: u32) -> u32 {
+    window.saturating_add(2)
+}
+
+/// A replay arena made before the consumer joins (outside the hub's lock).
+#[derive(Debug)]
+pub(in crate::stream) struct Prepared {
+    arena: Arena,
+    rings: Arc<Mapping>,
+    layout: RingLayout,
+    slots: u32,
+    grant: Grant,
+}
+
+impl Prepared {
+    /// The arena of a consumer of batch size `schema.batch_size`: [`slots`]
+    /// of its batches for a `window`, paid for by `grant` (its bytes:
+    /// [`Prepared::bytes`]).
+    pub(in crate::stream) fn layout(
+        schema: &Schema,
+        window: u32,
+    ) -> Result<RingLayout, ReplayError> {
+        Ok(RingLayout::for_schema(schema, slots(window))?)
+    }
+
+    pub(in crate::stream) fn make(
+        name: &str,
+        layout: RingLayout,
+        window: u32,
+        grant: Grant,
+    ) -> Result<Prepared, ReplayError> {
+        // Made while the broker serves others: allocated at once, faulted
+        // in as the pipeline writes (see `Stream::start`).
+        let arena = Arena::create(&format!("{name}-replay"), layout.arena_bytes, Fault::Lazily)?;
+        let rings =
+            Mapping::rings_faulted(arena.fd(), &RingView::of(&layout), true, Fault::Lazily)?;
+        arena.seal_writes()?;
+        Ok(Prepared {
+            arena,
+            rings: Arc::new(rings),
+            layout,
+            slots: slots(window),
+            grant,
+        })
+    }
+
+    /// Starts replaying `from..to` in batches of `batch`; the grant for the
+    /// welcome and the fd the consumer maps. The arena lives as `life`
+    /// says; no stretch goes past `limit`, the stream's end.
+    pub(in crate::stream) fn start(
+        self,
+        (from, to): (Position, Position),
+        batch: u64,
+        per_epoch: u64,
+        (life, limit): (ArenaLife, Position),
+    ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
+        let fd = self
+            .arena
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| ReplayError::Arena(e.into()))?;
+        let grant = ReplayGrant {
+            rings: self.layout.clone(),
+            from,
+            to,
+        };
+        let replay = Replay {
+            rings: self.rings,
+            layout: self.layout,
+            batch,
+            slots: self.slots,
+            per_epoch,
+            cursor: from,
+            to: Some(to),
+            limit,
+            life,
+            next_seq: 0,
+            live: BTreeMap::new(),
+            sent: 0,
+            _arena: self.arena,
+            _grant: self.grant,
+        };
+        Ok((replay, grant, fd))
+    }
+}
+
+/// One consumer's replay in progress.
+#[derive(Debug)]
+pub(in crate::stream) struct Replay {
+    rings: Arc<Mapping>,
+    layout: RingLayout,
+    batch: u64,
+    slots: u32,
+    per_epoch: u64,
+    /// The next batch to start, and where replay ends (`None`: open, a
+    /// cut consumer's until it merges back; never past `limit`, the
+    /// stream's end).
+    pub(in crate::stream) cursor: Position,
+    pub(in crate::stream) to: Option<Position>,
+    limit: Position,
+    pub(in crate::stream) life: ArenaLife,
+    next_seq: u64,
+    /// Batches started and not released, by seq.
+    live: BTreeMap<u64, Entry>,
+    /// Batches below this were sent.
+    sent: u64,
+    _arena: Arena,
+    _grant: Grant,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    epoch: u64,
+    first: u64,
+    samples: u64,
+    state: State,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Making,
+    Made,
+    Sent,
+}
+
+/// A replayed batch for a pipeline thread to make: `samples` samples of
+/// `epoch` from sample `first` on, into `spans` of `rings`.
+#[derive(Debug)]
+pub(in crate::stream) struct ReplayJob {
+    pub(in crate::stream) id: ConsumerId,
+    pub(in crate::stream) seq: u64,
+    pub(in crate::stream) epoch: u64,
+    pub(in crate::stream) first: u64,
+    pub(in crate::stream) samples: u64,
+    pub(in crate::stream) rings: Arc<Mapping>,
+    /// Per field: offset and length in `rings`.
+    pub(in crate::stream) spans: Vec<(u64, u64)>,
+}
+
+impl Replay {
+    /// Where this stretch of replay stops.
+    fn end(&self) -> Position {
+        self.to.unwrap_or(self.limit).min(self.limit)
+    }
+
+    /// A stretch of replay is under way (batches are still to start).
+    pub(in crate::stream) fn running(&self) -> bool {
+        self.cursor < self.end()
+    }
+
+    /// Every batch started was sent.
+    pub(in crate::stream) fn settled(&self) -> bool {
+        self.sent == self.next_seq
+    }
+
+    /// An open stretch (a cut consumer's, until it merges back).
+    pub(in crate::stream) fn open(&self) -> bool {
+        self.to.is_none()
+    }
+
+    /// Opens a stretch from `from` (the consumer was cut from the shared
+    /// stream there); seqs go on from the last stretch's.
+    pub(in crate::stream) fn reopen(&mut self, from: Position) {
+        self.cursor = from;
+        self.to = None;
+    }
+
+    pub(in crate::stream) fn can_start(&self) -> bool {
+        let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
+        self.running() && self.next_seq < oldest + u64::from(self.slots)
+    }
+
+    /// Waits for its consumer to release a batch.
+    pub(in crate::stream) fn blocked(&self) -> bool {
+        self.running() && !self.can_start()
+    }
+
+    pub(in crate::stream) fn start(&mut self, id: ConsumerId) -> ReplayJob {
+        let c = self.cursor;
+        let samples = self.batch.min(self.per_epoch - c.sample);
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.cursor = c.advance(samples, self.per_epoch);
+        self.live.insert(
+            seq,
+            Entry {
+                epoch: c.epoch,
+                first: c.sample,
+                samples,
+                state: State::Making,
+            },
+        );
+        let spans = (0..self.layout.fields.len())
+            .map(|f| {
+                self.layout
+                    .span(f, seq * self.batch, samples)
+                    .expect("a replayed batch lies in one slot of its ring")
+            })
+            .collect();
+        ReplayJob {
+            id,
+            seq,
+            epoch: c.epoch,
+            first: c.sample,
+            samples,
+            rings: self.rings.clone(),
+            spans,
+        }
+    }
+
+    /// Every batch made and released, and no more to come.
+    pub(in crate::stream) fn done(&self) -> bool {
+        self.to.is_some() && !self.running() && self.live.is_empty()
+    }
+    /// Batches started and not yet released.
+    pub(in crate::stream) fn in_flight(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Batch `seq` was made: what is now ready to send, in order.
+    pub(in crate::stream) fn made(&mut self, seq: u64) -> Vec<ReplayReady> {
+        if let Some(e) = self.live.get_mut(&seq) {
+            e.state = State::Made;
+        }
+        let mut ready = Vec::new();
+        while let Some(e) = self
+            .live
+            .get_mut(&self.sent)
+            .filter(|e| e.state == State::Made)
+        {
+            e.state = State::Sent;
+            ready.push(ReplayReady {
+                seq: self.sent,
+                epoch: e.epoch,
+                first: e.first,
+                samples: e.samples,
+                ends_epoch: e.first + e.samples == self.per_epoch,
+            });
+            self.sent += 1;
+        }
+        ready
+    }
+
+    /// Its consumer released batch `seq`: one sent and not yet released,
+    /// else refused. Whether the arena may go now ([`ArenaLife`]).
+    pub(in crate::stream) fn release(&mut self, seq: u64) -> Result<bool, ReplayError> {
+        match self.live.get(&seq) {
+            Some(e) if e.state == State::Sent => {
+                self.live.remove(&seq);
+            }
+            _ => return Err(ReplayError::NotHeld { seq }),
+        }
+        Ok(self.done() && self.life == ArenaLife::UntilDone)
+    }
+}
