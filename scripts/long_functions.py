@@ -5,7 +5,8 @@ files longer than a file limit (default 600 lines), tests excluded.
 A function runs from its `fn` line to the line of its closing brace, found
 by counting braces outside strings, chars and comments (good enough for
 this code base's style). Usage: long_functions.py [--max N] [--file-max N] DIR...
-Exits 1 when anything is over.
+Exits 1 when anything is over, except what OWED names (printed as owed),
+and when an OWED entry is no longer over (take it off the list).
 """
 import re
 import sys
@@ -58,6 +59,21 @@ def functions(path: Path):
         i += 1
 
 
+# Still over the limits, each owed until it is split; nothing may join.
+OWED = {
+    "broker/src/pipeline/augment.rs",
+    "broker/src/pipeline/shared.rs",
+    "broker/src/plan/augment.rs:augments_of",
+    "client-rs/src/consumer.rs",
+    "client-rs/src/cuda.rs",
+    "client-rs/src/mailbox.rs",
+    "client-rs/src/proto.rs",
+    "client-rs/src/shm.rs:rings_faulted",
+    "bench/src/hostile.rs:under_attack",
+    "bench/src/hostile.rs:chaos",
+}
+
+
 def production(path: Path) -> str:
     """The file up to its test module (tests come last)."""
     text = path.read_text()
@@ -76,19 +92,32 @@ def main() -> int:
         limit, args = int(args[1]), args[2:]
     if args[:1] == ["--file-max"]:
         file_limit, args = int(args[1]), args[2:]
-    over = 0
+    over, owed_seen = 0, set()
+
+    def report(key: str, text: str) -> None:
+        nonlocal over
+        if key in OWED:
+            owed_seen.add(key)
+            print(f"{text} (owed)")
+        else:
+            print(text)
+            over += 1
+
     for d in args:
         for f in sorted(Path(d).rglob("*.rs")):
             if f.name == "tests.rs" or "tests" in f.parts:
                 continue
+            rel = str(f)
             n = production_lines(f)
             if n > file_limit:
-                print(f"{f}: {n} lines outside tests (limit {file_limit})")
-                over += 1
+                report(rel, f"{f}: {n} lines outside tests (limit {file_limit})")
             for name, line, length in functions(f):
                 if length > limit:
-                    print(f"{f}:{line}: fn {name} is {length} lines (limit {limit})")
-                    over += 1
+                    report(f"{rel}:{name}", f"{f}:{line}: fn {name} is {length} lines (limit {limit})")
+    for key in sorted(OWED - owed_seen):
+        if any(key.startswith(d.rstrip("/") + "/") for d in args):
+            print(f"{key} is within the limits now: take it off OWED")
+            over += 1
     return 1 if over else 0
 
 

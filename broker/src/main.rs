@@ -141,19 +141,7 @@ fn serve(
     socket: Option<PathBuf>,
     metrics: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
-    let (cfg, plans) = match &config_path {
-        Some(path) => {
-            let cfg = config::Config::load(path)?;
-            let plans =
-                plan::plan_config(&cfg).with_context(|| format!("config {}", path.display()))?;
-            (cfg, plans)
-        }
-        None => (config::Config::default(), Vec::new()),
-    };
-    let limits = plan::plan_broker(&cfg.broker).with_context(|| match &config_path {
-        Some(path) => format!("config {}", path.display()),
-        None => "the built-in defaults".into(),
-    })?;
+    let (cfg, plans, limits) = load_config(config_path.as_deref())?;
     let allow = listen::Allow {
         own_uid: nix::unistd::getuid().as_raw(),
         uids: cfg.broker.allow_uids.clone(),
@@ -173,13 +161,14 @@ fn serve(
             &format!("{} connections", limits.max_connections),
         )
         .context("lower max_connections")?;
-    let mut streams = Vec::new();
-    for plan in plans {
-        let name = plan.name.clone();
-        let s = stream::Stream::start(plan, &budget, own_uid)
-            .with_context(|| format!("starting stream `{name}`"))?;
-        streams.push(s);
-    }
+    let streams = plans
+        .into_iter()
+        .map(|plan| {
+            let name = plan.name.clone();
+            stream::Stream::start(plan, &budget, own_uid)
+                .with_context(|| format!("starting stream `{name}`"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     batchcast_broker::gpu::announce();
     raise_fd_limit(limits.max_connections);
     let admission = server::Admission::new(allow, limits);
@@ -224,6 +213,27 @@ fn serve(
     drop(bound);
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// The config at `path` (or the built-in defaults), its streams' plans and
+/// the broker's limits; errors name the file.
+fn load_config(
+    path: Option<&std::path::Path>,
+) -> anyhow::Result<(config::Config, Vec<plan::StreamPlan>, plan::BrokerPlan)> {
+    let (cfg, plans) = match path {
+        Some(path) => {
+            let cfg = config::Config::load(path)?;
+            let plans =
+                plan::plan_config(&cfg).with_context(|| format!("config {}", path.display()))?;
+            (cfg, plans)
+        }
+        None => (config::Config::default(), Vec::new()),
+    };
+    let limits = plan::plan_broker(&cfg.broker).with_context(|| match path {
+        Some(path) => format!("config {}", path.display()),
+        None => "the built-in defaults".into(),
+    })?;
+    Ok((cfg, plans, limits))
 }
 
 /// Raises the soft limit on open files to the hard one: each connection is

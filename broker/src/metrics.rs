@@ -222,71 +222,76 @@ static GPU_METRICS: [Metric<GpuCopyStats>; 3] = [
     ),
 ];
 
+/// The broker's own metrics: name, kind, help, value.
+type BrokerMetric = (
+    &'static str,
+    &'static str,
+    &'static str,
+    fn(&StatsReply) -> f64,
+);
+
+const BROKER_METRICS: [BrokerMetric; 9] = [
+    (
+        "uptime_seconds",
+        "gauge",
+        "Seconds since the broker started.",
+        |s| s.uptime_s,
+    ),
+    (
+        "memory_budget_bytes",
+        "gauge",
+        "The broker's memory budget ([broker] memory_mib).",
+        |s| s.memory.budget_bytes as f64,
+    ),
+    (
+        "memory_used_bytes",
+        "gauge",
+        "Bytes of the budget held by arenas, GPU arenas, mailboxes and frame buffers.",
+        |s| s.memory.used_bytes as f64,
+    ),
+    (
+        "memory_refused_total",
+        "counter",
+        "Allocations refused for not fitting the budget.",
+        |s| s.memory.refused as f64,
+    ),
+    ("connections", "gauge", "Connections held.", |s| {
+        f64::from(s.connections.held)
+    }),
+    (
+        "connections_refused_total",
+        "counter",
+        "Connections refused (allow list, limits).",
+        |s| s.connections.refused as f64,
+    ),
+    (
+        "handshakes_refused_total",
+        "counter",
+        "Connections refused at the handshake (another protocol, no preamble, no hello).",
+        |s| s.connections.handshakes_refused as f64,
+    ),
+    (
+        "requests_refused_total",
+        "counter",
+        "Connections refused after admission, for any reason (logged at a bounded rate).",
+        |s| s.connections.requests_refused as f64,
+    ),
+    (
+        "pending_registrations",
+        "gauge",
+        "Producer registrations waiting for their first Acquire.",
+        |s| s.pending.len() as f64,
+    ),
+];
+
 /// The Prometheus text exposition of `s`.
 pub fn render(s: &StatsReply) -> String {
     let mut out = String::new();
     let mut f = Family { out: &mut out };
-    f.head(
-        "uptime_seconds",
-        "gauge",
-        "Seconds since the broker started.",
-    );
-    f.sample("uptime_seconds", &[], s.uptime_s);
-    let m = &s.memory;
-    let broker: [(&str, &str, &str, f64); 7] = [
-        (
-            "memory_budget_bytes",
-            "gauge",
-            "The broker's memory budget ([broker] memory_mib).",
-            m.budget_bytes as f64,
-        ),
-        (
-            "memory_used_bytes",
-            "gauge",
-            "Bytes of the budget held by arenas, GPU arenas, mailboxes and frame buffers.",
-            m.used_bytes as f64,
-        ),
-        (
-            "memory_refused_total",
-            "counter",
-            "Allocations refused for not fitting the budget.",
-            m.refused as f64,
-        ),
-        (
-            "connections",
-            "gauge",
-            "Connections held.",
-            f64::from(s.connections.held),
-        ),
-        (
-            "connections_refused_total",
-            "counter",
-            "Connections refused (allow list, limits).",
-            s.connections.refused as f64,
-        ),
-        (
-            "handshakes_refused_total",
-            "counter",
-            "Connections refused at the handshake (another protocol, no preamble, no hello).",
-            s.connections.handshakes_refused as f64,
-        ),
-        (
-            "requests_refused_total",
-            "counter",
-            "Connections refused after admission, for any reason (logged at a bounded rate).",
-            s.connections.requests_refused as f64,
-        ),
-    ];
-    for (name, kind, help, v) in broker {
+    for (name, kind, help, get) in &BROKER_METRICS {
         f.head(name, kind, help);
-        f.sample(name, &[], v);
+        f.sample(name, &[], get(s));
     }
-    f.head(
-        "pending_registrations",
-        "gauge",
-        "Producer registrations waiting for their first Acquire.",
-    );
-    f.sample("pending_registrations", &[], s.pending.len() as f64);
     for (name, kind, help, get) in &STREAM_METRICS {
         let name = format!("stream_{name}");
         f.head(&name, kind, help);

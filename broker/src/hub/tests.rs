@@ -3,6 +3,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use super::*;
+use batchcast::JoinPolicy;
 
 fn hub(slots: u32, bpe: u64, epochs: Option<u64>, lag_limit: Option<u32>) -> Hub {
     Hub::new(HubConfig {

@@ -352,13 +352,9 @@ struct SourceParts {
     info: SourceInfo,
 }
 
-/// `listed`: the dataset's listing, when another stream of its source
-/// has made it.
-fn plan_stream(
-    s: &StreamConfig,
-    listed: Option<(Arc<Dataset>, Option<usize>)>,
-    budget: u64,
-) -> Result<StreamPlan, StreamError> {
+/// The checks of a stream's keys that need nothing planned: its name,
+/// pace, flow control, workers, limits, and exactly one source.
+fn check_stream_keys(s: &StreamConfig) -> Result<(), StreamError> {
     check_name(&s.name)?;
     check_pace(s)?;
     check_flow(
@@ -379,10 +375,20 @@ fn plan_stream(
         s.webdataset.is_some(),
     ];
     match sources.iter().filter(|&&x| x).count() {
-        0 => return Err(StreamError::NoSource),
-        1 => {}
-        _ => return Err(StreamError::ManySources),
+        0 => Err(StreamError::NoSource),
+        1 => Ok(()),
+        _ => Err(StreamError::ManySources),
     }
+}
+
+/// `listed`: the dataset's listing, when another stream of its source
+/// has made it.
+fn plan_stream(
+    s: &StreamConfig,
+    listed: Option<(Arc<Dataset>, Option<usize>)>,
+    budget: u64,
+) -> Result<StreamPlan, StreamError> {
+    check_stream_keys(s)?;
     let parts = match &s.synthetic {
         Some(src) => synthetic_source(s, src)?,
         None => image_source(s, listed)?,

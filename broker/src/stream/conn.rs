@@ -131,6 +131,12 @@ pub(super) struct Start {
     pub(super) anchor: Position,
 }
 
+impl Start {
+    pub(super) fn of(skip: Option<Position>, anchor: Position) -> Start {
+        Start { skip, anchor }
+    }
+}
+
 impl Conn {
     /// A consumer that just joined.
     pub(super) fn new(

@@ -145,6 +145,12 @@ impl Stream {
     ///
     /// A replayed batch for some consumer goes first when one may start
     /// (`replay::take_job`; `replayed_last`: this thread made one last).
+    ///
+    /// In order, a pipeline thread looks for: a cut consumer to merge back,
+    /// a replayed batch, a free slot (at once outside a wait; else once
+    /// enough are free), and otherwise waits: idle while the hub wants no
+    /// batch, cutting laggards under decoupled pace, sleeping until a
+    /// release, or napping while consumers free slots.
     fn wait_for_job<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner>,
@@ -180,17 +186,7 @@ impl Stream {
             }
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
-            let mailboxes = inner
-                .conns
-                .values()
-                .filter(|c| c.out.mailbox().is_some())
-                .count();
-            let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
-            // Slots to wait for once blocked.
-            let target = match quick && mailboxes == inner.conns.len() {
-                true => (self.plan.slots / 2).max(1),
-                false => 1,
-            };
+            let (mailboxes, target) = self.slot_target(&inner);
             let free = inner.hub.free_slots();
             if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
                 && let Some(w) = inner.hub.start_batch()
@@ -198,24 +194,13 @@ impl Stream {
                 if target > 1 {
                     pace.learn(waited, free);
                 }
-                tracing::trace!(
-                    naps,
-                    free,
-                    waited_us = waited.as_micros() as u64,
-                    "slot wait"
-                );
+                let waited_us = waited.as_micros() as u64;
+                tracing::trace!(naps, free, waited_us, "slot wait");
                 break w;
             }
             if !inner.hub.wants_batches() {
-                // Idle: nothing to do until a hub change notifies it.
-                self.tell_source(&mut inner);
-                inner.pipeline_cpu += cpu.spent(true);
-                blocked_since = None;
-                wake_at = None;
-                // A consumer being replayed to is asked to ring when it
-                // releases: nobody else would look at its mailbox.
-                let armed = replay::active(&inner);
-                inner = self.idle(inner, armed, IDLE_WAIT);
+                inner = self.wait_idle(inner, cpu);
+                (blocked_since, wake_at) = (None, None);
                 continue;
             }
             blocked_since.get_or_insert(now);
@@ -242,6 +227,37 @@ impl Stream {
             inner.producer_blocked += t.elapsed();
         }
         Some(Job::Shared(work))
+    }
+
+    /// How many consumers read through a mailbox, and how many free slots
+    /// a blocked thread waits for: half the ring when batches are quick to
+    /// make and every consumer has a mailbox, else one.
+    fn slot_target(&self, inner: &Inner) -> (usize, u32) {
+        let mailboxes = inner
+            .conns
+            .values()
+            .filter(|c| c.out.mailbox().is_some())
+            .count();
+        let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
+        let target = match quick && mailboxes == inner.conns.len() {
+            true => (self.plan.slots / 2).max(1),
+            false => 1,
+        };
+        (mailboxes, target)
+    }
+
+    /// Idle: nothing to do until a hub change notifies it. A consumer being
+    /// replayed to is asked to ring when it releases (nobody else would
+    /// look at its mailbox).
+    fn wait_idle<'a>(
+        &'a self,
+        mut inner: MutexGuard<'a, Inner>,
+        cpu: &mut CpuClock,
+    ) -> MutexGuard<'a, Inner> {
+        self.tell_source(&mut inner);
+        inner.pipeline_cpu += cpu.spent(true);
+        let armed = replay::active(&inner);
+        self.idle(inner, armed, IDLE_WAIT)
     }
 
     /// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes

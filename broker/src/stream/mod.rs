@@ -164,6 +164,42 @@ pub enum StartError {
     Arena(#[from] batchcast::Error),
 }
 
+impl Inner {
+    /// A stream's state before anything happened: its hub, no consumers.
+    fn new(plan: &StreamPlan, workers: u32) -> Inner {
+        let hub = Hub::new(HubConfig {
+            slots: plan.slots,
+            batches_per_epoch: plan.schema.batches_per_epoch,
+            epochs: plan.epochs,
+            lag_limit: plan.lag_limit,
+            min_consumers: plan.min_consumers,
+        });
+        Inner {
+            hub,
+            conns: HashMap::default(),
+            producer_blocked: Duration::ZERO,
+            pipeline_cpu: Duration::ZERO,
+            failed: None,
+            mirrors: HashMap::new(),
+            groups: Vec::new(),
+            past: VecDeque::new(),
+            idle_workers: 0,
+            armed_workers: 0,
+            producer_waiting: false,
+            fill_ns: u64::MAX,
+            workers,
+            drain_all: false,
+            drained: Vec::new(),
+            outbound: Vec::new(),
+            replaying: 0,
+            replay_cpu: Duration::ZERO,
+            made_at: VecDeque::new(),
+            pinned: None,
+            told_live: false,
+        }
+    }
+}
+
 impl Stream {
     /// Creates the arena and starts the pipeline threads, which wait for
     /// consumers. The arena is sealed against every writer but this process
@@ -205,43 +241,14 @@ impl Stream {
             )))),
             SourcePlan::External => None,
         };
-        let hub = Hub::new(HubConfig {
-            slots: plan.slots,
-            batches_per_epoch: plan.schema.batches_per_epoch,
-            epochs: plan.epochs,
-            lag_limit: plan.lag_limit,
-            min_consumers: plan.min_consumers,
-        });
         let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
         let stream = Arc::new(Stream {
             gpus: Gpus::default(),
+            inner: Mutex::new(Inner::new(&plan, workers)),
             plan,
             arena,
             rings,
             writer,
-            inner: Mutex::new(Inner {
-                hub,
-                conns: HashMap::default(),
-                producer_blocked: Duration::ZERO,
-                pipeline_cpu: Duration::ZERO,
-                failed: None,
-                mirrors: HashMap::new(),
-                groups: Vec::new(),
-                past: VecDeque::new(),
-                idle_workers: 0,
-                armed_workers: 0,
-                producer_waiting: false,
-                fill_ns: u64::MAX,
-                workers,
-                drain_all: false,
-                drained: Vec::new(),
-                outbound: Vec::new(),
-                replaying: 0,
-                replay_cpu: Duration::ZERO,
-                made_at: VecDeque::new(),
-                pinned: None,
-                told_live: false,
-            }),
             work_cv: Condvar::new(),
             stop: AtomicBool::new(false),
             workers: Mutex::new(Vec::new()),

@@ -50,18 +50,11 @@ impl Stream {
         req: ConsumeRequest,
         peer: Peer,
     ) -> Result<Subscription, SubscribeError> {
-        // Room for a full window of batches, one end-of-epoch marker per
-        // batch, and the final messages.
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
         let replays = replaying.is_some() || decoupled;
-        // And the replayed batches it may be sent ahead of its releases.
-        let replayed = match replays {
-            true => book::slots(req.window) as usize,
-            false => 0,
-        };
-        let (tx, rx) = mpsc::channel(2 * shape.units as usize + 4 + replayed);
+        let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape)?;
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
@@ -69,20 +62,12 @@ impl Stream {
         // A replay arena, if it may be needed (whether it is depends on
         // where the stream is when it joins, and for a decoupled consumer
         // on whether it falls behind).
-        let prepared = match replays {
-            true => Some(self.prepare_replay(
-                shape.batch_size,
-                req.window,
-                peer.uid,
-                &format!("consumer `{}` (pid {})", peer.name, peer.pid),
-            )?),
-            false => None,
-        };
+        let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
+        let prepared = replays
+            .then(|| self.prepare_replay(shape.batch_size, req.window, peer.uid, &whom))
+            .transpose()?;
         let (mirror, gpu_grant) = match &req.device {
-            Some(dev) => {
-                let (m, g) = self.open_mirror(dev, &peer)?;
-                (Some(m), g)
-            }
+            Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
         };
         // A mailbox consumer is sent every batch at once and keeps to its
@@ -106,10 +91,7 @@ impl Stream {
             // still holds (`JoinPolicy::Now` in the hub): it is sent what
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
-            let join = match replaying {
-                Some(_) => JoinPolicy::Now,
-                None => req.join,
-            };
+            let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
                 .start_replay(inner, id, replaying, prepared, shape.batch_size)
@@ -126,10 +108,7 @@ impl Stream {
                 (shape, &req),
                 (mailbox, mailbox_grant),
                 started.replay,
-                Start {
-                    skip: started.skip,
-                    anchor: started.anchor,
-                },
+                Start::of(started.skip, started.anchor),
             );
             inner.conns.insert(id, conn);
             if let Some(from) = started.cut {
@@ -215,4 +194,13 @@ fn grant(m: &BrokerMailbox) -> Result<MailboxGrant, SubscribeError> {
             .map_err(|e| SubscribeError::Mailbox(e.into()))?,
         bell: m.bell(),
     })
+}
+
+/// Messages a consumer's channel must hold: a full window of batches
+/// (`shape.units`), one end-of-epoch marker per batch, the final messages,
+/// and with replay (its `window`) the replayed batches it may be sent
+/// ahead of its releases.
+fn outbox_room(shape: Shape, replay_window: Option<u32>) -> usize {
+    let replayed = replay_window.map_or(0, |w| book::slots(w) as usize);
+    2 * shape.units as usize + 4 + replayed
 }

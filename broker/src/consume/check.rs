@@ -1,0 +1,331 @@
+//! What `batchcast consume` checks and counts from batch to batch: order,
+//! epochs, digests, dumps, distinct dataset indices, synthetic bytes.
+
+use std::borrow::Cow;
+use std::collections::{HashSet, VecDeque};
+
+use batchcast::proto::EpochEnd;
+use batchcast::schema::SourceInfo;
+use batchcast::synthetic::{SyntheticSpec, mix64};
+use batchcast::{Batch, JoinPolicy, Schema};
+
+use super::{ConsumeArgs, ConsumerReport, EpochReport, Histogram};
+
+/// What `consume` checks and counts from batch to batch: order, epochs,
+/// digests, dumps, distinct dataset indices, synthetic bytes.
+pub(super) struct Checker<'a> {
+    args: &'a ConsumeArgs,
+    /// How it joined: a first batch mid-epoch is an error unless immediate.
+    join: JoinPolicy,
+    schema: Schema,
+    /// This consumer's batches in an epoch.
+    batches_per_epoch: u64,
+    /// Synthetic streams with `--verify`: what every sample must hold.
+    spec: Option<SyntheticSpec>,
+    /// Image streams: the `index` field, to count distinct samples.
+    index_field: Option<usize>,
+    seen: HashSet<i64>,
+    /// The sample order of the last two epochs seen.
+    orders: VecDeque<(u64, Vec<u64>)>,
+    handoff: Histogram,
+    /// `(seq, epoch, index)` of the last batch, and whether it was replayed.
+    last: Option<(u64, u64, u64)>,
+    last_replayed: bool,
+    digest: u64,
+    cur: EpochReport,
+    /// The shared mapping's address range in this process, and the replay
+    /// arena's.
+    arenas: Vec<(usize, usize)>,
+}
+
+impl<'a> Checker<'a> {
+    pub(super) fn new(
+        args: &'a ConsumeArgs,
+        schema: Schema,
+        batches_per_epoch: u64,
+        arenas: Vec<(usize, usize)>,
+        join: JoinPolicy,
+    ) -> batchcast::Result<Checker<'a>> {
+        let spec = match schema.source {
+            SourceInfo::Synthetic(spec) => Some(spec).filter(|_| args.verify),
+            SourceInfo::Images(_) | SourceInfo::External(_) if args.verify => {
+                return Err(batchcast::Error::Schema(
+                    "--verify checks synthetic streams; use --digest or --dump to compare what consumers of other streams receive".into(),
+                ));
+            }
+            SourceInfo::Images(_) | SourceInfo::External(_) => None,
+        };
+        let index_field = schema
+            .field("index")
+            .filter(|(_, f)| f.dtype == batchcast::DType::I64 && f.shape.is_empty())
+            .map(|(i, _)| i);
+        if let Some(dir) = &args.dump {
+            std::fs::create_dir_all(dir).map_err(batchcast::Error::Io)?;
+        }
+        Ok(Checker {
+            args,
+            join,
+            schema,
+            batches_per_epoch,
+            spec,
+            index_field,
+            seen: HashSet::new(),
+            orders: VecDeque::new(),
+            handoff: Histogram::default(),
+            last: None,
+            last_replayed: false,
+            digest: 0,
+            cur: EpochReport::new(u64::MAX),
+            arenas,
+        })
+    }
+
+    pub(super) fn epoch_end(&mut self, end: EpochEnd, report: &mut ConsumerReport) {
+        if self.cur.epoch != end.epoch || self.cur.batches != end.batches {
+            report.order_errors.push(format!(
+                "end of epoch {end:?} after {} batches of epoch {}",
+                self.cur.batches, self.cur.epoch
+            ));
+        }
+        self.cur.complete = end.complete;
+    }
+
+    /// Checks and counts one batch.
+    pub(super) fn batch(
+        &mut self,
+        batch: &Batch,
+        report: &mut ConsumerReport,
+    ) -> batchcast::Result<()> {
+        self.handoff.record(batch.handoff_ns());
+        report.wait_s += batch.wait_ns() as f64 * 1e-9;
+        report.busy_s += batch.busy_ns() as f64 * 1e-9;
+        self.check_order(batch, report);
+        if batch.epoch() != self.cur.epoch {
+            self.close_epoch(report);
+            self.cur = EpochReport::new(batch.epoch());
+        }
+        self.cur.batches += 1;
+        self.cur.samples += batch.len() as u64;
+        report.batches += 1;
+        report.replayed_batches += u64::from(batch.replayed());
+        report.samples += batch.len() as u64;
+        // Host views, or for a device batch its bytes copied back from the
+        // GPU (this is a test consumer: what it checks is what arrived).
+        let fields: Vec<Cow<'_, [u8]>> = match batch.fields() {
+            Ok(views) => views.map(|f| f.bytes().into()).collect(),
+            Err(batchcast::Error::OnDevice { .. }) => (0..self.schema.fields.len())
+                .map(|i| batch.copy_field(i).map(Into::into))
+                .collect::<batchcast::Result<_>>()?,
+            Err(e) => return Err(e),
+        };
+        for f in &fields {
+            if let Cow::Borrowed(b) = f {
+                let p = b.as_ptr() as usize;
+                if !self
+                    .arenas
+                    .iter()
+                    .any(|&(base, len)| p >= base && p + b.len() <= base + len)
+                {
+                    report.views_outside_arena += 1;
+                }
+            }
+        }
+        self.record_fields(batch, &fields, report)?;
+        if let Some(fi) = self.index_field {
+            for j in 0..batch.len() {
+                let v = i64::from_le_bytes(
+                    sample(&fields[fi], batch.len(), j)
+                        .try_into()
+                        .expect("i64 scalar"),
+                );
+                self.seen.insert(v);
+            }
+        }
+        if let Some(spec) = self.spec {
+            self.verify(spec, batch, &fields, report);
+        }
+        Ok(())
+    }
+
+    /// Batches come in sequence, epoch by epoch; the first at an epoch's
+    /// start unless joining mid-epoch.
+    fn check_order(&mut self, batch: &Batch, report: &mut ConsumerReport) {
+        let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
+        match self.last {
+            Some((ps, pe, pi)) => {
+                let expect = if pi + 1 == self.batches_per_epoch {
+                    (pe + 1, 0)
+                } else {
+                    (pe, pi + 1)
+                };
+                // Batches smaller than the stream's share its units' seq;
+                // replayed batches count seqs of their own.
+                let replay = batch.replayed() || self.last_replayed;
+                if (!replay && seq < ps) || (epoch, index) != expect {
+                    report.order_errors.push(format!(
+                        "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
+                    ));
+                }
+            }
+            None if self
+                .args
+                .resume
+                .is_some_and(|p| (p.epoch, p.sample) != (epoch, batch.first_sample())) =>
+            {
+                report.order_errors.push(format!(
+                    "first batch starts at sample {} of epoch {epoch}, not at the resume position {:?}",
+                    batch.first_sample(),
+                    self.args.resume
+                ));
+            }
+            None if self.args.resume.is_none()
+                && self.join != JoinPolicy::Immediate
+                && index != 0 =>
+            {
+                report.order_errors.push(format!(
+                    "first batch is index {index} of epoch {epoch}, not the start of an epoch"
+                ));
+            }
+            None => {}
+        }
+        self.last = Some((seq, epoch, index));
+        self.last_replayed = batch.replayed();
+    }
+
+    /// Counts the bytes, and digests or dumps them when asked.
+    fn record_fields(
+        &mut self,
+        batch: &Batch,
+        fields: &[Cow<'_, [u8]>],
+        report: &mut ConsumerReport,
+    ) -> batchcast::Result<()> {
+        if self.args.digest {
+            // Sample by sample, so that consumers of any batch size agree.
+            for j in 0..batch.len() {
+                for bytes in fields {
+                    self.digest = digest_bytes(self.digest, sample(bytes, batch.len(), j));
+                }
+            }
+        }
+        for (f, bytes) in self.schema.fields.iter().zip(fields) {
+            report.bytes += bytes.len() as u64;
+            if let Some(dir) = &self.args.dump {
+                let path = dir.join(format!(
+                    "e{}-b{}-{}.bin",
+                    batch.epoch(),
+                    batch.index(),
+                    f.name
+                ));
+                std::fs::write(&path, bytes).map_err(batchcast::Error::Io)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every sample of a synthetic batch against the generator.
+    fn verify(
+        &mut self,
+        spec: SyntheticSpec,
+        batch: &Batch,
+        fields: &[Cow<'_, [u8]>],
+        report: &mut ConsumerReport,
+    ) {
+        let epoch = batch.epoch();
+        if !self.orders.iter().any(|(e, _)| *e == epoch) {
+            if self.orders.len() == 2 {
+                self.orders.pop_front();
+            }
+            self.orders.push_back((epoch, spec.epoch_order(epoch)));
+        }
+        let order = &self
+            .orders
+            .iter()
+            .find(|(e, _)| *e == epoch)
+            .expect("just inserted")
+            .1;
+        let first = batch.first_sample() as usize;
+        let before = report.verify_failures;
+        for (fi, bytes) in fields.iter().enumerate() {
+            for j in 0..batch.len() {
+                let Some(&ds) = order.get(first + j) else {
+                    report.verify_failures += 1;
+                    continue;
+                };
+                if !spec.verify_sample(fi, ds, sample(bytes, batch.len(), j)) {
+                    report.verify_failures += 1;
+                }
+            }
+        }
+        if report.verify_failures > before && report.order_errors.len() < 20 {
+            report.order_errors.push(format!(
+                "verify: {} wrong in batch of epoch {epoch}, samples {first}..{} ({}, seq {})",
+                report.verify_failures - before,
+                first + batch.len(),
+                if batch.replayed() {
+                    "replayed"
+                } else {
+                    "shared"
+                },
+                batch.seq()
+            ));
+        }
+        report.verified_samples += batch.len() as u64;
+    }
+
+    /// Adds the epoch in progress, if any, to the report.
+    fn close_epoch(&mut self, report: &mut ConsumerReport) {
+        if self.cur.epoch == u64::MAX {
+            return;
+        }
+        let mut e = close_epoch(&mut self.cur, &mut self.digest, self.args.digest);
+        e.distinct_indices = self.index_field.map(|_| self.seen.len() as u64);
+        self.seen.clear();
+        report.epochs.push(e);
+    }
+
+    pub(super) fn finish(mut self, report: &mut ConsumerReport) {
+        self.close_epoch(report);
+        report.handoff_us_p50 = self.handoff.quantile(0.50) as f64 / 1e3;
+        report.handoff_us_p99 = self.handoff.quantile(0.99) as f64 / 1e3;
+        report.handoff_us_max = self.handoff.max as f64 / 1e3;
+    }
+}
+
+/// Sample `j` of a field's bytes in a batch of `samples` samples.
+fn sample(field: &[u8], samples: usize, j: usize) -> &[u8] {
+    let bps = field.len() / samples.max(1);
+    &field[j * bps..(j + 1) * bps]
+}
+
+impl EpochReport {
+    fn new(epoch: u64) -> EpochReport {
+        EpochReport {
+            epoch,
+            batches: 0,
+            samples: 0,
+            complete: false,
+            digest: None,
+            distinct_indices: None,
+        }
+    }
+}
+
+fn close_epoch(cur: &mut EpochReport, digest: &mut u64, with_digest: bool) -> EpochReport {
+    let mut e = cur.clone();
+    if with_digest {
+        e.digest = Some(format!("{:016x}", *digest));
+    }
+    *digest = 0;
+    e
+}
+
+fn digest_bytes(mut acc: u64, bytes: &[u8]) -> u64 {
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        acc = mix64(acc ^ u64::from_le_bytes(c.try_into().expect("8 bytes")));
+    }
+    for &b in chunks.remainder() {
+        acc = mix64(acc ^ b as u64);
+    }
+    mix64(acc ^ bytes.len() as u64)
+}

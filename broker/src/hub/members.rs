@@ -1,0 +1,159 @@
+//! Consumers joining and leaving the hub: where a joiner starts (the one
+//! rule, by `JoinPolicy`), saying goodbye, leaving.
+
+use std::collections::VecDeque;
+
+use batchcast::JoinPolicy;
+
+use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError};
+
+impl Hub {
+    /// Subscribes a host consumer; returns its id and the first epoch it
+    /// will see.
+    pub fn join(&mut self, window: u32, join: JoinPolicy) -> Result<(ConsumerId, u64), HubError> {
+        self.join_group(window, join, None, Delivery::Window)
+    }
+
+    /// Subscribes a consumer of group `group`'s copies (or, with `None`, of
+    /// the host slots); returns its id and the first epoch it will see.
+    pub fn join_group(
+        &mut self,
+        window: u32,
+        join: JoinPolicy,
+        group: Option<GroupId>,
+        delivery: Delivery,
+    ) -> Result<(ConsumerId, u64), HubError> {
+        let group_slots = match group {
+            None => None,
+            Some(g) => {
+                let grp = self
+                    .groups
+                    .get(g as usize)
+                    .ok_or(HubError::UnknownGroup(g))?;
+                if grp.failed {
+                    return Err(HubError::GroupFailed);
+                }
+                Some(grp.slots.len() as u32)
+            }
+        };
+        self.check_window(window, group_slots)?;
+        let ahead = match delivery {
+            Delivery::Window => window,
+            Delivery::Ahead => group_slots.unwrap_or(self.cfg.slots),
+        };
+        let (floor, start_epoch, first, from_ring) = self.start_of(join, group);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.consumers.insert(
+            id,
+            Consumer {
+                window,
+                ahead,
+                group,
+                floor,
+                start_epoch,
+                first,
+                queue: VecDeque::new(),
+                held: Vec::new(),
+                closing: false,
+                cut: false,
+                ended: false,
+                delivered: 0,
+                cur_epoch: start_epoch,
+                in_epoch: 0,
+            },
+        );
+        if from_ring {
+            self.owe_published(id, floor);
+        }
+        self.pump();
+        Ok((id, start_epoch))
+    }
+
+    /// Epoch and index in it of the first batch consumer `id` gets (unless
+    /// the stream ends before): where the shared stream begins for it.
+    pub fn first_batch(&self, id: ConsumerId) -> Option<(u64, u64)> {
+        self.consumers.get(&id).map(|c| c.first)
+    }
+
+    /// The consumer wants nothing more; what it holds stays held until it
+    /// releases it or leaves.
+    pub fn goodbye(&mut self, id: ConsumerId) -> Result<(), HubError> {
+        let c = self
+            .consumers
+            .get_mut(&id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        c.closing = true;
+        let group = c.group;
+        let queued: Vec<u64> = c.queue.drain(..).collect();
+        for seq in queued {
+            self.unref(group, seq);
+        }
+        self.pump();
+        Ok(())
+    }
+
+    /// The consumer is gone: everything it held or was owed is given back.
+    /// Idempotent: returns `false` if it was already gone.
+    pub fn leave(&mut self, id: ConsumerId) -> bool {
+        let gone = self.remove(id);
+        self.pump();
+        gone
+    }
+
+    /// Removes a consumer and drops its references. Removing never adds to
+    /// another consumer's queue, so callers need not pump again for it.
+    pub(super) fn remove(&mut self, id: ConsumerId) -> bool {
+        let Some(c) = self.consumers.remove(&id) else {
+            return false;
+        };
+        self.departed += 1;
+        for seq in c.held.into_iter().chain(c.queue) {
+            self.unref(c.group, seq);
+        }
+        true
+    }
+
+    /// Where a consumer joining with `join` (of `group`'s copies, or the
+    /// host slots) starts: the first seq it may be owed, its first epoch,
+    /// its first batch (epoch, index), and whether that batch is already
+    /// published (it is owed what the ring holds from there).
+    fn start_of(
+        &mut self,
+        join: JoinPolicy,
+        group: Option<GroupId>,
+    ) -> (u64, u64, (u64, u64), bool) {
+        if join == JoinPolicy::NextEpoch && !self.anyone_reading() && self.next_index != 0 {
+            // Paused mid-epoch with nobody subscribed: nobody would see the
+            // rest of this epoch, so it is not produced; batches of it still
+            // in flight are published to nobody.
+            self.next_epoch += 1;
+            self.next_index = 0;
+            self.live_epoch = self.next_epoch;
+        }
+        // The first batch not yet published, skipping abandoned epochs.
+        let (floor, epoch, index) = self
+            .inflight
+            .iter()
+            .find(|(_, b)| b.epoch >= self.live_epoch)
+            .map(|(&seq, b)| (seq, b.epoch, b.index))
+            .unwrap_or((self.next_seq, self.next_epoch, self.next_index));
+        let (start_epoch, first) = match join {
+            JoinPolicy::NextEpoch if index != 0 => (epoch + 1, (epoch + 1, 0)),
+            _ => (epoch, (epoch, index)),
+        };
+        // `Now` starts where the readers are, not where the pipeline is:
+        // at the oldest batch still published (the ring holds it: it is
+        // sent from there, not recomputed), when there is one.
+        // (Host consumers only: a GPU member's batches are its group's
+        // copies, made as they are published.)
+        let oldest = match (join, group) {
+            (JoinPolicy::Now, None) => self.oldest_live(),
+            _ => None,
+        };
+        match oldest {
+            Some((seq, e, i)) => (seq, e, (e, i), true),
+            None => (floor, start_epoch, first, false),
+        }
+    }
+}

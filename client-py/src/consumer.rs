@@ -1,0 +1,203 @@
+//! `Consumer`: a subscription to one stream, its waits done without the
+//! GIL in steps that check for Ctrl-C.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use batchcast::{Event, JoinPolicy, Schema};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{invalid, parse_error, to_py};
+use crate::{TICK, dlpack, lock, schema_dict};
+
+use crate::batch::Batch;
+
+/// A subscription to one stream (see `batchcast.Consumer`).
+#[pyclass(module = "batchcast._native")]
+pub(crate) struct Consumer {
+    pub(crate) inner: Mutex<batchcast::Consumer>,
+    pub(crate) schema: Arc<Schema>,
+    pub(crate) window: u32,
+    /// This consumer's batch size, and its batches in a whole epoch.
+    pub(crate) batch_size: u64,
+    pub(crate) batches_per_epoch: u64,
+    pub(crate) start_epoch: u64,
+    pub(crate) owner_uid: u32,
+    pub(crate) arena: (usize, usize),
+    /// DLPack `(device_type, device_id)` of delivered batches.
+    pub(crate) device: (i32, i32),
+}
+
+#[pymethods]
+impl Consumer {
+    #[new]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        stream: String,
+        socket: Option<PathBuf>,
+        window: u32,
+        join: &str,
+        name: Option<String>,
+        connect_timeout: f64,
+        device: &str,
+        broker_uid: Option<u32>,
+        batch_size: Option<u64>,
+        drop_last: Option<bool>,
+        resume: Option<(u64, u64)>,
+    ) -> PyResult<Consumer> {
+        let device: batchcast::Device = device.parse().map_err(parse_error)?;
+        let join: JoinPolicy = join.parse().map_err(parse_error)?;
+        if !(connect_timeout.is_finite() && connect_timeout >= 0.0) {
+            return Err(invalid(format!(
+                "connect_timeout={connect_timeout} must be a number of seconds ≥ 0"
+            )));
+        }
+        let mut opts = batchcast::ConsumerOptions {
+            socket,
+            stream,
+            window,
+            join,
+            connect_timeout: Duration::from_secs_f64(connect_timeout),
+            device,
+            broker_uid,
+            ..Default::default()
+        };
+        if let Some(n) = name {
+            opts.name = n;
+        }
+        if batch_size.is_some() {
+            opts.batch_size = batch_size;
+        }
+        opts.drop_last = drop_last;
+        opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
+        // Connecting may wait for the broker; Ctrl-C cannot interrupt that
+        // wait, so it is bounded by connect_timeout.
+        let consumer = py
+            .detach(|| batchcast::Consumer::connect(opts))
+            .map_err(|e| to_py(py, e))?;
+        let (base, len) = consumer.arena();
+        Ok(Consumer {
+            schema: Arc::new(consumer.schema().clone()),
+            window: consumer.welcome().window,
+            batch_size: consumer.batch_size(),
+            batches_per_epoch: consumer.batches_per_epoch(),
+            start_epoch: consumer.welcome().start_epoch,
+            owner_uid: consumer.welcome().owner_uid,
+            arena: (base as usize, len),
+            device: match consumer.device() {
+                batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),
+                batchcast::Device::Cuda(n) => (dlpack::DEVICE_CUDA, n as i32),
+            },
+            inner: Mutex::new(consumer),
+        })
+    }
+
+    /// The next event, waiting at most `timeout` seconds (forever if
+    /// `None`): `("batch", Batch)`, `("epoch_end", epoch, batches,
+    /// complete)`, `("end",)`, or `None` on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn next_event<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        let mut guard = lock(&self.inner);
+        loop {
+            let c = &mut *guard;
+            let ready = py
+                .detach(|| c.wait_readable(TICK))
+                .map_err(|e| to_py(py, e))?;
+            if ready {
+                break;
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(None);
+            }
+        }
+        let c = &mut *guard;
+        let event = py.detach(|| c.next_event()).map_err(|e| to_py(py, e))?;
+        let out = match event {
+            Some(Event::Batch(b)) => {
+                let next = b.next_position();
+                let batch = Batch {
+                    first_sample: b.first_sample(),
+                    replayed: b.replayed(),
+                    next_position: (next.epoch, next.sample),
+                    seq: b.seq(),
+                    epoch: b.epoch(),
+                    index: b.index(),
+                    samples: b.len() as u64,
+                    wait_s: b.wait_ns() as f64 * 1e-9,
+                    handoff_s: b.handoff_ns() as f64 * 1e-9,
+                    schema: self.schema.clone(),
+                    device: self.device,
+                    inner: Mutex::new(Some(Arc::new(b))),
+                };
+                ("batch", Py::new(py, batch)?).into_pyobject(py)?.into_any()
+            }
+            Some(Event::EndOfEpoch(e)) => ("epoch_end", e.epoch, e.batches, e.complete)
+                .into_pyobject(py)?
+                .into_any(),
+            Some(Event::EndOfStream) | None => ("end",).into_pyobject(py)?.into_any(),
+        };
+        Ok(Some(out))
+    }
+
+    /// The stream's schema as a dict.
+    fn schema<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        schema_dict(py, &self.schema)
+    }
+
+    #[getter]
+    fn window(&self) -> u32 {
+        self.window
+    }
+
+    /// This consumer's batch size (its own, or the stream's).
+    #[getter]
+    fn batch_size(&self) -> u64 {
+        self.batch_size
+    }
+
+    /// This consumer's batches in a whole epoch.
+    #[getter]
+    fn batches_per_epoch(&self) -> u64 {
+        self.batches_per_epoch
+    }
+
+    #[getter]
+    fn start_epoch(&self) -> u64 {
+        self.start_epoch
+    }
+
+    /// The uid the stream belongs to (the broker's, or its producer's).
+    #[getter]
+    fn owner_uid(&self) -> u32 {
+        self.owner_uid
+    }
+
+    /// Batches received and not yet released.
+    #[getter]
+    fn held(&self) -> u32 {
+        lock(&self.inner).held()
+    }
+
+    /// `(address, length)` of the shared arena in this process.
+    #[getter]
+    fn arena(&self) -> (usize, usize) {
+        self.arena
+    }
+
+    /// DLPack `(device_type, device_id)` batches are delivered on:
+    /// `(1, 0)` host memory, `(2, N)` GPU N.
+    #[getter]
+    fn device(&self) -> (i32, i32) {
+        self.device
+    }
+}
