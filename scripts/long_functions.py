@@ -66,7 +66,6 @@ OWED = {
     "broker/src/plan/augment.rs:augments_of",
     "client-rs/src/consumer.rs",
     "client-rs/src/cuda.rs",
-    "client-rs/src/mailbox.rs",
     "client-rs/src/proto.rs",
     "client-rs/src/shm.rs:rings_faulted",
     "bench/src/hostile.rs:under_attack",

@@ -25,8 +25,8 @@
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
 //!   it held and all that was queued for it at once. One that said goodbye
 //!   takes nothing more: with nobody else, the stream pauses.
-//! * Joining: [`JoinPolicy::NextEpoch`] starts at the first epoch of which
-//!   nothing has been published; [`JoinPolicy::Immediate`] at the next batch
+//! * Joining: [`JoinPolicy::NextEpoch`](batchcast::JoinPolicy::NextEpoch) starts at the first epoch of which
+//!   nothing has been published; [`JoinPolicy::Immediate`](batchcast::JoinPolicy::Immediate) at the next batch
 //!   published. With no consumer at all, the pipeline pauses; a consumer
 //!   joining a paused stream for the next epoch makes it skip the rest of the
 //!   epoch nobody was watching.

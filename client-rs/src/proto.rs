@@ -27,17 +27,17 @@
 //! is documented and stable, and its varint encoding keeps these small
 //! control messages to a few bytes. Tensor bytes never cross the socket.
 
-use std::io::{ErrorKind, Read, Write};
-
-use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use serde::{Deserialize, Serialize};
 
 pub use crate::error::ErrorCode;
 use crate::error::{Error, Result};
 use crate::parse::ParseError;
 use crate::schema::{RingLayout, Schema, SlotLayout};
 
+mod frame;
 mod names;
 mod stats;
+pub use frame::*;
 pub use names::*;
 pub use stats::*;
 
@@ -614,68 +614,6 @@ pub enum GoodbyeReason {
 pub struct ErrorMsg {
     pub code: ErrorCode,
     pub message: String,
-}
-
-/// Encodes `msg` as one frame (length prefix + payload).
-pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>> {
-    let mut out = postcard::to_extend(msg, vec![0u8; 4])?;
-    let len = out.len() - 4;
-    if len > MAX_FRAME as usize {
-        return Err(Error::FrameTooLarge {
-            len: len as u64,
-            max: MAX_FRAME as u64,
-        });
-    }
-    out[..4].copy_from_slice(&(len as u32).to_le_bytes());
-    Ok(out)
-}
-
-/// Checks a length prefix against [`MAX_FRAME`].
-pub fn check_len(len: u32) -> Result<usize> {
-    if len > MAX_FRAME {
-        Err(Error::FrameTooLarge {
-            len: len as u64,
-            max: MAX_FRAME as u64,
-        })
-    } else {
-        Ok(len as usize)
-    }
-}
-
-/// Decodes one payload; trailing bytes are an error.
-pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
-    let (msg, rest) = postcard::take_from_bytes(payload)?;
-    if !rest.is_empty() {
-        return Err(Error::Decode(postcard::Error::DeserializeBadEncoding));
-    }
-    Ok(msg)
-}
-
-/// Reads one frame. `Ok(None)` means the peer closed the connection cleanly
-/// between frames; a close inside a frame is an error.
-pub fn read_frame<T: DeserializeOwned>(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Option<T>> {
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        match r.read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(Error::Io(ErrorKind::UnexpectedEof.into())),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let len = check_len(u32::from_le_bytes(len))?;
-    buf.clear();
-    buf.resize(len, 0);
-    r.read_exact(buf)?;
-    decode(buf).map(Some)
-}
-
-/// Writes one frame.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<()> {
-    w.write_all(&encode(msg)?)?;
-    Ok(())
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: comparable across processes on one host.

@@ -9,23 +9,21 @@ use std::sync::Arc;
 
 use batchcast::mailbox::Bell;
 use batchcast::proto::{self, ClientMsg, ErrorCode, ServerMsg, Welcome};
-use tokio::io::AsyncWriteExt;
-use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 
-use super::{Broker, Reject, append, next_frame, send_with_arena, write_msg};
+use super::Broker;
+use super::connection::{Connection, Reject, append};
 use crate::hub::ConsumerId;
 use batchcast::proto::ConsumeRequest;
 
 use crate::stream::{Peer, Stream, SubscribeError, Subscription};
 
 pub(super) async fn serve_consumer(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     broker: &Broker,
     stream: Arc<Stream>,
     req: ConsumeRequest,
     peer: Peer,
-    buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
     let window = req.window;
     let sub = subscribe(&stream, req, peer).await?;
@@ -62,13 +60,13 @@ pub(super) async fn serve_consumer(
         .into_iter()
         .chain(sub.replay.as_ref().map(|(_, fd)| fd.as_fd()))
         .collect();
-    if send_with_arena(sock, &bytes, &stream, &more).await.is_err() {
+    if conn.send_with_arena(&bytes, &stream, &more).await.is_err() {
         return Ok(());
     }
     // A mailbox consumer may be asleep on its bell rather than on the
     // socket: ring after everything written to it.
     let bell = sub.mailbox.map(|m| m.bell);
-    relay(sock, broker, &stream, sub.id, sub.rx, bell, buf).await
+    relay(conn, broker, &stream, sub.id, sub.rx, bell).await
 }
 
 /// Subscribes on a blocking thread: opening a GPU (driver calls, a device
@@ -102,13 +100,12 @@ async fn subscribe(
 /// Writes what the stream queued for the consumer (coalesced into one
 /// write) and takes what it sends, until either side ends.
 async fn relay(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     broker: &Broker,
     stream: &Stream,
     id: ConsumerId,
     mut rx: mpsc::Receiver<ServerMsg>,
     bell: Option<Bell>,
-    buf: &mut Vec<u8>,
 ) -> Result<(), Reject> {
     let mut out = Vec::with_capacity(1024);
     loop {
@@ -124,7 +121,7 @@ async fn relay(
                     last |= matches!(m, ServerMsg::Goodbye(_));
                     append(&mut out, &m);
                 }
-                let written = sock.write_all(&out).await;
+                let written = conn.write_all(&out).await;
                 if let Some(bell) = &bell {
                     bell.ring();
                 }
@@ -132,14 +129,14 @@ async fn relay(
                     return Ok(());
                 }
             }
-            m = next_frame(sock, buf) => match m? {
+            m = conn.next() => match m? {
                 Some(ClientMsg::Release(r)) => {
                     stream.release(id, r).map_err(|e| Reject(ErrorCode::InvalidRequest, format!("bad release: {e}")))?;
                 }
                 Some(ClientMsg::Goodbye) => stream.goodbye(id),
                 Some(ClientMsg::Doorbell) => stream.doorbell(),
                 Some(ClientMsg::StatsRequest) => {
-                    let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
+                    let _ = conn.send(&ServerMsg::Stats(Box::new(broker.stats()))).await;
                 }
                 Some(ClientMsg::Hello(_)) => return Err(Reject(ErrorCode::InvalidRequest, "hello sent twice".into())),
                 Some(m @ (ClientMsg::Acquire | ClientMsg::Publish { .. } | ClientMsg::Fail { .. } | ClientMsg::SetMinConsumers { .. })) => {

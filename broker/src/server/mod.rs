@@ -2,7 +2,9 @@
 //! connection, and shuts down gracefully. One file per kind of connection:
 //!
 //! * `mod.rs` (here): the [`Broker`]'s registry of streams, accepting,
-//!   the handshake, frames, and shutdown.
+//!   and shutdown.
+//! * `connection`: one connection's socket and frame buffer: the
+//!   handshake, frames in, every write out.
 //! * `consumer`: a consumer's connection: subscribe, the welcome with
 //!   the arena's (and mailbox's) fd, then outbox out and releases in.
 //! * `producer`: an external producer's connection: register, seal the
@@ -12,17 +14,15 @@
 //!   at accept before anything is read.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{
-    self, ClientMsg, ConnectionStats, ErrorCode, ErrorMsg, Hello, Intent, PendingStream, Preamble,
-    ServerMsg, StatsReply,
+    self, ConnectionStats, ErrorCode, ErrorMsg, Intent, PendingStream, Preamble, ServerMsg,
+    StatsReply,
 };
-use batchcast::shm;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -31,12 +31,14 @@ use crate::budget::{Budget, Grant};
 use crate::stream::{Peer, Stream};
 
 mod admit;
+mod connection;
 mod consumer;
 mod producer;
 mod refusals;
 mod stats;
 
 pub use admit::Admission;
+use connection::{Connection, Reject, append};
 
 /// How long a client may take to send its preamble and hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -328,39 +330,16 @@ fn admit(
     }
 }
 
-/// A protocol failure to report to the peer before closing.
-struct Reject(ErrorCode, String);
-
-/// Writes one message. One that cannot be encoded (over a frame: never
-/// expected, replies are bounded by construction) is logged and answered
-/// with an `Internal` error instead, so the peer is never left waiting.
-async fn write_msg(sock: &mut UnixStream, msg: &ServerMsg) -> std::io::Result<()> {
-    let bytes = match proto::encode(msg) {
-        Ok(b) => b,
-        Err(e) => {
-            tracing::error!("cannot send a message: {e}");
-            let error = ServerMsg::Error(ErrorMsg {
-                code: ErrorCode::Internal,
-                message: format!("the broker could not send its answer: {e}"),
-            });
-            let b = proto::encode(&error).map_err(std::io::Error::other)?;
-            sock.write_all(&b).await?;
-            return Err(std::io::Error::other(e));
-        }
-    };
-    sock.write_all(&bytes).await
-}
-
 async fn serve_connection(
-    mut sock: UnixStream,
+    sock: UnixStream,
     cred: tokio::net::unix::UCred,
     broker: Arc<Broker>,
     stop: watch::Receiver<bool>,
 ) {
-    let mut buf = Vec::with_capacity(4096);
+    let mut conn = Connection::new(sock);
     let mut in_handshake = true;
     let result = async {
-        let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut sock, &mut buf))
+        let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake())
             .await
             .map_err(|_| Reject(ErrorCode::InvalidRequest, "no hello within 10 s".into()))??;
         in_handshake = false;
@@ -372,13 +351,13 @@ async fn serve_connection(
             uid: cred.uid(),
         };
         match hello.intent {
-            Intent::Stats => stats::serve_stats(&mut sock, &broker, peer.uid, &mut buf, stop).await,
+            Intent::Stats => stats::serve_stats(&mut conn, &broker, peer.uid, stop).await,
             Intent::Consume(req) => {
                 let s = broker.lookup(&req.stream)?;
-                consumer::serve_consumer(&mut sock, &broker, s, req, peer, &mut buf).await
+                consumer::serve_consumer(&mut conn, &broker, s, req, peer).await
             }
             Intent::Produce(req) => {
-                producer::serve_producer(&mut sock, &broker, *req, peer, &mut buf, stop).await
+                producer::serve_producer(&mut conn, &broker, *req, peer, stop).await
             }
         }
     }
@@ -396,120 +375,9 @@ async fn serve_connection(
             }
             refusals::Verdict::Quiet => {}
         }
-        let _ = write_msg(&mut sock, &ServerMsg::Error(ErrorMsg { code, message })).await;
-        let _ = sock.shutdown().await;
+        let _ = conn
+            .send(&ServerMsg::Error(ErrorMsg { code, message }))
+            .await;
+        let _ = conn.sock.shutdown().await;
     }
-}
-
-/// Exchanges preambles and reads the hello.
-async fn handshake(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Hello, Reject> {
-    let mut pre = [0u8; Preamble::LEN];
-    sock.read_exact(&mut pre)
-        .await
-        .map_err(|e| Reject(ErrorCode::MalformedFrame, format!("no preamble: {e}")))?;
-    let _ = sock.write_all(&Preamble::ours().to_bytes()).await;
-    let theirs = Preamble::parse(pre).map_err(|_| {
-        Reject(
-            ErrorCode::NotBatchcast,
-            format!("not a batchcast client: the connection began with {pre:02x?}, not `BCST`"),
-        )
-    })?;
-    if theirs.version != proto::PROTOCOL_VERSION {
-        let why = proto::mismatch(Preamble::ours(), theirs, proto::Side::Broker);
-        return Err(Reject(ErrorCode::VersionMismatch, why));
-    }
-    match next_frame(sock, buf).await? {
-        Some(ClientMsg::Hello(h)) => Ok(h),
-        Some(other) => Err(Reject(
-            ErrorCode::InvalidRequest,
-            format!("expected a hello first, got {other:?}"),
-        )),
-        None => Err(Reject(
-            ErrorCode::InvalidRequest,
-            "closed before saying hello".into(),
-        )),
-    }
-}
-
-/// Takes one complete frame off the front of `buf`, if there is one.
-fn take_frame(buf: &mut Vec<u8>) -> Result<Option<ClientMsg>, Reject> {
-    if buf.len() < 4 {
-        return Ok(None);
-    }
-    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
-    let len = proto::check_len(len).map_err(|e| Reject(ErrorCode::FrameTooLarge, e.to_string()))?;
-    if len > MAX_CLIENT_FRAME {
-        return Err(Reject(
-            ErrorCode::FrameTooLarge,
-            format!(
-                "a frame of {len} bytes; a client's frames are at most {MAX_CLIENT_FRAME} bytes"
-            ),
-        ));
-    }
-    if buf.len() < 4 + len {
-        return Ok(None);
-    }
-    let msg = proto::decode(&buf[4..4 + len]).map_err(|e| {
-        Reject(
-            ErrorCode::MalformedFrame,
-            format!("malformed frame of {len} bytes: {e}"),
-        )
-    })?;
-    buf.drain(..4 + len);
-    Ok(Some(msg))
-}
-
-/// Reads until one frame is complete. Cancel-safe: bytes read stay in `buf`.
-async fn next_frame(sock: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Option<ClientMsg>, Reject> {
-    loop {
-        if let Some(m) = take_frame(buf)? {
-            return Ok(Some(m));
-        }
-        match sock.read_buf(buf).await {
-            Ok(0) if buf.is_empty() => return Ok(None),
-            Ok(0) => {
-                return Err(Reject(
-                    ErrorCode::MalformedFrame,
-                    "connection closed inside a frame".into(),
-                ));
-            }
-            Ok(_) => {}
-            // A peer that exits with data unread (a consumer killed, or one
-            // leaving with batches held) resets the connection: between
-            // frames that is a close like any other, not a broken frame.
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && buf.is_empty() => {
-                return Ok(None);
-            }
-            Err(e) => {
-                return Err(Reject(
-                    ErrorCode::MalformedFrame,
-                    format!("read failed: {e}"),
-                ));
-            }
-        }
-    }
-}
-
-fn append(out: &mut Vec<u8>, msg: &ServerMsg) {
-    match proto::encode(msg) {
-        Ok(b) => out.extend_from_slice(&b),
-        Err(e) => tracing::error!("cannot encode {msg:?}: {e}"),
-    }
-}
-
-/// Sends a welcome or registration frame with the arena fd (and a
-/// consumer's mailbox fd, after it) attached to its first byte.
-async fn send_with_arena(
-    sock: &mut UnixStream,
-    bytes: &[u8],
-    stream: &Stream,
-    more: &[BorrowedFd<'_>],
-) -> std::io::Result<()> {
-    let raw = sock.as_raw_fd();
-    let mut fds = vec![stream.arena.fd()];
-    fds.extend_from_slice(more);
-    let n = sock
-        .async_io(Interest::WRITABLE, || shm::send_with_fds(raw, bytes, &fds))
-        .await?;
-    sock.write_all(&bytes[n..]).await
 }

@@ -12,21 +12,20 @@ use batchcast::FillSlot;
 use batchcast::proto::{
     self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, ProduceRequest, Registered, ServerMsg,
 };
-use tokio::net::UnixStream;
 use tokio::sync::watch;
 
-use super::{Broker, Reject, next_frame, send_with_arena, write_msg};
+use super::Broker;
+use super::connection::{Connection, Reject};
 use crate::plan::StreamPlan;
 use crate::stream::{Acquire, Peer, StartError, Stream, StreamFailed};
 
 /// Serves a producer: registers its stream, hands it slots one at a time,
 /// publishes what it fills, and ends or fails the stream when it leaves.
 pub(super) async fn serve_producer(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     broker: &Broker,
     req: ProduceRequest,
     peer: Peer,
-    buf: &mut Vec<u8>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
     let name = req.stream.clone();
@@ -51,9 +50,9 @@ pub(super) async fn serve_producer(
         },
     )?;
     let who = format!("`{}` (pid {})", peer.name, peer.pid);
-    let registered = register(sock, broker, plan, peer.uid, &who, buf).await;
+    let registered = register(conn, broker, plan, peer.uid, &who).await;
     let result = match &registered {
-        Ok(Some(stream)) => serve_slots(sock, stream, &who, buf, stop).await,
+        Ok(Some(stream)) => serve_slots(conn, stream, &who, stop).await,
         Ok(None) => Ok(()),
         Err(Reject(code, why)) => Err(Reject(*code, why.clone())),
     };
@@ -83,12 +82,11 @@ pub(super) async fn serve_producer(
 /// A producer that does not `Acquire` within the registration timeout
 /// loses its registration, and the arena is freed.
 async fn register(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     broker: &Broker,
     plan: StreamPlan,
     uid: u32,
     who: &str,
-    buf: &mut Vec<u8>,
 ) -> Result<Option<Arc<Stream>>, Reject> {
     let budget = broker.budget.clone();
     let stream = tokio::task::spawn_blocking(move || Stream::start(plan, &budget, uid))
@@ -107,13 +105,13 @@ async fn register(
     }));
     let bytes =
         proto::encode(&registered).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
-    if send_with_arena(sock, &bytes, &stream, &[]).await.is_err() {
+    if conn.send_with_arena(&bytes, &stream, &[]).await.is_err() {
         return Ok(None);
     }
     // The first request means the producer has mapped the arena: seal it
     // against every other writer, then let consumers in.
     let limit = broker.admission.limits().registration_timeout;
-    let first = tokio::time::timeout(limit, next_frame(sock, buf))
+    let first = tokio::time::timeout(limit, conn.next())
         .await
         .map_err(|_| {
             Reject(
@@ -146,10 +144,9 @@ async fn register(
 /// Hands out slots one at a time and publishes what the producer fills,
 /// until it leaves, fails, or the broker stops.
 async fn serve_slots(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     stream: &Stream,
     who: &str,
-    buf: &mut Vec<u8>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
     let batch_size = stream.plan.schema.batch_size;
@@ -177,7 +174,7 @@ async fn serve_slots(
             };
             if let Some(msg) = reply {
                 wants = false;
-                if write_msg(sock, &msg).await.is_err() {
+                if conn.send(&msg).await.is_err() {
                     stream.producer_done(who);
                     return Ok(());
                 }
@@ -186,10 +183,10 @@ async fn serve_slots(
         tokio::select! {
             _ = stream.ready(), if wants => {}
             _ = stop.changed() => {
-                let _ = write_msg(sock, &ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
+                let _ = conn.send(&ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
                 return Ok(());
             }
-            m = next_frame(sock, buf) => match m? {
+            m = conn.next() => match m? {
                 Some(ClientMsg::Acquire) if !wants && filling.is_none() => {
                     wants = true;
                     blocked_since = stream.slots_full().then(Instant::now);

@@ -2,24 +2,23 @@
 //! control message a launcher sends (`SetMinConsumers`).
 
 use batchcast::proto::{ClientMsg, ErrorCode, ServerMsg};
-use tokio::net::UnixStream;
 use tokio::sync::watch;
 
-use super::{Broker, Reject, next_frame, write_msg};
+use super::Broker;
+use super::connection::{Connection, Reject};
 
 pub(super) async fn serve_stats(
-    sock: &mut UnixStream,
+    conn: &mut Connection,
     broker: &Broker,
     uid: u32,
-    buf: &mut Vec<u8>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
     // An answer to the hello, so clients know they were admitted.
-    let _ = write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats()))).await;
+    let _ = conn.send(&ServerMsg::Stats(Box::new(broker.stats()))).await;
     let idle = broker.admission.limits().idle_timeout;
     loop {
         let msg = tokio::select! {
-            m = tokio::time::timeout(idle, next_frame(sock, buf)) => match m {
+            m = tokio::time::timeout(idle, conn.next()) => match m {
                 Ok(m) => m?,
                 // Its place goes to someone else; `StatsClient` reconnects.
                 Err(_) => return Err(Reject(
@@ -31,7 +30,8 @@ pub(super) async fn serve_stats(
         };
         match msg {
             Some(ClientMsg::StatsRequest) => {
-                if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
+                if conn
+                    .send(&ServerMsg::Stats(Box::new(broker.stats())))
                     .await
                     .is_err()
                 {
@@ -47,7 +47,8 @@ pub(super) async fn serve_stats(
                 if s.set_min_consumers(min) {
                     tracing::info!(stream = %stream, min, "asked to wait for a different number of consumers");
                 }
-                if write_msg(sock, &ServerMsg::Stats(Box::new(broker.stats())))
+                if conn
+                    .send(&ServerMsg::Stats(Box::new(broker.stats())))
                     .await
                     .is_err()
                 {

@@ -3,7 +3,7 @@
 //! first (a file imports only those above it in this list, and `mod.rs`):
 //!
 //! * `batches`: a consumer's own batches in the stream's samples: where
-//!   they begin ([`batches::Boundaries`]) and how many it was sent. Pure.
+//!   they begin (`Boundaries`) and how many it was sent. Pure.
 //! * `error`: what the stream refuses ([`SubscribeError`],
 //!   [`ReleaseError`], [`ReplayError`]) and why it stops ([`StreamFailed`]).
 //! * `outbox`: the only writer to a consumer: socket messages, mailbox

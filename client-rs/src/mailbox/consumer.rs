@@ -1,0 +1,195 @@
+//! The consumer's side of its mailbox: taking notices, writing releases,
+//! sleeping on the bell.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{Ordering, fence};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::proto::{BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady};
+use crate::shm::Mapping;
+
+use super::*;
+
+/// The consumer's side of a mailbox.
+#[derive(Debug)]
+pub struct ConsumerMailbox {
+    pub(super) words: Words,
+    /// Serialises release writers (batches are released from any thread).
+    releasing: std::sync::Mutex<()>,
+}
+
+impl ConsumerMailbox {
+    /// Maps a mailbox fd the broker sent with its welcome.
+    pub fn open(fd: impl AsFd, spec: MailboxSpec) -> Result<ConsumerMailbox> {
+        spec.validate()?;
+        let map = Mapping::map_readwrite(fd.as_fd(), spec.bytes())?;
+        Ok(ConsumerMailbox {
+            words: Words {
+                mem: Mem::Mapped(map),
+                spec,
+            },
+            releasing: std::sync::Mutex::new(()),
+        })
+    }
+
+    /// Whether a notice is waiting.
+    pub fn has_notice(&self) -> bool {
+        let w = &self.words;
+        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
+    }
+
+    /// Whether the batch noticed at `n`, just taken, was taken back by the
+    /// broker (read after storing `tail` past it).
+    fn taken_back(&self, n: u64) -> Result<bool> {
+        let cut = self.words.u64(CUT);
+        let mut word = cut.load(Ordering::SeqCst);
+        let start = Instant::now();
+        while word == CUT_UNDER_WAY {
+            if start.elapsed() > CUT_WAIT {
+                return Err(Error::Unexpected(
+                    "mailbox: the broker began taking notices back and never finished".into(),
+                ));
+            }
+            std::hint::spin_loop();
+            word = cut.load(Ordering::SeqCst);
+        }
+        let from = word & ((1 << CUT_FROM_BITS) - 1);
+        if from < 2 {
+            return Ok(false); // never cut
+        }
+        let from = from - 2;
+        Ok(n >= from && n - from < word >> CUT_FROM_BITS)
+    }
+
+    /// Whether the next notice is a batch (`None`: no notice yet).
+    pub fn next_is_batch(&self) -> Option<bool> {
+        let w = &self.words;
+        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+            return None;
+        }
+        Some(w.notice(tail, 1).load(Ordering::Relaxed) == KIND_BATCH)
+    }
+
+    /// Takes the next notice, if any, passing over batches the broker took
+    /// back. Call from one thread at a time.
+    pub fn pop(&self) -> Result<Option<Notice>> {
+        Ok(self.pop_marked()?.map(|(n, _)| n))
+    }
+
+    /// [`pop`](Self::pop), also saying whether a notice other than a batch
+    /// lies among the notices the last cut took back (an end of epoch
+    /// written after batches taken back: it counts only if its epoch ends
+    /// before where the cut's replay begins).
+    pub fn pop_marked(&self) -> Result<Option<(Notice, bool)>> {
+        let w = &self.words;
+        let (v, in_cut) = loop {
+            let tail = w.u64(TAIL).load(Ordering::Relaxed);
+            if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+                return Ok(None);
+            }
+            let v: [u64; NOTICE_WORDS] =
+                std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
+            // The entry may be rewritten once `tail` moves on. `SeqCst`:
+            // ordered before reading `cut` (see the module's notes).
+            w.u64(TAIL).store(tail + 1, Ordering::SeqCst);
+            let in_cut = self.taken_back(tail)?;
+            if v[1] != KIND_BATCH || !in_cut {
+                break (v, in_cut);
+            }
+        };
+        let notice = match v[1] {
+            KIND_BATCH => Notice::Batch(BatchReady {
+                seq: v[2],
+                epoch: v[3],
+                index: v[4],
+                slot: u32::try_from(v[5]).map_err(|_| {
+                    Error::Unexpected(format!("mailbox: batch {} in slot {}", v[2], v[5]))
+                })?,
+                samples: v[6],
+                sent_ns: v[7],
+            }),
+            KIND_EPOCH_END => Notice::EndOfEpoch(EpochEnd {
+                epoch: v[2],
+                batches: v[3],
+                complete: v[4] != 0,
+            }),
+            KIND_END_OF_STREAM => Notice::EndOfStream,
+            KIND_REPLAY => Notice::Replay(ReplayReady {
+                seq: v[2],
+                epoch: v[3],
+                first: v[4],
+                samples: v[5],
+                ends_epoch: v[6] != 0,
+            }),
+            KIND_CUT => Notice::Cut(Position {
+                epoch: v[2],
+                sample: v[3],
+            }),
+            KIND_MERGE => Notice::Merge(Position {
+                epoch: v[2],
+                sample: v[3],
+            }),
+            k => {
+                return Err(Error::Unexpected(format!(
+                    "mailbox: notice of unknown kind {k}"
+                )));
+            }
+        };
+        Ok(Some((notice, in_cut)))
+    }
+
+    /// Sleeps until the broker rings or `timeout` passes, unless a notice
+    /// is there or `ready` says there is something else to do (it runs
+    /// after this consumer has said it sleeps, so nothing that rings is
+    /// missed). The broker wakes a sleeper with a system call: poll first
+    /// when a notice is due soon.
+    pub fn sleep_unless(&self, timeout: Duration, ready: impl FnOnce() -> bool) {
+        let w = &self.words;
+        let seen = w.bell().load(Ordering::Acquire);
+        w.u32(SLEEPING).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if !self.has_notice() && !ready() {
+            futex_wait(w.bell(), seen, timeout);
+        }
+        w.u32(SLEEPING).store(0, Ordering::Relaxed);
+    }
+
+    /// Writes the release of batch `seq`, adding its timings to the
+    /// running totals. `false` when the ring is full (the caller sends it
+    /// on the socket instead); then [`wants_doorbell`] says whether the
+    /// broker waits for it.
+    ///
+    /// [`wants_doorbell`]: Self::wants_doorbell
+    pub fn push_release(&self, seq: u64, t: Totals) -> bool {
+        let _guard = self.releasing.lock().unwrap_or_else(|p| p.into_inner());
+        let w = &self.words;
+        let n = w.u64(RELEASED).load(Ordering::Relaxed);
+        let drained = w.u64(DRAINED).load(Ordering::Acquire);
+        if n.wrapping_sub(drained) >= w.spec.releases as u64 {
+            return false;
+        }
+        w.release(n).store(seq, Ordering::Relaxed);
+        for (at, add) in [
+            (WAIT_TOTAL, t.wait_ns),
+            (BUSY_TOTAL, t.busy_ns),
+            (HOLD_TOTAL, t.hold_ns),
+        ] {
+            let total = w.u64(at);
+            total.store(
+                total.load(Ordering::Relaxed).wrapping_add(add),
+                Ordering::Relaxed,
+            );
+        }
+        w.u64(RELEASED).store(n + 1, Ordering::Release);
+        true
+    }
+
+    /// Whether the broker asked to be told of releases (it waits on one).
+    pub fn wants_doorbell(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.words.u32(WANT).load(Ordering::Relaxed) != 0
+    }
+}
