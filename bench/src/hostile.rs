@@ -238,7 +238,6 @@ fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
     let _ = attacker.wait();
     let (q50, qmax) = median_max(quiet);
     let (a50, amax) = median_max(attacked);
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
     Ok(vec![
         row(
             "owner: connect to first batch, alone",
@@ -261,21 +260,7 @@ fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
             format!("{:.2} ms", 1e3 * stats_s),
             "",
         ),
-        row(
-            "broker memory under attack",
-            format!(
-                "RSS {:.1} MiB (alone {:.1} MiB)",
-                rss as f64 / 1024.0,
-                rss_quiet as f64 / 1024.0
-            ),
-            format!(
-                "budget {:.0} MiB, {:.0} MiB used (arenas {:.1}, frame buffers {:.0})",
-                mib(s.memory.budget_bytes),
-                mib(s.memory.used_bytes),
-                mib(s.memory.arenas_bytes),
-                mib(s.memory.frame_buffers_bytes)
-            ),
-        ),
+        memory_row(rss, rss_quiet, &s.memory),
         row(
             "SIGINT to exit under attack",
             exit_s.map_or("did not exit in 30 s".into(), |e| {
@@ -284,6 +269,78 @@ fn under_attack(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
             "target < 2 s",
         ),
     ])
+}
+
+/// The broker's memory under attack, next to its memory alone.
+fn memory_row(rss: u64, rss_quiet: u64, m: &batchcast::proto::MemoryStats) -> Row {
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    row(
+        "broker memory under attack",
+        format!(
+            "RSS {:.1} MiB (alone {:.1} MiB)",
+            rss as f64 / 1024.0,
+            rss_quiet as f64 / 1024.0
+        ),
+        format!(
+            "budget {:.0} MiB, {:.0} MiB used (arenas {:.1}, frame buffers {:.0})",
+            mib(m.budget_bytes),
+            mib(m.used_bytes),
+            mib(m.arenas_bytes),
+            mib(m.frame_buffers_bytes)
+        ),
+    )
+}
+
+/// Each chaos consumer verifies and digests every batch, holding two of
+/// a window of three.
+const CHAOS_CONSUMER: [&str; 8] = [
+    "--verify",
+    "--digest",
+    "--window",
+    "3",
+    "--hold",
+    "2",
+    "--sleep-ms",
+    "1",
+];
+
+/// What the consumers alive at the end of the chaos run saw.
+struct Survivors {
+    verified: u64,
+    failures: u64,
+    order: usize,
+    /// Complete epochs, and those whose digests differ between consumers.
+    epochs: usize,
+    differing: usize,
+}
+
+fn survivors(reports: &[ConsumerReport]) -> anyhow::Result<Survivors> {
+    let mut by_epoch: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    let (mut verified, mut failures, mut order) = (0u64, 0u64, 0usize);
+    for r in reports {
+        if !r.ok {
+            bail!("a surviving consumer failed: {r:#?}");
+        }
+        verified += r.verified_samples;
+        failures += r.verify_failures;
+        order += r.order_errors.len();
+        for e in r.epochs.iter().filter(|e| e.complete) {
+            by_epoch
+                .entry(e.epoch)
+                .or_default()
+                .push(e.digest.clone().unwrap_or_default());
+        }
+    }
+    Ok(Survivors {
+        verified,
+        failures,
+        order,
+        epochs: by_epoch.values().map(Vec::len).sum(),
+        differing: by_epoch
+            .values()
+            .filter(|d| d.iter().any(|x| x != &d[0]))
+            .count(),
+    })
 }
 
 fn chaos(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
@@ -307,19 +364,7 @@ fn chaos(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
         &socket,
         Some(&dir.path().join("broker.log")),
     )?;
-    let args: Vec<String> = [
-        "--verify",
-        "--digest",
-        "--window",
-        "3",
-        "--hold",
-        "2",
-        "--sleep-ms",
-        "1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args: Vec<String> = CHAOS_CONSUMER.map(String::from).to_vec();
     let spawn = || harness::spawn_consumer(exe, &socket, &args);
     let mut live: Vec<Child> = (0..a.chaos_consumers)
         .map(|_| spawn())
@@ -350,27 +395,13 @@ fn chaos(exe: &Path, a: &Args) -> anyhow::Result<Vec<Row>> {
         .into_iter()
         .map(|c| harness::wait_report(c, Duration::from_secs(600)))
         .collect::<std::io::Result<_>>()?;
-    let mut by_epoch: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
-    let (mut verified, mut failures, mut order) = (0u64, 0u64, 0usize);
-    for r in &reports {
-        if !r.ok {
-            bail!("a surviving consumer failed: {r:#?}");
-        }
-        verified += r.verified_samples;
-        failures += r.verify_failures;
-        order += r.order_errors.len();
-        for e in r.epochs.iter().filter(|e| e.complete) {
-            by_epoch
-                .entry(e.epoch)
-                .or_default()
-                .push(e.digest.clone().unwrap_or_default());
-        }
-    }
-    let epochs: usize = by_epoch.values().map(Vec::len).sum();
-    let differing = by_epoch
-        .values()
-        .filter(|d| d.iter().any(|x| x != &d[0]))
-        .count();
+    let Survivors {
+        verified,
+        failures,
+        order,
+        epochs,
+        differing,
+    } = survivors(&reports)?;
     let s = broker.stats()?;
     let st = &s.streams[0];
     Ok(vec![row(

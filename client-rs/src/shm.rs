@@ -82,6 +82,41 @@ unsafe impl Send for Mapping {}
 // SAFETY: as above; concurrent `&[u8]` reads of shared memory are fine.
 unsafe impl Sync for Mapping {}
 
+/// The address space every view of `rings` takes (a mirrored ring twice),
+/// once each ring is checked: page-aligned, non-empty, inside the fd.
+fn rings_length(fd: BorrowedFd<'_>, rings: &[RingView]) -> Result<NonZeroUsize> {
+    let page = page_size();
+    let size = nix::sys::stat::fstat(fd)
+        .map_err(|e| shm_err("fstat of the arena fd failed", e))?
+        .st_size as u64;
+    let mut total = 0u64;
+    for r in rings {
+        if r.len == 0 || !r.offset.is_multiple_of(page) || !r.len.is_multiple_of(page) {
+            return Err(Error::Shm(format!(
+                "a ring needs a page-aligned offset and length (page {page}): got {} + {}",
+                r.offset, r.len
+            )));
+        }
+        let end = r.offset.saturating_add(r.len);
+        if end > size {
+            return Err(Error::Shm(format!(
+                "ring {}..{end} outside the arena fd of {size} bytes",
+                r.offset
+            )));
+        }
+        let views = if r.mirrored { 2 } else { 1 };
+        total = r
+            .len
+            .checked_mul(views)
+            .and_then(|b| total.checked_add(b))
+            .ok_or_else(|| Error::Shm("rings larger than the address space".into()))?;
+    }
+    usize::try_from(total)
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or_else(|| Error::Shm("no ring to map, or rings too large".into()))
+}
+
 impl Mapping {
     fn map(fd: BorrowedFd<'_>, len: usize, prot: ProtFlags, extra: MapFlags) -> Result<Mapping> {
         let nz =
@@ -169,36 +204,7 @@ impl Mapping {
         writable: bool,
         fault: Fault,
     ) -> Result<Mapping> {
-        let page = page_size();
-        let size = nix::sys::stat::fstat(fd)
-            .map_err(|e| shm_err("fstat of the arena fd failed", e))?
-            .st_size as u64;
-        let mut total = 0u64;
-        for r in rings {
-            if r.len == 0 || !r.offset.is_multiple_of(page) || !r.len.is_multiple_of(page) {
-                return Err(Error::Shm(format!(
-                    "a ring needs a page-aligned offset and length (page {page}): got {} + {}",
-                    r.offset, r.len
-                )));
-            }
-            let end = r.offset.saturating_add(r.len);
-            if end > size {
-                return Err(Error::Shm(format!(
-                    "ring {}..{end} outside the arena fd of {size} bytes",
-                    r.offset
-                )));
-            }
-            let views = if r.mirrored { 2 } else { 1 };
-            total = r
-                .len
-                .checked_mul(views)
-                .and_then(|b| total.checked_add(b))
-                .ok_or_else(|| Error::Shm("rings larger than the address space".into()))?;
-        }
-        let len = usize::try_from(total)
-            .ok()
-            .and_then(NonZeroUsize::new)
-            .ok_or_else(|| Error::Shm("no ring to map, or rings too large".into()))?;
+        let len = rings_length(fd, rings)?;
         let prot = if writable {
             ProtFlags::PROT_READ | ProtFlags::PROT_WRITE
         } else {

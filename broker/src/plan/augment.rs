@@ -5,8 +5,8 @@ use super::{StreamError, key};
 use batchcast::DType;
 
 use crate::config::{
-    AutoAugmentConfig, AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, PadFill, Size,
-    TransformConfig,
+    AutoAugmentConfig, AutoAugmentSwitch, ErasingValue, GaussianBlurConfig, Jitter, PadFill,
+    RandAugmentConfig, Size, TransformConfig,
 };
 use crate::pipeline::augment::{Augment, Resample};
 use crate::pipeline::erase::{EraseValue, Erasing};
@@ -119,34 +119,8 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
             )?,
         }),
     }
-    if let Some(r) = t.rand_augment {
-        let bins = bins(
-            "transform.rand_augment.num_magnitude_bins",
-            r.num_magnitude_bins,
-        )?;
-        if r.magnitude >= bins {
-            return Err(key(
-                "transform.rand_augment.magnitude",
-                format!(
-                    "transform.rand_augment.magnitude = {} must be below num_magnitude_bins = {bins}",
-                    r.magnitude
-                ),
-            ));
-        }
-        if r.num_ops > MAX_RAND_OPS {
-            return Err(key(
-                "transform.rand_augment.num_ops",
-                format!(
-                    "transform.rand_augment.num_ops = {} is more than {MAX_RAND_OPS}",
-                    r.num_ops
-                ),
-            ));
-        }
-        auto.push(Augment::RandAugment {
-            num_ops: r.num_ops,
-            magnitude: r.magnitude,
-            bins,
-        });
+    if let Some(r) = &t.rand_augment {
+        auto.push(rand_augment(r)?);
     }
     let policy = match &t.auto_augment {
         None => None,
@@ -173,6 +147,38 @@ pub(super) fn augments_of(t: &TransformConfig) -> Result<Vec<Augment>, StreamErr
     }
     out.extend(auto);
     Ok(out)
+}
+
+/// `RandAugment(num_ops, magnitude, num_magnitude_bins)`: a magnitude
+/// below the bins, at most `MAX_RAND_OPS` ops.
+fn rand_augment(r: &RandAugmentConfig) -> Result<Augment, StreamError> {
+    let bins = bins(
+        "transform.rand_augment.num_magnitude_bins",
+        r.num_magnitude_bins,
+    )?;
+    if r.magnitude >= bins {
+        return Err(key(
+            "transform.rand_augment.magnitude",
+            format!(
+                "transform.rand_augment.magnitude = {} must be below num_magnitude_bins = {bins}",
+                r.magnitude
+            ),
+        ));
+    }
+    if r.num_ops > MAX_RAND_OPS {
+        return Err(key(
+            "transform.rand_augment.num_ops",
+            format!(
+                "transform.rand_augment.num_ops = {} is more than {MAX_RAND_OPS}",
+                r.num_ops
+            ),
+        ));
+    }
+    Ok(Augment::RandAugment {
+        num_ops: r.num_ops,
+        magnitude: r.magnitude,
+        bins,
+    })
 }
 
 /// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`: odd kernel sides

@@ -1,0 +1,272 @@
+//! A consumer's events: messages taken in (from the socket, the mailbox,
+//! replay), batches cut in its own size and handed out in order, units it
+//! will not read given back.
+
+use std::sync::atomic::Ordering;
+
+use crate::batch::Batch;
+use crate::batcher::Unit;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::mailbox::{Notice, Totals};
+use crate::proto::{self, Position, ServerMsg};
+use crate::transport::{broker_error, goodbye_error, readable_within};
+
+use super::*;
+
+impl Consumer {
+    /// Whether `next_event` returns at once.
+    pub(super) fn ready(&self) -> bool {
+        match self.front() {
+            Some(Next::Run(..) | Next::Replayed(_)) => !self.window_full(),
+            Some(_) => true,
+            None => false,
+        }
+    }
+
+    /// The program holds its whole window.
+    pub(super) fn window_full(&self) -> bool {
+        self.held() >= self.shared.welcome.window
+    }
+
+    /// The unit this host consumer holds that keeps the broker from making
+    /// the next one ([`Batcher::pins_ring`]), when nothing else is ready.
+    pub(super) fn pinning(&self) -> Option<u64> {
+        // Replaying, it holds the shared units it has not reached yet.
+        if self.shared.gpu.is_some() || !self.next.is_empty() || self.replay.is_some() {
+            return None;
+        }
+        let b = self
+            .shared
+            .batching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        b.batcher.pins_ring(self.shared.welcome.slots)
+    }
+
+    /// Hands out the batch at the front.
+    pub(super) fn hand_out(&mut self) -> Event {
+        let (run, sent_ns, slot, replayed) = match self.pop_front() {
+            Some(Next::Run(run, sent_ns, slot)) => (run, sent_ns, slot, false),
+            Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, true),
+            _ => unreachable!("called with a run at the front"),
+        };
+        self.pinned_since = None;
+        let now = proto::monotonic_ns();
+        self.shared.held.fetch_add(1, Ordering::AcqRel);
+        let asked = self.asking_since.swap(0, Ordering::Relaxed);
+        let busy_ns = match self.last_batch_ns {
+            0 => 0,
+            last => asked.saturating_sub(last),
+        };
+        self.last_batch_ns = now;
+        if self.epoch_batches.0 != run.epoch {
+            self.epoch_batches = (run.epoch, 0);
+        }
+        self.epoch_batches.1 += 1;
+        self.started_at.get_or_insert(Position {
+            epoch: run.epoch,
+            sample: run.first,
+        });
+        Event::Batch(Batch {
+            shared: self.shared.clone(),
+            run,
+            slot,
+            replayed,
+            sent_ns,
+            wait_ns: now.saturating_sub(asked),
+            busy_ns,
+            received_ns: now,
+            released: false,
+        })
+    }
+
+    /// Returns the event at the front, which is not a batch.
+    pub(super) fn pop_event(&mut self) -> Result<Option<Event>> {
+        match self.pop_front() {
+            Some(Next::EndOfEpoch(mut e)) => {
+                self.asking_since.store(0, Ordering::Relaxed);
+                self.last_batch_ns = 0;
+                // Counted in this consumer's batches.
+                e.batches = match self.epoch_batches {
+                    (epoch, n) if epoch == e.epoch => n,
+                    _ => 0,
+                };
+                Ok(Some(Event::EndOfEpoch(e)))
+            }
+            Some(Next::EndOfStream) => {
+                self.finished = true;
+                Ok(Some(Event::EndOfStream))
+            }
+            Some(Next::Fail(e)) => {
+                self.finished = true;
+                Err(e)
+            }
+            Some(Next::Run(..) | Next::Replayed(_)) | None => {
+                unreachable!("called with an event at the front")
+            }
+        }
+    }
+
+    /// Takes one message: a unit is cut into batches, the rest queued in
+    /// order (a failure first: nothing after it matters).
+    pub(super) fn intake(&mut self, msg: ServerMsg) {
+        if let Err(e) = self.take_message(msg) {
+            self.next.push_front(Next::Fail(e));
+        }
+    }
+
+    pub(super) fn take_message(&mut self, msg: ServerMsg) -> Result<()> {
+        let mut give = Vec::new();
+        let shared = self.shared.clone();
+        let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+        let (sent_ns, slot) = match msg {
+            ServerMsg::Batch(meta) => {
+                let slots = match &shared.gpu {
+                    Some(g) => g.slots(),
+                    None => shared.welcome.slots,
+                };
+                if meta.slot >= slots {
+                    return Err(Error::Unexpected(format!(
+                        "batch {} in slot {} of {slots}",
+                        meta.seq, meta.slot
+                    )));
+                }
+                let unit = Unit {
+                    seq: meta.seq,
+                    epoch: meta.epoch,
+                    index: meta.index,
+                    samples: meta.samples,
+                };
+                b.batcher.push(unit, &mut give)?;
+                (meta.sent_ns, meta.slot)
+            }
+            ServerMsg::Replay(r) => {
+                drop(b);
+                return self.take_replayed(r);
+            }
+            ServerMsg::Cut(restart) => {
+                drop(b);
+                return self.take_cut(restart);
+            }
+            ServerMsg::Merge(at) => {
+                drop(b);
+                return self.take_merge(at);
+            }
+            ServerMsg::EndOfEpoch(mut e) => {
+                if self.skip.is_some_and(|p| e.epoch < p.epoch) {
+                    return Ok(()); // an epoch it replayed, or resumes past
+                }
+                if self.replay_from.is_some_and(|p| {
+                    p <= Position {
+                        epoch: e.epoch,
+                        sample: 0,
+                    }
+                }) {
+                    e.complete = true; // its start was replayed
+                }
+                b.batcher.end_epoch(e.epoch, &mut give);
+                while let Some(run) = b.batcher.pop() {
+                    self.next
+                        .push_back(Next::Run(run, proto::monotonic_ns(), 0));
+                }
+                self.next.push_back(Next::EndOfEpoch(e));
+                (0, 0)
+            }
+            ServerMsg::EndOfStream => {
+                self.next.push_back(Next::EndOfStream);
+                (0, 0)
+            }
+            ServerMsg::Error(e) => return Err(broker_error(e)),
+            ServerMsg::Goodbye(reason) => return Err(goodbye_error(reason)),
+            other => return Err(Error::Unexpected(format!("{other:?}"))),
+        };
+        while let Some(run) = b.batcher.pop() {
+            self.next.push_back(Next::Run(run, sent_ns, slot));
+        }
+        let totals = if give.is_empty() {
+            Totals::default()
+        } else {
+            std::mem::take(&mut b.totals)
+        };
+        drop(b);
+        shared.give_back(&give, totals)
+    }
+
+    /// Leaving: gives back every unit this consumer was sent and no batch
+    /// it handed out still reads (notices never read, batches cut and not
+    /// handed out, the batch being built), so they pin no slot until the
+    /// connection closes.
+    pub(super) fn give_back_unread(&mut self) {
+        let mut seqs = Vec::new();
+        if let Some(mb) = self.shared.mailbox.as_ref() {
+            loop {
+                match mb.pop() {
+                    Ok(Some(Notice::Batch(b))) => seqs.push(b.seq),
+                    Ok(Some(Notice::Replay(r))) => seqs.push(r.seq | proto::REPLAYED),
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+        let totals = {
+            let mut b = self
+                .shared
+                .batching
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for n in self.next.drain(..) {
+                if let Next::Run(run, ..) = n {
+                    b.batcher.release(&run, &mut seqs);
+                }
+            }
+            if let Some(r) = self.replay.take() {
+                for n in r.queue {
+                    match n {
+                        Next::Replayed(run) => seqs.push(run.first_seq | proto::REPLAYED),
+                        Next::Run(run, ..) => b.batcher.release(&run, &mut seqs),
+                        _ => {}
+                    }
+                }
+            }
+            b.batcher.leave(&mut seqs);
+            std::mem::take(&mut b.totals)
+        };
+        if let Err(e) = self.shared.give_back(&seqs, totals) {
+            tracing::debug!("giving back unread batches: {e}");
+        }
+    }
+
+    /// Notes when the program began asking for a batch (data-stall time
+    /// runs from there to the batch's arrival).
+    pub(super) fn start_asking(&self) {
+        if self.asking_since.load(Ordering::Relaxed) != 0 {
+            return; // still the same request (a polling loop)
+        }
+        let _ = self.asking_since.compare_exchange(
+            0,
+            proto::monotonic_ns(),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Device consumers: sends the releases whose GPU work is done, and
+    /// until none is left keeps doing so while no message has arrived (the
+    /// broker may be waiting for them to send the next batch).
+    pub(super) fn wait_for_fenced(&mut self) -> Result<()> {
+        self.shared.flush_fenced(false)?;
+        while self.shared.fenced_pending()
+            && self.reader.buffer().is_empty()
+            && !readable_within(self.reader.get_ref(), 1)?
+        {
+            self.shared.flush_fenced(false)?;
+        }
+        Ok(())
+    }
+
+    /// Where this consumer's batches are delivered.
+    pub fn device(&self) -> Device {
+        self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())
+    }
+}
