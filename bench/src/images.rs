@@ -22,13 +22,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use batchcast::DType;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::demo;
 use batchcast_broker::harness::{self, BrokerProcess};
-use batchcast_broker::pipeline::augment::Resample;
 use batchcast_broker::pipeline::dataset::Dataset;
-use batchcast_broker::pipeline::transform::{Border, Geometry, Interpolation, Layout, Transform};
+use batchcast_broker::pipeline::transform::{Geometry, Transform};
 use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
 use clap::Parser;
 
@@ -59,22 +57,13 @@ const STD: [f64; 3] = [0.229, 0.224, 0.225];
 
 fn transform() -> Transform {
     Transform {
-        geometry: Geometry::RandomResizedCrop {
+        flip_p: 0.5,
+        normalize: Some((MEAN, STD)),
+        ..Transform::of(Geometry::RandomResizedCrop {
             size: (224, 224),
             scale: (0.08, 1.0),
             ratio: (3.0 / 4.0, 4.0 / 3.0),
-        },
-        augment: Vec::new(),
-        resample: Resample::default(),
-        interpolation: Interpolation::Bilinear,
-        pad: [0; 4],
-        pad_border: Border::default(),
-        erasing: None,
-        flip_p: 0.5,
-        dtype: DType::F32,
-        layout: Layout::Nchw,
-        normalize: Some((MEAN, STD)),
-        seed: 0,
+        })
     }
 }
 

@@ -156,6 +156,27 @@ pub struct Transform {
 }
 
 impl Transform {
+    /// `geometry`, then `ToTensor` in `f32` NCHW: bilinear, no padding,
+    /// flip, augmentation or normalisation, seed 0. The other fields are
+    /// set with struct update syntax (`Transform { flip_p: 0.5,
+    /// ..Transform::of(g) }`).
+    pub fn of(geometry: Geometry) -> Transform {
+        Transform {
+            geometry,
+            interpolation: Interpolation::Bilinear,
+            pad: [0; 4],
+            pad_border: Border::default(),
+            augment: Vec::new(),
+            resample: Resample::default(),
+            erasing: None,
+            flip_p: 0.0,
+            dtype: DType::F32,
+            layout: Layout::Nchw,
+            normalize: None,
+            seed: 0,
+        }
+    }
+
     /// Output (height, width): the crop's, with the padding.
     pub fn out_size(&self) -> (u32, u32) {
         let (h, w) = self.crop_size();
@@ -623,21 +644,13 @@ mod tests {
             for layout in [Layout::Nchw, Layout::Nhwc] {
                 for flip in [false, true] {
                     let t = Transform {
-                        geometry: Geometry::ResizeCrop {
-                            resize: None,
-                            crop: None,
-                        },
-                        augment: Vec::new(),
-                        resample: Resample::default(),
-                        interpolation: Interpolation::Bilinear,
-                        pad: [0; 4],
-                        pad_border: Border::default(),
-                        erasing: None,
-                        flip_p: 0.0,
                         dtype,
                         layout,
                         normalize,
-                        seed: 0,
+                        ..Transform::of(Geometry::ResizeCrop {
+                            resize: None,
+                            crop: None,
+                        })
                     };
                     let lut = Lut::new(&t);
                     let n = lut.size;
@@ -711,22 +724,12 @@ mod tests {
     #[test]
     fn reduction_never_goes_below_the_output_size() {
         let t = Transform {
-            geometry: Geometry::RandomResizedCrop {
+            flip_p: 0.5,
+            ..Transform::of(Geometry::RandomResizedCrop {
                 size: (224, 224),
                 scale: (0.08, 1.0),
                 ratio: (0.75, 4.0 / 3.0),
-            },
-            augment: Vec::new(),
-            resample: Resample::default(),
-            interpolation: Interpolation::Bilinear,
-            pad: [0; 4],
-            pad_border: Border::default(),
-            erasing: None,
-            flip_p: 0.5,
-            dtype: DType::F32,
-            layout: Layout::Nchw,
-            normalize: None,
-            seed: 0,
+            })
         };
         let mut rng = SplitMix64::new(3);
         for _ in 0..1000 {

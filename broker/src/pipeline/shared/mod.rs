@@ -482,8 +482,8 @@ impl SourceShare {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::augment::Resample;
-    use crate::pipeline::transform::{Border, Geometry, Interpolation, Layout};
+
+    use crate::pipeline::transform::Geometry;
     use batchcast::DType;
 
     fn share(n: usize, window: u64, budget: u64) -> Arc<SourceShare> {
@@ -492,22 +492,12 @@ mod tests {
 
     fn share_with_grace(n: usize, window: u64, budget: u64, grace: Duration) -> Arc<SourceShare> {
         let t = Transform {
-            geometry: Geometry::RandomResizedCrop {
+            dtype: DType::U8,
+            ..Transform::of(Geometry::RandomResizedCrop {
                 size: (8, 8),
                 scale: (0.08, 1.0),
                 ratio: (0.75, 4.0 / 3.0),
-            },
-            augment: Vec::new(),
-            resample: Resample::default(),
-            interpolation: Interpolation::Bilinear,
-            pad: [0; 4],
-            pad_border: Border::default(),
-            erasing: None,
-            flip_p: 0.0,
-            dtype: DType::U8,
-            layout: Layout::Nchw,
-            normalize: None,
-            seed: 0,
+            })
         };
         let members = (0..n)
             .map(|i| MemberSpec {
