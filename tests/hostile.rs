@@ -721,28 +721,30 @@ fn large_registrations_do_not_stall_other_clients() {
             quiet_calls.clone(),
         );
         std::thread::spawn(move || {
-            // [quiet, busy] × [stats, subscription]
-            let mut worst = [[Duration::ZERO; 2]; 2];
-            let mut calls = 0u32;
+            // The worst of the quiet phase [stats, subscription], and every
+            // call timed during the registrations.
+            let mut quiet = [Duration::ZERO; 2];
+            let mut during: Vec<[Duration; 2]> = Vec::new();
             while !stop.load(Ordering::Relaxed) {
-                let phase = usize::from(busy.load(Ordering::Relaxed));
+                let busy = busy.load(Ordering::Relaxed);
                 let t0 = Instant::now();
                 let mut c = StatsClient::connect(Some(socket.clone())).unwrap();
                 c.fetch().unwrap();
-                worst[phase][0] = worst[phase][0].max(t0.elapsed());
+                let stats = t0.elapsed();
                 let t0 = Instant::now();
                 let consumer =
                     Consumer::connect(consumer_options(&socket, Duration::from_secs(10)));
                 assert!(consumer.is_ok(), "{:?}", consumer.err());
-                worst[phase][1] = worst[phase][1].max(t0.elapsed());
-                if phase == 1 {
-                    calls += 1;
+                let took = [stats, t0.elapsed()];
+                if busy {
+                    during.push(took);
                 } else {
+                    quiet = [quiet[0].max(took[0]), quiet[1].max(took[1])];
                     quiet_calls.fetch_add(1, Ordering::Relaxed);
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            (worst, calls)
+            (quiet, during)
         })
     };
     let t0 = Instant::now();
@@ -772,21 +774,32 @@ fn large_registrations_do_not_stall_other_clients() {
     });
     std::thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);
-    let (worst, calls) = watcher.join().unwrap();
-    eprintln!(
-        "{calls} stats calls and subscriptions during the registrations; the slowest (quiet, during): {worst:?}"
-    );
-    assert!(calls > 5);
-    // Faulting 1 GiB arenas in while serving stalled every connection for
-    // 0.8 s here (the memory map lock), and 2 s with 3 GiB; answered at
-    // once, a round trip takes about 10 ms. The bound: 400 ms more than
-    // three times the slowest round trip of the quiet phase, so a machine
-    // loaded throughout slows both phases alike and still passes.
+    let (quiet, during) = watcher.join().unwrap();
+    let calls = during.len();
+    assert!(calls > 5, "{calls} calls during the registrations");
+    // Faulting 1 GiB arenas in while serving stalled every connection at
+    // each registration (the memory map lock): here stats calls and
+    // subscriptions waited 1.1 s and 0.8 s beyond the allowance below, 1.9 s
+    // in all, for these four; answered at once, a round trip takes about
+    // 10 ms. What is counted: the time calls took beyond 100 ms plus three
+    // times the slowest of the quiet phase, both kinds together. A burst of
+    // load on a shared machine may delay a call or two (0.53 s was seen
+    // once, under a compiler's link); registration stalls add up past 1 s.
+    let mut stalled = Duration::ZERO;
+    let mut seen = Vec::new();
     for (k, what) in ["stats", "subscription"].iter().enumerate() {
-        let (quiet, during) = (worst[0][k], worst[1][k]);
-        assert!(
-            during < Duration::from_millis(400) + 3 * quiet,
-            "a {what} waited {during:?} during the registrations ({quiet:?} at worst before)"
-        );
+        let allowed = Duration::from_millis(100) + 3 * quiet[k];
+        let beyond: Duration = during.iter().map(|t| t[k].saturating_sub(allowed)).sum();
+        let worst = during.iter().map(|t| t[k]).max().unwrap_or_default();
+        seen.push(format!(
+            "{what}: the slowest {worst:?} ({:?} at worst before), {beyond:?} beyond {allowed:?} in all",
+            quiet[k]
+        ));
+        stalled += beyond;
     }
+    eprintln!("{calls} calls of each during the registrations; {seen:?}");
+    assert!(
+        stalled < Duration::from_secs(1),
+        "calls waited {stalled:?} in all during the registrations: {seen:?}"
+    );
 }

@@ -219,35 +219,27 @@ impl Canvas {
     fn blur(&mut self, kx: u16, ky: u16, sigma: f64) {
         let (w, h) = (self.width as usize, self.height as usize);
         let (kx, ky) = (gaussian_kernel(kx, sigma), gaussian_kernel(ky, sigma));
-        let rows = &mut self.rows;
+        let (data, rows) = (&mut self.data, &mut self.rows);
         rows.clear();
         rows.resize(w * h * 3, 0.0);
-        let hx = (kx.len() / 2) as i64;
-        for y in 0..h {
-            for x in 0..w {
-                for c in 0..3 {
-                    let mut acc = 0f32;
-                    for (k, &wt) in kx.iter().enumerate() {
-                        let sx = reflect(x as i64 + k as i64 - hx, w);
-                        acc += wt * f32::from(self.data[(y * w + sx) * 3 + c]);
-                    }
-                    rows[(y * w + x) * 3 + c] = acc;
-                }
-            }
-        }
-        let hy = (ky.len() / 2) as i64;
-        for y in 0..h {
-            for x in 0..w {
-                for c in 0..3 {
-                    let mut acc = 0f32;
-                    for (k, &wt) in ky.iter().enumerate() {
-                        let sy = reflect(y as i64 + k as i64 - hy, h);
-                        acc += wt * rows[(sy * w + x) * 3 + c];
-                    }
-                    self.data[(y * w + x) * 3 + c] = acc.round_ties_even().clamp(0.0, 255.0) as u8;
-                }
-            }
-        }
+        convolve(
+            (w, h),
+            &kx,
+            Axis::X,
+            |i| f32::from(data[i]),
+            |i, v| {
+                rows[i] = v;
+            },
+        );
+        convolve(
+            (w, h),
+            &ky,
+            Axis::Y,
+            |i| rows[i],
+            |i, v| {
+                data[i] = v.round_ties_even().clamp(0.0, 255.0) as u8;
+            },
+        );
     }
 
     /// `ImageStat.Stat(image.convert("L")).mean`, rounded as
