@@ -3,31 +3,34 @@
 //!
 //! # Layout
 //!
-//! * [`config`]: the TOML config and its validation.
+//! The core, in the order a batch's life runs through it:
+//!
+//! * [`config`]: the TOML config (serde types only).
+//! * [`plan`]: config or producer request to a stream's plan, every key
+//!   checked.
+//! * [`pipeline`]: the native pipeline: read, decode, transform, collate.
 //! * [`hub`]: slots, reference counts, windows and epochs: pure logic.
 //! * [`stream`]: one stream at run time: arena, hub, pipeline threads.
-//! * [`listen`]: the Unix socket, stale-socket handling, who is admitted.
-//! * [`server`]: the tokio server, one task per connection.
-//! * [`consume`], [`demo`], [`stats_view`]: the CLI's consumer, demo and
-//!   stats table.
-//! * [`harness`]: starting real broker and consumer processes (demo,
-//!   benchmarks, end-to-end tests).
+//! * [`server`]: the tokio server, one task per connection, and the
+//!   `/metrics` endpoint ([`server::metrics`]).
+//! * [`listen`], [`budget`], [`gpu`]: the socket and who is admitted, the
+//!   memory budget, device arenas and copiers.
+//!
+//! And the command line's tools ([`cli`]): [`consume`], [`demo`],
+//! [`stats_view`], [`launch`], and [`harness`] (real broker and consumer
+//! processes for the demo, benchmarks and end-to-end tests), re-exported
+//! here by name.
 
 pub mod budget;
-pub mod child;
+pub mod cli;
 pub mod config;
-pub mod consume;
-pub mod demo;
-pub mod demo_images;
 pub mod gpu;
-pub mod harness;
 pub mod hub;
-pub mod launch;
 pub mod listen;
-pub mod metrics;
 pub mod pipeline;
 pub mod plan;
-pub mod procstat;
 pub mod server;
-pub mod stats_view;
 pub mod stream;
+
+pub use cli::{child, consume, demo, demo_images, harness, launch, procstat, stats_view};
+pub use server::metrics;

@@ -240,11 +240,6 @@ impl Producer {
         views
     }
 
-    /// Address of the first byte of the arena in this process.
-    pub fn arena_ptr(&self) -> *const u8 {
-        self.map.as_ptr()
-    }
-
     /// The slot holds `samples` valid samples (at most the batch size; fewer
     /// for a short last batch): hand it to the consumers.
     pub fn publish(&mut self, slot: &FillSlot, samples: u64) -> Result<()> {

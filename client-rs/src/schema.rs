@@ -34,11 +34,6 @@ pub struct Field {
 }
 
 impl Field {
-    /// Number of elements in one sample's tensor.
-    pub fn elements_per_sample(&self) -> u64 {
-        self.shape.iter().product()
-    }
-
     /// Bytes of one sample's tensor, or `None` on overflow.
     pub fn bytes_per_sample(&self) -> Option<u64> {
         self.shape

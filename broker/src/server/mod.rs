@@ -33,6 +33,7 @@ use crate::stream::{Peer, Stream};
 mod admit;
 mod connection;
 mod consumer;
+pub mod metrics;
 mod producer;
 mod refusals;
 mod stats;

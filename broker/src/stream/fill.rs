@@ -34,7 +34,7 @@ impl Stream {
             }
         };
         let mut orders = OrderCache::default();
-        let mut pace = Pace::default();
+        let mut pace = Pacer::default();
         let mut cpu = CpuClock::new();
         let mut replayed_last = false;
         loop {
@@ -154,7 +154,7 @@ impl Stream {
     fn wait_for_job<'a>(
         &'a self,
         mut inner: MutexGuard<'a, Inner>,
-        pace: &mut Pace,
+        pace: &mut Pacer,
         cpu: &mut CpuClock,
         replayed_last: bool,
     ) -> Option<Job> {
@@ -409,12 +409,12 @@ const IDLE_WAIT: Duration = Duration::from_millis(200);
 
 /// What a pipeline thread learned of how fast consumers free slots.
 #[derive(Debug, Default)]
-struct Pace {
+struct Pacer {
     /// Time per freed slot in the last waits (a running average).
     per_slot: Option<Duration>,
 }
 
-impl Pace {
+impl Pacer {
     /// `free` slots were free `waited` after the pipeline began to wait.
     fn learn(&mut self, waited: Duration, free: u32) {
         let now = waited / free.max(1);

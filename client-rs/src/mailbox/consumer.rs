@@ -63,16 +63,6 @@ impl ConsumerMailbox {
         Ok(n >= from && n - from < word >> CUT_FROM_BITS)
     }
 
-    /// Whether the next notice is a batch (`None`: no notice yet).
-    pub fn next_is_batch(&self) -> Option<bool> {
-        let w = &self.words;
-        let tail = w.u64(TAIL).load(Ordering::Relaxed);
-        if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
-            return None;
-        }
-        Some(w.notice(tail, 1).load(Ordering::Relaxed) == KIND_BATCH)
-    }
-
     /// Takes the next notice, if any, passing over batches the broker took
     /// back. Call from one thread at a time.
     pub fn pop(&self) -> Result<Option<Notice>> {
