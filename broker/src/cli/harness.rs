@@ -188,15 +188,30 @@ pub fn wait_report(mut child: Child, limit: Duration) -> std::io::Result<Consume
     })
 }
 
+/// A consumer's output without the report `consume --json` prints.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("no report in its output: {0}")]
+    Missing(String),
+    #[error("bad report {line}: {error}")]
+    Bad {
+        line: String,
+        error: serde_json::Error,
+    },
+}
+
 /// The report `consume --json` prints last, from its output (a log may
 /// hold other lines before it).
-pub fn parse_report(out: &str) -> Result<ConsumerReport, String> {
+pub fn parse_report(out: &str) -> Result<ConsumerReport, ReportError> {
     let line = out
         .lines()
         .rev()
         .find(|l| l.starts_with('{'))
-        .ok_or_else(|| format!("no report in its output: {out}"))?;
-    serde_json::from_str(line).map_err(|e| format!("bad report {line}: {e}"))
+        .ok_or_else(|| ReportError::Missing(out.to_string()))?;
+    serde_json::from_str(line).map_err(|error| ReportError::Bad {
+        line: line.to_string(),
+        error,
+    })
 }
 
 /// The `batchcast` binary a benchmark runs: `given`, else the one next to

@@ -187,9 +187,9 @@ impl Dataset {
         let mut shards = Vec::new();
         let mut shard_items = Vec::new();
         for path in paths {
-            let shard_err = |message: String| DatasetError::Shard {
+            let shard_err = |e: ShardError| DatasetError::Shard {
                 path: path.clone(),
-                message,
+                message: e.to_string(),
             };
             let file =
                 open_regular(path)
@@ -298,7 +298,31 @@ fn split_key(path: &str) -> (&str, &str) {
     }
 }
 
-fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), String> {
+/// What is wrong with a WebDataset shard (its file is named with it).
+#[derive(Debug, thiserror::Error)]
+pub enum ShardError {
+    #[error("not a readable tar file: {0}")]
+    NotTar(std::io::Error),
+    #[error("corrupt tar header: {0}")]
+    Header(std::io::Error),
+    #[error("bad member name: {0}")]
+    MemberName(std::io::Error),
+    #[error("sample `{key}` has an image but no .cls label; add one or leave the sample out")]
+    NoLabel { key: String },
+    #[error("{path}: a .cls label of {bytes} bytes")]
+    LabelSize { path: String, bytes: u64 },
+    #[error("{path}: unreadable label: {source}")]
+    LabelUnreadable {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: label `{text}` is not an integer")]
+    LabelNotInteger { path: String, text: String },
+}
+
+/// Lists the samples of shard number `shard` (its members in order, a
+/// sample an image and its `.cls` label) into `items`.
+fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), ShardError> {
     let mut archive = tar::Archive::new(file);
     struct Pending {
         key: String,
@@ -306,34 +330,27 @@ fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), Str
         label: Option<i64>,
     }
     let mut cur: Option<Pending> = None;
-    let flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), String> {
+    let flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), ShardError> {
         let Some((offset, len)) = p.image else {
             // Samples without an image (e.g. metadata only) are not samples.
             return Ok(());
         };
-        let label = p.label.ok_or_else(|| {
-            format!(
-                "sample `{}` has an image but no .cls label; add one or leave the sample out",
-                p.key
-            )
-        })?;
+        let label = p.label.ok_or(ShardError::NoLabel { key: p.key })?;
         items.push(Item {
             loc: Location::Member { shard, offset, len },
             label,
         });
         Ok(())
     };
-    let entries = archive
-        .entries_with_seek()
-        .map_err(|e| format!("not a readable tar file: {e}"))?;
+    let entries = archive.entries_with_seek().map_err(ShardError::NotTar)?;
     for entry in entries {
-        let mut entry = entry.map_err(|e| format!("corrupt tar header: {e}"))?;
+        let mut entry = entry.map_err(ShardError::Header)?;
         if !entry.header().entry_type().is_file() {
             continue;
         }
         let path = entry
             .path()
-            .map_err(|e| format!("bad member name: {e}"))?
+            .map_err(ShardError::MemberName)?
             .to_string_lossy()
             .into_owned();
         let (key, ext) = split_key(&path);
@@ -356,16 +373,26 @@ fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), Str
             }
             "cls" => {
                 if entry.size() > 64 {
-                    return Err(format!("{path}: a .cls label of {} bytes", entry.size()));
+                    return Err(ShardError::LabelSize {
+                        path,
+                        bytes: entry.size(),
+                    });
                 }
                 let mut text = String::new();
                 entry
                     .read_to_string(&mut text)
-                    .map_err(|e| format!("{path}: unreadable label: {e}"))?;
-                p.label =
-                    Some(text.trim().parse().map_err(|_| {
-                        format!("{path}: label `{}` is not an integer", text.trim())
-                    })?);
+                    .map_err(|e| ShardError::LabelUnreadable {
+                        path: path.clone(),
+                        source: e,
+                    })?;
+                p.label = Some(
+                    text.trim()
+                        .parse()
+                        .map_err(|_| ShardError::LabelNotInteger {
+                            path,
+                            text: text.trim().to_string(),
+                        })?,
+                );
             }
             _ => {}
         }

@@ -234,9 +234,9 @@ impl StreamPlan {
             batchcast::proto::MAX_DESCRIPTION_BYTES,
             "a shorter description",
         )
-        .map_err(|m| StreamError::Key {
+        .map_err(|e| StreamError::Key {
             key: "description",
-            message: m,
+            message: e.to_string(),
         })?;
         check_flow(
             req.batch_size,

@@ -345,7 +345,7 @@ async fn serve_connection(
             .map_err(|_| Reject(ErrorCode::InvalidRequest, "no hello within 10 s".into()))??;
         in_handshake = false;
         proto::check_peer_name(&hello.name)
-            .map_err(|why| Reject(ErrorCode::InvalidRequest, why))?;
+            .map_err(|why| Reject(ErrorCode::InvalidRequest, why.to_string()))?;
         let peer = Peer {
             name: hello.name,
             pid: hello.pid,

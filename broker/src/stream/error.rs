@@ -4,6 +4,7 @@
 
 use crate::gpu::GpuError;
 use crate::hub::HubError;
+use crate::pipeline::PipelineError;
 
 /// Why a stream stopped serving: its source failed. Every consumer is told
 /// (`SourceFailed`), `stats` shows it, and new consumers are refused with it.
@@ -74,4 +75,19 @@ pub enum ReplayError {
     Arena(#[from] batchcast::Error),
     #[error("replayed batch {seq} is not held by this consumer (already released, or never sent)")]
     NotHeld { seq: u64 },
+}
+
+/// Why a pipeline thread could not make a replayed batch (that consumer
+/// alone is ended with it).
+#[derive(Debug, thiserror::Error)]
+pub enum MakeError {
+    #[error("samples {first}..{end} of epoch {epoch} lie outside its {len} samples")]
+    OutsideEpoch {
+        first: u64,
+        end: u64,
+        epoch: u64,
+        len: usize,
+    },
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
 }

@@ -9,6 +9,7 @@ use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::deliver::settle;
+use super::error::MakeError;
 use super::replay::{self, book::ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
@@ -89,13 +90,12 @@ impl Stream {
         let order = orders.get(job.epoch, |e| self.plan.epoch_order(e));
         let range = job.first as usize..(job.first + job.samples) as usize;
         let made = match order.get(range) {
-            None => Err(format!(
-                "samples {}..{} of epoch {} lie outside its {} samples",
-                job.first,
-                job.first + job.samples,
-                job.epoch,
-                order.len()
-            )),
+            None => Err(MakeError::OutsideEpoch {
+                first: job.first,
+                end: job.first + job.samples,
+                epoch: job.epoch,
+                len: order.len(),
+            }),
             Some(indices) => {
                 let mut fields: Vec<&mut [u8]> = job
                     .spans
@@ -119,7 +119,7 @@ impl Stream {
                 writer
                     .write_batch(state, job.epoch, first, indices, &mut fields)
                     .map(|_| ())
-                    .map_err(|e| e.to_string())
+                    .map_err(MakeError::from)
             }
         };
         let spent = cpu.spent(true);

@@ -12,10 +12,27 @@ pub const MAX_NAME_BYTES: usize = 128;
 /// The longest description an external producer may give its stream.
 pub const MAX_DESCRIPTION_BYTES: usize = 512;
 
+/// A text a client gave that the broker will not show: too long, or
+/// holding a control character. Says which rule it broke and what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TextError {
+    #[error("{what} is {len} bytes long; at most {max} bytes are allowed: give it {fix}")]
+    TooLong {
+        what: String,
+        len: usize,
+        max: usize,
+        fix: String,
+    },
+    #[error(
+        "{what} holds the control character {c:?}; names are shown on terminals: give it {fix}"
+    )]
+    Control { what: String, c: char, fix: String },
+}
+
 /// Checks a client's name (`Hello.name`): at most [`MAX_NAME_BYTES`] and
 /// no control characters (it is printed on terminals: no escapes). The
 /// error says which rule it broke and what to do.
-pub fn check_peer_name(name: &str) -> std::result::Result<(), String> {
+pub fn check_peer_name(name: &str) -> std::result::Result<(), TextError> {
     check_text(
         "the client's name",
         name,
@@ -31,18 +48,21 @@ pub fn check_text(
     text: &str,
     max: usize,
     fix: &str,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), TextError> {
     if text.len() > max {
-        return Err(format!(
-            "{what} is {} bytes long; at most {max} bytes are allowed: give it {fix}",
-            text.len()
-        ));
+        return Err(TextError::TooLong {
+            what: what.into(),
+            len: text.len(),
+            max,
+            fix: fix.into(),
+        });
     }
     if let Some(c) = text.chars().find(|c| c.is_control()) {
-        return Err(format!(
-            "{what} holds the control character {:?}; names are shown on terminals: give it {fix}",
-            c
-        ));
+        return Err(TextError::Control {
+            what: what.into(),
+            c,
+            fix: fix.into(),
+        });
     }
     Ok(())
 }

@@ -103,14 +103,31 @@ pub enum Join {
     Now,
 }
 
-fn parse_position(s: &str) -> Result<batchcast::proto::Position, String> {
+/// `--resume` that is not `EPOCH:SAMPLE`.
+#[derive(Debug, thiserror::Error)]
+pub enum PositionError {
+    #[error("`{0}`: write EPOCH:SAMPLE, e.g. 2:640")]
+    Shape(String),
+    #[error("`{text}`: `{part}` is not a count ({error})")]
+    Count {
+        text: String,
+        part: String,
+        error: std::num::ParseIntError,
+    },
+}
+
+fn parse_position(s: &str) -> Result<batchcast::proto::Position, PositionError> {
     let (e, i) = s
         .split_once(':')
-        .ok_or_else(|| format!("`{s}`: write EPOCH:SAMPLE, e.g. 2:640"))?;
+        .ok_or_else(|| PositionError::Shape(s.to_string()))?;
     let num = |v: &str| {
         v.trim()
             .parse::<u64>()
-            .map_err(|e| format!("`{s}`: `{v}` is not a count ({e})"))
+            .map_err(|error| PositionError::Count {
+                text: s.to_string(),
+                part: v.to_string(),
+                error,
+            })
     };
     Ok(batchcast::proto::Position {
         epoch: num(e)?,

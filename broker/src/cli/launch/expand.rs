@@ -7,36 +7,122 @@ use std::path::Path;
 
 use super::file::{GpuSpec, Host, SweepFile, TrainerPlan, TrainerSpec, ordinal};
 
-pub(super) fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, String> {
-    host.gpus.get(i as usize).cloned().ok_or_else(|| {
-        format!(
-            "{what}: GPU {i} does not exist: this machine shows {} GPU{}{}",
-            host.gpus.len(),
-            if host.gpus.len() == 1 { "" } else { "s" },
-            if host.gpus.is_empty() {
-                " (no CUDA driver or device); use gpu = \"none\"".to_string()
-            } else {
-                format!(" (0..{})", host.gpus.len() - 1)
-            }
-        )
-    })
+/// What is wrong with a `[[trainer]]` table, or with the trainers it
+/// expands to; each says what to write instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExpandError {
+    /// Where in the file: a trainer table, one of its keys.
+    #[error("{context}: {source}")]
+    In {
+        context: String,
+        source: Box<ExpandError>,
+    },
+    #[error("{what}: GPU {index} does not exist: this machine shows {count} GPU{}{}",
+        if *count == 1 { "" } else { "s" },
+        if *count == 0 { " (no CUDA driver or device); use gpu = \"none\"".to_string() } else { format!(" (0..{})", count - 1) })]
+    NoSuchGpu {
+        what: String,
+        index: u32,
+        count: usize,
+    },
+    #[error("{value} is not a string, number or boolean ({kind})")]
+    NotAValue { value: String, kind: &'static str },
+    #[error("`{text}` has an unmatched `}}` (write `}}}}` for a brace)")]
+    UnmatchedBrace { text: String },
+    #[error("`{text}` has an unclosed `{{` (write `{{{{` for a brace)")]
+    UnclosedBrace { text: String },
+    #[error("`{text}` uses {{{key}}}, which is not defined; placeholders here: {defined}")]
+    Undefined {
+        text: String,
+        key: String,
+        defined: String,
+    },
+    #[error("batch_size {text:?} is not a whole number ≥ 1 (a trainer's own batch size)")]
+    BatchSize { text: String },
+    #[error("name {name:?} must be letters, digits, `-`, `_` or `.` (it names log files)")]
+    Name { name: String },
+    #[error(
+        "`command` is empty; give the program and its arguments, e.g. [\"python\", \"train.py\"]"
+    )]
+    EmptyCommand,
+    #[error("`baseline_command` is empty")]
+    EmptyBaseline,
+    #[error("copies = 0 starts nothing; remove the trainer or use copies ≥ 1")]
+    NoCopies,
+    #[error("grid.{key} is an empty list")]
+    EmptyGrid { key: String },
+    #[error("grid.{key} would hide the built-in {{{key}}}; rename it")]
+    HidesBuiltin { key: String },
+    #[error("gpu = {word:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices")]
+    GpuWord { word: String },
+    #[error("gpu = [] is empty; use \"none\" for no GPU")]
+    NoGpus,
+    #[error("cwd {0} is not a folder")]
+    Cwd(String),
+    #[error("join: {0}")]
+    Join(String),
+    #[error("command {prog} does not exist (looked in {dir})")]
+    NoSuchFile { prog: String, dir: String },
+    #[error("command `{prog}` is not next to {exe} nor on PATH{hint}")]
+    NotFound {
+        prog: String,
+        exe: String,
+        hint: &'static str,
+    },
+    #[error(
+        "two trainers would be named `{name}` ({first} and {second}); give them different names"
+    )]
+    SameName {
+        name: String,
+        first: String,
+        second: String,
+    },
+    #[error(
+        "{what} subscribes to stream `{stream}`, which the broker config does not define (it has: {known})"
+    )]
+    UnknownStream {
+        what: String,
+        stream: String,
+        known: String,
+    },
 }
 
-fn value_text(v: &toml::Value) -> Result<String, String> {
+impl ExpandError {
+    /// This error, said of `context` (a trainer table, a key of it).
+    fn within(self, context: impl Into<String>) -> ExpandError {
+        ExpandError::In {
+            context: context.into(),
+            source: Box::new(self),
+        }
+    }
+}
+
+pub(super) fn gpu_value(host: &Host, i: u32, what: &str) -> Result<String, ExpandError> {
+    host.gpus
+        .get(i as usize)
+        .cloned()
+        .ok_or_else(|| ExpandError::NoSuchGpu {
+            what: what.to_string(),
+            index: i,
+            count: host.gpus.len(),
+        })
+}
+
+fn value_text(v: &toml::Value) -> Result<String, ExpandError> {
     match v {
         toml::Value::String(s) => Ok(s.clone()),
         toml::Value::Integer(i) => Ok(i.to_string()),
         toml::Value::Float(f) => Ok(f.to_string()),
         toml::Value::Boolean(b) => Ok(b.to_string()),
-        other => Err(format!(
-            "{other} is not a string, number or boolean ({})",
-            other.type_str()
-        )),
+        other => Err(ExpandError::NotAValue {
+            value: other.to_string(),
+            kind: other.type_str(),
+        }),
     }
 }
 
 /// Replaces `{key}` with `vars[key]`; `{{` and `}}` are literal braces.
-pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, String> {
+pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, ExpandError> {
     let mut out = String::with_capacity(s.len());
     let mut rest = s;
     while let Some(i) = rest.find(['{', '}']) {
@@ -48,24 +134,20 @@ pub fn substitute(s: &str, vars: &BTreeMap<String, String>) -> Result<String, St
             continue;
         }
         if tail.starts_with('}') {
-            return Err(format!(
-                "`{s}` has an unmatched `}}` (write `}}}}` for a brace)"
-            ));
+            return Err(ExpandError::UnmatchedBrace { text: s.into() });
         }
         let Some(end) = tail.find('}') else {
-            return Err(format!(
-                "`{s}` has an unclosed `{{` (write `{{{{` for a brace)"
-            ));
+            return Err(ExpandError::UnclosedBrace { text: s.into() });
         };
         let key = &tail[1..end];
-        let v = vars.get(key).ok_or_else(|| {
-            format!(
-                "`{s}` uses {{{key}}}, which is not defined; placeholders here: {}",
-                vars.keys()
-                    .map(|k| format!("{{{k}}}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            )
+        let v = vars.get(key).ok_or_else(|| ExpandError::Undefined {
+            text: s.into(),
+            key: key.into(),
+            defined: vars
+                .keys()
+                .map(|k| format!("{{{k}}}"))
+                .collect::<Vec<_>>()
+                .join(" "),
         })?;
         out.push_str(v);
         rest = &tail[end + 1..];
@@ -84,8 +166,8 @@ fn expand_trainer(
     rr: &mut usize,
     default_stream: &str,
     dir: &Path,
-) -> Result<Vec<TrainerPlan>, String> {
-    let e = |m: String| format!("{what}: {m}");
+) -> Result<Vec<TrainerPlan>, ExpandError> {
+    let e = |m: ExpandError| m.within(what);
     check_trainer(t).map_err(e)?;
     let combos = grid_combinations(t).map_err(e)?;
     let copies = t.copies.unwrap_or(1) as usize;
@@ -96,7 +178,7 @@ fn expand_trainer(
         None => dir.to_path_buf(),
     };
     if !cwd.is_dir() {
-        return Err(e(format!("cwd {} is not a folder", cwd.display())));
+        return Err(e(ExpandError::Cwd(cwd.display().to_string())));
     }
     let mut out = Vec::with_capacity(total);
     for (index, combo) in combos
@@ -115,7 +197,7 @@ fn expand_trainer(
         vars.insert("index".into(), index.to_string());
         vars.insert("gpu".into(), gpu.clone().unwrap_or_default());
         vars.insert("batchcast".into(), host.exe.display().to_string());
-        let command = |v: &[String]| -> Result<Vec<String>, String> {
+        let command = |v: &[String]| -> Result<Vec<String>, ExpandError> {
             let mut argv = v
                 .iter()
                 .map(|a| substitute(a, &vars).map_err(&e))
@@ -129,17 +211,17 @@ fn expand_trainer(
             .env
             .iter()
             .map(|(k, v)| {
-                let text = value_text(v).map_err(|m| e(format!("env.{k}: {m}")))?;
+                let text = value_text(v).map_err(|m| e(m.within(format!("env.{k}"))))?;
                 Ok((k.clone(), substitute(&text, &vars).map_err(&e)?))
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, ExpandError>>()?;
         let mut env = env;
         if let Some(bs) = trainer_batch_size(t, &vars).map_err(&e)? {
             env.push(("BATCHCAST_BATCH_SIZE".into(), bs.to_string()));
         }
         if let Some(join) = &t.join {
             join.parse::<batchcast::JoinPolicy>()
-                .map_err(|m| e(format!("join: {m}")))?;
+                .map_err(|m| e(ExpandError::Join(m.to_string())))?;
             env.push(("BATCHCAST_JOIN".into(), join.clone()));
         }
         out.push(TrainerPlan {
@@ -160,12 +242,9 @@ fn expand_trainer(
 fn trainer_batch_size(
     t: &TrainerSpec,
     vars: &BTreeMap<String, String>,
-) -> Result<Option<u64>, String> {
+) -> Result<Option<u64>, ExpandError> {
     let text = match &t.batch_size {
-        Some(v) => substitute(
-            &value_text(v).map_err(|m| format!("batch_size: {m}"))?,
-            vars,
-        )?,
+        Some(v) => substitute(&value_text(v).map_err(|m| m.within("batch_size"))?, vars)?,
         None => match vars.get("batch_size") {
             Some(v) if t.grid.contains_key("batch_size") => v.clone(),
             _ => return Ok(None),
@@ -173,55 +252,47 @@ fn trainer_batch_size(
     };
     match text.trim().parse::<u64>() {
         Ok(n) if n >= 1 => Ok(Some(n)),
-        _ => Err(format!(
-            "batch_size {text:?} is not a whole number ≥ 1 (a trainer's own batch size)"
-        )),
+        _ => Err(ExpandError::BatchSize { text }),
     }
 }
 
 /// What a trainer table must hold before it is expanded.
-fn check_trainer(t: &TrainerSpec) -> Result<(), String> {
+fn check_trainer(t: &TrainerSpec) -> Result<(), ExpandError> {
     if t.name.is_empty()
         || !t
             .name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
     {
-        return Err(format!(
-            "name {:?} must be letters, digits, `-`, `_` or `.` (it names log files)",
-            t.name
-        ));
+        return Err(ExpandError::Name {
+            name: t.name.clone(),
+        });
     }
     if t.command.is_empty() || t.command[0].is_empty() {
-        return Err(
-            "`command` is empty; give the program and its arguments, e.g. [\"python\", \"train.py\"]"
-                .into(),
-        );
+        return Err(ExpandError::EmptyCommand);
     }
     if t.baseline_command.as_ref().is_some_and(|c| c.is_empty()) {
-        return Err("`baseline_command` is empty".into());
+        return Err(ExpandError::EmptyBaseline);
     }
     if t.copies == Some(0) {
-        return Err("copies = 0 starts nothing; remove the trainer or use copies ≥ 1".into());
+        return Err(ExpandError::NoCopies);
     }
     Ok(())
 }
 
 /// Every combination of the grid's values (one empty one without a grid).
-fn grid_combinations(t: &TrainerSpec) -> Result<Vec<BTreeMap<String, String>>, String> {
+fn grid_combinations(t: &TrainerSpec) -> Result<Vec<BTreeMap<String, String>>, ExpandError> {
     let mut combos: Vec<BTreeMap<String, String>> = vec![BTreeMap::new()];
     for (key, values) in &t.grid {
         if values.is_empty() {
-            return Err(format!("grid.{key} is an empty list"));
+            return Err(ExpandError::EmptyGrid { key: key.clone() });
         }
         if matches!(key.as_str(), "name" | "index" | "gpu" | "batchcast") {
-            return Err(format!(
-                "grid.{key} would hide the built-in {{{key}}}; rename it"
-            ));
+            return Err(ExpandError::HidesBuiltin { key: key.clone() });
         }
         let texts = values
             .iter()
-            .map(|v| value_text(v).map_err(|m| format!("grid.{key}: {m}")))
+            .map(|v| value_text(v).map_err(|m| m.within(format!("grid.{key}"))))
             .collect::<Result<Vec<_>, _>>()?;
         combos = combos
             .into_iter()
@@ -245,22 +316,18 @@ fn gpu_assignment(
     gpus: &[String],
     rr: &mut usize,
     total: usize,
-) -> Result<Vec<Option<String>>, String> {
+) -> Result<Vec<Option<String>>, ExpandError> {
     Ok(match &t.gpu {
         None => round_robin(gpus, rr, total),
         Some(GpuSpec::Word(w)) if w == "round-robin" => round_robin(gpus, rr, total),
         Some(GpuSpec::Word(w)) if w == "none" => vec![None; total],
         Some(GpuSpec::Word(w)) => {
-            return Err(format!(
-                "{what}: gpu = {w:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices"
-            ));
+            return Err(ExpandError::GpuWord { word: w.clone() }.within(what));
         }
         Some(GpuSpec::One(i)) => vec![Some(gpu_value(host, *i, &format!("{what}: gpu"))?); total],
         Some(GpuSpec::List(list)) => {
             if list.is_empty() {
-                return Err(format!(
-                    "{what}: gpu = [] is empty; use \"none\" for no GPU"
-                ));
+                return Err(ExpandError::NoGpus.within(what));
             }
             let vals = list
                 .iter()
@@ -290,16 +357,16 @@ fn round_robin(gpus: &[String], rr: &mut usize, n: usize) -> Vec<Option<String>>
 /// trainer's folder), or a name looked up next to this executable first
 /// (so `rust-consumer` built in the same target folder is found), then on
 /// `PATH`.
-fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, String> {
+fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, ExpandError> {
     if prog.contains('/') {
         let p = cwd.join(prog);
         return if p.is_file() {
             Ok(p.display().to_string())
         } else {
-            Err(format!(
-                "command {prog} does not exist (looked in {})",
-                cwd.display()
-            ))
+            Err(ExpandError::NoSuchFile {
+                prog: prog.into(),
+                dir: cwd.display().to_string(),
+            })
         };
     }
     let sibling = exe.parent().map(|d| d.join(prog));
@@ -310,15 +377,15 @@ fn resolve_program(prog: &str, cwd: &Path, exe: &Path) -> Result<String, String>
     if std::env::split_paths(&path).any(|d| d.join(prog).is_file()) {
         return Ok(prog.to_string());
     }
-    Err(format!(
-        "command `{prog}` is not next to {} nor on PATH{}",
-        exe.display(),
-        if prog == "rust-consumer" {
+    Err(ExpandError::NotFound {
+        prog: prog.into(),
+        exe: exe.display().to_string(),
+        hint: if prog == "rust-consumer" {
             "; build it with `cargo build --release` (the example trainers are built with the workspace)"
         } else {
             ""
-        }
-    ))
+        },
+    })
 }
 
 /// Every trainer of the file, expanded (grids, GPUs), with distinct names
@@ -330,7 +397,7 @@ pub(super) fn expand_trainers(
     default_stream: &str,
     dir: &Path,
     streams: &[String],
-) -> Result<Vec<TrainerPlan>, String> {
+) -> Result<Vec<TrainerPlan>, ExpandError> {
     let mut trainers = Vec::new();
     let mut rr = 0usize;
     let mut names = HashMap::new();
@@ -339,17 +406,18 @@ pub(super) fn expand_trainers(
         let expanded = expand_trainer(t, &what, host, gpus, &mut rr, default_stream, dir)?;
         for p in expanded {
             if let Some(prev) = names.insert(p.name.clone(), what.clone()) {
-                return Err(format!(
-                    "two trainers would be named `{}` ({prev} and {what}); give them different names",
-                    p.name
-                ));
+                return Err(ExpandError::SameName {
+                    name: p.name,
+                    first: prev,
+                    second: what,
+                });
             }
             if !streams.is_empty() && !streams.contains(&p.stream) {
-                return Err(format!(
-                    "{what} subscribes to stream `{}`, which the broker config does not define (it has: {})",
-                    p.stream,
-                    streams.join(", ")
-                ));
+                return Err(ExpandError::UnknownStream {
+                    what,
+                    stream: p.stream,
+                    known: streams.join(", "),
+                });
             }
             trainers.push(p);
         }

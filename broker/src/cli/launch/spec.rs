@@ -34,7 +34,7 @@
 
 use std::path::{Path, PathBuf};
 
-pub use super::expand::substitute;
+pub use super::expand::{ExpandError, substitute};
 use super::expand::{expand_trainers, gpu_value};
 pub use super::file::{Host, OnFailure, TrainerPlan};
 use super::file::{SweepFile, ordinal};
@@ -131,11 +131,11 @@ impl Sweep {
                 .iter()
                 .map(|&i| gpu_value(host, i, "[launch] gpus"))
                 .collect::<Result<_, _>>()
-                .map_err(invalid)?,
+                .map_err(|e| invalid(e.to_string()))?,
         };
 
         let trainers = expand_trainers(&file, host, &gpus, &default_stream, &dir, &streams)
-            .map_err(invalid)?;
+            .map_err(|e| invalid(e.to_string()))?;
         let broker = match (broker, config_tables) {
             (BrokerSource::Start { dir, .. }, Some(mut table)) => {
                 set_min_consumers(&mut table, &trainers);
@@ -343,9 +343,12 @@ mod tests {
             .collect();
         assert_eq!(substitute("--lr={lr}", &vars).unwrap(), "--lr=0.1");
         assert_eq!(substitute("{{lr}}", &vars).unwrap(), "{lr}");
-        let e = substitute("{seed}", &vars).unwrap_err();
+        let e = substitute("{seed}", &vars).unwrap_err().to_string();
         assert!(e.contains("{seed}") && e.contains("{lr}"), "{e}");
-        assert!(substitute("{lr", &vars).unwrap_err().contains("unclosed"));
+        assert!(matches!(
+            substitute("{lr", &vars),
+            Err(ExpandError::UnclosedBrace { .. })
+        ));
     }
 
     #[test]

@@ -48,7 +48,7 @@ use batchcast::schema::Schema;
 
 use super::batches::replay_end;
 use super::conn::{Conn, Ending, end_consumer, end_mailbox_consumer};
-use super::error::{ReplayError, SubscribeError};
+use super::error::{MakeError, ReplayError, SubscribeError};
 use super::{Inner, Stream};
 use crate::budget::Use;
 use crate::config::Pace;
@@ -339,7 +339,7 @@ pub(super) fn finish(
     id: ConsumerId,
     seq: u64,
     cpu: Duration,
-    made: Result<(), String>,
+    made: Result<(), MakeError>,
 ) {
     inner.replaying = inner.replaying.saturating_sub(1);
     inner.replay_cpu += cpu;
