@@ -222,19 +222,17 @@ impl Canvas {
         let (data, rows) = (&mut self.data, &mut self.rows);
         rows.clear();
         rows.resize(w * h * 3, 0.0);
-        convolve(
+        convolve::<true>(
             (w, h),
             &kx,
-            Axis::X,
             |i| f32::from(data[i]),
             |i, v| {
                 rows[i] = v;
             },
         );
-        convolve(
+        convolve::<false>(
             (w, h),
             &ky,
-            Axis::Y,
             |i| rows[i],
             |i, v| {
                 data[i] = v.round_ties_even().clamp(0.0, 255.0) as u8;

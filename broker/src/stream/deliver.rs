@@ -154,9 +154,12 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
 fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), ReleaseError> {
     if seq & proto::REPLAYED != 0 {
         let seq = seq & !proto::REPLAYED;
-        let not_held = ReplayError::NotHeld { seq };
-        let conn = inner.conns.get_mut(&id).ok_or(not_held)?;
-        let r = conn.replay.as_mut().ok_or(ReplayError::NotHeld { seq })?;
+        let Some(conn) = inner.conns.get_mut(&id) else {
+            return Err(ReplayError::NotHeld { seq }.into());
+        };
+        let Some(r) = conn.replay.as_mut() else {
+            return Err(ReplayError::NotHeld { seq }.into());
+        };
         if r.release(seq)? {
             // Its arena and budget go back now.
             conn.replay = None;

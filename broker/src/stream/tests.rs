@@ -60,18 +60,24 @@ fn peer_of(name: &str, uid: u32) -> Peer {
     }
 }
 
-/// A socket consumer's request to join `train` now.
-fn join_now() -> ConsumeRequest {
+/// A host socket consumer's request for `train`, window 2, joining as
+/// `join` says.
+fn request(join: JoinPolicy) -> ConsumeRequest {
     ConsumeRequest {
         stream: "train".into(),
         batch_size: None,
         drop_last: Some(false),
         resume: None,
         window: 2,
-        join: JoinPolicy::Now,
+        join,
         device: None,
         mailbox: false,
     }
+}
+
+/// A socket consumer's request to join `train` now.
+fn join_now() -> ConsumeRequest {
+    request(JoinPolicy::Now)
 }
 
 /// Reads and releases `n` batches as `sub`.
@@ -87,14 +93,8 @@ fn read(s: &Stream, sub: &mut Subscription, n: usize) {
 
 fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
     let req = ConsumeRequest {
-        stream: "train".into(),
-        batch_size: None,
-        drop_last: Some(false),
-        resume: None,
-        window: 2,
-        join: JoinPolicy::NextEpoch,
         device: gpu.then(test_gpu::request),
-        mailbox: false,
+        ..request(JoinPolicy::NextEpoch)
     };
     s.subscribe(req, peer(name)).unwrap()
 }
@@ -204,14 +204,8 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
         let mut sub = s
             .subscribe(
                 ConsumeRequest {
-                    stream: "train".into(),
-                    batch_size: None,
-                    drop_last: Some(false),
-                    resume: None,
-                    window: 2,
-                    join: JoinPolicy::NextEpoch,
-                    device: None,
                     mailbox: true,
+                    ..request(JoinPolicy::NextEpoch)
                 },
                 peer(name),
             )
@@ -385,14 +379,9 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     }
     assert_eq!(n, 200);
     let req = ConsumeRequest {
-        stream: "train".into(),
-        batch_size: None,
-        drop_last: Some(false),
-        resume: None,
         window: 1,
-        join: JoinPolicy::Immediate,
         device: Some(test_gpu::request()),
-        mailbox: false,
+        ..request(JoinPolicy::Immediate)
     };
     let err = s.subscribe(req, peer("again")).unwrap_err();
     assert!(err.to_string().contains("failed"), "{err}");

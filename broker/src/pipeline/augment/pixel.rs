@@ -157,20 +157,14 @@ pub(super) fn smooth_round(sum: u32) -> u8 {
     ((sum as f32 / 13.0) + 0.5).min(255.0) as u8
 }
 
-/// The direction of a pass of a separable filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Axis {
-    X,
-    Y,
-}
-
 /// One pass of a separable filter over a `w × h` RGB image: each value
-/// written is `kernel` applied along `axis` to the values `read` gives
-/// (index `(y·w + x)·3 + channel`), the image's edge reflected.
-pub(super) fn convolve(
+/// written is `kernel` applied along x (`ALONG_X`) or y to the values
+/// `read` gives (index `(y·w + x)·3 + channel`), the image's edge
+/// reflected. The direction is a constant, so the per-tap index needs no
+/// branch.
+pub(super) fn convolve<const ALONG_X: bool>(
     (w, h): (usize, usize),
     kernel: &[f32],
-    axis: Axis,
     read: impl Fn(usize) -> f32,
     mut write: impl FnMut(usize, f32),
 ) {
@@ -180,9 +174,10 @@ pub(super) fn convolve(
             for c in 0..3 {
                 let mut acc = 0f32;
                 for (k, &wt) in kernel.iter().enumerate() {
-                    let at = match axis {
-                        Axis::X => y * w + reflect(x as i64 + k as i64 - half, w),
-                        Axis::Y => reflect(y as i64 + k as i64 - half, h) * w + x,
+                    let at = if ALONG_X {
+                        y * w + reflect(x as i64 + k as i64 - half, w)
+                    } else {
+                        reflect(y as i64 + k as i64 - half, h) * w + x
                     };
                     acc += wt * read(at * 3 + c);
                 }
