@@ -124,61 +124,132 @@ pub struct Config {
     pub sources: Vec<SourceConfig>,
 }
 
-/// The keys of a `[[stream]]` that describe its source (dataset, order,
-/// split, what a bad file does): a stream that names a `[[source]]`
-/// takes them from it.
-pub const SOURCE_KEYS: [&str; 12] = [
-    "image_folder",
-    "webdataset",
-    "shuffle",
-    "seed",
-    "rank",
-    "world_size",
-    "uneven",
-    "on_error",
-    "max_pixels",
-    "max_file_bytes",
-    "reduced_decode",
-    "cache_mib",
-];
+/// Declares [`StreamConfig`] and [`SourceConfig`] with the keys that
+/// describe a source (dataset, order, split, what a bad file does) written
+/// once: both structs end with them, [`SOURCE_KEYS`] names them, and
+/// [`StreamConfig::with_source_keys`] takes them from a `[[source]]`.
+macro_rules! with_source_keys {
+    (
+        source keys { $( $(#[$km:meta])* $key:ident : $kty:ty, )* }
+        $(#[$sm:meta])* pub struct StreamConfig { $($stream:tt)* }
+        $(#[$om:meta])* pub struct SourceConfig { $($source:tt)* }
+    ) => {
+        /// The keys of a `[[stream]]` that describe its source: a stream
+        /// that names a `[[source]]` takes them from it.
+        pub const SOURCE_KEYS: &[&str] = &[$(stringify!($key)),*];
 
-/// A `[[source]]`: a dataset, its order and split, shared by the streams
-/// that name it; its keys mean what they mean in a `[[stream]]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SourceConfig {
-    pub name: String,
-    pub image_folder: Option<ImageFolderConfig>,
-    pub webdataset: Option<WebDatasetConfig>,
-    #[serde(default = "yes")]
-    pub shuffle: bool,
-    #[serde(default)]
-    pub seed: u64,
-    #[serde(default)]
-    pub rank: u64,
-    #[serde(default = "one64")]
-    pub world_size: u64,
-    #[serde(default)]
-    pub uneven: Uneven,
-    #[serde(default)]
-    pub on_error: OnError,
-    #[serde(default = "default_max_pixels")]
-    pub max_pixels: u64,
-    #[serde(default = "default_max_file_bytes")]
-    pub max_file_bytes: u64,
-    #[serde(default = "yes")]
-    pub reduced_decode: bool,
-    #[serde(default)]
-    pub cache_mib: u64,
-    /// Which JPEG scale a shared decode is made at.
-    #[serde(default)]
-    pub decode: DecodeShare,
-    /// Samples a stream may run ahead of a slower stream of the source
-    /// (default: four times the largest `workers × batch_size`).
-    pub ahead: Option<u64>,
-    /// MiB of decoded images left for the other streams, at most.
-    #[serde(default = "default_decoded_mib")]
-    pub decoded_mib: u64,
+        $(#[$sm])*
+        pub struct StreamConfig { $($stream)* $( $(#[$km])* pub $key: $kty, )* }
+
+        $(#[$om])*
+        pub struct SourceConfig { $($source)* $( $(#[$km])* pub $key: $kty, )* }
+
+        impl StreamConfig {
+            /// This stream with `src`'s source keys in place of its own.
+            pub fn with_source_keys(&self, src: &SourceConfig) -> StreamConfig {
+                StreamConfig { $( $key: src.$key.clone(), )* ..self.clone() }
+            }
+        }
+    };
+}
+
+with_source_keys! {
+    source keys {
+        image_folder: Option<ImageFolderConfig>,
+        webdataset: Option<WebDatasetConfig>,
+        #[serde(default = "yes")]
+        shuffle: bool,
+        #[serde(default)]
+        seed: u64,
+        /// This host's share of the dataset (DistributedSampler's split).
+        #[serde(default)]
+        rank: u64,
+        #[serde(default = "one64")]
+        world_size: u64,
+        /// DistributedSampler's `drop_last`: pad (default) or drop the tail.
+        #[serde(default)]
+        uneven: Uneven,
+        #[serde(default)]
+        on_error: OnError,
+        /// Largest image (width × height) decoded; PIL's default limit.
+        #[serde(default = "default_max_pixels")]
+        max_pixels: u64,
+        /// Largest encoded sample read, in bytes (a file, or a tar member).
+        #[serde(default = "default_max_file_bytes")]
+        max_file_bytes: u64,
+        /// Decode JPEGs at 1/2, 1/4 or 1/8 size when the output is that
+        /// much smaller anyway.
+        #[serde(default = "yes")]
+        reduced_decode: bool,
+        /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
+        #[serde(default)]
+        cache_mib: u64,
+    }
+
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct StreamConfig {
+        pub name: String,
+        /// A `[[source]]` this stream shares (its source keys come from there).
+        pub source: Option<String>,
+        /// Which of [`SOURCE_KEYS`] the stream's own table writes (filled by
+        /// [`Config::parse`]; a stream that names a source may write none).
+        #[serde(skip)]
+        pub own_source_keys: Vec<&'static str>,
+        pub batch_size: u64,
+        /// `None`: endless.
+        pub epochs: Option<u64>,
+        /// The default of consumers that do not choose whether to drop an
+        /// epoch's short last batch (false, as a DataLoader's). The stream
+        /// makes every sample of every epoch either way.
+        #[serde(default)]
+        pub drop_last: bool,
+        /// Slots of the host ring; default: enough for `max_batch_size` (at
+        /// least 8).
+        pub slots: Option<u32>,
+        /// The largest batch size a consumer of the stream will ask for with
+        /// the default window of 2: the ring is sized for it (default: a few
+        /// times `batch_size`, as far as a quarter of the memory budget
+        /// allows). Larger sizes are refused with the largest that fits.
+        pub max_batch_size: Option<u64>,
+        /// Slots of each GPU's arena (default: `slots`). Released independently
+        /// of host slots, so GPU memory can be smaller than host memory.
+        pub gpu_slots: Option<u32>,
+        /// Pipeline threads; default: all cores but one.
+        pub workers: Option<usize>,
+        pub lag_limit: Option<u32>,
+        /// Who sets the pipeline's pace; see [`Pace`].
+        #[serde(default)]
+        pub pace: Pace,
+        /// Decoupled pace: how far the pipeline may run ahead of the slowest
+        /// consumer, as memory (MiB of the host arena); sets `slots`.
+        pub run_ahead_mib: Option<u64>,
+        /// Decoupled pace: the longest the pipeline waits for a consumer it
+        /// cannot cut (one holding batches, one being replayed to that
+        /// pauses) before detaching it; default 30 s.
+        pub hold_limit_s: Option<f64>,
+        #[serde(default = "one")]
+        pub min_consumers: u32,
+        pub synthetic: Option<SyntheticConfig>,
+        pub transform: Option<TransformConfig>,
+    }
+
+    /// A `[[source]]`: a dataset, its order and split, shared by the streams
+    /// that name it; its keys mean what they mean in a `[[stream]]`.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct SourceConfig {
+        pub name: String,
+        /// Which JPEG scale a shared decode is made at.
+        #[serde(default)]
+        pub decode: DecodeShare,
+        /// Samples a stream may run ahead of a slower stream of the source
+        /// (default: four times the largest `workers × batch_size`).
+        pub ahead: Option<u64>,
+        /// MiB of decoded images left for the other streams, at most.
+        #[serde(default = "default_decoded_mib")]
+        pub decoded_mib: u64,
+    }
 }
 
 fn default_decoded_mib() -> u64 {
@@ -227,83 +298,6 @@ pub enum Pace {
     /// merges back where the shared stream still holds its samples.
     /// Consumers of host memory with a mailbox only; others keep lockstep.
     Decoupled,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StreamConfig {
-    pub name: String,
-    /// A `[[source]]` this stream shares (its dataset keys come from there).
-    pub source: Option<String>,
-    /// Which of [`SOURCE_KEYS`] the stream's own table writes (filled by
-    /// [`Config::parse`]; a stream that names a source may write none).
-    #[serde(skip)]
-    pub own_source_keys: Vec<&'static str>,
-    pub batch_size: u64,
-    /// `None`: endless.
-    pub epochs: Option<u64>,
-    #[serde(default = "yes")]
-    pub shuffle: bool,
-    #[serde(default)]
-    pub seed: u64,
-    /// The default of consumers that do not choose whether to drop an
-    /// epoch's short last batch (false, as a DataLoader's). The stream
-    /// makes every sample of every epoch either way.
-    #[serde(default)]
-    pub drop_last: bool,
-    /// Slots of the host ring; default: enough for `max_batch_size` (at
-    /// least 8).
-    pub slots: Option<u32>,
-    /// The largest batch size a consumer of the stream will ask for with
-    /// the default window of 2: the ring is sized for it (default: a few
-    /// times `batch_size`, as far as a quarter of the memory budget
-    /// allows). Larger sizes are refused with the largest that fits.
-    pub max_batch_size: Option<u64>,
-    /// Slots of each GPU's arena (default: `slots`). Released independently
-    /// of host slots, so GPU memory can be smaller than host memory.
-    pub gpu_slots: Option<u32>,
-    /// Pipeline threads; default: all cores but one.
-    pub workers: Option<usize>,
-    pub lag_limit: Option<u32>,
-    /// Who sets the pipeline's pace; see [`Pace`].
-    #[serde(default)]
-    pub pace: Pace,
-    /// Decoupled pace: how far the pipeline may run ahead of the slowest
-    /// consumer, as memory (MiB of the host arena); sets `slots`.
-    pub run_ahead_mib: Option<u64>,
-    /// Decoupled pace: the longest the pipeline waits for a consumer it
-    /// cannot cut (one holding batches, one being replayed to that
-    /// pauses) before detaching it; default 30 s.
-    pub hold_limit_s: Option<f64>,
-    #[serde(default = "one")]
-    pub min_consumers: u32,
-    pub synthetic: Option<SyntheticConfig>,
-    pub image_folder: Option<ImageFolderConfig>,
-    pub webdataset: Option<WebDatasetConfig>,
-    pub transform: Option<TransformConfig>,
-    /// This host's share of the dataset (DistributedSampler's split).
-    #[serde(default)]
-    pub rank: u64,
-    #[serde(default = "one64")]
-    pub world_size: u64,
-    /// DistributedSampler's `drop_last`: pad (default) or drop the tail.
-    #[serde(default)]
-    pub uneven: Uneven,
-    #[serde(default)]
-    pub on_error: OnError,
-    /// Largest image (width × height) decoded; PIL's default limit.
-    #[serde(default = "default_max_pixels")]
-    pub max_pixels: u64,
-    /// Largest encoded sample read, in bytes (a file, or a tar member).
-    #[serde(default = "default_max_file_bytes")]
-    pub max_file_bytes: u64,
-    /// Decode JPEGs at 1/2, 1/4 or 1/8 size when the output is that much
-    /// smaller anyway.
-    #[serde(default = "yes")]
-    pub reduced_decode: bool,
-    /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
-    #[serde(default)]
-    pub cache_mib: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -372,7 +366,8 @@ impl Config {
             for (s, raw) in cfg.streams.iter_mut().zip(streams) {
                 if let toml::Value::Table(t) = raw {
                     s.own_source_keys = SOURCE_KEYS
-                        .into_iter()
+                        .iter()
+                        .copied()
                         .filter(|k| t.contains_key(*k))
                         .collect();
                 }

@@ -161,11 +161,12 @@ fn serve(
             &format!("{} connections", limits.max_connections),
         )
         .context("lower max_connections")?;
+    let mut shares = batchcast_broker::pipeline::shared::Shares::default();
     let streams = plans
         .into_iter()
         .map(|plan| {
             let name = plan.name.clone();
-            stream::Stream::start(plan, &budget, own_uid)
+            stream::Stream::start(plan, &budget, own_uid, &mut shares)
                 .with_context(|| format!("starting stream `{name}`"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;

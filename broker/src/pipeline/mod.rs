@@ -19,16 +19,15 @@ pub mod sampler;
 pub mod shared;
 pub mod transform;
 
-use std::collections::HashSet;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 
-use cache::{CacheCounts, MinIoCache};
+use cache::CacheCounts;
 use dataset::Dataset;
 use decode::{DecodeError, Decoder, Format, Header, Rgb};
-use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceShare};
+use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
 use transform::{Lut, Scratch, Transform};
 
 /// What to do with a sample that cannot be read or decoded.
@@ -106,10 +105,9 @@ pub struct ImagePipeline {
     pub transform: Transform,
     pub rules: SampleRules,
     lut: Lut,
-    cache: Option<Arc<MinIoCache>>,
-    /// Known bad files (shared by the streams of a shared source, so each
-    /// is logged once).
-    bad: Arc<Mutex<HashSet<u64>>>,
+    /// The cache of encoded bytes and the known bad files (the source's,
+    /// for a stream on a shared source).
+    files: Arc<SourceFiles>,
     /// A stream on a shared source: the source, and which stream of it
     /// this is.
     share: Option<(Arc<SourceShare>, usize)>,
@@ -167,20 +165,16 @@ impl ImagePipeline {
         rules: SampleRules,
         share: Option<(Arc<SourceShare>, usize)>,
     ) -> ImagePipeline {
-        let (cache, bad) = match &share {
-            Some((s, _)) => (s.cache.clone(), s.bad.clone()),
-            None => (
-                (rules.cache_bytes > 0).then(|| Arc::new(MinIoCache::new(rules.cache_bytes))),
-                Arc::default(),
-            ),
+        let files = match &share {
+            Some((s, _)) => s.files.clone(),
+            None => Arc::new(SourceFiles::new(rules.cache_bytes)),
         };
         ImagePipeline {
             lut: Lut::new(&transform),
             dataset,
             transform,
             rules,
-            cache,
-            bad,
+            files,
             share,
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
@@ -193,11 +187,11 @@ impl ImagePipeline {
             decoded: self.decoded.load(Ordering::Relaxed),
             skipped: self.skipped.load(Ordering::Relaxed),
             reduced: self.reduced.load(Ordering::Relaxed),
-            cache: self.cache.as_ref().map(|c| c.counts()),
+            cache: self.files.cache.as_ref().map(|c| c.counts()),
             shared: self
                 .share
                 .as_ref()
-                .map(|(s, m)| (s.name.clone(), s.counts(*m))),
+                .map(|(s, m)| (s.plan.name.clone(), s.counts(*m))),
         }
     }
 
@@ -259,12 +253,7 @@ impl ImagePipeline {
                     if self.rules.on_error == OnError::Fail {
                         return Err(PipelineError::Failed(e));
                     }
-                    if self
-                        .bad
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(candidate)
-                    {
+                    if self.files.mark_bad(candidate) {
                         tracing::warn!("skipping a bad sample (index {candidate}): {e}");
                     }
                     last_err = Some(e);
@@ -279,10 +268,7 @@ impl ImagePipeline {
     }
 
     fn is_known_bad(&self, index: u64) -> bool {
-        self.bad
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&index)
+        self.files.is_bad(index)
     }
 
     /// Decodes sample `index` at `denom` (reading it unless `read` holds
@@ -330,7 +316,7 @@ impl ImagePipeline {
         }
         // Only what decoded is worth keeping.
         if cached.is_none()
-            && let Some(c) = &self.cache
+            && let Some(c) = &self.files.cache
         {
             c.offer(index, bytes);
         }
@@ -361,7 +347,7 @@ impl ImagePipeline {
     /// Reads sample `index`'s bytes: from the cache (returned), or into
     /// `w.bytes`.
     fn read(&self, w: &mut Worker, index: u64) -> Result<Option<Arc<[u8]>>, SampleError> {
-        if let Some(b) = self.cache.as_ref().and_then(|c| c.get(index)) {
+        if let Some(b) = self.files.cache.as_ref().and_then(|c| c.get(index)) {
             return Ok(Some(b));
         }
         self.dataset
@@ -410,7 +396,9 @@ impl ImagePipeline {
         let plan = self.transform.plan(dims.width, dims.height, &mut rng);
         let denom = match shared {
             _ if !self.rules.reduced_decode || dims.format != Format::Jpeg => 1,
-            Some((s, _, _)) if s.policy == DecodeShare::Once => s.finest(epoch, position, dims),
+            Some((s, _, _)) if s.plan.policy == DecodeShare::Once => {
+                s.finest(epoch, position, dims)
+            }
             _ => self.transform.reduction(&plan, dims.width, dims.height),
         };
         let claim = match shared {

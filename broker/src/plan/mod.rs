@@ -147,9 +147,9 @@ pub struct ImagePlan {
     pub shuffle_buffer: Option<usize>,
     pub shuffle: bool,
     pub seed: u64,
-    /// A stream on a shared source: the source, and which of its streams
-    /// this is.
-    pub share: Option<(Arc<crate::pipeline::shared::SourceShare>, usize)>,
+    /// A stream on a shared source: the source as planned, and which of
+    /// its streams this is.
+    pub share: Option<crate::pipeline::shared::ShareSeat>,
 }
 
 /// Host slots when nothing asks for more (the fewest a stream gets when

@@ -1,6 +1,6 @@
 //! Shared sources: a `[[source]]`'s keys handed to the streams that name
-//! it, and, once they are planned, the [`SourceShare`] they read and
-//! decode through (`crate::pipeline::shared`).
+//! it, and, once they are planned, the [`SharePlan`] their
+//! `SourceShare` is made from when they start (`crate::pipeline::shared`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::checks::check_name;
 use super::{PlanError, SourcePlan, StreamError, StreamPlan, key};
 use crate::config::{Config, Pace, SourceConfig, StreamConfig};
-use crate::pipeline::shared::{MAX_MEMBERS, MemberSpec, SourceShare};
+use crate::pipeline::shared::{MAX_MEMBERS, MemberSpec, SharePlan, ShareSeat};
 
 /// Largest `ahead` (samples a stream may run ahead of a slower one).
 pub const MAX_AHEAD: u64 = 1 << 20;
@@ -79,21 +79,7 @@ pub(super) fn resolve(cfg: &Config) -> Result<Vec<StreamConfig>, PlanError> {
             return Err(stream_err(StreamError::ManySources));
         }
         used.insert(name.as_str());
-        out.push(StreamConfig {
-            image_folder: src.image_folder.clone(),
-            webdataset: src.webdataset.clone(),
-            shuffle: src.shuffle,
-            seed: src.seed,
-            rank: src.rank,
-            world_size: src.world_size,
-            uneven: src.uneven,
-            on_error: src.on_error,
-            max_pixels: src.max_pixels,
-            max_file_bytes: src.max_file_bytes,
-            reduced_decode: src.reduced_decode,
-            cache_mib: src.cache_mib,
-            ..s.clone()
-        });
+        out.push(s.with_source_keys(src));
     }
     if let Some(src) = cfg.sources.iter().find(|s| !used.contains(s.name.as_str())) {
         return Err(source_err(
@@ -105,7 +91,7 @@ pub(super) fn resolve(cfg: &Config) -> Result<Vec<StreamConfig>, PlanError> {
 }
 
 /// Gives the streams of each source (`streams[i]` planned as `plans[i]`)
-/// their [`SourceShare`].
+/// their seat on its [`SharePlan`].
 pub(super) fn attach(
     cfg: &Config,
     streams: &[StreamConfig],
@@ -160,17 +146,20 @@ pub(super) fn attach(
                 _ => Err(source_err(&src.name, "only image streams share a source")),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let share = Arc::new(SourceShare::new(
-            src.name.clone(),
-            src.decode,
+        let source = Arc::new(SharePlan {
+            name: src.name.clone(),
+            policy: src.decode,
             window,
-            src.decoded_mib.saturating_mul(1 << 20),
-            specs,
-            src.cache_mib.saturating_mul(1 << 20),
-        ));
-        for (k, &i) in members.iter().enumerate() {
+            budget: src.decoded_mib.saturating_mul(1 << 20),
+            members: specs,
+            cache_bytes: src.cache_mib.saturating_mul(1 << 20),
+        });
+        for (member, &i) in members.iter().enumerate() {
             if let SourcePlan::Images(p) = &mut plans[i].source {
-                p.share = Some((share.clone(), k));
+                p.share = Some(ShareSeat {
+                    source: source.clone(),
+                    member,
+                });
             }
         }
     }

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 
 use super::Broker;
 use super::connection::{Connection, Reject};
+use crate::pipeline::shared::Shares;
 use crate::plan::StreamPlan;
 use crate::stream::{Acquire, Peer, StartError, Stream, StreamFailed};
 
@@ -89,13 +90,15 @@ async fn register(
     who: &str,
 ) -> Result<Option<Arc<Stream>>, Reject> {
     let budget = broker.budget.clone();
-    let stream = tokio::task::spawn_blocking(move || Stream::start(plan, &budget, uid))
-        .await
-        .map_err(|e| Reject(ErrorCode::Internal, format!("creating the arena: {e}")))?
-        .map_err(|e| match e {
-            StartError::OverBudget(e) => Reject(ErrorCode::Busy, e.to_string()),
-            StartError::Arena(e) => Reject(ErrorCode::Internal, e.to_string()),
-        })?;
+    let stream = tokio::task::spawn_blocking(move || {
+        Stream::start(plan, &budget, uid, &mut Shares::default())
+    })
+    .await
+    .map_err(|e| Reject(ErrorCode::Internal, format!("creating the arena: {e}")))?
+    .map_err(|e| match e {
+        StartError::OverBudget(e) => Reject(ErrorCode::Busy, e.to_string()),
+        StartError::Arena(e) => Reject(ErrorCode::Internal, e.to_string()),
+    })?;
     let registered = ServerMsg::Registered(Box::new(Registered {
         stream: stream.name().into(),
         schema: stream.plan.schema.clone(),

@@ -10,6 +10,8 @@
 //!   notices and their bell, "an error, then a goodbye".
 //! * `replay/book`: one consumer's replay: its arena (with a named
 //!   lifetime), batches making, made, sent, released.
+//! * `cells`: a batch's cells as mutable bytes for the thread that fills
+//!   it, against the claim that makes them its own: the only `unsafe`.
 //! * `shape`: a consumer's own batch size and what its window costs.
 //! * `conn`: a connected consumer, made of parts (peer, outbox, own
 //!   batches, tally, replay, merges), and ending one consumer alone.
@@ -41,6 +43,7 @@
 const WORKER_JOIN_WAIT: Duration = Duration::from_secs(1);
 
 mod batches;
+mod cells;
 mod conn;
 mod decouple;
 mod deliver;
@@ -70,6 +73,7 @@ use crate::gpu::{GpuKey, Gpus};
 use crate::hub::{ConsumerId, Hub, HubConfig, Outbound};
 use crate::pipeline::ImagePipeline;
 use crate::pipeline::collate::SlotWriter;
+use crate::pipeline::shared::Shares;
 use crate::plan::{SourcePlan, StreamPlan};
 
 pub use conn::Peer;
@@ -209,10 +213,13 @@ impl Stream {
     ///
     /// The arena's bytes are taken from `budget` for `owner_uid` first; a
     /// stream that does not fit is refused before anything is allocated.
+    /// A stream on a shared source takes the source from `shares` (the
+    /// first of its streams to start makes it).
     pub fn start(
         plan: StreamPlan,
         budget: &Arc<Budget>,
         owner_uid: u32,
+        shares: &mut Shares,
     ) -> Result<Arc<Stream>, StartError> {
         let grant = budget.take(
             owner_uid,
@@ -220,11 +227,18 @@ impl Stream {
             plan.arena_bytes(),
             &format!("stream `{}`", plan.name),
         )?;
-        if let SourcePlan::Images(p) = &plan.source
-            && let Some((share, _)) = &p.share
-        {
-            share.reserve(budget, owner_uid)?;
-        }
+        let seat = match &plan.source {
+            SourcePlan::Images(p) => p.share.as_ref(),
+            _ => None,
+        };
+        let share = match seat {
+            Some(seat) => {
+                let share = shares.take(seat);
+                share.reserve(budget, owner_uid)?;
+                Some((share, seat.member))
+            }
+            None => None,
+        };
         let arena = Arena::create(&plan.name, plan.arena_bytes(), Fault::Lazily)?;
         let fault = ring_fault(&plan.source);
         let rings = Mapping::rings_faulted(arena.fd(), &RingView::of(&plan.rings), true, fault)?;
@@ -237,7 +251,7 @@ impl Stream {
                 p.dataset.clone(),
                 p.transform.clone(),
                 p.rules,
-                p.share.clone(),
+                share,
             )))),
             SourcePlan::External => None,
         };

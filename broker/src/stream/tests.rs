@@ -9,6 +9,8 @@ use batchcast::mailbox::ConsumerMailbox;
 use batchcast::proto::Release;
 use batchcast::synthetic::SyntheticSpec;
 
+use crate::pipeline::shared::Shares;
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +47,7 @@ fn start_in(gpu_slots: u32, min_consumers: u32, budget: &Arc<Budget>) -> Arc<Str
         .to_toml();
     let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
     let plan = plan_config(&cfg).unwrap().remove(0);
-    Stream::start(plan, budget, 0).unwrap()
+    Stream::start(plan, budget, 0, &mut Shares::default()).unwrap()
 }
 
 fn peer(name: &str) -> Peer {

@@ -38,7 +38,7 @@
 //! changes a stream's pace (how fast its batches are released), which is
 //! bounded as above; it cannot put or change an entry.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -88,6 +88,80 @@ pub enum DecodeShare {
     /// bytes within a few levels of those (libjpeg's scaled IDCT is not a
     /// downscale of the full decode).
     Once,
+}
+
+/// A `[[source]]` as planned: what its [`SourceShare`] is made from
+/// when its streams start (nothing here runs).
+#[derive(Debug, Clone)]
+pub struct SharePlan {
+    pub name: String,
+    pub policy: DecodeShare,
+    /// Samples a stream may run ahead of one that holds the source.
+    pub window: u64,
+    /// Bytes of decoded images left for other streams, at most.
+    pub budget: u64,
+    /// Its streams, in member order (at most [`MAX_MEMBERS`]).
+    pub members: Vec<MemberSpec>,
+    /// Bytes of the source's cache of encoded bytes (0: none).
+    pub cache_bytes: u64,
+}
+
+/// A stream's seat on a shared source, as planned: the source, and which
+/// of its streams this one is.
+#[derive(Debug, Clone)]
+pub struct ShareSeat {
+    pub source: Arc<SharePlan>,
+    pub member: usize,
+}
+
+/// The shared sources of a broker's streams, made as the streams start:
+/// the first stream of a source makes its [`SourceShare`], the others
+/// take that one.
+#[derive(Debug, Default)]
+pub struct Shares(HashMap<String, Arc<SourceShare>>);
+
+impl Shares {
+    /// The source `seat` names, made on its first stream.
+    pub fn take(&mut self, seat: &ShareSeat) -> Arc<SourceShare> {
+        self.0
+            .entry(seat.source.name.clone())
+            .or_insert_with(|| Arc::new(SourceShare::new(seat.source.clone())))
+            .clone()
+    }
+}
+
+/// The files of a source as read: the cache of their encoded bytes and
+/// the bad ones found (one per source, so each is logged once; a stream
+/// alone has its own).
+#[derive(Debug, Default)]
+pub struct SourceFiles {
+    pub cache: Option<MinIoCache>,
+    bad: Mutex<HashSet<u64>>,
+}
+
+impl SourceFiles {
+    /// With a cache of `cache_bytes` (0: none).
+    pub fn new(cache_bytes: u64) -> SourceFiles {
+        SourceFiles {
+            cache: (cache_bytes > 0).then(|| MinIoCache::new(cache_bytes)),
+            bad: Mutex::default(),
+        }
+    }
+
+    /// Records `index` as bad: `true` the first time (log it then).
+    pub fn mark_bad(&self, index: u64) -> bool {
+        self.bad
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(index)
+    }
+
+    pub fn is_bad(&self, index: u64) -> bool {
+        self.bad
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&index)
+    }
 }
 
 /// One stream of a source, as planned.
@@ -163,22 +237,14 @@ struct State {
     ever_live: u64,
 }
 
-/// A source shared by several streams: its entries, its streams'
-/// progress, and what it has counted.
+/// A source shared by several streams, running: its entries, its
+/// streams' progress, and what it has counted.
 #[derive(Debug)]
 pub struct SourceShare {
-    pub name: String,
-    pub policy: DecodeShare,
-    /// Samples a stream may run ahead of one that holds the source.
-    pub window: u64,
-    /// Bytes of decoded images left for other streams, at most.
-    pub budget: u64,
+    pub plan: Arc<SharePlan>,
     /// [`START_GRACE`] (shorter in tests).
     start_grace: Duration,
-    pub members: Vec<MemberSpec>,
-    /// The cache of encoded bytes and the known bad files, one per source.
-    pub cache: Option<Arc<MinIoCache>>,
-    pub bad: Arc<Mutex<HashSet<u64>>>,
+    pub files: Arc<SourceFiles>,
     state: Mutex<State>,
     changed: Condvar,
     decodes: AtomicU64,
@@ -262,24 +328,13 @@ pub struct ShareCounts {
 }
 
 impl SourceShare {
-    pub fn new(
-        name: String,
-        policy: DecodeShare,
-        window: u64,
-        budget: u64,
-        members: Vec<MemberSpec>,
-        cache_bytes: u64,
-    ) -> SourceShare {
+    pub fn new(plan: Arc<SharePlan>) -> SourceShare {
         let now = Instant::now();
-        let n = members.len().min(MAX_MEMBERS);
+        let n = plan.members.len().min(MAX_MEMBERS);
         SourceShare {
-            name,
-            policy,
-            window: window.max(1),
-            budget,
+            files: Arc::new(SourceFiles::new(plan.cache_bytes)),
+            plan,
             start_grace: START_GRACE,
-            cache: (cache_bytes > 0).then(|| Arc::new(MinIoCache::new(cache_bytes))),
-            bad: Arc::new(Mutex::new(HashSet::new())),
             state: Mutex::new(State {
                 entries: BTreeMap::new(),
                 bytes: 0,
@@ -301,7 +356,6 @@ impl SourceShare {
             held_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
             taken: (0..n).map(|_| AtomicU64::new(0)).collect(),
             grant: Mutex::new(None),
-            members: members.into_iter().take(n).collect(),
         }
     }
 
@@ -319,8 +373,8 @@ impl SourceShare {
             *g = Some(budget.take(
                 uid,
                 Use::Arena,
-                self.budget,
-                &format!("shared source `{}` (decoded_mib)", self.name),
+                self.plan.budget,
+                &format!("shared source `{}` (decoded_mib)", self.plan.name),
             )?);
         }
         Ok(())
@@ -333,7 +387,7 @@ impl SourceShare {
     pub fn counts(&self, member: usize) -> ShareCounts {
         let st = self.lock();
         ShareCounts {
-            streams: self.members.len() as u32,
+            streams: self.plan.members.len() as u32,
             decodes: self.decodes.load(Ordering::Relaxed),
             taken: self.taken[member].load(Ordering::Relaxed),
             held: Duration::from_nanos(self.held_ns[member].load(Ordering::Relaxed)),
@@ -364,7 +418,8 @@ impl SourceShare {
     /// Under [`DecodeShare::Once`]: the finest scale any stream of the
     /// source asks for this sample (the same whichever stream asks).
     pub fn finest(&self, epoch: u64, index: u64, dims: Dims) -> u32 {
-        self.members
+        self.plan
+            .members
             .iter()
             .map(|m| {
                 let mut rng = m.transform.rng(epoch, index);
@@ -397,7 +452,7 @@ impl SourceShare {
             } else {
                 0
             };
-            let fits = st.bytes.saturating_add(bytes) <= self.budget;
+            let fits = st.bytes.saturating_add(bytes) <= self.plan.budget;
             let Some(e) = st.entries.get_mut(&at).filter(|e| e.index == index) else {
                 if others == 0 || !fits || st.entries.contains_key(&at) {
                     return Claim::Alone;
@@ -471,7 +526,7 @@ impl SourceShare {
     /// is within their reach (see [`START_GRACE`]).
     fn expected(&self, st: &State, at: u64) -> u64 {
         let Some(t) = st.first_live else { return 0 };
-        if t.elapsed() >= self.start_grace || at >= self.window.saturating_mul(REACH_WINDOWS) {
+        if t.elapsed() >= self.start_grace || at >= self.plan.window.saturating_mul(REACH_WINDOWS) {
             return 0;
         }
         let all = u64::MAX >> (64 - st.members.len().clamp(1, MAX_MEMBERS));
@@ -507,8 +562,15 @@ mod tests {
             })
             .collect();
         Arc::new(
-            SourceShare::new("src".into(), DecodeShare::Exact, window, budget, members, 0)
-                .with_start_grace(grace),
+            SourceShare::new(Arc::new(SharePlan {
+                name: "src".into(),
+                policy: DecodeShare::Exact,
+                window,
+                budget,
+                members,
+                cache_bytes: 0,
+            }))
+            .with_start_grace(grace),
         )
     }
 

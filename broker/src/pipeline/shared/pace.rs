@@ -24,7 +24,7 @@ impl SourceShare {
         let p = &mut st.members[member];
         p.holding = live
             && p.marker()
-                .saturating_add(self.window.saturating_mul(REACH_WINDOWS))
+                .saturating_add(self.plan.window.saturating_mul(REACH_WINDOWS))
                 >= lead;
         p.kept_waiting = Duration::ZERO;
         if !live {
@@ -52,7 +52,7 @@ impl SourceShare {
     pub fn end(&self, member: usize, at: u64, end: u64) {
         let mut st = self.lock();
         let lead = Self::lead(&st);
-        let window = self.window;
+        let window = self.plan.window;
         let p = &mut st.members[member];
         let before = p.marker();
         if let Some(i) = p.in_flight.iter().position(|&s| s == at) {
@@ -145,10 +145,10 @@ impl SourceShare {
                 if !waiting || k == member || !p.live || !p.holding {
                     continue;
                 }
-                if p.marker().saturating_add(self.window) > at {
+                if p.marker().saturating_add(self.plan.window) > at {
                     continue;
                 }
-                let patience = if self.members[k].decoupled {
+                let patience = if self.plan.members[k].decoupled {
                     DECOUPLED_HOLD
                 } else {
                     HOLD_STALL
@@ -156,15 +156,15 @@ impl SourceShare {
                 p.kept_waiting += waited;
                 if now.duration_since(p.moved_at) >= patience {
                     tracing::debug!(
-                        source = %self.name,
-                        stream = %self.members[k].stream,
+                        source = %self.plan.name,
+                        stream = %self.plan.members[k].stream,
                         "a stream on this source stopped moving: the others go on without it"
                     );
                     p.holding = false;
                 } else if p.kept_waiting >= patience {
                     tracing::debug!(
-                        source = %self.name,
-                        stream = %self.members[k].stream,
+                        source = %self.plan.name,
+                        stream = %self.plan.members[k].stream,
                         kept_waiting_ms = p.kept_waiting.as_millis() as u64,
                         "a slow stream on this source kept the others waiting too long: it decodes alone until it catches up"
                     );
