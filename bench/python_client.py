@@ -131,26 +131,28 @@ kind, socket, epochs, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys
 first = last = None
 n = 0
 checksum = 0
+
+
+def take(epoch):
+    global first, last, n, checksum
+    for images, labels in epoch:
+        now = time.monotonic()
+        first = first or now
+        last = now
+        checksum += int(labels[0])
+        n += 1
+
+
 if kind == "batchcast":
     import batchcast
     c = batchcast.Consumer(stream="dl", socket=socket, connect_timeout=60)
     while not c.ended:
-        for images, labels in c:
-            now = time.monotonic()
-            first = first or now
-            last = now
-            checksum += int(labels[0])
-            n += 1
+        take(c)
 else:
     from tensorsocket.consumer import TensorConsumer
     c = TensorConsumer(port=port, ack_port=port + 1, heart_ports=(port + 2, port + 3), batch_size=int(sys.argv[5]))
     for e in range(epochs):
-        for images, labels in c:
-            now = time.monotonic()
-            first = first or now
-            last = now
-            checksum += int(labels[0])
-            n += 1
+        take(c)
 print(json.dumps({"first": first, "last": last, "batches": n, "checksum": checksum}))
 """
 

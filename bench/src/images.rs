@@ -32,7 +32,7 @@ use clap::Parser;
 
 #[derive(Debug, Parser)]
 struct Args {
-    /// An ImageFolder (root/<class>/<image>) of photographs
+    /// An ImageFolder (`root/<class>/<image>`) of photographs
     dataset: PathBuf,
     /// Passes over the dataset per measurement
     #[arg(long, default_value_t = 3)]

@@ -202,12 +202,17 @@ mod cuda_backend {
     /// GPUs (made on first use).
     pub(super) fn create(
         req: &DeviceRequest,
-        sink: Weak<dyn CopySink>,
-        host: (*const u8, usize),
-        (slots, slot_bytes): (u32, u64),
+        spec: MirrorSpec<'_>,
         registration: &OnceLock<Option<HostRegistration>>,
-        stream_name: &str,
     ) -> Result<Mirror, cuda::CudaError> {
+        let MirrorSpec {
+            sink,
+            host,
+            host_len,
+            slots,
+            slot_bytes,
+            stream: stream_name,
+        } = spec;
         let gpu = Gpu::by_uuid(&req.uuid)?;
         let label = format!(
             "cuda:{} {} ({})",
@@ -221,7 +226,7 @@ mod cuda_backend {
                 // life, and the stream drops this registration (with its
                 // mirrors, whose copy streams synchronise on drop) before
                 // its arena.
-                match unsafe { HostRegistration::register(&gpu, host.0, host.1) } {
+                match unsafe { HostRegistration::register(&gpu, host, host_len) } {
                     Ok(r) => Some(r),
                     Err(e) => {
                         tracing::warn!(
@@ -330,11 +335,16 @@ pub mod test_gpu {
     /// Its memory: `slots × slot_bytes`, written by its copier. `fail_at`:
     /// the copy number (from 0) at which it fails instead.
     pub(super) fn create(
-        sink: Weak<dyn CopySink>,
-        (slots, slot_bytes): (u32, u64),
+        spec: MirrorSpec<'_>,
         memory: Arc<Mutex<Vec<u8>>>,
         fail_at: Option<u64>,
     ) -> Result<Mirror, GpuError> {
+        let MirrorSpec {
+            sink,
+            slots,
+            slot_bytes,
+            ..
+        } = spec;
         let bytes = slots as u64 * slot_bytes;
         *memory.lock().unwrap() = vec![0; bytes as usize];
         let arena = DeviceArena {
@@ -392,48 +402,63 @@ pub struct Gpus {
     pub test_fail_at: Mutex<Option<u64>>,
 }
 
+/// What a stream gives [`Gpus::mirror`] to make a GPU's device arena.
+pub struct MirrorSpec<'a> {
+    /// Where the copier reports copies done or failed: the stream.
+    pub sink: Weak<dyn CopySink>,
+    /// The stream's host arena (page-locked once for all its GPUs): its
+    /// start, mapped for the stream's whole life, and its length.
+    pub host: *const u8,
+    pub host_len: usize,
+    /// The device arena's slots (`gpu_slots`), each `slot_bytes` long.
+    pub slots: u32,
+    pub slot_bytes: u64,
+    /// The stream's name, for logs and the copier thread's name.
+    pub stream: &'a str,
+}
+
+impl std::fmt::Debug for MirrorSpec<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MirrorSpec")
+            .field("host", &self.host)
+            .field("host_len", &self.host_len)
+            .field("slots", &self.slots)
+            .field("slot_bytes", &self.slot_bytes)
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Gpus {
     /// The mirror for `req`'s GPU, created (allocated, exported, its copier
-    /// started) on the first subscription for that GPU; `slots` is the
-    /// arena's `(slots, slot_bytes)`.
+    /// started) as `spec` says on the first subscription for that GPU.
     pub fn mirror(
         &self,
         req: &DeviceRequest,
-        sink: Weak<dyn CopySink>,
-        host: (*const u8, usize),
-        slots: (u32, u64),
-        stream_name: &str,
+        spec: MirrorSpec<'_>,
     ) -> Result<Arc<Mirror>, GpuError> {
         let mut mirrors = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(m) = mirrors.get(&req.uuid) {
             return Ok(m.clone());
         }
-        let m = Arc::new(self.create(req, sink, host, slots, stream_name)?);
+        let m = Arc::new(self.create(req, spec)?);
         mirrors.insert(req.uuid, m.clone());
         Ok(m)
     }
 
     #[allow(unused_variables)] // which ones depends on the features
-    fn create(
-        &self,
-        req: &DeviceRequest,
-        sink: Weak<dyn CopySink>,
-        host: (*const u8, usize),
-        slots: (u32, u64),
-        stream_name: &str,
-    ) -> Result<Mirror, GpuError> {
+    fn create(&self, req: &DeviceRequest, spec: MirrorSpec<'_>) -> Result<Mirror, GpuError> {
         #[cfg(test)]
         if req.uuid == test_gpu::UUID {
             let fail_at = *self.test_fail_at.lock().unwrap();
-            return test_gpu::create(sink, slots, self.test_memory.clone(), fail_at);
+            return test_gpu::create(spec, self.test_memory.clone(), fail_at);
         }
         #[cfg(feature = "cuda")]
-        return cuda_backend::create(req, sink, host, slots, &self.registration, stream_name)
-            .map_err(|e| GpuError::Open {
-                ordinal: req.ordinal,
-                name: req.name.clone(),
-                reason: e.to_string(),
-            });
+        return cuda_backend::create(req, spec, &self.registration).map_err(|e| GpuError::Open {
+            ordinal: req.ordinal,
+            name: req.name.clone(),
+            reason: e.to_string(),
+        });
         #[cfg(not(feature = "cuda"))]
         Err(GpuError::NotBuilt {
             ordinal: req.ordinal,

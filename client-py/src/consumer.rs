@@ -39,16 +39,19 @@ impl Consumer {
         py: Python<'_>,
         stream: String,
         socket: Option<PathBuf>,
-        window: u32,
+        window: i64,
         join: &str,
         name: Option<String>,
         connect_timeout: f64,
         device: &str,
         broker_uid: Option<u32>,
-        batch_size: Option<u64>,
+        batch_size: Option<i64>,
         drop_last: Option<bool>,
         resume: Option<(u64, u64)>,
     ) -> PyResult<Consumer> {
+        // The rules on these are ConsumerOptions' (`validate`, on
+        // connecting): a count below 1 is passed as 0, which it refuses.
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
         let device: batchcast::Device = device.parse().map_err(parse_error)?;
         let join: JoinPolicy = join.parse().map_err(parse_error)?;
         if !(connect_timeout.is_finite() && connect_timeout >= 0.0) {
@@ -59,7 +62,7 @@ impl Consumer {
         let mut opts = batchcast::ConsumerOptions {
             socket,
             stream,
-            window,
+            window: u32::try_from(count(window)).unwrap_or(u32::MAX),
             join,
             connect_timeout: Duration::from_secs_f64(connect_timeout),
             device,
@@ -69,8 +72,8 @@ impl Consumer {
         if let Some(n) = name {
             opts.name = n;
         }
-        if batch_size.is_some() {
-            opts.batch_size = batch_size;
+        if let Some(n) = batch_size {
+            opts.batch_size = Some(count(n));
         }
         opts.drop_last = drop_last;
         opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });

@@ -406,8 +406,13 @@ def test_each_trainer_takes_its_own_batch_size_over_the_same_samples_without_a_c
 
 def test_a_batch_size_the_stream_cannot_serve_says_what_it_can(start_broker):
     broker = start_broker(synthetic(slots=4))
-    with pytest.raises(batchcast.InvalidArgument, match="batch_size=0 must be an integer"):
-        batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=0)
+    for bad in (0, -3):
+        with pytest.raises(batchcast.InvalidArgument, match="batch_size must be at least 1"):
+            batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=bad)
+    with pytest.raises(batchcast.InvalidArgument, match="window must be at least 1"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", window=0)
+    with pytest.raises(batchcast.InvalidArgument, match=r"window=True must be an integer"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", window=True)
     with pytest.raises(
         batchcast.StreamError, match=r"batch_size 100 with window 2.*batch_size ≤ 1 or the stream's 8"
     ):

@@ -180,15 +180,12 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
         let _ = writeln!(out, "  left ({}, latest {shown}):", past.len());
         let recent = &past[past.len() - shown..];
         for c in recent {
+            let (stall, why) = (100.0 * c.stall_fraction(), c.left.as_deref());
+            let (who, delivered) = (who(c), c.delivered);
             let _ = writeln!(
                 out,
-                "  {:>4}  {:<20} {:>8} {:>10} batches {:>5.1}% stall  {}",
-                c.id,
-                truncate(&c.name, 20),
-                c.pid,
-                c.delivered,
-                100.0 * c.stall_fraction(),
-                c.left.as_deref().unwrap_or("")
+                "  {who} {delivered:>10} batches {stall:>5.1}% stall  {}",
+                why.unwrap_or("")
             );
         }
     }
@@ -217,10 +214,8 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}",
-            c.id,
-            truncate(&c.name, 20),
-            c.pid,
+            "  {} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}",
+            who(c),
             c.uid,
             c.delivered,
             c.held,
@@ -236,6 +231,11 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
             c.device.as_deref().unwrap_or("cpu")
         );
     }
+}
+
+/// A consumer's first three columns: id, name and pid.
+fn who(c: &batchcast::proto::ConsumerStats) -> String {
+    format!("{:>4}  {:<20} {:>8}", c.id, truncate(&c.name, 20), c.pid)
 }
 
 /// `s` cut to `n` characters, the last one `…` when cut.

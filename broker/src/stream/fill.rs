@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::cells;
 use super::deliver::settle;
 use super::error::MakeError;
 use super::replay::{self, book::ReplayJob};
@@ -97,21 +98,7 @@ impl Stream {
                 len: order.len(),
             }),
             Some(indices) => {
-                let mut fields: Vec<&mut [u8]> = job
-                    .spans
-                    .iter()
-                    .map(|&(start, len)| {
-                        // SAFETY: replayed batch `seq` of this consumer was
-                        // handed to this thread alone (`replay::take_job`),
-                        // and its slot of the replay ring is free: the batch
-                        // `slots` before it was released, and batches after
-                        // it are not started until this one is released in
-                        // turn. Each field's span lies in its own ring's part
-                        // of the mapping, so these views are disjoint, and
-                        // the only references to these bytes until it is sent.
-                        unsafe { job.rings.slice_mut(start, len) }
-                    })
-                    .collect();
+                let mut fields = cells::of_replay(&job);
                 let first = Place {
                     at: job.epoch * order.len() as u64 + job.first,
                     replay: true,
@@ -300,23 +287,7 @@ impl Stream {
         let batch_size = self.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
         let indices = &order[first..(first + batch_size).min(order.len())];
-        let rings = &self.plan.rings;
-        let mut fields: Vec<&mut [u8]> = (0..rings.fields.len())
-            .map(|f| {
-                let (start, len) = rings
-                    .span(f, work.seq * rings.unit, indices.len() as u64)
-                    .expect("a batch's cells are contiguous in every ring");
-                // SAFETY: the hub handed batch `seq` (slot `seq mod slots`)
-                // to this worker in its `Filling` state: no consumer holds
-                // it and no other worker was given it, and the ring keeps
-                // every live batch's cells apart (at most `slots` batches
-                // live, each `batch_size` cells of rings of at least
-                // `slots × batch_size`). Each field's span lies in its own
-                // ring's part of the mapping, so these views are disjoint,
-                // and the only references to these bytes until `finish_batch`.
-                unsafe { self.rings.slice_mut(start, len) }
-            })
-            .collect();
+        let mut fields = cells::of_work(&self.rings, &self.plan.rings, work, indices.len() as u64);
         let first = Place {
             at: work.epoch * order.len() as u64 + first as u64,
             replay: false,

@@ -13,7 +13,7 @@ use super::conn::{Ending, Peer};
 use super::error::SubscribeError;
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
-use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, Piece};
+use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
 use crate::hub::GroupId;
 
 /// One GPU's copies of this stream, as the stream tracks them.
@@ -67,12 +67,17 @@ impl Stream {
                 ),
             )?),
         };
-        let sink: std::sync::Weak<dyn CopySink> = Arc::downgrade(self) as _;
-        let host = (self.arena.mapping().as_ptr(), self.arena.mapping().len());
-        let slots = (self.plan.gpu_slots, self.plan.layout.slot_bytes);
+        let spec = MirrorSpec {
+            sink: Arc::downgrade(self) as std::sync::Weak<dyn CopySink>,
+            host: self.arena.mapping().as_ptr(),
+            host_len: self.arena.mapping().len(),
+            slots: self.plan.gpu_slots,
+            slot_bytes: self.plan.layout.slot_bytes,
+            stream: self.name(),
+        };
         let mirror = self
             .gpus
-            .mirror(req, sink, host, slots, self.name())
+            .mirror(req, spec)
             .map_err(SubscribeError::Device)?;
         Ok((mirror, grant))
     }

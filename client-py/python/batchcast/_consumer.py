@@ -68,6 +68,14 @@ def _device(device: Any) -> str:
     return text
 
 
+def _integer(name: str, value: Any) -> int:
+    """``value`` as the native module takes it: an ``int`` (not a bool). The
+    rules on its range are the Rust client's (``ConsumerOptions``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name}={value!r} must be an integer")
+    return value
+
+
 def _position(p: Any) -> Optional[Tuple[int, int]]:
     """A resume position as the native module takes it."""
     if p is None:
@@ -320,12 +328,6 @@ class Consumer:
         drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
     ) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise InvalidArgument(f"window={window!r} must be an integer ≥ 1")
-        if batch_size is not None and (
-            not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-        ):
-            raise InvalidArgument(f"batch_size={batch_size!r} must be an integer ≥ 1 (or None for the stream's)")
         dev = _device(device)
         if output == "numpy" and dev != "cpu":
             raise InvalidArgument(
@@ -340,13 +342,13 @@ class Consumer:
         self._native = _native.Consumer(
             stream,
             socket=os.fspath(socket) if socket is not None else None,
-            window=window,
+            window=_integer("window", window),
             join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
             name=name,
             connect_timeout=timeout,
             device=dev,
             broker_uid=broker_uid,
-            batch_size=batch_size,
+            batch_size=None if batch_size is None else _integer("batch_size", batch_size),
             drop_last=None if drop_last is None else bool(drop_last),
             resume=_position(resume),
         )

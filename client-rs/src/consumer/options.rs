@@ -71,7 +71,9 @@ impl ConsumerOptions {
     /// [`Consumer::connect`](crate::Consumer::connect)) rather than repeating the rules.
     pub fn validate(&self) -> Result<()> {
         if self.window == 0 {
-            return Err(Error::InvalidOption("window must be at least 1".into()));
+            return Err(Error::InvalidOption(
+                "window must be at least 1 (batches held at once)".into(),
+            ));
         }
         if self.batch_size == Some(0) {
             return Err(Error::InvalidOption(
