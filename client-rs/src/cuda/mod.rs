@@ -9,6 +9,16 @@
 //! its first call finds no `libcuda`, so [`driver`] probes for the library
 //! before any call).
 //!
+//! Driver calls go through cudarc's `result` layer where it has them
+//! (init, devices, primary contexts, allocation, streams, events). The
+//! rest call `sys` directly, each in one small `unsafe fn` or block here:
+//! the driver version, CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle`,
+//! `cuIpcCloseMemHandle`), host registration (`cuMemHostRegister`,
+//! `cuMemHostUnregister`), none of which `result` has; and the
+//! host-to-device copy, whose `result` form takes a `&[T]` of the source,
+//! and a shared slice over an arena other processes map is not ours to
+//! form (the copy takes the raw pointer, as the driver does).
+//!
 //! This is the only module of the crate with `unsafe` CUDA calls. Objects
 //! keep the device's primary context retained for as long as they live and
 //! make it current on the calling thread before each call, so they can be
