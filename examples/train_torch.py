@@ -200,12 +200,13 @@ def broker_answers(path: str) -> bool:
         s.close()
 
 
-def make_loader(args):
-    """The one place the two variants differ."""
+def make_loader(args, data_state=None):
+    """The one place the two variants differ. `data_state`: where a shared
+    loader goes on from (a checkpoint's `loader.state_dict()`)."""
     if args.loader == "shared":
         import batchcast
 
-        return batchcast.Consumer(stream=args.stream, socket=args.socket, connect_timeout=30)
+        return batchcast.Consumer(stream=args.stream, socket=args.socket, connect_timeout=30, state=data_state)
     dataset = FolderDataset(args.data, args.size)
     return torch.utils.data.DataLoader(
         dataset,
@@ -230,6 +231,9 @@ def main() -> None:
     p.add_argument("--batchcast", default=None, help="the batchcast binary (shared mode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    p.add_argument("--checkpoint", type=Path, help="save model, optimizer and data state here (each epoch's end, and every --checkpoint-every batches)")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--resume", type=Path, help="go on from a checkpoint written by --checkpoint")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -251,15 +255,33 @@ def main() -> None:
         sys.exit(f"{args.data} is not an image folder: run `batchcast demo` once, or pass --data")
 
     try:
-        loader = make_loader(args)
+        ckpt = torch.load(args.resume, map_location=device) if args.resume else None
+        # The shared loader goes on exactly where the checkpoint was, mid-epoch
+        # included; a DataLoader starts the epoch it was in again.
+        loader = make_loader(args, ckpt and ckpt["data"])
         classes = len(loader.classes if args.loader == "shared" else loader.dataset.classes)
         model = SmallCNN(classes).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        first_epoch = 0
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            first_epoch = ckpt["epoch"]
+            print(f"resumed from {args.resume} in epoch {first_epoch}")
+
+        def save(epoch: int) -> None:
+            # The loader's state is right after the last batch it handed out:
+            # the one just trained on. Written whole or not at all.
+            data = loader.state_dict() if args.loader == "shared" else None
+            tmp = args.checkpoint.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "data": data}, tmp)
+            os.replace(tmp, args.checkpoint)
+
         loss_fn = nn.CrossEntropyLoss()
         print(f"{args.loader}: {classes} classes, {len(loader)} batches/epoch, device {device}, lr {args.lr}")
         total = {"samples": 0, "batches": 0, "wait_s": 0.0, "busy_s": 0.0}
         reported = time.perf_counter()
-        for epoch in range(args.epochs):
+        for epoch in range(first_epoch, args.epochs):
             wait = busy = 0.0
             images_seen = batches = 0
             t_epoch = time.perf_counter()
@@ -275,11 +297,15 @@ def main() -> None:
                 opt.step()
                 images_seen += len(labels)
                 batches += 1
+                if args.checkpoint and batches % args.checkpoint_every == 0:
+                    save(epoch)
                 t = time.perf_counter()
                 busy += t - t_data
                 if t - reported >= 2.0:
                     reported = t
                     write_report(total, images_seen, batches, wait, busy)
+            if args.checkpoint:
+                save(epoch + 1)
             seconds = time.perf_counter() - t_epoch
             total["samples"] += images_seen
             total["batches"] += batches

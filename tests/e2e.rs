@@ -701,6 +701,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             pid: std::process::id(),
             intent: proto::Intent::Consume(proto::ConsumeRequest {
                 batch_size: None,
+                expect: None,
                 drop_last: None,
                 resume: None,
                 stream: "train".into(),

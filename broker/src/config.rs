@@ -196,6 +196,10 @@ with_source_keys! {
         /// [`Config::parse`]; a stream that names a source may write none).
         #[serde(skip)]
         pub own_source_keys: Vec<&'static str>,
+        /// The `[stream.transform]` table as written (filled by
+        /// [`Config::parse`]): the stream's digest is of what it says.
+        #[serde(skip)]
+        pub transform_table: Option<toml::Value>,
         pub batch_size: u64,
         /// `None`: endless.
         pub epochs: Option<u64>,
@@ -370,6 +374,7 @@ impl Config {
                         .copied()
                         .filter(|k| t.contains_key(*k))
                         .collect();
+                    s.transform_table = t.get("transform").cloned();
                 }
             }
         }

@@ -60,7 +60,7 @@ enum Cmd {
         watch: bool,
     },
     /// Subscribe to a stream and report what arrives (a test and benchmark consumer)
-    Consume(consume::ConsumeArgs),
+    Consume(Box<consume::ConsumeArgs>),
     /// Start a broker and a sweep of trainers from a sweep file, show them
     /// live, and summarise (exit code 0: all done; 2: some failed; 3:
     /// stopped after a failure; 130: interrupted)

@@ -33,7 +33,7 @@ pub(crate) struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -48,6 +48,7 @@ impl Consumer {
         batch_size: Option<i64>,
         drop_last: Option<bool>,
         resume: Option<(u64, u64)>,
+        state: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Consumer> {
         // The rules on these are ConsumerOptions' (`validate`, on
         // connecting): a count below 1 is passed as 0, which it refuses.
@@ -77,6 +78,7 @@ impl Consumer {
         }
         opts.drop_last = drop_last;
         opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
+        opts.state = state.as_ref().map(state_from_dict).transpose()?;
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py
@@ -152,6 +154,21 @@ impl Consumer {
         Ok(Some(out))
     }
 
+    /// This consumer's state for a checkpoint, as a dict (see
+    /// `batchcast.Consumer.state_dict`).
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = lock(&self.inner).state();
+        let d = PyDict::new(py);
+        d.set_item("version", STATE_VERSION)?;
+        d.set_item("stream", s.stream)?;
+        d.set_item("digest", s.digest.to_string())?;
+        d.set_item("epoch", s.position.epoch)?;
+        d.set_item("sample", s.position.sample)?;
+        d.set_item("batch_size", s.batch_size)?;
+        d.set_item("drop_last", s.drop_last)?;
+        Ok(d)
+    }
+
     /// The stream's schema as a dict.
     fn schema<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         schema_dict(py, &self.schema)
@@ -203,4 +220,44 @@ impl Consumer {
     fn device(&self) -> (i32, i32) {
         self.device
     }
+}
+
+/// The version of the dict `state()` gives (a later format says so).
+const STATE_VERSION: u32 = 1;
+
+/// A state dict (from `state()`, through a checkpoint) as the Rust
+/// client's `ConsumerState`; a missing or mistyped key is named.
+fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<batchcast::ConsumerState> {
+    fn get<'py, T: FromPyObjectOwned<'py>>(
+        d: &Bound<'py, PyDict>,
+        key: &str,
+        what: &str,
+    ) -> PyResult<T> {
+        let bad = || {
+            invalid(format!(
+                "state: `{key}` must be {what}; pass the dict consumer.state_dict() returned"
+            ))
+        };
+        let v = d.get_item(key)?.ok_or_else(bad)?;
+        v.extract::<T>().map_err(|_| bad())
+    }
+    let version: u32 = get(d, "version", "1")?;
+    if version != STATE_VERSION {
+        return Err(invalid(format!(
+            "state: version {version} is not one this client reads ({STATE_VERSION}); it was saved by another release of batchcast"
+        )));
+    }
+    let digest: String = get(d, "digest", "a stream digest string")?;
+    Ok(batchcast::ConsumerState {
+        stream: get(d, "stream", "a stream name")?,
+        digest: digest
+            .parse()
+            .map_err(|e: batchcast::proto::BadDigest| invalid(format!("state: {e}")))?,
+        position: batchcast::proto::Position {
+            epoch: get(d, "epoch", "an integer ≥ 0")?,
+            sample: get(d, "sample", "an integer ≥ 0")?,
+        },
+        batch_size: get(d, "batch_size", "an integer ≥ 1")?,
+        drop_last: get(d, "drop_last", "True or False")?,
+    })
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import threading
@@ -525,3 +526,61 @@ def test_resume_starts_at_the_checkpoint_position(start_broker, tmp_path):
         batchcast.Consumer(socket=broker.socket, output="numpy", resume=(1,))
     with pytest.raises(batchcast.StreamError, match="stream `train` has 3 epochs"):
         batchcast.Consumer(socket=broker.socket, output="numpy", resume=(3, 0))
+
+
+def test_a_state_dict_resumes_exactly_after_a_broker_restart_and_a_changed_stream_is_refused(
+    start_broker, tmp_path
+):
+    cfg = synthetic(epochs=3, slots=6, extra="seed = 4")
+    broker = start_broker(cfg)
+    dump = tmp_path / "rust"
+    r = report(broker.rust_consumer("--dump", str(dump)))
+    assert r["ok"] and r["ended"], r
+    want = b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+    sample = 3 * 4 * 4
+    # A trainer of batches of 6 saves its state after 20 batches (17 make
+    # epoch 0, the last one short; 3 more: epoch 1, sample 18): a small
+    # dict of plain values, through JSON.
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=6, resume=(0, 0))
+    got = []
+    for _ in range(20):
+        batch = c.next_batch() or c.next_batch()  # past an epoch's end
+        got.append(batch[0].tobytes())
+        last = batch.next_position
+    saved = json.loads(json.dumps(c.state_dict()))
+    assert (saved["epoch"], saved["sample"]) == last == (1, 18), saved
+    assert saved["stream"] == "train" and saved["batch_size"] == 6 and len(json.dumps(saved)) < 1024
+    del c, batch
+    # The broker restarts; the trainer comes back from its state, in
+    # batches of 4, and reads the rest: every sample once, the same bytes.
+    broker.stop()
+    broker = start_broker(cfg)
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", state=saved, batch_size=4)
+    assert c.batch_size == 4
+    while not c.ended:
+        for batch in c:
+            got.append(batch[0].tobytes())
+    assert b"".join(got) == want, "every sample once, in order, the same bytes"
+    # load_state_dict on a consumer: goes back to the saved place.
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", resume=(2, 0))
+    c.load_state_dict(saved)
+    batch = c.next_batch()
+    assert (batch.epoch, batch.first_sample, batch.samples) == (1, 18, 6)
+    assert batch[0].tobytes() == want[118 * sample : 124 * sample]
+    del c, batch
+    # A broker whose stream changed (another seed: another order) refuses.
+    broker.stop()
+    broker = start_broker(synthetic(epochs=3, slots=6, extra="seed = 5"))
+    with pytest.raises(batchcast.StreamError, match="the order or split") as e:
+        batchcast.Consumer(socket=broker.socket, output="numpy", state=saved)
+    assert e.value.code == "StreamChanged"
+    for bad, match in [
+        ({**saved, "digest": "x"}, "is not a stream digest"),
+        ({k: v for k, v in saved.items() if k != "epoch"}, "`epoch` must be an integer"),
+        ({**saved, "version": 2}, "version 2"),
+        ([1, 2], "must be the dict"),
+    ]:
+        with pytest.raises(batchcast.InvalidArgument, match=match):
+            batchcast.Consumer(socket=broker.socket, output="numpy", state=bad)
+    with pytest.raises(batchcast.InvalidArgument, match="not both"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", state=saved, resume=(0, 0))

@@ -17,9 +17,11 @@ use std::time::{Duration, Instant};
 mod events;
 mod options;
 mod replay;
+mod state;
 mod wait;
 
 pub use options::ConsumerOptions;
+pub use state::ConsumerState;
 
 /// How long a consumer holding its whole window waits for a message
 /// before calling it [`Error::WindowFull`].
@@ -96,6 +98,8 @@ pub struct Consumer {
     replay_seq: u64,
     /// Where the first batch handed out began.
     started_at: Option<Position>,
+    /// Where the next batch handed out begins (this consumer's state).
+    next_at: Position,
 }
 
 impl Consumer {
@@ -111,18 +115,20 @@ impl Consumer {
     }
 
     fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {
+        let state = opts.state.as_ref();
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
             intent: Intent::Consume(ConsumeRequest {
-                stream: opts.stream.clone(),
+                stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
                 window: opts.window,
                 join: opts.join,
                 device: opts.device.request()?,
                 mailbox: opts.mailbox && opts.device == Device::Cpu,
-                batch_size: opts.batch_size,
-                drop_last: opts.drop_last,
-                resume: opts.resume,
+                batch_size: opts.batch_size.or(state.map(|s| s.batch_size)),
+                drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
+                resume: opts.resume.or(state.map(|s| s.position)),
+                expect: state.map(|s| s.digest),
             }),
         });
         let (reply, fds) = handshake(&stream, &hello)?;
@@ -142,7 +148,8 @@ impl Consumer {
             welcome.schema.batch_size,
             welcome.schema.batches_per_epoch,
         );
-        let skip = welcome.replay.as_ref().map(|g| g.to).or(opts.resume);
+        let resume = opts.resume.or(state.map(|s| s.position));
+        let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
         if let Some(p) = skip {
             batcher.skip_to(p.epoch, p.sample);
         }
@@ -155,6 +162,7 @@ impl Consumer {
             .map(replay::Replaying::new);
         let replay_from = welcome.replay.as_ref().map(|g| g.from);
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
+        let start_epoch = welcome.start_epoch;
         Ok(Consumer {
             shared: Arc::new(Shared {
                 writer: Mutex::new(stream),
@@ -185,7 +193,25 @@ impl Consumer {
             deferred: Vec::new(),
             replay_seq: 0,
             started_at: None,
+            next_at: resume.unwrap_or(Position {
+                epoch: start_epoch,
+                sample: 0,
+            }),
         })
+    }
+
+    /// Where this consumer is, for a checkpoint: right after the last
+    /// batch it handed out (see [`ConsumerState`]). Free: no message, no
+    /// lock.
+    pub fn state(&self) -> ConsumerState {
+        let w = &self.shared.welcome;
+        ConsumerState {
+            stream: w.stream.clone(),
+            digest: w.digest,
+            position: self.next_at,
+            batch_size: w.batch_size,
+            drop_last: w.drop_last,
+        }
     }
 
     /// The stream's schema: fields, dtypes, shapes, batch size, epoch length.

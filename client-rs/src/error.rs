@@ -45,6 +45,10 @@ pub enum ErrorCode {
     /// the stream's `hold_limit_s` (it held batches, or paused while being
     /// replayed to) and was detached (protocol 14).
     HoldLimit,
+    /// A consumer resumed (from a checkpoint's state, or reconnecting)
+    /// with a digest its stream no longer has: the stream now makes other
+    /// data; the message names the parts that changed (protocol 15).
+    StreamChanged,
 }
 
 /// Everything that can go wrong talking to a broker.

@@ -34,10 +34,12 @@ use crate::error::Result;
 use crate::parse::ParseError;
 use crate::schema::{RingLayout, Schema, SlotLayout};
 
+mod digest;
 mod frame;
 mod names;
 mod preamble;
 mod stats;
+pub use digest::*;
 pub use frame::*;
 pub use names::*;
 pub use preamble::*;
@@ -46,7 +48,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 14;
+pub const PROTOCOL_VERSION: u16 = 15;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -155,6 +157,11 @@ pub struct ConsumeRequest {
     /// is replayed, a position ahead of it is waited for. Overrides
     /// `join`.
     pub resume: Option<Position>,
+    /// The stream's digest as this consumer was last served it (a
+    /// checkpoint's state, a reconnect): the broker refuses the request,
+    /// naming the parts that differ, if its stream now makes other data
+    /// (protocol 15).
+    pub expect: Option<StreamDigest>,
 }
 
 /// What a client wants from this connection.
@@ -411,6 +418,9 @@ pub struct Welcome {
     /// Replay granted (`join = "now"`, or a resume position behind the
     /// stream).
     pub replay: Option<ReplayGrant>,
+    /// What the stream's data is made from, digested (protocol 15): a
+    /// consumer's state carries it, and a resume names it in `expect`.
+    pub digest: StreamDigest,
 }
 
 /// The rings of a consumer's [mailbox](crate::mailbox), in records.

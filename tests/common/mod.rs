@@ -350,6 +350,7 @@ pub fn raw_subscribe(
         pid: std::process::id(),
         intent: Intent::Consume(proto::ConsumeRequest {
             batch_size: None,
+            expect: None,
             drop_last: None,
             resume,
             stream: "train".into(),

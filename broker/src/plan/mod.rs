@@ -26,6 +26,7 @@ use crate::pipeline::transform::Transform;
 
 mod augment;
 mod checks;
+mod digest;
 mod image;
 mod source;
 #[cfg(test)]
@@ -195,6 +196,9 @@ pub struct StreamPlan {
     /// A device arena's slots (each a whole unit).
     pub layout: SlotLayout,
     pub source: SourcePlan,
+    /// What the stream's data is made from, digested: sent in every
+    /// welcome, checked against a resuming consumer's.
+    pub digest: batchcast::proto::StreamDigest,
 }
 
 impl StreamPlan {
@@ -283,7 +287,7 @@ impl StreamPlan {
                 have_mib: total >> 20,
             });
         }
-        Ok(StreamPlan {
+        let mut plan = StreamPlan {
             name: req.stream.clone(),
             slots: req.slots,
             gpu_slots: req.slots,
@@ -298,7 +302,10 @@ impl StreamPlan {
             rings,
             layout,
             source: SourcePlan::External,
-        })
+            digest: Default::default(),
+        };
+        plan.digest = digest::of_external(&plan);
+        Ok(plan)
     }
 }
 
@@ -428,7 +435,7 @@ fn plan_stream(
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
     let default_workers =
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
-    Ok(StreamPlan {
+    let mut plan = StreamPlan {
         name: s.name.clone(),
         slots,
         gpu_slots: s.gpu_slots.unwrap_or(slots),
@@ -445,7 +452,10 @@ fn plan_stream(
         rings,
         layout,
         source: parts.plan,
-    })
+        digest: Default::default(),
+    };
+    plan.digest = digest::of_config(s, &plan);
+    Ok(plan)
 }
 
 fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, StreamError> {

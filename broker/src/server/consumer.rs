@@ -51,6 +51,7 @@ pub(super) async fn serve_consumer(
         mailbox: sub.mailbox.as_ref().map(|m| m.spec),
         owner_uid: stream.owner_uid,
         replay: sub.replay.as_ref().map(|(g, _)| g.clone()),
+        digest: stream.plan.digest,
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
     let more: Vec<_> = sub
@@ -89,6 +90,7 @@ async fn subscribe(
             SubscribeError::OverBudget(_)
             | SubscribeError::Replay(crate::stream::ReplayError::OverBudget(_)) => ErrorCode::Busy,
             SubscribeError::Replay(_) => ErrorCode::InvalidRequest,
+            SubscribeError::Changed { .. } => ErrorCode::StreamChanged,
         };
         Reject(
             code,

@@ -53,6 +53,16 @@ pub enum SubscribeError {
     BatchSize(String),
     #[error(transparent)]
     Replay(#[from] ReplayError),
+    /// The consumer's state was saved under another description of the
+    /// stream: serving it would give other data than it expects.
+    #[error(
+        "stream `{stream}` has changed since this consumer's state was saved: {}; resuming would serve other data. Start it afresh (without its state), or serve the stream as it was",
+        changed.iter().map(|p| batchcast::proto::StreamDigest::describe(p)).collect::<Vec<_>>().join(", ")
+    )]
+    Changed {
+        stream: String,
+        changed: Vec<&'static str>,
+    },
 }
 
 /// A release that does not name a batch the consumer holds.

@@ -50,6 +50,15 @@ impl Stream {
         req: ConsumeRequest,
         peer: Peer,
     ) -> Result<Subscription, SubscribeError> {
+        if let Some(expect) = &req.expect {
+            let changed = expect.changes(&self.plan.digest);
+            if !changed.is_empty() {
+                return Err(SubscribeError::Changed {
+                    stream: self.name().into(),
+                    changed,
+                });
+            }
+        }
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);

@@ -67,6 +67,7 @@ fn peer_of(name: &str, uid: u32) -> Peer {
 fn request(join: JoinPolicy) -> ConsumeRequest {
     ConsumeRequest {
         stream: "train".into(),
+        expect: None,
         batch_size: None,
         drop_last: Some(false),
         resume: None,

@@ -76,6 +76,17 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
+def _state(state: Any) -> Optional[Dict[str, Any]]:
+    """A state dict as the native module takes it."""
+    if state is None:
+        return None
+    if not isinstance(state, dict):
+        raise InvalidArgument(
+            f"state must be the dict consumer.state_dict() returned, not {type(state).__name__}"
+        )
+    return state
+
+
 def _position(p: Any) -> Optional[Tuple[int, int]]:
     """A resume position as the native module takes it."""
     if p is None:
@@ -306,6 +317,10 @@ class Consumer:
             ``batch.next_position`` of the last batch it trained on. What
             the stream already published from there is replayed; a position
             ahead of the stream is waited for.
+        state: a dict from :meth:`state_dict` (a checkpoint's): go on
+            exactly where that consumer was, on its stream (in place of
+            ``stream``) with its batch size unless ``batch_size`` is given.
+            Not with ``resume``.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -327,7 +342,10 @@ class Consumer:
         batch_size: Optional[int] = None,
         drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
+        state: Optional[Dict[str, Any]] = None,
     ) -> None:
+        if state is not None and resume is not None:
+            raise InvalidArgument("give state= or resume=, not both (a state carries its position)")
         dev = _device(device)
         if output == "numpy" and dev != "cpu":
             raise InvalidArgument(
@@ -338,9 +356,10 @@ class Consumer:
         self.copy = bool(copy)
         self.as_dict = bool(as_dict)
         self.stream = stream
+        self._fields = None if fields is None else list(fields)
         timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
-        self._native = _native.Consumer(
-            stream,
+        # What a load_state_dict() subscribes with again, its state aside.
+        self._args: Dict[str, Any] = dict(
             socket=os.fspath(socket) if socket is not None else None,
             window=_integer("window", window),
             join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
@@ -350,8 +369,14 @@ class Consumer:
             broker_uid=broker_uid,
             batch_size=None if batch_size is None else _integer("batch_size", batch_size),
             drop_last=None if drop_last is None else bool(drop_last),
-            resume=_position(resume),
         )
+        self._attach(_native.Consumer(stream, resume=_position(resume), state=_state(state), **self._args))
+
+    def _attach(self, native: Any) -> None:
+        """Takes ``native`` (a new subscription) as this consumer's."""
+        self._native = native
+        self.stream = native.state()["stream"]
+        fields = self._fields
         kind, index = self._native.device
         #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.
         self.device: str = "cpu" if kind == 1 else f"cuda:{index}"
@@ -364,7 +389,7 @@ class Consumer:
             missing = [f for f in fields if f not in self._index_of]
             if missing:
                 raise InvalidArgument(
-                    f"fields {missing} are not in stream {stream!r}; it has {self._names}"
+                    f"fields {missing} are not in stream {self.stream!r}; it has {self._names}"
                 )
             self._positional = [self._index_of[f] for f in fields]
         #: The uid the stream belongs to: the broker's for a configured
@@ -378,6 +403,29 @@ class Consumer:
         self._busy_s = 0.0
         self._last_return: Optional[float] = None
         self._warned = False
+
+    # -- checkpoints -------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This trainer's place in its stream, for its checkpoint (the
+        convention of torchdata's ``StatefulDataLoader``): a small dict of
+        plain values (``json.dumps`` takes it) saying where its next batch
+        begins, right after the last batch this consumer handed out, with
+        its batch size and the stream's digest. Free: no message is sent.
+
+        Save it with the model after training on a batch; pass it back as
+        ``Consumer(state=...)`` or to :meth:`load_state_dict` to go on
+        exactly there, even after the broker restarted (what the stream
+        made meanwhile is recomputed). A broker whose stream now makes
+        other data refuses it (``StreamError``, code ``StreamChanged``),
+        naming what changed."""
+        return dict(self._native.state())
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Goes on from ``state`` (from :meth:`state_dict`): subscribes again
+        there, with this consumer's other arguments (its batch size unless
+        it gave one: then the state's samples are grouped in its own).
+        Batches it holds stay readable."""
+        self._attach(_native.Consumer(self.stream, state=_state(state), **self._args))
 
     # -- what the stream is ----------------------------------------------
     @property

@@ -22,7 +22,9 @@ class Consumer:
         batch_size: Optional[int] = None,
         drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
+        state: Optional[Dict[str, Any]] = None,
     ) -> None: ...
+    def state(self) -> Dict[str, Any]: ...
     def next_event(
         self, timeout: Optional[float] = None
     ) -> Optional[Union[Tuple[str, "Batch"], Tuple[str, int, int, bool], Tuple[str]]]: ...

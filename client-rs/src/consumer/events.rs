@@ -64,10 +64,12 @@ impl Consumer {
             self.epoch_batches = (run.epoch, 0);
         }
         self.epoch_batches.1 += 1;
-        self.started_at.get_or_insert(Position {
+        let at = Position {
             epoch: run.epoch,
             sample: run.first,
-        });
+        };
+        self.started_at.get_or_insert(at);
+        self.next_at = at.advance(run.samples, self.shared.welcome.schema.samples_per_epoch);
         Event::Batch(Batch {
             shared: self.shared.clone(),
             run,

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::ConsumerState;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::proto::{JoinPolicy, Position};
@@ -64,6 +65,13 @@ pub struct ConsumerOptions {
     /// what the stream already published from there is replayed (streams
     /// the broker computes), a position ahead of it is waited for.
     pub resume: Option<Position>,
+    /// Resume from a checkpoint's [`ConsumerState`]
+    /// ([`Consumer::state`](crate::Consumer::state)): its stream (in place
+    /// of `stream`), position, batch size and `drop_last` (unless
+    /// `batch_size` or `drop_last` are set here: a resume may regroup the
+    /// same samples), and the stream's digest, which the broker checks.
+    /// Not with `resume`.
+    pub state: Option<ConsumerState>,
 }
 
 impl ConsumerOptions {
@@ -73,6 +81,11 @@ impl ConsumerOptions {
         if self.window == 0 {
             return Err(Error::InvalidOption(
                 "window must be at least 1 (batches held at once)".into(),
+            ));
+        }
+        if self.state.is_some() && self.resume.is_some() {
+            return Err(Error::InvalidOption(
+                "give a state or a resume position, not both (a state carries its position)".into(),
             ));
         }
         if self.batch_size == Some(0) {
@@ -113,6 +126,7 @@ impl Default for ConsumerOptions {
             batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
             drop_last: None,
             resume: None,
+            state: None,
         }
     }
 }

@@ -33,6 +33,11 @@ pub(super) struct Checker<'a> {
     last_replayed: bool,
     digest: u64,
     cur: EpochReport,
+    /// Where the first batch must begin (`--resume`, `--resume-state`).
+    resume: Option<batchcast::proto::Position>,
+    /// Batches of the epoch in progress counted before a resume (an
+    /// epoch's end counts only this process's).
+    carried: u64,
     /// The shared mapping's address range in this process, and the replay
     /// arena's.
     arenas: Vec<(usize, usize)>,
@@ -76,12 +81,32 @@ impl<'a> Checker<'a> {
             last_replayed: false,
             digest: 0,
             cur: EpochReport::new(u64::MAX),
+            resume: args.resume,
+            carried: 0,
             arenas,
         })
     }
 
+    /// Resuming from `saved`: the epoch it was in carries on from its
+    /// counts and digest (unless the resume begins the next epoch), and
+    /// the first batch must begin at its position.
+    pub(super) fn carry_on(&mut self, saved: super::SavedState) {
+        self.resume = Some(saved.state.position);
+        if saved.epoch.epoch == saved.state.position.epoch {
+            self.carried = saved.epoch.batches;
+            self.cur = saved.epoch;
+            self.digest = saved.digest;
+        }
+    }
+
+    /// The epoch in progress as counted so far, and its digest.
+    pub(super) fn progress(&self) -> (EpochReport, u64) {
+        (self.cur.clone(), self.digest)
+    }
+
     pub(super) fn epoch_end(&mut self, end: EpochEnd, report: &mut ConsumerReport) {
-        if self.cur.epoch != end.epoch || self.cur.batches != end.batches {
+        let carried = std::mem::take(&mut self.carried);
+        if self.cur.epoch != end.epoch || self.cur.batches - carried != end.batches {
             report.order_errors.push(format!(
                 "end of epoch {end:?} after {} batches of epoch {}",
                 self.cur.batches, self.cur.epoch
@@ -168,20 +193,16 @@ impl<'a> Checker<'a> {
                 }
             }
             None if self
-                .args
                 .resume
                 .is_some_and(|p| (p.epoch, p.sample) != (epoch, batch.first_sample())) =>
             {
                 report.order_errors.push(format!(
                     "first batch starts at sample {} of epoch {epoch}, not at the resume position {:?}",
                     batch.first_sample(),
-                    self.args.resume
+                    self.resume
                 ));
             }
-            None if self.args.resume.is_none()
-                && self.join != JoinPolicy::Immediate
-                && index != 0 =>
-            {
+            None if self.resume.is_none() && self.join != JoinPolicy::Immediate && index != 0 => {
                 report.order_errors.push(format!(
                     "first batch is index {index} of epoch {epoch}, not the start of an epoch"
                 ));

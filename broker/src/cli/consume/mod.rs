@@ -4,7 +4,7 @@
 //! it as their consumer processes.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy};
@@ -94,6 +94,57 @@ pub struct ConsumeArgs {
     /// stream says
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub drop_last: Option<bool>,
+    /// After each batch, write this consumer's state and its epoch's
+    /// digest so far to FILE (atomically): a trainer checkpointing every
+    /// step, for tests of resuming
+    #[arg(long, value_name = "FILE")]
+    pub state_file: Option<PathBuf>,
+    /// Resume from a state FILE written by --state-file, carrying on its
+    /// epoch's counts and digest (so the epoch's digest covers the samples
+    /// before the resume too); not with --resume
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    pub resume_state: Option<PathBuf>,
+}
+
+/// What `--state-file` writes: the consumer's state and its epoch in
+/// progress as counted so far.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedState {
+    pub state: batchcast::ConsumerState,
+    pub epoch: EpochReport,
+    /// The epoch's digest accumulator (with `--digest`).
+    pub digest: u64,
+}
+
+/// A `--resume-state` file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("--resume-state {path}: {why}")]
+pub struct StateFileError {
+    path: PathBuf,
+    why: String,
+}
+
+impl SavedState {
+    pub fn load(path: &Path) -> Result<SavedState, StateFileError> {
+        let err = |why: String| StateFileError {
+            path: path.into(),
+            why,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+        serde_json::from_str(&text)
+            .map_err(|e| err(format!("not a state written by --state-file: {e}")))
+    }
+
+    /// Writes it to `path` through a temporary file and a rename, so a
+    /// reader (or a crash) never sees half of it.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(self).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, path)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -236,6 +287,17 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
         };
     }
     opts.resume = args.resume;
+    let saved = match args.resume_state.as_deref().map(SavedState::load) {
+        Some(Ok(saved)) => Some(saved),
+        Some(Err(e)) => {
+            return ConsumerReport {
+                error: Some(e.to_string()),
+                ..Default::default()
+            };
+        }
+        None => None,
+    };
+    opts.state = saved.as_ref().map(|s| s.state.clone());
     let mut report = ConsumerReport {
         name: opts.name.clone(),
         pid: std::process::id(),
@@ -243,7 +305,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
         ..Default::default()
     };
     let t0 = Instant::now();
-    let result = consume(args, opts, &mut report);
+    let result = consume(args, opts, saved, &mut report);
     report.seconds = t0.elapsed().as_secs_f64();
     report.batches_per_s = report.batches as f64 / report.seconds.max(1e-9);
     report.rss_anon_kb_end = rss_anon_kb("self");
@@ -260,6 +322,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
 fn consume(
     args: &ConsumeArgs,
     opts: ConsumerOptions,
+    saved: Option<SavedState>,
     report: &mut ConsumerReport,
 ) -> batchcast::Result<()> {
     let t0 = Instant::now();
@@ -277,6 +340,9 @@ fn consume(
         arenas,
         join,
     )?;
+    if let Some(saved) = saved {
+        check.carry_on(saved);
+    }
     let mut held: VecDeque<Batch> = VecDeque::new();
     let mut ends = 0u64;
     loop {
@@ -301,6 +367,15 @@ fn consume(
                 crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         check.batch(&batch, report)?;
+        if let Some(path) = &args.state_file {
+            let (epoch, digest) = check.progress();
+            SavedState {
+                state: consumer.state(),
+                epoch,
+                digest,
+            }
+            .save(path)?;
+        }
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));
         }
