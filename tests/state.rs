@@ -240,3 +240,31 @@ fn a_state_saved_under_another_stream_is_refused_naming_what_changed() {
     ]));
     assert!(r.ok, "{r:#?}");
 }
+
+#[test]
+fn a_restarted_broker_starts_where_its_first_trainer_resumes() {
+    let env = Env::start(&config_for(11, 1));
+    let state = state_file(&env);
+    // Epoch 2, sample 120: 80 batches of epochs 0 and 1, then 12.
+    kill_at(&env, &state, 92, (2, 120), &[]);
+    let saved = std::fs::read(&state).unwrap();
+    drop(env); // the broker goes, and comes back
+    let fresh = Env::start(&config_for(11, 1));
+    let state = fresh.path("trainer.state");
+    std::fs::write(&state, saved).unwrap();
+    let resumed = report(fresh.consumer(&["--digest", "--resume-state", state.to_str().unwrap()]));
+    assert!(resumed.ok && resumed.ended, "{resumed:#?}");
+    assert_eq!(
+        resumed.replayed_batches, 0,
+        "nothing to recompute: {resumed:#?}"
+    );
+    assert_eq!(
+        fresh.stats().streams[0].batches_produced,
+        40 - 12,
+        "the stream made only what the trainer had left, not epochs 0 and 1 for nobody"
+    );
+    let whole = Env::start(&config_for(11, 1));
+    let reference = report(whole.consumer(&["--digest"]));
+    assert!(reference.ok, "{reference:#?}");
+    same_from(&resumed, &reference, 2);
+}

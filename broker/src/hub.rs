@@ -479,6 +479,24 @@ impl Hub {
         true
     }
 
+    /// Starts a stream that has not begun (no batch started, nobody
+    /// subscribed) at batch `index` of `epoch`: the first consumer resumes
+    /// there (after a broker restart, say), and computing everything before
+    /// it for nobody would keep it waiting. `false`, and nothing changes,
+    /// once a batch was started or someone subscribed, or for a place past
+    /// the stream.
+    pub fn seek(&mut self, epoch: u64, index: u64) -> bool {
+        let past =
+            self.cfg.epochs.is_some_and(|e| epoch >= e) || index >= self.cfg.batches_per_epoch;
+        if self.started || self.next_seq != 0 || !self.consumers.is_empty() || past {
+            return false;
+        }
+        self.next_epoch = epoch;
+        self.next_index = index;
+        self.live_epoch = epoch;
+        true
+    }
+
     /// Gives the pipeline its next batch to fill, or `None` if it must wait
     /// (no free slot, no consumer yet, or all epochs produced).
     pub fn start_batch(&mut self) -> Option<Work> {

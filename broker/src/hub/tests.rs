@@ -52,6 +52,33 @@ fn a_stream_whose_only_consumer_said_goodbye_pauses() {
 }
 
 #[test]
+fn a_stream_nobody_read_yet_starts_where_it_is_sought_and_only_then() {
+    let mut h = hub(4, 10, Some(3), None);
+    assert!(!h.seek(3, 0), "past the stream");
+    assert!(!h.seek(1, 10), "past an epoch");
+    assert!(h.seek(2, 7));
+    let (a, start) = h.join(2, JoinPolicy::Now).unwrap();
+    assert_eq!((start, h.first_batch(a)), (2, Some((2, 7))));
+    assert!(!h.seek(0, 0), "someone is subscribed");
+    let w = produce(&mut h).unwrap();
+    assert_eq!(
+        (w.seq, w.epoch, w.index),
+        (0, 2, 7),
+        "the first batch made is there"
+    );
+    produce(&mut h).unwrap();
+    produce(&mut h).unwrap();
+    assert_eq!(batches(&h.take_outbound(), a), vec![(2, 7), (2, 8)]);
+    h.check_invariants();
+    // Once a batch was started, a seek changes nothing.
+    let mut h = hub(4, 10, None, None);
+    let (b, _) = h.join(1, JoinPolicy::Immediate).unwrap();
+    produce(&mut h).unwrap();
+    h.leave(b);
+    assert!(!h.seek(5, 0));
+}
+
+#[test]
 fn pipeline_waits_for_the_first_consumer_then_for_free_slots() {
     let mut h = hub(2, 10, None, None);
     assert!(h.start_batch().is_none(), "nobody subscribed yet");

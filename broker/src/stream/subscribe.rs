@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use super::Stream;
 use super::conn::{Conn, Peer, Start};
 use super::error::SubscribeError;
-use super::replay::book;
+use super::replay::{ReplayFrom, book};
 use super::shape::Shape;
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Delivery};
@@ -101,6 +101,14 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
+            // A stream nobody has read yet (a broker just restarted) starts
+            // where its first consumer resumes, rather than computing
+            // everything before that for nobody.
+            if let Some(p) = replaying.and_then(ReplayFrom::resume)
+                && inner.hub.seek(p.epoch, p.sample / self.plan.schema.batch_size)
+            {
+                tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
+            }
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
                 .start_replay(inner, id, replaying, prepared, shape.batch_size)

@@ -65,7 +65,7 @@ pub(super) enum ReplayFrom {
 }
 
 impl ReplayFrom {
-    fn resume(self) -> Option<Position> {
+    pub(super) fn resume(self) -> Option<Position> {
         match self {
             ReplayFrom::EpochStart => None,
             ReplayFrom::Resume(p) => Some(p),
