@@ -33,7 +33,7 @@ pub(crate) struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -49,6 +49,7 @@ impl Consumer {
         drop_last: Option<bool>,
         resume: Option<(u64, u64)>,
         state: Option<Bound<'_, PyDict>>,
+        reconnect_timeout: Option<f64>,
     ) -> PyResult<Consumer> {
         // The rules on these are ConsumerOptions' (`validate`, on
         // connecting): a count below 1 is passed as 0, which it refuses.
@@ -79,6 +80,14 @@ impl Consumer {
         opts.drop_last = drop_last;
         opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
         opts.state = state.as_ref().map(state_from_dict).transpose()?;
+        if let Some(t) = reconnect_timeout {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(invalid(format!(
+                    "reconnect_timeout={t} must be a number of seconds ≥ 0"
+                )));
+            }
+            opts.reconnect_timeout = Duration::from_secs_f64(t);
+        }
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py

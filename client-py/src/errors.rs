@@ -11,6 +11,7 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let class = match &e {
         Error::Connect { .. }
         | Error::BrokerGone
+        | Error::BrokerShutdown
         | Error::Impostor { .. }
         | Error::HandshakeTimeout { .. }
         | Error::Broker {

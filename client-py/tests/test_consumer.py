@@ -584,3 +584,31 @@ def test_a_state_dict_resumes_exactly_after_a_broker_restart_and_a_changed_strea
             batchcast.Consumer(socket=broker.socket, output="numpy", state=bad)
     with pytest.raises(batchcast.InvalidArgument, match="not both"):
         batchcast.Consumer(socket=broker.socket, output="numpy", state=saved, resume=(0, 0))
+
+
+def test_a_consumer_rides_through_a_broker_restart_holding_a_batch(start_broker, tmp_path):
+    cfg = synthetic(epochs=3, slots=6, extra="seed = 6")
+    broker = start_broker(cfg)
+    dump = tmp_path / "rust"
+    r = report(broker.rust_consumer("--dump", str(dump)))
+    assert r["ok"] and r["ended"], r
+    want = b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+    broker.stop()
+    broker = start_broker(cfg)
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=6, reconnect_timeout=30)
+    got = []
+    for i in range(25):
+        batch = c.next_batch() or c.next_batch()  # past an epoch's end
+        got.append(batch[0].tobytes())
+        if i == 10:
+            held = batch
+            broker.kill()  # SIGKILL, a batch held
+            broker = start_broker(cfg)
+    while not c.ended:
+        for batch in c:
+            got.append(batch[0].tobytes())
+    assert held[0].tobytes() == got[10], "a batch held across the restart stays readable"
+    assert b"".join(got) == want, "every sample once, in order, the same bytes"
+    del held, batch
+    with pytest.raises(batchcast.InvalidArgument, match="reconnect_timeout"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", reconnect_timeout=-1)

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 mod events;
 mod options;
+mod reconnect;
 mod replay;
 mod state;
 mod wait;
@@ -100,6 +101,12 @@ pub struct Consumer {
     started_at: Option<Position>,
     /// Where the next batch handed out begins (this consumer's state).
     next_at: Position,
+    /// The last epoch whose end was handed out.
+    ended_epoch: Option<u64>,
+    /// What it was asked for: a reconnect subscribes with it again.
+    opts: ConsumerOptions,
+    /// Times it subscribed again after the broker went away.
+    reconnects: u64,
 }
 
 impl Consumer {
@@ -197,6 +204,9 @@ impl Consumer {
                 epoch: start_epoch,
                 sample: 0,
             }),
+            ended_epoch: None,
+            opts: opts.clone(),
+            reconnects: 0,
         })
     }
 
@@ -217,6 +227,13 @@ impl Consumer {
     /// The stream's schema: fields, dtypes, shapes, batch size, epoch length.
     pub fn schema(&self) -> &Schema {
         &self.shared.welcome.schema
+    }
+
+    /// Times this consumer subscribed again after its broker went away
+    /// ([`ConsumerOptions::reconnect_timeout`]); batch `seq`s start anew
+    /// with each.
+    pub fn reconnects(&self) -> u64 {
+        self.reconnects
     }
 
     /// Everything the broker said on subscribing.
@@ -262,7 +279,20 @@ impl Consumer {
     /// without blocking for long (a batch within the window, an epoch's
     /// end, the stream's end, or an error). Takes what the broker has sent
     /// meanwhile. Lets callers stay interruptible.
+    ///
+    /// If the broker goes away meanwhile and `reconnect_timeout` allows,
+    /// it waits for the broker (up to that timeout) and subscribes again
+    /// from this consumer's next position (see [`ConsumerOptions::reconnect_timeout`]).
     pub fn wait_readable(&mut self, timeout: Duration) -> Result<bool> {
+        loop {
+            let r = self.wait_readable_once(timeout);
+            if let Some(ready) = self.ride_through(r)? {
+                return Ok(ready);
+            }
+        }
+    }
+
+    fn wait_readable_once(&mut self, timeout: Duration) -> Result<bool> {
         self.start_asking();
         let deadline = Instant::now() + timeout;
         loop {
@@ -303,7 +333,21 @@ impl Consumer {
     /// ended. Errors if the broker goes away (at once, never a hang), if it
     /// detached this consumer, or if this consumer holds its whole window
     /// (no batch could ever arrive).
+    ///
+    /// If the broker goes away and `reconnect_timeout` allows, it waits
+    /// for the broker and goes on from this consumer's next position, the
+    /// batches it holds still readable: no error, and every sample still
+    /// once, in order ([`ConsumerOptions::reconnect_timeout`]).
     pub fn next_event(&mut self) -> Result<Option<Event>> {
+        loop {
+            let r = self.next_event_once();
+            if let Some(event) = self.ride_through(r)? {
+                return Ok(event);
+            }
+        }
+    }
+
+    fn next_event_once(&mut self) -> Result<Option<Event>> {
         if self.finished {
             return Ok(None);
         }

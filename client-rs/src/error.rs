@@ -78,6 +78,11 @@ pub enum Error {
     Io(#[from] std::io::Error),
     #[error("the broker closed the connection (it exited or was killed)")]
     BrokerGone,
+    /// The broker said it is shutting down (SIGTERM or SIGINT): like
+    /// [`Error::BrokerGone`], a consumer that may reconnect waits for the
+    /// next one.
+    #[error("the broker is shutting down (it said goodbye: Shutdown)")]
+    BrokerShutdown,
     /// `message` names both releases and which to upgrade.
     #[error("protocol version mismatch: {message}")]
     VersionMismatch {

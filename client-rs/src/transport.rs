@@ -261,9 +261,14 @@ pub(crate) fn broker_error(e: ErrorMsg) -> Error {
 
 /// The broker said goodbye where a reply was expected.
 pub(crate) fn goodbye_error(reason: GoodbyeReason) -> Error {
-    Error::Broker {
-        code: ErrorCode::StreamEnded,
-        message: format!("the broker said goodbye ({reason:?})"),
+    match reason {
+        // It is stopping: the same as its going away (a consumer that may
+        // reconnect waits for the next one).
+        GoodbyeReason::Shutdown => Error::BrokerShutdown,
+        GoodbyeReason::Detached => Error::Broker {
+            code: ErrorCode::StreamEnded,
+            message: format!("the broker said goodbye ({reason:?})"),
+        },
     }
 }
 

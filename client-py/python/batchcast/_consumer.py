@@ -321,6 +321,14 @@ class Consumer:
             exactly where that consumer was, on its stream (in place of
             ``stream``) with its batch size unless ``batch_size`` is given.
             Not with ``resume``.
+        reconnect_timeout: when the broker goes away (killed, restarted,
+            upgraded), wait this many seconds for it to come back and go on
+            from this trainer's next position: no error, the batches it
+            holds still readable, every sample still once, in order, the
+            same bytes (what the new broker's stream has not reached or has
+            passed is recomputed). One line on stderr says it waits.
+            Default ``$BATCHCAST_RECONNECT_TIMEOUT``, else 0: fail at once
+            with ``BrokerUnavailable``.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -343,6 +351,7 @@ class Consumer:
         drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
         state: Optional[Dict[str, Any]] = None,
+        reconnect_timeout: Optional[float] = None,
     ) -> None:
         if state is not None and resume is not None:
             raise InvalidArgument("give state= or resume=, not both (a state carries its position)")
@@ -369,6 +378,7 @@ class Consumer:
             broker_uid=broker_uid,
             batch_size=None if batch_size is None else _integer("batch_size", batch_size),
             drop_last=None if drop_last is None else bool(drop_last),
+            reconnect_timeout=None if reconnect_timeout is None else float(reconnect_timeout),
         )
         self._attach(_native.Consumer(stream, resume=_position(resume), state=_state(state), **self._args))
 

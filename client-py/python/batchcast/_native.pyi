@@ -23,6 +23,7 @@ class Consumer:
         drop_last: Optional[bool] = None,
         resume: Optional[Tuple[int, int]] = None,
         state: Optional[Dict[str, Any]] = None,
+        reconnect_timeout: Optional[float] = None,
     ) -> None: ...
     def state(self) -> Dict[str, Any]: ...
     def next_event(

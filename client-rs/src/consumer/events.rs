@@ -94,6 +94,7 @@ impl Consumer {
                     (epoch, n) if epoch == e.epoch => n,
                     _ => 0,
                 };
+                self.ended_epoch = Some(e.epoch);
                 Ok(Some(Event::EndOfEpoch(e)))
             }
             Some(Next::EndOfStream) => {
@@ -101,7 +102,9 @@ impl Consumer {
                 Ok(Some(Event::EndOfStream))
             }
             Some(Next::Fail(e)) => {
-                self.finished = true;
+                // A broker that went away may come back (see `reconnect`).
+                self.finished =
+                    !Consumer::broker_went_away(&e) || self.opts.reconnect_timeout.is_zero();
                 Err(e)
             }
             Some(Next::Run(..) | Next::Replayed(_)) | None => {

@@ -72,6 +72,12 @@ pub struct ConsumerOptions {
     /// same samples), and the stream's digest, which the broker checks.
     /// Not with `resume`.
     pub state: Option<ConsumerState>,
+    /// When the broker goes away (killed, restarted, shut down): how long
+    /// to wait for it to come back and go on from this consumer's next
+    /// position, the batches it holds still readable. Zero: fail at once
+    /// with [`Error::BrokerGone`]. Default: `$BATCHCAST_RECONNECT_TIMEOUT`
+    /// seconds, else zero.
+    pub reconnect_timeout: Duration,
 }
 
 impl ConsumerOptions {
@@ -117,16 +123,23 @@ impl Default for ConsumerOptions {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(50),
             ),
-            connect_timeout: env("BATCHCAST_CONNECT_TIMEOUT")
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .map(Duration::from_secs_f64)
-                .unwrap_or_default(),
+            connect_timeout: seconds("BATCHCAST_CONNECT_TIMEOUT"),
             name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
             batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
             drop_last: None,
             resume: None,
             state: None,
+            reconnect_timeout: seconds("BATCHCAST_RECONNECT_TIMEOUT"),
         }
     }
+}
+
+/// `$key` as a number of seconds ≥ 0; zero when unset or not one.
+fn seconds(key: &str) -> Duration {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or_default()
 }

@@ -38,6 +38,8 @@ pub(super) struct Checker<'a> {
     /// Batches of the epoch in progress counted before a resume (an
     /// epoch's end counts only this process's).
     carried: u64,
+    /// The consumer's reconnects when the last batch came.
+    session: u64,
     /// The shared mapping's address range in this process, and the replay
     /// arena's.
     arenas: Vec<(usize, usize)>,
@@ -83,6 +85,7 @@ impl<'a> Checker<'a> {
             cur: EpochReport::new(u64::MAX),
             resume: args.resume,
             carried: 0,
+            session: 0,
             arenas,
         })
     }
@@ -116,11 +119,18 @@ impl<'a> Checker<'a> {
     }
 
     /// Checks and counts one batch.
+    /// `session`: the consumer's reconnects so far (a new subscription
+    /// numbers its batches anew).
     pub(super) fn batch(
         &mut self,
         batch: &Batch,
+        session: u64,
         report: &mut ConsumerReport,
     ) -> batchcast::Result<()> {
+        if session != self.session {
+            self.session = session;
+            self.last_replayed = true; // seqs start anew: order by place only
+        }
         self.handoff.record(batch.handoff_ns());
         report.wait_s += batch.wait_ns() as f64 * 1e-9;
         report.busy_s += batch.busy_ns() as f64 * 1e-9;

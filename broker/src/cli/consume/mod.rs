@@ -73,6 +73,11 @@ pub struct ConsumeArgs {
     /// not there yet (e.g. a producer still starting)
     #[arg(long, default_value_t = 0.0)]
     pub connect_timeout: f64,
+    /// When the broker goes away, wait this many seconds for it to come
+    /// back and go on from this consumer's next position [default:
+    /// $BATCHCAST_RECONNECT_TIMEOUT, else 0: fail at once]
+    #[arg(long)]
+    pub reconnect_timeout: Option<f64>,
     /// Receive batches on this device: `cpu`, or `cuda:N` (the broker
     /// copies each batch to that GPU; --verify and --dump read the host copy)
     #[arg(long)]
@@ -242,6 +247,9 @@ pub struct ConsumerReport {
     /// Batches recomputed for it alone (`--join now`, `--resume`).
     #[serde(default)]
     pub replayed_batches: u64,
+    /// Times it subscribed again after the broker went away.
+    #[serde(default)]
+    pub reconnects: u64,
 }
 
 /// Anonymous resident memory of this process (excludes the shared arena).
@@ -278,6 +286,12 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     }
     if args.connect_timeout > 0.0 && args.connect_timeout.is_finite() {
         opts.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
+    }
+    if let Some(t) = args
+        .reconnect_timeout
+        .filter(|t| t.is_finite() && *t >= 0.0)
+    {
+        opts.reconnect_timeout = std::time::Duration::from_secs_f64(t);
     }
     if let Some(join) = args.join {
         opts.join = match join {
@@ -366,7 +380,8 @@ fn consume(
             report.cpu_first_batch_s =
                 crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
-        check.batch(&batch, report)?;
+        report.reconnects = consumer.reconnects();
+        check.batch(&batch, consumer.reconnects(), report)?;
         if let Some(path) = &args.state_file {
             let (epoch, digest) = check.progress();
             SavedState {

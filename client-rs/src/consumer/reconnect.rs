@@ -1,0 +1,139 @@
+//! Riding through a broker restart: when the broker goes away (killed,
+//! restarted, shut down), a consumer with a `reconnect_timeout` keeps the
+//! batches it holds readable (their mappings stay), says once on stderr
+//! that it waits, connects again within the timeout and subscribes from
+//! its own next position with its state ([`ConsumerState`]): the new
+//! broker serves it from exactly there, by replay where its stream is
+//! elsewhere, and refuses it if its stream now makes other data.
+//! Batches received and not handed out yet are dropped: the new broker
+//! sends them again.
+
+use std::io::ErrorKind;
+use std::time::{Duration, Instant};
+
+use super::{Consumer, Next};
+use crate::error::{Error, Result};
+use crate::proto::{EpochEnd, Position};
+
+/// How soon a connection the broker dropped while starting or stopping is
+/// tried again.
+const RETRY: Duration = Duration::from_millis(20);
+
+impl Consumer {
+    /// Whether `e` says the broker went away (rather than refused or
+    /// detached this consumer).
+    pub(super) fn broker_went_away(e: &Error) -> bool {
+        match e {
+            Error::BrokerGone | Error::BrokerShutdown => true,
+            Error::Io(io) => matches!(
+                io.kind(),
+                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof
+            ),
+            _ => false,
+        }
+    }
+
+    /// `result`, unless it says the broker went away and this consumer
+    /// may wait for it: then `None` once it subscribed again (the caller
+    /// asks again), or the reason it could not.
+    pub(super) fn ride_through<T>(&mut self, result: Result<T>) -> Result<Option<T>> {
+        match result {
+            Err(e)
+                if Consumer::broker_went_away(&e)
+                    && !self.finished
+                    && !self.opts.reconnect_timeout.is_zero() =>
+            {
+                self.reconnect(e)?;
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
+    }
+
+    /// Connects again and subscribes from this consumer's next position.
+    fn reconnect(&mut self, cause: Error) -> Result<()> {
+        let state = self.state();
+        let w = &self.shared.welcome;
+        // The last batch handed out may have ended its epoch (or the
+        // stream) before its end was: the new broker will not say it.
+        let (epoch, batches) = self.epoch_batches;
+        let ended_epoch = state.position
+            == Position {
+                epoch: epoch + 1,
+                sample: 0,
+            }
+            && batches > 0
+            && self.ended_epoch != Some(epoch);
+        let end = ended_epoch.then(|| EpochEnd {
+            epoch,
+            batches,
+            complete: self
+                .started_at
+                .is_some_and(|p| p.sample == 0 && p.epoch <= epoch)
+                || self
+                    .replay_from
+                    .is_some_and(|p| p <= Position { epoch, sample: 0 }),
+        });
+        if w.schema.epochs.is_some_and(|n| state.position.epoch >= n) {
+            // Nothing is left to read: its end is all that was missing.
+            self.next.clear();
+            self.next.extend(end.map(Next::EndOfEpoch));
+            self.next.push_back(Next::EndOfStream);
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let timeout = self.opts.reconnect_timeout;
+        eprintln!(
+            "batchcast: {cause}; consumer `{}` of stream `{}` waits up to {:.0} s for it to come back, to go on at epoch {} sample {}",
+            self.opts.name,
+            state.stream,
+            timeout.as_secs_f64(),
+            state.position.epoch,
+            state.position.sample
+        );
+        let mut opts = self.opts.clone();
+        opts.resume = None;
+        opts.state = Some(state);
+        opts.batch_size = None;
+        opts.drop_last = None;
+        let deadline = t0 + timeout;
+        let mut fresh = loop {
+            opts.connect_timeout = deadline.saturating_duration_since(Instant::now());
+            match Consumer::connect(opts.clone()) {
+                Ok(c) => break c,
+                // The old broker still closing, or the new one starting.
+                Err(e) if Consumer::broker_went_away(&e) && Instant::now() < deadline => {
+                    std::thread::sleep(RETRY);
+                }
+                Err(e) => {
+                    eprintln!(
+                        "batchcast: consumer `{}` gave up waiting for the broker: {e}",
+                        self.opts.name
+                    );
+                    return Err(e);
+                }
+            }
+        };
+        eprintln!(
+            "batchcast: consumer `{}` is back after {:.2} s",
+            self.opts.name,
+            t0.elapsed().as_secs_f64()
+        );
+        // What the program saw carries over; the subscription is new.
+        fresh.opts = self.opts.clone();
+        fresh.epoch_batches = self.epoch_batches;
+        fresh.ended_epoch = self.ended_epoch;
+        fresh.started_at = self.started_at;
+        fresh.asking_since = std::mem::take(&mut self.asking_since);
+        fresh.last_batch_ns = self.last_batch_ns;
+        fresh.reconnects = self.reconnects + 1;
+        // It has seen everything since it first started: an epoch whose
+        // start it saw is complete, whichever broker ends it.
+        fresh.replay_from = self.replay_from.or(self.started_at).or(fresh.replay_from);
+        if let Some(end) = end {
+            fresh.next.push_front(Next::EndOfEpoch(end));
+        }
+        *self = fresh; // the old one says goodbye into the closed socket
+        Ok(())
+    }
+}

@@ -1,0 +1,120 @@
+//! Trainers ride through a broker restart: real broker processes, SIGKILLed
+//! or stopped and started again on the same socket under real consumer
+//! processes that may reconnect (`--reconnect-timeout`). Every consumer
+//! must finish without an error, with every epoch's digest (sample by
+//! sample) equal to an uninterrupted run's.
+
+use std::time::Duration;
+
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+use nix::sys::signal::Signal;
+
+mod common;
+
+use common::{Env, report};
+
+/// 400 samples an epoch in batches of 10, 4 epochs, shuffled, every
+/// sample's bytes its own; two consumers start it.
+fn config() -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 10, 400, &fields)
+        .epochs(4)
+        .key("seed", 21)
+        .key("slots", 12)
+        .key("max_batch_size", 16)
+        .key("workers", 2)
+        .key("min_consumers", 2)
+        .fill("full")
+        .to_toml()
+}
+
+fn digests(r: &ConsumerReport) -> Vec<(u64, Option<String>)> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.digest.clone()))
+        .collect()
+}
+
+/// Stops the broker (`signal`), waits a moment with none running, and
+/// starts a new one on the same socket with the same config.
+fn restart(env: &mut Env, signal: Signal) {
+    match signal {
+        Signal::SIGKILL => env.broker.kill().unwrap(),
+        _ => env.broker.terminate(common::LIMIT).unwrap(),
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let cfg = env.path("broker.toml");
+    let log = env.path("broker-again.log");
+    env.broker = common::broker(Some(&cfg), &env.socket(), Some(&log)).unwrap();
+}
+
+#[test]
+fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run() {
+    let reference = {
+        let env = Env::start(&config());
+        let a = env.consumer(&["--digest"]);
+        let b = env.consumer(&["--digest", "--batch-size", "16"]);
+        let (a, b) = (report(a), report(b));
+        assert!(a.ok && b.ok, "{a:#?}\n{b:#?}");
+        assert_eq!(digests(&a), digests(&b));
+        digests(&a)
+    };
+    assert_eq!(reference.len(), 4);
+    let mut env = Env::start(&config());
+    let ride = ["--digest", "--reconnect-timeout", "30", "--sleep-ms", "3"];
+    let a = env.consumer(&[&ride[..], &["--name", "a"]].concat());
+    let b = env.consumer(
+        &[
+            &ride[..],
+            &["--name", "b", "--batch-size", "16", "--no-mailbox"],
+        ]
+        .concat(),
+    );
+    // Killed, then stopped, each after the consumers read a while.
+    // (Each broker counts what it delivered itself.)
+    for signal in [Signal::SIGKILL, Signal::SIGTERM, Signal::SIGKILL] {
+        env.wait_for("the consumers to read on", |s| {
+            s.streams[0].consumers.len() == 2
+                && s.streams[0].consumers.iter().all(|c| c.delivered >= 15)
+        });
+        restart(&mut env, signal);
+    }
+    for r in [report(a), report(b)] {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.reconnects, 3, "{r:#?}");
+        assert_eq!(digests(&r), reference, "{r:#?}");
+        for e in &r.epochs {
+            assert!(
+                e.samples == 400 && e.complete,
+                "epoch {} whole: {r:#?}",
+                e.epoch
+            );
+        }
+    }
+}
+
+#[test]
+fn without_a_reconnect_timeout_a_consumer_fails_at_once() {
+    let mut env = Env::start(&config());
+    let a = env.consumer(&["--sleep-ms", "3", "--reconnect-timeout", "0"]);
+    let b = env.consumer(&["--sleep-ms", "3", "--reconnect-timeout", "0"]);
+    env.wait_for("the consumers to read", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .filter(|c| c.delivered > 5)
+            .count()
+            == 2
+    });
+    env.broker.kill().unwrap();
+    for r in [report(a), report(b)] {
+        assert!(!r.ok, "{r:#?}");
+        assert!(
+            r.error
+                .as_deref()
+                .is_some_and(|e| e.contains("broker closed")),
+            "{r:#?}"
+        );
+    }
+}
