@@ -528,15 +528,21 @@ def test_resume_starts_at_the_checkpoint_position(start_broker, tmp_path):
         batchcast.Consumer(socket=broker.socket, output="numpy", resume=(3, 0))
 
 
-def test_a_state_dict_resumes_exactly_after_a_broker_restart_and_a_changed_stream_is_refused(
-    start_broker, tmp_path
-):
-    cfg = synthetic(epochs=3, slots=6, extra="seed = 4")
+def whole_run(start_broker, cfg: str, tmp_path: Path):
+    """A broker of `cfg` (3 epochs of 13 batches) and the image bytes of
+    its whole run, as a Rust consumer dumped them."""
     broker = start_broker(cfg)
     dump = tmp_path / "rust"
     r = report(broker.rust_consumer("--dump", str(dump)))
     assert r["ok"] and r["ended"], r
-    want = b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+    return broker, b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+
+
+def test_a_state_dict_resumes_exactly_after_a_broker_restart_and_a_changed_stream_is_refused(
+    start_broker, tmp_path
+):
+    cfg = synthetic(epochs=3, slots=6, extra="seed = 4")
+    broker, want = whole_run(start_broker, cfg, tmp_path)
     sample = 3 * 4 * 4
     # A trainer of batches of 6 saves its state after 20 batches (17 make
     # epoch 0, the last one short; 3 more: epoch 1, sample 18): a small
@@ -588,11 +594,7 @@ def test_a_state_dict_resumes_exactly_after_a_broker_restart_and_a_changed_strea
 
 def test_a_consumer_rides_through_a_broker_restart_holding_a_batch(start_broker, tmp_path):
     cfg = synthetic(epochs=3, slots=6, extra="seed = 6")
-    broker = start_broker(cfg)
-    dump = tmp_path / "rust"
-    r = report(broker.rust_consumer("--dump", str(dump)))
-    assert r["ok"] and r["ended"], r
-    want = b"".join(read_dump(dump, e, i, "image") for e in range(3) for i in range(13))
+    broker, want = whole_run(start_broker, cfg, tmp_path)
     broker.stop()
     broker = start_broker(cfg)
     c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=6, reconnect_timeout=30)
