@@ -121,22 +121,29 @@ impl Consumer {
         )
     }
 
+    /// What `opts` asks the broker for (a state's stream, position, batch
+    /// size and digest where options do not say otherwise).
+    fn request(opts: &ConsumerOptions) -> Result<ConsumeRequest> {
+        let state = opts.state.as_ref();
+        Ok(ConsumeRequest {
+            stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
+            window: opts.window,
+            join: opts.join,
+            device: opts.device.request()?,
+            mailbox: opts.mailbox && opts.device == Device::Cpu,
+            batch_size: opts.batch_size.or(state.map(|s| s.batch_size)),
+            drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
+            resume: opts.resume.or(state.map(|s| s.position)),
+            expect: state.map(|s| s.digest),
+        })
+    }
+
     fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {
         let state = opts.state.as_ref();
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
-            intent: Intent::Consume(ConsumeRequest {
-                stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
-                window: opts.window,
-                join: opts.join,
-                device: opts.device.request()?,
-                mailbox: opts.mailbox && opts.device == Device::Cpu,
-                batch_size: opts.batch_size.or(state.map(|s| s.batch_size)),
-                drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
-                resume: opts.resume.or(state.map(|s| s.position)),
-                expect: state.map(|s| s.digest),
-            }),
+            intent: Intent::Consume(Consumer::request(opts)?),
         });
         let (reply, fds) = handshake(&stream, &hello)?;
         let welcome = expect_reply(reply, "a welcome", |m| match m {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use batchcast::proto::ProduceRequest;
+use batchcast::proto::StreamDigest;
 use batchcast::schema::{ExternalSourceInfo, Field, RingLayout, Schema, SlotLayout, SourceInfo};
 use batchcast::synthetic::SyntheticSpec;
 
@@ -198,7 +199,7 @@ pub struct StreamPlan {
     pub source: SourcePlan,
     /// What the stream's data is made from, digested: sent in every
     /// welcome, checked against a resuming consumer's.
-    pub digest: batchcast::proto::StreamDigest,
+    pub digest: StreamDigest,
 }
 
 impl StreamPlan {
@@ -287,7 +288,7 @@ impl StreamPlan {
                 have_mib: total >> 20,
             });
         }
-        let mut plan = StreamPlan {
+        let plan = StreamPlan {
             name: req.stream.clone(),
             slots: req.slots,
             gpu_slots: req.slots,
@@ -304,8 +305,13 @@ impl StreamPlan {
             source: SourcePlan::External,
             digest: Default::default(),
         };
-        plan.digest = digest::of_external(&plan);
-        Ok(plan)
+        Ok(plan.digested(digest::of_external))
+    }
+
+    /// The plan with its digest, as `of` makes it from the rest.
+    fn digested(mut self, of: impl FnOnce(&StreamPlan) -> StreamDigest) -> StreamPlan {
+        self.digest = of(&self);
+        self
     }
 }
 
@@ -435,7 +441,7 @@ fn plan_stream(
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
     let default_workers =
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
-    let mut plan = StreamPlan {
+    let plan = StreamPlan {
         name: s.name.clone(),
         slots,
         gpu_slots: s.gpu_slots.unwrap_or(slots),
@@ -454,8 +460,7 @@ fn plan_stream(
         source: parts.plan,
         digest: Default::default(),
     };
-    plan.digest = digest::of_config(s, &plan);
-    Ok(plan)
+    Ok(plan.digested(|p| digest::of_config(s, p)))
 }
 
 fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourceParts, StreamError> {

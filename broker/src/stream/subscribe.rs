@@ -10,11 +10,11 @@ use batchcast::mailbox::{Bell, BrokerMailbox};
 use batchcast::proto::{self, ConsumeRequest, MailboxSpec, ReplayGrant, ServerMsg};
 use tokio::sync::mpsc;
 
-use super::Stream;
 use super::conn::{Conn, Peer, Start};
 use super::error::SubscribeError;
 use super::replay::{ReplayFrom, book};
 use super::shape::Shape;
+use super::{Inner, Stream};
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Delivery};
 
@@ -50,15 +50,7 @@ impl Stream {
         req: ConsumeRequest,
         peer: Peer,
     ) -> Result<Subscription, SubscribeError> {
-        if let Some(expect) = &req.expect {
-            let changed = expect.changes(&self.plan.digest);
-            if !changed.is_empty() {
-                return Err(SubscribeError::Changed {
-                    stream: self.name().into(),
-                    changed,
-                });
-            }
-        }
+        self.check_digest(&req)?;
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
@@ -68,22 +60,17 @@ impl Stream {
         self.check_subscription(&req, shape)?;
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        // A replay arena, if it may be needed (whether it is depends on
-        // where the stream is when it joins, and for a decoupled consumer
-        // on whether it falls behind).
-        let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
-        let prepared = replays
-            .then(|| self.prepare_replay(shape.batch_size, req.window, peer.uid, &whom))
-            .transpose()?;
+        let prepared = self.replay_arena(replays, shape, req.window, &peer)?;
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
         };
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
-        let delivery = match mailbox {
-            Some(_) => Delivery::Ahead,
-            None => Delivery::Window,
+        let delivery = if mailbox.is_some() {
+            Delivery::Ahead
+        } else {
+            Delivery::Window
         };
         self.with_hub(|inner| {
             if let Some(why) = &inner.failed {
@@ -101,14 +88,7 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
-            // A stream nobody has read yet (a broker just restarted) starts
-            // where its first consumer resumes, rather than computing
-            // everything before that for nobody.
-            if let Some(p) = replaying.and_then(ReplayFrom::resume)
-                && inner.hub.seek(p.epoch, p.sample / self.plan.schema.batch_size)
-            {
-                tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
-            }
+            self.seek_to_resume(inner, replaying);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
                 .start_replay(inner, id, replaying, prepared, shape.batch_size)
@@ -141,6 +121,57 @@ impl Stream {
                 replay: started.grant,
             })
         })
+    }
+
+    /// A replay arena, if `replays` says one may be needed (whether it is
+    /// depends on where the stream is when the consumer joins, and for a
+    /// decoupled consumer on whether it falls behind).
+    fn replay_arena(
+        &self,
+        replays: bool,
+        shape: Shape,
+        window: u32,
+        peer: &Peer,
+    ) -> Result<Option<book::Prepared>, SubscribeError> {
+        if !replays {
+            return Ok(None);
+        }
+        let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
+        Ok(Some(self.prepare_replay(
+            shape.batch_size,
+            window,
+            peer.uid,
+            &whom,
+        )?))
+    }
+
+    /// Refuses a consumer resuming under another description of the
+    /// stream (its state's digest differs): it would get other data.
+    fn check_digest(&self, req: &ConsumeRequest) -> Result<(), SubscribeError> {
+        let changed = req
+            .expect
+            .map(|expect| expect.changes(&self.plan.digest))
+            .unwrap_or_default();
+        if changed.is_empty() {
+            return Ok(());
+        }
+        Err(SubscribeError::Changed {
+            stream: self.name().into(),
+            changed,
+        })
+    }
+
+    /// A stream nobody has read yet (a broker just restarted) starts where
+    /// its first consumer resumes, rather than computing everything before
+    /// that for nobody.
+    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>) {
+        if let Some(p) = replaying.and_then(ReplayFrom::resume)
+            && inner
+                .hub
+                .seek(p.epoch, p.sample / self.plan.schema.batch_size)
+        {
+            tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
+        }
     }
 
     /// Refusals that need no GPU, before a device arena is allocated.

@@ -51,29 +51,30 @@ impl Consumer {
     }
 
     /// Connects again and subscribes from this consumer's next position.
-    fn reconnect(&mut self, cause: Error) -> Result<()> {
-        let state = self.state();
-        let w = &self.shared.welcome;
-        // The last batch handed out may have ended its epoch (or the
-        // stream) before its end was: the new broker will not say it.
+    /// The end of the epoch the last batch handed out ended, if its end
+    /// was not handed out yet: the new broker will not say it.
+    fn unsaid_epoch_end(&self) -> Option<EpochEnd> {
         let (epoch, batches) = self.epoch_batches;
-        let ended_epoch = state.position
+        let start = Position { epoch, sample: 0 };
+        let ended = self.next_at
             == Position {
                 epoch: epoch + 1,
                 sample: 0,
             }
             && batches > 0
             && self.ended_epoch != Some(epoch);
-        let end = ended_epoch.then(|| EpochEnd {
+        ended.then(|| EpochEnd {
             epoch,
             batches,
-            complete: self
-                .started_at
-                .is_some_and(|p| p.sample == 0 && p.epoch <= epoch)
-                || self
-                    .replay_from
-                    .is_some_and(|p| p <= Position { epoch, sample: 0 }),
-        });
+            complete: self.started_at.is_some_and(|p| p <= start)
+                || self.replay_from.is_some_and(|p| p <= start),
+        })
+    }
+
+    fn reconnect(&mut self, cause: Error) -> Result<()> {
+        let state = self.state();
+        let w = &self.shared.welcome;
+        let end = self.unsaid_epoch_end();
         if w.schema.epochs.is_some_and(|n| state.position.epoch >= n) {
             // Nothing is left to read: its end is all that was missing.
             self.next.clear();

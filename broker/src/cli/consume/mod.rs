@@ -333,6 +333,22 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     report
 }
 
+/// `--state-file`: the consumer's state and the epoch's counts so far.
+fn checkpoint(
+    path: Option<&Path>,
+    consumer: &Consumer,
+    check: &Checker<'_>,
+) -> std::io::Result<()> {
+    let Some(path) = path else { return Ok(()) };
+    let (epoch, digest) = check.progress();
+    SavedState {
+        state: consumer.state(),
+        epoch,
+        digest,
+    }
+    .save(path)
+}
+
 fn consume(
     args: &ConsumeArgs,
     opts: ConsumerOptions,
@@ -382,15 +398,7 @@ fn consume(
         }
         report.reconnects = consumer.reconnects();
         check.batch(&batch, consumer.reconnects(), report)?;
-        if let Some(path) = &args.state_file {
-            let (epoch, digest) = check.progress();
-            SavedState {
-                state: consumer.state(),
-                epoch,
-                digest,
-            }
-            .save(path)?;
-        }
+        checkpoint(args.state_file.as_deref(), &consumer, &check)?;
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));
         }
