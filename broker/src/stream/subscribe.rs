@@ -88,7 +88,7 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
-            self.seek_to_resume(inner, replaying);
+            self.seek_to_resume(inner, replaying, &peer);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
                 .start_replay(inner, id, replaying, prepared, shape.batch_size)
@@ -163,8 +163,13 @@ impl Stream {
 
     /// A stream nobody has read yet (a broker just restarted) starts where
     /// its first consumer resumes, rather than computing everything before
-    /// that for nobody.
-    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>) {
+    /// that for nobody. Only its owner's consumers move it: a guest that
+    /// came first could otherwise make the owner's trainers, joining at
+    /// the next epoch, miss every epoch before its place.
+    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>, peer: &Peer) {
+        if peer.uid != self.owner_uid {
+            return;
+        }
         if let Some(p) = replaying.and_then(ReplayFrom::resume)
             && inner
                 .hub

@@ -485,3 +485,30 @@ fn a_replay_arena_is_charged_to_the_joiners_uid() {
     assert_eq!(budget.stats().replay_bytes, 0);
     s.shutdown();
 }
+
+/// A stream nobody has read starts where its owner's first consumer
+/// resumes; a guest's resume does not move it (the owner's trainers
+/// joining at the next epoch would miss the epochs before the guest).
+#[test]
+fn only_the_owners_resume_moves_a_stream_nobody_has_read() {
+    let resume_at = |epoch| ConsumeRequest {
+        resume: Some(batchcast::proto::Position { epoch, sample: 30 }),
+        ..request(JoinPolicy::NextEpoch)
+    };
+    let s = start(2, 1);
+    let guest = s.subscribe(resume_at(1), peer_of("guest", 1001)).unwrap();
+    assert_eq!(
+        s.lock().hub.first_batch(guest.id),
+        Some((0, 0)),
+        "not moved by a guest"
+    );
+    s.leave(guest.id);
+    let s = start(2, 1);
+    let owner = s.subscribe(resume_at(1), peer("owner")).unwrap();
+    assert_eq!(
+        s.lock().hub.first_batch(owner.id),
+        Some((1, 10)),
+        "moved to the owner's place"
+    );
+    s.leave(owner.id);
+}
