@@ -105,9 +105,8 @@ class Broker:
 
 CONSUMER = r"""
 import json, sys, time, torch, batchcast
-socket, limit = sys.argv[1], int(sys.argv[2])
-device = sys.argv[3]
-c = batchcast.Consumer(stream="gpu", socket=socket, device=device, window=4, connect_timeout=30)
+socket, limit, device, window = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+c = batchcast.Consumer(stream="gpu", socket=socket, device=device, window=window, connect_timeout=30)
 n, handoff, t0 = 0, [], None
 for epoch in range(1000):
     for images, labels in c:
@@ -119,10 +118,50 @@ for epoch in range(1000):
             break
     if n >= limit or c.ended:
         break
-torch.cuda.synchronize()
+# Only a GPU consumer has GPU work to wait for: on a host consumer this
+# call would start a CUDA context (a few hundred ms) inside the timing.
+if device != "cpu":
+    torch.cuda.synchronize()
 dt = time.perf_counter() - t0
 print(json.dumps({"batches": n - 1, "seconds": dt}))
 """
+
+
+def scaling(
+    exe: str, device: str, counts: tuple[int, ...], batch: int, batches: int, slots: int, window: int, tmp: Path,
+    dump: str | None = None,
+) -> tuple[dict, dict]:
+    """Median batches/s per consumer, and the broker's stats, for each
+    number of consumers in ``counts`` on ``device``, each taking every field
+    of every batch and nothing else."""
+    rates, stats = {}, {}
+    for n in counts:
+        # Long enough that no consumer reaches the end: the rate is steady state.
+        b = Broker(exe, config(batch, batch * (batches + 64), 1, "stamp", slots, n), tmp)
+        try:
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", CONSUMER, b.socket, str(batches), device, str(window)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(n)
+            ]
+            reports = []
+            for pr in procs:
+                out, err = pr.communicate(timeout=300)
+                if pr.returncode != 0:
+                    raise SystemExit(f"{device} consumer failed:\n{err}")
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+            stats[n] = b.stats()
+        finally:
+            b.stop()
+        rates[n] = statistics.median(r["batches"] / r["seconds"] for r in reports)
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"stats-{device.replace(':', '')}-{n}.json").write_text(json.dumps(stats[n], indent=1))
+    return rates, stats
 
 
 def torch_h2d(nbytes: int, reps: int = 50) -> float:
@@ -203,6 +242,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=3000, help="batches per consumer run (fewer measure start-up, not the rate)")
     p.add_argument("--tmp", default=tempfile.gettempdir())
     p.add_argument("--slots", type=int, default=8, help="host and device slots of the scaling runs")
+    p.add_argument("--window", type=int, default=4, help="each scaling consumer's window")
     p.add_argument("--dump", help="folder to write each run's `batchcast stats --json` into")
     a = p.parse_args()
     tmp = Path(a.tmp)
@@ -214,38 +254,11 @@ def main() -> None:
     # 1. Rate per consumer with 1, 2, 4 GPU consumers; H2D bandwidth of the
     # broker's copies; copies per batch. The same with host consumers of the
     # same stream shows what is GPU-specific.
-    def scaling(device: str) -> tuple[dict, dict]:
-        rates, stats = {}, {}
-        for n in (1, 2, 4):
-            # Long enough that no consumer reaches the end: the rate is steady state.
-            b = Broker(a.broker, config(a.batch, a.batch * (a.batches + 64), 1, "stamp", a.slots, n), tmp)
-            try:
-                procs = [
-                    subprocess.Popen(
-                        [sys.executable, "-c", CONSUMER, b.socket, str(a.batches), device],
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                    )
-                    for _ in range(n)
-                ]
-                reports = []
-                for pr in procs:
-                    out, err = pr.communicate(timeout=300)
-                    if pr.returncode != 0:
-                        raise SystemExit(f"{device} consumer failed:\n{err}")
-                    reports.append(json.loads(out.strip().splitlines()[-1]))
-                stats[n] = b.stats()
-            finally:
-                b.stop()
-            rates[n] = statistics.median(r["batches"] / r["seconds"] for r in reports)
-            if a.dump:
-                Path(a.dump).mkdir(parents=True, exist_ok=True)
-                (Path(a.dump) / f"stats-{device.replace(':', '')}-{n}.json").write_text(json.dumps(stats[n], indent=1))
-        return rates, stats
-
-    rates, stats = scaling("cuda:0")
-    host_rates, _ = scaling("cpu")
+    counts = (1, 2, 4)
+    rates, stats = scaling(a.broker, "cuda:0", counts, a.batch, a.batches, a.slots, a.window, tmp, a.dump)
+    # A host consumer takes a batch in microseconds: ten times the batches
+    # so that the run is not over before every consumer is under way.
+    host_rates, _ = scaling(a.broker, "cpu", counts, a.batch, 10 * a.batches, a.slots, a.window, tmp)
     copies_per_batch = {n: s["gpus"][0]["copies"] / max(s["batches_produced"], 1) for n, s in stats.items()}
     g = stats[1]["gpus"][0]
     broker_gbs = g["bytes"] / g["copy_s"] / 1e9 if g["copy_s"] > 0 else float("nan")

@@ -262,9 +262,12 @@ mod cuda_backend {
         Ok(m)
     }
 
-    /// Copies requests in order: queues every request waiting, each followed
-    /// by an event, then reports each as its event completes. Copies to one
-    /// GPU overlap with the reporting of earlier ones.
+    /// Copies requests in order, keeping the copy engine fed: every request
+    /// waiting is queued on the copy stream (each followed by an event)
+    /// before the oldest copy is waited for, and again before that copy is
+    /// reported, so reporting it (sending the batch to each consumer on
+    /// the GPU) overlaps with the next copies instead of leaving the
+    /// engine idle for as long as the report takes.
     fn copier(
         key: GpuKey,
         rx: mpsc::Receiver<CopyRequest>,
@@ -275,33 +278,38 @@ mod cuda_backend {
         // Timing events whose copies were reported, recorded again for the
         // next copies (at most two per device slot are ever made).
         let mut spare: Vec<cuda::Event> = Vec::new();
+        let mut queued = std::collections::VecDeque::new();
+        let queue = |req: CopyRequest, sink: &Arc<dyn CopySink>, spare: &mut Vec<cuda::Event>| {
+            let (pieces, slot_bytes) = sink.host_pieces(req.seq);
+            let start = copies.record_timed_reusing(spare.pop())?;
+            let base = req.device as usize * slot_bytes;
+            let mut len = 0;
+            for p in pieces {
+                // SAFETY: `sink` (the stream, which owns the host arena) is
+                // held until this copy's event has completed below, so the
+                // source stays mapped; the hub pins the batch's cells until
+                // this copy is reported (`copied`), and gives them back
+                // unreported only after `fence`.
+                unsafe { copies.copy_to_device(&buffer, base + p.dst, p.src, p.len)? };
+                len += p.len as u64;
+            }
+            let end = copies.record_timed_reusing(spare.pop())?;
+            Ok::<_, cuda::CudaError>((req, start, end, len))
+        };
         while let Ok(first) = rx.recv() {
             let Some(sink) = sink.upgrade() else { return };
-            let mut queued = Vec::new();
-            let mut next = Some(first);
             let result = (|| {
-                while let Some(req) = next.take().or_else(|| rx.try_recv().ok()) {
-                    let (pieces, slot_bytes) = sink.host_pieces(req.seq);
-                    let start = copies.record_timed_reusing(spare.pop())?;
-                    let base = req.device as usize * slot_bytes;
-                    let mut len = 0;
-                    for p in pieces {
-                        // SAFETY: `sink` (the stream, which owns the host
-                        // arena) is held until this copy's event has
-                        // completed below, so the source stays mapped; the
-                        // hub pins the batch's cells until this copy is
-                        // reported (`copied`), and gives them back
-                        // unreported only after `fence`.
-                        unsafe { copies.copy_to_device(&buffer, base + p.dst, p.src, p.len)? };
-                        len += p.len as u64;
+                queued.push_back(queue(first, &sink, &mut spare)?);
+                while let Some((req, start, end, len)) = queued.pop_front() {
+                    while let Ok(more) = rx.try_recv() {
+                        queued.push_back(queue(more, &sink, &mut spare)?);
                     }
-                    let end = copies.record_timed_reusing(spare.pop())?;
-                    queued.push((req, start, end, len));
-                }
-                // Copy time is GPU time between events around each copy:
-                // `bytes / copy_s` is the copy path's bandwidth.
-                for (req, start, end, len) in queued.drain(..) {
                     end.synchronize()?;
+                    while let Ok(more) = rx.try_recv() {
+                        queued.push_back(queue(more, &sink, &mut spare)?);
+                    }
+                    // Copy time is GPU time between events around each
+                    // copy: `bytes / copy_s` is the copy path's bandwidth.
                     sink.copied(&key, req, len, end.elapsed_since(&start)?.as_nanos() as u64);
                     spare.extend([start, end]);
                 }

@@ -41,6 +41,11 @@ impl Consumer {
     pub(super) fn receive(&mut self, deadline: Instant) -> Result<Option<ServerMsg>> {
         let shared = self.shared.clone();
         let Some(mb) = shared.mailbox.as_ref() else {
+            // A device consumer's releases whose GPU work is done go out
+            // now, not only once its socket runs dry: with batches queued
+            // on the socket they would wait behind them, and the broker
+            // copies into a device slot only once every member released it.
+            shared.flush_fenced(false)?;
             if !self.reader.buffer().is_empty() || self.socket_readable(deadline)? {
                 return self.read_msg().map(Some);
             }

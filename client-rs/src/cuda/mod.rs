@@ -33,8 +33,10 @@ use cudarc::driver::sys;
 
 /// Bytes of a CUDA IPC memory handle.
 mod event;
+mod ring;
 
 pub use event::Event;
+pub use ring::{MirroredRing, granularity};
 
 pub const IPC_HANDLE_LEN: usize = 64;
 
@@ -60,6 +62,10 @@ pub enum CudaError {
     UnknownGpu(String),
     #[error("an IPC handle must be {IPC_HANDLE_LEN} bytes, got {0}")]
     BadHandle(usize),
+    /// A mirrored device ring of a length the driver cannot map (zero, not
+    /// a multiple of the allocation granularity, or beyond the address space).
+    #[error("a device ring of {len} bytes cannot be mapped (granularity {granularity} bytes)")]
+    BadRing { len: usize, granularity: usize },
 }
 
 /// Maps a driver status to `Ok` or to a [`CudaError::Driver`] naming the
@@ -269,6 +275,22 @@ impl DeviceRange {
         // valid exclusive host slice.
         unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
             .map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
+
+    /// Copies host bytes into the range (checks, not the data path).
+    pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), CudaError> {
+        assert!(
+            offset
+                .checked_add(bytes.len())
+                .is_some_and(|end| end <= self.len),
+            "write past the device range"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the destination lies inside the allocation or mapping
+        // (asserted), which lives as long as `self`; the source is a host
+        // slice of ours.
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, bytes) }
+            .map_err(|e| driver_error("cuMemcpyHtoD", e))
     }
 }
 
