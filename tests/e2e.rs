@@ -203,7 +203,18 @@ fn consumers_error_promptly_when_the_broker_is_killed() {
     // would wait for the next epoch (12,500 batches at 2 ms).
     let mut env = Env::start(&config("min_consumers = 2", 100_000, 8));
     let kids: Vec<_> = (0..2)
-        .map(|i| env.consumer(&["--sleep-ms", "2", "--name", &format!("c{i}")]))
+        .map(|i| {
+            // Without one (the default is 60 s) it fails as soon as it can.
+            let name = format!("c{i}");
+            env.consumer(&[
+                "--sleep-ms",
+                "2",
+                "--name",
+                &name,
+                "--reconnect-timeout",
+                "0",
+            ])
+        })
         .collect();
     env.wait_for("both consumers to receive batches", |s| {
         s.streams[0].consumers.len() == 2 && s.streams[0].consumers.iter().all(|c| c.delivered > 10)
@@ -234,8 +245,9 @@ fn sigterm_says_goodbye_to_every_consumer_and_removes_the_socket() {
         config("", 100_000, 8),
         config("", 500, 4).replace("name = \"train\"", "name = \"val\"")
     ));
-    let t = env.consumer(&["--stream", "train", "--sleep-ms", "1"]);
-    let v = env.consumer(&["--stream", "val", "--verify", "--sleep-ms", "1"]);
+    let stop = ["--sleep-ms", "1", "--reconnect-timeout", "0"];
+    let t = env.consumer(&[&["--stream", "train"][..], &stop].concat());
+    let v = env.consumer(&[&["--stream", "val", "--verify"][..], &stop].concat());
     let s = env.wait_for("a consumer on each stream", |s| {
         s.streams.iter().all(|st| st.consumers.len() == 1)
     });

@@ -221,7 +221,8 @@ fn sigint_and_sigterm_end_the_broker_promptly_whatever_the_connections_do() {
             held.push(s);
         }
         // And one consumer in the middle of its epoch, holding its window.
-        let kid = env.consumer(&["--sleep-ms", "500"]);
+        // It fails at once (no --reconnect-timeout: it would wait 60 s).
+        let kid = env.consumer(&["--sleep-ms", "500", "--reconnect-timeout", "0"]);
         env.wait_for("the consumer to hold a batch", |s| {
             s.streams[0].consumers.iter().any(|c| c.held > 0)
         });

@@ -233,6 +233,39 @@ def test_ctrl_c_interrupts_a_blocking_wait_promptly(start_broker, inherit_ignore
     assert took < 2.0, f"Ctrl-C took {took:.2f} s"
 
 
+def test_ctrl_c_interrupts_the_wait_for_a_broker_that_went_away(start_broker):
+    # The default reconnect_timeout (60 s): the child waits for its broker,
+    # and Ctrl-C still ends the wait at once.
+    broker = start_broker(synthetic(epochs=None))
+    child = python_child(
+        "import batchcast, sys\n"
+        "c = batchcast.Consumer(socket=sys.argv[1], output='numpy')\n"
+        "it = iter(c)\n"
+        "next(it)\n"
+        "print('reading', flush=True)\n"
+        "try:\n"
+        "    while True:\n"
+        "        next(it)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    raise\n",
+        broker.socket,
+    )
+    assert child.stdout.readline().strip() == "reading", child.communicate(timeout=10)
+    broker.kill()
+    # It says once that it waits (and for how long), then sleeps in the wait.
+    line = child.stderr.readline()
+    assert "waits up to 60 s for it to come back" in line, line
+    wait_until_asleep(child.pid)
+    t0 = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=10)
+    took = time.monotonic() - t0
+    assert "interrupted" in out and "KeyboardInterrupt" in err, (out, err)
+    assert took < 2.0, f"Ctrl-C took {took:.2f} s"
+    assert "waits up to" not in err, "said once, not again"
+
+
 def wait_until_asleep(pid: int) -> None:
     """Waits (bounded) until every thread of process `pid` sleeps: it is
     blocked, not running code."""
@@ -250,7 +283,7 @@ def wait_until_asleep(pid: int) -> None:
 
 def test_a_killed_broker_surfaces_as_connection_error_promptly(start_broker):
     broker = start_broker(synthetic(epochs=None))
-    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", reconnect_timeout=0)
     it = iter(c)
     next(it)
     broker.kill()

@@ -21,7 +21,7 @@ mod replay;
 mod state;
 mod wait;
 
-pub use options::ConsumerOptions;
+pub use options::{ConsumerOptions, DEFAULT_RECONNECT_TIMEOUT};
 pub use state::ConsumerState;
 
 /// How long a consumer holding its whole window waits for a message
@@ -107,6 +107,9 @@ pub struct Consumer {
     opts: ConsumerOptions,
     /// Times it subscribed again after the broker went away.
     reconnects: u64,
+    /// Since when it has waited for its broker to come back, and why it
+    /// went (a wait [`Consumer::wait_readable`] may leave and take up again).
+    down: Option<reconnect::Down>,
 }
 
 impl Consumer {
@@ -214,6 +217,7 @@ impl Consumer {
             ended_epoch: None,
             opts: opts.clone(),
             reconnects: 0,
+            down: None,
         })
     }
 
@@ -290,9 +294,19 @@ impl Consumer {
     /// If the broker goes away meanwhile and `reconnect_timeout` allows,
     /// it waits for the broker (up to that timeout) and subscribes again
     /// from this consumer's next position (see [`ConsumerOptions::reconnect_timeout`]).
+    /// That wait ends at `timeout` too (the consumer waits on at the next
+    /// call), so a caller that checks for Ctrl-C between calls stays
+    /// interruptible while its broker is down.
     pub fn wait_readable(&mut self, timeout: Duration) -> Result<bool> {
+        let until = Instant::now() + timeout;
         loop {
-            let r = self.wait_readable_once(timeout);
+            if self.down.is_some() {
+                if !self.reconnect(Some(until))? {
+                    return Ok(false);
+                }
+                continue;
+            }
+            let r = self.wait_readable_once(until.saturating_duration_since(Instant::now()));
             if let Some(ready) = self.ride_through(r)? {
                 return Ok(ready);
             }
@@ -347,6 +361,10 @@ impl Consumer {
     /// once, in order ([`ConsumerOptions::reconnect_timeout`]).
     pub fn next_event(&mut self) -> Result<Option<Event>> {
         loop {
+            if self.down.is_some() {
+                self.reconnect(None)?;
+                continue;
+            }
             let r = self.next_event_once();
             if let Some(event) = self.ride_through(r)? {
                 return Ok(event);

@@ -76,7 +76,7 @@ pub mod synthetic;
 mod transport;
 
 pub use batch::{Batch, Element, FieldView};
-pub use consumer::{Consumer, ConsumerOptions, ConsumerState, Event};
+pub use consumer::{Consumer, ConsumerOptions, ConsumerState, DEFAULT_RECONNECT_TIMEOUT, Event};
 pub use device::Device;
 pub use error::{Error, ErrorCode, Result};
 pub use parse::ParseError;

@@ -326,9 +326,10 @@ class Consumer:
             from this trainer's next position: no error, the batches it
             holds still readable, every sample still once, in order, the
             same bytes (what the new broker's stream has not reached or has
-            passed is recomputed). One line on stderr says it waits.
-            Default ``$BATCHCAST_RECONNECT_TIMEOUT``, else 0: fail at once
-            with ``BrokerUnavailable``.
+            passed is recomputed). One line on stderr says it waits; Ctrl-C
+            still interrupts the wait. ``0``: fail at once with
+            ``BrokerUnavailable``. Default ``$BATCHCAST_RECONNECT_TIMEOUT``,
+            else 60.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """

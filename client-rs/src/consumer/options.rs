@@ -76,7 +76,7 @@ pub struct ConsumerOptions {
     /// to wait for it to come back and go on from this consumer's next
     /// position, the batches it holds still readable. Zero: fail at once
     /// with [`Error::BrokerGone`]. Default: `$BATCHCAST_RECONNECT_TIMEOUT`
-    /// seconds, else zero.
+    /// seconds, else [`DEFAULT_RECONNECT_TIMEOUT`].
     pub reconnect_timeout: Duration,
 }
 
@@ -123,23 +123,29 @@ impl Default for ConsumerOptions {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(50),
             ),
-            connect_timeout: seconds("BATCHCAST_CONNECT_TIMEOUT"),
+            connect_timeout: seconds("BATCHCAST_CONNECT_TIMEOUT", Duration::ZERO),
             name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
             batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
             drop_last: None,
             resume: None,
             state: None,
-            reconnect_timeout: seconds("BATCHCAST_RECONNECT_TIMEOUT"),
+            reconnect_timeout: seconds("BATCHCAST_RECONNECT_TIMEOUT", DEFAULT_RECONNECT_TIMEOUT),
         }
     }
 }
 
-/// `$key` as a number of seconds ≥ 0; zero when unset or not one.
-fn seconds(key: &str) -> Duration {
+/// How long a consumer waits for its broker to come back, unless told
+/// otherwise: long enough for a broker to restart (systemd restarts one in
+/// a second or two), short enough that a trainer whose broker is gone for
+/// good says so within a minute.
+pub const DEFAULT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `$key` as a number of seconds ≥ 0; `default` when unset or not one.
+fn seconds(key: &str, default: Duration) -> Duration {
     std::env::var(key)
         .ok()
         .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
+        .filter(|s| s.is_finite() && *s >= 0.0)
         .map(Duration::from_secs_f64)
-        .unwrap_or_default()
+        .unwrap_or(default)
 }

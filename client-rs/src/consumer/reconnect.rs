@@ -34,8 +34,9 @@ impl Consumer {
     }
 
     /// `result`, unless it says the broker went away and this consumer
-    /// may wait for it: then `None` once it subscribed again (the caller
-    /// asks again), or the reason it could not.
+    /// may wait for it: then `None`, the wait begun (the caller goes on
+    /// with [`Consumer::reconnect`]), or the stream's end where nothing
+    /// was left to read.
     pub(super) fn ride_through<T>(&mut self, result: Result<T>) -> Result<Option<T>> {
         match result {
             Err(e)
@@ -43,7 +44,7 @@ impl Consumer {
                     && !self.finished
                     && !self.opts.reconnect_timeout.is_zero() =>
             {
-                self.reconnect(e)?;
+                self.went_away(e);
                 Ok(None)
             }
             other => other.map(Some),
@@ -71,39 +72,65 @@ impl Consumer {
         })
     }
 
-    fn reconnect(&mut self, cause: Error) -> Result<()> {
+    /// The broker went away: begins the wait for it, saying so once, or,
+    /// where the stream has nothing left for this consumer, ends it.
+    fn went_away(&mut self, cause: Error) {
         let state = self.state();
-        let w = &self.shared.welcome;
-        let end = self.unsaid_epoch_end();
-        if w.schema.epochs.is_some_and(|n| state.position.epoch >= n) {
+        if self
+            .shared
+            .welcome
+            .schema
+            .epochs
+            .is_some_and(|n| state.position.epoch >= n)
+        {
             // Nothing is left to read: its end is all that was missing.
+            let end = self.unsaid_epoch_end();
             self.next.clear();
             self.next.extend(end.map(Next::EndOfEpoch));
             self.next.push_back(Next::EndOfStream);
-            return Ok(());
+            return;
         }
-        let t0 = Instant::now();
-        let timeout = self.opts.reconnect_timeout;
         eprintln!(
             "batchcast: {cause}; consumer `{}` of stream `{}` waits up to {:.0} s for it to come back, to go on at epoch {} sample {}",
             self.opts.name,
             state.stream,
-            timeout.as_secs_f64(),
+            self.opts.reconnect_timeout.as_secs_f64(),
             state.position.epoch,
             state.position.sample
         );
+        self.down = Some(Down {
+            since: Instant::now(),
+        });
+    }
+
+    /// Waits for the broker (until `until`, if given, and at most until
+    /// `reconnect_timeout` after it went) and subscribes again from this
+    /// consumer's next position. `false`: not back by `until`, still
+    /// waiting (call again). Errors once the timeout passes or the new
+    /// broker refuses the consumer (its stream changed, ...).
+    pub(super) fn reconnect(&mut self, until: Option<Instant>) -> Result<bool> {
+        let Some(down) = self.down else {
+            return Ok(true);
+        };
+        let deadline = down.since + self.opts.reconnect_timeout;
         let mut opts = self.opts.clone();
         opts.resume = None;
-        opts.state = Some(state);
+        opts.state = Some(self.state());
         opts.batch_size = None;
         opts.drop_last = None;
-        let deadline = t0 + timeout;
         let mut fresh = loop {
-            opts.connect_timeout = deadline.saturating_duration_since(Instant::now());
+            let stop = until.map_or(deadline, |u| u.min(deadline));
+            opts.connect_timeout = stop.saturating_duration_since(Instant::now());
             match Consumer::connect(opts.clone()) {
                 Ok(c) => break c,
                 // The old broker still closing, or the new one starting.
-                Err(e) if Consumer::broker_went_away(&e) && Instant::now() < deadline => {
+                Err(e)
+                    if (Consumer::broker_went_away(&e) || e.is_not_ready())
+                        && Instant::now() < deadline =>
+                {
+                    if until.is_some_and(|u| Instant::now() >= u) {
+                        return Ok(false);
+                    }
                     std::thread::sleep(RETRY);
                 }
                 Err(e) => {
@@ -111,6 +138,9 @@ impl Consumer {
                         "batchcast: consumer `{}` gave up waiting for the broker: {e}",
                         self.opts.name
                     );
+                    // Said once: later calls fail at once.
+                    self.down = None;
+                    self.opts.reconnect_timeout = Duration::ZERO;
                     return Err(e);
                 }
             }
@@ -118,8 +148,9 @@ impl Consumer {
         eprintln!(
             "batchcast: consumer `{}` is back after {:.2} s",
             self.opts.name,
-            t0.elapsed().as_secs_f64()
+            down.since.elapsed().as_secs_f64()
         );
+        let end = self.unsaid_epoch_end();
         // What the program saw carries over; the subscription is new.
         fresh.opts = self.opts.clone();
         fresh.epoch_batches = self.epoch_batches;
@@ -135,6 +166,12 @@ impl Consumer {
             fresh.next.push_front(Next::EndOfEpoch(end));
         }
         *self = fresh; // the old one says goodbye into the closed socket
-        Ok(())
+        Ok(true)
     }
+}
+
+/// A consumer waiting for its broker to come back.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Down {
+    since: Instant,
 }

@@ -74,8 +74,8 @@ pub struct ConsumeArgs {
     #[arg(long, default_value_t = 0.0)]
     pub connect_timeout: f64,
     /// When the broker goes away, wait this many seconds for it to come
-    /// back and go on from this consumer's next position [default:
-    /// $BATCHCAST_RECONNECT_TIMEOUT, else 0: fail at once]
+    /// back and go on from this consumer's next position; 0: fail at once
+    /// [default: $BATCHCAST_RECONNECT_TIMEOUT, else 60]
     #[arg(long)]
     pub reconnect_timeout: Option<f64>,
     /// Receive batches on this device: `cpu`, or `cuda:N` (the broker
