@@ -31,6 +31,7 @@ pub mod pipeline;
 pub mod plan;
 pub mod server;
 pub mod stream;
+pub mod systemd;
 
 pub use cli::{child, consume, demo, demo_images, harness, launch, procstat, stats_view};
 pub use server::metrics;

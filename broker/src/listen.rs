@@ -25,17 +25,36 @@ pub enum ListenError {
 }
 
 /// A bound listening socket that removes its file when dropped (if the file
-/// is still the one it created).
+/// is still the one it created; never one a service manager passed).
 #[derive(Debug)]
 pub struct Bound {
     pub listener: UnixListener,
     pub path: PathBuf,
-    ino: u64,
+    /// The inode of the file this process created; `None` when the socket
+    /// was inherited (its file is the service manager's).
+    ino: Option<u64>,
+}
+
+impl Bound {
+    /// A listening socket a service manager passed (socket activation):
+    /// served as it is, its file left alone.
+    pub fn inherited(listener: UnixListener, path: PathBuf) -> Bound {
+        Bound {
+            listener,
+            path,
+            ino: None,
+        }
+    }
+
+    pub fn is_inherited(&self) -> bool {
+        self.ino.is_none()
+    }
 }
 
 impl Drop for Bound {
     fn drop(&mut self) {
-        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.ino() == self.ino) {
+        let Some(ino) = self.ino else { return };
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| m.ino() == ino) {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -89,7 +108,7 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
     Ok(Bound {
         listener,
         path: path.into(),
-        ino,
+        ino: Some(ino),
     })
 }
 

@@ -2,6 +2,7 @@
 //! chain; everything below returns typed errors.
 
 use std::io::{IsTerminal, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,16 +142,16 @@ fn serve(
     socket: Option<PathBuf>,
     metrics: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
+    // First, before any thread starts: it takes the variables out of the
+    // environment.
+    let inherited = batchcast_broker::systemd::inherited_listener()?;
     let (cfg, plans, limits) = load_config(config_path.as_deref())?;
     let allow = listen::Allow {
         own_uid: nix::unistd::getuid().as_raw(),
         uids: cfg.broker.allow_uids.clone(),
         gids: cfg.broker.allow_gids.clone(),
     };
-    let path = socket
-        .or(cfg.broker.socket.clone())
-        .unwrap_or_else(batchcast::default_socket_path);
-    let bound = listen::bind(&path, allow.is_shared())?;
+    let bound = listen_on(inherited, socket.or(cfg.broker.socket.clone()), &allow)?;
     let own_uid = allow.own_uid;
     let budget = batchcast_broker::budget::Budget::new(limits.memory_bytes, own_uid);
     let buffers = budget
@@ -191,21 +192,14 @@ fn serve(
             tracing::info!("metrics on http://{}/metrics", tcp.local_addr()?);
             tokio::spawn(batchcast_broker::metrics::serve(tcp, broker.clone()));
         }
+        let (streams, path) = (broker.streams().len(), bound.path.display());
         tracing::info!(
-            "serving {} configured stream(s) on {}; producers may register more",
-            broker.streams().len(),
-            bound.path.display()
+            "serving {streams} configured stream(s) on {path}; producers may register more"
         );
-        let shutdown = async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("installing a SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-                _ = term.recv() => tracing::info!("SIGTERM received"),
-            }
-        };
-        server::run(listener, broker, shutdown).await;
+        batchcast_broker::systemd::notify(&format!(
+            "READY=1\nSTATUS=serving {streams} stream(s) on {path}"
+        ));
+        server::run(listener, broker, shutdown_signal()).await;
         anyhow::Ok(())
     })?;
     // A pipeline thread stuck in I/O (see stream shutdown) or a blocking
@@ -214,6 +208,51 @@ fn serve(
     drop(bound);
     tracing::info!("broker stopped");
     Ok(())
+}
+
+/// SIGINT or SIGTERM, told to the service manager as it comes.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+    }
+    batchcast_broker::systemd::notify("STOPPING=1\nSTATUS=stopping");
+}
+
+/// The socket to serve: the one a service manager passed (socket
+/// activation), which must be `asked` if that is given, else `asked` (or
+/// the default path) bound here.
+fn listen_on(
+    inherited: Option<(std::os::unix::net::UnixListener, PathBuf)>,
+    asked: Option<PathBuf>,
+    allow: &listen::Allow,
+) -> anyhow::Result<listen::Bound> {
+    let Some((listener, path)) = inherited else {
+        let path = asked.unwrap_or_else(batchcast::default_socket_path);
+        return Ok(listen::bind(&path, allow.is_shared())?);
+    };
+    if let Some(asked) = asked.filter(|a| *a != path) {
+        anyhow::bail!(
+            "the service manager passed the socket {} but --socket or the config's broker.socket says {}: make them the same, or drop the one here",
+            path.display(),
+            asked.display()
+        );
+    }
+    tracing::info!(
+        "socket activation: serving {}, which the service manager owns",
+        path.display()
+    );
+    let mode = std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o777);
+    if allow.is_shared() && mode.as_ref().is_ok_and(|m| m & 0o006 == 0) {
+        tracing::warn!(
+            "the config allows other users, but {} has mode {:o}: only its owner and group can connect (set SocketMode=0666 in the .socket unit; peer credentials still decide who is admitted)",
+            path.display(),
+            mode.unwrap_or(0)
+        );
+    }
+    Ok(listen::Bound::inherited(listener, path))
 }
 
 /// The config at `path` (or the built-in defaults), its streams' plans and

@@ -124,8 +124,12 @@ impl Consumer {
             match Consumer::connect(opts.clone()) {
                 Ok(c) => break c,
                 // The old broker still closing, or the new one starting.
+                // A broker still starting (socket activation queues the
+                // connection until it accepts) may outlast one attempt.
                 Err(e)
-                    if (Consumer::broker_went_away(&e) || e.is_not_ready())
+                    if (Consumer::broker_went_away(&e)
+                        || e.is_not_ready()
+                        || matches!(e, Error::HandshakeTimeout { .. }))
                         && Instant::now() < deadline =>
                 {
                     if until.is_some_and(|u| Instant::now() >= u) {

@@ -1,0 +1,256 @@
+//! The broker as a per-host service: started by socket activation with
+//! Debian's real `systemd-socket-activate` and restarted (SIGTERM, then
+//! SIGKILL) under running consumers while the socket stays open, as
+//! systemd's `Restart=always` with a `.socket` unit does; readiness and
+//! stopping told to the service manager (`NOTIFY_SOCKET`); and the
+//! activation variables it refuses, by name.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use batchcast::StatsClient;
+use batchcast::proto::StatsReply;
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+use nix::sys::signal::Signal;
+
+mod common;
+
+use common::{EXE, LIMIT, command, report, skip};
+
+const ACTIVATE: &str = "/usr/bin/systemd-socket-activate";
+
+/// 300 samples an epoch in batches of 10, 3 epochs, shuffled.
+fn config() -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 10, 300, &fields)
+        .epochs(3)
+        .key("seed", 31)
+        .key("slots", 12)
+        .key("max_batch_size", 16)
+        .key("workers", 2)
+        .key("min_consumers", 1)
+        .fill("full")
+        .to_toml()
+}
+
+fn digests(r: &ConsumerReport) -> Vec<(u64, Option<String>)> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.digest.clone()))
+        .collect()
+}
+
+fn stats(socket: &Path) -> Option<StatsReply> {
+    StatsClient::connect(Some(socket.to_path_buf()))
+        .and_then(|mut c| c.fetch())
+        .ok()
+}
+
+fn wait_for(socket: &Path, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = stats(socket).filter(|s| pred(s)) {
+            return s;
+        }
+        assert!(t0.elapsed() < LIMIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `systemd-socket-activate` holding `socket` and, from the first
+/// connection on, a shell that plays the service manager's
+/// `Restart=always`: it starts `batchcast serve` on the socket (fd 3,
+/// `LISTEN_PID` its own) again whenever it exits, until `stop` exists.
+fn manager(socket: &Path, cfg: &Path, log: &Path, stop: &Path) -> Child {
+    let restart = r#"while [ ! -e "$3" ]; do bash -c 'export LISTEN_PID=$$; exec "$0" serve --config "$1"' "$1" "$2"; done"#;
+    let log = std::fs::File::create(log).unwrap();
+    let mut cmd = command(ACTIVATE);
+    batchcast_broker::child::die_with_parent(&mut cmd);
+    cmd.arg("-l")
+        .arg(socket)
+        .args(["bash", "-c", restart, "manager", EXE])
+        .arg(cfg)
+        .arg(stop)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn socket_activated_brokers_restart_under_consumers_without_an_error() {
+    if !Path::new(ACTIVATE).exists() {
+        skip(
+            "socket activation under systemd-socket-activate",
+            "no /usr/bin/systemd-socket-activate (Debian's systemd package; scripts/setup installs it)",
+        );
+        return;
+    }
+    let reference = {
+        let env = common::Env::start(&config());
+        let a = env.consumer(&["--digest", "--resume", "0:0"]);
+        let b = env.consumer(&["--digest", "--resume", "0:0", "--batch-size", "16"]);
+        let (a, b) = (report(a), report(b));
+        assert!(a.ok && b.ok, "{a:#?}\n{b:#?}");
+        digests(&a)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("broker.toml");
+    std::fs::write(&cfg, config()).unwrap();
+    let socket = dir.path().join("b.sock");
+    let stop = dir.path().join("stop");
+    let log = dir.path().join("manager.log");
+    let mut mgr = manager(&socket, &cfg, &log, &stop);
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < LIMIT, "systemd-socket-activate never bound");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The first connection, made while no broker runs: it starts one and
+    // is served by it.
+    assert!(stats(&socket).is_some_and(|s| s.streams.len() == 1));
+    let mut kids = Vec::new();
+    let ride = ["--digest", "--sleep-ms", "10", "--resume", "0:0"];
+    kids.push(common::spawn_consumer(
+        &socket,
+        &[&ride[..], &["--name", "a"]].concat(),
+    ));
+    kids.push(common::spawn_consumer(
+        &socket,
+        &[
+            &ride[..],
+            &["--name", "b", "--batch-size", "16", "--no-mailbox"],
+        ]
+        .concat(),
+    ));
+    let mut pids = Vec::new();
+    for signal in [Signal::SIGTERM, Signal::SIGKILL] {
+        let s = wait_for(&socket, "both consumers to read on", |s| {
+            s.streams[0].consumers.len() == 2
+                && s.streams[0].consumers.iter().all(|c| c.delivered >= 10)
+        });
+        pids.push(s.broker_pid);
+        harness_signal(s.broker_pid, signal);
+        // The socket stays: the broker leaves the manager's file alone,
+        // and connections queue on it until the next broker takes them.
+        assert!(socket.exists(), "the socket file went with the broker");
+    }
+    let reports: Vec<ConsumerReport> = kids.into_iter().map(report).collect();
+    let last = stats(&socket).map(|s| s.broker_pid);
+    std::fs::write(&stop, "").unwrap();
+    if let Some(pid) = last {
+        harness_signal(pid, Signal::SIGTERM);
+    }
+    let _ = mgr.kill();
+    let _ = mgr.wait();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    for r in &reports {
+        assert!(r.ok && r.ended, "{r:#?}\n{text}");
+        assert_eq!(r.reconnects, 2, "{r:#?}");
+        assert_eq!(digests(r), reference, "{r:#?}");
+    }
+    assert!(
+        last.is_some_and(|p| !pids.contains(&p)) && pids[0] != pids[1],
+        "three brokers served ({pids:?}, then {last:?})"
+    );
+    assert!(
+        text.matches("socket activation: serving").count() >= 3,
+        "every broker served the inherited socket:\n{text}"
+    );
+}
+
+fn harness_signal(pid: u32, signal: Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+    // Gone before the next look at its stats (a new one answers then).
+    let t0 = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists() && t0.elapsed() < LIMIT {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'))
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn readiness_and_stopping_are_told_to_the_service_manager() {
+    let dir = tempfile::tempdir().unwrap();
+    let notify: PathBuf = dir.path().join("notify");
+    let manager = UnixDatagram::bind(&notify).unwrap();
+    manager.set_read_timeout(Some(LIMIT)).unwrap();
+    let cfg = dir.path().join("broker.toml");
+    std::fs::write(&cfg, config()).unwrap();
+    let mut cmd = command(EXE);
+    cmd.env("NOTIFY_SOCKET", &notify);
+    batchcast_broker::child::die_with_parent(&mut cmd);
+    let socket = dir.path().join("b.sock");
+    let mut broker = batchcast_broker::harness::BrokerProcess::spawn_with(
+        cmd,
+        Some(&cfg),
+        &socket,
+        Some(&dir.path().join("broker.log")),
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = manager.recv(&mut buf).unwrap();
+    let ready = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(
+        ready.starts_with("READY=1\n") && ready.contains("serving 1 stream(s)"),
+        "{ready}"
+    );
+    // Ready means serving: a client is answered at once.
+    assert!(stats(&socket).is_some());
+    broker.terminate(LIMIT).unwrap();
+    let n = manager.recv(&mut buf).unwrap();
+    let stopping = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(stopping.starts_with("STOPPING=1"), "{stopping}");
+}
+
+/// What a service manager may pass that the broker refuses, naming it:
+/// several sockets, or a descriptor 3 that is no listening Unix socket.
+#[test]
+fn activation_the_broker_cannot_serve_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("export LISTEN_FDS=2", "passed 2 sockets"),
+        (
+            "export LISTEN_FDS=1; exec 3</dev/null",
+            "not a listening Unix stream socket",
+        ),
+    ];
+    for (setup, want) in cases {
+        let script = format!(r#"export LISTEN_PID=$$; {setup}; exec "$0" serve --socket "$1""#);
+        let out = common::run(
+            command("bash")
+                .args(["-c", &script, EXE])
+                .arg(dir.path().join("b.sock")),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{setup}: {err}"
+        );
+    }
+    // Variables meant for another process are not ours: served as usual.
+    let mut cmd = command(EXE);
+    cmd.env("LISTEN_PID", "1").env("LISTEN_FDS", "1");
+    let socket = dir.path().join("own.sock");
+    let mut broker = batchcast_broker::harness::BrokerProcess::spawn_with(
+        cmd,
+        None,
+        &socket,
+        Some(&dir.path().join("own.log")),
+    )
+    .unwrap();
+    assert!(stats(&socket).is_some());
+    broker.terminate(LIMIT).unwrap();
+    assert!(!socket.exists(), "its own socket file is removed");
+}
