@@ -186,6 +186,36 @@ batchcast.Producer(loader(), stream="dying", socket=sys.argv[1], batches_per_epo
     assert "producer" in msg and "stopped after" in msg and "mid-epoch" in msg, msg
 
 
+def test_a_producer_streams_consumer_fails_at_once_when_the_broker_dies(start_broker):
+    # Its batches cannot be made again: no waiting for a broker (whatever
+    # reconnect_timeout says), the error at once.
+    broker = start_broker()
+    producer = python_child(
+        r"""
+import sys, time
+import numpy as np
+import batchcast
+def loader():
+    for i in range(1000):
+        time.sleep(0.02)
+        yield (np.full((4, 2), i, np.int32),)
+batchcast.Producer(loader(), stream="fed", socket=sys.argv[1], batches_per_epoch=1000).run()
+""",
+        broker.socket,
+    )
+    c = batchcast.Consumer(stream="fed", socket=broker.socket, output="numpy", connect_timeout=60, reconnect_timeout=60)
+    it = iter(c)
+    next(it)
+    broker.kill()
+    t0 = time.monotonic()
+    with pytest.raises(batchcast.BrokerUnavailable):
+        for _ in range(1000):
+            next(it)
+    assert time.monotonic() - t0 < 2
+    producer.kill()
+    producer.wait()
+
+
 def consume_until_error(broker, stream: str):
     """A consumer thread that reads until the stream fails; the list gets
     the StreamError it ends with."""

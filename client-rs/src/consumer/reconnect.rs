@@ -42,7 +42,8 @@ impl Consumer {
             Err(e)
                 if Consumer::broker_went_away(&e)
                     && !self.finished
-                    && !self.opts.reconnect_timeout.is_zero() =>
+                    && !self.opts.reconnect_timeout.is_zero()
+                    && self.can_resume() =>
             {
                 self.went_away(e);
                 Ok(None)
@@ -70,6 +71,17 @@ impl Consumer {
             complete: self.started_at.is_some_and(|p| p <= start)
                 || self.replay_from.is_some_and(|p| p <= start),
         })
+    }
+
+    /// Whether a new broker could serve this consumer from its position:
+    /// not on a stream a producer feeds (its batches cannot be made again,
+    /// and its producer does not register it again by itself), nor on a
+    /// GPU (a device consumer is not served by replay).
+    fn can_resume(&self) -> bool {
+        !matches!(
+            self.shared.welcome.schema.source,
+            crate::schema::SourceInfo::External(_)
+        ) && self.opts.device == crate::device::Device::Cpu
     }
 
     /// The broker went away: begins the wait for it, saying so once, or,
