@@ -208,6 +208,21 @@ fn registrations_that_cannot_work_are_refused_with_what_to_change() {
     let err = Producer::register(slots).unwrap_err();
     assert!(err.to_string().contains("slots = 1"), "{err}");
 
+    // Registering again at a batch outside the stream.
+    let mut rejoin = options(&env, "ext", 2, Some(1));
+    rejoin.request.rejoin = Some(batchcast::proto::Rejoin {
+        epoch: 0,
+        index: 2,
+        readers: 1,
+        grace_ms: 0,
+    });
+    let err = Producer::register(rejoin).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("registering again at batch 2 of epoch 0, outside the stream"),
+        "{err}"
+    );
+
     // A refused producer leaves nothing behind: the name is free.
     let _ok = Producer::register(options(&env, "ext", 2, Some(1))).unwrap();
     // And a second producer for the same name is refused while the first lives.
@@ -244,4 +259,151 @@ fn consumers_of_an_external_stream_read_the_producers_bytes_in_place() {
     assert!(inside, "the consumer's view lies in the shared arena");
     let got: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
     assert_eq!(got, x);
+}
+
+/// Per-epoch digests (sample by sample) a consumer report holds.
+fn digests(r: &batchcast_broker::consume::ConsumerReport) -> Vec<(u64, Option<String>)> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.digest.clone()))
+        .collect()
+}
+
+/// A producer of `batches` × `epochs` on its own thread, pausing a
+/// moment each batch so a run lasts; it answers how many batches the
+/// program published and how often it registered again.
+fn producing(
+    env: &Env,
+    (batches, epochs): (u64, u64),
+    consumers: u32,
+) -> std::thread::JoinHandle<(u64, u32)> {
+    let mut opts = options(env, "ext", batches, Some(epochs));
+    opts.request.min_consumers = consumers;
+    // Room for a consumer's batches of 5 over the stream's 8.
+    opts.request.slots = 6;
+    opts.reconnect_timeout = Duration::from_secs(30);
+    std::thread::spawn(move || {
+        let mut p = Producer::register(opts).unwrap();
+        let mut n = 0;
+        while let Some(slot) = p.acquire().unwrap() {
+            std::thread::sleep(Duration::from_millis(1));
+            fill(&mut p, &slot, samples_of(slot.index, batches));
+            n += 1;
+        }
+        (n, p.reconnects())
+    })
+}
+
+#[test]
+fn a_producer_and_its_consumers_ride_through_broker_restarts() {
+    let shape = (60, 3);
+    let ride = ["--digest", "--reconnect-timeout", "30", "--sleep-ms", "2"];
+    let a_args = [&ride[..], &["--stream", "ext", "--connect-timeout", "60"]].concat();
+    let b_args = [&a_args[..], &["--no-mailbox", "--batch-size", "5"]].concat();
+    let reference = {
+        let env = Env::bare();
+        let (a, b) = (env.consumer(&a_args), env.consumer(&b_args));
+        let made = producing(&env, shape, 2).join().unwrap();
+        assert_eq!(made, (60 * 3, 0));
+        let (a, b) = (report(a), report(b));
+        assert!(a.ok && b.ok, "{a:#?}\n{b:#?}");
+        assert_eq!(digests(&a), digests(&b));
+        digests(&a)
+    };
+    assert_eq!(reference.len(), 3);
+    let mut env = Env::bare();
+    let (a, b) = (env.consumer(&a_args), env.consumer(&b_args));
+    let producer = producing(&env, shape, 2);
+    // Killed, stopped, killed, each after both consumers read a while
+    // from the broker of the moment (each counts what it delivered).
+    for kill in [true, false, true] {
+        env.wait_for("the consumers to read on", |s| {
+            s.streams.iter().any(|s| {
+                s.name == "ext"
+                    && s.consumers.len() == 2
+                    && s.consumers.iter().all(|c| c.delivered >= 15)
+            })
+        });
+        env.restart_broker(kill);
+    }
+    // The program published each batch once; the producer published its
+    // kept batches again itself.
+    assert_eq!(producer.join().unwrap(), (60 * 3, 3));
+    for r in [report(a), report(b)] {
+        assert!(r.ok && r.ended, "{r:#?}");
+        assert_eq!(r.reconnects, 3, "{r:#?}");
+        assert_eq!(digests(&r), reference, "{r:#?}");
+        for e in &r.epochs {
+            assert!(
+                e.samples == 2 * (59 * BATCH + 5) / 2 && e.complete,
+                "epoch {} whole: {r:#?}",
+                e.epoch
+            );
+        }
+    }
+}
+
+#[test]
+fn a_stream_registered_again_waits_for_its_consumers_and_refuses_a_place_it_no_longer_holds() {
+    use batchcast::proto::{Position, Rejoin};
+    let env = Env::bare();
+    let batches = 20;
+    // A producer registering again (as after a restart): from batch 10,
+    // for the two consumers it had, holding the stream half a second.
+    let mut opts = options(&env, "ext", batches, Some(1));
+    opts.request.rejoin = Some(Rejoin {
+        epoch: 0,
+        index: 10,
+        readers: 2,
+        grace_ms: 500,
+    });
+    let t0 = std::time::Instant::now();
+    let mut p = Producer::register(opts).unwrap();
+    // Its first request opens the stream; no slot comes yet.
+    assert_eq!(
+        p.acquire_timeout(Duration::from_millis(1)).unwrap(),
+        batchcast::Acquired::Pending
+    );
+    let resume = |sample: u64| batchcast::ConsumerOptions {
+        socket: Some(env.socket()),
+        stream: "ext".into(),
+        resume: Some(Position { epoch: 0, sample }),
+        connect_timeout: Duration::from_secs(10),
+        reconnect_timeout: Duration::ZERO,
+        ..Default::default()
+    };
+    // Batch 5 is gone with the old broker: refused, saying so.
+    let err = batchcast::Consumer::connect(resume(5 * BATCH)).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("external producer") && msg.contains("epoch 0 sample 80"),
+        "{msg}"
+    );
+    // One consumer back, in the middle of batch 12.
+    let mut back = batchcast::Consumer::connect(resume(12 * BATCH + 3)).unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut ys = Vec::new();
+        for b in &mut back {
+            let b = b.unwrap();
+            ys.extend_from_slice(b.field("y").unwrap().as_slice::<i64>().unwrap());
+        }
+        ys
+    });
+    // The stream waits for the second one, which never comes, for the grace.
+    let first = p.acquire().unwrap().unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!((first.epoch, first.index, first.readers), (0, 10, 1));
+    fill(&mut p, &first, BATCH);
+    produce_all(&mut p, batches);
+    drop(p);
+    // From its place on: sample 3 of batch 12 to the epoch's end.
+    let want: Vec<i64> = (12..batches)
+        .flat_map(|b| (0..samples_of(b, batches)).map(move |i| (b * 10 + i) as i64))
+        .skip(3)
+        .collect();
+    assert_eq!(reader.join().unwrap(), want);
 }

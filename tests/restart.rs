@@ -4,11 +4,8 @@
 //! must finish without an error, with every epoch's digest (sample by
 //! sample) equal to an uninterrupted run's.
 
-use std::time::Duration;
-
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
-use nix::sys::signal::Signal;
 
 mod common;
 
@@ -36,19 +33,6 @@ fn digests(r: &ConsumerReport) -> Vec<(u64, Option<String>)> {
         .collect()
 }
 
-/// Stops the broker (`signal`), waits a moment with none running, and
-/// starts a new one on the same socket with the same config.
-fn restart(env: &mut Env, signal: Signal) {
-    match signal {
-        Signal::SIGKILL => env.broker.kill().unwrap(),
-        _ => env.broker.terminate(common::LIMIT).unwrap(),
-    };
-    std::thread::sleep(Duration::from_millis(200));
-    let cfg = env.path("broker.toml");
-    let log = env.path("broker-again.log");
-    env.broker = common::broker(Some(&cfg), &env.socket(), Some(&log)).unwrap();
-}
-
 #[test]
 fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run() {
     let reference = {
@@ -73,12 +57,12 @@ fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run
     );
     // Killed, then stopped, each after the consumers read a while.
     // (Each broker counts what it delivered itself.)
-    for signal in [Signal::SIGKILL, Signal::SIGTERM, Signal::SIGKILL] {
+    for kill in [true, false, true] {
         env.wait_for("the consumers to read on", |s| {
             s.streams[0].consumers.len() == 2
                 && s.streams[0].consumers.iter().all(|c| c.delivered >= 15)
         });
-        restart(&mut env, signal);
+        env.restart_broker(kill);
     }
     for r in [report(a), report(b)] {
         assert!(r.ok && r.ended, "{r:#?}");

@@ -416,6 +416,11 @@ impl Hub {
         }
     }
 
+    /// Consumers subscribed now.
+    pub fn members(&self) -> u32 {
+        self.consumers.len() as u32
+    }
+
     /// Whether the pipeline would be given work if a slot were free
     /// (someone to produce for, epochs left).
     pub fn wants_batches(&self) -> bool {

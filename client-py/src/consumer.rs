@@ -81,12 +81,7 @@ impl Consumer {
         opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
         opts.state = state.as_ref().map(state_from_dict).transpose()?;
         if let Some(t) = reconnect_timeout {
-            if !(t.is_finite() && t >= 0.0) {
-                return Err(invalid(format!(
-                    "reconnect_timeout={t} must be a number of seconds ≥ 0"
-                )));
-            }
-            opts.reconnect_timeout = Duration::from_secs_f64(t);
+            opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
         }
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.

@@ -33,6 +33,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The schema as plain Python data.
+/// A non-negative, finite number of seconds given as argument `name`.
+fn seconds(name: &str, t: f64) -> PyResult<std::time::Duration> {
+    if !(t.is_finite() && t >= 0.0) {
+        return Err(errors::invalid(format!(
+            "{name}={t} must be a number of seconds ≥ 0"
+        )));
+    }
+    Ok(std::time::Duration::from_secs_f64(t))
+}
+
 fn schema_dict<'py>(py: Python<'py>, s: &Schema) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let fields = PyList::empty(py);

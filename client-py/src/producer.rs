@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use batchcast::{Acquired, DType, Field, FillSlot, ParseError, Schema};
 use pyo3::prelude::*;
@@ -37,7 +36,7 @@ impl Producer {
 impl Producer {
     /// `fields`: `(name, dtype, shape)` per field, in order.
     #[new]
-    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0, broker_uid=None))]
+    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0, broker_uid=None, reconnect_timeout=None, rejoin_grace=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -55,6 +54,8 @@ impl Producer {
         classes: Vec<String>,
         connect_timeout: f64,
         broker_uid: Option<u32>,
+        reconnect_timeout: Option<f64>,
+        rejoin_grace: Option<f64>,
     ) -> PyResult<Producer> {
         let fields = fields
             .into_iter()
@@ -70,9 +71,6 @@ impl Producer {
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
-        if !(connect_timeout.is_finite() && connect_timeout >= 0.0) {
-            return Err(invalid("connect_timeout must be a number of seconds ≥ 0"));
-        }
         let mut opts =
             batchcast::ProducerOptions::new(stream, fields, batch_size, batches_per_epoch);
         let r = &mut opts.request;
@@ -83,7 +81,13 @@ impl Producer {
         r.description = description;
         r.classes = classes;
         opts.socket = socket;
-        opts.connect_timeout = Duration::from_secs_f64(connect_timeout);
+        opts.connect_timeout = crate::seconds("connect_timeout", connect_timeout)?;
+        if let Some(t) = reconnect_timeout {
+            opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
+        }
+        if let Some(t) = rejoin_grace {
+            opts.rejoin_grace = crate::seconds("rejoin_grace", t)?;
+        }
         opts.broker_uid = broker_uid;
         if let Some(n) = name {
             opts.name = n;

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import batchcast
-from conftest import needs_torch, python_child, report
+from conftest import LIMIT, needs_torch, python_child, report
 
 BATCH = 8
 PER_EPOCH = 4
@@ -186,34 +186,77 @@ batchcast.Producer(loader(), stream="dying", socket=sys.argv[1], batches_per_epo
     assert "producer" in msg and "stopped after" in msg and "mid-epoch" in msg, msg
 
 
-def test_a_producer_streams_consumer_fails_at_once_when_the_broker_dies(start_broker):
-    # Its batches cannot be made again: no waiting for a broker (whatever
-    # reconnect_timeout says), the error at once.
-    broker = start_broker()
-    producer = python_child(
-        r"""
+RIDING_PRODUCER = r"""
 import sys, time
 import numpy as np
 import batchcast
-def loader():
-    for i in range(1000):
-        time.sleep(0.02)
-        yield (np.full((4, 2), i, np.int32),)
-batchcast.Producer(loader(), stream="fed", socket=sys.argv[1], batches_per_epoch=1000).run()
-""",
-        broker.socket,
-    )
-    c = batchcast.Consumer(stream="fed", socket=broker.socket, output="numpy", connect_timeout=60, reconnect_timeout=60)
-    it = iter(c)
-    next(it)
-    broker.kill()
-    t0 = time.monotonic()
-    with pytest.raises(batchcast.BrokerUnavailable):
-        for _ in range(1000):
-            next(it)
-    assert time.monotonic() - t0 < 2
-    producer.kill()
-    producer.wait()
+
+class Loader:
+    # Batch i of epoch e: 4 samples, each 3 values e * 1000 + i.
+    def __init__(self):
+        self.epoch = -1
+    def __len__(self):
+        return 50
+    def __iter__(self):
+        self.epoch += 1
+        for i in range(50):
+            time.sleep(0.01)
+            yield (np.full((4, 3), self.epoch * 1000 + i, np.int32),)
+
+# Room for a consumer's batches of 5 over the stream's 4.
+out = batchcast.Producer(Loader(), stream="fed", socket=sys.argv[1], min_consumers=2, slots=8,
+                         reconnect_timeout=30).run(epochs=3)
+print(out["batches"])
+"""
+
+RIDING_CONSUMER = r"""
+import json, sys
+import batchcast
+c = batchcast.Consumer(stream="fed", socket=sys.argv[1], output="numpy", connect_timeout=60,
+                       reconnect_timeout=30, batch_size=int(sys.argv[2]))
+epochs = {}
+while not c.ended:
+    for b in c:
+        epochs.setdefault(b.epoch, []).extend(int(v) for v in b[0][:, 0])
+print(json.dumps({"epochs": epochs}))
+"""
+
+
+def test_a_producer_and_its_consumers_ride_through_broker_restarts(start_broker):
+    # The producer registers its stream again and publishes its last
+    # batches again itself; each consumer resumes where it was: every
+    # sample once, in order, the producer's values.
+    broker = start_broker()
+    producer = python_child(RIDING_PRODUCER, broker.socket)
+    consumers = [python_child(RIDING_CONSUMER, broker.socket, n) for n in ("4", "5")]
+
+    def reading_on(s: dict) -> bool:
+        for p in [producer, *consumers]:
+            if p.poll() is not None:
+                pytest.fail(f"a child ended early:\n{p.communicate()[1]}")
+        return any(
+            st["name"] == "fed"
+            and len(st["consumers"]) == 2
+            and all(c["delivered"] >= 10 for c in st["consumers"])
+            for st in s["streams"]
+        )
+
+    for _ in range(2):
+        broker.wait_for("both consumers to read on", reading_on)
+        broker.kill()
+        time.sleep(0.2)
+        broker = start_broker()
+    out, err = producer.communicate(timeout=LIMIT)
+    assert producer.returncode == 0, err
+    assert out.strip() == "150", out  # the loader's batches, each once
+    assert err.count("is back after") == 2 and "publishes its last" in err, err
+    want = {str(e): [e * 1000 + i for i in range(50) for _ in range(4)] for e in range(3)}
+    for c in consumers:
+        out, err = c.communicate(timeout=LIMIT)
+        assert c.returncode == 0, err
+        r = json.loads(out.strip().splitlines()[-1])
+        assert err.count("is back after") == 2, err
+        assert r["epochs"] == want, err
 
 
 def consume_until_error(broker, stream: str):

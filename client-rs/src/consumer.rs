@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 mod events;
 mod options;
+pub(crate) use options::seconds;
 mod reconnect;
 mod replay;
 mod state;

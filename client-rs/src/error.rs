@@ -139,6 +139,31 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether this says the broker went away (killed, restarted, shut
+    /// down) rather than refused or detached this client.
+    pub fn broker_went_away(&self) -> bool {
+        match self {
+            Error::BrokerGone | Error::BrokerShutdown => true,
+            Error::Io(io) => matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::UnexpectedEof
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether a client waiting for its broker to come back tries again
+    /// after this: the old broker still closing, the new one not listening
+    /// or not ready yet (socket activation queues a connection until the
+    /// new broker accepts it, which may outlast one handshake).
+    pub(crate) fn while_restarting(&self) -> bool {
+        self.broker_went_away()
+            || self.is_not_ready()
+            || matches!(self, Error::HandshakeTimeout { .. })
+    }
+
     /// True for errors that go away by themselves when a job starts up: no
     /// broker listening yet, or the stream not registered yet.
     pub fn is_not_ready(&self) -> bool {

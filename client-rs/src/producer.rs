@@ -21,16 +21,25 @@
 //! jump to the start of a later epoch when the broker skipped the rest of an
 //! epoch that nobody was subscribed to, and the producer then starts that
 //! epoch afresh.
+//!
+//! If the broker goes away (killed, restarted), the producer rides through
+//! it within [`ProducerOptions::reconnect_timeout`] (see `ride.rs`): it
+//! registers its stream again and publishes the last batches it wrote
+//! itself, so its consumers resume where they were. The program notices
+//! nothing but a longer wait in `acquire`.
 
+mod ride;
+
+use std::collections::VecDeque;
 use std::io::BufReader;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::proto::{ClientMsg, FillSlot, Hello, Intent, ProduceRequest, Registered, ServerMsg};
-use crate::schema::{Field, Schema, SlotLayout};
+use crate::schema::{Field, RingLayout, Schema, SlotLayout};
 use crate::shm::{Mapping, RingView};
 use crate::transport::{
     broker_error, connect_retrying, expect_reply, goodbye_error, handshake, last_words,
@@ -51,7 +60,22 @@ pub struct ProducerOptions {
     /// The stream: its name, fields, batch size, epochs, slots, ... exactly
     /// as the broker receives it.
     pub request: ProduceRequest,
+    /// How long to wait for a broker that went away to come back, then
+    /// register the stream again and go on (`0`: fail at once).
+    /// `$BATCHCAST_RECONNECT_TIMEOUT` seconds, else
+    /// [`crate::DEFAULT_RECONNECT_TIMEOUT`].
+    pub reconnect_timeout: Duration,
+    /// Registering again, how long the new broker holds the stream for the
+    /// consumers it had to come back (each resumes where it was) before it
+    /// goes on with those there are. Capped by the broker's
+    /// `registration_timeout_s`.
+    pub rejoin_grace: Duration,
 }
+
+/// The default [`ProducerOptions::rejoin_grace`]: consumers notice a
+/// broker gone at their next read and retry every 20 ms, so those busy
+/// with a training step of a few seconds are back well within it.
+pub const DEFAULT_REJOIN_GRACE: Duration = Duration::from_secs(10);
 
 impl ProducerOptions {
     /// Options with [`ProduceRequest::new`]'s defaults: 4 slots, one
@@ -68,6 +92,11 @@ impl ProducerOptions {
             connect_timeout: Duration::ZERO,
             broker_uid: None,
             request: ProduceRequest::new(stream, fields, batch_size, batches_per_epoch),
+            reconnect_timeout: crate::consumer::seconds(
+                "BATCHCAST_RECONNECT_TIMEOUT",
+                crate::DEFAULT_RECONNECT_TIMEOUT,
+            ),
+            rejoin_grace: DEFAULT_REJOIN_GRACE,
         }
     }
 }
@@ -86,7 +115,7 @@ pub enum Acquired {
 /// A registered external stream.
 #[derive(Debug)]
 pub struct Producer {
-    reader: BufReader<UnixStream>,
+    reader: Link,
     buf: Vec<u8>,
     map: Mapping,
     registered: Registered,
@@ -95,6 +124,49 @@ pub struct Producer {
     /// The slot handed out and not yet published.
     filling: Option<FillSlot>,
     ended: bool,
+    /// What it registered with, to register again.
+    opts: ProducerOptions,
+    /// The last batches published into this arena (at most its slots):
+    /// what it publishes again if the broker goes away.
+    kept: VecDeque<Kept>,
+    /// Consumers subscribed when the last slot was handed out.
+    readers: u32,
+    /// The broker went away at this instant; it waits for it.
+    down: Option<Instant>,
+    /// Registered again: the previous arenas (oldest first), and the
+    /// batches in each still to publish again.
+    old: Vec<OldArena>,
+    reconnects: u32,
+}
+
+/// A batch published into the arena: which, where, how many samples.
+#[derive(Debug, Clone, Copy)]
+struct Kept {
+    epoch: u64,
+    index: u64,
+    seq: u64,
+    samples: u64,
+}
+
+/// The arena of a broker that went away, kept mapped while its last
+/// batches are published again under the new one.
+#[derive(Debug)]
+struct OldArena {
+    map: Mapping,
+    rings: RingLayout,
+    kept: VecDeque<Kept>,
+}
+
+/// The producer's connection: says goodbye when dropped.
+#[derive(Debug)]
+struct Link(BufReader<UnixStream>);
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Done: the broker ends the stream normally if every epoch was
+        // published, and tells consumers the producer left early otherwise.
+        let _ = send_msg(self.0.get_ref(), &ClientMsg::Goodbye);
+    }
 }
 
 impl Producer {
@@ -116,17 +188,17 @@ impl Producer {
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
-            intent: Intent::Produce(Box::new(opts.request)),
+            intent: Intent::Produce(Box::new(opts.request.clone())),
         });
         connect_retrying(
-            opts.socket,
+            opts.socket.clone(),
             (opts.connect_timeout, floor),
             opts.broker_uid,
-            |stream| Producer::open(stream, &hello),
+            |stream| Producer::open(stream, &hello, &opts),
         )
     }
 
-    fn open(stream: UnixStream, hello: &ClientMsg) -> Result<Producer> {
+    fn open(stream: UnixStream, hello: &ClientMsg, opts: &ProducerOptions) -> Result<Producer> {
         let (reply, fds) = handshake(&stream, hello)?;
         let registered = expect_reply(reply, "a registration", |m| match m {
             ServerMsg::Registered(r) => Ok(*r),
@@ -139,14 +211,25 @@ impl Producer {
         registered.rings.validate(&registered.schema)?;
         let map = Mapping::rings(fd.as_fd(), &RingView::of(&registered.rings), true)?;
         Ok(Producer {
-            reader: BufReader::with_capacity(4096, stream),
+            reader: Link(BufReader::with_capacity(4096, stream)),
             buf: Vec::with_capacity(256),
             map,
             registered,
             requested: false,
             filling: None,
             ended: false,
+            opts: opts.clone(),
+            kept: VecDeque::new(),
+            readers: 0,
+            down: None,
+            old: Vec::new(),
+            reconnects: 0,
         })
+    }
+
+    /// Times it registered its stream again after the broker went away.
+    pub fn reconnects(&self) -> u32 {
+        self.reconnects
     }
 
     pub fn schema(&self) -> &Schema {
@@ -178,22 +261,44 @@ impl Producer {
                 s.slot, s.seq
             )));
         }
-        if self.ended {
-            return Ok(Acquired::Ended);
+        let until = Instant::now() + timeout;
+        loop {
+            if self.ended {
+                return Ok(Acquired::Ended);
+            }
+            if self.down.is_some() && !self.reconnect(until)? {
+                return Ok(Acquired::Pending);
+            }
+            let got = self.ask(until.saturating_duration_since(Instant::now()));
+            match got {
+                Ok(Acquired::Slot(s)) => {
+                    self.readers = s.readers;
+                    // A batch of the old arena published again: ask on.
+                    if !self.publish_again(&s)? {
+                        return Ok(Acquired::Slot(s));
+                    }
+                }
+                Err(e) if self.may_ride(&e) => self.went_away(&e),
+                other => return other,
+            }
         }
+    }
+
+    /// One request for a slot, and its answer if it comes within `timeout`.
+    fn ask(&mut self, timeout: Duration) -> Result<Acquired> {
         if !self.requested {
-            if let Err(e) = send_msg(self.reader.get_ref(), &ClientMsg::Acquire) {
-                return Err(last_words(&mut self.reader, &mut self.buf, e));
+            if let Err(e) = send_msg(self.reader.0.get_ref(), &ClientMsg::Acquire) {
+                return Err(last_words(&mut self.reader.0, &mut self.buf, e));
             }
             self.requested = true;
         }
-        if self.reader.buffer().is_empty() {
+        if self.reader.0.buffer().is_empty() {
             let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
-            if !readable_within(self.reader.get_ref(), ms)? {
+            if !readable_within(self.reader.0.get_ref(), ms)? {
                 return Ok(Acquired::Pending);
             }
         }
-        let msg = read_server_msg(&mut self.reader, &mut self.buf)?;
+        let msg = read_server_msg(&mut self.reader.0, &mut self.buf)?;
         self.requested = false;
         match msg {
             ServerMsg::Fill(s) => {
@@ -255,33 +360,36 @@ impl Producer {
                 "a batch holds 1 to {batch} samples, not {samples}"
             )));
         }
-        send_msg(
-            self.reader.get_ref(),
+        self.filling = None;
+        self.keep(slot, samples);
+        if self.down.is_some() {
+            // Written into the old arena: published again once back.
+            return Ok(());
+        }
+        let sent = send_msg(
+            self.reader.0.get_ref(),
             &ClientMsg::Publish {
                 seq: slot.seq,
                 samples,
             },
-        )?;
-        self.filling = None;
-        Ok(())
+        );
+        match sent {
+            Err(e) if self.may_ride(&e) => {
+                self.went_away(&e);
+                Ok(())
+            }
+            other => other,
+        }
     }
 
     /// Stops the stream because the source failed; every consumer gets
     /// `message`. The connection closes.
     pub fn fail(self, message: &str) -> Result<()> {
         send_msg(
-            self.reader.get_ref(),
+            self.reader.0.get_ref(),
             &ClientMsg::Fail {
                 message: message.into(),
             },
         )
-    }
-}
-
-impl Drop for Producer {
-    fn drop(&mut self) {
-        // Done: the broker ends the stream normally if every epoch was
-        // published, and tells consumers the producer left early otherwise.
-        let _ = send_msg(self.reader.get_ref(), &ClientMsg::Goodbye);
     }
 }

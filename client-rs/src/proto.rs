@@ -48,7 +48,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 15;
+pub const PROTOCOL_VERSION: u16 = 16;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -195,6 +195,23 @@ pub struct ProduceRequest {
     pub description: String,
     /// Class names in label order, if known.
     pub classes: Vec<String>,
+    /// Registering again after the broker went away (protocol 16): where
+    /// the stream goes on, and for how many of its consumers it waits.
+    pub rejoin: Option<Rejoin>,
+}
+
+/// A producer registering its stream again under a new broker: the stream
+/// starts at batch `index` of `epoch` (the oldest batch the producer still
+/// holds: it publishes those again itself), and hands out no slot until
+/// `readers` consumers subscribed (as many as it had) or `grace_ms` passed
+/// (capped by the broker's `registration_timeout_s`), so that each of them
+/// resumes where it was before the stream moves on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejoin {
+    pub epoch: u64,
+    pub index: u64,
+    pub readers: u32,
+    pub grace_ms: u32,
 }
 
 impl ProduceRequest {
@@ -217,6 +234,7 @@ impl ProduceRequest {
             lag_limit: None,
             description: String::new(),
             classes: Vec::new(),
+            rejoin: None,
         }
     }
 }
@@ -380,6 +398,9 @@ pub struct FillSlot {
     pub epoch: u64,
     pub index: u64,
     pub slot: u32,
+    /// Consumers subscribed when the slot was handed out (protocol 16): as
+    /// many as a producer registering again waits for.
+    pub readers: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -203,6 +203,26 @@ impl Env {
         }
     }
 
+    /// Stops the broker (SIGKILL, or SIGTERM and a wait), waits a moment
+    /// with none running, and starts a new one on the same socket with the
+    /// same config (none for a bare broker).
+    pub fn restart_broker(&mut self, kill: bool) {
+        if kill {
+            self.broker.kill().unwrap();
+        } else {
+            self.broker.terminate(LIMIT).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let cfg = self.path("broker.toml");
+        let log = self.path("broker-again.log");
+        self.broker = broker(
+            cfg.exists().then_some(cfg.as_path()),
+            &self.socket(),
+            Some(&log),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start again: {e}"));
+    }
+
     /// A path in the test's folder.
     pub fn path(&self, p: &str) -> PathBuf {
         self.dir.path().join(p)

@@ -239,10 +239,7 @@ impl StreamPlan {
             batchcast::proto::MAX_DESCRIPTION_BYTES,
             "a shorter description",
         )
-        .map_err(|e| StreamError::Key {
-            key: "description",
-            message: e.to_string(),
-        })?;
+        .map_err(|e| key("description", e.to_string()))?;
         check_flow(
             req.batch_size,
             req.epochs,
@@ -262,6 +259,7 @@ impl StreamPlan {
             MAX_BATCHES_PER_EPOCH,
             "batches in one epoch",
         )?;
+        check_rejoin(req)?;
         let schema = Schema {
             fields: req.fields.clone(),
             batch_size: req.batch_size,
@@ -313,6 +311,26 @@ impl StreamPlan {
         self.digest = of(&self);
         self
     }
+}
+
+/// A producer registering again names a batch of its stream.
+fn check_rejoin(req: &ProduceRequest) -> Result<(), StreamError> {
+    let Some(r) = req.rejoin else {
+        return Ok(());
+    };
+    if r.index >= req.batches_per_epoch || req.epochs.is_some_and(|n| r.epoch >= n) {
+        return Err(key(
+            "rejoin",
+            format!(
+                "registering again at batch {} of epoch {}, outside the stream ({} batches an epoch, {} epochs)",
+                r.index,
+                r.epoch,
+                req.batches_per_epoch,
+                req.epochs.map_or("endless".to_string(), |n| n.to_string())
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks every configured stream and derives its plan; the arenas of all

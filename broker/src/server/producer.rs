@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use batchcast::FillSlot;
 use batchcast::proto::{
-    self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, ProduceRequest, Registered, ServerMsg,
+    self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, ProduceRequest, Registered, Rejoin,
+    ServerMsg,
 };
 use tokio::sync::watch;
 
@@ -51,9 +52,16 @@ pub(super) async fn serve_producer(
         },
     )?;
     let who = format!("`{}` (pid {})", peer.name, peer.pid);
-    let registered = register(conn, broker, plan, peer.uid, &who).await;
+    let limits = broker.admission.limits();
+    // Registering again: hold the stream for the consumers it had, at most
+    // the producer's grace, capped by the registration timeout.
+    let hold = req.rejoin.map(|r| {
+        Instant::now()
+            + Duration::from_millis(u64::from(r.grace_ms)).min(limits.registration_timeout)
+    });
+    let registered = register(conn, broker, plan, (peer.uid, req.rejoin), &who).await;
     let result = match &registered {
-        Ok(Some(stream)) => serve_slots(conn, stream, &who, stop).await,
+        Ok(Some(stream)) => serve_slots(conn, stream, (&who, hold), stop).await,
         Ok(None) => Ok(()),
         Err(Reject(code, why)) => Err(Reject(*code, why.clone())),
     };
@@ -86,7 +94,7 @@ async fn register(
     conn: &mut Connection,
     broker: &Broker,
     plan: StreamPlan,
-    uid: u32,
+    (uid, rejoin): (u32, Option<Rejoin>),
     who: &str,
 ) -> Result<Option<Arc<Stream>>, Reject> {
     let budget = broker.budget.clone();
@@ -99,6 +107,12 @@ async fn register(
         StartError::OverBudget(e) => Reject(ErrorCode::Busy, e.to_string()),
         StartError::Arena(e) => Reject(ErrorCode::Internal, e.to_string()),
     })?;
+    if let Some(r) = rejoin {
+        // Nobody has seen the new stream yet: it cannot have started.
+        let moved = stream.rejoin_at(&r);
+        debug_assert!(moved, "a stream just made starts anywhere");
+        tracing::info!(stream = %stream.name(), producer = %who, epoch = r.epoch, index = r.index, readers = r.readers, "producer registers again after a broker restart");
+    }
     let registered = ServerMsg::Registered(Box::new(Registered {
         stream: stream.name().into(),
         schema: stream.plan.schema.clone(),
@@ -149,7 +163,7 @@ async fn register(
 async fn serve_slots(
     conn: &mut Connection,
     stream: &Stream,
-    who: &str,
+    (who, mut hold): (&str, Option<Instant>),
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
     let batch_size = stream.plan.schema.batch_size;
@@ -158,33 +172,27 @@ async fn serve_slots(
     let mut filling: Option<FillSlot> = None;
     let mut blocked = Duration::ZERO;
     loop {
-        if wants {
-            let reply = match stream.acquire() {
-                Err(why) => Some(ServerMsg::Error(ErrorMsg {
-                    code: ErrorCode::SourceFailed,
-                    message: why.to_string(),
-                })),
-                Ok(Acquire::Ended) => Some(ServerMsg::EndOfStream),
-                Ok(Acquire::Slot(w)) => {
-                    blocked = blocked_since
-                        .take()
-                        .map(|t| t.elapsed())
-                        .unwrap_or_default();
-                    filling = Some(w);
-                    Some(ServerMsg::Fill(w))
-                }
-                Ok(Acquire::Wait) => None,
-            };
-            if let Some(msg) = reply {
-                wants = false;
-                if conn.send(&msg).await.is_err() {
-                    stream.producer_done(who);
-                    return Ok(());
-                }
+        if wants && let Some(msg) = answer(stream) {
+            if let ServerMsg::Fill(w) = msg {
+                blocked = blocked_since
+                    .take()
+                    .map(|t| t.elapsed())
+                    .unwrap_or_default();
+                filling = Some(w);
+            }
+            wants = false;
+            if conn.send(&msg).await.is_err() {
+                stream.producer_done(who);
+                return Ok(());
             }
         }
+        let held_until = hold.unwrap_or_else(Instant::now);
         tokio::select! {
             _ = stream.ready(), if wants => {}
+            _ = tokio::time::sleep_until(held_until.into()), if hold.is_some() => {
+                hold = None;
+                stream.end_rejoin_hold();
+            }
             _ = stop.changed() => {
                 let _ = conn.send(&ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
                 return Ok(());
@@ -223,5 +231,18 @@ async fn serve_slots(
                 }
             },
         }
+    }
+}
+
+/// The answer to the producer's outstanding `Acquire`, if there is one now.
+fn answer(stream: &Stream) -> Option<ServerMsg> {
+    match stream.acquire() {
+        Err(why) => Some(ServerMsg::Error(ErrorMsg {
+            code: ErrorCode::SourceFailed,
+            message: why.to_string(),
+        })),
+        Ok(Acquire::Ended) => Some(ServerMsg::EndOfStream),
+        Ok(Acquire::Slot(w)) => Some(ServerMsg::Fill(w)),
+        Ok(Acquire::Wait) => None,
     }
 }

@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use batchcast::FillSlot;
+use batchcast::proto::Rejoin;
 
 use super::Stream;
 use super::error::StreamFailed;
@@ -54,6 +55,7 @@ impl Stream {
                     epoch: w.epoch,
                     index: w.index,
                     slot: w.slot,
+                    readers: inner.hub.members(),
                 }),
                 None => {
                     // Mailbox consumers may have released already, and ring
@@ -64,6 +66,30 @@ impl Stream {
                 }
             })
         })
+    }
+
+    /// A producer registering its stream again (its broker went away):
+    /// the stream starts at the batch it names and waits for `readers`
+    /// consumers (or the stream's own minimum, if more) until
+    /// [`Stream::end_rejoin_hold`]. `false` if it could not be moved there
+    /// (it has started already).
+    pub fn rejoin_at(&self, rejoin: &Rejoin) -> bool {
+        self.with_hub(|inner| {
+            let moved = inner.hub.seek(rejoin.epoch, rejoin.index);
+            if moved {
+                inner
+                    .hub
+                    .set_min_consumers(rejoin.readers.max(self.plan.min_consumers));
+            }
+            moved
+        })
+    }
+
+    /// The consumers a registering-again producer waited for had their
+    /// grace: the stream goes on with its own minimum of consumers.
+    pub fn end_rejoin_hold(&self) {
+        // Wakes a waiting producer if the stream may start now.
+        self.with_hub(|inner| inner.hub.set_min_consumers(self.plan.min_consumers));
     }
 
     /// Whether no slot is free (the producer is under back-pressure).

@@ -54,7 +54,8 @@ impl Stream {
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
-        let replays = replaying.is_some() || decoupled;
+        // A producer's stream resumes without replay (nothing to make).
+        let replays = (replaying.is_some() && self.writer.is_some()) || decoupled;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape)?;
@@ -167,7 +168,8 @@ impl Stream {
     /// came first could otherwise make the owner's trainers, joining at
     /// the next epoch, miss every epoch before its place.
     fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>, peer: &Peer) {
-        if peer.uid != self.owner_uid {
+        // A producer's stream starts where its producer says.
+        if peer.uid != self.owner_uid || self.writer.is_none() {
             return;
         }
         if let Some(p) = replaying.and_then(ReplayFrom::resume)

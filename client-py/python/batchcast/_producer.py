@@ -202,6 +202,15 @@ class Producer:
         broker_uid: the uid the broker must run as (see :class:`Consumer`).
             Registering on another user's broker: that broker's
             ``guest_stream_prefix`` applies (default ``"{user}."``).
+        reconnect_timeout: when the broker goes away (killed, restarted),
+            wait this many seconds for it to come back, register the stream
+            again and go on; the loader is not rewound. The last ``slots``
+            batches are published again from memory this process still
+            holds, so consumers that come back resume where they were.
+            ``0``: fail at once. Default ``$BATCHCAST_RECONNECT_TIMEOUT``,
+            else 60.
+        rejoin_grace: registering again, how many seconds the new broker
+            holds the stream for the consumers it had (default 10).
     """
 
     def __init__(
@@ -218,6 +227,8 @@ class Producer:
         name: Optional[str] = None,
         connect_timeout: Optional[float] = None,
         broker_uid: Optional[int] = None,
+        reconnect_timeout: Optional[float] = None,
+        rejoin_grace: Optional[float] = None,
     ) -> None:
         self.loader = loader
         self.broker_uid = broker_uid
@@ -231,6 +242,8 @@ class Producer:
         self.batches_per_epoch = batches_per_epoch
         self.name = name
         self.connect_timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
+        self.reconnect_timeout = None if reconnect_timeout is None else float(reconnect_timeout)
+        self.rejoin_grace = None if rejoin_grace is None else float(rejoin_grace)
         #: Filled by run(): the stream's schema as the broker registered it.
         self.schema: Optional[Dict[str, Any]] = None
 
@@ -279,6 +292,8 @@ class Producer:
             classes=classes,
             connect_timeout=self.connect_timeout,
             broker_uid=self.broker_uid,
+            reconnect_timeout=self.reconnect_timeout,
+            rejoin_grace=self.rejoin_grace,
         )
         self.schema = native.schema()
         t0 = time.perf_counter()

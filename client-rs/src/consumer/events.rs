@@ -103,8 +103,7 @@ impl Consumer {
             }
             Some(Next::Fail(e)) => {
                 // A broker that went away may come back (see `reconnect`).
-                self.finished =
-                    !Consumer::broker_went_away(&e) || self.opts.reconnect_timeout.is_zero();
+                self.finished = !e.broker_went_away() || self.opts.reconnect_timeout.is_zero();
                 Err(e)
             }
             Some(Next::Run(..) | Next::Replayed(_)) | None => {

@@ -141,7 +141,7 @@ impl Default for ConsumerOptions {
 pub const DEFAULT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// `$key` as a number of seconds ≥ 0; `default` when unset or not one.
-fn seconds(key: &str, default: Duration) -> Duration {
+pub(crate) fn seconds(key: &str, default: Duration) -> Duration {
     std::env::var(key)
         .ok()
         .and_then(|v| v.parse::<f64>().ok())

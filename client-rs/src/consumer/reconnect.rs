@@ -8,7 +8,6 @@
 //! Batches received and not handed out yet are dropped: the new broker
 //! sends them again.
 
-use std::io::ErrorKind;
 use std::time::{Duration, Instant};
 
 use super::{Consumer, Next};
@@ -20,19 +19,6 @@ use crate::proto::{EpochEnd, Position};
 const RETRY: Duration = Duration::from_millis(20);
 
 impl Consumer {
-    /// Whether `e` says the broker went away (rather than refused or
-    /// detached this consumer).
-    pub(super) fn broker_went_away(e: &Error) -> bool {
-        match e {
-            Error::BrokerGone | Error::BrokerShutdown => true,
-            Error::Io(io) => matches!(
-                io.kind(),
-                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof
-            ),
-            _ => false,
-        }
-    }
-
     /// `result`, unless it says the broker went away and this consumer
     /// may wait for it: then `None`, the wait begun (the caller goes on
     /// with [`Consumer::reconnect`]), or the stream's end where nothing
@@ -40,7 +26,7 @@ impl Consumer {
     pub(super) fn ride_through<T>(&mut self, result: Result<T>) -> Result<Option<T>> {
         match result {
             Err(e)
-                if Consumer::broker_went_away(&e)
+                if e.broker_went_away()
                     && !self.finished
                     && !self.opts.reconnect_timeout.is_zero()
                     && self.can_resume() =>
@@ -74,14 +60,11 @@ impl Consumer {
     }
 
     /// Whether a new broker could serve this consumer from its position:
-    /// not on a stream a producer feeds (its batches cannot be made again,
-    /// and its producer does not register it again by itself), nor on a
-    /// GPU (a device consumer is not served by replay).
+    /// not on a GPU (a device consumer is not served by replay). A stream
+    /// a producer feeds resumes once its producer registered it again
+    /// (see [`crate::Producer`]).
     fn can_resume(&self) -> bool {
-        !matches!(
-            self.shared.welcome.schema.source,
-            crate::schema::SourceInfo::External(_)
-        ) && self.opts.device == crate::device::Device::Cpu
+        self.opts.device == crate::device::Device::Cpu
     }
 
     /// The broker went away: begins the wait for it, saying so once, or,
@@ -136,14 +119,7 @@ impl Consumer {
             match Consumer::connect(opts.clone()) {
                 Ok(c) => break c,
                 // The old broker still closing, or the new one starting.
-                // A broker still starting (socket activation queues the
-                // connection until it accepts) may outlast one attempt.
-                Err(e)
-                    if (Consumer::broker_went_away(&e)
-                        || e.is_not_ready()
-                        || matches!(e, Error::HandshakeTimeout { .. }))
-                        && Instant::now() < deadline =>
-                {
+                Err(e) if e.while_restarting() && Instant::now() < deadline => {
                     if until.is_some_and(|u| Instant::now() >= u) {
                         return Ok(false);
                     }

@@ -93,7 +93,11 @@ impl Stream {
             None => "join=\"now\"".to_string(),
         };
         let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
-        if self.writer.is_none() {
+        // A producer's stream is not recomputed: a resume there (a consumer
+        // back after a broker restart, its producer registered again) is
+        // served from what the ring holds, skipping to its place, or
+        // refused at `start_replay` if the ring has moved past it.
+        if self.writer.is_none() && req.resume.is_none() {
             return refuse(format!(
                 "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
                 self.name()
@@ -148,6 +152,16 @@ impl Stream {
             None => shared,
         };
         let Some(prepared) = prepared else {
+            if self.writer.is_none() && from < shared {
+                return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+                    "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again",
+                    from.epoch,
+                    from.sample,
+                    self.name(),
+                    shared.epoch,
+                    shared.sample
+                ))));
+            }
             return Ok(Started {
                 skip: replaying.and_then(ReplayFrom::resume),
                 anchor: from,
