@@ -4,7 +4,6 @@
 //! test instead of hanging it.
 
 use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -16,7 +15,10 @@ use batchcast_broker::harness;
 
 mod common;
 
-use common::{EXE, Env, Guard, LIMIT, command, is_root, raw_subscribe, report, run};
+use common::{
+    EXE, Env, Guard, LIMIT, command, expect_error, is_root, raw_exchange, raw_subscribe, report,
+    run,
+};
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
     let fields: [(&str, &str, &[u64]); 3] = [
@@ -273,32 +275,6 @@ fn sigterm_says_goodbye_to_every_consumer_and_removes_the_socket() {
 }
 
 /// Connects raw, sends `bytes`, returns the broker's preamble and first frame.
-fn raw_exchange(socket: &Path, bytes: &[u8]) -> (Preamble, ServerMsg) {
-    let mut s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(bytes).unwrap();
-    let mut pre = [0u8; 8];
-    s.read_exact(&mut pre).unwrap();
-    let msg = proto::read_frame::<ServerMsg>(&mut s, &mut Vec::new())
-        .unwrap()
-        .expect("an error frame");
-    (Preamble::parse(pre).unwrap(), msg)
-}
-
-fn expect_error(msg: ServerMsg, code: ErrorCode, needle: &str) {
-    match msg {
-        ServerMsg::Error(e) => {
-            assert_eq!(e.code, code, "{e:?}");
-            assert!(
-                e.message.contains(needle),
-                "message `{}` lacks `{needle}`",
-                e.message
-            );
-        }
-        other => panic!("expected an error, got {other:?}"),
-    }
-}
-
 #[test]
 fn bad_input_gets_a_clear_error_and_other_consumers_are_unaffected() {
     let env = Env::start(&config("", 100_000, 8));
@@ -714,6 +690,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             intent: proto::Intent::Consume(proto::ConsumeRequest {
                 batch_size: None,
                 expect: None,
+                group: None,
                 drop_last: None,
                 resume: None,
                 stream: "train".into(),

@@ -11,7 +11,7 @@ use batchcast_broker::config::StreamToml;
 
 mod common;
 
-use common::{Env, report};
+use common::{Env, digests, report};
 
 /// `batchcast consume` of `stream`, waiting up to a minute for it to be
 /// registered, dumping what it gets to `dump`.
@@ -261,14 +261,6 @@ fn consumers_of_an_external_stream_read_the_producers_bytes_in_place() {
     assert_eq!(got, x);
 }
 
-/// Per-epoch digests (sample by sample) a consumer report holds.
-fn digests(r: &batchcast_broker::consume::ConsumerReport) -> Vec<(u64, Option<String>)> {
-    r.epochs
-        .iter()
-        .map(|e| (e.epoch, e.digest.clone()))
-        .collect()
-}
-
 /// A producer of `batches` × `epochs` on its own thread, pausing a
 /// moment each batch so a run lasts; it answers how many batches the
 /// program published and how often it registered again.
@@ -330,16 +322,7 @@ fn a_producer_and_its_consumers_ride_through_broker_restarts() {
     // kept batches again itself.
     assert_eq!(producer.join().unwrap(), (60 * 3, 3));
     for r in [report(a), report(b)] {
-        assert!(r.ok && r.ended, "{r:#?}");
-        assert_eq!(r.reconnects, 3, "{r:#?}");
-        assert_eq!(digests(&r), reference, "{r:#?}");
-        for e in &r.epochs {
-            assert!(
-                e.samples == 2 * (59 * BATCH + 5) / 2 && e.complete,
-                "epoch {} whole: {r:#?}",
-                e.epoch
-            );
-        }
+        common::assert_rode_through(&r, 3, &reference, 59 * BATCH + 5);
     }
 }
 

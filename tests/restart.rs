@@ -5,11 +5,10 @@
 //! sample) equal to an uninterrupted run's.
 
 use batchcast_broker::config::StreamToml;
-use batchcast_broker::consume::ConsumerReport;
 
 mod common;
 
-use common::{Env, report};
+use common::{Env, digests, report};
 
 /// 400 samples an epoch in batches of 10, 4 epochs, shuffled, every
 /// sample's bytes its own; two consumers start it.
@@ -24,13 +23,6 @@ fn config() -> String {
         .key("min_consumers", 2)
         .fill("full")
         .to_toml()
-}
-
-fn digests(r: &ConsumerReport) -> Vec<(u64, Option<String>)> {
-    r.epochs
-        .iter()
-        .map(|e| (e.epoch, e.digest.clone()))
-        .collect()
 }
 
 #[test]
@@ -65,16 +57,7 @@ fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run
         env.restart_broker(kill);
     }
     for r in [report(a), report(b)] {
-        assert!(r.ok && r.ended, "{r:#?}");
-        assert_eq!(r.reconnects, 3, "{r:#?}");
-        assert_eq!(digests(&r), reference, "{r:#?}");
-        for e in &r.epochs {
-            assert!(
-                e.samples == 400 && e.complete,
-                "epoch {} whole: {r:#?}",
-                e.epoch
-            );
-        }
+        common::assert_rode_through(&r, 3, &reference, 400);
     }
 }
 

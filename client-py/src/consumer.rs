@@ -33,7 +33,7 @@ pub(crate) struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None))]
+    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None, group=None, rank=None, world=None, replicate=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,6 +50,10 @@ impl Consumer {
         resume: Option<(u64, u64)>,
         state: Option<Bound<'_, PyDict>>,
         reconnect_timeout: Option<f64>,
+        group: Option<String>,
+        rank: Option<u32>,
+        world: Option<u32>,
+        replicate: u32,
     ) -> PyResult<Consumer> {
         // The rules on these are ConsumerOptions' (`validate`, on
         // connecting): a count below 1 is passed as 0, which it refuses.
@@ -83,6 +87,9 @@ impl Consumer {
         if let Some(t) = reconnect_timeout {
             opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
         }
+        opts.group = group
+            .map(|name| seat(name, (rank, world), replicate))
+            .transpose()?;
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py
@@ -264,4 +271,28 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<batchcast::ConsumerState> 
         batch_size: get(d, "batch_size", "an integer ≥ 1")?,
         drop_last: get(d, "drop_last", "True or False")?,
     })
+}
+
+/// The seat `group=`, `rank=`, `world=` and `replicate=` ask for; rank and
+/// world from the launcher's environment when neither is given.
+fn seat(
+    name: String,
+    (rank, world): (Option<u32>, Option<u32>),
+    replicate: u32,
+) -> PyResult<batchcast::proto::Seat> {
+    match (rank, world) {
+        (Some(rank), Some(world)) => Ok(batchcast::proto::Seat {
+            name,
+            rank,
+            world,
+            replicate,
+        }),
+        (None, None) => Ok(batchcast::proto::Seat {
+            replicate,
+            ..batchcast::group_from_env(&name).map_err(invalid)?
+        }),
+        _ => Err(invalid(
+            "give rank= and world= together, or neither (from torchrun's or Slurm's environment)",
+        )),
+    }
 }

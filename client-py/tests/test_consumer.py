@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import batchcast
-from conftest import needs_torch, python_child, report, synthetic
+from conftest import LIMIT, needs_torch, python_child, report, synthetic
 
 
 def rss_bytes() -> int:
@@ -647,3 +647,57 @@ def test_a_consumer_rides_through_a_broker_restart_holding_a_batch(start_broker,
     del held, batch
     with pytest.raises(batchcast.InvalidArgument, match="reconnect_timeout"):
         batchcast.Consumer(socket=broker.socket, output="numpy", reconnect_timeout=-1)
+
+
+GROUP_MEMBER = r"""
+import json, os, sys
+import batchcast
+socket, rank = sys.argv[1], sys.argv[2]
+# As torchrun sets them: the seat comes from the environment.
+os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = rank, "3"
+c = batchcast.Consumer(socket=socket, output="numpy", group="trial", batch_size=6)
+runs = []
+while not c.ended:
+    for b in c:
+        epoch, end = b.next_position
+        end = end or 103  # the epoch's end is the next epoch's start
+        runs.append([b.epoch, end - b.samples, b.samples])
+print(json.dumps({"runs": runs, "per_epoch": len(c)}))
+"""
+
+
+def test_a_groups_ranks_split_each_epoch_from_torchruns_environment(start_broker):
+    # 103 samples an epoch, batches of 6, 3 ranks: 5 full rounds (90
+    # samples), the tail of 13 split 5 + 4 + 4; a plain consumer reads all.
+    broker = start_broker(synthetic(length=103, min_consumers=4, slots=8, extra="max_batch_size = 8"))
+    kids = [python_child(GROUP_MEMBER, broker.socket, str(r)) for r in range(3)]
+    plain = batchcast.Consumer(socket=broker.socket, output="numpy", connect_timeout=30)
+    plain_samples = 0
+    while not plain.ended:
+        plain_samples += sum(b.samples for b in plain)
+    seen = {0: [0] * 103, 1: [0] * 103}
+    counts = set()
+    for kid in kids:
+        out, err = kid.communicate(timeout=LIMIT)
+        assert kid.returncode == 0, err
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["per_epoch"] == 6
+        for epoch in (0, 1):
+            mine = [(f, n) for e, f, n in r["runs"] if e == epoch]
+            counts.add(len(mine))
+            for f, n in mine:
+                for s in range(f, f + n):
+                    seen[epoch][s] += 1
+    assert counts == {6}, "every rank as many batches each epoch"
+    assert all(c == 1 for e in seen.values() for c in e), seen
+    assert plain_samples == 2 * 103
+
+
+def test_group_arguments_are_checked(start_broker):
+    broker = start_broker(synthetic())
+    with pytest.raises(batchcast.InvalidArgument, match="rank=-1"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", group="g", rank=-1, world=2)
+    with pytest.raises(batchcast.InvalidArgument, match="together"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", group="g", rank=1)
+    with pytest.raises(batchcast.InvalidArgument, match="outside its world"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", group="g", rank=2, world=2)

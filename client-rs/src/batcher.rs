@@ -23,6 +23,7 @@
 
 use std::collections::VecDeque;
 
+use crate::deal::{Deal, Dealt};
 use crate::error::{Error, Result};
 
 /// A production unit, as the broker announced it.
@@ -93,6 +94,9 @@ pub struct Batcher {
     /// Where the run after the last one cut begins (the next epoch's start
     /// once an epoch ended).
     after: Option<(u64, u64)>,
+    /// A group member's share ([`crate::deal`]): runs are the deal's, and
+    /// only its own are cut; the rest is given back unread.
+    deal: Option<Deal>,
 }
 
 impl Batcher {
@@ -111,7 +115,15 @@ impl Batcher {
             ready: VecDeque::new(),
             skip: (0, 0),
             after: None,
+            deal: None,
         }
+    }
+
+    /// A group member's batcher: runs as `deal` cuts the epoch (its batch
+    /// size is the deal's), only this member's.
+    pub fn with_deal(mut self, deal: Deal) -> Batcher {
+        self.deal = Some(deal);
+        self
     }
 
     /// Samples before sample `sample` of `epoch` are given back unread;
@@ -168,20 +180,7 @@ impl Batcher {
     /// Takes the next unit; its samples go into runs. An error if it does
     /// not follow the last one (the broker sends each unit once, in order).
     pub fn push(&mut self, unit: Unit, give_back: &mut Vec<u64>) -> Result<()> {
-        if let Some(last) = self.last_seq
-            && unit.seq <= last
-        {
-            return Err(Error::Unexpected(format!(
-                "batch {} after batch {last}: out of order",
-                unit.seq
-            )));
-        }
-        if unit.samples > self.unit || unit.index >= self.units_per_epoch {
-            return Err(Error::Unexpected(format!(
-                "batch {} claims {} samples at index {} (units of {}, {} to an epoch)",
-                unit.seq, unit.samples, unit.index, self.unit, self.units_per_epoch
-            )));
-        }
+        self.check(&unit)?;
         if let Some(b) = self.building
             && (b.epoch != unit.epoch || b.position + b.samples != unit.seq * self.unit)
         {
@@ -202,28 +201,37 @@ impl Batcher {
             refs: 0,
         });
         // Samples this consumer skips count as consumed, in no run.
-        let first = unit.index * self.unit;
-        let mut offset = match (unit.epoch, first) {
-            (e, _) if e < self.skip.0 => unit.samples,
-            (e, f) if e == self.skip.0 => self.skip.1.saturating_sub(f).min(unit.samples),
-            _ => 0,
-        };
+        let mut offset = self.skipped(&unit);
         self.held.back_mut().expect("pushed").consumed = offset;
         while offset < unit.samples {
+            let f = unit.index * self.unit + offset;
+            let left = unit.samples - offset;
+            // A group member: others' runs and a dropped tail are given
+            // back unread, like skipped samples.
+            let dealt = match self.dealt(f, left) {
+                Ok(d) => d,
+                Err(take) => {
+                    self.held.back_mut().expect("pushed").consumed += take;
+                    offset += take;
+                    continue;
+                }
+            };
+            let size = self.size;
             let b = self.building.get_or_insert(Run {
                 epoch: unit.epoch,
-                index: (unit.index * self.unit + offset) / self.size,
-                first: unit.index * self.unit + offset,
+                index: dealt.map_or(f / size, |d| d.index),
+                first: f,
                 position: unit.seq * self.unit + offset,
                 samples: 0,
                 first_seq: unit.seq,
                 last_seq: unit.seq,
             });
-            let take = (self.size - b.samples).min(unit.samples - offset);
+            let room = dealt.map_or(size - b.samples, |d| d.end - f);
+            let take = room.min(left);
             let joins = b.samples == 0 || b.last_seq != unit.seq;
             b.samples += take;
             b.last_seq = unit.seq;
-            let full = b.samples == self.size;
+            let full = take == room;
             offset += take;
             let h = self.held.back_mut().expect("pushed");
             h.consumed += take;
@@ -240,6 +248,45 @@ impl Batcher {
         }
         self.collect(give_back);
         Ok(())
+    }
+
+    /// A unit that follows the last and fits the stream's units.
+    fn check(&self, unit: &Unit) -> Result<()> {
+        if let Some(last) = self.last_seq
+            && unit.seq <= last
+        {
+            return Err(Error::Unexpected(format!(
+                "batch {} after batch {last}: out of order",
+                unit.seq
+            )));
+        }
+        if unit.samples > self.unit || unit.index >= self.units_per_epoch {
+            return Err(Error::Unexpected(format!(
+                "batch {} claims {} samples at index {} (units of {}, {} to an epoch)",
+                unit.seq, unit.samples, unit.index, self.unit, self.units_per_epoch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Samples at the start of `unit` before where this consumer starts.
+    fn skipped(&self, unit: &Unit) -> u64 {
+        match (unit.epoch, unit.index * self.unit) {
+            (e, _) if e < self.skip.0 => unit.samples,
+            (e, f) if e == self.skip.0 => self.skip.1.saturating_sub(f).min(unit.samples),
+            _ => 0,
+        }
+    }
+
+    /// A group member's run holding sample `f` when it is its own
+    /// (`Ok(None)`: not a group member); `Err(n)`: the next `n` samples
+    /// (of `left` in the unit) are another's, or a dropped tail.
+    fn dealt(&self, f: u64, left: u64) -> std::result::Result<Option<Dealt>, u64> {
+        match self.deal.map(|d| d.run_at(f)) {
+            None => Ok(None),
+            Some(Some(d)) if d.mine => Ok(Some(d)),
+            Some(other) => Err(other.map_or(left, |d| (d.end - f).min(left))),
+        }
     }
 
     /// The epoch ended: a run still being built is cut short, or dropped
@@ -558,5 +605,61 @@ mod tests {
             err.contains("does not follow"),
             "a gap inside an epoch: {err}"
         );
+    }
+
+    proptest! {
+        /// A group member cuts exactly the deal's runs of its own, from
+        /// where it starts, whatever the stream's unit; units come back
+        /// exactly once.
+        #[test]
+        fn a_group_member_cuts_its_own_runs_of_the_deal(
+            b in 1u64..30, unit in 1u64..20, per_epoch in 1u64..8, last_cut in 0u64..20,
+            data in 1u32..5, rank_seed: u32, epochs in 1u64..3, skip in 0u64..3,
+            drop_last: bool,
+        ) {
+            let last = 1 + last_cut % unit;
+            let n = (per_epoch - 1) * unit + last;
+            let rank = rank_seed % data;
+            let deal = Deal::new(n, b, (rank, data, 1), drop_last);
+            let skip = skip.min(per_epoch * epochs - 1);
+            let all = units(unit, per_epoch, last, epochs, skip);
+            let mut batcher = Batcher::new(b, drop_last, unit, per_epoch).with_deal(deal);
+            let first = (skip / per_epoch, skip % per_epoch * unit);
+            batcher.skip_to(first.0, first.1);
+            let mut given = Vec::new();
+            let mut got = Vec::new();
+            for u in &all {
+                batcher.push(*u, &mut given).unwrap();
+                while let Some(r) = batcher.pop() {
+                    got.push((r.epoch, r.index, r.first, r.first + r.samples));
+                    batcher.release(&r, &mut given);
+                }
+            }
+            batcher.leave(&mut given);
+            given.sort_unstable();
+            prop_assert_eq!(given, all.iter().map(|u| u.seq).collect::<Vec<_>>());
+            // The deal's runs of this rank, from the start point on (a run
+            // the start cuts into begins there).
+            let mut want = Vec::new();
+            for e in first.0..epochs {
+                let from = if e == first.0 { first.1 } else { 0 };
+                let mut f = 0;
+                while f < n {
+                    match deal.run_at(f) {
+                        Some(d) => {
+                            if d.mine && d.end > from {
+                                want.push((e, d.index, d.start.max(from), d.end));
+                            }
+                            f = d.end.max(f + 1);
+                        }
+                        None => f += 1,
+                    }
+                }
+            }
+            // A tail shorter than the ranks is one sample each: repeated
+            // runs come once here as the same (start, end).
+            want.dedup();
+            prop_assert_eq!(got, want);
+        }
     }
 }

@@ -22,7 +22,7 @@ mod replay;
 mod state;
 mod wait;
 
-pub use options::{ConsumerOptions, DEFAULT_RECONNECT_TIMEOUT};
+pub use options::{ConsumerOptions, DEFAULT_RECONNECT_TIMEOUT, group_from_env};
 pub use state::ConsumerState;
 
 /// How long a consumer holding its whole window waits for a message
@@ -139,6 +139,7 @@ impl Consumer {
             drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
             resume: opts.resume.or(state.map(|s| s.position)),
             expect: state.map(|s| s.digest),
+            group: opts.group.clone().map(Box::new),
         })
     }
 
@@ -160,17 +161,9 @@ impl Consumer {
             welcome.device.as_ref(),
             welcome.layout.slot_bytes,
         )?;
-        let mut batcher = Batcher::new(
-            welcome.batch_size,
-            welcome.drop_last,
-            welcome.schema.batch_size,
-            welcome.schema.batches_per_epoch,
-        );
         let resume = opts.resume.or(state.map(|s| s.position));
         let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
-        if let Some(p) = skip {
-            batcher.skip_to(p.epoch, p.sample);
-        }
+        let batcher = batcher_for(&welcome, opts, skip);
         // A decoupled consumer is granted a replay arena with nothing to
         // replay yet (`from == to`).
         let replaying = welcome
@@ -266,6 +259,9 @@ impl Consumer {
     /// This consumer's batches in a whole epoch.
     pub fn batches_per_epoch(&self) -> u64 {
         let w = &self.shared.welcome;
+        if let Some(deal) = deal_of(w, &self.opts) {
+            return deal.batches_per_epoch();
+        }
         let n = w.schema.samples_per_epoch;
         if w.drop_last {
             n / w.batch_size
@@ -494,4 +490,34 @@ impl Drop for Consumer {
         self.give_back_unread();
         let _ = self.shared.send(&ClientMsg::Goodbye);
     }
+}
+
+/// A group member's share of each epoch ([`crate::deal`]).
+fn deal_of(welcome: &Welcome, opts: &ConsumerOptions) -> Option<crate::deal::Deal> {
+    let seat = opts.group.as_ref()?;
+    Some(crate::deal::Deal::new(
+        welcome.schema.samples_per_epoch,
+        welcome.batch_size,
+        (seat.rank, seat.world, seat.replicate),
+        welcome.drop_last,
+    ))
+}
+
+/// The batcher of a consumer just welcomed: its batch size over the
+/// stream's units, its share if it is a group member, samples before its
+/// start skipped.
+fn batcher_for(welcome: &Welcome, opts: &ConsumerOptions, skip: Option<Position>) -> Batcher {
+    let mut batcher = Batcher::new(
+        welcome.batch_size,
+        welcome.drop_last,
+        welcome.schema.batch_size,
+        welcome.schema.batches_per_epoch,
+    );
+    if let Some(deal) = deal_of(welcome, opts) {
+        batcher = batcher.with_deal(deal);
+    }
+    if let Some(p) = skip {
+        batcher.skip_to(p.epoch, p.sample);
+    }
+    batcher
 }

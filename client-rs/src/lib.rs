@@ -61,6 +61,7 @@ pub mod batcher;
 pub mod consumer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod deal;
 pub mod device;
 pub mod dtype;
 pub mod error;
@@ -76,7 +77,9 @@ pub mod synthetic;
 mod transport;
 
 pub use batch::{Batch, Element, FieldView};
-pub use consumer::{Consumer, ConsumerOptions, ConsumerState, DEFAULT_RECONNECT_TIMEOUT, Event};
+pub use consumer::{
+    Consumer, ConsumerOptions, ConsumerState, DEFAULT_RECONNECT_TIMEOUT, Event, group_from_env,
+};
 pub use device::Device;
 pub use error::{Error, ErrorCode, Result};
 pub use parse::ParseError;

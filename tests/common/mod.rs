@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{self, ClientMsg, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome};
+use batchcast::proto::{
+    self, ClientMsg, ErrorCode, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome,
+};
 use batchcast::shm;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
@@ -371,6 +373,7 @@ pub fn raw_subscribe(
         intent: Intent::Consume(proto::ConsumeRequest {
             batch_size: None,
             expect: None,
+            group: None,
             drop_last: None,
             resume,
             stream: "train".into(),
@@ -428,5 +431,62 @@ impl std::ops::Deref for Guard {
 impl std::ops::DerefMut for Guard {
     fn deref_mut(&mut self) -> &mut Child {
         &mut self.0
+    }
+}
+
+/// Sends `bytes` (a preamble and a hello) and reads the broker's
+/// preamble and first message.
+pub fn raw_exchange(socket: &Path, bytes: &[u8]) -> (Preamble, ServerMsg) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut pre = [0u8; 8];
+    s.read_exact(&mut pre).unwrap();
+    let msg = proto::read_frame::<ServerMsg>(&mut s, &mut Vec::new())
+        .unwrap()
+        .expect("an error frame");
+    (Preamble::parse(pre).unwrap(), msg)
+}
+
+/// `msg` is an error with `code` whose message holds `needle`.
+pub fn expect_error(msg: ServerMsg, code: ErrorCode, needle: &str) {
+    match msg {
+        ServerMsg::Error(e) => {
+            assert_eq!(e.code, code, "{e:?}");
+            assert!(
+                e.message.contains(needle),
+                "message `{}` lacks `{needle}`",
+                e.message
+            );
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// Per-epoch digests (sample by sample) a consumer report holds.
+pub fn digests(r: &ConsumerReport) -> Vec<(u64, Option<String>)> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.digest.clone()))
+        .collect()
+}
+
+/// A consumer that rode through `reconnects` broker restarts: no error,
+/// every epoch whole (`samples` each) with the digests of `reference`.
+pub fn assert_rode_through(
+    r: &ConsumerReport,
+    reconnects: u64,
+    reference: &[(u64, Option<String>)],
+    samples: u64,
+) {
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.reconnects, reconnects, "{r:#?}");
+    assert_eq!(digests(r), reference, "{r:#?}");
+    for e in &r.epochs {
+        assert!(
+            e.samples == samples && e.complete,
+            "epoch {} whole: {r:#?}",
+            e.epoch
+        );
     }
 }

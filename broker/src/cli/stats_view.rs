@@ -214,7 +214,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}",
+            "  {} {:>6} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}{}",
             who(c),
             c.uid,
             c.delivered,
@@ -228,7 +228,10 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
             c.hold_s,
             c.replayed,
             c.cuts,
-            c.device.as_deref().unwrap_or("cpu")
+            c.device.as_deref().unwrap_or("cpu"),
+            c.group
+                .as_deref()
+                .map_or(String::new(), |g| format!("  group {g}"))
         );
     }
 }

@@ -83,7 +83,9 @@ async fn subscribe(
         .map_err(|e| Reject(ErrorCode::Internal, format!("subscribing: {e}")))?;
     sub.map_err(|e| {
         let code = match e {
-            SubscribeError::Hub(_) | SubscribeError::BatchSize(_) => ErrorCode::InvalidRequest,
+            SubscribeError::Hub(_) | SubscribeError::BatchSize(_) | SubscribeError::Seat(_) => {
+                ErrorCode::InvalidRequest
+            }
             SubscribeError::Failed(_) => ErrorCode::SourceFailed,
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
             SubscribeError::Mailbox(_) => ErrorCode::Internal,

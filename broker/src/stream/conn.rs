@@ -38,6 +38,8 @@ pub(super) struct Conn {
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
     pub(super) ending: Option<Ending>,
+    /// Its seat in a group, if it took one.
+    pub(super) seat: Option<batchcast::proto::Seat>,
 }
 
 /// Who is connecting, for stats and the budget.
@@ -53,6 +55,7 @@ pub struct Peer {
 #[derive(Debug)]
 pub(super) struct OwnBatches {
     pub(super) batch_size: u64,
+    pub(super) drop_last: bool,
     /// In its batches (the hub counts the units they span).
     pub(super) window: u32,
     /// The stream's production unit (samples of a full batch).
@@ -152,6 +155,7 @@ impl Conn {
             out: Outbox::new(id, tx, mailbox),
             own: OwnBatches {
                 batch_size: shape.batch_size,
+                drop_last: shape.drop_last,
                 window: req.window,
                 unit: shape.unit,
                 anchor: start.anchor,
@@ -175,6 +179,7 @@ impl Conn {
             },
             gpu: req.device.as_ref().map(|dev| dev.uuid),
             ending: None,
+            seat: req.group.as_deref().cloned(),
         }
     }
 

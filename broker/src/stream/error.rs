@@ -51,6 +51,9 @@ pub enum SubscribeError {
     OverBudget(#[from] crate::budget::OverBudget),
     #[error("{0}")]
     BatchSize(String),
+    /// A group seat taken, or one that would deal unlike its group.
+    #[error("{0}")]
+    Seat(String),
     #[error(transparent)]
     Replay(#[from] ReplayError),
     /// The consumer's state was saved under another description of the

@@ -145,5 +145,6 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         replayed: conn.tally.replayed,
         replay_cpu_s: conn.tally.replay_cpu.as_secs_f64(),
         cuts: conn.merges.cuts,
+        group: conn.seat.as_ref().map(super::seats::label),
     })
 }

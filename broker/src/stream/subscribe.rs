@@ -77,6 +77,7 @@ impl Stream {
             if let Some(why) = &inner.failed {
                 return Err(SubscribeError::Failed(why.clone()));
             }
+            self.check_seat(inner, &req, shape)?;
             let group = match (&mirror, &req.device) {
                 (Some(m), Some(dev)) => Some(Stream::mirror_group(
                     inner, m, gpu_grant, dev, gpu_slots,
@@ -187,6 +188,7 @@ impl Stream {
         if let Some(why) = &inner.failed {
             return Err(SubscribeError::Failed(why.clone()));
         }
+        self.check_seat(&inner, req, shape)?;
         let gpu_slots = req.device.as_ref().map(|_| self.plan.gpu_slots);
         inner.hub.check_window(shape.units, gpu_slots)?;
         if let Some(dev) = &req.device {

@@ -68,6 +68,7 @@ fn request(join: JoinPolicy) -> ConsumeRequest {
     ConsumeRequest {
         stream: "train".into(),
         expect: None,
+        group: None,
         batch_size: None,
         drop_last: Some(false),
         resume: None,

@@ -76,6 +76,14 @@ def _integer(name: str, value: Any) -> int:
     return value
 
 
+def _count(name: str, value: Any) -> int:
+    """An integer ≥ 0 (the Rust client checks the rest)."""
+    n = _integer(name, value)
+    if n < 0:
+        raise InvalidArgument(f"{name}={n} must be ≥ 0")
+    return n
+
+
 def _state(state: Any) -> Optional[Dict[str, Any]]:
     """A state dict as the native module takes it."""
     if state is None:
@@ -330,6 +338,16 @@ class Consumer:
             still interrupts the wait. ``0``: fail at once with
             ``BrokerUnavailable``. Default ``$BATCHCAST_RECONNECT_TIMEOUT``,
             else 60.
+        group: take a seat in this group (a data-parallel trial's ranks):
+            its members split each epoch among them, every sample once
+            across the group and every rank as many batches (see
+            docs/python-client.md, "Groups"); other consumers still read
+            everything. Members share one batch size.
+        rank, world: this member's rank and the group's size; default
+            torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, else Slurm's
+            ``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``.
+        replicate: consecutive ranks that read the same samples (tensor-
+            or sequence-parallel peers); must divide ``world``.
 
     Blocking waits release the GIL and answer Ctrl-C within about 50 ms.
     """
@@ -353,6 +371,10 @@ class Consumer:
         resume: Optional[Tuple[int, int]] = None,
         state: Optional[Dict[str, Any]] = None,
         reconnect_timeout: Optional[float] = None,
+        group: Optional[str] = None,
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        replicate: int = 1,
     ) -> None:
         if state is not None and resume is not None:
             raise InvalidArgument("give state= or resume=, not both (a state carries its position)")
@@ -380,6 +402,10 @@ class Consumer:
             batch_size=None if batch_size is None else _integer("batch_size", batch_size),
             drop_last=None if drop_last is None else bool(drop_last),
             reconnect_timeout=None if reconnect_timeout is None else float(reconnect_timeout),
+            group=group,
+            rank=None if rank is None else _count("rank", rank),
+            world=None if world is None else _count("world", world),
+            replicate=_count("replicate", replicate),
         )
         self._attach(_native.Consumer(stream, resume=_position(resume), state=_state(state), **self._args))
 

@@ -24,6 +24,10 @@ class Consumer:
         resume: Optional[Tuple[int, int]] = None,
         state: Optional[Dict[str, Any]] = None,
         reconnect_timeout: Optional[float] = None,
+        group: Optional[str] = None,
+        rank: Optional[int] = None,
+        world: Optional[int] = None,
+        replicate: int = 1,
     ) -> None: ...
     def state(self) -> Dict[str, Any]: ...
     def next_event(

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::ConsumerState;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::proto::{JoinPolicy, Position};
+use crate::proto::{JoinPolicy, Position, Seat};
 use crate::transport::program_name;
 
 /// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
@@ -78,6 +78,13 @@ pub struct ConsumerOptions {
     /// with [`Error::BrokerGone`]. Default: `$BATCHCAST_RECONNECT_TIMEOUT`
     /// seconds, else [`DEFAULT_RECONNECT_TIMEOUT`].
     pub reconnect_timeout: Duration,
+    /// A seat in a group: the ranks of one data-parallel trial split each
+    /// epoch among them ([`crate::deal`]: every rank as many batches, each
+    /// sample once across the group), while every other consumer of the
+    /// stream still receives everything. The group's members share one
+    /// batch size. Default: with `$BATCHCAST_GROUP` set, that group, the
+    /// rank and world from the environment ([`group_from_env`]).
+    pub group: Option<Seat>,
 }
 
 impl ConsumerOptions {
@@ -98,6 +105,9 @@ impl ConsumerOptions {
             return Err(Error::InvalidOption(
                 "batch_size must be at least 1 (or unset for the stream's)".into(),
             ));
+        }
+        if let Some(seat) = &self.group {
+            seat.validate().map_err(Error::InvalidOption)?;
         }
         Ok(())
     }
@@ -130,6 +140,7 @@ impl Default for ConsumerOptions {
             resume: None,
             state: None,
             reconnect_timeout: seconds("BATCHCAST_RECONNECT_TIMEOUT", DEFAULT_RECONNECT_TIMEOUT),
+            group: env("BATCHCAST_GROUP").and_then(|g| group_from_env(&g).ok()),
         }
     }
 }
@@ -148,4 +159,41 @@ pub(crate) fn seconds(key: &str, default: Duration) -> Duration {
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map(Duration::from_secs_f64)
         .unwrap_or(default)
+}
+
+/// A seat in group `name` with the rank and world a launcher set in the
+/// environment: torchrun's `LOCAL_RANK` and `LOCAL_WORLD_SIZE`, else
+/// Slurm's `SLURM_LOCALID` and `SLURM_NTASKS_PER_NODE` (its first count,
+/// for a value like `4(x2)`). The ranks on this host split its stream:
+/// the host's share of the dataset is the stream's (`rank`/`world_size`
+/// in its config). The error names what is missing.
+pub fn group_from_env(name: &str) -> std::result::Result<Seat, String> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let number = |k: &str| -> std::result::Result<Option<u32>, String> {
+        let Some(v) = var(k) else { return Ok(None) };
+        let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
+        digits
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("${k}={v:?} is not a count"))
+    };
+    let (rank, world) = match (number("LOCAL_RANK")?, number("LOCAL_WORLD_SIZE")?) {
+        (Some(r), Some(w)) => (r, w),
+        _ => match (number("SLURM_LOCALID")?, number("SLURM_NTASKS_PER_NODE")?) {
+            (Some(r), Some(w)) => (r, w),
+            _ => {
+                return Err(format!(
+                    "group `{name}` without a rank and world: set them, or run under torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE) or srun (SLURM_LOCALID, SLURM_NTASKS_PER_NODE)"
+                ));
+            }
+        },
+    };
+    let seat = Seat {
+        name: name.into(),
+        rank,
+        world,
+        replicate: 1,
+    };
+    seat.validate()?;
+    Ok(seat)
 }

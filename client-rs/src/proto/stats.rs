@@ -275,6 +275,8 @@ pub struct ConsumerStats {
     /// Decoupled pace: how often it fell a ring behind and was cut from
     /// the shared stream (replay followed).
     pub cuts: u64,
+    /// Its seat in a group (`name rank/world`), if it took one (protocol 16).
+    pub group: Option<String>,
 }
 
 impl ConsumerStats {
@@ -316,6 +318,7 @@ mod tests {
             replayed: 0,
             replay_cpu_s: 0.0,
             cuts: 0,
+            group: None,
         }
     }
 

@@ -141,6 +141,11 @@ impl<'a> Checker<'a> {
         }
         self.cur.batches += 1;
         self.cur.samples += batch.len() as u64;
+        if self.args.positions {
+            self.cur
+                .positions
+                .push((batch.first_sample(), batch.len() as u64));
+        }
         report.batches += 1;
         report.replayed_batches += u64::from(batch.replayed());
         report.samples += batch.len() as u64;
@@ -337,6 +342,7 @@ impl EpochReport {
             complete: false,
             digest: None,
             distinct_indices: None,
+            positions: Vec::new(),
         }
     }
 }

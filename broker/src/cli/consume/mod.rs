@@ -109,6 +109,48 @@ pub struct ConsumeArgs {
     /// before the resume too); not with --resume
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]
     pub resume_state: Option<PathBuf>,
+    /// Take a seat in this group: its ranks split each epoch among them
+    /// (rank and world from --rank/--world, else torchrun's or Slurm's
+    /// environment)
+    #[arg(long)]
+    pub group: Option<String>,
+    /// This member's rank in --group
+    #[arg(long, requires = "group")]
+    pub rank: Option<u32>,
+    /// The ranks of --group
+    #[arg(long, requires = "group")]
+    pub world: Option<u32>,
+    /// Consecutive ranks of --group that read the same samples
+    #[arg(long, default_value_t = 1, requires = "group")]
+    pub replicate: u32,
+    /// Report each batch's place: the first sample and how many, per epoch
+    #[arg(long)]
+    pub positions: bool,
+}
+
+/// The seat `--group` asks for, if any.
+fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, String> {
+    let Some(name) = &args.group else {
+        return Ok(None);
+    };
+    let seat = match (args.rank, args.world) {
+        (Some(rank), Some(world)) => batchcast::proto::Seat {
+            name: name.clone(),
+            rank,
+            world,
+            replicate: args.replicate,
+        },
+        (None, None) => batchcast::proto::Seat {
+            replicate: args.replicate,
+            ..batchcast::group_from_env(name)?
+        },
+        _ => {
+            return Err(
+                "give --rank and --world together, or neither (from the environment)".into(),
+            );
+        }
+    };
+    Ok(Some(seat))
 }
 
 /// What `--state-file` writes: the consumer's state and its epoch in
@@ -202,6 +244,9 @@ pub struct EpochReport {
     pub digest: Option<String>,
     /// Image streams: distinct dataset indices seen (the `index` field).
     pub distinct_indices: Option<u64>,
+    /// With `--positions`: each batch's first sample and sample count.
+    #[serde(default)]
+    pub positions: Vec<(u64, u64)>,
 }
 
 /// What a consumer process reports on exit.
@@ -312,6 +357,15 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
         None => None,
     };
     opts.state = saved.as_ref().map(|s| s.state.clone());
+    match seat(args) {
+        Ok(s) => opts.group = s,
+        Err(e) => {
+            return ConsumerReport {
+                error: Some(e),
+                ..Default::default()
+            };
+        }
+    }
     let mut report = ConsumerReport {
         name: opts.name.clone(),
         pid: std::process::id(),

@@ -1,0 +1,226 @@
+//! How a group of consumers splits each epoch among its ranks, as plain
+//! logic (no I/O): the members of a data-parallel trial read one stream
+//! together, each its own share, with the same number of batches per
+//! epoch so that no rank waits for another's batch in a collective.
+//!
+//! Every member receives every unit of the stream (zero-copy, as any
+//! consumer) and keeps only its own runs; the others' samples it gives
+//! back unread. The deal is a function of the epoch's length `n`, the
+//! group's batch size `b`, its data ranks `d` (= world / replicate) and
+//! `drop_last`, so every member computes the same one alone.
+//!
+//! # Rules
+//!
+//! * An epoch's samples (the stream's order) are dealt in rounds of `d`
+//!   batches of `b` consecutive samples: batch `k` of the epoch goes to
+//!   data rank `k mod d`. A member's batches are contiguous runs: views
+//!   into the ring, never gathered.
+//! * The tail (the `m < d·b` samples after the last full round):
+//!   with `drop_last` it is dropped (every rank gets `⌊n / (d·b)⌋` full
+//!   batches); without it, it is split into `d` contiguous parts whose
+//!   sizes differ by at most one, one last batch for each rank; when
+//!   `m < d`, data rank `p` gets tail sample `p mod m` (some samples are
+//!   seen twice, as `DistributedSampler` pads by repeating samples).
+//!   So every rank gets the same number of batches each epoch.
+//! * With `replicate = k`, ranks `r` and `r'` with `r / k == r' / k` get
+//!   the same batches (tensor- or sequence-parallel peers).
+//! * Other consumers of the stream, and other groups, are not affected.
+
+/// A consumer's place in a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deal {
+    /// Samples in an epoch.
+    pub n: u64,
+    /// The group's batch size.
+    pub b: u64,
+    /// Data ranks: world / replicate.
+    pub d: u64,
+    /// This member's data rank: rank / replicate.
+    pub me: u64,
+    pub drop_last: bool,
+}
+
+/// The run of the deal that holds a sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dealt {
+    /// Its first sample in the epoch and the one after its last.
+    pub start: u64,
+    pub end: u64,
+    /// Whether it is this member's.
+    pub mine: bool,
+    /// Its index among each member's batches of the epoch.
+    pub index: u64,
+}
+
+impl Deal {
+    /// The deal of `world` ranks (`replicate` to a data rank) for `rank`,
+    /// over epochs of `n` samples in batches of `b`.
+    pub fn new(n: u64, b: u64, (rank, world, replicate): (u32, u32, u32), drop_last: bool) -> Deal {
+        assert!(
+            b > 0 && replicate > 0 && world.is_multiple_of(replicate) && rank < world,
+            "checked by the options and the broker"
+        );
+        Deal {
+            n,
+            b,
+            d: u64::from(world / replicate),
+            me: u64::from(rank / replicate),
+            drop_last,
+        }
+    }
+
+    /// Samples in the full rounds of an epoch.
+    fn full(&self) -> u64 {
+        let round = self.d * self.b;
+        self.n / round * round
+    }
+
+    /// Batches each member gets in an epoch.
+    pub fn batches_per_epoch(&self) -> u64 {
+        let rounds = self.n / (self.d * self.b);
+        let tail = self.n > self.full() && !self.drop_last;
+        rounds + u64::from(tail)
+    }
+
+    /// The run holding sample `f` of an epoch; `None` if it is dropped
+    /// (the tail, with `drop_last`) or past the epoch.
+    pub fn run_at(&self, f: u64) -> Option<Dealt> {
+        let full = self.full();
+        if f >= self.n {
+            return None;
+        }
+        if f < full {
+            let k = f / self.b;
+            return Some(Dealt {
+                start: k * self.b,
+                end: (k + 1) * self.b,
+                mine: k % self.d == self.me,
+                index: k / self.d,
+            });
+        }
+        if self.drop_last {
+            return None;
+        }
+        let m = self.n - full;
+        let index = full / (self.d * self.b);
+        let j = f - full;
+        if m < self.d {
+            // One sample each; ranks past the tail repeat its samples.
+            return Some(Dealt {
+                start: f,
+                end: f + 1,
+                mine: self.me % m == j,
+                index,
+            });
+        }
+        // `d` parts: the first `m mod d` of `q + 1` samples, then of `q`.
+        let (q, r) = (m / self.d, m % self.d);
+        let (part, start) = if j < r * (q + 1) {
+            (j / (q + 1), j / (q + 1) * (q + 1))
+        } else {
+            let p = r + (j - r * (q + 1)) / q;
+            (p, r * (q + 1) + (p - r) * q)
+        };
+        let len = if part < r { q + 1 } else { q };
+        Some(Dealt {
+            start: full + start,
+            end: full + start + len,
+            mine: part == self.me,
+            index,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Each rank's samples of an epoch, in order, as the deal gives them.
+    fn samples_of(deal_for: impl Fn(u32) -> Deal, world: u32) -> Vec<Vec<(u64, u64)>> {
+        (0..world)
+            .map(|r| {
+                let deal = deal_for(r);
+                let mut runs: Vec<(u64, u64)> = Vec::new();
+                for f in 0..deal.n {
+                    if let Some(d) = deal.run_at(f).filter(|d| d.mine)
+                        && runs.last() != Some(&(d.start, d.end))
+                    {
+                        runs.push((d.start, d.end));
+                    }
+                }
+                runs
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ranks_take_batches_in_turn_and_split_the_tail() {
+        // 23 samples, batches of 4, 2 ranks: rounds of 8 (two full), a
+        // tail of 7 split 4 + 3.
+        let runs = samples_of(|r| Deal::new(23, 4, (r, 2, 1), false), 2);
+        assert_eq!(runs[0], vec![(0, 4), (8, 12), (16, 20)]);
+        assert_eq!(runs[1], vec![(4, 8), (12, 16), (20, 23)]);
+        let dropped = samples_of(|r| Deal::new(23, 4, (r, 2, 1), true), 2);
+        assert_eq!(dropped[0], vec![(0, 4), (8, 12)]);
+        assert_eq!(dropped[1], vec![(4, 8), (12, 16)]);
+        // A tail shorter than the ranks: repeated, as DistributedSampler pads.
+        let padded = samples_of(|r| Deal::new(19, 4, (r, 4, 1), false), 4);
+        assert_eq!(
+            padded,
+            vec![
+                vec![(0, 4), (16, 17)],
+                vec![(4, 8), (17, 18)],
+                vec![(8, 12), (18, 19)],
+                vec![(12, 16), (16, 17)],
+            ]
+        );
+    }
+
+    proptest! {
+        /// Every rank the same number of batches; each sample once across
+        /// the data ranks (but for a tail shorter than the ranks, repeated,
+        /// or the dropped tail); runs contiguous, in order, at most `b`;
+        /// replicated ranks alike.
+        #[test]
+        fn every_rank_gets_as_many_batches_and_each_sample_once(
+            n in 1u64..400, b in 1u64..40, data in 1u32..6, replicate in 1u32..4, drop_last: bool,
+        ) {
+            let world = data * replicate;
+            let deal = |r| Deal::new(n, b, (r, world, replicate), drop_last);
+            let runs = samples_of(deal, world);
+            let want = deal(0).batches_per_epoch();
+            for (r, mine) in runs.iter().enumerate() {
+                prop_assert_eq!(mine.len() as u64, want, "rank {}", r);
+                prop_assert!(mine.windows(2).all(|w| w[0].1 <= w[1].0));
+                prop_assert!(mine.iter().all(|&(s, e)| s < e && e - s <= b));
+                prop_assert_eq!(mine, &runs[r / replicate as usize * replicate as usize]);
+                for (i, &(s, _)) in mine.iter().enumerate() {
+                    prop_assert_eq!(deal(r as u32).run_at(s).unwrap().index, i as u64);
+                }
+            }
+            let mut seen = vec![0u32; n as usize];
+            for mine in runs.iter().step_by(replicate as usize) {
+                for &(s, e) in mine {
+                    for f in s..e {
+                        seen[f as usize] += 1;
+                    }
+                }
+            }
+            let full = n / (u64::from(data) * b) * (u64::from(data) * b);
+            let tail = n - full;
+            for (f, &k) in seen.iter().enumerate() {
+                let f = f as u64;
+                if f < full {
+                    prop_assert_eq!(k, 1, "sample {}", f);
+                } else if drop_last {
+                    prop_assert_eq!(k, 0, "sample {} of the dropped tail", f);
+                } else if tail >= u64::from(data) {
+                    prop_assert_eq!(k, 1, "sample {}", f);
+                } else {
+                    prop_assert!(k >= 1, "tail sample {} seen", f);
+                }
+            }
+        }
+    }
+}

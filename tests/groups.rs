@@ -1,0 +1,208 @@
+//! Groups: the ranks of a data-parallel trial split a stream among them
+//! (each sample once per epoch across the group, every rank as many
+//! batches), while other groups and plain consumers of the same stream
+//! still receive everything. Real broker, real consumer processes.
+
+use std::collections::BTreeMap;
+
+use batchcast::deal::Deal;
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+
+mod common;
+
+use common::{Env, report};
+
+/// 203 samples an epoch (no batch size divides it) in units of 8, shuffled,
+/// 2 epochs; `consumers` start it together.
+fn config(consumers: u32) -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 4, 4]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 8, 203, &fields)
+        .epochs(2)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("max_batch_size", 8)
+        .key("min_consumers", consumers)
+        .fill("full")
+        .to_toml()
+}
+
+/// A member's batches, per epoch: (first sample, samples).
+fn runs(r: &ConsumerReport) -> BTreeMap<u64, Vec<(u64, u64)>> {
+    r.epochs
+        .iter()
+        .map(|e| (e.epoch, e.positions.clone()))
+        .collect()
+}
+
+/// What the deal gives `rank` of a group in an epoch.
+fn dealt(deal: Deal) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for f in 0..deal.n {
+        if let Some(d) = deal.run_at(f).filter(|d| d.mine)
+            && out.last() != Some(&(d.start, d.end - d.start))
+        {
+            out.push((d.start, d.end - d.start));
+        }
+    }
+    out
+}
+
+fn member(env: &Env, group: &str, rank: u32, world: u32, extra: &[&str]) -> std::process::Child {
+    let (rank, world) = (rank.to_string(), world.to_string());
+    let mut args = vec![
+        "--verify",
+        "--positions",
+        "--group",
+        group,
+        "--rank",
+        &rank,
+        "--world",
+        &world,
+    ];
+    args.extend_from_slice(extra);
+    env.consumer(&args)
+}
+
+#[test]
+fn a_groups_ranks_split_each_epoch_while_others_receive_everything() {
+    let env = Env::start(&config(6));
+    // Trial A: 3 ranks of the stream's batch size; trial B: 2 ranks of 5,
+    // replicated in pairs (4 ranks, 2 data ranks); and a plain consumer.
+    let a: Vec<_> = (0..3).map(|r| member(&env, "trial-a", r, 3, &[])).collect();
+    let b: Vec<_> = (0..2)
+        .map(|r| {
+            member(
+                &env,
+                "trial-b",
+                r,
+                4,
+                &["--batch-size", "5", "--replicate", "2", "--no-mailbox"],
+            )
+        })
+        .collect();
+    let plain = env.consumer(&["--verify", "--positions"]);
+    let check = |kids: Vec<std::process::Child>, world: u32, replicate: u32, batch: u64| {
+        let mut seen = BTreeMap::<u64, Vec<u32>>::new();
+        for (rank, kid) in kids.into_iter().enumerate() {
+            let r = report(kid);
+            assert!(r.ok && r.ended, "{r:#?}");
+            assert_eq!(r.verify_failures, 0, "{r:#?}");
+            assert!(r.order_errors.is_empty(), "{r:#?}");
+            let deal = Deal::new(203, batch, (rank as u32, world, replicate), false);
+            for (epoch, got) in runs(&r) {
+                assert_eq!(got, dealt(deal), "rank {rank} epoch {epoch}");
+                assert_eq!(got.len() as u64, deal.batches_per_epoch());
+                let counts = seen.entry(epoch).or_insert_with(|| vec![0; 203]);
+                for (first, n) in got {
+                    for f in first..first + n {
+                        counts[f as usize] += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(seen.len(), 2, "both epochs");
+        seen
+    };
+    // A: every sample once per epoch across its ranks.
+    for (epoch, counts) in check(a, 3, 1, 8) {
+        assert!(counts.iter().all(|&c| c == 1), "epoch {epoch}: {counts:?}");
+    }
+    // B's two members are ranks 0 and 1 of world 4, replicate 2: the same
+    // data rank, so both read data rank 0's share, and nothing of rank 1's.
+    for (epoch, counts) in check(b, 4, 2, 5) {
+        let want = dealt(Deal::new(203, 5, (0, 4, 2), false));
+        let mut expect = vec![0u32; 203];
+        for (first, n) in want {
+            for f in first..first + n {
+                expect[f as usize] = 2;
+            }
+        }
+        assert_eq!(counts, expect, "epoch {epoch}");
+    }
+    let r = report(plain);
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+    for e in &r.epochs {
+        assert_eq!(
+            e.samples, 203,
+            "the plain consumer reads everything: {r:#?}"
+        );
+    }
+}
+
+#[test]
+fn a_seat_is_taken_once_and_a_group_deals_alike() {
+    let env = Env::start(&config(1));
+    let first = member(&env, "t", 1, 2, &["--sleep-ms", "20"]);
+    env.wait_for("the first member", |s| s.streams[0].consumers.len() == 1);
+    let refused = |extra: &[&str], rank: u32, world: u32| {
+        let r = report(member(&env, "t", rank, world, extra));
+        assert!(!r.ok, "{r:#?}");
+        r.error.unwrap_or_default()
+    };
+    let msg = refused(&[], 1, 2);
+    assert!(msg.contains("rank 1 is taken by"), "{msg}");
+    let msg = refused(&[], 0, 3);
+    assert!(msg.contains("has world 2"), "{msg}");
+    let msg = refused(&["--batch-size", "4"], 0, 2);
+    assert!(msg.contains("share one batch size"), "{msg}");
+    let msg = refused(&[], 2, 2);
+    assert!(msg.contains("rank 2 outside its world of 2"), "{msg}");
+    let msg = refused(&["--replicate", "3"], 0, 2);
+    assert!(msg.contains("replicate 3 must divide"), "{msg}");
+    // Another group, and a plain consumer, are not held to it.
+    let other = report(member(&env, "u", 1, 2, &["--batch-size", "4"]));
+    assert!(other.ok, "{other:#?}");
+    let r = report(first);
+    assert!(r.ok && r.ended, "{r:#?}");
+}
+
+#[test]
+fn a_forged_seat_is_refused_by_the_broker() {
+    use batchcast::proto::{self, ErrorCode, Preamble, Seat};
+    let env = Env::start(&config(1));
+    let hello = |seat: Seat| {
+        let hello = proto::ClientMsg::Hello(proto::Hello {
+            name: "forged".into(),
+            pid: std::process::id(),
+            intent: proto::Intent::Consume(proto::ConsumeRequest {
+                stream: "train".into(),
+                window: 2,
+                join: batchcast::JoinPolicy::NextEpoch,
+                device: None,
+                mailbox: false,
+                batch_size: None,
+                drop_last: None,
+                resume: None,
+                expect: None,
+                group: Some(Box::new(seat)),
+            }),
+        });
+        let mut bytes = Preamble::ours().to_bytes().to_vec();
+        bytes.extend_from_slice(&proto::encode(&hello).unwrap());
+        common::raw_exchange(&env.socket(), &bytes).1
+    };
+    let seat = |rank, world, replicate| Seat {
+        name: "t".into(),
+        rank,
+        world,
+        replicate,
+    };
+    for (s, needle) in [
+        (seat(5, 2, 1), "rank 5 outside its world of 2"),
+        (seat(0, 0, 1), "world 0 must be 1 to"),
+        (seat(0, 4, 0), "replicate 0 must divide"),
+        (
+            Seat {
+                name: "bad\u{1b}[2J".into(),
+                ..seat(0, 1, 1)
+            },
+            "control character",
+        ),
+    ] {
+        common::expect_error(hello(s), ErrorCode::InvalidRequest, needle);
+    }
+    // Nothing was seated: a good member still takes rank 0.
+    let r = report(member(&env, "t", 0, 1, &["--max-batches", "3"]));
+    assert!(r.ok, "{r:#?}");
+}
