@@ -1036,3 +1036,51 @@ fn every_format_decodes_to_pillows_pixels() {
     }
     eprintln!("mean error per image vs Pillow: {}", report.join(", "));
 }
+
+#[test]
+fn a_hosts_share_comes_from_the_environment_so_one_config_serves_every_node() {
+    let env = Env::new();
+    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
+        .trim()
+        .parse()
+        .unwrap();
+    let cfg = stream(
+        "s",
+        &folder(&env.p("ds")),
+        "resize = 16\ncenter_crop = 16\ndtype = \"u8\"",
+        "rank = { env = \"NODE_RANK\" }\nworld_size = \"slurm\"\ndrop_last = false",
+    );
+    let path = env.path("node.toml");
+    std::fs::write(&path, &cfg).unwrap();
+    let mut all = HashSet::new();
+    // Two "nodes": the same config, each broker its own environment.
+    for rank in 0..2u64 {
+        let sock = env.path(&format!("node{rank}.sock"));
+        let mut cmd = command(EXE);
+        cmd.env("NODE_RANK", rank.to_string())
+            .env("SLURM_NNODES", "2");
+        let b = BrokerProcess::spawn_with(cmd, Some(&path), &sock, None).unwrap();
+        let share = b.stats().unwrap().streams[0].share;
+        assert_eq!(
+            share,
+            Some((rank, 2, n.div_ceil(2))),
+            "stats show the share"
+        );
+        let dump = env.path(&format!("dump{rank}"));
+        let child = common::spawn_consumer(
+            &sock,
+            &["--stream", "s", "--dump", &dump.display().to_string()],
+        );
+        let r = harness::wait_report(child, LIMIT).unwrap();
+        assert!(r.ok, "{r:#?}");
+        all.extend(dumped_i64(&dump, "index"));
+        drop(b);
+    }
+    assert_eq!(all.len() as u64, n, "the nodes together cover the dataset");
+    // A variable the broker's environment lacks is named.
+    let err = env.serve_fails(&cfg);
+    assert!(err.contains("$NODE_RANK is not set"), "{err}");
+    let bad = cfg.replace("\"slurm\"", "\"mpi\"");
+    let err = env.serve_fails(&bad.replace("{ env = \"NODE_RANK\" }", "0"));
+    assert!(err.contains("unknown preset \"mpi\""), "{err}");
+}

@@ -42,8 +42,8 @@
 //! on_error = "skip"     # or "fail"
 //! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off
 //! max_file_bytes = 268435456   # larger samples are bad files
-//! rank = 0              # this host's share of a multi-host job
-//! world_size = 1
+//! rank = 0              # this host's share of a multi-host job; or
+//! world_size = 1        # { env = "VAR" }, "torchrun" or "slurm" (config/share.rs)
 //!
 //! [stream.image_folder] # or [stream.webdataset] shards = "/d/shard-{000000..000099}.tar"
 //! root = "/data/imagenet/train"   # a leading ~/ is $HOME
@@ -96,6 +96,7 @@ use crate::pipeline::OnError;
 use crate::pipeline::sampler::Uneven;
 use crate::pipeline::shared::DecodeShare;
 
+mod share;
 mod transform;
 pub use transform::*;
 
@@ -161,10 +162,11 @@ with_source_keys! {
         shuffle: bool,
         #[serde(default)]
         seed: u64,
-        /// This host's share of the dataset (DistributedSampler's split).
-        #[serde(default)]
+        /// This host's share of the dataset (DistributedSampler's split):
+        /// numbers, or from the environment (`share.rs`).
+        #[serde(default, deserialize_with = "share::rank")]
         rank: u64,
-        #[serde(default = "one64")]
+        #[serde(default = "one64", deserialize_with = "share::world_size")]
         world_size: u64,
         /// DistributedSampler's `drop_last`: pad (default) or drop the tail.
         #[serde(default)]

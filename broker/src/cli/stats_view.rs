@@ -35,6 +35,12 @@ pub fn render(s: &StatsReply) -> String {
         if let Some(src) = &st.source {
             source_line(&mut out, src);
         }
+        if let Some((rank, world, samples)) = st.share.filter(|s| s.1 > 1) {
+            let _ = writeln!(
+                out,
+                "  share: rank {rank} of {world} hosts, {samples} samples an epoch"
+            );
+        }
         match &st.producer {
             Some(p) => {
                 let _ = writeln!(out, "  produced by {p}, uid {}", st.owner_uid);

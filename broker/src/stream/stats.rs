@@ -51,6 +51,12 @@ impl Stream {
                 _ => None,
             },
             failed: inner.failed.as_ref().map(|f| f.to_string()),
+            share: match &self.plan.schema.source {
+                batchcast::schema::SourceInfo::Images(i) => {
+                    Some((i.rank, i.world_size, self.plan.schema.samples_per_epoch))
+                }
+                _ => None,
+            },
             gpus: gpu_stats(&inner),
             source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
                 let c = n.cache.unwrap_or_default();

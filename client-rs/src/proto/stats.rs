@@ -148,6 +148,9 @@ pub struct StreamStats {
     pub source: Option<SourceStats>,
     /// External streams: who produces them.
     pub producer: Option<String>,
+    /// Image streams: this broker's share of the dataset, `(rank,
+    /// world_size)`, and the samples of it an epoch (protocol 16).
+    pub share: Option<(u64, u64, u64)>,
     /// The uid the stream belongs to (see [`Welcome::owner_uid`](super::Welcome::owner_uid)).
     pub owner_uid: u32,
     /// Why the stream stopped, if its source or producer failed.
@@ -342,6 +345,7 @@ mod tests {
             replay_cpu_s: 0.0,
             source: None,
             producer: None,
+            share: None,
             owner_uid: 0,
             failed: None,
             gpus: Vec::new(),
