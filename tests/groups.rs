@@ -206,3 +206,65 @@ fn a_forged_seat_is_refused_by_the_broker() {
     let r = report(member(&env, "t", 0, 1, &["--max-batches", "3"]));
     assert!(r.ok, "{r:#?}");
 }
+
+#[test]
+fn a_member_killed_mid_epoch_resumes_its_own_share_from_its_state() {
+    let env = Env::start(&config(2));
+    // Rank 1 reads slowly: it pins the ring behind rank 0's place, so
+    // that place is still there when rank 0 comes back (replay does not
+    // deal a group's shares yet: a place the ring no longer holds is
+    // refused, below).
+    let slow = member(&env, "t", 1, 2, &["--sleep-ms", "200"]);
+    let state = env.path("member.state");
+    let file = state.to_str().unwrap();
+    // Rank 0 of 2, checkpointing every batch, stalls after 20 of its
+    // batches (epoch 0 has 13: it stands in epoch 1) and is killed there.
+    let mut killed = member(
+        &env,
+        "t",
+        0,
+        2,
+        &[
+            "--state-file",
+            file,
+            "--stall-after",
+            "20",
+            "--stall-ms",
+            "60000",
+        ],
+    );
+    let deal = Deal::new(203, 8, (0, 2, 1), false);
+    let want = dealt(deal);
+    let t0 = std::time::Instant::now();
+    let at = loop {
+        if let Ok(s) = batchcast_broker::consume::SavedState::load(&state)
+            && (s.epoch.epoch, s.epoch.positions.len()) == (1, 20 - want.len())
+        {
+            break s.state.position;
+        }
+        assert!(t0.elapsed() < common::LIMIT, "the member never stood still");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    common::sigkill(&mut killed);
+    assert_eq!(at.epoch, 1);
+    // Its seat is free again; it takes it back and goes on from its state.
+    let r = report(member(&env, "t", 0, 2, &["--resume-state", file]));
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+    assert!(r.order_errors.is_empty(), "{r:#?}");
+    // Epoch 1 (carried over from the state) and nothing else: rank 0's
+    // share exactly, each batch once.
+    assert_eq!(runs(&r), BTreeMap::from([(1, want)]), "{r:#?}");
+    let r = report(slow);
+    assert!(r.ok && r.ended, "{r:#?}");
+    let theirs = dealt(Deal::new(203, 8, (1, 2, 1), false));
+    assert_eq!(runs(&r), BTreeMap::from([(0, theirs.clone()), (1, theirs)]));
+    // Once nobody holds the ring, a place behind the stream is refused,
+    // saying why (rather than dealing it wrongly).
+    let r = report(member(&env, "t", 0, 2, &["--resume", "1:0"]));
+    assert!(!r.ok, "{r:#?}");
+    let msg = r.error.unwrap_or_default();
+    assert!(
+        msg.contains("replay does not deal a group's shares yet"),
+        "{msg}"
+    );
+}

@@ -256,6 +256,12 @@ impl Consumer {
         self.shared.welcome.batch_size
     }
 
+    /// A group member's share of each epoch ([`crate::deal`]); `None` for
+    /// a consumer of the whole stream.
+    pub fn deal(&self) -> Option<crate::deal::Deal> {
+        deal_of(&self.shared.welcome, &self.opts)
+    }
+
     /// This consumer's batches in a whole epoch.
     pub fn batches_per_epoch(&self) -> u64 {
         let w = &self.shared.welcome;

@@ -54,8 +54,7 @@ impl Stream {
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
-        // A producer's stream resumes without replay (nothing to make).
-        let replays = (replaying.is_some() && self.writer.is_some()) || decoupled;
+        let replays = self.may_replay(&req, replaying.is_some()) || decoupled;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape)?;
@@ -90,7 +89,7 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
-            self.seek_to_resume(inner, replaying, &peer);
+            self.seek_to_resume(inner, (replaying, req.group.is_some()), &peer);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
                 .start_replay(inner, id, replaying, prepared, shape.batch_size)
@@ -168,15 +167,27 @@ impl Stream {
     /// that for nobody. Only its owner's consumers move it: a guest that
     /// came first could otherwise make the owner's trainers, joining at
     /// the next epoch, miss every epoch before its place.
-    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>, peer: &Peer) {
+    fn seek_to_resume(
+        &self,
+        inner: &mut Inner,
+        (replaying, member): (Option<ReplayFrom>, bool),
+        peer: &Peer,
+    ) {
         // A producer's stream starts where its producer says.
         if peer.uid != self.owner_uid || self.writer.is_none() {
             return;
         }
+        // A group member's peers, not replayed to, may stand anywhere in
+        // its epoch: that epoch's start.
+        let index = |p: batchcast::proto::Position| {
+            if member {
+                0
+            } else {
+                p.sample / self.plan.schema.batch_size
+            }
+        };
         if let Some(p) = replaying.and_then(ReplayFrom::resume)
-            && inner
-                .hub
-                .seek(p.epoch, p.sample / self.plan.schema.batch_size)
+            && inner.hub.seek(p.epoch, index(p))
         {
             tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
         }
@@ -197,11 +208,22 @@ impl Stream {
         Ok(())
     }
 
+    /// Whether a consumer that asks for a place (`join="now"`, a resume)
+    /// may be replayed to: not on a producer's stream (nothing to make),
+    /// nor a group member for now (replayed batches are cut in its batch
+    /// size, not dealt).
+    fn may_replay(&self, req: &ConsumeRequest, asks: bool) -> bool {
+        asks && self.writer.is_some() && req.group.is_none()
+    }
+
     /// Decoupled pace: a host consumer (mailbox or socket) of a stream the
     /// broker computes may be cut from the shared stream and replayed to;
     /// GPU consumers keep lockstep.
     fn decoupled(&self, req: &ConsumeRequest) -> bool {
-        self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
+        self.plan.pace == Pace::Decoupled
+            && self.writer.is_some()
+            && req.device.is_none()
+            && req.group.is_none()
     }
 
     /// A mailbox for a host consumer that asked for one, in the budget

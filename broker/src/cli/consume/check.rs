@@ -43,6 +43,8 @@ pub(super) struct Checker<'a> {
     /// The shared mapping's address range in this process, and the replay
     /// arena's.
     arenas: Vec<(usize, usize)>,
+    /// A group member's share: its batches are its own runs.
+    pub(super) deal: Option<batchcast::deal::Deal>,
 }
 
 impl<'a> Checker<'a> {
@@ -78,6 +80,7 @@ impl<'a> Checker<'a> {
             index_field,
             seen: HashSet::new(),
             orders: VecDeque::new(),
+            deal: None,
             handoff: Histogram::default(),
             last: None,
             last_replayed: false,
@@ -189,6 +192,23 @@ impl<'a> Checker<'a> {
 
     /// Batches come in sequence, epoch by epoch; the first at an epoch's
     /// start unless joining mid-epoch.
+    /// Where the first batch of a consumer starting at `sample` begins:
+    /// there, or for a group member the start of its next own run (there,
+    /// if it starts inside one).
+    fn first_own(&self, sample: u64) -> u64 {
+        let Some(deal) = self.deal else {
+            return sample;
+        };
+        let mut f = sample;
+        while let Some(d) = deal.run_at(f) {
+            if d.mine {
+                return f;
+            }
+            f = d.end;
+        }
+        sample
+    }
+
     fn check_order(&mut self, batch: &Batch, report: &mut ConsumerReport) {
         let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
         match self.last {
@@ -207,9 +227,9 @@ impl<'a> Checker<'a> {
                     ));
                 }
             }
-            None if self
-                .resume
-                .is_some_and(|p| (p.epoch, p.sample) != (epoch, batch.first_sample())) =>
+            None if self.resume.is_some_and(|p| {
+                (p.epoch, self.first_own(p.sample)) != (epoch, batch.first_sample())
+            }) =>
             {
                 report.order_errors.push(format!(
                     "first batch starts at sample {} of epoch {epoch}, not at the resume position {:?}",

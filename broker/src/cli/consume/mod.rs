@@ -424,6 +424,7 @@ fn consume(
         arenas,
         join,
     )?;
+    check.deal = consumer.deal();
     if let Some(saved) = saved {
         check.carry_on(saved);
     }

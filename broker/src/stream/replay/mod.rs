@@ -97,6 +97,11 @@ impl Stream {
         // back after a broker restart, its producer registered again) is
         // served from what the ring holds, skipping to its place, or
         // refused at `start_replay` if the ring has moved past it.
+        if req.group.is_some() && req.resume.is_none() {
+            return refuse(format!(
+                "{what} needs replay, which does not deal a group's shares yet; a group member joins \"next-epoch\" or \"immediate\", or resumes where the stream still holds its place"
+            ));
+        }
         if self.writer.is_none() && req.resume.is_none() {
             return refuse(format!(
                 "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
@@ -152,9 +157,14 @@ impl Stream {
             None => shared,
         };
         let Some(prepared) = prepared else {
-            if self.writer.is_none() && from < shared {
+            if from < shared {
+                let why = if self.writer.is_none() {
+                    "is fed by an external producer and"
+                } else {
+                    "is read by a group this consumer is a member of (replay does not deal a group's shares yet), and"
+                };
                 return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                    "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again",
+                    "resuming at epoch {} sample {}: stream `{}` {why} now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
                     from.epoch,
                     from.sample,
                     self.name(),
