@@ -128,6 +128,23 @@ fn a_groups_ranks_split_each_epoch_while_others_receive_everything() {
             "the plain consumer reads everything: {r:#?}"
         );
     }
+    // Stats count each member's own batches and samples, and show its seat.
+    let st = env.stats();
+    for r in 0..3u32 {
+        let seat = format!("trial-a {r}/3");
+        let c = st.streams[0]
+            .past_consumers
+            .iter()
+            .find(|c| c.group.as_deref() == Some(seat.as_str()))
+            .unwrap_or_else(|| panic!("{seat} in {st:#?}"));
+        let mine = dealt(Deal::new(203, 8, (r, 3, 1), false));
+        assert_eq!(c.batches, 2 * mine.len() as u64, "{c:#?}");
+        assert_eq!(
+            c.samples,
+            2 * mine.iter().map(|&(_, n)| n).sum::<u64>(),
+            "{c:#?}"
+        );
+    }
 }
 
 #[test]

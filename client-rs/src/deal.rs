@@ -82,6 +82,56 @@ impl Deal {
         rounds + u64::from(tail)
     }
 
+    /// This member's part of the tail: its first sample and length
+    /// (`None` with `drop_last`, or when there is no tail).
+    fn tail_part(&self) -> Option<(u64, u64)> {
+        let full = self.full();
+        let m = self.n - full;
+        if m == 0 || self.drop_last {
+            return None;
+        }
+        if m < self.d {
+            return Some((full + self.me % m, 1));
+        }
+        let (q, r) = (m / self.d, m % self.d);
+        let start = if self.me < r {
+            self.me * (q + 1)
+        } else {
+            r * (q + 1) + (self.me - r) * q
+        };
+        Some((full + start, if self.me < r { q + 1 } else { q }))
+    }
+
+    /// Of this member's runs in an epoch, how many begin before sample
+    /// `x`, and how many of their samples lie before `x`.
+    pub fn own_before(&self, x: u64) -> (u64, u64) {
+        let x = x.min(self.n);
+        let round = self.d * self.b;
+        let in_full = x.min(self.full());
+        let rounds = in_full / round;
+        let rem = in_full - rounds * round;
+        let mine = self.me * self.b;
+        let mut runs = rounds + u64::from(rem > mine);
+        let mut samples = rounds * self.b + rem.saturating_sub(mine).min(self.b);
+        if let Some((start, len)) = self.tail_part() {
+            runs += u64::from(x > start);
+            samples += x.saturating_sub(start).min(len);
+        }
+        (runs, samples)
+    }
+
+    /// Of this member's runs, those with samples in `lo..hi` of an epoch,
+    /// and those samples.
+    pub fn own_within(&self, lo: u64, hi: u64) -> (u64, u64) {
+        let (r0, s0) = self.own_before(lo);
+        let (r1, s1) = self.own_before(hi.max(lo));
+        // A run begun before `lo` that reaches into it counts too.
+        let inside = self
+            .run_at(lo)
+            .is_some_and(|d| d.mine && d.start < lo && hi > lo);
+        (r1 - r0 + u64::from(inside), s1 - s0)
+    }
+
     /// The run holding sample `f` of an epoch; `None` if it is dropped
     /// (the tail, with `drop_last`) or past the epoch.
     pub fn run_at(&self, f: u64) -> Option<Dealt> {
@@ -178,6 +228,26 @@ mod tests {
     }
 
     proptest! {
+        /// The closed forms agree with the runs, sample by sample.
+        #[test]
+        fn own_counts_agree_with_the_runs(
+            n in 1u64..300, b in 1u64..30, data in 1u32..6, rank_seed: u32, drop_last: bool,
+            lo_seed: u64, len in 0u64..300,
+        ) {
+            let deal = Deal::new(n, b, (rank_seed % data, data, 1), drop_last);
+            let lo = lo_seed % (n + 1);
+            let hi = (lo + len).min(n);
+            let mut runs = std::collections::BTreeSet::new();
+            let mut samples = 0;
+            for f in lo..hi {
+                if let Some(d) = deal.run_at(f).filter(|d| d.mine) {
+                    runs.insert(d.start);
+                    samples += 1;
+                }
+            }
+            prop_assert_eq!(deal.own_within(lo, hi), (runs.len() as u64, samples));
+        }
+
         /// Every rank the same number of batches; each sample once across
         /// the data ranks (but for a tail shorter than the ranks, repeated,
         /// or the dropped tail); runs contiguous, in order, at most `b`;

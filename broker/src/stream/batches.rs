@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use batchcast::deal::Deal;
 use batchcast::proto::Position;
 
 /// Where the batches of a consumer of batch size `batch` begin, its first
@@ -90,6 +91,8 @@ pub(super) struct BatchCounter {
     /// Samples before this position are not its (its client gives them
     /// back unread: they were replayed, or it resumes past them).
     skip: Option<Position>,
+    /// A group member's share: its batches are its own runs of the deal.
+    deal: Option<Deal>,
 }
 
 /// Epochs a [`BatchCounter`] keeps apart (a rewind reaches back at most a ring of
@@ -105,7 +108,14 @@ impl BatchCounter {
             done_samples: 0,
             epochs: BTreeMap::new(),
             skip: None,
+            deal: None,
         }
+    }
+
+    /// Counts only a group member's own runs of `deal`.
+    pub(super) fn dealt(mut self, deal: Option<Deal>) -> BatchCounter {
+        self.deal = deal;
+        self
     }
 
     /// Counts only samples from `skip` on.
@@ -129,10 +139,10 @@ impl BatchCounter {
         let e = self.epochs.entry(epoch).or_insert((first, 0));
         e.1 += samples;
         if self.epochs.len() > COUNTED_EPOCHS
-            && let Some((_, (_, n))) = self.epochs.pop_first()
+            && let Some((_, (first, n))) = self.epochs.pop_first()
         {
-            self.done += self.of(n);
-            self.done_samples += self.kept(n);
+            self.done += self.of(first, n);
+            self.done_samples += self.kept(first, n);
         }
     }
 
@@ -150,7 +160,11 @@ impl BatchCounter {
         self.skip = Some(skip);
     }
 
-    fn of(&self, samples: u64) -> u64 {
+    /// Its batches among `samples` of one epoch from sample `first` on.
+    fn of(&self, first: u64, samples: u64) -> u64 {
+        if let Some(d) = self.deal {
+            return d.own_within(first, first + samples).0;
+        }
         if self.drop_last {
             samples / self.size
         } else {
@@ -160,7 +174,12 @@ impl BatchCounter {
 
     /// Its batches so far: the current epoch's counted as if it ended now.
     pub(super) fn batches(&self) -> u64 {
-        self.done + self.epochs.values().map(|&(_, n)| self.of(n)).sum::<u64>()
+        self.done
+            + self
+                .epochs
+                .values()
+                .map(|&(first, n)| self.of(first, n))
+                .sum::<u64>()
     }
 
     /// The samples of those batches (a dropped short one's not counted).
@@ -169,12 +188,15 @@ impl BatchCounter {
             + self
                 .epochs
                 .values()
-                .map(|&(_, n)| self.kept(n))
+                .map(|&(first, n)| self.kept(first, n))
                 .sum::<u64>()
     }
 
-    /// Of `samples` of one epoch, those in its batches.
-    fn kept(&self, samples: u64) -> u64 {
+    /// Of `samples` of one epoch from `first` on, those in its batches.
+    fn kept(&self, first: u64, samples: u64) -> u64 {
+        if let Some(d) = self.deal {
+            return d.own_within(first, first + samples).1;
+        }
         if self.drop_last {
             samples / self.size * self.size
         } else {

@@ -159,7 +159,9 @@ impl Conn {
                 window: req.window,
                 unit: shape.unit,
                 anchor: start.anchor,
-                shared: BatchCounter::new(shape.batch_size, shape.drop_last).skipping(start.skip),
+                shared: BatchCounter::new(shape.batch_size, shape.drop_last)
+                    .skipping(start.skip)
+                    .dealt(shape.deal(req)),
                 replayed: BatchCounter::new(shape.batch_size, shape.drop_last),
             },
             tally: Tally {

@@ -18,6 +18,21 @@ pub struct Shape {
     pub unit: u64,
     /// The hub's window for it, in production units.
     pub units: u32,
+    /// Samples in an epoch of the stream.
+    pub per_epoch: u64,
+}
+
+impl Shape {
+    /// A group member's share of each epoch, as its client deals it.
+    pub fn deal(&self, req: &batchcast::proto::ConsumeRequest) -> Option<batchcast::deal::Deal> {
+        let seat = req.group.as_deref()?;
+        Some(batchcast::deal::Deal::new(
+            self.per_epoch,
+            self.batch_size,
+            (seat.rank, seat.world, seat.replicate),
+            self.drop_last,
+        ))
+    }
 }
 
 impl Stream {
@@ -79,6 +94,7 @@ impl Stream {
             drop_last: req.drop_last.unwrap_or(self.plan.drop_last),
             unit,
             units: u32::try_from(units).unwrap_or(u32::MAX),
+            per_epoch: self.plan.schema.samples_per_epoch,
         })
     }
 }
