@@ -285,3 +285,22 @@ fn a_member_killed_mid_epoch_resumes_its_own_share_from_its_state() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_member_whose_window_the_slots_cannot_hold_is_told_what_to_size() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[4])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 8, 64, &fields)
+            .epochs(1)
+            .key("slots", 4)
+            .to_toml(),
+    );
+    let r = report(member(&env, "t", 0, 2, &[]));
+    let msg = r.error.unwrap_or_default();
+    assert!(
+        msg.contains("may hold 6 of stream `train`'s 4 slots") && msg.contains("slots = 6"),
+        "{msg}"
+    );
+    let r = report(member(&env, "t", 0, 2, &["--window", "1"]));
+    assert!(r.ok && r.ended, "{r:#?}");
+}

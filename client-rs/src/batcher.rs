@@ -74,6 +74,15 @@ pub fn units_needed(window: u32, size: u64, unit: u64) -> u64 {
     (u64::from(window) + 1).saturating_mul(per_run)
 }
 
+/// [`units_needed`] for a group member ([`crate::deal`]): its runs are
+/// apart, and an epoch's tail parts may straddle units whatever the
+/// sizes, so no run shares a unit with the next and the run it builds
+/// counts even when `size` equals the unit.
+pub fn member_units_needed(window: u32, size: u64, unit: u64) -> u64 {
+    let per_run = (size.saturating_sub(1)).div_ceil(unit.max(1)) + 1;
+    (u64::from(window) + 1).saturating_mul(per_run)
+}
+
 /// Cuts units into runs of `size` samples; see the module doc.
 #[derive(Debug)]
 pub struct Batcher {

@@ -6,12 +6,14 @@
 //! not a multiple of the unit, so units and batches straddle its wrap)
 //! and checks, after every step of random schedules, that no cell a held
 //! batch reads is ever rewritten, and that every consumer present to the
-//! end got every sample of every epoch it joined for once, in order.
+//! end got every sample of every epoch it joined for once, in order (a
+//! group member: its share of the deal, [`batchcast::deal`]).
 
 use std::collections::{BTreeMap, VecDeque};
 
 use batchcast::JoinPolicy;
-use batchcast::batcher::{Batcher, Run, Unit, units_needed};
+use batchcast::batcher::{Batcher, Run, Unit, member_units_needed, units_needed};
+use batchcast::deal::Deal;
 use proptest::prelude::*;
 
 use super::{ConsumerId, Delivery, Hub, HubConfig, Outbound, Work};
@@ -25,6 +27,8 @@ enum Op {
         drop_last: bool,
         immediate: bool,
         ahead: bool,
+        /// A group member: (rank seed, world).
+        member: Option<(u32, u32)>,
     },
     Start,
     Finish(prop::sample::Index),
@@ -39,8 +43,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        1 => (1u32..3, (0u64..3, 0u64..8), any::<bool>(), any::<bool>(), any::<bool>())
-            .prop_map(|(window, size, drop_last, immediate, ahead)| Op::Join { window, size, drop_last, immediate, ahead }),
+        1 => (1u32..3, (0u64..3, 0u64..8), any::<bool>(), any::<bool>(), any::<bool>(), prop::option::of((any::<u32>(), 1u32..4)))
+            .prop_map(|(window, size, drop_last, immediate, ahead, member)| Op::Join { window, size, drop_last, immediate, ahead, member }),
         4 => Just(Op::Start),
         4 => any::<prop::sample::Index>().prop_map(Op::Finish),
         5 => any::<prop::sample::Index>().prop_map(Op::Take),
@@ -66,6 +70,8 @@ struct Client {
     immediate: bool,
     ended: bool,
     gone: bool,
+    /// A group member's share.
+    deal: Option<Deal>,
 }
 
 struct Model {
@@ -178,7 +184,11 @@ impl Model {
                 Outbound::EndOfStream => c.ended = true,
                 Outbound::Detached { .. } => unreachable!("gone when detached"),
             }
-            let bound = units_needed(c.window, c.size, self.unit) as usize;
+            let bound = if c.deal.is_some() {
+                member_units_needed(c.window, c.size, self.unit)
+            } else {
+                units_needed(c.window, c.size, self.unit)
+            } as usize;
             assert!(
                 c.batcher.units_held() <= bound,
                 "holds more units than its window needs"
@@ -220,8 +230,17 @@ impl Model {
         live.map(|(&id, _)| id).collect()
     }
 
-    fn join(&mut self, window: u32, size: u64, drop_last: bool, immediate: bool, ahead: bool) {
-        let units = units_needed(window, size, self.unit);
+    fn join(
+        &mut self,
+        (window, size, drop_last): (u32, u64, bool),
+        (immediate, ahead): (bool, bool),
+        member: Option<(u32, u32)>,
+    ) {
+        let units = if member.is_some() {
+            member_units_needed(window, size, self.unit)
+        } else {
+            units_needed(window, size, self.unit)
+        };
         if units > u64::from(self.hub.cfg.slots) {
             return; // refused by the stream (covered by an end-to-end test)
         }
@@ -231,7 +250,13 @@ impl Model {
         else {
             return; // above the lag limit
         };
-        let batcher = Batcher::new(size, drop_last, self.unit, self.bpe);
+        let deal = member.map(|(seed, world)| {
+            Deal::new(self.per_epoch(), size, (seed % world, world, 1), drop_last)
+        });
+        let mut batcher = Batcher::new(size, drop_last, self.unit, self.bpe);
+        if let Some(d) = deal {
+            batcher = batcher.with_deal(d);
+        }
         self.clients.insert(
             id,
             Client {
@@ -246,6 +271,7 @@ impl Model {
                 immediate,
                 ended: false,
                 gone: false,
+                deal,
             },
         );
         self.drain();
@@ -261,9 +287,10 @@ impl Model {
                 drop_last,
                 immediate,
                 ahead,
+                member,
             } => {
                 let size = (k * self.unit + extra).max(1);
-                self.join(window, size, drop_last, immediate, ahead);
+                self.join((window, size, drop_last), (immediate, ahead), member);
             }
             Op::Start => self.start(),
             Op::Finish(i) if !self.inflight.is_empty() => {
@@ -321,8 +348,13 @@ impl Model {
 
     /// A consumer present to the end: every sample of every epoch from its
     /// start, once, in order; its batches full but for each epoch's last.
+    /// Samples in an epoch: its last unit holds at most 3.
+    fn per_epoch(&self) -> u64 {
+        (self.bpe - 1) * self.unit + self.unit.min(3)
+    }
+
     fn check_complete(&self, id: ConsumerId, c: &Client, epochs: u64) {
-        let per_epoch = (self.bpe - 1) * self.unit + self.unit.min(3);
+        let per_epoch = self.per_epoch();
         let first_epoch = match c.got.first() {
             Some(&(e, _)) => e,
             None => return,
@@ -332,6 +364,11 @@ impl Model {
         }
         let mut want = Vec::new();
         for e in first_epoch..epochs {
+            if let Some(d) = c.deal {
+                let mine = (0..per_epoch).filter(|&f| d.run_at(f).is_some_and(|r| r.mine));
+                want.extend(mine.map(|i| (e, i)));
+                continue;
+            }
             let keep = if c.drop_last {
                 per_epoch / c.size * c.size
             } else {
@@ -387,7 +424,7 @@ proptest! {
             m.step(op);
         }
         if m.live().is_empty() {
-            m.join(1, unit, false, false, false);
+            m.join((1, unit, false), (false, false), None);
         }
         m.run_to_end();
         prop_assert!(m.hub.finished(), "stream did not finish: {:?}", m.hub.counts());

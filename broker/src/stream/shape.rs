@@ -63,8 +63,19 @@ impl Stream {
                 ));
             }
         }
-        let units = batchcast::batcher::units_needed(req.window, size, unit);
+        let units = if req.group.is_some() {
+            batchcast::batcher::member_units_needed(req.window, size, unit)
+        } else {
+            batchcast::batcher::units_needed(req.window, size, unit)
+        };
         let slots = u64::from(self.plan.slots);
+        if req.group.is_some() && units > slots {
+            return refuse(format!(
+                "a group member with window {} and batches of {size} may hold {units} of stream `{}`'s {slots} slots of {unit} samples (its runs lie apart, one more being built); use a smaller window, or size the stream for it: slots = {units}",
+                req.window,
+                self.name()
+            ));
+        }
         // With the stream's own size the hub checks the window.
         if units > slots && size != unit {
             // The largest batch this window allows.
