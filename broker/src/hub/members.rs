@@ -114,6 +114,31 @@ impl Hub {
         true
     }
 
+    /// `oldest` (seq, epoch, index), or a later published batch so that a
+    /// consumer starting there is no more than the lag limit behind the
+    /// least behind of the others (`None`: none is, it starts at the head).
+    fn within_lag_limit(&self, oldest: (u64, u64, u64)) -> Option<(u64, u64, u64)> {
+        let Some(limit) = self.cfg.lag_limit else {
+            return Some(oldest);
+        };
+        let head = self.head();
+        let Some(least) = self
+            .consumers
+            .values()
+            .filter(|c| !c.closing)
+            .map(|c| c.behind(head))
+            .min()
+        else {
+            return Some(oldest);
+        };
+        let earliest = head.saturating_sub(least as u64 + u64::from(limit));
+        if oldest.0 >= earliest {
+            return Some(oldest);
+        }
+        let b = self.published.get(&earliest)?;
+        Some((earliest, b.epoch, b.index))
+    }
+
     /// Where a consumer joining with `join` (of `group`'s copies, or the
     /// host slots) starts: the first seq it may be owed, its first epoch,
     /// its first batch (epoch, index), and whether that batch is already
@@ -147,8 +172,10 @@ impl Hub {
         // sent from there, not recomputed), when there is one.
         // (Host consumers only: a GPU member's batches are its group's
         // copies, made as they are published.)
+        // Never further behind than the lag limit allows: it would be
+        // detached at once.
         let oldest = match (join, group) {
-            (JoinPolicy::Now, None) => self.oldest_live(),
+            (JoinPolicy::Now, None) => self.oldest_live().and_then(|o| self.within_lag_limit(o)),
             _ => None,
         };
         match oldest {

@@ -311,6 +311,49 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
 }
 
 #[test]
+fn a_now_joiner_starts_within_the_lag_limit() {
+    // A reader that said goodbye still holds batches 0-2, a slow one holds
+    // 3-5 (three behind, the limit), a fast one released everything: the
+    // ring holds 0-5, but a `Now` joiner starting at 0 would be six behind
+    // the fast one, past the lag limit of 3, and detached at once.
+    let mut h = hub(8, 100, None, Some(3));
+    let (leaving, _) = h.join(3, JoinPolicy::NextEpoch).unwrap();
+    let (fast, _) = h.join(3, JoinPolicy::NextEpoch).unwrap();
+    let (slow, _) = h.join(3, JoinPolicy::NextEpoch).unwrap();
+    for seq in 0..6 {
+        let w = produce(&mut h).unwrap();
+        assert_eq!(w.seq, seq);
+        h.release(fast, seq).unwrap();
+        if seq < 3 {
+            h.release(slow, seq).unwrap();
+        }
+        if seq == 2 {
+            h.goodbye(leaving).unwrap();
+        }
+    }
+    let out = h.take_outbound();
+    assert!(
+        !out.iter()
+            .any(|(_, o)| matches!(o, Outbound::Detached { .. }))
+    );
+    assert_eq!(h.oldest_live().map(|o| (o.1, o.2)), Some((0, 0)));
+    let (late, _) = h.join(2, JoinPolicy::Now).unwrap();
+    assert_eq!(
+        h.first_batch(late),
+        Some((0, 3)),
+        "three behind the fast one"
+    );
+    let out = h.take_outbound();
+    assert!(
+        !out.iter()
+            .any(|(_, o)| matches!(o, Outbound::Detached { .. })),
+        "{out:?}"
+    );
+    assert_eq!(batches(&out, late), vec![(0, 3), (0, 4)]);
+    h.check_invariants();
+}
+
+#[test]
 fn finite_stream_ends_for_everyone_and_frees_all_slots() {
     let mut h = hub(2, 2, Some(2), None);
     let (a, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
@@ -749,6 +792,7 @@ struct Seen {
 struct Model {
     hub: Hub,
     bpe: u64,
+    lag_limit: Option<u32>,
     /// What the pipeline last wrote into each slot: the batch's seq.
     content: Vec<Option<u64>>,
     /// Per group, what the last completed copy wrote into each group slot.
@@ -932,11 +976,18 @@ impl Model {
                     .join_group(window, policy, group, delivery)
                     .unwrap();
                 // `Now` (host): its first batch is the oldest still
-                // published, whatever the pipeline made since.
+                // published, whatever the pipeline made since; under a lag
+                // limit, a later one if the oldest would detach it at once.
                 let first = match (policy, group, oldest) {
                     (JoinPolicy::Now, None, Some((_, e, i))) => {
-                        assert_eq!(self.hub.first_batch(id), Some((e, i)));
-                        Some((e, i))
+                        let first = self.hub.first_batch(id);
+                        assert!(first.is_some(), "a `Now` joiner detached at once");
+                        if self.lag_limit.is_none() {
+                            assert_eq!(first, Some((e, i)));
+                        } else {
+                            assert!(first >= Some((e, i)), "{first:?} before the oldest");
+                        }
+                        first
                     }
                     _ => None,
                 };
@@ -1159,6 +1210,7 @@ proptest! {
         let mut m = Model {
             hub: h,
             bpe,
+            lag_limit,
             content: vec![None; slots as usize],
             device: vec![vec![None; group_slots as usize]; 2],
             copying: Vec::new(),
