@@ -225,65 +225,81 @@ fn a_forged_seat_is_refused_by_the_broker() {
 }
 
 #[test]
-fn a_member_killed_mid_epoch_resumes_its_own_share_from_its_state() {
-    let env = Env::start(&config(2));
-    // Rank 1 reads slowly: it pins the ring behind rank 0's place, so
-    // that place is still there when rank 0 comes back (replay does not
-    // deal a group's shares yet: a place the ring no longer holds is
-    // refused, below).
-    let slow = member(&env, "t", 1, 2, &["--sleep-ms", "200"]);
-    let state = env.path("member.state");
-    let file = state.to_str().unwrap();
-    // Rank 0 of 2, checkpointing every batch, stalls after 20 of its
-    // batches (epoch 0 has 13: it stands in epoch 1) and is killed there.
-    let mut killed = member(
-        &env,
-        "t",
-        0,
-        2,
-        &[
-            "--state-file",
-            file,
-            "--stall-after",
-            "20",
-            "--stall-ms",
-            "60000",
-        ],
-    );
-    let deal = Deal::new(203, 8, (0, 2, 1), false);
-    let want = dealt(deal);
+fn members_killed_mid_epoch_resume_their_own_share_by_replay() {
+    let env = Env::start(&config(3));
+    // A plain consumer keeps the stream going while the group is away.
+    let plain = env.consumer(&["--verify", "--positions", "--sleep-ms", "30"]);
+    // Both ranks of 2 checkpoint every batch, stall after 5 of their
+    // batches (epoch 0, 10 units in) and are killed there.
+    let states: Vec<_> = (0..2)
+        .map(|r| env.path(&format!("rank{r}.state")))
+        .collect();
+    let files: Vec<&str> = states.iter().map(|s| s.to_str().unwrap()).collect();
+    let stalled = ["--stall-after", "5", "--stall-ms", "60000"];
+    let mut kids: Vec<_> = (0..2u32)
+        .map(|r| {
+            let mut args = vec!["--state-file", files[r as usize]];
+            args.extend_from_slice(&stalled);
+            member(&env, "t", r, 2, &args)
+        })
+        .collect();
     let t0 = std::time::Instant::now();
-    let at = loop {
-        if let Ok(s) = batchcast_broker::consume::SavedState::load(&state)
-            && (s.epoch.epoch, s.epoch.positions.len()) == (1, 20 - want.len())
+    for state in &states {
+        while !batchcast_broker::consume::SavedState::load(state)
+            .is_ok_and(|s| (s.epoch.epoch, s.epoch.positions.len()) == (0, 5))
         {
-            break s.state.position;
+            assert!(t0.elapsed() < common::LIMIT, "a member never stood still");
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        assert!(t0.elapsed() < common::LIMIT, "the member never stood still");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    };
-    common::sigkill(&mut killed);
-    assert_eq!(at.epoch, 1);
-    // Its seat is free again; it takes it back and goes on from its state.
-    let r = report(member(&env, "t", 0, 2, &["--resume-state", file]));
+    }
+    for kid in &mut kids {
+        common::sigkill(kid);
+    }
+    // The stream moves on past where they stood (unit 10) without them:
+    // the ring no longer holds their places.
+    env.wait_for("the plain consumer to move on", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.group.is_none() && c.batches >= 24)
+    });
+    // Each takes its seat back and goes on from its state: its share of
+    // both epochs exactly (epoch 0 carried over from the state), what the
+    // stream passed replayed, in its own runs.
+    let resumed: Vec<_> = (0..2u32)
+        .map(|r| member(&env, "t", r, 2, &["--resume-state", files[r as usize]]))
+        .collect();
+    // A member of another group joining now, mid-stream: its first epoch
+    // whole, from that epoch's start.
+    let late = member(&env, "late", 1, 2, &["--join", "now"]);
+    for (rank, kid) in resumed.into_iter().enumerate() {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{r:#?}");
+        assert!(r.replayed_batches > 0, "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        assert_eq!(
+            runs(&r),
+            BTreeMap::from([(0, want.clone()), (1, want)]),
+            "rank {rank}: {r:#?}"
+        );
+    }
+    let r = report(late);
     assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
     assert!(r.order_errors.is_empty(), "{r:#?}");
-    // Epoch 1 (carried over from the state) and nothing else: rank 0's
-    // share exactly, each batch once.
-    assert_eq!(runs(&r), BTreeMap::from([(1, want)]), "{r:#?}");
-    let r = report(slow);
-    assert!(r.ok && r.ended, "{r:#?}");
-    let theirs = dealt(Deal::new(203, 8, (1, 2, 1), false));
-    assert_eq!(runs(&r), BTreeMap::from([(0, theirs.clone()), (1, theirs)]));
-    // Once nobody holds the ring, a place behind the stream is refused,
-    // saying why (rather than dealing it wrongly).
+    let want = dealt(Deal::new(203, 8, (1, 2, 1), false));
+    assert!(!r.epochs.is_empty(), "{r:#?}");
+    for e in &r.epochs {
+        assert_eq!(e.positions, want, "epoch {}: {r:#?}", e.epoch);
+    }
+    let r = report(plain);
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+    // After the stream's end, a place behind it is replayed too: its
+    // share of epoch 1, each run once.
     let r = report(member(&env, "t", 0, 2, &["--resume", "1:0"]));
-    assert!(!r.ok, "{r:#?}");
-    let msg = r.error.unwrap_or_default();
-    assert!(
-        msg.contains("replay does not deal a group's shares yet"),
-        "{msg}"
-    );
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+    let want = dealt(Deal::new(203, 8, (0, 2, 1), false));
+    assert_eq!(runs(&r), BTreeMap::from([(1, want)]), "{r:#?}");
 }
 
 #[test]
@@ -303,4 +319,77 @@ fn a_member_whose_window_the_slots_cannot_hold_is_told_what_to_size() {
     );
     let r = report(member(&env, "t", 0, 2, &["--window", "1"]));
     assert!(r.ok && r.ended, "{r:#?}");
+}
+
+#[test]
+fn a_group_rides_through_broker_restarts_each_member_with_its_own_share() {
+    let mut env = Env::start(&config(2));
+    let ride = ["--reconnect-timeout", "30", "--sleep-ms", "5"];
+    let kids: Vec<_> = (0..2u32).map(|r| member(&env, "t", r, 2, &ride)).collect();
+    // Killed twice, each time after the members read a while (each broker
+    // counts what it delivered itself).
+    for _ in 0..2 {
+        env.wait_for("the members to read on", |s| {
+            s.streams[0].consumers.len() == 2
+                && s.streams[0].consumers.iter().all(|c| c.batches >= 6)
+        });
+        env.restart_broker(true);
+    }
+    for (rank, kid) in kids.into_iter().enumerate() {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{r:#?}");
+        assert_eq!(r.reconnects, 2, "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        assert_eq!(
+            runs(&r),
+            BTreeMap::from([(0, want.clone()), (1, want)]),
+            "rank {rank}: {r:#?}"
+        );
+    }
+}
+
+#[test]
+fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 8, 203, &fields)
+            .epochs(2)
+            .key("seed", 9)
+            .key("slots", 12)
+            .key("min_consumers", 1)
+            .fill("full")
+            .raw("pace = \"decoupled\"")
+            .to_toml(),
+    );
+    // A fast plain consumer runs ahead; two members join now, mid-stream,
+    // and are replayed their share of the epoch in progress (not cut:
+    // a group keeps lockstep).
+    let plain = env.consumer(&["--verify", "--positions", "--sleep-ms", "20"]);
+    env.wait_for("the stream to move", |s| {
+        s.streams[0].consumers.iter().any(|c| c.batches >= 5)
+    });
+    let kids: Vec<_> = (0..2u32)
+        .map(|r| member(&env, "t", r, 2, &["--join", "now", "--sleep-ms", "2"]))
+        .collect();
+    for (rank, kid) in kids.into_iter().enumerate() {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        assert!(!r.epochs.is_empty(), "{r:#?}");
+        for e in &r.epochs {
+            assert_eq!(e.positions, want, "rank {rank} epoch {}: {r:#?}", e.epoch);
+        }
+    }
+    let r = report(plain);
+    assert!(r.ok && r.ended, "{r:#?}");
+    let st = env.stats();
+    for c in st.streams[0]
+        .past_consumers
+        .iter()
+        .filter(|c| c.group.is_some())
+    {
+        assert_eq!(c.cuts, 0, "a member is never cut: {c:#?}");
+    }
 }

@@ -170,7 +170,9 @@ impl Consumer {
             .replay
             .as_ref()
             .filter(|g| g.from < g.to)
-            .map(replay::Replaying::new);
+            .map(|g| replay::Replaying::new(g, deal_of(&welcome, opts)))
+            // A group member none of whose runs lies in it has none to wait for.
+            .filter(|r| !r.received());
         let replay_from = welcome.replay.as_ref().map(|g| g.from);
         let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
         let start_epoch = welcome.start_epoch;

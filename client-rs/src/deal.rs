@@ -132,6 +132,57 @@ impl Deal {
         (r1 - r0 + u64::from(inside), s1 - s0)
     }
 
+    /// This member's first run that begins at or after sample `from` of an
+    /// epoch; `None` if it has none left there.
+    pub fn next_own(&self, from: u64) -> Option<Dealt> {
+        let full = self.full();
+        if from < full {
+            let k = from.div_ceil(self.b);
+            // The first batch from `k` on dealt to this data rank.
+            let k = k + (self.me + self.d - k % self.d) % self.d;
+            if (k + 1) * self.b <= full {
+                return Some(Dealt {
+                    start: k * self.b,
+                    end: (k + 1) * self.b,
+                    mine: true,
+                    index: k / self.d,
+                });
+            }
+        }
+        let (start, len) = self.tail_part()?;
+        (start >= from).then_some(Dealt {
+            start,
+            end: start + len,
+            mine: true,
+            index: full / (self.d * self.b),
+        })
+    }
+
+    /// Where this member's first run at or after sample `sample` of
+    /// `epoch` begins (in that epoch, or the next one's first run past its
+    /// last); `None` if it has none in any epoch.
+    pub fn own_at_or_after(&self, epoch: u64, sample: u64) -> Option<(u64, u64)> {
+        match self.next_own(sample) {
+            Some(run) => Some((epoch, run.start)),
+            None => Some((epoch + 1, self.next_own(0)?.start)),
+        }
+    }
+
+    /// The first sample at or after `x` of an epoch that lies inside no
+    /// run (anyone's) but at its start, or is dropped, or `n`: where a
+    /// member may begin cutting runs of its own from the shared stream.
+    pub fn boundary_at_or_after(&self, x: u64) -> u64 {
+        match self.run_at(x) {
+            Some(d) if d.start < x => d.end,
+            _ => x.min(self.n),
+        }
+    }
+
+    /// Whether this member's run `run` is its last of the epoch.
+    pub fn ends_epoch(&self, run: &Dealt) -> bool {
+        self.next_own(run.end).is_none()
+    }
+
     /// The run holding sample `f` of an epoch; `None` if it is dropped
     /// (the tail, with `drop_last`) or past the epoch.
     pub fn run_at(&self, f: u64) -> Option<Dealt> {
@@ -246,6 +297,31 @@ mod tests {
                 }
             }
             prop_assert_eq!(deal.own_within(lo, hi), (runs.len() as u64, samples));
+        }
+
+        /// `next_own`, `boundary_at_or_after` and `ends_epoch` agree with
+        /// the runs, sample by sample.
+        #[test]
+        fn the_next_own_run_and_boundaries_agree_with_the_runs(
+            n in 1u64..300, b in 1u64..30, data in 1u32..6, rank_seed: u32, drop_last: bool,
+            from_seed: u64,
+        ) {
+            let deal = Deal::new(n, b, (rank_seed % data, data, 1), drop_last);
+            let from = from_seed % (n + 1);
+            let runs: Vec<Dealt> = (0..n)
+                .filter_map(|f| deal.run_at(f))
+                .filter(|d| d.start >= from)
+                .collect();
+            let want = runs.iter().find(|d| d.mine && d.start >= from).copied();
+            prop_assert_eq!(deal.next_own(from), want);
+            if let Some(d) = want {
+                let later = runs.iter().any(|e| e.mine && e.start >= d.end);
+                prop_assert_eq!(deal.ends_epoch(&d), !later);
+            }
+            let boundary = (from..n)
+                .find(|&f| deal.run_at(f).is_none_or(|d| d.start == f))
+                .unwrap_or(n);
+            prop_assert_eq!(deal.boundary_at_or_after(from), boundary);
         }
 
         /// Every rank the same number of batches; each sample once across

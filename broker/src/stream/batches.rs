@@ -65,15 +65,30 @@ impl Boundaries {
 
 /// Where replay ends for a consumer of batch size `batch` that starts at
 /// `from`, when the shared stream carries on for it from `shared`: its
-/// first batch boundary at or past `shared` (or the end of that epoch).
+/// first batch boundary at or past `shared` (or the end of that epoch); a
+/// group member's, the first boundary of the deal's runs there (its client
+/// cuts its runs from the shared stream from there on).
 /// `None`: nothing to replay.
 pub(super) fn replay_end(
     from: Position,
     shared: Position,
-    batch: u64,
+    (batch, deal): (u64, Option<&Deal>),
     per_epoch: u64,
 ) -> Option<Position> {
-    (from < shared).then(|| Boundaries::new(from, batch).at_or_after(shared, per_epoch))
+    if from >= shared {
+        return None;
+    }
+    let Some(d) = deal else {
+        return Some(Boundaries::new(from, batch).at_or_after(shared, per_epoch));
+    };
+    let to = Position {
+        epoch: shared.epoch,
+        sample: 0,
+    }
+    .advance(d.boundary_at_or_after(shared.sample), per_epoch);
+    // Nothing to replay if none of its own runs begins before there.
+    let (epoch, sample) = d.own_at_or_after(from.epoch, from.sample)?;
+    (Position { epoch, sample } < to).then_some(to)
 }
 
 /// Counts a consumer's own batches in the samples it was sent, epoch by
@@ -232,19 +247,53 @@ mod tests {
     #[test]
     fn replay_ends_on_the_consumers_own_batch_boundary() {
         // Epochs of 100 samples; the shared stream starts at sample 40.
-        assert_eq!(replay_end(p(0, 0), p(0, 40), 32, 100), Some(p(0, 64)));
-        assert_eq!(replay_end(p(0, 0), p(0, 40), 8, 100), Some(p(0, 40)));
+        assert_eq!(
+            replay_end(p(0, 0), p(0, 40), (32, None), 100),
+            Some(p(0, 64))
+        );
+        assert_eq!(
+            replay_end(p(0, 0), p(0, 40), (8, None), 100),
+            Some(p(0, 40))
+        );
         // The boundary past the epoch's end: the whole epoch is replayed.
-        assert_eq!(replay_end(p(0, 0), p(0, 90), 64, 100), Some(p(1, 0)));
+        assert_eq!(
+            replay_end(p(0, 0), p(0, 90), (64, None), 100),
+            Some(p(1, 0))
+        );
         // Resuming mid-epoch: boundaries counted from the resume point.
-        assert_eq!(replay_end(p(0, 10), p(0, 40), 32, 100), Some(p(0, 42)));
+        assert_eq!(
+            replay_end(p(0, 10), p(0, 40), (32, None), 100),
+            Some(p(0, 42))
+        );
         // From an earlier epoch: boundaries of the shared epoch's own.
-        assert_eq!(replay_end(p(0, 10), p(1, 40), 32, 100), Some(p(1, 64)));
+        assert_eq!(
+            replay_end(p(0, 10), p(1, 40), (32, None), 100),
+            Some(p(1, 64))
+        );
         // At an epoch's start: replay up to it.
-        assert_eq!(replay_end(p(0, 0), p(1, 0), 7, 100), Some(p(1, 0)));
+        assert_eq!(replay_end(p(0, 0), p(1, 0), (7, None), 100), Some(p(1, 0)));
         // Nothing published before the start, or a start ahead.
-        assert_eq!(replay_end(p(0, 0), p(0, 0), 32, 100), None);
-        assert_eq!(replay_end(p(2, 5), p(1, 40), 32, 100), None);
+        assert_eq!(replay_end(p(0, 0), p(0, 0), (32, None), 100), None);
+        assert_eq!(replay_end(p(2, 5), p(1, 40), (32, None), 100), None);
+        // A group member (2 ranks, runs of 16: rounds of 32, a tail of 4
+        // split 2 + 2): the first boundary of anyone's run.
+        let deal = Deal::new(100, 16, (1, 2, 1), false);
+        let member = |from, shared| replay_end(from, shared, (16, Some(&deal)), 100);
+        assert_eq!(member(p(0, 0), p(0, 40)), Some(p(0, 48)));
+        assert_eq!(member(p(0, 0), p(0, 48)), Some(p(0, 48)));
+        assert_eq!(member(p(0, 16), p(0, 97)), Some(p(0, 98)));
+        assert_eq!(member(p(0, 16), p(0, 99)), Some(p(1, 0)));
+        // Only another's run lies between (rank 0's 0-16, 32-48): nothing
+        // to replay.
+        assert_eq!(member(p(0, 0), p(0, 16)), None);
+        assert_eq!(member(p(0, 32), p(0, 40)), None);
+        assert_eq!(member(p(0, 32), p(0, 56)), Some(p(0, 64)));
+        let dropping = Deal::new(100, 16, (1, 2, 1), true);
+        assert_eq!(
+            replay_end(p(0, 0), p(0, 97), (16, Some(&dropping)), 100),
+            Some(p(0, 97)),
+            "a dropped tail holds no run"
+        );
     }
 
     #[test]

@@ -162,7 +162,8 @@ impl Conn {
                 shared: BatchCounter::new(shape.batch_size, shape.drop_last)
                     .skipping(start.skip)
                     .dealt(shape.deal(req)),
-                replayed: BatchCounter::new(shape.batch_size, shape.drop_last),
+                replayed: BatchCounter::new(shape.batch_size, shape.drop_last)
+                    .dealt(shape.deal(req)),
             },
             tally: Tally {
                 sent_ns: HashMap::new(),

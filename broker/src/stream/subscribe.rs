@@ -54,9 +54,11 @@ impl Stream {
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
-        let replays = self.may_replay(&req, replaying.is_some()) || decoupled;
+        let replays = self.may_replay(replaying.is_some()) || decoupled;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
+        // How its replayed batches are cut: its batch size, its deal.
+        let cut = (shape.batch_size, shape.deal(&req));
         self.check_subscription(&req, shape)?;
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
@@ -89,10 +91,10 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
-            self.seek_to_resume(inner, (replaying, req.group.is_some()), &peer);
+            self.seek_to_resume(inner, replaying, &peer);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
             let started = self
-                .start_replay(inner, id, replaying, prepared, shape.batch_size)
+                .start_replay(inner, id, replaying, prepared, cut)
                 .inspect_err(|_| {
                     inner.hub.leave(id);
                 })?;
@@ -167,27 +169,15 @@ impl Stream {
     /// that for nobody. Only its owner's consumers move it: a guest that
     /// came first could otherwise make the owner's trainers, joining at
     /// the next epoch, miss every epoch before its place.
-    fn seek_to_resume(
-        &self,
-        inner: &mut Inner,
-        (replaying, member): (Option<ReplayFrom>, bool),
-        peer: &Peer,
-    ) {
+    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>, peer: &Peer) {
         // A producer's stream starts where its producer says.
         if peer.uid != self.owner_uid || self.writer.is_none() {
             return;
         }
-        // A group member's peers, not replayed to, may stand anywhere in
-        // its epoch: that epoch's start.
-        let index = |p: batchcast::proto::Position| {
-            if member {
-                0
-            } else {
-                p.sample / self.plan.schema.batch_size
-            }
-        };
         if let Some(p) = replaying.and_then(ReplayFrom::resume)
-            && inner.hub.seek(p.epoch, index(p))
+            && inner
+                .hub
+                .seek(p.epoch, p.sample / self.plan.schema.batch_size)
         {
             tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
         }
@@ -209,11 +199,10 @@ impl Stream {
     }
 
     /// Whether a consumer that asks for a place (`join="now"`, a resume)
-    /// may be replayed to: not on a producer's stream (nothing to make),
-    /// nor a group member for now (replayed batches are cut in its batch
-    /// size, not dealt).
-    fn may_replay(&self, req: &ConsumeRequest, asks: bool) -> bool {
-        asks && self.writer.is_some() && req.group.is_none()
+    /// may be replayed to: not on a producer's stream (nothing to make).
+    /// A group member is replayed its own runs of the deal.
+    fn may_replay(&self, asks: bool) -> bool {
+        asks && self.writer.is_some()
     }
 
     /// Decoupled pace: a host consumer (mailbox or socket) of a stream the

@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 
 use super::{Consumer, Next};
 use crate::batcher::Run;
+use crate::deal::Deal;
 use crate::error::{Error, Result};
 use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg};
 
@@ -30,16 +31,54 @@ pub(super) struct Replaying {
     from: Position,
     next_seq: u64,
     pub(super) queue: VecDeque<Next>,
+    /// A group member's share: it is replayed its own runs only, and
+    /// `at` stands at the start of its next one.
+    deal: Option<Deal>,
 }
 
 impl Replaying {
-    pub(super) fn new(grant: &ReplayGrant) -> Replaying {
-        Replaying {
+    pub(super) fn new(grant: &ReplayGrant, deal: Option<Deal>) -> Replaying {
+        let mut r = Replaying {
             at: grant.from,
             to: Some(grant.to),
             from: grant.from,
             next_seq: 0,
             queue: VecDeque::new(),
+            deal,
+        };
+        r.seek_own_run();
+        r
+    }
+
+    /// A group member's `at` moves to the start of its next own run (past
+    /// where replay ends if it has none).
+    fn seek_own_run(&mut self) {
+        let Some(deal) = self.deal else {
+            return;
+        };
+        self.at = match deal.own_at_or_after(self.at.epoch, self.at.sample) {
+            Some((epoch, sample)) => Position { epoch, sample },
+            None => self.at.max(self.to.unwrap_or(self.at)),
+        };
+    }
+
+    /// The batch that must come next from `at` on: its samples, and
+    /// whether it is the consumer's last of its epoch.
+    fn expected(&self, size: u64, per_epoch: u64) -> (u64, bool) {
+        match self.deal {
+            None => {
+                let samples = size.min(per_epoch - self.at.sample);
+                (samples, self.at.sample + samples == per_epoch)
+            }
+            Some(deal) => deal
+                .next_own(self.at.sample)
+                .filter(|run| run.start == self.at.sample)
+                .map_or((0, false), |run| {
+                    // Within the epoch where replay ends, the end of the
+                    // epoch comes with the shared stream's.
+                    let later = self.to.is_some_and(|to| to.epoch > self.at.epoch);
+                    (run.end - run.start, later && deal.ends_epoch(&run))
+                }),
         }
     }
 
@@ -119,6 +158,7 @@ impl Consumer {
             from,
             next_seq: self.replay_seq,
             queue: VecDeque::new(),
+            deal: None, // a group member is never cut
         });
         r.at = restart;
         r.to = None;
@@ -165,15 +205,14 @@ impl Consumer {
                 m.seq
             )));
         };
-        let ends = m.first.checked_add(m.samples) == Some(per_epoch);
+        let (samples, ends) = r.expected(size, per_epoch);
         if m.seq != r.next_seq
             || (Position {
                 epoch: m.epoch,
                 sample: m.first,
             }) != r.at
             || m.samples == 0
-            || m.samples > size
-            || m.first + m.samples > per_epoch
+            || m.samples != samples
             || m.ends_epoch != ends
             || r.received()
             || r.to
@@ -191,14 +230,18 @@ impl Consumer {
         }
         r.next_seq += 1;
         r.at = r.at.advance(m.samples, per_epoch);
-        if self.shared.welcome.drop_last && m.samples < size {
+        r.seek_own_run();
+        // A group member's runs are its batches: its share of the tail is
+        // short, and dropped already with `drop_last` (never sent).
+        let index = r.deal.and_then(|d| d.run_at(m.first)).map(|d| d.index);
+        if self.shared.welcome.drop_last && m.samples < size && index.is_none() {
             // An epoch's short last batch, dropped as asked.
             self.shared
                 .give_back(&[m.seq | proto::REPLAYED], Default::default())?;
         } else {
             r.queue.push_back(Next::Replayed(Run {
                 epoch: m.epoch,
-                index: m.first / size,
+                index: index.unwrap_or(m.first / size),
                 first: m.first,
                 position: m.seq * size,
                 samples: m.samples,

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use batchcast::deal::Deal;
 use batchcast::proto::{Position, ReplayGrant, ReplayReady};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
@@ -76,13 +77,14 @@ impl Prepared {
         })
     }
 
-    /// Starts replaying `from..to` in batches of `batch`; the grant for the
+    /// Starts replaying `from..to` in batches of `batch` (a group member:
+    /// its own runs of `deal`, each at most `batch`); the grant for the
     /// welcome and the fd the consumer maps. The arena lives as `life`
     /// says; no stretch goes past `limit`, the stream's end.
     pub(in crate::stream) fn start(
         self,
         (from, to): (Position, Position),
-        batch: u64,
+        (batch, deal): (u64, Option<Deal>),
         per_epoch: u64,
         (life, limit): (ArenaLife, Position),
     ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
@@ -96,10 +98,11 @@ impl Prepared {
             from,
             to,
         };
-        let replay = Replay {
+        let mut replay = Replay {
             rings: self.rings,
             layout: self.layout,
             batch,
+            deal,
             slots: self.slots,
             per_epoch,
             cursor: from,
@@ -112,6 +115,7 @@ impl Prepared {
             _arena: self.arena,
             _grant: self.grant,
         };
+        replay.seek_own_run();
         Ok((replay, grant, fd))
     }
 }
@@ -122,6 +126,8 @@ pub(in crate::stream) struct Replay {
     rings: Arc<Mapping>,
     layout: RingLayout,
     batch: u64,
+    /// A group member's share: only its own runs are replayed.
+    deal: Option<Deal>,
     slots: u32,
     per_epoch: u64,
     /// The next batch to start, and where replay ends (`None`: open, a
@@ -145,6 +151,8 @@ struct Entry {
     epoch: u64,
     first: u64,
     samples: u64,
+    /// The consumer's last batch of its epoch.
+    ends_epoch: bool,
     state: State,
 }
 
@@ -195,6 +203,20 @@ impl Replay {
     pub(in crate::stream) fn reopen(&mut self, from: Position) {
         self.cursor = from;
         self.to = None;
+        self.seek_own_run();
+    }
+
+    /// A group member's cursor moves to the start of its next own run
+    /// (the next epoch's first, past its last of an epoch), or past the
+    /// end if it has none.
+    fn seek_own_run(&mut self) {
+        let Some(deal) = self.deal else {
+            return;
+        };
+        self.cursor = match deal.own_at_or_after(self.cursor.epoch, self.cursor.sample) {
+            Some((epoch, sample)) => Position { epoch, sample },
+            None => self.cursor.max(self.end()),
+        };
     }
 
     pub(in crate::stream) fn can_start(&self) -> bool {
@@ -209,16 +231,34 @@ impl Replay {
 
     pub(in crate::stream) fn start(&mut self, id: ConsumerId) -> ReplayJob {
         let c = self.cursor;
-        let samples = self.batch.min(self.per_epoch - c.sample);
+        let (samples, ends_epoch) = match self.deal {
+            None => {
+                let samples = self.batch.min(self.per_epoch - c.sample);
+                (samples, c.sample + samples == self.per_epoch)
+            }
+            Some(deal) => {
+                let run = deal
+                    .next_own(c.sample)
+                    .filter(|r| r.start == c.sample)
+                    .expect("a member's cursor stands at one of its runs");
+                // Its epoch's end comes with the shared stream's when
+                // replay ends within that epoch (its last run may lie
+                // before where it ends).
+                let later = self.end().epoch > c.epoch;
+                (run.end - run.start, later && deal.ends_epoch(&run))
+            }
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         self.cursor = c.advance(samples, self.per_epoch);
+        self.seek_own_run();
         self.live.insert(
             seq,
             Entry {
                 epoch: c.epoch,
                 first: c.sample,
                 samples,
+                ends_epoch,
                 state: State::Making,
             },
         );
@@ -266,7 +306,7 @@ impl Replay {
                 epoch: e.epoch,
                 first: e.first,
                 samples: e.samples,
-                ends_epoch: e.first + e.samples == self.per_epoch,
+                ends_epoch: e.ends_epoch,
             });
             self.sent += 1;
         }

@@ -43,6 +43,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use batchcast::JoinPolicy;
+use batchcast::deal::Deal;
 use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ServerMsg};
 use batchcast::schema::Schema;
 
@@ -97,11 +98,6 @@ impl Stream {
         // back after a broker restart, its producer registered again) is
         // served from what the ring holds, skipping to its place, or
         // refused at `start_replay` if the ring has moved past it.
-        if req.group.is_some() && req.resume.is_none() {
-            return refuse(format!(
-                "{what} needs replay, which does not deal a group's shares yet; a group member joins \"next-epoch\" or \"immediate\", or resumes where the stream still holds its place"
-            ));
-        }
         if self.writer.is_none() && req.resume.is_none() {
             return refuse(format!(
                 "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
@@ -145,7 +141,7 @@ impl Stream {
         id: ConsumerId,
         replaying: Option<ReplayFrom>,
         prepared: Option<Prepared>,
-        batch: u64,
+        (batch, deal): (u64, Option<Deal>),
     ) -> Result<Started, SubscribeError> {
         let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
         let shared = Position {
@@ -158,13 +154,8 @@ impl Stream {
         };
         let Some(prepared) = prepared else {
             if from < shared {
-                let why = if self.writer.is_none() {
-                    "is fed by an external producer and"
-                } else {
-                    "is read by a group this consumer is a member of (replay does not deal a group's shares yet), and"
-                };
                 return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                    "resuming at epoch {} sample {}: stream `{}` {why} now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
+                    "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
                     from.epoch,
                     from.sample,
                     self.name(),
@@ -178,9 +169,10 @@ impl Stream {
                 ..Started::default()
             });
         };
+        // A group member keeps lockstep on a decoupled stream too.
         let life = match self.plan.pace {
-            Pace::Decoupled => ArenaLife::WhileConnected,
-            Pace::Lockstep => ArenaLife::UntilDone,
+            Pace::Decoupled if deal.is_none() => ArenaLife::WhileConnected,
+            _ => ArenaLife::UntilDone,
         };
         let keep = life == ArenaLife::WhileConnected;
         let limit = Position {
@@ -188,7 +180,7 @@ impl Stream {
             sample: 0,
         };
         let per_epoch = self.plan.schema.samples_per_epoch;
-        let to = match replay_end(from, shared, batch, per_epoch) {
+        let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
             Some(to) => to,
             // Nothing to replay; a resume point ahead is skipped to.
             None if keep => from.max(shared),
@@ -203,7 +195,8 @@ impl Stream {
         if keep && from < to {
             return self.start_cut(inner, id, prepared, (from, batch), limit);
         }
-        let (replay, grant, fd) = prepared.start((from, to), batch, per_epoch, (life, limit))?;
+        let (replay, grant, fd) =
+            prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
         if from < to {
             tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
             self.work_cv.notify_all();
@@ -235,7 +228,7 @@ impl Stream {
         let per_epoch = self.plan.schema.samples_per_epoch;
         let (mut replay, grant, fd) = prepared.start(
             (from, from),
-            batch,
+            (batch, None),
             per_epoch,
             (ArenaLife::WhileConnected, limit),
         )?;
