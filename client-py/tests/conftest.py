@@ -67,17 +67,25 @@ fields = [{fields}]
 
 
 class Broker:
-    def __init__(self, tmp: Path, config: Optional[str]) -> None:
+    def __init__(
+        self, tmp: Path, config: Optional[str], env: Optional[Dict[str, str]] = None, name: str = "broker"
+    ) -> None:
+        """`env`: variables added to the broker's environment; `name`: its
+        files' names in `tmp` (several brokers in one test)."""
         self.dir = tmp
-        self.socket = str(tmp / "b.sock")
-        self.log = tmp / "broker.log"
+        self.socket = str(tmp / ("b.sock" if name == "broker" else f"{name}.sock"))
+        self.log = tmp / f"{name}.log"
         args = [broker_bin(), "serve", "--socket", self.socket]
         if config is not None:
-            cfg = tmp / "broker.toml"
+            cfg = tmp / f"{name}.toml"
             cfg.write_text(config)
             args += ["--config", str(cfg)]
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(self.log, "w")
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "w"),
+            env={**os.environ, **(env or {})},
         )
         t0 = time.monotonic()
         while True:
@@ -170,8 +178,8 @@ def python_child(code: str, *args: str, inherit_ignored_sigint: bool = False) ->
 def start_broker(tmp_path: Path):
     started: List[Broker] = []
 
-    def start(config: Optional[str] = None) -> Broker:
-        b = Broker(tmp_path, config)
+    def start(config: Optional[str] = None, env: Optional[Dict[str, str]] = None, name: str = "broker") -> Broker:
+        b = Broker(tmp_path, config, env, name)
         started.append(b)
         return b
 
