@@ -314,11 +314,21 @@ fn a_member_whose_window_the_slots_cannot_hold_is_told_what_to_size() {
     let r = report(member(&env, "t", 0, 2, &[]));
     let msg = r.error.unwrap_or_default();
     assert!(
-        msg.contains("may hold 6 of stream `train`'s 4 slots") && msg.contains("slots = 6"),
+        msg.contains("may span 6 of stream `train`'s 4 slots") && msg.contains("slots = 6"),
         "{msg}"
     );
     let r = report(member(&env, "t", 0, 2, &["--window", "1"]));
     assert!(r.ok && r.ended, "{r:#?}");
+    // 8 ranks: a member's runs lie 8 units apart, so holding one while
+    // it waits for the next spans 9 to 10 slots (with window 1), though
+    // it holds only 2 units; told to give a unit one batch of each rank.
+    let r = report(member(&env, "wide", 0, 8, &["--window", "1"]));
+    let msg = r.error.unwrap_or_default();
+    assert!(
+        msg.contains("may span 10 of stream `train`'s 4 slots")
+            && msg.contains("batch_size = 64 in its config"),
+        "{msg}"
+    );
 }
 
 #[test]

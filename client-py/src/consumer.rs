@@ -87,9 +87,10 @@ impl Consumer {
         if let Some(t) = reconnect_timeout {
             opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
         }
-        opts.group = group
-            .map(|name| seat(name, (rank, world), replicate))
-            .transpose()?;
+        // Without group=, the default's: $BATCHCAST_GROUP's seat, if set.
+        if let Some(name) = group {
+            opts.group = Some(seat(name, (rank, world), replicate)?);
+        }
         // Connecting may wait for the broker; Ctrl-C cannot interrupt that
         // wait, so it is bounded by connect_timeout.
         let consumer = py

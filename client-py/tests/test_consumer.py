@@ -693,6 +693,21 @@ def test_a_groups_ranks_split_each_epoch_from_torchruns_environment(start_broker
     assert plain_samples == 2 * 103
 
 
+def test_a_group_from_the_environment_without_a_rank_is_refused(start_broker, monkeypatch):
+    broker = start_broker(synthetic(slots=8))
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("BATCHCAST_GROUP", "trial")
+    # Not silently a plain consumer reading the whole stream: refused, saying why.
+    with pytest.raises(batchcast.InvalidArgument, match=r'BATCHCAST_GROUP="trial": group `trial` without a rank'):
+        batchcast.Consumer(socket=broker.socket, output="numpy")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    c = batchcast.Consumer(socket=broker.socket, output="numpy")
+    assert len(c) == 7  # 100 samples in batches of 8: 13 batches, 7 for rank 1 of 2 (the tail split)
+    del c
+
+
 def test_group_arguments_are_checked(start_broker):
     broker = start_broker(synthetic())
     with pytest.raises(batchcast.InvalidArgument, match="rank=-1"):

@@ -83,6 +83,16 @@ pub fn member_units_needed(window: u32, size: u64, unit: u64) -> u64 {
     (u64::from(window) + 1).saturating_mul(per_run)
 }
 
+/// The ring slots a group member's window may span: holding `window` of
+/// its runs while it builds the next, each `data_ranks` batches of `size`
+/// after the one before (the others' runs lie between). The stream's
+/// slots must cover it, or the member pins the ring
+/// ([`Batcher::pins_ring`]) and nothing newer can be made.
+pub fn member_ring_span(window: u32, size: u64, unit: u64, data_ranks: u64) -> u64 {
+    let len = (u64::from(window) * data_ranks + 1).saturating_mul(size);
+    (len.saturating_sub(1)).div_ceil(unit.max(1)) + 1
+}
+
 /// Cuts units into runs of `size` samples; see the module doc.
 #[derive(Debug)]
 pub struct Batcher {

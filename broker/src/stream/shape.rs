@@ -69,12 +69,18 @@ impl Stream {
             batchcast::batcher::units_needed(req.window, size, unit)
         };
         let slots = u64::from(self.plan.slots);
-        if req.group.is_some() && units > slots {
-            return refuse(format!(
-                "a group member with window {} and batches of {size} may hold {units} of stream `{}`'s {slots} slots of {unit} samples (its runs lie apart, one more being built); use a smaller window, or size the stream for it: slots = {units}",
-                req.window,
-                self.name()
-            ));
+        if let Some(seat) = req.group.as_deref() {
+            let data_ranks = u64::from(seat.world / seat.replicate.max(1));
+            let span = batchcast::batcher::member_ring_span(req.window, size, unit, data_ranks);
+            let need = units.max(span);
+            if need > slots {
+                return refuse(format!(
+                    "a group member of {data_ranks} data ranks with window {} and batches of {size} may span {need} of stream `{}`'s {slots} slots of {unit} samples (its runs lie {data_ranks} batches apart, one more being built); size the stream for it: slots = {need}, or batch_size = {} in its config (a unit holds one batch of each data rank; members still ask for {size}), or use a smaller window",
+                    req.window,
+                    self.name(),
+                    data_ranks.saturating_mul(size),
+                ));
+            }
         }
         // With the stream's own size the hub checks the window.
         if units > slots && size != unit {

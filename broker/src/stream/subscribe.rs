@@ -57,9 +57,10 @@ impl Stream {
         let replays = self.may_replay(replaying.is_some()) || decoupled;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
-        // How its replayed batches are cut: its batch size, its deal.
-        let cut = (shape.batch_size, shape.deal(&req));
         self.check_subscription(&req, shape)?;
+        // How its replayed batches are cut: its batch size, its deal (its
+        // seat checked just now).
+        let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         let prepared = self.replay_arena(replays, shape, req.window, &peer)?;

@@ -342,7 +342,9 @@ class Consumer:
             its members split each epoch among them, every sample once
             across the group and every rank as many batches (see
             docs/python-client.md, "Groups"); other consumers still read
-            everything. Members share one batch size.
+            everything. Members share one batch size. Default
+            ``$BATCHCAST_GROUP`` (its rank and world from the environment;
+            refused if that has none).
         rank, world: this member's rank and the group's size; default
             torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, else Slurm's
             ``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``.

@@ -108,6 +108,15 @@ impl ConsumerOptions {
         }
         if let Some(seat) = &self.group {
             seat.validate().map_err(Error::InvalidOption)?;
+        } else if let Ok(name) = std::env::var("BATCHCAST_GROUP")
+            && !name.is_empty()
+            && let Err(why) = group_from_env(&name)
+        {
+            // The default found no seat there: say why, rather than read
+            // the whole stream as a plain consumer.
+            return Err(Error::InvalidOption(format!(
+                "$BATCHCAST_GROUP={name:?}: {why}"
+            )));
         }
         Ok(())
     }
