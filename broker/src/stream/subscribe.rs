@@ -58,8 +58,7 @@ impl Stream {
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape)?;
-        // How its replayed batches are cut: its batch size, its deal (its
-        // seat checked just now).
+        // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
