@@ -334,7 +334,7 @@ fn a_member_whose_window_the_slots_cannot_hold_is_told_what_to_size() {
 #[test]
 fn a_group_rides_through_broker_restarts_each_member_with_its_own_share() {
     let mut env = Env::start(&config(2));
-    let ride = ["--reconnect-timeout", "30", "--sleep-ms", "5"];
+    let ride = ["--reconnect-timeout", "30", "--sleep-ms", "10"];
     let kids: Vec<_> = (0..2u32).map(|r| member(&env, "t", r, 2, &ride)).collect();
     // Killed twice, each time after the members read a while (each broker
     // counts what it delivered itself).
@@ -402,4 +402,92 @@ fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
     {
         assert_eq!(c.cuts, 0, "a member is never cut: {c:#?}");
     }
+}
+
+#[test]
+fn a_group_reformed_with_another_world_goes_on_from_any_members_state() {
+    let env = Env::start(&config(4));
+    // 4 ranks of 4 (16 samples a step), each checkpointing every batch,
+    // stall after 10 batches (round 10 of epoch 0: sample 160) and are
+    // killed there, as a failed node takes its ranks down.
+    let states: Vec<_> = (0..4).map(|r| env.path(&format!("r{r}.state"))).collect();
+    let files: Vec<&str> = states.iter().map(|s| s.to_str().unwrap()).collect();
+    let mut kids: Vec<_> = (0..4u32)
+        .map(|r| {
+            let args = [
+                "--batch-size",
+                "4",
+                "--state-file",
+                files[r as usize],
+                "--stall-after",
+                "10",
+                "--stall-ms",
+                "60000",
+            ];
+            member(&env, "t", r, 4, &args)
+        })
+        .collect();
+    let t0 = std::time::Instant::now();
+    for state in &states {
+        while !batchcast_broker::consume::SavedState::load(state)
+            .is_ok_and(|s| s.epoch.positions.len() == 10)
+        {
+            assert!(t0.elapsed() < common::LIMIT, "a member never stood still");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    for kid in &mut kids {
+        common::sigkill(kid);
+    }
+    let saved = batchcast_broker::consume::SavedState::load(&states[2]).unwrap();
+    let place = saved
+        .state
+        .group
+        .clone()
+        .expect("a member's state has its group's place");
+    assert_eq!((place.round.epoch, place.round.sample), (0, 160));
+    // torchrun re-forms the trial with 2 ranks; both load rank 2's state
+    // and take batches of 8 (the same 16 a step: derived, not given).
+    let round = 160;
+    let reformed: Vec<_> = (0..2u32)
+        .map(|r| member(&env, "t", r, 2, &["--resume-state", files[2]]))
+        .collect();
+    let mut tail = vec![0u32; 203 - round];
+    for (rank, kid) in reformed.into_iter().enumerate() {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        let got = runs(&r);
+        let from_round: Vec<_> = got[&0]
+            .iter()
+            .filter(|&&(f, _)| f >= round as u64)
+            .copied()
+            .collect();
+        let want0: Vec<_> = want
+            .iter()
+            .filter(|&&(f, _)| f >= round as u64)
+            .copied()
+            .collect();
+        assert_eq!(from_round, want0, "rank {rank}: {r:#?}");
+        assert_eq!(got[&1], want, "rank {rank} epoch 1: {r:#?}");
+        for (f, n) in from_round {
+            for s in f..f + n {
+                tail[s as usize - round] += 1;
+            }
+        }
+    }
+    assert!(
+        tail.iter().all(|&c| c == 1),
+        "the rest of epoch 0 once: {tail:?}"
+    );
+    // Another global batch is refused, saying which batch size keeps it.
+    let r = report(member(
+        &env,
+        "t",
+        0,
+        2,
+        &["--resume-state", files[2], "--batch-size", "4"],
+    ));
+    let msg = r.error.unwrap_or_default();
+    assert!(msg.contains("ask for batch_size=8"), "{msg}");
 }

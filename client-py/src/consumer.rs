@@ -178,6 +178,15 @@ impl Consumer {
         d.set_item("sample", s.position.sample)?;
         d.set_item("batch_size", s.batch_size)?;
         d.set_item("drop_last", s.drop_last)?;
+        if let Some(g) = s.group {
+            // A member's group and where it goes on: any rank's state
+            // re-forms the group (another world, the same global batch).
+            d.set_item("group", g.name)?;
+            d.set_item("world", g.world)?;
+            d.set_item("replicate", g.replicate)?;
+            d.set_item("round_epoch", g.round.epoch)?;
+            d.set_item("round_sample", g.round.sample)?;
+        }
         Ok(d)
     }
 
@@ -271,6 +280,18 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<batchcast::ConsumerState> 
         },
         batch_size: get(d, "batch_size", "an integer ≥ 1")?,
         drop_last: get(d, "drop_last", "True or False")?,
+        group: match d.get_item("group")? {
+            None => None,
+            Some(_) => Some(batchcast::GroupPlace {
+                name: get(d, "group", "a group name")?,
+                world: get(d, "world", "an integer ≥ 1")?,
+                replicate: get(d, "replicate", "an integer ≥ 1")?,
+                round: batchcast::proto::Position {
+                    epoch: get(d, "round_epoch", "an integer ≥ 0")?,
+                    sample: get(d, "round_sample", "an integer ≥ 0")?,
+                },
+            }),
+        },
     })
 }
 

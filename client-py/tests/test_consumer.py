@@ -708,6 +708,36 @@ def test_a_group_from_the_environment_without_a_rank_is_refused(start_broker, mo
     del c
 
 
+def test_a_group_is_reformed_with_another_world_from_one_members_state(start_broker):
+    # 100 samples an epoch; a group of 2 ranks of 4 (8 a step) reads 3
+    # rounds; rank 1's state says the group stands at round 3 (sample 24).
+    broker = start_broker(synthetic(length=100, slots=8, min_consumers=2, extra="max_batch_size = 8"))
+    old = [
+        batchcast.Consumer(socket=broker.socket, output="numpy", group="t", rank=r, world=2, batch_size=4)
+        for r in range(2)
+    ]
+    for _ in range(3):
+        for c in old:
+            c.next_batch()
+    state = old[1].state_dict()
+    assert (state["group"], state["world"], state["replicate"]) == ("t", 2, 1)
+    assert (state["epoch"], state["sample"], state["round_epoch"], state["round_sample"]) == (0, 24, 0, 24)
+    del old, c  # the old group is gone (its connections close)
+    # Re-formed as one rank: batches of 8 (the same global batch), from the
+    # round on: the rest of the epoch once.
+    new = batchcast.Consumer(socket=broker.socket, output="numpy", group="t1", rank=0, world=1, state=state)
+    assert new.batch_size == 8
+    got = []
+    while True:
+        b = new.next_batch()
+        if b is None:
+            break
+        got.append((b.first_sample, b.samples))
+    assert got == [(f, 8) for f in range(24, 96, 8)] + [(96, 4)]
+    with pytest.raises(batchcast.InvalidArgument, match="ask for batch_size=8"):
+        batchcast.Consumer(socket=broker.socket, output="numpy", group="t2", rank=0, world=1, state=state, batch_size=4)
+
+
 def test_group_arguments_are_checked(start_broker):
     broker = start_broker(synthetic())
     with pytest.raises(batchcast.InvalidArgument, match="rank=-1"):

@@ -23,7 +23,7 @@ mod state;
 mod wait;
 
 pub use options::{ConsumerOptions, DEFAULT_RECONNECT_TIMEOUT, group_from_env};
-pub use state::ConsumerState;
+pub use state::{ConsumerState, GroupPlace};
 
 /// How long a consumer holding its whole window waits for a message
 /// before calling it [`Error::WindowFull`].
@@ -129,22 +129,22 @@ impl Consumer {
     /// size and digest where options do not say otherwise).
     fn request(opts: &ConsumerOptions) -> Result<ConsumeRequest> {
         let state = opts.state.as_ref();
+        let (resume, batch_size) = start_of(opts)?;
         Ok(ConsumeRequest {
             stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
             window: opts.window,
             join: opts.join,
             device: opts.device.request()?,
             mailbox: opts.mailbox && opts.device == Device::Cpu,
-            batch_size: opts.batch_size.or(state.map(|s| s.batch_size)),
+            batch_size,
             drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
-            resume: opts.resume.or(state.map(|s| s.position)),
+            resume,
             expect: state.map(|s| s.digest),
             group: opts.group.clone().map(Box::new),
         })
     }
 
     fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {
-        let state = opts.state.as_ref();
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
@@ -161,7 +161,7 @@ impl Consumer {
             welcome.device.as_ref(),
             welcome.layout.slot_bytes,
         )?;
-        let resume = opts.resume.or(state.map(|s| s.position));
+        let (resume, _) = start_of(opts)?;
         let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
         let batcher = batcher_for(&welcome, opts, skip);
         // A decoupled consumer is granted a replay arena with nothing to
@@ -222,12 +222,27 @@ impl Consumer {
     /// lock.
     pub fn state(&self) -> ConsumerState {
         let w = &self.shared.welcome;
+        let group = self
+            .opts
+            .group
+            .as_ref()
+            .zip(self.deal())
+            .map(|(seat, deal)| {
+                let (epoch, sample) = deal.round_of(self.next_at.epoch, self.next_at.sample);
+                state::GroupPlace {
+                    name: seat.name.clone(),
+                    world: seat.world,
+                    replicate: seat.replicate,
+                    round: Position { epoch, sample },
+                }
+            });
         ConsumerState {
             stream: w.stream.clone(),
             digest: w.digest,
             position: self.next_at,
             batch_size: w.batch_size,
             drop_last: w.drop_last,
+            group,
         }
     }
 
@@ -497,6 +512,19 @@ impl Drop for Consumer {
         // they are dropped, and the connection closes with the last of them.
         self.give_back_unread();
         let _ = self.shared.send(&ClientMsg::Goodbye);
+    }
+}
+
+/// Where `opts` resume (a resume position, or its state's: a group
+/// member's, its group's round) and in which batch size (`None`: the
+/// stream's).
+fn start_of(opts: &ConsumerOptions) -> Result<(Option<Position>, Option<u64>)> {
+    match (&opts.state, opts.resume) {
+        (Some(s), None) => {
+            let (at, size) = s.resume_for(opts.group.as_ref(), opts.batch_size)?;
+            Ok((Some(at), Some(size)))
+        }
+        (_, resume) => Ok((resume, opts.batch_size)),
     }
 }
 

@@ -168,6 +168,19 @@ impl Deal {
         }
     }
 
+    /// The start of the round (one batch of every data rank; the tail is
+    /// one round) that holds this member's next run at or after sample
+    /// `sample` of `epoch`: where its group goes on. A group re-formed
+    /// with another world but the same global batch (`d × b`) has its
+    /// rounds at the same samples, so it may go on from there.
+    pub fn round_of(&self, epoch: u64, sample: u64) -> (u64, u64) {
+        let Some((epoch, start)) = self.own_at_or_after(epoch, sample) else {
+            return (epoch, sample);
+        };
+        let round = self.d * self.b;
+        (epoch, (start / round * round).min(self.full()))
+    }
+
     /// The first sample at or after `x` of an epoch that lies inside no
     /// run (anyone's) but at its start, or is dropped, or `n`: where a
     /// member may begin cutting runs of its own from the shared stream.
@@ -322,6 +335,58 @@ mod tests {
                 .find(|&f| deal.run_at(f).is_none_or(|d| d.start == f))
                 .unwrap_or(n);
             prop_assert_eq!(deal.boundary_at_or_after(from), boundary);
+        }
+
+        /// Every member's round is the same for all ranks after the same
+        /// number of batches, and a re-formed group (another world, the
+        /// same global batch) starting there reads exactly the samples
+        /// the old one had not.
+        #[test]
+        fn a_group_reformed_with_the_same_global_batch_goes_on_at_its_round(
+            n in 1u64..300, rounds_seed: u64, data in 1u32..5, new_data_seed: u32, b in 1u64..6,
+        ) {
+            let global = u64::from(data) * b;
+            // Another world whose batch still makes the same global batch.
+            let divisors: Vec<u32> = (1..=global as u32).filter(|k| global.is_multiple_of(u64::from(*k))).collect();
+            let new_data = divisors[new_data_seed as usize % divisors.len()];
+            let b2 = global / u64::from(new_data);
+            let old = |r| Deal::new(n, b, (r, data, 1), false);
+            let new = |r| Deal::new(n, b2, (r, new_data, 1), false);
+            let steps = rounds_seed % (old(0).batches_per_epoch() + 1);
+            // Each old rank after `steps` batches: where its next run begins.
+            let mut rounds = std::collections::BTreeSet::new();
+            for r in 0..data {
+                let runs = samples_of(old, data)[r as usize].clone();
+                let at = runs.get(steps as usize).map_or(n, |&(s, _)| s);
+                rounds.insert(old(r).round_of(0, at));
+            }
+            prop_assert_eq!(rounds.len(), 1, "one round for the whole group");
+            let (epoch, round) = *rounds.iter().next().unwrap();
+            // The old group read the runs of its first `steps` rounds; the
+            // new one reads its runs from the round on: together, the
+            // whole epoch as one deal would give it, each sample as often.
+            let mut seen = vec![0u32; n as usize];
+            let mut count = |runs: &[(u64, u64)], from: u64, to: u64| {
+                for &(s, e) in runs.iter().filter(|&&(s, _)| s >= from && s < to) {
+                    for f in s..e { seen[f as usize] += 1; }
+                }
+            };
+            if epoch == 0 {
+                for runs in samples_of(old, data) { count(&runs, 0, round); }
+                let news = samples_of(new, new_data);
+                let counts: std::collections::BTreeSet<usize> =
+                    news.iter().map(|runs| runs.iter().filter(|&&(s, _)| s >= round).count()).collect();
+                prop_assert_eq!(counts.len(), 1, "every new rank as many batches");
+                for runs in news { count(&runs, round, n); }
+            } else {
+                for runs in samples_of(old, data) { count(&runs, 0, n); }
+            }
+            let full = n / global * global;
+            for (f, &k) in seen.iter().enumerate() {
+                if (f as u64) < full || n - full >= u64::from(data.max(new_data)) {
+                    prop_assert_eq!(k, 1, "sample {}", f);
+                }
+            }
         }
 
         /// Every rank the same number of batches; each sample once across

@@ -78,7 +78,8 @@ mod transport;
 
 pub use batch::{Batch, Element, FieldView};
 pub use consumer::{
-    Consumer, ConsumerOptions, ConsumerState, DEFAULT_RECONNECT_TIMEOUT, Event, group_from_env,
+    Consumer, ConsumerOptions, ConsumerState, DEFAULT_RECONNECT_TIMEOUT, Event, GroupPlace,
+    group_from_env,
 };
 pub use device::Device;
 pub use error::{Error, ErrorCode, Result};

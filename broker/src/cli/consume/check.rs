@@ -95,9 +95,11 @@ impl<'a> Checker<'a> {
 
     /// Resuming from `saved`: the epoch it was in carries on from its
     /// counts and digest (unless the resume begins the next epoch), and
-    /// the first batch must begin at its position.
+    /// the first batch must begin at its position (a group member's: at
+    /// its first own run from its group's round, whatever rank saved it).
     pub(super) fn carry_on(&mut self, saved: super::SavedState) {
-        self.resume = Some(saved.state.position);
+        let round = saved.state.group.as_ref().filter(|_| self.deal.is_some());
+        self.resume = Some(round.map_or(saved.state.position, |g| g.round));
         if saved.epoch.epoch == saved.state.position.epoch {
             self.carried = saved.epoch.batches;
             self.cur = saved.epoch;
