@@ -4,7 +4,7 @@
 //! test instead of hanging it.
 
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
@@ -759,18 +759,17 @@ fn consume_cli_without_a_gpu_says_so_and_points_to_the_host_path() {
     );
 }
 
-/// `serve --metrics`: Prometheus text with the same numbers as stats.
-#[test]
-fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("broker.toml");
-    std::fs::write(&cfg, config("epochs = 1", 256, 32)).unwrap();
-    let log = dir.path().join("broker.log");
-    let sock = dir.path().join("b.sock");
+/// A broker started with `serve --metrics 127.0.0.1:0` on `cfg` in `dir`:
+/// its process, socket and metrics address.
+fn broker_with_metrics(dir: &Path, cfg: &str) -> (Guard, PathBuf, String) {
+    let path = dir.join("broker.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let log = dir.join("broker.log");
+    let sock = dir.join("b.sock");
     let mut broker = Guard(
         command(EXE)
             .args(["serve", "--metrics", "127.0.0.1:0", "--config"])
-            .arg(&cfg)
+            .arg(&path)
             .arg("--socket")
             .arg(&sock)
             .env("NO_COLOR", "1")
@@ -784,12 +783,31 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
         if let Some(rest) = text.split("metrics on http://").nth(1) {
             break rest.split('/').next().unwrap().to_string();
         }
+        let exited = broker.0.try_wait().unwrap().is_some();
         assert!(
-            t0.elapsed() < LIMIT,
+            t0.elapsed() < LIMIT && !exited,
             "no metrics address in the log:\n{text}"
         );
         std::thread::sleep(Duration::from_millis(20));
     };
+    (broker, sock, addr)
+}
+
+/// The whole HTTP answer to `GET path` at `addr`.
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// `serve --metrics`: Prometheus text with the same numbers as stats.
+#[test]
+fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut broker, sock, addr) = broker_with_metrics(dir.path(), &config("epochs = 1", 256, 32));
     let consumer = common::spawn_consumer(
         &sock,
         &[
@@ -805,14 +823,7 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     );
     let r = report(consumer);
     assert_eq!(r.batches, 8);
-    let get = |path: &str| {
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        out
-    };
+    let get = |path: &str| http_get(&addr, path);
     let body = get("/metrics");
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(
@@ -836,6 +847,55 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
         "{body}\n{st:?}"
     );
     assert!(get("/other").starts_with("HTTP/1.1 404"));
+    // Probes: alive, and ready (no stream failed).
+    let live = get("/healthz");
+    assert!(
+        live.starts_with("HTTP/1.1 200 OK") && live.ends_with("ok: 1 streams\n"),
+        "{live}"
+    );
+    let ready = get("/readyz");
+    assert!(
+        ready.starts_with("HTTP/1.1 200 OK") && ready.ends_with("ready: 1 streams\n"),
+        "{ready}"
+    );
+    harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
+    harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
+}
+
+/// `/readyz` says 503 once a stream failed, naming it and why; `/healthz`
+/// still says the broker is alive (other streams serve on).
+#[test]
+fn readiness_fails_naming_a_failed_stream_while_liveness_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("images/cats");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("broken.jpg"), b"not a jpeg at all").unwrap();
+    let cfg = format!(
+        "{}\n[[stream]]\nname = \"photos\"\nbatch_size = 1\non_error = \"fail\"\n[stream.image_folder]\nroot = \"{}\"\n[stream.transform]\nresize = [8, 8]\ndtype = \"u8\"\n",
+        config("epochs = 1", 64, 8),
+        root.parent().unwrap().display()
+    );
+    let (mut broker, sock, addr) = broker_with_metrics(dir.path(), &cfg);
+    assert!(http_get(&addr, "/readyz").starts_with("HTTP/1.1 200 OK"));
+    let r = report(common::spawn_consumer(&sock, &["--stream", "photos"]));
+    assert!(!r.ok, "{r:#?}");
+    let t0 = Instant::now();
+    let ready = loop {
+        let ready = http_get(&addr, "/readyz");
+        if !ready.starts_with("HTTP/1.1 200") || t0.elapsed() > LIMIT {
+            break ready;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        ready.starts_with("HTTP/1.1 503")
+            && ready.contains("stream `photos` failed: ")
+            && ready.contains("broken.jpg"),
+        "{ready}"
+    );
+    assert!(http_get(&addr, "/healthz").starts_with("HTTP/1.1 200 OK"));
+    let r = report(common::spawn_consumer(&sock, &["--max-batches", "2"]));
+    assert!(r.ok, "the other stream serves on: {r:#?}");
     harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
     harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
 }

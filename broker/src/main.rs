@@ -44,8 +44,9 @@ enum Cmd {
         /// Socket path [default: config's broker.socket, else $BATCHCAST_SOCKET, else $XDG_RUNTIME_DIR/batchcast.sock, else /tmp/batchcast-$UID/batchcast.sock]
         #[arg(long)]
         socket: Option<PathBuf>,
-        /// Also serve Prometheus metrics at http://ADDR/metrics (e.g.
-        /// 127.0.0.1:9464; port 0 picks a free one, logged at start)
+        /// Also serve Prometheus metrics at http://ADDR/metrics, and the
+        /// probes /healthz and /readyz (e.g. 127.0.0.1:9464; port 0 picks
+        /// a free one, logged at start)
         #[arg(long, value_name = "ADDR")]
         metrics: Option<std::net::SocketAddr>,
     },

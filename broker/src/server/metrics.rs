@@ -1,7 +1,11 @@
 //! `batchcast serve --metrics ADDR`: the broker's stats in Prometheus text
 //! format (version 0.0.4) at `http://ADDR/metrics`, what cluster monitoring
 //! already scrapes. The same numbers as `batchcast stats --json`; a tiny
-//! HTTP/1.1 responder, one request per connection.
+//! HTTP/1.1 responder, one request per connection. Beside it, probes for
+//! an orchestrator (a Kubernetes DaemonSet's liveness and readiness):
+//! `/healthz` answers 200 once every stream's lock answered (a wedged
+//! broker times out), `/readyz` 200 while no stream has failed, else 503
+//! naming each failed stream and why.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -45,15 +49,27 @@ async fn answer(mut sock: TcpStream, broker: &Broker) -> std::io::Result<()> {
             "text/plain; version=0.0.4; charset=utf-8",
             render(&broker.stats()),
         ),
+        ("GET" | "HEAD", "/healthz") => {
+            let st = broker.stats();
+            (
+                "200 OK",
+                "text/plain",
+                format!("ok: {} streams\n", st.streams.len()),
+            )
+        }
+        ("GET" | "HEAD", "/readyz") => {
+            let (status, body) = readiness(&broker.stats());
+            (status, "text/plain", body)
+        }
         ("GET" | "HEAD", _) => (
             "404 Not Found",
             "text/plain",
-            "batchcast serves its metrics at /metrics\n".to_string(),
+            "batchcast serves /metrics, /healthz and /readyz\n".to_string(),
         ),
         _ => (
             "405 Method Not Allowed",
             "text/plain",
-            "GET /metrics\n".to_string(),
+            "GET /metrics, /healthz or /readyz\n".to_string(),
         ),
     };
     let head = format!(
@@ -65,6 +81,32 @@ async fn answer(mut sock: TcpStream, broker: &Broker) -> std::io::Result<()> {
         sock.write_all(body.as_bytes()).await?;
     }
     sock.shutdown().await
+}
+
+/// `/readyz`: ready while no stream has failed (its source or producer);
+/// else 503, each failed stream named with why. (A stream waiting for its
+/// producer, or for consumers, is ready: it serves as soon as they come.)
+fn readiness(stats: &StatsReply) -> (&'static str, String) {
+    let failed: Vec<String> = stats
+        .streams
+        .iter()
+        .filter_map(|s| {
+            s.failed
+                .as_ref()
+                .map(|why| format!("stream `{}` failed: {why}", s.name))
+        })
+        .collect();
+    if failed.is_empty() {
+        (
+            "200 OK",
+            format!("ready: {} streams\n", stats.streams.len()),
+        )
+    } else {
+        (
+            "503 Service Unavailable",
+            format!("not ready:\n{}\n", failed.join("\n")),
+        )
+    }
 }
 
 /// A label value with `\`, `"` and newlines escaped.
