@@ -229,6 +229,12 @@ impl Consumer {
         lock(&self.inner).held()
     }
 
+    /// Times it subscribed again after its broker went away.
+    #[getter]
+    fn reconnects(&self) -> u64 {
+        lock(&self.inner).reconnects()
+    }
+
     /// `(address, length)` of the shared arena in this process.
     #[getter]
     fn arena(&self) -> (usize, usize) {

@@ -644,6 +644,7 @@ def test_a_consumer_rides_through_a_broker_restart_holding_a_batch(start_broker,
             got.append(batch[0].tobytes())
     assert held[0].tobytes() == got[10], "a batch held across the restart stays readable"
     assert b"".join(got) == want, "every sample once, in order, the same bytes"
+    assert c.reconnects == 1
     del held, batch
     with pytest.raises(batchcast.InvalidArgument, match="reconnect_timeout"):
         batchcast.Consumer(socket=broker.socket, output="numpy", reconnect_timeout=-1)

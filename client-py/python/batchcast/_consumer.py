@@ -487,6 +487,12 @@ class Consumer:
         return self._native.held
 
     @property
+    def reconnects(self) -> int:
+        """Times it subscribed again after its broker went away (each
+        time it went on from its next position; see ``reconnect_timeout``)."""
+        return self._native.reconnects
+
+    @property
     def arena(self) -> Tuple[int, int]:
         """``(address, length)`` of the shared memory in this process."""
         return self._native.arena
