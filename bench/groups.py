@@ -29,7 +29,6 @@ a Python with batchcast, torch and torchvision (bench/groups.sh sets it up).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import resource
@@ -40,30 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-print = functools.partial(print, flush=True)  # noqa: A001 (progress in pipes)
-REPO = Path(__file__).resolve().parents[1]
-EXE = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "release" / "batchcast")
-
-STREAM = """
-[[stream]]
-name = "train"
-batch_size = {batch}
-epochs = {epochs}
-slots = {slots}
-workers = {workers}
-min_consumers = {consumers}
-seed = 1
-drop_last = false
-
-[stream.image_folder]
-root = "{root}"
-
-[stream.transform]
-random_resized_crop = {{ size = 224 }}
-horizontal_flip = 0.5
-normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
-dtype = "f32"
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EXE, image_stream, print  # noqa: E402,A004
 
 # One rank: `batchcast` (a group member) or `loader` (its own DataLoader).
 RANK = r"""
@@ -177,8 +154,8 @@ def run(kind: str, a, trials: int, ranks: int, tmp: Path, ring: int | None = Non
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if kind == "batchcast":
         cfg = tmp / "broker.toml"
-        cfg.write_text(STREAM.format(batch=a.batch, epochs=a.epochs, workers=a.workers, slots=ring or slots(ranks),
-                                     consumers=trials * ranks, root=a.dataset))
+        cfg.write_text(image_stream("train", a.dataset, a.batch, epochs=a.epochs, slots=ring or slots(ranks),
+                                    workers=a.workers, min_consumers=trials * ranks, seed=1, drop_last=False))
         sock = str(tmp / "b.sock")
         broker = subprocess.Popen([EXE, "serve", "--socket", sock, "--config", str(cfg)],
                                   stdout=subprocess.DEVNULL, stderr=open(tmp / "broker.log", "w"))

@@ -22,9 +22,7 @@ for its rows).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -33,9 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-print = functools.partial(print, flush=True)  # noqa: A001 (progress in pipes)
-REPO = Path(__file__).resolve().parents[1]
-EXE = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "release" / "batchcast")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EXE, print  # noqa: E402,A004
 
 STREAM = """
 [[stream]]

@@ -36,6 +36,9 @@ from pathlib import Path
 
 import batchcast
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import image_stream  # noqa: E402
+
 TRAINER = """
 import json, sys, time, batchcast
 socket, stream, out = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -50,22 +53,10 @@ with open(out, "w") as f:
 
 
 def config(images: Path) -> str:
-    return f"""
-[[stream]]
-name = "images"
-batch_size = 32
-shuffle = true
-seed = 2026
-slots = 6
-drop_last = false
-workers = 2
-[stream.image_folder]
-root = "{images}"
-[stream.transform]
-random_resized_crop = {{ size = 112 }}
-horizontal_flip = 0.5
-normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
-dtype = "f32"
+    images_stream = image_stream(
+        "images", images, 32, size=112, shuffle=True, seed=2026, slots=6, drop_last=False, workers=2
+    )
+    return images_stream + f"""
 
 [[stream]]
 name = "synthetic"

@@ -188,6 +188,20 @@ def start_broker(tmp_path: Path):
         b.stop()
 
 
+def small_image_folder(root: Path, images: int, seed: int) -> None:
+    """An ImageFolder of `images` small random JPEGs in 3 classes
+    (`class{i % 3}/img{i:03}.jpg`)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(images):
+        d = root / f"class{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(d / f"img{i:03}.jpg", quality=90)
+
+
 def has_torch() -> bool:
     try:
         import torch  # noqa: F401

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LIMIT, has_torch
+from conftest import LIMIT, has_torch, small_image_folder
 
 pytestmark = pytest.mark.skipif(
     not has_torch(),
@@ -68,19 +68,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _image_folder(root: Path) -> None:
-    from PIL import Image
-
-    import numpy as np
-
-    rng = np.random.default_rng(7)
-    for i in range(IMAGES):
-        d = root / f"class{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, size=(20, 24, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(d / f"img{i:03}.jpg", quality=90)
-
-
 def _config(root: Path) -> str:
     return f"""
 [[stream]]
@@ -110,7 +97,7 @@ def test_two_torchrun_nodes_each_with_its_broker_read_each_image_once(start_brok
     if torchrun is None:
         pytest.skip("torch is installed without its torchrun command")
     root = tmp_path / "images"
-    _image_folder(root)
+    small_image_folder(root, IMAGES, seed=7)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"

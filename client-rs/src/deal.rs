@@ -26,6 +26,8 @@
 //!   the same batches (tensor- or sequence-parallel peers).
 //! * Other consumers of the stream, and other groups, are not affected.
 
+use crate::proto::Position;
+
 /// A consumer's place in a group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deal {
@@ -165,6 +167,17 @@ impl Deal {
         match self.next_own(sample) {
             Some(run) => Some((epoch, run.start)),
             None => Some((epoch + 1, self.next_own(0)?.start)),
+        }
+    }
+
+    /// Where a replay cursor at `at` goes next: the start of this
+    /// member's first run at or after it, or, with none in any epoch,
+    /// `at` or `end` (where replay ends), whichever is later. The broker's
+    /// replay book and the client's replay check move alike through it.
+    pub fn seek_own_run(&self, at: Position, end: Position) -> Position {
+        match self.own_at_or_after(at.epoch, at.sample) {
+            Some((epoch, sample)) => Position { epoch, sample },
+            None => at.max(end),
         }
     }
 

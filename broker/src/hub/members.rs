@@ -117,18 +117,23 @@ impl Hub {
     /// `oldest` (seq, epoch, index), or a later published batch so that a
     /// consumer starting there is no more than the lag limit behind the
     /// least behind of the others (`None`: none is, it starts at the head).
+    /// How far behind `head` the least behind reader is (readers saying
+    /// goodbye left out); `None` with no such reader. The lag limit is
+    /// counted from it.
+    pub(super) fn least_behind(&self, head: u64) -> Option<usize> {
+        self.consumers
+            .values()
+            .filter(|c| !c.closing)
+            .map(|c| c.behind(head))
+            .min()
+    }
+
     fn within_lag_limit(&self, oldest: (u64, u64, u64)) -> Option<(u64, u64, u64)> {
         let Some(limit) = self.cfg.lag_limit else {
             return Some(oldest);
         };
         let head = self.head();
-        let Some(least) = self
-            .consumers
-            .values()
-            .filter(|c| !c.closing)
-            .map(|c| c.behind(head))
-            .min()
-        else {
+        let Some(least) = self.least_behind(head) else {
             return Some(oldest);
         };
         let earliest = head.saturating_sub(least as u64 + u64::from(limit));

@@ -205,13 +205,7 @@ impl Hub {
         let mut detach = Vec::new();
         if let Some(limit) = self.cfg.lag_limit {
             let head = self.head();
-            let least = self
-                .consumers
-                .values()
-                .filter(|c| !c.closing)
-                .map(|c| c.behind(head))
-                .min()
-                .unwrap_or(0);
+            let least = self.least_behind(head).unwrap_or(0);
             for (&id, c) in &self.consumers {
                 let lag = c.behind(head).saturating_sub(least);
                 if !c.closing && lag > limit as usize {

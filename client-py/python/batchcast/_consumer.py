@@ -25,6 +25,20 @@ def _env_timeout() -> float:
     return max(value, 0.0)
 
 
+def _default_socket(socket: Optional[PathLike]) -> Optional[str]:
+    """The socket a consumer or producer connects to when given none: in a
+    Ray worker of a cluster where ``batchcast.ray.init()`` was called (and
+    ``$BATCHCAST_SOCKET`` is unset), the broker of the node it runs on;
+    otherwise ``None``, the client's usual default."""
+    if socket is not None:
+        return os.fspath(socket)
+    if os.environ.get("BATCHCAST_SOCKET") or "ray" not in sys.modules:
+        return None
+    from . import ray as on_ray
+
+    return on_ray.socket_if_initialized()
+
+
 def _converter(output: str, copy: bool) -> Callable[[Any], Any]:
     if output == "torch":
         try:
@@ -273,6 +287,8 @@ class Consumer:
         stream: the stream's name in the broker's config (or the name a
             producer registered).
         socket: the broker's socket; default ``$BATCHCAST_SOCKET``, else
+            in a Ray worker after ``batchcast.ray.init()`` the broker of its
+            node (started on first use), else
             ``$XDG_RUNTIME_DIR/batchcast.sock``, else
             ``/tmp/batchcast-$UID/batchcast.sock``.
         window: most batches the program may hold (not yet released) at
@@ -394,7 +410,7 @@ class Consumer:
         timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
         # What a load_state_dict() subscribes with again, its state aside.
         self._args: Dict[str, Any] = dict(
-            socket=os.fspath(socket) if socket is not None else None,
+            socket=_default_socket(socket),
             window=_integer("window", window),
             join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
             name=name,

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy
 
 from . import _native
-from ._consumer import PathLike, _env_timeout
+from ._consumer import PathLike, _default_socket, _env_timeout
 from .errors import InvalidArgument, SchemaError, StreamError
 
 _NUMPY_DTYPES = {
@@ -233,7 +233,7 @@ class Producer:
         self.loader = loader
         self.broker_uid = broker_uid
         self.stream = stream
-        self.socket = os.fspath(socket) if socket is not None else None
+        self.socket = _default_socket(socket)
         self.epochs = epochs
         self.names = names
         self.slots = slots

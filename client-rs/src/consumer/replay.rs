@@ -56,10 +56,7 @@ impl Replaying {
         let Some(deal) = self.deal else {
             return;
         };
-        self.at = match deal.own_at_or_after(self.at.epoch, self.at.sample) {
-            Some((epoch, sample)) => Position { epoch, sample },
-            None => self.at.max(self.to.unwrap_or(self.at)),
-        };
+        self.at = deal.seek_own_run(self.at, self.to.unwrap_or(self.at));
     }
 
     /// The batch that must come next from `at` on: its samples, and

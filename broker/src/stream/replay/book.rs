@@ -213,10 +213,7 @@ impl Replay {
         let Some(deal) = self.deal else {
             return;
         };
-        self.cursor = match deal.own_at_or_after(self.cursor.epoch, self.cursor.sample) {
-            Some((epoch, sample)) => Position { epoch, sample },
-            None => self.cursor.max(self.end()),
-        };
+        self.cursor = deal.seek_own_run(self.cursor, self.end());
     }
 
     pub(in crate::stream) fn can_start(&self) -> bool {

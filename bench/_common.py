@@ -1,0 +1,43 @@
+"""What the Python benchmark harnesses share: progress that shows in pipes,
+where the repository and the release broker are, and the image stream they
+measure (torchvision's RandomResizedCrop + horizontal flip + Normalize to
+float32 NCHW, as the DataLoaders they compare with)."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import os
+from pathlib import Path
+
+print = functools.partial(builtins.print, flush=True)  # noqa: A001 (progress in pipes)
+REPO = Path(__file__).resolve().parents[1]
+EXE = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "release" / "batchcast")
+
+
+def image_stream(name: str, root: Path, batch: int, size: int = 224, **keys: object) -> str:
+    """A `[[stream]]` table reading the ImageFolder at `root`, augmented as
+    torchvision's RandomResizedCrop(size) + RandomHorizontalFlip +
+    Normalize (ImageNet's) to float32. `keys`: more keys of the stream
+    (`epochs`, `slots`, `workers`, `min_consumers`, `seed`, ...), None ones
+    left out; strings are quoted, other values written as they are."""
+    lines = [f'name = "{name}"', f"batch_size = {batch}"]
+    for key, value in keys.items():
+        if value is None:
+            continue
+        text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"{key} = {text}")
+    body = "\n".join(lines)
+    return f"""
+[[stream]]
+{body}
+
+[stream.image_folder]
+root = "{root}"
+
+[stream.transform]
+random_resized_crop = {{ size = {size} }}
+horizontal_flip = 0.5
+normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
+dtype = "f32"
+"""
