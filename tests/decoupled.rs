@@ -162,6 +162,7 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
         s.streams[0].consumers.iter().any(|c| c.delivered > 0)
     });
     let paused = env.consumer(&[
+        "--verify",
         "--stall-after",
         "3",
         "--stall-ms",
@@ -180,6 +181,11 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
         Some("HoldLimit"),
         "{paused:#?}"
     );
+    // The batches sent before the detach, still in its socket when it
+    // woke, were never handed out: their slots were given back and hold
+    // other data by now (it finds the reason first).
+    assert_eq!(paused.verify_failures, 0, "{paused:#?}");
+    assert_eq!(paused.batches, 3, "{paused:#?}");
 }
 
 /// An endless decoupled stream whose pipeline waits at most `hold` s for

@@ -491,3 +491,152 @@ fn a_group_reformed_with_another_world_goes_on_from_any_members_state() {
     let msg = r.error.unwrap_or_default();
     assert!(msg.contains("ask for batch_size=8"), "{msg}");
 }
+
+/// An endless decoupled stream whose pipeline waits at most 1 s for a
+/// consumer it cannot cut (a group member: members keep lockstep), and
+/// with `lag` detaches one that keeps lockstep more than `lag` batches
+/// behind the others.
+fn held_decoupled(lag: Option<u32>) -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    let toml = StreamToml::synthetic("train", 40, 4000, &fields)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+        .raw("pace = \"decoupled\"")
+        .raw("hold_limit_s = 1.0");
+    match lag {
+        Some(lag) => toml.key("lag_limit", lag).to_toml(),
+        None => toml.to_toml(),
+    }
+}
+
+/// A plain reader of 600 batches, 2 ms each (about 1.2 s alone), started
+/// and reading before the member under test comes.
+fn steady_reader(env: &Env) -> std::process::Child {
+    let steady = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        "600",
+        "--name",
+        "steady",
+    ]);
+    env.wait_for("the steady reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
+    });
+    steady
+}
+
+/// The steady reader got everything right and was not held for long: the
+/// member under test would hold it for its whole 12 s pause, or at its
+/// crawl (600 batches at 25 ms a unit: 15 s); the bound is the hold limit
+/// or the lag limit, and slack.
+fn assert_steady_not_held(steady: std::process::Child) {
+    let r = report(steady);
+    assert!(r.ok && r.verified_samples == r.samples, "{r:#?}");
+    assert_eq!(r.batches, 600);
+    assert!(
+        r.seconds < 8.0,
+        "the steady reader was held {:.1} s",
+        r.seconds
+    );
+}
+
+#[test]
+fn on_a_decoupled_stream_a_paused_member_is_detached_after_the_hold_limit() {
+    let env = Env::start(&held_decoupled(None));
+    let steady = steady_reader(&env);
+    let paused = member(
+        &env,
+        "t",
+        0,
+        2,
+        &[
+            "--join",
+            "immediate",
+            "--stall-after",
+            "3",
+            "--stall-ms",
+            "12000",
+            "--max-batches",
+            "60",
+        ],
+    );
+    assert_steady_not_held(steady);
+    let paused = report(paused);
+    // Told why (not mistaken for the broker going away and subscribing
+    // again), and never handed a batch whose slot was given back at the
+    // detach (its unread notices were taken back).
+    assert_eq!(
+        paused.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{paused:#?}"
+    );
+    assert_eq!(paused.reconnects, 0, "{paused:#?}");
+    assert_eq!(paused.verify_failures, 0, "{paused:#?}");
+    assert_eq!(paused.batches, 3, "{paused:#?}");
+}
+
+#[test]
+fn on_a_decoupled_stream_a_crawling_member_is_detached_at_the_lag_limit() {
+    // A member that moves, however slowly, never pins one unit for the
+    // hold limit: on a decoupled stream `lag_limit` bounds the consumers
+    // that keep lockstep (members, GPU consumers), the others are cut.
+    let env = Env::start(&held_decoupled(Some(6)));
+    let steady = steady_reader(&env);
+    // 50 ms an own batch, every other unit: 25 ms a unit, moving but
+    // 12x slower than the steady reader.
+    let slow = member(
+        &env,
+        "t",
+        1,
+        2,
+        &["--join", "immediate", "--sleep-ms", "50"],
+    );
+    assert_steady_not_held(steady);
+    let slow = report(slow);
+    assert_eq!(slow.error_code.as_deref(), Some("LagLimit"), "{slow:#?}");
+}
+
+#[test]
+fn on_a_decoupled_stream_a_member_that_hoards_what_it_is_sent_is_detached() {
+    // A member speaking the protocol by hand: it takes a seat, then keeps
+    // every batch it is sent (its own and the others' units alike) and
+    // releases none, its connection open.
+    use batchcast::proto::{ConsumeRequest, ErrorCode, Seat, ServerMsg};
+    let env = Env::start(&held_decoupled(None));
+    let steady = steady_reader(&env);
+    let request = ConsumeRequest {
+        batch_size: None,
+        expect: None,
+        group: Some(Box::new(Seat {
+            name: "t".into(),
+            rank: 0,
+            world: 2,
+            replicate: 1,
+        })),
+        drop_last: None,
+        resume: None,
+        stream: "train".into(),
+        window: 2,
+        join: batchcast::JoinPolicy::Immediate,
+        device: None,
+        mailbox: true,
+    };
+    let (sock, _welcome, _fds) = common::raw_subscribe_with(&env.socket(), "hoarder", request);
+    assert_steady_not_held(steady);
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut buf = Vec::new();
+    // Batches it was sent come first; the broker's last word says why.
+    let last = loop {
+        match batchcast::proto::read_frame::<ServerMsg>(&mut &sock, &mut buf) {
+            Ok(Some(ServerMsg::Error(e))) => break Some(e),
+            Ok(Some(_)) => continue,
+            other => panic!("expected the broker's error, got {other:?}"),
+        }
+    };
+    let e = last.expect("an error");
+    assert_eq!(e.code, ErrorCode::HoldLimit, "{e:?}");
+}

@@ -21,7 +21,10 @@
 //!   `slots` batches past the oldest batch anyone owes.
 //! * The slowest consumer sets the pace. With a lag limit, a consumer whose
 //!   oldest owed batch is more than `lag_limit` batches behind the others'
-//!   is detached (for one that releases in order: it owes more than that).
+//!   is detached (for one that releases in order: it owes more than that),
+//!   unless it may be cut ([`Hub::may_be_cut`], decoupled pace): there the
+//!   limit bounds only the consumers that keep lockstep (group members,
+//!   GPU consumers).
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
 //!   it held and all that was queued for it at once. One that said goodbye
 //!   takes nothing more: with nobody else, the stream pauses.
@@ -250,6 +253,9 @@ struct Consumer {
     /// Cut from the shared stream ([`Hub::cut`]): nothing more is published
     /// to it until it [rejoins](Hub::rejoin); held batches await release.
     cut: bool,
+    /// May be cut (decoupled pace: [`Hub::may_be_cut`]): the lag limit
+    /// leaves it alone, since falling behind gets it cut and replayed to.
+    cuttable: bool,
     /// End of stream was sent.
     ended: bool,
     delivered: u64,

@@ -65,7 +65,7 @@ def answers(path: str) -> bool:
 
 
 def run(args, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BATCHCAST_RAY_DIR": str(tmp_path / "r"), "RAY_DEDUP_LOGS": "0"}
+    env = {**os.environ, "BATCHCAST_RAY_DIR": str(tmp_path / "r"), "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     assert r.returncode == 0, f"{args[1]} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r

@@ -402,7 +402,11 @@ impl Consumer {
         loop {
             match self.front() {
                 Some(Next::Run(..) | Next::Replayed(_)) if !self.window_full() => {
-                    return Ok(Some(self.hand_out()));
+                    self.take_waiting();
+                    if matches!(self.front(), Some(Next::Run(..) | Next::Replayed(_))) {
+                        return Ok(Some(self.hand_out()));
+                    }
+                    continue;
                 }
                 Some(Next::EndOfEpoch(_) | Next::EndOfStream | Next::Fail(_)) => {
                     return self.pop_event();

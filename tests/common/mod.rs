@@ -365,12 +365,10 @@ pub fn raw_subscribe(
     join: batchcast::JoinPolicy,
     resume: Option<proto::Position>,
 ) -> (UnixStream, Welcome, Vec<OwnedFd>) {
-    let s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let hello = ClientMsg::Hello(Hello {
-        name: name.into(),
-        pid: std::process::id(),
-        intent: Intent::Consume(proto::ConsumeRequest {
+    raw_subscribe_with(
+        socket,
+        name,
+        proto::ConsumeRequest {
             batch_size: None,
             expect: None,
             group: None,
@@ -381,7 +379,23 @@ pub fn raw_subscribe(
             join,
             device: None,
             mailbox,
-        }),
+        },
+    )
+}
+
+/// [`raw_subscribe`] with the whole request given (a group seat, a
+/// batch size, ...).
+pub fn raw_subscribe_with(
+    socket: &Path,
+    name: &str,
+    request: proto::ConsumeRequest,
+) -> (UnixStream, Welcome, Vec<OwnedFd>) {
+    let s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let hello = ClientMsg::Hello(Hello {
+        name: name.into(),
+        pid: std::process::id(),
+        intent: Intent::Consume(request),
     });
     let mut out = Preamble::ours().to_bytes().to_vec();
     out.extend(proto::encode(&hello).unwrap());

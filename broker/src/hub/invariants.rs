@@ -179,14 +179,15 @@ impl Hub {
             }
         }
         if let Some(limit) = self.cfg.lag_limit {
+            // Consumers that may be cut are left to cuts (decoupled pace).
             let head = self.head();
-            let active = || {
-                self.consumers
-                    .values()
-                    .filter(|c| !c.closing)
-                    .map(|c| c.behind(head))
-            };
-            if let (Some(least), Some(most)) = (active().min(), active().max()) {
+            let most = self
+                .consumers
+                .values()
+                .filter(|c| !c.closing && !c.cuttable)
+                .map(|c| c.behind(head))
+                .max();
+            if let (Some(least), Some(most)) = (self.least_behind(head), most) {
                 assert!(most - least <= limit as usize, "lag limit not enforced");
             }
         }

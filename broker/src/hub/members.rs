@@ -57,6 +57,7 @@ impl Hub {
                 held: Vec::new(),
                 closing: false,
                 cut: false,
+                cuttable: false,
                 ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,
@@ -68,6 +69,15 @@ impl Hub {
         }
         self.pump();
         Ok((id, start_epoch))
+    }
+
+    /// Whether consumer `id` may be cut from the shared stream and
+    /// replayed to (a decoupled host consumer): the lag limit never
+    /// detaches one that may.
+    pub fn may_be_cut(&mut self, id: ConsumerId, may: bool) {
+        if let Some(c) = self.consumers.get_mut(&id) {
+            c.cuttable = may;
+        }
     }
 
     /// Epoch and index in it of the first batch consumer `id` gets (unless

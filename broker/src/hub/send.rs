@@ -208,7 +208,7 @@ impl Hub {
             let least = self.least_behind(head).unwrap_or(0);
             for (&id, c) in &self.consumers {
                 let lag = c.behind(head).saturating_sub(least);
-                if !c.closing && lag > limit as usize {
+                if !c.closing && !c.cuttable && lag > limit as usize {
                     detach.push((id, lag));
                 }
             }

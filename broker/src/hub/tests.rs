@@ -311,6 +311,31 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
 }
 
 #[test]
+fn the_lag_limit_leaves_a_consumer_that_may_be_cut_alone() {
+    // Decoupled pace: a consumer that may be cut falls behind and is cut
+    // and replayed to (not here), never detached for its lag; one that
+    // keeps lockstep (a group member, a GPU consumer) is.
+    let mut h = hub(6, 100, None, Some(3));
+    let (fast, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let (cuttable, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    let (lockstep, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
+    h.may_be_cut(cuttable, true);
+    let mut detached = Vec::new();
+    for _ in 0..10 {
+        let Some(w) = produce(&mut h) else { break };
+        h.release(fast, w.seq).unwrap();
+        for (id, o) in h.take_outbound() {
+            if let Outbound::Detached { .. } = o {
+                detached.push(id);
+            }
+        }
+        h.check_invariants();
+    }
+    assert_eq!(detached, vec![lockstep]);
+    assert!(h.consumer_counts(cuttable).is_some());
+}
+
+#[test]
 fn a_now_joiner_starts_within_the_lag_limit() {
     // A reader that said goodbye still holds batches 0-2, a slow one holds
     // 3-5 (three behind, the limit), a fast one released everything: the

@@ -260,14 +260,12 @@ pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
             ));
         }
     }
-    match (s.pace, s.run_ahead_mib, s.lag_limit) {
-        (Pace::Lockstep, Some(_), _) => Err(key(
+    // On a decoupled stream `lag_limit` bounds only the consumers that keep
+    // lockstep there (group members, GPU consumers); the others are cut.
+    match (s.pace, s.run_ahead_mib) {
+        (Pace::Lockstep, Some(_)) => Err(key(
             "run_ahead_mib",
             "run_ahead_mib applies to pace = \"decoupled\" only; a lockstep stream's memory is set by slots",
-        )),
-        (Pace::Decoupled, _, Some(_)) => Err(key(
-            "lag_limit",
-            "lag_limit detaches a consumer that falls behind, and pace = \"decoupled\" replays to it instead: choose one",
         )),
         _ => Ok(()),
     }

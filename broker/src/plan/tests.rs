@@ -186,11 +186,6 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
             "run_ahead_mib",
             "pace = \"decoupled\" only",
         ),
-        (
-            "pace = \"decoupled\"\nlag_limit = 4",
-            "lag_limit",
-            "choose one",
-        ),
         ("hold_limit_s = 5", "hold_limit_s", "lag_limit detaches"),
         (
             "pace = \"decoupled\"\nhold_limit_s = 0",

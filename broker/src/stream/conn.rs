@@ -226,6 +226,13 @@ impl Conn {
             }
             Outbound::Detached { reason, code } => {
                 tracing::warn!(consumer = id, name = %self.peer.name, "{reason}");
+                // The hub gave back every unit it held: the ones noticed
+                // and not taken are taken back, so that it never reads
+                // them (their slots may hold other data by now); it finds
+                // the reason on its socket.
+                if let Some(mb) = self.out.mailbox_mut() {
+                    let _ = mb.cut();
+                }
                 self.out.end(code, reason.clone(), GoodbyeReason::Detached);
                 self.ending = Some(Ending::Detached(reason));
                 return None;

@@ -69,11 +69,9 @@ impl Stream {
         };
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
-        let delivery = if mailbox.is_some() {
-            Delivery::Ahead
-        } else {
-            Delivery::Window
-        };
+        let delivery = mailbox
+            .as_ref()
+            .map_or(Delivery::Window, |_| Delivery::Ahead);
         self.with_hub(|inner| {
             if let Some(why) = &inner.failed {
                 return Err(SubscribeError::Failed(why.clone()));
@@ -93,6 +91,7 @@ impl Stream {
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
             self.seek_to_resume(inner, replaying, &peer);
             let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
+            inner.hub.may_be_cut(id, decoupled);
             let started = self
                 .start_replay(inner, id, replaying, prepared, cut)
                 .inspect_err(|_| {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::{Consumer, Next};
 use crate::error::{Error, Result};
 use crate::proto::{EpochEnd, Position};
+use crate::transport::last_words;
 
 /// How soon a connection the broker dropped while starting or stopping is
 /// tried again.
@@ -31,6 +32,14 @@ impl Consumer {
                     && !self.opts.reconnect_timeout.is_zero()
                     && self.can_resume() =>
             {
+                // A send that found the connection closed: the broker may
+                // have left its reason there first (it detached this
+                // consumer), which is not a broker going away.
+                let e = last_words(&mut self.reader, &mut self.buf, e);
+                if !e.broker_went_away() {
+                    self.finished = true;
+                    return Err(e);
+                }
                 self.went_away(e);
                 Ok(None)
             }

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::Consumer;
+use super::{Consumer, Next};
 use crate::error::Result;
 use crate::mailbox::{ConsumerMailbox, Notice};
 use crate::proto::ServerMsg;
@@ -112,6 +112,45 @@ impl Consumer {
             self.shared.flush_fenced(false)?;
             if Instant::now() >= deadline {
                 return Ok(false);
+            }
+        }
+    }
+
+    /// Socket consumers, before a batch is handed out: takes every message
+    /// already waiting on the socket, so that an error the broker sent
+    /// after batches still unread there comes first. A consumer detached
+    /// while it paused (the hold limit, the lag limit) finds the batches
+    /// sent before the detach and then the reason; their slots were given
+    /// back and may hold other data by now, so they must never be handed
+    /// out. (A mailbox consumer's unread notices are taken back by the
+    /// broker at the detach.) The broker gone is queued after what came
+    /// before it, as when read in turn.
+    pub(super) fn take_waiting(&mut self) {
+        if self.shared.mailbox.is_some() {
+            return;
+        }
+        loop {
+            let waiting = !self.reader.buffer().is_empty()
+                || readable_within(self.reader.get_ref(), 0).unwrap_or(false);
+            if !waiting {
+                return;
+            }
+            match self.read_msg() {
+                Ok(msg) => {
+                    self.intake(msg);
+                    // The first reason is the one: a goodbye follows it.
+                    if matches!(self.next.front(), Some(Next::Fail(_))) {
+                        return;
+                    }
+                }
+                Err(e) if e.broker_went_away() => {
+                    self.next.push_back(Next::Fail(e));
+                    return;
+                }
+                Err(e) => {
+                    self.next.push_front(Next::Fail(e));
+                    return;
+                }
             }
         }
     }
