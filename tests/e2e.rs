@@ -179,6 +179,103 @@ fn a_slow_consumer_throttles_the_broker_without_memory_growth() {
     fast.wait().unwrap();
 }
 
+/// An endless stream of 12 slots with a lag limit of 6: a mailbox
+/// consumer (sent the ring ahead) that reads 2 ms a batch owes all of the
+/// ring while the pipeline keeps ahead of it.
+fn ahead_config() -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 40, 4000, &fields)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+        .key("lag_limit", 6)
+        .to_toml()
+}
+
+#[test]
+fn a_consumer_joining_beside_one_that_owes_the_ring_never_gets_it_detached() {
+    // The newcomer skipped the batches the reader owed when it joined: the
+    // reader is not behind it on those. (It was detached within 0.5 s.)
+    let env = Env::start(&ahead_config());
+    let reader = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        "1000",
+        "--name",
+        "reader",
+    ]);
+    env.wait_for("the reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 20)
+    });
+    let newcomer = env.consumer(&[
+        "--verify",
+        "--join",
+        "immediate",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        "300",
+        "--name",
+        "newcomer",
+    ]);
+    let r = report(reader);
+    assert!(
+        r.ok && r.batches == 1000 && r.verify_failures == 0,
+        "{r:#?}"
+    );
+    // The newcomer reads at the same pace; scheduling jitter on a busy
+    // machine may put it 7 behind (then it is told so, and nothing else).
+    let n = report(newcomer);
+    assert!(
+        n.verify_failures == 0 && (n.ok || n.error_code.as_deref() == Some("LagLimit")),
+        "{n:#?}"
+    );
+}
+
+#[test]
+fn a_newcomer_that_stalls_is_the_one_the_lag_limit_detaches() {
+    // (The reader was detached in its place, and the stalled consumer
+    // then handed out batches of other data after its pause.)
+    let env = Env::start(&ahead_config());
+    let reader = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "2",
+        "--max-batches",
+        "1000",
+        "--name",
+        "reader",
+    ]);
+    env.wait_for("the reader to start", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered > 20)
+    });
+    let staller = env.consumer(&[
+        "--verify",
+        "--join",
+        "immediate",
+        "--stall-after",
+        "3",
+        "--stall-ms",
+        "4000",
+        "--max-batches",
+        "10",
+        "--reconnect-timeout",
+        "0",
+        "--name",
+        "staller",
+    ]);
+    let r = report(reader);
+    assert!(
+        r.ok && r.batches == 1000 && r.verify_failures == 0,
+        "{r:#?}"
+    );
+    let st = report(staller);
+    assert_eq!(st.error_code.as_deref(), Some("LagLimit"), "{st:#?}");
+    assert_eq!((st.batches, st.verify_failures), (3, 0), "{st:#?}");
+}
+
 #[test]
 fn a_straggler_beyond_the_lag_limit_is_detached_with_a_clear_error() {
     let env = Env::start(&config("lag_limit = 3\nmin_consumers = 2", 100_000, 8));

@@ -21,7 +21,9 @@
 //!   `slots` batches past the oldest batch anyone owes.
 //! * The slowest consumer sets the pace. With a lag limit, a consumer whose
 //!   oldest owed batch is more than `lag_limit` batches behind the others'
-//!   is detached (for one that releases in order: it owes more than that),
+//!   is detached (for one that releases in order: it owes more than that;
+//!   a consumer that joins beside others starts level with the least
+//!   behind of them, see `Hub::join_credit`),
 //!   unless it may be cut ([`Hub::may_be_cut`], decoupled pace): there the
 //!   limit bounds only the consumers that keep lockstep (group members,
 //!   GPU consumers).
@@ -256,6 +258,9 @@ struct Consumer {
     /// May be cut (decoupled pace: [`Hub::may_be_cut`]): the lag limit
     /// leaves it alone, since falling behind gets it cut and replayed to.
     cuttable: bool,
+    /// Batches the least behind reader owed beyond what this one owed when
+    /// it joined, counted as behind for the lag limit ([`Hub::join_credit`]).
+    credit: usize,
     /// End of stream was sent.
     ended: bool,
     delivered: u64,

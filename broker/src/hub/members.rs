@@ -42,6 +42,12 @@ impl Hub {
             Delivery::Ahead => group_slots.unwrap_or(self.cfg.slots),
         };
         let (floor, start_epoch, first, from_ring) = self.start_of(join, group);
+        let owes = if from_ring {
+            self.head().saturating_sub(floor) as usize
+        } else {
+            0
+        };
+        let credit = self.join_credit(owes);
         let id = self.next_id;
         self.next_id += 1;
         self.consumers.insert(
@@ -58,6 +64,7 @@ impl Hub {
                 closing: false,
                 cut: false,
                 cuttable: false,
+                credit,
                 ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,
@@ -124,20 +131,54 @@ impl Hub {
         true
     }
 
-    /// `oldest` (seq, epoch, index), or a later published batch so that a
-    /// consumer starting there is no more than the lag limit behind the
-    /// least behind of the others (`None`: none is, it starts at the head).
-    /// How far behind `head` the least behind reader is (readers saying
+    /// How far behind `head` a reader is for the lag limit: what it owes
+    /// (its oldest owed batch) plus its join credit (see
+    /// [`Hub::join_credit`]).
+    fn lag_behind(c: &Consumer, head: u64) -> usize {
+        c.behind(head) + c.credit
+    }
+
+    /// The least [`Hub::lag_behind`] of the readers (readers saying
     /// goodbye left out); `None` with no such reader. The lag limit is
     /// counted from it.
     pub(super) fn least_behind(&self, head: u64) -> Option<usize> {
         self.consumers
             .values()
             .filter(|c| !c.closing)
-            .map(|c| c.behind(head))
+            .map(|c| Hub::lag_behind(c, head))
             .min()
     }
 
+    /// Each reader's lag: how much further behind it is than the least
+    /// behind reader ([`Hub::lag_behind`]). Readers saying goodbye neither
+    /// lag nor count.
+    pub(super) fn lags(&self, head: u64) -> Vec<(ConsumerId, usize)> {
+        let least = self.least_behind(head).unwrap_or(0);
+        self.consumers
+            .iter()
+            .filter(|(_, c)| !c.closing)
+            .map(|(&id, c)| (id, Hub::lag_behind(c, head).saturating_sub(least)))
+            .collect()
+    }
+
+    /// What a consumer joining now, `behind` batches behind `head` (what
+    /// the ring holds from where it starts), is credited with for the lag
+    /// limit: how much further behind the least behind reader is. A
+    /// reader sent the ring ahead (a mailbox), or with a full queue, owes
+    /// the whole ring while it keeps up; one that joins at the next batch
+    /// owes nothing yet. Without the credit the first would look a ring
+    /// behind the second, and be detached, for batches the second skipped
+    /// by joining late. With it the two start level, and a lag is what
+    /// either falls behind from there.
+    fn join_credit(&self, behind: usize) -> usize {
+        let head = self.head();
+        self.least_behind(head)
+            .map_or(0, |least| least.saturating_sub(behind))
+    }
+
+    /// `oldest` (seq, epoch, index), or a later published batch so that a
+    /// consumer starting there is no more than the lag limit behind the
+    /// least behind of the others (`None`: none is, it starts at the head).
     fn within_lag_limit(&self, oldest: (u64, u64, u64)) -> Option<(u64, u64, u64)> {
         let Some(limit) = self.cfg.lag_limit else {
             return Some(oldest);

@@ -204,11 +204,8 @@ impl Hub {
     pub(super) fn enforce_lag_limit(&mut self) {
         let mut detach = Vec::new();
         if let Some(limit) = self.cfg.lag_limit {
-            let head = self.head();
-            let least = self.least_behind(head).unwrap_or(0);
-            for (&id, c) in &self.consumers {
-                let lag = c.behind(head).saturating_sub(least);
-                if !c.closing && !c.cuttable && lag > limit as usize {
+            for (id, lag) in self.lags(self.head()) {
+                if lag > limit as usize && !self.consumers[&id].cuttable {
                     detach.push((id, lag));
                 }
             }

@@ -1,4 +1,4 @@
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use proptest::prelude::*;
 
@@ -333,6 +333,82 @@ fn the_lag_limit_leaves_a_consumer_that_may_be_cut_alone() {
     }
     assert_eq!(detached, vec![lockstep]);
     assert!(h.consumer_counts(cuttable).is_some());
+}
+
+#[test]
+fn the_lag_limit_detaches_a_stalled_ahead_consumer_not_the_one_keeping_up() {
+    // Mailbox consumers (sent ahead): one reads everything at once, one
+    // joins later, takes a few and stalls owning the rest of the ring.
+    let mut h = hub(12, 1000, None, Some(6));
+    let (steady, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    for _ in 0..5 {
+        let w = produce(&mut h).unwrap();
+        h.take_outbound();
+        h.release(steady, w.seq).unwrap();
+    }
+    let (staller, _) = h
+        .join_group(2, JoinPolicy::Immediate, None, Delivery::Ahead)
+        .unwrap();
+    let mut detached = Vec::new();
+    let mut taken = 0;
+    for _ in 0..40 {
+        let Some(w) = produce(&mut h) else { break };
+        for (id, o) in h.take_outbound() {
+            match o {
+                Outbound::Detached { .. } => detached.push(id),
+                Outbound::Batch { seq, .. } if id == steady => h.release(steady, seq).unwrap(),
+                Outbound::Batch { seq, .. } if id == staller && taken < 3 => {
+                    taken += 1;
+                    h.release(staller, seq).unwrap();
+                }
+                _ => {}
+            }
+        }
+        let _ = w;
+        h.check_invariants();
+    }
+    assert_eq!(detached, vec![staller], "{:?}", h.counts());
+}
+
+#[test]
+fn a_consumer_joining_beside_one_sent_the_ring_ahead_does_not_get_it_detached() {
+    // A mailbox consumer in step with the pipeline owes the whole ring
+    // while it reads; one that joins now owes only what comes next. It
+    // never owed the older batches: the first is not behind it.
+    let mut h = hub(12, 1000, None, Some(6));
+    let (reader, _) = h
+        .join_group(2, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let mut owed: VecDeque<u64> = VecDeque::new();
+    for _ in 0..12 {
+        owed.push_back(produce(&mut h).unwrap().seq);
+    }
+    h.take_outbound();
+    let (newcomer, _) = h
+        .join_group(2, JoinPolicy::Immediate, None, Delivery::Ahead)
+        .unwrap();
+    // Both read in step from here: the reader its oldest, the newcomer
+    // what it is sent.
+    for _ in 0..30 {
+        h.release(reader, owed.pop_front().unwrap()).unwrap();
+        let w = produce(&mut h).unwrap();
+        owed.push_back(w.seq);
+        for (id, o) in h.take_outbound() {
+            match o {
+                Outbound::Detached { reason, .. } => {
+                    panic!(
+                        "consumer {id} detached (reader {reader}, newcomer {newcomer}): {reason}"
+                    )
+                }
+                Outbound::Batch { seq, .. } if id == newcomer => h.release(newcomer, seq).unwrap(),
+                _ => {}
+            }
+        }
+        h.check_invariants();
+    }
+    assert!(h.consumer_counts(reader).is_some() && h.consumer_counts(newcomer).is_some());
 }
 
 #[test]

@@ -19,7 +19,7 @@ use super::error::{ReleaseError, ReplayError};
 use super::mirror::request_copies;
 use super::stats::consumer_stats;
 use super::{Inner, Stream};
-use crate::hub::ConsumerId;
+use crate::hub::{ConsumerId, HubError};
 
 impl Stream {
     pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), ReleaseError> {
@@ -202,8 +202,13 @@ fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
     }
     let any = !taken.is_empty();
     for (id, seq) in taken.drain(..) {
-        if let Err(e) = take_release(inner, id, seq) {
-            broken.push((id, format!("bad release: {e}")));
+        match take_release(inner, id, seq) {
+            // Detached by one of its own releases just taken (the lag
+            // limit): the hub gave back everything it held, and the reason
+            // is on its way; the rest of what it released is moot.
+            Err(ReleaseError::Hub(HubError::UnknownConsumer(_))) => {}
+            Err(e) => broken.push((id, format!("bad release: {e}"))),
+            Ok(()) => {}
         }
     }
     inner.drained = taken;
