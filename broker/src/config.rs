@@ -186,6 +186,9 @@ with_source_keys! {
         /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
         #[serde(default)]
         cache_mib: u64,
+        /// How a dataset in an object store or on an HTTP server is read
+        /// (`[stream.remote]`; defaults when absent).
+        remote: Option<RemoteConfig>,
     }
 
     #[derive(Debug, Clone, Deserialize)]
@@ -312,7 +315,81 @@ pub enum Pace {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageFolderConfig {
+    /// A folder, or a URL: `s3://bucket/prefix/`, `gs://`, `az://`,
+    /// `http(s)://` (with a manifest unless the server lists: WebDAV).
     pub root: PathBuf,
+    /// A remote folder's list of files (`class/name.jpg` per line,
+    /// relative to `root`): a URL, or a name under `root`. Plain HTTP
+    /// servers cannot list.
+    pub manifest: Option<String>,
+}
+
+/// How a remote dataset is read: `[stream.remote]` (see
+/// docs/remote-datasets.md). Credentials come from the environment only.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteConfig {
+    /// Objects or shard parts fetched or held ahead of the pipeline.
+    #[serde(default = "default_read_ahead")]
+    pub read_ahead: u32,
+    /// Their bytes, at most (from the broker's memory budget).
+    #[serde(default = "default_read_ahead_mib")]
+    pub read_ahead_mib: u64,
+    /// Requests in flight at once, at most (halved on 429/503).
+    #[serde(default = "default_requests")]
+    pub requests: u32,
+    /// Size of a shard's range requests.
+    #[serde(default = "default_part_mib")]
+    pub part_mib: u64,
+    /// One request, from sending it to its last byte.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+    /// Tries after the first, with backoff and jitter.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// The longest one read may take, retries included; then it is a bad
+    /// sample (`on_error`).
+    #[serde(default = "default_stall_s")]
+    pub stall_s: f64,
+    /// The disk tier of the cache (whole objects and shard parts).
+    pub cache_dir: Option<PathBuf>,
+    /// Its size, at most (0: no disk tier).
+    #[serde(default)]
+    pub cache_dir_mib: u64,
+    /// An S3-compatible endpoint (MinIO, R2, Ceph), e.g.
+    /// `http://127.0.0.1:9000` (else `AWS_ENDPOINT_URL`).
+    pub endpoint: Option<String>,
+    /// Unsigned requests (public buckets).
+    #[serde(default)]
+    pub anonymous: bool,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        toml::from_str("").expect("every key of [stream.remote] has a default")
+    }
+}
+
+fn default_read_ahead() -> u32 {
+    64
+}
+fn default_read_ahead_mib() -> u64 {
+    256
+}
+fn default_requests() -> u32 {
+    16
+}
+fn default_part_mib() -> u64 {
+    8
+}
+fn default_timeout_s() -> f64 {
+    10.0
+}
+fn default_retries() -> u32 {
+    4
+}
+fn default_stall_s() -> f64 {
+    30.0
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -9,6 +9,8 @@
 //! * [`plan`]: config or producer request to a stream's plan, every key
 //!   checked.
 //! * [`pipeline`]: the native pipeline: read, decode, transform, collate.
+//! * [`remote`]: datasets in object stores and on HTTP servers: requests,
+//!   read-ahead, the disk cache.
 //! * [`hub`]: slots, reference counts, windows and epochs: pure logic.
 //! * [`stream`]: one stream at run time: arena, hub, pipeline threads.
 //! * [`server`]: the tokio server, one task per connection, and the
@@ -29,6 +31,7 @@ pub mod hub;
 pub mod listen;
 pub mod pipeline;
 pub mod plan;
+pub mod remote;
 pub mod server;
 pub mod stream;
 pub mod systemd;

@@ -107,6 +107,23 @@ impl SlotWriter {
         }
     }
 
+    /// The samples `order[from..]` of `epoch` come next, the first at
+    /// `lead` in the stream's sequence: a remote dataset fetches ahead.
+    pub fn want(&self, lead: u64, order: &[u64], from: usize) {
+        if let SlotWriter::Images(p) = self
+            && p.dataset.remote.is_some()
+        {
+            p.dataset.want(lead, order.get(from..).unwrap_or(&[]));
+        }
+    }
+
+    /// Ends remote reads in progress (the stream stops).
+    pub fn close(&self) {
+        if let SlotWriter::Images(p) = self {
+            p.dataset.close();
+        }
+    }
+
     /// The image pipeline's counts (decodes, skips, cache), if it has one.
     pub fn counts(&self) -> Option<PipelineCounts> {
         match self {

@@ -82,6 +82,8 @@ pub struct PipelineCounts {
     pub cache: Option<CacheCounts>,
     /// A stream on a shared source: the source's name and counts.
     pub shared: Option<(String, ShareCounts)>,
+    /// A remote dataset's requests, read-ahead and disk tier.
+    pub remote: Option<crate::remote::RemoteCounts>,
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan
@@ -192,6 +194,7 @@ impl ImagePipeline {
                 .share
                 .as_ref()
                 .map(|(s, m)| (s.plan.name.clone(), s.counts(*m))),
+            remote: self.dataset.remote.as_ref().map(|r| r.counts()),
         }
     }
 

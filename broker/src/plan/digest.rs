@@ -32,9 +32,10 @@ pub(super) fn of_config(s: &StreamConfig, plan: &StreamPlan) -> StreamDigest {
             for c in &d.classes {
                 source.str(c);
             }
-            for item in &d.items {
+            for (i, item) in d.items.iter().enumerate() {
                 match &item.loc {
                     Location::File(path) => source.str(&path.to_string_lossy()),
+                    Location::Object(_) => source.str(&d.item_name(i as u64)),
                     Location::Member { shard, offset, len } => {
                         source.u64(u64::from(*shard)).u64(*offset).u64(*len)
                     }

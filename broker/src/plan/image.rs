@@ -12,7 +12,8 @@ use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
 use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
 use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
-use crate::pipeline::dataset::{Dataset, expand_pattern};
+use crate::pipeline::dataset::{self, Dataset, expand_pattern};
+use crate::remote::url::is_url;
 use crate::pipeline::sampler::{Split, Uneven};
 use crate::pipeline::transform::{Border, Crop, Geometry, PaddingMode, Resize, Transform};
 
@@ -220,13 +221,41 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
     })
 }
 
-/// Lists the dataset (ImageFolder or tar shards) named by the config.
+/// Lists the dataset (ImageFolder or tar shards, local or at a URL)
+/// named by the config.
 fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamError> {
+    let at_url = match (&s.image_folder, &s.webdataset) {
+        (Some(f), _) => is_url(&f.root.to_string_lossy()),
+        (_, Some(w)) => is_url(&w.shards),
+        _ => false,
+    };
+    if !at_url && s.remote.is_some() {
+        return Err(key(
+            "remote",
+            "a [stream.remote] table with a local dataset does nothing: remove it, or give the dataset as a URL (s3://, gs://, az://, http(s)://)",
+        ));
+    }
+    if let Some(f) = &s.image_folder
+        && f.manifest.is_some()
+        && !at_url
+    {
+        return Err(key(
+            "image_folder.manifest",
+            "a manifest lists a remote folder (a plain HTTP server cannot); a local folder is listed by reading it: remove the key",
+        ));
+    }
+    let remote = if at_url { Some(super::remote::settings(s)?) } else { None };
     Ok(match (&s.image_folder, &s.webdataset) {
-        (Some(f), _) => (
-            Dataset::image_folder(Path::new(&expand_home(&f.root.to_string_lossy())))?,
-            None,
-        ),
+        (Some(f), _) => match &remote {
+            Some(r) => (
+                dataset::remote::image_folder(&f.root.to_string_lossy(), f.manifest.as_deref(), r)?,
+                None,
+            ),
+            None => (
+                Dataset::image_folder(Path::new(&expand_home(&f.root.to_string_lossy())))?,
+                None,
+            ),
+        },
         (_, Some(w)) => {
             within(
                 "webdataset.shuffle_buffer",
@@ -235,6 +264,9 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
                 MAX_SHUFFLE_BUFFER,
                 "samples held to shuffle tar shards",
             )?;
+            if let Some(r) = &remote {
+                return Ok((dataset::remote::webdataset(&w.shards, r)?, Some(w.shuffle_buffer)));
+            }
             let shards = expand_home(&w.shards);
             let paths = expand_pattern(&shards)?;
             (

@@ -29,6 +29,7 @@ mod augment;
 mod checks;
 mod digest;
 mod image;
+mod remote;
 mod source;
 #[cfg(test)]
 mod tests;

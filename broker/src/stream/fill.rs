@@ -286,6 +286,7 @@ impl Stream {
     ) -> Result<u64, PipelineError> {
         let batch_size = self.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
+        writer.want(work.epoch * order.len() as u64 + first as u64, order, first);
         let indices = &order[first..(first + batch_size).min(order.len())];
         let mut fields = cells::of_work(&self.rings, &self.plan.rings, work, indices.len() as u64);
         let first = Place {

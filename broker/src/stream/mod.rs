@@ -228,6 +228,11 @@ impl Stream {
             plan.arena_bytes(),
             &format!("stream `{}`", plan.name),
         )?;
+        if let SourcePlan::Images(p) = &plan.source
+            && let Some(r) = &p.dataset.remote
+        {
+            r.reserve(budget, owner_uid, &format!("stream `{}`", plan.name))?;
+        }
         let seat = match &plan.source {
             SourcePlan::Images(p) => p.share.as_ref(),
             _ => None,
@@ -387,6 +392,9 @@ impl Stream {
     /// reads freed memory, and is named in the log).
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
+        if let Some(w) = &self.writer {
+            w.close();
+        }
         {
             let mut inner = self.lock();
             for c in inner.conns.values() {

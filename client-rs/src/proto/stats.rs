@@ -211,6 +211,44 @@ pub struct SourceStats {
     pub cache_budget: u64,
     /// A stream on a shared source (protocol 12).
     pub shared: Option<SharedSourceStats>,
+    /// A dataset in an object store or on an HTTP server (protocol 17).
+    pub remote: Option<RemoteSourceStats>,
+}
+
+/// How a remote dataset's bytes arrive (protocol 17). Its URL never holds
+/// a credential (those are refused in URLs).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RemoteSourceStats {
+    pub url: String,
+    /// Requests sent (retries included), and bytes received.
+    pub requests: u64,
+    pub bytes: u64,
+    pub retries: u64,
+    /// Answers of 429 or 503 (SlowDown): each halves `concurrency`.
+    pub throttled: u64,
+    /// Reads that failed for good (then `on_error` decided).
+    pub failed: u64,
+    pub in_flight: u64,
+    /// Requests allowed at once now (AIMD, at most `requests`).
+    pub concurrency: u32,
+    /// The longest one read took, retries included.
+    pub longest_s: f64,
+    /// Time the pipeline waited for bytes still on their way.
+    pub waited_s: f64,
+    /// Reads served from the read-ahead window, and read directly.
+    pub ahead_hits: u64,
+    pub direct: u64,
+    /// Units (objects, shard parts) and bytes the window holds now.
+    pub ahead_units: u64,
+    pub ahead_bytes: u64,
+    pub last_error: Option<String>,
+    /// The disk tier (`cache_dir`), if on.
+    pub disk_hits: u64,
+    pub disk_misses: u64,
+    pub disk_bytes: u64,
+    pub disk_budget: u64,
+    pub disk_corrupt: u64,
+    pub disk_write_errors: u64,
 }
 
 /// A shared source, as one of its streams sees it.

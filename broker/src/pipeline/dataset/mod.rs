@@ -1,12 +1,19 @@
-//! Finding the samples of a dataset on disk: an ImageFolder tree or
-//! WebDataset-style tar shards. Listing happens once at stream start; the
-//! result is a flat list of items addressable by index, so sampling,
-//! sharding across hosts and parallel decoding work the same for both.
+//! Finding the samples of a dataset: an ImageFolder tree or
+//! WebDataset-style tar shards, on disk or remote ([`remote`]: object
+//! stores, HTTP). Listing happens once at stream start; the result is a
+//! flat list of items addressable by index, so sampling, sharding across
+//! hosts, parallel decoding, replay and resume work the same for every
+//! form, and the bytes of item `i` are the same from each.
+
+pub mod remote;
 
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::remote::RemoteSet;
 
 /// The extensions torchvision's ImageFolder accepts (compared
 /// case-insensitively). The format is read from the bytes: files in a
@@ -43,12 +50,18 @@ pub enum DatasetError {
     Pattern { pattern: String, message: String },
     #[error("shard {path}: {message}")]
     Shard { path: PathBuf, message: String },
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
+    #[error("{url}: {message}")]
+    RemoteListing { url: String, message: String },
 }
 
 /// Where a sample's encoded image lives.
 #[derive(Debug, Clone)]
 pub enum Location {
     File(PathBuf),
+    /// Object number `n` of a remote dataset.
+    Object(u32),
     /// A member of shard number `shard`, `len` bytes at `offset`.
     Member {
         shard: u32,
@@ -75,6 +88,8 @@ pub struct Dataset {
     shards: Vec<(PathBuf, File)>,
     /// Items of each shard, in file order: `items[shard_items[s]]`.
     pub shard_items: Vec<std::ops::Range<usize>>,
+    /// A remote dataset's objects (its files, or its shards) and reader.
+    pub remote: Option<Arc<RemoteSet>>,
 }
 
 impl Dataset {
@@ -88,14 +103,63 @@ impl Dataset {
 
     /// Where item `index` lives, for messages.
     pub fn describe(&self, index: u64) -> String {
-        match &self.items[index as usize].loc {
-            Location::File(p) => p.display().to_string(),
-            Location::Member { shard, offset, .. } => {
+        match (&self.items[index as usize].loc, &self.remote) {
+            (Location::File(p), _) => p.display().to_string(),
+            (Location::Object(o), Some(r)) => r.describe(*o),
+            (Location::Member { shard, offset, .. }, Some(r)) => {
+                format!("{} (member at byte {offset})", r.describe(*shard))
+            }
+            (Location::Member { shard, offset, .. }, None) => {
                 format!(
                     "{} (member at byte {offset})",
                     self.shards[*shard as usize].0.display()
                 )
             }
+            (Location::Object(o), None) => format!("object {o}"),
+        }
+    }
+
+    /// The name of item `index` in its dataset (a path, an object key,
+    /// or a shard member's place), for the stream's digest.
+    pub fn item_name(&self, index: u64) -> String {
+        match (&self.items[index as usize].loc, &self.remote) {
+            (Location::File(p), _) => p.to_string_lossy().into_owned(),
+            (Location::Object(o), Some(r)) => r.objects[*o as usize].path.clone(),
+            (Location::Member { shard, offset, len }, _) => format!("{shard}:{offset}:{len}"),
+            (Location::Object(o), None) => o.to_string(),
+        }
+    }
+
+    /// The pipeline reads at `lead` (a position in its sequence) the
+    /// samples `upcoming` next: a remote dataset fetches ahead of it.
+    pub fn want(&self, lead: u64, upcoming: &[u64]) {
+        let Some(r) = &self.remote else {
+            return;
+        };
+        let limit = r.read_ahead_units();
+        let mut units = Vec::with_capacity(limit);
+        for &i in upcoming {
+            let (o, range) = match &self.items[i as usize].loc {
+                Location::Object(o) => (*o, None),
+                Location::Member { shard, offset, len } => (*shard, Some(*offset..*offset + *len)),
+                Location::File(_) => continue,
+            };
+            for u in r.units_of(o, range) {
+                if units.last() != Some(&u) && !units.contains(&u) {
+                    units.push(u);
+                }
+            }
+            if units.len() >= limit {
+                break;
+            }
+        }
+        r.want(lead, &units);
+    }
+
+    /// Ends the remote reads in progress (the stream stops).
+    pub fn close(&self) {
+        if let Some(r) = &self.remote {
+            r.close();
         }
     }
 
@@ -117,8 +181,20 @@ impl Dataset {
             }
             Location::Member { shard, offset, len } => {
                 check_size(*len, max_bytes)?;
+                if let Some(r) = &self.remote {
+                    return r.read(*shard, Some(*offset..*offset + *len), buf, max_bytes);
+                }
                 buf.resize(*len as usize, 0);
                 self.shards[*shard as usize].1.read_exact_at(buf, *offset)?;
+            }
+            Location::Object(o) => {
+                let Some(r) = &self.remote else {
+                    return Err(std::io::Error::other("an object of no remote dataset"));
+                };
+                if let Some(size) = r.objects[*o as usize].size {
+                    check_size(size, max_bytes)?;
+                }
+                return r.read(*o, None, buf, max_bytes);
             }
         }
         Ok(())
@@ -174,6 +250,7 @@ impl Dataset {
             items,
             shards: Vec::new(),
             shard_items: Vec::new(),
+            remote: None,
         })
     }
 
@@ -216,6 +293,7 @@ impl Dataset {
             items,
             shards,
             shard_items,
+            remote: None,
         })
     }
 }
@@ -322,7 +400,11 @@ pub enum ShardError {
 
 /// Lists the samples of shard number `shard` (its members in order, a
 /// sample an image and its `.cls` label) into `items`.
-fn index_shard(file: &File, shard: u32, items: &mut Vec<Item>) -> Result<(), ShardError> {
+fn index_shard(
+    file: impl Read + Seek,
+    shard: u32,
+    items: &mut Vec<Item>,
+) -> Result<(), ShardError> {
     let mut archive = tar::Archive::new(file);
     struct Pending {
         key: String,

@@ -1,0 +1,236 @@
+//! Listing remote datasets into the same items as local ones.
+//!
+//! * An image folder under a prefix: every object below it, classes from
+//!   the next path component, ordered as [`Dataset::image_folder`] orders
+//!   a local tree (classes sorted; folder by folder in byte order of their
+//!   paths; each folder's files sorted), so item `i` is the same image in
+//!   both. From a manifest where the server cannot list (plain HTTP).
+//! * Tar shards by brace pattern: each shard's size and ETag (a HEAD),
+//!   then its bytes in parts (from the disk tier when it holds them, else
+//!   by concurrent range requests) to read the tar headers. A restarted
+//!   broker with a disk tier indexes from disk.
+
+use std::collections::BTreeMap;
+use std::io::Cursor;
+use std::path::Path;
+use std::sync::Arc;
+
+use futures::StreamExt;
+
+use super::{Dataset, DatasetError, Item, Location, expand_pattern, has_image_extension, index_shard};
+use crate::remote::fetch::{self, Fetcher};
+use crate::remote::url::{RemoteUrl, Scheme};
+use crate::remote::{Object, RemoteSet, Settings, disk::DiskCache, open_store};
+
+fn listing_err(url: &RemoteUrl, message: impl Into<String>) -> DatasetError {
+    DatasetError::RemoteListing {
+        url: url.to_string(),
+        message: message.into(),
+    }
+}
+
+fn open(url: &RemoteUrl, s: &Settings) -> Result<(Arc<Fetcher>, Option<DiskCache>), DatasetError> {
+    let store = open_store(url, s)?;
+    let fetcher = Arc::new(Fetcher::new(store, url.clone(), s.limits));
+    let disk = match &s.cache_dir {
+        Some(d) if s.cache_dir_bytes > 0 => Some(DiskCache::open(d, s.cache_dir_bytes).map_err(crate::remote::RemoteError::from)?),
+        _ => None,
+    };
+    Ok((fetcher, disk))
+}
+
+/// An image folder at `root` (a URL), listed or read from `manifest`.
+pub fn image_folder(root: &str, manifest: Option<&str>, s: &Settings) -> Result<Dataset, DatasetError> {
+    let url = RemoteUrl::parse(root).map_err(crate::remote::RemoteError::from)?;
+    let (fetcher, disk) = open(&url, s)?;
+    let mut prefix = url.path.clone();
+    if !prefix.is_empty() && !prefix.ends_with('/') {
+        prefix.push('/');
+    }
+    // (path under the prefix, size, version)
+    let entries: Vec<(String, Option<u64>, String)> = match manifest {
+        Some(m) => {
+            let murl = if crate::remote::url::is_url(m) {
+                RemoteUrl::parse(m).map_err(crate::remote::RemoteError::from)?
+            } else {
+                url.with_path(&format!("{prefix}{m}"))
+            };
+            if murl.root != url.root {
+                return Err(listing_err(&murl, "the manifest must be on the same server as the root"));
+            }
+            let f = fetcher.clone();
+            let path = murl.path.clone();
+            let (bytes, _) = fetch::wait(async move { f.get(&path, None).await })
+                .map_err(crate::remote::RemoteError::from)?;
+            let text = String::from_utf8(bytes.to_vec())
+                .map_err(|_| listing_err(&murl, "the manifest is not UTF-8 text"))?;
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(|l| (l.trim_start_matches("./").to_string(), None, String::new()))
+                .collect()
+        }
+        None => {
+            let f = fetcher.clone();
+            let p = prefix.clone();
+            let listed = fetch::wait(async move { f.list(&p).await });
+            let listed = match listed {
+                Ok(l) => l,
+                Err(e) if url.scheme == Scheme::Http => {
+                    return Err(listing_err(
+                        &url,
+                        format!(
+                            "cannot list ({e}); a plain HTTP server cannot list a folder (WebDAV servers can): give `manifest = \"MANIFEST\"`, a file of `class/name.jpg` lines"
+                        ),
+                    ));
+                }
+                Err(e) => return Err(crate::remote::RemoteError::from(e).into()),
+            };
+            listed
+                .into_iter()
+                .filter_map(|m| {
+                    let path = m.location.to_string();
+                    let rel = path.strip_prefix(&prefix)?.to_string();
+                    let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
+                    Some((rel, Some(m.size), version))
+                })
+                .collect()
+        }
+    };
+    // class -> folder -> files, each ordered as a local walk orders them.
+    let mut classes: BTreeMap<String, BTreeMap<String, Vec<(String, Option<u64>, String)>>> = BTreeMap::new();
+    for (rel, size, version) in entries {
+        let Some((class, rest)) = rel.split_once('/') else {
+            continue; // a file beside the class folders
+        };
+        if class.is_empty() || rest.is_empty() {
+            continue;
+        }
+        let folders = classes.entry(class.to_string()).or_default();
+        if !has_image_extension(Path::new(rest)) {
+            continue;
+        }
+        let dir = match rel.rfind('/') {
+            Some(i) => rel[..i].to_string(),
+            None => String::new(),
+        };
+        folders.entry(dir).or_default().push((rel, size, version));
+    }
+    if classes.is_empty() {
+        return Err(DatasetError::NoSamples {
+            what: format!("{url} (no class folders below it)"),
+        });
+    }
+    let mut objects = Vec::new();
+    let mut items = Vec::new();
+    let mut names = Vec::new();
+    for (label, (class, folders)) in classes.into_iter().enumerate() {
+        let before = items.len();
+        for (_, mut files) in folders {
+            files.sort_by(|a, b| a.0.cmp(&b.0));
+            for (rel, size, version) in files {
+                items.push(Item {
+                    loc: Location::Object(objects.len() as u32),
+                    label: label as i64,
+                });
+                objects.push(Object {
+                    path: format!("{prefix}{rel}"),
+                    size,
+                    version,
+                });
+            }
+        }
+        if items.len() == before {
+            return Err(DatasetError::EmptyClass {
+                path: url.with_path(&format!("{prefix}{class}")).to_string().into(),
+            });
+        }
+        names.push(class);
+    }
+    let set = RemoteSet::new(fetcher, objects, None, s, disk);
+    Ok(Dataset {
+        format: "image_folder",
+        root: url.to_string(),
+        classes: names,
+        items,
+        shards: Vec::new(),
+        shard_items: Vec::new(),
+        remote: Some(Arc::new(set)),
+    })
+}
+
+/// Tar shards by brace pattern (a URL): indexed from their bytes.
+pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> {
+    let url = RemoteUrl::parse(pattern).map_err(crate::remote::RemoteError::from)?;
+    let (fetcher, disk) = open(&url, s)?;
+    let paths: Vec<String> = expand_pattern(&url.path)?
+        .into_iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let f = fetcher.clone();
+    let requests = s.limits.requests.max(1) as usize;
+    let heads = fetch::wait(async move {
+        futures::stream::iter(paths.into_iter().map(|p| {
+            let f = f.clone();
+            async move { f.head(&p).await.map(|m| (p, m)) }
+        }))
+        .buffered(requests)
+        .collect::<Vec<_>>()
+        .await
+    });
+    let mut objects = Vec::with_capacity(heads.len());
+    for h in heads {
+        let (path, m) = h.map_err(crate::remote::RemoteError::from)?;
+        let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
+        objects.push(Object {
+            path,
+            size: Some(m.size),
+            version,
+        });
+    }
+    let set = Arc::new(RemoteSet::new(fetcher, objects, Some(s.part_bytes.max(1)), s, disk));
+    // Shards indexed a few at a time (their bytes are held while indexed).
+    let largest = set.objects.iter().filter_map(|o| o.size).max().unwrap_or(1).max(1);
+    let at_once = (s.read_ahead_bytes / largest).clamp(1, 8) as usize;
+    let n = set.objects.len();
+    let me = set.clone();
+    let shards = fetch::wait(async move {
+        futures::stream::iter((0..n as u32).map(|o| {
+            let me = me.clone();
+            async move {
+                let bytes = me.whole(o, requests).await.map_err(|e| e.to_string())?;
+                let mut items = Vec::new();
+                index_shard(Cursor::new(&bytes[..]), o, &mut items).map_err(|e| e.to_string())?;
+                Ok::<_, String>(items)
+            }
+        }))
+        .buffered(at_once)
+        .collect::<Vec<_>>()
+        .await
+    });
+    let mut items = Vec::new();
+    let mut shard_items = Vec::with_capacity(n);
+    for (o, r) in shards.into_iter().enumerate() {
+        let listed = r.map_err(|message| DatasetError::Shard {
+            path: set.describe(o as u32).into(),
+            message,
+        })?;
+        let before = items.len();
+        items.extend(listed);
+        shard_items.push(before..items.len());
+    }
+    if items.is_empty() {
+        return Err(DatasetError::NoSamples {
+            what: format!("shard pattern `{url}`"),
+        });
+    }
+    Ok(Dataset {
+        format: "webdataset",
+        root: url.to_string(),
+        classes: Vec::new(),
+        items,
+        shards: Vec::new(),
+        shard_items,
+        remote: Some(set),
+    })
+}

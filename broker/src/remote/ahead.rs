@@ -1,0 +1,277 @@
+//! The read-ahead window: units fetched ahead of the pipeline, at most
+//! `max_units` of them and `max_bytes` together (in flight or ready).
+//!
+//! The pipeline says where it reads ([`Ahead::admit`]: a lead position
+//! and the units of the samples after it, in order); the window starts
+//! fetches for the first of those it does not hold, while it has room.
+//! Room is made by dropping ready units the latest wanted list no longer
+//! names (oldest first); a unit in flight is never dropped. Whole objects
+//! are taken out when read (one read each: a shared source decodes each
+//! sample once); shard parts stay while wanted, since many samples are cut
+//! from each. A hint behind the lead (another pipeline thread's older
+//! batch) fetches nothing new. Reading a unit the window does not hold is
+//! the caller's business (a direct request).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::fetch::{FailKind, FetchError};
+
+/// What an object of unknown size is assumed to weigh until it arrives.
+pub const UNKNOWN_SIZE: u64 = 256 << 10;
+
+/// A unit of fetching: part `part` of object `object` (part 0 of a whole
+/// object).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Unit {
+    pub object: u32,
+    pub part: u32,
+}
+
+#[derive(Debug)]
+enum Slot {
+    Pending,
+    Ready(Bytes),
+    Failed(FetchError),
+}
+
+#[derive(Debug)]
+struct Entry {
+    slot: Slot,
+    /// Bytes counted against the window (the estimate until it arrives).
+    bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Window {
+    entries: HashMap<Unit, Entry>,
+    /// Units in the order they were admitted (oldest first).
+    order: VecDeque<Unit>,
+    bytes: u64,
+    lead: Option<u64>,
+    closed: bool,
+}
+
+/// A read's answer from the window.
+#[derive(Debug)]
+pub enum Taken {
+    Ready(Bytes),
+    Failed(FetchError),
+    /// Not in the window: read it directly.
+    Absent,
+}
+
+#[derive(Debug)]
+pub struct Ahead {
+    max_units: usize,
+    max_bytes: u64,
+    state: Mutex<Window>,
+    arrived: Condvar,
+}
+
+impl Ahead {
+    pub fn new(max_units: u32, max_bytes: u64) -> Ahead {
+        Ahead {
+            max_units: max_units as usize,
+            max_bytes,
+            state: Mutex::new(Window::default()),
+            arrived: Condvar::new(),
+        }
+    }
+
+    pub fn max_units(&self) -> usize {
+        self.max_units
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Window> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Which of `upcoming` (units with their sizes, in reading order) to
+    /// fetch now; they are in the window as pending when this returns.
+    pub fn admit(&self, lead: u64, upcoming: &[(Unit, u64)]) -> Vec<Unit> {
+        if self.max_units == 0 || self.max_bytes == 0 {
+            return Vec::new();
+        }
+        let mut w = self.lock();
+        if w.closed || w.lead.is_some_and(|l| lead < l) {
+            return Vec::new();
+        }
+        w.lead = Some(lead);
+        let wanted: HashSet<Unit> = upcoming.iter().map(|(u, _)| *u).collect();
+        let mut start = Vec::new();
+        for &(u, size) in upcoming {
+            if w.entries.contains_key(&u) {
+                continue;
+            }
+            while w.entries.len() >= self.max_units || w.bytes + size > self.max_bytes {
+                if !self.drop_one(&mut w, &wanted) {
+                    return start;
+                }
+            }
+            w.entries.insert(u, Entry { slot: Slot::Pending, bytes: size });
+            w.order.push_back(u);
+            w.bytes += size;
+            start.push(u);
+        }
+        start
+    }
+
+    /// Drops the oldest ready (or failed) unit `wanted` does not name;
+    /// whether one was.
+    fn drop_one(&self, w: &mut Window, wanted: &HashSet<Unit>) -> bool {
+        let victim = w.order.iter().position(|u| {
+            !wanted.contains(u)
+                && w.entries
+                    .get(u)
+                    .is_some_and(|e| !matches!(e.slot, Slot::Pending))
+        });
+        let Some(i) = victim else {
+            return false;
+        };
+        if let Some(u) = w.order.remove(i)
+            && let Some(e) = w.entries.remove(&u)
+        {
+            w.bytes -= e.bytes;
+        }
+        true
+    }
+
+    /// A fetch ended: its bytes or its error, for the readers waiting.
+    pub fn settle(&self, u: Unit, r: Result<Bytes, FetchError>) {
+        let mut w = self.lock();
+        let mut delta: i64 = 0;
+        if let Some(e) = w.entries.get_mut(&u) {
+            match r {
+                Ok(b) => {
+                    delta = b.len() as i64 - e.bytes as i64;
+                    e.bytes = b.len() as u64;
+                    e.slot = Slot::Ready(b);
+                }
+                Err(err) => e.slot = Slot::Failed(err),
+            }
+        }
+        w.bytes = (w.bytes as i64 + delta).max(0) as u64;
+        drop(w);
+        self.arrived.notify_all();
+    }
+
+    /// The unit's bytes, waiting while it is on its way; `consume` takes
+    /// it out of the window.
+    pub fn take(&self, u: Unit, consume: bool) -> Taken {
+        let mut w = self.lock();
+        loop {
+            if w.closed {
+                return Taken::Failed(FetchError {
+                    url: String::new(),
+                    kind: FailKind::Closed,
+                    detail: "the stream stopped".into(),
+                });
+            }
+            let Some(e) = w.entries.get(&u) else {
+                return Taken::Absent;
+            };
+            match &e.slot {
+                Slot::Pending => {
+                    w = self
+                        .arrived
+                        .wait_timeout(w, Duration::from_millis(100))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                Slot::Ready(b) => {
+                    let b = b.clone();
+                    if consume {
+                        self.remove(&mut w, u);
+                    }
+                    return Taken::Ready(b);
+                }
+                Slot::Failed(err) => {
+                    let err = err.clone();
+                    self.remove(&mut w, u);
+                    return Taken::Failed(err);
+                }
+            }
+        }
+    }
+
+    fn remove(&self, w: &mut Window, u: Unit) {
+        if let Some(e) = w.entries.remove(&u) {
+            w.bytes -= e.bytes;
+            if let Some(i) = w.order.iter().position(|x| *x == u) {
+                w.order.remove(i);
+            }
+        }
+    }
+
+    /// Units and bytes the window holds (in flight or ready).
+    pub fn held(&self) -> (u64, u64) {
+        let w = self.lock();
+        (w.entries.len() as u64, w.bytes)
+    }
+
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.arrived.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn u(object: u32) -> Unit {
+        Unit { object, part: 0 }
+    }
+
+    #[test]
+    fn admits_within_its_bounds_and_readers_wait_for_arrivals() {
+        let a = Ahead::new(3, 1000);
+        let list: Vec<_> = (0..5).map(|o| (u(o), 100)).collect();
+        assert_eq!(a.admit(0, &list), vec![u(0), u(1), u(2)]);
+        // Full of pending units: nothing more, whatever is asked.
+        assert!(a.admit(1, &list[1..]).is_empty());
+        a.settle(u(0), Ok(Bytes::from_static(b"abc")));
+        assert!(matches!(a.take(u(0), true), Taken::Ready(b) if &b[..] == b"abc"));
+        assert!(matches!(a.take(u(0), true), Taken::Absent));
+        // Room again: the next is admitted; an older hint admits nothing.
+        assert_eq!(a.admit(2, &list[1..]), vec![u(3)]);
+        assert!(a.admit(1, &list).is_empty());
+        // A reader waiting on a pending unit is woken by its arrival.
+        std::thread::scope(|s| {
+            let r = s.spawn(|| a.take(u(1), true));
+            std::thread::sleep(Duration::from_millis(20));
+            a.settle(u(1), Ok(Bytes::from_static(b"x")));
+            assert!(matches!(r.join().unwrap(), Taken::Ready(_)));
+        });
+    }
+
+    #[test]
+    fn bytes_bound_the_window_and_unwanted_ready_units_make_room() {
+        let a = Ahead::new(100, 250);
+        let list: Vec<_> = (0..4).map(|o| (u(o), 100)).collect();
+        assert_eq!(a.admit(0, &list), vec![u(0), u(1)]);
+        a.settle(u(0), Ok(Bytes::from(vec![0u8; 100])));
+        a.settle(u(1), Ok(Bytes::from(vec![0u8; 100])));
+        // Unit 0 is no longer wanted: it goes to make room for unit 2.
+        assert_eq!(a.admit(1, &list[1..]), vec![u(2)]);
+        assert!(matches!(a.take(u(0), false), Taken::Absent));
+        assert!(matches!(a.take(u(1), false), Taken::Ready(_)));
+        assert_eq!(a.held(), (2, 200));
+    }
+
+    #[test]
+    fn closing_ends_every_wait() {
+        let a = Ahead::new(4, 1000);
+        a.admit(0, &[(u(0), 10)]);
+        std::thread::scope(|s| {
+            let r = s.spawn(|| a.take(u(0), true));
+            std::thread::sleep(Duration::from_millis(20));
+            a.close();
+            assert!(matches!(r.join().unwrap(), Taken::Failed(e) if e.kind == FailKind::Closed));
+        });
+    }
+}

@@ -1,0 +1,494 @@
+//! Requests to a store: each bounded by a timeout, retried with backoff
+//! and full jitter, within a stall bound; a 429 or 503 (S3's SlowDown)
+//! halves how many requests run at once, successes win them back one by
+//! one (AIMD). `object_store`'s own retries are off: they would hide each
+//! 503 from the rate control and can take minutes.
+
+use std::future::Future;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
+use tokio::sync::Notify;
+
+use super::url::RemoteUrl;
+use batchcast::synthetic::{SplitMix64, mix64};
+
+/// How requests are bounded (from `[stream.remote]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// Requests in flight at once, at most.
+    pub requests: u32,
+    /// One request, from send to its last byte.
+    pub timeout: Duration,
+    /// Tries after the first.
+    pub retries: u32,
+    /// The longest one read may take, its retries and waits included.
+    pub stall: Duration,
+}
+
+/// Why a request failed, with the address (never a credential).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{url}: {kind}: {detail}")]
+pub struct FetchError {
+    pub url: String,
+    pub kind: FailKind,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    /// 404: the object is not there.
+    Missing,
+    /// 401/403: the credentials do not allow it.
+    Denied,
+    /// Still failing (5xx, resets, timeouts, 503 SlowDown) when the tries
+    /// or the stall bound ran out.
+    GaveUp,
+    /// Refused for good (another 4xx).
+    Refused,
+    /// The broker is shutting the stream down.
+    Closed,
+}
+
+impl std::fmt::Display for FailKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FailKind::Missing => "no such object",
+            FailKind::Denied => "access denied (check the credentials in the environment)",
+            FailKind::GaveUp => "gave up",
+            FailKind::Refused => "refused",
+            FailKind::Closed => "stream stopping",
+        })
+    }
+}
+
+impl From<FetchError> for std::io::Error {
+    fn from(e: FetchError) -> Self {
+        let kind = match e.kind {
+            FailKind::Missing => std::io::ErrorKind::NotFound,
+            FailKind::Denied => std::io::ErrorKind::PermissionDenied,
+            FailKind::GaveUp => std::io::ErrorKind::TimedOut,
+            FailKind::Refused => std::io::ErrorKind::InvalidData,
+            FailKind::Closed => std::io::ErrorKind::Interrupted,
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
+/// What one try's failure means for the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Permanent(FailKind),
+    /// 429 or 503: slow down, then try again.
+    Throttled,
+    Transient,
+}
+
+/// Reads `object_store`'s error: its kind where it has one, else the
+/// status its message carries (the retry error type is not public).
+fn judge(e: &object_store::Error) -> Verdict {
+    use object_store::Error as E;
+    match e {
+        E::NotFound { .. } => return Verdict::Permanent(FailKind::Missing),
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
+            return Verdict::Permanent(FailKind::Denied);
+        }
+        _ => {}
+    }
+    let text = e.to_string();
+    if text.contains("SlowDown") {
+        return Verdict::Throttled;
+    }
+    match status_in(&text) {
+        Some(429 | 503) => Verdict::Throttled,
+        Some(408) => Verdict::Transient,
+        Some(404) => Verdict::Permanent(FailKind::Missing),
+        Some(401 | 403) => Verdict::Permanent(FailKind::Denied),
+        Some(s) if (400..500).contains(&s) => Verdict::Permanent(FailKind::Refused),
+        _ => Verdict::Transient,
+    }
+}
+
+fn status_in(text: &str) -> Option<u16> {
+    let at = text.find("status code: ")? + "status code: ".len();
+    text.get(at..at + 3)?.parse().ok()
+}
+
+/// Counters of one store's requests (`stats`).
+#[derive(Debug, Default)]
+pub struct Counts {
+    pub requests: AtomicU64,
+    pub bytes: AtomicU64,
+    pub retries: AtomicU64,
+    pub throttled: AtomicU64,
+    pub failed: AtomicU64,
+    pub in_flight: AtomicU64,
+    /// The longest one read took, its retries included (ns).
+    pub longest_ns: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+}
+
+/// The AIMD gate: at most `limit` requests at once, `limit` between 1 and
+/// `max`, halved on a throttle (at most once per `CUT_EVERY`), grown by
+/// one per `limit` successes.
+#[derive(Debug)]
+struct Gate {
+    max: f64,
+    state: Mutex<GateState>,
+    freed: Notify,
+}
+
+#[derive(Debug)]
+struct GateState {
+    limit: f64,
+    in_flight: u32,
+    last_cut: Option<Instant>,
+}
+
+const CUT_EVERY: Duration = Duration::from_millis(200);
+
+impl Gate {
+    fn new(max: u32) -> Gate {
+        Gate {
+            max: f64::from(max.max(1)),
+            state: Mutex::new(GateState {
+                limit: f64::from(max.max(1)),
+                in_flight: 0,
+                last_cut: None,
+            }),
+            freed: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn enter(&self) {
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let mut s = self.lock();
+                if f64::from(s.in_flight) < s.limit.floor().max(1.0) {
+                    s.in_flight += 1;
+                    return;
+                }
+            }
+            freed.await;
+        }
+    }
+
+    fn leave(&self, verdict: Option<Verdict>) {
+        let mut s = self.lock();
+        s.in_flight = s.in_flight.saturating_sub(1);
+        match verdict {
+            None => s.limit = (s.limit + 1.0 / s.limit).min(self.max),
+            Some(Verdict::Throttled) => {
+                if s.last_cut.is_none_or(|t| t.elapsed() >= CUT_EVERY) {
+                    s.limit = (s.limit / 2.0).max(1.0);
+                    s.last_cut = Some(Instant::now());
+                }
+            }
+            Some(_) => {}
+        }
+        drop(s);
+        self.freed.notify_waiters();
+    }
+
+    fn limit(&self) -> u32 {
+        self.lock().limit.floor() as u32
+    }
+}
+
+/// One store, and how its requests are made.
+#[derive(Debug)]
+pub struct Fetcher {
+    store: Arc<dyn ObjectStore>,
+    pub url: RemoteUrl,
+    limits: Limits,
+    gate: Gate,
+    pub counts: Counts,
+    closed: AtomicBool,
+    closing: Notify,
+}
+
+impl Fetcher {
+    pub fn new(store: Arc<dyn ObjectStore>, url: RemoteUrl, limits: Limits) -> Fetcher {
+        Fetcher {
+            store,
+            url,
+            gate: Gate::new(limits.requests),
+            limits,
+            counts: Counts::default(),
+            closed: AtomicBool::new(false),
+            closing: Notify::new(),
+        }
+    }
+
+    /// Ends every wait and request: the stream is stopping.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.closing.notify_waiters();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// How many requests may run at once now.
+    pub fn concurrency(&self) -> u32 {
+        self.gate.limit()
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    fn error(&self, path: &str, kind: FailKind, detail: String) -> FetchError {
+        FetchError {
+            url: self.url.with_path(path).to_string(),
+            kind,
+            detail,
+        }
+    }
+
+    /// The bytes of `path` (`range` of them, or all), with its ETag.
+    pub async fn get(
+        &self,
+        path: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<(Bytes, ObjectMeta), FetchError> {
+        let location = ObjectPath::parse(path)
+            .map_err(|e| self.error(path, FailKind::Refused, e.to_string()))?;
+        let opts = || GetOptions {
+            range: range.clone().map(GetRange::Bounded),
+            ..GetOptions::default()
+        };
+        let store = &self.store;
+        let (b, meta) = self
+            .tried(path, || async {
+                let r = store.get_opts(&location, opts()).await?;
+                let meta = r.meta.clone();
+                Ok((r.bytes().await?, meta))
+            })
+            .await?;
+        if let Some(r) = &range
+            && b.len() as u64 != r.end - r.start
+        {
+            return Err(self.error(
+                path,
+                FailKind::Refused,
+                format!(
+                    "asked for bytes {}..{}, got {} (truncated object?)",
+                    r.start,
+                    r.end,
+                    b.len()
+                ),
+            ));
+        }
+        self.counts.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+        Ok((b, meta))
+    }
+
+    /// What `path` is (size, ETag) without its bytes.
+    pub async fn head(&self, path: &str) -> Result<ObjectMeta, FetchError> {
+        let location = ObjectPath::parse(path)
+            .map_err(|e| self.error(path, FailKind::Refused, e.to_string()))?;
+        let store = &self.store;
+        self.tried(path, || async {
+            let r = store
+                .get_opts(
+                    &location,
+                    GetOptions {
+                        head: true,
+                        ..GetOptions::default()
+                    },
+                )
+                .await?;
+            Ok(r.meta)
+        })
+        .await
+    }
+
+    /// Every object under `prefix` (a whole listing is one try).
+    pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, FetchError> {
+        let location = ObjectPath::parse(prefix.trim_end_matches('/'))
+            .map_err(|e| self.error(prefix, FailKind::Refused, e.to_string()))?;
+        let store = &self.store;
+        self.tried(prefix, || async {
+            let mut out = Vec::new();
+            let mut s = store.list(Some(&location));
+            while let Some(m) = s.next().await {
+                out.push(m?);
+            }
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or the tries or
+    /// the stall bound run out.
+    async fn tried<T, F, Fut>(&self, path: &str, attempt: F) -> Result<T, FetchError>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, object_store::Error>>,
+    {
+        let started = Instant::now();
+        let deadline = started + self.limits.stall;
+        let mut rng = SplitMix64::new(mix64(
+            started.elapsed().as_nanos() as u64 ^ (path.len() as u64) ^ std::process::id() as u64,
+        ) ^ mix64(self.counts.requests.load(Ordering::Relaxed)));
+        let mut tries = 0u32;
+        let result = loop {
+            if self.is_closed() {
+                break Err(self.error(path, FailKind::Closed, "the stream stopped".into()));
+            }
+            let outcome = self.try_once(&attempt).await;
+            let (verdict, detail) = match outcome {
+                Ok(v) => break Ok(v),
+                Err((v, d)) => (v, d),
+            };
+            if let Verdict::Permanent(kind) = verdict {
+                break Err(self.error(path, kind, detail));
+            }
+            if verdict == Verdict::Throttled {
+                self.counts.throttled.fetch_add(1, Ordering::Relaxed);
+            }
+            let backoff = backoff(tries, verdict, &mut rng);
+            if tries >= self.limits.retries || Instant::now() + backoff >= deadline {
+                let detail = format!(
+                    "{detail} (after {} tries in {:.1} s)",
+                    tries + 1,
+                    started.elapsed().as_secs_f64()
+                );
+                break Err(self.error(path, FailKind::GaveUp, detail));
+            }
+            tries += 1;
+            self.counts.retries.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(path, tries, ?backoff, "retrying: {detail}");
+            self.nap(backoff).await;
+        };
+        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.counts.longest_ns.fetch_max(took, Ordering::Relaxed);
+        if let Err(e) = &result
+            && e.kind != FailKind::Closed
+        {
+            self.counts.failed.fetch_add(1, Ordering::Relaxed);
+            *self.counts.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        }
+        result
+    }
+
+    /// One try, through the gate, within the request timeout.
+    async fn try_once<T, F, Fut>(&self, attempt: &F) -> Result<T, (Verdict, String)>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, object_store::Error>>,
+    {
+        tokio::select! {
+            _ = self.gate.enter() => {}
+            _ = self.closing.notified() => return Err((Verdict::Transient, "the stream stopped".into())),
+        }
+        self.counts.requests.fetch_add(1, Ordering::Relaxed);
+        self.counts.in_flight.fetch_add(1, Ordering::Relaxed);
+        let r = tokio::select! {
+            r = tokio::time::timeout(self.limits.timeout, attempt()) => match r {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err((judge(&e), e.to_string())),
+                Err(_) => Err((
+                    Verdict::Transient,
+                    format!("no answer within timeout_s = {:.1}", self.limits.timeout.as_secs_f64()),
+                )),
+            },
+            _ = self.closing.notified() => Err((Verdict::Transient, "the stream stopped".into())),
+        };
+        self.counts.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.gate.leave(r.as_ref().err().map(|(v, _)| *v));
+        r
+    }
+
+    async fn nap(&self, d: Duration) {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = self.closing.notified() => {}
+        }
+    }
+}
+
+/// Exponential backoff with full jitter: a throttle starts from 200 ms,
+/// anything else from 50 ms; at most 5 s.
+fn backoff(tries: u32, verdict: Verdict, rng: &mut SplitMix64) -> Duration {
+    let base_ms: u64 = if verdict == Verdict::Throttled { 200 } else { 50 };
+    let cap = (base_ms << tries.min(10)).min(5_000);
+    Duration::from_millis(cap / 2 + rng.below(cap / 2 + 1))
+}
+
+/// The runtime remote requests run on: two threads, made on first use.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("batchcast-remote")
+            .enable_all()
+            .build()
+            .expect("the remote-read runtime starts")
+    })
+}
+
+/// Runs `fut` on [`runtime`] and waits for it on this thread (which may be
+/// any thread, a runtime's own included: the wait is a plain channel).
+pub fn wait<T: Send + 'static>(fut: impl Future<Output = T> + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    runtime().spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv().expect("a remote task answers")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_are_read_from_messages() {
+        assert_eq!(status_in("Server returned non-2xx status code: 503 Service Unavailable: <Code>SlowDown"), Some(503));
+        assert_eq!(status_in("connection reset"), None);
+    }
+
+    #[test]
+    fn the_gate_halves_on_throttles_and_grows_back_by_one_per_window() {
+        let g = Gate::new(16);
+        let rt = runtime();
+        rt.block_on(g.enter());
+        g.leave(Some(Verdict::Throttled));
+        assert_eq!(g.limit(), 8);
+        rt.block_on(g.enter());
+        g.leave(Some(Verdict::Throttled)); // within CUT_EVERY: one burst, one cut
+        assert_eq!(g.limit(), 8);
+        for _ in 0..8 {
+            rt.block_on(g.enter());
+            g.leave(None);
+        }
+        assert_eq!(g.limit(), 9);
+    }
+
+    #[test]
+    fn backoff_grows_with_full_jitter_and_stays_bounded() {
+        let mut rng = SplitMix64::new(1);
+        for t in 0..20 {
+            let d = backoff(t, Verdict::Transient, &mut rng);
+            let cap = (50u64 << t.min(10)).min(5_000);
+            assert!(d >= Duration::from_millis(cap / 2) && d <= Duration::from_millis(cap), "{t}: {d:?}");
+        }
+        assert!(backoff(0, Verdict::Throttled, &mut rng) >= Duration::from_millis(100));
+    }
+}

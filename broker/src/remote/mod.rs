@@ -1,0 +1,465 @@
+//! Datasets where they live: image folders and tar shards in S3 (and
+//! S3-compatible stores), GCS, Azure Blob and on HTTP servers.
+//!
+//! A remote dataset is listed once (`crate::pipeline::dataset`'s `remote`) into the same flat list of
+//! items a local one has, so order, sharding, replay, join and resume are
+//! unchanged: the bytes of item `i` are the same from every form of the
+//! dataset. What differs is how bytes arrive:
+//!
+//! * **Units.** A fetch is a *unit*: a whole object (image folders), or a
+//!   part of a shard of `part_mib` (a range request). A tar member is cut
+//!   from the parts it spans.
+//! * **Read-ahead** ([`ahead`]): the pipeline tells the dataset where it
+//!   reads ([`RemoteSet::want`]); the units of the next samples are fetched
+//!   by concurrent requests, bounded in count and bytes (the bytes taken
+//!   from the broker's memory budget), and a read waits only for a unit
+//!   still in flight. A read outside the window (replay, a joiner's first
+//!   batch) fetches just what it needs.
+//! * **Disk tier** ([`disk`]): units as fetched, checksummed, under
+//!   `cache_dir`; later epochs and restarted brokers fetch only the rest.
+//! * **Faults** ([`fetch`]): timeouts, retries with jittered backoff, AIMD
+//!   on 429/503; a read that fails for good is a bad sample, handled by
+//!   `on_error` with its URL.
+
+pub mod ahead;
+pub mod disk;
+pub mod fetch;
+pub mod url;
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::ObjectStore;
+
+pub use ahead::Unit;
+use ahead::{Ahead, Taken};
+use disk::{DiskCache, DiskCounts};
+use fetch::{FetchError, Fetcher, Limits};
+use url::{RemoteUrl, Scheme};
+
+/// How a remote dataset is read (`[stream.remote]`, planned).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub limits: Limits,
+    /// Units fetched or held ahead of the pipeline, at most.
+    pub read_ahead: u32,
+    /// Their bytes, at most (taken from the broker's memory budget).
+    pub read_ahead_bytes: u64,
+    /// Size of a shard's range requests.
+    pub part_bytes: u64,
+    pub cache_dir: Option<PathBuf>,
+    pub cache_dir_bytes: u64,
+    /// An S3-compatible endpoint (MinIO, R2, Ceph): `http(s)://host:port`.
+    pub endpoint: Option<String>,
+    /// Unsigned requests (public buckets).
+    pub anonymous: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error(transparent)]
+    Url(#[from] url::UrlError),
+    #[error("{url}: cannot open the store: {message}; credentials come from {hint}")]
+    Store {
+        url: String,
+        message: String,
+        hint: &'static str,
+    },
+    #[error(transparent)]
+    Fetch(#[from] FetchError),
+    #[error(transparent)]
+    Disk(#[from] disk::DiskCacheError),
+}
+
+/// Builds the client of the store `url` names, with no retries of its own.
+pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>, RemoteError> {
+    use object_store::{ClientOptions, RetryConfig};
+    let opts = ClientOptions::new()
+        .with_timeout(s.limits.timeout)
+        .with_connect_timeout(s.limits.timeout.min(Duration::from_secs(5)))
+        .with_pool_max_idle_per_host(s.limits.requests.max(1) as usize * 2);
+    let no_retry = RetryConfig {
+        max_retries: 0,
+        retry_timeout: s.limits.stall,
+        ..RetryConfig::default()
+    };
+    let err = |e: object_store::Error| RemoteError::Store {
+        url: url.to_string(),
+        message: e.to_string(),
+        hint: url.scheme.credentials_hint(),
+    };
+    let full = format!("{}/", url.root);
+    Ok(match url.scheme {
+        Scheme::S3 => {
+            let mut b = object_store::aws::AmazonS3Builder::from_env()
+                .with_url(full)
+                .with_retry(no_retry)
+                .with_skip_signature(s.anonymous);
+            let mut opts = opts;
+            if let Some(e) = &s.endpoint {
+                b = b.with_endpoint(e.clone());
+                if e.starts_with("http://") {
+                    opts = opts.with_allow_http(true);
+                }
+            }
+            Arc::new(b.with_client_options(opts).build().map_err(err)?)
+        }
+        Scheme::Gcs => Arc::new(
+            object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                .with_url(full)
+                .with_retry(no_retry)
+                .with_client_options(opts)
+                .build()
+                .map_err(err)?,
+        ),
+        Scheme::Azure => Arc::new(
+            object_store::azure::MicrosoftAzureBuilder::from_env()
+                .with_url(full)
+                .with_retry(no_retry)
+                .with_skip_signature(s.anonymous)
+                .with_client_options(opts.with_allow_http(true))
+                .build()
+                .map_err(err)?,
+        ),
+        Scheme::Http => Arc::new(
+            object_store::http::HttpBuilder::new()
+                .with_url(url.root.clone())
+                .with_retry(no_retry)
+                .with_client_options(opts.with_allow_http(true))
+                .build()
+                .map_err(err)?,
+        ),
+    })
+}
+
+/// One object of a remote dataset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Object {
+    /// Its path in the store.
+    pub path: String,
+    /// Its size, where the listing said (a manifest does not).
+    pub size: Option<u64>,
+    /// Its ETag (or last-modified time) where the store gave one: part of
+    /// its disk-cache key, so a changed object is fetched again.
+    pub version: String,
+}
+
+/// The objects of a remote dataset and how their bytes are read.
+#[derive(Debug)]
+pub struct RemoteSet {
+    fetcher: Arc<Fetcher>,
+    pub objects: Vec<Object>,
+    /// `None`: units are whole objects (image folders), taken once read;
+    /// else shard parts of this many bytes, kept while the window wants
+    /// them.
+    part_bytes: Option<u64>,
+    ahead: Ahead,
+    /// The window's bytes, taken from the broker's memory budget once
+    /// (the streams of a shared source share the window).
+    grant: std::sync::Mutex<Option<crate::budget::Grant>>,
+    read_ahead_bytes: u64,
+    disk: Option<DiskCache>,
+    waited_ns: AtomicU64,
+    ahead_hits: AtomicU64,
+    direct: AtomicU64,
+}
+
+/// What `stats` shows of a remote dataset.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RemoteCounts {
+    pub url: String,
+    pub requests: u64,
+    pub bytes: u64,
+    pub retries: u64,
+    pub throttled: u64,
+    pub failed: u64,
+    pub in_flight: u64,
+    pub concurrency: u32,
+    pub longest_s: f64,
+    /// Time pipeline threads waited for bytes still on their way.
+    pub waited_s: f64,
+    /// Reads served by the read-ahead window, and read directly.
+    pub ahead_hits: u64,
+    pub direct: u64,
+    pub ahead_units: u64,
+    pub ahead_bytes: u64,
+    pub last_error: Option<String>,
+    pub disk: Option<DiskCounts>,
+}
+
+impl RemoteSet {
+    pub fn new(
+        fetcher: Arc<Fetcher>,
+        objects: Vec<Object>,
+        part_bytes: Option<u64>,
+        settings: &Settings,
+        disk: Option<DiskCache>,
+    ) -> RemoteSet {
+        RemoteSet {
+            fetcher,
+            objects,
+            part_bytes,
+            ahead: Ahead::new(settings.read_ahead, settings.read_ahead_bytes),
+            grant: std::sync::Mutex::new(None),
+            read_ahead_bytes: settings.read_ahead_bytes,
+            disk,
+            waited_ns: AtomicU64::new(0),
+            ahead_hits: AtomicU64::new(0),
+            direct: AtomicU64::new(0),
+        }
+    }
+
+    /// Takes the read-ahead window's bytes from the broker's budget, once.
+    pub fn reserve(
+        &self,
+        budget: &Arc<crate::budget::Budget>,
+        uid: u32,
+        whom: &str,
+    ) -> Result<(), crate::budget::OverBudget> {
+        let mut g = self.grant.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() && self.read_ahead_bytes > 0 {
+            *g = Some(budget.take(
+                uid,
+                crate::budget::Use::Arena,
+                self.read_ahead_bytes,
+                &format!("{whom} (remote.read_ahead_mib)"),
+            )?);
+        }
+        Ok(())
+    }
+
+    /// The URL of object `o`, for messages.
+    pub fn describe(&self, o: u32) -> String {
+        self.fetcher.url.with_path(&self.objects[o as usize].path).to_string()
+    }
+
+    pub fn url(&self) -> String {
+        self.fetcher.url.to_string()
+    }
+
+    /// Ends every wait and request (the stream stops).
+    pub fn close(&self) {
+        self.fetcher.close();
+        self.ahead.close();
+    }
+
+    /// The bytes of unit `u` of object `o`.
+    fn unit_range(&self, u: Unit) -> Option<Range<u64>> {
+        let p = self.part_bytes?;
+        let size = self.objects[u.object as usize].size.unwrap_or(u64::MAX);
+        let start = u64::from(u.part) * p;
+        Some(start..(start + p).min(size))
+    }
+
+    fn disk_key(&self, u: Unit) -> String {
+        let o = &self.objects[u.object as usize];
+        let range = self.unit_range(u).map_or("whole".to_string(), |r| format!("{}-{}", r.start, r.end));
+        format!("{}\n{}\n{}\n{:?}\n{range}", self.fetcher.url.root, o.path, o.version, o.size)
+    }
+
+    /// Units of the bytes `range` of object `o` (shard parts), or the
+    /// object (whole).
+    pub fn units_of(&self, o: u32, range: Option<Range<u64>>) -> Vec<(Unit, u64)> {
+        match (self.part_bytes, range) {
+            (Some(p), Some(r)) if r.end > r.start => {
+                let first = r.start / p;
+                let last = (r.end - 1) / p;
+                (first..=last)
+                    .map(|part| {
+                        let u = Unit { object: o, part: part as u32 };
+                        let len = self.unit_range(u).map_or(p, |r| r.end - r.start);
+                        (u, len)
+                    })
+                    .collect()
+            }
+            _ => {
+                let size = self.objects[o as usize].size.unwrap_or(ahead::UNKNOWN_SIZE);
+                vec![(Unit { object: o, part: 0 }, size)]
+            }
+        }
+    }
+
+    /// Fetches unit `u`: from the disk tier, else the store (then kept on
+    /// disk).
+    pub async fn fetch_unit(self: Arc<Self>, u: Unit) -> Result<Bytes, FetchError> {
+        let key = self.disk_key(u);
+        if self.disk.is_some() {
+            let me = self.clone();
+            let k = key.clone();
+            let hit = tokio::task::spawn_blocking(move || me.disk.as_ref().and_then(|d| d.get(&k)))
+                .await
+                .ok()
+                .flatten();
+            if let Some(b) = hit {
+                return Ok(b);
+            }
+        }
+        let path = self.objects[u.object as usize].path.clone();
+        let (bytes, _) = self.fetcher.get(&path, self.unit_range(u)).await?;
+        if self.disk.is_some() {
+            let me = self.clone();
+            let b = bytes.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Some(d) = &me.disk {
+                    d.put(&key, &b);
+                }
+            })
+            .await;
+        }
+        Ok(bytes)
+    }
+
+    /// How many units the window holds at most.
+    pub fn read_ahead_units(&self) -> usize {
+        self.ahead.max_units()
+    }
+
+    /// All of object `o`: its parts fetched `requests` at a time (each
+    /// from the disk tier where it is there, and kept there).
+    pub async fn whole(self: Arc<Self>, o: u32, requests: usize) -> Result<Bytes, FetchError> {
+        let size = self.objects[o as usize].size;
+        let units: Vec<Unit> = match size {
+            Some(n) => self.units_of(o, Some(0..n)).into_iter().map(|(u, _)| u).collect(),
+            None => vec![Unit { object: o, part: 0 }],
+        };
+        if units.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let parts: Vec<Result<Bytes, FetchError>> = futures::stream::iter(
+            units.into_iter().map(|u| self.clone().fetch_unit(u)),
+        )
+        .buffered(requests.max(1))
+        .collect()
+        .await;
+        let mut out = Vec::with_capacity(size.unwrap_or(0) as usize);
+        for p in parts {
+            out.extend_from_slice(&p?);
+        }
+        Ok(Bytes::from(out))
+    }
+
+    /// The pipeline reads at `lead` (a position in its sequence) and then
+    /// the samples whose units `upcoming` lists, in order: fetch what the
+    /// window has room for.
+    pub fn want(self: &Arc<Self>, lead: u64, upcoming: &[(Unit, u64)]) {
+        for u in self.ahead.admit(lead, upcoming) {
+            let me = self.clone();
+            fetch::runtime().spawn(async move {
+                let r = me.clone().fetch_unit(u).await;
+                me.ahead.settle(u, r);
+            });
+        }
+    }
+
+    /// The bytes `range` of object `o` (all of it for `None`) into `buf`.
+    pub fn read(
+        self: &Arc<Self>,
+        o: u32,
+        range: Option<Range<u64>>,
+        buf: &mut Vec<u8>,
+        max_bytes: u64,
+    ) -> std::io::Result<()> {
+        buf.clear();
+        let units = self.units_of(o, range.clone());
+        let consume = self.part_bytes.is_none();
+        let mut parts = Vec::with_capacity(units.len());
+        let t0 = Instant::now();
+        for (u, _) in &units {
+            match self.ahead.take(*u, consume) {
+                Taken::Ready(b) => parts.push(b),
+                Taken::Failed(e) => return Err(e.into()),
+                Taken::Absent => break,
+            }
+        }
+        let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns.fetch_add(waited, Ordering::Relaxed);
+        if parts.len() == units.len() {
+            self.ahead_hits.fetch_add(1, Ordering::Relaxed);
+            return self.cut(o, &units, &parts, range, buf, max_bytes);
+        }
+        // Outside the window: what the disk tier has, else just the bytes
+        // asked for.
+        self.direct.fetch_add(1, Ordering::Relaxed);
+        let me = self.clone();
+        let (path, want) = (self.objects[o as usize].path.clone(), range.clone());
+        let from_disk = self.disk.is_some() && units.len() == 1 && consume;
+        let bytes = fetch::wait(async move {
+            if from_disk {
+                return me.fetch_unit(Unit { object: o, part: 0 }).await;
+            }
+            me.fetcher.get(&path, want).await.map(|(b, _)| b)
+        })?;
+        check_size(bytes.len() as u64, max_bytes)?;
+        buf.extend_from_slice(&bytes);
+        Ok(())
+    }
+
+    /// Cuts `range` of object `o` out of its units' bytes.
+    fn cut(
+        &self,
+        o: u32,
+        units: &[(Unit, u64)],
+        parts: &[Bytes],
+        range: Option<Range<u64>>,
+        buf: &mut Vec<u8>,
+        max_bytes: u64,
+    ) -> std::io::Result<()> {
+        let Some(r) = range else {
+            check_size(parts[0].len() as u64, max_bytes)?;
+            buf.extend_from_slice(&parts[0]);
+            return Ok(());
+        };
+        check_size(r.end - r.start, max_bytes)?;
+        for ((u, _), bytes) in units.iter().zip(parts) {
+            let ur = self.unit_range(*u).unwrap_or(0..bytes.len() as u64);
+            let from = r.start.max(ur.start) - ur.start;
+            let to = r.end.min(ur.end) - ur.start;
+            let slice = bytes.get(from as usize..to as usize).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("{}: part of {} bytes, expected {}", self.describe(o), bytes.len(), ur.end - ur.start),
+                )
+            })?;
+            buf.extend_from_slice(slice);
+        }
+        Ok(())
+    }
+
+    pub fn counts(&self) -> RemoteCounts {
+        let c = &self.fetcher.counts;
+        let (units, bytes) = self.ahead.held();
+        RemoteCounts {
+            url: self.url(),
+            requests: c.requests.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            retries: c.retries.load(Ordering::Relaxed),
+            throttled: c.throttled.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            in_flight: c.in_flight.load(Ordering::Relaxed),
+            concurrency: self.fetcher.concurrency(),
+            longest_s: c.longest_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            waited_s: self.waited_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            ahead_hits: self.ahead_hits.load(Ordering::Relaxed),
+            direct: self.direct.load(Ordering::Relaxed),
+            ahead_units: units,
+            ahead_bytes: bytes,
+            last_error: c.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            disk: self.disk.as_ref().map(|d| d.counts()),
+        }
+    }
+}
+
+fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
+    if len > max_bytes {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{len} bytes, more than max_file_bytes = {max_bytes}; raise it if such files are real samples"),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Servers for the remote-dataset tests and benchmark.
+
+  objserver.py files DIR [--port P]
+      A plain HTTP server of DIR's files with range requests (206), ETags
+      and no listing: what a static file server or CDN offers.
+  objserver.py proxy UPSTREAM [--port P] [--delay-ms D]
+      A reverse proxy to UPSTREAM (an S3 server) that can delay, fail,
+      reset and truncate: faults are set by POST /__faults with JSON
+      {"delay_ms": 20, "status": {"count": 5, "code": 503},
+       "reset": 2, "truncate": 1, "deny": "substring"}; GET /__faults
+      returns what was served and injected.
+  objserver.py s3-load ENDPOINT BUCKET DIR PREFIX
+      Creates BUCKET on an S3 server and uploads DIR's files under PREFIX.
+
+Both servers print `listening PORT` on their first line of stdout.
+"""
+import argparse
+import email.utils
+import hashlib
+import http.client
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class Faults:
+    def __init__(self, delay_ms=0):
+        self.lock = threading.Lock()
+        self.delay_ms = delay_ms
+        self.status = {"count": 0, "code": 503}
+        self.reset = 0
+        self.truncate = 0
+        self.deny = None
+        self.seen = {"requests": 0, "status": 0, "reset": 0, "truncate": 0, "denied": 0}
+
+    def set(self, spec):
+        with self.lock:
+            self.delay_ms = spec.get("delay_ms", self.delay_ms)
+            if "status" in spec:
+                self.status = dict(spec["status"])
+            self.reset = spec.get("reset", self.reset)
+            self.truncate = spec.get("truncate", self.truncate)
+            self.deny = spec.get("deny", self.deny)
+
+    def take(self, path):
+        """What to do with this request: None, or a fault's name."""
+        with self.lock:
+            self.seen["requests"] += 1
+            if self.deny and self.deny in path:
+                self.seen["denied"] += 1
+                return "deny"
+            for name in ("reset", "truncate"):
+                if getattr(self, name) > 0:
+                    setattr(self, name, getattr(self, name) - 1)
+                    self.seen[name] += 1
+                    return name
+            if self.status["count"] > 0:
+                self.status["count"] -= 1
+                self.seen["status"] += 1
+                return "status"
+            return None
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def reply(self, code, body=b"", headers=()):
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def control(self):
+        faults = self.server.faults
+        if self.command == "POST":
+            n = int(self.headers.get("Content-Length", 0))
+            faults.set(json.loads(self.rfile.read(n) or b"{}"))
+        with faults.lock:
+            body = json.dumps(faults.seen).encode()
+        self.reply(200, body, [("Content-Type", "application/json")])
+
+    def fault(self, what, body_len_hint=1 << 16):
+        faults = self.server.faults
+        if what == "deny":
+            self.reply(403, b"<Error><Code>AccessDenied</Code></Error>")
+        elif what == "status":
+            code = faults.status.get("code", 503)
+            self.reply(code, SLOWDOWN if code == 503 else b"<Error><Code>InternalError</Code></Error>")
+        elif what == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+            self.close_connection = True
+            self.connection.close()
+        return what != "truncate"
+
+
+class FileHandler(Handler):
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        if self.path.startswith("/__faults"):
+            return self.control()
+        time.sleep(self.server.faults.delay_ms / 1000)
+        what = self.server.faults.take(self.path)
+        if what and self.fault(what):
+            return
+        rel = unquote(urlsplit(self.path).path).lstrip("/")
+        full = os.path.realpath(os.path.join(self.server.root, rel))
+        if not full.startswith(self.server.root + os.sep) or not os.path.isfile(full):
+            return self.reply(404, b"not found")
+        st = os.stat(full)
+        etag = '"%s"' % hashlib.md5(f"{st.st_size}-{st.st_mtime_ns}".encode()).hexdigest()
+        common = [("ETag", etag), ("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True)),
+                  ("Accept-Ranges", "bytes")]
+        with open(full, "rb") as f:
+            data = f.read()
+        rng = self.headers.get("Range")
+        code, body = 200, data
+        if rng and rng.startswith("bytes="):
+            a, _, b = rng[6:].partition("-")
+            start = int(a)
+            end = min(int(b) if b else len(data) - 1, len(data) - 1)
+            if start >= len(data):
+                return self.reply(416, b"", [("Content-Range", f"bytes */{len(data)}")])
+            code, body = 206, data[start:end + 1]
+            common.append(("Content-Range", f"bytes {start}-{end}/{len(data)}"))
+        if what == "truncate":
+            self.send_response(code)
+            for k, v in common:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.close_connection = True
+            return
+        self.reply(code, body, common)
+
+
+class ProxyHandler(Handler):
+    def relay(self):
+        if self.path.startswith("/__faults"):
+            return self.control()
+        time.sleep(self.server.faults.delay_ms / 1000)
+        what = self.server.faults.take(self.path)
+        n = int(self.headers.get("Content-Length", 0) or 0)
+        body = self.rfile.read(n) if n else None
+        if what and self.fault(what):
+            return
+        local = self.server.tls
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.server.upstream[0], self.server.upstream[1], timeout=60)
+            local.conn = conn
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+        except (OSError, http.client.HTTPException):
+            local.conn = None
+            return self.reply(502, b"upstream failed")
+        self.send_response(r.status)
+        for k, v in r.getheaders():
+            if k.lower() not in ("content-length", "connection", "transfer-encoding", "server", "date"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        if what == "truncate":
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+            return
+        self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = relay
+
+
+def serve(server):
+    server.daemon_threads = True
+    print(f"listening {server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.1)
+    except KeyboardInterrupt:
+        pass
+
+
+def s3_load(endpoint, bucket, root, prefix):
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    n = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            key = prefix + os.path.relpath(p, root)
+            s3.upload_file(p, bucket, key)
+            n += 1
+    print(n)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("files")
+    f.add_argument("root")
+    f.add_argument("--port", type=int, default=0)
+    p = sub.add_parser("proxy")
+    p.add_argument("upstream")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--delay-ms", type=float, default=0)
+    s = sub.add_parser("s3-load")
+    s.add_argument("endpoint")
+    s.add_argument("bucket")
+    s.add_argument("root")
+    s.add_argument("prefix")
+    a = ap.parse_args()
+    if a.cmd == "files":
+        srv = ThreadingHTTPServer(("127.0.0.1", a.port), FileHandler)
+        srv.root = os.path.realpath(a.root)
+        srv.faults = Faults()
+        serve(srv)
+    elif a.cmd == "proxy":
+        u = urlsplit(a.upstream)
+        srv = ThreadingHTTPServer(("127.0.0.1", a.port), ProxyHandler)
+        srv.upstream = (u.hostname, u.port or 80)
+        srv.tls = threading.local()
+        srv.faults = Faults(a.delay_ms)
+        serve(srv)
+    else:
+        s3_load(a.endpoint, a.bucket, a.root, a.prefix)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
