@@ -191,6 +191,11 @@ class ProxyHandler(Handler):
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = relay
 
 
+class Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass  # resets and truncations are what this server is for
+
+
 def serve(server):
     server.daemon_threads = True
     print(f"listening {server.server_address[1]}", flush=True)
@@ -235,13 +240,13 @@ def main():
     s.add_argument("prefix")
     a = ap.parse_args()
     if a.cmd == "files":
-        srv = ThreadingHTTPServer(("127.0.0.1", a.port), FileHandler)
+        srv = Server(("127.0.0.1", a.port), FileHandler)
         srv.root = os.path.realpath(a.root)
         srv.faults = Faults()
         serve(srv)
     elif a.cmd == "proxy":
         u = urlsplit(a.upstream)
-        srv = ThreadingHTTPServer(("127.0.0.1", a.port), ProxyHandler)
+        srv = Server(("127.0.0.1", a.port), ProxyHandler)
         srv.upstream = (u.hostname, u.port or 80)
         srv.tls = threading.local()
         srv.faults = Faults(a.delay_ms)

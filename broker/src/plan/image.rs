@@ -13,9 +13,9 @@ use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
 use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{self, Dataset, expand_pattern};
-use crate::remote::url::is_url;
 use crate::pipeline::sampler::{Split, Uneven};
 use crate::pipeline::transform::{Border, Crop, Geometry, PaddingMode, Resize, Transform};
+use crate::remote::url::is_url;
 
 fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
     let positive = |what: &'static str, (h, w): (u32, u32)| {
@@ -244,7 +244,11 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
             "a manifest lists a remote folder (a plain HTTP server cannot); a local folder is listed by reading it: remove the key",
         ));
     }
-    let remote = if at_url { Some(super::remote::settings(s)?) } else { None };
+    let remote = if at_url {
+        Some(super::remote::settings(s)?)
+    } else {
+        None
+    };
     Ok(match (&s.image_folder, &s.webdataset) {
         (Some(f), _) => match &remote {
             Some(r) => (
@@ -265,7 +269,10 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
                 "samples held to shuffle tar shards",
             )?;
             if let Some(r) = &remote {
-                return Ok((dataset::remote::webdataset(&w.shards, r)?, Some(w.shuffle_buffer)));
+                return Ok((
+                    dataset::remote::webdataset(&w.shards, r)?,
+                    Some(w.shuffle_buffer),
+                ));
             }
             let shards = expand_home(&w.shards);
             let paths = expand_pattern(&shards)?;

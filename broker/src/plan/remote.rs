@@ -38,13 +38,49 @@ pub(super) fn settings(s: &StreamConfig) -> Result<Settings, StreamError> {
 }
 
 fn check(r: &RemoteConfig) -> Result<(), StreamError> {
-    within("remote.requests", r.requests, 1, MAX_REQUESTS, "requests in flight at once")?;
-    within("remote.read_ahead", r.read_ahead, 0, MAX_READ_AHEAD, "objects or parts fetched ahead; 0 = off")?;
-    within("remote.read_ahead_mib", r.read_ahead_mib, 0, 1 << 20, "MiB fetched ahead; 0 = off")?;
-    within("remote.part_mib", r.part_mib, 1, 1024, "MiB per range request of a shard")?;
+    within(
+        "remote.requests",
+        r.requests,
+        1,
+        MAX_REQUESTS,
+        "requests in flight at once",
+    )?;
+    within(
+        "remote.read_ahead",
+        r.read_ahead,
+        0,
+        MAX_READ_AHEAD,
+        "objects or parts fetched ahead; 0 = off",
+    )?;
+    within(
+        "remote.read_ahead_mib",
+        r.read_ahead_mib,
+        0,
+        1 << 20,
+        "MiB fetched ahead; 0 = off",
+    )?;
+    within(
+        "remote.part_mib",
+        r.part_mib,
+        1,
+        1024,
+        "MiB per range request of a shard",
+    )?;
     within("remote.retries", r.retries, 0, 100, "tries after the first")?;
-    within("remote.timeout_s", r.timeout_s, 0.01, 3600.0, "seconds one request may take")?;
-    within("remote.stall_s", r.stall_s, r.timeout_s.min(3600.0), 86_400.0, "seconds one read may take with its retries; at least timeout_s")?;
+    within(
+        "remote.timeout_s",
+        r.timeout_s,
+        0.01,
+        3600.0,
+        "seconds one request may take",
+    )?;
+    within(
+        "remote.stall_s",
+        r.stall_s,
+        r.timeout_s.min(3600.0),
+        86_400.0,
+        "seconds one read may take with its retries; at least timeout_s",
+    )?;
     if r.cache_dir_mib > 0 && r.cache_dir.is_none() {
         return Err(super::key(
             "remote.cache_dir_mib",

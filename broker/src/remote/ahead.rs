@@ -112,7 +112,13 @@ impl Ahead {
                     return start;
                 }
             }
-            w.entries.insert(u, Entry { slot: Slot::Pending, bytes: size });
+            w.entries.insert(
+                u,
+                Entry {
+                    slot: Slot::Pending,
+                    bytes: size,
+                },
+            );
             w.order.push_back(u);
             w.bytes += size;
             start.push(u);

@@ -156,12 +156,18 @@ impl DiskCache {
                 Some(b)
             }
             Some(Err(why)) => {
-                tracing::warn!("cache entry {} is unsound ({why}); fetching it again", path.display());
+                tracing::warn!(
+                    "cache entry {} is unsound ({why}); fetching it again",
+                    path.display()
+                );
                 self.corrupt.fetch_add(1, Ordering::Relaxed);
                 if let Ok(m) = std::fs::metadata(&path)
                     && std::fs::remove_file(&path).is_ok()
                 {
-                    self.used.fetch_sub(m.len().min(self.used.load(Ordering::Relaxed)), Ordering::Relaxed);
+                    self.used.fetch_sub(
+                        m.len().min(self.used.load(Ordering::Relaxed)),
+                        Ordering::Relaxed,
+                    );
                 }
                 self.misses.fetch_add(1, Ordering::Relaxed);
                 None
@@ -210,7 +216,10 @@ impl DiskCache {
                     self.dir.display()
                 );
             } else if !disk_full {
-                tracing::warn!("cache_dir {}: cannot write an entry: {e}", self.dir.display());
+                tracing::warn!(
+                    "cache_dir {}: cannot write an entry: {e}",
+                    self.dir.display()
+                );
             }
         }
     }
@@ -246,7 +255,8 @@ fn write_entry(path: &Path, key: &str, bytes: &[u8]) -> std::io::Result<()> {
 fn read_entry(mut f: File, key: &str) -> Result<Bytes, String> {
     let len = f.metadata().map_err(|e| e.to_string())?.len();
     let mut head = [0u8; HEADER];
-    f.read_exact(&mut head).map_err(|_| "shorter than its header".to_string())?;
+    f.read_exact(&mut head)
+        .map_err(|_| "shorter than its header".to_string())?;
     if &head[..8] != MAGIC {
         return Err("not a batchcast cache entry".into());
     }
@@ -255,7 +265,10 @@ fn read_entry(mut f: File, key: &str) -> Result<Bytes, String> {
     let crc = word(12);
     let content = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
     if (HEADER + key_len) as u64 + content != len {
-        return Err(format!("{len} bytes, its header says {}", (HEADER + key_len) as u64 + content));
+        return Err(format!(
+            "{len} bytes, its header says {}",
+            (HEADER + key_len) as u64 + content
+        ));
     }
     let mut stored_key = vec![0u8; key_len];
     f.read_exact(&mut stored_key).map_err(|e| e.to_string())?;
@@ -314,7 +327,9 @@ mod tests {
     fn a_folder_others_may_write_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = DiskCache::open(dir.path(), 1 << 20).unwrap_err().to_string();
+        let e = DiskCache::open(dir.path(), 1 << 20)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("writable by others"), "{e}");
     }
 }

@@ -294,7 +294,9 @@ impl Fetcher {
                 ),
             ));
         }
-        self.counts.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+        self.counts
+            .bytes
+            .fetch_add(b.len() as u64, Ordering::Relaxed);
         Ok((b, meta))
     }
 
@@ -343,9 +345,13 @@ impl Fetcher {
     {
         let started = Instant::now();
         let deadline = started + self.limits.stall;
-        let mut rng = SplitMix64::new(mix64(
-            started.elapsed().as_nanos() as u64 ^ (path.len() as u64) ^ std::process::id() as u64,
-        ) ^ mix64(self.counts.requests.load(Ordering::Relaxed)));
+        let mut rng = SplitMix64::new(
+            mix64(
+                started.elapsed().as_nanos() as u64
+                    ^ (path.len() as u64)
+                    ^ std::process::id() as u64,
+            ) ^ mix64(self.counts.requests.load(Ordering::Relaxed)),
+        );
         let mut tries = 0u32;
         let result = loop {
             if self.is_closed() {
@@ -382,7 +388,11 @@ impl Fetcher {
             && e.kind != FailKind::Closed
         {
             self.counts.failed.fetch_add(1, Ordering::Relaxed);
-            *self.counts.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            *self
+                .counts
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
         }
         result
     }
@@ -426,7 +436,11 @@ impl Fetcher {
 /// Exponential backoff with full jitter: a throttle starts from 200 ms,
 /// anything else from 50 ms; at most 5 s.
 fn backoff(tries: u32, verdict: Verdict, rng: &mut SplitMix64) -> Duration {
-    let base_ms: u64 = if verdict == Verdict::Throttled { 200 } else { 50 };
+    let base_ms: u64 = if verdict == Verdict::Throttled {
+        200
+    } else {
+        50
+    };
     let cap = (base_ms << tries.min(10)).min(5_000);
     Duration::from_millis(cap / 2 + rng.below(cap / 2 + 1))
 }
@@ -460,7 +474,12 @@ mod tests {
 
     #[test]
     fn statuses_are_read_from_messages() {
-        assert_eq!(status_in("Server returned non-2xx status code: 503 Service Unavailable: <Code>SlowDown"), Some(503));
+        assert_eq!(
+            status_in(
+                "Server returned non-2xx status code: 503 Service Unavailable: <Code>SlowDown"
+            ),
+            Some(503)
+        );
         assert_eq!(status_in("connection reset"), None);
     }
 
@@ -487,7 +506,10 @@ mod tests {
         for t in 0..20 {
             let d = backoff(t, Verdict::Transient, &mut rng);
             let cap = (50u64 << t.min(10)).min(5_000);
-            assert!(d >= Duration::from_millis(cap / 2) && d <= Duration::from_millis(cap), "{t}: {d:?}");
+            assert!(
+                d >= Duration::from_millis(cap / 2) && d <= Duration::from_millis(cap),
+                "{t}: {d:?}"
+            );
         }
         assert!(backoff(0, Verdict::Throttled, &mut rng) >= Duration::from_millis(100));
     }

@@ -79,8 +79,10 @@ pub enum RemoteError {
 /// Builds the client of the store `url` names, with no retries of its own.
 pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>, RemoteError> {
     use object_store::{ClientOptions, RetryConfig};
+    // The client's own timeout is a backstop: batchcast's (fetch.rs) ends
+    // a try first, with a message naming `timeout_s`.
     let opts = ClientOptions::new()
-        .with_timeout(s.limits.timeout)
+        .with_timeout(s.limits.timeout + Duration::from_secs(1))
         .with_connect_timeout(s.limits.timeout.min(Duration::from_secs(5)))
         .with_pool_max_idle_per_host(s.limits.requests.max(1) as usize * 2);
     let no_retry = RetryConfig {
@@ -235,7 +237,10 @@ impl RemoteSet {
 
     /// The URL of object `o`, for messages.
     pub fn describe(&self, o: u32) -> String {
-        self.fetcher.url.with_path(&self.objects[o as usize].path).to_string()
+        self.fetcher
+            .url
+            .with_path(&self.objects[o as usize].path)
+            .to_string()
     }
 
     pub fn url(&self) -> String {
@@ -258,8 +263,13 @@ impl RemoteSet {
 
     fn disk_key(&self, u: Unit) -> String {
         let o = &self.objects[u.object as usize];
-        let range = self.unit_range(u).map_or("whole".to_string(), |r| format!("{}-{}", r.start, r.end));
-        format!("{}\n{}\n{}\n{:?}\n{range}", self.fetcher.url.root, o.path, o.version, o.size)
+        let range = self
+            .unit_range(u)
+            .map_or("whole".to_string(), |r| format!("{}-{}", r.start, r.end));
+        format!(
+            "{}\n{}\n{}\n{:?}\n{range}",
+            self.fetcher.url.root, o.path, o.version, o.size
+        )
     }
 
     /// Units of the bytes `range` of object `o` (shard parts), or the
@@ -271,7 +281,10 @@ impl RemoteSet {
                 let last = (r.end - 1) / p;
                 (first..=last)
                     .map(|part| {
-                        let u = Unit { object: o, part: part as u32 };
+                        let u = Unit {
+                            object: o,
+                            part: part as u32,
+                        };
                         let len = self.unit_range(u).map_or(p, |r| r.end - r.start);
                         (u, len)
                     })
@@ -324,18 +337,21 @@ impl RemoteSet {
     pub async fn whole(self: Arc<Self>, o: u32, requests: usize) -> Result<Bytes, FetchError> {
         let size = self.objects[o as usize].size;
         let units: Vec<Unit> = match size {
-            Some(n) => self.units_of(o, Some(0..n)).into_iter().map(|(u, _)| u).collect(),
+            Some(n) => self
+                .units_of(o, Some(0..n))
+                .into_iter()
+                .map(|(u, _)| u)
+                .collect(),
             None => vec![Unit { object: o, part: 0 }],
         };
         if units.is_empty() {
             return Ok(Bytes::new());
         }
-        let parts: Vec<Result<Bytes, FetchError>> = futures::stream::iter(
-            units.into_iter().map(|u| self.clone().fetch_unit(u)),
-        )
-        .buffered(requests.max(1))
-        .collect()
-        .await;
+        let parts: Vec<Result<Bytes, FetchError>> =
+            futures::stream::iter(units.into_iter().map(|u| self.clone().fetch_unit(u)))
+                .buffered(requests.max(1))
+                .collect()
+                .await;
         let mut out = Vec::with_capacity(size.unwrap_or(0) as usize);
         for p in parts {
             out.extend_from_slice(&p?);
@@ -422,7 +438,12 @@ impl RemoteSet {
             let slice = bytes.get(from as usize..to as usize).ok_or_else(|| {
                 std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
-                    format!("{}: part of {} bytes, expected {}", self.describe(o), bytes.len(), ur.end - ur.start),
+                    format!(
+                        "{}: part of {} bytes, expected {}",
+                        self.describe(o),
+                        bytes.len(),
+                        ur.end - ur.start
+                    ),
                 )
             })?;
             buf.extend_from_slice(slice);
@@ -448,7 +469,11 @@ impl RemoteSet {
             direct: self.direct.load(Ordering::Relaxed),
             ahead_units: units,
             ahead_bytes: bytes,
-            last_error: c.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            last_error: c
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             disk: self.disk.as_ref().map(|d| d.counts()),
         }
     }
@@ -458,7 +483,9 @@ fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
     if len > max_bytes {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("{len} bytes, more than max_file_bytes = {max_bytes}; raise it if such files are real samples"),
+            format!(
+                "{len} bytes, more than max_file_bytes = {max_bytes}; raise it if such files are real samples"
+            ),
         ));
     }
     Ok(())

@@ -65,8 +65,12 @@ pub enum UrlError {
 
 /// Whether `s` is a URL (of any scheme) rather than a local path.
 pub fn is_url(s: &str) -> bool {
-    s.split_once("://")
-        .is_some_and(|(scheme, _)| !scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphanumeric() || c == '+'))
+    s.split_once("://").is_some_and(|(scheme, _)| {
+        !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '+')
+    })
 }
 
 /// The address with anything that may be a secret cut out: what a message
@@ -170,9 +174,15 @@ mod tests {
     #[test]
     fn stores_and_paths() {
         let u = RemoteUrl::parse("s3://bucket/train/x/").unwrap();
-        assert_eq!((u.scheme, u.root.as_str(), u.path.as_str()), (Scheme::S3, "s3://bucket", "train/x/"));
+        assert_eq!(
+            (u.scheme, u.root.as_str(), u.path.as_str()),
+            (Scheme::S3, "s3://bucket", "train/x/")
+        );
         let u = RemoteUrl::parse("http://127.0.0.1:8080/d/a%20b.tar").unwrap();
-        assert_eq!((u.root.as_str(), u.path.as_str()), ("http://127.0.0.1:8080", "d/a b.tar"));
+        assert_eq!(
+            (u.root.as_str(), u.path.as_str()),
+            ("http://127.0.0.1:8080", "d/a b.tar")
+        );
         assert_eq!(u.to_string(), "http://127.0.0.1:8080/d/a b.tar");
         assert_eq!(RemoteUrl::parse("az://c/p").unwrap().scheme, Scheme::Azure);
         assert!(is_url("gs://b/p") && !is_url("/data/x") && !is_url("~/x"));
@@ -183,7 +193,10 @@ mod tests {
         for (bad, what) in [
             ("s3://AKIAXXXX:SECRETKEY@bucket/p", "user and password"),
             ("https://user:SECRETKEY@host/p", "user and password"),
-            ("https://host/p.tar?X-Amz-Signature=SECRETKEY", "query string"),
+            (
+                "https://host/p.tar?X-Amz-Signature=SECRETKEY",
+                "query string",
+            ),
             ("az://c/p?sig=SECRETKEY&sv=1", "query string"),
         ] {
             let e = RemoteUrl::parse(bad).unwrap_err();
@@ -192,7 +205,13 @@ mod tests {
             assert!(!text.contains("SECRETKEY"), "{text}");
             assert!(text.contains("environment"), "{text}");
         }
-        assert!(matches!(RemoteUrl::parse("ftp://h/p"), Err(UrlError::Scheme(_))));
-        assert!(matches!(RemoteUrl::parse("s3:///p"), Err(UrlError::NoBucket(_) | UrlError::Invalid(..))));
+        assert!(matches!(
+            RemoteUrl::parse("ftp://h/p"),
+            Err(UrlError::Scheme(_))
+        ));
+        assert!(matches!(
+            RemoteUrl::parse("s3:///p"),
+            Err(UrlError::NoBucket(_) | UrlError::Invalid(..))
+        ));
     }
 }

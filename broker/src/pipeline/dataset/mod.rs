@@ -398,19 +398,21 @@ pub enum ShardError {
     LabelNotInteger { path: String, text: String },
 }
 
+/// A sample being read from a shard: its key, image and label so far.
+struct Pending {
+    key: String,
+    image: Option<(u64, u64)>,
+    label: Option<i64>,
+}
+
 /// Lists the samples of shard number `shard` (its members in order, a
 /// sample an image and its `.cls` label) into `items`.
-fn index_shard(
-    file: impl Read + Seek,
+fn index_shard<R: Read + Seek>(
+    file: R,
     shard: u32,
     items: &mut Vec<Item>,
 ) -> Result<(), ShardError> {
     let mut archive = tar::Archive::new(file);
-    struct Pending {
-        key: String,
-        image: Option<(u64, u64)>,
-        label: Option<i64>,
-    }
     let mut cur: Option<Pending> = None;
     let flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), ShardError> {
         let Some((offset, len)) = p.image else {

@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 
-use super::{Dataset, DatasetError, Item, Location, expand_pattern, has_image_extension, index_shard};
+use super::{
+    Dataset, DatasetError, Item, Location, expand_pattern, has_image_extension, index_shard,
+};
 use crate::remote::fetch::{self, Fetcher};
 use crate::remote::url::{RemoteUrl, Scheme};
 use crate::remote::{Object, RemoteSet, Settings, disk::DiskCache, open_store};
@@ -33,72 +35,117 @@ fn open(url: &RemoteUrl, s: &Settings) -> Result<(Arc<Fetcher>, Option<DiskCache
     let store = open_store(url, s)?;
     let fetcher = Arc::new(Fetcher::new(store, url.clone(), s.limits));
     let disk = match &s.cache_dir {
-        Some(d) if s.cache_dir_bytes > 0 => Some(DiskCache::open(d, s.cache_dir_bytes).map_err(crate::remote::RemoteError::from)?),
+        Some(d) if s.cache_dir_bytes > 0 => {
+            Some(DiskCache::open(d, s.cache_dir_bytes).map_err(crate::remote::RemoteError::from)?)
+        }
         _ => None,
     };
     Ok((fetcher, disk))
 }
 
+/// A file of a remote folder: its path under the folder's prefix, size
+/// and version, where known.
+type Listed = (String, Option<u64>, String);
+
 /// An image folder at `root` (a URL), listed or read from `manifest`.
-pub fn image_folder(root: &str, manifest: Option<&str>, s: &Settings) -> Result<Dataset, DatasetError> {
+pub fn image_folder(
+    root: &str,
+    manifest: Option<&str>,
+    s: &Settings,
+) -> Result<Dataset, DatasetError> {
     let url = RemoteUrl::parse(root).map_err(crate::remote::RemoteError::from)?;
     let (fetcher, disk) = open(&url, s)?;
     let mut prefix = url.path.clone();
     if !prefix.is_empty() && !prefix.ends_with('/') {
         prefix.push('/');
     }
-    // (path under the prefix, size, version)
-    let entries: Vec<(String, Option<u64>, String)> = match manifest {
-        Some(m) => {
-            let murl = if crate::remote::url::is_url(m) {
-                RemoteUrl::parse(m).map_err(crate::remote::RemoteError::from)?
-            } else {
-                url.with_path(&format!("{prefix}{m}"))
-            };
-            if murl.root != url.root {
-                return Err(listing_err(&murl, "the manifest must be on the same server as the root"));
-            }
-            let f = fetcher.clone();
-            let path = murl.path.clone();
-            let (bytes, _) = fetch::wait(async move { f.get(&path, None).await })
-                .map_err(crate::remote::RemoteError::from)?;
-            let text = String::from_utf8(bytes.to_vec())
-                .map_err(|_| listing_err(&murl, "the manifest is not UTF-8 text"))?;
-            text.lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(|l| (l.trim_start_matches("./").to_string(), None, String::new()))
-                .collect()
-        }
-        None => {
-            let f = fetcher.clone();
-            let p = prefix.clone();
-            let listed = fetch::wait(async move { f.list(&p).await });
-            let listed = match listed {
-                Ok(l) => l,
-                Err(e) if url.scheme == Scheme::Http => {
-                    return Err(listing_err(
-                        &url,
-                        format!(
-                            "cannot list ({e}); a plain HTTP server cannot list a folder (WebDAV servers can): give `manifest = \"MANIFEST\"`, a file of `class/name.jpg` lines"
-                        ),
-                    ));
-                }
-                Err(e) => return Err(crate::remote::RemoteError::from(e).into()),
-            };
-            listed
-                .into_iter()
-                .filter_map(|m| {
-                    let path = m.location.to_string();
-                    let rel = path.strip_prefix(&prefix)?.to_string();
-                    let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
-                    Some((rel, Some(m.size), version))
-                })
-                .collect()
-        }
+    let entries = match manifest {
+        Some(m) => from_manifest(&fetcher, &url, &prefix, m)?,
+        None => listed(&fetcher, &url, &prefix)?,
     };
-    // class -> folder -> files, each ordered as a local walk orders them.
-    let mut classes: BTreeMap<String, BTreeMap<String, Vec<(String, Option<u64>, String)>>> = BTreeMap::new();
+    let (names, objects, items) = ordered(&url, &prefix, entries)?;
+    let set = RemoteSet::new(fetcher, objects, None, s, disk);
+    Ok(Dataset {
+        format: "image_folder",
+        root: url.to_string(),
+        classes: names,
+        items,
+        shards: Vec::new(),
+        shard_items: Vec::new(),
+        remote: Some(Arc::new(set)),
+    })
+}
+
+/// The files a manifest names (a URL, or a name under the folder).
+fn from_manifest(
+    fetcher: &Arc<Fetcher>,
+    url: &RemoteUrl,
+    prefix: &str,
+    m: &str,
+) -> Result<Vec<Listed>, DatasetError> {
+    let murl = if crate::remote::url::is_url(m) {
+        RemoteUrl::parse(m).map_err(crate::remote::RemoteError::from)?
+    } else {
+        url.with_path(&format!("{prefix}{m}"))
+    };
+    if murl.root != url.root {
+        return Err(listing_err(
+            &murl,
+            "the manifest must be on the same server as the root",
+        ));
+    }
+    let f = fetcher.clone();
+    let path = murl.path.clone();
+    let (bytes, _) = fetch::wait(async move { f.get(&path, None).await })
+        .map_err(crate::remote::RemoteError::from)?;
+    let text = String::from_utf8(bytes.to_vec())
+        .map_err(|_| listing_err(&murl, "the manifest is not UTF-8 text"))?;
+    Ok(text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| (l.trim_start_matches("./").to_string(), None, String::new()))
+        .collect())
+}
+
+/// Every object under `prefix`, by listing the store.
+fn listed(
+    fetcher: &Arc<Fetcher>,
+    url: &RemoteUrl,
+    prefix: &str,
+) -> Result<Vec<Listed>, DatasetError> {
+    let f = fetcher.clone();
+    let p = prefix.to_string();
+    let listed = match fetch::wait(async move { f.list(&p).await }) {
+        Ok(l) => l,
+        Err(e) if url.scheme == Scheme::Http => {
+            return Err(listing_err(
+                url,
+                format!(
+                    "cannot list ({e}); a plain HTTP server cannot list a folder (WebDAV servers can): give `manifest = \"MANIFEST\"`, a file of `class/name.jpg` lines"
+                ),
+            ));
+        }
+        Err(e) => return Err(crate::remote::RemoteError::from(e).into()),
+    };
+    Ok(listed
+        .into_iter()
+        .filter_map(|m| {
+            let path = m.location.to_string();
+            let rel = path.strip_prefix(prefix)?.to_string();
+            let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
+            Some((rel, Some(m.size), version))
+        })
+        .collect())
+}
+
+/// Class names, objects and items.
+type Ordered = (Vec<String>, Vec<Object>, Vec<Item>);
+
+/// Classes, objects and items in a local walk's order.
+fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordered, DatasetError> {
+    // class -> folder -> files
+    let mut classes: BTreeMap<String, BTreeMap<String, Vec<Listed>>> = BTreeMap::new();
     for (rel, size, version) in entries {
         let Some((class, rest)) = rel.split_once('/') else {
             continue; // a file beside the class folders
@@ -110,10 +157,9 @@ pub fn image_folder(root: &str, manifest: Option<&str>, s: &Settings) -> Result<
         if !has_image_extension(Path::new(rest)) {
             continue;
         }
-        let dir = match rel.rfind('/') {
-            Some(i) => rel[..i].to_string(),
-            None => String::new(),
-        };
+        let dir = rel
+            .rfind('/')
+            .map_or(String::new(), |i| rel[..i].to_string());
         folders.entry(dir).or_default().push((rel, size, version));
     }
     if classes.is_empty() {
@@ -121,9 +167,7 @@ pub fn image_folder(root: &str, manifest: Option<&str>, s: &Settings) -> Result<
             what: format!("{url} (no class folders below it)"),
         });
     }
-    let mut objects = Vec::new();
-    let mut items = Vec::new();
-    let mut names = Vec::new();
+    let (mut names, mut objects, mut items) = (Vec::new(), Vec::new(), Vec::new());
     for (label, (class, folders)) in classes.into_iter().enumerate() {
         let before = items.len();
         for (_, mut files) in folders {
@@ -142,55 +186,38 @@ pub fn image_folder(root: &str, manifest: Option<&str>, s: &Settings) -> Result<
         }
         if items.len() == before {
             return Err(DatasetError::EmptyClass {
-                path: url.with_path(&format!("{prefix}{class}")).to_string().into(),
+                path: url
+                    .with_path(&format!("{prefix}{class}"))
+                    .to_string()
+                    .into(),
             });
         }
         names.push(class);
     }
-    let set = RemoteSet::new(fetcher, objects, None, s, disk);
-    Ok(Dataset {
-        format: "image_folder",
-        root: url.to_string(),
-        classes: names,
-        items,
-        shards: Vec::new(),
-        shard_items: Vec::new(),
-        remote: Some(Arc::new(set)),
-    })
+    Ok((names, objects, items))
 }
 
 /// Tar shards by brace pattern (a URL): indexed from their bytes.
 pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> {
     let url = RemoteUrl::parse(pattern).map_err(crate::remote::RemoteError::from)?;
     let (fetcher, disk) = open(&url, s)?;
-    let paths: Vec<String> = expand_pattern(&url.path)?
-        .into_iter()
-        .map(|p| p.to_string_lossy().into_owned())
-        .collect();
-    let f = fetcher.clone();
+    let objects = shard_objects(&fetcher, &url, s)?;
     let requests = s.limits.requests.max(1) as usize;
-    let heads = fetch::wait(async move {
-        futures::stream::iter(paths.into_iter().map(|p| {
-            let f = f.clone();
-            async move { f.head(&p).await.map(|m| (p, m)) }
-        }))
-        .buffered(requests)
-        .collect::<Vec<_>>()
-        .await
-    });
-    let mut objects = Vec::with_capacity(heads.len());
-    for h in heads {
-        let (path, m) = h.map_err(crate::remote::RemoteError::from)?;
-        let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
-        objects.push(Object {
-            path,
-            size: Some(m.size),
-            version,
-        });
-    }
-    let set = Arc::new(RemoteSet::new(fetcher, objects, Some(s.part_bytes.max(1)), s, disk));
+    let set = Arc::new(RemoteSet::new(
+        fetcher,
+        objects,
+        Some(s.part_bytes.max(1)),
+        s,
+        disk,
+    ));
     // Shards indexed a few at a time (their bytes are held while indexed).
-    let largest = set.objects.iter().filter_map(|o| o.size).max().unwrap_or(1).max(1);
+    let largest = set
+        .objects
+        .iter()
+        .filter_map(|o| o.size)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let at_once = (s.read_ahead_bytes / largest).clamp(1, 8) as usize;
     let n = set.objects.len();
     let me = set.clone();
@@ -233,4 +260,39 @@ pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> 
         shard_items,
         remote: Some(set),
     })
+}
+
+/// The shards a pattern names, with their sizes and versions (a HEAD
+/// each, `requests` at a time).
+fn shard_objects(
+    fetcher: &Arc<Fetcher>,
+    url: &RemoteUrl,
+    s: &Settings,
+) -> Result<Vec<Object>, DatasetError> {
+    let requests = s.limits.requests.max(1) as usize;
+    let paths: Vec<String> = expand_pattern(&url.path)?
+        .into_iter()
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let f = fetcher.clone();
+    let heads = fetch::wait(async move {
+        futures::stream::iter(paths.into_iter().map(|p| {
+            let f = f.clone();
+            async move { f.head(&p).await.map(|m| (p, m)) }
+        }))
+        .buffered(requests)
+        .collect::<Vec<_>>()
+        .await
+    });
+    let mut objects = Vec::with_capacity(heads.len());
+    for h in heads {
+        let (path, m) = h.map_err(crate::remote::RemoteError::from)?;
+        let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
+        objects.push(Object {
+            path,
+            size: Some(m.size),
+            version,
+        });
+    }
+    Ok(objects)
 }

@@ -1,0 +1,538 @@
+//! Datasets where they live: the same image folder and tar shards read
+//! from local disk, from an S3 server (moto's, started here), from a plain
+//! HTTP server with range requests (tests/support/objserver.py), and
+//! through a fault-injecting proxy; every form's batches byte-identical to
+//! the local ones.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use batchcast::proto::{RemoteSourceStats, StatsReply};
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness::{self, BrokerProcess};
+use common::{EXE, LIMIT, command, imgtool, python, repo};
+
+/// A value no message, log or stats reply may ever show.
+const SECRET: &str = "batchcast-test-secret-4f1d9c";
+
+/// A server process the test started, killed when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// `tests/support/objserver.py ARGS`, which says its port first.
+    fn objserver(args: &[&str]) -> Server {
+        let mut child = command(python())
+            .arg(repo().join("tests/support/objserver.py"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let port = line
+            .trim()
+            .strip_prefix("listening ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("objserver said {line:?}"));
+        Server { child, port }
+    }
+
+    /// moto's S3 server on a free port.
+    fn moto() -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = command(python())
+            .args([
+                "-m",
+                "moto.server",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let s = Server { child, port };
+        let t0 = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t0.elapsed() < LIMIT, "moto did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    /// Sets the faults of an objserver (see its docstring).
+    fn faults(&self, spec: &str) -> serde_json::Value {
+        let out = common::run(command("curl").args([
+            "-s",
+            "-X",
+            "POST",
+            "--data",
+            spec,
+            &format!("{}/__faults", self.url()),
+        ]));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+}
+
+/// The test's data: the image folder and shards on disk, and an S3
+/// server holding both (under `train/`, `deny/` and `shards/`).
+struct Data {
+    dir: tempfile::TempDir,
+    n: u64,
+    shards: u64,
+    s3: Server,
+}
+
+impl Data {
+    fn new() -> Data {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |s: &str| dir.path().join(s).display().to_string();
+        let n: u64 = imgtool(&["make-folder", &p("ds"), "--count", "1"])
+            .trim()
+            .parse()
+            .unwrap();
+        imgtool(&["make-shards", &p("ds"), &p("shards"), "10"]);
+        // The manifest a plain HTTP server needs: every file, any order.
+        let mut files = Vec::new();
+        walk(&dir.path().join("ds"), Path::new(""), &mut files);
+        files.reverse();
+        std::fs::write(dir.path().join("ds/MANIFEST"), files.join("\n") + "\n").unwrap();
+        let s3 = Server::moto();
+        for (from, prefix) in [("ds", "train/"), ("ds", "deny/"), ("shards", "shards/")] {
+            let out = common::run(command(python()).args([
+                repo().join("tests/support/objserver.py").to_str().unwrap(),
+                "s3-load",
+                &s3.url(),
+                "data",
+                &p(from),
+                prefix,
+            ]));
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Data {
+            dir,
+            n,
+            shards: n.div_ceil(10),
+            s3,
+        }
+    }
+
+    fn p(&self, s: &str) -> String {
+        self.dir.path().join(s).display().to_string()
+    }
+
+    fn shard_pattern(&self, root: &str) -> String {
+        format!("{root}/shard-{{000000..{:06}}}.tar", self.shards - 1)
+    }
+}
+
+fn walk(dir: &Path, rel: &Path, out: &mut Vec<String>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let r = rel.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            walk(&e.path(), &r, out);
+        } else {
+            out.push(r.display().to_string());
+        }
+    }
+}
+
+const TRANSFORM: &str = "[stream.transform]\nresize = 32\ncenter_crop = 32\ndtype = \"u8\"\n";
+
+/// A stream of two epochs (unless `extra` says) of batches of 8 over
+/// `dataset` (its table), `extra` its other keys and tables.
+fn stream(name: &str, dataset: &str, extra: &str) -> String {
+    let epochs = if extra.contains("epochs") {
+        ""
+    } else {
+        "epochs = 2"
+    };
+    format!(
+        "[[stream]]\nname = \"{name}\"\nbatch_size = 8\nslots = 4\n{epochs}\n{extra}\n{dataset}\n{TRANSFORM}"
+    )
+}
+
+fn folder_stream(name: &str, root: &str, extra: &str) -> String {
+    stream(
+        name,
+        &format!("[stream.image_folder]\nroot = \"{root}\""),
+        extra,
+    )
+}
+
+fn shard_stream(name: &str, pattern: &str, extra: &str) -> String {
+    stream(
+        name,
+        &format!("[stream.webdataset]\nshards = \"{pattern}\"\nshuffle_buffer = 16"),
+        extra,
+    )
+}
+
+fn remote(endpoint: &str, keys: &str) -> String {
+    format!("[stream.remote]\nendpoint = \"{endpoint}\"\n{keys}\n")
+}
+
+/// A broker with S3 credentials in its environment (the secret among
+/// them), its files in `dir`.
+struct Broker {
+    process: BrokerProcess,
+    dir: PathBuf,
+}
+
+impl Broker {
+    fn start(dir: &Path, config: &str) -> Broker {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("broker.toml"), config).unwrap();
+        let mut cmd = s3_env(command(EXE));
+        batchcast_broker::child::die_with_parent(&mut cmd);
+        let process = BrokerProcess::spawn_with(
+            cmd,
+            Some(&dir.join("broker.toml")),
+            &dir.join("b.sock"),
+            Some(&dir.join("broker.log")),
+        )
+        .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        Broker {
+            process,
+            dir: dir.into(),
+        }
+    }
+
+    fn consume(&self, args: &[&str]) -> ConsumerReport {
+        let child = common::spawn_consumer(&self.dir.join("b.sock"), args);
+        harness::wait_report(child, LIMIT).unwrap()
+    }
+
+    fn stats(&self) -> StatsReply {
+        self.process.stats().unwrap()
+    }
+
+    fn remote(&self, stream: &str) -> RemoteSourceStats {
+        let s = self.stats();
+        let st = s.streams.iter().find(|s| s.name == stream).unwrap();
+        st.source.as_ref().unwrap().remote.clone().unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("broker.log")).unwrap_or_default()
+    }
+}
+
+fn s3_env(mut cmd: Command) -> Command {
+    cmd.env("AWS_ACCESS_KEY_ID", "testing")
+        .env("AWS_SECRET_ACCESS_KEY", SECRET)
+        .env("AWS_REGION", "us-east-1")
+        .env_remove("AWS_ENDPOINT_URL")
+        .env_remove("AWS_PROFILE");
+    cmd
+}
+
+fn epoch_digests(r: &ConsumerReport) -> Vec<Option<String>> {
+    assert!(r.ok && r.ended, "{r:#?}");
+    r.epochs.iter().map(|e| e.digest.clone()).collect()
+}
+
+fn no_secret(what: &str, text: &str) {
+    assert!(
+        !text.contains(SECRET),
+        "{what} shows the secret key:\n{text}"
+    );
+}
+
+#[test]
+fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() {
+    let data = Data::new();
+    let http = Server::objserver(&["files", &data.p("")]);
+    let s3 = data.s3.url();
+    let cache = data.p("cache");
+    let cfg = [
+        folder_stream("local", &data.p("ds"), ""),
+        folder_stream(
+            "s3",
+            "s3://data/train/",
+            &remote(
+                &s3,
+                &format!("cache_dir = \"{cache}\"\ncache_dir_mib = 256\nread_ahead = 16"),
+            ),
+        ),
+        stream(
+            "http",
+            &format!(
+                "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
+                http.url()
+            ),
+            "",
+        ),
+        shard_stream("local_shards", &data.shard_pattern(&data.p("shards")), ""),
+        shard_stream(
+            "s3_shards",
+            &data.shard_pattern("s3://data/shards"),
+            &remote(&s3, "part_mib = 1\nread_ahead_mib = 8"),
+        ),
+        shard_stream(
+            "http_shards",
+            &data.shard_pattern(&format!("{}/shards", http.url())),
+            "[stream.remote]\npart_mib = 1",
+        ),
+    ]
+    .join("\n");
+    let dir = data.dir.path().join("b1");
+    let mut b = Broker::start(&dir, &cfg);
+    let digests = |b: &Broker, s: &str| epoch_digests(&b.consume(&["--stream", s, "--digest"]));
+    let local = digests(&b, "local");
+    assert_eq!(local.len(), 2);
+    assert_ne!(local[0], local[1], "epochs are shuffled differently");
+    assert_eq!(digests(&b, "s3"), local, "S3 folder = local folder");
+    assert_eq!(
+        digests(&b, "http"),
+        local,
+        "HTTP folder by manifest = local folder"
+    );
+    let local_shards = digests(&b, "local_shards");
+    assert_eq!(
+        digests(&b, "s3_shards"),
+        local_shards,
+        "S3 shards = local shards"
+    );
+    assert_eq!(
+        digests(&b, "http_shards"),
+        local_shards,
+        "HTTP shards = local shards"
+    );
+
+    let r = b.remote("s3");
+    assert_eq!((r.failed, r.direct), (0, 0), "{r:#?}");
+    assert_eq!(
+        r.ahead_hits,
+        2 * data.n,
+        "every read from the window: {r:#?}"
+    );
+    assert!(
+        r.disk_hits >= data.n,
+        "the second epoch read from the disk tier: {r:#?}"
+    );
+    let r = b.remote("s3_shards");
+    assert!(
+        r.ahead_bytes <= 8 << 20,
+        "the window holds at most read_ahead_mib: {r:#?}"
+    );
+    no_secret("stats", &format!("{:?}", b.stats()));
+
+    // A restarted broker lists the bucket and reads every image from disk.
+    b.process.terminate(LIMIT).unwrap();
+    let b = Broker::start(&data.dir.path().join("b2"), &cfg);
+    assert_eq!(digests(&b, "s3"), local);
+    let r = b.remote("s3");
+    assert_eq!(r.requests, 1, "only the listing went to S3: {r:#?}");
+    assert_eq!(r.disk_hits, 2 * data.n, "{r:#?}");
+    no_secret("the log", &b.log());
+}
+
+#[test]
+fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
+    let data = Data::new();
+    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let via = proxy.url();
+    let keys = "timeout_s = 2\nretries = 8\nstall_s = 30";
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 1"),
+        folder_stream(
+            "faulty",
+            "s3://data/train/",
+            &format!("epochs = 1\n{}", remote(&via, keys)),
+        ),
+        folder_stream(
+            "denied",
+            "s3://data/deny/",
+            &format!("epochs = 1\n{}", remote(&via, keys)),
+        ),
+        folder_stream(
+            "strict",
+            "s3://data/deny/",
+            &format!("epochs = 1\non_error = \"fail\"\n{}", remote(&via, keys)),
+        ),
+    ]
+    .join("\n");
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let local = epoch_digests(&b.consume(&["--stream", "local", "--digest"]));
+
+    // A burst of 503 SlowDown, resets and truncated answers: retried,
+    // throttled, and the bytes are the local ones.
+    proxy.faults(r#"{"status": {"count": 40, "code": 503}, "reset": 3, "truncate": 3}"#);
+    let got = epoch_digests(&b.consume(&["--stream", "faulty", "--digest"]));
+    assert_eq!(got[0], local[0]);
+    let seen = proxy.faults("{}");
+    assert_eq!(seen["status"], 40, "{seen}");
+    let r = b.remote("faulty");
+    assert!(
+        r.throttled >= 40 && r.retries >= 46 && r.failed == 0,
+        "{r:#?}"
+    );
+    assert!(
+        r.concurrency < 16,
+        "503s halved the requests in flight: {r:#?}"
+    );
+
+    // A 403 on one object: a bad sample, skipped and named by its URL.
+    proxy.faults(r#"{"deny": "deny/cat/base_0.jpg"}"#);
+    let r = b.consume(&["--stream", "denied"]);
+    assert!(r.ok, "{r:#?}");
+    let s = b.stats();
+    let denied = s.streams.iter().find(|s| s.name == "denied").unwrap();
+    assert_eq!(denied.source.as_ref().unwrap().skipped, 1, "{denied:#?}");
+    let log = b.log();
+    assert!(
+        log.contains("s3://data/deny/cat/base_0.jpg") && log.contains("access denied"),
+        "{log}"
+    );
+    // With on_error = "fail" the stream stops, saying which object.
+    let r = b.consume(&["--stream", "strict"]);
+    assert!(!r.ok, "{r:#?}");
+    let why = format!("{r:?}");
+    assert!(why.contains("s3://data/deny/cat/base_0.jpg"), "{why}");
+    no_secret("the consumer's error", &why);
+    no_secret("the log", &b.log());
+    no_secret("stats", &format!("{:?}", b.stats()));
+}
+
+#[test]
+fn a_stall_is_bounded_and_shutdown_does_not_wait_for_requests() {
+    let data = Data::new();
+    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let cfg = [
+        folder_stream(
+            "stalled",
+            "s3://data/train/",
+            &format!(
+                "on_error = \"fail\"\n{}",
+                remote(&proxy.url(), "timeout_s = 0.5\nretries = 2\nstall_s = 1.5")
+            ),
+        ),
+        folder_stream(
+            "slow",
+            "s3://data/deny/",
+            &remote(&proxy.url(), "timeout_s = 20\nstall_s = 60"),
+        ),
+    ]
+    .join("\n");
+    let mut b = Broker::start(&data.dir.path().join("b"), &cfg);
+    // Every answer now takes 3 s: past the 0.5 s timeout, the stall bound
+    // (1.5 s) ends the read and the stream, said in stats.
+    proxy.faults(r#"{"delay_ms": 3000}"#);
+    let t0 = Instant::now();
+    let r = b.consume(&["--stream", "stalled"]);
+    assert!(!r.ok, "{r:#?}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    let s = b.stats();
+    let st = s.streams.iter().find(|s| s.name == "stalled").unwrap();
+    let failed = st.failed.clone().unwrap_or_default();
+    assert!(
+        failed.contains("gave up") && failed.contains("timeout_s"),
+        "{failed}"
+    );
+    assert!(
+        st.source
+            .as_ref()
+            .unwrap()
+            .remote
+            .as_ref()
+            .unwrap()
+            .last_error
+            .is_some()
+    );
+
+    // A consumer waits on 3 s answers; the broker stops at once anyway.
+    let mut c = common::spawn_consumer(
+        &b.dir.join("b.sock"),
+        &["--stream", "slow", "--reconnect-timeout", "0"],
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    let t0 = Instant::now();
+    b.process.terminate(Duration::from_secs(20)).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "shutdown took {:?}",
+        t0.elapsed()
+    );
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+#[test]
+fn credentials_in_urls_and_unusable_remote_keys_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve_fails = |cfg: &str| {
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, cfg).unwrap();
+        let out = common::run(
+            s3_env(command(EXE))
+                .args(["serve", "--config"])
+                .arg(&path)
+                .arg("--socket")
+                .arg(dir.path().join("bad.sock")),
+        );
+        assert!(!out.status.success(), "serve should refuse {cfg}");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        no_secret("the refusal", &err);
+        err
+    };
+    let e = serve_fails(&folder_stream(
+        "x",
+        &format!("s3://AKIA:{SECRET}@bucket/train/"),
+        "",
+    ));
+    assert!(
+        e.contains("AWS_SECRET_ACCESS_KEY") && e.contains("s3://bucket/train/"),
+        "{e}"
+    );
+    let e = serve_fails(&shard_stream(
+        "x",
+        &format!("https://h/s-{{0..1}}.tar?X-Amz-Signature={SECRET}"),
+        "",
+    ));
+    assert!(e.contains("query string"), "{e}");
+    let e = serve_fails(&folder_stream("x", "/tmp", "[stream.remote]\nrequests = 4"));
+    assert!(e.contains("local dataset"), "{e}");
+    let e = serve_fails(&folder_stream(
+        "x",
+        "s3://b/p/",
+        "[stream.remote]\nrequests = 0",
+    ));
+    assert!(e.contains("remote.requests"), "{e}");
+    // A plain HTTP server cannot list: the message says to give a manifest.
+    let http = Server::objserver(&["files", dir.path().to_str().unwrap()]);
+    let e = serve_fails(&folder_stream("x", &format!("{}/", http.url()), ""));
+    assert!(e.contains("manifest"), "{e}");
+}
