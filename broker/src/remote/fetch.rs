@@ -493,7 +493,8 @@ mod tests {
         rt.block_on(g.enter());
         g.leave(Some(Verdict::Throttled)); // within CUT_EVERY: one burst, one cut
         assert_eq!(g.limit(), 8);
-        for _ in 0..8 {
+        // + 1/limit per success: a little over a window (8) to reach 9.
+        for _ in 0..9 {
             rt.block_on(g.enter());
             g.leave(None);
         }
