@@ -31,6 +31,10 @@ const PROBES: &[(&str, &str)] = &[
         "[stream.transform]",
         "[[stream]]\nname = \"a\"\n[stream.transform]\nzzz = 1\n",
     ),
+    (
+        "[stream.remote]",
+        "[[stream]]\nname = \"a\"\n[stream.remote]\nzzz = 1\n",
+    ),
     ("[[source]]", "[[source]]\nzzz = 1\n"),
 ];
 
