@@ -1,17 +1,23 @@
 """Datasets where they live: the same photographs read by one broker from
-local disk, from a local S3 server (moto's), and from that server behind
-20 ms and 50 ms of added latency per request; as an image folder and as
-tar shards; with and without read-ahead and the disk tier. Then a burst
-of 503 SlowDown answers in mid-run, and how fast throughput comes back.
+local disk; from nginx (plain HTTP with range requests, the folder through
+a manifest) and from moto's S3 server, each directly and behind 20 ms and
+50 ms of added round trip; as an image folder and as tar shards; with
+read-ahead off and on, and with the disk tier. Then a burst of 400
+answers of 503 SlowDown in mid-run, and how throughput comes back.
 
 Each row: one broker (workers = 1) and one consumer reading 3 epochs of
-RandomResizedCrop(224) + flip + Normalize batches of 32; images/s as the
-consumer saw them, the broker's CPU per image, and the S3 server's and
-proxy's CPU per image (they share this machine's cores: stated, not
-hidden). The latency is added by a proxy (tests/support/objserver.py)
-before it forwards each request, as a longer round trip would.
+RandomResizedCrop(224) + flip + Normalize batches of 32 (6 epochs; 1
+without read-ahead); images/s as the
+consumer saw them, the broker's CPU per image, and the servers' and
+proxies' CPU per image (they share this machine's cores: stated, not
+hidden). The round trip is added by a TCP proxy
+(bench/src/latency_proxy.rs: each byte delayed half the RTT each way,
+bandwidth unlimited), since this kernel has no netem. Read-ahead "on" is
+256 units, 64 requests, 8 MiB, 1 MiB shard parts: less than a 13 MB dataset,
+so every epoch fetches it again (with a window larger than the dataset,
+later epochs would be served from the window's memory).
 
-Usage: python bench/remote.py DATASET [--epochs 3] [--quick]
+Usage: python bench/remote.py DATASET [--epochs 6]
 """
 
 from __future__ import annotations
@@ -89,23 +95,23 @@ def make_shards(root: Path, out: Path, per_shard: int) -> int:
     return (len(samples) + per_shard - 1) // per_shard
 
 
-def stream_toml(dataset: str, remote: str | None, epochs: int) -> str:
+def stream_toml(dataset: str, remote: str | None, epochs: int, manifest: str | None = None) -> str:
     t = image_stream("bench", Path("/unused"), 32, epochs=epochs, workers=1, slots=8)
     if dataset.startswith("shards:"):
         pattern = dataset.split(":", 1)[1]
         t = t.replace('[stream.image_folder]\nroot = "/unused"',
                       f'[stream.webdataset]\nshards = "{pattern}"\nshuffle_buffer = 256')
     else:
-        t = t.replace('root = "/unused"', f'root = "{dataset}"')
+        t = t.replace('root = "/unused"', f'root = "{dataset}"' + (f"\n{manifest}" if manifest else ""))
     if remote is not None:
         t += f"\n[stream.remote]\n{remote}\n"
     return t
 
 
 def run_row(work: Path, dataset: str, remote: str | None, epochs: int, servers: list[int],
-            burst: tuple[str, float] | None = None) -> dict:
+            burst: tuple[str, float] | None = None, manifest: str | None = None) -> dict:
     d = Path(tempfile.mkdtemp(dir=work))
-    (d / "b.toml").write_text(stream_toml(dataset, remote, epochs))
+    (d / "b.toml").write_text(stream_toml(dataset, remote, epochs, manifest))
     sock = d / "b.sock"
     broker = subprocess.Popen([EXE, "serve", "--config", str(d / "b.toml"), "--socket", str(sock)],
                               env=ENV, stdout=subprocess.DEVNULL, stderr=open(d / "broker.log", "w"))
@@ -152,7 +158,7 @@ def run_row(work: Path, dataset: str, remote: str | None, epochs: int, servers: 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dataset", type=Path)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=6)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="batchcast-remote-bench-"))
     try:
@@ -161,47 +167,103 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
 
 
+def start_nginx(work: Path, www: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    user = "user root;" if os.getuid() == 0 else ""
+    conf = work / "nginx.conf"
+    conf.write_text(f"""{user}
+worker_processes 1; daemon off; pid {work}/nginx.pid; error_log {work}/nginx.err;
+events {{ worker_connections 1024; }}
+http {{ access_log off; sendfile on; keepalive_requests 1000000;
+  server {{ listen 127.0.0.1:{port}; root {www}; }} }}
+""")
+    p = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def start_latency(upstream: str, one_way_ms: float) -> tuple[subprocess.Popen, str]:
+    exe = str(REPO / "target" / "release" / "latency_proxy")
+    host = upstream.split("//", 1)[1]
+    p = subprocess.Popen([exe, "0", host, str(one_way_ms)], stdout=subprocess.PIPE, text=True)
+    port = int(p.stdout.readline().split()[1])
+    return p, f"http://127.0.0.1:{port}"
+
+
+AHEAD = {
+    "off": "read_ahead = 0",
+    "on": "read_ahead = 256\nrequests = 64\nread_ahead_mib = 8\npart_mib = 1",
+}
+
+
 def bench(a, work: Path):
     root = a.dataset.resolve()
-    n_shards = make_shards(root, work / "shards", 64)
-    moto, s3 = start_moto()
-    procs = [moto]
+    www = work / "www"
+    shutil.copytree(root, www / "train")
+    n_shards = make_shards(root, www / "shards", 64)
+    files = sorted(str(p.relative_to(www / "train")) for p in (www / "train").rglob("*.jpg"))
+    (www / "train" / "MANIFEST").write_text("\n".join(files) + "\n")
+    procs = []
     try:
+        moto, s3 = start_moto()
+        procs.append(moto)
         subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(root), "train/"], check=True,
                        stdout=subprocess.DEVNULL)
-        subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(work / "shards"), "shards/"],
+        subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(www / "shards"), "shards/"],
                        check=True, stdout=subprocess.DEVNULL)
-        proxies = {}
-        for ms in (0, 20, 50):
-            p, url = start_objserver("proxy", s3, "--delay-ms", str(ms))
-            procs.append(p)
-            proxies[ms] = url
+        nginx, http = start_nginx(work, www)
+        procs.append(nginx)
+        via = {}
+        for rtt in (0, 20, 50):
+            for name, up in (("http", http), ("s3", s3)):
+                p, url = start_latency(up, rtt / 2)
+                procs.append(p)
+                via[(name, rtt)] = url
+        pids = [p.pid for p in procs]
         pattern = f"shard-{{000000..{n_shards - 1:06d}}}.tar"
-        datasets = {
-            "image folder": (str(root), "s3://data/train/"),
-            "tar shards": (f"shards:{work / 'shards' / pattern}", f"shards:s3://data/shards/{pattern}"),
+        forms = {
+            "image folder": (str(www / "train"), "{http}/train/", "s3://data/train/", 'manifest = "MANIFEST"'),
+            "tar shards": (f"shards:{www / 'shards' / pattern}", f"shards:{{http}}/shards/{pattern}",
+                           f"shards:s3://data/shards/{pattern}", None),
         }
         rows = []
-        pids = [p.pid for p in procs]
-        for form, (local, remote_url) in datasets.items():
+        for form, (local, http_url, s3_url, manifest) in forms.items():
             base = run_row(work, local, None, a.epochs, pids)
             rows.append((form, "local disk", "-", base))
             print(f"{form}: local {base['images_s']:.0f} images/s")
-            for ms in (0, 20, 50):
-                for ahead, keys in (("off", "read_ahead = 0"), ("on", "read_ahead = 64\nread_ahead_mib = 256")):
-                    r = run_row(work, remote_url, f'endpoint = "{proxies[ms]}"\n{keys}', a.epochs, pids)
-                    where = "S3 server" + (f" + {ms} ms" if ms else "")
-                    rows.append((form, where, ahead, r))
-                    print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
+            for server in ("http", "s3"):
+                for rtt in (0, 20, 50):
+                    for ahead in ("off", "on"):
+                        if ahead == "off" and rtt == 50:
+                            continue
+                        url = via[(server, rtt)]
+                        if server == "http":
+                            dataset = http_url.replace("{http}", url)
+                            keys = AHEAD[ahead]
+                        else:
+                            dataset = s3_url
+                            keys = f'endpoint = "{url}"\n{AHEAD[ahead]}'
+                        # Without read-ahead a row is slow: one epoch is enough.
+                        epochs = 1 if ahead == "off" else a.epochs
+                        r = run_row(work, dataset, keys, epochs, pids, manifest=manifest if server == "http" else None)
+                        where = ("nginx (HTTP)" if server == "http" else "moto (S3)") + (f" + {rtt} ms RTT" if rtt else "")
+                        rows.append((form, where, ahead, r))
+                        print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
             cache = work / f"cache-{len(rows)}"
-            r = run_row(work, remote_url, f'endpoint = "{proxies[20]}"\nread_ahead = 64\n'
+            r = run_row(work, s3_url, f'endpoint = "{via[("s3", 20)]}"\n{AHEAD["on"]}\n'
                         f'cache_dir = "{cache}"\ncache_dir_mib = 4096', a.epochs, pids)
-            rows.append((form, "S3 server + 20 ms", "on, + disk tier", r))
+            rows.append((form, "moto (S3) + 20 ms RTT", "on, + disk tier", r))
             print(f"{form}: + disk tier {r['images_s']:.0f} images/s")
         print_rows(rows)
-        burst = run_row(work, datasets["image folder"][1],
-                        f'endpoint = "{proxies[20]}"\nread_ahead = 64\nretries = 10', max(a.epochs, 4), pids,
-                        burst=(proxies[20], 6.0))
+        proxy, purl = start_objserver("proxy", s3)
+        procs.append(proxy)
+        burst = run_row(work, forms["tar shards"][2], f'endpoint = "{purl}"\n{AHEAD["on"]}\nretries = 10',
+                        40, pids + [proxy.pid], burst=(purl, 3.0))
         print_burst(burst)
     finally:
         for p in procs:
@@ -230,16 +292,17 @@ def print_burst(r):
         xs = sorted(xs)
         return xs[len(xs) // 2] if xs else float("nan")
 
-    before = med([v for t, v in rates if 2.0 <= t < 6.0])
-    during = med([v for t, v in rates if 6.0 <= t < 8.0])
-    after = med([v for t, v in rates if t >= 10.0])
+    before = med([v for t, v in rates if 1.0 <= t < 3.0])
+    during = med([v for t, v in rates if 3.0 <= t < 5.0])
+    after = med([v for t, v in rates if t >= 6.0])
     rem = r["remote"] or {}
-    print("\n| image folder, S3 server + 20 ms, read-ahead on | images/s (median of 0.25 s windows) |")
+    print("\n| tar shards, moto (S3) behind the fault proxy, read-ahead on | images/s (median of 0.25 s windows) |")
     print("|---|---:|")
-    print(f"| before the burst (2-6 s) | {before:.0f} |")
-    print(f"| the 2 s after 400 answers of 503 SlowDown (6-8 s) | {during:.0f} |")
-    print(f"| from 10 s on | {after:.0f} |")
-    print(f"\nthrottled {rem.get('throttled')}, retries {rem.get('retries')}, failed {rem.get('failed')}, "
+    print(f"| before the burst (1-3 s) | {before:.0f} |")
+    print(f"| the 2 s after 400 answers of 503 SlowDown (3-5 s) | {during:.0f} |")
+    print(f"| from 6 s on | {after:.0f} |")
+    print(f"\nrun: {len(rates)} windows over {tl[-1][0] if tl else 0:.1f} s")
+    print(f"\nrequests {rem.get('requests')}, throttled {rem.get('throttled')}, retries {rem.get('retries')}, failed {rem.get('failed')}, "
           f"concurrency at the end {rem.get('concurrency')}")
 
 

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The same photographs read from local disk, a local S3 server (moto), and
-# that server behind 20 and 50 ms of added latency; image folder and tar
+# The same photographs read from local disk, nginx (HTTP) and moto (S3),
+# directly and behind 20 and 50 ms of added round trip; image folder and tar
 # shards; read-ahead off and on, the disk tier; a burst of 503 SlowDown
 # (bench/remote.py prints the tables).
-# Usage: bench/remote.sh DATASET [--epochs 3]
+# Usage: bench/remote.sh DATASET [--epochs 6]
 #   (DATASET: a folder of JPEG photographs; make one with
 #   `python bench/prepare_photos.py OUT`.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup
-cargo build --release -q -p batchcast-broker
+cargo build --release -q -p batchcast-broker -p batchcast-bench --bin batchcast --bin latency_proxy
+if ! command -v nginx >/dev/null; then
+    echo "== installing nginx (Debian) for the HTTP rows"
+    sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get install -y -q nginx-light >/dev/null 2>&1 ||
+        { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q nginx-light >/dev/null; }
+fi
 exec .venv/bin/python bench/remote.py "$@"

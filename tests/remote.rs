@@ -87,17 +87,21 @@ impl Server {
         s
     }
 
-    /// Sets the faults of an objserver (see its docstring).
+    /// Sets the faults of an objserver (see its docstring); what it has
+    /// served and injected so far.
     fn faults(&self, spec: &str) -> serde_json::Value {
-        let out = common::run(command("curl").args([
-            "-s",
-            "-X",
-            "POST",
-            "--data",
-            spec,
-            &format!("{}/__faults", self.url()),
-        ]));
-        serde_json::from_slice(&out.stdout).unwrap()
+        use std::io::{Read, Write};
+        let mut c = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        write!(
+            c,
+            "POST /__faults HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{spec}",
+            spec.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        c.read_to_string(&mut answer).unwrap();
+        let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer}"))
     }
 }
 

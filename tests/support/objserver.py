@@ -178,7 +178,9 @@ class ProxyHandler(Handler):
         for k, v in r.getheaders():
             if k.lower() not in ("content-length", "connection", "transfer-encoding", "server", "date"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        # A HEAD's length is the object's, not its (empty) body's.
+        length = r.getheader("Content-Length") if self.command == "HEAD" else None
+        self.send_header("Content-Length", length or str(len(data)))
         self.end_headers()
         if self.command == "HEAD":
             return

@@ -107,8 +107,13 @@ impl SlotWriter {
         }
     }
 
-    /// The samples `order[from..]` of `epoch` come next, the first at
-    /// `lead` in the stream's sequence: a remote dataset fetches ahead.
+    /// Whether the dataset is remote (reads ahead).
+    pub fn reads_remote(&self) -> bool {
+        matches!(self, SlotWriter::Images(p) if p.dataset.remote.is_some())
+    }
+
+    /// The samples `order[from..]` come next, the first at `lead` in the
+    /// stream's sequence: a remote dataset fetches ahead.
     pub fn want(&self, lead: u64, order: &[u64], from: usize) {
         if let SlotWriter::Images(p) = self
             && p.dataset.remote.is_some()

@@ -20,7 +20,8 @@ use bytes::Bytes;
 
 use super::fetch::{FailKind, FetchError};
 
-/// What an object of unknown size is assumed to weigh until it arrives.
+/// What an object of unknown size (given as 0) is assumed to weigh
+/// before any has arrived; after, the mean of those that did.
 pub const UNKNOWN_SIZE: u64 = 256 << 10;
 
 /// A unit of fetching: part `part` of object `object` (part 0 of a whole
@@ -53,6 +54,8 @@ struct Window {
     bytes: u64,
     lead: Option<u64>,
     closed: bool,
+    /// Units arrived and their bytes (the estimate of unknown sizes).
+    arrived: (u64, u64),
 }
 
 /// A read's answer from the window.
@@ -101,12 +104,26 @@ impl Ahead {
             return Vec::new();
         }
         w.lead = Some(lead);
-        let wanted: HashSet<Unit> = upcoming.iter().map(|(u, _)| *u).collect();
+        // What the window keeps: the nearest units, as many as it can
+        // hold. Units further on are not worth keeping over nearer ones
+        // (protecting every upcoming unit would let stale ones fill it).
+        let mut room = self.max_bytes;
+        let wanted: HashSet<Unit> = upcoming
+            .iter()
+            .take(self.max_units)
+            .take_while(|(_, size)| {
+                let fits = room > 0;
+                room = room.saturating_sub(self.estimate(&w, *size));
+                fits
+            })
+            .map(|(u, _)| *u)
+            .collect();
         let mut start = Vec::new();
         for &(u, size) in upcoming {
             if w.entries.contains_key(&u) {
                 continue;
             }
+            let size = self.estimate(&w, size);
             while w.entries.len() >= self.max_units || w.bytes + size > self.max_bytes {
                 if !self.drop_one(&mut w, &wanted) {
                     return start;
@@ -124,6 +141,16 @@ impl Ahead {
             start.push(u);
         }
         start
+    }
+
+    /// A unit's size for the window's count: as listed, or (unknown: 0)
+    /// the mean of the units that arrived so far.
+    fn estimate(&self, w: &Window, size: u64) -> u64 {
+        match (size, w.arrived) {
+            (0, (0, _)) => UNKNOWN_SIZE,
+            (0, (n, bytes)) => (bytes / n).max(1),
+            (s, _) => s,
+        }
     }
 
     /// Drops the oldest ready (or failed) unit `wanted` does not name;
@@ -150,9 +177,11 @@ impl Ahead {
     pub fn settle(&self, u: Unit, r: Result<Bytes, FetchError>) {
         let mut w = self.lock();
         let mut delta: i64 = 0;
+        let mut w_arrived = None;
         if let Some(e) = w.entries.get_mut(&u) {
             match r {
                 Ok(b) => {
+                    w_arrived = Some(b.len() as u64);
                     delta = b.len() as i64 - e.bytes as i64;
                     e.bytes = b.len() as u64;
                     e.slot = Slot::Ready(b);
@@ -161,6 +190,10 @@ impl Ahead {
             }
         }
         w.bytes = (w.bytes as i64 + delta).max(0) as u64;
+        if let Some(n) = w_arrived {
+            w.arrived.0 += 1;
+            w.arrived.1 += n;
+        }
         drop(w);
         self.arrived.notify_all();
     }
@@ -267,6 +300,30 @@ mod tests {
         assert!(matches!(a.take(u(0), false), Taken::Absent));
         assert!(matches!(a.take(u(1), false), Taken::Ready(_)));
         assert_eq!(a.held(), (2, 200));
+    }
+
+    #[test]
+    fn only_the_units_the_window_can_hold_are_kept_and_unknown_sizes_are_learned() {
+        // Room for two units: a third, further on, does not keep a stale
+        // one in the window.
+        let a = Ahead::new(100, 200);
+        let list: Vec<_> = (0..4).map(|o| (u(o), 100)).collect();
+        assert_eq!(a.admit(0, &list), vec![u(0), u(1)]);
+        a.settle(u(0), Ok(Bytes::from(vec![0u8; 100])));
+        a.settle(u(1), Ok(Bytes::from(vec![0u8; 100])));
+        // The reader moved past unit 0; units 1..4 are upcoming but only
+        // 1 and 2 fit: unit 0 makes room for 2.
+        assert_eq!(a.admit(1, &list[1..]), vec![u(2)]);
+        assert!(matches!(a.take(u(0), false), Taken::Absent));
+        // Unknown sizes (0) count as the mean of arrivals.
+        // Before any arrival one such unit fills most of this window;
+        // after one of 100 bytes arrived, 19 more fit.
+        let b = Ahead::new(100, 300 << 10);
+        let unknown: Vec<_> = (0..20).map(|o| (u(o), 0)).collect();
+        assert_eq!(b.admit(0, &unknown), vec![u(0)]);
+        b.settle(u(0), Ok(Bytes::from(vec![0u8; 100])));
+        assert_eq!(b.admit(1, &unknown).len(), 19);
+        assert_eq!(b.held(), (20, 2000));
     }
 
     #[test]

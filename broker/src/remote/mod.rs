@@ -291,7 +291,8 @@ impl RemoteSet {
                     .collect()
             }
             _ => {
-                let size = self.objects[o as usize].size.unwrap_or(ahead::UNKNOWN_SIZE);
+                // 0: unknown (the window estimates it).
+                let size = self.objects[o as usize].size.unwrap_or(0);
                 vec![(Unit { object: o, part: 0 }, size)]
             }
         }
@@ -336,6 +337,9 @@ impl RemoteSet {
     /// from the disk tier where it is there, and kept there).
     pub async fn whole(self: Arc<Self>, o: u32, requests: usize) -> Result<Bytes, FetchError> {
         let size = self.objects[o as usize].size;
+        if size == Some(0) {
+            return Ok(Bytes::new());
+        }
         let units: Vec<Unit> = match size {
             Some(n) => self
                 .units_of(o, Some(0..n))

@@ -58,6 +58,7 @@ impl Stream {
             replayed_last = false;
             let t0 = Instant::now();
             let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
+            self.read_ahead(writer, &work, &order, &mut orders);
             let filled = self.fill(writer, &mut state, &work, &order);
             let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
             let spent = cpu.spent(false);
@@ -75,6 +76,26 @@ impl Stream {
                 }
             }
         }
+    }
+
+    /// Tells a remote dataset what this batch and the ones after it read,
+    /// the next epoch's first samples too near an epoch's end (its first
+    /// batch would otherwise wait a round trip).
+    fn read_ahead(&self, writer: &SlotWriter, work: &Work, order: &[u64], orders: &mut OrderCache) {
+        if !writer.reads_remote() {
+            return;
+        }
+        let first = work.index as usize * self.plan.schema.batch_size as usize;
+        let lead = work.epoch * order.len() as u64 + first as u64;
+        let last = self.plan.epochs.is_some_and(|n| work.epoch + 1 >= n);
+        if order.len() - first.min(order.len()) >= EPOCH_TAIL || last {
+            writer.want(lead, order, first);
+            return;
+        }
+        let next = orders.get(work.epoch + 1, |e| self.plan.epoch_order(e));
+        let mut upcoming = order[first.min(order.len())..].to_vec();
+        upcoming.extend_from_slice(&next[..next.len().min(EPOCH_TAIL)]);
+        writer.want(lead, &upcoming, 0);
     }
 
     /// Makes a replayed batch into its consumer's replay arena and sends
@@ -286,7 +307,6 @@ impl Stream {
     ) -> Result<u64, PipelineError> {
         let batch_size = self.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
-        writer.want(work.epoch * order.len() as u64 + first as u64, order, first);
         let indices = &order[first..(first + batch_size).min(order.len())];
         let mut fields = cells::of_work(&self.rings, &self.plan.rings, work, indices.len() as u64);
         let first = Place {
@@ -360,6 +380,10 @@ impl OrderCache {
         o
     }
 }
+
+/// Samples before an epoch's end from which a remote dataset's read-ahead
+/// looks into the next epoch too.
+const EPOCH_TAIL: usize = 4096;
 
 /// A pipeline whose batches take less than this (ns, per thread) is quick:
 /// waiting on slots, it gathers half of them before it goes on.
