@@ -55,6 +55,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_port(port: int):
+    """Returns once something listens on `port` (at most about 10 s)."""
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
 def start_objserver(*args: str) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen([PY, OBJSERVER, *args], stdout=subprocess.PIPE, text=True)
     port = int(p.stdout.readline().split()[1])
@@ -65,12 +75,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     port = free_port()
     p = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_port(port)
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -178,12 +183,7 @@ http {{ access_log off; sendfile on; keepalive_requests 1000000;
   server {{ listen 127.0.0.1:{port}; root {www}; }} }}
 """)
     p = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_port(port)
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -266,8 +266,14 @@ def bench(a, work: Path):
                         40, pids + [proxy.pid], burst=(purl, 3.0))
         print_burst(burst)
     finally:
+        # SIGTERM lets nginx stop its workers too; a wait reaps each.
         for p in procs:
-            p.kill()
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def print_rows(rows):

@@ -356,8 +356,15 @@ pub struct RemoteConfig {
     /// Its size, at most (0: no disk tier).
     #[serde(default)]
     pub cache_dir_mib: u64,
-    /// An S3-compatible endpoint (MinIO, R2, Ceph), e.g.
-    /// `http://127.0.0.1:9000` (else `AWS_ENDPOINT_URL`).
+    /// With a disk tier: a listing kept there younger than this many
+    /// seconds is used instead of listing the store again at a start
+    /// (0: always list).
+    #[serde(default = "default_listing_max_age_s")]
+    pub listing_max_age_s: f64,
+    /// The store's address where it is not the default: an S3-compatible
+    /// endpoint (MinIO, R2, Ceph; else `AWS_ENDPOINT_URL`), GCS's XML API
+    /// elsewhere, or an Azure account's blob endpoint (azurite:
+    /// `http://127.0.0.1:10000/devstoreaccount1`).
     pub endpoint: Option<String>,
     /// Unsigned requests (public buckets).
     #[serde(default)]
@@ -390,6 +397,9 @@ fn default_retries() -> u32 {
 }
 fn default_stall_s() -> f64 {
     30.0
+}
+fn default_listing_max_age_s() -> f64 {
+    3600.0
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -12,6 +12,10 @@
       returns what was served and injected.
   objserver.py s3-load ENDPOINT BUCKET DIR PREFIX
       Creates BUCKET on an S3 server and uploads DIR's files under PREFIX.
+  objserver.py az-load ENDPOINT CONTAINER DIR PREFIX
+      The same for azurite (ENDPOINT: its account URL,
+      http://127.0.0.1:PORT/devstoreaccount1), with azurite's well-known
+      account key.
 
 Both servers print `listening PORT` on their first line of stdout.
 """
@@ -225,6 +229,29 @@ def s3_load(endpoint, bucket, root, prefix):
     print(n)
 
 
+# azurite's documented development account (not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr"
+               "/KBHBeksoGMGw==")
+
+
+def az_load(endpoint, container, root, prefix):
+    from azure.storage.blob import BlobServiceClient
+    svc = BlobServiceClient(account_url=endpoint,
+                            credential={"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY})
+    c = svc.get_container_client(container)
+    if not c.exists():
+        c.create_container()
+    n = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                c.upload_blob(prefix + os.path.relpath(p, root), fh, overwrite=True)
+            n += 1
+    print(n)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -240,6 +267,9 @@ def main():
     s.add_argument("bucket")
     s.add_argument("root")
     s.add_argument("prefix")
+    z = sub.add_parser("az-load")
+    for arg in ("endpoint", "container", "root", "prefix"):
+        z.add_argument(arg)
     a = ap.parse_args()
     if a.cmd == "files":
         srv = Server(("127.0.0.1", a.port), FileHandler)
@@ -253,6 +283,8 @@ def main():
         srv.tls = threading.local()
         srv.faults = Faults(a.delay_ms)
         serve(srv)
+    elif a.cmd == "az-load":
+        az_load(a.endpoint, a.container, a.root, a.prefix)
     else:
         s3_load(a.endpoint, a.bucket, a.root, a.prefix)
 

@@ -114,11 +114,11 @@ impl SlotWriter {
 
     /// The samples `order[from..]` come next, the first at `lead` in the
     /// stream's sequence: a remote dataset fetches ahead.
-    pub fn want(&self, lead: u64, order: &[u64], from: usize) {
+    pub fn want(&self, lead: u64, upcoming: impl Iterator<Item = u64>) {
         if let SlotWriter::Images(p) = self
             && p.dataset.remote.is_some()
         {
-            p.dataset.want(lead, order.get(from..).unwrap_or(&[]));
+            p.dataset.want(lead, upcoming);
         }
     }
 

@@ -83,7 +83,7 @@ pub struct PipelineCounts {
     /// A stream on a shared source: the source's name and counts.
     pub shared: Option<(String, ShareCounts)>,
     /// A remote dataset's requests, read-ahead and disk tier.
-    pub remote: Option<crate::remote::RemoteCounts>,
+    pub remote: Option<batchcast::proto::RemoteSourceStats>,
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan

@@ -132,7 +132,7 @@ pub(super) fn within<T: PartialOrd + std::fmt::Display>(
     hi: T,
     why: &str,
 ) -> Result<(), StreamError> {
-    if value < lo || value > hi {
+    if !(value >= lo && value <= hi) {
         return Err(StreamError::Key {
             key,
             message: format!("{key} = {value} is out of range: use {lo} to {hi} ({why})"),

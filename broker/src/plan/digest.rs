@@ -42,6 +42,11 @@ pub(super) fn of_config(s: &StreamConfig, plan: &StreamPlan) -> StreamDigest {
                 };
                 source.u64(item.label as u64);
             }
+            // A remote dataset's objects by version: a resume across a
+            // replaced object is refused (its reads would fail anyway).
+            for o in d.remote.iter().flat_map(|r| &r.objects) {
+                source.str(&o.path).str(&o.version);
+            }
             order
                 .u64(u64::from(p.shuffle))
                 .u64(p.seed)

@@ -19,6 +19,17 @@ pub const MAX_READ_AHEAD: u32 = 65_536;
 pub(super) fn settings(s: &StreamConfig) -> Result<Settings, StreamError> {
     let r = s.remote.clone().unwrap_or_default();
     check(&r)?;
+    let url = match (&s.image_folder, &s.webdataset) {
+        (Some(f), _) => f.root.to_string_lossy().into_owned(),
+        (_, Some(w)) => w.shards.clone(),
+        _ => String::new(),
+    };
+    if r.endpoint.is_some() && (url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(super::key(
+            "remote.endpoint",
+            "remote.endpoint names the server of an s3://, gs:// or az:// dataset; an http(s):// dataset's URL is its server: remove the key",
+        ));
+    }
     let secs = |v: f64| Duration::from_secs_f64(v);
     Ok(Settings {
         limits: Limits {
@@ -32,6 +43,7 @@ pub(super) fn settings(s: &StreamConfig) -> Result<Settings, StreamError> {
         part_bytes: r.part_mib.saturating_mul(1 << 20),
         cache_dir: r.cache_dir.clone(),
         cache_dir_bytes: r.cache_dir_mib.saturating_mul(1 << 20),
+        listing_max_age: secs(r.listing_max_age_s),
         endpoint: r.endpoint.clone(),
         anonymous: r.anonymous,
     })
@@ -80,6 +92,13 @@ fn check(r: &RemoteConfig) -> Result<(), StreamError> {
         r.timeout_s.min(3600.0),
         86_400.0,
         "seconds one read may take with its retries; at least timeout_s",
+    )?;
+    within(
+        "remote.listing_max_age_s",
+        r.listing_max_age_s,
+        0.0,
+        365.0 * 86_400.0,
+        "seconds a listing in the disk tier is used for; 0 = always list",
     )?;
     if r.cache_dir_mib > 0 && r.cache_dir.is_none() {
         return Err(super::key(

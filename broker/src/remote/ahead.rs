@@ -290,6 +290,8 @@ mod tests {
 
     #[test]
     fn bytes_bound_the_window_and_unwanted_ready_units_make_room() {
+        // Room for two units of four: the reader moving past unit 0 makes
+        // room for unit 2; a unit further on never keeps a stale one.
         let a = Ahead::new(100, 250);
         let list: Vec<_> = (0..4).map(|o| (u(o), 100)).collect();
         assert_eq!(a.admit(0, &list), vec![u(0), u(1)]);
@@ -303,18 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn only_the_units_the_window_can_hold_are_kept_and_unknown_sizes_are_learned() {
-        // Room for two units: a third, further on, does not keep a stale
-        // one in the window.
-        let a = Ahead::new(100, 200);
-        let list: Vec<_> = (0..4).map(|o| (u(o), 100)).collect();
-        assert_eq!(a.admit(0, &list), vec![u(0), u(1)]);
-        a.settle(u(0), Ok(Bytes::from(vec![0u8; 100])));
-        a.settle(u(1), Ok(Bytes::from(vec![0u8; 100])));
-        // The reader moved past unit 0; units 1..4 are upcoming but only
-        // 1 and 2 fit: unit 0 makes room for 2.
-        assert_eq!(a.admit(1, &list[1..]), vec![u(2)]);
-        assert!(matches!(a.take(u(0), false), Taken::Absent));
+    fn unknown_sizes_count_as_the_mean_of_arrivals() {
         // Unknown sizes (0) count as the mean of arrivals.
         // Before any arrival one such unit fills most of this window;
         // after one of 100 bytes arrived, 19 more fit.

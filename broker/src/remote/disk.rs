@@ -145,16 +145,35 @@ impl DiskCache {
 
     /// The entry for `key`, if a whole and sound one is there.
     pub fn get(&self, key: &str) -> Option<Bytes> {
+        let found = self.find(key);
+        let counter = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    /// A record about the dataset (a listing), not counted as a hit or a
+    /// miss of the data.
+    pub fn get_record(&self, key: &str) -> Option<Bytes> {
+        self.find(key)
+    }
+
+    /// Keeps record `bytes` under `key` in place of the one there.
+    pub fn put_record(&self, key: &str, bytes: &[u8]) {
+        self.store(key, bytes, true);
+    }
+
+    fn find(&self, key: &str) -> Option<Bytes> {
         let path = self.path_of(key);
         let found = match File::open(&path) {
             Ok(f) => Some(read_entry(f, key)),
             Err(_) => None,
         };
         match found {
-            Some(Ok(b)) => {
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                Some(b)
-            }
+            Some(Ok(b)) => Some(b),
             Some(Err(why)) => {
                 tracing::warn!(
                     "cache entry {} is unsound ({why}); fetching it again",
@@ -164,23 +183,30 @@ impl DiskCache {
                 if let Ok(m) = std::fs::metadata(&path)
                     && std::fs::remove_file(&path).is_ok()
                 {
-                    self.used.fetch_sub(
-                        m.len().min(self.used.load(Ordering::Relaxed)),
-                        Ordering::Relaxed,
-                    );
+                    self.release(m.len());
                 }
-                self.misses.fetch_add(1, Ordering::Relaxed);
                 None
             }
-            None => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                None
-            }
+            None => None,
         }
+    }
+
+    fn release(&self, bytes: u64) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                Some(u.saturating_sub(bytes))
+            });
     }
 
     /// Keeps `bytes` under `key` if they fit the budget.
     pub fn put(&self, key: &str, bytes: &[u8]) {
+        self.store(key, bytes, false);
+    }
+
+    /// Writes an entry (`replace`: in place of the one there, else only
+    /// where there is none).
+    fn store(&self, key: &str, bytes: &[u8], replace: bool) {
         if self.full.load(Ordering::Relaxed) {
             return;
         }
@@ -195,7 +221,8 @@ impl DiskCache {
             return;
         }
         let path = self.path_of(key);
-        if path.exists() {
+        let old = std::fs::metadata(&path).ok().map(|m| m.len());
+        if old.is_some() && !replace {
             self.used.fetch_sub(size, Ordering::Relaxed);
             return;
         }
@@ -205,6 +232,11 @@ impl DiskCache {
             self.seq.fetch_add(1, Ordering::Relaxed)
         ));
         let written = write_entry(&tmp, key, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+        if written.is_ok()
+            && let Some(old) = old
+        {
+            self.release(old);
+        }
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
             self.used.fetch_sub(size, Ordering::Relaxed);
@@ -312,6 +344,22 @@ mod tests {
         let again = DiskCache::open(dir.path(), 1 << 20).unwrap();
         assert_eq!(again.get("k2").as_deref(), Some(&[7u8; 1000][..]));
         assert!(again.counts().bytes >= 1000);
+    }
+
+    #[test]
+    fn records_are_replaced_and_not_counted_as_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = DiskCache::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(c.get_record("listing"), None);
+        c.put_record("listing", b"first");
+        c.put_record("listing", b"second, longer");
+        assert_eq!(
+            c.get_record("listing").as_deref(),
+            Some(&b"second, longer"[..])
+        );
+        let n = c.counts();
+        assert_eq!((n.hits, n.misses), (0, 0));
+        assert_eq!(n.bytes, (HEADER + "listing".len() + 14) as u64);
     }
 
     #[test]

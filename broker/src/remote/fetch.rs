@@ -19,6 +19,30 @@ use tokio::sync::Notify;
 use super::url::RemoteUrl;
 use batchcast::synthetic::{SplitMix64, mix64};
 
+/// An object's version as listings keep it: its ETag (quotes and a weak
+/// marker dropped, as stores differ there between listings and reads),
+/// else `mtime:` and its last-modified time.
+pub fn version_of(m: &ObjectMeta) -> String {
+    match &m.e_tag {
+        Some(e) => etag(e).to_string(),
+        None => format!("mtime:{}", m.last_modified.to_rfc3339()),
+    }
+}
+
+fn etag(e: &str) -> &str {
+    e.trim_start_matches("W/").trim_matches('"')
+}
+
+/// Whether what a read answered is the version listed: by ETag, where
+/// both have one (last-modified times differ in precision between a
+/// listing and a read, so they are not compared).
+pub fn same_version(listed: &str, read: &ObjectMeta) -> bool {
+    match &read.e_tag {
+        Some(e) if !listed.is_empty() && !listed.starts_with("mtime:") => etag(e) == listed,
+        _ => true,
+    }
+}
+
 /// How requests are bounded (from `[stream.remote]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Limits {
@@ -54,6 +78,8 @@ pub enum FailKind {
     Refused,
     /// The broker is shutting the stream down.
     Closed,
+    /// The object's ETag is not the one listed: it was replaced.
+    Changed,
 }
 
 impl std::fmt::Display for FailKind {
@@ -64,6 +90,9 @@ impl std::fmt::Display for FailKind {
             FailKind::GaveUp => "gave up",
             FailKind::Refused => "refused",
             FailKind::Closed => "stream stopping",
+            FailKind::Changed => {
+                "changed since it was listed (restart the broker to list the dataset again)"
+            }
         })
     }
 }
@@ -74,7 +103,7 @@ impl From<FetchError> for std::io::Error {
             FailKind::Missing => std::io::ErrorKind::NotFound,
             FailKind::Denied => std::io::ErrorKind::PermissionDenied,
             FailKind::GaveUp => std::io::ErrorKind::TimedOut,
-            FailKind::Refused => std::io::ErrorKind::InvalidData,
+            FailKind::Refused | FailKind::Changed => std::io::ErrorKind::InvalidData,
             FailKind::Closed => std::io::ErrorKind::Interrupted,
         };
         std::io::Error::new(kind, e)

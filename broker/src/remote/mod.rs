@@ -24,6 +24,7 @@
 pub mod ahead;
 pub mod disk;
 pub mod fetch;
+pub mod listing;
 pub mod url;
 
 use std::ops::Range;
@@ -32,13 +33,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use batchcast::proto::RemoteSourceStats;
 use bytes::Bytes;
 use futures::StreamExt;
 use object_store::ObjectStore;
 
 pub use ahead::Unit;
 use ahead::{Ahead, Taken};
-use disk::{DiskCache, DiskCounts};
+use disk::DiskCache;
 use fetch::{FetchError, Fetcher, Limits};
 use url::{RemoteUrl, Scheme};
 
@@ -54,7 +56,10 @@ pub struct Settings {
     pub part_bytes: u64,
     pub cache_dir: Option<PathBuf>,
     pub cache_dir_bytes: u64,
-    /// An S3-compatible endpoint (MinIO, R2, Ceph): `http(s)://host:port`.
+    /// A listing in the disk tier younger than this is used instead of
+    /// listing again (zero: always list).
+    pub listing_max_age: Duration,
+    /// The store's address where not the default (see `RemoteConfig`).
     pub endpoint: Option<String>,
     /// Unsigned requests (public buckets).
     pub anonymous: bool,
@@ -111,23 +116,34 @@ pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>,
             }
             Arc::new(b.with_client_options(opts).build().map_err(err)?)
         }
-        Scheme::Gcs => Arc::new(
-            object_store::gcp::GoogleCloudStorageBuilder::from_env()
+        Scheme::Gcs => {
+            let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
                 .with_url(full)
                 .with_retry(no_retry)
-                .with_client_options(opts)
-                .build()
-                .map_err(err)?,
-        ),
-        Scheme::Azure => Arc::new(
-            object_store::azure::MicrosoftAzureBuilder::from_env()
+                .with_skip_signature(s.anonymous);
+            let mut opts = opts;
+            if let Some(e) = &s.endpoint {
+                // GCS's XML API at another address (a private endpoint).
+                b = b.with_base_url(e.trim_end_matches('/'));
+                opts = opts.with_allow_http(e.starts_with("http://"));
+            }
+            Arc::new(b.with_client_options(opts).build().map_err(err)?)
+        }
+        Scheme::Azure => {
+            let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
                 .with_url(full)
                 .with_retry(no_retry)
-                .with_skip_signature(s.anonymous)
-                .with_client_options(opts.with_allow_http(true))
-                .build()
-                .map_err(err)?,
-        ),
+                .with_skip_signature(s.anonymous);
+            if let Some(e) = &s.endpoint {
+                // The account's blob endpoint (a private endpoint, azurite).
+                b = b.with_endpoint(e.trim_end_matches('/').to_string());
+            }
+            Arc::new(
+                b.with_client_options(opts.with_allow_http(true))
+                    .build()
+                    .map_err(err)?,
+            )
+        }
         Scheme::Http => Arc::new(
             object_store::http::HttpBuilder::new()
                 .with_url(url.root.clone())
@@ -169,29 +185,6 @@ pub struct RemoteSet {
     waited_ns: AtomicU64,
     ahead_hits: AtomicU64,
     direct: AtomicU64,
-}
-
-/// What `stats` shows of a remote dataset.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RemoteCounts {
-    pub url: String,
-    pub requests: u64,
-    pub bytes: u64,
-    pub retries: u64,
-    pub throttled: u64,
-    pub failed: u64,
-    pub in_flight: u64,
-    pub concurrency: u32,
-    pub longest_s: f64,
-    /// Time pipeline threads waited for bytes still on their way.
-    pub waited_s: f64,
-    /// Reads served by the read-ahead window, and read directly.
-    pub ahead_hits: u64,
-    pub direct: u64,
-    pub ahead_units: u64,
-    pub ahead_bytes: u64,
-    pub last_error: Option<String>,
-    pub disk: Option<DiskCounts>,
 }
 
 impl RemoteSet {
@@ -313,8 +306,7 @@ impl RemoteSet {
                 return Ok(b);
             }
         }
-        let path = self.objects[u.object as usize].path.clone();
-        let (bytes, _) = self.fetcher.get(&path, self.unit_range(u)).await?;
+        let bytes = self.get_listed(u.object, self.unit_range(u)).await?;
         if self.disk.is_some() {
             let me = self.clone();
             let b = bytes.clone();
@@ -324,6 +316,26 @@ impl RemoteSet {
                 }
             })
             .await;
+        }
+        Ok(bytes)
+    }
+
+    /// The bytes `range` of object `o` from the store, if it is still
+    /// the version listed: a replaced object is an error (the dataset
+    /// changed under the stream), never other bytes.
+    async fn get_listed(&self, o: u32, range: Option<Range<u64>>) -> Result<Bytes, FetchError> {
+        let obj = &self.objects[o as usize];
+        let (bytes, meta) = self.fetcher.get(&obj.path, range).await?;
+        if !fetch::same_version(&obj.version, &meta) {
+            return Err(FetchError {
+                url: self.fetcher.url.with_path(&obj.path).to_string(),
+                kind: fetch::FailKind::Changed,
+                detail: format!(
+                    "ETag {} listed, {} now",
+                    obj.version,
+                    meta.e_tag.as_deref().unwrap_or("-")
+                ),
+            });
         }
         Ok(bytes)
     }
@@ -406,13 +418,13 @@ impl RemoteSet {
         // asked for.
         self.direct.fetch_add(1, Ordering::Relaxed);
         let me = self.clone();
-        let (path, want) = (self.objects[o as usize].path.clone(), range.clone());
+        let want = range.clone();
         let from_disk = self.disk.is_some() && units.len() == 1 && consume;
         let bytes = fetch::wait(async move {
             if from_disk {
                 return me.fetch_unit(Unit { object: o, part: 0 }).await;
             }
-            me.fetcher.get(&path, want).await.map(|(b, _)| b)
+            me.get_listed(o, want).await
         })?;
         check_size(bytes.len() as u64, max_bytes)?;
         buf.extend_from_slice(&bytes);
@@ -455,10 +467,12 @@ impl RemoteSet {
         Ok(())
     }
 
-    pub fn counts(&self) -> RemoteCounts {
+    /// What `stats` shows of this dataset (`source.remote`).
+    pub fn counts(&self) -> RemoteSourceStats {
         let c = &self.fetcher.counts;
         let (units, bytes) = self.ahead.held();
-        RemoteCounts {
+        let d = self.disk.as_ref().map(|d| d.counts()).unwrap_or_default();
+        RemoteSourceStats {
             url: self.url(),
             requests: c.requests.load(Ordering::Relaxed),
             bytes: c.bytes.load(Ordering::Relaxed),
@@ -478,12 +492,18 @@ impl RemoteSet {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
-            disk: self.disk.as_ref().map(|d| d.counts()),
+            disk_hits: d.hits,
+            disk_misses: d.misses,
+            disk_bytes: d.bytes,
+            disk_budget: d.budget,
+            disk_corrupt: d.corrupt,
+            disk_write_errors: d.write_errors,
         }
     }
 }
 
-fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
+/// Refuses a sample of more than `max_bytes` (the source's `max_file_bytes`).
+pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
     if len > max_bytes {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -85,17 +85,19 @@ impl Stream {
         if !writer.reads_remote() {
             return;
         }
-        let first = work.index as usize * self.plan.schema.batch_size as usize;
+        let first = (work.index as usize * self.plan.schema.batch_size as usize).min(order.len());
         let lead = work.epoch * order.len() as u64 + first as u64;
         let last = self.plan.epochs.is_some_and(|n| work.epoch + 1 >= n);
-        if order.len() - first.min(order.len()) >= EPOCH_TAIL || last {
-            writer.want(lead, order, first);
+        let rest = order[first..].iter().copied();
+        if order.len() - first >= EPOCH_TAIL || last {
+            writer.want(lead, rest);
             return;
         }
         let next = orders.get(work.epoch + 1, |e| self.plan.epoch_order(e));
-        let mut upcoming = order[first.min(order.len())..].to_vec();
-        upcoming.extend_from_slice(&next[..next.len().min(EPOCH_TAIL)]);
-        writer.want(lead, &upcoming, 0);
+        writer.want(
+            lead,
+            rest.chain(next[..next.len().min(EPOCH_TAIL)].iter().copied()),
+        );
     }
 
     /// Makes a replayed batch into its consumer's replay arena and sends

@@ -79,40 +79,13 @@ impl Stream {
                     cache_items: c.items,
                     cache_budget: c.budget,
                     shared,
-                    remote: n.remote.map(remote_stats),
+                    remote: n.remote,
                 }
             }),
             consumers,
             consumers_left_out: 0,
             past_consumers: inner.past.iter().cloned().collect(),
         }
-    }
-}
-
-fn remote_stats(r: crate::remote::RemoteCounts) -> proto::RemoteSourceStats {
-    let d = r.disk.unwrap_or_default();
-    proto::RemoteSourceStats {
-        url: r.url,
-        requests: r.requests,
-        bytes: r.bytes,
-        retries: r.retries,
-        throttled: r.throttled,
-        failed: r.failed,
-        in_flight: r.in_flight,
-        concurrency: r.concurrency,
-        longest_s: r.longest_s,
-        waited_s: r.waited_s,
-        ahead_hits: r.ahead_hits,
-        direct: r.direct,
-        ahead_units: r.ahead_units,
-        ahead_bytes: r.ahead_bytes,
-        last_error: r.last_error,
-        disk_hits: d.hits,
-        disk_misses: d.misses,
-        disk_bytes: d.bytes,
-        disk_budget: d.budget,
-        disk_corrupt: d.corrupt,
-        disk_write_errors: d.write_errors,
     }
 }
 

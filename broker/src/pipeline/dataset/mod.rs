@@ -7,13 +7,14 @@
 
 pub mod remote;
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::{Read, Seek};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::remote::RemoteSet;
+use crate::remote::{RemoteSet, check_size};
 
 /// The extensions torchvision's ImageFolder accepts (compared
 /// case-insensitively). The format is read from the bytes: files in a
@@ -132,20 +133,21 @@ impl Dataset {
 
     /// The pipeline reads at `lead` (a position in its sequence) the
     /// samples `upcoming` next: a remote dataset fetches ahead of it.
-    pub fn want(&self, lead: u64, upcoming: &[u64]) {
+    pub fn want(&self, lead: u64, upcoming: impl Iterator<Item = u64>) {
         let Some(r) = &self.remote else {
             return;
         };
         let limit = r.read_ahead_units();
         let mut units = Vec::with_capacity(limit);
-        for &i in upcoming {
+        let mut seen = HashSet::with_capacity(limit);
+        for i in upcoming {
             let (o, range) = match &self.items[i as usize].loc {
                 Location::Object(o) => (*o, None),
                 Location::Member { shard, offset, len } => (*shard, Some(*offset..*offset + *len)),
                 Location::File(_) => continue,
             };
             for u in r.units_of(o, range) {
-                if units.last() != Some(&u) && !units.contains(&u) {
+                if seen.insert(u.0) {
                     units.push(u);
                 }
             }
@@ -518,18 +520,6 @@ pub fn open_regular(path: &Path) -> std::io::Result<(File, u64)> {
         ));
     }
     Ok((f, meta.len()))
-}
-
-fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
-    if len > max_bytes {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!(
-                "{len} bytes, more than max_file_bytes = {max_bytes}; raise it if such files are real samples"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

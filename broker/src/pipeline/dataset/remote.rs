@@ -9,6 +9,9 @@
 //!   then its bytes in parts (from the disk tier when it holds them, else
 //!   by concurrent range requests) to read the tar headers. A restarted
 //!   broker with a disk tier indexes from disk.
+//!
+//! With a disk tier, the listing (or the shards' sizes and ETags) is kept
+//! there and used by a broker started within `listing_max_age_s`.
 
 use std::collections::BTreeMap;
 use std::io::Cursor;
@@ -22,7 +25,7 @@ use super::{
 };
 use crate::remote::fetch::{self, Fetcher};
 use crate::remote::url::{RemoteUrl, Scheme};
-use crate::remote::{Object, RemoteSet, Settings, disk::DiskCache, open_store};
+use crate::remote::{Object, RemoteSet, Settings, disk::DiskCache, listing, open_store};
 
 fn listing_err(url: &RemoteUrl, message: impl Into<String>) -> DatasetError {
     DatasetError::RemoteListing {
@@ -45,7 +48,42 @@ fn open(url: &RemoteUrl, s: &Settings) -> Result<(Arc<Fetcher>, Option<DiskCache
 
 /// A file of a remote folder: its path under the folder's prefix, size
 /// and version, where known.
-type Listed = (String, Option<u64>, String);
+type Listed = Object;
+
+fn listed_file(path: String, size: Option<u64>, version: String) -> Listed {
+    Object {
+        path,
+        size,
+        version,
+    }
+}
+
+/// The listing under `key` from the disk tier when it holds a young
+/// enough one, else `list()`'s, then kept there.
+fn listing_of(
+    disk: Option<&DiskCache>,
+    key: &str,
+    url: &RemoteUrl,
+    s: &Settings,
+    list: impl FnOnce() -> Result<Vec<Listed>, DatasetError>,
+) -> Result<Vec<Listed>, DatasetError> {
+    if let Some((objects, age)) = disk.and_then(|d| listing::cached(d, key, s.listing_max_age)) {
+        tracing::info!(
+            "{url}: {} objects as listed {} s ago, from the disk tier (listing_max_age_s = {} lists again after that; 0 always)",
+            objects.len(),
+            age.as_secs(),
+            s.listing_max_age.as_secs()
+        );
+        return Ok(objects);
+    }
+    let objects = list()?;
+    if let Some(d) = disk
+        && !s.listing_max_age.is_zero()
+    {
+        listing::keep(d, key, &objects);
+    }
+    Ok(objects)
+}
 
 /// An image folder at `root` (a URL), listed or read from `manifest`.
 pub fn image_folder(
@@ -59,10 +97,11 @@ pub fn image_folder(
     if !prefix.is_empty() && !prefix.ends_with('/') {
         prefix.push('/');
     }
-    let entries = match manifest {
-        Some(m) => from_manifest(&fetcher, &url, &prefix, m)?,
-        None => listed(&fetcher, &url, &prefix)?,
-    };
+    let key = format!("listing\n{url}\n{}", manifest.unwrap_or(""));
+    let entries = listing_of(disk.as_ref(), &key, &url, s, || match manifest {
+        Some(m) => from_manifest(&fetcher, &url, &prefix, m),
+        None => listed(&fetcher, &url, &prefix),
+    })?;
     let (names, objects, items) = ordered(&url, &prefix, entries)?;
     let set = RemoteSet::new(fetcher, objects, None, s, disk);
     Ok(Dataset {
@@ -104,7 +143,7 @@ fn from_manifest(
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(|l| (l.trim_start_matches("./").to_string(), None, String::new()))
+        .map(|l| listed_file(l.trim_start_matches("./").to_string(), None, String::new()))
         .collect())
 }
 
@@ -133,8 +172,7 @@ fn listed(
         .filter_map(|m| {
             let path = m.location.to_string();
             let rel = path.strip_prefix(prefix)?.to_string();
-            let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
-            Some((rel, Some(m.size), version))
+            Some(listed_file(rel, Some(m.size), fetch::version_of(&m)))
         })
         .collect())
 }
@@ -146,7 +184,8 @@ type Ordered = (Vec<String>, Vec<Object>, Vec<Item>);
 fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordered, DatasetError> {
     // class -> folder -> files
     let mut classes: BTreeMap<String, BTreeMap<String, Vec<Listed>>> = BTreeMap::new();
-    for (rel, size, version) in entries {
+    for entry in entries {
+        let rel = entry.path.as_str();
         let Some((class, rest)) = rel.split_once('/') else {
             continue; // a file beside the class folders
         };
@@ -160,7 +199,7 @@ fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordere
         let dir = rel
             .rfind('/')
             .map_or(String::new(), |i| rel[..i].to_string());
-        folders.entry(dir).or_default().push((rel, size, version));
+        folders.entry(dir).or_default().push(entry);
     }
     if classes.is_empty() {
         return Err(DatasetError::NoSamples {
@@ -171,8 +210,13 @@ fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordere
     for (label, (class, folders)) in classes.into_iter().enumerate() {
         let before = items.len();
         for (_, mut files) in folders {
-            files.sort_by(|a, b| a.0.cmp(&b.0));
-            for (rel, size, version) in files {
+            files.sort_by(|a, b| a.path.cmp(&b.path));
+            for Object {
+                path: rel,
+                size,
+                version,
+            } in files
+            {
                 items.push(Item {
                     loc: Location::Object(objects.len() as u32),
                     label: label as i64,
@@ -201,7 +245,10 @@ fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordere
 pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> {
     let url = RemoteUrl::parse(pattern).map_err(crate::remote::RemoteError::from)?;
     let (fetcher, disk) = open(&url, s)?;
-    let objects = shard_objects(&fetcher, &url, s)?;
+    let key = format!("shards\n{url}");
+    let objects = listing_of(disk.as_ref(), &key, &url, s, || {
+        shard_objects(&fetcher, &url, s)
+    })?;
     let requests = s.limits.requests.max(1) as usize;
     let set = Arc::new(RemoteSet::new(
         fetcher,
@@ -287,12 +334,7 @@ fn shard_objects(
     let mut objects = Vec::with_capacity(heads.len());
     for h in heads {
         let (path, m) = h.map_err(crate::remote::RemoteError::from)?;
-        let version = m.e_tag.unwrap_or_else(|| m.last_modified.to_rfc3339());
-        objects.push(Object {
-            path,
-            size: Some(m.size),
-            version,
-        });
+        objects.push(listed_file(path, Some(m.size), fetch::version_of(&m)));
     }
     Ok(objects)
 }
