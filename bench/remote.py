@@ -197,7 +197,7 @@ def start_latency(upstream: str, one_way_ms: float) -> tuple[subprocess.Popen, s
 
 AHEAD = {
     "off": "read_ahead = 0",
-    "on": "read_ahead = 256\nrequests = 64\nread_ahead_mib = 8\npart_mib = 1",
+    "on": "read_ahead = 256\nrequests = 64\nread_ahead_mib = 16\npart_mib = 2",
 }
 
 

@@ -395,6 +395,14 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         r.ahead_bytes <= 8 << 20,
         "the window holds at most read_ahead_mib: {r:#?}"
     );
+    // Tar members read close together go out as one range request:
+    // fewer requests than samples, the HEADs and the index's parts
+    // included.
+    assert_eq!(r.ahead_hits + r.direct, 2 * data.n, "{r:#?}");
+    assert!(
+        r.requests < r.ahead_hits,
+        "members coalesced into fewer requests: {r:#?}"
+    );
     no_secret("stats", &format!("{:?}", b.stats()));
 
     // A restarted broker takes the listing and every image from disk:
@@ -496,6 +504,31 @@ fn azure_and_gcs_urls_give_the_local_bytes() {
         "the account key shows:\n{shown}"
     );
     no_secret("stats and the log", &shown);
+
+    // azurite checks signatures: another key is refused, by name, and
+    // the key is not shown.
+    let wrong = AZURITE_KEY.replace("Eby8", "Xby8");
+    std::fs::write(
+        b.dir.join("az.toml"),
+        folder_stream("az", "az://data/train/", &remote(&account, "retries = 0")),
+    )
+    .unwrap();
+    let out = common::run(
+        command(EXE)
+            .env("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
+            .env("AZURE_STORAGE_ACCOUNT_KEY", &wrong)
+            .args(["serve", "--config"])
+            .arg(b.dir.join("az.toml"))
+            .arg("--socket")
+            .arg(b.dir.join("az.sock")),
+    );
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a wrong key was accepted");
+    assert!(
+        e.contains("az://data/train/") && e.contains("access denied"),
+        "{e}"
+    );
+    assert!(!e.contains(&wrong), "the key shows: {e}");
 }
 
 #[test]
@@ -503,7 +536,7 @@ fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
     let data = Data::new();
     let proxy = Server::objserver(&["proxy", &data.s3.url()]);
     let via = proxy.url();
-    let keys = "timeout_s = 2\nretries = 8\nstall_s = 30";
+    let keys = "timeout_s = 2\nretries = 8\nstall_s = 30\nrequests = 16";
     let cfg = [
         folder_stream("local", &data.p("ds"), "epochs = 1"),
         folder_stream(

@@ -329,7 +329,8 @@ pub struct ImageFolderConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RemoteConfig {
-    /// Objects or shard parts fetched or held ahead of the pipeline.
+    /// Samples (objects, tar members) fetched or held ahead of the
+    /// pipeline.
     #[serde(default = "default_read_ahead")]
     pub read_ahead: u32,
     /// Their bytes, at most (from the broker's memory budget).
@@ -338,7 +339,8 @@ pub struct RemoteConfig {
     /// Requests in flight at once, at most (halved on 429/503).
     #[serde(default = "default_requests")]
     pub requests: u32,
-    /// Size of a shard's range requests.
+    /// A shard's range requests, at most (members read together go out
+    /// as one; the index reads shards in parts of this size).
     #[serde(default = "default_part_mib")]
     pub part_mib: u64,
     /// One request, from sending it to its last byte.
@@ -378,13 +380,13 @@ impl Default for RemoteConfig {
 }
 
 fn default_read_ahead() -> u32 {
-    64
+    256
 }
 fn default_read_ahead_mib() -> u64 {
     256
 }
 fn default_requests() -> u32 {
-    16
+    64
 }
 fn default_part_mib() -> u64 {
     8

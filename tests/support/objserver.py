@@ -198,6 +198,10 @@ class ProxyHandler(Handler):
 
 
 class Server(ThreadingHTTPServer):
+    # As many waiting connections as a broker opens (requests = 64 and
+    # more): the default backlog of 5 drops connections under load.
+    request_queue_size = 256
+
     def handle_error(self, request, client_address):
         pass  # resets and truncations are what this server is for
 

@@ -3,14 +3,17 @@
 //!
 //! The pipeline says where it reads ([`Ahead::admit`]: a lead position
 //! and the units of the samples after it, in order); the window starts
-//! fetches for the first of those it does not hold, while it has room.
+//! fetches for the first of those it does not hold, while it has room;
+//! tar members in bursts (once a quarter of the nearest units is missing,
+//! or the next one is), so that neighbours go out together.
 //! Room is made by dropping ready units the latest wanted list no longer
-//! names (oldest first); a unit in flight is never dropped. Whole objects
-//! are taken out when read (one read each: a shared source decodes each
-//! sample once); shard parts stay while wanted, since many samples are cut
-//! from each. A hint behind the lead (another pipeline thread's older
-//! batch) fetches nothing new. Reading a unit the window does not hold is
-//! the caller's business (a direct request).
+//! names (oldest first); a unit in flight is never dropped. A unit is one
+//! sample (an object, or a tar member: the window holds what a shuffle
+//! buffer holds, not whole shard parts kept for one sample) and is taken
+//! out when read (one read each: a shared source decodes each sample
+//! once). A hint behind the lead (another pipeline thread's older batch)
+//! fetches nothing new. Reading a unit the window does not hold is the
+//! caller's business (a direct request).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -24,12 +27,38 @@ use super::fetch::{FailKind, FetchError};
 /// before any has arrived; after, the mean of those that did.
 pub const UNKNOWN_SIZE: u64 = 256 << 10;
 
-/// A unit of fetching: part `part` of object `object` (part 0 of a whole
-/// object).
+/// A unit of the window: the bytes `start..end` of object `object` (a
+/// tar member, or a shard part while a shard is indexed), or the whole
+/// object ([`Unit::whole`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Unit {
     pub object: u32,
-    pub part: u32,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl Unit {
+    /// All of object `o`.
+    pub const fn whole(object: u32) -> Unit {
+        Unit {
+            object,
+            start: 0,
+            end: u64::MAX,
+        }
+    }
+
+    pub const fn range(object: u32, r: std::ops::Range<u64>) -> Unit {
+        Unit {
+            object,
+            start: r.start,
+            end: r.end,
+        }
+    }
+
+    /// Its byte range, `None` for a whole object.
+    pub fn bytes(self) -> Option<std::ops::Range<u64>> {
+        (self.end != u64::MAX).then_some(self.start..self.end)
+    }
 }
 
 #[derive(Debug)]
@@ -118,6 +147,18 @@ impl Ahead {
             })
             .map(|(u, _)| *u)
             .collect();
+        // Tar members are fetched in bursts: while the next unit is held
+        // (or on its way) and fewer than a quarter of the nearest are
+        // missing, start nothing yet, so members of one shard go out
+        // together as runs. Whole objects go one request each anyway.
+        let members = upcoming.first().is_some_and(|(u, _)| u.bytes().is_some());
+        let missing = wanted.iter().filter(|u| !w.entries.contains_key(u)).count();
+        let next_held = upcoming
+            .first()
+            .is_none_or(|(u, _)| w.entries.contains_key(u));
+        if members && next_held && missing < (wanted.len() / 4).max(1) {
+            return Vec::new();
+        }
         let mut start = Vec::new();
         for &(u, size) in upcoming {
             if w.entries.contains_key(&u) {
@@ -198,9 +239,9 @@ impl Ahead {
         self.arrived.notify_all();
     }
 
-    /// The unit's bytes, waiting while it is on its way; `consume` takes
-    /// it out of the window.
-    pub fn take(&self, u: Unit, consume: bool) -> Taken {
+    /// The unit's bytes, taken out of the window, waiting while they are
+    /// on their way.
+    pub fn take(&self, u: Unit) -> Taken {
         let mut w = self.lock();
         loop {
             if w.closed {
@@ -223,9 +264,7 @@ impl Ahead {
                 }
                 Slot::Ready(b) => {
                     let b = b.clone();
-                    if consume {
-                        self.remove(&mut w, u);
-                    }
+                    self.remove(&mut w, u);
                     return Taken::Ready(b);
                 }
                 Slot::Failed(err) => {
@@ -263,7 +302,7 @@ mod tests {
     use super::*;
 
     fn u(object: u32) -> Unit {
-        Unit { object, part: 0 }
+        Unit::whole(object)
     }
 
     #[test]
@@ -274,14 +313,14 @@ mod tests {
         // Full of pending units: nothing more, whatever is asked.
         assert!(a.admit(1, &list[1..]).is_empty());
         a.settle(u(0), Ok(Bytes::from_static(b"abc")));
-        assert!(matches!(a.take(u(0), true), Taken::Ready(b) if &b[..] == b"abc"));
-        assert!(matches!(a.take(u(0), true), Taken::Absent));
+        assert!(matches!(a.take(u(0)), Taken::Ready(b) if &b[..] == b"abc"));
+        assert!(matches!(a.take(u(0)), Taken::Absent));
         // Room again: the next is admitted; an older hint admits nothing.
         assert_eq!(a.admit(2, &list[1..]), vec![u(3)]);
         assert!(a.admit(1, &list).is_empty());
         // A reader waiting on a pending unit is woken by its arrival.
         std::thread::scope(|s| {
-            let r = s.spawn(|| a.take(u(1), true));
+            let r = s.spawn(|| a.take(u(1)));
             std::thread::sleep(Duration::from_millis(20));
             a.settle(u(1), Ok(Bytes::from_static(b"x")));
             assert!(matches!(r.join().unwrap(), Taken::Ready(_)));
@@ -299,9 +338,32 @@ mod tests {
         a.settle(u(1), Ok(Bytes::from(vec![0u8; 100])));
         // Unit 0 is no longer wanted: it goes to make room for unit 2.
         assert_eq!(a.admit(1, &list[1..]), vec![u(2)]);
-        assert!(matches!(a.take(u(0), false), Taken::Absent));
-        assert!(matches!(a.take(u(1), false), Taken::Ready(_)));
+        assert!(matches!(a.take(u(0)), Taken::Absent));
         assert_eq!(a.held(), (2, 200));
+        // Read units leave the window.
+        assert!(matches!(a.take(u(1)), Taken::Ready(_)));
+        assert_eq!(a.held(), (1, 100));
+    }
+
+    #[test]
+    fn members_are_fetched_in_bursts_unless_the_next_is_missing() {
+        let a = Ahead::new(8, 1 << 20);
+        let u = |o: u32| Unit::range(0, u64::from(o) * 100..u64::from(o) * 100 + 100);
+        let list: Vec<_> = (0..20).map(|o| (u(o), 100)).collect();
+        assert_eq!(a.admit(0, &list).len(), 8);
+        for o in 0..8 {
+            a.settle(u(o), Ok(Bytes::from(vec![0u8; 100])));
+        }
+        // One read: one of the nearest eight missing, fewer than a
+        // quarter: nothing starts yet.
+        assert!(matches!(a.take(u(0)), Taken::Ready(_)));
+        assert!(a.admit(1, &list[1..]).is_empty());
+        // Two missing: both start together.
+        assert!(matches!(a.take(u(1)), Taken::Ready(_)));
+        assert_eq!(a.admit(2, &list[2..]), vec![u(8), u(9)]);
+        // A reader moved past what the window holds: the next unit
+        // missing starts at once.
+        assert_eq!(a.admit(12, &list[12..13]), vec![u(12)]);
     }
 
     #[test]
@@ -322,7 +384,7 @@ mod tests {
         let a = Ahead::new(4, 1000);
         a.admit(0, &[(u(0), 10)]);
         std::thread::scope(|s| {
-            let r = s.spawn(|| a.take(u(0), true));
+            let r = s.spawn(|| a.take(u(0)));
             std::thread::sleep(Duration::from_millis(20));
             a.close();
             assert!(matches!(r.join().unwrap(), Taken::Failed(e) if e.kind == FailKind::Closed));

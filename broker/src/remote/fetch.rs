@@ -400,9 +400,12 @@ impl Fetcher {
             let backoff = backoff(tries, verdict, &mut rng);
             if tries >= self.limits.retries || Instant::now() + backoff >= deadline {
                 let detail = format!(
-                    "{detail} (after {} tries in {:.1} s)",
+                    "{detail} (after {} tries in {:.1} s; bounds: retries = {}, stall_s = {}, timeout_s = {} a try)",
                     tries + 1,
-                    started.elapsed().as_secs_f64()
+                    started.elapsed().as_secs_f64(),
+                    self.limits.retries,
+                    self.limits.stall.as_secs_f64(),
+                    self.limits.timeout.as_secs_f64(),
                 );
                 break Err(self.error(path, FailKind::GaveUp, detail));
             }

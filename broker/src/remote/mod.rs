@@ -48,11 +48,11 @@ use url::{RemoteUrl, Scheme};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub limits: Limits,
-    /// Units fetched or held ahead of the pipeline, at most.
+    /// Samples fetched or held ahead of the pipeline, at most.
     pub read_ahead: u32,
     /// Their bytes, at most (taken from the broker's memory budget).
     pub read_ahead_bytes: u64,
-    /// Size of a shard's range requests.
+    /// A shard's range requests, at most.
     pub part_bytes: u64,
     pub cache_dir: Option<PathBuf>,
     pub cache_dir_bytes: u64,
@@ -246,18 +246,19 @@ impl RemoteSet {
         self.ahead.close();
     }
 
-    /// The bytes of unit `u` of object `o`.
-    fn unit_range(&self, u: Unit) -> Option<Range<u64>> {
-        let p = self.part_bytes?;
-        let size = self.objects[u.object as usize].size.unwrap_or(u64::MAX);
-        let start = u64::from(u.part) * p;
-        Some(start..(start + p).min(size))
+    /// Units of the bytes `range` of object `o` (a tar member), or of the
+    /// object (whole), with their size (0: unknown).
+    pub fn unit_of(&self, o: u32, range: Option<Range<u64>>) -> (Unit, u64) {
+        match range {
+            Some(r) => (Unit::range(o, r.clone()), r.end.saturating_sub(r.start)),
+            None => (Unit::whole(o), self.objects[o as usize].size.unwrap_or(0)),
+        }
     }
 
     fn disk_key(&self, u: Unit) -> String {
         let o = &self.objects[u.object as usize];
-        let range = self
-            .unit_range(u)
+        let range = u
+            .bytes()
             .map_or("whole".to_string(), |r| format!("{}-{}", r.start, r.end));
         format!(
             "{}\n{}\n{}\n{:?}\n{range}",
@@ -265,59 +266,122 @@ impl RemoteSet {
         )
     }
 
-    /// Units of the bytes `range` of object `o` (shard parts), or the
-    /// object (whole).
-    pub fn units_of(&self, o: u32, range: Option<Range<u64>>) -> Vec<(Unit, u64)> {
-        match (self.part_bytes, range) {
-            (Some(p), Some(r)) if r.end > r.start => {
-                let first = r.start / p;
-                let last = (r.end - 1) / p;
-                (first..=last)
-                    .map(|part| {
-                        let u = Unit {
-                            object: o,
-                            part: part as u32,
-                        };
-                        let len = self.unit_range(u).map_or(p, |r| r.end - r.start);
-                        (u, len)
-                    })
-                    .collect()
-            }
-            _ => {
-                // 0: unknown (the window estimates it).
-                let size = self.objects[o as usize].size.unwrap_or(0);
-                vec![(Unit { object: o, part: 0 }, size)]
-            }
-        }
+    /// Part `i` of shard `o` (its index reads shards part by part, and
+    /// the disk tier keeps parts).
+    fn part(&self, o: u32, i: u64) -> Option<Unit> {
+        let p = self.part_bytes?;
+        let size = self.objects[o as usize].size?;
+        let start = i.checked_mul(p)?;
+        (start < size).then(|| Unit::range(o, start..(start + p).min(size)))
     }
 
-    /// Fetches unit `u`: from the disk tier, else the store (then kept on
-    /// disk).
+    /// A member's bytes from the shard part the disk tier holds them in.
+    fn member_on_disk(&self, u: Unit) -> Option<Bytes> {
+        let disk = self.disk.as_ref()?;
+        let r = u.bytes()?;
+        let p = self.part_bytes?;
+        let part = self.part(u.object, r.start / p)?;
+        let pr = part.bytes()?;
+        if r.end > pr.end {
+            return None; // spans two parts: read it from the store
+        }
+        let bytes = disk.get(&self.disk_key(part))?;
+        let slice = bytes.get((r.start - pr.start) as usize..(r.end - pr.start) as usize)?;
+        Some(Bytes::copy_from_slice(slice))
+    }
+
+    /// Fetches unit `u`: from the disk tier (a whole object or part as
+    /// kept, a member from its part), else the store; whole objects and
+    /// parts are then kept on disk.
     pub async fn fetch_unit(self: Arc<Self>, u: Unit) -> Result<Bytes, FetchError> {
-        let key = self.disk_key(u);
+        let kept = self.disk.is_some() && (u.bytes().is_none() || self.is_part(u));
         if self.disk.is_some() {
             let me = self.clone();
-            let k = key.clone();
-            let hit = tokio::task::spawn_blocking(move || me.disk.as_ref().and_then(|d| d.get(&k)))
-                .await
-                .ok()
-                .flatten();
+            let hit = tokio::task::spawn_blocking(move || {
+                if kept {
+                    me.disk.as_ref().and_then(|d| d.get(&me.disk_key(u)))
+                } else {
+                    me.member_on_disk(u)
+                }
+            })
+            .await
+            .ok()
+            .flatten();
             if let Some(b) = hit {
                 return Ok(b);
             }
         }
-        let bytes = self.get_listed(u.object, self.unit_range(u)).await?;
-        if self.disk.is_some() {
+        let bytes = self.get_listed(u.object, u.bytes()).await?;
+        if kept {
             let me = self.clone();
             let b = bytes.clone();
             let _ = tokio::task::spawn_blocking(move || {
                 if let Some(d) = &me.disk {
-                    d.put(&key, &b);
+                    d.put(&me.disk_key(u), &b);
                 }
             })
             .await;
         }
         Ok(bytes)
+    }
+
+    fn is_part(&self, u: Unit) -> bool {
+        match (self.part_bytes, u.bytes()) {
+            (Some(p), Some(r)) => r.start % p == 0 && self.part(u.object, r.start / p) == Some(u),
+            _ => false,
+        }
+    }
+
+    /// Fetches members `run` (of one shard, by offset, close together)
+    /// with one range request; each member's bytes are copied out, so a
+    /// member read late does not keep the others' bytes alive. Those the
+    /// disk tier holds come from there.
+    async fn fetch_run(self: Arc<Self>, run: Vec<Unit>) -> Vec<(Unit, Result<Bytes, FetchError>)> {
+        let mut out = Vec::with_capacity(run.len());
+        let mut missing = Vec::with_capacity(run.len());
+        if self.disk.is_some() {
+            let me = self.clone();
+            let found = tokio::task::spawn_blocking(move || {
+                run.into_iter()
+                    .map(|u| (u, me.member_on_disk(u)))
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default();
+            for (u, hit) in found {
+                match hit {
+                    Some(b) => out.push((u, Ok(b))),
+                    None => missing.push(u),
+                }
+            }
+        } else {
+            missing = run;
+        }
+        let (Some(first), Some(last)) = (missing.first(), missing.last()) else {
+            return out;
+        };
+        let span = first.start..last.end;
+        match self.get_listed(first.object, Some(span.clone())).await {
+            Ok(b) => out.extend(missing.into_iter().map(|u| {
+                let cut = b
+                    .get((u.start - span.start) as usize..(u.end - span.start) as usize)
+                    .map(Bytes::copy_from_slice);
+                (u, cut.ok_or_else(|| self.short(u, b.len())))
+            })),
+            Err(e) => out.extend(missing.into_iter().map(|u| (u, Err(e.clone())))),
+        }
+        out
+    }
+
+    fn short(&self, u: Unit, got: usize) -> FetchError {
+        FetchError {
+            url: self.describe(u.object),
+            kind: fetch::FailKind::Refused,
+            detail: format!(
+                "a range answer of {got} bytes, short of {}..{}",
+                u.start, u.end
+            ),
+        }
     }
 
     /// The bytes `range` of object `o` from the store, if it is still
@@ -352,17 +416,10 @@ impl RemoteSet {
         if size == Some(0) {
             return Ok(Bytes::new());
         }
-        let units: Vec<Unit> = match size {
-            Some(n) => self
-                .units_of(o, Some(0..n))
-                .into_iter()
-                .map(|(u, _)| u)
-                .collect(),
-            None => vec![Unit { object: o, part: 0 }],
+        let units: Vec<Unit> = match (self.part_bytes, size) {
+            (Some(_), Some(_)) => (0..).map_while(|i| self.part(o, i)).collect(),
+            _ => vec![Unit::whole(o)],
         };
-        if units.is_empty() {
-            return Ok(Bytes::new());
-        }
         let parts: Vec<Result<Bytes, FetchError>> =
             futures::stream::iter(units.into_iter().map(|u| self.clone().fetch_unit(u)))
                 .buffered(requests.max(1))
@@ -379,16 +436,27 @@ impl RemoteSet {
     /// the samples whose units `upcoming` lists, in order: fetch what the
     /// window has room for.
     pub fn want(self: &Arc<Self>, lead: u64, upcoming: &[(Unit, u64)]) {
-        for u in self.ahead.admit(lead, upcoming) {
+        let start = self.ahead.admit(lead, upcoming);
+        for run in runs(start, self.part_bytes.unwrap_or(0)) {
             let me = self.clone();
             fetch::runtime().spawn(async move {
-                let r = me.clone().fetch_unit(u).await;
-                me.ahead.settle(u, r);
+                if let [u] = run[..]
+                    && u.bytes().is_none()
+                {
+                    let r = me.clone().fetch_unit(u).await;
+                    me.ahead.settle(u, r);
+                    return;
+                }
+                for (u, r) in me.clone().fetch_run(run).await {
+                    me.ahead.settle(u, r);
+                }
             });
         }
     }
 
-    /// The bytes `range` of object `o` (all of it for `None`) into `buf`.
+    /// The bytes `range` of object `o` (all of it for `None`) into `buf`:
+    /// from the window (waiting for them while on their way), else the
+    /// disk tier, else a request for just those bytes.
     pub fn read(
         self: &Arc<Self>,
         o: u32,
@@ -397,73 +465,28 @@ impl RemoteSet {
         max_bytes: u64,
     ) -> std::io::Result<()> {
         buf.clear();
-        let units = self.units_of(o, range.clone());
-        let consume = self.part_bytes.is_none();
-        let mut parts = Vec::with_capacity(units.len());
-        let t0 = Instant::now();
-        for (u, _) in &units {
-            match self.ahead.take(*u, consume) {
-                Taken::Ready(b) => parts.push(b),
-                Taken::Failed(e) => return Err(e.into()),
-                Taken::Absent => break,
-            }
+        if let Some(r) = &range {
+            check_size(r.end.saturating_sub(r.start), max_bytes)?;
         }
+        let (u, _) = self.unit_of(o, range);
+        let t0 = Instant::now();
+        let taken = self.ahead.take(u);
         let waited = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.waited_ns.fetch_add(waited, Ordering::Relaxed);
-        if parts.len() == units.len() {
-            self.ahead_hits.fetch_add(1, Ordering::Relaxed);
-            return self.cut(o, &units, &parts, range, buf, max_bytes);
-        }
-        // Outside the window: what the disk tier has, else just the bytes
-        // asked for.
-        self.direct.fetch_add(1, Ordering::Relaxed);
-        let me = self.clone();
-        let want = range.clone();
-        let from_disk = self.disk.is_some() && units.len() == 1 && consume;
-        let bytes = fetch::wait(async move {
-            if from_disk {
-                return me.fetch_unit(Unit { object: o, part: 0 }).await;
+        let bytes = match taken {
+            Taken::Ready(b) => {
+                self.ahead_hits.fetch_add(1, Ordering::Relaxed);
+                b
             }
-            me.get_listed(o, want).await
-        })?;
+            Taken::Failed(e) => return Err(e.into()),
+            Taken::Absent => {
+                self.direct.fetch_add(1, Ordering::Relaxed);
+                let me = self.clone();
+                fetch::wait(async move { me.fetch_unit(u).await })?
+            }
+        };
         check_size(bytes.len() as u64, max_bytes)?;
         buf.extend_from_slice(&bytes);
-        Ok(())
-    }
-
-    /// Cuts `range` of object `o` out of its units' bytes.
-    fn cut(
-        &self,
-        o: u32,
-        units: &[(Unit, u64)],
-        parts: &[Bytes],
-        range: Option<Range<u64>>,
-        buf: &mut Vec<u8>,
-        max_bytes: u64,
-    ) -> std::io::Result<()> {
-        let Some(r) = range else {
-            check_size(parts[0].len() as u64, max_bytes)?;
-            buf.extend_from_slice(&parts[0]);
-            return Ok(());
-        };
-        check_size(r.end - r.start, max_bytes)?;
-        for ((u, _), bytes) in units.iter().zip(parts) {
-            let ur = self.unit_range(*u).unwrap_or(0..bytes.len() as u64);
-            let from = r.start.max(ur.start) - ur.start;
-            let to = r.end.min(ur.end) - ur.start;
-            let slice = bytes.get(from as usize..to as usize).ok_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!(
-                        "{}: part of {} bytes, expected {}",
-                        self.describe(o),
-                        bytes.len(),
-                        ur.end - ur.start
-                    ),
-                )
-            })?;
-            buf.extend_from_slice(slice);
-        }
         Ok(())
     }
 
@@ -502,6 +525,34 @@ impl RemoteSet {
     }
 }
 
+/// Members of one shard read close together are fetched by one range
+/// request when the bytes between them are few.
+const RUN_GAP: u64 = 64 << 10;
+
+/// `units` grouped into fetches: a whole object alone; members of one
+/// shard, by offset, merged while the gap between them is at most
+/// [`RUN_GAP`] and the run at most `max_run` bytes (a shard part).
+fn runs(mut units: Vec<Unit>, max_run: u64) -> Vec<Vec<Unit>> {
+    units.sort_by_key(|u| (u.object, u.start));
+    let mut out: Vec<Vec<Unit>> = Vec::new();
+    for u in units {
+        if let Some(run) = out.last_mut()
+            && let (Some(first), Some(last)) = (run.first(), run.last())
+            && u.bytes().is_some()
+            && last.bytes().is_some()
+            && last.object == u.object
+            && u.start >= last.end
+            && u.start - last.end <= RUN_GAP
+            && u.end - first.start <= max_run
+        {
+            run.push(u);
+            continue;
+        }
+        out.push(vec![u]);
+    }
+    out
+}
+
 /// Refuses a sample of more than `max_bytes` (the source's `max_file_bytes`).
 pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
     if len > max_bytes {
@@ -513,4 +564,43 @@ pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(object: u32, r: Range<u64>) -> Unit {
+        Unit::range(object, r)
+    }
+
+    #[test]
+    fn members_close_together_are_one_request_and_whole_objects_their_own() {
+        let units = vec![
+            m(1, 5000..6000),
+            m(0, 0..100),
+            m(0, 612..900),
+            // 100 KiB further on: past the gap, a run of its own.
+            m(0, 900 + (100 << 10)..1000 + (100 << 10)),
+            Unit::whole(7),
+            Unit::whole(8),
+            m(1, 6512..7000),
+        ];
+        assert_eq!(
+            runs(units, 1 << 20),
+            vec![
+                vec![m(0, 0..100), m(0, 612..900)],
+                vec![m(0, 900 + (100 << 10)..1000 + (100 << 10))],
+                vec![m(1, 5000..6000), m(1, 6512..7000)],
+                vec![Unit::whole(7)],
+                vec![Unit::whole(8)],
+            ]
+        );
+        // A run stops at a part's size.
+        let close: Vec<_> = (0..10).map(|i| m(0, i * 100..i * 100 + 90)).collect();
+        assert_eq!(
+            runs(close, 500).iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![5, 5]
+        );
+    }
 }

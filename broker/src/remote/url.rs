@@ -22,7 +22,7 @@ impl Scheme {
                 "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, web identity (AWS_WEB_IDENTITY_TOKEN_FILE) or the instance's metadata; ~/.aws profiles are not read"
             }
             Scheme::Gcs => {
-                "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_APPLICATION_CREDENTIALS) or the instance's metadata"
+                "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_APPLICATION_CREDENTIALS), GOOGLE_BEARER_TOKEN or the instance's metadata"
             }
             Scheme::Azure => {
                 "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY or a workload identity"

@@ -238,7 +238,7 @@ pub struct RemoteSourceStats {
     /// Reads served from the read-ahead window, and read directly.
     pub ahead_hits: u64,
     pub direct: u64,
-    /// Units (objects, shard parts) and bytes the window holds now.
+    /// Samples (objects, tar members) and bytes the window holds now.
     pub ahead_units: u64,
     pub ahead_bytes: u64,
     pub last_error: Option<String>,

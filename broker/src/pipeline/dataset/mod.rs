@@ -146,10 +146,9 @@ impl Dataset {
                 Location::Member { shard, offset, len } => (*shard, Some(*offset..*offset + *len)),
                 Location::File(_) => continue,
             };
-            for u in r.units_of(o, range) {
-                if seen.insert(u.0) {
-                    units.push(u);
-                }
+            let u = r.unit_of(o, range);
+            if seen.insert(u.0) {
+                units.push(u);
             }
             if units.len() >= limit {
                 break;
