@@ -164,6 +164,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dataset", type=Path)
     ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--only", choices=["image folder", "tar shards"],
+                    help="one form's rows (and the 503 burst with the shards)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="batchcast-remote-bench-"))
     try:
@@ -231,6 +233,8 @@ def bench(a, work: Path):
             "tar shards": (f"shards:{www / 'shards' / pattern}", f"shards:{{http}}/shards/{pattern}",
                            f"shards:s3://data/shards/{pattern}", None),
         }
+        if a.only:
+            forms = {a.only: forms[a.only]}
         rows = []
         for form, (local, http_url, s3_url, manifest) in forms.items():
             base = run_row(work, local, None, a.epochs, pids)
@@ -260,6 +264,8 @@ def bench(a, work: Path):
             rows.append((form, "moto (S3) + 20 ms RTT", "on, + disk tier", r))
             print(f"{form}: + disk tier {r['images_s']:.0f} images/s")
         print_rows(rows)
+        if "tar shards" not in forms:
+            return
         proxy, purl = start_objserver("proxy", s3)
         procs.append(proxy)
         burst = run_row(work, forms["tar shards"][2], f'endpoint = "{purl}"\n{AHEAD["on"]}\nretries = 10',

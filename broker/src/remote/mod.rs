@@ -341,13 +341,16 @@ impl RemoteSet {
         let mut missing = Vec::with_capacity(run.len());
         if self.disk.is_some() {
             let me = self.clone();
+            let units = run.clone();
             let found = tokio::task::spawn_blocking(move || {
-                run.into_iter()
+                units
+                    .into_iter()
                     .map(|u| (u, me.member_on_disk(u)))
                     .collect::<Vec<_>>()
             })
             .await
-            .unwrap_or_default();
+            // The disk tier failed us: every member from the store.
+            .unwrap_or_else(|_| run.into_iter().map(|u| (u, None)).collect());
             for (u, hit) in found {
                 match hit {
                     Some(b) => out.push((u, Ok(b))),
