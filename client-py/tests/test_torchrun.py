@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -63,9 +64,21 @@ dist.destroy_process_group()
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port to host torchrun's rendezvous store on, free now and below
+    Linux's ephemeral range (32768-60999): a port the kernel hands out
+    (binding port 0) may be taken by an outgoing connection before
+    torchrun binds it, and then neither node can host the store: both
+    become its clients and wait out the rendezvous timeout."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-32000 for torchrun's rendezvous")
 
 
 def _config(root: Path) -> str:
