@@ -259,10 +259,16 @@ struct Broker {
 }
 
 impl Broker {
+    /// A broker with `config`, given the S3 server's credentials.
     fn start(dir: &Path, config: &str) -> Broker {
+        Broker::start_with(dir, config, s3_env)
+    }
+
+    /// A broker with `config`, its environment set by `env`.
+    fn start_with(dir: &Path, config: &str, env: impl FnOnce(Command) -> Command) -> Broker {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("broker.toml"), config).unwrap();
-        let mut cmd = s3_env(command(EXE));
+        let mut cmd = env(command(EXE));
         batchcast_broker::child::die_with_parent(&mut cmd);
         let process = BrokerProcess::spawn_with(
             cmd,
@@ -353,6 +359,17 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
             &data.shard_pattern(&format!("{}/shards", http.url())),
             "[stream.remote]\npart_mib = 1",
         ),
+        shard_stream(
+            "s3_shards_kept",
+            &data.shard_pattern("s3://data/shards"),
+            &remote(
+                &s3,
+                &format!(
+                    "cache_dir = \"{}\"\ncache_dir_mib = 256\npart_mib = 1",
+                    data.p("cache_shards")
+                ),
+            ),
+        ),
     ]
     .join("\n");
     let dir = data.dir.path().join("b1");
@@ -377,6 +394,11 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         digests(&b, "http_shards"),
         local_shards,
         "HTTP shards = local shards"
+    );
+    assert_eq!(
+        digests(&b, "s3_shards_kept"),
+        local_shards,
+        "S3 shards with a disk tier = local shards"
     );
 
     let r = b.remote("s3");
@@ -413,6 +435,15 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
     let r = b.remote("s3");
     assert_eq!(r.requests, 0, "nothing went to S3: {r:#?}");
     assert_eq!(r.disk_hits, 2 * data.n, "{r:#?}");
+    // Shards too: their parts were kept when the shards were indexed, and
+    // each member is cut from its part on disk.
+    assert_eq!(digests(&b, "s3_shards_kept"), local_shards);
+    let r = b.remote("s3_shards_kept");
+    assert_eq!((r.requests, r.failed), (0, 0), "nothing went to S3: {r:#?}");
+    assert!(
+        r.disk_hits > 0 && r.disk_hits < 2 * data.n,
+        "members read from their parts, each part once per run: {r:#?}"
+    );
     assert!(b.log().contains("from the disk tier"), "{}", b.log());
     no_secret("the log", &b.log());
     // With listing_max_age_s = 0 it lists again (one request).
@@ -459,25 +490,15 @@ fn azure_and_gcs_urls_give_the_local_bytes() {
         ),
     ]
     .join("\n");
-    let dir = data.dir.path().join("b");
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("broker.toml"), &cfg).unwrap();
-    let mut cmd = command(EXE);
-    cmd.env("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
-        .env("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
-        .env("GOOGLE_BEARER_TOKEN", SECRET)
-        .env_remove("AZURE_STORAGE_USE_EMULATOR")
-        .env_remove("GOOGLE_SERVICE_ACCOUNT")
-        .env_remove("GOOGLE_APPLICATION_CREDENTIALS");
-    batchcast_broker::child::die_with_parent(&mut cmd);
-    let process = BrokerProcess::spawn_with(
-        cmd,
-        Some(&dir.join("broker.toml")),
-        &dir.join("b.sock"),
-        Some(&dir.join("broker.log")),
-    )
-    .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
-    let b = Broker { process, dir };
+    let b = Broker::start_with(&data.dir.path().join("b"), &cfg, |mut cmd| {
+        cmd.env("AZURE_STORAGE_ACCOUNT_NAME", "devstoreaccount1")
+            .env("AZURE_STORAGE_ACCOUNT_KEY", AZURITE_KEY)
+            .env("GOOGLE_BEARER_TOKEN", SECRET)
+            .env_remove("AZURE_STORAGE_USE_EMULATOR")
+            .env_remove("GOOGLE_SERVICE_ACCOUNT")
+            .env_remove("GOOGLE_APPLICATION_CREDENTIALS");
+        cmd
+    });
     let digests = |s: &str| epoch_digests(&b.consume(&["--stream", s, "--digest"]));
     let local = digests("local");
     let local_shards = digests("local_shards");

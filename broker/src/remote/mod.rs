@@ -275,19 +275,46 @@ impl RemoteSet {
         (start < size).then(|| Unit::range(o, start..(start + p).min(size)))
     }
 
-    /// A member's bytes from the shard part the disk tier holds them in.
-    fn member_on_disk(&self, u: Unit) -> Option<Bytes> {
-        let disk = self.disk.as_ref()?;
-        let r = u.bytes()?;
-        let p = self.part_bytes?;
-        let part = self.part(u.object, r.start / p)?;
-        let pr = part.bytes()?;
-        if r.end > pr.end {
-            return None; // spans two parts: read it from the store
-        }
-        let bytes = disk.get(&self.disk_key(part))?;
-        let slice = bytes.get((r.start - pr.start) as usize..(r.end - pr.start) as usize)?;
-        Some(Bytes::copy_from_slice(slice))
+    /// Members' bytes (by offset, as a run holds them) from the shard
+    /// parts the disk tier holds them in, `None` for each it does not
+    /// hold whole: each part is read (and checked) once for all its
+    /// members in a row, not once per member, and a member spanning parts
+    /// is put together from them.
+    fn members_on_disk(&self, units: &[Unit]) -> Vec<Option<Bytes>> {
+        let (Some(disk), Some(p)) = (self.disk.as_ref(), self.part_bytes) else {
+            return vec![None; units.len()];
+        };
+        // The last two parts read: a spanning member's two, or one's.
+        let mut held: Vec<(Unit, Option<Bytes>)> = Vec::with_capacity(2);
+        let mut part_on_disk = |part: Unit| {
+            if let Some((_, b)) = held.iter().find(|(q, _)| *q == part) {
+                return b.clone();
+            }
+            let b = disk.get(&self.disk_key(part));
+            if held.len() == 2 {
+                held.remove(0);
+            }
+            held.push((part, b.clone()));
+            b
+        };
+        let mut cut = |u: Unit| {
+            let r = u.bytes()?;
+            if r.is_empty() {
+                return Some(Bytes::new());
+            }
+            let (first, last) = (r.start / p, (r.end - 1) / p);
+            let mut out = Vec::with_capacity(usize::try_from(r.end - r.start).ok()?);
+            for i in first..=last {
+                let part = self.part(u.object, i)?;
+                let pr = part.bytes()?;
+                let b = part_on_disk(part)?;
+                let lo = usize::try_from(r.start.max(pr.start) - pr.start).ok()?;
+                let hi = usize::try_from(r.end.min(pr.end) - pr.start).ok()?;
+                out.extend_from_slice(b.get(lo..hi)?);
+            }
+            Some(Bytes::from(out))
+        };
+        units.iter().map(|&u| cut(u)).collect()
     }
 
     /// Fetches unit `u`: from the disk tier (a whole object or part as
@@ -301,7 +328,7 @@ impl RemoteSet {
                 if kept {
                     me.disk.as_ref().and_then(|d| d.get(&me.disk_key(u)))
                 } else {
-                    me.member_on_disk(u)
+                    me.members_on_disk(&[u]).pop().flatten()
                 }
             })
             .await
@@ -343,10 +370,8 @@ impl RemoteSet {
             let me = self.clone();
             let units = run.clone();
             let found = tokio::task::spawn_blocking(move || {
-                units
-                    .into_iter()
-                    .map(|u| (u, me.member_on_disk(u)))
-                    .collect::<Vec<_>>()
+                let found = me.members_on_disk(&units);
+                units.into_iter().zip(found).collect::<Vec<_>>()
             })
             .await
             // The disk tier failed us: every member from the store.
