@@ -1,23 +1,28 @@
 """Datasets where they live: the same photographs read by one broker from
 local disk; from nginx (plain HTTP with range requests, the folder through
-a manifest) and from moto's S3 server, each directly and behind 20 ms and
-50 ms of added round trip; as an image folder and as tar shards; with
-read-ahead off and on, and with the disk tier. Then a burst of 400
-answers of 503 SlowDown in mid-run, and how throughput comes back.
+a manifest) and from s3s-fs (an S3 server in Rust over a folder, from the
+s3s project, checking SigV4 signatures), each directly and behind 20 ms
+and 50 ms of added round trip; as an image folder and as tar shards; with
+read-ahead off and on, and with the disk tier. moto's S3 server (Python,
+the one the tests use) gives one reference row: a server whose own CPU
+bounds it. Then a burst of 400 answers of 503 SlowDown in mid-run, and
+how throughput comes back.
 
-Each row: one broker (workers = 1) and one consumer reading 3 epochs of
-RandomResizedCrop(224) + flip + Normalize batches of 32 (6 epochs; 1
-without read-ahead); images/s as the
-consumer saw them, the broker's CPU per image, and the servers' and
-proxies' CPU per image (they share this machine's cores: stated, not
-hidden). The round trip is added by a TCP proxy
-(bench/src/latency_proxy.rs: each byte delayed half the RTT each way,
-bandwidth unlimited), since this kernel has no netem. Read-ahead "on" is
-256 units, 64 requests, 8 MiB, 1 MiB shard parts: less than a 13 MB dataset,
-so every epoch fetches it again (with a window larger than the dataset,
-later epochs would be served from the window's memory).
+Each row: one broker (workers = 1) and one consumer reading 6 epochs of
+RandomResizedCrop(224) + flip + Normalize batches of 32 (1 epoch without
+read-ahead); images/s as the consumer saw them, the median of --repeat
+runs for the local and read-ahead rows (one run for the slow rows without
+it); the broker's CPU per image, and the servers' and proxies' CPU per
+image (they share this machine's cores: stated, not hidden). The round
+trip is added by a TCP proxy (bench/src/latency_proxy.rs: each byte
+delayed half the RTT each way, bandwidth unlimited), since this kernel
+has no netem. Read-ahead "on" is 256 units, 128 requests, 16 MiB, 2 MiB
+shard parts: a third of the dataset, so every epoch fetches it again.
 
-Usage: python bench/remote.py DATASET [--epochs 6]
+Usage: python bench/remote.py DATASET [--epochs 6] [--repeat 3]
+    [--only "image folder"|"tar shards"]
+(bench/remote.sh installs nginx, runs scripts/setup for moto and s3s-fs,
+builds, and runs this.)
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ def free_port() -> int:
 
 
 def wait_port(port: int):
-    """Returns once something listens on `port` (at most about 10 s)."""
+    """Returns once something listens on `port`; fails after about 10 s."""
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), 0.2).close()
             return
         except OSError:
             time.sleep(0.05)
+    raise SystemExit(f"nothing listens on port {port} after 10 s: the server did not start")
 
 
 def start_objserver(*args: str) -> tuple[subprocess.Popen, str]:
@@ -74,6 +80,19 @@ def start_objserver(*args: str) -> tuple[subprocess.Popen, str]:
 def start_moto() -> tuple[subprocess.Popen, str]:
     port = free_port()
     p = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return p, f"http://127.0.0.1:{port}"
+
+
+def start_s3s(root: Path) -> tuple[subprocess.Popen, str]:
+    """s3s-fs serving `root` (its folders are buckets) with the bench's
+    key pair."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    exe = os.environ.get("S3S_FS") or str(REPO / ".venv" / "s3s-fs" / "bin" / "s3s-fs")
+    p = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--access-key", ENV["AWS_ACCESS_KEY_ID"],
+                          "--secret-key", ENV["AWS_SECRET_ACCESS_KEY"], str(root)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     return p, f"http://127.0.0.1:{port}"
@@ -164,6 +183,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dataset", type=Path)
     ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each local and read-ahead row (the median is shown)")
     ap.add_argument("--only", choices=["image folder", "tar shards"],
                     help="one form's rows (and the 503 burst with the shards)")
     a = ap.parse_args()
@@ -199,8 +220,13 @@ def start_latency(upstream: str, one_way_ms: float) -> tuple[subprocess.Popen, s
 
 AHEAD = {
     "off": "read_ahead = 0",
-    "on": "read_ahead = 256\nrequests = 64\nread_ahead_mib = 16\npart_mib = 2",
+    "on": "read_ahead = 256\nrequests = 128\nread_ahead_mib = 16\npart_mib = 2",
 }
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The run with the median images/s (its CPU and counters with it)."""
+    return sorted(runs, key=lambda r: r["images_s"])[len(runs) // 2]
 
 
 def bench(a, work: Path):
@@ -212,20 +238,30 @@ def bench(a, work: Path):
     (www / "train" / "MANIFEST").write_text("\n".join(files) + "\n")
     procs = []
     try:
-        moto, s3 = start_moto()
+        moto, motourl = start_moto()
         procs.append(moto)
-        subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(root), "train/"], check=True,
+        subprocess.run([PY, OBJSERVER, "s3-load", motourl, "data", str(root), "train/"], check=True,
                        stdout=subprocess.DEVNULL)
-        subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(www / "shards"), "shards/"],
+        subprocess.run([PY, OBJSERVER, "s3-load", motourl, "data", str(www / "shards"), "shards/"],
                        check=True, stdout=subprocess.DEVNULL)
         nginx, http = start_nginx(work, www)
-        procs.append(nginx)
+        s3s, s3 = start_s3s(work / "s3s")
+        procs += [nginx, s3s]
+        # Uploaded, not copied into its folder: s3s-fs keeps the ETag of
+        # an object it was sent, and hashes a copied-in file's whole
+        # content on every GET (5 CPU-ms per shard member).
+        for src, prefix in ((root, "train/"), (www / "shards", "shards/")):
+            subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(src), prefix], check=True,
+                           stdout=subprocess.DEVNULL, env=ENV)
         via = {}
         for rtt in (0, 20, 50):
             for name, up in (("http", http), ("s3", s3)):
                 p, url = start_latency(up, rtt / 2)
                 procs.append(p)
                 via[(name, rtt)] = url
+        p, url = start_latency(motourl, 10)
+        procs.append(p)
+        via[("moto", 20)] = url
         pids = [p.pid for p in procs]
         pattern = f"shard-{{000000..{n_shards - 1:06d}}}.tar"
         forms = {
@@ -235,33 +271,36 @@ def bench(a, work: Path):
         }
         if a.only:
             forms = {a.only: forms[a.only]}
+        names = {"http": "nginx (HTTP)", "s3": "s3s-fs (S3)", "moto": "moto (S3)"}
+        grid = [(server, rtt, ahead) for server in ("http", "s3") for rtt in (0, 20, 50)
+                for ahead in ("off", "on") if not (ahead == "off" and rtt == 50)]
+        grid.append(("moto", 20, "on"))
         rows = []
         for form, (local, http_url, s3_url, manifest) in forms.items():
-            base = run_row(work, local, None, a.epochs, pids)
+            base = median_row([run_row(work, local, None, a.epochs, pids) for _ in range(a.repeat)])
             rows.append((form, "local disk", "-", base))
             print(f"{form}: local {base['images_s']:.0f} images/s")
-            for server in ("http", "s3"):
-                for rtt in (0, 20, 50):
-                    for ahead in ("off", "on"):
-                        if ahead == "off" and rtt == 50:
-                            continue
-                        url = via[(server, rtt)]
-                        if server == "http":
-                            dataset = http_url.replace("{http}", url)
-                            keys = AHEAD[ahead]
-                        else:
-                            dataset = s3_url
-                            keys = f'endpoint = "{url}"\n{AHEAD[ahead]}'
-                        # Without read-ahead a row is slow: one epoch is enough.
-                        epochs = 1 if ahead == "off" else a.epochs
-                        r = run_row(work, dataset, keys, epochs, pids, manifest=manifest if server == "http" else None)
-                        where = ("nginx (HTTP)" if server == "http" else "moto (S3)") + (f" + {rtt} ms RTT" if rtt else "")
-                        rows.append((form, where, ahead, r))
-                        print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
+            for server, rtt, ahead in grid:
+                url = via[(server, rtt)]
+                if server == "http":
+                    dataset = http_url.replace("{http}", url)
+                    keys = AHEAD[ahead]
+                else:
+                    dataset = s3_url
+                    keys = f'endpoint = "{url}"\n{AHEAD[ahead]}'
+                # Without read-ahead a row is slow: one epoch, one run.
+                epochs, runs = (1, 1) if ahead == "off" else (a.epochs, a.repeat)
+                r = median_row([run_row(work, dataset, keys, epochs, pids,
+                                        manifest=manifest if server == "http" else None)
+                                for _ in range(runs)])
+                where = names[server] + (f" + {rtt} ms RTT" if rtt else "")
+                rows.append((form, where, ahead, r))
+                print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
+            # The disk tier: epoch 1 from the store, the rest from disk.
             cache = work / f"cache-{len(rows)}"
             r = run_row(work, s3_url, f'endpoint = "{via[("s3", 20)]}"\n{AHEAD["on"]}\n'
                         f'cache_dir = "{cache}"\ncache_dir_mib = 4096', a.epochs, pids)
-            rows.append((form, "moto (S3) + 20 ms RTT", "on, + disk tier", r))
+            rows.append((form, names["s3"] + " + 20 ms RTT", "on, + disk tier", r))
             print(f"{form}: + disk tier {r['images_s']:.0f} images/s")
         print_rows(rows)
         if "tar shards" not in forms:
@@ -308,7 +347,7 @@ def print_burst(r):
     during = med([v for t, v in rates if 3.0 <= t < 5.0])
     after = med([v for t, v in rates if t >= 6.0])
     rem = r["remote"] or {}
-    print("\n| tar shards, moto (S3) behind the fault proxy, read-ahead on | images/s (median of 0.25 s windows) |")
+    print("\n| tar shards, s3s-fs (S3) behind the fault proxy, read-ahead on | images/s (median of 0.25 s windows) |")
     print("|---|---:|")
     print(f"| before the burst (1-3 s) | {before:.0f} |")
     print(f"| the 2 s after 400 answers of 503 SlowDown (3-5 s) | {during:.0f} |")

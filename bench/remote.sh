@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The same photographs read from local disk, nginx (HTTP) and moto (S3),
-# directly and behind 20 and 50 ms of added round trip; image folder and tar
-# shards; read-ahead off and on, the disk tier; a burst of 503 SlowDown
-# (bench/remote.py prints the tables).
-# Usage: bench/remote.sh DATASET [--epochs 6]
+# The same photographs read from local disk, nginx (HTTP) and s3s-fs (S3;
+# moto for one reference row), directly and behind 20 and 50 ms of added
+# round trip; image folder and tar shards; read-ahead off and on, the disk
+# tier; a burst of 503 SlowDown (bench/remote.py prints the tables).
+# Usage: bench/remote.sh DATASET [--epochs 6] [--repeat 3] [--only FORM]
 #   (DATASET: a folder of JPEG photographs; make one with
 #   `python bench/prepare_photos.py OUT`.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# nginx below; moto, s3s-fs and the rest from scripts/setup.
 bash scripts/setup
 cargo build --release -q -p batchcast-broker -p batchcast-bench --bin batchcast --bin latency_proxy
 if ! command -v nginx >/dev/null; then

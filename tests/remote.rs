@@ -1,8 +1,9 @@
 //! Datasets where they live: the same image folder and tar shards read
-//! from local disk, from an S3 server (moto's, started here), from a plain
-//! HTTP server with range requests (tests/support/objserver.py), and
-//! through a fault-injecting proxy; every form's batches byte-identical to
-//! the local ones.
+//! from local disk, from S3 servers (moto's, and s3s-fs, which checks
+//! signatures, started here), Azure's emulator, a plain HTTP server with
+//! range requests (tests/support/objserver.py), a WebDAV server, and
+//! through a fault-injecting proxy; every form's batches byte-identical
+//! to the local ones.
 
 mod common;
 
@@ -99,6 +100,44 @@ impl Server {
         Server::listening(child, port, "azurite")
     }
 
+    /// s3s-fs (the s3s project's S3 server over a folder, installed by
+    /// scripts/setup) on a free port, serving `dir` to the key pair
+    /// `s3_env` sets; unlike moto it checks request signatures.
+    fn s3s(dir: &Path) -> Server {
+        let exe = repo().join(".venv/s3s-fs/bin/s3s-fs");
+        assert!(
+            exe.exists(),
+            "{} is missing: run `bash scripts/setup`",
+            exe.display()
+        );
+        std::fs::create_dir_all(dir).unwrap();
+        let port = free_port();
+        let child = command(exe)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", "testing", "--secret-key", SECRET])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Server::listening(child, port, "s3s-fs")
+    }
+
+    /// A WebDAV server (WsgiDAV, installed by scripts/setup) publishing
+    /// `root`: it lists a folder (PROPFIND), where plain HTTP cannot.
+    fn webdav(root: &str) -> Server {
+        let port = free_port();
+        let child = command(python())
+            .args(["-m", "wsgidav.server.server_cli", "-H", "127.0.0.1"])
+            .args(["-p", &port.to_string(), "-r", root])
+            .args(["--auth", "anonymous", "--no-config", "-q"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Server::listening(child, port, "wsgidav")
+    }
+
     /// `child`, once it listens on `port`.
     fn listening(child: Child, port: u16, what: &str) -> Server {
         let s = Server { child, port };
@@ -179,9 +218,10 @@ impl Data {
     }
 }
 
-/// Uploads `dir`'s files under `prefix` of bucket (container) `data`.
+/// Uploads `dir`'s files under `prefix` of bucket (container) `data`
+/// (to an S3 server, with the key pair `s3_env` sets).
 fn load_dir(loader: &str, endpoint: &str, dir: &str, prefix: &str) {
-    let out = common::run(command(python()).args([
+    let out = common::run(s3_env(command(python())).args([
         repo().join("tests/support/objserver.py").to_str().unwrap(),
         loader,
         endpoint,
@@ -328,6 +368,7 @@ fn no_secret(what: &str, text: &str) {
 fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() {
     let data = Data::new();
     let http = Server::objserver(&["files", &data.p("")]);
+    let dav = Server::webdav(&data.p("ds"));
     let s3 = data.s3.url();
     let cache = data.p("cache");
     let cfg = [
@@ -346,6 +387,12 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
                 "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
                 http.url()
             ),
+            "",
+        ),
+        // No manifest: a WebDAV server lists the folder.
+        stream(
+            "webdav",
+            &format!("[stream.image_folder]\nroot = \"{}/\"", dav.url()),
             "",
         ),
         shard_stream("local_shards", &data.shard_pattern(&data.p("shards")), ""),
@@ -383,6 +430,11 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         digests(&b, "http"),
         local,
         "HTTP folder by manifest = local folder"
+    );
+    assert_eq!(
+        digests(&b, "webdav"),
+        local,
+        "WebDAV folder, listed = local folder"
     );
     let local_shards = digests(&b, "local_shards");
     assert_eq!(
@@ -550,6 +602,65 @@ fn azure_and_gcs_urls_give_the_local_bytes() {
         "{e}"
     );
     assert!(!e.contains(&wrong), "the key shows: {e}");
+}
+
+/// s3s-fs checks SigV4 signatures (moto does not): the broker's signed
+/// listing, GETs and range GETs are accepted and give the local bytes; a
+/// wrong secret is refused, by name, and no secret shows.
+#[test]
+fn a_server_that_checks_signatures_accepts_the_brokers_and_refuses_a_wrong_secret() {
+    let data = Data::new();
+    let s3s = Server::s3s(&data.dir.path().join("s3s"));
+    data.load("s3-load", &s3s.url(), &["train/", "shards/"]);
+    let cfg = [
+        folder_stream("local", &data.p("ds"), ""),
+        shard_stream("local_shards", &data.shard_pattern(&data.p("shards")), ""),
+        folder_stream("s3", "s3://data/train/", &remote(&s3s.url(), "")),
+        shard_stream(
+            "s3_shards",
+            &data.shard_pattern("s3://data/shards"),
+            &remote(&s3s.url(), "part_mib = 1"),
+        ),
+    ]
+    .join("\n");
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let digests = |s: &str| epoch_digests(&b.consume(&["--stream", s, "--digest"]));
+    assert_eq!(digests("s3"), digests("local"), "S3 folder = local folder");
+    assert_eq!(
+        digests("s3_shards"),
+        digests("local_shards"),
+        "S3 shards = local shards"
+    );
+    for s in ["s3", "s3_shards"] {
+        let r = b.remote(s);
+        assert!(r.requests > 0 && r.failed == 0, "{s}: {r:#?}");
+    }
+    no_secret(
+        "stats and the log",
+        &format!("{:?}\n{}", b.stats(), b.log()),
+    );
+
+    let wrong = format!("{SECRET}-not");
+    std::fs::write(
+        b.dir.join("s3.toml"),
+        folder_stream("s3", "s3://data/train/", &remote(&s3s.url(), "retries = 0")),
+    )
+    .unwrap();
+    let out = common::run(
+        s3_env(command(EXE))
+            .env("AWS_SECRET_ACCESS_KEY", &wrong)
+            .args(["serve", "--config"])
+            .arg(b.dir.join("s3.toml"))
+            .arg("--socket")
+            .arg(b.dir.join("s3.sock")),
+    );
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a wrong secret was accepted");
+    assert!(
+        e.contains("s3://data/train/") && e.contains("access denied"),
+        "{e}"
+    );
+    no_secret("the refusal", &e);
 }
 
 #[test]

@@ -217,12 +217,15 @@ def serve(server):
 
 def s3_load(endpoint, bucket, root, prefix):
     import boto3
+    # The environment's key pair where one is set (a server that checks
+    # signatures), else moto's usual one.
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing")
+                      aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+                      aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"))
     try:
         s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
+    except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
+        pass  # loaded before (s3s-fs says the latter)
     n = 0
     for d, _, files in os.walk(root):
         for f in files:
