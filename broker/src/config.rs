@@ -387,8 +387,8 @@ fn default_read_ahead_mib() -> u64 {
 }
 fn default_requests() -> u32 {
     // At 50 ms a request, 64 in flight bound an image folder at 1,280
-    // objects/s (bench/remote.py: 0.57x of local disk behind an S3
-    // server, 0.87x with 128).
+    // objects/s (bench/remote.py: 0.58x of local disk behind an S3
+    // server, 0.86x with 128).
     128
 }
 fn default_part_mib() -> u64 {

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,17 @@ dtype = "u8"
 """
 
 
-def _slurm_env(tmp: Path) -> dict:
+@pytest.fixture
+def nodes():
+    """The fake nodes' local folders, under a short path: a socket path
+    under pytest's tmp_path (which grows with its run counter) can pass
+    the 108 bytes a Unix socket allows, and the job refuses it."""
+    d = Path(tempfile.mkdtemp(prefix="bc-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _slurm_env(tmp: Path, nodes: Path) -> dict:
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
     srun = bindir / "srun"
@@ -109,13 +120,13 @@ def _slurm_env(tmp: Path) -> dict:
         SLURM_NNODES=str(NODES),
         SLURM_NTASKS_PER_NODE=str(TASKS),
         SLURM_SUBMIT_DIR=str(REPO),
-        FAKE_SLURM_ROOT=str(tmp / "n"),
+        FAKE_SLURM_ROOT=str(nodes),
         FAKE_SRUN_LOG=str(tmp / "srun.log"),
     )
     return env
 
 
-def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path):
+def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path, nodes):
     root = tmp_path / "images"
     small_image_folder(root, IMAGES, seed=11)
     config = tmp_path / "broker.toml"
@@ -124,7 +135,7 @@ def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path):
     task.write_text(TASK)
     out = tmp_path / "out"
     out.mkdir()
-    env = _slurm_env(tmp_path)
+    env = _slurm_env(tmp_path, nodes)
     r = subprocess.run(
         ["bash", str(SLURM / "batchcast.sbatch"), str(config), sys.executable, str(task), str(out)],
         env=env, capture_output=True, text=True, timeout=4 * LIMIT,
@@ -134,7 +145,7 @@ def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path):
     # Each node's tasks read their node's broker: one socket per node, node-local.
     for node in range(NODES):
         sockets = {t["socket"] for t in reports if t["node"] == node}
-        assert sockets == {str(tmp_path / "n" / f"node{node}" / "batchcast-4242" / "batchcast.sock")}, sockets
+        assert sockets == {str(nodes / f"node{node}" / "batchcast-4242" / "batchcast.sock")}, sockets
         # The broker stopped with the job and removed its socket.
         assert not os.path.exists(sockets.pop())
     for epoch in range(EPOCHS):
@@ -150,7 +161,7 @@ def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path):
         assert counts == {IMAGES // NODES // TASKS // BATCH}, "every task as many batches"
     launches = (tmp_path / "srun.log").read_text().splitlines()
     assert launches[0].startswith(f"--overlap --nodes={NODES} --ntasks-per-node=1"), launches[0]
-    assert not any(p.exists() for p in (tmp_path / "n").glob("node*/batchcast-4242/batchcast.sock"))
+    assert not any(p.exists() for p in nodes.glob("node*/batchcast-4242/batchcast.sock"))
 
 
 @pytest.mark.parametrize(
@@ -162,8 +173,8 @@ def test_the_sbatch_script_runs_a_broker_per_node_and_the_jobs_tasks(tmp_path):
         ({"BATCHCAST_BIN": None, "PATH": "/usr/bin:/bin"}, "no batchcast binary"),
     ],
 )
-def test_the_slurm_functions_refuse_a_bad_environment_naming_it(tmp_path, change, says):
-    env = _slurm_env(tmp_path)
+def test_the_slurm_functions_refuse_a_bad_environment_naming_it(tmp_path, nodes, change, says):
+    env = _slurm_env(tmp_path, nodes)
     for k, v in change.items():
         if v is None:
             env.pop(k, None)
@@ -176,19 +187,19 @@ def test_the_slurm_functions_refuse_a_bad_environment_naming_it(tmp_path, change
     assert r.returncode == 2 and says in r.stderr, (r.returncode, r.stderr)
 
 
-def test_a_broker_that_cannot_start_fails_the_job_naming_why(tmp_path):
+def test_a_broker_that_cannot_start_fails_the_job_naming_why(tmp_path, nodes):
     config = tmp_path / "broker.toml"
     config.write_text("[[stream]]\nname = 'train'\nbatch_size = 0\n")
     r = subprocess.run(
         ["bash", str(SLURM / "batchcast.sbatch"), str(config), "true"],
-        env=_slurm_env(tmp_path), capture_output=True, text=True, timeout=4 * LIMIT,
+        env=_slurm_env(tmp_path, nodes), capture_output=True, text=True, timeout=4 * LIMIT,
     )
     assert r.returncode != 0
     assert "broker step exited" in r.stderr, r.stderr
 
 
-def test_a_missing_config_or_a_too_long_node_local_socket_path_is_refused(tmp_path):
-    env = _slurm_env(tmp_path)
+def test_a_missing_config_or_a_too_long_node_local_socket_path_is_refused(tmp_path, nodes):
+    env = _slurm_env(tmp_path, nodes)
     r = subprocess.run(
         ["bash", str(SLURM / "batchcast.sbatch"), str(tmp_path / "none.toml"), "true"],
         env=env, capture_output=True, text=True, timeout=LIMIT,
@@ -205,15 +216,15 @@ def test_a_missing_config_or_a_too_long_node_local_socket_path_is_refused(tmp_pa
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a directory owned by another user needs root")
-def test_a_socket_directory_another_user_made_is_refused(tmp_path):
+def test_a_socket_directory_another_user_made_is_refused(tmp_path, nodes):
     config = tmp_path / "broker.toml"
     config.write_text(CONFIG.format(batch=BATCH, epochs=EPOCHS, tasks=TASKS, root=tmp_path))
-    planted = tmp_path / "n" / "node1" / "batchcast-4242"
+    planted = nodes / "node1" / "batchcast-4242"
     planted.mkdir(parents=True)
     os.chown(planted, 65534, 65534)  # nobody's, on node 1's "shared /tmp"
     r = subprocess.run(
         ["bash", str(SLURM / "batchcast.sbatch"), str(config), "true"],
-        env=_slurm_env(tmp_path), capture_output=True, text=True, timeout=4 * LIMIT,
+        env=_slurm_env(tmp_path, nodes), capture_output=True, text=True, timeout=4 * LIMIT,
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"{planted} on " in r.stderr and "is not a directory of yours" in r.stderr, r.stderr
