@@ -13,10 +13,13 @@ RandomResizedCrop(224) + flip + Normalize batches of 32 (1 epoch without
 read-ahead); images/s as the consumer saw them, the median of --repeat
 runs for the local and read-ahead rows (one run for the slow rows without
 it); the broker's CPU per image, and the servers' and proxies' CPU per
-image (they share this machine's cores: stated, not hidden). The round
-trip is added by a TCP proxy (bench/src/latency_proxy.rs: each byte
-delayed half the RTT each way, bandwidth unlimited), since this kernel
-has no netem. Read-ahead "on" is 256 units, 128 requests, 16 MiB, 2 MiB
+image (they share this machine's cores: stated, not hidden). The servers
+and proxies run at nice 19 (--server-nice): they stand in for a store on
+other machines, so they take the cores the broker leaves rather than half
+of its two; one row runs them at the broker's priority, for contrast.
+The round trip is added by a TCP proxy (bench/src/latency_proxy.rs: each
+byte delayed half the RTT each way, bandwidth unlimited), since this
+kernel has no netem. Read-ahead "on" is 256 units, 128 requests, 16 MiB, 2 MiB
 shard parts: a third of the dataset, so every epoch fetches it again.
 
 Usage: python bench/remote.py DATASET [--epochs 6] [--repeat 3]
@@ -48,10 +51,49 @@ OBJSERVER = str(REPO / "tests" / "support" / "objserver.py")
 ENV = dict(os.environ, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1")
 
 
+def family(pid: int) -> list[int]:
+    """`pid` and its descendants (nginx's worker, say)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of `pid` and its descendants."""
+    total = 0
+    for p in family(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                parts = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(parts[11]) + int(parts[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def renice(pids: list[int], nice: int):
+    """Every thread of `pids` (and their descendants) at `nice`: the
+    servers stand in for a store elsewhere, so they take only the cores
+    the broker leaves (see --server-nice)."""
+    for pid in pids:
+        for p in family(pid):
+            try:
+                for tid in os.listdir(f"/proc/{p}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except (ProcessLookupError, FileNotFoundError):
+                pass  # a thread or process that ended meanwhile
 
 
 def free_port() -> int:
@@ -185,6 +227,9 @@ def main():
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each local and read-ahead row (the median is shown)")
+    ap.add_argument("--server-nice", type=int, default=19,
+                    help="nice value of the servers and proxies (they stand in for a store on "
+                         "other machines; one row runs them at the broker's priority)")
     ap.add_argument("--only", choices=["image folder", "tar shards"],
                     help="one form's rows (and the 503 burst with the shards)")
     a = ap.parse_args()
@@ -272,15 +317,19 @@ def bench(a, work: Path):
         if a.only:
             forms = {a.only: forms[a.only]}
         names = {"http": "nginx (HTTP)", "s3": "s3s-fs (S3)", "moto": "moto (S3)"}
-        grid = [(server, rtt, ahead) for server in ("http", "s3") for rtt in (0, 20, 50)
+        grid = [(server, rtt, ahead, a.server_nice) for server in ("http", "s3") for rtt in (0, 20, 50)
                 for ahead in ("off", "on") if not (ahead == "off" and rtt == 50)]
-        grid.append(("moto", 20, "on"))
+        grid.append(("moto", 20, "on", a.server_nice))
+        # The servers' CPU taken from the broker's two cores, for contrast.
+        if a.server_nice != 0:
+            grid.append(("s3", 20, "on", 0))
         rows = []
         for form, (local, http_url, s3_url, manifest) in forms.items():
             base = median_row([run_row(work, local, None, a.epochs, pids) for _ in range(a.repeat)])
             rows.append((form, "local disk", "-", base))
             print(f"{form}: local {base['images_s']:.0f} images/s")
-            for server, rtt, ahead in grid:
+            for server, rtt, ahead, nice in grid:
+                renice(pids, nice)
                 url = via[(server, rtt)]
                 if server == "http":
                     dataset = http_url.replace("{http}", url)
@@ -294,9 +343,12 @@ def bench(a, work: Path):
                                         manifest=manifest if server == "http" else None)
                                 for _ in range(runs)])
                 where = names[server] + (f" + {rtt} ms RTT" if rtt else "")
+                if nice != a.server_nice:
+                    where += f", servers at nice {nice}"
                 rows.append((form, where, ahead, r))
                 print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
             # The disk tier: epoch 1 from the store, the rest from disk.
+            renice(pids, a.server_nice)
             cache = work / f"cache-{len(rows)}"
             r = run_row(work, s3_url, f'endpoint = "{via[("s3", 20)]}"\n{AHEAD["on"]}\n'
                         f'cache_dir = "{cache}"\ncache_dir_mib = 4096', a.epochs, pids)
@@ -307,6 +359,7 @@ def bench(a, work: Path):
             return
         proxy, purl = start_objserver("proxy", s3)
         procs.append(proxy)
+        renice(pids + [proxy.pid], a.server_nice)
         burst = run_row(work, forms["tar shards"][2], f'endpoint = "{purl}"\n{AHEAD["on"]}\nretries = 10',
                         40, pids + [proxy.pid], burst=(purl, 3.0))
         print_burst(burst)

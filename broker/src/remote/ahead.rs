@@ -9,11 +9,15 @@
 //! Room is made by dropping ready units the latest wanted list no longer
 //! names (oldest first); a unit in flight is never dropped. A unit is one
 //! sample (an object, or a tar member: the window holds what a shuffle
-//! buffer holds, not whole shard parts kept for one sample) and is taken
-//! out when read (one read each: a shared source decodes each sample
-//! once). A hint behind the lead (another pipeline thread's older batch)
-//! fetches nothing new. Reading a unit the window does not hold is the
-//! caller's business (a direct request).
+//! buffer holds, not whole shard parts kept for one sample) and is held
+//! for the positions it was admitted for: one read each (a shared source
+//! decodes each sample once). A sample the window names twice (near an
+//! epoch's end, the next epoch's first samples follow, and with them
+//! some of the last ones again) is fetched once and kept until its second
+//! read, not fetched again once the first took it, too late. A hint
+//! behind the lead (another pipeline thread's older batch) fetches
+//! nothing new. Reading a unit the window does not hold is the caller's
+//! business (a direct request).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -73,6 +77,9 @@ struct Entry {
     slot: Slot,
     /// Bytes counted against the window (the estimate until it arrives).
     bytes: u64,
+    /// The positions it was admitted for, in order: a read takes the
+    /// first; the bytes leave the window with the last.
+    reads: VecDeque<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +89,8 @@ struct Window {
     order: VecDeque<Unit>,
     bytes: u64,
     lead: Option<u64>,
+    /// Every position before this one is admitted (or behind the lead).
+    next: u64,
     closed: bool,
     /// Units arrived and their bytes (the estimate of unknown sizes).
     arrived: (u64, u64),
@@ -122,8 +131,9 @@ impl Ahead {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Which of `upcoming` (units with their sizes, in reading order) to
-    /// fetch now; they are in the window as pending when this returns.
+    /// Which of `upcoming` (the units of the samples at positions `lead`,
+    /// `lead + 1`, ..., with their sizes) to fetch now; they are in the
+    /// window as pending when this returns.
     pub fn admit(&self, lead: u64, upcoming: &[(Unit, u64)]) -> Vec<Unit> {
         if self.max_units == 0 || self.max_bytes == 0 {
             return Vec::new();
@@ -137,16 +147,18 @@ impl Ahead {
         // hold. Units further on are not worth keeping over nearer ones
         // (protecting every upcoming unit would let stale ones fill it).
         let mut room = self.max_bytes;
-        let wanted: HashSet<Unit> = upcoming
+        let mut seen = HashSet::new();
+        let near = upcoming
             .iter()
-            .take(self.max_units)
-            .take_while(|(_, size)| {
-                let fits = room > 0;
-                room = room.saturating_sub(self.estimate(&w, *size));
+            .take_while(|(u, size)| {
+                let fits = room > 0 && (seen.len() < self.max_units || seen.contains(u));
+                if fits && seen.insert(*u) {
+                    room = room.saturating_sub(self.estimate(&w, *size));
+                }
                 fits
             })
-            .map(|(u, _)| *u)
-            .collect();
+            .count();
+        let wanted = seen;
         // Tar members are fetched in bursts: while the next unit is held
         // (or on its way) and fewer than a quarter of the nearest are
         // missing, start nothing yet, so members of one shard go out
@@ -160,13 +172,20 @@ impl Ahead {
             return Vec::new();
         }
         let mut start = Vec::new();
-        for &(u, size) in upcoming {
-            if w.entries.contains_key(&u) {
+        let from = usize::try_from(w.next.saturating_sub(lead)).unwrap_or(usize::MAX);
+        for (k, &(u, size)) in upcoming.iter().enumerate().take(near).skip(from) {
+            let at = lead + k as u64;
+            if let Some(e) = w.entries.get_mut(&u) {
+                if !e.reads.contains(&at) {
+                    let i = e.reads.partition_point(|&p| p < at);
+                    e.reads.insert(i, at);
+                }
+                w.next = at + 1;
                 continue;
             }
             let size = self.estimate(&w, size);
             while w.entries.len() >= self.max_units || w.bytes + size > self.max_bytes {
-                if !self.drop_one(&mut w, &wanted) {
+                if !self.drop_one(&mut w, &wanted, lead) {
                     return start;
                 }
             }
@@ -175,10 +194,12 @@ impl Ahead {
                 Entry {
                     slot: Slot::Pending,
                     bytes: size,
+                    reads: VecDeque::from([at]),
                 },
             );
             w.order.push_back(u);
             w.bytes += size;
+            w.next = at + 1;
             start.push(u);
         }
         start
@@ -195,8 +216,9 @@ impl Ahead {
     }
 
     /// Drops the oldest ready (or failed) unit `wanted` does not name;
-    /// whether one was.
-    fn drop_one(&self, w: &mut Window, wanted: &HashSet<Unit>) -> bool {
+    /// whether one was. A position of its still ahead of `lead` is
+    /// admitted again later.
+    fn drop_one(&self, w: &mut Window, wanted: &HashSet<Unit>, lead: u64) -> bool {
         let victim = w.order.iter().position(|u| {
             !wanted.contains(u)
                 && w.entries
@@ -210,6 +232,9 @@ impl Ahead {
             && let Some(e) = w.entries.remove(&u)
         {
             w.bytes -= e.bytes;
+            if let Some(&at) = e.reads.iter().find(|&&p| p >= lead) {
+                w.next = w.next.min(at);
+            }
         }
         true
     }
@@ -239,8 +264,9 @@ impl Ahead {
         self.arrived.notify_all();
     }
 
-    /// The unit's bytes, taken out of the window, waiting while they are
-    /// on their way.
+    /// The unit's bytes for its first position, waiting while they are
+    /// on their way; they leave the window with the last (a failure at
+    /// once: a later position fetches again).
     pub fn take(&self, u: Unit) -> Taken {
         let mut w = self.lock();
         loop {
@@ -264,12 +290,22 @@ impl Ahead {
                 }
                 Slot::Ready(b) => {
                     let b = b.clone();
+                    if let Some(e) = w.entries.get_mut(&u) {
+                        e.reads.pop_front();
+                        if !e.reads.is_empty() {
+                            return Taken::Ready(b);
+                        }
+                    }
                     self.remove(&mut w, u);
                     return Taken::Ready(b);
                 }
                 Slot::Failed(err) => {
                     let err = err.clone();
+                    let later = e.reads.get(1).copied();
                     self.remove(&mut w, u);
+                    if let Some(at) = later {
+                        w.next = w.next.min(at);
+                    }
                     return Taken::Failed(err);
                 }
             }
@@ -316,7 +352,7 @@ mod tests {
         assert!(matches!(a.take(u(0)), Taken::Ready(b) if &b[..] == b"abc"));
         assert!(matches!(a.take(u(0)), Taken::Absent));
         // Room again: the next is admitted; an older hint admits nothing.
-        assert_eq!(a.admit(2, &list[1..]), vec![u(3)]);
+        assert_eq!(a.admit(1, &list[1..]), vec![u(3)]);
         assert!(a.admit(1, &list).is_empty());
         // A reader waiting on a pending unit is woken by its arrival.
         std::thread::scope(|s| {
@@ -364,6 +400,51 @@ mod tests {
         // A reader moved past what the window holds: the next unit
         // missing starts at once.
         assert_eq!(a.admit(12, &list[12..13]), vec![u(12)]);
+    }
+
+    #[test]
+    fn a_unit_named_twice_is_fetched_once_and_kept_for_its_second_read() {
+        // Near an epoch's end the next epoch's first samples follow: unit
+        // 3 is read at positions 1 and 4 (and unit 1 at 0 and 5).
+        let a = Ahead::new(8, 1 << 20);
+        let at = |objects: &[u32]| objects.iter().map(|&o| (u(o), 10)).collect::<Vec<_>>();
+        let list = at(&[1, 3, 5, 2, 3, 1]);
+        assert_eq!(a.admit(0, &list), vec![u(1), u(3), u(5), u(2)]);
+        for o in [1, 3, 5, 2] {
+            a.settle(u(o), Ok(Bytes::from(vec![o as u8; 10])));
+        }
+        assert!(matches!(a.take(u(1)), Taken::Ready(_)));
+        assert!(matches!(a.take(u(3)), Taken::Ready(_)));
+        // The reader moved on: nothing is fetched again, both still held
+        // for their second reads.
+        assert!(a.admit(2, &list[2..]).is_empty());
+        assert_eq!(a.held(), (4, 40));
+        assert!(matches!(a.take(u(5)), Taken::Ready(_)));
+        assert!(matches!(a.take(u(2)), Taken::Ready(_)));
+        assert!(matches!(a.take(u(3)), Taken::Ready(b) if b[0] == 3));
+        assert!(matches!(a.take(u(1)), Taken::Ready(b) if b[0] == 1));
+        // Read twice, gone.
+        assert_eq!(a.held(), (0, 0));
+        assert!(matches!(a.take(u(1)), Taken::Absent));
+    }
+
+    #[test]
+    fn a_failed_unit_named_again_is_fetched_again_for_its_later_read() {
+        let a = Ahead::new(8, 1 << 20);
+        let list = vec![(u(7), 10), (u(8), 10), (u(7), 10)];
+        assert_eq!(a.admit(0, &list), vec![u(7), u(8)]);
+        a.settle(
+            u(7),
+            Err(FetchError {
+                url: "x".into(),
+                kind: FailKind::Refused,
+                detail: "503".into(),
+            }),
+        );
+        a.settle(u(8), Ok(Bytes::from_static(b"8")));
+        assert!(matches!(a.take(u(7)), Taken::Failed(_)));
+        // Its second read is not answered by the first one's failure.
+        assert_eq!(a.admit(1, &list[1..]), vec![u(7)]);
     }
 
     #[test]

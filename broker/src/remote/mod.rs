@@ -25,6 +25,7 @@ pub mod ahead;
 pub mod disk;
 pub mod fetch;
 pub mod listing;
+pub mod runs;
 pub mod url;
 
 use std::ops::Range;
@@ -42,6 +43,7 @@ pub use ahead::Unit;
 use ahead::{Ahead, Taken};
 use disk::DiskCache;
 use fetch::{FetchError, Fetcher, Limits};
+use runs::runs;
 use url::{RemoteUrl, Scheme};
 
 /// How a remote dataset is read (`[stream.remote]`, planned).
@@ -553,34 +555,6 @@ impl RemoteSet {
     }
 }
 
-/// Members of one shard read close together are fetched by one range
-/// request when the bytes between them are few.
-const RUN_GAP: u64 = 64 << 10;
-
-/// `units` grouped into fetches: a whole object alone; members of one
-/// shard, by offset, merged while the gap between them is at most
-/// [`RUN_GAP`] and the run at most `max_run` bytes (a shard part).
-fn runs(mut units: Vec<Unit>, max_run: u64) -> Vec<Vec<Unit>> {
-    units.sort_by_key(|u| (u.object, u.start));
-    let mut out: Vec<Vec<Unit>> = Vec::new();
-    for u in units {
-        if let Some(run) = out.last_mut()
-            && let (Some(first), Some(last)) = (run.first(), run.last())
-            && u.bytes().is_some()
-            && last.bytes().is_some()
-            && last.object == u.object
-            && u.start >= last.end
-            && u.start - last.end <= RUN_GAP
-            && u.end - first.start <= max_run
-        {
-            run.push(u);
-            continue;
-        }
-        out.push(vec![u]);
-    }
-    out
-}
-
 /// Refuses a sample of more than `max_bytes` (the source's `max_file_bytes`).
 pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
     if len > max_bytes {
@@ -592,43 +566,4 @@ pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
         ));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn m(object: u32, r: Range<u64>) -> Unit {
-        Unit::range(object, r)
-    }
-
-    #[test]
-    fn members_close_together_are_one_request_and_whole_objects_their_own() {
-        let units = vec![
-            m(1, 5000..6000),
-            m(0, 0..100),
-            m(0, 612..900),
-            // 100 KiB further on: past the gap, a run of its own.
-            m(0, 900 + (100 << 10)..1000 + (100 << 10)),
-            Unit::whole(7),
-            Unit::whole(8),
-            m(1, 6512..7000),
-        ];
-        assert_eq!(
-            runs(units, 1 << 20),
-            vec![
-                vec![m(0, 0..100), m(0, 612..900)],
-                vec![m(0, 900 + (100 << 10)..1000 + (100 << 10))],
-                vec![m(1, 5000..6000), m(1, 6512..7000)],
-                vec![Unit::whole(7)],
-                vec![Unit::whole(8)],
-            ]
-        );
-        // A run stops at a part's size.
-        let close: Vec<_> = (0..10).map(|i| m(0, i * 100..i * 100 + 90)).collect();
-        assert_eq!(
-            runs(close, 500).iter().map(Vec::len).collect::<Vec<_>>(),
-            vec![5, 5]
-        );
-    }
 }

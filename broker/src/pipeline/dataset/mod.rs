@@ -132,7 +132,8 @@ impl Dataset {
     }
 
     /// The pipeline reads at `lead` (a position in its sequence) the
-    /// samples `upcoming` next: a remote dataset fetches ahead of it.
+    /// samples `upcoming` next: a remote dataset fetches ahead of it. A
+    /// sample named twice stays twice: each is a read at its position.
     pub fn want(&self, lead: u64, upcoming: impl Iterator<Item = u64>) {
         let Some(r) = &self.remote else {
             return;
@@ -144,15 +145,16 @@ impl Dataset {
             let (o, range) = match &self.items[i as usize].loc {
                 Location::Object(o) => (*o, None),
                 Location::Member { shard, offset, len } => (*shard, Some(*offset..*offset + *len)),
-                Location::File(_) => continue,
+                // Not in a remote dataset; the positions after it would
+                // be misplaced.
+                Location::File(_) => break,
             };
             let u = r.unit_of(o, range);
-            if seen.insert(u.0) {
-                units.push(u);
-            }
-            if units.len() >= limit {
+            if !seen.contains(&u.0) && seen.len() >= limit {
                 break;
             }
+            seen.insert(u.0);
+            units.push(u);
         }
         r.want(lead, &units);
     }
