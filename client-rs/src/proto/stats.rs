@@ -34,7 +34,11 @@ impl StatsReply {
     /// registrations, then streams. So a reply always fits, and nothing is
     /// dropped without a count. Whether anything was left out.
     pub fn fit(&mut self, limit: usize) -> bool {
-        let fits = |r: &StatsReply| postcard::to_stdvec(r).is_ok_and(|v| v.len() <= limit);
+        // Counted, not encoded: the reply is encoded once, to be sent.
+        let fits = |r: &StatsReply| {
+            postcard::serialize_with_flavor(r, postcard::ser_flavors::Size::default())
+                .is_ok_and(|n| n <= limit)
+        };
         if fits(self) {
             return false;
         }
