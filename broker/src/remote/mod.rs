@@ -462,9 +462,9 @@ impl RemoteSet {
         Ok(Bytes::from(out))
     }
 
-    /// The pipeline reads at `lead` (a position in its sequence) and then
-    /// the samples whose units `upcoming` lists, in order: fetch what the
-    /// window has room for.
+    /// The pipeline reads at `lead` (a position in its sequence) and
+    /// after it: `upcoming[k]` is the unit (and size) of the sample at
+    /// `lead + k`. Fetch what the window has room for.
     pub fn want(self: &Arc<Self>, lead: u64, upcoming: &[(Unit, u64)]) {
         let start = self.ahead.admit(lead, upcoming);
         for run in runs(start, self.part_bytes.unwrap_or(0)) {

@@ -5,7 +5,7 @@ use super::ahead::Unit;
 
 /// Members of one shard read close together are fetched by one range
 /// request when the bytes between them are few.
-const RUN_GAP: u64 = 64 << 10;
+pub const RUN_GAP: u64 = 64 << 10;
 
 /// `units` (in reading order) grouped into fetches: a whole object
 /// alone; members of one shard, by offset, merged while the gap between
