@@ -19,8 +19,9 @@ other machines, so they take the cores the broker leaves rather than half
 of its two; one row runs them at the broker's priority, for contrast.
 The round trip is added by a TCP proxy (bench/src/latency_proxy.rs: each
 byte delayed half the RTT each way, bandwidth unlimited), since this
-kernel has no netem. Read-ahead "on" is 256 units, 128 requests, 16 MiB, 2 MiB
-shard parts: a third of the dataset, so every epoch fetches it again.
+kernel has no netem. Read-ahead "on" is 256 units, 128 requests, 16 MiB,
+2 MiB shard parts: a third of the dataset, so every epoch fetches nearly
+all of it again.
 
 Usage: python bench/remote.py DATASET [--epochs 6] [--repeat 3]
     [--only "image folder"|"tar shards"]
