@@ -959,6 +959,69 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
 }
 
+/// The metrics address is open to anyone who can reach it: 1,000 idle
+/// connections hold at most `MAX_CONNECTIONS` of the broker's descriptors
+/// (the rest are answered 503 and closed), idle ones are closed after
+/// `REQUEST_WITHIN`, and the Unix socket's clients (stats, trainers) are
+/// served throughout; once the flood ends the probes answer again.
+#[test]
+fn a_flood_of_idle_metrics_connections_takes_no_descriptors_from_trainers() {
+    use batchcast_broker::metrics::{MAX_CONNECTIONS, REQUEST_WITHIN};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut broker, sock, addr) = broker_with_metrics(dir.path(), &config("", 256, 32));
+    let fds = |pid: u32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let before = fds(broker.id());
+    let mut flood = Vec::new();
+    for _ in 0..1000 {
+        match std::net::TcpStream::connect(&addr) {
+            Ok(c) => flood.push(c),
+            Err(e) => panic!("connect {}: {e}", flood.len()),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let held = fds(broker.id());
+    assert!(
+        held <= before + MAX_CONNECTIONS + 8,
+        "1,000 idle connections hold {held} descriptors (from {before})"
+    );
+    // The Unix socket's clients are served during the flood.
+    let stats = batchcast::StatsClient::connect(Some(sock.clone()))
+        .unwrap()
+        .fetch()
+        .unwrap();
+    assert_eq!(stats.streams.len(), 1);
+    let r = report(common::spawn_consumer(&sock, &["--max-batches", "4"]));
+    assert_eq!(r.batches, 4, "{r:#?}");
+    // A probe during the flood is answered at once (503 busy, or closed),
+    // never left hanging.
+    let t0 = Instant::now();
+    let mut probe = std::net::TcpStream::connect(&addr).unwrap();
+    probe
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let _ = write!(probe, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut busy = String::new();
+    let answered = probe.read_to_string(&mut busy);
+    assert!(
+        answered.is_ok_and(|_| busy.starts_with("HTTP/1.1 "))
+            || t0.elapsed() < Duration::from_secs(5),
+        "{busy:?} after {:?}",
+        t0.elapsed()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // Idle seats are given back; after the flood the probes answer 200.
+    drop(flood);
+    std::thread::sleep(REQUEST_WITHIN + Duration::from_millis(500));
+    assert!(fds(broker.id()) <= before + 8, "seats not given back");
+    assert!(http_get(&addr, "/healthz").starts_with("HTTP/1.1 200 OK"));
+    harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
+    harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
+}
+
 /// `/readyz` says 503 once a stream failed, naming it and why; `/healthz`
 /// still says the broker is alive (other streams serve on).
 #[test]

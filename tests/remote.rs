@@ -893,3 +893,214 @@ fn credentials_in_urls_and_unusable_remote_keys_are_refused_by_name() {
     let e = serve_fails(&folder_stream("x", &format!("{}/", http.url()), ""));
     assert!(e.contains("manifest"), "{e}");
 }
+
+/// A hostile store (objserver's lies): nothing it declares is trusted for
+/// an allocation. An image whose answer declares 2^40 bytes (then sends
+/// 32 KiB), and one that really sends 64 MiB against max_file_bytes =
+/// 1 MiB, are bad samples named by URL, refused before their bodies are
+/// read; the broker and every other stream serve on. A tar shard whose
+/// HEAD declares 64 GiB is refused at start by name (not an abort).
+#[test]
+fn a_store_declaring_huge_sizes_cannot_abort_the_broker_or_make_it_download_them() {
+    let data = Data::new();
+    let http = Server::objserver(&["files", &data.p("")]);
+    let keys = "timeout_s = 2\nretries = 1\nstall_s = 5";
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 1"),
+        stream(
+            "lied",
+            &format!(
+                "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
+                http.url()
+            ),
+            &format!("epochs = 1\nmax_file_bytes = 1048576\n[stream.remote]\n{keys}\nrequests = 4"),
+        ),
+    ]
+    .join("\n");
+    let mut b = Broker::start(&data.dir.path().join("b"), &cfg);
+    http.faults(
+        r#"{"lies": [
+            {"path": "ds/cat/base_0.jpg", "methods": ["GET"], "length": 1099511627776, "send": 32768},
+            {"path": "ds/dog/base_0.jpg", "methods": ["GET"], "send": 67108864}
+        ]}"#,
+    );
+    let r = b.consume(&["--stream", "lied"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    let seen = http.faults("{}");
+    assert!(seen["lies"].as_u64().unwrap() >= 2, "{seen}");
+    // Refused from the header: what the server got out before the broker
+    // closed is what socket buffers hold, not 64 MiB.
+    let sent = seen["lie_bytes"].as_u64().unwrap();
+    assert!(sent < 16 << 20, "the broker read {sent} bytes of lies");
+    let s = b.stats();
+    let lied = s.streams.iter().find(|s| s.name == "lied").unwrap();
+    assert_eq!(lied.source.as_ref().unwrap().skipped, 2, "{lied:#?}");
+    let log = b.log();
+    for name in ["ds/cat/base_0.jpg", "ds/dog/base_0.jpg"] {
+        assert!(
+            log.contains(&format!("{}/{name}", http.url())) && log.contains("max_file_bytes"),
+            "{name} not named as too large:\n{log}"
+        );
+    }
+    // The broker lives on, and the other stream serves.
+    assert!(b.process.try_wait().unwrap().is_none(), "{log}");
+    let local = epoch_digests(&b.consume(&["--stream", "local", "--digest"]));
+    assert!(local.len() == 1 && local[0].is_some(), "{local:?}");
+
+    // Shards: a HEAD declaring 64 GiB; the shard's parts come from the
+    // real file (short of what was declared).
+    http.faults(
+        r#"{"lies": [{"path": "shard-000000.tar", "methods": ["HEAD"], "length": 68719476736}]}"#,
+    );
+    let dir = data.dir.path().join("shards-start");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("b.toml");
+    let url = format!("{}/shards/shard-000000.tar", http.url());
+    std::fs::write(
+        &config,
+        shard_stream(
+            "lying_shards",
+            &data.shard_pattern(&format!("{}/shards", http.url())),
+            &format!("[stream.remote]\n{keys}"),
+        ),
+    )
+    .unwrap();
+    let out = common::run_within(
+        command(EXE)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .arg("--socket")
+            .arg(dir.join("b.sock")),
+        LIMIT,
+    );
+    let e = String::from_utf8_lossy(&out.stderr).into_owned();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        out.status.signal(),
+        None,
+        "the broker died of a signal: {e}"
+    );
+    assert!(!out.status.success(), "{e}");
+    assert!(e.contains(&url) && e.contains("for a range of"), "{e}");
+}
+
+/// A store's answer is bounded and stripped before it reaches anyone: a
+/// 403 whose 2 MB body echoes the request's headers (the session token,
+/// the access key id) under `on_error = "fail"` tells the trainer the
+/// stream failed and why; the failed stream stays in stats and `/readyz`
+/// names it; no credential reaches the log, stats or the trainer.
+#[test]
+fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is_said() {
+    const TOKEN: &str = "session-token-4f1d9c-never-shown";
+    const KEY_ID: &str = "AKIDLEAKCHECK0001";
+    let data = Data::new();
+    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let cfg = folder_stream(
+        "strict",
+        "s3://data/train/",
+        &format!(
+            "epochs = 1\non_error = \"fail\"\n{}",
+            remote(&proxy.url(), "timeout_s = 2\nretries = 1\nstall_s = 5")
+        ),
+    );
+    let dir = data.dir.path().join("b");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("broker.toml");
+    std::fs::write(&config, &cfg).unwrap();
+    let log = dir.join("broker.log");
+    let mut broker = s3_env(command(EXE));
+    broker
+        .env("AWS_SESSION_TOKEN", TOKEN)
+        .env("AWS_ACCESS_KEY_ID", KEY_ID)
+        .env("NO_COLOR", "1")
+        .args(["serve", "--metrics", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--socket")
+        .arg(dir.join("b.sock"))
+        .stderr(std::fs::File::create(&log).unwrap());
+    batchcast_broker::child::die_with_parent(&mut broker);
+    let mut broker = KillOnDrop(broker.spawn().unwrap());
+    let addr = metrics_address(&log, &mut broker.0);
+    proxy.faults(
+        r#"{"lies": [{"path": "train/cat/base_0.jpg", "methods": ["GET"], "status": 403, "echo": true, "pad": 2000000}]}"#,
+    );
+    let r = harness::wait_report(
+        common::spawn_consumer(&dir.join("b.sock"), &["--stream", "strict"]),
+        LIMIT,
+    )
+    .unwrap();
+    assert!(!r.ok, "{r:#?}");
+    let told = format!("{r:?}");
+    assert!(
+        told.contains("s3://data/train/cat/base_0.jpg") && told.contains("access denied"),
+        "the trainer was not told why: {told}"
+    );
+    assert!(!told.contains("shutting down"), "{told}");
+    let stats = batchcast::StatsClient::connect(Some(dir.join("b.sock")))
+        .unwrap()
+        .fetch()
+        .unwrap();
+    let st = stats.streams.iter().find(|s| s.name == "strict");
+    let failed = st.and_then(|s| s.failed.clone()).unwrap_or_default();
+    assert!(failed.contains("cat/base_0.jpg"), "{stats:#?}");
+    assert!(
+        failed.len() < 2_000,
+        "{} bytes of failure text",
+        failed.len()
+    );
+    let ready = http_get(&addr, "/readyz");
+    assert!(
+        ready.starts_with("HTTP/1.1 503") && ready.contains("stream `strict` failed"),
+        "{ready}"
+    );
+    let json = serde_json::to_string(&stats).unwrap();
+    let logged = std::fs::read_to_string(&log).unwrap();
+    for (what, text) in [
+        ("the trainer's error", &told),
+        ("stats", &json),
+        ("/readyz", &ready),
+        ("the log", &logged),
+    ] {
+        for secret in [TOKEN, KEY_ID, SECRET] {
+            assert!(!text.contains(secret), "{what} shows {secret}:\n{text}");
+        }
+    }
+}
+
+/// A child killed when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The address a broker started with `--metrics 127.0.0.1:0` logged.
+fn metrics_address(log: &Path, broker: &mut Child) -> String {
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(rest) = text.split("metrics on http://").nth(1) {
+            return rest.split('/').next().unwrap().to_string();
+        }
+        let exited = broker.try_wait().unwrap().is_some();
+        assert!(
+            t0.elapsed() < LIMIT && !exited,
+            "no metrics address:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The whole HTTP answer to `GET path` at `addr`.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}

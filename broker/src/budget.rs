@@ -6,7 +6,10 @@
 //!
 //! As with connections (`server/admit.rs`), uids other than the broker's
 //! may together hold three quarters of the budget, so a guest cannot leave
-//! the broker's owner without room for its own streams.
+//! the broker's owner without room for its own streams. The quarters are
+//! of what is left after the broker's own standing reservations (every
+//! connection's frame buffers, taken at start): those would otherwise eat
+//! the owner's quarter before any stream of its own asked.
 
 use std::sync::{Arc, Mutex};
 
@@ -50,6 +53,8 @@ pub struct Budget {
 struct Held {
     used: u64,
     guests: u64,
+    /// The broker's own standing reservations ([`Use::FrameBuffers`]).
+    reserved: u64,
     by_use: [u64; 5],
     refused: u64,
 }
@@ -94,8 +99,11 @@ impl Budget {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn guest_share(&self) -> u64 {
-        self.total - self.total / 4
+    /// What other users may hold together: three quarters of the budget
+    /// left after the broker's own reservations.
+    fn guest_share(&self, held: &Held) -> u64 {
+        let shared = self.total.saturating_sub(held.reserved);
+        shared - shared / 4
     }
 
     /// Takes `bytes` for `what` on behalf of `uid`, or says why not.
@@ -110,7 +118,7 @@ impl Budget {
         let mut held = self.lock();
         let guest = uid != self.own_uid;
         let over_total = held.used.saturating_add(bytes) > self.total;
-        let over_share = guest && held.guests.saturating_add(bytes) > self.guest_share();
+        let over_share = guest && held.guests.saturating_add(bytes) > self.guest_share(&held);
         if over_total || over_share {
             held.refused += 1;
             return Err(OverBudget {
@@ -121,10 +129,10 @@ impl Budget {
                 total_mib: mib(self.total),
                 guests: if over_share && !over_total {
                     format!(
-                        ", and other users than uid {} hold {} MiB of the {} MiB (three quarters) they may",
+                        ", and other users than uid {} hold {} MiB of the {} MiB (three quarters of what the broker's own reservations leave) they may",
                         self.own_uid,
                         mib(held.guests),
-                        mib(self.guest_share())
+                        mib(self.guest_share(&held))
                     )
                 } else {
                     String::new()
@@ -134,6 +142,8 @@ impl Budget {
         held.used += bytes;
         if guest {
             held.guests += bytes;
+        } else if what == Use::FrameBuffers {
+            held.reserved += bytes;
         }
         held.by_use[what.index()] += bytes;
         Ok(Grant {
@@ -172,6 +182,8 @@ impl Drop for Grant {
         held.used -= self.bytes;
         if guest {
             held.guests -= self.bytes;
+        } else if self.what == Use::FrameBuffers {
+            held.reserved -= self.bytes;
         }
         held.by_use[self.what.index()] -= self.bytes;
     }
@@ -182,6 +194,37 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    /// `memory_mib = 256` with 68 MiB of frame buffers reserved at start:
+    /// guests fill their share, and the owner still has a quarter of the
+    /// rest (before, the frame buffers had taken the owner's quarter and
+    /// guests' arenas left it nothing).
+    #[test]
+    fn the_owners_quarter_is_of_what_the_brokers_reservations_leave() {
+        let b = Budget::new(256 * MIB, 1000);
+        let _buffers = b
+            .take(1000, Use::FrameBuffers, 68 * MIB, "1000 connections")
+            .unwrap();
+        let mut guests = Vec::new();
+        while let Ok(g) = b.take(2000, Use::Replay, 2_304 * 1024, "a guest's arena") {
+            guests.push(g);
+        }
+        let held: u64 = guests.iter().map(Grant::bytes).sum();
+        assert!(held <= (256 - 68) * MIB * 3 / 4, "{held}");
+        assert!(held > (256 - 68) * MIB * 3 / 4 - 3 * MIB, "{held}");
+        let owner = b.take(
+            1000,
+            Use::Replay,
+            (256 - 68) * MIB / 4 - MIB,
+            "the owner's joiner",
+        );
+        assert!(owner.is_ok(), "{owner:?}");
+        let e = b
+            .take(2000, Use::Replay, 2_304 * 1024, "one more")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("three quarters"), "{e}");
+    }
 
     #[test]
     fn grants_add_up_give_back_on_drop_and_refusals_name_the_numbers() {

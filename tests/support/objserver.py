@@ -10,6 +10,16 @@
       {"delay_ms": 20, "status": {"count": 5, "code": 503},
        "reset": 2, "truncate": 1, "deny": "substring"}; GET /__faults
       returns what was served and injected.
+  Both servers also lie as a hostile store would, by rules in the same
+  JSON, {"lies": [RULE, ...]}, the first whose "path" is a substring of
+  the request's path (and whose "methods", default GET and HEAD, hold
+  its method) answering it instead:
+      {"path": P, "status": 200, "length": L, "send": N, "echo": false,
+       "pad": 0, "redirect": URL}
+  declares Content-Length L (default: what is sent), sends N bytes of
+  zeros (default L) after the request's own headers when "echo" and
+  "pad" bytes of filler, then closes; "redirect" answers 302 to URL.
+  GET /__faults counts "lies" answered and "lie_bytes" sent.
   objserver.py s3-load ENDPOINT BUCKET DIR PREFIX
       Creates BUCKET on an S3 server and uploads DIR's files under PREFIX.
   objserver.py az-load ENDPOINT CONTAINER DIR PREFIX
@@ -44,7 +54,9 @@ class Faults:
         self.reset = 0
         self.truncate = 0
         self.deny = None
-        self.seen = {"requests": 0, "status": 0, "reset": 0, "truncate": 0, "denied": 0}
+        self.lies = []
+        self.seen = {"requests": 0, "status": 0, "reset": 0, "truncate": 0, "denied": 0,
+                     "lies": 0, "lie_bytes": 0}
 
     def set(self, spec):
         with self.lock:
@@ -54,6 +66,16 @@ class Faults:
             self.reset = spec.get("reset", self.reset)
             self.truncate = spec.get("truncate", self.truncate)
             self.deny = spec.get("deny", self.deny)
+            self.lies = spec.get("lies", self.lies)
+
+    def lie_for(self, path, method):
+        """The lie rule answering this request, if any."""
+        with self.lock:
+            for rule in self.lies:
+                if rule["path"] in path and method in rule.get("methods", ["GET", "HEAD"]):
+                    self.seen["lies"] += 1
+                    return rule
+        return None
 
     def take(self, path):
         """What to do with this request: None, or a fault's name."""
@@ -98,6 +120,39 @@ class Handler(BaseHTTPRequestHandler):
             body = json.dumps(faults.seen).encode()
         self.reply(200, body, [("Content-Type", "application/json")])
 
+    def lie(self, rule):
+        """Answers as `rule` says (see the module's doc)."""
+        faults = self.server.faults
+        self.close_connection = True
+        if "redirect" in rule:
+            return self.reply(302, b"", [("Location", rule["redirect"])])
+        head = b""
+        if rule.get("echo"):
+            head = "".join(f"{k}: {v}\n" for k, v in self.headers.items()).encode()
+        head += b"#" * rule.get("pad", 0)
+        send = rule.get("send", rule.get("length", 0))
+        length = rule.get("length", len(head) + send)
+        self.send_response(rule.get("status", 200))
+        self.send_header("Content-Length", str(length))
+        self.send_header("ETag", '"lie"')
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        chunk, sent, left = b"\0" * (1 << 16), 0, send
+        try:
+            self.wfile.write(head)
+            sent += len(head)
+            while left > 0:
+                n = min(left, len(chunk))
+                self.wfile.write(chunk[:n])
+                sent, left = sent + n, left - n
+            self.wfile.flush()
+        except OSError:
+            pass  # the client stopped reading: what a bounded reader does
+        finally:
+            with faults.lock:
+                faults.seen["lie_bytes"] += sent
+
     def fault(self, what, body_len_hint=1 << 16):
         faults = self.server.faults
         if what == "deny":
@@ -116,9 +171,17 @@ class FileHandler(Handler):
     def do_HEAD(self):
         self.do_GET()
 
+    def do_POST(self):
+        if not self.path.startswith("/__faults"):
+            return self.reply(405, b"read only")
+        self.control()
+
     def do_GET(self):
         if self.path.startswith("/__faults"):
             return self.control()
+        rule = self.server.faults.lie_for(self.path, self.command)
+        if rule:
+            return self.lie(rule)
         time.sleep(self.server.faults.delay_ms / 1000)
         what = self.server.faults.take(self.path)
         if what and self.fault(what):
@@ -159,6 +222,10 @@ class ProxyHandler(Handler):
     def relay(self):
         if self.path.startswith("/__faults"):
             return self.control()
+        rule = self.server.faults.lie_for(self.path, self.command)
+        if rule:
+            self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            return self.lie(rule)
         time.sleep(self.server.faults.delay_ms / 1000)
         what = self.server.faults.take(self.path)
         n = int(self.headers.get("Content-Length", 0) or 0)

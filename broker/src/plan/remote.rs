@@ -46,6 +46,7 @@ pub(super) fn settings(s: &StreamConfig) -> Result<Settings, StreamError> {
         listing_max_age: secs(r.listing_max_age_s),
         endpoint: r.endpoint.clone(),
         anonymous: r.anonymous,
+        max_object_bytes: s.max_file_bytes,
     })
 }
 

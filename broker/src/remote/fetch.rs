@@ -16,6 +16,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
 use tokio::sync::Notify;
 
+use super::redact::store_text;
 use super::url::RemoteUrl;
 use batchcast::synthetic::{SplitMix64, mix64};
 
@@ -80,6 +81,9 @@ pub enum FailKind {
     Closed,
     /// The object's ETag is not the one listed: it was replaced.
     Changed,
+    /// The answer is larger than a sample may be (`max_file_bytes`) or
+    /// than the range asked for: refused before its bytes are read.
+    TooLarge,
 }
 
 impl std::fmt::Display for FailKind {
@@ -93,6 +97,7 @@ impl std::fmt::Display for FailKind {
             FailKind::Changed => {
                 "changed since it was listed (restart the broker to list the dataset again)"
             }
+            FailKind::TooLarge => "answer too large",
         })
     }
 }
@@ -103,7 +108,9 @@ impl From<FetchError> for std::io::Error {
             FailKind::Missing => std::io::ErrorKind::NotFound,
             FailKind::Denied => std::io::ErrorKind::PermissionDenied,
             FailKind::GaveUp => std::io::ErrorKind::TimedOut,
-            FailKind::Refused | FailKind::Changed => std::io::ErrorKind::InvalidData,
+            FailKind::Refused | FailKind::Changed | FailKind::TooLarge => {
+                std::io::ErrorKind::InvalidData
+            }
             FailKind::Closed => std::io::ErrorKind::Interrupted,
         };
         std::io::Error::new(kind, e)
@@ -117,6 +124,20 @@ enum Verdict {
     /// 429 or 503: slow down, then try again.
     Throttled,
     Transient,
+}
+
+/// Why one try failed: the store client's error, or an answer refused
+/// here (too large, cut short) with what it means for the next try.
+#[derive(Debug)]
+enum TryError {
+    Store(object_store::Error),
+    Answer(Verdict, String),
+}
+
+impl From<object_store::Error> for TryError {
+    fn from(e: object_store::Error) -> Self {
+        TryError::Store(e)
+    }
 }
 
 /// Reads `object_store`'s error: its kind where it has one, else the
@@ -289,11 +310,17 @@ impl Fetcher {
         }
     }
 
-    /// The bytes of `path` (`range` of them, or all), with its ETag.
+    /// The bytes of `path` (`range` of them, or all of at most
+    /// `max_bytes`), with its ETag. Nothing the store says is trusted for
+    /// an allocation: an answer declaring more than that is refused before
+    /// its body is read, and a body is read in the chunks it comes in,
+    /// ended as soon as it passes the bound (a store can declare one
+    /// length and send another).
     pub async fn get(
         &self,
         path: &str,
         range: Option<Range<u64>>,
+        max_bytes: u64,
     ) -> Result<(Bytes, ObjectMeta), FetchError> {
         let location = ObjectPath::parse(path)
             .map_err(|e| self.error(path, FailKind::Refused, e.to_string()))?;
@@ -302,27 +329,19 @@ impl Fetcher {
             ..GetOptions::default()
         };
         let store = &self.store;
+        let asked = range.as_ref().map(|r| r.end.saturating_sub(r.start));
         let (b, meta) = self
             .tried(path, || async {
                 let r = store.get_opts(&location, opts()).await?;
                 let meta = r.meta.clone();
-                Ok((r.bytes().await?, meta))
+                let declared = r.range.end.saturating_sub(r.range.start);
+                if let Some(verdict) = oversized(declared, asked, max_bytes) {
+                    return Err(verdict);
+                }
+                let body = bounded_body(r.into_stream(), declared).await?;
+                Ok((body, meta))
             })
             .await?;
-        if let Some(r) = &range
-            && b.len() as u64 != r.end - r.start
-        {
-            return Err(self.error(
-                path,
-                FailKind::Refused,
-                format!(
-                    "asked for bytes {}..{}, got {} (truncated object?)",
-                    r.start,
-                    r.end,
-                    b.len()
-                ),
-            ));
-        }
         self.counts
             .bytes
             .fetch_add(b.len() as u64, Ordering::Relaxed);
@@ -370,7 +389,7 @@ impl Fetcher {
     async fn tried<T, F, Fut>(&self, path: &str, attempt: F) -> Result<T, FetchError>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<T, object_store::Error>>,
+        Fut: Future<Output = Result<T, TryError>>,
     {
         let started = Instant::now();
         let deadline = started + self.limits.stall;
@@ -433,7 +452,7 @@ impl Fetcher {
     async fn try_once<T, F, Fut>(&self, attempt: &F) -> Result<T, (Verdict, String)>
     where
         F: Fn() -> Fut,
-        Fut: Future<Output = Result<T, object_store::Error>>,
+        Fut: Future<Output = Result<T, TryError>>,
     {
         tokio::select! {
             _ = self.gate.enter() => {}
@@ -444,7 +463,8 @@ impl Fetcher {
         let r = tokio::select! {
             r = tokio::time::timeout(self.limits.timeout, attempt()) => match r {
                 Ok(Ok(v)) => Ok(v),
-                Ok(Err(e)) => Err((judge(&e), e.to_string())),
+                Ok(Err(TryError::Store(e))) => Err((judge(&e), store_text(&e.to_string()))),
+                Ok(Err(TryError::Answer(v, d))) => Err((v, d)),
                 Err(_) => Err((
                     Verdict::Transient,
                     format!("no answer within timeout_s = {:.1}", self.limits.timeout.as_secs_f64()),
@@ -463,6 +483,63 @@ impl Fetcher {
             _ = self.closing.notified() => {}
         }
     }
+}
+
+/// Why an answer declaring `declared` bytes is refused unread: more
+/// than the range `asked` (a server ignoring Range), or, for a whole
+/// object, more than `max_bytes`.
+fn oversized(declared: u64, asked: Option<u64>, max_bytes: u64) -> Option<TryError> {
+    let why = match asked {
+        Some(a) if declared != a => format!(
+            "answered {declared} bytes for a range of {a} (a server that ignores Range, or a truncated object)"
+        ),
+        None if declared > max_bytes => format!(
+            "declares {declared} bytes, more than max_file_bytes = {max_bytes}; not downloaded (raise it if such files are real samples)"
+        ),
+        _ => return None,
+    };
+    Some(TryError::Answer(
+        Verdict::Permanent(FailKind::TooLarge),
+        why,
+    ))
+}
+
+/// A body read chunk by chunk: at most `declared` bytes are kept (more
+/// ends the read, refused), fewer is a cut answer (tried again). Memory
+/// grows with bytes that arrived, never with what a header claimed.
+async fn bounded_body(
+    mut body: futures::stream::BoxStream<'static, object_store::Result<Bytes>>,
+    declared: u64,
+) -> Result<Bytes, TryError> {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut got = 0u64;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk?;
+        got += chunk.len() as u64;
+        if got > declared {
+            return Err(TryError::Answer(
+                Verdict::Permanent(FailKind::TooLarge),
+                format!("sent more than the {declared} bytes it declared; the read was ended"),
+            ));
+        }
+        chunks.push(chunk);
+    }
+    if got < declared {
+        return Err(TryError::Answer(
+            Verdict::Transient,
+            format!("answer cut short: {got} of {declared} bytes"),
+        ));
+    }
+    Ok(match chunks.len() {
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut all = Vec::with_capacity(got as usize);
+            for c in &chunks {
+                all.extend_from_slice(c);
+            }
+            Bytes::from(all)
+        }
+    })
 }
 
 /// Exponential backoff with full jitter: a throttle starts from 200 ms,

@@ -25,6 +25,7 @@ pub mod ahead;
 pub mod disk;
 pub mod fetch;
 pub mod listing;
+pub mod redact;
 pub mod runs;
 pub mod url;
 
@@ -36,7 +37,6 @@ use std::time::{Duration, Instant};
 
 use batchcast::proto::RemoteSourceStats;
 use bytes::Bytes;
-use futures::StreamExt;
 use object_store::ObjectStore;
 
 pub use ahead::Unit;
@@ -65,6 +65,9 @@ pub struct Settings {
     pub endpoint: Option<String>,
     /// Unsigned requests (public buckets).
     pub anonymous: bool,
+    /// A whole object's bytes, at most (the source's `max_file_bytes`):
+    /// a larger answer is refused before it is read.
+    pub max_object_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +186,7 @@ pub struct RemoteSet {
     /// (the streams of a shared source share the window).
     grant: std::sync::Mutex<Option<crate::budget::Grant>>,
     read_ahead_bytes: u64,
+    max_object_bytes: u64,
     disk: Option<DiskCache>,
     waited_ns: AtomicU64,
     ahead_hits: AtomicU64,
@@ -204,6 +208,7 @@ impl RemoteSet {
             ahead: Ahead::new(settings.read_ahead, settings.read_ahead_bytes),
             grant: std::sync::Mutex::new(None),
             read_ahead_bytes: settings.read_ahead_bytes,
+            max_object_bytes: settings.max_object_bytes,
             disk,
             waited_ns: AtomicU64::new(0),
             ahead_hits: AtomicU64::new(0),
@@ -269,8 +274,10 @@ impl RemoteSet {
     }
 
     /// Part `i` of shard `o` (its index reads shards part by part, and
-    /// the disk tier keeps parts).
-    fn part(&self, o: u32, i: u64) -> Option<Unit> {
+    /// the disk tier keeps parts), by the size its listing gave, which the
+    /// store may have lied about: each part's answer is checked against
+    /// the range asked for.
+    pub fn part(&self, o: u32, i: u64) -> Option<Unit> {
         let p = self.part_bytes?;
         let size = self.objects[o as usize].size?;
         let start = i.checked_mul(p)?;
@@ -419,7 +426,10 @@ impl RemoteSet {
     /// changed under the stream), never other bytes.
     async fn get_listed(&self, o: u32, range: Option<Range<u64>>) -> Result<Bytes, FetchError> {
         let obj = &self.objects[o as usize];
-        let (bytes, meta) = self.fetcher.get(&obj.path, range).await?;
+        let (bytes, meta) = self
+            .fetcher
+            .get(&obj.path, range, self.max_object_bytes)
+            .await?;
         if !fetch::same_version(&obj.version, &meta) {
             return Err(FetchError {
                 url: self.fetcher.url.with_path(&obj.path).to_string(),
@@ -439,27 +449,9 @@ impl RemoteSet {
         self.ahead.max_units()
     }
 
-    /// All of object `o`: its parts fetched `requests` at a time (each
-    /// from the disk tier where it is there, and kept there).
-    pub async fn whole(self: Arc<Self>, o: u32, requests: usize) -> Result<Bytes, FetchError> {
-        let size = self.objects[o as usize].size;
-        if size == Some(0) {
-            return Ok(Bytes::new());
-        }
-        let units: Vec<Unit> = match (self.part_bytes, size) {
-            (Some(_), Some(_)) => (0..).map_while(|i| self.part(o, i)).collect(),
-            _ => vec![Unit::whole(o)],
-        };
-        let parts: Vec<Result<Bytes, FetchError>> =
-            futures::stream::iter(units.into_iter().map(|u| self.clone().fetch_unit(u)))
-                .buffered(requests.max(1))
-                .collect()
-                .await;
-        let mut out = Vec::with_capacity(size.unwrap_or(0) as usize);
-        for p in parts {
-            out.extend_from_slice(&p?);
-        }
-        Ok(Bytes::from(out))
+    /// The size shard `o` was listed with.
+    pub fn listed_size(&self, o: u32) -> Option<u64> {
+        self.objects[o as usize].size
     }
 
     /// The pipeline reads at `lead` (a position in its sequence) and

@@ -6,6 +6,12 @@
 //! `/healthz` answers 200 once every stream's lock answered (a wedged
 //! broker times out), `/readyz` 200 while no stream has failed, else 503
 //! naming each failed stream and why.
+//!
+//! Anyone who can reach the address may connect: at most
+//! [`MAX_CONNECTIONS`] are held (more are answered 503 and closed), each
+//! for at most [`REQUEST_WITHIN`] before its request, and failed accepts
+//! back off instead of spinning. Bind it to loopback or a pod address
+//! that only the monitoring reaches.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -17,24 +23,68 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::server::Broker;
 
+/// Connections held at once, at most: past it, one is answered 503 and
+/// closed at once, so a flood costs an accept and a close each and takes
+/// no more descriptors from the Unix socket's clients than this many.
+pub const MAX_CONNECTIONS: usize = 64;
+/// How long a connection may take to send its request.
+pub const REQUEST_WITHIN: Duration = Duration::from_secs(2);
+/// How long answering one may take in all.
+const ANSWER_WITHIN: Duration = Duration::from_secs(5);
+
 /// Serves until the runtime stops.
 pub async fn serve(listener: TcpListener, broker: Arc<Broker>) {
+    let held = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut backoff = Duration::ZERO;
     loop {
-        let Ok((sock, _)) = listener.accept().await else {
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => {
+                backoff = Duration::ZERO;
+                sock
+            }
+            Err(e) => {
+                // Out of descriptors (EMFILE) and the like: accepting again
+                // at once would fail again and spin. Back off, said once
+                // per run of failures.
+                if backoff.is_zero() {
+                    tracing::warn!(
+                        "metrics address: accept failed ({e}); backing off until it succeeds"
+                    );
+                }
+                backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
+        };
+        let Ok(permit) = held.clone().try_acquire_owned() else {
+            shed(sock);
             continue;
         };
         let broker = broker.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(5), answer(sock, &broker)).await;
+            let _ = tokio::time::timeout(ANSWER_WITHIN, answer(sock, &broker)).await;
+            drop(permit);
         });
     }
+}
+
+/// A connection past [`MAX_CONNECTIONS`]: told so (into its empty send
+/// buffer, never waiting), unread, and closed at once.
+fn shed(sock: TcpStream) {
+    let _ = sock.try_write(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    );
 }
 
 async fn answer(mut sock: TcpStream, broker: &Broker) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
+    let by = tokio::time::Instant::now() + REQUEST_WITHIN;
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = sock.read(&mut chunk).await?;
+        let Ok(n) = tokio::time::timeout_at(by, sock.read(&mut chunk)).await else {
+            return Ok(()); // idle: the seat goes to the next connection
+        };
+        let n = n?;
         if n == 0 || buf.len() > 16 * 1024 {
             return Ok(());
         }

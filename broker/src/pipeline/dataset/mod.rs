@@ -271,16 +271,13 @@ impl Dataset {
                 path: path.clone(),
                 message: e.to_string(),
             };
-            let file =
-                open_regular(path)
-                    .map(|(f, _)| f)
-                    .map_err(|e| DatasetError::Unreadable {
-                        path: path.clone(),
-                        source: e,
-                    })?;
+            let (file, len) = open_regular(path).map_err(|e| DatasetError::Unreadable {
+                path: path.clone(),
+                source: e,
+            })?;
             let shard = shards.len() as u32;
             let before = items.len();
-            index_shard(&file, shard, &mut items).map_err(shard_err)?;
+            index_shard(&file, shard, len, &mut items).map_err(shard_err)?;
             shard_items.push(before..items.len());
             shards.push((path.clone(), file));
         }
@@ -399,6 +396,15 @@ pub enum ShardError {
     },
     #[error("{path}: label `{text}` is not an integer")]
     LabelNotInteger { path: String, text: String },
+    #[error(
+        "member `{path}` declares {bytes} bytes at offset {offset}, past the shard's end ({len} bytes): a corrupt or lying tar header (the members after it cannot be found)"
+    )]
+    MemberPastEnd {
+        path: String,
+        offset: u64,
+        bytes: u64,
+        len: u64,
+    },
 }
 
 /// A sample being read from a shard: its key, image and label so far.
@@ -409,10 +415,13 @@ struct Pending {
 }
 
 /// Lists the samples of shard number `shard` (its members in order, a
-/// sample an image and its `.cls` label) into `items`.
+/// sample an image and its `.cls` label) into `items`. A member whose
+/// declared size runs past the shard's `len` bytes is an error, not the
+/// silent end of the shard.
 fn index_shard<R: Read + Seek>(
     file: R,
     shard: u32,
+    len: u64,
     items: &mut Vec<Item>,
 ) -> Result<(), ShardError> {
     let mut archive = tar::Archive::new(file);
@@ -440,6 +449,15 @@ fn index_shard<R: Read + Seek>(
             .map_err(ShardError::MemberName)?
             .to_string_lossy()
             .into_owned();
+        let (offset, bytes) = (entry.raw_file_position(), entry.size());
+        if offset.checked_add(bytes).is_none_or(|end| end > len) {
+            return Err(ShardError::MemberPastEnd {
+                path,
+                offset,
+                bytes,
+                len,
+            });
+        }
         let (key, ext) = split_key(&path);
         if cur.as_ref().is_none_or(|c| c.key != key) {
             if let Some(p) = cur.take() {
@@ -456,7 +474,7 @@ fn index_shard<R: Read + Seek>(
         };
         match ext.to_ascii_lowercase().as_str() {
             e if SHARD_IMAGE_KEYS.contains(&e) => {
-                p.image = Some((entry.raw_file_position(), entry.size()));
+                p.image = Some((offset, bytes));
             }
             "cls" => {
                 if entry.size() > 64 {
@@ -540,6 +558,52 @@ mod tests {
         }
         let err = ds.read(0, &mut buf, 99).unwrap_err().to_string();
         assert!(err.contains("more than max_file_bytes = 99"), "{err}");
+    }
+
+    /// A tar of `n` samples (`k.jpg` of 100 bytes and `k.cls`).
+    fn shard_of(n: u32) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for k in 0..n {
+            for (ext, data) in [("jpg", vec![7u8; 100]), ("cls", b"3".to_vec())] {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                h.set_cksum();
+                b.append_data(&mut h, format!("{k:04}.{ext}"), &data[..])
+                    .unwrap();
+            }
+        }
+        b.into_inner().unwrap()
+    }
+
+    #[test]
+    fn a_member_declaring_more_than_the_shard_holds_is_named_not_the_end() {
+        let mut shard = shard_of(32);
+        let mut items = Vec::new();
+        index_shard(
+            std::io::Cursor::new(&shard),
+            0,
+            shard.len() as u64,
+            &mut items,
+        )
+        .unwrap();
+        assert_eq!(items.len(), 32);
+        // The first image's header says 8 GiB less a byte (the largest
+        // octal size), then its checksum again.
+        let h = &mut shard[..512];
+        h[124..136].copy_from_slice(b"77777777777\0");
+        h[148..156].copy_from_slice(b"        ");
+        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+        h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        let len = shard.len() as u64;
+        let err = index_shard(std::io::Cursor::new(&shard), 0, len, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`0000.jpg` declares 8589934591 bytes")
+                && err.contains("past the shard's end"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -14,7 +14,6 @@
 //! there and used by a broker started within `listing_max_age_s`.
 
 use std::collections::BTreeMap;
-use std::io::Cursor;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -135,7 +134,7 @@ fn from_manifest(
     }
     let f = fetcher.clone();
     let path = murl.path.clone();
-    let (bytes, _) = fetch::wait(async move { f.get(&path, None).await })
+    let (bytes, _) = fetch::wait(async move { f.get(&path, None, MAX_MANIFEST_BYTES).await })
         .map_err(crate::remote::RemoteError::from)?;
     let text = String::from_utf8(bytes.to_vec())
         .map_err(|_| listing_err(&murl, "the manifest is not UTF-8 text"))?;
@@ -146,6 +145,10 @@ fn from_manifest(
         .map(|l| listed_file(l.trim_start_matches("./").to_string(), None, String::new()))
         .collect())
 }
+
+/// The largest manifest read (about 10 million paths): a store
+/// declaring more is refused before its body is read.
+const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 
 /// Every object under `prefix`, by listing the store.
 fn listed(
@@ -257,30 +260,19 @@ pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> 
         s,
         disk,
     ));
-    // Shards indexed a few at a time (their bytes are held while indexed).
-    let largest = set
-        .objects
-        .iter()
-        .filter_map(|o| o.size)
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let at_once = (s.read_ahead_bytes / largest).clamp(1, 8) as usize;
+    // Shards are indexed a few at a time, each from a few parts in
+    // flight: at most the read-ahead window's bytes (or one part per
+    // shard) are held, whatever sizes the store declared.
     let n = set.objects.len();
+    let at_once = n.clamp(1, 8);
+    let part = s.part_bytes.max(1);
+    let ahead = ((s.read_ahead_bytes / part) as usize / at_once).clamp(1, requests);
     let me = set.clone();
     let shards = fetch::wait(async move {
-        futures::stream::iter((0..n as u32).map(|o| {
-            let me = me.clone();
-            async move {
-                let bytes = me.whole(o, requests).await.map_err(|e| e.to_string())?;
-                let mut items = Vec::new();
-                index_shard(Cursor::new(&bytes[..]), o, &mut items).map_err(|e| e.to_string())?;
-                Ok::<_, String>(items)
-            }
-        }))
-        .buffered(at_once)
-        .collect::<Vec<_>>()
-        .await
+        futures::stream::iter((0..n as u32).map(|o| index_remote(me.clone(), o, ahead)))
+            .buffered(at_once)
+            .collect::<Vec<_>>()
+            .await
     });
     let mut items = Vec::new();
     let mut shard_items = Vec::with_capacity(n);
@@ -307,6 +299,115 @@ pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> 
         shard_items,
         remote: Some(set),
     })
+}
+
+/// Indexes shard `o` from its parts as they arrive (`ahead` of them in
+/// flight, then read by the tar index on a blocking thread): the shard
+/// is never held whole.
+async fn index_remote(set: Arc<RemoteSet>, o: u32, ahead: usize) -> Result<Vec<Item>, String> {
+    let len = set.listed_size(o).unwrap_or(0);
+    let (tx, rx) = tokio::sync::mpsc::channel(ahead);
+    let feeder = {
+        let set = set.clone();
+        tokio::spawn(async move {
+            // Parts are named as they are fetched: a shard listed at
+            // 64 GiB that is not costs the parts actually read.
+            let units = {
+                let set = set.clone();
+                (0u64..).map_while(move |i| set.part(o, i))
+            };
+            let mut fetches = futures::stream::iter(units)
+                .map(|u| set.clone().fetch_unit(u))
+                .buffered(ahead);
+            while let Some(r) = fetches.next().await {
+                let failed = r.is_err();
+                if tx.send(r).await.is_err() || failed {
+                    break;
+                }
+            }
+        })
+    };
+    let indexed = tokio::task::spawn_blocking(move || {
+        let mut items = Vec::new();
+        index_shard(PartReader::new(rx, len), o, len, &mut items)
+            .map(|()| items)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("indexing stopped: {e}"))?;
+    feeder.abort();
+    indexed
+}
+
+/// A shard's bytes as its parts arrive, read by the tar index: reads go
+/// forward through the parts; a seek (tar skips member bodies) only moves
+/// the position forward.
+struct PartReader {
+    parts: tokio::sync::mpsc::Receiver<Result<bytes::Bytes, fetch::FetchError>>,
+    part: bytes::Bytes,
+    /// The shard offset of `part[0]`.
+    at: u64,
+    pos: u64,
+    len: u64,
+}
+
+impl PartReader {
+    fn new(
+        parts: tokio::sync::mpsc::Receiver<Result<bytes::Bytes, fetch::FetchError>>,
+        len: u64,
+    ) -> PartReader {
+        PartReader {
+            parts,
+            part: bytes::Bytes::new(),
+            at: 0,
+            pos: 0,
+            len,
+        }
+    }
+}
+
+impl std::io::Read for PartReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.pos >= self.at + self.part.len() as u64 {
+            if self.pos >= self.len {
+                return Ok(0);
+            }
+            match self.parts.blocking_recv() {
+                None => return Ok(0),
+                Some(Err(e)) => return Err(e.into()),
+                Some(Ok(p)) => {
+                    self.at += self.part.len() as u64;
+                    self.part = p;
+                }
+            }
+        }
+        let from = (self.pos - self.at) as usize;
+        let n = buf.len().min(self.part.len() - from);
+        buf[..n].copy_from_slice(&self.part[from..from + n]);
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl std::io::Seek for PartReader {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        use std::io::SeekFrom;
+        let target = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+        };
+        match target {
+            Some(t) if t >= self.at => {
+                self.pos = t;
+                Ok(t)
+            }
+            _ => Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "a remote shard is indexed front to back",
+            )),
+        }
+    }
 }
 
 /// The shards a pattern names, with their sizes and versions (a HEAD
