@@ -433,3 +433,42 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
         other => panic!("expected a HoldLimit error, got {other:?}"),
     }
 }
+
+/// A finite decoupled stream already made to its end still serves a
+/// joiner or a resume anywhere in it (from replay), as lockstep does: a
+/// trainer restarted from its checkpoint after the others finished reads
+/// the rest of its run, byte for byte.
+#[test]
+fn a_resume_on_a_finished_decoupled_stream_is_served_from_replay() {
+    let env = Env::start(&config(1));
+    let first = report(env.consumer(&["--batch-size", "64", "--verify"]));
+    assert_whole(&first, 64, false);
+    let s = env.stats();
+    assert_eq!(
+        s.streams[0].batches_produced,
+        EPOCHS * PER_EPOCH.div_ceil(40)
+    );
+    for (at, from_epoch) in [("0:0", 0), ("1:0", 1), ("3:5", 3)] {
+        let r = report(env.consumer(&["--batch-size", "64", "--verify", "--resume", at]));
+        assert!(r.ok && r.ended, "resume at {at}: {r:#?}");
+        assert_eq!(r.verify_failures, 0, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
+        assert_eq!(
+            r.epochs.first().map(|e| e.epoch),
+            Some(from_epoch),
+            "{r:#?}"
+        );
+        assert_eq!(r.epochs.last().map(|e| e.epoch), Some(EPOCHS - 1), "{r:#?}");
+        assert!(r.replayed_batches > 0, "{r:#?}");
+        if from_epoch < 3 {
+            assert!(
+                r.epochs
+                    .iter()
+                    .all(|e| e.complete && e.samples == PER_EPOCH),
+                "{r:#?}"
+            );
+        }
+    }
+    let r = report(env.consumer(&["--join", "now", "--verify"]));
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+}

@@ -160,8 +160,8 @@ pub enum HubError {
     UnknownConsumer(ConsumerId),
     #[error("batch {seq} is not held by this consumer (already released, or never sent)")]
     NotHeld { seq: u64 },
-    #[error("a consumer of a GPU's copies, or one that said goodbye, is not cut from the stream")]
-    NotCuttable,
+    #[error("this consumer is not cut from the shared stream: {0}")]
+    NotCuttable(&'static str),
     #[error("consumer {0} was not cut from the stream, or said goodbye since")]
     NotCut(ConsumerId),
     #[error(

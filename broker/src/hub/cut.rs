@@ -77,8 +77,17 @@ impl Hub {
             .consumers
             .get(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
-        if c.group.is_some() || c.closing || c.ended {
-            return Err(HubError::NotCuttable);
+        let not = if c.group.is_some() {
+            Some("it takes a GPU's copies")
+        } else if c.closing {
+            Some("it said goodbye")
+        } else if c.ended {
+            Some("it was told the stream ended")
+        } else {
+            None
+        };
+        if let Some(why) = not {
+            return Err(HubError::NotCuttable(why));
         }
         if let Some(&seq) = revoke.iter().find(|s| !c.held.contains(s)) {
             return Err(HubError::NotHeld { seq });
@@ -122,6 +131,11 @@ impl Hub {
             .held
             .clone();
         self.out.retain(|(to, _)| *to != id);
+        // A finite stream already made to its end told it so on joining:
+        // that end is taken back with the rest (replay tells it again).
+        if let Some(c) = self.consumers.get_mut(&id) {
+            c.ended = false;
+        }
         self.cut(id, &sent)
     }
 
