@@ -565,12 +565,23 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
 
 /// A raw hello as a stats client named `name`: the broker's first answer.
 fn hello_named(socket: &Path, name: &str) -> ServerMsg {
+    hello_with(socket, name, Intent::Stats)
+}
+
+/// A consume request for the stream named `stream`: the broker's answer.
+fn consume_named(socket: &Path, stream: &str) -> ServerMsg {
+    let mut req = common::consume_request(2);
+    req.stream = stream.into();
+    hello_with(socket, "trainer", Intent::Consume(req))
+}
+
+fn hello_with(socket: &Path, name: &str, intent: Intent) -> ServerMsg {
     let mut s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let hello = ClientMsg::Hello(Hello {
         name: name.into(),
         pid: std::process::id(),
-        intent: Intent::Stats,
+        intent,
     });
     let mut out = Preamble::ours().to_bytes().to_vec();
     out.extend_from_slice(&proto::encode(&hello).unwrap());
@@ -611,6 +622,14 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
 
     refused_with(hello_named(&sock, &"x".repeat(60_000)), "at most 128 bytes");
     refused_with(hello_named(&sock, "trainer\u{1b}[2J"), "control character");
+    // A stream's name asked for is bounded too: it is logged and answered.
+    let forged = format!("{}\n2026-11-26T00:00:00Z ERROR forged", "s".repeat(60_000));
+    refused_with(consume_named(&sock, &forged), "at most 128 bytes");
+    refused_with(
+        consume_named(&sock, "train\nERROR forged"),
+        "control character",
+    );
+    assert!(!env.log().contains("forged"), "{}", env.log());
     let longest = "n".repeat(proto::MAX_NAME_BYTES);
     assert!(matches!(hello_named(&sock, &longest), ServerMsg::Stats(_)));
 
@@ -660,9 +679,9 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
     let s = env.wait_for("the refusals to be counted", |s| {
         s.connections.handshakes_refused >= flood
     });
-    // The two bad names are refused after the handshake.
+    // The four bad names are refused after the handshake.
     assert_eq!(s.connections.handshakes_refused, flood);
-    assert_eq!(s.connections.requests_refused, flood + 2);
+    assert_eq!(s.connections.requests_refused, flood + 4);
     let logged = env
         .log()
         .lines()

@@ -365,22 +365,27 @@ pub fn raw_subscribe(
     join: batchcast::JoinPolicy,
     resume: Option<proto::Position>,
 ) -> (UnixStream, Welcome, Vec<OwnedFd>) {
-    raw_subscribe_with(
-        socket,
-        name,
-        proto::ConsumeRequest {
-            batch_size: None,
-            expect: None,
-            group: None,
-            drop_last: None,
-            resume,
-            stream: "train".into(),
-            window: 2,
-            join,
-            device: None,
-            mailbox,
-        },
-    )
+    let mut request = consume_request(2);
+    request.resume = resume;
+    request.join = join;
+    request.mailbox = mailbox;
+    raw_subscribe_with(socket, name, request)
+}
+
+/// A request for stream `train`'s batches with `window`, the rest default.
+pub fn consume_request(window: u32) -> proto::ConsumeRequest {
+    proto::ConsumeRequest {
+        batch_size: None,
+        expect: None,
+        group: None,
+        drop_last: None,
+        resume: None,
+        stream: "train".into(),
+        window,
+        join: batchcast::JoinPolicy::Immediate,
+        device: None,
+        mailbox: true,
+    }
 }
 
 /// [`raw_subscribe`] with the whole request given (a group seat, a

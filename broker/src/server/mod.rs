@@ -124,6 +124,15 @@ impl Broker {
     }
 
     fn lookup(&self, name: &str) -> Result<Arc<Stream>, Reject> {
+        // The name is logged and answered back: a stream's name rules
+        // first (no 60 KB line, no forged log line of a guest's).
+        batchcast::proto::check_text(
+            "the stream's name asked for",
+            name,
+            batchcast::proto::MAX_NAME_BYTES,
+            "the name of a stream this broker serves (`batchcast stats` lists them)",
+        )
+        .map_err(|e| Reject(ErrorCode::InvalidRequest, e.to_string()))?;
         let reg = self.registry();
         match reg.get(name) {
             Some(Entry::Ready(s)) => Ok(s.clone()),
