@@ -1198,3 +1198,44 @@ fn a_broker_of_another_release_is_refused_naming_both_releases() {
         assert!(err.contains(needle), "`{err}` lacks `{needle}`");
     }
 }
+
+/// `lag_limit` bounds the consumer that holds the others, never one that
+/// cannot get batches because of it: beside a reader taking a batch per
+/// 300 ms on a ring of 16 with `lag_limit = 8`, a trainer that joins
+/// gets its batches (the slow reader, holding it, is the one detached);
+/// and the docs' example (`lag_limit = 4`) seats the members of a group
+/// with the default window.
+#[test]
+fn the_lag_limit_detaches_the_slow_reader_not_the_joiner_it_holds() {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    let body = StreamToml::synthetic("train", 8, 100_000, &fields)
+        .key("seed", 3)
+        .key("slots", 16)
+        .key("workers", 2)
+        .key("lag_limit", 8)
+        .to_toml();
+    let env = Env::start(&body);
+    let slow = env.consumer(&["--name", "slow", "--sleep-ms", "300", "--max-batches", "60"]);
+    env.wait_for("the slow reader to read", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered >= 2)
+    });
+    // One joins at once (paced by the slow reader, as lockstep is), one
+    // waits for the next epoch (owed nothing meanwhile).
+    let waiting = env.consumer(&["--name", "waiting", "--max-batches", "1"]);
+    let joiner = env.consumer(&[
+        "--name",
+        "joiner",
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        "30",
+    ]);
+    let j = report(joiner);
+    assert!(j.ok && j.batches == 30 && j.verify_failures == 0, "{j:#?}");
+    let s = report(slow);
+    assert!(s.ok && s.batches == 60, "{s:#?}");
+    assert_eq!(env.stats().streams[0].detached, 0);
+    let mut waiting = waiting;
+    common::sigkill(&mut waiting);
+}

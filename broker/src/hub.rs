@@ -279,8 +279,12 @@ impl Consumer {
     /// in order is behind by exactly what it owes; one that keeps an old
     /// batch while taking newer ones is behind by everything since.
     fn behind(&self, head: u64) -> usize {
-        let oldest = self.held.iter().chain(self.queue.front()).min();
-        oldest.map_or(0, |&s| head.saturating_sub(s) as usize)
+        self.oldest_owed()
+            .map_or(0, |s| head.saturating_sub(s) as usize)
+    }
+    /// The oldest batch it holds or is owed: the slot it keeps from reuse.
+    fn oldest_owed(&self) -> Option<u64> {
+        self.held.iter().chain(self.queue.front()).min().copied()
     }
 }
 

@@ -5,7 +5,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
+use super::{Consumer, ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -200,17 +200,15 @@ impl Hub {
             .unwrap_or(self.next_seq)
     }
 
-    /// Detaches whoever lags more than the lag limit.
+    /// Detaches whoever lags more than the lag limit and holds the oldest
+    /// batch anyone owes: only such a consumer holds the others back. One
+    /// that owes nothing, or owes only batches someone else holds older
+    /// than, is waiting for the pipeline (held back itself), never
+    /// detached for it.
     pub(super) fn enforce_lag_limit(&mut self) {
-        let mut detach = Vec::new();
-        if let Some(limit) = self.cfg.lag_limit {
-            for (id, lag) in self.lags(self.head()) {
-                if lag > limit as usize && !self.consumers[&id].cuttable {
-                    detach.push((id, lag));
-                }
-            }
-        }
-        for (id, lag) in detach {
+        // Detaching the oldest holder may leave the next one holding the
+        // oldest batch past the limit: until none is.
+        while let Some((id, lag)) = self.over_lag_limit() {
             let reason = format!(
                 "detached: this consumer fell {lag} batches behind the others, more than the stream's lag_limit of {}; \
                  it was holding every other consumer back. Process batches faster, or raise lag_limit in the broker config",
@@ -228,5 +226,24 @@ impl Hub {
         }
         // Removal may have freed group slots.
         self.start_copies();
+    }
+
+    /// A consumer past the lag limit that holds the oldest batch anyone
+    /// owes, with its lag (the most lagging first).
+    fn over_lag_limit(&self) -> Option<(ConsumerId, usize)> {
+        let limit = self.cfg.lag_limit? as usize;
+        let tail = self
+            .consumers
+            .values()
+            .filter(|c| !c.closing)
+            .filter_map(Consumer::oldest_owed)
+            .min()?;
+        self.lags(self.head())
+            .into_iter()
+            .filter(|&(id, lag)| {
+                let c = &self.consumers[&id];
+                lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)
+            })
+            .max_by_key(|&(id, lag)| (lag, std::cmp::Reverse(id)))
     }
 }

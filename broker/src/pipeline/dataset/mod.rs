@@ -476,29 +476,7 @@ fn index_shard<R: Read + Seek>(
             e if SHARD_IMAGE_KEYS.contains(&e) => {
                 p.image = Some((offset, bytes));
             }
-            "cls" => {
-                if entry.size() > 64 {
-                    return Err(ShardError::LabelSize {
-                        path,
-                        bytes: entry.size(),
-                    });
-                }
-                let mut text = String::new();
-                entry
-                    .read_to_string(&mut text)
-                    .map_err(|e| ShardError::LabelUnreadable {
-                        path: path.clone(),
-                        source: e,
-                    })?;
-                p.label = Some(
-                    text.trim()
-                        .parse()
-                        .map_err(|_| ShardError::LabelNotInteger {
-                            path,
-                            text: text.trim().to_string(),
-                        })?,
-                );
-            }
+            "cls" => p.label = Some(read_label(&mut entry, bytes, path)?),
             _ => {}
         }
     }
@@ -506,6 +484,27 @@ fn index_shard<R: Read + Seek>(
         flush(p, items)?;
     }
     Ok(())
+}
+
+/// A `.cls` member's integer label (`bytes` of text, at most 64).
+fn read_label(entry: &mut impl Read, bytes: u64, path: String) -> Result<i64, ShardError> {
+    if bytes > 64 {
+        return Err(ShardError::LabelSize { path, bytes });
+    }
+    let mut text = String::new();
+    entry
+        .take(bytes)
+        .read_to_string(&mut text)
+        .map_err(|e| ShardError::LabelUnreadable {
+            path: path.clone(),
+            source: e,
+        })?;
+    text.trim()
+        .parse()
+        .map_err(|_| ShardError::LabelNotInteger {
+            path,
+            text: text.trim().to_string(),
+        })
 }
 
 /// Opens `path` (following links) without blocking, and only if it is a
