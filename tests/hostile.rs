@@ -503,6 +503,26 @@ fn guest_side_of_the_tenant_test() {
     let err = stats.set_min_consumers("train", u32::MAX).unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::NotAllowed), "{err}");
     assert!(err.to_string().contains("only its owner (uid 0)"), "{err}");
+    // The owner's group is the owner's: its free rank is not the guest's
+    // to take (nor its world to fix); a group of its own it may form.
+    let seat = |name: &str, rank| {
+        let mut req = common::consume_request(2);
+        req.stream = "grouped".into();
+        req.group = Some(Box::new(proto::Seat {
+            name: name.into(),
+            rank,
+            world: 2,
+            replicate: 1,
+        }));
+        hello_with(&socket, "guest member", Intent::Consume(req))
+    };
+    for rank in [0, 1] {
+        match seat("dp", rank) {
+            ServerMsg::Error(e) => assert!(e.message.contains("belongs to uid 0"), "{e:?}"),
+            other => panic!("the guest took rank {rank} of the owner's group: {other:?}"),
+        }
+    }
+    assert!(matches!(seat("guests", 0), ServerMsg::Welcome(_)));
     println!("guest done");
 }
 
@@ -513,9 +533,25 @@ fn a_guest_can_neither_take_a_stream_name_nor_control_another_users_stream() {
         .key("slots", 4)
         .key("min_consumers", 2)
         .to_toml();
-    let (dir, socket, broker) = shared_broker(&format!("[broker]\nallow_uids = [{GUEST}]\n{body}"));
+    let grouped = StreamToml::synthetic("grouped", 4, 64, &[("x", "u8", &[16])])
+        .key("slots", 8)
+        .key("min_consumers", 10)
+        .to_toml();
+    let (dir, socket, broker) = shared_broker(&format!(
+        "[broker]\nallow_uids = [{GUEST}]\n{body}\n{grouped}"
+    ));
     let me = nix::unistd::getuid().as_raw();
     if is_root("a guest registering and controlling streams") {
+        // The owner's group, rank 0 of 2 seated.
+        let mut req = common::consume_request(2);
+        req.stream = "grouped".into();
+        req.group = Some(Box::new(proto::Seat {
+            name: "dp".into(),
+            rank: 0,
+            world: 2,
+            replicate: 1,
+        }));
+        let _member = common::raw_subscribe_with(&socket, "owner member", req);
         let prefix = nix::unistd::User::from_uid(GUEST.into())
             .unwrap()
             .map_or_else(|| format!("u{GUEST}"), |u| u.name)

@@ -421,8 +421,9 @@ pub fn raw_subscribe_with(
     recv(&mut len);
     let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
     recv(&mut payload);
-    let ServerMsg::Welcome(w) = proto::decode(&payload).unwrap() else {
-        panic!("no welcome")
+    let w = match proto::decode(&payload).unwrap() {
+        ServerMsg::Welcome(w) => w,
+        other => panic!("no welcome: {other:?}"),
     };
     (s, *w, fds)
 }

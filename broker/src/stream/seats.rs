@@ -4,7 +4,9 @@
 //! two members never take one share and they all deal alike: one rank per
 //! seat, one world, one `replicate`, one batch size and `drop_last` per
 //! group. A seat is free again when its consumer leaves (a restarted rank
-//! takes it back).
+//! takes it back). A group belongs to the uid of its members: a member of
+//! another uid is refused (a guest cannot take the ranks of the owner's
+//! group, nor fix its world first).
 
 use batchcast::proto::{ConsumeRequest, Seat};
 
@@ -20,6 +22,7 @@ impl Stream {
         inner: &Inner,
         req: &ConsumeRequest,
         shape: Shape,
+        uid: u32,
     ) -> Result<(), SubscribeError> {
         let Some(seat) = &req.group else {
             return Ok(());
@@ -41,6 +44,12 @@ impl Stream {
             .filter(|(s, _)| s.name == seat.name);
         for (other, conn) in members {
             let who = format!("`{}` (pid {})", conn.peer.name, conn.peer.pid);
+            if conn.peer.uid != uid {
+                return refuse(format!(
+                    "group `{}` belongs to uid {}, whose members read it ({who} among them); a group's members are one user's: choose another group name",
+                    seat.name, conn.peer.uid
+                ));
+            }
             if other.rank == seat.rank {
                 return refuse(format!(
                     "group `{}`: rank {} is taken by {who}; each rank of a group reads its own share once",

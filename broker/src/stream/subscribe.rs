@@ -57,7 +57,7 @@ impl Stream {
         let replays = self.may_replay(replaying.is_some()) || decoupled;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
-        self.check_subscription(&req, shape)?;
+        self.check_subscription(&req, shape, peer.uid)?;
         // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
@@ -76,7 +76,7 @@ impl Stream {
             if let Some(why) = &inner.failed {
                 return Err(SubscribeError::Failed(why.clone()));
             }
-            self.check_seat(inner, &req, shape)?;
+            self.check_seat(inner, &req, shape, peer.uid)?;
             let group = match (&mirror, &req.device) {
                 (Some(m), Some(dev)) => Some(Stream::mirror_group(
                     inner, m, gpu_grant, dev, gpu_slots,
@@ -183,12 +183,17 @@ impl Stream {
     }
 
     /// Refusals that need no GPU, before a device arena is allocated.
-    fn check_subscription(&self, req: &ConsumeRequest, shape: Shape) -> Result<(), SubscribeError> {
+    fn check_subscription(
+        &self,
+        req: &ConsumeRequest,
+        shape: Shape,
+        uid: u32,
+    ) -> Result<(), SubscribeError> {
         let inner = self.lock();
         if let Some(why) = &inner.failed {
             return Err(SubscribeError::Failed(why.clone()));
         }
-        self.check_seat(&inner, req, shape)?;
+        self.check_seat(&inner, req, shape, uid)?;
         let gpu_slots = req.device.as_ref().map(|_| self.plan.gpu_slots);
         inner.hub.check_window(shape.units, gpu_slots)?;
         if let Some(dev) = &req.device {
