@@ -13,6 +13,10 @@ pub enum ListenError {
     #[error("{0} exists and is not a socket; refusing to replace it (pass another --socket)")]
     NotASocket(PathBuf),
     #[error(
+        "{path} is a socket of uid {uid}, not of uid {me} (this broker): another user bound the path while no broker ran (its folder is shared, as a sticky /tmp is); the broker neither talks to nor removes it. Pass --socket in a folder only you can write (e.g. /run/user/{me}), or have uid {uid} or root remove it"
+    )]
+    OthersSocket { path: PathBuf, uid: u32, me: u32 },
+    #[error(
         "refusing the socket folder {dir}: {problem}, so another user could replace the socket and impersonate the broker. Remove it (the broker then creates it owner-only), `chmod 700` it, or pass --socket in a folder only you can write"
     )]
     UnsafeDir { dir: PathBuf, problem: String },
@@ -78,6 +82,13 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
             return Err(ListenError::NotASocket(path.into()));
+        }
+        Ok(meta) if meta.uid() != nix::unistd::geteuid().as_raw() => {
+            return Err(ListenError::OthersSocket {
+                path: path.into(),
+                uid: meta.uid(),
+                me: nix::unistd::geteuid().as_raw(),
+            });
         }
         Ok(_) => match UnixStream::connect(path) {
             Ok(_) => return Err(ListenError::InUse(path.into())),
@@ -212,6 +223,28 @@ mod tests {
             Err(ListenError::NotASocket(_))
         ));
         assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    }
+
+    /// In a sticky shared folder another user may bind the path while no
+    /// broker runs: refused by name, never connected to or removed.
+    #[test]
+    fn another_users_socket_at_the_path_is_refused_by_name() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: chown to another uid needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.sock");
+        let impostor = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+        let err = bind(&path, false).unwrap_err();
+        assert!(
+            matches!(&err, ListenError::OthersSocket { uid: 65534, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("uid 65534") && err.to_string().contains("/run/user/"));
+        assert!(path.exists(), "the other user's socket is left alone");
+        drop(impostor);
     }
 
     #[test]
