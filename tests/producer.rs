@@ -222,6 +222,23 @@ fn registrations_that_cannot_work_are_refused_with_what_to_change() {
             .contains("registering again at batch 2 of epoch 0, outside the stream"),
         "{err}"
     );
+    // At the last epoch a u64 counts, on an endless stream (it wrapped to
+    // epoch 0 silently).
+    let mut wrap = options(&env, "ext", 2, None);
+    wrap.request.rejoin = Some(batchcast::proto::Rejoin {
+        epoch: u64::MAX,
+        index: 0,
+        readers: 1,
+        grace_ms: 0,
+    });
+    let err = Producer::register(wrap).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "registering again at batch 0 of epoch {}, outside the stream",
+            u64::MAX
+        )),
+        "{err}"
+    );
 
     // A refused producer leaves nothing behind: the name is free.
     let _ok = Producer::register(options(&env, "ext", 2, Some(1))).unwrap();

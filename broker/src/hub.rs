@@ -146,6 +146,11 @@ pub enum Outbound {
     },
 }
 
+/// The first epoch a stream never reaches: a position at or past it (a
+/// forged resume or registration) is refused rather than counted on until
+/// the epoch number wraps.
+pub const MAX_EPOCH: u64 = 1 << 48;
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum HubError {
     #[error("window must be at least 1")]
@@ -506,8 +511,9 @@ impl Hub {
     /// once a batch was started or someone subscribed, or for a place past
     /// the stream.
     pub fn seek(&mut self, epoch: u64, index: u64) -> bool {
-        let past =
-            self.cfg.epochs.is_some_and(|e| epoch >= e) || index >= self.cfg.batches_per_epoch;
+        let past = self.cfg.epochs.is_some_and(|e| epoch >= e)
+            || epoch >= MAX_EPOCH
+            || index >= self.cfg.batches_per_epoch;
         if self.started || self.next_seq != 0 || !self.consumers.is_empty() || past {
             return false;
         }

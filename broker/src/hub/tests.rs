@@ -56,6 +56,11 @@ fn a_stream_nobody_read_yet_starts_where_it_is_sought_and_only_then() {
     let mut h = hub(4, 10, Some(3), None);
     assert!(!h.seek(3, 0), "past the stream");
     assert!(!h.seek(1, 10), "past an epoch");
+    // An endless stream still refuses an epoch it would count past u64's
+    // end (a forged registration at 2^64-1 wrapped to epoch 0).
+    let mut endless = hub(4, 10, None, None);
+    assert!(!endless.seek(u64::MAX, 9) && !endless.seek(MAX_EPOCH, 0));
+    assert!(endless.seek(MAX_EPOCH - 1, 9));
     assert!(h.seek(2, 7));
     let (a, start) = h.join(2, JoinPolicy::Now).unwrap();
     assert_eq!((start, h.first_batch(a)), (2, Some((2, 7))));

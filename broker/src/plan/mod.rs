@@ -319,11 +319,15 @@ fn check_rejoin(req: &ProduceRequest) -> Result<(), StreamError> {
     let Some(r) = req.rejoin else {
         return Ok(());
     };
-    if r.index >= req.batches_per_epoch || req.epochs.is_some_and(|n| r.epoch >= n) {
+    let last = crate::hub::MAX_EPOCH;
+    if r.index >= req.batches_per_epoch
+        || req.epochs.is_some_and(|n| r.epoch >= n)
+        || r.epoch >= last
+    {
         return Err(key(
             "rejoin",
             format!(
-                "registering again at batch {} of epoch {}, outside the stream ({} batches an epoch, {} epochs)",
+                "registering again at batch {} of epoch {}, outside the stream ({} batches an epoch, {} epochs; no stream counts epoch {last} or later)",
                 r.index,
                 r.epoch,
                 req.batches_per_epoch,

@@ -108,9 +108,19 @@ async fn register(
         StartError::Arena(e) => Reject(ErrorCode::Internal, e.to_string()),
     })?;
     if let Some(r) = rejoin {
-        // Nobody has seen the new stream yet: it cannot have started.
-        let moved = stream.rejoin_at(&r);
-        debug_assert!(moved, "a stream just made starts anywhere");
+        // Nobody has seen the new stream yet: it starts anywhere it has.
+        if !stream.rejoin_at(&r) {
+            return Err(Reject(
+                ErrorCode::InvalidRequest,
+                format!(
+                    "cannot register `{}` again at epoch {} batch {}: past its last epoch or batch, or past epoch {} (the largest a stream counts)",
+                    stream.name(),
+                    r.epoch,
+                    r.index,
+                    crate::hub::MAX_EPOCH
+                ),
+            ));
+        }
         tracing::info!(stream = %stream.name(), producer = %who, epoch = r.epoch, index = r.index, readers = r.readers, "producer registers again after a broker restart");
     }
     let registered = ServerMsg::Registered(Box::new(Registered {
