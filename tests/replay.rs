@@ -204,6 +204,12 @@ fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
     assert!(!r.ok);
     let err = r.error.unwrap_or_default();
     assert!(err.contains("400 samples"), "{err}");
+    // So is an epoch past what a stream counts (a forged state).
+    let r = report(env.consumer(&["--resume", &format!("{}:0", u64::MAX)]));
+    assert!(!r.ok, "{r:#?}");
+    let err = r.error.unwrap_or_default();
+    assert!(err.contains("no stream counts epoch"), "{err}");
+    assert!(env.stats().streams[0].failed.is_none());
 }
 
 #[test]

@@ -118,6 +118,12 @@ impl Stream {
                     per_epoch.saturating_sub(1)
                 ));
             }
+            if p.epoch >= crate::hub::MAX_EPOCH {
+                return refuse(format!(
+                    "{what}: no stream counts epoch {} or later",
+                    crate::hub::MAX_EPOCH
+                ));
+            }
             if let Some(epochs) = self.plan.epochs
                 && p.epoch >= epochs
             {
