@@ -261,6 +261,7 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
             ),
         },
         (_, Some(w)) => {
+            let strict = s.on_error == crate::pipeline::OnError::Fail;
             within(
                 "webdataset.shuffle_buffer",
                 w.shuffle_buffer,
@@ -270,14 +271,14 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
             )?;
             if let Some(r) = &remote {
                 return Ok((
-                    dataset::remote::webdataset(&w.shards, r)?,
+                    dataset::remote::webdataset(&w.shards, r, strict)?,
                     Some(w.shuffle_buffer),
                 ));
             }
             let shards = expand_home(&w.shards);
             let paths = expand_pattern(&shards)?;
             (
-                Dataset::webdataset(&shards, &paths)?,
+                Dataset::webdataset(&shards, &paths, strict)?,
                 Some(w.shuffle_buffer),
             )
         }

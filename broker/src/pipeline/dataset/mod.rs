@@ -262,10 +262,17 @@ impl Dataset {
     /// under one of [`SHARD_IMAGE_KEYS`], the label under `.cls` (a decimal
     /// integer). Only tar headers and labels are read here; image bytes are
     /// read later, by offset.
-    pub fn webdataset(pattern: &str, paths: &[PathBuf]) -> Result<Dataset, DatasetError> {
+    /// A sample without a label is left out (said once), or with
+    /// `strict` refused.
+    pub fn webdataset(
+        pattern: &str,
+        paths: &[PathBuf],
+        strict: bool,
+    ) -> Result<Dataset, DatasetError> {
         let mut items = Vec::new();
         let mut shards = Vec::new();
         let mut shard_items = Vec::new();
+        let mut unlabelled = Vec::new();
         for path in paths {
             let shard_err = |e: ShardError| DatasetError::Shard {
                 path: path.clone(),
@@ -277,10 +284,12 @@ impl Dataset {
             })?;
             let shard = shards.len() as u32;
             let before = items.len();
-            index_shard(&file, shard, len, &mut items).map_err(shard_err)?;
+            let left = index_shard(&file, shard, len, strict, &mut items).map_err(shard_err)?;
+            unlabelled.push((path.display().to_string(), left));
             shard_items.push(before..items.len());
             shards.push((path.clone(), file));
         }
+        warn_unlabelled(pattern, &unlabelled);
         if items.is_empty() {
             return Err(DatasetError::NoSamples {
                 what: format!("shard pattern `{pattern}`"),
@@ -418,24 +427,33 @@ struct Pending {
 /// sample an image and its `.cls` label) into `items`. A member whose
 /// declared size runs past the shard's `len` bytes is an error, not the
 /// silent end of the shard.
+///
+/// A sample with an image but no label is a bad sample: with `strict`
+/// (`on_error = "fail"`) the shard is refused naming it, else it is left
+/// out and its key returned.
 fn index_shard<R: Read + Seek>(
     file: R,
     shard: u32,
     len: u64,
+    strict: bool,
     items: &mut Vec<Item>,
-) -> Result<(), ShardError> {
+) -> Result<Vec<String>, ShardError> {
     let mut archive = tar::Archive::new(file);
     let mut cur: Option<Pending> = None;
-    let flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), ShardError> {
+    let mut unlabelled = Vec::new();
+    let mut flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), ShardError> {
         let Some((offset, len)) = p.image else {
             // Samples without an image (e.g. metadata only) are not samples.
             return Ok(());
         };
-        let label = p.label.ok_or(ShardError::NoLabel { key: p.key })?;
-        items.push(Item {
-            loc: Location::Member { shard, offset, len },
-            label,
-        });
+        match p.label {
+            Some(label) => items.push(Item {
+                loc: Location::Member { shard, offset, len },
+                label,
+            }),
+            None if strict => return Err(ShardError::NoLabel { key: p.key }),
+            None => unlabelled.push(p.key),
+        }
         Ok(())
     };
     let entries = archive.entries_with_seek().map_err(ShardError::NotTar)?;
@@ -483,7 +501,19 @@ fn index_shard<R: Read + Seek>(
     if let Some(p) = cur.take() {
         flush(p, items)?;
     }
-    Ok(())
+    Ok(unlabelled)
+}
+
+/// Says once which samples `index_shard` left out for want of a label:
+/// `(shard, keys)` per shard.
+fn warn_unlabelled(pattern: &str, left: &[(String, Vec<String>)]) {
+    let n: usize = left.iter().map(|(_, k)| k.len()).sum();
+    if let Some((shard, keys)) = left.iter().find(|(_, k)| !k.is_empty()) {
+        tracing::warn!(
+            "{pattern}: {n} sample(s) with an image but no .cls label left out (on_error = \"skip\"), the first `{}` in {shard}; add their labels, or set on_error = \"fail\" to refuse such shards",
+            keys[0]
+        );
+    }
 }
 
 /// A `.cls` member's integer label (`bytes` of text, at most 64).
@@ -575,6 +605,40 @@ mod tests {
         b.into_inner().unwrap()
     }
 
+    /// A sample with no label is a bad sample: left out under
+    /// `on_error = "skip"` (the broker starts), refused by name under
+    /// "fail" (it stopped the broker from starting either way).
+    #[test]
+    fn a_sample_without_a_label_is_left_out_or_refused_as_on_error_says() {
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, data) in [
+            ("0000.jpg", &[7u8; 100][..]),
+            ("0000.cls", b"1"),
+            ("0001.jpg", &[7u8; 100][..]),
+            ("0002.jpg", &[7u8; 100][..]),
+            ("0002.cls", b"2"),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            b.append_data(&mut h, name, data).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.tar");
+        std::fs::write(&path, b.into_inner().unwrap()).unwrap();
+        let ds = Dataset::webdataset("s.tar", std::slice::from_ref(&path), false).unwrap();
+        let labels: Vec<i64> = ds.items.iter().map(|i| i.label).collect();
+        assert_eq!(labels, [1, 2]);
+        let err = Dataset::webdataset("s.tar", &[path], true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`0001` has an image but no .cls label"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn a_member_declaring_more_than_the_shard_holds_is_named_not_the_end() {
         let mut shard = shard_of(32);
@@ -583,6 +647,7 @@ mod tests {
             std::io::Cursor::new(&shard),
             0,
             shard.len() as u64,
+            true,
             &mut items,
         )
         .unwrap();
@@ -595,7 +660,7 @@ mod tests {
         let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
         h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
         let len = shard.len() as u64;
-        let err = index_shard(std::io::Cursor::new(&shard), 0, len, &mut Vec::new())
+        let err = index_shard(std::io::Cursor::new(&shard), 0, len, true, &mut Vec::new())
             .unwrap_err()
             .to_string();
         assert!(

@@ -245,7 +245,7 @@ fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordere
 }
 
 /// Tar shards by brace pattern (a URL): indexed from their bytes.
-pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> {
+pub fn webdataset(pattern: &str, s: &Settings, strict: bool) -> Result<Dataset, DatasetError> {
     let url = RemoteUrl::parse(pattern).map_err(crate::remote::RemoteError::from)?;
     let (fetcher, disk) = open(&url, s)?;
     let key = format!("shards\n{url}");
@@ -269,22 +269,25 @@ pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> 
     let ahead = ((s.read_ahead_bytes / part) as usize / at_once).clamp(1, requests);
     let me = set.clone();
     let shards = fetch::wait(async move {
-        futures::stream::iter((0..n as u32).map(|o| index_remote(me.clone(), o, ahead)))
+        futures::stream::iter((0..n as u32).map(|o| index_remote(me.clone(), o, ahead, strict)))
             .buffered(at_once)
             .collect::<Vec<_>>()
             .await
     });
     let mut items = Vec::new();
     let mut shard_items = Vec::with_capacity(n);
+    let mut unlabelled = Vec::new();
     for (o, r) in shards.into_iter().enumerate() {
-        let listed = r.map_err(|message| DatasetError::Shard {
+        let (listed, left) = r.map_err(|message| DatasetError::Shard {
             path: set.describe(o as u32).into(),
             message,
         })?;
         let before = items.len();
         items.extend(listed);
         shard_items.push(before..items.len());
+        unlabelled.push((set.describe(o as u32), left));
     }
+    super::warn_unlabelled(&url.to_string(), &unlabelled);
     if items.is_empty() {
         return Err(DatasetError::NoSamples {
             what: format!("shard pattern `{url}`"),
@@ -304,7 +307,12 @@ pub fn webdataset(pattern: &str, s: &Settings) -> Result<Dataset, DatasetError> 
 /// Indexes shard `o` from its parts as they arrive (`ahead` of them in
 /// flight, then read by the tar index on a blocking thread): the shard
 /// is never held whole.
-async fn index_remote(set: Arc<RemoteSet>, o: u32, ahead: usize) -> Result<Vec<Item>, String> {
+async fn index_remote(
+    set: Arc<RemoteSet>,
+    o: u32,
+    ahead: usize,
+    strict: bool,
+) -> Result<(Vec<Item>, Vec<String>), String> {
     let len = set.listed_size(o).unwrap_or(0);
     let (tx, rx) = tokio::sync::mpsc::channel(ahead);
     let feeder = {
@@ -329,8 +337,8 @@ async fn index_remote(set: Arc<RemoteSet>, o: u32, ahead: usize) -> Result<Vec<I
     };
     let indexed = tokio::task::spawn_blocking(move || {
         let mut items = Vec::new();
-        index_shard(PartReader::new(rx, len), o, len, &mut items)
-            .map(|()| items)
+        index_shard(PartReader::new(rx, len), o, len, strict, &mut items)
+            .map(|left| (items, left))
             .map_err(|e| e.to_string())
     })
     .await
