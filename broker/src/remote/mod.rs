@@ -187,6 +187,8 @@ pub struct RemoteSet {
     grant: std::sync::Mutex<Option<crate::budget::Grant>>,
     read_ahead_bytes: u64,
     max_object_bytes: u64,
+    /// Versions of objects listed without one (a manifest), as first read.
+    pins: std::sync::Mutex<std::collections::HashMap<u32, String>>,
     disk: Option<DiskCache>,
     waited_ns: AtomicU64,
     ahead_hits: AtomicU64,
@@ -209,6 +211,7 @@ impl RemoteSet {
             grant: std::sync::Mutex::new(None),
             read_ahead_bytes: settings.read_ahead_bytes,
             max_object_bytes: settings.max_object_bytes,
+            pins: std::sync::Mutex::default(),
             disk,
             waited_ns: AtomicU64::new(0),
             ahead_hits: AtomicU64::new(0),
@@ -430,15 +433,35 @@ impl RemoteSet {
             .fetcher
             .get(&obj.path, range, self.max_object_bytes)
             .await?;
-        if !fetch::same_version(&obj.version, &meta) {
+        // A manifest lists no versions: the first read's is pinned, so an
+        // object replaced later fails its reads (for this broker's life)
+        // rather than give a replay, a joiner or a resumed trainer other
+        // bytes than the epoch began with.
+        let (listed, same) = if obj.version.is_empty() {
+            let now = fetch::version_of(&meta);
+            let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+            let pinned = pins.entry(o).or_insert_with(|| now.clone()).clone();
+            let same = pinned == now;
+            (pinned, same)
+        } else {
+            (
+                obj.version.clone(),
+                fetch::same_version(&obj.version, &meta),
+            )
+        };
+        if !same {
             return Err(FetchError {
                 url: self.fetcher.url.with_path(&obj.path).to_string(),
                 kind: fetch::FailKind::Changed,
-                detail: format!(
-                    "ETag {} listed, {} now",
-                    obj.version,
-                    meta.e_tag.as_deref().unwrap_or("-")
-                ),
+                detail: redact::store_text(&format!(
+                    "{listed} {}, {} now",
+                    if obj.version.is_empty() {
+                        "when first read (a manifest lists no versions)"
+                    } else {
+                        "listed"
+                    },
+                    fetch::version_of(&meta)
+                )),
             });
         }
         Ok(bytes)
