@@ -16,8 +16,8 @@ use batchcast_broker::harness;
 mod common;
 
 use common::{
-    EXE, Env, Guard, LIMIT, command, expect_error, is_root, raw_exchange, raw_subscribe, report,
-    run,
+    EXE, Env, Guard, LIMIT, command, expect_error, http_get, is_root, raw_exchange, raw_subscribe,
+    report, run,
 };
 
 fn config(extra: &str, len: u64, batch: u64) -> String {
@@ -785,13 +785,6 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
             name: "gpu".into(),
             pid: std::process::id(),
             intent: proto::Intent::Consume(proto::ConsumeRequest {
-                batch_size: None,
-                expect: None,
-                group: None,
-                drop_last: None,
-                resume: None,
-                stream: "train".into(),
-                window,
                 join: batchcast::JoinPolicy::NextEpoch,
                 device: Some(proto::DeviceRequest {
                     uuid: [0xee; 16],
@@ -799,6 +792,7 @@ fn a_gpu_subscription_the_broker_cannot_serve_is_refused_and_host_consumers_go_o
                     name: "no such GPU".into(),
                 }),
                 mailbox: false,
+                ..common::consume_request(window)
             }),
         });
         let mut bytes = Preamble::ours().to_bytes().to_vec();
@@ -888,16 +882,6 @@ fn broker_with_metrics(dir: &Path, cfg: &str) -> (Guard, PathBuf, String) {
         std::thread::sleep(Duration::from_millis(20));
     };
     (broker, sock, addr)
-}
-
-/// The whole HTTP answer to `GET path` at `addr`.
-fn http_get(addr: &str, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 /// `serve --metrics`: Prometheus text with the same numbers as stats.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use batchcast::proto::{RemoteSourceStats, StatsReply};
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
-use common::{EXE, LIMIT, command, imgtool, python, repo};
+use common::{EXE, LIMIT, command, http_get, imgtool, python, repo};
 
 /// A value no message, log or stats reply may ever show.
 const SECRET: &str = "batchcast-test-secret-4f1d9c";
@@ -1092,17 +1092,6 @@ fn metrics_address(log: &Path, broker: &mut Child) -> String {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// The whole HTTP answer to `GET path` at `addr`.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 /// A manifest lists no ETags: the version of each object's first read is

@@ -510,3 +510,13 @@ pub fn assert_rode_through(
         );
     }
 }
+
+/// The whole HTTP answer to `GET path` at `addr` (the metrics address).
+pub fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
