@@ -1135,3 +1135,43 @@ fn an_object_replaced_behind_a_manifest_is_refused_not_served_changed() {
         "{log}"
     );
 }
+
+/// A server's redirect is followed only within the dataset's own host: a
+/// 302 to another host (here `localhost`, serving an image of its own) is
+/// a bad sample named by URL, never fetched and decoded as the sample.
+#[test]
+fn a_redirect_to_another_host_is_refused_not_followed() {
+    let data = Data::new();
+    let http = Server::objserver(&["files", &data.p("")]);
+    let elsewhere = Server::objserver(&["files", &data.p("ds")]);
+    let cfg = stream(
+        "redirected",
+        &format!(
+            "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
+            http.url()
+        ),
+        "epochs = 1\n[stream.remote]\ntimeout_s = 2\nretries = 2\nstall_s = 5",
+    );
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    // Another host's image, a real one: followed, it would decode.
+    let target = format!("http://localhost:{}/dog/base_0.jpg", elsewhere.port);
+    http.faults(&format!(
+        r#"{{"lies": [{{"path": "ds/cat/base_0.jpg", "redirect": "{target}"}}]}}"#
+    ));
+    let r = b.consume(&["--stream", "redirected"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(
+        elsewhere.faults("{}")["requests"],
+        0,
+        "the other host was asked"
+    );
+    let s = b.stats();
+    let st = s.streams.iter().find(|s| s.name == "redirected").unwrap();
+    assert_eq!(st.source.as_ref().unwrap().skipped, 1, "{st:#?}");
+    let log = b.log();
+    assert!(
+        log.contains(&format!("{}/ds/cat/base_0.jpg", http.url()))
+            && log.contains("redirected to another host"),
+        "{log}"
+    );
+}

@@ -151,7 +151,10 @@ fn judge(e: &object_store::Error) -> Verdict {
         }
         _ => {}
     }
-    let text = e.to_string();
+    let text = error_chain(e);
+    if text.contains(super::CROSS_HOST) || text.contains("error following redirect") {
+        return Verdict::Permanent(FailKind::Refused);
+    }
     if text.contains("SlowDown") {
         return Verdict::Throttled;
     }
@@ -163,6 +166,22 @@ fn judge(e: &object_store::Error) -> Verdict {
         Some(s) if (400..500).contains(&s) => Verdict::Permanent(FailKind::Refused),
         _ => Verdict::Transient,
     }
+}
+
+/// An error's message with its sources' (a redirect refused by the
+/// client is said in a source, not in the store's message).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut at = e.source();
+    while let Some(s) = at {
+        let said = s.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        at = s.source();
+    }
+    text
 }
 
 fn status_in(text: &str) -> Option<u16> {
@@ -463,7 +482,7 @@ impl Fetcher {
         let r = tokio::select! {
             r = tokio::time::timeout(self.limits.timeout, attempt()) => match r {
                 Ok(Ok(v)) => Ok(v),
-                Ok(Err(TryError::Store(e))) => Err((judge(&e), store_text(&e.to_string()))),
+                Ok(Err(TryError::Store(e))) => Err((judge(&e), store_text(&error_chain(&e)))),
                 Ok(Err(TryError::Answer(v, d))) => Err((v, d)),
                 Err(_) => Err((
                     Verdict::Transient,

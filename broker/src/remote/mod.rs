@@ -154,10 +154,72 @@ pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>,
                 .with_url(url.root.clone())
                 .with_retry(no_retry)
                 .with_client_options(opts.with_allow_http(true))
+                .with_http_connector(SameHost {
+                    timeout: s.limits.timeout + Duration::from_secs(1),
+                    idle: s.limits.requests.max(1) as usize * 2,
+                })
                 .build()
                 .map_err(err)?,
         ),
     })
+}
+
+/// What a redirect to another host is refused with (`fetch::judge` reads
+/// it: refused for good, not tried again).
+pub const CROSS_HOST: &str = "redirected to another host, which is not followed";
+
+/// The client of plain HTTP(S) datasets: `object_store`'s settings that
+/// matter here (no decompression: lengths and ranges are the bytes'), and
+/// redirects followed only within the dataset's own host and port (at
+/// most 5): a server's redirect elsewhere is a bad sample named by URL,
+/// never fetched and decoded as one.
+#[derive(Debug)]
+struct SameHost {
+    timeout: Duration,
+    idle: usize,
+}
+
+impl object_store::client::HttpConnector for SameHost {
+    fn connect(
+        &self,
+        _: &object_store::ClientOptions,
+    ) -> object_store::Result<object_store::client::HttpClient> {
+        let policy = reqwest::redirect::Policy::custom(|a| {
+            let to = (
+                a.url().scheme(),
+                a.url().host_str(),
+                a.url().port_or_known_default(),
+            );
+            let first = a
+                .previous()
+                .first()
+                .map(|f| (f.scheme(), f.host_str(), f.port_or_known_default()));
+            if first != Some(to) {
+                let whither = format!("{}://{}", to.0, to.1.unwrap_or("?"));
+                a.error(format!("{CROSS_HOST} ({whither})"))
+            } else if a.previous().len() > 5 {
+                a.stop()
+            } else {
+                a.follow()
+            }
+        });
+        let client = reqwest::Client::builder()
+            .user_agent(concat!("batchcast/", env!("CARGO_PKG_VERSION")))
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout.min(Duration::from_secs(5)))
+            .pool_max_idle_per_host(self.idle)
+            .no_gzip()
+            .no_brotli()
+            .no_zstd()
+            .no_deflate()
+            .redirect(policy)
+            .build()
+            .map_err(|e| object_store::Error::Generic {
+                store: "HTTP",
+                source: Box::new(e),
+            })?;
+        Ok(object_store::client::HttpClient::new(client))
+    }
 }
 
 /// One object of a remote dataset.
