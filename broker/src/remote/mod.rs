@@ -27,6 +27,7 @@ pub mod fetch;
 pub mod listing;
 pub mod redact;
 pub mod runs;
+mod store;
 pub mod url;
 
 use std::ops::Range;
@@ -37,14 +38,13 @@ use std::time::{Duration, Instant};
 
 use batchcast::proto::RemoteSourceStats;
 use bytes::Bytes;
-use object_store::ObjectStore;
 
 pub use ahead::Unit;
 use ahead::{Ahead, Taken};
 use disk::DiskCache;
 use fetch::{FetchError, Fetcher, Limits};
 use runs::runs;
-use url::{RemoteUrl, Scheme};
+pub use store::{CROSS_HOST, open_store};
 
 /// How a remote dataset is read (`[stream.remote]`, planned).
 #[derive(Debug, Clone, PartialEq)]
@@ -84,142 +84,6 @@ pub enum RemoteError {
     Fetch(#[from] FetchError),
     #[error(transparent)]
     Disk(#[from] disk::DiskCacheError),
-}
-
-/// Builds the client of the store `url` names, with no retries of its own.
-pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>, RemoteError> {
-    use object_store::{ClientOptions, RetryConfig};
-    // The client's own timeout is a backstop: batchcast's (fetch.rs) ends
-    // a try first, with a message naming `timeout_s`.
-    let opts = ClientOptions::new()
-        .with_timeout(s.limits.timeout + Duration::from_secs(1))
-        .with_connect_timeout(s.limits.timeout.min(Duration::from_secs(5)))
-        .with_pool_max_idle_per_host(s.limits.requests.max(1) as usize * 2);
-    let no_retry = RetryConfig {
-        max_retries: 0,
-        retry_timeout: s.limits.stall,
-        ..RetryConfig::default()
-    };
-    let err = |e: object_store::Error| RemoteError::Store {
-        url: url.to_string(),
-        message: e.to_string(),
-        hint: url.scheme.credentials_hint(),
-    };
-    let full = format!("{}/", url.root);
-    Ok(match url.scheme {
-        Scheme::S3 => {
-            let mut b = object_store::aws::AmazonS3Builder::from_env()
-                .with_url(full)
-                .with_retry(no_retry)
-                .with_skip_signature(s.anonymous);
-            let mut opts = opts;
-            if let Some(e) = &s.endpoint {
-                b = b.with_endpoint(e.clone());
-                if e.starts_with("http://") {
-                    opts = opts.with_allow_http(true);
-                }
-            }
-            Arc::new(b.with_client_options(opts).build().map_err(err)?)
-        }
-        Scheme::Gcs => {
-            let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                .with_url(full)
-                .with_retry(no_retry)
-                .with_skip_signature(s.anonymous);
-            let mut opts = opts;
-            if let Some(e) = &s.endpoint {
-                // GCS's XML API at another address (a private endpoint).
-                b = b.with_base_url(e.trim_end_matches('/'));
-                opts = opts.with_allow_http(e.starts_with("http://"));
-            }
-            Arc::new(b.with_client_options(opts).build().map_err(err)?)
-        }
-        Scheme::Azure => {
-            let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
-                .with_url(full)
-                .with_retry(no_retry)
-                .with_skip_signature(s.anonymous);
-            if let Some(e) = &s.endpoint {
-                // The account's blob endpoint (a private endpoint, azurite).
-                b = b.with_endpoint(e.trim_end_matches('/').to_string());
-            }
-            Arc::new(
-                b.with_client_options(opts.with_allow_http(true))
-                    .build()
-                    .map_err(err)?,
-            )
-        }
-        Scheme::Http => Arc::new(
-            object_store::http::HttpBuilder::new()
-                .with_url(url.root.clone())
-                .with_retry(no_retry)
-                .with_client_options(opts.with_allow_http(true))
-                .with_http_connector(SameHost {
-                    timeout: s.limits.timeout + Duration::from_secs(1),
-                    idle: s.limits.requests.max(1) as usize * 2,
-                })
-                .build()
-                .map_err(err)?,
-        ),
-    })
-}
-
-/// What a redirect to another host is refused with (`fetch::judge` reads
-/// it: refused for good, not tried again).
-pub const CROSS_HOST: &str = "redirected to another host, which is not followed";
-
-/// The client of plain HTTP(S) datasets: `object_store`'s settings that
-/// matter here (no decompression: lengths and ranges are the bytes'), and
-/// redirects followed only within the dataset's own host and port (at
-/// most 5): a server's redirect elsewhere is a bad sample named by URL,
-/// never fetched and decoded as one.
-#[derive(Debug)]
-struct SameHost {
-    timeout: Duration,
-    idle: usize,
-}
-
-impl object_store::client::HttpConnector for SameHost {
-    fn connect(
-        &self,
-        _: &object_store::ClientOptions,
-    ) -> object_store::Result<object_store::client::HttpClient> {
-        let policy = reqwest::redirect::Policy::custom(|a| {
-            let to = (
-                a.url().scheme(),
-                a.url().host_str(),
-                a.url().port_or_known_default(),
-            );
-            let first = a
-                .previous()
-                .first()
-                .map(|f| (f.scheme(), f.host_str(), f.port_or_known_default()));
-            if first != Some(to) {
-                let whither = format!("{}://{}", to.0, to.1.unwrap_or("?"));
-                a.error(format!("{CROSS_HOST} ({whither})"))
-            } else if a.previous().len() > 5 {
-                a.stop()
-            } else {
-                a.follow()
-            }
-        });
-        let client = reqwest::Client::builder()
-            .user_agent(concat!("batchcast/", env!("CARGO_PKG_VERSION")))
-            .timeout(self.timeout)
-            .connect_timeout(self.timeout.min(Duration::from_secs(5)))
-            .pool_max_idle_per_host(self.idle)
-            .no_gzip()
-            .no_brotli()
-            .no_zstd()
-            .no_deflate()
-            .redirect(policy)
-            .build()
-            .map_err(|e| object_store::Error::Generic {
-                store: "HTTP",
-                source: Box::new(e),
-            })?;
-        Ok(object_store::client::HttpClient::new(client))
-    }
 }
 
 /// One object of a remote dataset.
