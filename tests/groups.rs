@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use batchcast::deal::Deal;
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness;
 
 mod common;
 
@@ -331,6 +332,65 @@ fn a_member_whose_window_the_slots_cannot_hold_is_told_what_to_size() {
     );
 }
 
+/// `lag_limit` counts a consumer's own window: the docs' example
+/// (`lag_limit = 4`) seats the members of a group with the default window
+/// (2 of their runs span 6 of the stream's units) and consumers of another
+/// batch size (2 batches of 24 span 12 units of 8), and detaches none of
+/// them for what their windows span; a window above the limit is refused
+/// in the consumer's own batches. (Each pair reads at one pace, 50 ms a
+/// batch, on a stream of its own: one consistently slower than another
+/// falls the ring behind, which is what the limit bounds.)
+#[test]
+fn lag_limit_4_seats_members_and_own_batch_sizes_with_the_default_window() {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 4, 4]), ("label", "i64", &[])];
+    let stream = |name| {
+        StreamToml::synthetic(name, 8, 203, &fields)
+            .epochs(2)
+            .key("seed", 5)
+            .key("slots", 16)
+            .key("max_batch_size", 24)
+            .key("min_consumers", 2)
+            .key("lag_limit", 4)
+            .fill("full")
+            .to_toml()
+    };
+    let env = Env::start(&format!("{}\n{}", stream("train"), stream("own")));
+    let r = report(member(&env, "g", 0, 2, &["--window", "5"]));
+    let msg = r.error.unwrap_or_default();
+    assert!(
+        msg.contains("window 5 exceeds the stream's lag_limit of 4"),
+        "{msg}"
+    );
+    let pace = ["--sleep-ms", "50"];
+    let members: Vec<_> = (0..2).map(|r| member(&env, "g", r, 2, &pace)).collect();
+    let own: Vec<_> = (0..2)
+        .map(|_| {
+            env.consumer(&[
+                "--stream",
+                "own",
+                "--verify",
+                "--batch-size",
+                "24",
+                "--sleep-ms",
+                "50",
+            ])
+        })
+        .collect();
+    for (rank, kid) in members.into_iter().enumerate() {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        assert_eq!(runs(&r), BTreeMap::from([(0, want.clone()), (1, want)]));
+    }
+    for kid in own {
+        let r = report(kid);
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        assert!(r.epochs.iter().all(|e| e.samples == 203), "{r:#?}");
+    }
+    let st = env.stats();
+    assert!(st.streams.iter().all(|s| s.detached == 0), "{st:#?}");
+}
+
 #[test]
 fn a_group_rides_through_broker_restarts_each_member_with_its_own_share() {
     let mut env = Env::start(&config(2));
@@ -357,6 +417,50 @@ fn a_group_rides_through_broker_restarts_each_member_with_its_own_share() {
             "rank {rank}: {r:#?}"
         );
     }
+}
+
+/// A rank coming back to a seat another connection of its uid holds (its
+/// own old one, not yet gone; here a raw member that took rank 1 while
+/// the rank was stopped across a broker restart) is refused `Busy` and
+/// asks again until its `reconnect_timeout`: once the seat is free it
+/// reads the rest of its share, every sample once. Before, the refusal
+/// ended it.
+#[test]
+fn a_member_coming_back_to_a_held_seat_asks_again_until_it_is_free() {
+    use nix::sys::signal::Signal::{SIGCONT, SIGSTOP};
+    let mut env = Env::start(&config(1));
+    let kid = member(
+        &env,
+        "t",
+        1,
+        2,
+        &["--reconnect-timeout", "30", "--sleep-ms", "10"],
+    );
+    env.wait_for("the member to read", |s| {
+        s.streams[0].consumers.iter().any(|c| c.batches >= 6)
+    });
+    harness::signal(kid.id(), SIGSTOP);
+    env.restart_broker(true);
+    let mut req = common::consume_request(2);
+    req.group = Some(Box::new(batchcast::proto::Seat {
+        name: "t".into(),
+        rank: 1,
+        world: 2,
+        replicate: 1,
+    }));
+    let squatter = common::raw_subscribe_with(&env.socket(), "squatter", req);
+    harness::signal(kid.id(), SIGCONT);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(
+        env.stats().streams[0].consumers.len() == 1,
+        "the rank came back beside the seat's holder"
+    );
+    drop(squatter);
+    let r = report(kid);
+    assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+    assert_eq!(r.reconnects, 1, "{r:#?}");
+    let want = dealt(Deal::new(203, 8, (1, 2, 1), false));
+    assert_eq!(runs(&r), BTreeMap::from([(0, want.clone()), (1, want)]));
 }
 
 #[test]

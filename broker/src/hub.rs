@@ -74,6 +74,8 @@ pub type SlotId = u32;
 pub type GroupId = u32;
 
 pub use counts::{ConsumerCounts, GroupCounts, HubCounts};
+pub use error::HubError;
+pub use window::Window;
 
 /// A copy the runtime must make: host slot `host`, holding batch `seq`,
 /// into slot `slot` of group `group`'s ring. The host slot stays as it is
@@ -150,40 +152,6 @@ pub enum Outbound {
 /// forged resume or registration) is refused rather than counted on until
 /// the epoch number wraps.
 pub const MAX_EPOCH: u64 = 1 << 48;
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum HubError {
-    #[error("window must be at least 1")]
-    WindowZero,
-    #[error("window {window} exceeds the stream's {slots} slots")]
-    WindowTooLarge { window: u32, slots: u32 },
-    #[error(
-        "window {window} exceeds the stream's lag_limit of {lag_limit} batches; ask for a window of at most {lag_limit}"
-    )]
-    WindowAboveLagLimit { window: u32, lag_limit: u32 },
-    #[error("no consumer {0}")]
-    UnknownConsumer(ConsumerId),
-    #[error("batch {seq} is not held by this consumer (already released, or never sent)")]
-    NotHeld { seq: u64 },
-    #[error("this consumer is not cut from the shared stream: {0}")]
-    NotCuttable(&'static str),
-    #[error("consumer {0} was not cut from the stream, or said goodbye since")]
-    NotCut(ConsumerId),
-    #[error(
-        "batch {seq} is no longer published (or it holds batch {seq} or a later one): it cannot rejoin there"
-    )]
-    NotLive { seq: u64 },
-    #[error(
-        "window {window} exceeds the {slots} device slots of this stream's GPU arena; ask for a window of at most {slots}"
-    )]
-    WindowAboveGroupSlots { window: u32, slots: u32 },
-    #[error("no group {0}")]
-    UnknownGroup(GroupId),
-    #[error("copies to this GPU failed; it takes no more consumers")]
-    GroupFailed,
-    #[error("batch {seq} is not being copied to group {group}")]
-    NotCopying { group: GroupId, seq: u64 },
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -266,6 +234,9 @@ struct Consumer {
     /// Batches the least behind reader owed beyond what this one owed when
     /// it joined, counted as behind for the lag limit ([`Hub::join_credit`]).
     credit: usize,
+    /// Units its window spans beyond its own batches ([`Window`]): behind
+    /// by that much more is not lag.
+    allowance: usize,
     /// End of stream was sent.
     ended: bool,
     delivered: u64,
@@ -387,31 +358,6 @@ impl Hub {
             && self.inflight.is_empty()
             && self.published.is_empty()
             && self.groups.iter().all(|g| g.replicas.is_empty())
-    }
-
-    /// Whether a consumer with this window may join (in a group of
-    /// `group_slots` slots): checked before anything is allocated for it.
-    pub fn check_window(&self, window: u32, group_slots: Option<u32>) -> Result<(), HubError> {
-        if window == 0 {
-            return Err(HubError::WindowZero);
-        }
-        if window > self.cfg.slots {
-            return Err(HubError::WindowTooLarge {
-                window,
-                slots: self.cfg.slots,
-            });
-        }
-        if let Some(lag_limit) = self.cfg.lag_limit
-            && window > lag_limit
-        {
-            return Err(HubError::WindowAboveLagLimit { window, lag_limit });
-        }
-        if let Some(slots) = group_slots
-            && window > slots
-        {
-            return Err(HubError::WindowAboveGroupSlots { window, slots });
-        }
-        Ok(())
     }
 
     /// Whether the pipeline could be given work now (the next slot of the
@@ -586,6 +532,7 @@ impl Hub {
 
 mod counts;
 mod cut;
+mod error;
 mod groups;
 #[cfg(test)]
 mod invariants;
@@ -595,3 +542,4 @@ mod mixed;
 mod send;
 #[cfg(test)]
 mod tests;
+mod window;

@@ -42,6 +42,25 @@ print(json.dumps({"epochs": epochs}))
 
 
 def config(root: Path, dec_min: int) -> str:
+    return dec_config(dec_min) + f"""
+[[stream]]
+name = "img"
+batch_size = 6
+epochs = {EPOCHS}
+slots = 4
+drop_last = false
+workers = 2
+seed = 12
+[stream.image_folder]
+root = "{root}"
+[stream.transform]
+random_resized_crop = {{ size = 32 }}
+horizontal_flip = 0.5
+"""
+
+
+def dec_config(dec_min: int) -> str:
+    """A finite decoupled synthetic stream waiting for `dec_min` consumers."""
     return f"""
 [[stream]]
 name = "dec"
@@ -58,20 +77,6 @@ pace = "decoupled"
 len = {SYNTHETIC_LEN}
 fill = "full"
 fields = [{{ name = "image", dtype = "u8", shape = [3, 8, 8] }}, {{ name = "label", dtype = "i64", shape = [] }}]
-
-[[stream]]
-name = "img"
-batch_size = 6
-epochs = {EPOCHS}
-slots = 4
-drop_last = false
-workers = 2
-seed = 12
-[stream.image_folder]
-root = "{root}"
-[stream.transform]
-random_resized_crop = {{ size = 32 }}
-horizontal_flip = 0.5
 """
 
 
@@ -146,3 +151,109 @@ def test_consumers_ride_through_three_random_sigkills(start_broker, tmp_path):
     for name, (epochs, reconnects) in got.items():
         assert epochs == want[name], f"seed {seed}: {name} differs from the uninterrupted run"
         assert reconnects == 3, f"seed {seed}: {name} reconnected {reconnects} times"
+
+
+# A trainer that checkpoints after every batch: its `state_dict()`, the
+# epochs it finished, and the one it is in, whose digest is a chain
+# (h = sha256(h, sample)) so that it can be saved and carried on. Started
+# again on the same checkpoint it goes on from there.
+CHECKPOINTING_TRAINER = """
+import batchcast, hashlib, json, os, sys, time
+socket, stream, batch, sleep, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+saved = None
+if os.path.exists(ckpt):
+    with open(ckpt) as f:
+        saved = json.load(f)
+state, done, cur = (saved["state"], saved["done"], saved["cur"]) if saved else (None, [], None)
+c = batchcast.Consumer(stream=stream, socket=socket, output="numpy", batch_size=batch,
+                       state=state, resume=None if state else (0, 0), connect_timeout=30)
+while not c.ended:
+    for b in c:
+        if cur is None or cur[0] != b.epoch:
+            if cur is not None:
+                done.append(cur)
+            cur = [b.epoch, 0, "00" * 32]
+        h = bytes.fromhex(cur[2])
+        fields = [b[k] for k in range(len(b))]
+        for j in range(b.samples):
+            m = hashlib.sha256(h)
+            for f in fields:
+                m.update(f[j].tobytes())
+            h = m.digest()
+        cur = [b.epoch, cur[1] + b.samples, h.hex()]
+        with open(ckpt + ".tmp", "w") as f:
+            json.dump({"state": c.state_dict(), "done": done, "cur": cur}, f)
+        os.replace(ckpt + ".tmp", ckpt)
+        time.sleep(sleep)
+if cur is not None:
+    done.append(cur)
+print(json.dumps({"epochs": done}))
+"""
+
+# Batch size and seconds per batch of each trainer of the finite
+# decoupled stream (about 7.2, 6.8 and 6.4 s alone when slow).
+TRAINERS = {"t10": (10, 0.04), "t16": (16, 0.06), "t7": (7, 0.025)}
+
+
+def trainer(broker, name: str, ckpt: Path, slow: bool):
+    batch, sleep = TRAINERS[name]
+    return python_child(CHECKPOINTING_TRAINER, broker.socket, "dec", str(batch), str(sleep if slow else 0), str(ckpt))
+
+
+def trainer_epochs(p) -> list:
+    stdout, stderr = p.communicate(timeout=LIMIT)
+    assert p.returncode == 0, stderr
+    return [tuple(e) for e in json.loads(stdout.strip().splitlines()[-1])["epochs"]]
+
+
+def test_trainers_killed_and_resumed_from_checkpoints_read_every_epoch_once(start_broker, tmp_path):
+    """A finite decoupled stream, its broker SIGKILLed twice and its
+    trainers SIGKILLed three times at random moments, each started again
+    from its checkpoint; the last one killed is started again only after
+    the others finished (the stream made to its end: it is served from
+    replay). Every trainer's epochs are those of an uninterrupted run:
+    every sample of every epoch once, in order."""
+    broker = start_broker(dec_config(len(TRAINERS)))
+    procs = {n: trainer(broker, n, tmp_path / f"ref-{n}.json", slow=False) for n in TRAINERS}
+    want = {n: trainer_epochs(p) for n, p in procs.items()}
+    broker.stop()
+    for n, epochs in want.items():
+        assert [(e, s) for e, s, _ in epochs] == [(e, SYNTHETIC_LEN) for e in range(EPOCHS)], (n, epochs)
+
+    seed = int(time.time())
+    rng = random.Random(seed)
+    print(f"checkpoint chaos seed {seed}")
+    ckpt = {n: tmp_path / f"{n}.json" for n in TRAINERS}
+    broker = start_broker(dec_config(len(TRAINERS)))
+    procs = {n: trainer(broker, n, ckpt[n], slow=True) for n in TRAINERS}
+    names = list(TRAINERS)
+
+    def saved_batches() -> int:
+        return sum(json.loads(p.read_text())["cur"][1] for p in ckpt.values() if p.exists())
+
+    # Broker, trainer, broker, trainer: each after some more progress.
+    for event in ["broker", "trainer", "broker", "trainer"]:
+        before, t0 = saved_batches(), time.monotonic()
+        while saved_batches() == before:
+            assert time.monotonic() - t0 < LIMIT, f"seed {seed}: nobody reads on"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.1, 0.6))
+        if event == "broker":
+            broker.kill()
+            time.sleep(rng.uniform(0.0, 0.2))
+            broker = start_broker(dec_config(1))
+        else:
+            n = rng.choice([n for n in names if procs[n].poll() is None])
+            procs[n].kill()
+            procs[n].communicate()
+            time.sleep(rng.uniform(0.0, 0.3))
+            procs[n] = trainer(broker, n, ckpt[n], slow=True)
+    # The third: killed, and started again once the others finished.
+    late = rng.choice([n for n in names if procs[n].poll() is None])
+    procs[late].kill()
+    procs[late].communicate()
+    got = {n: trainer_epochs(p) for n, p in procs.items() if n != late}
+    got[late] = trainer_epochs(trainer(broker, late, ckpt[late], slow=False))
+    broker.stop()
+    for n in TRAINERS:
+        assert got[n] == want[n], f"seed {seed}: {n} differs from the uninterrupted run: {got[n]}"

@@ -35,8 +35,11 @@ pub enum ErrorCode {
     /// driver error); the message names the CUDA error.
     DeviceUnavailable,
     Internal,
-    /// The broker is at a connection limit (its own, or this uid's share);
-    /// the message names the limit and who holds the connections.
+    /// The broker is at a limit (connections, its own or this uid's
+    /// share; the memory budget), or a group seat is held by another
+    /// member of the uid: the message names what and who. Worth asking
+    /// again later: a reconnecting consumer does, until its
+    /// `reconnect_timeout`.
     Busy,
     /// A stats connection asked nothing for the broker's `idle_timeout_s`
     /// and was closed ([`crate::StatsClient`] reconnects by itself).

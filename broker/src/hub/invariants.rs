@@ -178,7 +178,7 @@ impl Hub {
                 assert!(c.queue.is_empty());
             }
         }
-        if let Some(limit) = self.cfg.lag_limit {
+        if let Some(limit) = self.cfg.lag_limit.filter(|_| !self.exhausted()) {
             // Consumers that may be cut are left to cuts (decoupled pace);
             // one that does not hold the oldest owed batch holds no one.
             let tail = self
@@ -190,7 +190,7 @@ impl Hub {
             for (id, lag) in self.lags(self.head()) {
                 let c = &self.consumers[&id];
                 assert!(
-                    lag <= limit as usize
+                    lag <= limit as usize + c.allowance
                         || c.cuttable
                         || c.oldest_owed() != tail
                         || tail.is_none(),

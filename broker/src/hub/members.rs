@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use batchcast::JoinPolicy;
 
-use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError};
+use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Window};
 
 impl Hub {
     /// Subscribes a host consumer; returns its id and the first epoch it
@@ -18,7 +18,7 @@ impl Hub {
     /// the host slots); returns its id and the first epoch it will see.
     pub fn join_group(
         &mut self,
-        window: u32,
+        window: impl Into<Window>,
         join: JoinPolicy,
         group: Option<GroupId>,
         delivery: Delivery,
@@ -36,7 +36,10 @@ impl Hub {
                 Some(grp.slots.len() as u32)
             }
         };
+        let window = window.into();
         self.check_window(window, group_slots)?;
+        let allowance = window.allowance();
+        let window = window.units;
         let ahead = match delivery {
             Delivery::Window => window,
             Delivery::Ahead => group_slots.unwrap_or(self.cfg.slots),
@@ -65,6 +68,7 @@ impl Hub {
                 cut: false,
                 cuttable: false,
                 credit,
+                allowance,
                 ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,

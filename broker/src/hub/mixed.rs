@@ -246,8 +246,11 @@ impl Model {
         }
         let policy = [JoinPolicy::NextEpoch, JoinPolicy::Immediate][usize::from(immediate)];
         let delivery = [Delivery::Window, Delivery::Ahead][usize::from(ahead)];
-        let Ok((id, start_epoch)) = self.hub.join_group(units as u32, policy, None, delivery)
-        else {
+        let span = super::Window {
+            units: units as u32,
+            batches: window,
+        };
+        let Ok((id, start_epoch)) = self.hub.join_group(span, policy, None, delivery) else {
             return; // above the lag limit
         };
         let deal = member.map(|(seed, world)| {

@@ -229,9 +229,16 @@ impl Hub {
     }
 
     /// A consumer past the lag limit that holds the oldest batch anyone
-    /// owes, with its lag (the most lagging first).
+    /// owes, with its lag beyond what its own window spans (the most
+    /// lagging first).
     fn over_lag_limit(&self) -> Option<(ConsumerId, usize)> {
         let limit = self.cfg.lag_limit? as usize;
+        // Everything made: nobody waits for the pipeline any more (a
+        // group's member ends before the last member's tail, which it
+        // then no longer waits for).
+        if self.exhausted() {
+            return None;
+        }
         let tail = self
             .consumers
             .values()
@@ -240,9 +247,10 @@ impl Hub {
             .min()?;
         self.lags(self.head())
             .into_iter()
-            .filter(|&(id, lag)| {
+            .filter_map(|(id, lag)| {
                 let c = &self.consumers[&id];
-                lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)
+                let lag = lag.saturating_sub(c.allowance);
+                (lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)).then_some((id, lag))
             })
             .max_by_key(|&(id, lag)| (lag, std::cmp::Reverse(id)))
     }

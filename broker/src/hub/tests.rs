@@ -287,6 +287,43 @@ fn paused_stream_skips_the_epoch_nobody_watched() {
     assert_eq!(batches(&h.take_outbound(), b), vec![(1, 0)]);
 }
 
+/// The lag limit counts a consumer's own window: one whose window of 2 of
+/// its batches spans 4 units is allowed the 2 more units, and a window is
+/// refused above the limit in its own batches, not in units.
+#[test]
+fn the_lag_limit_allows_what_a_consumers_own_window_spans() {
+    let mut h = hub(8, 100, None, Some(2));
+    let wide = |batches| Window { units: 4, batches };
+    assert_eq!(
+        h.check_window(wide(3), None),
+        Err(HubError::WindowAboveLagLimit {
+            window: 3,
+            lag_limit: 2
+        })
+    );
+    let (held, _) = h
+        .join_group(wide(2), JoinPolicy::NextEpoch, None, Delivery::Window)
+        .unwrap();
+    let (fast, _) = h.join(1, JoinPolicy::NextEpoch).unwrap();
+    // `held` keeps everything it is sent; `fast` releases each batch.
+    let mut detached_at = None;
+    for made in 1..=8u64 {
+        let w = produce(&mut h).unwrap();
+        h.release(fast, w.seq).unwrap();
+        if h.take_outbound()
+            .iter()
+            .any(|(id, o)| *id == held && matches!(o, Outbound::Detached { .. }))
+        {
+            detached_at = Some(made);
+            break;
+        }
+        h.check_invariants();
+    }
+    // Behind by 5 (its oldest batch 0, the head 5) is 3 past its 2 units
+    // of allowance: past the limit of 2. A plain window went at 3.
+    assert_eq!(detached_at, Some(5));
+}
+
 #[test]
 fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
     let mut h = hub(6, 100, None, Some(3));

@@ -90,6 +90,7 @@ async fn subscribe(
             SubscribeError::Device(_) => ErrorCode::DeviceUnavailable,
             SubscribeError::Mailbox(_) => ErrorCode::Internal,
             SubscribeError::OverBudget(_)
+            | SubscribeError::SeatTaken(_)
             | SubscribeError::Replay(crate::stream::ReplayError::OverBudget(_)) => ErrorCode::Busy,
             SubscribeError::Replay(_) => ErrorCode::InvalidRequest,
             SubscribeError::Changed { .. } => ErrorCode::StreamChanged,

@@ -118,7 +118,14 @@ impl fmt::Display for Ending {
         match self {
             Ending::StreamEnded => f.write_str("stream ended"),
             Ending::SaidGoodbye => f.write_str("said goodbye"),
-            Ending::Detached(why) => write!(f, "detached: {why}"),
+            // The limits' reasons say "detached: ..." to the consumer.
+            Ending::Detached(why) => {
+                write!(
+                    f,
+                    "detached: {}",
+                    why.strip_prefix("detached: ").unwrap_or(why)
+                )
+            }
             Ending::Ended(why) => write!(f, "ended: {why}"),
             Ending::DeviceFailed(why) => write!(f, "device failed: {why}"),
         }

@@ -51,9 +51,13 @@ pub enum SubscribeError {
     OverBudget(#[from] crate::budget::OverBudget),
     #[error("{0}")]
     BatchSize(String),
-    /// A group seat taken, or one that would deal unlike its group.
+    /// A group seat that would deal unlike its group.
     #[error("{0}")]
     Seat(String),
+    /// A group seat another member of the uid holds (perhaps a rank's old
+    /// connection, not yet gone): worth asking again.
+    #[error("{0}")]
+    SeatTaken(String),
     #[error(transparent)]
     Replay(#[from] ReplayError),
     /// The consumer's state was saved under another description of the

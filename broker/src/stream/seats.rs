@@ -4,9 +4,13 @@
 //! two members never take one share and they all deal alike: one rank per
 //! seat, one world, one `replicate`, one batch size and `drop_last` per
 //! group. A seat is free again when its consumer leaves (a restarted rank
-//! takes it back). A group belongs to the uid of its members: a member of
-//! another uid is refused (a guest cannot take the ranks of the owner's
-//! group, nor fix its world first).
+//! takes it back). A group is named within its members' uid: members of
+//! two uids under one name are two groups, so a guest can neither take a
+//! rank of the owner's group nor fix its world first, whoever comes
+//! first (after a broker restart too). A seat held by another member of
+//! the uid is refused `Busy` (it may be a rank's old connection, not yet
+//! gone): a reconnecting client tries again until its
+//! `reconnect_timeout`.
 
 use batchcast::proto::{ConsumeRequest, Seat};
 
@@ -41,20 +45,14 @@ impl Stream {
             .conns
             .values()
             .filter_map(|c| c.seat.as_ref().map(|s| (s, c)))
-            .filter(|(s, _)| s.name == seat.name);
+            .filter(|(s, c)| s.name == seat.name && c.peer.uid == uid);
         for (other, conn) in members {
             let who = format!("`{}` (pid {})", conn.peer.name, conn.peer.pid);
-            if conn.peer.uid != uid {
-                return refuse(format!(
-                    "group `{}` belongs to uid {}, whose members read it ({who} among them); a group's members are one user's: choose another group name",
-                    seat.name, conn.peer.uid
-                ));
-            }
             if other.rank == seat.rank {
-                return refuse(format!(
+                return Err(SubscribeError::SeatTaken(format!(
                     "group `{}`: rank {} is taken by {who}; each rank of a group reads its own share once",
                     seat.name, seat.rank
-                ));
+                )));
             }
             if (other.world, other.replicate) != (seat.world, seat.replicate) {
                 return refuse(format!(

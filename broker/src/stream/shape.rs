@@ -23,6 +23,15 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// Its window as the hub counts it: `units` of the stream, holding
+    /// the consumer's own `window` batches.
+    pub fn window(&self, req: &ConsumeRequest) -> crate::hub::Window {
+        crate::hub::Window {
+            units: self.units,
+            batches: req.window.min(self.units),
+        }
+    }
+
     /// A group member's share of each epoch, as its client deals it.
     pub fn deal(&self, req: &batchcast::proto::ConsumeRequest) -> Option<batchcast::deal::Deal> {
         let seat = req.group.as_deref()?;

@@ -90,7 +90,7 @@ impl Stream {
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
             self.seek_to_resume(inner, replaying, &peer);
-            let (id, mut start_epoch) = inner.hub.join_group(shape.units, join, group, delivery)?;
+            let (id, mut start_epoch) = inner.hub.join_group(shape.window(&req), join, group, delivery)?;
             inner.hub.may_be_cut(id, decoupled);
             let started = self
                 .start_replay(inner, id, replaying, prepared, cut)
@@ -195,7 +195,7 @@ impl Stream {
         }
         self.check_seat(&inner, req, shape, uid)?;
         let gpu_slots = req.device.as_ref().map(|_| self.plan.gpu_slots);
-        inner.hub.check_window(shape.units, gpu_slots)?;
+        inner.hub.check_window(shape.window(req), gpu_slots)?;
         if let Some(dev) = &req.device {
             Stream::check_gpu(&inner, dev)?;
         }

@@ -11,13 +11,16 @@
 use std::time::{Duration, Instant};
 
 use super::{Consumer, Next};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorCode, Result};
 use crate::proto::{EpochEnd, Position};
 use crate::transport::last_words;
 
 /// How soon a connection the broker dropped while starting or stopping is
 /// tried again.
 const RETRY: Duration = Duration::from_millis(20);
+/// Between asks while refused `Busy`: each is a subscription the broker
+/// refuses (and may log), so fewer.
+const BUSY_RETRY: Duration = Duration::from_millis(200);
 
 impl Consumer {
     /// `result`, unless it says the broker went away and this consumer
@@ -122,17 +125,30 @@ impl Consumer {
         opts.state = Some(self.state());
         opts.batch_size = None;
         opts.drop_last = None;
+        let mut said_busy = false;
         let mut fresh = loop {
             let stop = until.map_or(deadline, |u| u.min(deadline));
             opts.connect_timeout = stop.saturating_duration_since(Instant::now());
             match Consumer::connect(opts.clone()) {
                 Ok(c) => break c,
-                // The old broker still closing, or the new one starting.
-                Err(e) if e.while_restarting() && Instant::now() < deadline => {
+                // The old broker still closing, or the new one starting;
+                // or a limit or group seat still held (by this consumer's
+                // old connection, not yet gone, or another that may leave).
+                Err(e)
+                    if (e.while_restarting() || e.code() == Some(ErrorCode::Busy))
+                        && Instant::now() < deadline =>
+                {
+                    let busy = e.code() == Some(ErrorCode::Busy);
+                    if busy && !std::mem::replace(&mut said_busy, true) {
+                        eprintln!(
+                            "batchcast: consumer `{}` waits to be let in again: {e}",
+                            self.opts.name
+                        );
+                    }
                     if until.is_some_and(|u| Instant::now() >= u) {
                         return Ok(false);
                     }
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(if busy { BUSY_RETRY } else { RETRY });
                 }
                 Err(e) => {
                     eprintln!(
