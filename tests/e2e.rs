@@ -868,19 +868,7 @@ fn broker_with_metrics(dir: &Path, cfg: &str) -> (Guard, PathBuf, String) {
             .spawn()
             .unwrap(),
     );
-    let t0 = Instant::now();
-    let addr = loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if let Some(rest) = text.split("metrics on http://").nth(1) {
-            break rest.split('/').next().unwrap().to_string();
-        }
-        let exited = broker.0.try_wait().unwrap().is_some();
-        assert!(
-            t0.elapsed() < LIMIT && !exited,
-            "no metrics address in the log:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let addr = common::metrics_address(&log, &mut broker.0);
     (broker, sock, addr)
 }
 

@@ -1019,8 +1019,8 @@ fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is
         .arg(dir.join("b.sock"))
         .stderr(std::fs::File::create(&log).unwrap());
     batchcast_broker::child::die_with_parent(&mut broker);
-    let mut broker = KillOnDrop(broker.spawn().unwrap());
-    let addr = metrics_address(&log, &mut broker.0);
+    let mut broker = common::Guard(broker.spawn().unwrap());
+    let addr = common::metrics_address(&log, &mut broker.0);
     proxy.faults(
         r#"{"lies": [{"path": "train/cat/base_0.jpg", "methods": ["GET"], "status": 403, "echo": true, "pad": 2000000}]}"#,
     );
@@ -1064,33 +1064,6 @@ fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is
         for secret in [TOKEN, KEY_ID, SECRET] {
             assert!(!text.contains(secret), "{what} shows {secret}:\n{text}");
         }
-    }
-}
-
-/// A child killed when dropped.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The address a broker started with `--metrics 127.0.0.1:0` logged.
-fn metrics_address(log: &Path, broker: &mut Child) -> String {
-    let t0 = Instant::now();
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(rest) = text.split("metrics on http://").nth(1) {
-            return rest.split('/').next().unwrap().to_string();
-        }
-        let exited = broker.try_wait().unwrap().is_some();
-        assert!(
-            t0.elapsed() < LIMIT && !exited,
-            "no metrics address:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -520,3 +520,21 @@ pub fn http_get(addr: &str, path: &str) -> String {
     s.read_to_string(&mut out).unwrap();
     out
 }
+
+/// The address a broker started with `--metrics 127.0.0.1:0` wrote to its
+/// log `log` (fails if `broker` exits first, or after LIMIT).
+pub fn metrics_address(log: &Path, broker: &mut Child) -> String {
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(rest) = text.split("metrics on http://").nth(1) {
+            return rest.split('/').next().unwrap().to_string();
+        }
+        let exited = broker.try_wait().unwrap().is_some();
+        assert!(
+            t0.elapsed() < LIMIT && !exited,
+            "no metrics address in the log:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
