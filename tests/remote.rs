@@ -1148,3 +1148,53 @@ fn a_redirect_to_another_host_is_refused_not_followed() {
         "{log}"
     );
 }
+
+/// Object stores get the same client as plain HTTP: an S3 answer
+/// redirecting elsewhere (here `localhost`, serving a real image) is a bad
+/// sample named by URL and the other host is never asked; an error whose
+/// body is 64 MiB is read no further than its first 64 KiB (object_store
+/// read it whole into its error's text), a bad sample too.
+#[test]
+fn an_object_stores_redirect_elsewhere_is_not_followed_nor_a_huge_error_read() {
+    let data = Data::new();
+    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let elsewhere = Server::objserver(&["files", &data.p("ds")]);
+    let cfg = folder_stream(
+        "s3",
+        "s3://data/train/",
+        &format!(
+            "epochs = 1\n{}",
+            remote(&proxy.url(), "timeout_s = 2\nretries = 1\nstall_s = 5")
+        ),
+    );
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let target = format!("http://localhost:{}/dog/base_0.jpg", elsewhere.port);
+    proxy.faults(&format!(
+        r#"{{"lies": [
+            {{"path": "train/cat/base_0.jpg", "methods": ["GET"], "redirect": "{target}"}},
+            {{"path": "train/dog/base_0.jpg", "methods": ["GET"], "status": 404, "pad": 67108864}}
+        ]}}"#
+    ));
+    let r = b.consume(&["--stream", "s3"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(
+        elsewhere.faults("{}")["requests"],
+        0,
+        "the other host was asked"
+    );
+    let seen = proxy.faults("{}");
+    let sent = seen["lie_bytes"].as_u64().unwrap();
+    assert!(
+        seen["lies"].as_u64().unwrap() >= 2 && sent < 16 << 20,
+        "the broker read {sent} bytes of errors: {seen}"
+    );
+    let s = b.stats();
+    let st = s.streams.iter().find(|s| s.name == "s3").unwrap();
+    assert_eq!(st.source.as_ref().unwrap().skipped, 2, "{st:#?}");
+    let log = b.log();
+    assert!(
+        log.contains("s3://data/train/cat/base_0.jpg")
+            && log.contains("redirected to another host"),
+        "{log}"
+    );
+}
