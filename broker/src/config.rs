@@ -22,7 +22,7 @@
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
-//! lag_limit = 4         # omit to let the slowest consumer set the pace (decoupled: members, GPU consumers)
+//! lag_limit = 4         # omit to let the slowest consumer set the pace (decoupled: GPU consumers)
 //! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 30     # decoupled: longest wait for a consumer that cannot be cut
@@ -227,8 +227,8 @@ with_source_keys! {
         /// Pipeline threads; default: all cores but one.
         pub workers: Option<usize>,
         /// Detach a consumer this many batches behind the least behind one;
-        /// under decoupled pace, only consumers that keep lockstep (group
-        /// members, GPU consumers): the others are cut and replayed to.
+        /// under decoupled pace, only consumers that keep lockstep (GPU
+        /// consumers): the others are cut and replayed to.
         pub lag_limit: Option<u32>,
         /// Who sets the pipeline's pace; see [`Pace`].
         #[serde(default)]

@@ -533,7 +533,7 @@ fn start_of(opts: &ConsumerOptions) -> Result<(Option<Position>, Option<u64>)> {
 }
 
 /// A group member's share of each epoch ([`crate::deal`]).
-fn deal_of(welcome: &Welcome, opts: &ConsumerOptions) -> Option<crate::deal::Deal> {
+pub(super) fn deal_of(welcome: &Welcome, opts: &ConsumerOptions) -> Option<crate::deal::Deal> {
     let seat = opts.group.as_ref()?;
     Some(crate::deal::Deal::new(
         welcome.schema.samples_per_epoch,

@@ -261,7 +261,7 @@ pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
         }
     }
     // On a decoupled stream `lag_limit` bounds only the consumers that keep
-    // lockstep there (group members, GPU consumers); the others are cut.
+    // lockstep there (GPU consumers); the others are cut.
     match (s.pace, s.run_ahead_mib) {
         (Pace::Lockstep, Some(_)) => Err(key(
             "run_ahead_mib",

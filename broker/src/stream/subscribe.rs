@@ -209,14 +209,12 @@ impl Stream {
         asks && self.writer.is_some()
     }
 
-    /// Decoupled pace: a host consumer (mailbox or socket) of a stream the
-    /// broker computes may be cut from the shared stream and replayed to;
-    /// GPU consumers keep lockstep.
+    /// Decoupled pace: a host consumer (mailbox or socket, a group member
+    /// too: replayed its own runs) of a stream the broker computes may be
+    /// cut from the shared stream and replayed to; GPU consumers keep
+    /// lockstep.
     fn decoupled(&self, req: &ConsumeRequest) -> bool {
-        self.plan.pace == Pace::Decoupled
-            && self.writer.is_some()
-            && req.device.is_none()
-            && req.group.is_none()
+        self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
     }
 
     /// A mailbox for a host consumer that asked for one, in the budget

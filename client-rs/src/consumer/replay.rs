@@ -56,7 +56,13 @@ impl Replaying {
         let Some(deal) = self.deal else {
             return;
         };
-        self.at = deal.seek_own_run(self.at, self.to.unwrap_or(self.at));
+        // A cut's replay has no end yet: to the member's next run,
+        // whichever epoch holds it.
+        let end = self.to.unwrap_or(Position {
+            epoch: u64::MAX,
+            sample: 0,
+        });
+        self.at = deal.seek_own_run(self.at, end);
     }
 
     /// The batch that must come next from `at` on: its samples, and
@@ -72,8 +78,10 @@ impl Replaying {
                 .filter(|run| run.start == self.at.sample)
                 .map_or((0, false), |run| {
                     // Within the epoch where replay ends, the end of the
-                    // epoch comes with the shared stream's.
-                    let later = self.to.is_some_and(|to| to.epoch > self.at.epoch);
+                    // epoch comes with the shared stream's (a cut's replay
+                    // has no end yet: its epochs end in it, as the
+                    // broker's stream-end limit lies past them).
+                    let later = self.to.is_none_or(|to| to.epoch > self.at.epoch);
                     (run.end - run.start, later && deal.ends_epoch(&run))
                 }),
         }
@@ -149,16 +157,18 @@ impl Consumer {
                 restart.epoch, restart.sample
             )));
         }
+        let deal = super::deal_of(&self.shared.welcome, &self.opts);
         let r = self.replay.get_or_insert_with(|| Replaying {
             at: restart,
             to: None,
             from,
             next_seq: self.replay_seq,
             queue: VecDeque::new(),
-            deal: None, // a group member is never cut
+            deal,
         });
         r.at = restart;
         r.to = None;
+        r.seek_own_run();
         r.queue.extend(self.next.drain(..));
         Ok(())
     }

@@ -175,9 +175,9 @@ impl Stream {
                 ..Started::default()
             });
         };
-        // A group member keeps lockstep on a decoupled stream too.
+        // Decoupled: the arena stays for cuts (a group member's too).
         let life = match self.plan.pace {
-            Pace::Decoupled if deal.is_none() => ArenaLife::WhileConnected,
+            Pace::Decoupled => ArenaLife::WhileConnected,
             _ => ArenaLife::UntilDone,
         };
         let keep = life == ArenaLife::WhileConnected;
@@ -199,7 +199,7 @@ impl Stream {
             }
         };
         if keep && from < to {
-            return self.start_cut(inner, id, prepared, (from, batch), limit);
+            return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
         }
         let (replay, grant, fd) =
             prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
@@ -227,14 +227,14 @@ impl Stream {
         inner: &mut Inner,
         id: ConsumerId,
         prepared: Prepared,
-        (from, batch): (Position, u64),
+        (from, (batch, deal)): (Position, (u64, Option<Deal>)),
         limit: Position,
     ) -> Result<Started, SubscribeError> {
         inner.hub.cut_at_join(id)?;
         let per_epoch = self.plan.schema.samples_per_epoch;
         let (mut replay, grant, fd) = prepared.start(
             (from, from),
-            (batch, None),
+            (batch, deal),
             per_epoch,
             (ArenaLife::WhileConnected, limit),
         )?;
