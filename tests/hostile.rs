@@ -529,7 +529,13 @@ fn guest_side_of_the_tenant_test() {
         (_, other) => panic!("{other:?}"),
     }
     // The owner seats its rank 1 while the guest's `dp` is held.
-    println!("seated");
+    hold_until_told("seated", held);
+}
+
+/// A guest side's end: says `said` to its parent ([`Guest`]), keeps the
+/// connections `held` open until its stdin closes, then says it is done.
+fn hold_until_told(said: &str, held: Vec<UnixStream>) {
+    println!("{said}");
     let mut line = String::new();
     std::io::stdin().read_line(&mut line).unwrap();
     drop(held);
@@ -886,11 +892,7 @@ fn guest_side_of_the_budget_test() {
             .contains("does not fit the broker's memory budget"),
         "{refusal:?}"
     );
-    println!("held {}", held.len());
-    let mut line = String::new();
-    std::io::stdin().read_line(&mut line).unwrap();
-    drop(held);
-    println!("guest done");
+    hold_until_told(&format!("held {}", held.len()), held);
 }
 
 /// A guest's replay arenas take at most the guests' three quarters of
