@@ -1001,7 +1001,22 @@ impl Guest {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = Guard(cmd.spawn().unwrap());
+        // Another test's child, forked while this copy was open for
+        // writing, holds that fd until it execs: the copy cannot be run
+        // until then (ETXTBSY), for a moment.
+        let t0 = Instant::now();
+        let child = loop {
+            match cmd.spawn() {
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::ExecutableFileBusy
+                        && t0.elapsed() < Duration::from_secs(10) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                other => break other.unwrap(),
+            }
+        };
+        let mut child = Guard(child);
         let out = std::io::BufReader::new(child.0.stdout.take().unwrap());
         Guest { child, out }
     }
