@@ -22,10 +22,10 @@
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
-//! lag_limit = 4         # omit to let the slowest consumer set the pace (decoupled: GPU consumers)
+//! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: GPU consumers)
 //! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
-//! hold_limit_s = 30     # decoupled: longest wait for a consumer that cannot be cut
+//! hold_limit_s = 30     # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
 //! min_consumers = 1
 //!
 //! [stream.synthetic]
@@ -236,9 +236,11 @@ with_source_keys! {
         /// Decoupled pace: how far the pipeline may run ahead of the slowest
         /// consumer, as memory (MiB of the host arena); sets `slots`.
         pub run_ahead_mib: Option<u64>,
-        /// Decoupled pace: the longest the pipeline waits for a consumer it
-        /// cannot cut (one holding batches, one being replayed to that
-        /// pauses) before detaching it; default 30 s.
+        /// The longest one consumer may keep the pipeline waiting while
+        /// another waits for data (it paused, or holds the batch needed
+        /// next): then it is cut to replay, or detached if it cannot be
+        /// (a producer's stream, a GPU consumer, a batch held); default
+        /// 30 s, `inf` for no bound. Decoupled pace cuts at once.
         pub hold_limit_s: Option<f64>,
         #[serde(default = "one")]
         pub min_consumers: u32,

@@ -36,7 +36,7 @@ impl Producer {
 impl Producer {
     /// `fields`: `(name, dtype, shape)` per field, in order.
     #[new]
-    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0, broker_uid=None, reconnect_timeout=None, rejoin_grace=None))]
+    #[pyo3(signature = (stream, fields, batch_size, batches_per_epoch, epochs=None, slots=4, min_consumers=1, lag_limit=None, hold_limit_s=None, socket=None, name=None, description=String::new(), classes=Vec::new(), connect_timeout=0.0, broker_uid=None, reconnect_timeout=None, rejoin_grace=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -48,6 +48,7 @@ impl Producer {
         slots: u32,
         min_consumers: u32,
         lag_limit: Option<u32>,
+        hold_limit_s: Option<f64>,
         socket: Option<PathBuf>,
         name: Option<String>,
         description: String,
@@ -78,6 +79,9 @@ impl Producer {
         r.slots = slots;
         r.min_consumers = min_consumers;
         r.lag_limit = lag_limit;
+        r.hold_limit_ms = hold_limit_s
+            .map(|s| crate::seconds("hold_limit_s", s).map(|d| d.as_millis() as u64))
+            .transpose()?;
         r.description = description;
         r.classes = classes;
         opts.socket = socket;

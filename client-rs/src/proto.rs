@@ -48,7 +48,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 17;
+pub const PROTOCOL_VERSION: u16 = 18;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -248,6 +248,10 @@ pub struct ProduceRequest {
     /// Consumers that must subscribe before the first slot is handed out.
     pub min_consumers: u32,
     pub lag_limit: Option<u32>,
+    /// The longest a consumer may keep the producer waiting while another
+    /// consumer waits for data, in ms, before it is detached (protocol
+    /// 18); `None`: the broker's default (30 s).
+    pub hold_limit_ms: Option<u64>,
     /// What produces the batches, shown in stats.
     pub description: String,
     /// Class names in label order, if known.
@@ -289,6 +293,7 @@ impl ProduceRequest {
             slots: 4,
             min_consumers: 1,
             lag_limit: None,
+            hold_limit_ms: None,
             description: String::new(),
             classes: Vec::new(),
             rejoin: None,

@@ -6,7 +6,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{ConsumerId, Hub, HubError, Outbound, Slot};
+use super::{ConsumerId, GroupId, Hub, HubError, Outbound, Slot};
 
 impl Hub {
     /// Consumer `id` owes every published batch from `seq` to the head
@@ -203,17 +203,38 @@ impl Hub {
 
     /// The batch in the ring's next slot, which the pipeline waits for
     /// (`None` if the slot is free or being filled), and the consumers
-    /// that owe it.
+    /// that owe it: host consumers that hold it or are to be sent it, and
+    /// where a GPU's copy of it waits for a free slot of that GPU's ring,
+    /// the members that owe the oldest copy there.
     pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
         let Slot::Published { seq, .. } = self.slots[self.next_slot() as usize] else {
             return None;
         };
-        let owe = self
+        let owes = |c: &super::Consumer, s: u64| c.held.contains(&s) || c.queue.contains(&s);
+        let mut owe: Vec<ConsumerId> = self
             .consumers
             .iter()
-            .filter(|(_, c)| c.group.is_none() && (c.held.contains(&seq) || c.queue.contains(&seq)))
+            .filter(|(_, c)| c.group.is_none() && owes(c, seq))
             .map(|(&id, _)| id)
             .collect();
+        // A GPU's copy of it waits for a free slot of that GPU's ring: the
+        // members owing the oldest copy there keep it from being freed.
+        for (g, grp) in self.groups.iter().enumerate() {
+            let waits = grp.replicas.get(&seq).is_some_and(|r| r.slot.is_none());
+            let oldest = grp
+                .replicas
+                .iter()
+                .find(|(_, r)| r.slot.is_some() && r.done)
+                .map(|(&s, _)| s);
+            if let (true, Some(oldest)) = (waits, oldest) {
+                owe.extend(
+                    self.consumers
+                        .iter()
+                        .filter(|(_, c)| c.group == Some(g as GroupId) && owes(c, oldest))
+                        .map(|(&id, _)| id),
+                );
+            }
+        }
         Some((seq, owe))
     }
 
@@ -230,6 +251,13 @@ impl Hub {
     /// the ring has.
     pub fn head_seq(&self) -> (u64, u32) {
         (self.head(), self.cfg.slots)
+    }
+
+    /// Whether consumer `id` was sent batch `seq` and has not released it.
+    pub fn holds(&self, id: ConsumerId, seq: u64) -> bool {
+        self.consumers
+            .get(&id)
+            .is_some_and(|c| c.held.contains(&seq))
     }
 
     /// Whether consumer `id` is cut from the shared stream.

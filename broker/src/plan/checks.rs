@@ -244,21 +244,16 @@ pub(super) fn check_flow(
 
 /// `pace` and `run_ahead_mib` go together, and not with a lag limit.
 pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
-    if let Some(h) = s.hold_limit_s {
-        if s.pace != Pace::Decoupled {
-            return Err(key(
-                "hold_limit_s",
-                "hold_limit_s applies to pace = \"decoupled\" only; under lockstep, lag_limit detaches a consumer that holds the others back",
-            ));
-        }
-        if !(0.1..=86_400.0).contains(&h) {
-            return Err(key(
-                "hold_limit_s",
-                format!(
-                    "hold_limit_s = {h} is out of range: use 0.1 to 86400 (seconds the pipeline waits for a consumer it cannot cut)"
-                ),
-            ));
-        }
+    if let Some(h) = s.hold_limit_s
+        && h != f64::INFINITY
+        && !(0.1..=86_400.0).contains(&h)
+    {
+        return Err(key(
+            "hold_limit_s",
+            format!(
+                "hold_limit_s = {h} is out of range: use 0.1 to 86400 (seconds a consumer may keep the others waiting), or inf for no bound"
+            ),
+        ));
     }
     // On a decoupled stream `lag_limit` bounds only the consumers that keep
     // lockstep there (GPU consumers); the others are cut.

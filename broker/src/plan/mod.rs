@@ -165,10 +165,11 @@ pub const SIZING_WINDOW: u32 = 2;
 /// budget allows.
 pub const DEFAULT_BATCH_MULTIPLE: u64 = 4;
 
-/// Decoupled pace: how long the pipeline waits, by default, for a
-/// consumer that pins the ring and cannot be cut (it holds batches, or is
-/// replayed to and pauses) before detaching it: long enough for a
+/// How long, by default, a consumer may keep the pipeline waiting (it pins
+/// the ring's next unit while another consumer waits for data) before it
+/// is cut to replay or, if it cannot be, detached: long enough for a
 /// trainer's checkpoint or a short evaluation with a batch still held.
+/// Decoupled pace cuts at once and detaches at this limit.
 pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(30);
 
 /// A stream, checked, with everything derived from its description.
@@ -186,9 +187,11 @@ pub struct StreamPlan {
     /// The default of consumers that do not say whether to drop an epoch's
     /// short last batch (the stream makes every sample either way).
     pub drop_last: bool,
-    /// Decoupled pace: how long the pipeline waits for a consumer that
-    /// pins the ring and cannot be cut before detaching it.
-    pub hold_limit: Duration,
+    /// How long a consumer may keep the pipeline waiting while another
+    /// waits for data ([`DEFAULT_HOLD_LIMIT`]): then it is cut to replay
+    /// (lockstep) or detached (it cannot be cut). `None`: no bound
+    /// (`hold_limit_s = inf`).
+    pub hold_limit: Option<Duration>,
     pub min_consumers: u32,
     /// Pipeline threads (0 for an external producer).
     pub workers: usize,
@@ -261,6 +264,15 @@ impl StreamPlan {
             "batches in one epoch",
         )?;
         check_rejoin(req)?;
+        if let Some(ms) = req.hold_limit_ms {
+            within(
+                "hold_limit_ms",
+                ms,
+                100,
+                86_400_000,
+                "milliseconds a consumer may keep the producer waiting",
+            )?;
+        }
         let schema = Schema {
             fields: req.fields.clone(),
             batch_size: req.batch_size,
@@ -294,7 +306,10 @@ impl StreamPlan {
             epochs: req.epochs,
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
-            hold_limit: DEFAULT_HOLD_LIMIT,
+            hold_limit: Some(
+                req.hold_limit_ms
+                    .map_or(DEFAULT_HOLD_LIMIT, Duration::from_millis),
+            ),
             drop_last: false,
             min_consumers: req.min_consumers,
             workers: 0,
@@ -471,9 +486,11 @@ fn plan_stream(
         epochs: s.epochs,
         lag_limit: s.lag_limit,
         pace: s.pace,
-        hold_limit: s
-            .hold_limit_s
-            .map_or(DEFAULT_HOLD_LIMIT, Duration::from_secs_f64),
+        hold_limit: match s.hold_limit_s {
+            None => Some(DEFAULT_HOLD_LIMIT),
+            Some(h) if h.is_finite() => Some(Duration::from_secs_f64(h)),
+            Some(_) => None,
+        },
         drop_last: s.drop_last,
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),

@@ -159,9 +159,21 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
     };
     let p = &decoupled("").unwrap()[0];
     assert_eq!((p.pace, p.slots), (Pace::Decoupled, 15));
-    assert_eq!(p.hold_limit, crate::plan::DEFAULT_HOLD_LIMIT);
+    assert_eq!(p.hold_limit, Some(crate::plan::DEFAULT_HOLD_LIMIT));
     let p = &decoupled("hold_limit_s = 2.5").unwrap()[0];
-    assert_eq!(p.hold_limit, std::time::Duration::from_millis(2500));
+    assert_eq!(p.hold_limit, Some(std::time::Duration::from_millis(2500)));
+    // Lockstep is bounded by default too; `inf` lifts the bound.
+    let lockstep =
+        |extra: &str| plan(&good().replace("epochs = 2", &format!("epochs = 2\n{extra}")));
+    assert_eq!(
+        lockstep("").unwrap()[0].hold_limit,
+        Some(crate::plan::DEFAULT_HOLD_LIMIT)
+    );
+    assert_eq!(
+        lockstep("hold_limit_s = 5").unwrap()[0].hold_limit,
+        Some(std::time::Duration::from_secs(5))
+    );
+    assert_eq!(lockstep("hold_limit_s = inf").unwrap()[0].hold_limit, None);
     let err = decoupled("run_ahead_mib = 1").unwrap_err().to_string();
     assert!(
         err.contains("run_ahead_mib = 1 holds 21845 batches"),
@@ -186,12 +198,13 @@ fn decoupled_pace_takes_its_run_ahead_budget_in_memory() {
             "run_ahead_mib",
             "pace = \"decoupled\" only",
         ),
-        ("hold_limit_s = 5", "hold_limit_s", "lag_limit detaches"),
         (
             "pace = \"decoupled\"\nhold_limit_s = 0",
             "hold_limit_s",
             "use 0.1 to 86400",
         ),
+        ("hold_limit_s = -inf", "hold_limit_s", "or inf for no bound"),
+        ("hold_limit_s = nan", "hold_limit_s", "use 0.1 to 86400"),
     ] {
         let err = plan(&good().replace("epochs = 2", &format!("epochs = 2\n{extra}"))).unwrap_err();
         let text = err.to_string();

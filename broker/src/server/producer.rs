@@ -199,6 +199,8 @@ async fn serve_slots(
         let held_until = hold.unwrap_or_else(Instant::now);
         tokio::select! {
             _ = stream.ready(), if wants => {}
+            // Looks again: a consumer may have held it past the hold limit.
+            _ = tokio::time::sleep(Stream::HOLD_CHECK), if wants => {}
             _ = tokio::time::sleep_until(held_until.into()), if hold.is_some() => {
                 hold = None;
                 stream.end_rejoin_hold();

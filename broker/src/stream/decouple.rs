@@ -83,14 +83,26 @@ fn unread(c: &mut Conn) -> usize {
     })
 }
 
-/// Whether consumer `id` may be cut: decoupled, in host memory, reading
-/// the shared stream (its last replay's batches all sent: a cut's notice
-/// must follow them), and behind (units wait for it, noticed or queued).
-fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn) -> bool {
+/// Whether consumer `id` took unit `seq` (it was sent it and, with a
+/// mailbox, took the notice): a cut cannot give it back.
+fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
+    hub.holds(id, seq)
+        && !c
+            .out
+            .mailbox_mut()
+            .is_some_and(|mb| mb.unread_units().contains(&seq))
+}
+
+/// Whether consumer `id` may be cut to free unit `seq`: it keeps a replay
+/// arena for cuts, in host memory, reading the shared stream (its last
+/// replay's batches all sent: a cut's notice must follow them), behind
+/// (units wait for it, noticed or queued), and it did not take `seq`.
+fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
     let Some(queued) = hub.reading(id) else {
         return false;
     };
-    c.gpu.is_none()
+    !took(hub, id, c, seq)
+        && c.gpu.is_none()
         && c.ending.is_none()
         && c.replay.as_ref().is_some_and(|r| {
             r.life == ArenaLife::WhileConnected && !r.running() && !r.open() && r.settled()
@@ -111,11 +123,14 @@ impl Stream {
     }
 
     /// The pipeline waits for the ring's next slot: cuts the consumers that
-    /// owe its unit if the rules allow, or detaches those that cannot be
+    /// owe its unit if the rules allow (decoupled: at once; lockstep: once
+    /// it was pinned for the hold limit), or detaches those that cannot be
     /// cut once they have pinned it for the hold limit (see the module's).
     /// Whether it did either.
     pub(super) fn cut_laggards(&self, inner: &mut Inner) -> bool {
-        if self.plan.pace != Pace::Decoupled {
+        let eager = self.plan.pace == Pace::Decoupled;
+        let limit = self.plan.hold_limit;
+        if !eager && limit.is_none() {
             return false;
         }
         let Some((seq, owe)) = inner.hub.pinning() else {
@@ -128,7 +143,7 @@ impl Stream {
             .iter()
             .find(|(s, _)| *s == seq)
             .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER);
-        if young {
+        if eager && young {
             return false;
         }
         let Inner { hub, conns, .. } = &mut *inner;
@@ -138,29 +153,45 @@ impl Stream {
         if !hungry || owe.is_empty() {
             return false;
         }
-        let (can, cannot): (Vec<ConsumerId>, Vec<ConsumerId>) = owe
-            .into_iter()
-            .partition(|id| conns.get_mut(id).is_some_and(|c| cuttable(hub, *id, c)));
-        let cannot_was_empty = cannot.is_empty();
-        if !cannot_was_empty {
-            // Someone waits for data while these pin the ring: within the
-            // hold limit, counted from when this unit was first pinned.
-            let since = match inner.pinned {
-                Some((s, t)) if s == seq => t,
-                _ => inner.pinned.insert((seq, Instant::now())).1,
-            };
-            let held = since.elapsed();
-            if held < self.plan.hold_limit {
+        // Someone waits for data while these pin the ring: counted from
+        // when this unit was first pinned.
+        let since = match inner.pinned {
+            Some((s, t)) if s == seq => t,
+            _ => inner.pinned.insert((seq, Instant::now())).1,
+        };
+        let held = since.elapsed();
+        let past = limit.is_some_and(|l| held >= l);
+        if !eager && !past {
+            return false;
+        }
+        let Inner { hub, conns, .. } = &mut *inner;
+        let (can, mut cannot): (Vec<ConsumerId>, Vec<ConsumerId>) =
+            owe.into_iter().partition(|id| {
+                conns
+                    .get_mut(id)
+                    .is_some_and(|c| cuttable(hub, *id, c, seq))
+            });
+        // A lockstep joiner replayed the epoch's start is waited for while
+        // its replay goes on (it releases batches within the limit).
+        let within = limit.unwrap_or(Duration::MAX);
+        cannot.retain(|id| {
+            !conns
+                .get(id)
+                .and_then(|c| c.replay.as_ref())
+                .is_some_and(|r| r.catching_up(within))
+        });
+        if !cannot.is_empty() {
+            if !past {
                 return false;
             }
-            for id in cannot {
+            for &id in &cannot {
                 self.detach_holder(inner, id, held);
             }
         }
         inner.pinned = None;
         // Detaching freed the slot of whoever could not be cut; cutting the
         // others frees it of them.
-        let mut any = !cannot_was_empty;
+        let mut any = !cannot.is_empty();
         for id in can {
             any |= self.cut(inner, id);
         }
@@ -169,10 +200,20 @@ impl Stream {
 
     /// Detaches consumer `id`, which kept the pipeline waiting for `held`.
     fn detach_holder(&self, inner: &mut Inner, id: ConsumerId, held: Duration) {
-        let limit = self.plan.hold_limit.as_secs_f64();
+        let limit = self.plan.hold_limit.unwrap_or_default().as_secs_f64();
+        let what = match (self.writer.is_some(), inner.conns.get(&id)) {
+            (false, _) => {
+                "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
+            }
+            (true, Some(c)) if c.gpu.is_some() => {
+                "a GPU consumer cannot be cut to replay yet; resume from its state (state_dict())"
+            }
+            _ => {
+                "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"
+            }
+        };
         let reason = format!(
-            "detached: this consumer kept the stream's pipeline waiting for {:.1} s, more than the stream's hold_limit_s of {limit}: it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused), while other consumers waited for data. \
-             Release batches before a long pause (drop or `del` them), or raise hold_limit_s in the broker config",
+            "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or raise hold_limit_s in the broker config",
             held.as_secs_f64()
         );
         if inner.hub.detach(id, reason) {
@@ -180,7 +221,7 @@ impl Stream {
                 stream = %self.name(),
                 consumer = id,
                 held_s = held.as_secs_f64(),
-                "decoupled pace: detached a consumer that pinned the ring past the hold limit"
+                "detached a consumer that kept the pipeline waiting past the hold limit"
             );
         }
     }
@@ -243,7 +284,7 @@ impl Stream {
             consumer = id,
             taken_back = revoked.len(),
             ?restart,
-            "decoupled pace: a consumer fell a ring behind; it goes on from replay"
+            "a consumer fell a ring behind (decoupled) or kept the others waiting past the hold limit (lockstep); it goes on from replay"
         );
         self.work_cv.notify_all();
         true
@@ -252,9 +293,6 @@ impl Stream {
     /// Merges back each cut consumer whose replay reached a unit the
     /// shared stream still publishes (see the module's rules).
     pub(super) fn merge_replays(&self, inner: &mut Inner) {
-        if self.plan.pace != Pace::Decoupled {
-            return;
-        }
         let open: Vec<ConsumerId> = inner
             .conns
             .iter()
@@ -306,7 +344,7 @@ impl Stream {
             stream = %self.name(),
             consumer = id,
             ?at,
-            "decoupled pace: a replayed consumer merged back into the shared stream"
+            "a replayed consumer merged back into the shared stream"
         );
         true
     }

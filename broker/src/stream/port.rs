@@ -15,6 +15,7 @@ use batchcast::FillSlot;
 use batchcast::proto::Rejoin;
 
 use super::Stream;
+use super::deliver::settle;
 use super::error::StreamFailed;
 
 /// What an external producer's slot request finds.
@@ -34,6 +35,10 @@ impl Stream {
         self.arena.seal_writes()
     }
 
+    /// How often a waiting producer's request is looked at again, so that
+    /// a consumer keeping it waiting past the hold limit is detached.
+    pub const HOLD_CHECK: Duration = Duration::from_millis(200);
+
     /// Resolves when an external producer's request may succeed now.
     pub async fn ready(&self) {
         self.ready.notified().await
@@ -48,6 +53,11 @@ impl Stream {
             inner.producer_waiting = false;
             if inner.hub.exhausted() {
                 return Ok(Acquire::Ended);
+            }
+            // A consumer that kept the producer waiting past the hold
+            // limit is detached (nothing here can be recomputed for it).
+            if !inner.hub.has_free_slot() && self.cut_laggards(inner) {
+                settle(inner, true);
             }
             Ok(match inner.hub.start_batch() {
                 Some(w) => Acquire::Slot(FillSlot {

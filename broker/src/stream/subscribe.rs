@@ -54,15 +54,22 @@ impl Stream {
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
-        let replays = self.may_replay(replaying.is_some()) || decoupled;
+        // Its arena is kept for cuts: at once (decoupled) or past the
+        // hold limit (lockstep).
+        let kept = decoupled || self.bounded(&req);
+        let replays = self.may_replay(replaying.is_some()) || kept;
         let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape, peer.uid)?;
         // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
-        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, decoupled))?;
+        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        let prepared = self.replay_arena(replays, shape, req.window, &peer)?;
+        // Lockstep's arena only bounds a pause: without one (the budget
+        // is spent) the consumer is detached at the bound instead of cut.
+        let optional = kept && !decoupled && replaying.is_none();
+        let prepared = self.replay_arena((replays, optional), shape, req.window, &peer)?;
+        let kept = kept && prepared.is_some();
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
@@ -93,7 +100,7 @@ impl Stream {
             let (id, mut start_epoch) = inner.hub.join_group(shape.window(&req), join, group, delivery)?;
             inner.hub.may_be_cut(id, decoupled);
             let started = self
-                .start_replay(inner, id, replaying, prepared, cut)
+                .start_replay(inner, id, (replaying, kept), prepared, cut)
                 .inspect_err(|_| {
                     inner.hub.leave(id);
                 })?;
@@ -126,11 +133,12 @@ impl Stream {
     }
 
     /// A replay arena, if `replays` says one may be needed (whether it is
-    /// depends on where the stream is when the consumer joins, and for a
-    /// decoupled consumer on whether it falls behind).
+    /// depends on where the stream is when the consumer joins, and on
+    /// whether it is ever cut). An `optional` one the budget refuses is
+    /// none, said once in the log.
     fn replay_arena(
         &self,
-        replays: bool,
+        (replays, optional): (bool, bool),
         shape: Shape,
         window: u32,
         peer: &Peer,
@@ -139,12 +147,14 @@ impl Stream {
             return Ok(None);
         }
         let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
-        Ok(Some(self.prepare_replay(
-            shape.batch_size,
-            window,
-            peer.uid,
-            &whom,
-        )?))
+        match self.prepare_replay(shape.batch_size, window, peer.uid, &whom) {
+            Ok(p) => Ok(Some(p)),
+            Err(e) if optional => {
+                tracing::info!(stream = %self.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Refuses a consumer resuming under another description of the
@@ -217,6 +227,15 @@ impl Stream {
         self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
     }
 
+    /// Lockstep with a hold limit (the default): a host consumer of a
+    /// stream the broker computes that keeps the others waiting past the
+    /// limit is cut to replay ([`super::decouple`]), so it keeps a replay
+    /// arena as a decoupled one does. Others (a producer's stream, a GPU
+    /// consumer) are detached at the limit.
+    fn bounded(&self, req: &ConsumeRequest) -> bool {
+        self.plan.hold_limit.is_some() && self.writer.is_some() && req.device.is_none()
+    }
+
     /// A mailbox for a host consumer that asked for one, in the budget
     /// under its uid: room for every unit of the stream's slots, and for
     /// the replayed batches it may be sent.
@@ -224,7 +243,7 @@ impl Stream {
         &self,
         req: &ConsumeRequest,
         peer: &Peer,
-        (replaying, decoupled): (bool, bool),
+        (replaying, kept): (bool, bool),
     ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {
         if !req.mailbox || req.device.is_some() {
             return Ok((None, None));
@@ -234,9 +253,9 @@ impl Stream {
         } else {
             0
         };
-        // Decoupled: the notices a cut took back wait until the consumer
-        // passes them, and a ring more may come after its merge.
-        let rings = if decoupled { 2 } else { 1 };
+        // One that may be cut: the notices a cut took back wait until the
+        // consumer passes them, and a ring more may come after its merge.
+        let rings = if kept { 2 } else { 1 };
         let spec = MailboxSpec::for_batches(
             self.plan
                 .slots

@@ -92,6 +92,7 @@ class Producer:
         slots: int = 4,
         min_consumers: int = 1,
         lag_limit: Optional[int] = None,
+        hold_limit_s: Optional[float] = None,
         socket: Optional[str] = None,
         name: Optional[str] = None,
         description: str = "",

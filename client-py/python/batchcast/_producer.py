@@ -195,6 +195,10 @@ class Producer:
         slots: batches in shared memory at once (≥ 2).
         min_consumers: consumers that must subscribe before the first batch.
         lag_limit: detach a consumer this many batches behind the others.
+        hold_limit_s: detach a consumer that keeps this producer waiting
+            this many seconds while another consumer waits for data (it
+            paused: stopped, at a breakpoint, a long evaluation); default
+            30, at most 86400.
         batches_per_epoch: for loaders without ``len()``.
         name: shown in ``batchcast stats``.
         connect_timeout: seconds to keep retrying while the broker is not up
@@ -229,6 +233,7 @@ class Producer:
         broker_uid: Optional[int] = None,
         reconnect_timeout: Optional[float] = None,
         rejoin_grace: Optional[float] = None,
+        hold_limit_s: Optional[float] = None,
     ) -> None:
         self.loader = loader
         self.broker_uid = broker_uid
@@ -239,6 +244,7 @@ class Producer:
         self.slots = slots
         self.min_consumers = min_consumers
         self.lag_limit = lag_limit
+        self.hold_limit_s = hold_limit_s
         self.batches_per_epoch = batches_per_epoch
         self.name = name
         self.connect_timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
@@ -286,6 +292,7 @@ class Producer:
             slots=self.slots,
             min_consumers=self.min_consumers,
             lag_limit=self.lag_limit,
+            hold_limit_s=self.hold_limit_s,
             socket=self.socket,
             name=self.name,
             description=description,

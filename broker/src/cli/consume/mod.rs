@@ -53,6 +53,11 @@ pub struct ConsumeArgs {
     pub stall_after: Option<u64>,
     #[arg(long, default_value_t = 1000)]
     pub stall_ms: u64,
+    /// After releasing batch N (and those beyond --hold), stop this
+    /// process with SIGSTOP (as Ctrl-Z or a debugger would) until it is
+    /// sent SIGCONT: for tests of a paused trainer
+    #[arg(long, hide = true)]
+    pub stop_after: Option<u64>,
     /// Keep the last N batches instead of releasing each at once
     #[arg(long, default_value_t = 0)]
     pub hold: usize,
@@ -463,6 +468,10 @@ fn consume(
         }
         if args.stall_after == Some(report.batches) {
             std::thread::sleep(Duration::from_millis(args.stall_ms));
+        }
+        if args.stop_after == Some(report.batches) {
+            nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP)
+                .map_err(|e| batchcast::Error::Io(e.into()))?;
         }
         if args.abort_after.is_some_and(|m| report.batches >= m) {
             eprintln!(

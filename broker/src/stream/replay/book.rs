@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use batchcast::deal::Deal;
 use batchcast::proto::{Position, ReplayGrant, ReplayReady};
@@ -112,6 +113,7 @@ impl Prepared {
             next_seq: 0,
             live: BTreeMap::new(),
             sent: 0,
+            active: Instant::now(),
             _arena: self.arena,
             _grant: self.grant,
         };
@@ -142,6 +144,8 @@ pub(in crate::stream) struct Replay {
     live: BTreeMap<u64, Entry>,
     /// Batches below this were sent.
     sent: u64,
+    /// When its stretch began or its consumer last released a batch.
+    active: Instant,
     _arena: Arena,
     _grant: Grant,
 }
@@ -203,7 +207,15 @@ impl Replay {
     pub(in crate::stream) fn reopen(&mut self, from: Position) {
         self.cursor = from;
         self.to = None;
+        self.active = Instant::now();
         self.seek_own_run();
+    }
+
+    /// A lockstep joiner's stretch (it ends where the shared stream
+    /// begins for it) is under way and its consumer released a batch, or
+    /// the stretch began, less than `within` ago: it is catching up.
+    pub(in crate::stream) fn catching_up(&self, within: Duration) -> bool {
+        !self.open() && (self.running() || !self.live.is_empty()) && self.active.elapsed() < within
     }
 
     /// A group member's cursor moves to the start of its next own run
@@ -316,6 +328,7 @@ impl Replay {
         match self.live.get(&seq) {
             Some(e) if e.state == State::Sent => {
                 self.live.remove(&seq);
+                self.active = Instant::now();
             }
             _ => return Err(ReplayError::NotHeld { seq }),
         }

@@ -139,13 +139,13 @@ impl Stream {
 
     /// Consumer `id` just joined: where the shared stream begins for it
     /// decides what is replayed. `prepared`: its replay arena, if it may
-    /// need one (it asked for replay, or the stream's pace is decoupled:
-    /// then the arena stays, for the replay a cut begins).
+    /// need one (it asked for replay, or it may be cut: `kept`, then the
+    /// arena stays, for the replay a cut begins).
     pub(super) fn start_replay(
         &self,
         inner: &mut Inner,
         id: ConsumerId,
-        replaying: Option<ReplayFrom>,
+        (replaying, kept): (Option<ReplayFrom>, bool),
         prepared: Option<Prepared>,
         (batch, deal): (u64, Option<Deal>),
     ) -> Result<Started, SubscribeError> {
@@ -175,12 +175,12 @@ impl Stream {
                 ..Started::default()
             });
         };
-        // Decoupled: the arena stays for cuts (a group member's too).
-        let life = match self.plan.pace {
-            Pace::Decoupled => ArenaLife::WhileConnected,
-            _ => ArenaLife::UntilDone,
+        // One that may be cut keeps its arena (a group member's too).
+        let life = match kept {
+            true => ArenaLife::WhileConnected,
+            false => ArenaLife::UntilDone,
         };
-        let keep = life == ArenaLife::WhileConnected;
+        let keep = kept;
         let limit = Position {
             epoch: self.plan.epochs.unwrap_or(u64::MAX),
             sample: 0,
@@ -198,7 +198,9 @@ impl Stream {
                 });
             }
         };
-        if keep && from < to {
+        // Decoupled: it starts cut. Lockstep: a joiner is waited for while
+        // it catches up (as long as its replay goes on, see `decouple`).
+        if keep && self.plan.pace == Pace::Decoupled && from < to {
             return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
         }
         let (replay, grant, fd) =

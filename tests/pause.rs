@@ -1,0 +1,185 @@
+//! A paused trainer holds no one past the stream's hold limit, under the
+//! default pace (lockstep) as under decoupled: the real broker, real
+//! consumer processes stopped with SIGSTOP (as Ctrl-Z, a debugger or a
+//! hung process stops them) and continued with SIGCONT. On a stream the
+//! broker computes, the stopped one is cut to replay once it has kept the
+//! others waiting for the limit, and continued it reads every sample
+//! once, in order, byte for byte; one that keeps a batch while stopped,
+//! or reads a producer's stream, is detached and told why.
+
+use std::time::{Duration, Instant};
+
+use batchcast_broker::config::StreamToml;
+use batchcast_broker::consume::ConsumerReport;
+use batchcast_broker::harness;
+use nix::sys::signal::Signal::SIGCONT;
+
+mod common;
+
+use common::{Env, report};
+
+const PER_EPOCH: u64 = 400;
+const EPOCHS: u64 = 20;
+/// How long the consumer under test stays stopped.
+const STOPPED: Duration = Duration::from_secs(6);
+
+/// 400 samples an epoch in units of 40, `EPOCHS` epochs, a ring of 12,
+/// the default pace (lockstep) with a hold limit of 1 s; the stream starts
+/// once two consumers have subscribed.
+fn lockstep() -> String {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
+        .epochs(EPOCHS)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+        .key("min_consumers", 2)
+        .raw("hold_limit_s = 1.0")
+        .to_toml()
+}
+
+/// Waits until process `pid` is stopped (it stops itself: `--stop-after`).
+pub fn wait_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command's closing parenthesis.
+        let state = stat.rsplit_once(") ").and_then(|(_, s)| s.chars().next());
+        if state == Some('T') {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} never stopped: {stat}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits for `steady` to finish while the consumer `stopped` stays
+/// stopped, continues it then (also when `steady` was held: the test then
+/// fails instead of hanging), and returns both reports.
+fn steady_then_continue(
+    mut steady: std::process::Child,
+    stopped: std::process::Child,
+) -> (ConsumerReport, ConsumerReport, Duration) {
+    wait_stopped(stopped.id());
+    let t0 = Instant::now();
+    while t0.elapsed() < STOPPED && steady.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let finished = t0.elapsed();
+    let held = steady.try_wait().unwrap().is_none();
+    std::thread::sleep(STOPPED.saturating_sub(t0.elapsed()));
+    harness::signal(stopped.id(), SIGCONT);
+    let (steady, stopped) = (report(steady), report(stopped));
+    assert!(
+        !held,
+        "the steady reader was held while the other was stopped: {steady:#?}"
+    );
+    (steady, stopped, finished)
+}
+
+/// Every sample of every epoch, once, in order, with the generator's bytes.
+fn assert_whole(r: &ConsumerReport) {
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.verify_failures, 0, "{r:#?}");
+    assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
+    assert_eq!(r.samples, EPOCHS * PER_EPOCH, "{}", r.name);
+    assert_eq!(r.verified_samples, r.samples);
+    let epochs: Vec<(u64, u64, bool)> = r
+        .epochs
+        .iter()
+        .map(|e| (e.epoch, e.samples, e.complete))
+        .collect();
+    let want: Vec<(u64, u64, bool)> = (0..EPOCHS).map(|e| (e, PER_EPOCH, true)).collect();
+    assert_eq!(epochs, want, "{}", r.name);
+}
+
+/// A steady reader: 2 ms a batch, 200 batches (0.4 s alone).
+fn steady(env: &Env) -> std::process::Child {
+    env.consumer(&["--verify", "--sleep-ms", "2", "--name", "steady"])
+}
+
+/// Docs (README, security.md): under the default pace a trainer stopped
+/// for 6 s holds the others only for the hold limit (1 s here): it is cut
+/// to replay, and continued it reads every sample once, in order, byte
+/// for byte, then merges back. Before, the others waited all 6 s.
+#[test]
+fn a_stopped_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
+    let env = Env::start(&lockstep());
+    let steady = steady(&env);
+    let stopped = env.consumer(&["--verify", "--stop-after", "5", "--name", "stopped"]);
+    let (steady, stopped, finished) = steady_then_continue(steady, stopped);
+    assert_whole(&steady);
+    // Alone it takes 0.4 s; held, the stop's 6 s: the bound is the hold
+    // limit and slack for a loaded machine.
+    assert!(
+        finished < Duration::from_secs(4),
+        "steady finished {finished:?} after the stop"
+    );
+    assert_whole(&stopped);
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
+    let s = env.stats();
+    let past = &s.streams[0].past_consumers;
+    let cut = past.iter().find(|c| c.name == "stopped").unwrap();
+    assert!(cut.cuts >= 1 && cut.replayed > 0, "{cut:#?}");
+    assert_eq!(s.streams[0].detached, 0);
+}
+
+/// One stopped while it keeps a batch (`--hold 1`: its program holds the
+/// last one, as a training step's does) pins the ring's slot itself; a
+/// cut cannot give that back, so it is detached at the hold limit with a
+/// reason that says what to do, and the others go on.
+#[test]
+fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why() {
+    let env = Env::start(&lockstep());
+    let steady = steady(&env);
+    let stopped = env.consumer(&[
+        "--verify",
+        "--hold",
+        "1",
+        "--stop-after",
+        "5",
+        "--name",
+        "stopped",
+    ]);
+    let (steady, stopped, finished) = steady_then_continue(steady, stopped);
+    assert_whole(&steady);
+    assert!(
+        finished < Duration::from_secs(4),
+        "steady finished {finished:?} after the stop"
+    );
+    assert_eq!(
+        stopped.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{stopped:#?}"
+    );
+    let why = stopped.error.clone().unwrap_or_default();
+    assert!(
+        why.contains("hold_limit_s of 1") && why.contains("release batches before a long pause"),
+        "{why}"
+    );
+    assert_eq!(stopped.verify_failures, 0, "{stopped:#?}");
+    assert_eq!(env.stats().streams[0].detached, 1);
+}
+
+/// `hold_limit_s = inf` lifts the bound: the stopped trainer holds the
+/// others until it is continued (lockstep as it was), and nobody is cut.
+#[test]
+fn without_a_hold_limit_a_stopped_trainer_holds_the_others_until_continued() {
+    let env = Env::start(&lockstep().replace("hold_limit_s = 1.0", "hold_limit_s = inf"));
+    let steady = steady(&env);
+    let stopped = env.consumer(&["--verify", "--stop-after", "5", "--name", "stopped"]);
+    wait_stopped(stopped.id());
+    std::thread::sleep(Duration::from_secs(3));
+    let s = env.stats();
+    let c = &s.streams[0].consumers;
+    let steady_batches = c.iter().find(|c| c.name == "steady").unwrap().batches;
+    assert!(steady_batches < 20, "the ring is 12 units: {c:#?}");
+    harness::signal(stopped.id(), SIGCONT);
+    assert_whole(&report(steady));
+    assert_whole(&report(stopped));
+    let past = &env.stats().streams[0].past_consumers;
+    assert!(past.iter().all(|c| c.cuts == 0), "{past:#?}");
+}
