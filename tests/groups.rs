@@ -771,3 +771,40 @@ fn on_a_decoupled_stream_a_member_that_takes_nothing_is_cut_and_holds_no_one() {
         .unwrap_or_else(|| panic!("{st:#?}"));
     assert!(hoarder.cuts >= 1 && hoarder.left.is_none(), "{hoarder:#?}");
 }
+
+/// Under the default pace (lockstep) a member stopped with SIGSTOP holds
+/// the others only for the hold limit: it is cut and replayed its own
+/// runs, and continued it reads its share once, in order. Before, the
+/// others waited until it was continued.
+#[test]
+fn on_a_lockstep_stream_a_stopped_member_is_cut_at_the_hold_limit_and_reads_its_share() {
+    let lockstep = held_decoupled(None).replace("pace = \"decoupled\"\n", "");
+    assert!(!lockstep.contains("decoupled"), "{lockstep}");
+    let env = Env::start(&lockstep);
+    let mut steady = steady_reader(&env);
+    let stopped = member(
+        &env,
+        "t",
+        0,
+        2,
+        &[
+            "--join",
+            "immediate",
+            "--stop-after",
+            "3",
+            "--max-batches",
+            "60",
+        ],
+    );
+    common::wait_stopped(stopped.id());
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs() < 12 && steady.try_wait().unwrap().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    assert_steady_not_held(steady);
+    let stopped = report(stopped);
+    assert_eq!(stopped.batches, 60, "{stopped:#?}");
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
+    assert_own_runs_in_order(&stopped, 0);
+}

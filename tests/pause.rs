@@ -16,7 +16,7 @@ use nix::sys::signal::Signal::SIGCONT;
 
 mod common;
 
-use common::{Env, report};
+use common::{Env, report, wait_stopped};
 
 const PER_EPOCH: u64 = 400;
 const EPOCHS: u64 = 20;
@@ -36,24 +36,6 @@ fn lockstep() -> String {
         .key("min_consumers", 2)
         .raw("hold_limit_s = 1.0")
         .to_toml()
-}
-
-/// Waits until process `pid` is stopped (it stops itself: `--stop-after`).
-pub fn wait_stopped(pid: u32) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        // The state follows the command's closing parenthesis.
-        let state = stat.rsplit_once(") ").and_then(|(_, s)| s.chars().next());
-        if state == Some('T') {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "process {pid} never stopped: {stat}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Waits for `steady` to finish while the consumer `stopped` stays

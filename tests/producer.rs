@@ -11,7 +11,7 @@ use batchcast_broker::config::StreamToml;
 
 mod common;
 
-use common::{Env, digests, report};
+use common::{Env, digests, report, wait_stopped};
 
 /// `batchcast consume` of `stream`, waiting up to a minute for it to be
 /// registered, dumping what it gets to `dump`.
@@ -406,4 +406,53 @@ fn a_stream_registered_again_waits_for_its_consumers_and_refuses_a_place_it_no_l
         .skip(3)
         .collect();
     assert_eq!(reader.join().unwrap(), want);
+}
+
+/// Docs (README, security.md): on a producer's stream nothing can be
+/// recomputed for a consumer, so one stopped (SIGSTOP) keeps the producer
+/// and the other consumers waiting only for the stream's hold limit (the
+/// producer's `hold_limit_ms`): then it is detached and, continued, told
+/// why and what to do. The other consumer reads every batch. Before, both
+/// waited until it was continued.
+#[test]
+fn a_stopped_consumer_of_a_producers_stream_is_detached_at_the_hold_limit() {
+    let env = Env::bare();
+    let batches = 10;
+    let steady = consumer(&env, "ext", None);
+    let stopped = env.consumer(&[
+        "--stream",
+        "ext",
+        "--connect-timeout",
+        "60",
+        "--stop-after",
+        "3",
+        "--name",
+        "stopped",
+    ]);
+    let mut opts = options(&env, "ext", batches, Some(20));
+    opts.request.min_consumers = 2;
+    opts.request.slots = 4;
+    opts.request.hold_limit_ms = Some(1000);
+    let mut producer = Producer::register(opts).unwrap();
+    let made = std::thread::spawn(move || produce_all(&mut producer, batches));
+    wait_stopped(stopped.id());
+    let t0 = std::time::Instant::now();
+    // 200 batches: all made while it is stopped, past the 1 s limit.
+    assert_eq!(made.join().unwrap(), 200);
+    let finished = t0.elapsed();
+    batchcast_broker::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        finished < Duration::from_secs(10),
+        "the producer was held {finished:?}"
+    );
+    let r = report(steady);
+    assert!(r.ok && r.ended && r.order_errors.is_empty(), "{r:#?}");
+    assert_eq!(r.batches, 200, "{r:#?}");
+    let r = report(stopped);
+    assert_eq!(r.error_code.as_deref(), Some("HoldLimit"), "{r:#?}");
+    let why = r.error.unwrap_or_default();
+    assert!(
+        why.contains("hold_limit_s of 1") && why.contains("external producer"),
+        "{why}"
+    );
 }

@@ -538,3 +538,21 @@ pub fn metrics_address(log: &Path, broker: &mut Child) -> String {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Waits until process `pid` is stopped (SIGSTOP: `consume --stop-after`).
+pub fn wait_stopped(pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command's closing parenthesis.
+        let state = stat.rsplit_once(") ").and_then(|(_, s)| s.chars().next());
+        if state == Some('T') {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "process {pid} never stopped: {stat}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

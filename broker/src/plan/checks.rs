@@ -357,3 +357,20 @@ pub(super) fn check_fields(fields: &[Field]) -> Result<(), StreamError> {
     }
     Ok(())
 }
+
+/// A producer's `hold_limit_ms`, checked, or the default.
+pub(super) fn producer_hold_limit(
+    req: &batchcast::proto::ProduceRequest,
+) -> Result<std::time::Duration, StreamError> {
+    let Some(ms) = req.hold_limit_ms else {
+        return Ok(super::DEFAULT_HOLD_LIMIT);
+    };
+    within(
+        "hold_limit_ms",
+        ms,
+        100,
+        86_400_000,
+        "milliseconds a consumer may keep the producer waiting",
+    )?;
+    Ok(std::time::Duration::from_millis(ms))
+}

@@ -39,7 +39,8 @@ pub use checks::{
     MAX_SHUFFLE_BUFFER, MAX_SIDE, MAX_SLOTS, MAX_SYNTHETIC_LEN, MAX_WORKERS, MAX_WORLD_SIZE,
 };
 use checks::{
-    check_fields, check_flow, check_limits, check_name, check_pace, run_ahead_slots, within,
+    check_fields, check_flow, check_limits, check_name, check_pace, producer_hold_limit,
+    run_ahead_slots, within,
 };
 use image::image_source;
 
@@ -264,15 +265,7 @@ impl StreamPlan {
             "batches in one epoch",
         )?;
         check_rejoin(req)?;
-        if let Some(ms) = req.hold_limit_ms {
-            within(
-                "hold_limit_ms",
-                ms,
-                100,
-                86_400_000,
-                "milliseconds a consumer may keep the producer waiting",
-            )?;
-        }
+        let hold_limit = producer_hold_limit(req)?;
         let schema = Schema {
             fields: req.fields.clone(),
             batch_size: req.batch_size,
@@ -306,10 +299,7 @@ impl StreamPlan {
             epochs: req.epochs,
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
-            hold_limit: Some(
-                req.hold_limit_ms
-                    .map_or(DEFAULT_HOLD_LIMIT, Duration::from_millis),
-            ),
+            hold_limit: Some(hold_limit),
             drop_last: false,
             min_consumers: req.min_consumers,
             workers: 0,

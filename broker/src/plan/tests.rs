@@ -280,6 +280,20 @@ fn a_producer_request_is_checked_like_a_config() {
     let mut req = ProduceRequest::new("ext", vec![field], 8, 3);
     let p = StreamPlan::external(&req, "loader", 7).unwrap();
     assert_eq!((p.slots, p.workers, p.schema.samples_per_epoch), (4, 0, 24));
+    assert_eq!(p.hold_limit, Some(crate::plan::DEFAULT_HOLD_LIMIT));
+    req.hold_limit_ms = Some(1500);
+    let p = StreamPlan::external(&req, "loader", 7).unwrap();
+    assert_eq!(p.hold_limit, Some(std::time::Duration::from_millis(1500)));
+    for ms in [0, 99, 86_400_001] {
+        req.hold_limit_ms = Some(ms);
+        let err = StreamPlan::external(&req, "loader", 7).unwrap_err();
+        assert!(
+            matches!(err, StreamError::Key { key: "hold_limit_ms", .. })
+                && err.to_string().contains("use 100 to 86400000"),
+            "{err}"
+        );
+    }
+    req.hold_limit_ms = None;
     req.slots = 1;
     let err = StreamPlan::external(&req, "loader", 7).unwrap_err();
     assert!(

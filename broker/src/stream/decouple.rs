@@ -43,6 +43,12 @@
 //!   window sent and not read) is detached once the unit has been
 //!   pinned that long (`HoldLimit`; everything it held is given back, as
 //!   the lag limit does under lockstep).
+//! * Lockstep (the default pace) is bounded by the same limit: there the
+//!   consumers that owe the unit are cut only once it has been pinned for
+//!   the hold limit (a host consumer of a stream the broker computes keeps
+//!   a replay arena for that), those that cannot be cut are detached then,
+//!   and a joiner whose catch-up replay goes on is waited for. A cut one
+//!   merges back by the rule above. Without a limit (`inf`) nothing is.
 
 use std::time::{Duration, Instant};
 
@@ -212,8 +218,12 @@ impl Stream {
                 "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"
             }
         };
+        let raise = match self.writer {
+            Some(_) => "raise hold_limit_s in the broker config",
+            None => "the producer may set a longer hold_limit_s",
+        };
         let reason = format!(
-            "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or raise hold_limit_s in the broker config",
+            "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or {raise}",
             held.as_secs_f64()
         );
         if inner.hub.detach(id, reason) {

@@ -54,22 +54,15 @@ impl Stream {
         let shape = self.shape(&req)?;
         let replaying = self.replay_request(&req)?;
         let decoupled = self.decoupled(&req);
-        // Its arena is kept for cuts: at once (decoupled) or past the
-        // hold limit (lockstep).
-        let kept = decoupled || self.bounded(&req);
-        let replays = self.may_replay(replaying.is_some()) || kept;
-        let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape, peer.uid)?;
+        let (replays, kept, prepared) =
+            self.replay_arena(&req, replaying.is_some(), shape, &peer)?;
+        let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
         // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        // Lockstep's arena only bounds a pause: without one (the budget
-        // is spent) the consumer is detached at the bound instead of cut.
-        let optional = kept && !decoupled && replaying.is_none();
-        let prepared = self.replay_arena((replays, optional), shape, req.window, &peer)?;
-        let kept = kept && prepared.is_some();
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
@@ -132,26 +125,32 @@ impl Stream {
         })
     }
 
-    /// A replay arena, if `replays` says one may be needed (whether it is
-    /// depends on where the stream is when the consumer joins, and on
-    /// whether it is ever cut). An `optional` one the budget refuses is
-    /// none, said once in the log.
+    /// A replay arena, if one may be needed (whether it is depends on where
+    /// the stream is when the consumer joins, and on whether it is ever
+    /// cut): whether it may be replayed to, whether its arena is kept for
+    /// cuts (at once: decoupled; past the hold limit: lockstep), and the
+    /// arena. Lockstep's only bounds a pause: one the budget refuses is
+    /// none, said in the log, and the consumer is detached at the bound
+    /// instead of cut.
     fn replay_arena(
         &self,
-        (replays, optional): (bool, bool),
+        req: &ConsumeRequest,
+        asks: bool,
         shape: Shape,
-        window: u32,
         peer: &Peer,
-    ) -> Result<Option<book::Prepared>, SubscribeError> {
+    ) -> Result<(bool, bool, Option<book::Prepared>), SubscribeError> {
+        let decoupled = self.decoupled(req);
+        let kept = decoupled || self.bounded(req);
+        let replays = self.may_replay(asks) || kept;
         if !replays {
-            return Ok(None);
+            return Ok((false, false, None));
         }
         let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
-        match self.prepare_replay(shape.batch_size, window, peer.uid, &whom) {
-            Ok(p) => Ok(Some(p)),
-            Err(e) if optional => {
+        match self.prepare_replay(shape.batch_size, req.window, peer.uid, &whom) {
+            Ok(p) => Ok((true, kept, Some(p))),
+            Err(e) if kept && !decoupled && !asks => {
                 tracing::info!(stream = %self.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
-                Ok(None)
+                Ok((false, false, None))
             }
             Err(e) => Err(e.into()),
         }

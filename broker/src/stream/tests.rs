@@ -521,3 +521,65 @@ fn only_the_owners_resume_moves_a_stream_nobody_has_read() {
     );
     s.leave(owner.id);
 }
+
+/// A GPU consumer (on the host-memory stand-in) that stops releasing
+/// holds the host consumers of a lockstep stream only for the hold limit:
+/// its GPU's ring fills, the copy of the ring's next unit waits for a
+/// device slot, and it is detached (`HoldLimit`, told that a GPU consumer
+/// cannot be cut yet) while the host consumer reads every batch. Before,
+/// it held everyone until it released.
+#[test]
+fn a_gpu_consumer_that_stops_releasing_is_detached_at_the_hold_limit() {
+    let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
+    let text = StreamToml::synthetic("t", 3, 300, &fields)
+        .epochs(2)
+        .key("slots", 4)
+        .key("gpu_slots", 2)
+        .key("min_consumers", 2)
+        .key("workers", 1)
+        .raw("hold_limit_s = 0.5")
+        .to_toml();
+    let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+    let plan = plan_config(&cfg).unwrap().remove(0);
+    let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
+    let mut host = subscribe(&s, "host", false);
+    let mut gpu = subscribe(&s, "gpu", true);
+    let mut n = 0;
+    loop {
+        match next(&mut host) {
+            ServerMsg::Batch(b) => {
+                verify_host(&s, &b);
+                release(&s, host.id, b.seq);
+                n += 1;
+            }
+            ServerMsg::EndOfEpoch(_) => {}
+            ServerMsg::EndOfStream => break,
+            m => panic!("{m:?}"),
+        }
+    }
+    assert_eq!(n, 200, "the host consumer read every batch");
+    // It was sent what its GPU's ring held, then told why it was detached.
+    let mut sent = 0;
+    let e = loop {
+        match next(&mut gpu) {
+            ServerMsg::Batch(_) => sent += 1,
+            ServerMsg::Error(e) => break e,
+            m => panic!("{m:?}"),
+        }
+    };
+    assert_eq!(e.code, ErrorCode::HoldLimit, "{}", e.message);
+    assert!(
+        e.message.contains("a GPU consumer cannot be cut")
+            && e.message.contains("hold_limit_s of 0.5"),
+        "{}",
+        e.message
+    );
+    assert!(
+        (1..=2).contains(&sent),
+        "{sent} batches: its ring has 2 slots"
+    );
+    assert_eq!(s.stats().detached, 1);
+    s.leave(gpu.id);
+    s.leave(host.id);
+    s.shutdown();
+}
