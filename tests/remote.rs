@@ -641,6 +641,25 @@ fn a_server_that_checks_signatures_accepts_the_brokers_and_refuses_a_wrong_secre
         &format!("{:?}\n{}", b.stats(), b.log()),
     );
 
+    // The endpoint from the environment (docs/remote-datasets.md), plain
+    // HTTP as a cluster's MinIO or Ceph usually is: before, the broker
+    // refused it ("HTTP error: builder error"), AWS_ALLOW_HTTP or not.
+    let from_env = Broker::start_with(
+        &data.dir.path().join("env"),
+        &folder_stream("s3", "s3://data/train/", ""),
+        |cmd| {
+            let mut cmd = s3_env(cmd);
+            cmd.env("AWS_ENDPOINT_URL", s3s.url());
+            cmd
+        },
+    );
+    assert_eq!(
+        epoch_digests(&from_env.consume(&["--stream", "s3", "--digest"])),
+        digests("local"),
+        "S3 at AWS_ENDPOINT_URL = local folder"
+    );
+    drop(from_env);
+
     let wrong = format!("{SECRET}-not");
     let stream = folder_stream("s3", "s3://data/train/", &remote(&s3s.url(), "retries = 0"));
     let e = refusal(&b.dir, "s3://data/train/", &stream, |cmd| {

@@ -288,8 +288,13 @@ fn a_producer_request_is_checked_like_a_config() {
         req.hold_limit_ms = Some(ms);
         let err = StreamPlan::external(&req, "loader", 7).unwrap_err();
         assert!(
-            matches!(err, StreamError::Key { key: "hold_limit_ms", .. })
-                && err.to_string().contains("use 100 to 86400000"),
+            matches!(
+                err,
+                StreamError::Key {
+                    key: "hold_limit_ms",
+                    ..
+                }
+            ) && err.to_string().contains("use 100 to 86400000"),
             "{err}"
         );
     }

@@ -99,15 +99,17 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
             .is_some_and(|mb| mb.unread_units().contains(&seq))
 }
 
-/// Whether consumer `id` may be cut to free unit `seq`: it keeps a replay
-/// arena for cuts, in host memory, reading the shared stream (its last
-/// replay's batches all sent: a cut's notice must follow them), behind
-/// (units wait for it, noticed or queued), and it did not take `seq`.
-fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
+/// Whether consumer `id` may be cut: it keeps a replay arena for cuts, in
+/// host memory, reading the shared stream (its last replay's batches all
+/// sent: a cut's notice must follow them), behind (units wait for it,
+/// noticed or queued), and it did not take `stalled`, the unit it keeps
+/// from reuse when it has not moved for the hold limit (lockstep: a cut
+/// would not free it). One that moves releases what it took soon.
+fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bool {
     let Some(queued) = hub.reading(id) else {
         return false;
     };
-    !took(hub, id, c, seq)
+    !stalled.is_some_and(|seq| took(hub, id, c, seq))
         && c.gpu.is_none()
         && c.ending.is_none()
         && c.replay.as_ref().is_some_and(|r| {
@@ -175,7 +177,7 @@ impl Stream {
             owe.into_iter().partition(|id| {
                 conns
                     .get_mut(id)
-                    .is_some_and(|c| cuttable(hub, *id, c, seq))
+                    .is_some_and(|c| cuttable(hub, *id, c, (!eager).then_some(seq)))
             });
         // A lockstep joiner replayed the epoch's start is waited for while
         // its replay goes on (it releases batches within the limit).
