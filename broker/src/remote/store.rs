@@ -92,15 +92,13 @@ fn s3(
         .with_url(full)
         .with_retry(retry)
         .with_skip_signature(s.anonymous);
+    let mut opts = opts;
     if let Some(e) = &s.endpoint {
         b = b.with_endpoint(e.clone());
+        if e.starts_with("http://") {
+            opts = opts.with_allow_http(true);
+        }
     }
-    // The endpoint from the config or the environment (`AWS_ENDPOINT_URL`,
-    // read by `from_env`): plain HTTP is what it names, as an S3-compatible
-    // server in a cluster usually runs (the client options set here
-    // replace those `from_env` read, `AWS_ALLOW_HTTP` among them).
-    let endpoint = b.get_config_value(&object_store::aws::AmazonS3ConfigKey::Endpoint);
-    let opts = opts.with_allow_http(endpoint.is_some_and(|e| e.starts_with("http://")));
     b.with_client_options(opts)
         .with_http_connector(same_host(s))
         .build()
@@ -130,7 +128,9 @@ pub const CROSS_HOST: &str = "redirected to another host, which is not followed"
 /// and decoded as one (an S3 bucket in another region than the one set
 /// answers so: the refusal names the host, and `region` fixes it); and
 /// error answers' bodies read at most [`ERROR_BODY_MAX`] bytes far. Plain
-/// `http://` is not refused here: the URL or `endpoint` chose it.
+/// `http://` is not refused here: the URL, `endpoint` or the environment
+/// (`AWS_ENDPOINT_URL`) chose it; so `allow_http` in the client options,
+/// which this client does not read, changes nothing.
 #[derive(Debug)]
 struct SameHost {
     timeout: Duration,
