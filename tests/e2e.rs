@@ -762,7 +762,8 @@ fn stats_command_shows_streams_and_consumers() {
     assert!(
         text.contains("stream `train`")
             && text.contains("stats-probe")
-            && text.contains("delivered"),
+            && text.contains("batches")
+            && text.contains("units"),
         "{text}"
     );
     let out = run(command(EXE)

@@ -807,4 +807,27 @@ fn on_a_lockstep_stream_a_stopped_member_is_cut_at_the_hold_limit_and_reads_its_
     assert_eq!(stopped.batches, 60, "{stopped:#?}");
     assert!(stopped.replayed_batches > 0, "{stopped:#?}");
     assert_own_runs_in_order(&stopped, 0);
+    // `batchcast stats` names its seat and counts its own batches, the
+    // replayed ones among them (each its own run; before, counted as if
+    // the runs were contiguous: 35 here).
+    env.wait_for("the member to be gone", |s| {
+        s.streams[0].past_consumers.len() == 2
+    });
+    let out = common::run(
+        common::command(common::EXE)
+            .arg("stats")
+            .arg("--socket")
+            .arg(env.socket()),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains("group t 0/2"))
+        .unwrap_or_else(|| panic!("no member line: {text}"));
+    // It read 60, and was sent what its mailbox was noticed past them
+    // (the units in the ring, at most 12).
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let at = words.iter().position(|w| *w == "batches").unwrap();
+    let batches: u64 = words[at - 1].parse().unwrap();
+    assert!((60..=72).contains(&batches), "{line}");
 }

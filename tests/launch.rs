@@ -482,6 +482,13 @@ fn bad_sweep_files_are_refused_before_anything_starts() {
         ),
         (
             format!(
+                "socket = \"/tmp/b.sock\"\n{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\n",
+                stream(1, "")
+            ),
+            "`socket` at the top of the file is a key of the [launch] section",
+        ),
+        (
+            format!(
                 "{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\ngpu = 7\n",
                 stream(1, "")
             ),

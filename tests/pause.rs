@@ -107,6 +107,12 @@ fn a_stopped_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
     let cut = past.iter().find(|c| c.name == "stopped").unwrap();
     assert!(cut.cuts >= 1 && cut.replayed > 0, "{cut:#?}");
     assert_eq!(s.streams[0].detached, 0);
+    // The broker's log is a file here: plain text, no colour escapes.
+    let log = env.log();
+    assert!(
+        log.contains("hold limit") && !log.contains('\u{1b}'),
+        "{log}"
+    );
 }
 
 /// One stopped while it keeps a batch (`--hold 1`: its program holds the

@@ -151,8 +151,11 @@ impl BatchCounter {
                 first = skip.sample;
             }
         }
+        // The span from the epoch's first counted sample to the end of
+        // these: a group member is replayed only its own runs, with the
+        // others' between them.
         let e = self.epochs.entry(epoch).or_insert((first, 0));
-        e.1 += samples;
+        e.1 = e.1.max((first + samples).saturating_sub(e.0));
         if self.epochs.len() > COUNTED_EPOCHS
             && let Some((_, (first, n))) = self.epochs.pop_first()
         {

@@ -32,6 +32,32 @@ pub(super) struct LaunchSection {
     pub(super) grace_s: Option<f64>,
 }
 
+/// The keys of `[launch]`.
+const LAUNCH_KEYS: [&str; 7] = [
+    "config",
+    "socket",
+    "run_dir",
+    "on_failure",
+    "stream",
+    "gpus",
+    "grace_s",
+];
+
+/// A `[launch]` key written at a sweep file's top level (above any
+/// section), named with where it belongs; `None` if there is none.
+pub(super) fn misplaced_launch_key(text: &str) -> Option<String> {
+    let table: toml::Table = toml::from_str(text).ok()?;
+    let key = LAUNCH_KEYS.iter().find(|k| {
+        // `stream` is also the `[[stream]]` array of tables.
+        table
+            .get(**k)
+            .is_some_and(|v| !(**k == "stream" && v.is_array()))
+    })?;
+    Some(format!(
+        "`{key}` at the top of the file is a key of the [launch] section: write `[launch]` on a line above it"
+    ))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct SweepFile {

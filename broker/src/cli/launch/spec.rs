@@ -90,7 +90,9 @@ impl Sweep {
             path: path.into(),
             message,
         };
-        let file: SweepFile = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        let file: SweepFile = toml::from_str(text).map_err(|e| {
+            invalid(super::file::misplaced_launch_key(text).unwrap_or_else(|| e.to_string()))
+        })?;
         let dir = path
             .parent()
             .map(|p| {
