@@ -206,13 +206,20 @@ def make_loader(args, data_state=None):
     if args.loader == "shared":
         import batchcast
 
-        return batchcast.Consumer(stream=args.stream, socket=args.socket, connect_timeout=30, state=data_state)
+        # Its own batch size, whatever the stream's (a running broker's may
+        # differ); a state's own batch size is kept when resuming.
+        batch_size = None if data_state else args.batch_size
+        return batchcast.Consumer(
+            stream=args.stream, socket=args.socket, connect_timeout=30, state=data_state, batch_size=batch_size
+        )
     dataset = FolderDataset(args.data, args.size)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=args.batch_size,
         shuffle=True,
-        drop_last=True,
+        # As the shared loader: every sample of every epoch, the last batch
+        # short, so both count the same samples.
+        drop_last=False,
         num_workers=args.workers,
         persistent_workers=args.workers > 0,
     )
