@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Servers for the remote-dataset tests and benchmark.
 
-  objserver.py files DIR [--port P]
+  objserver.py files DIR [--port P] [--max-connections N]
       A plain HTTP server of DIR's files with range requests (206), ETags
-      and no listing: what a static file server or CDN offers.
+      and no listing: what a static file server or CDN offers. With N, a
+      connection made while N are open is reset at once (a small server
+      overwhelmed); GET /__faults counts them ("over").
   objserver.py proxy UPSTREAM [--port P] [--delay-ms D]
       A reverse proxy to UPSTREAM (an S3 server) that can delay, fail,
       reset and truncate: faults are set by POST /__faults with JSON
@@ -268,6 +270,31 @@ class Server(ThreadingHTTPServer):
     # As many waiting connections as a broker opens (requests = 64 and
     # more): the default backlog of 5 drops connections under load.
     request_queue_size = 256
+    max_connections = None
+    open_connections = 0
+
+    def process_request(self, request, client_address):
+        if self.max_connections is not None:
+            with self.faults.lock:
+                over = self.open_connections >= self.max_connections
+                if over:
+                    self.faults.seen["over"] = self.faults.seen.get("over", 0) + 1
+                else:
+                    self.open_connections += 1
+            if over:
+                # SO_LINGER 0: the close is a reset, as an overwhelmed server's.
+                request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                self.shutdown_request(request)
+                return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            if self.max_connections is not None:
+                with self.faults.lock:
+                    self.open_connections -= 1
 
     def handle_error(self, request, client_address):
         pass  # resets and truncations are what this server is for
@@ -332,6 +359,7 @@ def main():
     f = sub.add_parser("files")
     f.add_argument("root")
     f.add_argument("--port", type=int, default=0)
+    f.add_argument("--max-connections", type=int, default=None)
     p = sub.add_parser("proxy")
     p.add_argument("upstream")
     p.add_argument("--port", type=int, default=0)
@@ -349,6 +377,7 @@ def main():
         srv = Server(("127.0.0.1", a.port), FileHandler)
         srv.root = os.path.realpath(a.root)
         srv.faults = Faults()
+        srv.max_connections = a.max_connections
         serve(srv)
     elif a.cmd == "proxy":
         u = urlsplit(a.upstream)

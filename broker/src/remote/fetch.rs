@@ -1,8 +1,12 @@
 //! Requests to a store: each bounded by a timeout, retried with backoff
-//! and full jitter, within a stall bound; a 429 or 503 (S3's SlowDown)
-//! halves how many requests run at once, successes win them back one by
-//! one (AIMD). `object_store`'s own retries are off: they would hide each
-//! 503 from the rate control and can take minutes.
+//! and full jitter, within a stall bound. How many run at once finds what
+//! the store sustains: it starts at [`START_REQUESTS`] and doubles each
+//! window of successes (slow start) up to `requests`; a 429 or 503 (S3's
+//! SlowDown), a reset connection or a timeout halves it, and successes
+//! then win it back one by one (AIMD). `object_store`'s own retries are
+//! off: they would hide each 503 from the rate control and can take
+//! minutes. While requests are retried, the log says so at most every
+//! [`WARN_EVERY`] (the pipeline may be waiting for the store).
 
 use std::future::Future;
 use std::ops::Range;
@@ -16,6 +20,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
 use tokio::sync::Notify;
 
+use super::gate::Gate;
 use super::redact::store_text;
 use super::url::RemoteUrl;
 use batchcast::synthetic::{SplitMix64, mix64};
@@ -119,7 +124,7 @@ impl From<FetchError> for std::io::Error {
 
 /// What one try's failure means for the next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
+pub(super) enum Verdict {
     Permanent(FailKind),
     /// 429 or 503: slow down, then try again.
     Throttled,
@@ -203,79 +208,8 @@ pub struct Counts {
     pub last_error: Mutex<Option<String>>,
 }
 
-/// The AIMD gate: at most `limit` requests at once, `limit` between 1 and
-/// `max`, halved on a throttle (at most once per `CUT_EVERY`), grown by
-/// one per `limit` successes.
-#[derive(Debug)]
-struct Gate {
-    max: f64,
-    state: Mutex<GateState>,
-    freed: Notify,
-}
-
-#[derive(Debug)]
-struct GateState {
-    limit: f64,
-    in_flight: u32,
-    last_cut: Option<Instant>,
-}
-
-const CUT_EVERY: Duration = Duration::from_millis(200);
-
-impl Gate {
-    fn new(max: u32) -> Gate {
-        Gate {
-            max: f64::from(max.max(1)),
-            state: Mutex::new(GateState {
-                limit: f64::from(max.max(1)),
-                in_flight: 0,
-                last_cut: None,
-            }),
-            freed: Notify::new(),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    async fn enter(&self) {
-        loop {
-            let freed = self.freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            {
-                let mut s = self.lock();
-                if f64::from(s.in_flight) < s.limit.floor().max(1.0) {
-                    s.in_flight += 1;
-                    return;
-                }
-            }
-            freed.await;
-        }
-    }
-
-    fn leave(&self, verdict: Option<Verdict>) {
-        let mut s = self.lock();
-        s.in_flight = s.in_flight.saturating_sub(1);
-        match verdict {
-            None => s.limit = (s.limit + 1.0 / s.limit).min(self.max),
-            Some(Verdict::Throttled) => {
-                if s.last_cut.is_none_or(|t| t.elapsed() >= CUT_EVERY) {
-                    s.limit = (s.limit / 2.0).max(1.0);
-                    s.last_cut = Some(Instant::now());
-                }
-            }
-            Some(_) => {}
-        }
-        drop(s);
-        self.freed.notify_waiters();
-    }
-
-    fn limit(&self) -> u32 {
-        self.lock().limit.floor() as u32
-    }
-}
+/// Longest between two log lines saying a store's requests are retried.
+pub const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// One store, and how its requests are made.
 #[derive(Debug)]
@@ -287,6 +221,8 @@ pub struct Fetcher {
     pub counts: Counts,
     closed: AtomicBool,
     closing: Notify,
+    /// When the log last said requests are retried.
+    warned: Mutex<Option<Instant>>,
 }
 
 impl Fetcher {
@@ -299,7 +235,27 @@ impl Fetcher {
             counts: Counts::default(),
             closed: AtomicBool::new(false),
             closing: Notify::new(),
+            warned: Mutex::new(None),
         }
+    }
+
+    /// Says in the log, at most every [`WARN_EVERY`], that requests to
+    /// this store fail and are retried: the pipeline may be waiting for it.
+    fn warn_retrying(&self, detail: &str) {
+        {
+            let mut w = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+            if w.is_some_and(|t| t.elapsed() < WARN_EVERY) {
+                return;
+            }
+            *w = Some(Instant::now());
+        }
+        tracing::warn!(
+            store = %self.url,
+            retries = self.counts.retries.load(Ordering::Relaxed),
+            throttled = self.counts.throttled.load(Ordering::Relaxed),
+            requests_at_once = self.gate.limit(),
+            "requests to the store fail and are retried ({detail}); the pipeline may wait for it: fewer requests at once are tried, down to what it sustains ([stream.remote] requests sets the most; `batchcast stats` shows its counts)"
+        );
     }
 
     /// Ends every wait and request: the stream is stopping.
@@ -450,6 +406,7 @@ impl Fetcher {
             tries += 1;
             self.counts.retries.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(path, tries, ?backoff, "retrying: {detail}");
+            self.warn_retrying(&detail);
             self.nap(backoff).await;
         };
         let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -609,24 +566,6 @@ mod tests {
             Some(503)
         );
         assert_eq!(status_in("connection reset"), None);
-    }
-
-    #[test]
-    fn the_gate_halves_on_throttles_and_grows_back_by_one_per_window() {
-        let g = Gate::new(16);
-        let rt = runtime();
-        rt.block_on(g.enter());
-        g.leave(Some(Verdict::Throttled));
-        assert_eq!(g.limit(), 8);
-        rt.block_on(g.enter());
-        g.leave(Some(Verdict::Throttled)); // within CUT_EVERY: one burst, one cut
-        assert_eq!(g.limit(), 8);
-        // + 1/limit per success: a little over a window (8) to reach 9.
-        for _ in 0..9 {
-            rt.block_on(g.enter());
-            g.leave(None);
-        }
-        assert_eq!(g.limit(), 9);
     }
 
     #[test]

@@ -24,6 +24,7 @@
 pub mod ahead;
 pub mod disk;
 pub mod fetch;
+mod gate;
 pub mod listing;
 pub mod redact;
 pub mod runs;
