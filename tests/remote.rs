@@ -1272,3 +1272,73 @@ fn a_server_taking_few_connections_at_once_is_read_whole_and_the_log_says_so() {
     // 197 retries for 285 requests).
     assert!(r.retries * 5 < r.requests, "{r:#?}");
 }
+
+/// An `s3://` source under everything a local one supports: a trainer
+/// joining now (the epoch's start replayed from the store), one resuming
+/// from a position, both beside a steady one on a decoupled stream, and a
+/// broker SIGKILLed under them: each rides through and reads what it
+/// would from the local folder, byte for byte (the same digests).
+#[test]
+fn a_remote_source_is_replayed_resumed_and_rides_through_a_restart_with_the_local_bytes() {
+    let data = Data::new();
+    let keys = remote(&data.s3.url(), "");
+    let cfg = [
+        folder_stream("local", &data.p("ds"), ""),
+        folder_stream(
+            "s3",
+            "s3://data/train/",
+            &format!("pace = \"decoupled\"\n{keys}"),
+        ),
+    ]
+    .join("\n");
+    let dir = data.dir.path().join("b");
+    let mut b = Broker::start(&dir, &cfg);
+    let socket = dir.join("b.sock");
+    let consumer = |stream: &str, args: &[&str]| {
+        let mut a = vec!["--stream", stream, "--digest", "--reconnect-timeout", "60"];
+        a.extend_from_slice(args);
+        common::spawn_consumer(&socket, &a)
+    };
+    let report = |c| harness::wait_report(c, LIMIT).unwrap();
+    let whole = common::digests(&report(consumer("local", &[])));
+    let resumed = common::digests(&report(consumer("local", &["--resume", "1:16"])));
+    assert_eq!(whole.len(), 2, "{whole:?}");
+    let wait_for = |b: &Broker, what: &str, pred: &dyn Fn(&StatsReply) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !pred(&b.stats()) {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let s3 = |s: &StatsReply| s.streams.iter().find(|st| st.name == "s3").cloned();
+    let steady = consumer("s3", &["--sleep-ms", "40", "--name", "steady"]);
+    wait_for(&b, "the steady reader to be mid-epoch", &|s| {
+        s3(s).is_some_and(|st| st.consumers.iter().any(|c| c.batches >= 4))
+    });
+    let joiner = consumer(
+        "s3",
+        &["--join", "now", "--sleep-ms", "20", "--name", "joiner"],
+    );
+    let resumer = consumer(
+        "s3",
+        &["--resume", "1:16", "--sleep-ms", "20", "--name", "resumer"],
+    );
+    wait_for(&b, "all three to read", &|s| {
+        s3(s).is_some_and(|st| {
+            st.consumers.len() == 3 && st.consumers.iter().all(|c| c.batches >= 1)
+        })
+    });
+    b.process.kill().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    b = Broker::start(&dir, &cfg);
+    let (steady, joiner, resumer) = (report(steady), report(joiner), report(resumer));
+    common::assert_rode_through(&steady, 1, &whole, data.n);
+    assert!(joiner.replayed_batches > 0, "{joiner:#?}");
+    common::assert_rode_through(&joiner, 1, &whole, data.n);
+    assert!(
+        resumer.ok && resumer.ended && resumer.reconnects == 1,
+        "{resumer:#?}"
+    );
+    assert_eq!(common::digests(&resumer), resumed, "{resumer:#?}");
+    drop(b);
+}
