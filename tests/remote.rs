@@ -1342,3 +1342,102 @@ fn a_remote_source_is_replayed_resumed_and_rides_through_a_restart_with_the_loca
     assert_eq!(common::digests(&resumer), resumed, "{resumer:#?}");
     drop(b);
 }
+
+/// An object a manifest names and the store no longer has (404) is a bad
+/// sample named by URL, end to end: with `on_error = "skip"` the stream
+/// reads on (replaced by the next good sample, counted, logged once with
+/// its URL) and every batch is whole; with `"fail"` every consumer is told
+/// which object. Not tried again (a 404 is final).
+#[test]
+fn a_missing_object_is_a_bad_sample_named_by_url() {
+    let data = Data::new();
+    let mut manifest = std::fs::read_to_string(data.p("ds/MANIFEST")).unwrap();
+    manifest.push_str("cat/gone.jpg\n");
+    std::fs::write(data.p("ds/MANIFEST-gone"), &manifest).unwrap();
+    let http = Server::objserver(&["files", &data.p("")]);
+    let over_http = |name: &str, extra: &str| {
+        stream(
+            name,
+            &format!(
+                "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST-gone\"",
+                http.url()
+            ),
+            extra,
+        )
+    };
+    let cfg = [
+        over_http("skip", "epochs = 1"),
+        over_http("fail", "epochs = 1\non_error = \"fail\""),
+    ]
+    .join("\n");
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let url = format!("{}/ds/cat/gone.jpg", http.url());
+    let r = b.consume(&["--stream", "skip"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.samples, data.n + 1, "every place filled: {r:#?}");
+    let s = b.stats();
+    let st = s.streams.iter().find(|st| st.name == "skip").unwrap();
+    let src = st.source.as_ref().unwrap();
+    assert_eq!(src.skipped, 1, "{src:#?}");
+    let remote = src.remote.as_ref().unwrap();
+    assert_eq!(remote.retries, 0, "a 404 is final: {remote:#?}");
+    let log = b.log();
+    let lines = log.lines().filter(|l| l.contains(&url)).count();
+    assert_eq!(lines, 1, "logged once: {log}");
+    let r = b.consume(&["--stream", "fail"]);
+    assert!(!r.ok, "{r:#?}");
+    let why = r.error.unwrap_or_default();
+    assert!(why.contains(&url), "{why}");
+}
+
+/// A tar shard cut short in the store (an upload that died halfway) is
+/// read up to its last whole sample: what the cut took is left out, said
+/// once in the log with the shard's URL, and the stream serves the rest;
+/// with `on_error = "fail"` the broker refuses the stream at start,
+/// naming the shard. Before, it refused it either way.
+#[test]
+fn a_truncated_shard_loses_only_what_was_cut_and_says_so() {
+    let data = Data::new();
+    let last = format!("shards/shard-{:06}.tar", data.shards - 1);
+    let path = data.p(&last);
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len / 2 + 100)
+        .unwrap();
+    let http = Server::objserver(&["files", &data.p("")]);
+    let pattern = data.shard_pattern(&format!("{}/shards", http.url()));
+    let url = format!("{}/{last}", http.url());
+    let b = Broker::start(
+        &data.dir.path().join("b"),
+        &shard_stream("skip", &pattern, "epochs = 1"),
+    );
+    let r = b.consume(&["--stream", "skip"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    // The last shard holds at most 10 samples; the cut took some of them.
+    assert!(r.samples < data.n && r.samples >= data.n - 10, "{r:#?}");
+    let log = b.log();
+    let said: Vec<&str> = log.lines().filter(|l| l.contains(&url)).collect();
+    assert!(said.len() == 1 && said[0].contains("cut short"), "{log}");
+    let cfg = data.dir.path().join("fail.toml");
+    std::fs::write(
+        &cfg,
+        shard_stream("fail", &pattern, "epochs = 1\non_error = \"fail\""),
+    )
+    .unwrap();
+    let out = common::run(
+        command(EXE)
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(data.dir.path().join("fail.sock")),
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&url) && err.contains("corrupt tar header"),
+        "{err}"
+    );
+}

@@ -20,7 +20,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore};
 use tokio::sync::Notify;
 
-use super::gate::Gate;
+use super::gate::{Gate, Outcome};
 use super::redact::store_text;
 use super::url::RemoteUrl;
 use batchcast::synthetic::{SplitMix64, mix64};
@@ -124,7 +124,7 @@ impl From<FetchError> for std::io::Error {
 
 /// What one try's failure means for the next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Verdict {
+enum Verdict {
     Permanent(FailKind),
     /// 429 or 503: slow down, then try again.
     Throttled,
@@ -449,7 +449,11 @@ impl Fetcher {
             _ = self.closing.notified() => Err((Verdict::Transient, "the stream stopped".into())),
         };
         self.counts.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.gate.leave(r.as_ref().err().map(|(v, _)| *v));
+        self.gate.leave(match r.as_ref().err().map(|(v, _)| *v) {
+            None => Outcome::Success,
+            Some(Verdict::Throttled | Verdict::Transient) => Outcome::Overload,
+            Some(Verdict::Permanent(_)) => Outcome::Final,
+        });
         r
     }
 

@@ -7,7 +7,16 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::fetch::Verdict;
+/// What one request's end tells the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Outcome {
+    Success,
+    /// A throttle (429, 503) or a transient fault (a reset, a timeout, a
+    /// 5xx): the store, or the path to it, is overwhelmed.
+    Overload,
+    /// An answer that says nothing of load (a 404, a 403).
+    Final,
+}
 
 /// Requests in flight a store starts with: a plain HTTP server (Python's
 /// `http.server`, a small nginx) may take only a few connections at once;
@@ -81,7 +90,7 @@ impl Gate {
         }
     }
 
-    pub(super) fn leave(&self, verdict: Option<Verdict>) {
+    pub(super) fn leave(&self, outcome: Outcome) {
         let mut s = self.lock();
         let flying = s.in_flight;
         s.in_flight = s.in_flight.saturating_sub(1);
@@ -89,11 +98,11 @@ impl Gate {
             s.ceiling = (s.ceiling + 1.0).min(self.max);
             s.probed = Instant::now();
         }
-        match verdict {
-            None if s.slow_start => s.limit = (s.limit + 1.0).min(s.ceiling),
-            None => s.limit = (s.limit + 1.0 / s.limit).min(s.ceiling),
+        match outcome {
+            Outcome::Success if s.slow_start => s.limit = (s.limit + 1.0).min(s.ceiling),
+            Outcome::Success => s.limit = (s.limit + 1.0 / s.limit).min(s.ceiling),
             // The store is overwhelmed (or the path to it is): fewer at once.
-            Some(Verdict::Throttled | Verdict::Transient) => {
+            Outcome::Overload => {
                 s.slow_start = false;
                 s.ceiling = s.ceiling.min(f64::from(flying.saturating_sub(1).max(1)));
                 s.probed = Instant::now();
@@ -103,7 +112,7 @@ impl Gate {
                 }
                 s.limit = s.limit.min(s.ceiling);
             }
-            Some(Verdict::Permanent(_)) => {}
+            Outcome::Final => {}
         }
         drop(s);
         self.freed.notify_waiters();
@@ -117,16 +126,21 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::remote::fetch::{FailKind, runtime};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+    }
 
     /// `n` requests through the gate at once: entered, then left one by
     /// one as `verdicts` say (the rest succeed).
-    fn at_once(g: &Gate, rt: &tokio::runtime::Runtime, n: usize, verdicts: &[Verdict]) {
+    fn at_once(g: &Gate, rt: &tokio::runtime::Runtime, n: usize, outcomes: &[Outcome]) {
         for _ in 0..n {
             rt.block_on(g.enter());
         }
         for k in 0..n {
-            g.leave(verdicts.get(k).copied());
+            g.leave(outcomes.get(k).copied().unwrap_or(Outcome::Success));
         }
     }
 
@@ -136,14 +150,14 @@ mod tests {
         let rt = runtime();
         assert_eq!(g.limit(), START_REQUESTS);
         // One more per success: a window of 8 doubles it.
-        at_once(&g, rt, 8, &[]);
+        at_once(&g, &rt, 8, &[]);
         assert_eq!(g.limit(), 16);
         // A reset or a timeout (transient) with 16 in flight halves it,
         // ends slow start, and caps it at 15.
-        at_once(&g, rt, 16, &[Verdict::Transient]);
+        at_once(&g, &rt, 16, &[Outcome::Overload]);
         assert_eq!(g.limit(), 9, "8, then + 1/limit for each of 15 successes");
         // A missing object says nothing about load.
-        at_once(&g, rt, 1, &[Verdict::Permanent(FailKind::Missing)]);
+        at_once(&g, &rt, 1, &[Outcome::Final]);
         assert_eq!(g.limit(), 9);
         // Never past the configured most.
         assert_eq!(Gate::new(3).limit(), 3);
@@ -153,12 +167,12 @@ mod tests {
     fn a_server_that_fails_the_fifth_connection_caps_the_gate_at_four() {
         let g = Gate::new(128);
         let rt = runtime();
-        at_once(&g, rt, 5, &[Verdict::Transient]);
+        at_once(&g, &rt, 5, &[Outcome::Overload]);
         assert_eq!(g.limit(), 4);
         // However many succeed at 4, it does not try 5 again until a
         // fault-free `PROBE_EVERY` has passed.
         for _ in 0..100 {
-            at_once(&g, rt, 4, &[]);
+            at_once(&g, &rt, 4, &[]);
         }
         assert_eq!(g.limit(), 4);
     }
@@ -168,12 +182,12 @@ mod tests {
         let g = Gate::new(16);
         let rt = runtime();
         // Slow start to the most: a window of 8.
-        at_once(&g, rt, 8, &[]);
+        at_once(&g, &rt, 8, &[]);
         assert_eq!(g.limit(), 16);
         // Two throttles within CUT_EVERY: one burst, one cut (to 8); the
         // 14 others succeed, + 1/limit each: a little over a window of 8
         // reaches 9.
-        at_once(&g, rt, 16, &[Verdict::Throttled, Verdict::Throttled]);
+        at_once(&g, &rt, 16, &[Outcome::Overload, Outcome::Overload]);
         assert_eq!(g.limit(), 9);
     }
 }

@@ -9,12 +9,16 @@ pub mod remote;
 
 use std::collections::HashSet;
 use std::fs::File;
-use std::io::{Read, Seek};
+use std::io::Read;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::remote::{RemoteSet, check_size};
+
+mod shard;
+pub use shard::ShardError;
+use shard::{index_shard, warn_cut, warn_unlabelled};
 
 /// The extensions torchvision's ImageFolder accepts (compared
 /// case-insensitively). The format is read from the bytes: files in a
@@ -284,7 +288,11 @@ impl Dataset {
             })?;
             let shard = shards.len() as u32;
             let before = items.len();
-            let left = index_shard(&file, shard, len, strict, &mut items).map_err(shard_err)?;
+            let (left, cut) =
+                index_shard(&file, shard, len, strict, &mut items).map_err(shard_err)?;
+            if let Some(why) = cut {
+                warn_cut(&path.display().to_string(), &why);
+            }
             unlabelled.push((path.display().to_string(), left));
             shard_items.push(before..items.len());
             shards.push((path.clone(), file));
@@ -375,168 +383,6 @@ pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, DatasetError> {
         .collect())
 }
 
-/// The sample key and extension of a member path: `dir/abc.seg.jpg` →
-/// (`dir/abc`, `seg.jpg`), as WebDataset splits them.
-fn split_key(path: &str) -> (&str, &str) {
-    let name_start = path.rfind('/').map_or(0, |i| i + 1);
-    match path[name_start..].find('.') {
-        Some(dot) => (&path[..name_start + dot], &path[name_start + dot + 1..]),
-        None => (path, ""),
-    }
-}
-
-/// What is wrong with a WebDataset shard (its file is named with it).
-#[derive(Debug, thiserror::Error)]
-pub enum ShardError {
-    #[error("not a readable tar file: {0}")]
-    NotTar(std::io::Error),
-    #[error("corrupt tar header: {0}")]
-    Header(std::io::Error),
-    #[error("bad member name: {0}")]
-    MemberName(std::io::Error),
-    #[error("sample `{key}` has an image but no .cls label; add one or leave the sample out")]
-    NoLabel { key: String },
-    #[error("{path}: a .cls label of {bytes} bytes")]
-    LabelSize { path: String, bytes: u64 },
-    #[error("{path}: unreadable label: {source}")]
-    LabelUnreadable {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: label `{text}` is not an integer")]
-    LabelNotInteger { path: String, text: String },
-    #[error(
-        "member `{path}` declares {bytes} bytes at offset {offset}, past the shard's end ({len} bytes): a corrupt or lying tar header (the members after it cannot be found)"
-    )]
-    MemberPastEnd {
-        path: String,
-        offset: u64,
-        bytes: u64,
-        len: u64,
-    },
-}
-
-/// A sample being read from a shard: its key, image and label so far.
-struct Pending {
-    key: String,
-    image: Option<(u64, u64)>,
-    label: Option<i64>,
-}
-
-/// Lists the samples of shard number `shard` (its members in order, a
-/// sample an image and its `.cls` label) into `items`. A member whose
-/// declared size runs past the shard's `len` bytes is an error, not the
-/// silent end of the shard.
-///
-/// A sample with an image but no label is a bad sample: with `strict`
-/// (`on_error = "fail"`) the shard is refused naming it, else it is left
-/// out and its key returned.
-fn index_shard<R: Read + Seek>(
-    file: R,
-    shard: u32,
-    len: u64,
-    strict: bool,
-    items: &mut Vec<Item>,
-) -> Result<Vec<String>, ShardError> {
-    let mut archive = tar::Archive::new(file);
-    let mut cur: Option<Pending> = None;
-    let mut unlabelled = Vec::new();
-    let mut flush = |p: Pending, items: &mut Vec<Item>| -> Result<(), ShardError> {
-        let Some((offset, len)) = p.image else {
-            // Samples without an image (e.g. metadata only) are not samples.
-            return Ok(());
-        };
-        match p.label {
-            Some(label) => items.push(Item {
-                loc: Location::Member { shard, offset, len },
-                label,
-            }),
-            None if strict => return Err(ShardError::NoLabel { key: p.key }),
-            None => unlabelled.push(p.key),
-        }
-        Ok(())
-    };
-    let entries = archive.entries_with_seek().map_err(ShardError::NotTar)?;
-    for entry in entries {
-        let mut entry = entry.map_err(ShardError::Header)?;
-        if !entry.header().entry_type().is_file() {
-            continue;
-        }
-        let path = entry
-            .path()
-            .map_err(ShardError::MemberName)?
-            .to_string_lossy()
-            .into_owned();
-        let (offset, bytes) = (entry.raw_file_position(), entry.size());
-        if offset.checked_add(bytes).is_none_or(|end| end > len) {
-            return Err(ShardError::MemberPastEnd {
-                path,
-                offset,
-                bytes,
-                len,
-            });
-        }
-        let (key, ext) = split_key(&path);
-        if cur.as_ref().is_none_or(|c| c.key != key) {
-            if let Some(p) = cur.take() {
-                flush(p, items)?;
-            }
-            cur = Some(Pending {
-                key: key.to_string(),
-                image: None,
-                label: None,
-            });
-        }
-        let Some(p) = cur.as_mut() else {
-            continue;
-        };
-        match ext.to_ascii_lowercase().as_str() {
-            e if SHARD_IMAGE_KEYS.contains(&e) => {
-                p.image = Some((offset, bytes));
-            }
-            "cls" => p.label = Some(read_label(&mut entry, bytes, path)?),
-            _ => {}
-        }
-    }
-    if let Some(p) = cur.take() {
-        flush(p, items)?;
-    }
-    Ok(unlabelled)
-}
-
-/// Says once which samples `index_shard` left out for want of a label:
-/// `(shard, keys)` per shard.
-fn warn_unlabelled(pattern: &str, left: &[(String, Vec<String>)]) {
-    let n: usize = left.iter().map(|(_, k)| k.len()).sum();
-    if let Some((shard, keys)) = left.iter().find(|(_, k)| !k.is_empty()) {
-        tracing::warn!(
-            "{pattern}: {n} sample(s) with an image but no .cls label left out (on_error = \"skip\"), the first `{}` in {shard}; add their labels, or set on_error = \"fail\" to refuse such shards",
-            keys[0]
-        );
-    }
-}
-
-/// A `.cls` member's integer label (`bytes` of text, at most 64).
-fn read_label(entry: &mut impl Read, bytes: u64, path: String) -> Result<i64, ShardError> {
-    if bytes > 64 {
-        return Err(ShardError::LabelSize { path, bytes });
-    }
-    let mut text = String::new();
-    entry
-        .take(bytes)
-        .read_to_string(&mut text)
-        .map_err(|e| ShardError::LabelUnreadable {
-            path: path.clone(),
-            source: e,
-        })?;
-    text.trim()
-        .parse()
-        .map_err(|_| ShardError::LabelNotInteger {
-            path,
-            text: text.trim().to_string(),
-        })
-}
-
 /// Opens `path` (following links) without blocking, and only if it is a
 /// regular file: opening a FIFO for reading would wait for a writer, and a
 /// device (`/dev/zero`) never ends. The type and size come from the opened
@@ -573,6 +419,7 @@ pub fn open_regular(path: &Path) -> std::io::Result<(File, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shard::split_key;
 
     #[test]
     fn reads_are_bounded_and_an_unbounded_limit_reads_everything() {
@@ -668,6 +515,33 @@ mod tests {
                 && err.contains("past the shard's end"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_shard_cut_short_keeps_its_whole_samples_unless_strict() {
+        let shard = shard_of(32);
+        let mut whole = Vec::new();
+        let n = shard.len() as u64;
+        index_shard(std::io::Cursor::new(&shard), 0, n, true, &mut whole).unwrap();
+        // Cut 10 bytes into the 17th sample's image.
+        let Location::Member { offset, .. } = whole[16].loc else {
+            panic!("{:?}", whole[16].loc)
+        };
+        let cut = &shard[..offset as usize + 10];
+        let len = cut.len() as u64;
+        let mut items = Vec::new();
+        let (_, why) = index_shard(std::io::Cursor::new(cut), 0, len, false, &mut items).unwrap();
+        assert_eq!(items.len(), 16, "the samples before the cut");
+        assert!(why.is_some_and(|w| w.contains("past the shard's end")));
+        // Every sample kept lies whole within what is there.
+        for it in &items {
+            let Location::Member { offset, len: n, .. } = it.loc else {
+                panic!("{:?}", it.loc)
+            };
+            assert!(offset + n <= len);
+        }
+        let err = index_shard(std::io::Cursor::new(cut), 0, len, true, &mut Vec::new());
+        assert!(err.is_err());
     }
 
     #[test]

@@ -278,10 +278,13 @@ pub fn webdataset(pattern: &str, s: &Settings, strict: bool) -> Result<Dataset, 
     let mut shard_items = Vec::with_capacity(n);
     let mut unlabelled = Vec::new();
     for (o, r) in shards.into_iter().enumerate() {
-        let (listed, left) = r.map_err(|message| DatasetError::Shard {
+        let (listed, left, cut) = r.map_err(|message| DatasetError::Shard {
             path: set.describe(o as u32).into(),
             message,
         })?;
+        if let Some(why) = cut {
+            super::warn_cut(&set.describe(o as u32), &why);
+        }
         let before = items.len();
         items.extend(listed);
         shard_items.push(before..items.len());
@@ -312,7 +315,7 @@ async fn index_remote(
     o: u32,
     ahead: usize,
     strict: bool,
-) -> Result<(Vec<Item>, Vec<String>), String> {
+) -> Result<(Vec<Item>, Vec<String>, Option<String>), String> {
     let len = set.listed_size(o).unwrap_or(0);
     let (tx, rx) = tokio::sync::mpsc::channel(ahead);
     let feeder = {
@@ -338,7 +341,7 @@ async fn index_remote(
     let indexed = tokio::task::spawn_blocking(move || {
         let mut items = Vec::new();
         index_shard(PartReader::new(rx, len), o, len, strict, &mut items)
-            .map(|left| (items, left))
+            .map(|(left, cut)| (items, left, cut))
             .map_err(|e| e.to_string())
     })
     .await
