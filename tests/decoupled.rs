@@ -36,23 +36,12 @@ fn config(consumers: usize) -> String {
 
 /// Every sample of every epoch, once, in order, with the generator's bytes.
 fn assert_whole(r: &ConsumerReport, batch: u64, drop_last: bool) {
-    assert!(r.ok && r.ended, "{r:#?}");
-    assert_eq!(r.verify_failures, 0, "{r:#?}");
-    assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
     let per_epoch = if drop_last {
         PER_EPOCH / batch * batch
     } else {
         PER_EPOCH
     };
-    assert_eq!(r.samples, EPOCHS * per_epoch, "{}", r.name);
-    assert_eq!(r.verified_samples, r.samples);
-    let epochs: Vec<(u64, u64, bool)> = r
-        .epochs
-        .iter()
-        .map(|e| (e.epoch, e.samples, e.complete))
-        .collect();
-    let want: Vec<(u64, u64, bool)> = (0..EPOCHS).map(|e| (e, per_epoch, true)).collect();
-    assert_eq!(epochs, want, "{}", r.name);
+    common::assert_every_epoch_whole(r, EPOCHS, per_epoch);
 }
 
 #[test]

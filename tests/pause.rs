@@ -64,18 +64,7 @@ fn steady_then_continue(
 
 /// Every sample of every epoch, once, in order, with the generator's bytes.
 fn assert_whole(r: &ConsumerReport) {
-    assert!(r.ok && r.ended, "{r:#?}");
-    assert_eq!(r.verify_failures, 0, "{r:#?}");
-    assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
-    assert_eq!(r.samples, EPOCHS * PER_EPOCH, "{}", r.name);
-    assert_eq!(r.verified_samples, r.samples);
-    let epochs: Vec<(u64, u64, bool)> = r
-        .epochs
-        .iter()
-        .map(|e| (e.epoch, e.samples, e.complete))
-        .collect();
-    let want: Vec<(u64, u64, bool)> = (0..EPOCHS).map(|e| (e, PER_EPOCH, true)).collect();
-    assert_eq!(epochs, want, "{}", r.name);
+    common::assert_every_epoch_whole(r, EPOCHS, PER_EPOCH);
 }
 
 /// A steady reader: 2 ms a batch, 200 batches (0.4 s alone).

@@ -556,3 +556,20 @@ pub fn wait_stopped(pid: u32) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Every sample of `epochs` epochs of `per_epoch` samples, once, in order,
+/// with the synthetic generator's bytes (`--verify`).
+pub fn assert_every_epoch_whole(r: &ConsumerReport, epochs: u64, per_epoch: u64) {
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.verify_failures, 0, "{r:#?}");
+    assert!(r.order_errors.is_empty(), "{:?}", r.order_errors);
+    assert_eq!(r.samples, epochs * per_epoch, "{}", r.name);
+    assert_eq!(r.verified_samples, r.samples);
+    let got: Vec<(u64, u64, bool)> = r
+        .epochs
+        .iter()
+        .map(|e| (e.epoch, e.samples, e.complete))
+        .collect();
+    let want: Vec<(u64, u64, bool)> = (0..epochs).map(|e| (e, per_epoch, true)).collect();
+    assert_eq!(got, want, "{}", r.name);
+}

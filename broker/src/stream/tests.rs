@@ -128,6 +128,24 @@ fn release(s: &Stream, id: ConsumerId, seq: u64) {
     .unwrap();
 }
 
+/// Reads, checks and releases every batch `sub` (a host consumer) is sent
+/// until the stream ends; how many.
+fn read_to_end(s: &Stream, sub: &mut Subscription) -> usize {
+    let mut n = 0;
+    loop {
+        match next(sub) {
+            ServerMsg::Batch(b) => {
+                verify_host(s, &b);
+                release(s, sub.id, b.seq);
+                n += 1;
+            }
+            ServerMsg::EndOfEpoch(_) => {}
+            ServerMsg::EndOfStream => return n,
+            m => panic!("{m:?}"),
+        }
+    }
+}
+
 fn spec(s: &Stream) -> &SyntheticSpec {
     match &s.plan.source {
         SourcePlan::Synthetic(spec) => spec,
@@ -368,19 +386,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     assert!(matches!(next(&mut gpu), ServerMsg::Goodbye(_)));
     s.leave(gpu.id);
     // Copies that never completed gave back their host slots.
-    let mut n = 0;
-    loop {
-        match next(&mut host) {
-            ServerMsg::Batch(b) => {
-                verify_host(&s, &b);
-                release(&s, host.id, b.seq);
-                n += 1;
-            }
-            ServerMsg::EndOfEpoch(_) => {}
-            ServerMsg::EndOfStream => break,
-            m => panic!("{m:?}"),
-        }
-    }
+    let n = read_to_end(&s, &mut host);
     assert_eq!(n, 200);
     let req = ConsumeRequest {
         window: 1,
@@ -544,19 +550,7 @@ fn a_gpu_consumer_that_stops_releasing_is_detached_at_the_hold_limit() {
     let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
     let mut host = subscribe(&s, "host", false);
     let mut gpu = subscribe(&s, "gpu", true);
-    let mut n = 0;
-    loop {
-        match next(&mut host) {
-            ServerMsg::Batch(b) => {
-                verify_host(&s, &b);
-                release(&s, host.id, b.seq);
-                n += 1;
-            }
-            ServerMsg::EndOfEpoch(_) => {}
-            ServerMsg::EndOfStream => break,
-            m => panic!("{m:?}"),
-        }
-    }
+    let n = read_to_end(&s, &mut host);
     assert_eq!(n, 200, "the host consumer read every batch");
     // It was sent what its GPU's ring held, then told why it was detached.
     let mut sent = 0;

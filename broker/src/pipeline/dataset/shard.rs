@@ -71,7 +71,11 @@ pub(super) fn index_shard<R: Read + Seek>(
     strict: bool,
     items: &mut Vec<Item>,
 ) -> Result<(Vec<String>, Option<String>), ShardError> {
-    let mut archive = tar::Archive::new(file);
+    let ended = std::rc::Rc::new(std::cell::Cell::new(false));
+    let mut archive = tar::Archive::new(Watch {
+        inner: file,
+        ended: ended.clone(),
+    });
     let mut cur: Option<Pending> = None;
     let mut unlabelled = Vec::new();
     let entries = archive.entries_with_seek().map_err(ShardError::NotTar)?;
@@ -80,7 +84,9 @@ pub(super) fn index_shard<R: Read + Seek>(
         let mut entry = match entry {
             Ok(e) => e,
             Err(e) => {
-                cut = Some(cut_short(ShardError::Header(e), strict)?);
+                // Only where its bytes ran out: a read that failed (a
+                // store's error) is an error, not a shorter shard.
+                cut = Some(cut_short(ShardError::Header(e), strict || !ended.get())?);
                 break;
             }
         };
@@ -198,4 +204,28 @@ fn read_label(entry: &mut impl Read, bytes: u64, path: String) -> Result<i64, Sh
             path,
             text: text.trim().to_string(),
         })
+}
+
+/// A shard's reader that notes when its bytes ran out (a read of none):
+/// a header cut there is a shard cut short, one cut by a failed read is
+/// not.
+struct Watch<R> {
+    inner: R,
+    ended: std::rc::Rc<std::cell::Cell<bool>>,
+}
+
+impl<R: Read> Read for Watch<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            self.ended.set(true);
+        }
+        Ok(n)
+    }
+}
+
+impl<R: Seek> Seek for Watch<R> {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.inner.seek(to)
+    }
 }
