@@ -1,6 +1,6 @@
 //! Requests to a store: each bounded by a timeout, retried with backoff
 //! and full jitter, within a stall bound. How many run at once finds what
-//! the store sustains: it starts at [`START_REQUESTS`] and doubles each
+//! the store sustains: it starts at 8 (`gate::START_REQUESTS`) and doubles each
 //! window of successes (slow start) up to `requests`; a 429 or 503 (S3's
 //! SlowDown), a reset connection or a timeout halves it, and successes
 //! then win it back one by one (AIMD). `object_store`'s own retries are
