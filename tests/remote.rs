@@ -1441,3 +1441,56 @@ fn a_truncated_shard_loses_only_what_was_cut_and_says_so() {
         "{err}"
     );
 }
+
+/// Two brokers sharing one disk-tier folder (`cache_dir`), reading one
+/// bucket at once: entries either writes are whole (key, length, CRC-32),
+/// so each broker serves the local bytes, a second run of each is served
+/// from the disk, and nothing in the folder is found torn.
+#[test]
+fn two_brokers_sharing_a_disk_tier_folder_serve_the_local_bytes() {
+    let data = Data::new();
+    let cache = data.p("shared-cache");
+    let keys = remote(
+        &data.s3.url(),
+        &format!("cache_dir = \"{cache}\"\ncache_dir_mib = 256"),
+    );
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 1"),
+        folder_stream("s3", "s3://data/train/", &format!("epochs = 1\n{keys}")),
+    ]
+    .join("\n");
+    let local = {
+        let b = Broker::start(&data.dir.path().join("l"), &cfg);
+        epoch_digests(&b.consume(&["--stream", "local", "--digest"]))
+    };
+    let brokers: Vec<Broker> = ["a", "b"]
+        .iter()
+        .map(|n| Broker::start(&data.dir.path().join(n), &cfg))
+        .collect();
+    // Both at once, into the same folder.
+    let kids: Vec<_> = brokers
+        .iter()
+        .map(|b| common::spawn_consumer(&b.dir.join("b.sock"), &["--stream", "s3", "--digest"]))
+        .collect();
+    for kid in kids {
+        let r = harness::wait_report(kid, LIMIT).unwrap();
+        assert_eq!(epoch_digests(&r), local, "{r:#?}");
+    }
+    for b in &brokers {
+        let r = b.remote("s3");
+        assert_eq!(
+            (r.failed, r.disk_corrupt, r.disk_write_errors),
+            (0, 0, 0),
+            "{r:#?}"
+        );
+    }
+    drop(brokers);
+    // Started again on the shared folder: served from the disk.
+    let again = Broker::start(&data.dir.path().join("c"), &cfg);
+    assert_eq!(
+        epoch_digests(&again.consume(&["--stream", "s3", "--digest"])),
+        local
+    );
+    let r = again.remote("s3");
+    assert!(r.disk_hits >= data.n && r.disk_corrupt == 0, "{r:#?}");
+}
