@@ -7,7 +7,6 @@
 //! one that pins the ring (holding a batch, or paused while replayed to)
 //! is detached after the stream's hold limit, and the others go on.
 
-use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 
 mod common;
@@ -22,12 +21,8 @@ const EPOCHS: u64 = 4;
 /// window of 2 may hold 9); the stream starts once `consumers` have
 /// subscribed.
 fn config(consumers: usize) -> String {
-    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
-    StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
+    common::small_images(40, PER_EPOCH)
         .epochs(EPOCHS)
-        .key("seed", 5)
-        .key("slots", 12)
-        .key("workers", 2)
         .key("min_consumers", consumers)
         .key("drop_last", false)
         .raw("pace = \"decoupled\"")
@@ -180,11 +175,7 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
 /// An endless decoupled stream whose pipeline waits at most `hold` s for
 /// a consumer it cannot cut.
 fn held_config(hold: f64) -> String {
-    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
-    StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
-        .key("seed", 5)
-        .key("slots", 12)
-        .key("workers", 2)
+    common::small_images(40, PER_EPOCH)
         .raw("pace = \"decoupled\"")
         .raw(&format!("hold_limit_s = {hold}"))
         .to_toml()
@@ -322,12 +313,8 @@ fn a_trainer_killed_while_cut_and_replayed_to_leaves_nothing_behind() {
     // An endless stream: a steady reader, and a slow one (holding two
     // batches, 100 ms a batch) that falls a ring behind, is cut, and is
     // killed while it is being replayed to.
-    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
     let env = Env::start(
-        &StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
-            .key("seed", 5)
-            .key("slots", 12)
-            .key("workers", 2)
+        &common::small_images(40, PER_EPOCH)
             .key("min_consumers", 2)
             .raw("pace = \"decoupled\"")
             .to_toml(),
@@ -373,54 +360,25 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
     // A hostile client speaking the protocol by hand: it takes every
     // batch noticed to it (its mailbox's `tail` says so) and gives none
     // back, keeping its connection open.
-    use batchcast::mailbox::{ConsumerMailbox, Notice};
-    use batchcast::proto::{ErrorCode, ServerMsg};
+    use batchcast::proto::ErrorCode;
     let env = Env::start(&held_config(1.0));
     let steady = steady(&env, 600);
     env.wait_for("the steady reader to start", |s| {
         s.streams[0].consumers.iter().any(|c| c.delivered > 0)
     });
-    let (sock, welcome, mut fds) = common::raw_subscribe(
+    let (sock, welcome, fds) = common::raw_subscribe(
         &env.socket(),
         "hoarder",
         true,
         batchcast::JoinPolicy::Immediate,
         None,
     );
-    let mb = ConsumerMailbox::open(fds.remove(1), welcome.mailbox.expect("a mailbox")).unwrap();
-    let hoard = std::thread::spawn(move || {
-        let t0 = std::time::Instant::now();
-        let mut taken = 0u64;
-        while t0.elapsed() < std::time::Duration::from_secs(20) {
-            match mb.pop() {
-                Ok(Some(Notice::Batch(_))) => taken += 1,
-                Ok(_) => std::thread::sleep(std::time::Duration::from_millis(1)),
-                Err(_) => break,
-            }
-            // Stop once the broker has said why it ended this client.
-            let mut poll = [nix::poll::PollFd::new(
-                std::os::fd::AsFd::as_fd(&sock),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            if nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0) {
-                break;
-            }
-        }
-        sock.set_read_timeout(Some(std::time::Duration::from_secs(20)))
-            .unwrap();
-        let msg = batchcast::proto::read_frame::<ServerMsg>(&mut &sock, &mut Vec::new());
-        (taken, msg)
-    });
+    let hoard = common::hoard(sock, welcome, fds);
     let steady = report(steady);
     assert_not_held(&steady);
     let (taken, msg) = hoard.join().unwrap();
     assert!(taken > 0);
-    match msg {
-        Ok(Some(ServerMsg::Error(e))) => {
-            assert_eq!(e.code, ErrorCode::HoldLimit, "{e:?}");
-        }
-        other => panic!("expected a HoldLimit error, got {other:?}"),
-    }
+    common::expect_error(msg, ErrorCode::HoldLimit, "hold_limit_s");
 }
 
 /// A finite decoupled stream already made to its end still serves a

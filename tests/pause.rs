@@ -9,7 +9,6 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
 use nix::sys::signal::Signal::SIGCONT;
@@ -27,12 +26,8 @@ const STOPPED: Duration = Duration::from_secs(6);
 /// the default pace (lockstep) with a hold limit of 1 s; the stream starts
 /// once two consumers have subscribed.
 fn lockstep() -> String {
-    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
-    StreamToml::synthetic("train", 40, PER_EPOCH, &fields)
+    common::small_images(40, PER_EPOCH)
         .epochs(EPOCHS)
-        .key("seed", 5)
-        .key("slots", 12)
-        .key("workers", 2)
         .key("min_consumers", 2)
         .raw("hold_limit_s = 1.0")
         .to_toml()
@@ -138,6 +133,42 @@ fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why(
         "{why}"
     );
     assert_eq!(stopped.verify_failures, 0, "{stopped:#?}");
+    assert_eq!(env.stats().streams[0].detached, 1);
+}
+
+/// The lockstep twin of decoupled pace's hoarder: a client speaking the
+/// protocol by hand takes every batch noticed to it (its mailbox's `tail`
+/// says so, truly or not) and gives none back. It claims the ring's next
+/// unit itself, so a cut cannot free it: it is detached at the hold limit
+/// and told why, and the steady reader finishes.
+#[test]
+fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached_under_lockstep() {
+    let env = Env::start(&lockstep());
+    let steady = steady(&env);
+    let (sock, welcome, fds) = common::raw_subscribe(
+        &env.socket(),
+        "hoarder",
+        true,
+        batchcast::JoinPolicy::Immediate,
+        None,
+    );
+    let hoard = common::hoard(sock, welcome, fds);
+    let t0 = Instant::now();
+    let steady = report(steady);
+    let finished = t0.elapsed();
+    assert_whole(&steady);
+    // Alone 0.4 s; held, the hoarder's 20 s.
+    assert!(
+        finished < Duration::from_secs(8),
+        "steady finished {finished:?} after the hoarder subscribed"
+    );
+    let (taken, msg) = hoard.join().unwrap();
+    assert!(taken > 0);
+    common::expect_error(
+        msg,
+        batchcast::proto::ErrorCode::HoldLimit,
+        "hold_limit_s of 1",
+    );
     assert_eq!(env.stats().streams[0].detached, 1);
 }
 

@@ -573,3 +573,53 @@ pub fn assert_every_epoch_whole(r: &ConsumerReport, epochs: u64, per_epoch: u64)
     let want: Vec<(u64, u64, bool)> = (0..epochs).map(|e| (e, per_epoch, true)).collect();
     assert_eq!(got, want, "{}", r.name);
 }
+
+/// A synthetic stream `train` of 8x8 RGB images and labels, `len` samples
+/// an epoch in batches of `batch` (seed 5, 12 slots, 2 workers): the
+/// stream the pace and pause tests run against, keys added by each.
+pub fn small_images(batch: u64, len: u64) -> batchcast_broker::config::StreamToml {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
+    batchcast_broker::config::StreamToml::synthetic("train", batch, len, &fields)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+}
+
+/// A hostile client speaking the protocol by hand over a raw subscription
+/// (`raw_subscribe`): it takes every batch noticed to it (its mailbox's
+/// `tail` says so) and gives none back, keeping its connection open, until
+/// the broker says something or 20 s pass. Returns how many it took and
+/// the broker's next message.
+pub fn hoard(
+    sock: UnixStream,
+    welcome: Welcome,
+    mut fds: Vec<OwnedFd>,
+) -> std::thread::JoinHandle<(u64, ServerMsg)> {
+    use batchcast::mailbox::{ConsumerMailbox, Notice};
+    let mb = ConsumerMailbox::open(fds.remove(1), welcome.mailbox.expect("a mailbox")).unwrap();
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let mut taken = 0u64;
+        while t0.elapsed() < Duration::from_secs(20) {
+            match mb.pop() {
+                Ok(Some(Notice::Batch(_))) => taken += 1,
+                Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+                Err(_) => break,
+            }
+            // Stop once the broker has said why it ended this client.
+            let mut poll = [nix::poll::PollFd::new(
+                std::os::fd::AsFd::as_fd(&sock),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            if nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+                break;
+            }
+        }
+        sock.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let msg = proto::read_frame::<ServerMsg>(&mut &sock, &mut Vec::new())
+            .unwrap()
+            .expect("a message before the connection closed");
+        (taken, msg)
+    })
+}

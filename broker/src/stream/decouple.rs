@@ -214,7 +214,7 @@ impl Stream {
                 "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
             }
             (true, Some(c)) if c.gpu.is_some() => {
-                "a GPU consumer cannot be cut to replay yet; resume from its state (state_dict())"
+                "a GPU consumer cannot be cut to replay or resume from a state yet; subscribe again (it starts at the stream's next batch), or read host memory (device=\"cpu\"), which is cut and replayed instead"
             }
             _ => {
                 "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"

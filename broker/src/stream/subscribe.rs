@@ -41,6 +41,24 @@ pub struct Subscription {
     pub replay: Option<(ReplayGrant, OwnedFd)>,
 }
 
+/// A subscriber's replay arena, where it may need one.
+struct ReplayArena {
+    /// It may be replayed to (its mailbox has room for replayed batches).
+    replays: bool,
+    /// The arena stays for cuts (at once: decoupled; past the hold limit:
+    /// lockstep), not only until a join's or resume's replay is done.
+    kept: bool,
+    prepared: Option<book::Prepared>,
+}
+
+impl ReplayArena {
+    const NONE: ReplayArena = ReplayArena {
+        replays: false,
+        kept: false,
+        prepared: None,
+    };
+}
+
 impl Stream {
     /// Subscribes a consumer: checks what needs no GPU, makes its mailbox
     /// or opens its GPU's arena (outside the hub's lock: both take a
@@ -56,12 +74,12 @@ impl Stream {
         let decoupled = self.decoupled(&req);
         let gpu_slots = self.plan.gpu_slots;
         self.check_subscription(&req, shape, peer.uid)?;
-        let (replays, kept, prepared) =
-            self.replay_arena(&req, replaying.is_some(), shape, &peer)?;
-        let (tx, rx) = mpsc::channel(outbox_room(shape, replays.then_some(req.window)));
+        let arena = self.replay_arena(&req, replaying.is_some(), shape, &peer)?;
+        let (tx, rx) = mpsc::channel(outbox_room(shape, arena.replays.then_some(req.window)));
         // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
-        let (mailbox, mailbox_grant) = self.make_mailbox(&req, &peer, (replays, kept))?;
+        let (mailbox, mailbox_grant) =
+            self.make_mailbox(&req, &peer, (arena.replays, arena.kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         let (mirror, gpu_grant) = match &req.device {
             Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
@@ -93,7 +111,7 @@ impl Stream {
             let (id, mut start_epoch) = inner.hub.join_group(shape.window(&req), join, group, delivery)?;
             inner.hub.may_be_cut(id, decoupled);
             let started = self
-                .start_replay(inner, id, (replaying, kept), prepared, cut)
+                .start_replay(inner, id, (replaying, arena.kept), arena.prepared, cut)
                 .inspect_err(|_| {
                     inner.hub.leave(id);
                 })?;
@@ -127,9 +145,7 @@ impl Stream {
 
     /// A replay arena, if one may be needed (whether it is depends on where
     /// the stream is when the consumer joins, and on whether it is ever
-    /// cut): whether it may be replayed to, whether its arena is kept for
-    /// cuts (at once: decoupled; past the hold limit: lockstep), and the
-    /// arena. Lockstep's only bounds a pause: one the budget refuses is
+    /// cut). Lockstep's only bounds a pause: one the budget refuses is
     /// none, said in the log, and the consumer is detached at the bound
     /// instead of cut.
     fn replay_arena(
@@ -138,19 +154,22 @@ impl Stream {
         asks: bool,
         shape: Shape,
         peer: &Peer,
-    ) -> Result<(bool, bool, Option<book::Prepared>), SubscribeError> {
+    ) -> Result<ReplayArena, SubscribeError> {
         let decoupled = self.decoupled(req);
         let kept = decoupled || self.bounded(req);
-        let replays = self.may_replay(asks) || kept;
-        if !replays {
-            return Ok((false, false, None));
+        if !(self.may_replay(asks) || kept) {
+            return Ok(ReplayArena::NONE);
         }
         let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
         match self.prepare_replay(shape.batch_size, req.window, peer.uid, &whom) {
-            Ok(p) => Ok((true, kept, Some(p))),
+            Ok(p) => Ok(ReplayArena {
+                replays: true,
+                kept,
+                prepared: Some(p),
+            }),
             Err(e) if kept && !decoupled && !asks => {
                 tracing::info!(stream = %self.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
-                Ok((false, false, None))
+                Ok(ReplayArena::NONE)
             }
             Err(e) => Err(e.into()),
         }

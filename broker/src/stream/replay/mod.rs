@@ -176,11 +176,11 @@ impl Stream {
             });
         };
         // One that may be cut keeps its arena (a group member's too).
-        let life = match kept {
-            true => ArenaLife::WhileConnected,
-            false => ArenaLife::UntilDone,
+        let life = if kept {
+            ArenaLife::WhileConnected
+        } else {
+            ArenaLife::UntilDone
         };
-        let keep = kept;
         let limit = Position {
             epoch: self.plan.epochs.unwrap_or(u64::MAX),
             sample: 0,
@@ -189,7 +189,7 @@ impl Stream {
         let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
             Some(to) => to,
             // Nothing to replay; a resume point ahead is skipped to.
-            None if keep => from.max(shared),
+            None if kept => from.max(shared),
             None => {
                 return Ok(Started {
                     skip: replaying.and_then(ReplayFrom::resume),
@@ -200,7 +200,7 @@ impl Stream {
         };
         // Decoupled: it starts cut. Lockstep: a joiner is waited for while
         // it catches up (as long as its replay goes on, see `decouple`).
-        if keep && self.plan.pace == Pace::Decoupled && from < to {
+        if kept && self.plan.pace == Pace::Decoupled && from < to {
             return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
         }
         let (replay, grant, fd) =
