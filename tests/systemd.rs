@@ -5,6 +5,7 @@
 //! stopping told to the service manager (`NOTIFY_SOCKET`); and the
 //! activation variables it refuses, by name.
 
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -253,4 +254,147 @@ fn activation_the_broker_cannot_serve_is_refused_by_name() {
     assert!(stats(&socket).is_some());
     broker.terminate(LIMIT).unwrap();
     assert!(!socket.exists(), "its own socket file is removed");
+}
+
+/// The shipped units as systemd reads them: `systemd-analyze verify` says
+/// nothing about them (it warns, exit 0, of an unknown key: a misspelt
+/// copy shows the check sees one). Only `ExecStart`'s path is this
+/// build's, as the unit's `/usr/local/bin/batchcast` is not installed here.
+#[test]
+fn the_shipped_units_pass_systemd_analyze_verify() {
+    const ANALYZE: &str = "/usr/bin/systemd-analyze";
+    if !Path::new(ANALYZE).exists() {
+        skip(
+            "systemd-analyze verify of deploy/'s units",
+            "no /usr/bin/systemd-analyze (Debian's systemd package; scripts/setup installs it)",
+        );
+        return;
+    }
+    let deploy = common::repo().join("deploy");
+    let service = std::fs::read_to_string(deploy.join("batchcast.service")).unwrap();
+    let socket = std::fs::read_to_string(deploy.join("batchcast.socket")).unwrap();
+    let installed = "ExecStart=/usr/local/bin/batchcast ";
+    assert!(service.contains(installed), "{service}");
+    let service = service.replace(installed, &format!("ExecStart={EXE} "));
+    let verify = |socket: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("batchcast.service"), &service).unwrap();
+        std::fs::write(dir.path().join("batchcast.socket"), socket).unwrap();
+        let out = common::run(
+            command(ANALYZE)
+                .args(["verify", "./batchcast.socket", "./batchcast.service"])
+                .current_dir(dir.path()),
+        );
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = verify(&socket);
+    assert!(ok && text.trim().is_empty(), "{text}");
+    let (_, text) = verify(&socket.replace("Backlog=", "Backlg="));
+    assert!(text.contains("Unknown key 'Backlg'"), "{text}");
+}
+
+/// `key=` of a unit file's lines.
+fn unit_key<'a>(unit: &'a str, key: &str) -> &'a str {
+    unit.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key}= in the unit"))
+}
+
+/// The shipped socket unit and broker config reach the users they are
+/// meant to: the socket made as the unit says (its mode and group, by
+/// `systemd-socket-activate` and then set as systemd sets them), the
+/// broker on the shipped `[broker]` section. A member of the socket's
+/// group (a supplementary group, as `usermod -aG` makes it) reads the
+/// stream; another user cannot open the socket, and were it world-open,
+/// the broker would still refuse them. (`nogroup` stands in for the
+/// unit's `batchcast`, which this host does not have.)
+#[test]
+fn the_shipped_socket_unit_admits_its_groups_members_and_no_one_else() {
+    if !Path::new(ACTIVATE).exists() || !common::is_root("the socket group test") {
+        return;
+    }
+    const MEMBER: u32 = 65533;
+    const OUTSIDER: u32 = 65532;
+    let deploy = common::repo().join("deploy");
+    let unit = std::fs::read_to_string(deploy.join("batchcast.socket")).unwrap();
+    let mode = u32::from_str_radix(unit_key(&unit, "SocketMode"), 8).unwrap();
+    let group = unit_key(&unit, "SocketGroup");
+    let listen = unit_key(&unit, "ListenStream");
+    assert_eq!(mode, 0o660, "the socket is its group's, not everyone's");
+    let shipped = std::fs::read_to_string(deploy.join("broker.toml")).unwrap();
+    let cfg =
+        batchcast_broker::config::Config::parse(&shipped, &deploy.join("broker.toml")).unwrap();
+    assert_eq!(
+        cfg.broker.allow_groups,
+        [group],
+        "the config admits the unit's group"
+    );
+    assert_eq!(cfg.broker.socket.as_deref(), Some(Path::new(listen)));
+    let nogroup = nix::unistd::Group::from_name("nogroup").unwrap().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let open = std::fs::Permissions::from_mode(0o755);
+    std::fs::set_permissions(dir.path(), open.clone()).unwrap();
+    let socket = dir.path().join("b.sock");
+    let broker_part = shipped.split("[[stream]]").next().unwrap();
+    let config = broker_part
+        .replace(&format!("\"{group}\""), "\"nogroup\"")
+        .replace(listen, socket.to_str().unwrap())
+        + &StreamToml::synthetic("train", 10, 100, &[("x", "u8", &[16])])
+            .epochs(1)
+            .to_toml();
+    let cfg = dir.path().join("broker.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let (stop, log) = (dir.path().join("stop"), dir.path().join("manager.log"));
+    let mut mgr = manager(&socket, &cfg, &log, &stop);
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < LIMIT, "systemd-socket-activate never bound");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(mode)).unwrap();
+    std::os::unix::fs::chown(&socket, None, Some(nogroup.gid.as_raw())).unwrap();
+    // The consumer, as a user other than root: a copy others may run.
+    let exe = dir.path().join("batchcast");
+    std::fs::copy(EXE, &exe).unwrap();
+    std::fs::set_permissions(&exe, open).unwrap();
+    let consume_as = |uid: u32, groups: &str| {
+        let out = common::run(
+            command("setpriv")
+                .args([
+                    &format!("--reuid={uid}"),
+                    &format!("--regid={uid}"),
+                    groups,
+                    "--",
+                ])
+                .arg(&exe)
+                .args(["consume", "--json", "--verify", "--socket"])
+                .arg(&socket)
+                .env("BATCHCAST_BROKER_UID", "0")
+                .current_dir(dir.path()),
+        );
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let member = consume_as(MEMBER, &format!("--groups={}", nogroup.gid));
+    let r: ConsumerReport = serde_json::from_str(member.lines().next().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {member}"));
+    assert!(r.ok && r.ended && r.batches == 10, "{r:#?}");
+    let outsider = consume_as(OUTSIDER, "--clear-groups");
+    assert!(outsider.contains("ermission denied"), "{outsider}");
+    // Defence in depth: with the file world-open the broker still refuses.
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let outsider = consume_as(OUTSIDER, "--clear-groups");
+    assert!(outsider.contains("not allowed"), "{outsider}");
+    std::fs::write(&stop, "").unwrap();
+    if let Some(s) = stats(&socket) {
+        harness_signal(s.broker_pid, Signal::SIGTERM);
+    }
+    let _ = mgr.kill();
+    let _ = mgr.wait();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("only its owner"),
+        "no warning about the socket's reach:\n{text}"
+    );
 }

@@ -5,6 +5,7 @@
 //! socket = "/run/user/1000/batchcast.sock"   # optional; --socket overrides
 //! allow_uids = [1001]                         # other users who may connect
 //! allow_gids = [2000]
+//! allow_groups = ["batchcast"]                # by name: its members may connect
 //! max_connections = 1024                     # all users together
 //! max_connections_per_uid = 128              # each user but the broker's
 //! idle_timeout_s = 60                        # stats connections asking nothing
@@ -280,6 +281,9 @@ pub struct BrokerSection {
     /// Groups (primary or supplementary) whose members may connect.
     #[serde(default)]
     pub allow_gids: Vec<u32>,
+    /// The same by name (`/etc/group`, or NSS), looked up at start.
+    #[serde(default)]
+    pub allow_groups: Vec<String>,
     /// Connections served at once, all users together (default 1024).
     pub max_connections: Option<u64>,
     /// Connections each user other than the broker's may hold (default 128).

@@ -173,6 +173,34 @@ impl Allow {
         !self.uids.is_empty() || !self.gids.is_empty()
     }
 
+    /// Whether a socket file of `mode` and group `gid` (one a service
+    /// manager made) keeps out users the allow lists admit: `None` when
+    /// others may open it, or it is a group socket of an allowed group and
+    /// no uid is allowed beyond that group; else what to change.
+    pub fn unreachable(&self, mode: u32, gid: u32) -> Option<String> {
+        if !self.is_shared() || mode & 0o006 == 0o006 {
+            return None;
+        }
+        let group_socket = mode & 0o060 == 0o060 && self.gids.contains(&gid);
+        if group_socket && self.uids.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "has mode {:o} and group {gid}: only {} can open it. Make the .socket unit's SocketGroup= a group in allow_groups (or allow_gids) with SocketMode=0660 and add the trainers' users to it{}, or set SocketMode=0666 (peer credentials still decide who is admitted)",
+            mode & 0o777,
+            if mode & 0o060 == 0o060 {
+                "its owner and that group's members"
+            } else {
+                "its owner"
+            },
+            if self.uids.is_empty() {
+                ""
+            } else {
+                " (allow_uids' users too)"
+            },
+        ))
+    }
+
     /// Checks a peer's credentials (`SO_PEERCRED`); supplementary groups are
     /// read from `/proc/<pid>/status`.
     pub fn admits(&self, uid: u32, gid: u32, pid: Option<i32>) -> bool {
@@ -279,5 +307,38 @@ mod tests {
             gids: vec![],
         };
         assert!(!own.admits(0, 0, None));
+    }
+
+    /// The socket a service manager made reaches whom the config admits:
+    /// a group socket of an allowed group does, an owner-only one does not.
+    #[test]
+    fn a_socket_units_mode_and_group_against_the_allow_lists() {
+        let groups = Allow {
+            own_uid: 1000,
+            uids: vec![],
+            gids: vec![50],
+        };
+        assert_eq!(groups.unreachable(0o140660, 50), None);
+        assert_eq!(groups.unreachable(0o140666, 7), None);
+        let owner_only = groups.unreachable(0o140600, 50).unwrap();
+        assert!(owner_only.contains("mode 600") && owner_only.contains("only its owner can"));
+        let other_group = groups.unreachable(0o140660, 7).unwrap();
+        assert!(other_group.contains("SocketGroup=") && other_group.contains("group 7"));
+        let uids = Allow {
+            own_uid: 1000,
+            uids: vec![1001],
+            gids: vec![50],
+        };
+        assert!(
+            uids.unreachable(0o140660, 50)
+                .unwrap()
+                .contains("allow_uids")
+        );
+        let alone = Allow {
+            own_uid: 1000,
+            uids: vec![],
+            gids: vec![],
+        };
+        assert_eq!(alone.unreachable(0o140600, 50), None);
     }
 }

@@ -2,7 +2,7 @@
 //! chain; everything below returns typed errors.
 
 use std::io::{IsTerminal, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -152,7 +152,7 @@ fn serve(
     let allow = listen::Allow {
         own_uid: nix::unistd::getuid().as_raw(),
         uids: cfg.broker.allow_uids.clone(),
-        gids: cfg.broker.allow_gids.clone(),
+        gids: limits.allow_gids.clone(),
     };
     let bound = listen_on(inherited, socket.or(cfg.broker.socket.clone()), &allow)?;
     let own_uid = allow.own_uid;
@@ -247,12 +247,12 @@ fn listen_on(
         "socket activation: serving {}, which the service manager owns",
         path.display()
     );
-    let mode = std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o777);
-    if allow.is_shared() && mode.as_ref().is_ok_and(|m| m & 0o006 == 0) {
+    if let Ok(meta) = std::fs::metadata(&path)
+        && let Some(why) = allow.unreachable(meta.mode(), meta.gid())
+    {
         tracing::warn!(
-            "the config allows other users, but {} has mode {:o}: only its owner and group can connect (set SocketMode=0666 in the .socket unit; peer credentials still decide who is admitted)",
-            path.display(),
-            mode.unwrap_or(0)
+            "the config allows other users, but {} {why}",
+            path.display()
         );
     }
     Ok(listen::Bound::inherited(listener, path))

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -68,14 +68,20 @@ fields = [{fields}]
 
 class Broker:
     def __init__(
-        self, tmp: Path, config: Optional[str], env: Optional[Dict[str, str]] = None, name: str = "broker"
+        self,
+        tmp: Path,
+        config: Optional[str],
+        env: Optional[Dict[str, str]] = None,
+        name: str = "broker",
+        args: Sequence[str] = (),
     ) -> None:
         """`env`: variables added to the broker's environment; `name`: its
-        files' names in `tmp` (several brokers in one test)."""
+        files' names in `tmp` (several brokers in one test); `args`: more
+        arguments to `batchcast serve`."""
         self.dir = tmp
         self.socket = str(tmp / ("b.sock" if name == "broker" else f"{name}.sock"))
         self.log = tmp / f"{name}.log"
-        args = [broker_bin(), "serve", "--socket", self.socket]
+        args = [broker_bin(), "serve", "--socket", self.socket, *args]
         if config is not None:
             cfg = tmp / f"{name}.toml"
             cfg.write_text(config)
@@ -178,8 +184,13 @@ def python_child(code: str, *args: str, inherit_ignored_sigint: bool = False) ->
 def start_broker(tmp_path: Path):
     started: List[Broker] = []
 
-    def start(config: Optional[str] = None, env: Optional[Dict[str, str]] = None, name: str = "broker") -> Broker:
-        b = Broker(tmp_path, config, env, name)
+    def start(
+        config: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+        name: str = "broker",
+        args: Sequence[str] = (),
+    ) -> Broker:
+        b = Broker(tmp_path, config, env, name, args)
         started.append(b)
         return b
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -247,13 +250,119 @@ def test_the_kubernetes_manifests_pass_schema_validation(tmp_path):
     assert r.returncode != 0, r.stdout + r.stderr
 
 
-def test_the_daemonsets_broker_config_is_one_the_broker_serves(start_broker, tmp_path):
+def _manifests():
     yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (scripts/setup)")
-    docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "broker-daemonset.yaml").read_text()))
+    docs = []
+    for f in sorted((REPO / "deploy" / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def _daemonset():
+    docs = _manifests()
     config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["broker.toml"]
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    broker = next(c for c in pod["containers"] if c["name"] == "broker")
+    return config, pod, broker
+
+
+def _mib(quantity: str) -> int:
+    units = {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
+    for unit, mib in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[: -len(unit)]) * mib
+    raise AssertionError(f"a memory quantity in Mi/Gi/Ti: {quantity}")
+
+
+def test_the_daemonsets_broker_config_and_probes_are_what_the_broker_serves(start_broker, tmp_path):
+    """The ConfigMap's config starts, with the container's own arguments
+    (the metrics address moved to a free local port), and the liveness and
+    readiness probes' paths answer 200 on the port they name."""
+    config, _, broker_c = _daemonset()
     assert 'root = "/data/imagenet/train"' in config
     root = tmp_path / "images"
     small_image_folder(root, IMAGES, seed=11)
-    broker = start_broker(config.replace("/data/imagenet/train", str(root)))
+    args = broker_c["args"]
+    assert args[0] == "serve" and args[args.index("--metrics") + 1] == "0.0.0.0:9464", args
+    ports = {p["name"]: p["containerPort"] for p in broker_c["ports"]}
+    assert ports[broker_c["livenessProbe"]["httpGet"]["port"]] == 9464
+    assert ports[broker_c["readinessProbe"]["httpGet"]["port"]] == 9464
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    broker = start_broker(
+        config.replace("/data/imagenet/train", str(root)),
+        name="k8s",
+        args=["--metrics", f"127.0.0.1:{port}"],
+    )
     stream = broker.stream("train")
     assert stream["source"] is not None and stream["failed"] is None, stream
+    for probe in ("livenessProbe", "readinessProbe"):
+        path = broker_c[probe]["httpGet"]["path"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=broker_c[probe]["timeoutSeconds"]) as r:
+            assert r.status == 200, (probe, path, r.status)
+
+
+def test_the_manifests_need_no_shared_memory_and_size_the_broker_as_they_say():
+    """No pod asks for /dev/shm or the host's IPC namespace (batches are
+    file descriptors over the socket), and the broker's memory limit holds
+    what its comment counts: memory_mib, 64 MiB per pipeline worker, the
+    encoded cache (cache_mib) and slack."""
+    docs = _manifests()
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("DaemonSet", "Job")]
+    assert len(pods) == 2
+    for pod in pods:
+        assert not pod.get("hostIPC") and not pod.get("hostPID"), pod
+        for v in pod.get("volumes", []):
+            assert v.get("emptyDir", {}).get("medium") != "Memory", v
+        for c in pod["containers"]:
+            assert all(m["mountPath"] != "/dev/shm" for m in c.get("volumeMounts", [])), c
+    config, _, broker_c = _daemonset()
+    cfg = tomllib.loads(config)
+    workers = sum(s.get("workers", 1) for s in cfg["stream"])
+    need = cfg["broker"]["memory_mib"] + 64 * workers + sum(s.get("cache_mib", 0) for s in cfg["stream"])
+    limit = _mib(broker_c["resources"]["limits"]["memory"])
+    assert _mib(broker_c["resources"]["requests"]["memory"]) == limit
+    assert need < limit, (need, limit)
+
+
+def test_batches_reach_a_trainer_where_dev_shm_is_read_only(tmp_path):
+    """The DaemonSet comment's claim, run: in a mount namespace whose
+    /dev/shm is an empty read-only tmpfs (a pod without a shared /dev/shm)
+    the broker serves the ConfigMap's stream and a Python trainer reads a
+    whole epoch from it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a mount namespace")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here: {probe.stderr.strip()}")
+    config, _, _ = _daemonset()
+    root = tmp_path / "images"
+    small_image_folder(root, IMAGES, seed=11)
+    cfg = tmp_path / "broker.toml"
+    cfg.write_text(config.replace("/data/imagenet/train", str(root)).replace("batch_size = 256", "batch_size = 16\nepochs = 1"))
+    sock = tmp_path / "b.sock"
+    trainer = f"""
+import os, subprocess, sys, time
+import batchcast
+try:
+    open("/dev/shm/probe", "w")
+    sys.exit("/dev/shm is writable")
+except OSError:
+    pass
+assert os.listdir("/dev/shm") == [], os.listdir("/dev/shm")
+broker = subprocess.Popen([{broker_bin()!r}, "serve", "--config", {str(cfg)!r}, "--socket", {str(sock)!r}], stderr=subprocess.DEVNULL)
+try:
+    c = batchcast.Consumer("train", socket={str(sock)!r}, output="numpy", connect_timeout=30)
+    n = sum(len(b["label"]) for b in c)
+    print("samples", n, "shm", os.listdir("/dev/shm"), flush=True)
+finally:
+    broker.terminate()
+    broker.wait(10)
+"""
+    r = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o ro,size=4k none /dev/shm && exec "$0" -c "$1"', sys.executable, trainer],
+        capture_output=True, text=True, timeout=LIMIT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"samples {IMAGES} shm []" in r.stdout, r.stdout + r.stderr

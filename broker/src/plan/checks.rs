@@ -51,6 +51,34 @@ pub const MIN_MEMORY_MIB: u64 = 64;
 const DEFAULT_MEMORY_MIB_UNKNOWN_RAM: u64 = 4096;
 
 /// The `[broker]` section's numbers within their bounds.
+/// `allow_gids` with `allow_groups`' names looked up on this host; a name
+/// it does not know is refused by name.
+fn allowed_gids(b: &BrokerSection) -> Result<Vec<u32>, StreamError> {
+    let mut gids = b.allow_gids.clone();
+    for name in &b.allow_groups {
+        match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => gids.push(g.gid.as_raw()),
+            Ok(None) => {
+                return Err(super::key(
+                    "allow_groups",
+                    format!(
+                        "allow_groups: this host has no group named `{name}` (`getent group {name}` finds none): create it (`groupadd --system {name}`) and add the trainers' users to it, or list the group's number in allow_gids"
+                    ),
+                ));
+            }
+            Err(e) => {
+                return Err(super::key(
+                    "allow_groups",
+                    format!("allow_groups: looking up group `{name}` failed: {e}"),
+                ));
+            }
+        }
+    }
+    gids.sort_unstable();
+    gids.dedup();
+    Ok(gids)
+}
+
 pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, StreamError> {
     let max = b.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
     within(
@@ -114,6 +142,7 @@ pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, Strea
         ));
     }
     Ok(super::BrokerPlan {
+        allow_gids: allowed_gids(b)?,
         guest_stream_prefix: prefix,
         max_connections: max as usize,
         max_connections_per_uid: per_uid as usize,

@@ -62,6 +62,9 @@ pub enum PlanError {
 /// The `[broker]` section's numbers, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerPlan {
+    /// Groups whose members may connect: `allow_gids` and the numbers of
+    /// `allow_groups`.
+    pub allow_gids: Vec<u32>,
     /// Connections served at once, all users together.
     pub max_connections: usize,
     /// For each uid other than the broker's.

@@ -262,6 +262,28 @@ fn a_config_of_only_the_broker_section_plans_no_stream() {
     assert!(plan_config(&cfg).unwrap().is_empty());
 }
 
+/// `allow_groups` names groups this host knows (root's is 0 everywhere);
+/// one it does not know stops the broker at start, named.
+#[test]
+fn allow_groups_are_looked_up_by_name_and_an_unknown_one_is_refused() {
+    let cfg = Config::parse(
+        "[broker]\nallow_gids = [4321]\nallow_groups = [\"root\"]\n",
+        Path::new("b.toml"),
+    )
+    .unwrap();
+    assert_eq!(plan_broker(&cfg.broker).unwrap().allow_gids, [0, 4321]);
+    let cfg = Config::parse(
+        "[broker]\nallow_groups = [\"no-such-group-here\"]\n",
+        Path::new("b.toml"),
+    )
+    .unwrap();
+    let err = plan_broker(&cfg.broker).unwrap_err().to_string();
+    assert!(
+        err.contains("no group named `no-such-group-here`") && err.contains("groupadd"),
+        "{err}"
+    );
+}
+
 #[test]
 fn keeping_the_last_short_batch() {
     let plans = plan(&good().replace("epochs = 2", "epochs = 2\ndrop_last = false")).unwrap();

@@ -244,6 +244,7 @@ mod tests {
         Admission::new(
             allow,
             BrokerPlan {
+                allow_gids: vec![],
                 max_connections: max,
                 max_connections_per_uid: per_uid,
                 idle_timeout: Duration::from_secs(60),
