@@ -1494,3 +1494,85 @@ fn two_brokers_sharing_a_disk_tier_folder_serve_the_local_bytes() {
     let r = again.remote("s3");
     assert!(r.disk_hits >= data.n && r.disk_corrupt == 0, "{r:#?}");
 }
+
+/// A tmpfs mounted at `dir` (mode 0700, `kib` KiB) for the life of the
+/// guard, unmounted when dropped (the test passed or failed).
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn tmpfs(dir: &Path, kib: u64) -> Option<Mounted> {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = command("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={kib}k,mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .output()
+            .ok()?;
+        out.status.success().then(|| Mounted(dir.into()))
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = command("umount").arg(&self.0).status();
+    }
+}
+
+/// A disk tier on a full disk: a folder on a filesystem that holds about a
+/// third of the dataset. Every epoch has the local bytes, the full disk
+/// is said once in the log and counted (`disk_write_errors`), what was
+/// written before it filled is read back whole, and nothing failed.
+#[test]
+fn a_disk_tier_on_a_full_disk_serves_the_local_bytes_and_says_so_once() {
+    if !common::is_root("a disk tier on a full disk (a small tmpfs)") {
+        return;
+    }
+    let data = Data::new();
+    let mut files = Vec::new();
+    walk(&data.dir.path().join("ds"), Path::new(""), &mut files);
+    let bytes: u64 = files
+        .iter()
+        .map(|f| {
+            std::fs::metadata(data.dir.path().join("ds").join(f))
+                .unwrap()
+                .len()
+        })
+        .sum();
+    let cache = data.dir.path().join("full-cache");
+    let kib = (bytes / 3 / 1024).max(16);
+    let Some(_mounted) = Mounted::tmpfs(&cache, kib) else {
+        common::skip("a disk tier on a full disk", "mount -t tmpfs failed here");
+        return;
+    };
+    let keys = remote(
+        &data.s3.url(),
+        &format!("cache_dir = \"{}\"\ncache_dir_mib = 1024", cache.display()),
+    );
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 2"),
+        folder_stream("s3", "s3://data/train/", &format!("epochs = 2\n{keys}")),
+    ]
+    .join("\n");
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let local = epoch_digests(&b.consume(&["--stream", "local", "--digest"]));
+    let r = b.consume(&["--stream", "s3", "--digest"]);
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(epoch_digests(&r), local, "{r:#?}");
+    let s = b.remote("s3");
+    assert_eq!((s.failed, s.disk_corrupt), (0, 0), "{s:#?}");
+    assert!(s.disk_write_errors > 0, "the disk filled: {s:#?}");
+    let log = b.log();
+    assert_eq!(log.matches("the disk is full").count(), 1, "{log}");
+    drop(b);
+    // Started again: what fitted is read from the disk, the rest fetched.
+    let again = Broker::start(&data.dir.path().join("c"), &cfg);
+    let r = again.consume(&["--stream", "s3", "--digest"]);
+    assert_eq!(epoch_digests(&r), local, "{r:#?}");
+    let s = again.remote("s3");
+    assert!(s.disk_hits > 0 && s.disk_corrupt == 0, "{s:#?}");
+}
