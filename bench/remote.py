@@ -218,6 +218,7 @@ def run_row(work: Path, dataset: str, remote: str | None, epochs: int, servers: 
         "broker_ms": (b1 - b0) * 1e3 / images,
         "servers_ms": (s1 - s0) * 1e3 / images,
         "remote": src.get("remote"),
+        "first_batch_s": report.get("first_batch_s", 0.0),
         "timeline": timeline,
     }
 
@@ -233,6 +234,12 @@ def main():
                          "other machines; one row runs them at the broker's priority)")
     ap.add_argument("--only", choices=["image folder", "tar shards"],
                     help="one form's rows (and the 503 burst with the shards)")
+    ap.add_argument("--servers", default="http,s3,moto,pyhttp",
+                    help="the servers whose rows run, of http (nginx), s3 (s3s-fs; its disk-tier "
+                         "row and the 503 burst too), moto and pyhttp (python -m http.server: "
+                         "no range requests, so image folder rows only)")
+    ap.add_argument("--skip-off", action="store_true",
+                    help="leave out the rows without read-ahead (slow: one epoch each)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="batchcast-remote-bench-"))
     try:
@@ -256,6 +263,16 @@ http {{ access_log off; sendfile on; keepalive_requests 1000000;
     return p, f"http://127.0.0.1:{port}"
 
 
+def start_pyhttp(www: Path) -> tuple[subprocess.Popen, str]:
+    """Python's own `http.server` (threaded, no range requests): a plain
+    server that takes few requests at a time well."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
+                          "--directory", str(www)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return p, f"http://127.0.0.1:{port}"
+
+
 def start_latency(upstream: str, one_way_ms: float) -> tuple[subprocess.Popen, str]:
     exe = str(REPO / "target" / "release" / "latency_proxy")
     host = upstream.split("//", 1)[1]
@@ -265,6 +282,8 @@ def start_latency(upstream: str, one_way_ms: float) -> tuple[subprocess.Popen, s
 
 
 AHEAD = {
+    "defaults": "",
+    "requests = 8": "requests = 8",
     "off": "read_ahead = 0",
     "on": "read_ahead = 256\nrequests = 128\nread_ahead_mib = 16\npart_mib = 2",
 }
@@ -284,30 +303,35 @@ def bench(a, work: Path):
     (www / "train" / "MANIFEST").write_text("\n".join(files) + "\n")
     procs = []
     try:
-        moto, motourl = start_moto()
-        procs.append(moto)
-        subprocess.run([PY, OBJSERVER, "s3-load", motourl, "data", str(root), "train/"], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run([PY, OBJSERVER, "s3-load", motourl, "data", str(www / "shards"), "shards/"],
-                       check=True, stdout=subprocess.DEVNULL)
-        nginx, http = start_nginx(work, www)
-        s3s, s3 = start_s3s(work / "s3s")
-        procs += [nginx, s3s]
-        # Uploaded, not copied into its folder: s3s-fs keeps the ETag of
-        # an object it was sent, and hashes a copied-in file's whole
-        # content on every GET (5 CPU-ms per shard member).
-        for src, prefix in ((root, "train/"), (www / "shards", "shards/")):
-            subprocess.run([PY, OBJSERVER, "s3-load", s3, "data", str(src), prefix], check=True,
-                           stdout=subprocess.DEVNULL, env=ENV)
+        servers = a.servers.split(",")
+        up = {}  # server -> its URL, for those that run
+        if "moto" in servers:
+            moto, up["moto"] = start_moto()
+            procs.append(moto)
+            for src, prefix in ((root, "train/"), (www / "shards", "shards/")):
+                subprocess.run([PY, OBJSERVER, "s3-load", up["moto"], "data", str(src), prefix], check=True,
+                               stdout=subprocess.DEVNULL)
+        if "http" in servers:
+            nginx, up["http"] = start_nginx(work, www)
+            procs.append(nginx)
+        if "s3" in servers:
+            s3s, up["s3"] = start_s3s(work / "s3s")
+            procs.append(s3s)
+            # Uploaded, not copied into its folder: s3s-fs keeps the ETag
+            # of an object it was sent, and hashes a copied-in file's whole
+            # content on every GET (5 CPU-ms per shard member).
+            for src, prefix in ((root, "train/"), (www / "shards", "shards/")):
+                subprocess.run([PY, OBJSERVER, "s3-load", up["s3"], "data", str(src), prefix], check=True,
+                               stdout=subprocess.DEVNULL, env=ENV)
+        if "pyhttp" in servers:
+            pyhttp, up["pyhttp"] = start_pyhttp(www)
+            procs.append(pyhttp)
         via = {}
-        for rtt in (0, 20, 50):
-            for name, up in (("http", http), ("s3", s3)):
-                p, url = start_latency(up, rtt / 2)
+        rtts = {"http": (0, 20, 50), "s3": (0, 20, 50), "moto": (20,), "pyhttp": (0, 20)}
+        for name, url in up.items():
+            for rtt in rtts[name]:
+                p, via[(name, rtt)] = start_latency(url, rtt / 2)
                 procs.append(p)
-                via[(name, rtt)] = url
-        p, url = start_latency(motourl, 10)
-        procs.append(p)
-        via[("moto", 20)] = url
         pids = [p.pid for p in procs]
         pattern = f"shard-{{000000..{n_shards - 1:06d}}}.tar"
         forms = {
@@ -317,22 +341,28 @@ def bench(a, work: Path):
         }
         if a.only:
             forms = {a.only: forms[a.only]}
-        names = {"http": "nginx (HTTP)", "s3": "s3s-fs (S3)", "moto": "moto (S3)"}
+        names = {"http": "nginx (HTTP)", "s3": "s3s-fs (S3)", "moto": "moto (S3)",
+                 "pyhttp": "python -m http.server (HTTP)"}
         grid = [(server, rtt, ahead, a.server_nice) for server in ("http", "s3") for rtt in (0, 20, 50)
                 for ahead in ("off", "on") if not (ahead == "off" and rtt == 50)]
         grid.append(("moto", 20, "on", a.server_nice))
         # The servers' CPU taken from the broker's two cores, for contrast.
         if a.server_nice != 0:
             grid.append(("s3", 20, "on", 0))
+        # A plain server with the defaults (the gate finds what it takes).
+        grid += [("pyhttp", rtt, ahead, a.server_nice) for rtt in (0, 20) for ahead in ("defaults", "requests = 8")]
+        grid = [g for g in grid if g[0] in servers and not (a.skip_off and g[2] == "off")]
         rows = []
         for form, (local, http_url, s3_url, manifest) in forms.items():
             base = median_row([run_row(work, local, None, a.epochs, pids) for _ in range(a.repeat)])
             rows.append((form, "local disk", "-", base))
             print(f"{form}: local {base['images_s']:.0f} images/s")
             for server, rtt, ahead, nice in grid:
+                if server == "pyhttp" and form != "image folder":
+                    continue
                 renice(pids, nice)
                 url = via[(server, rtt)]
-                if server == "http":
+                if server in ("http", "pyhttp"):
                     dataset = http_url.replace("{http}", url)
                     keys = AHEAD[ahead]
                 else:
@@ -341,13 +371,15 @@ def bench(a, work: Path):
                 # Without read-ahead a row is slow: one epoch, one run.
                 epochs, runs = (1, 1) if ahead == "off" else (a.epochs, a.repeat)
                 r = median_row([run_row(work, dataset, keys, epochs, pids,
-                                        manifest=manifest if server == "http" else None)
+                                        manifest=manifest if server in ("http", "pyhttp") else None)
                                 for _ in range(runs)])
                 where = names[server] + (f" + {rtt} ms RTT" if rtt else "")
                 if nice != a.server_nice:
                     where += f", servers at nice {nice}"
                 rows.append((form, where, ahead, r))
                 print(f"{form}: {where}, read-ahead {ahead}: {r['images_s']:.0f} images/s")
+            if "s3" not in servers:
+                continue
             # The disk tier: epoch 1 from the store, the rest from disk.
             renice(pids, a.server_nice)
             cache = work / f"cache-{len(rows)}"
@@ -356,9 +388,9 @@ def bench(a, work: Path):
             rows.append((form, names["s3"] + " + 20 ms RTT", "on, + disk tier", r))
             print(f"{form}: + disk tier {r['images_s']:.0f} images/s")
         print_rows(rows)
-        if "tar shards" not in forms:
+        if "tar shards" not in forms or "s3" not in servers:
             return
-        proxy, purl = start_objserver("proxy", s3)
+        proxy, purl = start_objserver("proxy", up["s3"])
         procs.append(proxy)
         renice(pids + [proxy.pid], a.server_nice)
         burst = run_row(work, forms["tar shards"][2], f'endpoint = "{purl}"\n{AHEAD["on"]}\nretries = 10',
@@ -377,8 +409,8 @@ def bench(a, work: Path):
 
 def print_rows(rows):
     print("\n| dataset | read from | read-ahead | images/s | vs local | broker CPU-ms/image | "
-          "S3 server + proxy CPU-ms/image | requests | pipeline waited (s) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "S3 server + proxy CPU-ms/image | requests | retries | first batch (s) | pipeline waited (s) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base = {}
     for form, where, ahead, r in rows:
         if where == "local disk":
@@ -386,7 +418,7 @@ def print_rows(rows):
         rem = r["remote"] or {}
         print(f"| {form} | {where} | {ahead} | {r['images_s']:.0f} | {r['images_s'] / base[form]:.2f}x | "
               f"{r['broker_ms']:.2f} | {r['servers_ms']:.2f} | {rem.get('requests', '-')} | "
-              f"{rem.get('waited_s', 0):.1f} |")
+              f"{rem.get('retries', '-')} | {r['first_batch_s']:.2f} | {rem.get('waited_s', 0):.1f} |")
 
 
 def print_burst(r):

@@ -1273,6 +1273,55 @@ fn a_server_taking_few_connections_at_once_is_read_whole_and_the_log_says_so() {
     assert!(r.retries * 5 < r.requests, "{r:#?}");
 }
 
+/// A server that keeps the connections past its 4 waiting (1.5 s, as a
+/// full accept queue keeps a client waiting for the SYN retry) fails
+/// nothing, so no fault slows the requests: an answer that took over a
+/// second, many times the usual, counts as one. With the defaults every
+/// image arrives (the local bytes), the requests at once end near what
+/// the server takes, and the log says the store keeps requests waiting.
+/// Before, 128 at once stayed, every round of them waiting the 1.5 s.
+#[test]
+fn a_server_keeping_connections_waiting_is_read_with_fewer_at_once_and_the_log_says_so() {
+    let data = Data::new();
+    let http = Server::objserver(&[
+        "files",
+        &data.p(""),
+        "--max-connections",
+        "4",
+        "--over",
+        "wait",
+    ]);
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 2"),
+        stream(
+            "http",
+            &format!(
+                "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
+                http.url()
+            ),
+            "epochs = 2",
+        ),
+    ]
+    .join("\n");
+    let b = Broker::start(&data.dir.path().join("b"), &cfg);
+    let digests = |s: &str| epoch_digests(&b.consume(&["--stream", s, "--digest"]));
+    let local = digests("local");
+    assert_eq!(digests("http"), local, "HTTP = local folder");
+    let r = b.remote("http");
+    eprintln!(
+        "a server keeping all but 4 connections waiting: {} requests, {} retries, {} at once at the end",
+        r.requests, r.retries, r.concurrency
+    );
+    assert_eq!((r.failed, r.retries), (0, 0), "{r:#?}");
+    assert!(
+        r.concurrency <= 8,
+        "requests at once: {} (the server takes 4): {r:#?}",
+        r.concurrency
+    );
+    let log = b.log();
+    assert!(log.contains("keeps requests waiting"), "{log}");
+}
+
 /// An `s3://` source under everything a local one supports: a trainer
 /// joining now (the epoch's start replayed from the store), one resuming
 /// from a position, both beside a steady one on a decoupled stream, and a

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Servers for the remote-dataset tests and benchmark.
 
-  objserver.py files DIR [--port P] [--max-connections N]
+  objserver.py files DIR [--port P] [--max-connections N [--over wait]]
       A plain HTTP server of DIR's files with range requests (206), ETags
       and no listing: what a static file server or CDN offers. With N, a
       connection made while N are open is reset at once (a small server
-      overwhelmed); GET /__faults counts them ("over").
+      overwhelmed), or with --over wait answered only after 1.5 s (as a
+      full accept queue keeps a client waiting for the kernel's SYN
+      retry); GET /__faults counts them ("over").
   objserver.py proxy UPSTREAM [--port P] [--delay-ms D]
       A reverse proxy to UPSTREAM (an S3 server) that can delay, fail,
       reset and truncate: faults are set by POST /__faults with JSON
@@ -271,6 +273,7 @@ class Server(ThreadingHTTPServer):
     # more): the default backlog of 5 drops connections under load.
     request_queue_size = 256
     max_connections = None
+    over = "reset"
     open_connections = 0
 
     def process_request(self, request, client_address):
@@ -281,6 +284,13 @@ class Server(ThreadingHTTPServer):
                     self.faults.seen["over"] = self.faults.seen.get("over", 0) + 1
                 else:
                     self.open_connections += 1
+            if over and self.over == "wait":
+                def later():
+                    time.sleep(1.5)
+                    ThreadingHTTPServer.process_request_thread(self, request, client_address)
+
+                threading.Thread(target=later, daemon=True).start()
+                return
             if over:
                 # SO_LINGER 0: the close is a reset, as an overwhelmed server's.
                 request.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
@@ -360,6 +370,7 @@ def main():
     f.add_argument("root")
     f.add_argument("--port", type=int, default=0)
     f.add_argument("--max-connections", type=int, default=None)
+    f.add_argument("--over", choices=["reset", "wait"], default="reset")
     p = sub.add_parser("proxy")
     p.add_argument("upstream")
     p.add_argument("--port", type=int, default=0)
@@ -378,6 +389,7 @@ def main():
         srv.root = os.path.realpath(a.root)
         srv.faults = Faults()
         srv.max_connections = a.max_connections
+        srv.over = a.over
         serve(srv)
     elif a.cmd == "proxy":
         u = urlsplit(a.upstream)

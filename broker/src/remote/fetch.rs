@@ -241,7 +241,7 @@ impl Fetcher {
 
     /// Says in the log, at most every [`WARN_EVERY`], that requests to
     /// this store fail and are retried: the pipeline may be waiting for it.
-    fn warn_retrying(&self, detail: &str) {
+    fn warn_waiting(&self, what: &str) {
         {
             let mut w = self.warned.lock().unwrap_or_else(|p| p.into_inner());
             if w.is_some_and(|t| t.elapsed() < WARN_EVERY) {
@@ -254,7 +254,7 @@ impl Fetcher {
             retries = self.counts.retries.load(Ordering::Relaxed),
             throttled = self.counts.throttled.load(Ordering::Relaxed),
             requests_at_once = self.gate.limit(),
-            "requests to the store fail and are retried ({detail}); the pipeline may wait for it: fewer requests at once are tried, down to what it sustains ([stream.remote] requests sets the most; `batchcast stats` shows its counts)"
+            "{what}; the pipeline may wait for the store: fewer requests at once are tried, down to what it sustains ([stream.remote] requests sets the most; `batchcast stats` shows its counts)"
         );
     }
 
@@ -406,7 +406,9 @@ impl Fetcher {
             tries += 1;
             self.counts.retries.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(path, tries, ?backoff, "retrying: {detail}");
-            self.warn_retrying(&detail);
+            self.warn_waiting(&format!(
+                "requests to the store fail and are retried ({detail})"
+            ));
             self.nap(backoff).await;
         };
         let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -430,12 +432,13 @@ impl Fetcher {
         F: Fn() -> Fut,
         Fut: Future<Output = Result<T, TryError>>,
     {
-        tokio::select! {
-            _ = self.gate.enter() => {}
+        let ticket = tokio::select! {
+            t = self.gate.enter() => t,
             _ = self.closing.notified() => return Err((Verdict::Transient, "the stream stopped".into())),
-        }
+        };
         self.counts.requests.fetch_add(1, Ordering::Relaxed);
         self.counts.in_flight.fetch_add(1, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
         let r = tokio::select! {
             r = tokio::time::timeout(self.limits.timeout, attempt()) => match r {
                 Ok(Ok(v)) => Ok(v),
@@ -449,11 +452,21 @@ impl Fetcher {
             _ = self.closing.notified() => Err((Verdict::Transient, "the stream stopped".into())),
         };
         self.counts.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.gate.leave(match r.as_ref().err().map(|(v, _)| *v) {
-            None => Outcome::Success,
-            Some(Verdict::Throttled | Verdict::Transient) => Outcome::Overload,
-            Some(Verdict::Permanent(_)) => Outcome::Final,
-        });
+        let took = t0.elapsed();
+        let slow = self.gate.leave(
+            ticket,
+            match r.as_ref().err().map(|(v, _)| *v) {
+                None => Outcome::Success(took),
+                Some(Verdict::Throttled | Verdict::Transient) => Outcome::Overload,
+                Some(Verdict::Permanent(_)) => Outcome::Final,
+            },
+        );
+        if slow {
+            self.warn_waiting(&format!(
+                "an answer took {:.1} s, many times the usual: the store (or a server before it) keeps requests waiting, as one does that takes fewer connections than were open",
+                took.as_secs_f64()
+            ));
+        }
         r
     }
 

@@ -10,12 +10,21 @@ use tokio::sync::Notify;
 /// What one request's end tells the gate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Outcome {
-    Success,
+    /// Answered, after this long (entering the gate to the last byte).
+    Success(Duration),
     /// A throttle (429, 503) or a transient fault (a reset, a timeout, a
     /// 5xx): the store, or the path to it, is overwhelmed.
     Overload,
     /// An answer that says nothing of load (a 404, a 403).
     Final,
+}
+
+/// A request the gate let through: when, and how many were in flight
+/// with it (itself included).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ticket {
+    at: Instant,
+    flying: u32,
 }
 
 /// Requests in flight a store starts with: a plain HTTP server (Python's
@@ -27,11 +36,21 @@ pub const START_REQUESTS: u32 = 8;
 /// `max`, starting at [`START_REQUESTS`] and grown by one per success
 /// until the first fault (slow start: doubling each window), then by one
 /// per `limit` successes; halved on a throttle or a transient fault (a
-/// reset, a timeout, a 5xx; at most once per `CUT_EVERY`). A fault with
-/// `n` requests in flight also caps the limit at `n - 1` (a server that
+/// reset, a timeout, a 5xx; at most once per `CUT_EVERY`, and not for a
+/// request sent before the last cut). A fault of a request sent with `n`
+/// requests in flight also caps the limit at `n - 1` (a server that
 /// takes 4 connections fails the 5th at once, and growing back to 5 every
 /// few requests would fail one of every few); the cap rises by one per
 /// `PROBE_EVERY` without a fault, so a passing fault costs little.
+///
+/// A server can also be overwhelmed without a fault: one that accepts few
+/// connections at once (Python's `http.server` listens with a backlog of
+/// 5) lets the rest wait for the kernel's SYN retry, a second or more,
+/// and answers them all in the end. So an answer slower than both
+/// `SLOW_ANSWER` and `SLOW_RATIO` times the usual one (an average over
+/// about `USUAL_SAMPLES` answers that were not slow) counts as a fault. A
+/// store that is slow throughout (far away, big objects, a busy broker)
+/// moves the usual answer with it, so it is never cut for that.
 #[derive(Debug)]
 pub(super) struct Gate {
     max: f64,
@@ -49,10 +68,18 @@ struct GateState {
     /// The most `limit` grows to now, and when it last rose or was set.
     ceiling: f64,
     probed: Instant,
+    /// The usual answer's latency, seconds (none before an answer).
+    usual: Option<f64>,
 }
 
 const CUT_EVERY: Duration = Duration::from_millis(200);
 const PROBE_EVERY: Duration = Duration::from_secs(5);
+/// An answer slower than this and than `SLOW_RATIO` usual ones counts as
+/// a fault: the kernel's first SYN retry comes after a second.
+const SLOW_ANSWER: f64 = 1.0;
+const SLOW_RATIO: f64 = 8.0;
+/// Answers the usual latency averages over (an exponential average).
+const USUAL_SAMPLES: f64 = 100.0;
 
 impl Gate {
     pub(super) fn new(max: u32) -> Gate {
@@ -65,6 +92,7 @@ impl Gate {
                 slow_start: true,
                 ceiling: f64::from(max.max(1)),
                 probed: Instant::now(),
+                usual: None,
             }),
             freed: Notify::new(),
         }
@@ -74,7 +102,7 @@ impl Gate {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) async fn enter(&self) {
+    pub(super) async fn enter(&self) -> Ticket {
         loop {
             let freed = self.freed.notified();
             tokio::pin!(freed);
@@ -83,28 +111,39 @@ impl Gate {
                 let mut s = self.lock();
                 if f64::from(s.in_flight) < s.limit.floor().max(1.0) {
                     s.in_flight += 1;
-                    return;
+                    return Ticket {
+                        at: Instant::now(),
+                        flying: s.in_flight,
+                    };
                 }
             }
             freed.await;
         }
     }
 
-    pub(super) fn leave(&self, outcome: Outcome) {
+    /// Counts a request's end; true when it was an answer slow enough to
+    /// count as a fault (see [`Gate`]).
+    pub(super) fn leave(&self, ticket: Ticket, outcome: Outcome) -> bool {
         let mut s = self.lock();
-        let flying = s.in_flight;
         s.in_flight = s.in_flight.saturating_sub(1);
         if s.probed.elapsed() >= PROBE_EVERY {
             s.ceiling = (s.ceiling + 1.0).min(self.max);
             s.probed = Instant::now();
         }
+        let slow = matches!(outcome, Outcome::Success(took) if s.slow(took.as_secs_f64()));
+        let outcome = if slow { Outcome::Overload } else { outcome };
         match outcome {
-            Outcome::Success if s.slow_start => s.limit = (s.limit + 1.0).min(s.ceiling),
-            Outcome::Success => s.limit = (s.limit + 1.0 / s.limit).min(s.ceiling),
+            Outcome::Success(_) if s.slow_start => s.limit = (s.limit + 1.0).min(s.ceiling),
+            Outcome::Success(_) => s.limit = (s.limit + 1.0 / s.limit).min(s.ceiling),
+            // Sent before the gate last cut: that cut answered the load it
+            // met (a burst's faults and slow answers come back together).
+            Outcome::Overload if s.last_cut.is_some_and(|cut| ticket.at < cut) => {}
             // The store is overwhelmed (or the path to it is): fewer at once.
             Outcome::Overload => {
                 s.slow_start = false;
-                s.ceiling = s.ceiling.min(f64::from(flying.saturating_sub(1).max(1)));
+                s.ceiling = s
+                    .ceiling
+                    .min(f64::from(ticket.flying.saturating_sub(1).max(1)));
                 s.probed = Instant::now();
                 if s.last_cut.is_none_or(|t| t.elapsed() >= CUT_EVERY) {
                     s.limit = (s.limit / 2.0).max(1.0);
@@ -116,6 +155,7 @@ impl Gate {
         }
         drop(s);
         self.freed.notify_waiters();
+        slow
     }
 
     pub(super) fn limit(&self) -> u32 {
@@ -123,9 +163,25 @@ impl Gate {
     }
 }
 
+impl GateState {
+    /// Whether an answer that took `took` seconds was a slow one (see
+    /// [`Gate`]); one that was not counts toward the usual answer.
+    fn slow(&mut self, took: f64) -> bool {
+        let usual = *self.usual.get_or_insert(took);
+        let slow = took >= SLOW_ANSWER && took >= SLOW_RATIO * usual;
+        if !slow {
+            self.usual = Some(usual + (took - usual) / USUAL_SAMPLES);
+        }
+        slow
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An answer at the store's usual pace.
+    const FAST: Outcome = Outcome::Success(Duration::from_millis(10));
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
@@ -134,13 +190,12 @@ mod tests {
     }
 
     /// `n` requests through the gate at once: entered, then left one by
-    /// one as `verdicts` say (the rest succeed).
+    /// one, the last entered first, as `outcomes` say (the rest succeed):
+    /// the first outcome is the request sent with `n` in flight.
     fn at_once(g: &Gate, rt: &tokio::runtime::Runtime, n: usize, outcomes: &[Outcome]) {
-        for _ in 0..n {
-            rt.block_on(g.enter());
-        }
-        for k in 0..n {
-            g.leave(outcomes.get(k).copied().unwrap_or(Outcome::Success));
+        let tickets: Vec<Ticket> = (0..n).map(|_| rt.block_on(g.enter())).collect();
+        for (k, t) in tickets.into_iter().rev().enumerate() {
+            g.leave(t, outcomes.get(k).copied().unwrap_or(FAST));
         }
     }
 
@@ -189,5 +244,68 @@ mod tests {
         // reaches 9.
         at_once(&g, &rt, 16, &[Outcome::Overload, Outcome::Overload]);
         assert_eq!(g.limit(), 9);
+    }
+
+    /// A server that makes requests past its few connections wait (a SYN
+    /// retry: a second) answers them in the end, with no fault: such an
+    /// answer counts as one, capping the gate below the requests then in
+    /// flight.
+    #[test]
+    fn an_answer_that_waited_a_second_counts_as_a_fault() {
+        let g = Gate::new(128);
+        let rt = runtime();
+        at_once(&g, &rt, 8, &[]);
+        assert_eq!(g.limit(), 16);
+        at_once(
+            &g,
+            &rt,
+            16,
+            &[Outcome::Success(Duration::from_millis(1100))],
+        );
+        assert_eq!(
+            g.limit(),
+            9,
+            "halved, capped at 15, then grown as after a fault"
+        );
+        // Slower than usual, but under a second: an answer like others.
+        at_once(&g, &rt, 9, &[Outcome::Success(Duration::from_millis(900))]);
+        assert_eq!(g.limit(), 10);
+    }
+
+    /// A store that is slow throughout (far away, big objects) is not
+    /// cut: its own pace is the usual answer.
+    #[test]
+    fn a_store_slow_throughout_is_not_cut() {
+        let g = Gate::new(64);
+        let rt = runtime();
+        let slow = Outcome::Success(Duration::from_millis(1500));
+        for _ in 0..6 {
+            let n = g.limit() as usize;
+            at_once(&g, &rt, n, &vec![slow; n]);
+        }
+        assert_eq!(g.limit(), 64);
+    }
+
+    /// A burst's faults and slow answers come back together, some long
+    /// after the first (SYN retries at 1, 3, 7 s): those of requests sent
+    /// before the gate cut are the load it already answered, and cut
+    /// nothing more.
+    #[test]
+    fn a_fault_of_a_request_sent_before_the_last_cut_cuts_nothing() {
+        let g = Gate::new(128);
+        let rt = runtime();
+        at_once(&g, &rt, 8, &[]);
+        let burst: Vec<Ticket> = (0..16).map(|_| rt.block_on(g.enter())).collect();
+        g.leave(burst[15], Outcome::Overload);
+        assert_eq!(g.limit(), 8);
+        std::thread::sleep(CUT_EVERY);
+        for t in &burst[..15] {
+            g.leave(*t, Outcome::Success(Duration::from_secs(3)));
+        }
+        assert_eq!(g.limit(), 8);
+        // One sent after the cut still counts: halved to 4, then + 1/limit
+        // for each of the 7 others.
+        at_once(&g, &rt, 8, &[Outcome::Overload]);
+        assert_eq!(g.limit(), 5);
     }
 }
