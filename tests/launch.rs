@@ -681,12 +681,14 @@ command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1", 
 }
 
 /// A baseline trainer on its own loader is seen while it runs, from the
-/// report it rewrites (as `examples/train_torch.py` does every 2 s).
+/// report it rewrites every 2 s (as `examples/train_torch.py` does), its
+/// rate held between rewrites (it read 0 samples/s between them, in most
+/// of the table's refreshes).
 #[test]
 fn a_baseline_trainer_reports_progress_while_it_runs() {
     let dir = tempfile::tempdir().unwrap();
     // (Braces doubled: the sweep file's placeholders are in braces.)
-    let script = r#"for i in 1 2 3 4 5 6 7 8; do printf '{{"samples": %d, "batches": %d}}' $((i * 64)) $i > "$BATCHCAST_REPORT.tmp" && mv "$BATCHCAST_REPORT.tmp" "$BATCHCAST_REPORT"; sleep 1; done"#;
+    let script = r#"for i in 1 2 3 4 5 6 7 8; do printf '{{"samples": %d, "batches": %d}}' $((i * 64)) $i > "$BATCHCAST_REPORT.tmp" && mv "$BATCHCAST_REPORT.tmp" "$BATCHCAST_REPORT"; sleep 2; done"#;
     let sweep = format!(
         r#"{}
 [[trainer]]
@@ -711,6 +713,24 @@ baseline_command = ["sh", "-c", {script:?}]
     assert!(
         live.iter().any(|&b| (1..8).contains(&b)),
         "no progress seen while it ran: {live:?}\n{stdout}"
+    );
+    // Every line of it running, past its first report, shows it moving.
+    let rates: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains(" own running "))
+        .filter(|l| !l.contains(" batches 0 ") && !l.contains(" batches 1 "))
+        .filter_map(|l| {
+            l.split(" samples/s")
+                .next()?
+                .rsplit(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        !rates.is_empty() && rates.iter().all(|&r| r > 0.0),
+        "{rates:?}\n{stdout}"
     );
 }
 

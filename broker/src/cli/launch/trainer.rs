@@ -269,9 +269,15 @@ pub(super) fn refresh_from_report(t: &mut Trainer) {
     };
     let now = Instant::now();
     let samples = r.samples.max(t.seen.samples);
+    // The report changes every few seconds, the table every second: the
+    // rate is taken between changes (it read 0 between them), and falls
+    // to 0 only when the report has not moved for `REPORT_STILL`.
     let dt = now.duration_since(t.prev.0).as_secs_f64();
-    if dt >= 0.5 {
-        t.rate = samples.saturating_sub(t.prev.1) as f64 / dt;
+    if samples > t.prev.1 && dt >= 0.5 {
+        t.rate = (samples - t.prev.1) as f64 / dt;
+        t.prev = (now, samples);
+    } else if dt >= REPORT_STILL.as_secs_f64() {
+        t.rate = 0.0;
         t.prev = (now, samples);
     }
     t.seen.batches = r.batches.max(t.seen.batches);
@@ -283,6 +289,10 @@ pub(super) fn refresh_from_report(t: &mut Trainer) {
         t.state = State::Running;
     }
 }
+
+/// How long a trainer's report may stay unchanged before its live rate
+/// reads 0 (examples/train_torch.py rewrites it every 2 s).
+const REPORT_STILL: Duration = Duration::from_secs(6);
 
 /// What a trainer may write to `$BATCHCAST_REPORT` when the broker does
 /// not see its data (its own loader, in a baseline run).
@@ -374,7 +384,9 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                 batches: t.shown.0.max(t.seen.batches),
                 replayed: t.seen.replayed,
                 rate: if t.child.is_some() { t.rate } else { 0.0 },
-                stall_pct: (total > 0.0).then(|| 100.0 * t.seen.wait_s / total),
+                // Until it has trained at all, its stall says nothing (it
+                // was 100 % on a first refresh: waiting for the first batch).
+                stall_pct: (t.seen.busy_s > 0.0).then(|| 100.0 * t.seen.wait_s / total),
                 held: t.seen.held,
                 gpu: t.plan.gpu.clone(),
             }

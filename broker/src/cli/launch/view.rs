@@ -140,17 +140,18 @@ pub fn print_run(run: &RunSummary) {
         run.wall_s
     );
     println!(
-        "{:<18} {:<9} {:>8} {:>9} {:>9} {:>11} {:>7}  exit",
-        "trainer", "state", "wall s", "batches", "samples", "samples/s", "stall"
+        "{:<18} {:<9} {:>8} {:>9} {:>9} {:>9} {:>11} {:>7}  exit",
+        "trainer", "state", "wall s", "batches", "samples", "replayed", "samples/s", "stall"
     );
     for t in &run.trainers {
         println!(
-            "{:<18} {:<9} {:>8.2} {:>9} {:>9} {:>11.1} {:>6.1}%  {}",
+            "{:<18} {:<9} {:>8.2} {:>9} {:>9} {:>9} {:>11.1} {:>6.1}%  {}",
             truncate(&t.name, 18),
             t.state,
             t.wall_s,
             t.batches,
             t.samples,
+            t.replayed,
             t.samples_per_s,
             t.stall_pct,
             match (t.exit_code, t.signal) {
