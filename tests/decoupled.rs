@@ -366,14 +366,7 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
     env.wait_for("the steady reader to start", |s| {
         s.streams[0].consumers.iter().any(|c| c.delivered > 0)
     });
-    let (sock, welcome, fds) = common::raw_subscribe(
-        &env.socket(),
-        "hoarder",
-        true,
-        batchcast::JoinPolicy::Immediate,
-        None,
-    );
-    let hoard = common::hoard(sock, welcome, fds);
+    let hoard = common::hoarder(&env.socket());
     let steady = report(steady);
     assert_not_held(&steady);
     let (taken, msg) = hoard.join().unwrap();

@@ -145,14 +145,7 @@ fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why(
 fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached_under_lockstep() {
     let env = Env::start(&lockstep());
     let steady = steady(&env);
-    let (sock, welcome, fds) = common::raw_subscribe(
-        &env.socket(),
-        "hoarder",
-        true,
-        batchcast::JoinPolicy::Immediate,
-        None,
-    );
-    let hoard = common::hoard(sock, welcome, fds);
+    let hoard = common::hoarder(&env.socket());
     let t0 = Instant::now();
     let steady = report(steady);
     let finished = t0.elapsed();

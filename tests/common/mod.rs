@@ -585,17 +585,20 @@ pub fn small_images(batch: u64, len: u64) -> batchcast_broker::config::StreamTom
         .key("workers", 2)
 }
 
-/// A hostile client speaking the protocol by hand over a raw subscription
-/// (`raw_subscribe`): it takes every batch noticed to it (its mailbox's
-/// `tail` says so) and gives none back, keeping its connection open, until
-/// the broker says something or 20 s pass. Returns how many it took and
-/// the broker's next message.
-pub fn hoard(
-    sock: UnixStream,
-    welcome: Welcome,
-    mut fds: Vec<OwnedFd>,
-) -> std::thread::JoinHandle<(u64, ServerMsg)> {
+/// A hostile client speaking the protocol by hand, subscribed to stream
+/// `train` as `hoarder` with a mailbox: it takes every batch noticed to it
+/// (its mailbox's `tail` says so) and gives none back, keeping its
+/// connection open, until the broker says something or 20 s pass. Returns
+/// how many it took and the broker's next message.
+pub fn hoarder(socket: &Path) -> std::thread::JoinHandle<(u64, ServerMsg)> {
     use batchcast::mailbox::{ConsumerMailbox, Notice};
+    let (sock, welcome, mut fds) = raw_subscribe(
+        socket,
+        "hoarder",
+        true,
+        batchcast::JoinPolicy::Immediate,
+        None,
+    );
     let mb = ConsumerMailbox::open(fds.remove(1), welcome.mailbox.expect("a mailbox")).unwrap();
     std::thread::spawn(move || {
         let t0 = Instant::now();
