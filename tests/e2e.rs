@@ -691,6 +691,7 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
                 seq: seqs[1],
                 wait_ns: u64::MAX,
                 busy_ns: u64::MAX,
+                taken: Default::default(),
             });
             sock.write_all(&proto::encode(&r).unwrap()).unwrap();
         } else {
@@ -705,6 +706,7 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
                 seq,
                 wait_ns: u64::MAX,
                 busy_ns: u64::MAX,
+                taken: Default::default(),
             });
             sock.write_all(&proto::encode(&r).unwrap()).unwrap();
         }

@@ -194,6 +194,8 @@ fn a_forged_seat_is_refused_by_the_broker() {
                 resume: None,
                 expect: None,
                 group: Some(Box::new(seat)),
+                serial: 0,
+                taken: Default::default(),
             }),
         });
         let mut bytes = Preamble::ours().to_bytes().to_vec();
@@ -760,6 +762,8 @@ fn on_a_decoupled_stream_a_member_that_takes_nothing_is_cut_and_holds_no_one() {
         join: batchcast::JoinPolicy::Immediate,
         device: None,
         mailbox: true,
+        serial: 0,
+        taken: Default::default(),
     };
     let (_sock, _welcome, _fds) = common::raw_subscribe_with(&env.socket(), "hoarder", request);
     assert_steady_not_held(steady);

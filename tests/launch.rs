@@ -810,3 +810,153 @@ command = ["sh", "-c", "trap '' TERM; echo ready; while true; do sleep 0.1; done
         assert_eq!(processes_mentioning(&needle), Vec::<String>::new());
     }
 }
+
+/// Item 9 of the sweep review: an external broker (`[launch] socket =`)
+/// SIGKILLed and started again twice under a decoupled sweep of batch
+/// sizes 32/64/128, one trainer stalled long enough to be cut and
+/// replayed, one joining now a moment late. The view names each restart;
+/// each trainer's live counts never go back, never pass what it took in
+/// the end, and move on after each restart (they froze, and fell back,
+/// when the view summed the current broker's records); the summary's
+/// counts are each trainer's own.
+#[test]
+fn counts_carry_across_broker_restarts_cuts_and_late_joins_live_and_in_the_summary() {
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 16, 16]), ("label", "i64", &[])];
+    let config = StreamToml::synthetic("train", 32, 512, &fields)
+        .fill("full")
+        .epochs(24)
+        .key("shuffle", true)
+        .key("seed", 11)
+        .key("max_batch_size", 128)
+        .raw("pace = \"decoupled\"")
+        .to_toml();
+    let mut env = common::Env::start(&config);
+    let dir = tempfile::tempdir().unwrap();
+    let consume = r#""{batchcast}", "consume", "--json", "--verify", "--reconnect-timeout", "60""#;
+    let sweep = format!(
+        r#"[launch]
+socket = "{socket}"
+
+[[trainer]]
+name = "b32"
+command = [{consume}, "--batch-size", "32", "--sleep-ms", "20"]
+
+[[trainer]]
+name = "b64"
+command = [{consume}, "--batch-size", "64", "--sleep-ms", "40", "--stall-after", "20", "--stall-ms", "1500"]
+
+[[trainer]]
+name = "b128"
+command = [{consume}, "--batch-size", "128", "--sleep-ms", "80"]
+
+[[trainer]]
+name = "late"
+command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect-timeout 60 --join now --batch-size 32 --sleep-ms 20", "{{batchcast}}"]
+"#,
+        socket = env.socket().display()
+    );
+    let file = dir.path().join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    let run = dir.path().join("run");
+    let out = dir.path().join("launch.out");
+    let launcher = common::Guard(
+        common::command(EXE)
+            .arg("launch")
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(&run)
+            .args(["--status-every", "1"])
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Killed twice once all four read (the late one replayed to meanwhile).
+    for round in 1..=2u64 {
+        env.wait_for("every trainer reading", |s| {
+            let c = &s.streams[0].consumers;
+            c.len() == 4 && c.iter().all(|c| c.taken.batches >= 4)
+        });
+        std::thread::sleep(Duration::from_millis(500 * round));
+        env.restart_broker(true);
+    }
+    let mut launcher = launcher;
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < LIMIT, "the launcher did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read_to_string(&out).unwrap();
+    assert!(status.success(), "{status}\n{stdout}");
+    let summary: Summary =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    let shared = &summary.shared;
+    assert_eq!(shared.brokers[0].restarts, 2, "{stdout}");
+    let restarts: Vec<usize> = stdout
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains("restarted (pid"))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(restarts.len(), 2, "the view names each restart:\n{stdout}");
+    assert_eq!(shared.trainers.len(), 4);
+    for t in &shared.trainers {
+        let own = own_report(&t.log);
+        assert!(
+            own.ok && own.verified_samples == own.samples && own.reconnects == 2,
+            "{own:?}"
+        );
+        assert_eq!(
+            (t.batches, t.samples),
+            (own.batches, own.samples),
+            "{}: the summary vs what the trainer took\n{stdout}",
+            t.name
+        );
+        // Its live lines: (line number, batches, replayed).
+        let live: Vec<(usize, u64, u64)> = stdout
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| l.starts_with('[') && l.contains(&format!("] {} ", t.name)))
+            .filter_map(|(i, l)| {
+                let field =
+                    |k: &str| -> Option<u64> { l.split(k).nth(1)?.split(' ').next()?.parse().ok() };
+                Some((i, field(" batches ")?, field(" replayed ")?))
+            })
+            .collect();
+        assert!(
+            live.windows(2)
+                .all(|w| w[0].1 <= w[1].1 && w[0].2 <= w[1].2),
+            "{}: never back: {live:?}",
+            t.name
+        );
+        assert!(
+            live.iter().all(|l| l.1 <= own.batches),
+            "{}: {live:?}",
+            t.name
+        );
+        // After each restart the table moves on.
+        for &r in &restarts {
+            let before = live.iter().rev().find(|l| l.0 < r).map_or(0, |l| l.1);
+            assert!(
+                live.iter().any(|l| l.0 > r && l.1 > before) || own.batches == before,
+                "{}: frozen after the restart at line {r}: {live:?}\n{stdout}",
+                t.name
+            );
+        }
+    }
+    let by_name = |n: &str| shared.trainers.iter().find(|t| t.name == n).unwrap();
+    for name in ["b64", "late"] {
+        assert!(
+            by_name(name).replayed > 0,
+            "{name} was replayed to: {shared:?}"
+        );
+    }
+    assert_eq!(
+        shared.samples,
+        shared.trainers.iter().map(|t| t.samples).sum::<u64>()
+    );
+}

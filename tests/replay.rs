@@ -271,6 +271,7 @@ fn a_forged_release_of_a_replayed_batch_ends_only_that_consumer() {
         seq: 999 | batchcast::proto::REPLAYED,
         wait_ns: 0,
         busy_ns: 0,
+        taken: Default::default(),
     });
     sock.write_all(&proto::encode(&forged).unwrap()).unwrap();
     let error = loop {

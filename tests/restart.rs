@@ -56,8 +56,26 @@ fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run
         });
         env.restart_broker(kill);
     }
-    for r in [report(a), report(b)] {
-        common::assert_rode_through(&r, 3, &reference, 400);
+    let (a, b) = (report(a), report(b));
+    for r in [&a, &b] {
+        common::assert_rode_through(r, 3, &reference, 400);
+    }
+    // What each says it took, carried across the restarts, reaches the
+    // last broker's stats: from its mailbox (a) and with its releases on
+    // the socket (b).
+    let s = env.stats();
+    for r in [&a, &b] {
+        let c = s.streams[0]
+            .past_consumers
+            .iter()
+            .find(|c| c.name == r.name)
+            .unwrap_or_else(|| panic!("{} among those that left: {s:#?}", r.name));
+        assert_eq!(
+            (c.taken.batches, c.taken.samples, c.taken.epoch),
+            (r.batches, r.samples, 3),
+            "{}: {c:#?}",
+            r.name
+        );
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::batcher::{Batcher, Run};
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::mailbox::ConsumerMailbox;
 use crate::mailbox::Totals;
 use crate::proto::ReplayGrant;
-use crate::proto::{self, ClientMsg, Release, Welcome};
+use crate::proto::{self, ClientMsg, Release, Taken, Welcome};
 use crate::schema::{DType, Field, RingLayout, Schema};
 use crate::shm::{Mapping, RingView};
 use crate::transport::send_msg;
@@ -38,6 +38,67 @@ pub(crate) struct Shared {
     pub(crate) mailbox: Option<ConsumerMailbox>,
     /// Replay granted: its arena, mapped.
     pub(crate) replay: Option<ReplayArena>,
+    /// What the program has taken (reported with each release).
+    pub(crate) taken: TakenTally,
+}
+
+/// A consumer's number in its process and what its program has taken
+/// ([`Taken`]): counted as batches are handed out, reported with each
+/// release and in the mailbox, carried to the next subscription on a
+/// reconnect. Only the thread handing batches out writes the counts.
+#[derive(Debug)]
+pub(crate) struct TakenTally {
+    pub(crate) serial: u32,
+    batches: AtomicU64,
+    samples: AtomicU64,
+    epoch: AtomicU64,
+}
+
+/// Consumers this process has made, for their numbers.
+static CONSUMERS: AtomicU32 = AtomicU32::new(0);
+
+impl TakenTally {
+    /// A new consumer's: the process's next number, nothing taken.
+    pub(crate) fn new_consumer() -> TakenTally {
+        TakenTally {
+            serial: CONSUMERS.fetch_add(1, Ordering::Relaxed),
+            batches: AtomicU64::new(0),
+            samples: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn load(&self) -> Taken {
+        Taken {
+            batches: self.batches.load(Ordering::Relaxed),
+            samples: self.samples.load(Ordering::Relaxed),
+            epoch: self.epoch.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts a batch of `samples` of `epoch` handed out; what is taken now.
+    pub(crate) fn hand_out(&self, samples: u64, epoch: u64) -> Taken {
+        let mut t = self.load();
+        t.batches += 1;
+        t.samples += samples;
+        t.epoch = epoch;
+        self.batches.store(t.batches, Ordering::Relaxed);
+        self.samples.store(t.samples, Ordering::Relaxed);
+        self.epoch.store(t.epoch, Ordering::Relaxed);
+        t
+    }
+}
+
+impl Clone for TakenTally {
+    fn clone(&self) -> TakenTally {
+        let t = self.load();
+        TakenTally {
+            serial: self.serial,
+            batches: AtomicU64::new(t.batches),
+            samples: AtomicU64::new(t.samples),
+            epoch: AtomicU64::new(t.epoch),
+        }
+    }
 }
 
 /// The replay arena, mapped read-only.
@@ -97,6 +158,7 @@ impl Shared {
                 seq,
                 wait_ns: t.wait_ns,
                 busy_ns: t.busy_ns,
+                taken: self.taken.load(),
             };
             if let Some(g) = &self.gpu {
                 g.release_after_gpu(release)?;

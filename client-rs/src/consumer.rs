@@ -29,7 +29,7 @@ pub use state::{ConsumerState, GroupPlace};
 /// before calling it [`Error::WindowFull`].
 const WINDOW_FULL_GRACE_MS: u16 = 50;
 
-use crate::batch::{Batch, Batching, ReplayArena, Shared};
+use crate::batch::{Batch, Batching, ReplayArena, Shared, TakenTally};
 use crate::batcher::{Batcher, Run};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -116,18 +116,24 @@ pub struct Consumer {
 impl Consumer {
     /// Connects to the broker, subscribes and maps the stream's arena.
     pub fn connect(opts: ConsumerOptions) -> Result<Consumer> {
+        Consumer::connect_carrying(opts, TakenTally::new_consumer())
+    }
+
+    /// Connects as `taken`'s consumer (a reconnect carries its number and
+    /// counts over).
+    fn connect_carrying(opts: ConsumerOptions, taken: TakenTally) -> Result<Consumer> {
         opts.validate()?;
         connect_retrying(
             opts.socket.clone(),
             (opts.connect_timeout, crate::transport::HANDSHAKE_FLOOR),
             opts.broker_uid,
-            |stream| Consumer::subscribe(stream, &opts),
+            |stream| Consumer::subscribe(stream, &opts, &taken),
         )
     }
 
     /// What `opts` asks the broker for (a state's stream, position, batch
     /// size and digest where options do not say otherwise).
-    fn request(opts: &ConsumerOptions) -> Result<ConsumeRequest> {
+    fn request(opts: &ConsumerOptions, taken: &TakenTally) -> Result<ConsumeRequest> {
         let state = opts.state.as_ref();
         let (resume, batch_size) = start_of(opts)?;
         Ok(ConsumeRequest {
@@ -141,14 +147,20 @@ impl Consumer {
             resume,
             expect: state.map(|s| s.digest),
             group: opts.group.clone().map(Box::new),
+            serial: taken.serial,
+            taken: taken.load(),
         })
     }
 
-    fn subscribe(stream: UnixStream, opts: &ConsumerOptions) -> Result<Consumer> {
+    fn subscribe(
+        stream: UnixStream,
+        opts: &ConsumerOptions,
+        taken: &TakenTally,
+    ) -> Result<Consumer> {
         let hello = ClientMsg::Hello(Hello {
             name: opts.name.clone(),
             pid: std::process::id(),
-            intent: Intent::Consume(Consumer::request(opts)?),
+            intent: Intent::Consume(Consumer::request(opts, taken)?),
         });
         let (reply, fds) = handshake(&stream, &hello)?;
         let welcome = expect_reply(reply, "a welcome", |m| match m {
@@ -190,6 +202,7 @@ impl Consumer {
                 gpu,
                 mailbox,
                 replay: replay_arena,
+                taken: taken.clone(),
             }),
             reader,
             buf: Vec::with_capacity(256),

@@ -48,7 +48,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 18;
+pub const PROTOCOL_VERSION: u16 = 19;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -166,6 +166,40 @@ pub struct ConsumeRequest {
     /// share of each epoch ([`crate::deal`]); the broker checks the seat
     /// (protocol 16).
     pub group: Option<Box<Seat>>,
+    /// The client's number for this consumer among its process's
+    /// (protocol 19): with the process's pid it names one consumer across
+    /// the subscriptions a broker restart makes it take again, so a
+    /// watcher (`batchcast launch`) counts what it read once.
+    pub serial: u32,
+    /// What its program had taken before this subscription (a
+    /// reconnect's carried count; zero for a new consumer).
+    pub taken: Taken,
+}
+
+/// What a consumer's program has taken, as its client counts it
+/// (protocol 19): the batches handed out (shared and replayed alike), their
+/// samples, and the epoch of the last one. Counted from the client's
+/// consumer on, across the subscriptions a broker restart makes it take
+/// again. The consumer's own figures: a client that lies about them
+/// misleads only about itself (`stats` shows them as its own; the broker
+/// acts on none of them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Taken {
+    pub batches: u64,
+    pub samples: u64,
+    pub epoch: u64,
+}
+
+impl Taken {
+    /// The larger count of each (releases and mailbox words may be read
+    /// in either order; a count never goes back).
+    pub fn max(self, o: Taken) -> Taken {
+        Taken {
+            batches: self.batches.max(o.batches),
+            samples: self.samples.max(o.samples),
+            epoch: self.epoch.max(o.epoch),
+        }
+    }
 }
 
 /// A consumer's seat in a group: the group's name (unique per stream),
@@ -383,6 +417,8 @@ pub struct Release {
     /// and asking for this one (its training step); 0 for the first batch
     /// of an epoch.
     pub busy_ns: u64,
+    /// What its program has taken so far (protocol 19), for `stats`.
+    pub taken: Taken,
 }
 
 /// Messages the broker sends.
@@ -571,6 +607,11 @@ mod tests {
             seq: 1 << 40,
             wait_ns: 12,
             busy_ns: 1 << 33,
+            taken: Taken {
+                batches: 3,
+                samples: 96,
+                epoch: 1,
+            },
         });
         let bytes = encode(&msg).unwrap();
         let mut cursor = std::io::Cursor::new(bytes);

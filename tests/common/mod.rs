@@ -385,6 +385,8 @@ pub fn consume_request(window: u32) -> proto::ConsumeRequest {
         join: batchcast::JoinPolicy::Immediate,
         device: None,
         mailbox: true,
+        serial: 0,
+        taken: Default::default(),
     }
 }
 

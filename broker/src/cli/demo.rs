@@ -100,7 +100,8 @@ command = ["{{batchcast}}", "consume", "--json", "--digest", {verify}"--window",
     let host = spec::Host::detect().context("cannot find the batchcast executable")?;
     let sweep = spec::Sweep::parse(&sweep_text, &sweep_path, &host)?;
     let stop = Stop::install()?;
-    let summary = launch::launch(&sweep, !args.no_baseline, &dir, &stop)?;
+    let every = launch::STATUS_EVERY;
+    let summary = launch::launch(&sweep, !args.no_baseline, &dir, &stop, every)?;
     std::fs::write(
         dir.join("summary.json"),
         serde_json::to_string_pretty(&summary)?,

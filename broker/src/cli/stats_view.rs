@@ -189,13 +189,14 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
             let (stall, why) = (100.0 * c.stall_fraction(), c.left.as_deref());
             // Its own batches (a group member's share, its batch size).
             let (who, batches) = (who(c), c.batches);
+            let taken = c.taken.batches;
             let group = c
                 .group
                 .as_deref()
                 .map_or(String::new(), |g| format!("group {g}  "));
             let _ = writeln!(
                 out,
-                "  {who} {batches:>10} batches {stall:>5.1}% stall  {group}{}",
+                "  {who} {batches:>10} batches ({taken} taken) {stall:>5.1}% stall  {group}{}",
                 why.unwrap_or("")
             );
         }
@@ -205,12 +206,13 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
 fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {
     let _ = writeln!(
         out,
-        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>5}  device",
+        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>5}  device",
         "id",
         "name",
         "pid",
         "uid",
         "batches",
+        "taken",
         "units",
         "held",
         "queued",
@@ -226,10 +228,11 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {} {:>6} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}{}",
+            "  {} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}{}",
             who(c),
             c.uid,
             c.batches,
+            c.taken.batches,
             c.delivered,
             c.held,
             c.queued,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use batchcast::mailbox::{BrokerMailbox, Totals};
 use batchcast::proto::{
-    BatchReady, ConsumeRequest, EpochEnd, ErrorCode, GoodbyeReason, Position, ServerMsg,
+    self, BatchReady, ConsumeRequest, EpochEnd, ErrorCode, GoodbyeReason, Position, ServerMsg,
 };
 use tokio::sync::mpsc;
 
@@ -90,6 +90,10 @@ pub(super) struct Tally {
     pub(super) replayed: u64,
     pub(super) replay_cpu: Duration,
     pub(super) joined: Instant,
+    /// Its client's number for it, and what it says its program has taken
+    /// (the last release's count; a mailbox's words are read at `stats`).
+    pub(super) serial: u32,
+    pub(super) taken: proto::Taken,
 }
 
 /// Decoupled pace: how often it was cut from the shared stream, and where
@@ -181,6 +185,8 @@ impl Conn {
                 replayed: 0,
                 replay_cpu: Duration::ZERO,
                 joined: Instant::now(),
+                serial: req.serial,
+                taken: req.taken,
             },
             replay,
             merges: Merges {

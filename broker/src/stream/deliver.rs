@@ -110,6 +110,7 @@ fn release(
     if let Some(c) = inner.conns.get_mut(&id) {
         c.tally.wait_ns = c.tally.wait_ns.saturating_add(r.wait_ns);
         c.tally.busy_ns = c.tally.busy_ns.saturating_add(r.busy_ns);
+        c.tally.taken = c.tally.taken.max(r.taken);
         if let Some(sent) = c.tally.sent_ns.remove(&r.seq) {
             c.tally.hold_ns = c.tally.hold_ns.saturating_add(now.saturating_sub(sent));
         }

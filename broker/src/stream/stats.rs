@@ -153,5 +153,10 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         replay_cpu_s: conn.tally.replay_cpu.as_secs_f64(),
         cuts: conn.merges.cuts,
         group: conn.seat.as_ref().map(super::seats::label),
+        serial: conn.tally.serial,
+        taken: conn
+            .out
+            .mailbox()
+            .map_or(conn.tally.taken, |mb| conn.tally.taken.max(mb.taken())),
     })
 }

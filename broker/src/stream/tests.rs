@@ -76,6 +76,8 @@ fn request(join: JoinPolicy) -> ConsumeRequest {
         join,
         device: None,
         mailbox: false,
+        serial: 0,
+        taken: Default::default(),
     }
 }
 
@@ -123,6 +125,7 @@ fn release(s: &Stream, id: ConsumerId, seq: u64) {
             seq,
             wait_ns: 0,
             busy_ns: 0,
+            taken: Default::default(),
         },
     )
     .unwrap();
@@ -423,6 +426,7 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
         seq: seq | batchcast::proto::REPLAYED,
         wait_ns: 0,
         busy_ns: 0,
+        taken: Default::default(),
     };
     assert!(matches!(
         s.release(late.id, forged(1000)),

@@ -70,6 +70,10 @@ impl Consumer {
         };
         self.started_at.get_or_insert(at);
         self.next_at = at.advance(run.samples, self.shared.welcome.schema.samples_per_epoch);
+        let taken = self.shared.taken.hand_out(run.samples, run.epoch);
+        if let Some(mb) = &self.shared.mailbox {
+            mb.note_taken(taken);
+        }
         Event::Batch(Batch {
             shared: self.shared.clone(),
             run,

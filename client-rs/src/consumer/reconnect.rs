@@ -129,7 +129,7 @@ impl Consumer {
         let mut fresh = loop {
             let stop = until.map_or(deadline, |u| u.min(deadline));
             opts.connect_timeout = stop.saturating_duration_since(Instant::now());
-            match Consumer::connect(opts.clone()) {
+            match Consumer::connect_carrying(opts.clone(), self.shared.taken.clone()) {
                 Ok(c) => break c,
                 // The old broker still closing, or the new one starting;
                 // or a limit or group seat still held (by this consumer's

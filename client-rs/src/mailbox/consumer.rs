@@ -177,6 +177,15 @@ impl ConsumerMailbox {
         true
     }
 
+    /// Notes what the program has taken so far (for the broker's
+    /// `stats`; only this side writes these words).
+    pub fn note_taken(&self, t: crate::proto::Taken) {
+        let w = &self.words;
+        w.u64(TAKEN_BATCHES).store(t.batches, Ordering::Relaxed);
+        w.u64(TAKEN_SAMPLES).store(t.samples, Ordering::Relaxed);
+        w.u64(TAKEN_EPOCH).store(t.epoch, Ordering::Relaxed);
+    }
+
     /// Whether the broker asked to be told of releases (it waits on one).
     pub fn wants_doorbell(&self) -> bool {
         fence(Ordering::SeqCst);

@@ -19,7 +19,7 @@
 //! | 0 | broker | `bell` (u32 futex word, bumped to wake a sleeper), `want` (u32: 1 = send [`ClientMsg::Doorbell`](crate::proto::ClientMsg) after releasing), `drained` (u64: release records taken), `cut` (u64: the batch notices last taken back, see below) |
 //! | 64 | consumer | `sleeping` (u32: 1 = waiting on `bell`) |
 //! | 128 | consumer | `tail` (u64: notices read) |
-//! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns |
+//! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns, then what its program has taken ([`Taken`](crate::proto::Taken): batches, samples, the last one's epoch) |
 //! | 256 | broker | notice ring: records of 8 words, the first a stamp (the notice's number + 1) written last |
 //! | … | consumer | release ring: one word (the batch's seq) per release |
 //!
@@ -28,10 +28,11 @@
 //! lines only when its ring looks full, when it wants releases, and to see
 //! whether the consumer sleeps (a line that changes only when it does).
 //!
-//! Trust: the broker reads only `tail`, `released`, `sleeping` and the
+//! Trust: the broker acts only on `tail`, `released`, `sleeping` and the
 //! release records, and checks every one (a release is checked by the hub
 //! like one from the socket; a counter out of range is a protocol error
-//! that ends this consumer only). The memfd is sealed against resizing, so
+//! that ends this consumer only). The totals and the taken counts are
+//! only shown in `stats`, as the consumer's own figures. The memfd is sealed against resizing, so
 //! a consumer cannot make the broker fault. What a consumer writes can harm
 //! only itself.
 //!
@@ -77,6 +78,9 @@ const RELEASED: usize = 192;
 const WAIT_TOTAL: usize = 200;
 const BUSY_TOTAL: usize = 208;
 const HOLD_TOTAL: usize = 216;
+const TAKEN_BATCHES: usize = 224;
+const TAKEN_SAMPLES: usize = 232;
+const TAKEN_EPOCH: usize = 240;
 const NOTICES: usize = 256;
 const NOTICE_WORDS: usize = 8;
 /// Largest ring either side accepts.
@@ -436,6 +440,17 @@ impl BrokerMailbox {
         want
     }
 
+    /// What the consumer says its program has taken so far (its own
+    /// figures, for `stats`: any value is taken as written).
+    pub fn taken(&self) -> proto::Taken {
+        let w = &self.words;
+        proto::Taken {
+            batches: w.u64(TAKEN_BATCHES).load(Ordering::Relaxed),
+            samples: w.u64(TAKEN_SAMPLES).load(Ordering::Relaxed),
+            epoch: w.u64(TAKEN_EPOCH).load(Ordering::Relaxed),
+        }
+    }
+
     /// Hands the seq of every release the consumer has written to `take`,
     /// in order, and returns how many there were with the consumer's
     /// running totals. An impossible count is an error.
@@ -585,6 +600,22 @@ mod tests {
         b.push(&batch(next + 1)).unwrap();
         c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
         assert_eq!(b.unread_units(), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn what_the_consumer_took_reaches_the_broker_apart_from_its_releases() {
+        let (mut b, c) = pair(2);
+        assert_eq!(b.taken(), proto::Taken::default());
+        let taken = proto::Taken {
+            batches: 7,
+            samples: 7 * 64 - 3,
+            epoch: 2,
+        };
+        c.note_taken(taken);
+        assert_eq!(b.taken(), taken);
+        // The release words are untouched by it.
+        let (n, totals) = b.drain(|_| {}).unwrap();
+        assert_eq!((n, totals), (0, Totals::default()));
     }
 
     #[test]

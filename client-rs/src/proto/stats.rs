@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::Taken;
+
 /// A snapshot of what the broker is doing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatsReply {
@@ -322,6 +324,14 @@ pub struct ConsumerStats {
     pub cuts: u64,
     /// Its seat in a group (`name rank/world`), if it took one (protocol 16).
     pub group: Option<String>,
+    /// Its client's number for it in its process (see
+    /// [`ConsumeRequest::serial`](crate::proto::ConsumeRequest)).
+    pub serial: u32,
+    /// What its program has taken, as its client reports it (protocol
+    /// 19): unlike `batches` and `samples` (what was sent to it, ahead of
+    /// reading, and taken back by a cut), what the program read, carried
+    /// across broker restarts. The client's own figures.
+    pub taken: Taken,
 }
 
 impl ConsumerStats {
@@ -364,6 +374,8 @@ mod tests {
             replay_cpu_s: 0.0,
             cuts: 0,
             group: None,
+            serial: 0,
+            taken: Taken::default(),
         }
     }
 

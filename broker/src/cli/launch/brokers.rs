@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use batchcast::StatsClient;
@@ -25,19 +25,143 @@ pub(super) struct BrokerRun {
     pub(super) old_ids: HashSet<u64>,
     pid: u32,
     cpu_at_start: f64,
+    /// The CPU seconds of `pid` when last polled (a broker killed under
+    /// the run cannot be asked afterwards).
+    cpu_seen: f64,
+    /// Times a new broker was found serving `socket` (a restart under the
+    /// run: a service manager's, or someone's kill and start), and the
+    /// counts of the brokers before it, at their last stats.
+    pub(super) restarts: u32,
+    before: Counts,
+    /// The CPU seconds of the first broker, at its last poll.
+    first_cpu_s: f64,
+    /// What happened since the supervisor last looked (a restart), for
+    /// the view's events.
+    pub(super) news: Vec<String>,
+    /// Since when the broker has not answered.
+    down_since: Option<Instant>,
+}
+
+/// A broker's counts for the run's summary.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
+    cpu_s: f64,
+    batches_produced: u64,
+    deliveries: u64,
+    images_decoded: u64,
+    cache_hits: u64,
+    bad_files_skipped: u64,
+}
+
+impl Counts {
+    fn of(st: Option<&StatsReply>) -> Counts {
+        let sum = |f: &dyn Fn(&StreamStats) -> u64| -> u64 {
+            st.map(|s| s.streams.iter().map(f).sum()).unwrap_or(0)
+        };
+        Counts {
+            cpu_s: 0.0,
+            batches_produced: sum(&|s| s.batches_produced),
+            deliveries: sum(&|s| s.deliveries),
+            images_decoded: sum(&|s| s.source.as_ref().map_or(0, |x| x.decoded)),
+            cache_hits: sum(&|s| s.source.as_ref().map_or(0, |x| x.cache_hits)),
+            bad_files_skipped: sum(&|s| s.source.as_ref().map_or(0, |x| x.skipped)),
+        }
+    }
+
+    fn add(&mut self, o: Counts) {
+        self.cpu_s += o.cpu_s;
+        self.batches_produced += o.batches_produced;
+        self.deliveries += o.deliveries;
+        self.images_decoded += o.images_decoded;
+        self.cache_hits += o.cache_hits;
+        self.bad_files_skipped += o.bad_files_skipped;
+    }
 }
 
 impl BrokerRun {
+    fn new(
+        process: Option<BrokerProcess>,
+        socket: &Path,
+        client: Option<StatsClient>,
+        last: Option<StatsReply>,
+        pid: u32,
+    ) -> BrokerRun {
+        let cpu_at_start = match process {
+            Some(_) => 0.0,
+            None => harness::cpu_seconds(pid).unwrap_or(0.0),
+        };
+        BrokerRun {
+            process,
+            socket: socket.into(),
+            client,
+            last,
+            old_ids: HashSet::new(),
+            pid,
+            cpu_at_start,
+            cpu_seen: cpu_at_start,
+            restarts: 0,
+            before: Counts::default(),
+            first_cpu_s: 0.0,
+            news: Vec::new(),
+            down_since: None,
+        }
+    }
+
+    /// Asks the broker for its stats (connecting again after it went
+    /// away). A broker of another pid on the socket is a restart: the old
+    /// one's counts are kept as last seen and the view is told.
     pub(super) fn poll(&mut self) -> Option<&StatsReply> {
         if self.client.is_none() {
             self.client = StatsClient::connect(Some(self.socket.clone())).ok();
         }
         match self.client.as_mut().map(|c| c.fetch()) {
-            Some(Ok(s)) => self.last = Some(s),
-            Some(Err(_)) => self.client = None,
-            None => {}
+            Some(Ok(s)) => {
+                if s.broker_pid != self.pid {
+                    self.restarted(s.broker_pid);
+                }
+                self.down_since = None;
+                self.last = Some(s);
+                self.cpu_seen = harness::cpu_seconds(self.pid).unwrap_or(self.cpu_seen);
+            }
+            Some(Err(_)) | None => {
+                self.client = None;
+                if self.down_since.is_none() {
+                    self.down_since = Some(Instant::now());
+                    self.news.push(format!(
+                        "the broker on {} stopped answering (pid {}); its trainers wait for it to come back",
+                        self.socket.display(),
+                        self.pid
+                    ));
+                }
+            }
         }
         self.last.as_ref()
+    }
+
+    fn restarted(&mut self, pid: u32) {
+        let mut old = Counts::of(self.last.as_ref());
+        old.cpu_s = self.cpu_seen - self.cpu_at_start;
+        self.before.add(old);
+        if self.restarts == 0 {
+            self.first_cpu_s = old.cpu_s;
+        }
+        self.news.push(format!(
+            "the broker on {} restarted (pid {} -> {pid}); counts carry over",
+            self.socket.display(),
+            self.pid
+        ));
+        self.restarts += 1;
+        self.pid = pid;
+        // Its consumers are all the run's (ids start again), and all its
+        // CPU time is the run's.
+        self.old_ids.clear();
+        self.cpu_at_start = 0.0;
+        self.cpu_seen = 0.0;
+    }
+
+    /// Whether the broker stopped answering (until a broker answers again).
+    pub(super) fn down(&self) -> bool {
+        self.down_since.is_some()
     }
 
     pub(super) fn stream(&self, name: &str) -> Option<&StreamStats> {
@@ -60,25 +184,32 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
     let mut broker_summaries = Vec::new();
     let mut reused_cpu = 0.0;
     for b in brokers {
-        let cpu_end = harness::cpu_seconds(b.pid).unwrap_or(b.cpu_at_start);
-        let st = b.last.as_ref();
+        let cpu_end = harness::cpu_seconds(b.pid).unwrap_or(b.cpu_seen);
         let started = b.process.is_some();
-        if !started {
-            reused_cpu += cpu_end - b.cpu_at_start;
-        }
-        let sum = |f: &dyn Fn(&StreamStats) -> u64| -> u64 {
-            st.map(|s| s.streams.iter().map(f).sum()).unwrap_or(0)
-        };
+        let mut all = b.before;
+        let mut last = Counts::of(b.last.as_ref());
+        last.cpu_s = cpu_end - b.cpu_at_start;
+        all.add(last);
+        // The run's CPU counts its children as they are waited for: the
+        // broker it started is one, a broker started again under it is
+        // someone else's.
+        reused_cpu += all.cpu_s
+            - match (started, b.restarts) {
+                (false, _) => 0.0,
+                (true, 0) => last.cpu_s,
+                (true, _) => b.first_cpu_s,
+            };
         broker_summaries.push(BrokerSummary {
             socket: b.socket.clone(),
             pid: b.pid,
             started,
-            cpu_s: cpu_end - b.cpu_at_start,
-            batches_produced: sum(&|s| s.batches_produced),
-            deliveries: sum(&|s| s.deliveries),
-            images_decoded: sum(&|s| s.source.as_ref().map_or(0, |x| x.decoded)),
-            cache_hits: sum(&|s| s.source.as_ref().map_or(0, |x| x.cache_hits)),
-            bad_files_skipped: sum(&|s| s.source.as_ref().map_or(0, |x| x.skipped)),
+            restarts: b.restarts,
+            cpu_s: all.cpu_s,
+            batches_produced: all.batches_produced,
+            deliveries: all.deliveries,
+            images_decoded: all.images_decoded,
+            cache_hits: all.cache_hits,
+            bad_files_skipped: all.bad_files_skipped,
         });
         if let Some(mut p) = b.process
             && let Err(e) = p.terminate(Duration::from_secs(10))
@@ -105,15 +236,7 @@ pub(super) fn start_broker(
     let process = BrokerProcess::spawn_in(exe, Some(&config_copy), socket, Some(log), cfg_dir)
         .with_context(|| format!("starting the broker (config {})", config_copy.display()))?;
     let pid = process.pid();
-    let mut b = BrokerRun {
-        process: Some(process),
-        socket: socket.into(),
-        client: None,
-        last: None,
-        old_ids: HashSet::new(),
-        pid,
-        cpu_at_start: 0.0,
-    };
+    let mut b = BrokerRun::new(Some(process), socket, None, None, pid);
     b.poll();
     Ok(b)
 }
@@ -130,15 +253,9 @@ pub(super) fn reuse_broker(socket: &Path) -> anyhow::Result<BrokerRun> {
         .flat_map(|s| s.consumers.iter().chain(&s.past_consumers).map(|c| c.id))
         .collect();
     let pid = stats.broker_pid;
-    Ok(BrokerRun {
-        process: None,
-        socket: socket.into(),
-        client: Some(client),
-        last: Some(stats),
-        old_ids,
-        pid,
-        cpu_at_start: harness::cpu_seconds(pid).unwrap_or(0.0),
-    })
+    let mut b = BrokerRun::new(None, socket, Some(client), Some(stats), pid);
+    b.old_ids = old_ids;
+    Ok(b)
 }
 
 /// Where the brokers' sockets go: the run folder's `sockets/` when their

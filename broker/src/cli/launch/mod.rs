@@ -42,6 +42,21 @@ pub struct LaunchArgs {
     /// under the sweep's run_dir]
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Seconds between status lines when the output is not a terminal (a
+    /// terminal's table is redrawn every second)
+    #[arg(long, default_value_t = STATUS_EVERY.as_secs_f64(), value_parser = parse_status_every)]
+    pub status_every: f64,
+}
+
+/// Time between status lines when the output is not a terminal, unless
+/// `--status-every` says.
+pub const STATUS_EVERY: Duration = Duration::from_secs(5);
+
+fn parse_status_every(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (1.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}`: give seconds from 1 to 3600")),
+    }
 }
 
 /// Exit codes of `batchcast launch`.
@@ -90,8 +105,10 @@ pub struct TrainerSummary {
     pub stall_pct: f64,
     pub wait_s: f64,
     pub busy_s: f64,
-    /// Where the numbers come from: `broker` (its stats), `report` (the
-    /// trainer's `$BATCHCAST_REPORT` file) or `none`.
+    /// Where the numbers come from: `broker` (what the trainer's clients
+    /// counted as taken, relayed by the broker's stats and carried across
+    /// its restarts; replayed, wait and busy from the broker's stats),
+    /// `report` (the trainer's `$BATCHCAST_REPORT` file) or `none`.
     pub measured_by: String,
     /// The end of its log, when it failed.
     pub log_tail: Option<String>,
@@ -104,6 +121,10 @@ pub struct BrokerSummary {
     pub pid: u32,
     /// Started by this launch (else an already running broker was used).
     pub started: bool,
+    /// Times another broker was found on its socket during the run (a
+    /// restart); the counts below add up every broker's, `pid` is the last.
+    #[serde(default)]
+    pub restarts: u32,
     pub cpu_s: f64,
     pub batches_produced: u64,
     pub deliveries: u64,
@@ -164,7 +185,8 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<i32> {
         None => new_run_dir(&sweep.run_dir)?,
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let summary = launch(&sweep, args.baseline, &dir, &stop)?;
+    let every = Duration::from_secs_f64(args.status_every);
+    let summary = launch(&sweep, args.baseline, &dir, &stop, every)?;
     let path = dir.join("summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", path.display()))?;
@@ -173,9 +195,16 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<i32> {
 }
 
 /// Runs `sweep` shared (and then baseline, if asked) with logs under
-/// `dir`; prints the summaries and the comparison.
-pub fn launch(sweep: &Sweep, baseline: bool, dir: &Path, stop: &Stop) -> anyhow::Result<Summary> {
-    let mut view = View::new();
+/// `dir`; prints the summaries and the comparison (status lines every
+/// `status_every` when the output is not a terminal).
+pub fn launch(
+    sweep: &Sweep,
+    baseline: bool,
+    dir: &Path,
+    stop: &Stop,
+    status_every: Duration,
+) -> anyhow::Result<Summary> {
+    let mut view = View::new(status_every);
     let shared = run_mode(sweep, Mode::Shared, &dir.join("shared"), stop, &mut view)?;
     view::print_run(&shared);
     let mut exit_code = exit_code_of(&shared, sweep.on_failure);

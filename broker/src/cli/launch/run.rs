@@ -179,6 +179,9 @@ fn supervise(
             last_refresh = Instant::now();
             for b in brokers.iter_mut() {
                 b.poll();
+                for news in b.news.drain(..) {
+                    view.event(&news);
+                }
             }
             for t in trainers.iter_mut() {
                 match t.broker {

@@ -2,6 +2,7 @@
 //! the broker says about each, stopping them (SIGTERM, then SIGKILL after
 //! the grace period), and each one's summary and table row.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -10,6 +11,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use batchcast::proto::Taken;
 use nix::sys::signal::Signal;
 use serde::Deserialize;
 
@@ -18,21 +20,59 @@ use super::spec::TrainerPlan;
 use super::view;
 use super::{Mode, Stop, TrainerSummary};
 
-/// What the broker says about one trainer (summed over its subscriptions
-/// to its stream).
+/// What the broker says about one trainer: what it took (its clients'
+/// counts, relayed by the broker, carried across broker restarts), and
+/// the broker's own figures (summed over its subscriptions, and over the
+/// brokers before a restart).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Seen {
     subscribed: bool,
     connected: bool,
+    /// Its broker stopped answering (its counts are the last seen).
+    broker_down: bool,
+    /// Batches and samples its program took, shared or replayed; `replayed`
+    /// samples were recomputed for it alone.
     batches: u64,
-    /// Every sample it received, shared or replayed; `replayed` of them
-    /// recomputed for it alone.
     samples: u64,
     replayed: u64,
+    /// The epoch of the last batch it took.
     epoch: u64,
     held: u32,
     wait_s: f64,
     busy_s: f64,
+}
+
+/// The broker's figures for one trainer that start again at 0 with a new
+/// broker: summed over its consumers.
+#[derive(Debug, Clone, Copy, Default)]
+struct BrokerSums {
+    replayed: u64,
+    wait_s: f64,
+    busy_s: f64,
+}
+
+impl BrokerSums {
+    fn add(&mut self, o: BrokerSums) {
+        self.replayed += o.replayed;
+        self.wait_s += o.wait_s;
+        self.busy_s += o.busy_s;
+    }
+}
+
+/// A trainer's account across broker restarts.
+#[derive(Debug, Default)]
+pub(super) struct Account {
+    /// What each of its consumers (its process's pid and the client's
+    /// number for it) says it has taken, the most seen: a consumer that
+    /// rode through a restart reports its carried count to the new broker,
+    /// so each is counted once, and what it took after the old broker's
+    /// last stats is counted when the new one reports it.
+    taken: HashMap<(u32, u32), Taken>,
+    /// The brokers' sums before the last restart, the current broker's at
+    /// the last refresh, and which broker that is (its restart count).
+    before: BrokerSums,
+    now: BrokerSums,
+    broker: u32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -61,8 +101,7 @@ pub(super) struct Trainer {
     pub(super) state: State,
     pub(super) stopping: bool,
     pub(super) seen: Seen,
-    /// The most batches and samples shown so far (the live table's).
-    pub(super) shown: (u64, u64),
+    pub(super) account: Account,
     /// (when, samples) at the previous refresh, for the current rate.
     pub(super) prev: (Instant, u64),
     pub(super) rate: f64,
@@ -132,7 +171,7 @@ pub(super) fn spawn_trainer(
         state: State::Starting,
         stopping: false,
         seen: Seen::default(),
-        shown: (0, 0),
+        account: Account::default(),
         prev: (now, 0),
         rate: 0.0,
         log_tail: None,
@@ -217,38 +256,68 @@ fn killpg(pgid: u32, sig: Signal) {
 
 /// Updates a trainer's numbers from its broker's latest stats.
 pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
+    t.seen.broker_down = b.down();
     let Some(st) = b.stream(&t.plan.stream) else {
         return;
     };
-    let mut seen = Seen::default();
+    if b.down() {
+        // Its last stats, seen already; it reads at most what it was sent.
+        t.rate = 0.0;
+        return;
+    }
+    let a = &mut t.account;
+    if a.broker != b.restarts {
+        // A new broker: the old one's figures are kept as last seen.
+        let now = std::mem::take(&mut a.now);
+        a.before.add(now);
+        a.broker = b.restarts;
+    }
+    let mut now = BrokerSums::default();
+    let (mut connected, mut held, mut any) = (false, 0, false);
     for c in st
         .consumers
         .iter()
         .chain(&st.past_consumers)
         .filter(|c| c.name == t.plan.name && !b.old_ids.contains(&c.id))
     {
-        seen.subscribed = true;
-        seen.connected |= c.left.is_none();
-        seen.batches += c.batches;
-        seen.samples += c.samples;
-        seen.replayed += c.replayed;
-        seen.epoch = seen.epoch.max(c.epoch);
-        seen.held += c.held;
-        seen.wait_s += c.wait_s;
-        seen.busy_s += c.busy_s;
+        any = true;
+        connected |= c.left.is_none();
+        held += c.held;
+        now.add(BrokerSums {
+            replayed: c.replayed,
+            wait_s: c.wait_s,
+            busy_s: c.busy_s,
+        });
+        a.taken
+            .entry((c.pid, c.serial))
+            .and_modify(|t| *t = t.max(c.taken))
+            .or_insert(c.taken);
     }
-    if !seen.subscribed {
+    if !any && !t.seen.subscribed {
         return;
     }
-    // The live table's counts never go backwards (batches decoupled pace
-    // took back unread leave the broker's count a moment before they come
-    // replayed); the summary takes the broker's final account.
-    t.shown = (seen.batches.max(t.shown.0), seen.samples.max(t.shown.1));
+    a.now = now;
+    let mut all = a.before;
+    all.add(now);
+    let seen = Seen {
+        subscribed: true,
+        connected,
+        broker_down: false,
+        batches: a.taken.values().map(|t| t.batches).sum(),
+        samples: a.taken.values().map(|t| t.samples).sum(),
+        replayed: all.replayed,
+        epoch: a.taken.values().map(|t| t.epoch).max().unwrap_or(0),
+        held,
+        wait_s: all.wait_s,
+        busy_s: all.busy_s,
+    };
+    // What a trainer took never goes back (its clients count it), so
+    // neither does the table; its rate is over the last half second or more.
     let now = Instant::now();
     let dt = now.duration_since(t.prev.0).as_secs_f64();
     if dt >= 0.5 {
-        t.rate = t.shown.1.saturating_sub(t.prev.1) as f64 / dt;
-        t.prev = (now, t.shown.1);
+        t.rate = seen.samples.saturating_sub(t.prev.1) as f64 / dt;
+        t.prev = (now, seen.samples);
     }
     if t.state == State::Starting {
         t.state = State::Running;
@@ -374,6 +443,7 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                 name: t.plan.name.clone(),
                 state: match &t.state {
                     State::Starting => "starting".into(),
+                    State::Running if t.seen.broker_down => "waiting for its broker".into(),
                     State::Running if !t.seen.connected => "finishing".into(),
                     State::Running => "running".into(),
                     State::Done => "done".into(),
@@ -381,7 +451,7 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                     State::Stopped => "stopped".into(),
                 },
                 epoch: t.seen.subscribed.then_some(t.seen.epoch),
-                batches: t.shown.0.max(t.seen.batches),
+                batches: t.seen.batches,
                 replayed: t.seen.replayed,
                 rate: if t.child.is_some() { t.rate } else { 0.0 },
                 // Until it has trained at all, its stall says nothing (it

@@ -29,17 +29,17 @@ pub struct View {
     /// Lines of the table currently on screen (terminal only).
     drawn: usize,
     last_plain: Option<Instant>,
+    /// Time between status lines when output is not a terminal.
+    plain_every: Duration,
 }
 
-/// Seconds between status lines when output is not a terminal.
-const PLAIN_EVERY: Duration = Duration::from_secs(5);
-
 impl View {
-    pub fn new() -> View {
+    pub fn new(plain_every: Duration) -> View {
         View {
             tty: std::io::stdout().is_terminal(),
             drawn: 0,
             last_plain: None,
+            plain_every,
         }
     }
 
@@ -74,7 +74,10 @@ impl View {
             self.drawn = text.lines().count();
             let _ = write!(out, "{text}");
         } else {
-            if self.last_plain.is_some_and(|t| t.elapsed() < PLAIN_EVERY) {
+            if self
+                .last_plain
+                .is_some_and(|t| t.elapsed() < self.plain_every)
+            {
                 return;
             }
             self.last_plain = Some(Instant::now());
@@ -163,9 +166,14 @@ pub fn print_run(run: &RunSummary) {
     }
     for b in &run.brokers {
         println!(
-            "broker pid {}{}: {:.2} CPU-s, {} batches produced, {} deliveries, {} images decoded, {} cache hits, {} bad files skipped",
+            "broker pid {}{}{}: {:.2} CPU-s, {} batches produced, {} deliveries, {} images decoded, {} cache hits, {} bad files skipped",
             b.pid,
             if b.started { "" } else { " (already running)" },
+            match b.restarts {
+                0 => String::new(),
+                1 => " (restarted once; counts of both brokers)".into(),
+                n => format!(" (restarted {n} times; counts of every broker)"),
+            },
             b.cpu_s,
             b.batches_produced,
             b.deliveries,
