@@ -24,6 +24,17 @@
 //! the replay's CPU seconds, and the steady trainer's total data stall
 //! over its 3 epochs (what lockstep catch-up cost it).
 //!
+//! `--decoupled`: instead, the cost of a joiner as fast as the others on
+//! a `pace = "decoupled"` stream (issue 49, item 8): two steady trainers
+//! and a late one joining now, all with 50 ms steps, reading to the end of
+//! `--epochs` epochs. Bound: a complete first epoch costs the decode of the
+//! part of it the ring no longer holds, once; every later sample it reads
+//! from the shared stream costs nothing more. Measured: its samples, those
+//! replayed for it, replayed per sample read (extra decodes per delivered
+//! sample: 0 when it reads only the shared stream, 1 when everything it
+//! read was decoded again for it), its cuts, and the pipeline's and the
+//! replay's CPU seconds.
+//!
 //! Run: `bench/late_join.sh` (builds release binaries, prints markdown).
 
 use std::path::{Path, PathBuf};
@@ -50,6 +61,13 @@ struct Args {
     /// into the next epoch)
     #[arg(long, value_delimiter = ',', default_values_t = vec![6, 24])]
     slots: Vec<u32>,
+    /// The decoupled-pace table instead: a joiner as fast as two steady
+    /// trainers, all reading to the end
+    #[arg(long)]
+    decoupled: bool,
+    /// Epochs of the stream in the decoupled table
+    #[arg(long, default_value_t = 5)]
+    epochs: u64,
 }
 
 const UNITS_PER_EPOCH: u64 = 12; // 360 images in units of 32
@@ -129,6 +147,9 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let exe = harness::batchcast_exe(a.exe.as_deref())?;
     let root = batchcast_broker::demo_images::ensure().context("the demo images")?;
+    if a.decoupled {
+        return decoupled_table(&a, &exe, &root);
+    }
     for &slots in &a.slots {
         println!(
             "\n{slots} slots ({}):\n",
@@ -188,6 +209,119 @@ fn table(a: &Args, exe: &Path, root: &Path, slots: u32) -> anyhow::Result<()> {
                 c.late.replayed_batches,
                 c.replay_cpu_s,
                 median(cases.iter().map(|c| c.steady.wait_s).collect()),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One decoupled run: two steady trainers read `epochs` epochs; when the
+/// stream has made `at` units of epoch 1 a third joins now, as fast as
+/// they are, and reads to the end.
+struct Decoupled {
+    late: ConsumerReport,
+    /// Samples replayed to the late trainer, and its cuts (the broker's).
+    replayed: u64,
+    cuts: u64,
+    steady_samples_per_s: f64,
+    pipeline_cpu_s: f64,
+    replay_cpu_s: f64,
+}
+
+fn run_decoupled(
+    exe: &Path,
+    root: &Path,
+    at: u64,
+    slots: u32,
+    epochs: u64,
+) -> anyhow::Result<Decoupled> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("bench.toml");
+    let cfg = batchcast_broker::demo::image_stream_toml(
+        "img",
+        root,
+        224,
+        epochs,
+        2,
+        "workers = 2\npace = \"decoupled\"",
+    )
+    .replace("slots = 6", &format!("slots = {slots}"));
+    std::fs::write(&path, cfg)?;
+    let sock = dir.path().join("b.sock");
+    let mut broker =
+        BrokerProcess::spawn(exe, Some(&path), &sock, Some(&dir.path().join("b.log")))?;
+    let args = |more: &[&str]| {
+        let mut a: Vec<String> = ["--stream", "img", "--sleep-ms", "50"]
+            .map(String::from)
+            .to_vec();
+        a.extend(more.iter().map(|s| s.to_string()));
+        a
+    };
+    let steady: Vec<_> = ["steady-0", "steady-1"]
+        .iter()
+        .map(|n| harness::spawn_consumer(exe, &sock, &args(&["--name", n])))
+        .collect::<Result<_, _>>()?;
+    let target = UNITS_PER_EPOCH + at;
+    let t0 = Instant::now();
+    while broker.stats()?.streams[0].batches_produced < target {
+        if t0.elapsed() > Duration::from_secs(300) {
+            bail!("the stream never reached unit {target}");
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let late = harness::spawn_consumer(exe, &sock, &args(&["--join", "now", "--name", "late"]))?;
+    let late = harness::wait_report(late, Duration::from_secs(600))?;
+    let mut steady_rate = Vec::new();
+    for s in steady {
+        let r = harness::wait_report(s, Duration::from_secs(600))?;
+        if !r.ok {
+            bail!("a steady trainer failed: {:?}", r.error);
+        }
+        steady_rate.push(r.samples as f64 / r.seconds.max(1e-9));
+    }
+    let stats = broker.stats()?;
+    broker.terminate(Duration::from_secs(5))?;
+    if !late.ok {
+        bail!("the late trainer failed: {:?}", late.error);
+    }
+    let st = &stats.streams[0];
+    let me = st
+        .consumers
+        .iter()
+        .chain(&st.past_consumers)
+        .find(|c| c.name == "late")
+        .context("the late trainer in the stats")?;
+    Ok(Decoupled {
+        replayed: me.replayed,
+        cuts: me.cuts,
+        late,
+        steady_samples_per_s: median(steady_rate),
+        pipeline_cpu_s: st.pipeline_cpu_s,
+        replay_cpu_s: st.replay_cpu_s,
+    })
+}
+
+/// The decoupled table: for each position and ring size, one run.
+fn decoupled_table(a: &Args, exe: &Path, root: &Path) -> anyhow::Result<()> {
+    println!(
+        "| slots | late joins at unit | its epochs, samples | replayed samples | replayed per sample read | cuts | steady trainers' samples/s | pipeline CPU (s) | replay CPU (s) |"
+    );
+    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|");
+    for &slots in &a.slots {
+        for &at in &a.at {
+            eprintln!("decoupled, {slots} slots, late at unit {at} ...");
+            let d = run_decoupled(exe, root, at, slots, a.epochs)?;
+            let samples = d.late.samples.max(1);
+            println!(
+                "| {slots} | {at} of {UNITS_PER_EPOCH} | {}, {} | {} | {:.2} | {} | {:.0} | {:.2} | {:.2} |",
+                d.late.epochs.len(),
+                d.late.samples,
+                d.replayed,
+                d.replayed as f64 / samples as f64,
+                d.cuts,
+                d.steady_samples_per_s,
+                d.pipeline_cpu_s,
+                d.replay_cpu_s,
             );
         }
     }
