@@ -519,6 +519,17 @@ fn bad_sweep_files_are_refused_before_anything_starts() {
             "[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\n".to_string(),
             "no broker to use",
         ),
+        (
+            format!(
+                "[launch]\nbroker_restarts = 101\n{}\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\n",
+                stream(1, "")
+            ),
+            "broker_restarts = 101: at most 100",
+        ),
+        (
+            "[launch]\nsocket = \"/tmp/b.sock\"\nbroker_restarts = 1\n[[trainer]]\nname = \"a\"\ncommand = [\"true\"]\n".to_string(),
+            "broker_restarts applies to a broker the run starts",
+        ),
     ];
     for (sweep, expect) in cases {
         let (out, summary) = launch(dir.path(), &sweep, &[]);
@@ -959,4 +970,115 @@ command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect
         shared.samples,
         shared.trainers.iter().map(|t| t.samples).sum::<u64>()
     );
+}
+
+/// The pid of the broker serving a run (`serve` with the run folder's
+/// socket on its command line).
+fn run_broker_pid(run: &str) -> Option<u32> {
+    processes_mentioning(run)
+        .iter()
+        .find(|p| p.contains(" serve ") && p.contains(run))
+        .and_then(|p| p.split(':').next()?.parse().ok())
+}
+
+/// A broker the launcher started is started again when it dies, and its
+/// trainers ride through: every one ends with what it took equal to the
+/// summary's, the view says what happened; a trainer that ended before the
+/// crash is not waited for by the new broker. With `broker_restarts = 0`
+/// it is not started again and the trainers fail, said so.
+#[test]
+fn a_broker_the_launcher_started_is_started_again_when_it_dies() {
+    for restarts in [None, Some(0)] {
+        let dir = tempfile::tempdir().unwrap();
+        let launch_table = restarts.map_or(String::new(), |n| {
+            format!("[launch]\nbroker_restarts = {n}\n")
+        });
+        let sweep = format!(
+            r#"{launch_table}{}
+[[trainer]]
+name = "t"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--reconnect-timeout", "5", "--sleep-ms", "10"]
+
+[[trainer]]
+name = "short"
+command = ["{{batchcast}}", "consume", "--json", "--max-batches", "4"]
+"#,
+            stream(12, "")
+        );
+        let file = dir.path().join("sweep.toml");
+        std::fs::write(&file, sweep).unwrap();
+        let run = dir.path().join("run");
+        let out = dir.path().join("launch.out");
+        let mut launcher = common::Guard(
+            common::command(EXE)
+                .arg("launch")
+                .arg(&file)
+                .arg("--run-dir")
+                .arg(&run)
+                .stdin(Stdio::null())
+                .stdout(std::fs::File::create(&out).unwrap())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        // Killed once the short trainer is done and the others read on.
+        let run_s = run.display().to_string();
+        let t0 = Instant::now();
+        let pid = loop {
+            let short_done = std::fs::read_to_string(run.join("shared/short.log"))
+                .is_ok_and(|l| l.lines().any(|l| l.starts_with('{')));
+            if let Some(pid) = run_broker_pid(&run_s).filter(|_| short_done) {
+                break pid;
+            }
+            assert!(t0.elapsed() < LIMIT, "the run never got going");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        harness::signal(pid, nix::sys::signal::Signal::SIGKILL);
+        let status = loop {
+            if let Some(s) = launcher.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(t0.elapsed() < LIMIT, "the launcher did not end");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let stdout = std::fs::read_to_string(&out).unwrap();
+        let summary: Summary =
+            serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap())
+                .unwrap();
+        let shared = &summary.shared;
+        assert!(
+            stdout.contains(&format!("the broker (pid {pid}) exited")),
+            "{stdout}"
+        );
+        if restarts == Some(0) {
+            assert_eq!(status.code(), Some(exit::FAILED), "{stdout}");
+            assert!(stdout.contains("not started again"), "{stdout}");
+            assert_eq!(shared.brokers[0].restarts, 0);
+            assert_eq!(shared.failed, 2, "{stdout}");
+            continue;
+        }
+        assert!(status.success(), "{status}\n{stdout}");
+        assert!(stdout.contains("starting it again"), "{stdout}");
+        assert_eq!(shared.brokers[0].restarts, 1, "{stdout}");
+        for t in &shared.trainers {
+            let own = own_report(&t.log);
+            let short = t.name == "short"; // 4 batches, not checked
+            assert!(
+                own.ok && (short || own.verified_samples == own.samples),
+                "{own:?}"
+            );
+            assert_eq!(own.reconnects, u64::from(!short), "{own:?}");
+            assert_eq!(
+                (t.batches, t.samples),
+                (own.batches, own.samples),
+                "{}\n{stdout}",
+                t.name
+            );
+            if !short {
+                assert_eq!(t.samples, 12 * 512, "{}: every epoch", t.name);
+            }
+        }
+    }
 }

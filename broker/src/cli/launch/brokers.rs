@@ -17,6 +17,8 @@ use crate::harness::{self, BrokerProcess};
 #[derive(Debug)]
 pub(super) struct BrokerRun {
     process: Option<BrokerProcess>,
+    /// How the run started it, to start it again when it dies.
+    start: Option<StartedBy>,
     pub(super) socket: PathBuf,
     client: Option<StatsClient>,
     pub(super) last: Option<StatsReply>,
@@ -33,13 +35,24 @@ pub(super) struct BrokerRun {
     /// counts of the brokers before it, at their last stats.
     pub(super) restarts: u32,
     before: Counts,
-    /// The CPU seconds of the first broker, at its last poll.
-    first_cpu_s: f64,
+    /// The CPU seconds of the brokers this process started (its
+    /// children: the run's CPU counts them as it waits for them).
+    child_cpu_s: f64,
     /// What happened since the supervisor last looked (a restart), for
     /// the view's events.
     pub(super) news: Vec<String>,
     /// Since when the broker has not answered.
     down_since: Option<Instant>,
+}
+
+/// How the run started a broker: its program, config copy, folder
+/// (relative paths in the config) and log.
+#[derive(Debug)]
+struct StartedBy {
+    exe: PathBuf,
+    config: PathBuf,
+    dir: PathBuf,
+    log: PathBuf,
 }
 
 /// A broker's counts for the run's summary.
@@ -101,7 +114,8 @@ impl BrokerRun {
             cpu_seen: cpu_at_start,
             restarts: 0,
             before: Counts::default(),
-            first_cpu_s: 0.0,
+            child_cpu_s: 0.0,
+            start: None,
             news: Vec::new(),
             down_since: None,
         }
@@ -117,7 +131,8 @@ impl BrokerRun {
         match self.client.as_mut().map(|c| c.fetch()) {
             Some(Ok(s)) => {
                 if s.broker_pid != self.pid {
-                    self.restarted(s.broker_pid);
+                    let ours = self.process.as_ref().is_some_and(|p| p.pid() == self.pid);
+                    self.restarted(s.broker_pid, ours);
                 }
                 self.down_since = None;
                 self.last = Some(s);
@@ -138,12 +153,14 @@ impl BrokerRun {
         self.last.as_ref()
     }
 
-    fn restarted(&mut self, pid: u32) {
+    /// Another broker (`pid`) serves the socket now; `ours`: the one
+    /// before was this process's child.
+    fn restarted(&mut self, pid: u32, ours: bool) {
         let mut old = Counts::of(self.last.as_ref());
         old.cpu_s = self.cpu_seen - self.cpu_at_start;
         self.before.add(old);
-        if self.restarts == 0 {
-            self.first_cpu_s = old.cpu_s;
+        if ours {
+            self.child_cpu_s += old.cpu_s;
         }
         self.news.push(format!(
             "the broker on {} restarted (pid {} -> {pid}); counts carry over",
@@ -157,6 +174,59 @@ impl BrokerRun {
         self.old_ids.clear();
         self.cpu_at_start = 0.0;
         self.cpu_seen = 0.0;
+    }
+
+    /// A broker this run started that exited is started again on the same
+    /// socket and config (its trainers ride through), while `left` allows;
+    /// says so in the view's events either way. Whether one was started.
+    pub(super) fn restart_if_dead(&mut self, left: &mut u32) -> bool {
+        let Some(status) = self
+            .process
+            .as_mut()
+            .and_then(|p| p.try_wait().ok().flatten())
+        else {
+            return false;
+        };
+        let Some(start) = self.start.as_ref() else {
+            return false;
+        };
+        let dead = self.process.take().map_or(self.pid, |p| p.pid());
+        if *left == 0 {
+            self.news.push(format!(
+                "the broker (pid {dead}) exited ({status}); not started again ([launch] broker_restarts is used up); see {}",
+                start.log.display()
+            ));
+            return false;
+        }
+        *left -= 1;
+        let n = self.restarts + 1;
+        let log = start.log.with_extension(format!("{n}.log"));
+        self.news.push(format!(
+            "the broker (pid {dead}) exited ({status}; its log: {}); starting it again, its trainers ride through (log: {})",
+            start.log.display(),
+            log.display()
+        ));
+        match BrokerProcess::spawn_in(
+            &start.exe,
+            Some(&start.config),
+            &self.socket,
+            Some(&log),
+            &start.dir,
+        ) {
+            Ok(p) => {
+                let pid = p.pid();
+                self.process = Some(p);
+                self.restarted(pid, true);
+                self.client = None;
+                self.last = None;
+                true
+            }
+            Err(e) => {
+                self.news
+                    .push(format!("starting the broker again failed: {e}"));
+                false
+            }
+        }
     }
 
     /// Whether the broker stopped answering (until a broker answers again).
@@ -191,14 +261,12 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
         last.cpu_s = cpu_end - b.cpu_at_start;
         all.add(last);
         // The run's CPU counts its children as they are waited for: the
-        // broker it started is one, a broker started again under it is
-        // someone else's.
-        reused_cpu += all.cpu_s
-            - match (started, b.restarts) {
-                (false, _) => 0.0,
-                (true, 0) => last.cpu_s,
-                (true, _) => b.first_cpu_s,
-            };
+        // brokers it started are; one someone else started is not.
+        let mut children = b.child_cpu_s;
+        if b.process.as_ref().is_some_and(|p| p.pid() == b.pid) {
+            children += last.cpu_s;
+        }
+        reused_cpu += all.cpu_s - children;
         broker_summaries.push(BrokerSummary {
             socket: b.socket.clone(),
             pid: b.pid,
@@ -237,6 +305,12 @@ pub(super) fn start_broker(
         .with_context(|| format!("starting the broker (config {})", config_copy.display()))?;
     let pid = process.pid();
     let mut b = BrokerRun::new(Some(process), socket, None, None, pid);
+    b.start = Some(StartedBy {
+        exe: exe.into(),
+        config: config_copy,
+        dir: cfg_dir.into(),
+        log: log.into(),
+    });
     b.poll();
     Ok(b)
 }

@@ -30,10 +30,12 @@ pub(super) struct LaunchSection {
     pub(super) gpus: Option<Vec<u32>>,
     /// Seconds between SIGTERM and SIGKILL when stopping trainers.
     pub(super) grace_s: Option<f64>,
+    /// Times a broker the run started is started again when it dies.
+    pub(super) broker_restarts: Option<u32>,
 }
 
 /// The keys of `[launch]`.
-const LAUNCH_KEYS: [&str; 7] = [
+const LAUNCH_KEYS: [&str; 8] = [
     "config",
     "socket",
     "run_dir",
@@ -41,6 +43,7 @@ const LAUNCH_KEYS: [&str; 7] = [
     "stream",
     "gpus",
     "grace_s",
+    "broker_restarts",
 ];
 
 /// A `[launch]` key written at a sweep file's top level (above any

@@ -146,6 +146,7 @@ fn supervise(
     t0: Instant,
 ) -> bool {
     let mut interrupted = false;
+    let mut restarts_left = sweep.broker_restarts;
     let mut last_refresh = Instant::now() - Duration::from_secs(1);
     loop {
         if stop.requested() && !interrupted {
@@ -177,7 +178,10 @@ fn supervise(
         let all_done = trainers.iter().all(|t| t.child.is_none());
         if all_done || last_refresh.elapsed() >= Duration::from_secs(1) {
             last_refresh = Instant::now();
-            for b in brokers.iter_mut() {
+            for (i, b) in brokers.iter_mut().enumerate() {
+                if !interrupted && !all_done && b.restart_if_dead(&mut restarts_left) {
+                    wait_only_for_live_trainers(b, i, trainers);
+                }
                 b.poll();
                 for news in b.news.drain(..) {
                     view.event(&news);
@@ -198,6 +202,27 @@ fn supervise(
             return interrupted;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A broker started again (broker `b` of the run) holds each stream for
+/// the trainers that will come back: those still running on it (its config
+/// waited for every trainer of the sweep, some may have ended).
+fn wait_only_for_live_trainers(broker: &mut BrokerRun, b: usize, trainers: &[Trainer]) {
+    let mut streams: Vec<&str> = trainers
+        .iter()
+        .filter(|t| t.broker == Some(b))
+        .map(|t| t.plan.stream.as_str())
+        .collect();
+    streams.sort_unstable();
+    streams.dedup();
+    for stream in streams {
+        let live = trainers
+            .iter()
+            .filter(|t| t.broker == Some(b) && t.plan.stream == stream && t.child.is_some())
+            .count();
+        broker.poll();
+        broker.set_min_consumers(stream, live.max(1) as u32);
     }
 }
 

@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 pub use super::expand::{ExpandError, substitute};
 use super::expand::{expand_trainers, gpu_value};
 pub use super::file::{Host, OnFailure, TrainerPlan};
-use super::file::{SweepFile, ordinal};
+use super::file::{LaunchSection, SweepFile, ordinal};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
@@ -72,7 +72,35 @@ pub struct Sweep {
     pub on_failure: OnFailure,
     pub run_dir: PathBuf,
     pub grace_s: f64,
+    /// Times a broker the run started is started again when it dies
+    /// (its trainers ride through); 0: never.
+    pub broker_restarts: u32,
 }
+
+/// The `[launch]` section's numbers, checked.
+fn check_numbers(l: &LaunchSection) -> Result<(), String> {
+    if let Some(g) = l.grace_s
+        && !(g.is_finite() && g >= 0.0)
+    {
+        return Err(format!(
+            "[launch] grace_s = {g} must be a number of seconds ≥ 0"
+        ));
+    }
+    if let Some(n) = l.broker_restarts
+        && n > 100
+    {
+        return Err(format!(
+            "[launch] broker_restarts = {n}: at most 100 (a broker that dies that often needs its log read, not another start)"
+        ));
+    }
+    if l.broker_restarts.is_some() && l.socket.is_some() {
+        return Err("[launch] broker_restarts applies to a broker the run starts; with socket = … the broker is someone else's to restart (its trainers ride through when they do)".into());
+    }
+    Ok(())
+}
+
+/// Times a broker the run started is started again, unless the sweep says.
+pub const BROKER_RESTARTS: u32 = 3;
 
 impl Sweep {
     pub fn load(path: &Path, host: &Host) -> Result<Sweep, SpecError> {
@@ -120,13 +148,7 @@ impl Sweep {
             (None, [only]) => only.clone(),
             (None, _) => "train".to_string(),
         };
-        if let Some(g) = l.grace_s
-            && !(g.is_finite() && g >= 0.0)
-        {
-            return Err(invalid(format!(
-                "[launch] grace_s = {g} must be a number of seconds ≥ 0"
-            )));
-        }
+        check_numbers(l).map_err(invalid)?;
         let gpus: Vec<String> = match &l.gpus {
             None => host.gpus.clone(),
             Some(list) => list
@@ -161,6 +183,7 @@ impl Sweep {
                 .as_ref()
                 .map_or_else(|| PathBuf::from("batchcast-runs"), |d| dir.join(d)),
             grace_s: l.grace_s.unwrap_or(10.0),
+            broker_restarts: l.broker_restarts.unwrap_or(BROKER_RESTARTS),
         })
     }
 

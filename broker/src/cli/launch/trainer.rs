@@ -28,8 +28,10 @@ use super::{Mode, Stop, TrainerSummary};
 pub(super) struct Seen {
     subscribed: bool,
     connected: bool,
-    /// Its broker stopped answering (its counts are the last seen).
+    /// Its broker stopped answering (its counts are the last seen), or
+    /// a new broker has not seen it yet (it reconnects).
     broker_down: bool,
+    reconnecting: bool,
     /// Batches and samples its program took, shared or replayed; `replayed`
     /// samples were recomputed for it alone.
     batches: u64,
@@ -303,6 +305,8 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
         subscribed: true,
         connected,
         broker_down: false,
+        // Seen before, on no record of this broker: it was restarted.
+        reconnecting: !any,
         batches: a.taken.values().map(|t| t.batches).sum(),
         samples: a.taken.values().map(|t| t.samples).sum(),
         replayed: all.replayed,
@@ -444,6 +448,7 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                 state: match &t.state {
                     State::Starting => "starting".into(),
                     State::Running if t.seen.broker_down => "waiting for its broker".into(),
+                    State::Running if t.seen.reconnecting => "reconnecting".into(),
                     State::Running if !t.seen.connected => "finishing".into(),
                     State::Running => "running".into(),
                     State::Done => "done".into(),
