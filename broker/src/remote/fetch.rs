@@ -438,7 +438,6 @@ impl Fetcher {
         };
         self.counts.requests.fetch_add(1, Ordering::Relaxed);
         self.counts.in_flight.fetch_add(1, Ordering::Relaxed);
-        let t0 = std::time::Instant::now();
         let r = tokio::select! {
             r = tokio::time::timeout(self.limits.timeout, attempt()) => match r {
                 Ok(Ok(v)) => Ok(v),
@@ -452,7 +451,7 @@ impl Fetcher {
             _ = self.closing.notified() => Err((Verdict::Transient, "the stream stopped".into())),
         };
         self.counts.in_flight.fetch_sub(1, Ordering::Relaxed);
-        let took = t0.elapsed();
+        let took = ticket.elapsed();
         let slow = self.gate.leave(
             ticket,
             match r.as_ref().err().map(|(v, _)| *v) {

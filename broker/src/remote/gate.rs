@@ -27,6 +27,13 @@ pub(super) struct Ticket {
     flying: u32,
 }
 
+impl Ticket {
+    /// Time since the request was let through (its answer's latency).
+    pub(super) fn elapsed(&self) -> Duration {
+        self.at.elapsed()
+    }
+}
+
 /// Requests in flight a store starts with: a plain HTTP server (Python's
 /// `http.server`, a small nginx) may take only a few connections at once;
 /// object stores soon earn their `requests` by slow start.
