@@ -906,6 +906,10 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
         body.contains("batchcast_stream_slots{stream=\"train\"} 6"),
         "{body}"
     );
+    assert!(
+        body.contains("# TYPE batchcast_consumer_taken_samples_total counter"),
+        "{body}"
+    );
     let stats = batchcast::StatsClient::connect(Some(sock.clone()))
         .unwrap()
         .fetch()

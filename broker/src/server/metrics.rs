@@ -259,7 +259,7 @@ static STREAM_METRICS: [Metric<StreamStats>; 11] = [
 
 /// Per consumer, labelled `stream`, `consumer` and `id`
 /// (`batchcast_consumer_NAME`).
-static CONSUMER_METRICS: [Metric<ConsumerStats>; 6] = [
+static CONSUMER_METRICS: [Metric<ConsumerStats>; 7] = [
     (
         "delivered_total",
         "counter",
@@ -271,6 +271,12 @@ static CONSUMER_METRICS: [Metric<ConsumerStats>; 6] = [
         "counter",
         "Samples sent to the consumer.",
         |c| c.samples as f64,
+    ),
+    (
+        "taken_samples_total",
+        "counter",
+        "Samples the consumer's program took, as its client reports (carried across broker restarts).",
+        |c| c.taken.samples as f64,
     ),
     ("held", "gauge", "Batches the consumer holds.", |c| {
         c.held as f64
