@@ -3,7 +3,7 @@
 //! then reading what it wrote. Every wait is bounded.
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::{ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use batchcast_broker::config::StreamToml;
@@ -313,6 +313,44 @@ fn launch_in_background(dir: &Path, sweep: &str) -> (common::Guard, String) {
         .spawn()
         .unwrap();
     (common::Guard(child), run.display().to_string())
+}
+
+/// Starts `batchcast launch` on `sweep` with its run folder `dir/run`,
+/// its output in `dir/launch.out`, `extra` arguments after.
+fn launch_to_file(dir: &Path, sweep: &str, extra: &[&str]) -> common::Guard {
+    let file = dir.join("sweep.toml");
+    std::fs::write(&file, sweep).unwrap();
+    common::Guard(
+        common::command(EXE)
+            .arg("launch")
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(dir.join("launch.out")).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Waits (bounded) for a launcher [`launch_to_file`] started: its exit
+/// status, its output and its summary.
+fn finish_launch(dir: &Path, launcher: &mut common::Guard) -> (ExitStatus, String, Summary) {
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < LIMIT, "the launcher did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stdout = std::fs::read_to_string(dir.join("launch.out")).unwrap();
+    let summary = std::fs::read_to_string(dir.join("run/summary.json"))
+        .map(|s| serde_json::from_str(&s).unwrap())
+        .unwrap_or_else(|e| panic!("no summary ({e}):\n{stdout}"));
+    (status, stdout, summary)
 }
 
 /// Processes whose command line or environment mentions `needle`.
@@ -866,23 +904,7 @@ command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect
 "#,
         socket = env.socket().display()
     );
-    let file = dir.path().join("sweep.toml");
-    std::fs::write(&file, sweep).unwrap();
-    let run = dir.path().join("run");
-    let out = dir.path().join("launch.out");
-    let launcher = common::Guard(
-        common::command(EXE)
-            .arg("launch")
-            .arg(&file)
-            .arg("--run-dir")
-            .arg(&run)
-            .args(["--status-every", "1"])
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&out).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut launcher = launch_to_file(dir.path(), &sweep, &["--status-every", "1"]);
     // Killed twice once all four read (the late one replayed to meanwhile).
     for round in 1..=2u64 {
         env.wait_for("every trainer reading", |s| {
@@ -892,19 +914,8 @@ command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect
         std::thread::sleep(Duration::from_millis(500 * round));
         env.restart_broker(true);
     }
-    let mut launcher = launcher;
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = launcher.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t0.elapsed() < LIMIT, "the launcher did not end");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let stdout = std::fs::read_to_string(&out).unwrap();
+    let (status, stdout, summary) = finish_launch(dir.path(), &mut launcher);
     assert!(status.success(), "{status}\n{stdout}");
-    let summary: Summary =
-        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
     let shared = &summary.shared;
     assert_eq!(shared.brokers[0].restarts, 2, "{stdout}");
     let restarts: Vec<usize> = stdout
@@ -1006,22 +1017,8 @@ command = ["{{batchcast}}", "consume", "--json", "--max-batches", "4"]
 "#,
             stream(12, "")
         );
-        let file = dir.path().join("sweep.toml");
-        std::fs::write(&file, sweep).unwrap();
+        let mut launcher = launch_to_file(dir.path(), &sweep, &[]);
         let run = dir.path().join("run");
-        let out = dir.path().join("launch.out");
-        let mut launcher = common::Guard(
-            common::command(EXE)
-                .arg("launch")
-                .arg(&file)
-                .arg("--run-dir")
-                .arg(&run)
-                .stdin(Stdio::null())
-                .stdout(std::fs::File::create(&out).unwrap())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
         // Killed once the short trainer is done and the others read on.
         let run_s = run.display().to_string();
         let t0 = Instant::now();
@@ -1036,17 +1033,7 @@ command = ["{{batchcast}}", "consume", "--json", "--max-batches", "4"]
         };
         std::thread::sleep(Duration::from_millis(300));
         harness::signal(pid, nix::sys::signal::Signal::SIGKILL);
-        let status = loop {
-            if let Some(s) = launcher.0.try_wait().unwrap() {
-                break s;
-            }
-            assert!(t0.elapsed() < LIMIT, "the launcher did not end");
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let stdout = std::fs::read_to_string(&out).unwrap();
-        let summary: Summary =
-            serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap())
-                .unwrap();
+        let (status, stdout, summary) = finish_launch(dir.path(), &mut launcher);
         let shared = &summary.shared;
         assert!(
             stdout.contains(&format!("the broker (pid {pid}) exited")),
