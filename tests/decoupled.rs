@@ -412,3 +412,106 @@ fn a_resume_on_a_finished_decoupled_stream_is_served_from_replay() {
     let r = report(env.consumer(&["--join", "now", "--verify"]));
     assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
 }
+
+/// 2,000 samples an epoch in units of 40 (50 units, the ring 12),
+/// decoupled: an epoch far longer than the ring, as a real dataset's is.
+fn long_epochs(epochs: u64) -> String {
+    common::small_images(40, 2000)
+        .epochs(epochs)
+        .key("drop_last", false)
+        .raw("pace = \"decoupled\"")
+        .to_toml()
+}
+
+/// Issue 49, item 8: a `join = "now"` trainer as fast as the others used
+/// to stay as far behind as it joined, never merge, and be replayed every
+/// sample it read. Now each epoch whose start the ring no longer holds it
+/// reads from where the shared stream is, and the part it missed after
+/// the epoch's end: every sample once an epoch, replayed only that part.
+#[test]
+fn a_joiner_as_fast_as_the_others_reads_each_epoch_rotated_and_replays_only_its_start() {
+    const EPOCHS: u64 = 3;
+    let env = Env::start(&long_epochs(EPOCHS));
+    let pace = ["--verify", "--sleep-ms", "10"];
+    let steady = env.consumer(&[&pace[..], &["--name", "steady"]].concat());
+    // Far enough in that the ring, 12 units ahead of the steady reader at
+    // most, no longer holds the epoch's start within half a ring.
+    env.wait_for("the steady reader to take 10 batches", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "steady" && c.taken.batches >= 10)
+    });
+    let late = env.consumer(&[&pace[..], &["--join", "now", "--name", "late"]].concat());
+    let steady = report(steady);
+    let late = report(late);
+    common::assert_every_epoch_whole(&steady, EPOCHS, 2000);
+    common::assert_every_epoch_whole(&late, EPOCHS, 2000);
+    assert!(late.rotated_epochs >= 1, "{late:#?}");
+    // Replayed: what it missed of each rotated epoch (at most the ring's
+    // lead and its own lag), not every sample.
+    let replayed = late.replayed_batches as f64 / late.batches as f64;
+    assert!(
+        replayed < 0.6,
+        "late: {} of {} batches replayed ({} epochs rotated)",
+        late.replayed_batches,
+        late.batches,
+        late.rotated_epochs
+    );
+}
+
+/// A rotated joiner's state names the rotation, and a resume from it
+/// reads the rest of that epoch in the same order: the epoch's part after
+/// the point, then its start, then whole epochs (every sample once).
+#[test]
+fn a_resume_from_a_rotated_state_goes_on_in_the_rotated_order() {
+    const EPOCHS: u64 = 2;
+    let env = Env::start(&long_epochs(EPOCHS));
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("late.json");
+    let file = state.to_str().unwrap();
+    let pace = ["--verify", "--sleep-ms", "10"];
+    let steady = env.consumer(&[&pace[..], &["--name", "steady"]].concat());
+    env.wait_for("the steady reader to take 10 batches", |s| {
+        s.streams[0]
+            .consumers
+            .iter()
+            .any(|c| c.name == "steady" && c.taken.batches >= 10)
+    });
+    // 20 batches: inside its first, rotated epoch.
+    let first = report(
+        env.consumer(
+            &[
+                &pace[..],
+                &["--join", "now", "--state-file", file, "--max-batches", "20"],
+            ]
+            .concat(),
+        ),
+    );
+    assert!(first.ok && first.rotated_epochs == 1, "{first:#?}");
+    let saved = batchcast_broker::consume::SavedState::load(&state).unwrap();
+    let rot = saved
+        .state
+        .rotation
+        .expect("a rotated epoch's state names it");
+    assert_eq!(rot.epoch, 0);
+    let resumed = report(env.consumer(&[&pace[..], &["--resume-state", file]].concat()));
+    report(steady);
+    // The epoch it was in carries on from the state's counts (read whole
+    // across the two processes); the next is its own, whole.
+    assert!(resumed.ok && resumed.ended, "{resumed:#?}");
+    assert_eq!(resumed.verify_failures, 0, "{resumed:#?}");
+    assert!(
+        resumed.order_errors.is_empty(),
+        "{:?}",
+        resumed.order_errors
+    );
+    let epochs: Vec<(u64, u64)> = resumed
+        .epochs
+        .iter()
+        .map(|e| (e.epoch, e.samples))
+        .collect();
+    assert_eq!(epochs, [(0, 2000), (1, 2000)], "{resumed:#?}");
+    assert_eq!(first.samples + resumed.samples, EPOCHS * 2000);
+    assert!(resumed.replayed_batches > 0, "{resumed:#?}");
+}

@@ -238,6 +238,9 @@ struct Consumer {
     allowance: usize,
     /// End of stream was sent.
     ended: bool,
+    /// Gets no batch of a later epoch ([`Hub::rejoin_through`]: it reads
+    /// this epoch's rest, and the part it missed comes replayed next).
+    through: Option<u64>,
     delivered: u64,
     /// Epoch of the batches being counted in `in_epoch`.
     cur_epoch: u64,
@@ -246,7 +249,12 @@ struct Consumer {
 
 impl Consumer {
     fn wants(&self, seq: u64, epoch: u64) -> bool {
-        !self.closing && !self.cut && !self.ended && seq >= self.floor && epoch >= self.start_epoch
+        !self.closing
+            && !self.cut
+            && !self.ended
+            && seq >= self.floor
+            && epoch >= self.start_epoch
+            && self.through.is_none_or(|t| epoch <= t)
     }
     /// How far behind the first unpublished batch `head` the oldest batch
     /// it owes is: what it keeps the ring from reusing (batches are slots

@@ -187,6 +187,10 @@ impl Consumer {
             d.set_item("round_epoch", g.round.epoch)?;
             d.set_item("round_sample", g.round.sample)?;
         }
+        if let Some(r) = s.rotation {
+            // Its epoch is read rotated: a resume goes on in that order.
+            d.set_item("rotated_at", r.at)?;
+        }
         Ok(d)
     }
 
@@ -296,6 +300,13 @@ fn state_from_dict(d: &Bound<'_, PyDict>) -> PyResult<batchcast::ConsumerState> 
                     epoch: get(d, "round_epoch", "an integer ≥ 0")?,
                     sample: get(d, "round_sample", "an integer ≥ 0")?,
                 },
+            }),
+        },
+        rotation: match d.get_item("rotated_at")? {
+            None => None,
+            Some(_) => Some(batchcast::rotation::Rotation {
+                epoch: get(d, "epoch", "an integer ≥ 0")?,
+                at: get(d, "rotated_at", "an integer ≥ 1")?,
             }),
         },
     })

@@ -19,6 +19,7 @@ mod options;
 pub(crate) use options::seconds;
 mod reconnect;
 mod replay;
+mod rotate;
 mod state;
 mod wait;
 
@@ -102,6 +103,8 @@ pub struct Consumer {
     started_at: Option<Position>,
     /// Where the next batch handed out begins (this consumer's state).
     next_at: Position,
+    /// Rotated epochs, as received and as handed out.
+    rotated: rotate::Rotated,
     /// The last epoch whose end was handed out.
     ended_epoch: Option<u64>,
     /// What it was asked for: a reconnect subscribes with it again.
@@ -145,6 +148,7 @@ impl Consumer {
             batch_size,
             drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
             resume,
+            rotation: resume.and(state.and_then(|s| s.rotation)).map(Box::new),
             expect: state.map(|s| s.digest),
             group: opts.group.clone().map(Box::new),
             serial: taken.serial,
@@ -223,6 +227,9 @@ impl Consumer {
                 epoch: start_epoch,
                 sample: 0,
             }),
+            rotated: rotate::Rotated::resumed(
+                resume.and(opts.state.as_ref().and_then(|s| s.rotation)),
+            ),
             ended_epoch: None,
             opts: opts.clone(),
             reconnects: 0,
@@ -256,6 +263,7 @@ impl Consumer {
             batch_size: w.batch_size,
             drop_last: w.drop_last,
             group,
+            rotation: self.rotated.of_state(self.next_at),
         }
     }
 

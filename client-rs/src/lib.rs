@@ -70,6 +70,7 @@ pub mod mailbox;
 pub mod parse;
 pub mod producer;
 pub mod proto;
+pub mod rotation;
 pub mod schema;
 pub mod shm;
 pub mod stats_client;

@@ -48,7 +48,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 19;
+pub const PROTOCOL_VERSION: u16 = 20;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -122,6 +122,14 @@ impl Position {
     }
 }
 
+/// Epoch `epoch` is read from sample `at` on, and its samples before `at`
+/// after its end (protocol 20; the order: [`crate::rotation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rotation {
+    pub epoch: u64,
+    pub at: u64,
+}
+
 /// A release's `seq` with this bit set gives back a replayed batch
 /// ([`ReplayReady::seq`]) rather than a unit of the shared stream.
 pub const REPLAYED: u64 = 1 << 63;
@@ -157,6 +165,9 @@ pub struct ConsumeRequest {
     /// is replayed, a position ahead of it is waited for. Overrides
     /// `join`.
     pub resume: Option<Position>,
+    /// With `resume`: its epoch is read rotated ([`crate::rotation`]), as
+    /// the consumer whose state this is was reading it (protocol 20).
+    pub rotation: Option<Box<Rotation>>,
     /// The stream's digest as this consumer was last served it (a
     /// checkpoint's state, a reconnect): the broker refuses the request,
     /// naming the parts that differ, if its stream now makes other data
@@ -449,6 +460,12 @@ pub enum ServerMsg {
     /// Decoupled pace: replay ends at this position (a batch boundary of
     /// this consumer's); the shared stream carries on from there.
     Merge(Position),
+    /// Decoupled pace (protocol 20): replay, which stands at the start of
+    /// this position's epoch, ends there; the shared stream carries the
+    /// epoch on from this position, and the epoch's samples before it
+    /// come replayed after its end ([`crate::rotation`]): a `Cut` at the
+    /// epoch's start follows the shared stream's `EndOfEpoch`.
+    Rotate(Position),
 }
 
 /// A batch recomputed for one consumer ([`JoinPolicy::Now`],

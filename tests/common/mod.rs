@@ -380,6 +380,7 @@ pub fn consume_request(window: u32) -> proto::ConsumeRequest {
         group: None,
         drop_last: None,
         resume: None,
+        rotation: None,
         stream: "train".into(),
         window,
         join: batchcast::JoinPolicy::Immediate,

@@ -13,15 +13,20 @@ impl Hub {
     /// (all still published: the caller checked): referenced and queued.
     pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
         let head = self.head();
+        let Some(c) = self.consumers.get_mut(&id) else {
+            return;
+        };
+        let through = c.through.unwrap_or(u64::MAX);
         for s in seq..head {
-            let slot = self.published[&s].slot as usize;
-            match &mut self.slots[slot] {
-                Slot::Published { refs, .. } => *refs += 1,
-                other => unreachable!("published batch {s} in slot {slot} in state {other:?}"),
+            let b = self.published[&s];
+            if b.epoch > through {
+                continue;
             }
-        }
-        if let Some(c) = self.consumers.get_mut(&id) {
-            c.queue.extend(seq..head);
+            c.queue.push_back(s);
+            match &mut self.slots[b.slot as usize] {
+                Slot::Published { refs, .. } => *refs += 1,
+                other => unreachable!("published batch {s} in slot {} in state {other:?}", b.slot),
+            }
         }
     }
 
@@ -110,6 +115,7 @@ impl Hub {
         };
         let c = self.consumers.get_mut(&id).expect("looked up above");
         c.cut = true;
+        c.through = None;
         c.held.retain(|s| !revoke.contains(s));
         let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
         for seq in dropped {
@@ -145,6 +151,19 @@ impl Hub {
     /// still published (nobody may reuse a slot it is to read) and it holds
     /// nothing from `seq` on.
     pub fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
+        self.rejoin_through(id, seq, None)
+    }
+
+    /// [`Hub::rejoin`], sent no batch of an epoch after `through` (a
+    /// rotated epoch: the consumer reads its rest, then is cut to be
+    /// replayed its start, see [`Hub::read_through`]); its end of stream
+    /// waits for that too.
+    pub fn rejoin_through(
+        &mut self,
+        id: ConsumerId,
+        seq: u64,
+        through: Option<u64>,
+    ) -> Result<(), HubError> {
         let head = self.head();
         let c = self
             .consumers
@@ -165,9 +184,44 @@ impl Hub {
         c.cut = false;
         c.floor = seq;
         c.start_epoch = epoch.expect("checked above");
+        c.through = through;
         self.owe_published(id, seq);
         self.pump();
         Ok(())
+    }
+
+    /// The oldest batch of `epoch` from seq `from` on, past the epoch's
+    /// first and at an index that `every` divides, with every batch from
+    /// there to the head still published: where a consumer may rotate
+    /// into that epoch ([`Hub::rejoin_through`]). Its seq and index.
+    pub fn rotation_point(&self, epoch: u64, from: u64, every: u64) -> Option<(u64, u64)> {
+        let head = self.head();
+        let mut found = None;
+        for s in (from..head).rev() {
+            let b = self.published.get(&s)?;
+            if b.epoch < self.live_epoch || b.epoch < epoch {
+                break;
+            }
+            if b.epoch == epoch && b.index > 0 && b.index.is_multiple_of(every.max(1)) {
+                found = Some((s, b.index));
+            }
+        }
+        found
+    }
+
+    /// Whether consumer `id`, rejoined through `epoch`, was sent all of
+    /// that epoch: nothing is queued for it, and every batch of the epoch
+    /// was published (the next to be made is of a later one, or the
+    /// stream is made to its end).
+    pub fn read_through(&self, id: ConsumerId, epoch: u64) -> bool {
+        let Some(c) = self.consumers.get(&id) else {
+            return false;
+        };
+        c.through == Some(epoch)
+            && !c.cut
+            && c.queue.is_empty()
+            && !self.inflight.values().any(|b| b.epoch <= epoch)
+            && self.next_epoch > epoch
     }
 
     /// Epoch and index of batch `seq`, if it is published, being made, or

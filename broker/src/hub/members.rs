@@ -72,6 +72,7 @@ impl Hub {
                 ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,
+                through: None,
                 in_epoch: 0,
             },
         );

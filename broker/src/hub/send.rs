@@ -183,6 +183,7 @@ impl Hub {
             && !c.ended
             && !c.closing
             && !c.cut
+            && c.through.is_none()
             && c.queue.is_empty()
             && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
         {

@@ -102,6 +102,8 @@ pub(super) struct Tally {
 pub(super) struct Merges {
     pub(super) cuts: u64,
     pub(super) merged_at: Position,
+    /// Epochs it was rotated into ([`super::rotate`]).
+    pub(super) rotations: u64,
 }
 
 /// Why a consumer is about to leave, once known; none means it
@@ -192,6 +194,7 @@ impl Conn {
             merges: Merges {
                 cuts: 0,
                 merged_at: start.anchor,
+                rotations: 0,
             },
             gpu: req.device.as_ref().map(|dev| dev.uuid),
             ending: None,

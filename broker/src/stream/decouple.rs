@@ -68,7 +68,7 @@ pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 /// Tells consumer `id` of a cut or a merge (`ServerMsg::Cut`/`Merge`): a
 /// notice in its mailbox (and a ring), or the message on its socket. A
 /// full mailbox ends that consumer (`false`).
-fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool {
+pub(super) fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool {
     let Some(conn) = inner.conns.get_mut(&id) else {
         return false;
     };
@@ -311,6 +311,7 @@ impl Stream {
             .filter(|(_, c)| c.ending.is_none() && c.replay.as_ref().is_some_and(|r| r.open()))
             .map(|(&id, _)| id)
             .collect();
+        self.replay_rotated_starts(inner);
         let mut merged = false;
         for id in open {
             merged |= self.merge(inner, id);
@@ -322,25 +323,34 @@ impl Stream {
 
     fn merge(&self, inner: &mut Inner, id: ConsumerId) -> bool {
         let unit = self.plan.schema.batch_size;
-        let Some(at) = inner
+        let Some((at, rotation)) = inner
             .conns
             .get(&id)
             .and_then(|c| c.replay.as_ref())
-            .map(|r| r.cursor)
+            .map(|r| (r.cursor, r.rotation))
         else {
             return false;
         };
-        let Some(seq) = inner.hub.seq_of(at.epoch, at.sample / unit) else {
+        // The part of a rotated epoch read last: the stream left it behind.
+        if rotation.is_some_and(|r| r.in_owed_part(at)) {
             return false;
-        };
+        }
         let (head, slots) = inner.hub.head_seq();
+        let near = inner
+            .hub
+            .seq_of(at.epoch, at.sample / unit)
+            .filter(|&seq| head.saturating_sub(seq) <= u64::from(slots / 2));
+        // An epoch's start the ring no longer holds near its head: the
+        // epoch is read from where the ring is, its start after its end.
+        let Some(seq) = near else {
+            return at.sample == 0 && self.rotate(inner, id, at);
+        };
         // It still holds units of the shared stream from before its cut: it
         // would pin the ring again at once.
         let holds = inner.hub.consumer_counts(id).is_none_or(|c| c.held > 0);
-        if holds
-            || head.saturating_sub(seq) > u64::from(slots / 2)
-            || inner.hub.rejoin(id, seq).is_err()
-        {
+        // Inside a rotated epoch's part read first: up to the epoch's end.
+        let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
+        if holds || inner.hub.rejoin_through(id, seq, through).is_err() {
             return false;
         }
         let conn = inner.conns.get_mut(&id).expect("listed above");

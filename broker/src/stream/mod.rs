@@ -53,6 +53,7 @@ mod mirror;
 mod outbox;
 mod port;
 mod replay;
+mod rotate;
 mod seats;
 mod shape;
 mod stats;

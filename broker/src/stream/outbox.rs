@@ -113,6 +113,7 @@ fn notice(msg: &ServerMsg) -> Option<Notice> {
         ServerMsg::Replay(r) => Some(Notice::Replay(*r)),
         ServerMsg::Cut(p) => Some(Notice::Cut(*p)),
         ServerMsg::Merge(p) => Some(Notice::Merge(*p)),
+        ServerMsg::Rotate(p) => Some(Notice::Rotate(*p)),
         _ => None,
     }
 }

@@ -72,6 +72,7 @@ fn request(join: JoinPolicy) -> ConsumeRequest {
         batch_size: None,
         drop_last: Some(false),
         resume: None,
+        rotation: None,
         window: 2,
         join,
         device: None,
@@ -214,7 +215,7 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
             Some(Notice::EndOfEpoch(_)) => {}
             Some(Notice::EndOfStream) => return seen,
             Some(Notice::Replay(r)) => panic!("replayed batch {r:?} without asking for replay"),
-            Some(n @ (Notice::Cut(_) | Notice::Merge(_))) => {
+            Some(n @ (Notice::Cut(_) | Notice::Merge(_) | Notice::Rotate(_))) => {
                 panic!("{n:?} in a lockstep stream")
             }
             None => mb.sleep_unless(Duration::from_millis(5), || false),

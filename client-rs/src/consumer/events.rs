@@ -69,7 +69,9 @@ impl Consumer {
             sample: run.first,
         };
         self.started_at.get_or_insert(at);
-        self.next_at = at.advance(run.samples, self.shared.welcome.schema.samples_per_epoch);
+        self.next_at = self
+            .rotated
+            .after(&run, self.shared.welcome.schema.samples_per_epoch);
         let taken = self.shared.taken.hand_out(run.samples, run.epoch);
         if let Some(mb) = &self.shared.mailbox {
             mb.note_taken(taken);
@@ -161,6 +163,10 @@ impl Consumer {
                 drop(b);
                 return self.take_merge(at);
             }
+            ServerMsg::Rotate(at) => {
+                drop(b);
+                return self.take_rotate(at);
+            }
             ServerMsg::EndOfEpoch(mut e) => {
                 if self.skip.is_some_and(|p| e.epoch < p.epoch) {
                     return Ok(()); // an epoch it replayed, or resumes past
@@ -178,7 +184,10 @@ impl Consumer {
                     self.next
                         .push_back(Next::Run(run, proto::monotonic_ns(), 0));
                 }
-                self.next.push_back(Next::EndOfEpoch(e));
+                // A rotated epoch ends after its start, replayed next.
+                if !self.rotated.holds_end_of(e.epoch) {
+                    self.next.push_back(Next::EndOfEpoch(e));
+                }
                 (0, 0)
             }
             ServerMsg::EndOfStream => {

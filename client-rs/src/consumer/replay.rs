@@ -19,6 +19,7 @@ use crate::batcher::Run;
 use crate::deal::Deal;
 use crate::error::{Error, Result};
 use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg};
+use crate::rotation::{self, Rotation};
 
 /// Replayed batches received and not yet handed out.
 #[derive(Debug)]
@@ -29,11 +30,14 @@ pub(super) struct Replaying {
     to: Option<Position>,
     /// Where the consumer began (for epochs' completeness).
     from: Position,
-    next_seq: u64,
+    pub(super) next_seq: u64,
     pub(super) queue: VecDeque<Next>,
     /// A group member's share: it is replayed its own runs only, and
     /// `at` stands at the start of its next one.
     deal: Option<Deal>,
+    /// `at`'s epoch, or a later one, is replayed rotated
+    /// ([`crate::rotation`]).
+    rotation: Option<Rotation>,
 }
 
 impl Replaying {
@@ -45,9 +49,25 @@ impl Replaying {
             next_seq: 0,
             queue: VecDeque::new(),
             deal,
+            rotation: None,
         };
         r.seek_own_run();
         r
+    }
+
+    /// An open stretch (a cut's, until the broker merges or rotates it).
+    pub(super) fn open(&self) -> bool {
+        self.to.is_none()
+    }
+
+    /// Where the next replayed batch must start.
+    pub(super) fn at(&self) -> Position {
+        self.at
+    }
+
+    /// The stretch ends at `to`.
+    pub(super) fn end_at(&mut self, to: Position) {
+        self.to = Some(to);
     }
 
     /// A group member's `at` moves to the start of its next own run (past
@@ -70,8 +90,8 @@ impl Replaying {
     fn expected(&self, size: u64, per_epoch: u64) -> (u64, bool) {
         match self.deal {
             None => {
-                let samples = size.min(per_epoch - self.at.sample);
-                (samples, self.at.sample + samples == per_epoch)
+                let step = rotation::step(self.at, size, per_epoch, self.rotation);
+                (step.samples, step.ends_epoch)
             }
             Some(deal) => deal
                 .next_own(self.at.sample)
@@ -137,7 +157,18 @@ impl Consumer {
             (at, std::mem::take(&mut b.totals))
         };
         shared.give_back(&give, totals)?;
-        if let Some((epoch, sample)) = at
+        // A rotated epoch's start, replayed after the shared stream's part
+        // (its batches all cut): the batcher stands past the epoch's end.
+        let rot = self
+            .rotated
+            .receiving
+            .take()
+            .filter(|r| r.epoch == restart.epoch);
+        let owed = rot.is_some_and(|r| {
+            r.owed_from() == restart && at.is_none_or(|(e, s)| (e, s) == (r.epoch + 1, 0))
+        });
+        if !owed
+            && let Some((epoch, sample)) = at
             && (Position { epoch, sample }) != restart
         {
             return Err(Error::Unexpected(format!(
@@ -149,8 +180,9 @@ impl Consumer {
             .replay_from
             .get_or_insert(self.started_at.unwrap_or(restart));
         tracing::debug!(?restart, "cut from the shared stream; replay follows");
+        // A rotated epoch's start is replayed after a later part of it.
         if let Some(r) = &self.replay
-            && (!r.received() || r.at > restart)
+            && (!r.received() || (r.at > restart && !owed))
         {
             return Err(Error::Unexpected(format!(
                 "cut at epoch {} sample {} before its last replay was all received",
@@ -165,9 +197,11 @@ impl Consumer {
             next_seq: self.replay_seq,
             queue: VecDeque::new(),
             deal,
+            rotation: None,
         });
         r.at = restart;
         r.to = None;
+        r.rotation = rot;
         r.seek_own_run();
         r.queue.extend(self.next.drain(..));
         Ok(())
@@ -187,6 +221,9 @@ impl Consumer {
             )));
         };
         r.to = Some(at);
+        // Merged inside a rotated epoch's part read first: the shared
+        // stream's end of it is not the epoch's.
+        self.rotated.receiving = r.rotation.filter(|rot| rot.epoch == at.epoch);
         if r.received() && r.queue.is_empty() {
             // Everything replayed was handed out already.
             self.replay_seq = r.next_seq;
@@ -236,8 +273,13 @@ impl Consumer {
             )));
         }
         r.next_seq += 1;
-        r.at = r.at.advance(m.samples, per_epoch);
-        r.seek_own_run();
+        if r.deal.is_some() {
+            r.at = r.at.advance(m.samples, per_epoch);
+            r.seek_own_run();
+        } else {
+            let step = rotation::step(r.at, m.samples, per_epoch, r.rotation);
+            (r.at, r.rotation) = (step.next, step.rotation);
+        }
         // A group member's runs are its batches: its share of the tail is
         // short, and dropped already with `drop_last` (never sent).
         let index = r.deal.and_then(|d| d.run_at(m.first)).map(|d| d.index);

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::proto::{Position, Seat, StreamDigest};
+use crate::rotation::Rotation;
 
 /// Where a consumer is: saved with a model checkpoint, given back as
 /// [`ConsumerOptions::state`](crate::ConsumerOptions::state) to resume
@@ -36,6 +37,10 @@ pub struct ConsumerState {
     /// batch) from any one member's state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupPlace>,
+    /// `position`'s epoch is being read rotated ([`crate::rotation`]): a
+    /// resume reads the rest of it in that order (protocol 20).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation: Option<Rotation>,
 }
 
 /// Where a group stands: saved by each member ([`ConsumerState::group`]).
@@ -119,6 +124,7 @@ mod tests {
                     sample: round.1,
                 },
             }),
+            rotation: None,
         }
     }
 

@@ -31,6 +31,7 @@ fn message(n: Notice) -> ServerMsg {
         Notice::Replay(r) => ServerMsg::Replay(r),
         Notice::Cut(p) => ServerMsg::Cut(p),
         Notice::Merge(p) => ServerMsg::Merge(p),
+        Notice::Rotate(p) => ServerMsg::Rotate(p),
     }
 }
 

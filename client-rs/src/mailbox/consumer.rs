@@ -122,6 +122,10 @@ impl ConsumerMailbox {
                 epoch: v[2],
                 sample: v[3],
             }),
+            KIND_ROTATE => Notice::Rotate(Position {
+                epoch: v[2],
+                sample: v[3],
+            }),
             k => {
                 return Err(Error::Unexpected(format!(
                     "mailbox: notice of unknown kind {k}"

@@ -92,6 +92,7 @@ const KIND_END_OF_STREAM: u64 = 3;
 const KIND_REPLAY: u64 = 4;
 const KIND_CUT: u64 = 5;
 const KIND_MERGE: u64 = 6;
+const KIND_ROTATE: u64 = 7;
 
 /// `cut` while the broker takes notices back.
 const CUT_UNDER_WAY: u64 = 1;
@@ -150,6 +151,8 @@ pub enum Notice {
     Cut(Position),
     /// See [`crate::proto::ServerMsg::Merge`].
     Merge(Position),
+    /// See [`crate::proto::ServerMsg::Rotate`].
+    Rotate(Position),
 }
 
 /// A consumer's running totals over its mailbox releases (ns), for stats.
@@ -357,6 +360,7 @@ impl BrokerMailbox {
             ],
             Notice::Cut(p) => [KIND_CUT, p.epoch, p.sample, 0, 0, 0, 0],
             Notice::Merge(p) => [KIND_MERGE, p.epoch, p.sample, 0, 0, 0, 0],
+            Notice::Rotate(p) => [KIND_ROTATE, p.epoch, p.sample, 0, 0, 0, 0],
         };
         for (i, v) in words.into_iter().enumerate() {
             w.notice(self.head, i + 1).store(v, Ordering::Relaxed);
@@ -366,7 +370,11 @@ impl BrokerMailbox {
         match *notice {
             Notice::Batch(b) => self.units.push_back((self.head, b.seq)),
             Notice::Replay(r) => self.units.push_back((self.head, r.seq | proto::REPLAYED)),
-            Notice::EndOfEpoch(_) | Notice::EndOfStream | Notice::Cut(_) | Notice::Merge(_) => {}
+            Notice::EndOfEpoch(_)
+            | Notice::EndOfStream
+            | Notice::Cut(_)
+            | Notice::Merge(_)
+            | Notice::Rotate(_) => {}
         }
         self.head += 1;
         Ok(())

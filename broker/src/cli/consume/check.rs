@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::collections::{HashSet, VecDeque};
 
 use batchcast::proto::EpochEnd;
+use batchcast::rotation::Rotation;
 use batchcast::schema::SourceInfo;
 use batchcast::synthetic::{SyntheticSpec, mix64};
 use batchcast::{Batch, JoinPolicy, Schema};
@@ -31,6 +32,9 @@ pub(super) struct Checker<'a> {
     /// `(seq, epoch, index)` of the last batch, and whether it was replayed.
     last: Option<(u64, u64, u64)>,
     last_replayed: bool,
+    /// The index of the epoch in progress's first batch: 0, or where a
+    /// rotated epoch began (its batches before come after its last).
+    epoch_start: u64,
     digest: u64,
     cur: EpochReport,
     /// Where the first batch must begin (`--resume`, `--resume-state`).
@@ -84,6 +88,7 @@ impl<'a> Checker<'a> {
             handoff: Histogram::default(),
             last: None,
             last_replayed: false,
+            epoch_start: 0,
             digest: 0,
             cur: EpochReport::new(u64::MAX),
             resume: args.resume,
@@ -100,6 +105,9 @@ impl<'a> Checker<'a> {
     pub(super) fn carry_on(&mut self, saved: super::SavedState) {
         let round = saved.state.group.as_ref().filter(|_| self.deal.is_some());
         self.resume = Some(round.map_or(saved.state.position, |g| g.round));
+        if let Some(r) = saved.state.rotation {
+            self.epoch_start = r.at / saved.state.batch_size.max(1);
+        }
         if saved.epoch.epoch == saved.state.position.epoch {
             self.carried = saved.epoch.batches;
             self.cur = saved.epoch;
@@ -126,10 +134,11 @@ impl<'a> Checker<'a> {
     /// Checks and counts one batch.
     /// `session`: the consumer's reconnects so far (a new subscription
     /// numbers its batches anew).
+    /// `rotation`: the consumer's after handing it out (its state's).
     pub(super) fn batch(
         &mut self,
         batch: &Batch,
-        session: u64,
+        (session, rotation): (u64, Option<Rotation>),
         report: &mut ConsumerReport,
     ) -> batchcast::Result<()> {
         if session != self.session {
@@ -139,7 +148,7 @@ impl<'a> Checker<'a> {
         self.handoff.record(batch.handoff_ns());
         report.wait_s += batch.wait_ns() as f64 * 1e-9;
         report.busy_s += batch.busy_ns() as f64 * 1e-9;
-        self.check_order(batch, report);
+        self.check_order(batch, rotation, report);
         if batch.epoch() != self.cur.epoch {
             self.close_epoch(report);
             self.cur = EpochReport::new(batch.epoch());
@@ -211,19 +220,34 @@ impl<'a> Checker<'a> {
         sample
     }
 
-    fn check_order(&mut self, batch: &Batch, report: &mut ConsumerReport) {
+    /// A rotated epoch ([`batchcast::rotation`]) runs from its first
+    /// batch's index to its last, then from 0 to just before it: each
+    /// batch once, and its consumer's state names the rotation.
+    fn check_order(
+        &mut self,
+        batch: &Batch,
+        rotation: Option<Rotation>,
+        report: &mut ConsumerReport,
+    ) {
         let (seq, epoch, index) = (batch.seq(), batch.epoch(), batch.index());
+        let rotated_here =
+            rotation.is_some_and(|r| r.epoch == epoch && r.at == batch.first_sample());
+        let new_epoch = self.last.is_none_or(|(_, pe, _)| pe != epoch);
         match self.last {
             Some((ps, pe, pi)) => {
-                let expect = if pi + 1 == self.batches_per_epoch {
-                    (pe + 1, 0)
-                } else {
-                    (pe, pi + 1)
+                let expect = match (pi + 1 == self.batches_per_epoch, self.epoch_start) {
+                    (true, 0) => (pe + 1, 0),
+                    (true, _) => (pe, 0),
+                    (false, s) if pi + 1 == s => (pe + 1, 0),
+                    (false, _) => (pe, pi + 1),
                 };
+                // A new epoch may begin rotated.
+                let as_expected =
+                    (epoch, index) == expect || (epoch == expect.0 && epoch != pe && rotated_here);
                 // Batches smaller than the stream's share its units' seq;
                 // replayed batches count seqs of their own.
                 let replay = batch.replayed() || self.last_replayed;
-                if (!replay && seq < ps) || (epoch, index) != expect {
+                if (!replay && seq < ps) || !as_expected {
                     report.order_errors.push(format!(
                         "batch ({epoch}, {index}) seq {seq} after ({pe}, {pi}) seq {ps}"
                     ));
@@ -239,12 +263,21 @@ impl<'a> Checker<'a> {
                     self.resume
                 ));
             }
-            None if self.resume.is_none() && self.join != JoinPolicy::Immediate && index != 0 => {
+            None if self.resume.is_none()
+                && self.join != JoinPolicy::Immediate
+                && index != 0
+                && !rotated_here =>
+            {
                 report.order_errors.push(format!(
                     "first batch is index {index} of epoch {epoch}, not the start of an epoch"
                 ));
             }
             None => {}
+        }
+        // A resume's first epoch keeps where its state says it began.
+        if new_epoch && (self.last.is_some() || rotated_here) {
+            self.epoch_start = if rotated_here { index } else { 0 };
+            report.rotated_epochs += u64::from(rotated_here);
         }
         self.last = Some((seq, epoch, index));
         self.last_replayed = batch.replayed();

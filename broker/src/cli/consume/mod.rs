@@ -297,6 +297,10 @@ pub struct ConsumerReport {
     /// Batches recomputed for it alone (`--join now`, `--resume`).
     #[serde(default)]
     pub replayed_batches: u64,
+    /// Epochs it read rotated ([`batchcast::rotation`]): from a later
+    /// batch on, their start after their end.
+    #[serde(default)]
+    pub rotated_epochs: u64,
     /// Times it subscribed again after the broker went away.
     #[serde(default)]
     pub reconnects: u64,
@@ -457,7 +461,8 @@ fn consume(
                 crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         report.reconnects = consumer.reconnects();
-        check.batch(&batch, consumer.reconnects(), report)?;
+        let rotation = consumer.state().rotation;
+        check.batch(&batch, (consumer.reconnects(), rotation), report)?;
         checkpoint(args.state_file.as_deref(), &consumer, &check)?;
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));

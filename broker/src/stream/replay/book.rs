@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use batchcast::deal::Deal;
 use batchcast::proto::{Position, ReplayGrant, ReplayReady};
+use batchcast::rotation::{self, Rotation};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
@@ -107,6 +108,7 @@ impl Prepared {
             slots: self.slots,
             per_epoch,
             cursor: from,
+            rotation: None,
             to: Some(to),
             limit,
             life,
@@ -136,6 +138,10 @@ pub(in crate::stream) struct Replay {
     /// cut consumer's until it merges back; never past `limit`, the
     /// stream's end).
     pub(in crate::stream) cursor: Position,
+    /// The cursor's epoch, or a later one, is read rotated
+    /// ([`batchcast::rotation`]): set when the consumer rotates into an
+    /// epoch (or resumes so), gone once the cursor passes its end.
+    pub(in crate::stream) rotation: Option<Rotation>,
     pub(in crate::stream) to: Option<Position>,
     limit: Position,
     pub(in crate::stream) life: ArenaLife,
@@ -242,8 +248,10 @@ impl Replay {
         let c = self.cursor;
         let (samples, ends_epoch) = match self.deal {
             None => {
-                let samples = self.batch.min(self.per_epoch - c.sample);
-                (samples, c.sample + samples == self.per_epoch)
+                let step = rotation::step(c, self.batch, self.per_epoch, self.rotation);
+                self.cursor = step.next;
+                self.rotation = step.rotation;
+                (step.samples, step.ends_epoch)
             }
             Some(deal) => {
                 let run = deal
@@ -254,13 +262,14 @@ impl Replay {
                 // replay ends within that epoch (its last run may lie
                 // before where it ends).
                 let later = self.end().epoch > c.epoch;
-                (run.end - run.start, later && deal.ends_epoch(&run))
+                let samples = run.end - run.start;
+                self.cursor = c.advance(samples, self.per_epoch);
+                self.seek_own_run();
+                (samples, later && deal.ends_epoch(&run))
             }
         };
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.cursor = c.advance(samples, self.per_epoch);
-        self.seek_own_run();
         self.live.insert(
             seq,
             Entry {

@@ -45,6 +45,7 @@ use std::time::Duration;
 use batchcast::JoinPolicy;
 use batchcast::deal::Deal;
 use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ServerMsg};
+use batchcast::rotation::Rotation;
 use batchcast::schema::Schema;
 
 use super::batches::replay_end;
@@ -61,15 +62,23 @@ use book::{ArenaLife, Prepared, Replay, ReplayJob};
 pub(super) enum ReplayFrom {
     /// `join = "now"`: the start of the epoch in progress.
     EpochStart,
-    /// `resume`: this position of the stream.
-    Resume(Position),
+    /// `resume`: this position of the stream, its epoch read rotated if
+    /// the state says so ([`batchcast::rotation`]).
+    Resume(Position, Option<Rotation>),
 }
 
 impl ReplayFrom {
     pub(super) fn resume(self) -> Option<Position> {
         match self {
             ReplayFrom::EpochStart => None,
-            ReplayFrom::Resume(p) => Some(p),
+            ReplayFrom::Resume(p, _) => Some(p),
+        }
+    }
+
+    fn rotation(self) -> Option<Rotation> {
+        match self {
+            ReplayFrom::EpochStart => None,
+            ReplayFrom::Resume(_, r) => r,
         }
     }
 }
@@ -82,7 +91,7 @@ impl Stream {
         req: &ConsumeRequest,
     ) -> Result<Option<ReplayFrom>, SubscribeError> {
         let wanted = match (req.resume, req.join) {
-            (Some(p), _) => Some(ReplayFrom::Resume(p)),
+            (Some(p), _) => Some(ReplayFrom::Resume(p, req.rotation.as_deref().copied())),
             (None, JoinPolicy::Now) => Some(ReplayFrom::EpochStart),
             (None, _) => None,
         };
@@ -134,7 +143,29 @@ impl Stream {
                 ));
             }
         }
+        if let Some(&r) = req.rotation.as_deref() {
+            self.check_rotation(r, req)?;
+        }
         Ok(wanted)
+    }
+
+    /// A resume in a rotated epoch ([`ConsumeRequest::rotation`]): of the
+    /// resume's epoch, inside it, for a plain host consumer of a stream
+    /// the broker computes (the part read last is replayed).
+    fn check_rotation(&self, r: Rotation, req: &ConsumeRequest) -> Result<(), SubscribeError> {
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        let fits = req.resume.is_some_and(|p| p.epoch == r.epoch)
+            && r.at > 0
+            && r.at < per_epoch
+            && req.group.is_none()
+            && self.writer.is_some();
+        if fits {
+            return Ok(());
+        }
+        Err(SubscribeError::Replay(ReplayError::Refused(format!(
+            "a state read rotated at epoch {} sample {}: only a resume in that epoch (of {per_epoch} samples an epoch), by a consumer outside a group, of a stream the broker computes, goes on in that order; resume from the next epoch's start instead",
+            r.epoch, r.at
+        ))))
     }
 
     /// Consumer `id` just joined: where the shared stream begins for it
@@ -199,9 +230,25 @@ impl Stream {
             }
         };
         // Decoupled: it starts cut. Lockstep: a joiner is waited for while
-        // it catches up (as long as its replay goes on, see `decouple`).
-        if kept && self.plan.pace == Pace::Decoupled && from < to {
-            return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
+        // it catches up (as long as its replay goes on, see `decouple`). A
+        // rotated resume starts cut under either pace: the part of its
+        // epoch it reads last is behind the stream whatever it is.
+        let rotation = replaying.and_then(ReplayFrom::rotation);
+        if kept && ((self.plan.pace == Pace::Decoupled && from < to) || rotation.is_some()) {
+            let mut started = self.start_cut(inner, id, prepared, (from, (batch, deal)), limit)?;
+            if let Some(r) = started.replay.as_mut() {
+                r.rotation = rotation;
+            }
+            return Ok(started);
+        }
+        if rotation.is_some() {
+            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+                "resuming a state read rotated at epoch {} sample {}: stream `{}` keeps no replay arena for this consumer (hold_limit_s = \"inf\" under lockstep, or the memory budget); resume from epoch {} sample 0",
+                from.epoch,
+                from.sample,
+                self.name(),
+                from.epoch + 1
+            ))));
         }
         let (replay, grant, fd) =
             prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;

@@ -1,0 +1,125 @@
+//! Rotated epochs ([`batchcast::rotation`]): a replayed consumer whose
+//! replay reaches an epoch's start that the ring no longer holds near its
+//! head (a `join = "now"` joiner, one cut and as fast as the others) does
+//! not replay the epoch in order, which it could never catch up from. It
+//! reads the epoch from the oldest unit the ring holds within the merge
+//! margin, at one of its batch boundaries, and the part it missed after
+//! the epoch's end, replayed: an epoch's start costs it once per epoch.
+//!
+//! # Rules
+//!
+//! * It rotates only where it would merge back (its replay's cursor is
+//!   the epoch's start, no `Merge` possible there), outside a group, in
+//!   host memory; the point is a multiple of its batch size and of the
+//!   stream's unit, past the epoch's first unit, within half the ring of
+//!   the head. None there: its replay goes on in order.
+//! * `Rotate(point)` ends its replay at the epoch's start; the hub re-joins
+//!   it at the point sending it nothing of a later epoch
+//!   ([`crate::hub::Hub::rejoin_through`]) and no end of stream.
+//! * Once it was sent the epoch's last unit (the stream made the epoch),
+//!   it is cut with nothing taken back (`Cut` at the epoch's start, after
+//!   everything it was sent) and replayed the epoch's samples before the
+//!   point, the last batch ending the epoch; at the next epoch's start the
+//!   merge rule applies again.
+//! * A cut in the part read first replays the rest of it, then the part
+//!   read last: the replay book walks the rotated order.
+
+use batchcast::proto::{Position, ServerMsg};
+use batchcast::rotation::Rotation;
+
+use super::decouple::notify;
+use super::deliver::settle;
+use super::{Inner, Stream};
+use crate::hub::ConsumerId;
+
+/// Greatest common divisor.
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl Stream {
+    /// Consumer `id`'s replay stands at `at`, an epoch's start the ring no
+    /// longer holds near its head: rotates it into that epoch if the ring
+    /// holds a point for it (see the module's rules). Whether it did.
+    pub(super) fn rotate(&self, inner: &mut Inner, id: ConsumerId, at: Position) -> bool {
+        let unit = self.plan.schema.batch_size;
+        let per_epoch = self.plan.schema.samples_per_epoch;
+        let Some(conn) = inner.conns.get(&id) else {
+            return false;
+        };
+        if conn.seat.is_some() || conn.gpu.is_some() || conn.ending.is_some() {
+            return false;
+        }
+        // Units from one of its batch boundaries: lcm(batch, unit) / unit.
+        let batch = conn.own.batch_size;
+        let every = batch / gcd(batch, unit).max(1);
+        let (head, slots) = inner.hub.head_seq();
+        let from = head.saturating_sub(u64::from(slots / 2));
+        let Some((seq, index)) = inner.hub.rotation_point(at.epoch, from, every) else {
+            return false;
+        };
+        let point = Position {
+            epoch: at.epoch,
+            sample: index * unit,
+        };
+        if point.sample >= per_epoch || inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
+            return false;
+        }
+        let conn = inner.conns.get_mut(&id).expect("looked up above");
+        if let Some(r) = conn.replay.as_mut() {
+            r.to = Some(at);
+            r.rotation = Some(Rotation {
+                epoch: at.epoch,
+                at: point.sample,
+            });
+        }
+        conn.own.shared.resume_at(point);
+        conn.merges.merged_at = point;
+        conn.merges.rotations += 1;
+        if !notify(inner, id, ServerMsg::Rotate(point)) {
+            return true;
+        }
+        tracing::info!(
+            stream = %self.name(),
+            consumer = id,
+            epoch = at.epoch,
+            from = point.sample,
+            "a replayed consumer reads this epoch from where the shared stream is, and its start after its end"
+        );
+        true
+    }
+
+    /// Cuts each rotated consumer the shared stream sent the whole rest of
+    /// its epoch, nothing taken back, to be replayed the epoch's start.
+    pub(super) fn replay_rotated_starts(&self, inner: &mut Inner) {
+        let due: Vec<(ConsumerId, Rotation)> = inner
+            .conns
+            .iter()
+            .filter(|(_, c)| c.ending.is_none())
+            // Its last replay all sent: the cut's notice must follow it.
+            .filter_map(|(&id, c)| {
+                let r = c.replay.as_ref().filter(|r| r.settled())?;
+                Some((id, r.rotation?))
+            })
+            .filter(|&(id, r)| inner.hub.read_through(id, r.epoch))
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        // What the hub sent them goes out before the cut's notice.
+        settle(inner, false);
+        for (id, rot) in due {
+            if inner.hub.cut(id, &[]).is_err() {
+                continue;
+            }
+            let from = rot.owed_from();
+            if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
+                r.reopen(from);
+            }
+            if notify(inner, id, ServerMsg::Cut(from)) {
+                tracing::debug!(stream = %self.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
+            }
+        }
+        self.work_cv.notify_all();
+    }
+}
