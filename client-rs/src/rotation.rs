@@ -20,8 +20,8 @@
 //!   consumer once in the epoch, however long the run (an unrotated joiner
 //!   as fast as the others never merges, and is replayed everything).
 
-pub use crate::proto::Rotation;
 use crate::proto::Position;
+pub use crate::proto::Rotation;
 
 /// One batch in a consumer's order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

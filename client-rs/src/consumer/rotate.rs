@@ -49,7 +49,13 @@ impl Rotated {
         };
         let step = rotation::step(at, run.samples, per_epoch, self.handing);
         self.handing = step.rotation;
-        self.start_of(step.next)
+        // Into a rotated epoch from the one before: it begins at its
+        // point (within it, its start is the part read last).
+        if step.next.epoch > run.epoch {
+            self.start_of(step.next)
+        } else {
+            step.next
+        }
     }
 
     /// `p`, or the rotation point if `p` is the start of a rotated epoch
