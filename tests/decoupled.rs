@@ -448,6 +448,14 @@ fn a_joiner_as_fast_as_the_others_reads_each_epoch_rotated_and_replays_only_its_
     common::assert_every_epoch_whole(&steady, EPOCHS, 2000);
     common::assert_every_epoch_whole(&late, EPOCHS, 2000);
     assert!(late.rotated_epochs >= 1, "{late:#?}");
+    // The broker counts the epochs it rotated it into, as the trainer saw.
+    let s = env.stats();
+    let broker_says = s.streams[0]
+        .past_consumers
+        .iter()
+        .find(|c| c.name == "late")
+        .map(|c| c.rotations);
+    assert_eq!(broker_says, Some(late.rotated_epochs), "{s:#?}");
     // Replayed: what it missed of each rotated epoch (at most the ring's
     // lead and its own lag), not every sample.
     let replayed = late.replayed_batches as f64 / late.batches as f64;

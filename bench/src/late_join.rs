@@ -29,7 +29,9 @@
 //! and a late one joining now, all with 50 ms steps, reading to the end of
 //! `--epochs` epochs. Bound: a complete first epoch costs the decode of the
 //! part of it the ring no longer holds, once; every later sample it reads
-//! from the shared stream costs nothing more. Measured: its samples, those
+//! from the shared stream costs nothing more; rotated epochs (an epoch's
+//! start the ring no longer holds read after its end) cost that start once
+//! an epoch. Measured: its samples, its epochs read rotated, those
 //! replayed for it, replayed per sample read (extra decodes per delivered
 //! sample: 0 when it reads only the shared stream, 1 when everything it
 //! read was decoded again for it), its cuts, and the pipeline's and the
@@ -304,18 +306,19 @@ fn run_decoupled(
 /// The decoupled table: for each position and ring size, one run.
 fn decoupled_table(a: &Args, exe: &Path, root: &Path) -> anyhow::Result<()> {
     println!(
-        "| slots | late joins at unit | its epochs, samples | replayed samples | replayed per sample read | cuts | steady trainers' samples/s | pipeline CPU (s) | replay CPU (s) |"
+        "| slots | late joins at unit | its epochs, samples | epochs rotated | replayed samples | replayed per sample read | cuts | steady trainers' samples/s | pipeline CPU (s) | replay CPU (s) |"
     );
-    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for &slots in &a.slots {
         for &at in &a.at {
             eprintln!("decoupled, {slots} slots, late at unit {at} ...");
             let d = run_decoupled(exe, root, at, slots, a.epochs)?;
             let samples = d.late.samples.max(1);
             println!(
-                "| {slots} | {at} of {UNITS_PER_EPOCH} | {}, {} | {} | {:.2} | {} | {:.0} | {:.2} | {:.2} |",
+                "| {slots} | {at} of {UNITS_PER_EPOCH} | {}, {} | {} | {} | {:.2} | {} | {:.0} | {:.2} | {:.2} |",
                 d.late.epochs.len(),
                 d.late.samples,
+                d.late.rotated_epochs,
                 d.replayed,
                 d.replayed as f64 / samples as f64,
                 d.cuts,

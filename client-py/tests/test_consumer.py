@@ -540,6 +540,46 @@ def test_a_slow_trainer_of_a_decoupled_stream_is_replayed_to_and_gets_the_same_b
     assert me["cuts"] >= 1 and me["replayed"] == 5 * sum(replayed), me
 
 
+def test_a_late_joiner_of_a_decoupled_stream_reads_rotated_epochs_and_its_state_resumes_them(start_broker):
+    # Epochs of 400 samples in units of 8 (50 units), a ring of 8: a trainer
+    # joining now 10 batches after a steady one, as fast, reads its first
+    # epoch from where the shared stream is and its start after its end
+    # (replayed), every sample once. Its state_dict() says so; a resume from
+    # it reads the rest of that epoch in the same order, then whole epochs.
+    broker = start_broker(synthetic(batch=8, length=400, epochs=2, slots=8, extra='pace = "decoupled"'))
+    steady = broker.rust_consumer("--verify", "--sleep-ms", "5", "--name", "steady")
+    broker.wait_for(
+        "the steady reader to take 10 batches",
+        lambda s: any(c["taken"]["batches"] >= 10 for st in s["streams"] for c in st["consumers"]),
+    )
+    seen = {0: [], 1: []}
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", join="now", name="late")
+    it = iter(c)
+    for _ in range(12):
+        batch = next(it)
+        seen[batch.epoch].append((batch.first_sample, len(batch), batch.replayed))
+        time.sleep(0.005)
+    state = c.state_dict()
+    assert state.get("rotated_at", 0) > 0, state
+    # It began at the rotation point, from the shared stream.
+    assert seen[0][0][0] == state["rotated_at"] and not seen[0][0][2], seen[0][:2]
+    del batch, it, c
+    c = batchcast.Consumer(socket=broker.socket, output="numpy", state=state, name="late-resumed")
+    for _ in range(2):  # the rest of epoch 0, then epoch 1
+        for batch in c:
+            seen[batch.epoch].append((batch.first_sample, len(batch), batch.replayed))
+            time.sleep(0.005)
+    assert report(steady)["ok"]
+    for epoch, batches in seen.items():
+        samples = [s for first, n, _ in batches for s in range(first, first + n)]
+        assert sorted(samples) == list(range(400)), (epoch, batches)
+    # Epoch 0 was read from the point to its end, then its start.
+    firsts = [first for first, _, _ in seen[0]]
+    at = state["rotated_at"]
+    assert firsts == list(range(at, 400, 8)) + list(range(0, at, 8)), firsts
+    assert all(r for first, _, r in seen[0] if first < at), "its start was replayed"
+
+
 def test_resume_starts_at_the_checkpoint_position(start_broker, tmp_path):
     broker = start_broker(synthetic(epochs=3, slots=6))
     dump = tmp_path / "rust"

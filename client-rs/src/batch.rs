@@ -288,9 +288,12 @@ impl Batch {
         self.run.first
     }
 
-    /// The position right after this batch: where a trainer that saves a
-    /// checkpoint after training on it resumes
-    /// ([`ConsumerOptions::resume`](crate::ConsumerOptions::resume)).
+    /// The position right after this batch in the stream's order: where a
+    /// trainer that saves a checkpoint after training on it resumes
+    /// ([`ConsumerOptions::resume`](crate::ConsumerOptions::resume)). In
+    /// an epoch read rotated ([`crate::rotation`]) a position alone does
+    /// not say the epoch's start is still to come: save
+    /// [`Consumer::state`](crate::Consumer::state), which does.
     pub fn next_position(&self) -> proto::Position {
         proto::Position {
             epoch: self.run.epoch,

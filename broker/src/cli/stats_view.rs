@@ -206,7 +206,7 @@ fn past_consumers(out: &mut String, past: &[batchcast::proto::ConsumerStats]) {
 fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats]) {
     let _ = writeln!(
         out,
-        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>5}  device",
+        "  {:>4}  {:<20} {:>8} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>5} {:>7}  device",
         "id",
         "name",
         "pid",
@@ -223,12 +223,13 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
         "stall",
         "hold s",
         "replayed",
-        "cuts"
+        "cuts",
+        "rotated"
     );
     for c in consumers {
         let _ = writeln!(
             out,
-            "  {} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5}  {}{}",
+            "  {} {:>6} {:>10} {:>10} {:>10} {:>5} {:>7} {:>6} {:>7} {:>6} {:>9.3} {:>6.1}% {:>9.3} {:>9} {:>5} {:>7}  {}{}",
             who(c),
             c.uid,
             c.batches,
@@ -244,6 +245,7 @@ fn consumer_table(out: &mut String, consumers: &[batchcast::proto::ConsumerStats
             c.hold_s,
             c.replayed,
             c.cuts,
+            c.rotations,
             c.device.as_deref().unwrap_or("cpu"),
             c.group
                 .as_deref()

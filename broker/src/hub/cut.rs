@@ -192,13 +192,17 @@ impl Hub {
 
     /// The oldest batch of `epoch` from seq `from` on, past the epoch's
     /// first and at an index that `every` divides, with every batch from
-    /// there to the head still published: where a consumer may rotate
+    /// there to the head still published (older ones, given back by every
+    /// reader, are not looked at): where a consumer may rotate
     /// into that epoch ([`Hub::rejoin_through`]). Its seq and index.
     pub fn rotation_point(&self, epoch: u64, from: u64, every: u64) -> Option<(u64, u64)> {
         let head = self.head();
         let mut found = None;
+        // Back from the head while every batch is still published.
         for s in (from..head).rev() {
-            let b = self.published.get(&s)?;
+            let Some(b) = self.published.get(&s) else {
+                break;
+            };
             if b.epoch < self.live_epoch || b.epoch < epoch {
                 break;
             }
@@ -207,6 +211,17 @@ impl Hub {
             }
         }
         found
+    }
+
+    /// The oldest batch a consumer reading the shared stream still holds or
+    /// is owed: the ring keeps everything from there to the head for its
+    /// members, so one merging back there pins nothing they do not.
+    pub fn members_tail(&self) -> Option<u64> {
+        self.consumers
+            .values()
+            .filter(|c| !c.cut && !c.closing && !c.ended)
+            .filter_map(|c| c.oldest_owed())
+            .min()
     }
 
     /// Whether consumer `id`, rejoined through `epoch`, was sent all of

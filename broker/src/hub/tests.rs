@@ -636,6 +636,58 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     h.check_invariants();
 }
 
+/// A rotated consumer (`rejoin_through`) is sent its epoch's rest and
+/// nothing of the next, not even the stream's end; `read_through` says
+/// when it has all of it; `rotation_point` finds where it may rotate.
+#[test]
+fn a_consumer_rejoined_through_an_epoch_gets_nothing_after_it() {
+    // Epochs of 4 batches, 2 of them, a ring of 6.
+    let mut h = hub(6, 4, Some(2), None);
+    let (fast, _) = h
+        .join_group(6, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    let (late, _) = h
+        .join_group(6, JoinPolicy::NextEpoch, None, Delivery::Ahead)
+        .unwrap();
+    assert_eq!(h.cut(late, &[]), Ok((0, 0)));
+    let ws: Vec<Work> = (0..3).map(|_| produce(&mut h).unwrap()).collect();
+    // Batches 1 and 2 of epoch 0 are live; every other index (2) only 2.
+    assert_eq!(h.rotation_point(0, 0, 1), Some((ws[1].seq, 1)));
+    assert_eq!(h.rotation_point(0, 0, 2), Some((ws[2].seq, 2)));
+    assert_eq!(h.rotation_point(0, ws[2].seq, 3), None);
+    assert_eq!(h.rotation_point(1, 0, 1), None, "no batch of epoch 1 yet");
+    h.rejoin_through(late, ws[2].seq, Some(0)).unwrap();
+    assert!(!h.read_through(late, 0), "batch 3 of epoch 0 is to come");
+    for w in &ws {
+        h.release(fast, w.seq).unwrap();
+    }
+    h.release(late, ws[2].seq).unwrap();
+    let rest: Vec<Work> = (0..5).map(|_| produce(&mut h).unwrap()).collect();
+    let out = h.take_outbound();
+    assert_eq!(batches(&out, late), vec![(0, 2), (0, 3)]);
+    assert!(
+        out.iter()
+            .any(|(id, o)| *id == late && matches!(o, Outbound::EndOfEpoch { epoch: 0, .. })),
+        "its epoch's end from the shared stream"
+    );
+    assert!(
+        !out.iter()
+            .any(|(id, o)| *id == late && *o == Outbound::EndOfStream)
+    );
+    assert!(h.read_through(late, 0));
+    assert!(!h.read_through(fast, 0), "not rejoined through an epoch");
+    // It owes nothing of epoch 1: the ring is the fast one's alone.
+    for w in &rest {
+        h.release(fast, w.seq).unwrap();
+    }
+    h.release(late, rest[0].seq).unwrap();
+    assert_eq!(h.counts().free, 6);
+    // Cut to be replayed its epoch's start: nothing to give back.
+    h.cut(late, &[]).unwrap();
+    assert!(!h.read_through(late, 0));
+    h.check_invariants();
+}
+
 /// `(seq, slot)` of every batch sent to `who`.
 fn sent(out: &[(ConsumerId, Outbound)], who: ConsumerId) -> Vec<(u64, SlotId)> {
     out.iter()

@@ -80,7 +80,7 @@ pub(super) fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool 
 }
 
 /// Shared units noticed to this consumer and not yet taken.
-fn unread(c: &mut Conn) -> usize {
+pub(super) fn unread(c: &mut Conn) -> usize {
     c.out.mailbox_mut().map_or(0, |mb| {
         mb.unread_units()
             .iter()
@@ -116,6 +116,15 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
             r.life == ArenaLife::WhileConnected && !r.running() && !r.open() && r.settled()
         })
         && (queued > 0 || unread(c) > 0)
+}
+
+/// The oldest unit a replayed consumer may merge back at: within half the
+/// ring of its head, room to keep up (merged further back, one that
+/// pauses would pin the ring, be cut and merge again at once, over and
+/// over).
+pub(super) fn merge_from(hub: &Hub) -> u64 {
+    let (head, slots) = hub.head_seq();
+    head.saturating_sub(u64::from(slots / 2))
 }
 
 impl Stream {
@@ -335,11 +344,11 @@ impl Stream {
         if rotation.is_some_and(|r| r.in_owed_part(at)) {
             return false;
         }
-        let (head, slots) = inner.hub.head_seq();
+        let from = merge_from(&inner.hub);
         let near = inner
             .hub
             .seq_of(at.epoch, at.sample / unit)
-            .filter(|&seq| head.saturating_sub(seq) <= u64::from(slots / 2));
+            .filter(|&seq| seq >= from);
         // An epoch's start the ring no longer holds near its head: the
         // epoch is read from where the ring is, its start after its end.
         let Some(seq) = near else {

@@ -11,13 +11,17 @@
 //! * It rotates only where it would merge back (its replay's cursor is
 //!   the epoch's start, no `Merge` possible there), outside a group, in
 //!   host memory; the point is a multiple of its batch size and of the
-//!   stream's unit, past the epoch's first unit, within half the ring of
-//!   the head. None there: its replay goes on in order.
+//!   stream's unit, past the epoch's first unit, the oldest such the ring
+//!   holds within half the ring of the head or from where the shared
+//!   stream's readers are (what the ring keeps for them anyway). None
+//!   there: its replay goes on in order.
 //! * `Rotate(point)` ends its replay at the epoch's start; the hub re-joins
 //!   it at the point sending it nothing of a later epoch
 //!   ([`crate::hub::Hub::rejoin_through`]) and no end of stream.
-//! * Once it was sent the epoch's last unit (the stream made the epoch),
-//!   it is cut with nothing taken back (`Cut` at the epoch's start, after
+//! * Once it was sent the epoch's last unit (the stream made the epoch)
+//!   and took every unit it was sent (a paused one would keep them from
+//!   the ring; it is cut as any member is instead), it is cut with nothing
+//!   taken back (`Cut` at the epoch's start, after
 //!   everything it was sent) and replayed the epoch's samples before the
 //!   point, the last batch ending the epoch; at the next epoch's start the
 //!   merge rule applies again.
@@ -27,7 +31,7 @@
 use batchcast::proto::{Position, ServerMsg};
 use batchcast::rotation::Rotation;
 
-use super::decouple::notify;
+use super::decouple::{merge_from, notify, unread};
 use super::deliver::settle;
 use super::{Inner, Stream};
 use crate::hub::ConsumerId;
@@ -53,8 +57,12 @@ impl Stream {
         // Units from one of its batch boundaries: lcm(batch, unit) / unit.
         let batch = conn.own.batch_size;
         let every = batch / gcd(batch, unit).max(1);
-        let (head, slots) = inner.hub.head_seq();
-        let from = head.saturating_sub(u64::from(slots / 2));
+        // Also where the shared stream's readers are, if further back (a
+        // ring larger than half an epoch runs that far ahead of them): the
+        // ring keeps that for them anyway, and a rotation happens once an
+        // epoch at most.
+        let room = merge_from(&inner.hub);
+        let from = inner.hub.members_tail().map_or(room, |t| t.min(room));
         let Some((seq, index)) = inner.hub.rotation_point(at.epoch, from, every) else {
             return false;
         };
@@ -92,17 +100,24 @@ impl Stream {
     /// Cuts each rotated consumer the shared stream sent the whole rest of
     /// its epoch, nothing taken back, to be replayed the epoch's start.
     pub(super) fn replay_rotated_starts(&self, inner: &mut Inner) {
-        let due: Vec<(ConsumerId, Rotation)> = inner
-            .conns
-            .iter()
-            .filter(|(_, c)| c.ending.is_none())
+        let Inner { hub, conns, .. } = &mut *inner;
+        let mut due: Vec<(ConsumerId, Rotation)> = Vec::new();
+        for (&id, c) in conns.iter_mut() {
             // Its last replay all sent: the cut's notice must follow it.
-            .filter_map(|(&id, c)| {
-                let r = c.replay.as_ref().filter(|r| r.settled())?;
-                Some((id, r.rotation?))
-            })
-            .filter(|&(id, r)| inner.hub.read_through(id, r.epoch))
-            .collect();
+            let Some(rot) = c
+                .replay
+                .as_ref()
+                .filter(|r| r.settled())
+                .and_then(|r| r.rotation)
+            else {
+                continue;
+            };
+            // It took every unit it was sent: a paused one that did not is
+            // cut as any member is, taking back what it did not take.
+            if c.ending.is_none() && hub.read_through(id, rot.epoch) && unread(c) == 0 {
+                due.push((id, rot));
+            }
+        }
         if due.is_empty() {
             return;
         }

@@ -152,6 +152,7 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         replayed: conn.tally.replayed,
         replay_cpu_s: conn.tally.replay_cpu.as_secs_f64(),
         cuts: conn.merges.cuts,
+        rotations: conn.merges.rotations,
         group: conn.seat.as_ref().map(super::seats::label),
         serial: conn.tally.serial,
         taken: conn

@@ -179,7 +179,10 @@ class Batch:
     @property
     def next_position(self) -> Tuple[int, int]:
         """``(epoch, sample)`` right after this batch: save it with a
-        checkpoint and pass it as ``Consumer(resume=...)`` to go on there."""
+        checkpoint and pass it as ``Consumer(resume=...)`` to go on there.
+        In an epoch read rotated (a late or replayed trainer on a decoupled
+        stream) a position alone does not say the epoch's start is still
+        to come: save :meth:`Consumer.state_dict`, which does."""
         return self._raw.next_position
 
     @property

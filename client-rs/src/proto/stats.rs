@@ -322,6 +322,10 @@ pub struct ConsumerStats {
     /// Decoupled pace: how often it fell a ring behind and was cut from
     /// the shared stream (replay followed).
     pub cuts: u64,
+    /// Epochs it was rotated into: read from where the shared stream was,
+    /// their start replayed after their end (protocol 20,
+    /// [`crate::rotation`]).
+    pub rotations: u64,
     /// Its seat in a group (`name rank/world`), if it took one (protocol 16).
     pub group: Option<String>,
     /// Its client's number for it in its process (see
@@ -373,6 +377,7 @@ mod tests {
             replayed: 0,
             replay_cpu_s: 0.0,
             cuts: 0,
+            rotations: 0,
             group: None,
             serial: 0,
             taken: Taken::default(),

@@ -394,13 +394,17 @@ pub(super) fn has_work(inner: &Inner) -> bool {
     inner.conns.values().any(wants_replay)
 }
 
-/// Whether some consumer is still being replayed to (its releases must be
-/// taken even while the shared pipeline has nothing to do).
+/// Whether some consumer is still being replayed to, or waits for its
+/// merge (its releases must be taken even while the shared pipeline has
+/// nothing to do: a merge waits until it holds nothing from before its
+/// cut, as a rotated consumer reading its epoch's shared part does while
+/// its start, replayed, is all made).
 pub(super) fn active(inner: &Inner) -> bool {
-    inner
-        .conns
-        .values()
-        .any(|c| c.replay.as_ref().is_some_and(Replay::running))
+    inner.conns.values().any(|c| {
+        c.replay
+            .as_ref()
+            .is_some_and(|r| r.running() || r.open() || r.in_flight() > 0)
+    })
 }
 
 /// A pipeline thread made replayed batch `seq` for consumer `id` (or
