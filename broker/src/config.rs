@@ -27,6 +27,7 @@
 //! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 30     # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
+//! rotate_epochs = true  # a replayed consumer may read an epoch from where the stream is, its start last
 //! min_consumers = 1
 //!
 //! [stream.synthetic]
@@ -243,6 +244,13 @@ with_source_keys! {
         /// (a producer's stream, a GPU consumer, a batch held); default
         /// 30 s, `inf` for no bound. Decoupled pace cuts at once.
         pub hold_limit_s: Option<f64>,
+        /// A replayed consumer (a late joiner, one cut) reads an epoch
+        /// whose start the ring no longer holds from where the shared
+        /// stream is and that start after its end (`true`, the default:
+        /// its start replayed, not the whole epoch), or always in the
+        /// stream's order (`false`: the same order on every run, whatever
+        /// the timing). See ARCHITECTURE "Rotated epochs".
+        pub rotate_epochs: Option<bool>,
         #[serde(default = "one")]
         pub min_consumers: u32,
         pub synthetic: Option<SyntheticConfig>,

@@ -518,7 +518,9 @@ def test_a_slow_trainer_of_a_decoupled_stream_is_replayed_to_and_gets_the_same_b
     # falls behind, is cut from the shared stream and replayed to, and
     # still reads every sample of every epoch once, in order, the same
     # bytes as the fast one, which is never replayed to.
-    broker = start_broker(synthetic(epochs=3, slots=8, min_consumers=2, extra='pace = "decoupled"'))
+    broker = start_broker(
+        synthetic(epochs=3, slots=8, min_consumers=2, extra='pace = "decoupled"\nrotate_epochs = false')
+    )
     dump = tmp_path / "rust"
     fast = broker.rust_consumer("--dump", str(dump), "--name", "fast")
     c = batchcast.Consumer(socket=broker.socket, output="numpy", batch_size=5, name="slow")
@@ -557,7 +559,7 @@ def test_a_late_joiner_of_a_decoupled_stream_reads_rotated_epochs_and_its_state_
     it = iter(c)
     for _ in range(12):
         batch = next(it)
-        seen[batch.epoch].append((batch.first_sample, len(batch), batch.replayed))
+        seen[batch.epoch].append((batch.first_sample, batch.samples, batch.replayed))
         time.sleep(0.005)
     state = c.state_dict()
     assert state.get("rotated_at", 0) > 0, state
@@ -567,7 +569,7 @@ def test_a_late_joiner_of_a_decoupled_stream_reads_rotated_epochs_and_its_state_
     c = batchcast.Consumer(socket=broker.socket, output="numpy", state=state, name="late-resumed")
     for _ in range(2):  # the rest of epoch 0, then epoch 1
         for batch in c:
-            seen[batch.epoch].append((batch.first_sample, len(batch), batch.replayed))
+            seen[batch.epoch].append((batch.first_sample, batch.samples, batch.replayed))
             time.sleep(0.005)
     assert report(steady)["ok"]
     for epoch, batches in seen.items():

@@ -60,7 +60,10 @@ horizontal_flip = 0.5
 
 
 def dec_config(dec_min: int) -> str:
-    """A finite decoupled synthetic stream waiting for `dec_min` consumers."""
+    """A finite decoupled synthetic stream waiting for `dec_min` consumers,
+    read in the stream's order (`rotate_epochs = false`: the checkpoint
+    test compares each epoch's digest, in order, with an uninterrupted
+    run's; a rotated epoch holds the same samples in another order)."""
     return f"""
 [[stream]]
 name = "dec"
@@ -73,6 +76,7 @@ drop_last = false
 workers = 2
 seed = 11
 pace = "decoupled"
+rotate_epochs = false
 [stream.synthetic]
 len = {SYNTHETIC_LEN}
 fill = "full"

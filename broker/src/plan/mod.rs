@@ -196,6 +196,9 @@ pub struct StreamPlan {
     /// (lockstep) or detached (it cannot be cut). `None`: no bound
     /// (`hold_limit_s = inf`).
     pub hold_limit: Option<Duration>,
+    /// Whether a replayed consumer may read an epoch rotated
+    /// (`rotate_epochs`, default true; see `stream/rotate.rs`).
+    pub rotate_epochs: bool,
     pub min_consumers: u32,
     /// Pipeline threads (0 for an external producer).
     pub workers: usize,
@@ -303,6 +306,7 @@ impl StreamPlan {
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
             hold_limit: Some(hold_limit),
+            rotate_epochs: false,
             drop_last: false,
             min_consumers: req.min_consumers,
             workers: 0,
@@ -484,6 +488,7 @@ fn plan_stream(
             Some(h) if h.is_finite() => Some(Duration::from_secs_f64(h)),
             Some(_) => None,
         },
+        rotate_epochs: s.rotate_epochs.unwrap_or(true),
         drop_last: s.drop_last,
         min_consumers: s.min_consumers,
         workers: s.workers.unwrap_or(default_workers),

@@ -51,7 +51,11 @@ impl Stream {
         let Some(conn) = inner.conns.get(&id) else {
             return false;
         };
-        if conn.seat.is_some() || conn.gpu.is_some() || conn.ending.is_some() {
+        if !self.plan.rotate_epochs
+            || conn.seat.is_some()
+            || conn.gpu.is_some()
+            || conn.ending.is_some()
+        {
             return false;
         }
         // Units from one of its batch boundaries: lcm(batch, unit) / unit.

@@ -569,14 +569,15 @@ class Consumer:
             self._last_return = now
             # The stream's last batch: nothing follows but its end markers,
             # so `ended` is true from now on (as documented), not only after
-            # one more call.
+            # one more call. In the consumer's order: a rotated last epoch
+            # ends with its start, so its position says, not the index.
             epochs = self.schema["epochs"]
-            if (
-                epochs is not None
-                and raw.epoch == epochs - 1
-                and raw.index == self._native.batches_per_epoch - 1
-            ):
-                self._ended = True
+            if epochs is not None and raw.epoch == epochs - 1:
+                state = self._native.state()
+                if ("rotated_at" not in state and raw.index == self._native.batches_per_epoch - 1) or state[
+                    "epoch"
+                ] == epochs:
+                    self._ended = True
             return Batch(raw, self)
         self._last_return = None
         if kind == "epoch_end":
