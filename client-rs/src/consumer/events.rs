@@ -5,11 +5,11 @@
 use std::sync::atomic::Ordering;
 
 use crate::batch::Batch;
-use crate::batcher::Unit;
+use crate::batcher::{Batcher, Unit};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::{Notice, Totals};
-use crate::proto::{self, Position, ServerMsg};
+use crate::proto::{self, EpochEnd, Position, ServerMsg};
 use crate::transport::{broker_error, goodbye_error, readable_within};
 
 use super::*;
@@ -126,6 +126,27 @@ impl Consumer {
         }
     }
 
+    /// The shared stream's end of epoch `e`: the batch being built is cut
+    /// short (or dropped), and the end follows it unless the epoch is read
+    /// rotated (its start, replayed, ends it).
+    fn end_epoch(&mut self, batcher: &mut Batcher, mut e: EpochEnd, give: &mut Vec<u64>) {
+        let start = Position {
+            epoch: e.epoch,
+            sample: 0,
+        };
+        if self.replay_from.is_some_and(|p| p <= start) {
+            e.complete = true; // its start was replayed
+        }
+        batcher.end_epoch(e.epoch, give);
+        while let Some(run) = batcher.pop() {
+            self.next
+                .push_back(Next::Run(run, proto::monotonic_ns(), 0));
+        }
+        if !self.rotated.holds_end_of(e.epoch) {
+            self.next.push_back(Next::EndOfEpoch(e));
+        }
+    }
+
     pub(super) fn take_message(&mut self, msg: ServerMsg) -> Result<()> {
         let mut give = Vec::new();
         let shared = self.shared.clone();
@@ -167,27 +188,11 @@ impl Consumer {
                 drop(b);
                 return self.take_rotate(at);
             }
-            ServerMsg::EndOfEpoch(mut e) => {
+            ServerMsg::EndOfEpoch(e) => {
                 if self.skip.is_some_and(|p| e.epoch < p.epoch) {
                     return Ok(()); // an epoch it replayed, or resumes past
                 }
-                if self.replay_from.is_some_and(|p| {
-                    p <= Position {
-                        epoch: e.epoch,
-                        sample: 0,
-                    }
-                }) {
-                    e.complete = true; // its start was replayed
-                }
-                b.batcher.end_epoch(e.epoch, &mut give);
-                while let Some(run) = b.batcher.pop() {
-                    self.next
-                        .push_back(Next::Run(run, proto::monotonic_ns(), 0));
-                }
-                // A rotated epoch ends after its start, replayed next.
-                if !self.rotated.holds_end_of(e.epoch) {
-                    self.next.push_back(Next::EndOfEpoch(e));
-                }
+                self.end_epoch(&mut b.batcher, e, &mut give);
                 (0, 0)
             }
             ServerMsg::EndOfStream => {

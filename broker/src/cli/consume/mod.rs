@@ -412,15 +412,14 @@ fn checkpoint(
     .save(path)
 }
 
-fn consume(
-    args: &ConsumeArgs,
-    opts: ConsumerOptions,
+/// What checks `consumer`'s batches: its arenas, batch size, share, and
+/// the epoch a saved state carries on.
+fn checker_for<'a>(
+    args: &'a ConsumeArgs,
+    consumer: &Consumer,
+    join: JoinPolicy,
     saved: Option<SavedState>,
-    report: &mut ConsumerReport,
-) -> batchcast::Result<()> {
-    let t0 = Instant::now();
-    let join = opts.join;
-    let mut consumer = Consumer::connect(opts)?;
+) -> batchcast::Result<Checker<'a>> {
     let arenas = [Some(consumer.arena()), consumer.replay_arena()]
         .into_iter()
         .flatten()
@@ -437,6 +436,19 @@ fn consume(
     if let Some(saved) = saved {
         check.carry_on(saved);
     }
+    Ok(check)
+}
+
+fn consume(
+    args: &ConsumeArgs,
+    opts: ConsumerOptions,
+    saved: Option<SavedState>,
+    report: &mut ConsumerReport,
+) -> batchcast::Result<()> {
+    let t0 = Instant::now();
+    let join = opts.join;
+    let mut consumer = Consumer::connect(opts)?;
+    let mut check = checker_for(args, &consumer, join, saved)?;
     let mut held: VecDeque<Batch> = VecDeque::new();
     let mut ends = 0u64;
     loop {
@@ -461,8 +473,11 @@ fn consume(
                 crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         report.reconnects = consumer.reconnects();
-        let rotation = consumer.state().rotation;
-        check.batch(&batch, (consumer.reconnects(), rotation), report)?;
+        check.batch(
+            &batch,
+            (consumer.reconnects(), consumer.state().rotation),
+            report,
+        )?;
         checkpoint(args.state_file.as_deref(), &consumer, &check)?;
         if args.sleep_ms > 0 {
             std::thread::sleep(Duration::from_millis(args.sleep_ms));

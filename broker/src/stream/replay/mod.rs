@@ -206,16 +206,16 @@ impl Stream {
                 ..Started::default()
             });
         };
+        if let Some(rot) = replaying.and_then(ReplayFrom::rotation) {
+            return self.start_rotated(inner, id, (prepared, kept), (from, rot), (batch, deal));
+        }
         // One that may be cut keeps its arena (a group member's too).
         let life = if kept {
             ArenaLife::WhileConnected
         } else {
             ArenaLife::UntilDone
         };
-        let limit = Position {
-            epoch: self.plan.epochs.unwrap_or(u64::MAX),
-            sample: 0,
-        };
+        let limit = self.stream_end();
         let per_epoch = self.plan.schema.samples_per_epoch;
         let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
             Some(to) => to,
@@ -230,25 +230,9 @@ impl Stream {
             }
         };
         // Decoupled: it starts cut. Lockstep: a joiner is waited for while
-        // it catches up (as long as its replay goes on, see `decouple`). A
-        // rotated resume starts cut under either pace: the part of its
-        // epoch it reads last is behind the stream whatever it is.
-        let rotation = replaying.and_then(ReplayFrom::rotation);
-        if kept && ((self.plan.pace == Pace::Decoupled && from < to) || rotation.is_some()) {
-            let mut started = self.start_cut(inner, id, prepared, (from, (batch, deal)), limit)?;
-            if let Some(r) = started.replay.as_mut() {
-                r.rotation = rotation;
-            }
-            return Ok(started);
-        }
-        if rotation.is_some() {
-            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                "resuming a state read rotated at epoch {} sample {}: stream `{}` keeps no replay arena for this consumer (hold_limit_s = \"inf\" under lockstep, or the memory budget); resume from epoch {} sample 0",
-                from.epoch,
-                from.sample,
-                self.name(),
-                from.epoch + 1
-            ))));
+        // it catches up (as long as its replay goes on, see `decouple`).
+        if kept && self.plan.pace == Pace::Decoupled && from < to {
+            return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
         }
         let (replay, grant, fd) =
             prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
@@ -263,6 +247,42 @@ impl Stream {
             anchor: from.min(to),
             cut: None,
         })
+    }
+
+    /// Where the stream ends (epochs past it are none).
+    fn stream_end(&self) -> Position {
+        Position {
+            epoch: self.plan.epochs.unwrap_or(u64::MAX),
+            sample: 0,
+        }
+    }
+
+    /// A resume inside a rotated epoch starts cut under either pace (the
+    /// part of the epoch it reads last is behind the stream whatever it
+    /// is), its replay walking the rotated order; refused where it keeps
+    /// no replay arena (it could not be replayed that part).
+    fn start_rotated(
+        &self,
+        inner: &mut Inner,
+        id: ConsumerId,
+        (prepared, kept): (Prepared, bool),
+        (from, rot): (Position, Rotation),
+        cut: (u64, Option<Deal>),
+    ) -> Result<Started, SubscribeError> {
+        if !kept {
+            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+                "resuming a state read rotated at epoch {} sample {}: stream `{}` keeps no replay arena for this consumer (hold_limit_s = \"inf\" under lockstep, or the memory budget); resume from epoch {} sample 0",
+                rot.epoch,
+                rot.at,
+                self.name(),
+                from.epoch + 1
+            ))));
+        }
+        let mut started = self.start_cut(inner, id, prepared, (from, cut), self.stream_end())?;
+        if let Some(r) = started.replay.as_mut() {
+            r.rotation = Some(rot);
+        }
+        Ok(started)
     }
 
     /// Decoupled pace: a consumer that needs replay to start at `from`
