@@ -6,9 +6,15 @@ an edge a -> b is any `crate::b` path, or `use crate::{b, ..}`, in a's
 non-test code), and between its files (every module file is a node; an
 edge a -> b is a `crate::`, `super::` or `self::` path in a's non-test
 code naming module b; a child naming its own ancestors is not counted).
+A Python package (a folder with `__init__.py`) is checked by file: an edge
+a -> b is any import of sibling module b in a, at the top or inside a
+function (a lazy import still runs a's code into b's); the package's own
+`__init__` is the root that composes the rest, so a module importing the
+package itself is not counted.
 Prints every circle found and exits 1; silent and 0 otherwise.
-Usage: module_cycles.py CRATE_SRC_DIR...
+Usage: module_cycles.py CRATE_SRC_DIR_OR_PYTHON_PACKAGE...
 """
+import ast
 import re
 import sys
 from pathlib import Path
@@ -140,9 +146,42 @@ def file_graph(src: Path) -> dict:
     return edges
 
 
+def python_graph(package: Path) -> dict:
+    """Module name -> the sibling modules it imports (``__init__`` as the
+    package's own name)."""
+    name = package.name
+    mods = {f.stem: f for f in package.glob("*.py")}
+    edges = {}
+    for stem, f in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level == 1 or (node.level == 0 and base.split(".")[0] == name):
+                    top = base.split(".")[1] if node.level == 0 and "." in base else base.split(".")[0]
+                    if node.level == 0 and "." not in base:
+                        top = ""
+                    if top:
+                        deps.add(top)
+                    else:  # `from . import a, b`
+                        deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    parts = a.name.split(".")
+                    if parts[0] == name and len(parts) > 1:
+                        deps.add(parts[1])
+        edges[stem] = {d for d in deps if d in mods and d not in (stem, "__init__")}
+    return edges
+
+
 def main() -> int:
     bad = 0
     for arg in sys.argv[1:]:
+        if (Path(arg) / "__init__.py").exists():
+            for cyc in cycles(python_graph(Path(arg))):
+                print(f"{arg}: python import circle: {' -> '.join(cyc)}")
+                bad += 1
+            continue
         for cyc in cycles(graph(Path(arg))):
             print(f"{arg}: module import circle: {' -> '.join(cyc)}")
             bad += 1

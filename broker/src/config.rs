@@ -331,7 +331,7 @@ pub enum Pace {
 pub struct ImageFolderConfig {
     /// A folder, or a URL: `s3://bucket/prefix/`, `gs://`, `az://`,
     /// `http(s)://` (with a manifest unless the server lists: WebDAV).
-    pub root: PathBuf,
+    pub root: String,
     /// A remote folder's list of files (`class/name.jpg` per line,
     /// relative to `root`): a URL, or a name under `root`. Plain HTTP
     /// servers cannot list.

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{invalid, parse_error, to_py};
-use crate::{TICK, dlpack, lock, schema_dict};
+use crate::{TICK, args, dlpack, lock, schema_dict};
 
 use crate::batch::Batch;
 
@@ -33,60 +33,62 @@ pub(crate) struct Consumer {
 #[pymethods]
 impl Consumer {
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=2, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None, group=None, rank=None, world=None, replicate=1))]
+    #[pyo3(signature = (stream, socket=None, window=None, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None, group=None, rank=None, world=None, replicate=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         stream: String,
         socket: Option<PathBuf>,
-        window: i64,
+        window: Option<Bound<'_, PyAny>>,
         join: &str,
         name: Option<String>,
         connect_timeout: f64,
         device: &str,
         broker_uid: Option<u32>,
-        batch_size: Option<i64>,
+        batch_size: Option<Bound<'_, PyAny>>,
         drop_last: Option<bool>,
-        resume: Option<(u64, u64)>,
-        state: Option<Bound<'_, PyDict>>,
+        resume: Option<Bound<'_, PyAny>>,
+        state: Option<Bound<'_, PyAny>>,
         reconnect_timeout: Option<f64>,
         group: Option<String>,
-        rank: Option<u32>,
-        world: Option<u32>,
-        replicate: u32,
+        rank: Option<Bound<'_, PyAny>>,
+        world: Option<Bound<'_, PyAny>>,
+        replicate: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Consumer> {
-        // The rules on these are ConsumerOptions' (`validate`, on
-        // connecting): a count below 1 is passed as 0, which it refuses.
-        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        if state.is_some() && resume.is_some() {
+            return Err(invalid(
+                "give state= or resume=, not both (a state carries its position)",
+            ));
+        }
         let device: batchcast::Device = device.parse().map_err(parse_error)?;
         let join: JoinPolicy = join.parse().map_err(parse_error)?;
-        if !(connect_timeout.is_finite() && connect_timeout >= 0.0) {
-            return Err(invalid(format!(
-                "connect_timeout={connect_timeout} must be a number of seconds ≥ 0"
-            )));
-        }
         let mut opts = batchcast::ConsumerOptions {
             socket,
             stream,
-            window: u32::try_from(count(window)).unwrap_or(u32::MAX),
             join,
-            connect_timeout: Duration::from_secs_f64(connect_timeout),
+            connect_timeout: args::seconds("connect_timeout", connect_timeout)?,
             device,
             broker_uid,
             ..Default::default()
         };
+        if let Some(w) = &window {
+            opts.window = u32::try_from(args::size("window", w)?).unwrap_or(u32::MAX);
+        }
         if let Some(n) = name {
             opts.name = n;
         }
         if let Some(n) = batch_size {
-            opts.batch_size = Some(count(n));
+            opts.batch_size = Some(args::size("batch_size", &n)?);
         }
         opts.drop_last = drop_last;
-        opts.resume = resume.map(|(epoch, sample)| batchcast::proto::Position { epoch, sample });
-        opts.state = state.as_ref().map(state_from_dict).transpose()?;
-        if let Some(t) = reconnect_timeout {
-            opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
+        opts.resume = resume.as_ref().map(args::position).transpose()?;
+        if let Some(state) = &state {
+            opts.state = Some(state_from_dict(&args::state(state)?)?);
         }
+        if let Some(t) = reconnect_timeout {
+            opts.reconnect_timeout = args::seconds("reconnect_timeout", t)?;
+        }
+        let (rank, world, replicate) = args::seat_numbers(rank, world, replicate)?;
         // Without group=, the default's: $BATCHCAST_GROUP's seat, if set.
         if let Some(name) = group {
             opts.group = Some(seat(name, (rank, world), replicate)?);
@@ -328,10 +330,8 @@ fn seat(
         }),
         (None, None) => Ok(batchcast::proto::Seat {
             replicate,
-            ..batchcast::group_from_env(&name).map_err(invalid)?
+            ..batchcast::group_from_env(&name).map_err(|e| invalid(e.to_string()))?
         }),
-        _ => Err(invalid(
-            "give rank= and world= together, or neither (from torchrun's or Slurm's environment)",
-        )),
+        _ => Err(invalid(batchcast::proto::SeatError::HalfGiven.to_string())),
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! Here: the module's registration and what the classes share; the classes
 //! in `consumer.rs`, `batch.rs` (`Batch`, `DLField`) and `producer.rs`;
-//! errors to exceptions in `errors.rs`, DLPack's C structs in `dlpack.rs`.
+//! errors to exceptions in `errors.rs`, the checks on arguments in
+//! `args.rs`, DLPack's C structs in `dlpack.rs`.
 
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
@@ -19,6 +20,7 @@ use batchcast::schema::SourceInfo;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+mod args;
 mod batch;
 mod consumer;
 mod dlpack;
@@ -33,16 +35,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The schema as plain Python data.
-/// A non-negative, finite number of seconds given as argument `name`.
-fn seconds(name: &str, t: f64) -> PyResult<std::time::Duration> {
-    if !(t.is_finite() && t >= 0.0) {
-        return Err(errors::invalid(format!(
-            "{name}={t} must be a number of seconds ≥ 0"
-        )));
-    }
-    Ok(std::time::Duration::from_secs_f64(t))
-}
-
 fn schema_dict<'py>(py: Python<'py>, s: &Schema) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let fields = PyList::empty(py);

@@ -80,17 +80,17 @@ impl Producer {
         r.min_consumers = min_consumers;
         r.lag_limit = lag_limit;
         r.hold_limit_ms = hold_limit_s
-            .map(|s| crate::seconds("hold_limit_s", s).map(|d| d.as_millis() as u64))
+            .map(|s| crate::args::seconds("hold_limit_s", s).map(|d| d.as_millis() as u64))
             .transpose()?;
         r.description = description;
         r.classes = classes;
         opts.socket = socket;
-        opts.connect_timeout = crate::seconds("connect_timeout", connect_timeout)?;
+        opts.connect_timeout = crate::args::seconds("connect_timeout", connect_timeout)?;
         if let Some(t) = reconnect_timeout {
-            opts.reconnect_timeout = crate::seconds("reconnect_timeout", t)?;
+            opts.reconnect_timeout = crate::args::seconds("reconnect_timeout", t)?;
         }
         if let Some(t) = rejoin_grace {
-            opts.rejoin_grace = crate::seconds("rejoin_grace", t)?;
+            opts.rejoin_grace = crate::args::seconds("rejoin_grace", t)?;
         }
         opts.broker_uid = broker_uid;
         if let Some(n) = name {

@@ -39,12 +39,14 @@ mod frame;
 mod names;
 mod position;
 mod preamble;
+mod seat;
 mod stats;
 pub use digest::*;
 pub use frame::*;
 pub use names::*;
 pub use position::*;
 pub use preamble::*;
+pub use seat::*;
 pub use stats::*;
 
 /// Version of this protocol. Bump on any incompatible change to a message;
@@ -173,59 +175,6 @@ impl Taken {
             samples: self.samples.max(o.samples),
             epoch: self.epoch.max(o.epoch),
         }
-    }
-}
-
-/// A consumer's seat in a group: the group's name (unique per stream),
-/// its rank, the group's world size, and how many consecutive ranks
-/// share one data rank (`replicate`, 1: none).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Seat {
-    pub name: String,
-    pub rank: u32,
-    pub world: u32,
-    pub replicate: u32,
-}
-
-/// The largest group a stream seats.
-pub const MAX_WORLD: u32 = 4096;
-
-impl Seat {
-    /// Checks the seat alone (the broker checks it against the group's
-    /// other members).
-    pub fn validate(&self) -> Result<(), String> {
-        check_text(
-            "a group's name",
-            &self.name,
-            MAX_NAME_BYTES,
-            "a shorter name",
-        )
-        .map_err(|e| e.to_string())?;
-        if self.name.is_empty() {
-            return Err("a group needs a name".into());
-        }
-        if self.world == 0 || self.world > MAX_WORLD {
-            return Err(format!(
-                "group `{}`: world {} must be 1 to {MAX_WORLD}",
-                self.name, self.world
-            ));
-        }
-        if self.rank >= self.world {
-            return Err(format!(
-                "group `{}`: rank {} outside its world of {} (ranks 0 to {})",
-                self.name,
-                self.rank,
-                self.world,
-                self.world - 1
-            ));
-        }
-        if self.replicate == 0 || !self.world.is_multiple_of(self.replicate) {
-            return Err(format!(
-                "group `{}`: replicate {} must divide its world of {}",
-                self.name, self.replicate, self.world
-            ));
-        }
-        Ok(())
     }
 }
 

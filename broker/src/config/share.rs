@@ -39,34 +39,44 @@ pub(super) fn world_size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Erro
 
 struct Count(Which);
 
+/// Why a share could not be read from the environment.
+#[derive(Debug, thiserror::Error)]
+enum ShareError {
+    #[error(
+        "${0} is not set in the broker's environment (start the broker where the launcher sets it, or give a number)"
+    )]
+    Unset(String),
+    #[error("${name}={value:?} is not a count")]
+    NotACount { name: String, value: String },
+    #[error("$WORLD_SIZE={all} is not a whole number of nodes of $LOCAL_WORLD_SIZE={local}")]
+    NotWholeNodes { all: u64, local: u64 },
+    #[error("unknown preset {0:?}: give a number, {{ env = \"VAR\" }}, \"torchrun\" or \"slurm\"")]
+    UnknownPreset(String),
+}
+
 /// `$name` as a count, or what is wrong with it.
-fn var(name: &str) -> Result<u64, String> {
-    let v = std::env::var(name).map_err(|_| {
-        format!("${name} is not set in the broker's environment (start the broker where the launcher sets it, or give a number)")
-    })?;
-    v.trim()
-        .parse()
-        .map_err(|_| format!("${name}={v:?} is not a count"))
+fn var(name: &str) -> Result<u64, ShareError> {
+    let v = std::env::var(name).map_err(|_| ShareError::Unset(name.into()))?;
+    v.trim().parse().map_err(|_| ShareError::NotACount {
+        name: name.into(),
+        value: v.clone(),
+    })
 }
 
 impl Count {
-    fn preset(&self, preset: &str) -> Result<u64, String> {
+    fn preset(&self, preset: &str) -> Result<u64, ShareError> {
         match (preset, self.0) {
             ("torchrun", Which::Rank) => var("GROUP_RANK"),
             ("torchrun", Which::WorldSize) => {
                 let (all, local) = (var("WORLD_SIZE")?, var("LOCAL_WORLD_SIZE")?);
                 if local == 0 || all % local != 0 {
-                    return Err(format!(
-                        "$WORLD_SIZE={all} is not a whole number of nodes of $LOCAL_WORLD_SIZE={local}"
-                    ));
+                    return Err(ShareError::NotWholeNodes { all, local });
                 }
                 Ok(all / local)
             }
             ("slurm", Which::Rank) => var("SLURM_NODEID"),
             ("slurm", Which::WorldSize) => var("SLURM_NNODES"),
-            (other, _) => Err(format!(
-                "unknown preset {other:?}: give a number, {{ env = \"VAR\" }}, \"torchrun\" or \"slurm\""
-            )),
+            (other, _) => Err(ShareError::UnknownPreset(other.into())),
         }
     }
 }

@@ -13,9 +13,10 @@ use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
 use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{self, Dataset, expand_pattern};
+use crate::pipeline::dataset::{DatasetError, DatasetRoot};
 use crate::pipeline::sampler::{Split, Uneven};
 use crate::pipeline::transform::{Border, Crop, Geometry, PaddingMode, Resize, Transform};
-use crate::remote::url::is_url;
+use crate::remote::RemoteError;
 
 fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
     let positive = |what: &'static str, (h, w): (u32, u32)| {
@@ -224,12 +225,14 @@ fn transform_of(s: &StreamConfig) -> Result<Transform, StreamError> {
 /// Lists the dataset (ImageFolder or tar shards, local or at a URL)
 /// named by the config.
 fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamError> {
-    let at_url = match (&s.image_folder, &s.webdataset) {
-        (Some(f), _) => is_url(&f.root.to_string_lossy()),
-        (_, Some(w)) => is_url(&w.shards),
-        _ => false,
+    let text = match (&s.image_folder, &s.webdataset) {
+        (Some(f), _) => f.root.clone(),
+        (_, Some(w)) => w.shards.clone(),
+        _ => return Err(StreamError::NoSource),
     };
-    if !at_url && s.remote.is_some() {
+    // Told apart once: everything below takes the parsed root.
+    let root = DatasetRoot::parse(&text).map_err(|e| DatasetError::from(RemoteError::from(e)))?;
+    if root.remote().is_none() && s.remote.is_some() {
         return Err(key(
             "remote",
             "a [stream.remote] table with a local dataset does nothing: remove it, or give the dataset as a URL (s3://, gs://, az://, http(s)://)",
@@ -237,31 +240,15 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
     }
     if let Some(f) = &s.image_folder
         && f.manifest.is_some()
-        && !at_url
+        && root.remote().is_none()
     {
         return Err(key(
             "image_folder.manifest",
             "a manifest lists a remote folder (a plain HTTP server cannot); a local folder is listed by reading it: remove the key",
         ));
     }
-    let remote = if at_url {
-        Some(super::remote::settings(s)?)
-    } else {
-        None
-    };
-    Ok(match (&s.image_folder, &s.webdataset) {
-        (Some(f), _) => match &remote {
-            Some(r) => (
-                dataset::remote::image_folder(&f.root.to_string_lossy(), f.manifest.as_deref(), r)?,
-                None,
-            ),
-            None => (
-                Dataset::image_folder(Path::new(&expand_home(&f.root.to_string_lossy())))?,
-                None,
-            ),
-        },
-        (_, Some(w)) => {
-            let strict = s.on_error == crate::pipeline::OnError::Fail;
+    let shuffle_buffer = match &s.webdataset {
+        Some(w) => {
             within(
                 "webdataset.shuffle_buffer",
                 w.shuffle_buffer,
@@ -269,21 +256,25 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
                 MAX_SHUFFLE_BUFFER,
                 "samples held to shuffle tar shards",
             )?;
-            if let Some(r) = &remote {
-                return Ok((
-                    dataset::remote::webdataset(&w.shards, r, strict)?,
-                    Some(w.shuffle_buffer),
-                ));
-            }
-            let shards = expand_home(&w.shards);
-            let paths = expand_pattern(&shards)?;
-            (
-                Dataset::webdataset(&shards, &paths, strict)?,
-                Some(w.shuffle_buffer),
-            )
+            Some(w.shuffle_buffer)
         }
-        _ => return Err(StreamError::NoSource),
-    })
+        None => None,
+    };
+    let strict = s.on_error == crate::pipeline::OnError::Fail;
+    let manifest = s.image_folder.as_ref().map(|f| f.manifest.as_deref());
+    let dataset = match (&root, manifest) {
+        (DatasetRoot::Remote(url), Some(manifest)) => {
+            dataset::remote::image_folder(url, manifest, &super::remote::settings(s, url)?)?
+        }
+        (DatasetRoot::Remote(url), None) => {
+            dataset::remote::webdataset(url, &super::remote::settings(s, url)?, strict)?
+        }
+        (DatasetRoot::Local(path), Some(_)) => Dataset::image_folder(Path::new(path))?,
+        (DatasetRoot::Local(shards), None) => {
+            Dataset::webdataset(shards, &expand_pattern(shards)?, strict)?
+        }
+    };
+    Ok((dataset, shuffle_buffer))
 }
 
 /// `listed`: the dataset already listed (by another stream of a shared
@@ -365,12 +356,4 @@ pub(super) fn image_source(
         })),
         info,
     })
-}
-
-/// A leading `~/` in a dataset path is the user's home folder (`$HOME`).
-fn expand_home(path: &str) -> String {
-    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
-        (Some(rest), Some(home)) => Path::new(&home).join(rest).to_string_lossy().into_owned(),
-        _ => path.to_string(),
-    }
 }

@@ -9,6 +9,7 @@ use super::checks::within;
 use crate::config::{RemoteConfig, StreamConfig};
 use crate::remote::Settings;
 use crate::remote::fetch::Limits;
+use crate::remote::url::{RemoteUrl, Scheme};
 
 /// Most requests in flight for one dataset.
 pub const MAX_REQUESTS: u32 = 256;
@@ -16,15 +17,10 @@ pub const MAX_REQUESTS: u32 = 256;
 pub const MAX_READ_AHEAD: u32 = 65_536;
 
 /// The settings of a stream whose dataset is at a URL.
-pub(super) fn settings(s: &StreamConfig) -> Result<Settings, StreamError> {
+pub(super) fn settings(s: &StreamConfig, url: &RemoteUrl) -> Result<Settings, StreamError> {
     let r = s.remote.clone().unwrap_or_default();
     check(&r)?;
-    let url = match (&s.image_folder, &s.webdataset) {
-        (Some(f), _) => f.root.to_string_lossy().into_owned(),
-        (_, Some(w)) => w.shards.clone(),
-        _ => String::new(),
-    };
-    if r.endpoint.is_some() && (url.starts_with("http://") || url.starts_with("https://")) {
+    if r.endpoint.is_some() && url.scheme == Scheme::Http {
         return Err(super::key(
             "remote.endpoint",
             "remote.endpoint names the server of an s3://, gs:// or az:// dataset; an http(s):// dataset's URL is its server: remove the key",

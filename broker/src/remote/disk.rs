@@ -284,33 +284,47 @@ fn write_entry(path: &Path, key: &str, bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-fn read_entry(mut f: File, key: &str) -> Result<Bytes, String> {
-    let len = f.metadata().map_err(|e| e.to_string())?.len();
+/// Why a cache entry on disk is not used (it is fetched again).
+#[derive(Debug, thiserror::Error)]
+enum EntryError {
+    #[error("unreadable: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("shorter than its header")]
+    Short,
+    #[error("not a batchcast cache entry")]
+    NotAnEntry,
+    #[error("{len} bytes, its header says {says}")]
+    Length { len: u64, says: u64 },
+    #[error("another entry's key (a digest collision)")]
+    OtherKey,
+    #[error("checksum mismatch")]
+    Checksum,
+}
+
+fn read_entry(mut f: File, key: &str) -> Result<Bytes, EntryError> {
+    let len = f.metadata()?.len();
     let mut head = [0u8; HEADER];
-    f.read_exact(&mut head)
-        .map_err(|_| "shorter than its header".to_string())?;
+    f.read_exact(&mut head).map_err(|_| EntryError::Short)?;
     if &head[..8] != MAGIC {
-        return Err("not a batchcast cache entry".into());
+        return Err(EntryError::NotAnEntry);
     }
     let word = |a: usize| u32::from_le_bytes(head[a..a + 4].try_into().unwrap_or_default());
     let key_len = word(8) as usize;
     let crc = word(12);
     let content = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
-    if (HEADER + key_len) as u64 + content != len {
-        return Err(format!(
-            "{len} bytes, its header says {}",
-            (HEADER + key_len) as u64 + content
-        ));
+    let says = ((HEADER + key_len) as u64).saturating_add(content);
+    if says != len {
+        return Err(EntryError::Length { len, says });
     }
     let mut stored_key = vec![0u8; key_len];
-    f.read_exact(&mut stored_key).map_err(|e| e.to_string())?;
+    f.read_exact(&mut stored_key)?;
     if stored_key != key.as_bytes() {
-        return Err("another entry's key (a digest collision)".into());
+        return Err(EntryError::OtherKey);
     }
     let mut bytes = vec![0u8; content as usize];
-    f.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+    f.read_exact(&mut bytes)?;
     if crc32fast::hash(&bytes) != crc {
-        return Err("checksum mismatch".into());
+        return Err(EntryError::Checksum);
     }
     Ok(Bytes::from(bytes))
 }

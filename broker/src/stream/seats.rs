@@ -33,7 +33,7 @@ impl Stream {
         };
         let refuse = |why: String| Err(SubscribeError::Seat(why));
         if let Err(why) = seat.validate() {
-            return refuse(why);
+            return refuse(why.to_string());
         }
         if req.device.is_some() {
             return refuse(format!(

@@ -14,7 +14,12 @@ or share an existing DataLoader with :class:`Producer`::
     batchcast.Producer(loader, stream="train").run(epochs=90)
 """
 
-from ._consumer import Batch, Consumer
+import sys
+from typing import Optional
+
+from . import _args
+from ._batch import Batch
+from ._consumer import Consumer
 from ._exe import executable
 from ._native import PROTOCOL_VERSION, __version__, default_socket_path
 from ._producer import Producer
@@ -31,6 +36,19 @@ from .errors import (
     RingPinned,
     WindowFullWarning,
 )
+
+
+def _ray_socket() -> Optional[str]:
+    """In a Ray worker of a cluster where ``batchcast.ray.init()`` was
+    called: its node's broker (Ray is imported only where it already is)."""
+    if "ray" not in sys.modules:
+        return None
+    from . import ray as on_ray
+
+    return on_ray.socket_if_initialized()
+
+
+_args.add_socket_finder(_ray_socket)
 
 __all__ = [
     "Batch",

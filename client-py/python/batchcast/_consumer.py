@@ -6,65 +6,12 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _native
+from ._args import PathLike, default_socket, env_timeout
+from ._batch import Batch, converter
 from .errors import InvalidArgument, WindowFullWarning
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-
-def _env_timeout() -> float:
-    raw = os.environ.get("BATCHCAST_CONNECT_TIMEOUT", "")
-    try:
-        value = float(raw) if raw else 0.0
-    except ValueError:
-        raise InvalidArgument(
-            f"BATCHCAST_CONNECT_TIMEOUT={raw!r} is not a number of seconds"
-        ) from None
-    return max(value, 0.0)
-
-
-def _default_socket(socket: Optional[PathLike]) -> Optional[str]:
-    """The socket a consumer or producer connects to when given none: in a
-    Ray worker of a cluster where ``batchcast.ray.init()`` was called (and
-    ``$BATCHCAST_SOCKET`` is unset), the broker of the node it runs on;
-    otherwise ``None``, the client's usual default."""
-    if socket is not None:
-        return os.fspath(socket)
-    if os.environ.get("BATCHCAST_SOCKET") or "ray" not in sys.modules:
-        return None
-    from . import ray as on_ray
-
-    return on_ray.socket_if_initialized()
-
-
-def _converter(output: str, copy: bool) -> Callable[[Any], Any]:
-    if output == "torch":
-        try:
-            import torch
-        except ImportError:
-            raise InvalidArgument(
-                "output='torch' needs PyTorch: pip install torch, or use output='numpy'"
-            ) from None
-        if copy:
-            return lambda field: torch.from_dlpack(field).clone()
-        return torch.from_dlpack
-    if output == "numpy":
-        import numpy
-
-        def to_numpy(field: Any) -> Any:
-            array = numpy.from_dlpack(field)
-            if copy:
-                return array.copy()
-            # numpy < 2.1 does not read DLPack's read-only flag; the arena is
-            # mapped read-only anyway, so say so before a write faults.
-            if array.flags.writeable:
-                array.flags.writeable = False
-            return array
-
-        return to_numpy
-    raise InvalidArgument(f"output={output!r}: use 'torch' or 'numpy'")
 
 
 def _device(device: Any) -> str:
@@ -80,195 +27,6 @@ def _device(device: Any) -> str:
         index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
         return f"cuda:{index}"
     return text
-
-
-def _integer(name: str, value: Any) -> int:
-    """``value`` as the native module takes it: an ``int`` (not a bool). The
-    rules on its range are the Rust client's (``ConsumerOptions``)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{name}={value!r} must be an integer")
-    return value
-
-
-def _count(name: str, value: Any) -> int:
-    """An integer ≥ 0 (the Rust client checks the rest)."""
-    n = _integer(name, value)
-    if n < 0:
-        raise InvalidArgument(f"{name}={n} must be ≥ 0")
-    return n
-
-
-def _state(state: Any) -> Optional[Dict[str, Any]]:
-    """A state dict as the native module takes it."""
-    if state is None:
-        return None
-    if not isinstance(state, dict):
-        raise InvalidArgument(
-            f"state must be the dict consumer.state_dict() returned, not {type(state).__name__}"
-        )
-    return state
-
-
-def _position(p: Any) -> Optional[Tuple[int, int]]:
-    """A resume position as the native module takes it."""
-    if p is None:
-        return None
-    try:
-        epoch, sample = p
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, sample)):
-            return (epoch, sample)
-    except (TypeError, ValueError):
-        pass
-    raise InvalidArgument(f"resume={p!r} must be (epoch, sample): two integers ≥ 0, as batch.next_position gives")
-
-
-class Batch:
-    """One batch in shared memory.
-
-    Unpacks like the tuple a DataLoader yields (``images, labels = batch``),
-    or, with ``as_dict=True``, behaves like a dict of field name to tensor.
-    ``batch["name"]`` works either way. Tensors are views of shared memory:
-    nothing is copied, and they are read-only (a write raises, or faults,
-    instead of changing what other trainers read).
-
-    The slot goes back to the broker when this object and every tensor made
-    from it are gone. ``release()`` (or leaving a ``with batch:`` block)
-    gives up this object's claim at once; using the batch afterwards raises
-    :class:`batchcast.BatchReleased`, while tensors taken earlier stay valid
-    and keep the slot until they die.
-    """
-
-    __slots__ = ("_raw", "_owner", "_cache")
-
-    def __init__(self, raw: Any, owner: "Consumer") -> None:
-        self._raw = raw
-        self._owner = owner
-        self._cache: Dict[int, Any] = {}
-
-    # -- metadata ---------------------------------------------------------
-    @property
-    def epoch(self) -> int:
-        return self._raw.epoch
-
-    @property
-    def index(self) -> int:
-        """Position of the batch in its epoch."""
-        return self._raw.index
-
-    @property
-    def seq(self) -> int:
-        """Position of the batch in the stream."""
-        return self._raw.seq
-
-    @property
-    def samples(self) -> int:
-        """Valid samples (the batch size, or fewer for a short last batch)."""
-        return self._raw.samples
-
-    @property
-    def first_sample(self) -> int:
-        """Its first sample's place in the epoch's order."""
-        return self._raw.first_sample
-
-    @property
-    def replayed(self) -> bool:
-        """Recomputed for this trainer alone (``join="now"``, ``resume``);
-        the bytes are those the shared stream carried."""
-        return self._raw.replayed
-
-    @property
-    def next_position(self) -> Tuple[int, int]:
-        """``(epoch, sample)`` right after this batch: save it with a
-        checkpoint and pass it as ``Consumer(resume=...)`` to go on there.
-        In an epoch read rotated (a late or replayed trainer on a decoupled
-        stream) a position alone does not say the epoch's start is still
-        to come: save :meth:`Consumer.state_dict`, which does."""
-        return self._raw.next_position
-
-    @property
-    def wait_s(self) -> float:
-        """Seconds the consumer was blocked waiting for this batch."""
-        return self._raw.wait_s
-
-    @property
-    def released(self) -> bool:
-        return self._raw.released
-
-    # -- fields -----------------------------------------------------------
-    def _tensor(self, i: int) -> Any:
-        t = self._cache.get(i)
-        if t is None:
-            t = self._owner._convert(self._raw.field(i))
-            self._cache[i] = t
-        return t
-
-    def host(self, key: Union[int, str]) -> Any:
-        """Field ``key`` as a read-only numpy array over the batch's host
-        shared memory (whatever tensor type the consumer converts to). Host
-        batches only: a ``device="cuda:N"`` batch's host slot is given back
-        once it is copied to the GPU, so this raises ``InvalidArgument``
-        there (use ``tensor.cpu()``).
-        """
-        import numpy
-
-        owner = self._owner
-        i = owner._index_of.get(key) if isinstance(key, str) else owner._positional[key]
-        if i is None:
-            raise KeyError(f"no field {key!r} in stream {owner.stream!r}; it has {owner._names}")
-        array = numpy.from_dlpack(self._raw.field(i, host=True))
-        if array.flags.writeable:
-            array.flags.writeable = False
-        return array
-
-    def __getitem__(self, key: Union[int, str]) -> Any:
-        owner = self._owner
-        if isinstance(key, str):
-            i = owner._index_of.get(key)
-            if i is None:
-                raise KeyError(
-                    f"no field {key!r} in stream {owner.stream!r}; it has {list(owner._index_of)}"
-                )
-            return self._tensor(i)
-        if isinstance(key, int):
-            return self._tensor(owner._positional[key])
-        raise TypeError(f"index a batch with a field name or position, not {type(key).__name__}")
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._owner.as_dict:
-            return iter(self._owner._names)
-        return (self._tensor(i) for i in self._owner._positional)
-
-    def __len__(self) -> int:
-        owner = self._owner
-        return len(owner._names) if owner.as_dict else len(owner._positional)
-
-    def keys(self) -> List[str]:
-        return list(self._owner._names)
-
-    def values(self) -> List[Any]:
-        return [self._tensor(i) for i in range(len(self._owner._names))]
-
-    def items(self) -> List[Tuple[str, Any]]:
-        return [(n, self._tensor(i)) for i, n in enumerate(self._owner._names)]
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dict(self.items())
-
-    # -- release ----------------------------------------------------------
-    def release(self) -> None:
-        """Gives the batch back now (see the class documentation)."""
-        self._cache.clear()
-        self._raw.release()
-
-    def __enter__(self) -> "Batch":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else f"{self.samples} samples"
-        return f"<batchcast.Batch epoch {self.epoch} index {self.index}: {state}>"
 
 
 class Consumer:
@@ -397,38 +155,36 @@ class Consumer:
         world: Optional[int] = None,
         replicate: int = 1,
     ) -> None:
-        if state is not None and resume is not None:
-            raise InvalidArgument("give state= or resume=, not both (a state carries its position)")
         dev = _device(device)
         if output == "numpy" and dev != "cpu":
             raise InvalidArgument(
                 f"output='numpy' cannot hold GPU memory (device={dev!r}); use output='torch' or device='cpu'"
             )
-        self._convert = _converter(output, bool(copy))
+        self._convert = converter(output, bool(copy))
         self.output = output
         self.copy = bool(copy)
         self.as_dict = bool(as_dict)
         self.stream = stream
         self._fields = None if fields is None else list(fields)
-        timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
+        timeout = env_timeout() if connect_timeout is None else float(connect_timeout)
         # What a load_state_dict() subscribes with again, its state aside.
         self._args: Dict[str, Any] = dict(
-            socket=_default_socket(socket),
-            window=_integer("window", window),
+            socket=default_socket(socket),
+            window=window,
             join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
             name=name,
             connect_timeout=timeout,
             device=dev,
             broker_uid=broker_uid,
-            batch_size=None if batch_size is None else _integer("batch_size", batch_size),
+            batch_size=batch_size,
             drop_last=None if drop_last is None else bool(drop_last),
             reconnect_timeout=None if reconnect_timeout is None else float(reconnect_timeout),
             group=group,
-            rank=None if rank is None else _count("rank", rank),
-            world=None if world is None else _count("world", world),
-            replicate=_count("replicate", replicate),
+            rank=rank,
+            world=world,
+            replicate=replicate,
         )
-        self._attach(_native.Consumer(stream, resume=_position(resume), state=_state(state), **self._args))
+        self._attach(_native.Consumer(stream, resume=resume, state=state, **self._args))
 
     def _attach(self, native: Any) -> None:
         """Takes ``native`` (a new subscription) as this consumer's."""
@@ -483,7 +239,7 @@ class Consumer:
         there, with this consumer's other arguments (its batch size unless
         it gave one: then the state's samples are grouped in its own).
         Batches it holds stay readable."""
-        self._attach(_native.Consumer(self.stream, state=_state(state), **self._args))
+        self._attach(_native.Consumer(self.stream, state=state, **self._args))
 
     # -- what the stream is ----------------------------------------------
     @property

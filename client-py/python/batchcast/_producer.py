@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import numpy
 
 from . import _native
-from ._consumer import PathLike, _default_socket, _env_timeout
+from ._args import PathLike, default_socket, env_timeout
 from .errors import InvalidArgument, SchemaError, StreamError
 
 _NUMPY_DTYPES = {
@@ -238,7 +238,7 @@ class Producer:
         self.loader = loader
         self.broker_uid = broker_uid
         self.stream = stream
-        self.socket = _default_socket(socket)
+        self.socket = default_socket(socket)
         self.epochs = epochs
         self.names = names
         self.slots = slots
@@ -247,7 +247,7 @@ class Producer:
         self.hold_limit_s = hold_limit_s
         self.batches_per_epoch = batches_per_epoch
         self.name = name
-        self.connect_timeout = _env_timeout() if connect_timeout is None else float(connect_timeout)
+        self.connect_timeout = env_timeout() if connect_timeout is None else float(connect_timeout)
         self.reconnect_timeout = None if reconnect_timeout is None else float(reconnect_timeout)
         self.rejoin_grace = None if rejoin_grace is None else float(rejoin_grace)
         #: Filled by run(): the stream's schema as the broker registered it.

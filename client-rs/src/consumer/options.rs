@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::ConsumerState;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::proto::{JoinPolicy, Position, Seat};
+use crate::proto::{JoinPolicy, Position, Seat, SeatError};
 use crate::transport::program_name;
 
 /// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
@@ -107,7 +107,8 @@ impl ConsumerOptions {
             ));
         }
         if let Some(seat) = &self.group {
-            seat.validate().map_err(Error::InvalidOption)?;
+            seat.validate()
+                .map_err(|e| Error::InvalidOption(e.to_string()))?;
         } else if let Ok(name) = std::env::var("BATCHCAST_GROUP")
             && !name.is_empty()
             && let Err(why) = group_from_env(&name)
@@ -176,25 +177,21 @@ pub(crate) fn seconds(key: &str, default: Duration) -> Duration {
 /// for a value like `4(x2)`). The ranks on this host split its stream:
 /// the host's share of the dataset is the stream's (`rank`/`world_size`
 /// in its config). The error names what is missing.
-pub fn group_from_env(name: &str) -> std::result::Result<Seat, String> {
+pub fn group_from_env(name: &str) -> std::result::Result<Seat, SeatError> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let number = |k: &str| -> std::result::Result<Option<u32>, String> {
+    let number = |k: &str| -> std::result::Result<Option<u32>, SeatError> {
         let Some(v) = var(k) else { return Ok(None) };
         let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
-        digits
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("${k}={v:?} is not a count"))
+        digits.parse().map(Some).map_err(|_| SeatError::NotACount {
+            var: k.into(),
+            value: v.clone(),
+        })
     };
     let (rank, world) = match (number("LOCAL_RANK")?, number("LOCAL_WORLD_SIZE")?) {
         (Some(r), Some(w)) => (r, w),
         _ => match (number("SLURM_LOCALID")?, number("SLURM_NTASKS_PER_NODE")?) {
             (Some(r), Some(w)) => (r, w),
-            _ => {
-                return Err(format!(
-                    "group `{name}` without a rank and world: set them, or run under torchrun (LOCAL_RANK, LOCAL_WORLD_SIZE) or srun (SLURM_LOCALID, SLURM_NTASKS_PER_NODE)"
-                ));
-            }
+            _ => return Err(SeatError::NoRank { name: name.into() }),
         },
     };
     let seat = Seat {

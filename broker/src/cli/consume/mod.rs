@@ -134,7 +134,7 @@ pub struct ConsumeArgs {
 }
 
 /// The seat `--group` asks for, if any.
-fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, String> {
+fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, batchcast::proto::SeatError> {
     let Some(name) = &args.group else {
         return Ok(None);
     };
@@ -149,11 +149,7 @@ fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, String> {
             replicate: args.replicate,
             ..batchcast::group_from_env(name)?
         },
-        _ => {
-            return Err(
-                "give --rank and --world together, or neither (from the environment)".into(),
-            );
-        }
+        _ => return Err(batchcast::proto::SeatError::HalfGiven),
     };
     Ok(Some(seat))
 }
@@ -370,7 +366,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
         Ok(s) => opts.group = s,
         Err(e) => {
             return ConsumerReport {
-                error: Some(e),
+                error: Some(e.to_string()),
                 ..Default::default()
             };
         }

@@ -6,6 +6,8 @@
 //! form, and the bytes of item `i` are the same from each.
 
 pub mod remote;
+mod root;
+pub use root::DatasetRoot;
 
 use std::collections::HashSet;
 use std::fs::File;

@@ -20,7 +20,8 @@ use std::sync::Arc;
 use futures::StreamExt;
 
 use super::{
-    Dataset, DatasetError, Item, Location, expand_pattern, has_image_extension, index_shard,
+    Dataset, DatasetError, Item, Location, ShardError, expand_pattern, has_image_extension,
+    index_shard,
 };
 use crate::remote::fetch::{self, Fetcher};
 use crate::remote::url::{RemoteUrl, Scheme};
@@ -86,22 +87,21 @@ fn listing_of(
 
 /// An image folder at `root` (a URL), listed or read from `manifest`.
 pub fn image_folder(
-    root: &str,
+    url: &RemoteUrl,
     manifest: Option<&str>,
     s: &Settings,
 ) -> Result<Dataset, DatasetError> {
-    let url = RemoteUrl::parse(root).map_err(crate::remote::RemoteError::from)?;
-    let (fetcher, disk) = open(&url, s)?;
+    let (fetcher, disk) = open(url, s)?;
     let mut prefix = url.path.clone();
     if !prefix.is_empty() && !prefix.ends_with('/') {
         prefix.push('/');
     }
     let key = format!("listing\n{url}\n{}", manifest.unwrap_or(""));
-    let entries = listing_of(disk.as_ref(), &key, &url, s, || match manifest {
-        Some(m) => from_manifest(&fetcher, &url, &prefix, m),
-        None => listed(&fetcher, &url, &prefix),
+    let entries = listing_of(disk.as_ref(), &key, url, s, || match manifest {
+        Some(m) => from_manifest(&fetcher, url, &prefix, m),
+        None => listed(&fetcher, url, &prefix),
     })?;
-    let (names, objects, items) = ordered(&url, &prefix, entries)?;
+    let (names, objects, items) = ordered(url, &prefix, entries)?;
     let set = RemoteSet::new(fetcher, objects, None, s, disk);
     Ok(Dataset {
         format: "image_folder",
@@ -245,12 +245,11 @@ fn ordered(url: &RemoteUrl, prefix: &str, entries: Vec<Listed>) -> Result<Ordere
 }
 
 /// Tar shards by brace pattern (a URL): indexed from their bytes.
-pub fn webdataset(pattern: &str, s: &Settings, strict: bool) -> Result<Dataset, DatasetError> {
-    let url = RemoteUrl::parse(pattern).map_err(crate::remote::RemoteError::from)?;
-    let (fetcher, disk) = open(&url, s)?;
+pub fn webdataset(url: &RemoteUrl, s: &Settings, strict: bool) -> Result<Dataset, DatasetError> {
+    let (fetcher, disk) = open(url, s)?;
     let key = format!("shards\n{url}");
-    let objects = listing_of(disk.as_ref(), &key, &url, s, || {
-        shard_objects(&fetcher, &url, s)
+    let objects = listing_of(disk.as_ref(), &key, url, s, || {
+        shard_objects(&fetcher, url, s)
     })?;
     let requests = s.limits.requests.max(1) as usize;
     let set = Arc::new(RemoteSet::new(
@@ -278,9 +277,9 @@ pub fn webdataset(pattern: &str, s: &Settings, strict: bool) -> Result<Dataset, 
     let mut shard_items = Vec::with_capacity(n);
     let mut unlabelled = Vec::new();
     for (o, r) in shards.into_iter().enumerate() {
-        let (listed, left, cut) = r.map_err(|message| DatasetError::Shard {
+        let (listed, left, cut) = r.map_err(|e| DatasetError::Shard {
             path: set.describe(o as u32).into(),
-            message,
+            message: e.to_string(),
         })?;
         if let Some(why) = cut {
             super::warn_cut(&set.describe(o as u32), &why);
@@ -315,7 +314,7 @@ async fn index_remote(
     o: u32,
     ahead: usize,
     strict: bool,
-) -> Result<(Vec<Item>, Vec<String>, Option<String>), String> {
+) -> Result<(Vec<Item>, Vec<String>, Option<String>), ShardError> {
     let len = set.listed_size(o).unwrap_or(0);
     let (tx, rx) = tokio::sync::mpsc::channel(ahead);
     let feeder = {
@@ -342,10 +341,8 @@ async fn index_remote(
         let mut items = Vec::new();
         index_shard(PartReader::new(rx, len), o, len, strict, &mut items)
             .map(|(left, cut)| (items, left, cut))
-            .map_err(|e| e.to_string())
     })
-    .await
-    .map_err(|e| format!("indexing stopped: {e}"))?;
+    .await?;
     feeder.abort();
     indexed
 }

@@ -45,6 +45,10 @@ pub enum ShardError {
         bytes: u64,
         len: u64,
     },
+    /// The thread indexing a remote shard's parts stopped (it panicked or
+    /// the runtime shut down).
+    #[error("indexing stopped: {0}")]
+    Stopped(#[from] tokio::task::JoinError),
 }
 
 /// A sample being read from a shard: its key, image and label so far.
