@@ -24,9 +24,10 @@ GROUP = re.compile(r"\buse\s+crate::\{([^;]*)\};", re.S)
 
 
 def strip_tests(text: str) -> str:
-    """Drops everything from the first `#[cfg(test)]` on (tests come last)."""
-    at = text.find("#[cfg(test)]")
-    return text if at < 0 else text[:at]
+    """Drops the tests module (it comes last); a `#[cfg(test)]` item above
+    it stays (its imports are the module's own)."""
+    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\b", text)
+    return text if at is None else text[: at.start()]
 
 
 def strip_comments(text: str) -> str:
