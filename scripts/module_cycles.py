@@ -26,7 +26,7 @@ GROUP = re.compile(r"\buse\s+crate::\{([^;]*)\};", re.S)
 def strip_tests(text: str) -> str:
     """Drops the tests module (it comes last); a `#[cfg(test)]` item above
     it stays (its imports are the module's own)."""
-    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\b", text)
+    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\s*\{", text)
     return text if at is None else text[: at.start()]
 
 

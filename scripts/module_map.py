@@ -56,7 +56,7 @@ TAG = "[unsafe]"
 def has_unsafe(f: Path) -> bool:
     text = f.read_text()
     # The tests module (last); a `#[cfg(test)]` item above it is code.
-    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\b", text)
+    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\s*\{", text)
     text = text if at is None else text[: at.start()]
     code = "\n".join(line.split("//")[0] for line in text.splitlines())
     return bool(UNSAFE.search(code))

@@ -11,7 +11,7 @@
 //! order nobody else reproduces): against that procedure in float64, at
 //! most 1 level off, in at most 1% of values.
 
-mod common;
+use crate::common;
 
 use batchcast_broker::pipeline::augment::{AffineFilter, Canvas, Op, Resample};
 use common::imgtool;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 
-mod common;
+use crate::common;
 
 use common::{Env, LIMIT, report};
 

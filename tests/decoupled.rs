@@ -9,7 +9,7 @@
 
 use batchcast_broker::consume::ConsumerReport;
 
-mod common;
+use crate::common;
 
 use common::{Env, report};
 

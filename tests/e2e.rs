@@ -13,7 +13,7 @@ use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
 
-mod common;
+use crate::common;
 
 use common::{
     EXE, Env, Guard, LIMIT, command, expect_error, http_get, is_root, raw_exchange, raw_subscribe,

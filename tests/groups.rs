@@ -10,7 +10,7 @@ use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
 
-mod common;
+use crate::common;
 
 use common::{Env, report};
 

@@ -17,7 +17,7 @@ use batchcast::{Consumer, ConsumerOptions, Error, StatsClient};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::harness::{self, BrokerProcess};
 
-mod common;
+use crate::common;
 
 use common::{Env, Guard, LIMIT, command, is_root, report, run};
 
@@ -816,7 +816,7 @@ fn large_registrations_do_not_stall_other_clients() {
     let out = run(command(&exe)
         .args([
             "--exact",
-            "large_registrations_side",
+            &qualified("large_registrations_side"),
             "--ignored",
             "--nocapture",
         ])
@@ -988,7 +988,7 @@ impl Guest {
             std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
         let mut cmd = command(&exe);
-        cmd.args(["--exact", test, "--ignored", "--nocapture"])
+        cmd.args(["--exact", &qualified(test), "--ignored", "--nocapture"])
             .env(
                 "BATCHCAST_BROKER_UID",
                 nix::unistd::getuid().as_raw().to_string(),
@@ -1061,4 +1061,11 @@ fn hello_keep(socket: &Path, name: &str, intent: Intent) -> (UnixStream, ServerM
         .unwrap()
         .expect("the broker closed without a word");
     (s, msg)
+}
+
+/// A test of this file as the test binary names it (`--exact`): every
+/// file of tests/ is a module of one binary.
+fn qualified(test: &str) -> String {
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    format!("{module}::{test}")
 }

@@ -13,7 +13,7 @@ use batchcast::proto::StatsReply;
 use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness::{self, BrokerProcess};
 
-mod common;
+use crate::common;
 use common::{command, imgtool, run};
 
 const EXE: &str = env!("CARGO_BIN_EXE_batchcast");

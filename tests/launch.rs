@@ -11,7 +11,7 @@ use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
 use batchcast_broker::launch::{Summary, exit};
 
-mod common;
+use crate::common;
 
 use common::{EXE, LIMIT};
 
@@ -905,7 +905,7 @@ command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect
         socket = env.socket().display()
     );
     let mut launcher = launch_to_file(dir.path(), &sweep, &["--status-every", "1"]);
-    // Killed twice once all four read (the late one replayed to meanwhile).
+    // Killed twice once all four read.
     for round in 1..=2u64 {
         env.wait_for("every trainer reading", |s| {
             let c = &s.streams[0].consumers;
@@ -970,13 +970,12 @@ command = ["sh", "-c", "sleep 1; exec \"$0\" consume --json --verify --reconnect
             );
         }
     }
-    let by_name = |n: &str| shared.trainers.iter().find(|t| t.name == n).unwrap();
-    for name in ["b64", "late"] {
-        assert!(
-            by_name(name).replayed > 0,
-            "{name} was replayed to: {shared:?}"
-        );
-    }
+    // The stalled one was cut to replay. (The late joiner reads rotated
+    // epochs: it replays nothing where the ring still held its epoch's
+    // start and it led the ride through each restart, so its count is
+    // checked above, never back, not here.)
+    let b64 = shared.trainers.iter().find(|t| t.name == "b64").unwrap();
+    assert!(b64.replayed > 0, "b64 was replayed to: {shared:?}");
     assert_eq!(
         shared.samples,
         shared.trainers.iter().map(|t| t.samples).sum::<u64>()

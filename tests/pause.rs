@@ -13,7 +13,7 @@ use batchcast_broker::consume::ConsumerReport;
 use batchcast_broker::harness;
 use nix::sys::signal::Signal::SIGCONT;
 
-mod common;
+use crate::common;
 
 use common::{Env, report, wait_stopped};
 

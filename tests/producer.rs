@@ -9,7 +9,7 @@ use batchcast::proto::ErrorCode;
 use batchcast::{DType, Field, Producer, ProducerOptions};
 use batchcast_broker::config::StreamToml;
 
-mod common;
+use crate::common;
 
 use common::{Env, digests, report, wait_stopped};
 

@@ -5,7 +5,7 @@
 //! through a fault-injecting proxy; every form's batches byte-identical
 //! to the local ones.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;

@@ -13,7 +13,7 @@ use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 
-mod common;
+use crate::common;
 
 use common::{Env, report};
 

@@ -6,7 +6,7 @@
 
 use batchcast_broker::config::StreamToml;
 
-mod common;
+use crate::common;
 
 use common::{Env, digests, report};
 

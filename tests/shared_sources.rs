@@ -4,7 +4,7 @@
 //! stream delivers must be byte for byte what the same stream delivers
 //! alone, while the source decodes each image about once.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::{ConsumerReport, SavedState};
 
-mod common;
+use crate::common;
 
 use common::{Env, report, sigkill};
 

@@ -17,7 +17,7 @@ use batchcast_broker::config::StreamToml;
 use batchcast_broker::consume::ConsumerReport;
 use nix::sys::signal::Signal;
 
-mod common;
+use crate::common;
 
 use common::{EXE, LIMIT, command, report, skip};
 

@@ -15,6 +15,8 @@ the broker), so a machine with no matching wheel builds everything from it
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import os
 import re
@@ -23,6 +25,7 @@ import stat
 import subprocess
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 import maturin
@@ -89,6 +92,50 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     stage_broker()
     return maturin.build_wheel(wheel_directory, config_settings, metadata_directory)
+
+
+def build_dev_wheel(module: Path, broker: Path, wheel_directory: Path) -> Path:
+    """The test suite's wheel, put together from what `cargo test
+    --workspace` already built (the client's module and the debug broker,
+    both stripped) instead of building them again: the same files where
+    maturin puts them, its metadata (`prepare_metadata_for_build_wheel`),
+    a `linux_x86_64` tag (installable on this machine, not for release)."""
+    name = f"batchcast-{version()}"
+    wheel = Path(wheel_directory) / f"{name}-cp39-abi3-linux_{os.uname().machine}.whl"
+    strip = shutil.which("strip")
+    files: list[tuple[str, bytes, int]] = []
+    for f in sorted((ROOT / "client-py" / "python" / "batchcast").iterdir()):
+        if f.is_file() and f.suffix in (".py", ".pyi", ".typed"):
+            files.append((f"batchcast/{f.name}", f.read_bytes(), 0o644))
+    with tempfile.TemporaryDirectory() as tmp:
+        for src, dst, mode in ((module, "batchcast/_native.abi3.so", 0o755), (broker, f"{name}.data/scripts/batchcast", 0o755)):
+            if not Path(src).is_file():
+                raise RuntimeError(f"{src} is not built: run `cargo test --workspace --no-run` first")
+            out = Path(tmp) / Path(dst).name
+            if strip:
+                subprocess.run([strip, "-o", str(out), str(src)], check=True)
+            else:
+                shutil.copyfile(src, out)
+            files.append((dst, out.read_bytes(), mode))
+        info = prepare_metadata_for_build_wheel(tmp, None)
+        metadata = (Path(tmp) / info / "METADATA").read_bytes()
+    tag = f"cp39-abi3-linux_{os.uname().machine}"
+    files.append((f"{name}.dist-info/METADATA", metadata, 0o644))
+    files.append((f"{name}.dist-info/WHEEL", f"Wheel-Version: 1.0\nGenerator: batchcast_build (dev)\nRoot-Is-Purelib: false\nTag: {tag}\n".encode(), 0o644))
+    record = []
+    for path, data, _ in files:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{name}.dist-info/RECORD,,")
+    files.append((f"{name}.dist-info/RECORD", ("\n".join(record) + "\n").encode(), 0o644))
+    Path(wheel_directory).mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        for path, data, mode in files:
+            entry = zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0))
+            entry.external_attr = (0o100000 | mode) << 16
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(entry, data, compresslevel=1)
+    return wheel
 
 
 def sdist_files() -> list[Path]:

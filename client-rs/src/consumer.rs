@@ -10,12 +10,15 @@ use std::collections::VecDeque;
 use std::io::BufReader;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod clock;
 mod events;
+mod link;
 mod options;
+mod place;
 pub(crate) use options::seconds;
 mod reconnect;
 mod replay;
@@ -67,53 +70,22 @@ enum Next {
 #[derive(Debug)]
 pub struct Consumer {
     shared: Arc<Shared>,
-    reader: BufReader<UnixStream>,
-    buf: Vec<u8>,
-    finished: bool,
-    spin: Duration,
-    /// `CLOCK_MONOTONIC` ns when the program began asking for the next
-    /// batch (its first `wait_readable` or `next_event` since the last
-    /// one); 0 when it is not asking.
-    asking_since: AtomicU64,
-    /// When the last batch arrived; 0 at the start and after an epoch end
-    /// (time between epochs is neither a training step nor a stall).
-    last_batch_ns: u64,
+    /// The connection: its reader and frame buffer, reconnects.
+    link: link::Link,
+    /// When the program asked, when the last batch came, since when it
+    /// pins the ring.
+    clock: clock::Clock,
     /// Batches cut from the units received, and what follows them. Units
     /// are taken only while no batch waits here, so the consumer holds at
     /// most the units its window needs (a mailbox consumer is sent units
     /// ahead; they wait in its mailbox).
     next: VecDeque<Next>,
-    /// This consumer's batches handed out in the current epoch.
-    epoch_batches: (u64, u64),
-    /// Since when `wait_readable` has found it pinning the ring.
-    pinned_since: Option<Instant>,
-    /// Replay in progress: its batches go out before those in `next`.
-    replay: Option<replay::Replaying>,
-    /// Where the shared stream's samples become this consumer's (they were
-    /// replayed before, or it resumes there), and where replay began.
-    skip: Option<Position>,
-    replay_from: Option<Position>,
-    /// Ends of epochs read among notices a cut took back, until the cut's
-    /// own notice says which count.
-    deferred: Vec<EpochEnd>,
-    /// The seq of the next replayed batch (replay may come in several
-    /// stretches, decoupled pace).
-    replay_seq: u64,
-    /// Where the first batch handed out began.
-    started_at: Option<Position>,
-    /// Where the next batch handed out begins (this consumer's state).
-    next_at: Position,
-    /// Rotated epochs, as received and as handed out.
-    rotated: rotate::Rotated,
-    /// The last epoch whose end was handed out.
-    ended_epoch: Option<u64>,
+    /// Where it is: its position, its epoch's batches, rotated epochs.
+    place: place::Place,
+    /// Replay: in progress, where it began, the next replayed seq.
+    replay: replay::Replay,
     /// What it was asked for: a reconnect subscribes with it again.
     opts: ConsumerOptions,
-    /// Times it subscribed again after the broker went away.
-    reconnects: u64,
-    /// Since when it has waited for its broker to come back, and why it
-    /// went (a wait [`Consumer::wait_readable`] may leave and take up again).
-    down: Option<reconnect::Down>,
 }
 
 impl Consumer {
@@ -208,32 +180,23 @@ impl Consumer {
                 replay: replay_arena,
                 taken: taken.clone(),
             }),
-            reader,
-            buf: Vec::with_capacity(256),
-            finished: false,
-            spin: opts.spin,
-            asking_since: AtomicU64::new(0),
-            last_batch_ns: 0,
+            link: link::Link::new(reader, opts.spin),
+            clock: clock::Clock::default(),
             next: VecDeque::new(),
-            epoch_batches: (0, 0),
-            pinned_since: None,
-            replay: replaying,
-            skip,
-            replay_from,
-            deferred: Vec::new(),
-            replay_seq: 0,
-            started_at: None,
-            next_at: resume.unwrap_or(Position {
-                epoch: start_epoch,
-                sample: 0,
-            }),
-            rotated: rotate::Rotated::resumed(
-                resume.and(opts.state.as_ref().and_then(|s| s.rotation)),
+            place: place::Place::new(
+                skip,
+                resume.unwrap_or(Position {
+                    epoch: start_epoch,
+                    sample: 0,
+                }),
+                rotate::Rotated::resumed(resume.and(opts.state.as_ref().and_then(|s| s.rotation))),
             ),
-            ended_epoch: None,
+            replay: replay::Replay {
+                active: replaying,
+                from: replay_from,
+                seq: 0,
+            },
             opts: opts.clone(),
-            reconnects: 0,
-            down: None,
         })
     }
 
@@ -248,7 +211,8 @@ impl Consumer {
             .as_ref()
             .zip(self.deal())
             .map(|(seat, deal)| {
-                let (epoch, sample) = deal.round_of(self.next_at.epoch, self.next_at.sample);
+                let (epoch, sample) =
+                    deal.round_of(self.place.next_at.epoch, self.place.next_at.sample);
                 state::GroupPlace {
                     name: seat.name.clone(),
                     world: seat.world,
@@ -259,11 +223,11 @@ impl Consumer {
         ConsumerState {
             stream: w.stream.clone(),
             digest: w.digest,
-            position: self.next_at,
+            position: self.place.next_at,
             batch_size: w.batch_size,
             drop_last: w.drop_last,
             group,
-            rotation: self.rotated.of_state(self.next_at),
+            rotation: self.place.rotated.of_state(self.place.next_at),
         }
     }
 
@@ -276,7 +240,7 @@ impl Consumer {
     /// ([`ConsumerOptions::reconnect_timeout`]); batch `seq`s start anew
     /// with each.
     pub fn reconnects(&self) -> u64 {
-        self.reconnects
+        self.link.reconnects
     }
 
     /// Everything the broker said on subscribing.
@@ -341,7 +305,7 @@ impl Consumer {
     pub fn wait_readable(&mut self, timeout: Duration) -> Result<bool> {
         let until = Instant::now() + timeout;
         loop {
-            if self.down.is_some() {
+            if self.link.down.is_some() {
                 if !self.reconnect(Some(until))? {
                     return Ok(false);
                 }
@@ -358,7 +322,7 @@ impl Consumer {
         self.start_asking();
         let deadline = Instant::now() + timeout;
         loop {
-            if self.finished || self.ready() || !self.reader.buffer().is_empty() {
+            if self.link.finished || self.ready() || !self.link.reader.buffer().is_empty() {
                 return Ok(true);
             }
             if self.window_full() {
@@ -372,7 +336,7 @@ impl Consumer {
                 // counted from the first call that found it so (a caller
                 // polling in short steps still gets there).
                 let grace = Duration::from_millis(WINDOW_FULL_GRACE_MS.into());
-                let since = *self.pinned_since.get_or_insert_with(Instant::now);
+                let since = *self.clock.pinned_since.get_or_insert_with(Instant::now);
                 if Instant::now() >= since + grace {
                     return Ok(true);
                 }
@@ -383,7 +347,7 @@ impl Consumer {
                 }
                 continue;
             }
-            self.pinned_since = None;
+            self.clock.pinned_since = None;
             match self.receive(deadline)? {
                 Some(msg) => self.intake(msg),
                 None => return Ok(false),
@@ -402,7 +366,7 @@ impl Consumer {
     /// once, in order ([`ConsumerOptions::reconnect_timeout`]).
     pub fn next_event(&mut self) -> Result<Option<Event>> {
         loop {
-            if self.down.is_some() {
+            if self.link.down.is_some() {
                 self.reconnect(None)?;
                 continue;
             }
@@ -414,7 +378,7 @@ impl Consumer {
     }
 
     fn next_event_once(&mut self) -> Result<Option<Event>> {
-        if self.finished {
+        if self.link.finished {
             return Ok(None);
         }
         self.start_asking();
@@ -437,7 +401,7 @@ impl Consumer {
             if let Some(seq) = self.pinning() {
                 // The broker cannot make the next batch until this program
                 // releases an old one.
-                let since = *self.pinned_since.get_or_insert_with(Instant::now);
+                let since = *self.clock.pinned_since.get_or_insert_with(Instant::now);
                 if Instant::now() >= since + Duration::from_millis(WINDOW_FULL_GRACE_MS.into()) {
                     return Err(Error::RingPinned {
                         seq,
@@ -449,7 +413,7 @@ impl Consumer {
                 }
                 continue;
             }
-            self.pinned_since = None;
+            self.clock.pinned_since = None;
             if self.window_full() {
                 // No batch can be handed out until a release (by another
                 // thread, or the garbage collector).

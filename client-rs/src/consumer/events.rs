@@ -33,7 +33,7 @@ impl Consumer {
     /// the next one ([`Batcher::pins_ring`]), when nothing else is ready.
     pub(super) fn pinning(&self) -> Option<u64> {
         // Replaying, it holds the shared units it has not reached yet.
-        if self.shared.gpu.is_some() || !self.next.is_empty() || self.replay.is_some() {
+        if self.shared.gpu.is_some() || !self.next.is_empty() || self.replay.active.is_some() {
             return None;
         }
         let b = self
@@ -51,25 +51,26 @@ impl Consumer {
             Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, true),
             _ => unreachable!("called with a run at the front"),
         };
-        self.pinned_since = None;
+        self.clock.pinned_since = None;
         let now = proto::monotonic_ns();
         self.shared.held.fetch_add(1, Ordering::AcqRel);
-        let asked = self.asking_since.swap(0, Ordering::Relaxed);
-        let busy_ns = match self.last_batch_ns {
+        let asked = self.clock.asking_since.swap(0, Ordering::Relaxed);
+        let busy_ns = match self.clock.last_batch_ns {
             0 => 0,
             last => asked.saturating_sub(last),
         };
-        self.last_batch_ns = now;
-        if self.epoch_batches.0 != run.epoch {
-            self.epoch_batches = (run.epoch, 0);
+        self.clock.last_batch_ns = now;
+        if self.place.epoch_batches.0 != run.epoch {
+            self.place.epoch_batches = (run.epoch, 0);
         }
-        self.epoch_batches.1 += 1;
+        self.place.epoch_batches.1 += 1;
         let at = Position {
             epoch: run.epoch,
             sample: run.first,
         };
-        self.started_at.get_or_insert(at);
-        self.next_at = self
+        self.place.started_at.get_or_insert(at);
+        self.place.next_at = self
+            .place
             .rotated
             .after(&run, self.shared.welcome.schema.samples_per_epoch);
         let taken = self.shared.taken.hand_out(run.samples, run.epoch);
@@ -93,23 +94,23 @@ impl Consumer {
     pub(super) fn pop_event(&mut self) -> Result<Option<Event>> {
         match self.pop_front() {
             Some(Next::EndOfEpoch(mut e)) => {
-                self.asking_since.store(0, Ordering::Relaxed);
-                self.last_batch_ns = 0;
+                self.clock.asking_since.store(0, Ordering::Relaxed);
+                self.clock.last_batch_ns = 0;
                 // Counted in this consumer's batches.
-                e.batches = match self.epoch_batches {
+                e.batches = match self.place.epoch_batches {
                     (epoch, n) if epoch == e.epoch => n,
                     _ => 0,
                 };
-                self.ended_epoch = Some(e.epoch);
+                self.place.ended_epoch = Some(e.epoch);
                 Ok(Some(Event::EndOfEpoch(e)))
             }
             Some(Next::EndOfStream) => {
-                self.finished = true;
+                self.link.finished = true;
                 Ok(Some(Event::EndOfStream))
             }
             Some(Next::Fail(e)) => {
                 // A broker that went away may come back (see `reconnect`).
-                self.finished = !e.broker_went_away() || self.opts.reconnect_timeout.is_zero();
+                self.link.finished = !e.broker_went_away() || self.opts.reconnect_timeout.is_zero();
                 Err(e)
             }
             Some(Next::Run(..) | Next::Replayed(_)) | None => {
@@ -134,7 +135,7 @@ impl Consumer {
             epoch: e.epoch,
             sample: 0,
         };
-        if self.replay_from.is_some_and(|p| p <= start) {
+        if self.replay.from.is_some_and(|p| p <= start) {
             e.complete = true; // its start was replayed
         }
         batcher.end_epoch(e.epoch, give);
@@ -142,7 +143,7 @@ impl Consumer {
             self.next
                 .push_back(Next::Run(run, proto::monotonic_ns(), 0));
         }
-        if !self.rotated.holds_end_of(e.epoch) {
+        if !self.place.rotated.holds_end_of(e.epoch) {
             self.next.push_back(Next::EndOfEpoch(e));
         }
     }
@@ -189,7 +190,7 @@ impl Consumer {
                 return self.take_rotate(at);
             }
             ServerMsg::EndOfEpoch(e) => {
-                if self.skip.is_some_and(|p| e.epoch < p.epoch) {
+                if self.place.skip.is_some_and(|p| e.epoch < p.epoch) {
                     return Ok(()); // an epoch it replayed, or resumes past
                 }
                 self.end_epoch(&mut b.batcher, e, &mut give);
@@ -242,7 +243,7 @@ impl Consumer {
                     b.batcher.release(&run, &mut seqs);
                 }
             }
-            if let Some(r) = self.replay.take() {
+            if let Some(r) = self.replay.active.take() {
                 for n in r.queue {
                     match n {
                         Next::Replayed(run) => seqs.push(run.first_seq | proto::REPLAYED),
@@ -262,10 +263,10 @@ impl Consumer {
     /// Notes when the program began asking for a batch (data-stall time
     /// runs from there to the batch's arrival).
     pub(super) fn start_asking(&self) {
-        if self.asking_since.load(Ordering::Relaxed) != 0 {
+        if self.clock.asking_since.load(Ordering::Relaxed) != 0 {
             return; // still the same request (a polling loop)
         }
-        let _ = self.asking_since.compare_exchange(
+        let _ = self.clock.asking_since.compare_exchange(
             0,
             proto::monotonic_ns(),
             Ordering::Relaxed,
@@ -279,8 +280,8 @@ impl Consumer {
     pub(super) fn wait_for_fenced(&mut self) -> Result<()> {
         self.shared.flush_fenced(false)?;
         while self.shared.fenced_pending()
-            && self.reader.buffer().is_empty()
-            && !readable_within(self.reader.get_ref(), 1)?
+            && self.link.reader.buffer().is_empty()
+            && !readable_within(self.link.reader.get_ref(), 1)?
         {
             self.shared.flush_fenced(false)?;
         }

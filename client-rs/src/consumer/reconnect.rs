@@ -31,16 +31,16 @@ impl Consumer {
         match result {
             Err(e)
                 if e.broker_went_away()
-                    && !self.finished
+                    && !self.link.finished
                     && !self.opts.reconnect_timeout.is_zero()
                     && self.can_resume() =>
             {
                 // A send that found the connection closed: the broker may
                 // have left its reason there first (it detached this
                 // consumer), which is not a broker going away.
-                let e = last_words(&mut self.reader, &mut self.buf, e);
+                let e = last_words(&mut self.link.reader, &mut self.link.buf, e);
                 if !e.broker_went_away() {
-                    self.finished = true;
+                    self.link.finished = true;
                     return Err(e);
                 }
                 self.went_away(e);
@@ -54,20 +54,20 @@ impl Consumer {
     /// The end of the epoch the last batch handed out ended, if its end
     /// was not handed out yet: the new broker will not say it.
     fn unsaid_epoch_end(&self) -> Option<EpochEnd> {
-        let (epoch, batches) = self.epoch_batches;
+        let (epoch, batches) = self.place.epoch_batches;
         let start = Position { epoch, sample: 0 };
-        let ended = self.next_at
+        let ended = self.place.next_at
             == Position {
                 epoch: epoch + 1,
                 sample: 0,
             }
             && batches > 0
-            && self.ended_epoch != Some(epoch);
+            && self.place.ended_epoch != Some(epoch);
         ended.then(|| EpochEnd {
             epoch,
             batches,
-            complete: self.started_at.is_some_and(|p| p <= start)
-                || self.replay_from.is_some_and(|p| p <= start),
+            complete: self.place.started_at.is_some_and(|p| p <= start)
+                || self.replay.from.is_some_and(|p| p <= start),
         })
     }
 
@@ -105,7 +105,7 @@ impl Consumer {
             state.position.epoch,
             state.position.sample
         );
-        self.down = Some(Down {
+        self.link.down = Some(Down {
             since: Instant::now(),
         });
     }
@@ -116,7 +116,7 @@ impl Consumer {
     /// waiting (call again). Errors once the timeout passes or the new
     /// broker refuses the consumer (its stream changed, ...).
     pub(super) fn reconnect(&mut self, until: Option<Instant>) -> Result<bool> {
-        let Some(down) = self.down else {
+        let Some(down) = self.link.down else {
             return Ok(true);
         };
         let deadline = down.since + self.opts.reconnect_timeout;
@@ -156,7 +156,7 @@ impl Consumer {
                         self.opts.name
                     );
                     // Said once: later calls fail at once.
-                    self.down = None;
+                    self.link.down = None;
                     self.opts.reconnect_timeout = Duration::ZERO;
                     return Err(e);
                 }
@@ -170,15 +170,19 @@ impl Consumer {
         let end = self.unsaid_epoch_end();
         // What the program saw carries over; the subscription is new.
         fresh.opts = self.opts.clone();
-        fresh.epoch_batches = self.epoch_batches;
-        fresh.ended_epoch = self.ended_epoch;
-        fresh.started_at = self.started_at;
-        fresh.asking_since = std::mem::take(&mut self.asking_since);
-        fresh.last_batch_ns = self.last_batch_ns;
-        fresh.reconnects = self.reconnects + 1;
+        fresh.place.epoch_batches = self.place.epoch_batches;
+        fresh.place.ended_epoch = self.place.ended_epoch;
+        fresh.place.started_at = self.place.started_at;
+        fresh.clock.asking_since = std::mem::take(&mut self.clock.asking_since);
+        fresh.clock.last_batch_ns = self.clock.last_batch_ns;
+        fresh.link.reconnects = self.link.reconnects + 1;
         // It has seen everything since it first started: an epoch whose
         // start it saw is complete, whichever broker ends it.
-        fresh.replay_from = self.replay_from.or(self.started_at).or(fresh.replay_from);
+        fresh.replay.from = self
+            .replay
+            .from
+            .or(self.place.started_at)
+            .or(fresh.replay.from);
         if let Some(end) = end {
             fresh.next.push_front(Next::EndOfEpoch(end));
         }

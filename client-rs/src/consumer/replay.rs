@@ -21,6 +21,17 @@ use crate::error::{Error, Result};
 use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg};
 use crate::rotation::{self, Rotation};
 
+/// A consumer's replay: the one in progress, where replay began, and the
+/// seq of the next replayed batch (replay may come in several stretches,
+/// decoupled pace).
+#[derive(Debug)]
+pub(super) struct Replay {
+    /// In progress: its batches go out before the shared stream's.
+    pub(super) active: Option<Replaying>,
+    pub(super) from: Option<Position>,
+    pub(super) seq: u64,
+}
+
 /// Replayed batches received and not yet handed out.
 #[derive(Debug)]
 pub(super) struct Replaying {
@@ -117,7 +128,7 @@ impl Consumer {
     /// The next thing to hand out: a failure first, then replayed batches
     /// until replay is done, then the shared stream's.
     pub(super) fn front(&self) -> Option<&Next> {
-        match (&self.replay, self.next.front()) {
+        match (&self.replay.active, self.next.front()) {
             (_, Some(f @ Next::Fail(_))) => Some(f),
             (Some(r), _) => r.queue.front(),
             (None, f) => f,
@@ -128,13 +139,13 @@ impl Consumer {
         if matches!(self.next.front(), Some(Next::Fail(_))) {
             return self.next.pop_front();
         }
-        let Some(r) = self.replay.as_mut() else {
+        let Some(r) = self.replay.active.as_mut() else {
             return self.next.pop_front();
         };
         let n = r.queue.pop_front();
         if r.received() && r.queue.is_empty() {
-            self.replay_seq = r.next_seq;
-            self.replay = None;
+            self.replay.seq = r.next_seq;
+            self.replay.active = None;
         }
         n
     }
@@ -144,7 +155,7 @@ impl Consumer {
     /// batch being built is dropped (it must begin at `restart`); what is
     /// waiting to be handed out goes first, then replay from `restart`.
     pub(super) fn take_cut(&mut self, restart: Position) -> Result<()> {
-        for e in std::mem::take(&mut self.deferred) {
+        for e in std::mem::take(&mut self.place.deferred) {
             if e.epoch < restart.epoch {
                 self.take_message(ServerMsg::EndOfEpoch(e))?;
             }
@@ -160,6 +171,7 @@ impl Consumer {
         // A rotated epoch's start, replayed after the shared stream's part
         // (its batches all cut): the batcher stands past the epoch's end.
         let rot = self
+            .place
             .rotated
             .receiving
             .take()
@@ -177,11 +189,12 @@ impl Consumer {
             )));
         }
         let from = *self
-            .replay_from
-            .get_or_insert(self.started_at.unwrap_or(restart));
+            .replay
+            .from
+            .get_or_insert(self.place.started_at.unwrap_or(restart));
         tracing::debug!(?restart, "cut from the shared stream; replay follows");
         // A rotated epoch's start is replayed after a later part of it.
-        if let Some(r) = &self.replay
+        if let Some(r) = &self.replay.active
             && (!r.received() || (r.at > restart && !owed))
         {
             return Err(Error::Unexpected(format!(
@@ -190,11 +203,11 @@ impl Consumer {
             )));
         }
         let deal = super::deal_of(&self.shared.welcome, &self.opts);
-        let r = self.replay.get_or_insert_with(|| Replaying {
+        let r = self.replay.active.get_or_insert_with(|| Replaying {
             at: restart,
             to: None,
             from,
-            next_seq: self.replay_seq,
+            next_seq: self.replay.seq,
             queue: VecDeque::new(),
             deal,
             rotation: None,
@@ -212,6 +225,7 @@ impl Consumer {
     pub(super) fn take_merge(&mut self, at: Position) -> Result<()> {
         let Some(r) = self
             .replay
+            .active
             .as_mut()
             .filter(|r| r.to.is_none() && r.at <= at)
         else {
@@ -223,13 +237,13 @@ impl Consumer {
         r.to = Some(at);
         // Merged inside a rotated epoch's part read first: the shared
         // stream's end of it is not the epoch's.
-        self.rotated.receiving = r.rotation.filter(|rot| rot.epoch == at.epoch);
+        self.place.rotated.receiving = r.rotation.filter(|rot| rot.epoch == at.epoch);
         if r.received() && r.queue.is_empty() {
             // Everything replayed was handed out already.
-            self.replay_seq = r.next_seq;
-            self.replay = None;
+            self.replay.seq = r.next_seq;
+            self.replay.active = None;
         }
-        self.skip = Some(at);
+        self.place.skip = Some(at);
         let shared = self.shared.clone();
         let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
         b.batcher.skip_to(at.epoch, at.sample);
@@ -243,7 +257,7 @@ impl Consumer {
     pub(super) fn take_replayed(&mut self, m: ReplayReady) -> Result<()> {
         let size = self.shared.welcome.batch_size;
         let per_epoch = self.shared.welcome.schema.samples_per_epoch;
-        let Some(r) = self.replay.as_mut() else {
+        let Some(r) = self.replay.active.as_mut() else {
             return Err(Error::Unexpected(format!(
                 "replayed batch {} without replay, or after its end",
                 m.seq

@@ -91,6 +91,7 @@ impl Consumer {
         };
         let Some(r) = self
             .replay
+            .active
             .as_mut()
             .filter(|r| r.open() && r.at() <= start && at.sample > 0 && at.sample < per_epoch)
         else {
@@ -101,19 +102,19 @@ impl Consumer {
         };
         r.end_at(start);
         if r.received() && r.queue.is_empty() {
-            self.replay_seq = r.next_seq;
-            self.replay = None;
+            self.replay.seq = r.next_seq;
+            self.replay.active = None;
         }
         let rot = Rotation {
             epoch: at.epoch,
             at: at.sample,
         };
-        self.rotated.receiving = Some(rot);
-        self.rotated.handing = Some(rot);
-        if self.next_at == start {
-            self.next_at = at;
+        self.place.rotated.receiving = Some(rot);
+        self.place.rotated.handing = Some(rot);
+        if self.place.next_at == start {
+            self.place.next_at = at;
         }
-        self.skip = Some(at);
+        self.place.skip = Some(at);
         let shared = self.shared.clone();
         let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
         b.batcher.skip_to(at.epoch, at.sample);

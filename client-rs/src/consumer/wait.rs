@@ -47,7 +47,7 @@ impl Consumer {
             // on the socket they would wait behind them, and the broker
             // copies into a device slot only once every member released it.
             shared.flush_fenced(false)?;
-            if !self.reader.buffer().is_empty() || self.socket_readable(deadline)? {
+            if !self.link.reader.buffer().is_empty() || self.socket_readable(deadline)? {
                 return self.read_msg().map(Some);
             }
             return Ok(None);
@@ -58,13 +58,13 @@ impl Consumer {
                 // only if it ends an epoch before where replay begins,
                 // which the cut's notice, next, says.
                 Some((Notice::EndOfEpoch(e), true)) => {
-                    self.deferred.push(e);
+                    self.place.deferred.push(e);
                     continue;
                 }
                 Some((n, _)) => return Ok(Some(message(n))),
                 None => {}
             }
-            if !self.reader.buffer().is_empty() {
+            if !self.link.reader.buffer().is_empty() {
                 return self.read_msg().map(Some);
             }
             match self.wait_mailbox(mb, deadline)? {
@@ -89,7 +89,7 @@ impl Consumer {
                 left
             };
             let ms = u16::try_from(step.as_millis()).unwrap_or(u16::MAX);
-            if readable_within(self.reader.get_ref(), ms)? {
+            if readable_within(self.link.reader.get_ref(), ms)? {
                 return Ok(true);
             }
             if left.is_zero() || (step == left && ms != u16::MAX) {
@@ -105,7 +105,9 @@ impl Consumer {
             if !self.window_full() {
                 return Ok(true);
             }
-            if !self.reader.buffer().is_empty() || readable_within(self.reader.get_ref(), 1)? {
+            if !self.link.reader.buffer().is_empty()
+                || readable_within(self.link.reader.get_ref(), 1)?
+            {
                 let msg = self.read_msg()?;
                 self.intake(msg);
                 return Ok(true);
@@ -131,8 +133,8 @@ impl Consumer {
             return;
         }
         loop {
-            let waiting = !self.reader.buffer().is_empty()
-                || readable_within(self.reader.get_ref(), 0).unwrap_or(false);
+            let waiting = !self.link.reader.buffer().is_empty()
+                || readable_within(self.link.reader.get_ref(), 0).unwrap_or(false);
             if !waiting {
                 return;
             }
@@ -158,7 +160,7 @@ impl Consumer {
 
     /// Reads the next frame from the socket.
     pub(super) fn read_msg(&mut self) -> Result<ServerMsg> {
-        read_server_msg(&mut self.reader, &mut self.buf)
+        read_server_msg(&mut self.link.reader, &mut self.link.buf)
     }
 
     /// Waits for a notice, a socket message or `deadline`: polls for the
@@ -166,7 +168,7 @@ impl Consumer {
     /// looking at the socket before each sleep.
     pub(super) fn wait_mailbox(&self, mb: &ConsumerMailbox, deadline: Instant) -> Result<Woke> {
         let start = Instant::now();
-        let spin_until = (start + self.spin).min(deadline);
+        let spin_until = (start + self.link.spin).min(deadline);
         let mut looks = 0u32;
         loop {
             if mb.has_notice() {
@@ -184,10 +186,10 @@ impl Consumer {
             }
             let mut socket = Ok(false);
             if now >= deadline {
-                socket = readable_within(self.reader.get_ref(), 0);
+                socket = readable_within(self.link.reader.get_ref(), 0);
             } else {
                 mb.sleep_unless((deadline - now).min(MAILBOX_TICK), || {
-                    socket = readable_within(self.reader.get_ref(), 0);
+                    socket = readable_within(self.link.reader.get_ref(), 0);
                     !matches!(socket, Ok(false))
                 });
             }
