@@ -215,6 +215,11 @@ impl Shared {
         Ok(())
     }
 
+    /// The program holds its whole window of batches.
+    pub(crate) fn window_full(&self) -> bool {
+        self.held.load(std::sync::atomic::Ordering::Acquire) >= self.welcome.window
+    }
+
     pub(crate) fn fenced_pending(&self) -> bool {
         self.gpu.as_ref().is_some_and(|g| g.pending())
     }

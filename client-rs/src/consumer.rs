@@ -75,15 +75,8 @@ pub struct Consumer {
     /// When the program asked, when the last batch came, since when it
     /// pins the ring.
     clock: clock::Clock,
-    /// Batches cut from the units received, and what follows them. Units
-    /// are taken only while no batch waits here, so the consumer holds at
-    /// most the units its window needs (a mailbox consumer is sent units
-    /// ahead; they wait in its mailbox).
-    next: VecDeque<Next>,
-    /// Where it is: its position, its epoch's batches, rotated epochs.
-    place: place::Place,
-    /// Replay: in progress, where it began, the next replayed seq.
-    replay: replay::Replay,
+    /// What it received and has not handed out, its place and its replay.
+    inbox: events::Inbox,
     /// What it was asked for: a reconnect subscribes with it again.
     opts: ConsumerOptions,
 }
@@ -91,113 +84,7 @@ pub struct Consumer {
 impl Consumer {
     /// Connects to the broker, subscribes and maps the stream's arena.
     pub fn connect(opts: ConsumerOptions) -> Result<Consumer> {
-        Consumer::connect_carrying(opts, TakenTally::new_consumer())
-    }
-
-    /// Connects as `taken`'s consumer (a reconnect carries its number and
-    /// counts over).
-    fn connect_carrying(opts: ConsumerOptions, taken: TakenTally) -> Result<Consumer> {
-        opts.validate()?;
-        connect_retrying(
-            opts.socket.clone(),
-            (opts.connect_timeout, crate::transport::HANDSHAKE_FLOOR),
-            opts.broker_uid,
-            |stream| Consumer::subscribe(stream, &opts, &taken),
-        )
-    }
-
-    /// What `opts` asks the broker for (a state's stream, position, batch
-    /// size and digest where options do not say otherwise).
-    fn request(opts: &ConsumerOptions, taken: &TakenTally) -> Result<ConsumeRequest> {
-        let state = opts.state.as_ref();
-        let (resume, batch_size) = start_of(opts)?;
-        Ok(ConsumeRequest {
-            stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
-            window: opts.window,
-            join: opts.join,
-            device: opts.device.request()?,
-            mailbox: opts.mailbox && opts.device == Device::Cpu,
-            batch_size,
-            drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
-            resume,
-            rotation: resume.and(state.and_then(|s| s.rotation)).map(Box::new),
-            expect: state.map(|s| s.digest),
-            group: opts.group.clone().map(Box::new),
-            serial: taken.serial,
-            taken: taken.load(),
-        })
-    }
-
-    fn subscribe(
-        stream: UnixStream,
-        opts: &ConsumerOptions,
-        taken: &TakenTally,
-    ) -> Result<Consumer> {
-        let hello = ClientMsg::Hello(Hello {
-            name: opts.name.clone(),
-            pid: std::process::id(),
-            intent: Intent::Consume(Consumer::request(opts, taken)?),
-        });
-        let (reply, fds) = handshake(&stream, &hello)?;
-        let welcome = expect_reply(reply, "a welcome", |m| match m {
-            ServerMsg::Welcome(w) => Ok(*w),
-            other => Err(other),
-        })?;
-        let (map, mailbox, replay_arena) = open_arenas(&welcome, fds)?;
-        let gpu = crate::gpu::DeviceSide::open(
-            opts.device,
-            welcome.device.as_ref(),
-            welcome.layout.slot_bytes,
-        )?;
-        let (resume, _) = start_of(opts)?;
-        let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
-        let batcher = batcher_for(&welcome, opts, skip);
-        // A decoupled consumer is granted a replay arena with nothing to
-        // replay yet (`from == to`).
-        let replaying = welcome
-            .replay
-            .as_ref()
-            .filter(|g| g.from < g.to)
-            .map(|g| replay::Replaying::new(g, deal_of(&welcome, opts)))
-            // A group member none of whose runs lies in it has none to wait for.
-            .filter(|r| !r.received());
-        let replay_from = welcome.replay.as_ref().map(|g| g.from);
-        let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
-        let start_epoch = welcome.start_epoch;
-        Ok(Consumer {
-            shared: Arc::new(Shared {
-                writer: Mutex::new(stream),
-                map,
-                batching: Mutex::new(Batching {
-                    batcher,
-                    totals: Totals::default(),
-                    scratch: Vec::with_capacity(16),
-                }),
-                welcome,
-                held: AtomicU32::new(0),
-                gpu,
-                mailbox,
-                replay: replay_arena,
-                taken: taken.clone(),
-            }),
-            link: link::Link::new(reader, opts.spin),
-            clock: clock::Clock::default(),
-            next: VecDeque::new(),
-            place: place::Place::new(
-                skip,
-                resume.unwrap_or(Position {
-                    epoch: start_epoch,
-                    sample: 0,
-                }),
-                rotate::Rotated::resumed(resume.and(opts.state.as_ref().and_then(|s| s.rotation))),
-            ),
-            replay: replay::Replay {
-                active: replaying,
-                from: replay_from,
-                seq: 0,
-            },
-            opts: opts.clone(),
-        })
+        connect_carrying(opts, TakenTally::new_consumer())
     }
 
     /// Where this consumer is, for a checkpoint: right after the last
@@ -211,8 +98,8 @@ impl Consumer {
             .as_ref()
             .zip(self.deal())
             .map(|(seat, deal)| {
-                let (epoch, sample) =
-                    deal.round_of(self.place.next_at.epoch, self.place.next_at.sample);
+                let at = self.inbox.place.next_at;
+                let (epoch, sample) = deal.round_of(at.epoch, at.sample);
                 state::GroupPlace {
                     name: seat.name.clone(),
                     world: seat.world,
@@ -223,11 +110,11 @@ impl Consumer {
         ConsumerState {
             stream: w.stream.clone(),
             digest: w.digest,
-            position: self.place.next_at,
+            position: self.inbox.place.next_at,
             batch_size: w.batch_size,
             drop_last: w.drop_last,
             group,
-            rotation: self.place.rotated.of_state(self.place.next_at),
+            rotation: self.inbox.place.rotated.of_state(self.inbox.place.next_at),
         }
     }
 
@@ -319,19 +206,23 @@ impl Consumer {
     }
 
     fn wait_readable_once(&mut self, timeout: Duration) -> Result<bool> {
-        self.start_asking();
+        self.clock.start_asking();
         let deadline = Instant::now() + timeout;
         loop {
-            if self.link.finished || self.ready() || !self.link.reader.buffer().is_empty() {
+            let shared = &self.shared;
+            if self.link.finished || self.inbox.ready(shared) || self.link.waiting(0)? {
                 return Ok(true);
             }
-            if self.window_full() {
-                if !self.poll_socket(deadline)? {
+            if shared.window_full() {
+                if !self
+                    .link
+                    .poll_socket(&self.shared, &mut self.inbox, deadline)?
+                {
                     return Ok(false);
                 }
                 continue;
             }
-            if self.pinning().is_some() {
+            if self.inbox.pinning(shared).is_some() {
                 // `next_event` reports it once nothing came for a grace,
                 // counted from the first call that found it so (a caller
                 // polling in short steps still gets there).
@@ -340,16 +231,23 @@ impl Consumer {
                 if Instant::now() >= since + grace {
                     return Ok(true);
                 }
-                match self.receive((since + grace).min(deadline))? {
-                    Some(msg) => self.intake(msg),
+                match self.link.receive(
+                    &self.shared,
+                    &mut self.inbox.place.deferred,
+                    (since + grace).min(deadline),
+                )? {
+                    Some(msg) => self.inbox.intake(&self.shared, msg),
                     None if deadline <= since + grace => return Ok(false),
                     None => return Ok(true),
                 }
                 continue;
             }
             self.clock.pinned_since = None;
-            match self.receive(deadline)? {
-                Some(msg) => self.intake(msg),
+            match self
+                .link
+                .receive(&self.shared, &mut self.inbox.place.deferred, deadline)?
+            {
+                Some(msg) => self.inbox.intake(&self.shared, msg),
                 None => return Ok(false),
             }
         }
@@ -381,24 +279,25 @@ impl Consumer {
         if self.link.finished {
             return Ok(None);
         }
-        self.start_asking();
-        self.wait_for_fenced()?;
+        self.clock.start_asking();
+        self.link.wait_for_fenced(&self.shared)?;
         let mut full_since = None;
         loop {
-            match self.front() {
-                Some(Next::Run(..) | Next::Replayed(_)) if !self.window_full() => {
-                    self.take_waiting();
-                    if matches!(self.front(), Some(Next::Run(..) | Next::Replayed(_))) {
-                        return Ok(Some(self.hand_out()));
+            match self.inbox.front() {
+                Some(Next::Run(..) | Next::Replayed(_)) if !self.shared.window_full() => {
+                    self.link.take_waiting(&self.shared, &mut self.inbox);
+                    if matches!(self.inbox.front(), Some(Next::Run(..) | Next::Replayed(_))) {
+                        return Ok(Some(self.inbox.hand_out(&self.shared, &mut self.clock)));
                     }
                     continue;
                 }
                 Some(Next::EndOfEpoch(_) | Next::EndOfStream | Next::Fail(_)) => {
-                    return self.pop_event();
+                    let rides = !self.opts.reconnect_timeout.is_zero();
+                    return self.inbox.pop_event(&mut self.clock, &mut self.link, rides);
                 }
                 _ => {}
             }
-            if let Some(seq) = self.pinning() {
+            if let Some(seq) = self.inbox.pinning(&self.shared) {
                 // The broker cannot make the next batch until this program
                 // releases an old one.
                 let since = *self.clock.pinned_since.get_or_insert_with(Instant::now);
@@ -408,13 +307,17 @@ impl Consumer {
                         slots: self.shared.welcome.slots,
                     });
                 }
-                if let Some(msg) = self.receive(Instant::now() + Duration::from_millis(1))? {
-                    self.intake(msg);
+                if let Some(msg) = self.link.receive(
+                    &self.shared,
+                    &mut self.inbox.place.deferred,
+                    Instant::now() + Duration::from_millis(1),
+                )? {
+                    self.inbox.intake(&self.shared, msg);
                 }
                 continue;
             }
             self.clock.pinned_since = None;
-            if self.window_full() {
+            if self.shared.window_full() {
                 // No batch can be handed out until a release (by another
                 // thread, or the garbage collector).
                 let since = *full_since.get_or_insert_with(Instant::now);
@@ -422,15 +325,130 @@ impl Consumer {
                 if Instant::now() >= grace {
                     return Err(Error::WindowFull { held: self.held() });
                 }
-                self.poll_socket(grace.min(Instant::now() + Duration::from_millis(1)))?;
+                self.link.poll_socket(
+                    &self.shared,
+                    &mut self.inbox,
+                    grace.min(Instant::now() + Duration::from_millis(1)),
+                )?;
                 continue;
             }
             let far = Instant::now() + Duration::from_secs(3600);
-            if let Some(msg) = self.receive(far)? {
-                self.intake(msg);
+            if let Some(msg) =
+                self.link
+                    .receive(&self.shared, &mut self.inbox.place.deferred, far)?
+            {
+                self.inbox.intake(&self.shared, msg);
             }
         }
     }
+}
+
+/// Connects as `taken`'s consumer (a reconnect carries its number and
+/// counts over).
+fn connect_carrying(opts: ConsumerOptions, taken: TakenTally) -> Result<Consumer> {
+    opts.validate()?;
+    connect_retrying(
+        opts.socket.clone(),
+        (opts.connect_timeout, crate::transport::HANDSHAKE_FLOOR),
+        opts.broker_uid,
+        |stream| subscribe(stream, &opts, &taken),
+    )
+}
+
+/// What `opts` asks the broker for (a state's stream, position, batch
+/// size and digest where options do not say otherwise).
+fn request(opts: &ConsumerOptions, taken: &TakenTally) -> Result<ConsumeRequest> {
+    let state = opts.state.as_ref();
+    let (resume, batch_size) = start_of(opts)?;
+    Ok(ConsumeRequest {
+        stream: state.map_or(&opts.stream, |s| &s.stream).clone(),
+        window: opts.window,
+        join: opts.join,
+        device: opts.device.request()?,
+        mailbox: opts.mailbox && opts.device == Device::Cpu,
+        batch_size,
+        drop_last: opts.drop_last.or(state.map(|s| s.drop_last)),
+        resume,
+        rotation: resume.and(state.and_then(|s| s.rotation)).map(Box::new),
+        expect: state.map(|s| s.digest),
+        group: opts.group.clone().map(Box::new),
+        serial: taken.serial,
+        taken: taken.load(),
+    })
+}
+
+/// Says hello as a consumer on `stream`, and makes the consumer the
+/// broker's welcome describes.
+fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> Result<Consumer> {
+    let hello = ClientMsg::Hello(Hello {
+        name: opts.name.clone(),
+        pid: std::process::id(),
+        intent: Intent::Consume(request(opts, taken)?),
+    });
+    let (reply, fds) = handshake(&stream, &hello)?;
+    let welcome = expect_reply(reply, "a welcome", |m| match m {
+        ServerMsg::Welcome(w) => Ok(*w),
+        other => Err(other),
+    })?;
+    let (map, mailbox, replay_arena) = open_arenas(&welcome, fds)?;
+    let gpu = crate::gpu::DeviceSide::open(
+        opts.device,
+        welcome.device.as_ref(),
+        welcome.layout.slot_bytes,
+    )?;
+    let (resume, _) = start_of(opts)?;
+    let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
+    let batcher = batcher_for(&welcome, opts, skip);
+    // A decoupled consumer is granted a replay arena with nothing to
+    // replay yet (`from == to`).
+    let replaying = welcome
+        .replay
+        .as_ref()
+        .filter(|g| g.from < g.to)
+        .map(|g| replay::Replaying::new(g, deal_of(&welcome, opts)))
+        // A group member none of whose runs lies in it has none to wait for.
+        .filter(|r| !r.received());
+    let replay_from = welcome.replay.as_ref().map(|g| g.from);
+    let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
+    let start_epoch = welcome.start_epoch;
+    let deal = deal_of(&welcome, opts);
+    Ok(Consumer {
+        shared: Arc::new(Shared {
+            writer: Mutex::new(stream),
+            map,
+            batching: Mutex::new(Batching {
+                batcher,
+                totals: Totals::default(),
+                scratch: Vec::with_capacity(16),
+            }),
+            welcome,
+            held: AtomicU32::new(0),
+            gpu,
+            mailbox,
+            replay: replay_arena,
+            taken: taken.clone(),
+        }),
+        link: link::Link::new(reader, opts.spin),
+        clock: clock::Clock::default(),
+        inbox: events::Inbox {
+            next: VecDeque::new(),
+            place: place::Place::new(
+                skip,
+                resume.unwrap_or(Position {
+                    epoch: start_epoch,
+                    sample: 0,
+                }),
+                rotate::Rotated::resumed(resume.and(opts.state.as_ref().and_then(|s| s.rotation))),
+            ),
+            replay: replay::Replay {
+                active: replaying,
+                from: replay_from,
+                seq: 0,
+            },
+            deal,
+        },
+        opts: opts.clone(),
+    })
 }
 
 /// Maps what the welcome's fds hold, in order: the stream's rings, the
@@ -499,7 +517,7 @@ impl Drop for Consumer {
     fn drop(&mut self) {
         // Stop further deliveries now; batches still held are released when
         // they are dropped, and the connection closes with the last of them.
-        self.give_back_unread();
+        self.inbox.give_back_unread(&self.shared);
         let _ = self.shared.send(&ClientMsg::Goodbye);
     }
 }

@@ -19,7 +19,7 @@ use super::Broker;
 use super::connection::{Connection, Reject};
 use crate::pipeline::shared::Shares;
 use crate::plan::StreamPlan;
-use crate::stream::{Acquire, Peer, StartError, Stream, StreamFailed};
+use crate::stream::{Acquire, Peer, Port, StartError, Stream, StreamFailed};
 
 /// Serves a producer: registers its stream, hands it slots one at a time,
 /// publishes what it fills, and ends or fails the stream when it leaves.
@@ -109,7 +109,7 @@ async fn register(
     })?;
     if let Some(r) = rejoin {
         // Nobody has seen the new stream yet: it starts anywhere it has.
-        if !stream.rejoin_at(&r) {
+        if !stream.port().rejoin_at(&r) {
             return Err(Reject(
                 ErrorCode::InvalidRequest,
                 format!(
@@ -161,6 +161,7 @@ async fn register(
         }
     }
     stream
+        .port()
         .seal()
         .map_err(|e| Reject(ErrorCode::Internal, format!("cannot seal the arena: {e}")))?;
     broker.open(stream.clone());
@@ -177,12 +178,13 @@ async fn serve_slots(
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Reject> {
     let batch_size = stream.plan.schema.batch_size;
+    let port = stream.port();
     let mut wants = true;
-    let mut blocked_since = stream.slots_full().then(Instant::now);
+    let mut blocked_since = port.slots_full().then(Instant::now);
     let mut filling: Option<FillSlot> = None;
     let mut blocked = Duration::ZERO;
     loop {
-        if wants && let Some(msg) = answer(stream) {
+        if wants && let Some(msg) = answer(port) {
             if let ServerMsg::Fill(w) = msg {
                 blocked = blocked_since
                     .take()
@@ -192,18 +194,18 @@ async fn serve_slots(
             }
             wants = false;
             if conn.send(&msg).await.is_err() {
-                stream.producer_done(who);
+                port.producer_done(who);
                 return Ok(());
             }
         }
         let held_until = hold.unwrap_or_else(Instant::now);
         tokio::select! {
-            _ = stream.ready(), if wants => {}
+            _ = port.ready(), if wants => {}
             // Looks again: a consumer may have held it past the hold limit.
-            _ = tokio::time::sleep(Stream::HOLD_CHECK), if wants => {}
+            _ = tokio::time::sleep(Port::HOLD_CHECK), if wants => {}
             _ = tokio::time::sleep_until(held_until.into()), if hold.is_some() => {
                 hold = None;
-                stream.end_rejoin_hold();
+                port.end_rejoin_hold();
             }
             _ = stop.changed() => {
                 let _ = conn.send(&ServerMsg::Goodbye(GoodbyeReason::Shutdown)).await;
@@ -212,7 +214,7 @@ async fn serve_slots(
             m = conn.next() => match m? {
                 Some(ClientMsg::Acquire) if !wants && filling.is_none() => {
                     wants = true;
-                    blocked_since = stream.slots_full().then(Instant::now);
+                    blocked_since = port.slots_full().then(Instant::now);
                 }
                 Some(ClientMsg::Acquire) => {
                     return Err(Reject(ErrorCode::InvalidRequest, "Acquire while a slot is still requested or being filled; publish it first".into()));
@@ -224,7 +226,7 @@ async fn serve_slots(
                     if samples == 0 || samples > batch_size {
                         return Err(Reject(ErrorCode::SchemaMismatch, format!("batch {seq} claims {samples} samples; a batch of this stream holds 1 to {batch_size}")));
                     }
-                    stream.publish(&w, samples, blocked);
+                    port.publish(&w, samples, blocked);
                     filling = None;
                 }
                 Some(ClientMsg::Fail { message }) => {
@@ -234,7 +236,7 @@ async fn serve_slots(
                 Some(ClientMsg::Goodbye) | None => {
                     match filling {
                         Some(w) => stream.fail(StreamFailed::ProducerLeftMidBatch { who: who.into(), index: w.index, epoch: w.epoch }),
-                        None => stream.producer_done(who),
+                        None => port.producer_done(who),
                     }
                     return Ok(());
                 }
@@ -247,8 +249,8 @@ async fn serve_slots(
 }
 
 /// The answer to the producer's outstanding `Acquire`, if there is one now.
-fn answer(stream: &Stream) -> Option<ServerMsg> {
-    match stream.acquire() {
+fn answer(port: Port<'_>) -> Option<ServerMsg> {
+    match port.acquire() {
         Err(why) => Some(ServerMsg::Error(ErrorMsg {
             code: ErrorCode::SourceFailed,
             message: why.to_string(),

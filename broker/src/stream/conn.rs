@@ -286,3 +286,27 @@ pub(super) fn end_consumer(inner: &mut Inner, id: ConsumerId, code: ErrorCode, w
     );
     let _ = inner.hub.goodbye(id);
 }
+
+/// Tells consumer `id` of a cut or a merge (`ServerMsg::Cut`/`Merge`): a
+/// notice in its mailbox (and a ring), or the message on its socket. A
+/// full mailbox ends that consumer (`false`).
+pub(super) fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return false;
+    };
+    if let Err(why) = conn.out.deliver_now(msg) {
+        end_mailbox_consumer(inner, id, why.to_string());
+        return false;
+    }
+    true
+}
+
+/// Shared units noticed to this consumer and not yet taken.
+pub(super) fn unread(c: &mut Conn) -> usize {
+    c.out.mailbox_mut().map_or(0, |mb| {
+        mb.unread_units()
+            .iter()
+            .filter(|&&s| s & proto::REPLAYED == 0)
+            .count()
+    })
+}

@@ -50,44 +50,23 @@
 //!   and a joiner whose catch-up replay goes on is waited for. A cut one
 //!   merges back by the rule above. Without a limit (`inf`) nothing is.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{self, Position, ServerMsg};
+use batchcast::proto::{Position, ServerMsg};
 
-use super::conn::{Conn, end_mailbox_consumer};
+use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
 use super::replay::book::ArenaLife;
+use super::rotate::{self, merge_from};
 use super::{Inner, Stream};
-use crate::config::Pace;
+use crate::config::Pace as PaceRule;
 use crate::hub::{ConsumerId, Hub};
+use crate::plan::StreamPlan;
 
 /// How old the unit in the ring's next slot must be before the consumers
 /// that owe it are cut.
 pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
-
-/// Tells consumer `id` of a cut or a merge (`ServerMsg::Cut`/`Merge`): a
-/// notice in its mailbox (and a ring), or the message on its socket. A
-/// full mailbox ends that consumer (`false`).
-pub(super) fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool {
-    let Some(conn) = inner.conns.get_mut(&id) else {
-        return false;
-    };
-    if let Err(why) = conn.out.deliver_now(msg) {
-        end_mailbox_consumer(inner, id, why.to_string());
-        return false;
-    }
-    true
-}
-
-/// Shared units noticed to this consumer and not yet taken.
-pub(super) fn unread(c: &mut Conn) -> usize {
-    c.out.mailbox_mut().map_or(0, |mb| {
-        mb.unread_units()
-            .iter()
-            .filter(|&&s| s & proto::REPLAYED == 0)
-            .count()
-    })
-}
 
 /// Whether consumer `id` took unit `seq` (it was sent it and, with a
 /// mailbox, took the notice): a cut cannot give it back.
@@ -118,265 +97,277 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         && (queued > 0 || unread(c) > 0)
 }
 
-/// The oldest unit a replayed consumer may merge back at: within half the
-/// ring of its head, room to keep up (merged further back, one that
-/// pauses would pin the ring, be cut and merge again at once, over and
-/// over).
-pub(super) fn merge_from(hub: &Hub) -> u64 {
-    let (head, slots) = hub.head_seq();
-    head.saturating_sub(u64::from(slots / 2))
+/// Decoupled pace's bookkeeping of the ring.
+#[derive(Debug, Default)]
+pub(super) struct Pace {
+    /// When each of the last units of the ring was made.
+    made_at: VecDeque<(u64, Instant)>,
+    /// The unit in the ring's next slot that consumers who cannot be cut
+    /// keep the pipeline from reusing, and since when (the hold limit runs
+    /// from there).
+    pinned: Option<(u64, Instant)>,
 }
 
-impl Stream {
+impl Pace {
     /// Unit `seq` was made (decoupled pace: its age decides a cut).
-    pub(super) fn made(&self, inner: &mut Inner, seq: u64) {
-        if self.plan.pace != Pace::Decoupled {
+    pub(super) fn made(&mut self, plan: &StreamPlan, seq: u64) {
+        if plan.pace != PaceRule::Decoupled {
             return;
         }
-        inner.made_at.push_back((seq, Instant::now()));
-        while inner.made_at.len() > self.plan.slots as usize {
-            inner.made_at.pop_front();
+        self.made_at.push_back((seq, Instant::now()));
+        while self.made_at.len() > plan.slots as usize {
+            self.made_at.pop_front();
         }
     }
 
-    /// The pipeline waits for the ring's next slot: cuts the consumers that
-    /// owe its unit if the rules allow (decoupled: at once; lockstep: once
-    /// it was pinned for the hold limit), or detaches those that cannot be
-    /// cut once they have pinned it for the hold limit (see the module's).
-    /// Whether it did either.
-    pub(super) fn cut_laggards(&self, inner: &mut Inner) -> bool {
-        let eager = self.plan.pace == Pace::Decoupled;
-        let limit = self.plan.hold_limit;
-        if !eager && limit.is_none() {
-            return false;
-        }
-        let Some((seq, owe)) = inner.hub.pinning() else {
-            inner.pinned = None;
-            return false;
-        };
-        // Made longer ago than the ring remembers: old enough.
-        let young = inner
-            .made_at
+    /// Whether unit `seq` was made less than [`CUT_AFTER`] ago (one made
+    /// longer ago than the ring remembers is old enough).
+    fn young(&self, seq: u64) -> bool {
+        self.made_at
             .iter()
             .find(|(s, _)| *s == seq)
-            .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER);
-        if eager && young {
-            return false;
-        }
-        let Inner { hub, conns, .. } = &mut *inner;
-        let hungry = conns
-            .iter_mut()
-            .any(|(&id, c)| hub.reading(id) == Some(0) && unread(c) == 0);
-        if !hungry || owe.is_empty() {
-            return false;
-        }
-        // Someone waits for data while these pin the ring: counted from
-        // when this unit was first pinned.
-        let since = match inner.pinned {
+            .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER)
+    }
+
+    /// Since when unit `seq` has been pinned (from now, if it was not).
+    fn pinned_since(&mut self, seq: u64) -> Instant {
+        match self.pinned {
             Some((s, t)) if s == seq => t,
-            _ => inner.pinned.insert((seq, Instant::now())).1,
-        };
-        let held = since.elapsed();
-        let past = limit.is_some_and(|l| held >= l);
-        if !eager && !past {
-            return false;
-        }
-        let Inner { hub, conns, .. } = &mut *inner;
-        let (can, mut cannot): (Vec<ConsumerId>, Vec<ConsumerId>) =
-            owe.into_iter().partition(|id| {
-                conns
-                    .get_mut(id)
-                    .is_some_and(|c| cuttable(hub, *id, c, (!eager).then_some(seq)))
-            });
-        // A lockstep joiner replayed the epoch's start is waited for while
-        // its replay goes on (it releases batches within the limit).
-        let within = limit.unwrap_or(Duration::MAX);
-        cannot.retain(|id| {
-            !conns
-                .get(id)
-                .and_then(|c| c.replay.as_ref())
-                .is_some_and(|r| r.catching_up(within))
-        });
-        if !cannot.is_empty() {
-            if !past {
-                return false;
-            }
-            for &id in &cannot {
-                self.detach_holder(inner, id, held);
-            }
-        }
-        inner.pinned = None;
-        // Detaching freed the slot of whoever could not be cut; cutting the
-        // others frees it of them.
-        let mut any = !cannot.is_empty();
-        for id in can {
-            any |= self.cut(inner, id);
-        }
-        any
-    }
-
-    /// Detaches consumer `id`, which kept the pipeline waiting for `held`.
-    fn detach_holder(&self, inner: &mut Inner, id: ConsumerId, held: Duration) {
-        let limit = self.plan.hold_limit.unwrap_or_default().as_secs_f64();
-        let what = match (self.writer.is_some(), inner.conns.get(&id)) {
-            (false, _) => {
-                "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
-            }
-            (true, Some(c)) if c.gpu.is_some() => {
-                "a GPU consumer cannot be cut to replay or resume from a state yet; subscribe again (it starts at the stream's next batch), or read host memory (device=\"cpu\"), which is cut and replayed instead"
-            }
-            _ => {
-                "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"
-            }
-        };
-        let raise = match self.writer {
-            Some(_) => "raise hold_limit_s in the broker config",
-            None => "the producer may set a longer hold_limit_s",
-        };
-        let reason = format!(
-            "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or {raise}",
-            held.as_secs_f64()
-        );
-        if inner.hub.detach(id, reason) {
-            tracing::warn!(
-                stream = %self.name(),
-                consumer = id,
-                held_s = held.as_secs_f64(),
-                "detached a consumer that kept the pipeline waiting past the hold limit"
-            );
+            _ => self.pinned.insert((seq, Instant::now())).1,
         }
     }
 
-    /// Tells consumer `id`, which joined cut (it needs replay, see
-    /// [`super::replay`]), that it is replayed to from `from`.
-    pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
-        notify(inner, id, ServerMsg::Cut(from));
+    fn unpin(&mut self) {
+        self.pinned = None;
     }
+}
 
-    /// Cuts consumer `id` from the shared stream; replay follows.
-    fn cut(&self, inner: &mut Inner, id: ConsumerId) -> bool {
-        let unit = self.plan.schema.batch_size;
-        // A mailbox consumer gives back the notices it has not taken; a
-        // socket consumer took everything it was sent, and gives back only
-        // what was queued for it (the hub drops the queue).
-        let Some(revoked) = inner
-            .conns
-            .get_mut(&id)
-            .and_then(|c| match c.out.mailbox_mut() {
-                Some(mb) => mb.cut(),
-                None => Some(Vec::new()),
-            })
-        else {
-            return false;
-        };
-        let (epoch, index) = match inner.hub.cut(id, &revoked) {
-            Ok(first) => first,
-            Err(e) => {
-                // It released a unit it never took: only itself is harmed.
-                end_mailbox_consumer(inner, id, format!("taking back its batches: {e}"));
-                return false;
-            }
-        };
-        let conn = inner.conns.get_mut(&id).expect("cut above");
-        for seq in &revoked {
-            conn.tally.sent_ns.remove(seq);
-        }
-        let lost = Position {
-            epoch,
-            sample: index * unit,
-        };
-        // Not before where it last merged back: it has every sample before
-        // that (the unit holding it began earlier).
-        let restart = conn
-            .own
-            .boundaries()
-            .at_or_before(lost)
-            .max(conn.merges.merged_at);
-        conn.own.shared.rewind(restart);
-        conn.merges.cuts += 1;
-        if let Some(r) = conn.replay.as_mut() {
-            r.reopen(restart);
-        }
-        if !notify(inner, id, ServerMsg::Cut(restart)) {
-            return true;
-        }
-        tracing::info!(
-            stream = %self.name(),
-            consumer = id,
-            taken_back = revoked.len(),
-            ?restart,
-            "a consumer fell a ring behind (decoupled) or kept the others waiting past the hold limit (lockstep); it goes on from replay"
-        );
-        self.work_cv.notify_all();
-        true
+/// The pipeline waits for the ring's next slot: cuts the consumers that
+/// owe its unit if the rules allow (decoupled: at once; lockstep: once
+/// it was pinned for the hold limit), or detaches those that cannot be
+/// cut once they have pinned it for the hold limit (see the module's).
+/// Whether it did either.
+pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
+    let eager = s.plan.pace == PaceRule::Decoupled;
+    let limit = s.plan.hold_limit;
+    if !eager && limit.is_none() {
+        return false;
     }
-
-    /// Merges back each cut consumer whose replay reached a unit the
-    /// shared stream still publishes (see the module's rules).
-    pub(super) fn merge_replays(&self, inner: &mut Inner) {
-        let open: Vec<ConsumerId> = inner
-            .conns
-            .iter()
-            .filter(|(_, c)| c.ending.is_none() && c.replay.as_ref().is_some_and(|r| r.open()))
-            .map(|(&id, _)| id)
-            .collect();
-        self.replay_rotated_starts(inner);
-        let mut merged = false;
-        for id in open {
-            merged |= self.merge(inner, id);
-        }
-        if merged {
-            settle(inner, false);
-        }
+    let Some((seq, owe)) = inner.hub.pinning() else {
+        inner.pace.unpin();
+        return false;
+    };
+    if eager && inner.pace.young(seq) {
+        return false;
     }
-
-    fn merge(&self, inner: &mut Inner, id: ConsumerId) -> bool {
-        let unit = self.plan.schema.batch_size;
-        let Some((at, rotation)) = inner
-            .conns
-            .get(&id)
+    let Inner { hub, conns, .. } = &mut *inner;
+    let hungry = conns
+        .iter_mut()
+        .any(|(&id, c)| hub.reading(id) == Some(0) && unread(c) == 0);
+    if !hungry || owe.is_empty() {
+        return false;
+    }
+    // Someone waits for data while these pin the ring: counted from
+    // when this unit was first pinned.
+    let held = inner.pace.pinned_since(seq).elapsed();
+    let past = limit.is_some_and(|l| held >= l);
+    if !eager && !past {
+        return false;
+    }
+    let Inner { hub, conns, .. } = &mut *inner;
+    let (can, mut cannot): (Vec<ConsumerId>, Vec<ConsumerId>) = owe.into_iter().partition(|id| {
+        conns
+            .get_mut(id)
+            .is_some_and(|c| cuttable(hub, *id, c, (!eager).then_some(seq)))
+    });
+    // A lockstep joiner replayed the epoch's start is waited for while
+    // its replay goes on (it releases batches within the limit).
+    let within = limit.unwrap_or(Duration::MAX);
+    cannot.retain(|id| {
+        !conns
+            .get(id)
             .and_then(|c| c.replay.as_ref())
-            .map(|r| (r.cursor, r.rotation))
-        else {
-            return false;
-        };
-        // The part of a rotated epoch read last: the stream left it behind.
-        if rotation.is_some_and(|r| r.in_owed_part(at)) {
+            .is_some_and(|r| r.catching_up(within))
+    });
+    if !cannot.is_empty() {
+        if !past {
             return false;
         }
-        let from = merge_from(&inner.hub);
-        let near = inner
-            .hub
-            .seq_of(at.epoch, at.sample / unit)
-            .filter(|&seq| seq >= from);
-        // An epoch's start the ring no longer holds near its head: the
-        // epoch is read from where the ring is, its start after its end.
-        let Some(seq) = near else {
-            return at.sample == 0 && self.rotate(inner, id, at);
-        };
-        // It still holds units of the shared stream from before its cut: it
-        // would pin the ring again at once.
-        let holds = inner.hub.consumer_counts(id).is_none_or(|c| c.held > 0);
-        // Inside a rotated epoch's part read first: up to the epoch's end.
-        let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
-        if holds || inner.hub.rejoin_through(id, seq, through).is_err() {
-            return false;
+        for &id in &cannot {
+            detach_holder(s, inner, id, held);
         }
-        let conn = inner.conns.get_mut(&id).expect("listed above");
-        if let Some(r) = conn.replay.as_mut() {
-            r.to = Some(at);
-        }
-        conn.own.shared.resume_at(at);
-        conn.merges.merged_at = at;
-        if !notify(inner, id, ServerMsg::Merge(at)) {
-            return true;
-        }
-        tracing::info!(
-            stream = %self.name(),
-            consumer = id,
-            ?at,
-            "a replayed consumer merged back into the shared stream"
-        );
-        true
     }
+    inner.pace.unpin();
+    // Detaching freed the slot of whoever could not be cut; cutting the
+    // others frees it of them.
+    let mut any = !cannot.is_empty();
+    for id in can {
+        any |= cut(s, inner, id);
+    }
+    any
+}
+
+/// Detaches consumer `id`, which kept the pipeline waiting for `held`.
+fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, held: Duration) {
+    let limit = s.plan.hold_limit.unwrap_or_default().as_secs_f64();
+    let what = match (s.writer.is_some(), inner.conns.get(&id)) {
+        (false, _) => {
+            "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
+        }
+        (true, Some(c)) if c.gpu.is_some() => {
+            "a GPU consumer cannot be cut to replay or resume from a state yet; subscribe again (it starts at the stream's next batch), or read host memory (device=\"cpu\"), which is cut and replayed instead"
+        }
+        _ => {
+            "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"
+        }
+    };
+    let raise = match s.writer {
+        Some(_) => "raise hold_limit_s in the broker config",
+        None => "the producer may set a longer hold_limit_s",
+    };
+    let reason = format!(
+        "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or {raise}",
+        held.as_secs_f64()
+    );
+    if inner.hub.detach(id, reason) {
+        tracing::warn!(
+            stream = %s.name(),
+            consumer = id,
+            held_s = held.as_secs_f64(),
+            "detached a consumer that kept the pipeline waiting past the hold limit"
+        );
+    }
+}
+
+/// Tells consumer `id`, which joined cut (it needs replay, see
+/// [`super::replay`]), that it is replayed to from `from`.
+pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
+    notify(inner, id, ServerMsg::Cut(from));
+}
+
+/// Cuts consumer `id` from the shared stream; replay follows.
+fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
+    let unit = s.plan.schema.batch_size;
+    // A mailbox consumer gives back the notices it has not taken; a
+    // socket consumer took everything it was sent, and gives back only
+    // what was queued for it (the hub drops the queue).
+    let Some(revoked) = inner
+        .conns
+        .get_mut(&id)
+        .and_then(|c| match c.out.mailbox_mut() {
+            Some(mb) => mb.cut(),
+            None => Some(Vec::new()),
+        })
+    else {
+        return false;
+    };
+    let (epoch, index) = match inner.hub.cut(id, &revoked) {
+        Ok(first) => first,
+        Err(e) => {
+            // It released a unit it never took: only itself is harmed.
+            end_mailbox_consumer(inner, id, format!("taking back its batches: {e}"));
+            return false;
+        }
+    };
+    let conn = inner.conns.get_mut(&id).expect("cut above");
+    for seq in &revoked {
+        conn.tally.sent_ns.remove(seq);
+    }
+    let lost = Position {
+        epoch,
+        sample: index * unit,
+    };
+    // Not before where it last merged back: it has every sample before
+    // that (the unit holding it began earlier).
+    let restart = conn
+        .own
+        .boundaries()
+        .at_or_before(lost)
+        .max(conn.merges.merged_at);
+    conn.own.shared.rewind(restart);
+    conn.merges.cuts += 1;
+    if let Some(r) = conn.replay.as_mut() {
+        r.reopen(restart);
+    }
+    if !notify(inner, id, ServerMsg::Cut(restart)) {
+        return true;
+    }
+    tracing::info!(
+        stream = %s.name(),
+        consumer = id,
+        taken_back = revoked.len(),
+        ?restart,
+        "a consumer fell a ring behind (decoupled) or kept the others waiting past the hold limit (lockstep); it goes on from replay"
+    );
+    s.work_cv.notify_all();
+    true
+}
+
+/// Merges back each cut consumer whose replay reached a unit the
+/// shared stream still publishes (see the module's rules).
+pub(super) fn merge_replays(s: &Stream, inner: &mut Inner) {
+    let open: Vec<ConsumerId> = inner
+        .conns
+        .iter()
+        .filter(|(_, c)| c.ending.is_none() && c.replay.as_ref().is_some_and(|r| r.open()))
+        .map(|(&id, _)| id)
+        .collect();
+    rotate::replay_rotated_starts(s, inner);
+    let mut merged = false;
+    for id in open {
+        merged |= merge(s, inner, id);
+    }
+    if merged {
+        settle(inner, false);
+    }
+}
+
+fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
+    let unit = s.plan.schema.batch_size;
+    let Some((at, rotation)) = inner
+        .conns
+        .get(&id)
+        .and_then(|c| c.replay.as_ref())
+        .map(|r| (r.cursor, r.rotation))
+    else {
+        return false;
+    };
+    // The part of a rotated epoch read last: the stream left it behind.
+    if rotation.is_some_and(|r| r.in_owed_part(at)) {
+        return false;
+    }
+    let from = merge_from(&inner.hub);
+    let near = inner
+        .hub
+        .seq_of(at.epoch, at.sample / unit)
+        .filter(|&seq| seq >= from);
+    // An epoch's start the ring no longer holds near its head: the
+    // epoch is read from where the ring is, its start after its end.
+    let Some(seq) = near else {
+        return at.sample == 0 && rotate::rotate(s, inner, id, at);
+    };
+    // It still holds units of the shared stream from before its cut: it
+    // would pin the ring again at once.
+    let holds = inner.hub.consumer_counts(id).is_none_or(|c| c.held > 0);
+    // Inside a rotated epoch's part read first: up to the epoch's end.
+    let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
+    if holds || inner.hub.rejoin_through(id, seq, through).is_err() {
+        return false;
+    }
+    let conn = inner.conns.get_mut(&id).expect("listed above");
+    if let Some(r) = conn.replay.as_mut() {
+        r.to = Some(at);
+    }
+    conn.own.shared.resume_at(at);
+    conn.merges.merged_at = at;
+    if !notify(inner, id, ServerMsg::Merge(at)) {
+        return true;
+    }
+    tracing::info!(
+        stream = %s.name(),
+        consumer = id,
+        ?at,
+        "a replayed consumer merged back into the shared stream"
+    );
+    true
 }

@@ -19,7 +19,27 @@ use super::error::{ReleaseError, ReplayError};
 use super::mirror::request_copies;
 use super::stats::consumer_stats;
 use super::{Inner, Stream};
-use crate::hub::{ConsumerId, HubError};
+use crate::hub::{ConsumerId, HubError, Outbound};
+
+/// Delivery's own state: whether a doorbell rang, and buffers reused
+/// between drains and dispatches.
+#[derive(Debug, Default)]
+pub(super) struct Dispatch {
+    /// A doorbell rang: take every mailbox's releases at the next settle.
+    drain_all: bool,
+    /// Releases drained from mailboxes, reused between drains.
+    drained: Vec<(ConsumerId, u64)>,
+    /// What the hub emitted, reused between dispatches.
+    outbound: Vec<(ConsumerId, Outbound)>,
+}
+
+impl Dispatch {
+    /// Takes every mailbox's releases at the next settle (a doorbell rang,
+    /// a producer is about to wait, stats are asked for).
+    pub(super) fn drain_all(&mut self) {
+        self.drain_all = true;
+    }
+}
 
 impl Stream {
     pub fn release(&self, id: ConsumerId, r: proto::Release) -> Result<(), ReleaseError> {
@@ -34,7 +54,7 @@ impl Stream {
             // written after it last looked it never read: give those back
             // for it (a release of one of them that still comes is refused,
             // which ends only this consumer, which is leaving anyway).
-            inner.drain_all = true;
+            inner.deliver.drain_all = true;
             if drain(inner, |cid, _| cid == id) {
                 dispatch(inner);
             }
@@ -74,17 +94,18 @@ impl Stream {
                     conn.ending
                         .map_or_else(|| "disconnected".into(), |e| e.to_string()),
                 );
-                if inner.past.len() == proto::PAST_CONSUMERS {
-                    inner.past.pop_front();
+                let past = &mut inner.records.past;
+                if past.len() == proto::PAST_CONSUMERS {
+                    past.pop_front();
                 }
-                inner.past.push_back(last);
+                past.push_back(last);
             }
         });
     }
 
     /// A mailbox consumer rang: it released while a producer waited.
     pub fn doorbell(&self) {
-        self.with_hub(|inner| inner.drain_all = true);
+        self.with_hub(|inner| inner.deliver.drain_all = true);
     }
 
     /// See [`crate::hub::Hub::set_min_consumers`]; whether the stream was still
@@ -131,9 +152,9 @@ fn release(
 /// A consumer is asked to ring when nobody would look at its mailbox soon:
 /// a pipeline thread or an external producer waits without napping.
 pub(super) fn settle(inner: &mut Inner, all: bool) {
-    let all = all || std::mem::take(&mut inner.drain_all);
+    let all = all || std::mem::take(&mut inner.deliver.drain_all);
     dispatch(inner);
-    let want = inner.armed_workers > 0 || inner.producer_waiting;
+    let want = inner.fill.wants_doorbells();
     for conn in inner.conns.values_mut() {
         if let Some(mb) = conn.out.mailbox_mut() {
             mb.set_want(want);
@@ -187,7 +208,7 @@ fn drain_mailboxes(inner: &mut Inner) -> bool {
 /// Takes the releases written to the mailboxes of the consumers `which`
 /// picks; whether there were any.
 fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
-    let mut taken = std::mem::take(&mut inner.drained);
+    let mut taken = std::mem::take(&mut inner.deliver.drained);
     let mut broken = Vec::new();
     for (&id, conn) in inner.conns.iter_mut() {
         if !which(id, conn) {
@@ -212,7 +233,7 @@ fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
             Ok(()) => {}
         }
     }
-    inner.drained = taken;
+    inner.deliver.drained = taken;
     for (id, why) in broken {
         end_mailbox_consumer(inner, id, why);
     }
@@ -226,7 +247,7 @@ fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
 fn dispatch(inner: &mut Inner) {
     let now = proto::monotonic_ns();
     let mut broken = Vec::new();
-    let mut outbound = std::mem::take(&mut inner.outbound);
+    let mut outbound = std::mem::take(&mut inner.deliver.outbound);
     inner.hub.swap_outbound(&mut outbound);
     for (id, out) in outbound.drain(..) {
         let Some(conn) = inner.conns.get_mut(&id) else {
@@ -238,7 +259,7 @@ fn dispatch(inner: &mut Inner) {
             broken.push((id, why.to_string()));
         }
     }
-    inner.outbound = outbound;
+    inner.deliver.outbound = outbound;
     for conn in inner.conns.values_mut() {
         conn.out.ring();
     }

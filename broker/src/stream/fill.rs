@@ -1,14 +1,17 @@
-//! Filling: the pipeline threads. Each takes a slot from the hub, writes
-//! the batch into it ([`crate::pipeline::collate`]) and publishes it. While
-//! no slot is free (back-pressure) it waits, pacing itself to its
-//! consumers: see [`Stream::wait_for_slot`]. Its CPU time is counted for
-//! `stats` (`pipeline_cpu_s`).
+//! Filling: the pipeline threads, and what the stream's lock keeps of
+//! whoever fills its slots ([`Filling`]: the threads' counts and clocks,
+//! or an external producer's wait). Each thread ([`Worker`]) takes a slot
+//! from the hub, writes the batch into it ([`crate::pipeline::collate`])
+//! and publishes it. While no slot is free (back-pressure) it waits,
+//! pacing itself to its consumers: see [`Worker::wait_for_job`]. Its CPU
+//! time is counted for `stats` (`pipeline_cpu_s`).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cells;
+use super::decouple;
 use super::deliver::settle;
 use super::error::MakeError;
 use super::replay::{self, book::ReplayJob};
@@ -17,61 +20,211 @@ use crate::hub::Work;
 use crate::pipeline::collate::{SlotWriter, ThreadState};
 use crate::pipeline::{PipelineError, Place};
 
-impl Stream {
-    /// A pipeline thread: take work from the hub, fill the slot, publish.
-    pub(super) fn worker(&self) {
-        // Its naps between looks at mailboxes are tens of microseconds: do
-        // not let the kernel stretch them by the default 50 µs of slack.
-        if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
-            tracing::debug!("timer slack: {e}");
+/// Whoever fills the slots, as the stream's lock keeps them: pipeline
+/// threads waiting on `work_cv` (to be notified), and those of them done
+/// polling mailboxes: while one is, or an external producer was told to
+/// wait, mailbox consumers are asked to ring a doorbell when they release
+/// (nobody would look at their mailbox soon otherwise).
+#[derive(Debug)]
+pub(super) struct Filling {
+    /// Pipeline threads (0 for an external producer).
+    workers: u32,
+    idle: u32,
+    armed: u32,
+    producer_waiting: bool,
+    /// Wall time the pipeline took for its last batch (`u64::MAX` until one
+    /// is made): whether it is quick (see `QUICK_FILL_NS`).
+    fill_ns: u64,
+    /// CPU the pipeline threads spent on the shared stream.
+    cpu: Duration,
+    /// Time the pipeline (or the producer) waited for a free slot.
+    blocked: Duration,
+    /// What a shared source was last told: whether this stream takes
+    /// batches (see [`tell_source`]).
+    told_live: bool,
+}
+
+impl Filling {
+    pub(super) fn new(workers: u32) -> Filling {
+        Filling {
+            workers,
+            idle: 0,
+            armed: 0,
+            producer_waiting: false,
+            fill_ns: u64::MAX,
+            cpu: Duration::ZERO,
+            blocked: Duration::ZERO,
+            told_live: false,
         }
-        let Some(writer) = &self.writer else {
-            return; // an external producer fills the slots
-        };
-        let mut state = match writer.thread_state() {
-            Ok(s) => s,
-            Err(e) => {
-                self.fail(StreamFailed::Decoder(e.to_string()));
-                return;
-            }
-        };
-        let mut orders = OrderCache::default();
-        let mut pace = Pacer::default();
-        let mut cpu = CpuClock::new();
-        let mut replayed_last = false;
+    }
+
+    /// Pipeline threads (0 for an external producer).
+    pub(super) fn workers(&self) -> u32 {
+        self.workers
+    }
+
+    /// Whether a pipeline thread waits on `work_cv` (and must be notified).
+    pub(super) fn anyone_idle(&self) -> bool {
+        self.idle > 0
+    }
+
+    pub(super) fn producer_waiting(&self) -> bool {
+        self.producer_waiting
+    }
+
+    pub(super) fn set_producer_waiting(&mut self, waiting: bool) {
+        self.producer_waiting = waiting;
+    }
+
+    /// Whether mailbox consumers should ring when they release: someone
+    /// who fills waits without looking at mailboxes.
+    pub(super) fn wants_doorbells(&self) -> bool {
+        self.armed > 0 || self.producer_waiting
+    }
+
+    pub(super) fn add_blocked(&mut self, waited: Duration) {
+        self.blocked += waited;
+    }
+
+    /// Back-pressure: time spent waiting for a free slot.
+    pub(super) fn blocked(&self) -> Duration {
+        self.blocked
+    }
+
+    /// CPU the pipeline threads spent on the shared stream.
+    pub(super) fn cpu(&self) -> Duration {
+        self.cpu
+    }
+}
+
+/// Starts the stream's pipeline threads (none for an external producer).
+pub(super) fn spawn_workers(stream: &Arc<Stream>) -> std::io::Result<()> {
+    let mut workers = stream.workers.lock().unwrap_or_else(|p| p.into_inner());
+    for i in 0..stream.plan.workers {
+        let s = stream.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("{}-worker-{i}", stream.plan.name))
+            .spawn(move || run(&s))?;
+        workers.push(handle);
+    }
+    Ok(())
+}
+
+/// Joins the pipeline threads that end within `wait`. One stuck in I/O
+/// (a hung network filesystem) is left behind, named in the log: it holds
+/// nothing anyone waits for, and shutdown must not wait on it.
+pub(super) fn join_workers(s: &Stream, wait: Duration) {
+    let mut workers = std::mem::take(&mut *s.workers.lock().unwrap_or_else(|p| p.into_inner()));
+    let deadline = Instant::now() + wait;
+    while !workers.is_empty() && Instant::now() < deadline {
+        let (done, running): (Vec<_>, Vec<_>) = workers.into_iter().partition(|w| w.is_finished());
+        for w in done {
+            let _ = w.join();
+        }
+        workers = running;
+        if !workers.is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    for w in workers {
+        tracing::warn!(
+            stream = %s.name(),
+            thread = w.thread().name().unwrap_or("?"),
+            "a pipeline thread did not stop within {wait:?} (stuck reading?); leaving it"
+        );
+    }
+}
+
+/// Tells a shared source whether this stream takes batches (someone reads
+/// and epochs are left, or its last batches are being filled; the stream
+/// has not stopped): one that does not never holds the source's other
+/// streams.
+pub(super) fn tell_source(s: &Stream, inner: &mut Inner) {
+    // Batches still being filled count: the last ones of a run are filled
+    // after the hub has handed out its last batch.
+    let live = !s.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.filling());
+    if live != inner.fill.told_live
+        && let Some(w) = &s.writer
+    {
+        inner.fill.told_live = live;
+        w.set_live(live);
+    }
+}
+
+/// A pipeline thread: take work from the hub, fill the slot, publish.
+fn run(s: &Stream) {
+    // Its naps between looks at mailboxes are tens of microseconds: do
+    // not let the kernel stretch them by the default 50 µs of slack.
+    if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
+        tracing::debug!("timer slack: {e}");
+    }
+    let Some(writer) = &s.writer else {
+        return; // an external producer fills the slots
+    };
+    let state = match writer.thread_state() {
+        Ok(st) => st,
+        Err(e) => {
+            s.fail(StreamFailed::Decoder(e.to_string()));
+            return;
+        }
+    };
+    Worker {
+        s,
+        writer,
+        state,
+        orders: OrderCache::default(),
+        pace: Pacer::default(),
+        cpu: CpuClock::new(),
+        replayed_last: false,
+    }
+    .run();
+}
+
+/// One pipeline thread and what it keeps between batches.
+struct Worker<'a> {
+    s: &'a Stream,
+    writer: &'a SlotWriter,
+    state: ThreadState,
+    orders: OrderCache,
+    pace: Pacer,
+    cpu: CpuClock,
+    /// It made a replayed batch last (the shared one goes first next).
+    replayed_last: bool,
+}
+
+impl<'a> Worker<'a> {
+    fn run(mut self) {
+        let s = self.s;
         loop {
-            let job = {
-                let inner = self.lock();
-                match self.wait_for_job(inner, &mut pace, &mut cpu, replayed_last) {
-                    Some(j) => j,
-                    None => return,
-                }
+            let job = match self.wait_for_job(s.lock()) {
+                Some(j) => j,
+                None => return,
             };
             let work = match job {
                 Job::Shared(work) => work,
                 Job::Replay(job) => {
-                    replayed_last = true;
-                    self.replay(writer, &mut state, job, &mut orders, &mut cpu);
+                    self.replayed_last = true;
+                    self.replay(job);
                     continue;
                 }
             };
-            replayed_last = false;
+            self.replayed_last = false;
             let t0 = Instant::now();
-            let order = orders.get(work.epoch, |e| self.plan.epoch_order(e));
-            self.read_ahead(writer, &work, &order, &mut orders);
-            let filled = self.fill(writer, &mut state, &work, &order);
+            let order = self.orders.get(work.epoch, |e| s.plan.epoch_order(e));
+            self.read_ahead(&work, &order);
+            let filled = self.fill(&work, &order);
             let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            let spent = cpu.spent(false);
+            let spent = self.cpu.spent(false);
             match filled {
-                Ok(samples) => self.with_hub(|inner| {
-                    inner.fill_ns = fill_ns;
-                    inner.pipeline_cpu += spent;
+                Ok(samples) => s.with_hub(|inner| {
+                    inner.fill.fill_ns = fill_ns;
+                    inner.fill.cpu += spent;
                     inner.hub.finish_batch(work.seq, samples);
-                    self.made(inner, work.seq);
+                    inner.pace.made(&s.plan, work.seq);
                 }),
                 Err(e) => {
                     // The slot stays in `Filling`: nobody ever sees a torn batch.
-                    self.fail(StreamFailed::Source(e.to_string()));
+                    s.fail(StreamFailed::Source(e.to_string()));
                     return;
                 }
             }
@@ -81,20 +234,21 @@ impl Stream {
     /// Tells a remote dataset what this batch and the ones after it read,
     /// the next epoch's first samples too near an epoch's end (its first
     /// batch would otherwise wait a round trip).
-    fn read_ahead(&self, writer: &SlotWriter, work: &Work, order: &[u64], orders: &mut OrderCache) {
-        if !writer.reads_remote() {
+    fn read_ahead(&mut self, work: &Work, order: &[u64]) {
+        if !self.writer.reads_remote() {
             return;
         }
-        let first = (work.index as usize * self.plan.schema.batch_size as usize).min(order.len());
+        let plan = &self.s.plan;
+        let first = (work.index as usize * plan.schema.batch_size as usize).min(order.len());
         let lead = work.epoch * order.len() as u64 + first as u64;
-        let last = self.plan.epochs.is_some_and(|n| work.epoch + 1 >= n);
+        let last = plan.epochs.is_some_and(|n| work.epoch + 1 >= n);
         let rest = order[first..].iter().copied();
         if order.len() - first >= EPOCH_TAIL || last {
-            writer.want(lead, rest);
+            self.writer.want(lead, rest);
             return;
         }
-        let next = orders.get(work.epoch + 1, |e| self.plan.epoch_order(e));
-        writer.want(
+        let next = self.orders.get(work.epoch + 1, |e| plan.epoch_order(e));
+        self.writer.want(
             lead,
             rest.chain(next[..next.len().min(EPOCH_TAIL)].iter().copied()),
         );
@@ -102,16 +256,9 @@ impl Stream {
 
     /// Makes a replayed batch into its consumer's replay arena and sends
     /// it (see [`super::replay`]); its CPU time is counted as replay.
-    fn replay(
-        &self,
-        writer: &SlotWriter,
-        state: &mut ThreadState,
-        job: ReplayJob,
-        orders: &mut OrderCache,
-        cpu: &mut CpuClock,
-    ) {
-        let before = cpu.spent(true);
-        let order = orders.get(job.epoch, |e| self.plan.epoch_order(e));
+    fn replay(&mut self, job: ReplayJob) {
+        let before = self.cpu.spent(true);
+        let order = self.orders.get(job.epoch, |e| self.s.plan.epoch_order(e));
         let range = job.first as usize..(job.first + job.samples) as usize;
         let made = match order.get(range) {
             None => Err(MakeError::OutsideEpoch {
@@ -126,15 +273,15 @@ impl Stream {
                     at: job.epoch * order.len() as u64 + job.first,
                     replay: true,
                 };
-                writer
-                    .write_batch(state, job.epoch, first, indices, &mut fields)
+                self.writer
+                    .write_batch(&mut self.state, job.epoch, first, indices, &mut fields)
                     .map(|_| ())
                     .map_err(MakeError::from)
             }
         };
-        let spent = cpu.spent(true);
-        self.with_hub(|inner| {
-            inner.pipeline_cpu += before;
+        let spent = self.cpu.spent(true);
+        self.s.with_hub(|inner| {
+            inner.fill.cpu += before;
             replay::finish(inner, job.id, job.seq, spent, made);
         });
     }
@@ -161,13 +308,8 @@ impl Stream {
     /// enough are free), and otherwise waits: idle while the hub wants no
     /// batch, cutting laggards under decoupled pace, sleeping until a
     /// release, or napping while consumers free slots.
-    fn wait_for_job<'a>(
-        &'a self,
-        mut inner: MutexGuard<'a, Inner>,
-        pace: &mut Pacer,
-        cpu: &mut CpuClock,
-        replayed_last: bool,
-    ) -> Option<Job> {
+    fn wait_for_job(&mut self, mut inner: MutexGuard<'a, Inner>) -> Option<Job> {
+        let s = self.s;
         // Since when it waits on slots (back-pressure, as opposed to waiting
         // for consumers or after the last epoch).
         let mut blocked_since: Option<Instant> = None;
@@ -177,13 +319,13 @@ impl Stream {
         let mut take_any = false;
         let mut naps = 0u32;
         let work = loop {
-            if self.stop.load(Ordering::SeqCst) {
+            if s.stop.load(Ordering::SeqCst) {
                 return None;
             }
-            self.merge_replays(&mut inner);
-            if let Some(job) = replay::take_job(&mut inner, replayed_last) {
+            decouple::merge_replays(s, &mut inner);
+            if let Some(job) = replay::take_job(&mut inner, self.replayed_last) {
                 if let Some(t) = blocked_since {
-                    inner.producer_blocked += t.elapsed();
+                    inner.fill.blocked += t.elapsed();
                 }
                 return Some(Job::Replay(job));
             }
@@ -196,127 +338,118 @@ impl Stream {
             }
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
-            let (mailboxes, target) = self.slot_target(&inner);
+            let (mailboxes, target) = slot_target(s, &inner);
             let free = inner.hub.free_slots();
             if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
                 && let Some(w) = inner.hub.start_batch()
             {
                 if target > 1 {
-                    pace.learn(waited, free);
+                    self.pace.learn(waited, free);
                 }
                 let waited_us = waited.as_micros() as u64;
                 tracing::trace!(naps, free, waited_us, "slot wait");
                 break w;
             }
             if !inner.hub.wants_batches() {
-                inner = self.wait_idle(inner, cpu);
+                inner = self.wait_idle(inner);
                 (blocked_since, wake_at) = (None, None);
                 continue;
             }
             blocked_since.get_or_insert(now);
             // Decoupled pace: one a ring behind is cut, not waited for.
-            if free == 0 && self.cut_laggards(&mut inner) {
+            if free == 0 && decouple::cut_laggards(s, &mut inner) {
                 settle(&mut inner, true);
                 continue;
             }
             let arm_after = if target > 1 { ARM_AFTER } else { ARM_AFTER_ONE };
             if mailboxes == 0 || (free == 0 && waited >= arm_after) {
                 // Socket releases notify; mailbox consumers are asked to ring.
-                inner.pipeline_cpu += cpu.spent(true);
-                inner = self.idle(inner, mailboxes > 0, IDLE_WAIT);
+                inner.fill.cpu += self.cpu.spent(true);
+                inner = idle(s, inner, mailboxes > 0, IDLE_WAIT);
                 take_any = true;
                 continue;
             }
-            let until = pace.wake_at(wake_at, now, waited, (free, target));
+            let until = self.pace.wake_at(wake_at, now, waited, (free, target));
             wake_at = Some(until);
             naps += 1;
-            inner = self.idle(inner, false, until - now);
+            inner = idle(s, inner, false, until - now);
             settle(&mut inner, true);
         };
         if let Some(t) = blocked_since {
-            inner.producer_blocked += t.elapsed();
+            inner.fill.blocked += t.elapsed();
         }
         Some(Job::Shared(work))
-    }
-
-    /// How many consumers read through a mailbox, and how many free slots
-    /// a blocked thread waits for: half the ring when batches are quick to
-    /// make and every consumer has a mailbox, else one.
-    fn slot_target(&self, inner: &Inner) -> (usize, u32) {
-        let mailboxes = inner
-            .conns
-            .values()
-            .filter(|c| c.out.mailbox().is_some())
-            .count();
-        let quick = inner.fill_ns / u64::from(inner.workers.max(1)) < QUICK_FILL_NS;
-        let target = match quick && mailboxes == inner.conns.len() {
-            true => (self.plan.slots / 2).max(1),
-            false => 1,
-        };
-        (mailboxes, target)
     }
 
     /// Idle: nothing to do until a hub change notifies it. A consumer being
     /// replayed to is asked to ring when it releases (nobody else would
     /// look at its mailbox).
-    fn wait_idle<'a>(
-        &'a self,
-        mut inner: MutexGuard<'a, Inner>,
-        cpu: &mut CpuClock,
-    ) -> MutexGuard<'a, Inner> {
-        self.tell_source(&mut inner);
-        inner.pipeline_cpu += cpu.spent(true);
+    fn wait_idle(&mut self, mut inner: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
+        tell_source(self.s, &mut inner);
+        inner.fill.cpu += self.cpu.spent(true);
         let armed = replay::active(&inner);
-        self.idle(inner, armed, IDLE_WAIT)
-    }
-
-    /// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes
-    /// that let the pipeline go on notify it); `armed`: asks mailbox
-    /// consumers to ring when they release, first taking what they
-    /// released already.
-    fn idle<'a>(
-        &'a self,
-        mut inner: MutexGuard<'a, Inner>,
-        armed: bool,
-        timeout: Duration,
-    ) -> MutexGuard<'a, Inner> {
-        inner.idle_workers += 1;
-        if armed {
-            inner.armed_workers += 1;
-            settle(&mut inner, true);
-        }
-        if !(armed && (inner.hub.can_start() || replay::has_work(&inner))) {
-            inner = self
-                .work_cv
-                .wait_timeout(inner, timeout)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        inner.idle_workers -= 1;
-        if armed {
-            inner.armed_workers -= 1;
-        }
-        inner
+        idle(self.s, inner, armed, IDLE_WAIT)
     }
 
     /// Writes every sample of `work` straight into its place in the slot.
-    fn fill(
-        &self,
-        writer: &SlotWriter,
-        state: &mut ThreadState,
-        work: &Work,
-        order: &[u64],
-    ) -> Result<u64, PipelineError> {
-        let batch_size = self.plan.schema.batch_size as usize;
+    fn fill(&mut self, work: &Work, order: &[u64]) -> Result<u64, PipelineError> {
+        let s = self.s;
+        let batch_size = s.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
         let indices = &order[first..(first + batch_size).min(order.len())];
-        let mut fields = cells::of_work(&self.rings, &self.plan.rings, work, indices.len() as u64);
+        let mut fields = cells::of_work(&s.rings, &s.plan.rings, work, indices.len() as u64);
         let first = Place {
             at: work.epoch * order.len() as u64 + first as u64,
             replay: false,
         };
-        writer.write_batch(state, work.epoch, first, indices, &mut fields)
+        self.writer
+            .write_batch(&mut self.state, work.epoch, first, indices, &mut fields)
     }
+}
+
+/// How many consumers read through a mailbox, and how many free slots a
+/// blocked thread waits for: half the ring when batches are quick to make
+/// and every consumer has a mailbox, else one.
+fn slot_target(s: &Stream, inner: &Inner) -> (usize, u32) {
+    let mailboxes = inner
+        .conns
+        .values()
+        .filter(|c| c.out.mailbox().is_some())
+        .count();
+    let quick = inner.fill.fill_ns / u64::from(inner.fill.workers.max(1)) < QUICK_FILL_NS;
+    let target = match quick && mailboxes == inner.conns.len() {
+        true => (s.plan.slots / 2).max(1),
+        false => 1,
+    };
+    (mailboxes, target)
+}
+
+/// Waits on `work_cv` for up to `timeout`, counted as idle (hub changes
+/// that let the pipeline go on notify it); `armed`: asks mailbox consumers
+/// to ring when they release, first taking what they released already.
+fn idle<'a>(
+    s: &'a Stream,
+    mut inner: MutexGuard<'a, Inner>,
+    armed: bool,
+    timeout: Duration,
+) -> MutexGuard<'a, Inner> {
+    inner.fill.idle += 1;
+    if armed {
+        inner.fill.armed += 1;
+        settle(&mut inner, true);
+    }
+    if !(armed && (inner.hub.can_start() || replay::has_work(&inner))) {
+        inner = s
+            .work_cv
+            .wait_timeout(inner, timeout)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+    inner.fill.idle -= 1;
+    if armed {
+        inner.fill.armed -= 1;
+    }
+    inner
 }
 
 /// What a pipeline thread does next.

@@ -4,97 +4,67 @@
 //! consumers and gives back its host slots; freeing the device arenas at
 //! shutdown once their consumers are gone.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{DeviceRequest, ErrorCode, GoodbyeReason};
+use batchcast::proto::{self, DeviceRequest, ErrorCode, GoodbyeReason};
 
 use super::conn::{Ending, Peer};
 use super::error::SubscribeError;
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
 use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
-use crate::hub::GroupId;
+use crate::hub::{GroupId, Hub};
 
 /// One GPU's copies of this stream, as the stream tracks them.
 #[derive(Debug)]
-pub(super) struct MirrorState {
-    pub(super) mirror: Arc<Mirror>,
+struct MirrorState {
+    mirror: Arc<Mirror>,
     /// Its ring of device slots in the hub.
-    pub(super) group: GroupId,
-    pub(super) copies: u64,
-    pub(super) bytes: u64,
-    pub(super) copy_ns: u64,
+    group: GroupId,
+    copies: u64,
+    bytes: u64,
+    copy_ns: u64,
     /// Why its copies stopped; its consumers were ended then.
-    pub(super) failed: Option<GpuError>,
+    failed: Option<GpuError>,
     /// Its device arena's bytes in the broker's memory budget (`None` if
     /// another consumer's subscription paid for it first).
-    pub(super) _grant: Option<Grant>,
+    _grant: Option<Grant>,
 }
 
-impl Stream {
+/// The stream's GPU copies: one [`MirrorState`] per GPU with consumers,
+/// and the GPU of each hub group.
+#[derive(Debug, Default)]
+pub(super) struct Mirrors {
+    by_gpu: HashMap<GpuKey, MirrorState>,
+    /// The GPU of each hub group (group `g` is `groups[g]`).
+    groups: Vec<GpuKey>,
+}
+
+impl Mirrors {
     /// Refuses a device consumer before any GPU work when its GPU failed
     /// already.
-    pub(super) fn check_gpu(inner: &Inner, req: &DeviceRequest) -> Result<(), SubscribeError> {
-        match inner.mirrors.get(&req.uuid).and_then(|m| m.failed.as_ref()) {
+    pub(super) fn check(&self, req: &DeviceRequest) -> Result<(), SubscribeError> {
+        match self.by_gpu.get(&req.uuid).and_then(|m| m.failed.as_ref()) {
             Some(why) => Err(SubscribeError::Device(why.clone())),
             None => Ok(()),
         }
     }
 
-    /// Opens (or finds) this stream's arena on the consumer's GPU. It takes
-    /// a while (a device allocation): call it without the hub's lock.
-    ///
-    /// A GPU's first consumer pays for its arena from the broker's memory
-    /// budget: the grant comes back with the mirror, for the stream to keep
-    /// with it ([`Stream::mirror_group`]).
-    pub(super) fn open_mirror(
-        self: &Arc<Self>,
-        req: &DeviceRequest,
-        peer: &Peer,
-    ) -> Result<(Arc<Mirror>, Option<Grant>), SubscribeError> {
-        let grant = match self.lock().mirrors.contains_key(&req.uuid) {
-            true => None,
-            false => Some(self.budget.take(
-                peer.uid,
-                Use::GpuArena,
-                u64::from(self.plan.gpu_slots) * self.plan.layout.slot_bytes,
-                &format!(
-                    "stream `{}` on cuda:{} ({})",
-                    self.name(),
-                    req.ordinal,
-                    req.name
-                ),
-            )?),
-        };
-        let spec = MirrorSpec {
-            sink: Arc::downgrade(self) as std::sync::Weak<dyn CopySink>,
-            host: self.arena.mapping().as_ptr(),
-            host_len: self.arena.mapping().len(),
-            slots: self.plan.gpu_slots,
-            slot_bytes: self.plan.layout.slot_bytes,
-            stream: self.name(),
-        };
-        let mirror = self
-            .gpus
-            .mirror(req, spec)
-            .map_err(SubscribeError::Device)?;
-        Ok((mirror, grant))
-    }
-
     /// The hub group of the consumer's GPU, made on its first consumer.
-    pub(super) fn mirror_group(
-        inner: &mut Inner,
-        mirror: &Arc<Mirror>,
-        grant: Option<Grant>,
+    pub(super) fn group_for(
+        &mut self,
+        hub: &mut Hub,
+        (mirror, grant): (&Arc<Mirror>, Option<Grant>),
         req: &DeviceRequest,
         gpu_slots: u32,
     ) -> Result<GroupId, SubscribeError> {
-        if !inner.mirrors.contains_key(&req.uuid) {
-            let group = inner.hub.add_group(gpu_slots);
-            inner.groups.push(req.uuid);
-            debug_assert_eq!(inner.groups.len(), group as usize + 1);
-            inner.mirrors.insert(
+        if !self.by_gpu.contains_key(&req.uuid) {
+            let group = hub.add_group(gpu_slots);
+            self.groups.push(req.uuid);
+            debug_assert_eq!(self.groups.len(), group as usize + 1);
+            self.by_gpu.insert(
                 req.uuid,
                 MirrorState {
                     mirror: mirror.clone(),
@@ -107,50 +77,116 @@ impl Stream {
                 },
             );
         }
-        let state = &inner.mirrors[&req.uuid];
+        let state = &self.by_gpu[&req.uuid];
         match &state.failed {
             Some(why) => Err(SubscribeError::Device(why.clone())),
             None => Ok(state.group),
         }
     }
 
-    /// Waits (2 s at most) for the consumers on a GPU to go after they were
-    /// told goodbye, then frees the device arenas. A consumer that ignores
-    /// the goodbye reads freed memory, and is named in the log.
-    pub(super) fn free_device_arenas(&self) {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
-            let on_gpu: Vec<String> = {
-                let inner = self.lock();
-                inner
-                    .conns
-                    .values()
-                    .filter(|c| c.gpu.is_some())
-                    .map(|c| format!("{} (pid {})", c.peer.name, c.peer.pid))
-                    .collect()
-            };
-            if on_gpu.is_empty() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                tracing::warn!(stream = %self.name(), "freeing device arenas still opened by {}", on_gpu.join(", "));
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let mirrors: Vec<MirrorState> = self.lock().mirrors.drain().map(|(_, m)| m).collect();
-        self.gpus.stop();
-        drop(mirrors);
+    /// The label of a GPU this stream copies to.
+    pub(super) fn label(&self, key: &GpuKey) -> Option<String> {
+        self.by_gpu.get(key).map(|m| m.mirror.label().to_string())
     }
+
+    /// Each GPU's copies, by GPU label.
+    pub(super) fn stats(&self, hub: &Hub) -> Vec<proto::GpuCopyStats> {
+        let mut g: Vec<_> = self
+            .by_gpu
+            .values()
+            .map(|m| {
+                let n = hub.group_counts(m.group).unwrap_or_default();
+                proto::GpuCopyStats {
+                    gpu: m.mirror.label().to_string(),
+                    copies: m.copies,
+                    bytes: m.bytes,
+                    copy_s: m.copy_ns as f64 * 1e-9,
+                    pinned: m.mirror.pinned(),
+                    slots: n.slots,
+                    slots_in_use: n.in_use,
+                    waiting: n.waiting,
+                }
+            })
+            .collect();
+        g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+        g
+    }
+}
+
+/// Opens (or finds) the stream's arena on the consumer's GPU. It takes a
+/// while (a device allocation): call it without the hub's lock.
+///
+/// A GPU's first consumer pays for its arena from the broker's memory
+/// budget: the grant comes back with the mirror, for the stream to keep
+/// with it ([`Mirrors::group_for`]).
+pub(super) fn open(
+    s: &Arc<Stream>,
+    req: &DeviceRequest,
+    peer: &Peer,
+) -> Result<(Arc<Mirror>, Option<Grant>), SubscribeError> {
+    let grant = match s.lock().mirrors.by_gpu.contains_key(&req.uuid) {
+        true => None,
+        false => Some(s.budget.take(
+            peer.uid,
+            Use::GpuArena,
+            u64::from(s.plan.gpu_slots) * s.plan.layout.slot_bytes,
+            &format!(
+                "stream `{}` on cuda:{} ({})",
+                s.name(),
+                req.ordinal,
+                req.name
+            ),
+        )?),
+    };
+    let spec = MirrorSpec {
+        sink: Arc::downgrade(s) as std::sync::Weak<dyn CopySink>,
+        host: s.arena.mapping().as_ptr(),
+        host_len: s.arena.mapping().len(),
+        slots: s.plan.gpu_slots,
+        slot_bytes: s.plan.layout.slot_bytes,
+        stream: s.name(),
+    };
+    let mirror = s.gpus.mirror(req, spec).map_err(SubscribeError::Device)?;
+    Ok((mirror, grant))
+}
+
+/// Waits (2 s at most) for the consumers on a GPU to go after they were
+/// told goodbye, then frees the device arenas. A consumer that ignores the
+/// goodbye reads freed memory, and is named in the log.
+pub(super) fn free_device_arenas(s: &Stream) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let on_gpu: Vec<String> = {
+            let inner = s.lock();
+            inner
+                .conns
+                .values()
+                .filter(|c| c.gpu.is_some())
+                .map(|c| format!("{} (pid {})", c.peer.name, c.peer.pid))
+                .collect()
+        };
+        if on_gpu.is_empty() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(stream = %s.name(), "freeing device arenas still opened by {}", on_gpu.join(", "));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mirrors: Vec<MirrorState> = s.lock().mirrors.by_gpu.drain().map(|(_, m)| m).collect();
+    s.gpus.stop();
+    drop(mirrors);
 }
 
 /// Hands the copies the hub ordered to each GPU's copier.
 pub(super) fn request_copies(inner: &mut Inner) {
     for c in inner.hub.take_copies() {
         let Some(m) = inner
+            .mirrors
             .groups
             .get(c.group as usize)
-            .and_then(|key| inner.mirrors.get(key))
+            .and_then(|key| inner.mirrors.by_gpu.get(key))
         else {
             continue;
         };
@@ -187,7 +223,7 @@ impl CopySink for Stream {
 
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {
         self.with_hub(|inner| {
-            let Some(m) = inner.mirrors.get_mut(key) else {
+            let Some(m) = inner.mirrors.by_gpu.get_mut(key) else {
                 return;
             };
             m.copies += 1;
@@ -203,7 +239,7 @@ impl CopySink for Stream {
     fn gpu_failed(&self, key: &GpuKey, why: GpuError) {
         tracing::error!(stream = %self.name(), "GPU copies stopped: {why}");
         self.with_hub(|inner| {
-            let Some(m) = inner.mirrors.get_mut(key) else {
+            let Some(m) = inner.mirrors.by_gpu.get_mut(key) else {
                 return;
             };
             let failure = GpuError::CopiesFailed {

@@ -14,26 +14,33 @@
 //!   it, against the claim that makes them its own: the only `unsafe`.
 //! * `shape`: a consumer's own batch size and what its window costs.
 //! * `conn`: a connected consumer, made of parts (peer, outbox, own
-//!   batches, tally, replay, merges), and ending one consumer alone.
+//!   batches, tally, replay, merges); ending one consumer alone, telling
+//!   one of a cut, a merge or a rotation.
 //! * `stats`: what `batchcast stats` shows of the stream.
-//! * `mirror`: GPU copies: a device ring per GPU (a hub group), the
-//!   copier's reports, a failing GPU.
+//! * `mirror`: GPU copies (`Mirrors`): a device ring per GPU (a
+//!   hub group), the copier's reports, a failing GPU.
 //! * `deliver`: release, goodbye, leave; what the hub emitted turned into
 //!   messages (`dispatch`), mailbox releases taken (`settle`).
 //! * `replay`: replay's rules: who is replayed what, which thread makes
-//!   which replayed batch, sending them in order.
-//! * `decouple`: decoupled pace: cutting a consumer that fell a ring
-//!   behind, merging it back, the hold limit.
+//!   which replayed batch (its load: `Load`), sending them in
+//!   order.
+//! * `rotate`: rotated epochs: a replayed consumer rotated into an epoch
+//!   the ring holds, its start replayed after its end.
+//! * `decouple`: decoupled pace (`Pace`): cutting a consumer
+//!   that fell a ring behind, merging it back, the hold limit.
 //! * `subscribe`: a consumer joining: what is made outside the lock, then
 //!   the hub, then replay.
-//! * `fill`: pipeline threads: waiting for a free slot or a replay job
+//! * `fill`: pipeline threads (`Filling`: their counts and clocks;
+//!   a thread's own loop): waiting for a free slot or a replay job
 //!   (back-pressure, pacing, naps), writing the batch
-//!   ([`crate::pipeline::collate`]) and publishing it; their CPU clock.
-//! * `port`: the external producer's side: slots handed out one at a
-//!   time, publishing, sealing the arena, the producer leaving.
-//! * `mod.rs` (here): the stream's state and its lifecycle: start, fail,
-//!   shut down; the lock and `Stream::with_hub`, through which every
-//!   change to the hub goes.
+//!   ([`crate::pipeline::collate`]) and publishing it.
+//! * `port`: the external producer's side ([`Port`]): slots handed out one
+//!   at a time, publishing, sealing the arena, the producer leaving.
+//! * `mod.rs` (here): the stream's lifecycle: start, fail, shut down; the
+//!   lock and `Stream::with_hub`, through which every change to the hub
+//!   goes. `Inner`, under the lock, holds what every part needs (the hub,
+//!   the connections, why the stream failed and who left) and one field per
+//!   part, whose state is private to that part's file.
 //!
 //! The hub and the connections sit behind one mutex so that what the hub
 //! emits is queued to each connection in the order the hub emitted it.
@@ -71,8 +78,8 @@ use batchcast::proto::{ConsumerStats, ErrorCode, GoodbyeReason, ServerMsg};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use crate::budget::{Budget, Grant, OverBudget, Use};
-use crate::gpu::{GpuKey, Gpus};
-use crate::hub::{ConsumerId, Hub, HubConfig, Outbound};
+use crate::gpu::Gpus;
+use crate::hub::{ConsumerId, Hub, HubConfig};
 use crate::pipeline::ImagePipeline;
 use crate::pipeline::collate::SlotWriter;
 use crate::pipeline::shared::Shares;
@@ -81,53 +88,36 @@ use crate::plan::{SourcePlan, StreamPlan};
 pub use conn::Peer;
 use deliver::settle;
 pub use error::{ReleaseError, ReplayError, StreamFailed, SubscribeError};
-use mirror::MirrorState;
-pub use port::Acquire;
+pub use port::{Acquire, Port};
 pub use subscribe::{MailboxGrant, Subscription};
 
+/// What the stream's lock guards: what every part needs (the hub, the
+/// connections, what ended), and each part's own state, behind its private
+/// fields in its own file.
 #[derive(Debug)]
 struct Inner {
     hub: Hub,
     conns: Conns,
-    producer_blocked: Duration,
-    pipeline_cpu: Duration,
+    records: Records,
+    /// Whoever fills the slots: pipeline threads or a producer.
+    fill: fill::Filling,
+    /// GPU copies: a device ring per GPU.
+    mirrors: mirror::Mirrors,
+    /// Decoupled pace's bookkeeping: when units were made, what is pinned.
+    pace: decouple::Pace,
+    /// Replayed batches being made, and their CPU.
+    replay: replay::Load,
+    /// What the hub emitted and mailboxes released, on their way.
+    deliver: deliver::Dispatch,
+}
+
+/// Why the stream failed, and the consumers that left.
+#[derive(Debug, Default)]
+struct Records {
     /// Why the source failed; the stream serves no one after that.
     failed: Option<StreamFailed>,
-    mirrors: HashMap<GpuKey, MirrorState>,
-    /// The GPU of each hub group.
-    groups: Vec<GpuKey>,
     /// Consumers that left, with their final numbers (most recent last).
     past: VecDeque<ConsumerStats>,
-    /// Pipeline workers waiting on `work_cv` (to be notified), and those of
-    /// them done polling mailboxes: while one is, or an external producer
-    /// was told to wait, mailbox consumers are asked to ring a doorbell when
-    /// they release (nobody would look at their mailbox soon otherwise).
-    idle_workers: u32,
-    armed_workers: u32,
-    producer_waiting: bool,
-    /// Wall time the pipeline took for its last batch (`u64::MAX` until one
-    /// is made): whether it is quick (see `QUICK_FILL_NS`).
-    fill_ns: u64,
-    /// Pipeline threads (0 for an external producer).
-    workers: u32,
-    /// A doorbell rang: take every mailbox's releases at the next settle.
-    drain_all: bool,
-    /// Releases drained from mailboxes, reused between drains.
-    drained: Vec<(ConsumerId, u64)>,
-    /// What the hub emitted, reused between dispatches.
-    outbound: Vec<(ConsumerId, Outbound)>,
-    /// Replayed batches being made, and the CPU replay has cost.
-    replaying: u32,
-    replay_cpu: Duration,
-    /// Decoupled pace: when each of the last units of the ring was made.
-    made_at: VecDeque<(u64, std::time::Instant)>,
-    /// Decoupled pace: the unit in the ring's next slot that consumers who
-    /// cannot be cut keep the pipeline from reusing, and since when (the
-    /// hold limit runs from there).
-    pinned: Option<(u64, std::time::Instant)>,
-    /// What a shared source was last told: whether this stream takes
-    /// batches (see [`Stream::tell_source`]).
-    told_live: bool,
 }
 
 #[derive(Debug)]
@@ -183,25 +173,12 @@ impl Inner {
         Inner {
             hub,
             conns: HashMap::default(),
-            producer_blocked: Duration::ZERO,
-            pipeline_cpu: Duration::ZERO,
-            failed: None,
-            mirrors: HashMap::new(),
-            groups: Vec::new(),
-            past: VecDeque::new(),
-            idle_workers: 0,
-            armed_workers: 0,
-            producer_waiting: false,
-            fill_ns: u64::MAX,
-            workers,
-            drain_all: false,
-            drained: Vec::new(),
-            outbound: Vec::new(),
-            replaying: 0,
-            replay_cpu: Duration::ZERO,
-            made_at: VecDeque::new(),
-            pinned: None,
-            told_live: false,
+            records: Records::default(),
+            fill: fill::Filling::new(workers),
+            mirrors: mirror::Mirrors::default(),
+            pace: decouple::Pace::default(),
+            replay: replay::Load::default(),
+            deliver: deliver::Dispatch::default(),
         }
     }
 }
@@ -210,7 +187,7 @@ impl Stream {
     /// Creates the arena and starts the pipeline threads, which wait for
     /// consumers. The arena is sealed against every writer but this process
     /// at once, except for an external stream: its producer maps it writable
-    /// first, and the server seals it ([`Stream::seal`]) before any consumer
+    /// first, and the server seals it ([`Port::seal`]) before any consumer
     /// can see it.
     ///
     /// The arena's bytes are taken from `budget` for `owner_uid` first; a
@@ -278,16 +255,7 @@ impl Stream {
             owner_uid,
             _arena_grant: grant,
         });
-        let mut workers = stream.workers.lock().unwrap_or_else(|p| p.into_inner());
-        for i in 0..stream.plan.workers {
-            let s = stream.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("{}-worker-{i}", stream.plan.name))
-                .spawn(move || s.worker())
-                .map_err(batchcast::Error::Io)?;
-            workers.push(handle);
-        }
-        drop(workers);
+        fill::spawn_workers(&stream).map_err(batchcast::Error::Io)?;
         tracing::info!(
             stream = %stream.plan.name,
             slots = stream.plan.slots,
@@ -314,60 +282,16 @@ impl Stream {
         let mut inner = self.lock();
         let r = f(&mut inner);
         settle(&mut inner, false);
-        self.tell_source(&mut inner);
+        fill::tell_source(self, &mut inner);
         let can_start = inner.hub.can_start();
         // Waiters count themselves under this lock before they wait.
-        if (can_start || replay::has_work(&inner)) && inner.idle_workers > 0 {
+        if (can_start || replay::has_work(&inner)) && inner.fill.anyone_idle() {
             self.work_cv.notify_all();
         }
-        if can_start && inner.producer_waiting {
+        if can_start && inner.fill.producer_waiting() {
             self.ready.notify_one();
         }
         r
-    }
-
-    /// Tells a shared source whether this stream takes batches (someone
-    /// reads and epochs are left, or its last batches are being filled;
-    /// the stream has not stopped): one that does not never holds the
-    /// source's other streams.
-    fn tell_source(&self, inner: &mut Inner) {
-        // Batches still being filled count: the last ones of a run are
-        // filled after the hub has handed out its last batch.
-        let live =
-            !self.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.filling());
-        if live != inner.told_live
-            && let Some(w) = &self.writer
-        {
-            inner.told_live = live;
-            w.set_live(live);
-        }
-    }
-
-    /// Joins the pipeline threads that end within `wait`. One stuck in I/O
-    /// (a hung network filesystem) is left behind, named in the log: it
-    /// holds nothing anyone waits for, and shutdown must not wait on it.
-    fn join_workers(&self, wait: Duration) {
-        let mut workers =
-            std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
-        let deadline = std::time::Instant::now() + wait;
-        while !workers.is_empty() && std::time::Instant::now() < deadline {
-            let (done, running): (Vec<_>, Vec<_>) =
-                workers.into_iter().partition(|w| w.is_finished());
-            for w in done {
-                let _ = w.join();
-            }
-            workers = running;
-            if !workers.is_empty() {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        for w in workers {
-            tracing::warn!(
-                stream = %self.name(),
-                thread = w.thread().name().unwrap_or("?"),
-                "a pipeline thread did not stop within {wait:?} (stuck reading?); leaving it"
-            );
-        }
     }
 
     /// Stops the stream because its source failed, telling every consumer.
@@ -375,9 +299,7 @@ impl Stream {
         tracing::error!(stream = %self.name(), "stream stopped: {why}");
         self.stop.store(true, Ordering::SeqCst);
         let mut inner = self.lock();
-        if inner.failed.is_none() {
-            inner.failed = Some(why.clone());
-        }
+        inner.records.failed.get_or_insert_with(|| why.clone());
         for c in inner.conns.values() {
             c.out.end(
                 ErrorCode::SourceFailed,
@@ -385,12 +307,15 @@ impl Stream {
                 GoodbyeReason::Shutdown,
             );
         }
-        self.tell_source(&mut inner);
+        fill::tell_source(self, &mut inner);
         drop(inner);
         self.work_cv.notify_all();
     }
 
-    /// reads freed memory, and is named in the log).
+    /// Stops the stream: its pipeline threads end, its consumers are told
+    /// goodbye, and its device arenas are freed once their consumers went
+    /// (2 s at most: one that stays reads freed memory, and is named in
+    /// the log).
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(w) = &self.writer {
@@ -401,11 +326,11 @@ impl Stream {
             for c in inner.conns.values() {
                 c.out.send(ServerMsg::Goodbye(GoodbyeReason::Shutdown));
             }
-            self.tell_source(&mut inner);
+            fill::tell_source(self, &mut inner);
         }
         self.work_cv.notify_all();
-        self.join_workers(WORKER_JOIN_WAIT);
-        self.free_device_arenas();
+        fill::join_workers(self, WORKER_JOIN_WAIT);
+        mirror::free_device_arenas(self);
     }
 }
 

@@ -1,12 +1,13 @@
-//! The external producer's port: a producer process (a Python
-//! `DataLoader`, a custom Rust loader) fills the stream's slots instead of
-//! pipeline threads. The server's task for the producer's connection asks
-//! for one slot at a time ([`Stream::acquire`]), waits on
-//! [`Stream::ready`] when none is free, publishes what was filled, and
-//! ends the stream when the producer leaves.
+//! The external producer's port ([`Port`], from [`Stream::port`]): a
+//! producer process (a Python `DataLoader`, a custom Rust loader) fills
+//! the stream's slots instead of pipeline threads. The server's task for
+//! the producer's connection asks for one slot at a time
+//! ([`Port::acquire`]), waits on [`Port::ready`] when none is free,
+//! publishes what was filled, and ends the stream when the producer
+//! leaves.
 //!
 //! The arena is created unsealed for such a stream: the producer maps it
-//! writable once, and the server seals it ([`Stream::seal`]) on the
+//! writable once, and the server seals it ([`Port::seal`]) on the
 //! producer's first request, before any consumer can see the stream.
 
 use std::time::Duration;
@@ -14,9 +15,9 @@ use std::time::Duration;
 use batchcast::FillSlot;
 use batchcast::proto::Rejoin;
 
-use super::Stream;
 use super::deliver::settle;
 use super::error::StreamFailed;
+use super::{Stream, decouple};
 
 /// What an external producer's slot request finds.
 #[derive(Debug)]
@@ -25,14 +26,27 @@ pub enum Acquire {
     /// Every epoch has been handed out.
     Ended,
     /// Nothing now (no free slot, or too few consumers): wait for
-    /// [`Stream::ready`].
+    /// [`Port::ready`].
     Wait,
 }
 
+/// A stream as its external producer sees it ([`Stream::port`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Port<'a> {
+    s: &'a Stream,
+}
+
 impl Stream {
+    /// The producer's side of this stream.
+    pub fn port(&self) -> Port<'_> {
+        Port { s: self }
+    }
+}
+
+impl Port<'_> {
     /// Forbids any new writable mapping of the arena (see [`Stream::start`]).
     pub fn seal(&self) -> Result<(), batchcast::Error> {
-        self.arena.seal_writes()
+        self.s.arena.seal_writes()
     }
 
     /// How often a waiting producer's request is looked at again, so that
@@ -41,22 +55,23 @@ impl Stream {
 
     /// Resolves when an external producer's request may succeed now.
     pub async fn ready(&self) {
-        self.ready.notified().await
+        self.s.ready.notified().await
     }
 
     /// An external producer asks for its next slot.
     pub fn acquire(&self) -> Result<Acquire, StreamFailed> {
-        self.with_hub(|inner| {
-            if let Some(why) = &inner.failed {
+        let s = self.s;
+        s.with_hub(|inner| {
+            if let Some(why) = &inner.records.failed {
                 return Err(why.clone());
             }
-            inner.producer_waiting = false;
+            inner.fill.set_producer_waiting(false);
             if inner.hub.exhausted() {
                 return Ok(Acquire::Ended);
             }
             // A consumer that kept the producer waiting past the hold
             // limit is detached (nothing here can be recomputed for it).
-            if !inner.hub.has_free_slot() && self.cut_laggards(inner) {
+            if !inner.hub.has_free_slot() && decouple::cut_laggards(s, inner) {
                 settle(inner, true);
             }
             Ok(match inner.hub.start_batch() {
@@ -70,8 +85,8 @@ impl Stream {
                 None => {
                     // Mailbox consumers may have released already, and ring
                     // only for releases after this: take what is there.
-                    inner.producer_waiting = true;
-                    inner.drain_all = true;
+                    inner.fill.set_producer_waiting(true);
+                    inner.deliver.drain_all();
                     Acquire::Wait
                 }
             })
@@ -81,15 +96,15 @@ impl Stream {
     /// A producer registering its stream again (its broker went away):
     /// the stream starts at the batch it names and waits for `readers`
     /// consumers (or the stream's own minimum, if more) until
-    /// [`Stream::end_rejoin_hold`]. `false` if it could not be moved there
+    /// [`Port::end_rejoin_hold`]. `false` if it could not be moved there
     /// (it has started already).
     pub fn rejoin_at(&self, rejoin: &Rejoin) -> bool {
-        self.with_hub(|inner| {
+        self.s.with_hub(|inner| {
             let moved = inner.hub.seek(rejoin.epoch, rejoin.index);
             if moved {
                 inner
                     .hub
-                    .set_min_consumers(rejoin.readers.max(self.plan.min_consumers));
+                    .set_min_consumers(rejoin.readers.max(self.s.plan.min_consumers));
             }
             moved
         })
@@ -99,19 +114,20 @@ impl Stream {
     /// grace: the stream goes on with its own minimum of consumers.
     pub fn end_rejoin_hold(&self) {
         // Wakes a waiting producer if the stream may start now.
-        self.with_hub(|inner| inner.hub.set_min_consumers(self.plan.min_consumers));
+        let min = self.s.plan.min_consumers;
+        self.s.with_hub(|inner| inner.hub.set_min_consumers(min));
     }
 
     /// Whether no slot is free (the producer is under back-pressure).
     pub fn slots_full(&self) -> bool {
-        !self.lock().hub.has_free_slot()
+        !self.s.lock().hub.has_free_slot()
     }
 
     /// An external producer filled `slot` with `samples` samples, after
     /// waiting `blocked` for it.
     pub fn publish(&self, slot: &FillSlot, samples: u64, blocked: Duration) {
-        self.with_hub(|inner| {
-            inner.producer_blocked += blocked;
+        self.s.with_hub(|inner| {
+            inner.fill.add_blocked(blocked);
             inner.hub.finish_batch(slot.seq, samples);
         });
     }
@@ -120,11 +136,12 @@ impl Stream {
     /// An endless stream ends normally at an epoch boundary; anything else
     /// ends early, and consumers are told.
     pub fn producer_done(&self, who: &str) {
-        let early = self.with_hub(|inner| {
-            if inner.hub.exhausted() || inner.failed.is_some() {
+        let s = self.s;
+        let early = s.with_hub(|inner| {
+            if inner.hub.exhausted() || inner.records.failed.is_some() {
                 return None;
             }
-            if self.plan.epochs.is_none() && inner.hub.end_at_epoch_boundary() {
+            if s.plan.epochs.is_none() && inner.hub.end_at_epoch_boundary() {
                 return None;
             }
             let c = inner.hub.counts();
@@ -132,11 +149,11 @@ impl Stream {
                 who: who.into(),
                 produced: c.produced,
                 epoch: c.epoch,
-                epochs: self.plan.epochs,
+                epochs: s.plan.epochs,
             })
         });
         if let Some(why) = early {
-            self.fail(why);
+            s.fail(why);
         }
     }
 }

@@ -31,114 +31,117 @@
 use batchcast::proto::{Position, ServerMsg};
 use batchcast::rotation::Rotation;
 
-use super::decouple::{merge_from, notify, unread};
+use super::conn::{notify, unread};
 use super::deliver::settle;
 use super::{Inner, Stream};
-use crate::hub::ConsumerId;
+use crate::hub::{ConsumerId, Hub};
+
+/// The oldest unit a replayed consumer may merge back at: within half the
+/// ring of its head, room to keep up (merged further back, one that
+/// pauses would pin the ring, be cut and merge again at once, over and
+/// over).
+pub(super) fn merge_from(hub: &Hub) -> u64 {
+    let (head, slots) = hub.head_seq();
+    head.saturating_sub(u64::from(slots / 2))
+}
 
 /// Greatest common divisor.
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-impl Stream {
-    /// Consumer `id`'s replay stands at `at`, an epoch's start the ring no
-    /// longer holds near its head: rotates it into that epoch if the ring
-    /// holds a point for it (see the module's rules). Whether it did.
-    pub(super) fn rotate(&self, inner: &mut Inner, id: ConsumerId, at: Position) -> bool {
-        let unit = self.plan.schema.batch_size;
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        let Some(conn) = inner.conns.get(&id) else {
-            return false;
-        };
-        if !self.plan.rotate_epochs
-            || conn.seat.is_some()
-            || conn.gpu.is_some()
-            || conn.ending.is_some()
-        {
-            return false;
-        }
-        // Units from one of its batch boundaries: lcm(batch, unit) / unit.
-        let batch = conn.own.batch_size;
-        let every = batch / gcd(batch, unit).max(1);
-        // Also where the shared stream's readers are, if further back (a
-        // ring larger than half an epoch runs that far ahead of them): the
-        // ring keeps that for them anyway, and a rotation happens once an
-        // epoch at most.
-        let room = merge_from(&inner.hub);
-        let from = inner.hub.members_tail().map_or(room, |t| t.min(room));
-        let Some((seq, index)) = inner.hub.rotation_point(at.epoch, from, every) else {
-            return false;
-        };
-        let point = Position {
+/// Consumer `id`'s replay stands at `at`, an epoch's start the ring no
+/// longer holds near its head: rotates it into that epoch if the ring
+/// holds a point for it (see the module's rules). Whether it did.
+pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position) -> bool {
+    let unit = s.plan.schema.batch_size;
+    let per_epoch = s.plan.schema.samples_per_epoch;
+    let Some(conn) = inner.conns.get(&id) else {
+        return false;
+    };
+    if !s.plan.rotate_epochs || conn.seat.is_some() || conn.gpu.is_some() || conn.ending.is_some() {
+        return false;
+    }
+    // Units from one of its batch boundaries: lcm(batch, unit) / unit.
+    let batch = conn.own.batch_size;
+    let every = batch / gcd(batch, unit).max(1);
+    // Also where the shared stream's readers are, if further back (a
+    // ring larger than half an epoch runs that far ahead of them): the
+    // ring keeps that for them anyway, and a rotation happens once an
+    // epoch at most.
+    let room = merge_from(&inner.hub);
+    let from = inner.hub.members_tail().map_or(room, |t| t.min(room));
+    let Some((seq, index)) = inner.hub.rotation_point(at.epoch, from, every) else {
+        return false;
+    };
+    let point = Position {
+        epoch: at.epoch,
+        sample: index * unit,
+    };
+    if point.sample >= per_epoch || inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
+        return false;
+    }
+    let conn = inner.conns.get_mut(&id).expect("looked up above");
+    if let Some(r) = conn.replay.as_mut() {
+        r.to = Some(at);
+        r.rotation = Some(Rotation {
             epoch: at.epoch,
-            sample: index * unit,
-        };
-        if point.sample >= per_epoch || inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
-            return false;
-        }
-        let conn = inner.conns.get_mut(&id).expect("looked up above");
-        if let Some(r) = conn.replay.as_mut() {
-            r.to = Some(at);
-            r.rotation = Some(Rotation {
-                epoch: at.epoch,
-                at: point.sample,
-            });
-        }
-        conn.own.shared.resume_at(point);
-        conn.merges.merged_at = point;
-        conn.merges.rotations += 1;
-        if !notify(inner, id, ServerMsg::Rotate(point)) {
-            return true;
-        }
-        tracing::info!(
-            stream = %self.name(),
-            consumer = id,
-            epoch = at.epoch,
-            from = point.sample,
-            "a replayed consumer reads this epoch from where the shared stream is, and its start after its end"
-        );
-        true
+            at: point.sample,
+        });
     }
+    conn.own.shared.resume_at(point);
+    conn.merges.merged_at = point;
+    conn.merges.rotations += 1;
+    if !notify(inner, id, ServerMsg::Rotate(point)) {
+        return true;
+    }
+    tracing::info!(
+        stream = %s.name(),
+        consumer = id,
+        epoch = at.epoch,
+        from = point.sample,
+        "a replayed consumer reads this epoch from where the shared stream is, and its start after its end"
+    );
+    true
+}
 
-    /// Cuts each rotated consumer the shared stream sent the whole rest of
-    /// its epoch, nothing taken back, to be replayed the epoch's start.
-    pub(super) fn replay_rotated_starts(&self, inner: &mut Inner) {
-        let Inner { hub, conns, .. } = &mut *inner;
-        let mut due: Vec<(ConsumerId, Rotation)> = Vec::new();
-        for (&id, c) in conns.iter_mut() {
-            // Its last replay all sent: the cut's notice must follow it.
-            let Some(rot) = c
-                .replay
-                .as_ref()
-                .filter(|r| r.settled())
-                .and_then(|r| r.rotation)
-            else {
-                continue;
-            };
-            // It took every unit it was sent: a paused one that did not is
-            // cut as any member is, taking back what it did not take.
-            if c.ending.is_none() && hub.read_through(id, rot.epoch) && unread(c) == 0 {
-                due.push((id, rot));
-            }
+/// Cuts each rotated consumer the shared stream sent the whole rest of
+/// its epoch, nothing taken back, to be replayed the epoch's start.
+pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner) {
+    let Inner { hub, conns, .. } = &mut *inner;
+    let mut due: Vec<(ConsumerId, Rotation)> = Vec::new();
+    for (&id, c) in conns.iter_mut() {
+        // Its last replay all sent: the cut's notice must follow it.
+        let Some(rot) = c
+            .replay
+            .as_ref()
+            .filter(|r| r.settled())
+            .and_then(|r| r.rotation)
+        else {
+            continue;
+        };
+        // It took every unit it was sent: a paused one that did not is
+        // cut as any member is, taking back what it did not take.
+        if c.ending.is_none() && hub.read_through(id, rot.epoch) && unread(c) == 0 {
+            due.push((id, rot));
         }
-        if due.is_empty() {
-            return;
-        }
-        // What the hub sent them goes out before the cut's notice.
-        settle(inner, false);
-        for (id, rot) in due {
-            if inner.hub.cut(id, &[]).is_err() {
-                continue;
-            }
-            let from = rot.owed_from();
-            if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
-                r.reopen(from);
-            }
-            if notify(inner, id, ServerMsg::Cut(from)) {
-                tracing::debug!(stream = %self.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
-            }
-        }
-        self.work_cv.notify_all();
     }
+    if due.is_empty() {
+        return;
+    }
+    // What the hub sent them goes out before the cut's notice.
+    settle(inner, false);
+    for (id, rot) in due {
+        if inner.hub.cut(id, &[]).is_err() {
+            continue;
+        }
+        let from = rot.owed_from();
+        if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
+            r.reopen(from);
+        }
+        if notify(inner, id, ServerMsg::Cut(from)) {
+            tracing::debug!(stream = %s.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
+        }
+    }
+    s.work_cv.notify_all();
 }

@@ -14,62 +14,59 @@
 
 use batchcast::proto::{ConsumeRequest, Seat};
 
+use super::Inner;
 use super::error::SubscribeError;
 use super::shape::Shape;
-use super::{Inner, Stream};
 
-impl Stream {
-    /// Refuses a seat another member holds, or one that would deal other
-    /// than the group's members do.
-    pub(super) fn check_seat(
-        &self,
-        inner: &Inner,
-        req: &ConsumeRequest,
-        shape: Shape,
-        uid: u32,
-    ) -> Result<(), SubscribeError> {
-        let Some(seat) = &req.group else {
-            return Ok(());
-        };
-        let refuse = |why: String| Err(SubscribeError::Seat(why));
-        if let Err(why) = seat.validate() {
-            return refuse(why.to_string());
+/// Refuses a seat another member holds, or one that would deal other
+/// than the group's members do.
+pub(super) fn check(
+    inner: &Inner,
+    req: &ConsumeRequest,
+    shape: Shape,
+    uid: u32,
+) -> Result<(), SubscribeError> {
+    let Some(seat) = &req.group else {
+        return Ok(());
+    };
+    let refuse = |why: String| Err(SubscribeError::Seat(why));
+    if let Err(why) = seat.validate() {
+        return refuse(why.to_string());
+    }
+    if req.device.is_some() {
+        return refuse(format!(
+            "group `{}`: a group's members read host memory for now (their batches are runs of the stream's ring); use device=\"cpu\"",
+            seat.name
+        ));
+    }
+    let members = inner
+        .conns
+        .values()
+        .filter_map(|c| c.seat.as_ref().map(|s| (s, c)))
+        .filter(|(s, c)| s.name == seat.name && c.peer.uid == uid);
+    for (other, conn) in members {
+        let who = format!("`{}` (pid {})", conn.peer.name, conn.peer.pid);
+        if other.rank == seat.rank {
+            return Err(SubscribeError::SeatTaken(format!(
+                "group `{}`: rank {} is taken by {who}; each rank of a group reads its own share once",
+                seat.name, seat.rank
+            )));
         }
-        if req.device.is_some() {
+        if (other.world, other.replicate) != (seat.world, seat.replicate) {
             return refuse(format!(
-                "group `{}`: a group's members read host memory for now (their batches are runs of the stream's ring); use device=\"cpu\"",
-                seat.name
+                "group `{}` has world {} (replicate {}) as {who} joined it; this member says world {} (replicate {})",
+                seat.name, other.world, other.replicate, seat.world, seat.replicate
             ));
         }
-        let members = inner
-            .conns
-            .values()
-            .filter_map(|c| c.seat.as_ref().map(|s| (s, c)))
-            .filter(|(s, c)| s.name == seat.name && c.peer.uid == uid);
-        for (other, conn) in members {
-            let who = format!("`{}` (pid {})", conn.peer.name, conn.peer.pid);
-            if other.rank == seat.rank {
-                return Err(SubscribeError::SeatTaken(format!(
-                    "group `{}`: rank {} is taken by {who}; each rank of a group reads its own share once",
-                    seat.name, seat.rank
-                )));
-            }
-            if (other.world, other.replicate) != (seat.world, seat.replicate) {
-                return refuse(format!(
-                    "group `{}` has world {} (replicate {}) as {who} joined it; this member says world {} (replicate {})",
-                    seat.name, other.world, other.replicate, seat.world, seat.replicate
-                ));
-            }
-            let own = (conn.own.batch_size, conn.own.drop_last);
-            if own != (shape.batch_size, shape.drop_last) {
-                return refuse(format!(
-                    "group `{}` reads batches of {} (drop_last {}) as {who} does; this member asks for {} (drop_last {}): a group's members share one batch size, so that every rank gets as many batches",
-                    seat.name, own.0, own.1, shape.batch_size, shape.drop_last
-                ));
-            }
+        let own = (conn.own.batch_size, conn.own.drop_last);
+        if own != (shape.batch_size, shape.drop_last) {
+            return refuse(format!(
+                "group `{}` reads batches of {} (drop_last {}) as {who} does; this member asks for {} (drop_last {}): a group's members share one batch size, so that every rank gets as many batches",
+                seat.name, own.0, own.1, shape.batch_size, shape.drop_last
+            ));
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// How stats show a seat: `name rank/world` (`×k` when replicated).

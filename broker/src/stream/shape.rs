@@ -3,8 +3,8 @@
 
 use batchcast::proto::ConsumeRequest;
 
-use super::Stream;
 use super::error::SubscribeError;
+use crate::plan::StreamPlan;
 
 /// What a consumer's batches cost the hub: its batch size and the units it
 /// may hold for its window.
@@ -44,11 +44,14 @@ impl Shape {
     }
 }
 
-impl Stream {
-    /// A consumer's batch size and what its window costs in units; the
-    /// refusal says what to ask for instead.
-    pub(super) fn shape(&self, req: &ConsumeRequest) -> Result<Shape, SubscribeError> {
-        let unit = self.plan.schema.batch_size;
+impl Shape {
+    /// A consumer's batch size and what its window costs in units, on
+    /// stream `plan`; the refusal says what to ask for instead.
+    pub(super) fn for_request(
+        plan: &StreamPlan,
+        req: &ConsumeRequest,
+    ) -> Result<Shape, SubscribeError> {
+        let unit = plan.schema.batch_size;
         let size = req.batch_size.unwrap_or(unit);
         let refuse = |why: String| Err(SubscribeError::BatchSize(why));
         if size == 0 {
@@ -61,14 +64,12 @@ impl Stream {
                      (a device arena holds whole batches of the stream); leave batch_size unset, or use device=\"cpu\""
                 ));
             }
-            if let Some(f) = self.plan.rings.unmirrored() {
-                let field = &self.plan.schema.fields[f];
+            if let Some(f) = plan.rings.unmirrored() {
+                let field = &plan.schema.fields[f];
                 return refuse(format!(
                     "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
                      ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
-                    self.name(),
-                    field.name,
-                    self.plan.rings.fields[f].bytes_per_sample
+                    plan.name, field.name, plan.rings.fields[f].bytes_per_sample
                 ));
             }
         }
@@ -77,7 +78,7 @@ impl Stream {
         } else {
             batchcast::batcher::units_needed(req.window, size, unit)
         };
-        let slots = u64::from(self.plan.slots);
+        let slots = u64::from(plan.slots);
         if let Some(seat) = req.group.as_deref() {
             let data_ranks = u64::from(seat.world / seat.replicate.max(1));
             let span = batchcast::batcher::member_ring_span(req.window, size, unit, data_ranks);
@@ -86,7 +87,7 @@ impl Stream {
                 return refuse(format!(
                     "a group member of {data_ranks} data ranks with window {} and batches of {size} may span {need} of stream `{}`'s {slots} slots of {unit} samples (its runs lie {data_ranks} batches apart, one more being built); size the stream for it: slots = {need}, or batch_size = {} in its config (a unit holds one batch of each data rank; members still ask for {size}), or use a smaller window",
                     req.window,
-                    self.name(),
+                    plan.name,
                     data_ranks.saturating_mul(size),
                 ));
             }
@@ -102,7 +103,7 @@ impl Stream {
                 "batch_size {size} with window {}: needs {units} of stream `{}`'s {slots} slots of {unit} samples \
                  (batches of {size} span up to that many while the window is full); {}, or size the stream for it: max_batch_size = {size} in its config (`batchcast launch` sets it from the sweep's batch sizes), or slots = {units}",
                 req.window,
-                self.name(),
+                plan.name,
                 match (other, own) {
                     (Some(b), _) if b >= unit =>
                         format!("ask for batch_size ≤ {b} or a smaller window"),
@@ -117,10 +118,10 @@ impl Stream {
         }
         Ok(Shape {
             batch_size: size,
-            drop_last: req.drop_last.unwrap_or(self.plan.drop_last),
+            drop_last: req.drop_last.unwrap_or(plan.drop_last),
             unit,
             units: u32::try_from(units).unwrap_or(u32::MAX),
-            per_epoch: self.plan.schema.samples_per_epoch,
+            per_epoch: plan.schema.samples_per_epoch,
         })
     }
 }

@@ -11,7 +11,7 @@ use crate::hub::ConsumerId;
 impl Stream {
     pub fn stats(&self) -> StreamStats {
         // Releases sitting in mailboxes count as released.
-        self.with_hub(|inner| inner.drain_all = true);
+        self.with_hub(|inner| inner.deliver.drain_all());
         let inner = self.lock();
         let c = inner.hub.counts();
         let mut consumers: Vec<ConsumerStats> = inner
@@ -33,9 +33,9 @@ impl Stream {
             deliveries: c.deliveries,
             departed: c.departed,
             detached: c.detached,
-            producer_blocked_s: inner.producer_blocked.as_secs_f64(),
-            pipeline_cpu_s: inner.pipeline_cpu.as_secs_f64(),
-            replay_cpu_s: inner.replay_cpu.as_secs_f64(),
+            producer_blocked_s: inner.fill.blocked().as_secs_f64(),
+            pipeline_cpu_s: inner.fill.cpu().as_secs_f64(),
+            replay_cpu_s: inner.replay.cpu().as_secs_f64(),
             owner_uid: self.owner_uid,
             producer: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::External(e) => Some(format!(
@@ -50,14 +50,14 @@ impl Stream {
                 )),
                 _ => None,
             },
-            failed: inner.failed.as_ref().map(|f| f.to_string()),
+            failed: inner.records.failed.as_ref().map(|f| f.to_string()),
             share: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::Images(i) => {
                     Some((i.rank, i.world_size, self.plan.schema.samples_per_epoch))
                 }
                 _ => None,
             },
-            gpus: gpu_stats(&inner),
+            gpus: inner.mirrors.stats(&inner.hub),
             source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
                 let c = n.cache.unwrap_or_default();
                 let shared = n.shared.map(|(name, s)| proto::SharedSourceStats {
@@ -84,32 +84,9 @@ impl Stream {
             }),
             consumers,
             consumers_left_out: 0,
-            past_consumers: inner.past.iter().cloned().collect(),
+            past_consumers: inner.records.past.iter().cloned().collect(),
         }
     }
-}
-
-/// Each GPU's copies, by GPU label.
-fn gpu_stats(inner: &Inner) -> Vec<proto::GpuCopyStats> {
-    let mut g: Vec<_> = inner
-        .mirrors
-        .values()
-        .map(|m| {
-            let n = inner.hub.group_counts(m.group).unwrap_or_default();
-            proto::GpuCopyStats {
-                gpu: m.mirror.label().to_string(),
-                copies: m.copies,
-                bytes: m.bytes,
-                copy_s: m.copy_ns as f64 * 1e-9,
-                pinned: m.mirror.pinned(),
-                slots: n.slots,
-                slots_in_use: n.in_use,
-                waiting: n.waiting,
-            }
-        })
-        .collect();
-    g.sort_by(|a, b| a.gpu.cmp(&b.gpu));
-    g
 }
 
 /// One connected consumer's numbers.
@@ -143,10 +120,7 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
         wait_s: secs(conn.tally.wait_ns, conn.tally.mailbox.wait_ns),
         busy_s: secs(conn.tally.busy_ns, conn.tally.mailbox.busy_ns),
         hold_s: secs(conn.tally.hold_ns, conn.tally.mailbox.hold_ns),
-        device: conn
-            .gpu
-            .and_then(|k| inner.mirrors.get(&k))
-            .map(|m| m.mirror.label().to_string()),
+        device: conn.gpu.and_then(|k| inner.mirrors.label(&k)),
         connected_s: connected.as_secs_f64(),
         left: None,
         replayed: conn.tally.replayed,

@@ -12,9 +12,9 @@ use tokio::sync::mpsc;
 
 use super::conn::{Conn, Peer, Start};
 use super::error::SubscribeError;
-use super::replay::{ReplayFrom, book};
+use super::replay::{self, ReplayFrom, book};
 use super::shape::Shape;
-use super::{Inner, Stream};
+use super::{Inner, Stream, decouple, mirror, seats};
 use crate::config::Pace;
 use crate::hub::{ConsumerId, Delivery};
 
@@ -68,21 +68,22 @@ impl Stream {
         req: ConsumeRequest,
         peer: Peer,
     ) -> Result<Subscription, SubscribeError> {
-        self.check_digest(&req)?;
-        let shape = self.shape(&req)?;
-        let replaying = self.replay_request(&req)?;
-        let decoupled = self.decoupled(&req);
-        let gpu_slots = self.plan.gpu_slots;
-        self.check_subscription(&req, shape, peer.uid)?;
-        let arena = self.replay_arena(&req, replaying.is_some(), shape, &peer)?;
+        let j = Joining {
+            s: self,
+            req: &req,
+            peer: &peer,
+        };
+        let shape = j.shape()?;
+        let replaying = replay::wanted(self, &req)?;
+        j.check(shape)?;
+        let arena = j.replay_arena(replaying.is_some(), shape)?;
         let (tx, rx) = mpsc::channel(outbox_room(shape, arena.replays.then_some(req.window)));
         // Replay cuts its batches, or its deal (the seat is checked now).
         let cut = (shape.batch_size, shape.deal(&req));
-        let (mailbox, mailbox_grant) =
-            self.make_mailbox(&req, &peer, (arena.replays, arena.kept))?;
+        let (mailbox, mailbox_grant) = j.make_mailbox((arena.replays, arena.kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
         let (mirror, gpu_grant) = match &req.device {
-            Some(dev) => self.open_mirror(dev, &peer).map(|(m, g)| (Some(m), g))?,
+            Some(dev) => mirror::open(self, dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
         };
         // A mailbox consumer is sent every batch at once and keeps to its
@@ -91,14 +92,15 @@ impl Stream {
             .as_ref()
             .map_or(Delivery::Window, |_| Delivery::Ahead);
         self.with_hub(|inner| {
-            if let Some(why) = &inner.failed {
+            if let Some(why) = &inner.records.failed {
                 return Err(SubscribeError::Failed(why.clone()));
             }
-            self.check_seat(inner, &req, shape, peer.uid)?;
+            seats::check(inner, &req, shape, peer.uid)?;
             let group = match (&mirror, &req.device) {
-                (Some(m), Some(dev)) => Some(Stream::mirror_group(
-                    inner, m, gpu_grant, dev, gpu_slots,
-                )?),
+                (Some(m), Some(dev)) => {
+                    let Inner { hub, mirrors, .. } = &mut *inner;
+                    Some(mirrors.group_for(hub, (m, gpu_grant), dev, self.plan.gpu_slots)?)
+                }
                 _ => None,
             };
             // Where a consumer starts (`join`, `resume`): a replaying one
@@ -107,11 +109,10 @@ impl Stream {
             // the ring holds from there and replayed only what came before
             // (its epoch's start, or from its resume position).
             let join = replaying.map_or(req.join, |_| JoinPolicy::Now);
-            self.seek_to_resume(inner, replaying, &peer);
+            j.seek_to_resume(inner, replaying);
             let (id, mut start_epoch) = inner.hub.join_group(shape.window(&req), join, group, delivery)?;
-            inner.hub.may_be_cut(id, decoupled);
-            let started = self
-                .start_replay(inner, id, (replaying, arena.kept), arena.prepared, cut)
+            inner.hub.may_be_cut(id, j.decoupled());
+            let started = replay::start(self, inner, id, (replaying, arena.kept), arena.prepared, cut)
                 .inspect_err(|_| {
                     inner.hub.leave(id);
                 })?;
@@ -121,7 +122,7 @@ impl Stream {
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
             let conn = Conn::new(
                 (id, tx),
-                peer,
+                peer.clone(),
                 (shape, &req),
                 (mailbox, mailbox_grant),
                 started.replay,
@@ -129,7 +130,7 @@ impl Stream {
             );
             inner.conns.insert(id, conn);
             if let Some(from) = started.cut {
-                Stream::tell_cut(inner, id, from);
+                decouple::tell_cut(inner, id, from);
             }
             Ok(Subscription {
                 id,
@@ -142,33 +143,37 @@ impl Stream {
             })
         })
     }
+}
 
+/// A consumer's request as it joins, and the stream it joins.
+struct Joining<'a> {
+    s: &'a Arc<Stream>,
+    req: &'a ConsumeRequest,
+    peer: &'a Peer,
+}
+
+impl Joining<'_> {
     /// A replay arena, if one may be needed (whether it is depends on where
     /// the stream is when the consumer joins, and on whether it is ever
     /// cut). Lockstep's only bounds a pause: one the budget refuses is
     /// none, said in the log, and the consumer is detached at the bound
     /// instead of cut.
-    fn replay_arena(
-        &self,
-        req: &ConsumeRequest,
-        asks: bool,
-        shape: Shape,
-        peer: &Peer,
-    ) -> Result<ReplayArena, SubscribeError> {
-        let decoupled = self.decoupled(req);
-        let kept = decoupled || self.bounded(req);
+    fn replay_arena(&self, asks: bool, shape: Shape) -> Result<ReplayArena, SubscribeError> {
+        let (s, req, peer) = (self.s, self.req, self.peer);
+        let decoupled = self.decoupled();
+        let kept = decoupled || self.bounded();
         if !(self.may_replay(asks) || kept) {
             return Ok(ReplayArena::NONE);
         }
         let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
-        match self.prepare_replay(shape.batch_size, req.window, peer.uid, &whom) {
+        match replay::prepare(s, shape.batch_size, req.window, peer.uid, &whom) {
             Ok(p) => Ok(ReplayArena {
                 replays: true,
                 kept,
                 prepared: Some(p),
             }),
             Err(e) if kept && !decoupled && !asks => {
-                tracing::info!(stream = %self.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
+                tracing::info!(stream = %s.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
                 Ok(ReplayArena::NONE)
             }
             Err(e) => Err(e.into()),
@@ -177,16 +182,17 @@ impl Stream {
 
     /// Refuses a consumer resuming under another description of the
     /// stream (its state's digest differs): it would get other data.
-    fn check_digest(&self, req: &ConsumeRequest) -> Result<(), SubscribeError> {
-        let changed = req
+    fn check_digest(&self) -> Result<(), SubscribeError> {
+        let changed = self
+            .req
             .expect
-            .map(|expect| expect.changes(&self.plan.digest))
+            .map(|expect| expect.changes(&self.s.plan.digest))
             .unwrap_or_default();
         if changed.is_empty() {
             return Ok(());
         }
         Err(SubscribeError::Changed {
-            stream: self.name().into(),
+            stream: self.s.name().into(),
             changed,
         })
     }
@@ -196,36 +202,37 @@ impl Stream {
     /// that for nobody. Only its owner's consumers move it: a guest that
     /// came first could otherwise make the owner's trainers, joining at
     /// the next epoch, miss every epoch before its place.
-    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>, peer: &Peer) {
+    fn seek_to_resume(&self, inner: &mut Inner, replaying: Option<ReplayFrom>) {
+        let s = self.s;
         // A producer's stream starts where its producer says.
-        if peer.uid != self.owner_uid || self.writer.is_none() {
+        if self.peer.uid != s.owner_uid || s.writer.is_none() {
             return;
         }
         if let Some(p) = replaying.and_then(ReplayFrom::resume)
-            && inner
-                .hub
-                .seek(p.epoch, p.sample / self.plan.schema.batch_size)
+            && inner.hub.seek(p.epoch, p.sample / s.plan.schema.batch_size)
         {
-            tracing::info!(stream = %self.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
+            tracing::info!(stream = %s.name(), epoch = p.epoch, sample = p.sample, "starting where the first consumer resumes");
         }
     }
 
+    /// The consumer's batch size and window, on the stream it expects.
+    fn shape(&self) -> Result<Shape, SubscribeError> {
+        self.check_digest()?;
+        Shape::for_request(&self.s.plan, self.req)
+    }
+
     /// Refusals that need no GPU, before a device arena is allocated.
-    fn check_subscription(
-        &self,
-        req: &ConsumeRequest,
-        shape: Shape,
-        uid: u32,
-    ) -> Result<(), SubscribeError> {
-        let inner = self.lock();
-        if let Some(why) = &inner.failed {
+    fn check(&self, shape: Shape) -> Result<(), SubscribeError> {
+        let req = self.req;
+        let inner = self.s.lock();
+        if let Some(why) = &inner.records.failed {
             return Err(SubscribeError::Failed(why.clone()));
         }
-        self.check_seat(&inner, req, shape, uid)?;
-        let gpu_slots = req.device.as_ref().map(|_| self.plan.gpu_slots);
+        seats::check(&inner, req, shape, self.peer.uid)?;
+        let gpu_slots = req.device.as_ref().map(|_| self.s.plan.gpu_slots);
         inner.hub.check_window(shape.window(req), gpu_slots)?;
         if let Some(dev) = &req.device {
-            Stream::check_gpu(&inner, dev)?;
+            inner.mirrors.check(dev)?;
         }
         Ok(())
     }
@@ -234,15 +241,16 @@ impl Stream {
     /// may be replayed to: not on a producer's stream (nothing to make).
     /// A group member is replayed its own runs of the deal.
     fn may_replay(&self, asks: bool) -> bool {
-        asks && self.writer.is_some()
+        asks && self.s.writer.is_some()
     }
 
     /// Decoupled pace: a host consumer (mailbox or socket, a group member
     /// too: replayed its own runs) of a stream the broker computes may be
     /// cut from the shared stream and replayed to; GPU consumers keep
     /// lockstep.
-    fn decoupled(&self, req: &ConsumeRequest) -> bool {
-        self.plan.pace == Pace::Decoupled && self.writer.is_some() && req.device.is_none()
+    fn decoupled(&self) -> bool {
+        let s = self.s;
+        s.plan.pace == Pace::Decoupled && s.writer.is_some() && self.req.device.is_none()
     }
 
     /// Lockstep with a hold limit (the default): a host consumer of a
@@ -250,8 +258,9 @@ impl Stream {
     /// limit is cut to replay ([`super::decouple`]), so it keeps a replay
     /// arena as a decoupled one does. Others (a producer's stream, a GPU
     /// consumer) are detached at the limit.
-    fn bounded(&self, req: &ConsumeRequest) -> bool {
-        self.plan.hold_limit.is_some() && self.writer.is_some() && req.device.is_none()
+    fn bounded(&self) -> bool {
+        let s = self.s;
+        s.plan.hold_limit.is_some() && s.writer.is_some() && self.req.device.is_none()
     }
 
     /// A mailbox for a host consumer that asked for one, in the budget
@@ -259,10 +268,9 @@ impl Stream {
     /// the replayed batches it may be sent.
     fn make_mailbox(
         &self,
-        req: &ConsumeRequest,
-        peer: &Peer,
         (replaying, kept): (bool, bool),
     ) -> Result<(Option<BrokerMailbox>, Option<crate::budget::Grant>), SubscribeError> {
+        let (s, req, peer) = (self.s, self.req, self.peer);
         if !req.mailbox || req.device.is_some() {
             return Ok((None, None));
         }
@@ -274,13 +282,9 @@ impl Stream {
         // One that may be cut: the notices a cut took back wait until the
         // consumer passes them, and a ring more may come after its merge.
         let rings = if kept { 2 } else { 1 };
-        let spec = MailboxSpec::for_batches(
-            self.plan
-                .slots
-                .saturating_mul(rings)
-                .saturating_add(replayed),
-        );
-        let grant = self.budget.take(
+        let spec =
+            MailboxSpec::for_batches(s.plan.slots.saturating_mul(rings).saturating_add(replayed));
+        let grant = s.budget.take(
             peer.uid,
             crate::budget::Use::Mailbox,
             spec.bytes(),

@@ -1,6 +1,6 @@
-//! A consumer's events: messages taken in (from the socket, the mailbox,
-//! replay), batches cut in its own size and handed out in order, units it
-//! will not read given back.
+//! A consumer's events ([`Inbox`]): messages taken in (from the socket,
+//! the mailbox, replay), batches cut in its own size and handed out in
+//! order, units it will not read given back.
 
 use std::sync::atomic::Ordering;
 
@@ -10,56 +10,66 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::mailbox::{Notice, Totals};
 use crate::proto::{self, EpochEnd, Position, ServerMsg};
-use crate::transport::{broker_error, goodbye_error, readable_within};
+use crate::transport::{broker_error, goodbye_error};
 
+use super::clock::Clock;
+use super::link::Link;
 use super::*;
 
-impl Consumer {
+/// What a consumer received and has not handed out, in order, and where
+/// handing it out has got to.
+#[derive(Debug)]
+pub(super) struct Inbox {
+    /// Batches cut from the units received, and what follows them. Units
+    /// are taken only while no batch waits here, so the consumer holds at
+    /// most the units its window needs (a mailbox consumer is sent units
+    /// ahead; they wait in its mailbox).
+    pub(super) next: VecDeque<Next>,
+    /// Where it is: its position, its epoch's batches, rotated epochs.
+    pub(super) place: place::Place,
+    /// Replay: in progress, where it began, the next replayed seq.
+    pub(super) replay: replay::Replay,
+    /// A group member's share of each epoch.
+    pub(super) deal: Option<crate::deal::Deal>,
+}
+
+impl Inbox {
     /// Whether `next_event` returns at once.
-    pub(super) fn ready(&self) -> bool {
+    pub(super) fn ready(&self, shared: &Shared) -> bool {
         match self.front() {
-            Some(Next::Run(..) | Next::Replayed(_)) => !self.window_full(),
+            Some(Next::Run(..) | Next::Replayed(_)) => !shared.window_full(),
             Some(_) => true,
             None => false,
         }
     }
 
-    /// The program holds its whole window.
-    pub(super) fn window_full(&self) -> bool {
-        self.held() >= self.shared.welcome.window
-    }
-
     /// The unit this host consumer holds that keeps the broker from making
     /// the next one ([`Batcher::pins_ring`]), when nothing else is ready.
-    pub(super) fn pinning(&self) -> Option<u64> {
+    pub(super) fn pinning(&self, shared: &Shared) -> Option<u64> {
         // Replaying, it holds the shared units it has not reached yet.
-        if self.shared.gpu.is_some() || !self.next.is_empty() || self.replay.active.is_some() {
+        if shared.gpu.is_some() || !self.next.is_empty() || self.replay.active.is_some() {
             return None;
         }
-        let b = self
-            .shared
-            .batching
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        b.batcher.pins_ring(self.shared.welcome.slots)
+        let b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+        b.batcher.pins_ring(shared.welcome.slots)
     }
 
     /// Hands out the batch at the front.
-    pub(super) fn hand_out(&mut self) -> Event {
+    pub(super) fn hand_out(&mut self, shared: &Arc<Shared>, clock: &mut Clock) -> Event {
         let (run, sent_ns, slot, replayed) = match self.pop_front() {
             Some(Next::Run(run, sent_ns, slot)) => (run, sent_ns, slot, false),
             Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, true),
             _ => unreachable!("called with a run at the front"),
         };
-        self.clock.pinned_since = None;
+        clock.pinned_since = None;
         let now = proto::monotonic_ns();
-        self.shared.held.fetch_add(1, Ordering::AcqRel);
-        let asked = self.clock.asking_since.swap(0, Ordering::Relaxed);
-        let busy_ns = match self.clock.last_batch_ns {
+        shared.held.fetch_add(1, Ordering::AcqRel);
+        let asked = clock.asking_since.swap(0, Ordering::Relaxed);
+        let busy_ns = match clock.last_batch_ns {
             0 => 0,
             last => asked.saturating_sub(last),
         };
-        self.clock.last_batch_ns = now;
+        clock.last_batch_ns = now;
         if self.place.epoch_batches.0 != run.epoch {
             self.place.epoch_batches = (run.epoch, 0);
         }
@@ -72,13 +82,13 @@ impl Consumer {
         self.place.next_at = self
             .place
             .rotated
-            .after(&run, self.shared.welcome.schema.samples_per_epoch);
-        let taken = self.shared.taken.hand_out(run.samples, run.epoch);
-        if let Some(mb) = &self.shared.mailbox {
+            .after(&run, shared.welcome.schema.samples_per_epoch);
+        let taken = shared.taken.hand_out(run.samples, run.epoch);
+        if let Some(mb) = &shared.mailbox {
             mb.note_taken(taken);
         }
         Event::Batch(Batch {
-            shared: self.shared.clone(),
+            shared: shared.clone(),
             run,
             slot,
             replayed,
@@ -90,12 +100,18 @@ impl Consumer {
         })
     }
 
-    /// Returns the event at the front, which is not a batch.
-    pub(super) fn pop_event(&mut self) -> Result<Option<Event>> {
+    /// Returns the event at the front, which is not a batch; `rides`: the
+    /// consumer may wait for a broker that went away.
+    pub(super) fn pop_event(
+        &mut self,
+        clock: &mut Clock,
+        link: &mut Link,
+        rides: bool,
+    ) -> Result<Option<Event>> {
         match self.pop_front() {
             Some(Next::EndOfEpoch(mut e)) => {
-                self.clock.asking_since.store(0, Ordering::Relaxed);
-                self.clock.last_batch_ns = 0;
+                clock.asking_since.store(0, Ordering::Relaxed);
+                clock.last_batch_ns = 0;
                 // Counted in this consumer's batches.
                 e.batches = match self.place.epoch_batches {
                     (epoch, n) if epoch == e.epoch => n,
@@ -105,12 +121,12 @@ impl Consumer {
                 Ok(Some(Event::EndOfEpoch(e)))
             }
             Some(Next::EndOfStream) => {
-                self.link.finished = true;
+                link.finished = true;
                 Ok(Some(Event::EndOfStream))
             }
             Some(Next::Fail(e)) => {
                 // A broker that went away may come back (see `reconnect`).
-                self.link.finished = !e.broker_went_away() || self.opts.reconnect_timeout.is_zero();
+                link.finished = !e.broker_went_away() || !rides;
                 Err(e)
             }
             Some(Next::Run(..) | Next::Replayed(_)) | None => {
@@ -121,8 +137,8 @@ impl Consumer {
 
     /// Takes one message: a unit is cut into batches, the rest queued in
     /// order (a failure first: nothing after it matters).
-    pub(super) fn intake(&mut self, msg: ServerMsg) {
-        if let Err(e) = self.take_message(msg) {
+    pub(super) fn intake(&mut self, shared: &Arc<Shared>, msg: ServerMsg) {
+        if let Err(e) = self.take_message(shared, msg) {
             self.next.push_front(Next::Fail(e));
         }
     }
@@ -148,9 +164,8 @@ impl Consumer {
         }
     }
 
-    pub(super) fn take_message(&mut self, msg: ServerMsg) -> Result<()> {
+    pub(super) fn take_message(&mut self, shared: &Arc<Shared>, msg: ServerMsg) -> Result<()> {
         let mut give = Vec::new();
-        let shared = self.shared.clone();
         let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
         let (sent_ns, slot) = match msg {
             ServerMsg::Batch(meta) => {
@@ -175,19 +190,19 @@ impl Consumer {
             }
             ServerMsg::Replay(r) => {
                 drop(b);
-                return self.take_replayed(r);
+                return self.take_replayed(shared, r);
             }
             ServerMsg::Cut(restart) => {
                 drop(b);
-                return self.take_cut(restart);
+                return self.take_cut(shared, restart);
             }
             ServerMsg::Merge(at) => {
                 drop(b);
-                return self.take_merge(at);
+                return self.take_merge(shared, at);
             }
             ServerMsg::Rotate(at) => {
                 drop(b);
-                return self.take_rotate(at);
+                return self.take_rotate(shared, at);
             }
             ServerMsg::EndOfEpoch(e) => {
                 if self.place.skip.is_some_and(|p| e.epoch < p.epoch) {
@@ -220,9 +235,9 @@ impl Consumer {
     /// it handed out still reads (notices never read, batches cut and not
     /// handed out, the batch being built), so they pin no slot until the
     /// connection closes.
-    pub(super) fn give_back_unread(&mut self) {
+    pub(super) fn give_back_unread(&mut self, shared: &Shared) {
         let mut seqs = Vec::new();
-        if let Some(mb) = self.shared.mailbox.as_ref() {
+        if let Some(mb) = shared.mailbox.as_ref() {
             loop {
                 match mb.pop() {
                     Ok(Some(Notice::Batch(b))) => seqs.push(b.seq),
@@ -233,11 +248,7 @@ impl Consumer {
             }
         }
         let totals = {
-            let mut b = self
-                .shared
-                .batching
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
             for n in self.next.drain(..) {
                 if let Next::Run(run, ..) = n {
                     b.batcher.release(&run, &mut seqs);
@@ -255,39 +266,43 @@ impl Consumer {
             b.batcher.leave(&mut seqs);
             std::mem::take(&mut b.totals)
         };
-        if let Err(e) = self.shared.give_back(&seqs, totals) {
+        if let Err(e) = shared.give_back(&seqs, totals) {
             tracing::debug!("giving back unread batches: {e}");
         }
     }
 
-    /// Notes when the program began asking for a batch (data-stall time
-    /// runs from there to the batch's arrival).
-    pub(super) fn start_asking(&self) {
-        if self.clock.asking_since.load(Ordering::Relaxed) != 0 {
-            return; // still the same request (a polling loop)
-        }
-        let _ = self.clock.asking_since.compare_exchange(
-            0,
-            proto::monotonic_ns(),
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        );
+    /// The broker went away with nothing left for this consumer to read:
+    /// its end (and the end of the epoch it last read, if unsaid) is all
+    /// that was missing.
+    pub(super) fn end_here(&mut self) {
+        let end = self.unsaid_epoch_end();
+        self.next.clear();
+        self.next.extend(end.map(Next::EndOfEpoch));
+        self.next.push_back(Next::EndOfStream);
     }
 
-    /// Device consumers: sends the releases whose GPU work is done, and
-    /// until none is left keeps doing so while no message has arrived (the
-    /// broker may be waiting for them to send the next batch).
-    pub(super) fn wait_for_fenced(&mut self) -> Result<()> {
-        self.shared.flush_fenced(false)?;
-        while self.shared.fenced_pending()
-            && self.link.reader.buffer().is_empty()
-            && !readable_within(self.link.reader.get_ref(), 1)?
-        {
-            self.shared.flush_fenced(false)?;
-        }
-        Ok(())
+    /// The end of the epoch the last batch handed out ended, if its end
+    /// was not handed out yet: a new broker will not say it.
+    pub(super) fn unsaid_epoch_end(&self) -> Option<EpochEnd> {
+        let (epoch, batches) = self.place.epoch_batches;
+        let start = Position { epoch, sample: 0 };
+        let ended = self.place.next_at
+            == Position {
+                epoch: epoch + 1,
+                sample: 0,
+            }
+            && batches > 0
+            && self.place.ended_epoch != Some(epoch);
+        ended.then(|| EpochEnd {
+            epoch,
+            batches,
+            complete: self.place.started_at.is_some_and(|p| p <= start)
+                || self.replay.from.is_some_and(|p| p <= start),
+        })
     }
+}
 
+impl Consumer {
     /// Where this consumer's batches are delivered.
     pub fn device(&self) -> Device {
         self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use super::{Consumer, Next};
 use crate::error::{Error, ErrorCode, Result};
-use crate::proto::{EpochEnd, Position};
 use crate::transport::last_words;
 
 /// How soon a connection the broker dropped while starting or stopping is
@@ -29,11 +28,14 @@ impl Consumer {
     /// was left to read.
     pub(super) fn ride_through<T>(&mut self, result: Result<T>) -> Result<Option<T>> {
         match result {
+            // Not on a GPU: a device consumer is not served by replay. A
+            // stream a producer feeds resumes once its producer registered
+            // it again (see [`crate::Producer`]).
             Err(e)
                 if e.broker_went_away()
                     && !self.link.finished
                     && !self.opts.reconnect_timeout.is_zero()
-                    && self.can_resume() =>
+                    && self.opts.device == crate::device::Device::Cpu =>
             {
                 // A send that found the connection closed: the broker may
                 // have left its reason there first (it detached this
@@ -50,35 +52,6 @@ impl Consumer {
         }
     }
 
-    /// Connects again and subscribes from this consumer's next position.
-    /// The end of the epoch the last batch handed out ended, if its end
-    /// was not handed out yet: the new broker will not say it.
-    fn unsaid_epoch_end(&self) -> Option<EpochEnd> {
-        let (epoch, batches) = self.place.epoch_batches;
-        let start = Position { epoch, sample: 0 };
-        let ended = self.place.next_at
-            == Position {
-                epoch: epoch + 1,
-                sample: 0,
-            }
-            && batches > 0
-            && self.place.ended_epoch != Some(epoch);
-        ended.then(|| EpochEnd {
-            epoch,
-            batches,
-            complete: self.place.started_at.is_some_and(|p| p <= start)
-                || self.replay.from.is_some_and(|p| p <= start),
-        })
-    }
-
-    /// Whether a new broker could serve this consumer from its position:
-    /// not on a GPU (a device consumer is not served by replay). A stream
-    /// a producer feeds resumes once its producer registered it again
-    /// (see [`crate::Producer`]).
-    fn can_resume(&self) -> bool {
-        self.opts.device == crate::device::Device::Cpu
-    }
-
     /// The broker went away: begins the wait for it, saying so once, or,
     /// where the stream has nothing left for this consumer, ends it.
     fn went_away(&mut self, cause: Error) {
@@ -91,10 +64,7 @@ impl Consumer {
             .is_some_and(|n| state.position.epoch >= n)
         {
             // Nothing is left to read: its end is all that was missing.
-            let end = self.unsaid_epoch_end();
-            self.next.clear();
-            self.next.extend(end.map(Next::EndOfEpoch));
-            self.next.push_back(Next::EndOfStream);
+            self.inbox.end_here();
             return;
         }
         eprintln!(
@@ -129,7 +99,7 @@ impl Consumer {
         let mut fresh = loop {
             let stop = until.map_or(deadline, |u| u.min(deadline));
             opts.connect_timeout = stop.saturating_duration_since(Instant::now());
-            match Consumer::connect_carrying(opts.clone(), self.shared.taken.clone()) {
+            match super::connect_carrying(opts.clone(), self.shared.taken.clone()) {
                 Ok(c) => break c,
                 // The old broker still closing, or the new one starting;
                 // or a limit or group seat still held (by this consumer's
@@ -167,24 +137,26 @@ impl Consumer {
             self.opts.name,
             down.since.elapsed().as_secs_f64()
         );
-        let end = self.unsaid_epoch_end();
+        let end = self.inbox.unsaid_epoch_end();
         // What the program saw carries over; the subscription is new.
         fresh.opts = self.opts.clone();
-        fresh.place.epoch_batches = self.place.epoch_batches;
-        fresh.place.ended_epoch = self.place.ended_epoch;
-        fresh.place.started_at = self.place.started_at;
+        let (place, was) = (&mut fresh.inbox.place, &self.inbox.place);
+        place.epoch_batches = was.epoch_batches;
+        place.ended_epoch = was.ended_epoch;
+        place.started_at = was.started_at;
         fresh.clock.asking_since = std::mem::take(&mut self.clock.asking_since);
         fresh.clock.last_batch_ns = self.clock.last_batch_ns;
         fresh.link.reconnects = self.link.reconnects + 1;
         // It has seen everything since it first started: an epoch whose
         // start it saw is complete, whichever broker ends it.
-        fresh.replay.from = self
+        fresh.inbox.replay.from = self
+            .inbox
             .replay
             .from
-            .or(self.place.started_at)
-            .or(fresh.replay.from);
+            .or(was.started_at)
+            .or(fresh.inbox.replay.from);
         if let Some(end) = end {
-            fresh.next.push_front(Next::EndOfEpoch(end));
+            fresh.inbox.next.push_front(Next::EndOfEpoch(end));
         }
         *self = fresh; // the old one says goodbye into the closed socket
         Ok(true)

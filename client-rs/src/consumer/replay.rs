@@ -13,8 +13,11 @@
 //! where the shared stream still holds the units.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-use super::{Consumer, Next};
+use super::Next;
+use super::events::Inbox;
+use crate::batch::Shared;
 use crate::batcher::Run;
 use crate::deal::Deal;
 use crate::error::{Error, Result};
@@ -124,7 +127,7 @@ impl Replaying {
     }
 }
 
-impl Consumer {
+impl Inbox {
     /// The next thing to hand out: a failure first, then replayed batches
     /// until replay is done, then the shared stream's.
     pub(super) fn front(&self) -> Option<&Next> {
@@ -154,14 +157,13 @@ impl Consumer {
     /// the batches taken back count if they end epochs before it; the
     /// batch being built is dropped (it must begin at `restart`); what is
     /// waiting to be handed out goes first, then replay from `restart`.
-    pub(super) fn take_cut(&mut self, restart: Position) -> Result<()> {
+    pub(super) fn take_cut(&mut self, shared: &Arc<Shared>, restart: Position) -> Result<()> {
         for e in std::mem::take(&mut self.place.deferred) {
             if e.epoch < restart.epoch {
-                self.take_message(ServerMsg::EndOfEpoch(e))?;
+                self.take_message(shared, ServerMsg::EndOfEpoch(e))?;
             }
         }
         let mut give = Vec::new();
-        let shared = self.shared.clone();
         let (at, totals) = {
             let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
             let at = b.batcher.cut(&mut give);
@@ -202,7 +204,7 @@ impl Consumer {
                 restart.epoch, restart.sample
             )));
         }
-        let deal = super::deal_of(&self.shared.welcome, &self.opts);
+        let deal = self.deal;
         let r = self.replay.active.get_or_insert_with(|| Replaying {
             at: restart,
             to: None,
@@ -222,7 +224,7 @@ impl Consumer {
 
     /// Replay ends at `at`; the shared stream's samples from there are
     /// this consumer's.
-    pub(super) fn take_merge(&mut self, at: Position) -> Result<()> {
+    pub(super) fn take_merge(&mut self, shared: &Shared, at: Position) -> Result<()> {
         let Some(r) = self
             .replay
             .active
@@ -244,7 +246,6 @@ impl Consumer {
             self.replay.active = None;
         }
         self.place.skip = Some(at);
-        let shared = self.shared.clone();
         let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
         b.batcher.skip_to(at.epoch, at.sample);
         drop(b);
@@ -254,9 +255,9 @@ impl Consumer {
 
     /// A replayed batch arrived: checked to be the next one, at the place
     /// where the last one ended.
-    pub(super) fn take_replayed(&mut self, m: ReplayReady) -> Result<()> {
-        let size = self.shared.welcome.batch_size;
-        let per_epoch = self.shared.welcome.schema.samples_per_epoch;
+    pub(super) fn take_replayed(&mut self, shared: &Shared, m: ReplayReady) -> Result<()> {
+        let size = shared.welcome.batch_size;
+        let per_epoch = shared.welcome.schema.samples_per_epoch;
         let Some(r) = self.replay.active.as_mut() else {
             return Err(Error::Unexpected(format!(
                 "replayed batch {} without replay, or after its end",
@@ -297,10 +298,9 @@ impl Consumer {
         // A group member's runs are its batches: its share of the tail is
         // short, and dropped already with `drop_last` (never sent).
         let index = r.deal.and_then(|d| d.run_at(m.first)).map(|d| d.index);
-        if self.shared.welcome.drop_last && m.samples < size && index.is_none() {
+        if shared.welcome.drop_last && m.samples < size && index.is_none() {
             // An epoch's short last batch, dropped as asked.
-            self.shared
-                .give_back(&[m.seq | proto::REPLAYED], Default::default())?;
+            shared.give_back(&[m.seq | proto::REPLAYED], Default::default())?;
         } else {
             r.queue.push_back(Next::Replayed(Run {
                 epoch: m.epoch,

@@ -7,7 +7,8 @@
 //! so a resume (or a ride through a broker restart) reads the rest of
 //! the epoch in the same order.
 
-use super::Consumer;
+use super::events::Inbox;
+use crate::batch::Shared;
 use crate::batcher::Run;
 use crate::error::{Error, Result};
 use crate::proto::Position;
@@ -77,14 +78,14 @@ impl Rotated {
     }
 }
 
-impl Consumer {
+impl Inbox {
     /// The broker rotated this consumer into the epoch of `at`: its replay
     /// ends at that epoch's start (batches started before it still come,
     /// as with a merge); the shared stream's
     /// samples from `at` on are its, and the epoch's samples before `at`
     /// follow the shared stream's part, replayed.
-    pub(super) fn take_rotate(&mut self, at: Position) -> Result<()> {
-        let per_epoch = self.shared.welcome.schema.samples_per_epoch;
+    pub(super) fn take_rotate(&mut self, shared: &Shared, at: Position) -> Result<()> {
+        let per_epoch = shared.welcome.schema.samples_per_epoch;
         let start = Position {
             epoch: at.epoch,
             sample: 0,
@@ -115,7 +116,6 @@ impl Consumer {
             self.place.next_at = at;
         }
         self.place.skip = Some(at);
-        let shared = self.shared.clone();
         let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
         b.batcher.skip_to(at.epoch, at.sample);
         drop(b);

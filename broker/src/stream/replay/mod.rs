@@ -55,6 +55,7 @@ use super::{Inner, Stream};
 use crate::budget::Use;
 use crate::config::Pace;
 use crate::hub::ConsumerId;
+use crate::plan::StreamPlan;
 use book::{ArenaLife, Prepared, Replay, ReplayJob};
 
 /// Where a consumer asks to start, when that may need replay.
@@ -83,260 +84,272 @@ impl ReplayFrom {
     }
 }
 
-impl Stream {
-    /// Where this request starts if that may need replay; refused for what
-    /// cannot replay, with what to do instead.
-    pub(super) fn replay_request(
-        &self,
-        req: &ConsumeRequest,
-    ) -> Result<Option<ReplayFrom>, SubscribeError> {
-        let wanted = match (req.resume, req.join) {
-            (Some(p), _) => Some(ReplayFrom::Resume(p, req.rotation.as_deref().copied())),
-            (None, JoinPolicy::Now) => Some(ReplayFrom::EpochStart),
-            (None, _) => None,
-        };
-        if wanted.is_none() {
-            return Ok(None);
-        }
-        let what = match req.resume {
-            Some(p) => format!("resuming at epoch {} sample {}", p.epoch, p.sample),
-            None => "join=\"now\"".to_string(),
-        };
-        let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
-        // A producer's stream is not recomputed: a resume there (a consumer
-        // back after a broker restart, its producer registered again) is
-        // served from what the ring holds, skipping to its place, or
-        // refused at `start_replay` if the ring has moved past it.
-        if self.writer.is_none() && req.resume.is_none() {
+/// Where this request starts if that may need replay; refused for what
+/// cannot replay, with what to do instead.
+pub(super) fn wanted(
+    s: &Stream,
+    req: &ConsumeRequest,
+) -> Result<Option<ReplayFrom>, SubscribeError> {
+    let wanted = match (req.resume, req.join) {
+        (Some(p), _) => Some(ReplayFrom::Resume(p, req.rotation.as_deref().copied())),
+        (None, JoinPolicy::Now) => Some(ReplayFrom::EpochStart),
+        (None, _) => None,
+    };
+    if wanted.is_none() {
+        return Ok(None);
+    }
+    let what = match req.resume {
+        Some(p) => format!("resuming at epoch {} sample {}", p.epoch, p.sample),
+        None => "join=\"now\"".to_string(),
+    };
+    let refuse = |why: String| Err(SubscribeError::Replay(ReplayError::Refused(why)));
+    // A producer's stream is not recomputed: a resume there (a consumer
+    // back after a broker restart, its producer registered again) is
+    // served from what the ring holds, skipping to its place, or
+    // refused at `start_replay` if the ring has moved past it.
+    if s.writer.is_none() && req.resume.is_none() {
+        return refuse(format!(
+            "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
+            s.name()
+        ));
+    }
+    if req.device.is_some() {
+        return refuse(format!(
+            "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
+        ));
+    }
+    if let Some(p) = req.resume {
+        let per_epoch = s.plan.schema.samples_per_epoch;
+        if p.sample >= per_epoch {
             return refuse(format!(
-                "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
-                self.name()
+                "{what}: an epoch of stream `{}` has {per_epoch} samples (0 to {})",
+                s.name(),
+                per_epoch.saturating_sub(1)
             ));
         }
-        if req.device.is_some() {
+        if p.epoch >= crate::hub::MAX_EPOCH {
             return refuse(format!(
-                "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
+                "{what}: no stream counts epoch {} or later",
+                crate::hub::MAX_EPOCH
             ));
         }
-        if let Some(p) = req.resume {
-            let per_epoch = self.plan.schema.samples_per_epoch;
-            if p.sample >= per_epoch {
-                return refuse(format!(
-                    "{what}: an epoch of stream `{}` has {per_epoch} samples (0 to {})",
-                    self.name(),
-                    per_epoch.saturating_sub(1)
-                ));
-            }
-            if p.epoch >= crate::hub::MAX_EPOCH {
-                return refuse(format!(
-                    "{what}: no stream counts epoch {} or later",
-                    crate::hub::MAX_EPOCH
-                ));
-            }
-            if let Some(epochs) = self.plan.epochs
-                && p.epoch >= epochs
-            {
-                return refuse(format!(
-                    "{what}: stream `{}` has {epochs} epochs (0 to {})",
-                    self.name(),
-                    epochs.saturating_sub(1)
-                ));
-            }
+        if let Some(epochs) = s.plan.epochs
+            && p.epoch >= epochs
+        {
+            return refuse(format!(
+                "{what}: stream `{}` has {epochs} epochs (0 to {})",
+                s.name(),
+                epochs.saturating_sub(1)
+            ));
         }
-        if let Some(&r) = req.rotation.as_deref() {
-            self.check_rotation(r, req)?;
-        }
-        Ok(wanted)
     }
-
-    /// A resume in a rotated epoch ([`ConsumeRequest::rotation`]): of the
-    /// resume's epoch, inside it, for a plain host consumer of a stream
-    /// the broker computes (the part read last is replayed).
-    fn check_rotation(&self, r: Rotation, req: &ConsumeRequest) -> Result<(), SubscribeError> {
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        let fits = req.resume.is_some_and(|p| p.epoch == r.epoch)
-            && r.at > 0
-            && r.at < per_epoch
-            && req.group.is_none()
-            && self.writer.is_some();
-        if fits {
-            return Ok(());
-        }
-        Err(SubscribeError::Replay(ReplayError::Refused(format!(
-            "a state read rotated at epoch {} sample {}: only a resume in that epoch (of {per_epoch} samples an epoch), by a consumer outside a group, of a stream the broker computes, goes on in that order; resume from the next epoch's start instead",
-            r.epoch, r.at
-        ))))
+    if let Some(&r) = req.rotation.as_deref() {
+        check_rotation(s, r, req)?;
     }
+    Ok(wanted)
+}
 
-    /// Consumer `id` just joined: where the shared stream begins for it
-    /// decides what is replayed. `prepared`: its replay arena, if it may
-    /// need one (it asked for replay, or it may be cut: `kept`, then the
-    /// arena stays, for the replay a cut begins).
-    pub(super) fn start_replay(
-        &self,
-        inner: &mut Inner,
-        id: ConsumerId,
-        (replaying, kept): (Option<ReplayFrom>, bool),
-        prepared: Option<Prepared>,
-        (batch, deal): (u64, Option<Deal>),
-    ) -> Result<Started, SubscribeError> {
-        let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
-        let shared = Position {
-            epoch,
-            sample: index * self.plan.schema.batch_size,
-        };
-        let from = match replaying {
-            Some(wanted) => wanted.resume().unwrap_or(Position { epoch, sample: 0 }),
-            None => shared,
-        };
-        let Some(prepared) = prepared else {
-            if from < shared {
-                return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                    "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
-                    from.epoch,
-                    from.sample,
-                    self.name(),
-                    shared.epoch,
-                    shared.sample
-                ))));
-            }
+/// A resume in a rotated epoch ([`ConsumeRequest::rotation`]): of the
+/// resume's epoch, inside it, for a plain host consumer of a stream
+/// the broker computes (the part read last is replayed).
+fn check_rotation(s: &Stream, r: Rotation, req: &ConsumeRequest) -> Result<(), SubscribeError> {
+    let per_epoch = s.plan.schema.samples_per_epoch;
+    let fits = req.resume.is_some_and(|p| p.epoch == r.epoch)
+        && r.at > 0
+        && r.at < per_epoch
+        && req.group.is_none()
+        && s.writer.is_some();
+    if fits {
+        return Ok(());
+    }
+    Err(SubscribeError::Replay(ReplayError::Refused(format!(
+        "a state read rotated at epoch {} sample {}: only a resume in that epoch (of {per_epoch} samples an epoch), by a consumer outside a group, of a stream the broker computes, goes on in that order; resume from the next epoch's start instead",
+        r.epoch, r.at
+    ))))
+}
+
+/// Consumer `id` just joined: where the shared stream begins for it
+/// decides what is replayed. `prepared`: its replay arena, if it may
+/// need one (it asked for replay, or it may be cut: `kept`, then the
+/// arena stays, for the replay a cut begins).
+pub(super) fn start(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    (replaying, kept): (Option<ReplayFrom>, bool),
+    prepared: Option<Prepared>,
+    (batch, deal): (u64, Option<Deal>),
+) -> Result<Started, SubscribeError> {
+    let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
+    let shared = Position {
+        epoch,
+        sample: index * s.plan.schema.batch_size,
+    };
+    let from = match replaying {
+        Some(wanted) => wanted.resume().unwrap_or(Position { epoch, sample: 0 }),
+        None => shared,
+    };
+    let Some(prepared) = prepared else {
+        if from < shared {
+            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+                "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
+                from.epoch,
+                from.sample,
+                s.name(),
+                shared.epoch,
+                shared.sample
+            ))));
+        }
+        return Ok(Started {
+            skip: replaying.and_then(ReplayFrom::resume),
+            anchor: from,
+            ..Started::default()
+        });
+    };
+    if let Some(rot) = replaying.and_then(ReplayFrom::rotation) {
+        return start_rotated(s, inner, id, (prepared, kept), (from, rot), (batch, deal));
+    }
+    // One that may be cut keeps its arena (a group member's too).
+    let life = if kept {
+        ArenaLife::WhileConnected
+    } else {
+        ArenaLife::UntilDone
+    };
+    let limit = stream_end(&s.plan);
+    let per_epoch = s.plan.schema.samples_per_epoch;
+    let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
+        Some(to) => to,
+        // Nothing to replay; a resume point ahead is skipped to.
+        None if kept => from.max(shared),
+        None => {
             return Ok(Started {
                 skip: replaying.and_then(ReplayFrom::resume),
                 anchor: from,
                 ..Started::default()
             });
-        };
-        if let Some(rot) = replaying.and_then(ReplayFrom::rotation) {
-            return self.start_rotated(inner, id, (prepared, kept), (from, rot), (batch, deal));
         }
-        // One that may be cut keeps its arena (a group member's too).
-        let life = if kept {
-            ArenaLife::WhileConnected
-        } else {
-            ArenaLife::UntilDone
-        };
-        let limit = self.stream_end();
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
-            Some(to) => to,
-            // Nothing to replay; a resume point ahead is skipped to.
-            None if kept => from.max(shared),
-            None => {
-                return Ok(Started {
-                    skip: replaying.and_then(ReplayFrom::resume),
-                    anchor: from,
-                    ..Started::default()
-                });
-            }
-        };
-        // Decoupled: it starts cut. Lockstep: a joiner is waited for while
-        // it catches up (as long as its replay goes on, see `decouple`).
-        if kept && self.plan.pace == Pace::Decoupled && from < to {
-            return self.start_cut(inner, id, prepared, (from, (batch, deal)), limit);
-        }
-        let (replay, grant, fd) =
-            prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
-        if from < to {
-            tracing::info!(stream = %self.name(), consumer = id, ?from, ?to, "replaying");
-            self.work_cv.notify_all();
-        }
-        Ok(Started {
-            replay: Some(replay),
-            grant: Some((grant, fd)),
-            skip: Some(to),
-            anchor: from.min(to),
-            cut: None,
-        })
+    };
+    // Decoupled: it starts cut. Lockstep: a joiner is waited for while
+    // it catches up (as long as its replay goes on, see `decouple`).
+    if kept && s.plan.pace == Pace::Decoupled && from < to {
+        return start_cut(s, inner, id, prepared, (from, (batch, deal)), limit);
     }
-
-    /// Where the stream ends (epochs past it are none).
-    fn stream_end(&self) -> Position {
-        Position {
-            epoch: self.plan.epochs.unwrap_or(u64::MAX),
-            sample: 0,
-        }
+    let (replay, grant, fd) =
+        prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
+    if from < to {
+        tracing::info!(stream = %s.name(), consumer = id, ?from, ?to, "replaying");
+        s.work_cv.notify_all();
     }
+    Ok(Started {
+        replay: Some(replay),
+        grant: Some((grant, fd)),
+        skip: Some(to),
+        anchor: from.min(to),
+        cut: None,
+    })
+}
 
-    /// A resume inside a rotated epoch starts cut under either pace (the
-    /// part of the epoch it reads last is behind the stream whatever it
-    /// is), its replay walking the rotated order; refused where it keeps
-    /// no replay arena (it could not be replayed that part).
-    fn start_rotated(
-        &self,
-        inner: &mut Inner,
-        id: ConsumerId,
-        (prepared, kept): (Prepared, bool),
-        (from, rot): (Position, Rotation),
-        cut: (u64, Option<Deal>),
-    ) -> Result<Started, SubscribeError> {
-        if !kept {
-            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                "resuming a state read rotated at epoch {} sample {}: stream `{}` keeps no replay arena for this consumer (hold_limit_s = \"inf\" under lockstep, or the memory budget); resume from epoch {} sample 0",
-                rot.epoch,
-                rot.at,
-                self.name(),
-                from.epoch + 1
-            ))));
-        }
-        let mut started = self.start_cut(inner, id, prepared, (from, cut), self.stream_end())?;
-        if let Some(r) = started.replay.as_mut() {
-            r.rotation = Some(rot);
-        }
-        Ok(started)
+/// Where the stream ends (epochs past it are none).
+fn stream_end(plan: &StreamPlan) -> Position {
+    Position {
+        epoch: plan.epochs.unwrap_or(u64::MAX),
+        sample: 0,
     }
+}
 
-    /// Decoupled pace: a consumer that needs replay to start at `from`
-    /// starts cut from the shared stream, so nothing shared waits for it
-    /// while it is replayed to (it may pause there like anywhere). Its
-    /// replay is open from `from`, and it merges back like any cut
-    /// consumer ([`super::decouple`]); its welcome grants the arena with
-    /// nothing to replay (`from == to`), and the cut notice follows it.
-    fn start_cut(
-        &self,
-        inner: &mut Inner,
-        id: ConsumerId,
-        prepared: Prepared,
-        (from, (batch, deal)): (Position, (u64, Option<Deal>)),
-        limit: Position,
-    ) -> Result<Started, SubscribeError> {
-        inner.hub.cut_at_join(id)?;
-        let per_epoch = self.plan.schema.samples_per_epoch;
-        let (mut replay, grant, fd) = prepared.start(
-            (from, from),
-            (batch, deal),
-            per_epoch,
-            (ArenaLife::WhileConnected, limit),
-        )?;
-        replay.reopen(from);
-        tracing::info!(stream = %self.name(), consumer = id, ?from, "replaying, cut from the shared stream until it merges back");
-        self.work_cv.notify_all();
-        Ok(Started {
-            replay: Some(replay),
-            grant: Some((grant, fd)),
-            skip: Some(from),
-            anchor: from,
-            cut: Some(from),
-        })
+/// A resume inside a rotated epoch starts cut under either pace (the
+/// part of the epoch it reads last is behind the stream whatever it
+/// is), its replay walking the rotated order; refused where it keeps
+/// no replay arena (it could not be replayed that part).
+fn start_rotated(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    (prepared, kept): (Prepared, bool),
+    (from, rot): (Position, Rotation),
+    cut: (u64, Option<Deal>),
+) -> Result<Started, SubscribeError> {
+    if !kept {
+        return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+            "resuming a state read rotated at epoch {} sample {}: stream `{}` keeps no replay arena for this consumer (hold_limit_s = \"inf\" under lockstep, or the memory budget); resume from epoch {} sample 0",
+            rot.epoch,
+            rot.at,
+            s.name(),
+            from.epoch + 1
+        ))));
     }
+    let mut started = start_cut(s, inner, id, prepared, (from, cut), stream_end(&s.plan))?;
+    if let Some(r) = started.replay.as_mut() {
+        r.rotation = Some(rot);
+    }
+    Ok(started)
+}
 
-    /// A replay arena for a consumer of batch size `batch` and `window`:
-    /// [`book::slots`] of its batches, in the budget under `uid`.
-    pub(super) fn prepare_replay(
-        &self,
-        batch: u64,
-        window: u32,
-        uid: u32,
-        whom: &str,
-    ) -> Result<Prepared, ReplayError> {
-        let schema = Schema {
-            batch_size: batch,
-            ..self.plan.schema.clone()
-        };
-        let layout = Prepared::layout(&schema, window)?;
-        let grant = self
-            .budget
-            .take(uid, Use::Replay, layout.arena_bytes, whom)?;
-        Prepared::make(self.name(), layout, window, grant)
+/// Decoupled pace: a consumer that needs replay to start at `from`
+/// starts cut from the shared stream, so nothing shared waits for it
+/// while it is replayed to (it may pause there like anywhere). Its
+/// replay is open from `from`, and it merges back like any cut
+/// consumer ([`super::decouple`]); its welcome grants the arena with
+/// nothing to replay (`from == to`), and the cut notice follows it.
+fn start_cut(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    prepared: Prepared,
+    (from, (batch, deal)): (Position, (u64, Option<Deal>)),
+    limit: Position,
+) -> Result<Started, SubscribeError> {
+    inner.hub.cut_at_join(id)?;
+    let per_epoch = s.plan.schema.samples_per_epoch;
+    let (mut replay, grant, fd) = prepared.start(
+        (from, from),
+        (batch, deal),
+        per_epoch,
+        (ArenaLife::WhileConnected, limit),
+    )?;
+    replay.reopen(from);
+    tracing::info!(stream = %s.name(), consumer = id, ?from, "replaying, cut from the shared stream until it merges back");
+    s.work_cv.notify_all();
+    Ok(Started {
+        replay: Some(replay),
+        grant: Some((grant, fd)),
+        skip: Some(from),
+        anchor: from,
+        cut: Some(from),
+    })
+}
+
+/// A replay arena for a consumer of batch size `batch` and `window`:
+/// [`book::slots`] of its batches, in the budget under `uid`.
+pub(super) fn prepare(
+    s: &Stream,
+    batch: u64,
+    window: u32,
+    uid: u32,
+    whom: &str,
+) -> Result<Prepared, ReplayError> {
+    let schema = Schema {
+        batch_size: batch,
+        ..s.plan.schema.clone()
+    };
+    let layout = Prepared::layout(&schema, window)?;
+    let grant = s.budget.take(uid, Use::Replay, layout.arena_bytes, whom)?;
+    Prepared::make(s.name(), layout, window, grant)
+}
+
+/// Replay's load on the pipeline threads.
+#[derive(Debug, Default)]
+pub(super) struct Load {
+    /// Replayed batches being made.
+    making: u32,
+    /// The CPU replay has cost.
+    cpu: Duration,
+}
+
+impl Load {
+    /// The CPU replay has cost.
+    pub(super) fn cpu(&self) -> Duration {
+        self.cpu
     }
 }
 
@@ -364,7 +377,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     if shared_first && !shared_waits {
         return None;
     }
-    if inner.replaying >= replay_threads(inner.workers, shared_waits) {
+    if inner.replay.making >= replay_threads(inner.fill.workers(), shared_waits) {
         return None;
     }
     if inner
@@ -386,7 +399,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
         shared_waits,
         "replaying a batch"
     );
-    inner.replaying += 1;
+    inner.replay.making += 1;
     Some(job)
 }
 
@@ -437,8 +450,8 @@ pub(super) fn finish(
     cpu: Duration,
     made: Result<(), MakeError>,
 ) {
-    inner.replaying = inner.replaying.saturating_sub(1);
-    inner.replay_cpu += cpu;
+    inner.replay.making = inner.replay.making.saturating_sub(1);
+    inner.replay.cpu += cpu;
     let Some(conn) = inner.conns.get_mut(&id) else {
         return; // it left meanwhile
     };
