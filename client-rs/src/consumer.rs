@@ -210,7 +210,7 @@ impl Consumer {
         let deadline = Instant::now() + timeout;
         loop {
             let shared = &self.shared;
-            if self.link.finished || self.inbox.ready(shared) || self.link.waiting(0)? {
+            if self.link.finished || self.inbox.ready(shared) || self.link.buffered() {
                 return Ok(true);
             }
             if shared.window_full() {

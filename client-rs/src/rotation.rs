@@ -74,21 +74,11 @@ pub fn step(p: Position, size: u64, per_epoch: u64, rotation: Option<Rotation>) 
         // The part read last: it ends the epoch at `at`.
         let samples = size.min(rot.at - p.sample);
         let ends = p.sample + samples == rot.at;
-        let next = if ends {
-            Position {
-                epoch: p.epoch + 1,
-                sample: 0,
-            }
-        } else {
-            Position {
-                epoch: p.epoch,
-                sample: p.sample + samples,
-            }
-        };
         return Step {
             samples,
             ends_epoch: ends,
-            next,
+            // The epoch ends at `at`: the next starts after it.
+            next: p.advance(samples, rot.at),
             rotation: (!ends).then_some(rot),
         };
     }

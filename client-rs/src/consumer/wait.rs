@@ -56,7 +56,7 @@ impl Link {
             // on the socket they would wait behind them, and the broker
             // copies into a device slot only once every member released it.
             shared.flush_fenced(false)?;
-            if !self.reader.buffer().is_empty() || self.socket_readable(shared, deadline)? {
+            if self.buffered() || self.socket_readable(shared, deadline)? {
                 return self.read_msg().map(Some);
             }
             return Ok(None);
@@ -73,7 +73,7 @@ impl Link {
                 Some((n, _)) => return Ok(Some(message(n))),
                 None => {}
             }
-            if !self.reader.buffer().is_empty() {
+            if self.buffered() {
                 return self.read_msg().map(Some);
             }
             match self.wait_mailbox(mb, deadline)? {
@@ -112,10 +112,16 @@ impl Link {
         read_server_msg(&mut self.reader, &mut self.buf)
     }
 
+    /// Whether a frame's bytes were read into the buffer already (no
+    /// system call).
+    pub(super) fn buffered(&self) -> bool {
+        !self.reader.buffer().is_empty()
+    }
+
     /// Whether a message waits: read into the buffer, or on the socket
     /// within `ms`.
     pub(super) fn waiting(&self, ms: u16) -> Result<bool> {
-        Ok(!self.reader.buffer().is_empty() || readable_within(self.reader.get_ref(), ms)?)
+        Ok(self.buffered() || readable_within(self.reader.get_ref(), ms)?)
     }
 
     /// Device consumers: sends the releases whose GPU work is done, and
