@@ -360,6 +360,82 @@ mod tests {
         assert!(again.counts().bytes >= 1000);
     }
 
+    /// An entry whose header lies (a bad magic, lengths that do not add up
+    /// to the file's, lengths near the integers' ends, another entry's
+    /// key) is refused before anything it claims is allocated, removed,
+    /// counted, and fetched again: never served, never a panic.
+    #[test]
+    fn a_forged_header_is_refused_and_never_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = DiskCache::open(dir.path(), 1 << 20).unwrap();
+        let key = "k";
+        let header = |magic: &[u8; 8], key_len: u32, crc: u32, content: u64| {
+            let mut h = Vec::new();
+            h.extend_from_slice(magic);
+            h.extend_from_slice(&key_len.to_le_bytes());
+            h.extend_from_slice(&crc.to_le_bytes());
+            h.extend_from_slice(&content.to_le_bytes());
+            h
+        };
+        let body = b"payload";
+        let crc = crc32fast::hash(body);
+        let with = |mut h: Vec<u8>, rest: &[&[u8]]| {
+            for r in rest {
+                h.extend_from_slice(r);
+            }
+            h
+        };
+        let forged: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("short", MAGIC[..5].to_vec(), "shorter than its header"),
+            (
+                "bad magic",
+                with(header(b"NOTCACHE", 1, crc, 7), &[b"k", body]),
+                "not a batchcast cache entry",
+            ),
+            (
+                "a key of 4 GiB",
+                with(header(MAGIC, u32::MAX, crc, 7), &[b"k", body]),
+                "its header says",
+            ),
+            (
+                "content of u64::MAX bytes",
+                with(header(MAGIC, 1, crc, u64::MAX), &[b"k", body]),
+                "its header says",
+            ),
+            (
+                "lengths adding up past the file",
+                with(header(MAGIC, 1, crc, 8), &[b"k", body]),
+                "its header says",
+            ),
+            (
+                "another entry's key",
+                with(header(MAGIC, 1, crc, 7), &[b"x", body]),
+                "another entry's key",
+            ),
+            (
+                "a checksum of other bytes",
+                with(header(MAGIC, 1, crc ^ 1, 7), &[b"k", body]),
+                "checksum mismatch",
+            ),
+        ];
+        for (n, (what, raw, says)) in forged.iter().enumerate() {
+            let p = c.path_of(key);
+            std::fs::write(&p, raw).unwrap();
+            let why = read_entry(File::open(&p).unwrap(), key).unwrap_err();
+            assert!(why.to_string().contains(says), "{what}: {why}");
+            assert!(c.get(key).is_none(), "{what} was served");
+            assert!(!p.exists(), "{what} was left in place");
+            assert_eq!(c.counts().corrupt, n as u64 + 1, "{what}");
+        }
+        // The same bytes under an honest header are served.
+        std::fs::write(
+            c.path_of(key),
+            with(header(MAGIC, 1, crc, 7), &[b"k", body]),
+        )
+        .unwrap();
+        assert_eq!(c.get(key).as_deref(), Some(&body[..]));
+    }
+
     #[test]
     fn records_are_replaced_and_not_counted_as_data() {
         let dir = tempfile::tempdir().unwrap();
