@@ -582,3 +582,95 @@ fn a_gpu_consumer_that_stops_releasing_is_detached_at_the_hold_limit() {
     s.leave(host.id);
     s.shutdown();
 }
+
+/// Threat model (a rotated resume): a request's `rotation` is the client's
+/// word. One that does not fit its resume (another epoch, a point at or
+/// past the epoch's ends, a group member's) is refused, naming what goes
+/// on instead; one that fits but is odd (a point inside a batch) is served
+/// to its sender alone: the stream's other consumer reads every batch,
+/// byte for byte, to the end.
+#[test]
+fn a_forged_rotation_is_refused_or_harms_only_its_sender() {
+    use batchcast::proto::{Position, Seat};
+    use batchcast::rotation::Rotation;
+    let s = start(2, 1);
+    let forged = |resume: (u64, u64), (epoch, at): (u64, u64)| ConsumeRequest {
+        resume: Some(Position {
+            epoch: resume.0,
+            sample: resume.1,
+        }),
+        rotation: Some(Box::new(Rotation { epoch, at })),
+        ..request(JoinPolicy::NextEpoch)
+    };
+    let seat = Seat {
+        name: "g".into(),
+        rank: 0,
+        world: 2,
+        replicate: 1,
+    };
+    let refused = [
+        ("another epoch", forged((0, 30), (1, 30))),
+        ("at the epoch's start", forged((0, 30), (0, 0))),
+        ("at the epoch's end", forged((0, 30), (0, 300))),
+        ("past every epoch's end", forged((0, 30), (0, u64::MAX))),
+        (
+            "a group member's",
+            ConsumeRequest {
+                group: Some(Box::new(seat)),
+                window: 1,
+                ..forged((0, 30), (0, 60))
+            },
+        ),
+    ];
+    for (what, req) in refused {
+        match s.subscribe(req, peer("forger")) {
+            Err(SubscribeError::Replay(ReplayError::Refused(m))) => {
+                assert!(m.contains("read rotated"), "{what}: {m}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let mut honest = subscribe(&s, "honest", false);
+    let mut odd = s.subscribe(forged((0, 30), (0, 31)), peer("odd")).unwrap();
+    let stream = s.clone();
+    let forger = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut replayed = Vec::new();
+        while Instant::now() < deadline {
+            let Ok(m) = odd.rx.try_recv() else {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            };
+            let seq = match m {
+                ServerMsg::Batch(b) => b.seq,
+                ServerMsg::Replay(r) => {
+                    replayed.push((r.epoch, r.first, r.samples));
+                    r.seq | batchcast::proto::REPLAYED
+                }
+                ServerMsg::EndOfStream | ServerMsg::Error(_) | ServerMsg::Goodbye(_) => break,
+                _ => continue,
+            };
+            let _ = stream.release(
+                odd.id,
+                Release {
+                    seq,
+                    wait_ns: 0,
+                    busy_ns: 0,
+                    taken: Default::default(),
+                },
+            );
+        }
+        stream.leave(odd.id);
+        replayed
+    });
+    assert_eq!(
+        read_to_end(&s, &mut honest),
+        200,
+        "every batch of both epochs"
+    );
+    // Its rotated epoch's part read last, [30, 31), replayed to it alone.
+    let replayed = forger.join().unwrap();
+    assert_eq!(replayed.first(), Some(&(0, 30, 1)), "{replayed:?}");
+    s.leave(honest.id);
+    s.shutdown();
+}
