@@ -148,13 +148,13 @@ impl Consumer {
     /// A group member's share of each epoch ([`crate::deal`]); `None` for
     /// a consumer of the whole stream.
     pub fn deal(&self) -> Option<crate::deal::Deal> {
-        deal_of(&self.shared.welcome, &self.opts)
+        self.inbox.deal
     }
 
     /// This consumer's batches in a whole epoch.
     pub fn batches_per_epoch(&self) -> u64 {
         let w = &self.shared.welcome;
-        if let Some(deal) = deal_of(w, &self.opts) {
+        if let Some(deal) = self.inbox.deal {
             return deal.batches_per_epoch();
         }
         let n = w.schema.samples_per_epoch;
@@ -231,24 +231,16 @@ impl Consumer {
                 if Instant::now() >= since + grace {
                     return Ok(true);
                 }
-                match self.link.receive(
-                    &self.shared,
-                    &mut self.inbox.place.deferred,
-                    (since + grace).min(deadline),
-                )? {
-                    Some(msg) => self.inbox.intake(&self.shared, msg),
-                    None if deadline <= since + grace => return Ok(false),
-                    None => return Ok(true),
+                if !self.take_next((since + grace).min(deadline))? {
+                    // Nothing came: the grace is over, unless the caller's
+                    // own deadline ended the wait first.
+                    return Ok(deadline > since + grace);
                 }
                 continue;
             }
             self.clock.pinned_since = None;
-            match self
-                .link
-                .receive(&self.shared, &mut self.inbox.place.deferred, deadline)?
-            {
-                Some(msg) => self.inbox.intake(&self.shared, msg),
-                None => return Ok(false),
+            if !self.take_next(deadline)? {
+                return Ok(false);
             }
         }
     }
@@ -273,6 +265,17 @@ impl Consumer {
                 return Ok(event);
             }
         }
+    }
+
+    /// Takes the next message into the inbox, waiting until `deadline`;
+    /// `false` if none came.
+    fn take_next(&mut self, deadline: Instant) -> Result<bool> {
+        let deferred = &mut self.inbox.place.deferred;
+        let Some(msg) = self.link.receive(&self.shared, deferred, deadline)? else {
+            return Ok(false);
+        };
+        self.inbox.intake(&self.shared, msg);
+        Ok(true)
     }
 
     fn next_event_once(&mut self) -> Result<Option<Event>> {
@@ -307,13 +310,7 @@ impl Consumer {
                         slots: self.shared.welcome.slots,
                     });
                 }
-                if let Some(msg) = self.link.receive(
-                    &self.shared,
-                    &mut self.inbox.place.deferred,
-                    Instant::now() + Duration::from_millis(1),
-                )? {
-                    self.inbox.intake(&self.shared, msg);
-                }
+                self.take_next(Instant::now() + Duration::from_millis(1))?;
                 continue;
             }
             self.clock.pinned_since = None;
@@ -333,12 +330,7 @@ impl Consumer {
                 continue;
             }
             let far = Instant::now() + Duration::from_secs(3600);
-            if let Some(msg) =
-                self.link
-                    .receive(&self.shared, &mut self.inbox.place.deferred, far)?
-            {
-                self.inbox.intake(&self.shared, msg);
-            }
+            self.take_next(far)?;
         }
     }
 }
@@ -398,20 +390,20 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
     )?;
     let (resume, _) = start_of(opts)?;
     let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
-    let batcher = batcher_for(&welcome, opts, skip);
+    let deal = deal_of(&welcome, opts);
+    let batcher = batcher_for(&welcome, deal, skip);
     // A decoupled consumer is granted a replay arena with nothing to
     // replay yet (`from == to`).
     let replaying = welcome
         .replay
         .as_ref()
         .filter(|g| g.from < g.to)
-        .map(|g| replay::Replaying::new(g, deal_of(&welcome, opts)))
+        .map(|g| replay::Replaying::new(g, deal))
         // A group member none of whose runs lies in it has none to wait for.
         .filter(|r| !r.received());
     let replay_from = welcome.replay.as_ref().map(|g| g.from);
     let reader = BufReader::with_capacity(64 * 1024, stream.try_clone()?);
     let start_epoch = welcome.start_epoch;
-    let deal = deal_of(&welcome, opts);
     Ok(Consumer {
         shared: Arc::new(Shared {
             writer: Mutex::new(stream),
@@ -549,14 +541,18 @@ pub(super) fn deal_of(welcome: &Welcome, opts: &ConsumerOptions) -> Option<crate
 /// The batcher of a consumer just welcomed: its batch size over the
 /// stream's units, its share if it is a group member, samples before its
 /// start skipped.
-fn batcher_for(welcome: &Welcome, opts: &ConsumerOptions, skip: Option<Position>) -> Batcher {
+fn batcher_for(
+    welcome: &Welcome,
+    deal: Option<crate::deal::Deal>,
+    skip: Option<Position>,
+) -> Batcher {
     let mut batcher = Batcher::new(
         welcome.batch_size,
         welcome.drop_last,
         welcome.schema.batch_size,
         welcome.schema.batches_per_epoch,
     );
-    if let Some(deal) = deal_of(welcome, opts) {
+    if let Some(deal) = deal {
         batcher = batcher.with_deal(deal);
     }
     if let Some(p) = skip {
