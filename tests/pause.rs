@@ -9,8 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::harness;
+use batchcast_kit::harness;
+use batchcast_kit::report::ConsumerReport;
 use nix::sys::signal::Signal::SIGCONT;
 
 use crate::common;

@@ -22,12 +22,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use batchcast_broker::consume::ConsumerReport;
-use batchcast_broker::demo;
-use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Geometry, Transform};
 use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
+use batchcast_kit::harness::{self, BrokerProcess};
+use batchcast_kit::image_stream_toml;
+use batchcast_kit::report::ConsumerReport;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -160,7 +160,7 @@ fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, 
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("b.toml");
     // Two pipeline threads: the machine's cores, as the native rows use.
-    let toml = demo::image_stream_toml("train", root, 224, 1, n, "workers = 2");
+    let toml = image_stream_toml("train", root, 224, 1, n, "workers = 2");
     std::fs::write(&cfg, toml)?;
     let sock = dir.path().join("b.sock");
     let mut broker = BrokerProcess::spawn(exe, Some(&cfg), &sock, Some(&dir.path().join("log")))?;

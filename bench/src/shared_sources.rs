@@ -26,9 +26,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use batchcast_broker::harness::{self, BrokerProcess};
 use batchcast_broker::pipeline::augment::{AffineFilter, Canvas, Op};
-use batchcast_broker::procstat;
+use batchcast_kit::harness::{self, BrokerProcess};
+use batchcast_kit::procstat;
 use clap::Parser;
 
 #[derive(Debug, Parser)]

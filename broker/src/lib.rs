@@ -18,13 +18,12 @@
 //! * [`listen`], [`budget`], [`gpu`]: the socket and who is admitted, the
 //!   memory budget, device arenas and copiers.
 //!
-//! And the command line's tools ([`cli`]): [`consume`], [`demo`],
-//! [`stats_view`], [`launch`], and [`harness`] (real broker and consumer
-//! processes for the demo, benchmarks and end-to-end tests), re-exported
-//! here by name.
+//! The command line (`batchcast serve`, `consume`, `demo`, `launch`,
+//! `stats`) is the binary's own, in `src/cli/`; what it shares with the
+//! benchmarks and tests (starting real processes, the reports it writes)
+//! is the `batchcast-kit` crate. This library knows neither.
 
 pub mod budget;
-pub mod cli;
 pub mod config;
 pub mod gpu;
 pub mod hub;
@@ -36,5 +35,4 @@ pub mod server;
 pub mod stream;
 pub mod systemd;
 
-pub use cli::{child, consume, demo, demo_images, harness, launch, procstat, stats_view};
 pub use server::metrics;

@@ -12,9 +12,10 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 
-use crate::config::StreamToml;
-use crate::consume::ConsumerReport;
-use crate::launch::{self, Stop, Summary, spec};
+use batchcast_kit::report::{ConsumerReport, Summary, exit};
+use batchcast_kit::{StreamToml, image_stream_toml};
+
+use crate::launch::{self, Stop, spec};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
@@ -57,8 +58,8 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         );
         (demo_config(args.epochs), None)
     } else {
-        let root = crate::demo_images::ensure()?;
-        let n = crate::pipeline::dataset::Dataset::image_folder(&root)?.len();
+        let root = batchcast_kit::demo_data::ensure()?;
+        let n = batchcast_broker::pipeline::dataset::Dataset::image_folder(&root)?.len();
         println!(
             "batchcast demo: {} trainer processes, {} epochs of {n} JPEG/PNG images in {}",
             args.consumers,
@@ -122,7 +123,7 @@ command = ["{{batchcast}}", "consume", "--json", "--digest", {verify}"--window",
 /// each log) and, when there is one, that the baseline computed the same
 /// bytes (same seed, same pipeline).
 fn check(summary: &Summary, epochs: u64, images: Option<u64>) -> anyhow::Result<String> {
-    if summary.exit_code != launch::exit::OK {
+    if summary.exit_code != exit::OK {
         return Ok(format!(
             "FAILED: the launcher exited with {} (see the tables above)",
             summary.exit_code
@@ -162,7 +163,8 @@ fn check(summary: &Summary, epochs: u64, images: Option<u64>) -> anyhow::Result<
 fn read_report(log: &Path) -> anyhow::Result<ConsumerReport> {
     let text =
         std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
-    crate::harness::parse_report(&text).map_err(|e| anyhow::anyhow!("{}: {e}", log.display()))
+    batchcast_kit::harness::parse_report(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", log.display()))
 }
 
 fn demo_config(epochs: u64) -> String {
@@ -215,27 +217,4 @@ fn verdict(reports: &[ConsumerReport], epochs: u64, images: Option<u64>) -> Stri
         "OK: all {} consumers received every batch of all {epochs} epochs exactly once, in order, {checked}, identical data (same digests)",
         reports.len()
     )
-}
-
-/// A training stream named `name` over the ImageFolder at `root`:
-/// RandomResizedCrop(`size`) + flip + ImageNet Normalize, f32 NCHW, batches
-/// of 32, waiting for `consumers` subscribers; `extra` holds more keys of
-/// the `[[stream]]` table. The demo and the image benchmark both run this.
-pub fn image_stream_toml(
-    name: &str,
-    root: &Path,
-    size: u32,
-    epochs: u64,
-    consumers: usize,
-    extra: &str,
-) -> String {
-    StreamToml::image_folder(name, 32, root, size)
-        .epochs(epochs)
-        .key("shuffle", true)
-        .key("seed", 2026)
-        .key("slots", 6)
-        .key("drop_last", false)
-        .key("min_consumers", consumers)
-        .raw(extra)
-        .to_toml()
 }

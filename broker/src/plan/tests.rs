@@ -5,7 +5,7 @@ use std::path::Path;
 use batchcast::DType;
 
 use super::*;
-use crate::config::StreamToml;
+use batchcast_kit::StreamToml;
 
 /// A minimal valid config: one synthetic stream of 10 samples.
 fn good() -> String {

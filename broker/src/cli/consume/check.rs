@@ -388,20 +388,6 @@ fn sample(field: &[u8], samples: usize, j: usize) -> &[u8] {
     &field[j * bps..(j + 1) * bps]
 }
 
-impl EpochReport {
-    fn new(epoch: u64) -> EpochReport {
-        EpochReport {
-            epoch,
-            batches: 0,
-            samples: 0,
-            complete: false,
-            digest: None,
-            distinct_indices: None,
-            positions: Vec::new(),
-        }
-    }
-}
-
 fn close_epoch(cur: &mut EpochReport, digest: &mut u64, with_digest: bool) -> EpochReport {
     let mut e = cur.clone();
     if with_digest {

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy};
-use serde::{Deserialize, Serialize};
+use batchcast_kit::procstat::rss_anon_kb;
+use batchcast_kit::report::{ConsumerReport, EpochReport, SavedState};
 
 mod check;
 
@@ -154,47 +155,6 @@ fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, batchcast:
     Ok(Some(seat))
 }
 
-/// What `--state-file` writes: the consumer's state and its epoch in
-/// progress as counted so far.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SavedState {
-    pub state: batchcast::ConsumerState,
-    pub epoch: EpochReport,
-    /// The epoch's digest accumulator (with `--digest`).
-    pub digest: u64,
-}
-
-/// A `--resume-state` file that cannot be used.
-#[derive(Debug, thiserror::Error)]
-#[error("--resume-state {path}: {why}")]
-pub struct StateFileError {
-    path: PathBuf,
-    why: String,
-}
-
-impl SavedState {
-    pub fn load(path: &Path) -> Result<SavedState, StateFileError> {
-        let err = |why: String| StateFileError {
-            path: path.into(),
-            why,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-        serde_json::from_str(&text)
-            .map_err(|e| err(format!("not a state written by --state-file: {e}")))
-    }
-
-    /// Writes it to `path` through a temporary file and a rename, so a
-    /// reader (or a crash) never sees half of it.
-    pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        let tmp = path.with_extension("tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(self).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(&tmp, path)
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Join {
     NextEpoch,
@@ -232,86 +192,6 @@ fn parse_position(s: &str) -> Result<batchcast::proto::Position, PositionError> 
         epoch: num(e)?,
         sample: num(i)?,
     })
-}
-
-/// One epoch as a consumer saw it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct EpochReport {
-    pub epoch: u64,
-    pub batches: u64,
-    pub samples: u64,
-    pub complete: bool,
-    /// Hex digest of every byte received in the epoch (with `--digest`).
-    pub digest: Option<String>,
-    /// Image streams: distinct dataset indices seen (the `index` field).
-    pub distinct_indices: Option<u64>,
-    /// With `--positions`: each batch's first sample and sample count.
-    #[serde(default)]
-    pub positions: Vec<(u64, u64)>,
-}
-
-/// What a consumer process reports on exit.
-#[derive(Debug, Clone, Serialize, Deserialize, Default)]
-pub struct ConsumerReport {
-    pub name: String,
-    pub pid: u32,
-    pub ok: bool,
-    pub error: Option<String>,
-    pub error_code: Option<String>,
-    pub ended: bool,
-    pub batches: u64,
-    pub samples: u64,
-    pub bytes: u64,
-    pub seconds: f64,
-    pub batches_per_s: f64,
-    pub epochs: Vec<EpochReport>,
-    pub verified_samples: u64,
-    pub verify_failures: u64,
-    /// Problems with sequence, epoch or index order (empty when in order).
-    pub order_errors: Vec<String>,
-    pub handoff_us_p50: f64,
-    pub handoff_us_p99: f64,
-    pub handoff_us_max: f64,
-    pub wait_s: f64,
-    /// Seconds between a batch's arrival and asking for the next.
-    pub busy_s: f64,
-    pub rss_anon_kb_start: u64,
-    pub rss_anon_kb_end: u64,
-    /// CPU seconds this process used (all threads, schedstat), in all
-    /// and by the time its first batch arrived (start-up and connecting).
-    #[serde(default)]
-    pub cpu_s: f64,
-    #[serde(default)]
-    pub cpu_first_batch_s: f64,
-    /// Host field views that did not lie in the shared mapping (a copy):
-    /// zero on the zero-copy path.
-    #[serde(default)]
-    pub views_outside_arena: u64,
-    /// Seconds from start to the first batch (connecting included).
-    #[serde(default)]
-    pub first_batch_s: f64,
-    /// Batches recomputed for it alone (`--join now`, `--resume`).
-    #[serde(default)]
-    pub replayed_batches: u64,
-    /// Epochs it read rotated ([`batchcast::rotation`]): from a later
-    /// batch on, their start after their end.
-    #[serde(default)]
-    pub rotated_epochs: u64,
-    /// Times it subscribed again after the broker went away.
-    #[serde(default)]
-    pub reconnects: u64,
-}
-
-/// Anonymous resident memory of this process (excludes the shared arena).
-pub fn rss_anon_kb(pid: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("RssAnon:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 pub fn run(args: &ConsumeArgs) -> ConsumerReport {
@@ -382,7 +262,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     report.seconds = t0.elapsed().as_secs_f64();
     report.batches_per_s = report.batches as f64 / report.seconds.max(1e-9);
     report.rss_anon_kb_end = rss_anon_kb("self");
-    report.cpu_s = crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
+    report.cpu_s = batchcast_kit::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
     if let Err(e) = result {
         report.error_code = e.code().map(|c| format!("{c:?}"));
         report.error = Some(e.to_string());
@@ -466,7 +346,7 @@ fn consume(
         if report.batches == 0 {
             report.first_batch_s = t0.elapsed().as_secs_f64();
             report.cpu_first_batch_s =
-                crate::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
+                batchcast_kit::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         report.reconnects = consumer.reconnects();
         check.batch(

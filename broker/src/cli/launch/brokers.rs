@@ -11,7 +11,7 @@ use batchcast::StatsClient;
 use batchcast::proto::{StatsReply, StreamStats};
 
 use super::BrokerSummary;
-use crate::harness::{self, BrokerProcess};
+use batchcast_kit::harness::{self, BrokerProcess};
 
 /// A broker the run talks to.
 #[derive(Debug)]

@@ -6,17 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use batchcast_kit::report::OnFailure;
 use serde::Deserialize;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OnFailure {
-    /// Mark the trainer failed; the others go on.
-    #[default]
-    Continue,
-    /// Stop every trainer when one fails.
-    StopAll,
-}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

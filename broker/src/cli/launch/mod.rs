@@ -23,10 +23,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use serde::{Deserialize, Serialize};
+pub use batchcast_kit::report::{
+    BrokerSummary, Comparison, Mode, OnFailure, RunSummary, Summary, TrainerSummary, exit,
+};
 
 use run::run_mode;
-use spec::{Host, OnFailure, Sweep};
+use spec::{Host, Sweep};
 use view::View;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -57,120 +59,6 @@ fn parse_status_every(s: &str) -> Result<f64, String> {
         Ok(v) if (1.0..=3600.0).contains(&v) => Ok(v),
         _ => Err(format!("`{s}`: give seconds from 1 to 3600")),
     }
-}
-
-/// Exit codes of `batchcast launch`.
-pub mod exit {
-    /// Every trainer finished successfully.
-    pub const OK: i32 = 0;
-    /// Some trainers failed; the others ran to the end (`on_failure = "continue"`).
-    pub const FAILED: i32 = 2;
-    /// A trainer failed and every other one was stopped (`"stop-all"`).
-    pub const STOPPED: i32 = 3;
-    /// Interrupted (SIGINT or SIGTERM); everything was stopped.
-    pub const INTERRUPTED: i32 = 130;
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Mode {
-    /// One broker, every trainer subscribed to it.
-    Shared,
-    /// Every trainer with its own pipeline.
-    Baseline,
-}
-
-/// One trainer's run, as `summary.json` records it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TrainerSummary {
-    pub name: String,
-    pub command: Vec<String>,
-    pub stream: String,
-    pub gpu: Option<String>,
-    pub log: PathBuf,
-    /// `done`, `failed`, `stopped` (by the launcher) or `killed`.
-    pub state: String,
-    pub exit_code: Option<i32>,
-    pub signal: Option<i32>,
-    pub wall_s: f64,
-    pub batches: u64,
-    /// Every sample it received, shared or replayed.
-    pub samples: u64,
-    /// Of those, recomputed for it alone (a late join, a resume, a cut
-    /// under decoupled pace).
-    #[serde(default)]
-    pub replayed: u64,
-    pub samples_per_s: f64,
-    /// Share of its loop time spent waiting for data.
-    pub stall_pct: f64,
-    pub wait_s: f64,
-    pub busy_s: f64,
-    /// Where the numbers come from: `broker` (what the trainer's clients
-    /// counted as taken, relayed by the broker's stats and carried across
-    /// its restarts; replayed, wait and busy from the broker's stats),
-    /// `report` (the trainer's `$BATCHCAST_REPORT` file) or `none`.
-    pub measured_by: String,
-    /// The end of its log, when it failed.
-    pub log_tail: Option<String>,
-}
-
-/// One broker of a run.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct BrokerSummary {
-    pub socket: PathBuf,
-    pub pid: u32,
-    /// Started by this launch (else an already running broker was used).
-    pub started: bool,
-    /// Times another broker was found on its socket during the run (a
-    /// restart); the counts below add up every broker's, `pid` is the last.
-    #[serde(default)]
-    pub restarts: u32,
-    pub cpu_s: f64,
-    pub batches_produced: u64,
-    pub deliveries: u64,
-    pub images_decoded: u64,
-    pub cache_hits: u64,
-    pub bad_files_skipped: u64,
-}
-
-/// One run of the sweep.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RunSummary {
-    pub mode: Mode,
-    pub dir: PathBuf,
-    pub wall_s: f64,
-    pub samples: u64,
-    pub samples_per_s: f64,
-    /// CPU seconds of every process of the run: brokers, trainers and
-    /// their children.
-    pub cpu_s: f64,
-    pub cpu_ms_per_sample: Option<f64>,
-    pub failed: usize,
-    pub interrupted: bool,
-    pub trainers: Vec<TrainerSummary>,
-    pub brokers: Vec<BrokerSummary>,
-}
-
-/// Shared vs baseline.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Comparison {
-    /// Baseline wall time / shared wall time.
-    pub speedup: f64,
-    /// Shared aggregate samples/s / baseline's.
-    pub throughput_ratio: f64,
-    /// Shared CPU per sample / baseline's (below 1: cheaper).
-    pub cpu_per_sample_ratio: Option<f64>,
-}
-
-/// `summary.json`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Summary {
-    pub sweep: PathBuf,
-    pub on_failure: OnFailure,
-    pub exit_code: i32,
-    pub shared: RunSummary,
-    pub baseline: Option<RunSummary>,
-    pub comparison: Option<Comparison>,
 }
 
 /// Runs the sweep; returns the exit code (see [`exit`]). Errors are what
@@ -335,13 +223,6 @@ impl Stop {
                 .context("starting the signal watcher")?;
         }
         Ok(Stop { count })
-    }
-
-    /// A stop nobody can trigger (for callers that handle signals themselves).
-    pub fn never() -> Stop {
-        Stop {
-            count: Arc::new(AtomicUsize::new(0)),
-        }
     }
 
     fn requested(&self) -> bool {

@@ -34,10 +34,10 @@
 
 use std::path::{Path, PathBuf};
 
-pub use super::expand::{ExpandError, substitute};
 use super::expand::{expand_trainers, gpu_value};
-pub use super::file::{Host, OnFailure, TrainerPlan};
+pub use super::file::{Host, TrainerPlan};
 use super::file::{LaunchSection, SweepFile, ordinal};
+pub use batchcast_kit::report::OnFailure;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
@@ -66,8 +66,6 @@ pub enum BrokerSource {
 pub struct Sweep {
     pub path: PathBuf,
     pub broker: BrokerSource,
-    /// Streams the broker config defines (empty when reusing a broker).
-    pub streams: Vec<String>,
     pub trainers: Vec<TrainerPlan>,
     pub on_failure: OnFailure,
     pub run_dir: PathBuf,
@@ -175,7 +173,6 @@ impl Sweep {
         Ok(Sweep {
             path: path.into(),
             broker,
-            streams,
             trainers,
             on_failure: l.on_failure,
             run_dir: l
@@ -346,7 +343,8 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::config::StreamToml;
+    use crate::launch::expand::{ExpandError, substitute};
+    use batchcast_kit::StreamToml;
 
     fn host(gpus: usize) -> Host {
         Host {
@@ -409,8 +407,8 @@ mod tests {
         };
         assert!(config.contains("max_batch_size = 256"), "{config}");
         // The broker plans it: the ring holds batches of 256 over units of 8.
-        let cfg = crate::config::Config::parse(config, Path::new("b.toml")).unwrap();
-        let plans = crate::plan::plan_config(&cfg).unwrap();
+        let cfg = batchcast_broker::config::Config::parse(config, Path::new("b.toml")).unwrap();
+        let plans = batchcast_broker::plan::plan_config(&cfg).unwrap();
         assert_eq!(plans[0].slots, 3 * (255u32.div_ceil(8) + 1));
         // A larger max_batch_size in the config stays; a smaller one rises.
         let stream = StreamToml::synthetic("train", 8, 64, &[("x", "u8", &[4])]).to_toml();

@@ -151,7 +151,7 @@ pub(super) fn spawn_trainer(
     if let Some(g) = &plan.gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
     }
-    crate::child::die_with_parent(&mut cmd);
+    batchcast_kit::child::die_with_parent(&mut cmd);
     for (k, v) in &plan.env {
         cmd.env(k, v);
     }

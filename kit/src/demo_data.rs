@@ -5,7 +5,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use batchcast::synthetic::SplitMix64;
 use turbojpeg::{Compressor, Image, PixelFormat};
 
@@ -14,8 +13,30 @@ const PER_CLASS: usize = 120;
 /// Bump when the generator changes, so stale folders are regenerated.
 const VERSION: &str = "v1";
 
+/// The demo dataset could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("generating the demo images: {what}: {why}")]
+pub struct DemoDataError {
+    what: String,
+    why: String,
+}
+
+/// `.context(..)` for this module's errors: what was being done.
+trait Doing<T> {
+    fn doing(self, what: impl FnOnce() -> String) -> Result<T, DemoDataError>;
+}
+
+impl<T, E: std::fmt::Display> Doing<T> for Result<T, E> {
+    fn doing(self, what: impl FnOnce() -> String) -> Result<T, DemoDataError> {
+        self.map_err(|e| DemoDataError {
+            what: what(),
+            why: e.to_string(),
+        })
+    }
+}
+
 /// Returns the demo dataset's root, generating it if needed.
-pub fn ensure() -> anyhow::Result<PathBuf> {
+pub fn ensure() -> Result<PathBuf, DemoDataError> {
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
@@ -32,20 +53,20 @@ pub fn ensure() -> anyhow::Result<PathBuf> {
     );
     let tmp = root.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
-    let mut jpeg = Compressor::new().context("starting the JPEG encoder")?;
-    jpeg.set_quality(90).context("JPEG quality")?;
+    let mut jpeg = Compressor::new().doing(|| "starting the JPEG encoder".into())?;
+    jpeg.set_quality(90)
+        .doing(|| "setting the JPEG quality".into())?;
     let mut rng = SplitMix64::new(2026);
     for (c, class) in CLASSES.iter().enumerate() {
         let dir = tmp.join(class);
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(&dir).doing(|| format!("creating {}", dir.display()))?;
         for i in 0..PER_CLASS {
             let w = 240 + rng.below(660) as usize;
             let h = 240 + rng.below(660) as usize;
             let px = picture(c, w, h, &mut rng);
             if i % 10 == 9 {
                 let path = dir.join(format!("{i:04}.png"));
-                write_png(&path, &px, w, h)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                write_png(&path, &px, w, h).doing(|| format!("writing {}", path.display()))?;
             } else {
                 let img = Image {
                     pixels: &px[..],
@@ -54,16 +75,17 @@ pub fn ensure() -> anyhow::Result<PathBuf> {
                     height: h,
                     format: PixelFormat::RGB,
                 };
-                let bytes = jpeg.compress_to_vec(img).context("encoding a JPEG")?;
+                let bytes = jpeg
+                    .compress_to_vec(img)
+                    .doing(|| "encoding a JPEG".into())?;
                 let path = dir.join(format!("{i:04}.jpg"));
-                std::fs::write(&path, bytes)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                std::fs::write(&path, bytes).doing(|| format!("writing {}", path.display()))?;
             }
         }
     }
-    std::fs::write(tmp.join(".complete"), b"")?;
+    std::fs::write(tmp.join(".complete"), b"").doing(|| format!("writing {}", tmp.display()))?;
     let _ = std::fs::remove_dir_all(&root);
-    std::fs::rename(&tmp, &root).with_context(|| format!("moving into {}", root.display()))?;
+    std::fs::rename(&tmp, &root).doing(|| format!("moving into {}", root.display()))?;
     Ok(root)
 }
 
@@ -104,7 +126,12 @@ fn picture(c: usize, w: usize, h: usize, rng: &mut SplitMix64) -> Vec<u8> {
     px
 }
 
-fn write_png(path: &std::path::Path, px: &[u8], w: usize, h: usize) -> anyhow::Result<()> {
+fn write_png(
+    path: &std::path::Path,
+    px: &[u8],
+    w: usize,
+    h: usize,
+) -> Result<(), png::EncodingError> {
     let file = std::io::BufWriter::new(std::fs::File::create(path)?);
     let mut enc = png::Encoder::new(file, w as u32, h as u32);
     enc.set_color(png::ColorType::Rgb);

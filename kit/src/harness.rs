@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use batchcast::StatsClient;
 use batchcast::proto::StatsReply;
 
-use crate::consume::ConsumerReport;
+use crate::report::ConsumerReport;
 
 pub use crate::procstat::{cpu_seconds, rss_kb, thread_cpu_seconds};
 

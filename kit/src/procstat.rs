@@ -46,3 +46,15 @@ pub fn rss_kb(pid: u32) -> Option<u64> {
         .parse()
         .ok()
 }
+
+/// Anonymous resident memory of this process (excludes the shared arena).
+pub fn rss_anon_kb(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("RssAnon:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -1,5 +1,7 @@
 //! The `batchcast` command line. Errors are reported here with their whole
-//! chain; everything below returns typed errors.
+//! chain; everything below returns typed errors. Its tools are this
+//! binary's modules, apart from the broker's library: the test consumer
+//! (`consume`), the demo, the stats table and the launcher.
 
 use std::io::{IsTerminal, Write};
 use std::os::unix::fs::MetadataExt;
@@ -8,8 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use batchcast_broker::{config, consume, demo, launch, listen, plan, server, stats_view, stream};
+use batchcast_broker::{config, listen, plan, server, stream};
 use clap::{Parser, Subcommand};
+
+mod consume;
+mod demo;
+mod launch;
+mod stats_view;
 
 /// batchcast: run the input pipeline once per host, share every batch with
 /// every trainer, zero-copy.
