@@ -75,10 +75,10 @@ pub struct Grant {
 )]
 pub struct OverBudget {
     pub label: &'static str,
-    pub whom: String,
-    pub need_mib: u64,
-    pub used_mib: u64,
-    pub total_mib: u64,
+    pub(crate) whom: String,
+    pub(crate) need_mib: u64,
+    pub(crate) used_mib: u64,
+    pub(crate) total_mib: u64,
     guests: String,
 }
 

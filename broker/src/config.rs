@@ -139,7 +139,7 @@ macro_rules! with_source_keys {
     ) => {
         /// The keys of a `[[stream]]` that describe its source: a stream
         /// that names a `[[source]]` takes them from it.
-        pub const SOURCE_KEYS: &[&str] = &[$(stringify!($key)),*];
+        pub(crate) const SOURCE_KEYS: &[&str] = &[$(stringify!($key)),*];
 
         $(#[$sm])*
         pub struct StreamConfig { $($stream)* $( $(#[$km])* pub $key: $kty, )* }
@@ -149,7 +149,7 @@ macro_rules! with_source_keys {
 
         impl StreamConfig {
             /// This stream with `src`'s source keys in place of its own.
-            pub fn with_source_keys(&self, src: &SourceConfig) -> StreamConfig {
+            pub(crate) fn with_source_keys(&self, src: &SourceConfig) -> StreamConfig {
                 StreamConfig { $( $key: src.$key.clone(), )* ..self.clone() }
             }
         }
@@ -202,11 +202,11 @@ with_source_keys! {
         /// Which of [`SOURCE_KEYS`] the stream's own table writes (filled by
         /// [`Config::parse`]; a stream that names a source may write none).
         #[serde(skip)]
-        pub own_source_keys: Vec<&'static str>,
+        pub(crate) own_source_keys: Vec<&'static str>,
         /// The `[stream.transform]` table as written (filled by
         /// [`Config::parse`]): the stream's digest is of what it says.
         #[serde(skip)]
-        pub transform_table: Option<toml::Value>,
+        pub(crate) transform_table: Option<toml::Value>,
         pub batch_size: u64,
         /// `None`: endless.
         pub epochs: Option<u64>,
@@ -237,7 +237,7 @@ with_source_keys! {
         pub pace: Pace,
         /// Decoupled pace: how far the pipeline may run ahead of the slowest
         /// consumer, as memory (MiB of the host arena); sets `slots`.
-        pub run_ahead_mib: Option<u64>,
+        pub(crate) run_ahead_mib: Option<u64>,
         /// The longest one consumer may keep the pipeline waiting while
         /// another waits for data (it paused, or holds the batch needed
         /// next): then it is cut to replay, or detached if it cannot be
@@ -250,7 +250,7 @@ with_source_keys! {
         /// its start replayed, not the whole epoch), or always in the
         /// stream's order (`false`: the same order on every run, whatever
         /// the timing). See ARCHITECTURE "Rotated epochs".
-        pub rotate_epochs: Option<bool>,
+        pub(crate) rotate_epochs: Option<bool>,
         #[serde(default = "one")]
         pub min_consumers: u32,
         pub synthetic: Option<SyntheticConfig>,
@@ -271,7 +271,7 @@ with_source_keys! {
         pub ahead: Option<u64>,
         /// MiB of decoded images left for the other streams, at most.
         #[serde(default = "default_decoded_mib")]
-        pub decoded_mib: u64,
+        pub(crate) decoded_mib: u64,
     }
 }
 
@@ -304,11 +304,11 @@ pub struct BrokerSection {
     pub memory_mib: Option<u64>,
     /// Seconds a producer's registration may hold its arena before its
     /// first `Acquire` (default 30).
-    pub registration_timeout_s: Option<u64>,
+    pub(crate) registration_timeout_s: Option<u64>,
     /// What the names of streams registered by other users than the
     /// broker's must start with; `{user}` and `{uid}` are replaced
     /// (default `"{user}."`; `""` allows any name not taken).
-    pub guest_stream_prefix: Option<String>,
+    pub(crate) guest_stream_prefix: Option<String>,
 }
 
 /// Who sets a stream's pace.
@@ -346,7 +346,7 @@ pub struct RemoteConfig {
     /// Samples (objects, tar members) fetched or held ahead of the
     /// pipeline.
     #[serde(default = "default_read_ahead")]
-    pub read_ahead: u32,
+    pub(crate) read_ahead: u32,
     /// Their bytes, at most (from the broker's memory budget).
     #[serde(default = "default_read_ahead_mib")]
     pub read_ahead_mib: u64,
@@ -366,7 +366,7 @@ pub struct RemoteConfig {
     /// The longest one read may take, retries included; then it is a bad
     /// sample (`on_error`).
     #[serde(default = "default_stall_s")]
-    pub stall_s: f64,
+    pub(crate) stall_s: f64,
     /// The disk tier of the cache (whole objects and shard parts).
     pub cache_dir: Option<PathBuf>,
     /// Its size, at most (0: no disk tier).
@@ -428,7 +428,7 @@ pub struct WebDatasetConfig {
     pub shards: String,
     /// Samples held by the shuffle buffer.
     #[serde(default = "default_shuffle_buffer")]
-    pub shuffle_buffer: usize,
+    pub(crate) shuffle_buffer: usize,
 }
 
 fn one64() -> u64 {

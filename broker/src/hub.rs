@@ -67,12 +67,12 @@ use std::collections::{BTreeMap, VecDeque};
 
 use batchcast::proto::ErrorCode;
 
-pub type ConsumerId = u64;
-pub type SlotId = u32;
+pub(crate) type ConsumerId = u64;
+pub(crate) type SlotId = u32;
 /// A ring of copies in other memory (one GPU); see [`Hub::add_group`].
-pub type GroupId = u32;
+pub(crate) type GroupId = u32;
 
-pub use counts::{ConsumerCounts, GroupCounts, HubCounts};
+pub(crate) use counts::GroupCounts;
 pub use error::HubError;
 pub use window::Window;
 
@@ -80,7 +80,7 @@ pub use window::Window;
 /// into slot `slot` of group `group`'s ring. The host slot stays as it is
 /// until the copy is reported with [`Hub::copied`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CopyOrder {
+pub(crate) struct CopyOrder {
     pub group: GroupId,
     pub seq: u64,
     pub host: SlotId,
@@ -89,7 +89,7 @@ pub struct CopyOrder {
 
 /// Limits and shape of one stream.
 #[derive(Debug, Clone)]
-pub struct HubConfig {
+pub(crate) struct HubConfig {
     pub slots: u32,
     pub batches_per_epoch: u64,
     /// `None`: endless.
@@ -103,7 +103,7 @@ pub struct HubConfig {
 
 /// A batch for the pipeline to fill.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Work {
+pub(crate) struct Work {
     pub seq: u64,
     pub epoch: u64,
     pub index: u64,
@@ -112,7 +112,7 @@ pub struct Work {
 
 /// How far ahead of its releases a consumer is sent batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Delivery {
+pub(crate) enum Delivery {
     /// At most its window of unreleased batches; the rest waits here.
     Window,
     /// Every batch as soon as it is published: the consumer reads notices
@@ -125,7 +125,7 @@ pub enum Delivery {
 
 /// Something the runtime must tell one consumer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outbound {
+pub(crate) enum Outbound {
     Batch {
         seq: u64,
         epoch: u64,
@@ -150,7 +150,7 @@ pub enum Outbound {
 /// The first epoch a stream never reaches: a position at or past it (a
 /// forged resume or registration) is refused rather than counted on until
 /// the epoch number wraps.
-pub const MAX_EPOCH: u64 = 1 << 48;
+pub(crate) const MAX_EPOCH: u64 = 1 << 48;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -272,7 +272,7 @@ impl Consumer {
 }
 
 #[derive(Debug)]
-pub struct Hub {
+pub(crate) struct Hub {
     cfg: HubConfig,
     slots: Vec<Slot>,
     /// Free slots (for counts and checks: batch `seq` always takes slot
@@ -332,7 +332,7 @@ impl Hub {
 
     /// Swaps what must be sent, in order, with `empty` (so the runtime and
     /// the hub keep reusing two buffers).
-    pub fn swap_outbound(&mut self, empty: &mut Vec<(ConsumerId, Outbound)>) {
+    pub(crate) fn swap_outbound(&mut self, empty: &mut Vec<(ConsumerId, Outbound)>) {
         debug_assert!(empty.is_empty());
         std::mem::swap(&mut self.out, empty);
     }

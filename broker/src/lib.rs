@@ -11,7 +11,7 @@
 //! * [`pipeline`]: the native pipeline: read, decode, transform, collate.
 //! * [`remote`]: datasets in object stores and on HTTP servers: requests,
 //!   read-ahead, the disk cache.
-//! * [`hub`]: slots, reference counts, windows and epochs: pure logic.
+//! * `hub`: slots, reference counts, windows and epochs: pure logic.
 //! * [`stream`]: one stream at run time: arena, hub, pipeline threads.
 //! * [`server`]: the tokio server, one task per connection, and the
 //!   `/metrics` endpoint ([`server::metrics`]).
@@ -26,7 +26,7 @@
 pub mod budget;
 pub mod config;
 pub mod gpu;
-pub mod hub;
+pub(crate) mod hub;
 pub mod listen;
 pub mod pipeline;
 pub mod plan;

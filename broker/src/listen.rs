@@ -49,10 +49,6 @@ impl Bound {
             ino: None,
         }
     }
-
-    pub fn is_inherited(&self) -> bool {
-        self.ino.is_none()
-    }
 }
 
 impl Drop for Bound {
@@ -128,7 +124,7 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
 /// sticky (like `/tmp`, where others cannot remove or rename this user's
 /// files). Otherwise another user could swap the socket for their own, as
 /// ssh-agent and tmux also refuse.
-pub fn check_dir(dir: &Path) -> Result<(), ListenError> {
+pub(crate) fn check_dir(dir: &Path) -> Result<(), ListenError> {
     let unsafe_dir = |problem: String| ListenError::UnsafeDir {
         dir: dir.into(),
         problem,

@@ -17,7 +17,7 @@ pub enum Size {
 
 impl Size {
     /// `(height, width)`.
-    pub fn hw(self) -> (u32, u32) {
+    pub(crate) fn hw(self) -> (u32, u32) {
         match self {
             Size::Square(s) => (s, s),
             Size::HeightWidth([h, w]) => (h, w),
@@ -65,15 +65,15 @@ pub struct TransformConfig {
     #[serde(default = "default_dtype")]
     pub dtype: DType,
     #[serde(default)]
-    pub layout: Layout,
+    pub(crate) layout: Layout,
     /// Probability of a vertical flip (after the horizontal one).
     #[serde(default)]
-    pub vertical_flip: f64,
+    pub(crate) vertical_flip: f64,
     /// `ColorJitter(brightness, contrast, saturation, hue)`.
     pub color_jitter: Option<ColorJitterConfig>,
     /// `RandomGrayscale(p)`.
     #[serde(default)]
-    pub grayscale: f64,
+    pub(crate) grayscale: f64,
     /// `RandomApply([GaussianBlur(kernel_size, sigma)], p)`.
     pub gaussian_blur: Option<GaussianBlurConfig>,
     /// `TrivialAugmentWide()`: `true`, or `{ num_magnitude_bins = 31,
@@ -256,7 +256,7 @@ pub enum AutoAugmentSwitch {
 #[serde(deny_unknown_fields)]
 pub struct TrivialAugmentTable {
     #[serde(default = "default_bins")]
-    pub num_magnitude_bins: u32,
+    pub(crate) num_magnitude_bins: u32,
     #[serde(default)]
     pub interpolation: AffineFilter,
     pub fill: Option<PadFill>,
@@ -270,7 +270,7 @@ pub struct RandAugmentConfig {
     #[serde(default = "default_magnitude")]
     pub magnitude: u32,
     #[serde(default = "default_bins")]
-    pub num_magnitude_bins: u32,
+    pub(crate) num_magnitude_bins: u32,
     #[serde(default)]
     pub interpolation: AffineFilter,
     pub fill: Option<PadFill>,

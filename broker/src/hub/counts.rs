@@ -4,7 +4,7 @@ use super::{ConsumerId, Hub, Slot};
 
 /// One group's numbers for stats.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GroupCounts {
+pub(crate) struct GroupCounts {
     pub slots: u32,
     pub in_use: u32,
     /// Batches waiting for a free group slot.
@@ -13,7 +13,7 @@ pub struct GroupCounts {
 
 /// Per-consumer numbers for stats.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ConsumerCounts {
+pub(crate) struct ConsumerCounts {
     pub window: u32,
     pub delivered: u64,
     pub held: u32,
@@ -23,7 +23,7 @@ pub struct ConsumerCounts {
 
 /// Per-stream numbers for stats.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HubCounts {
+pub(crate) struct HubCounts {
     pub free: u32,
     pub filling: u32,
     pub in_use: u32,
@@ -36,7 +36,7 @@ pub struct HubCounts {
 }
 
 impl Hub {
-    pub fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
+    pub(crate) fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
         self.consumers.get(&id).map(|c| ConsumerCounts {
             window: c.window,
             delivered: c.delivered,

@@ -129,7 +129,7 @@ impl Hub {
     /// left the hub (decoupled pace: a consumer that needs replay starts
     /// from replay): what it was sent is taken back with its messages, so
     /// it owes and holds nothing. Returns what [`Hub::cut`] does.
-    pub fn cut_at_join(&mut self, id: ConsumerId) -> Result<(u64, u64), HubError> {
+    pub(crate) fn cut_at_join(&mut self, id: ConsumerId) -> Result<(u64, u64), HubError> {
         let sent = self
             .consumers
             .get(&id)
@@ -150,15 +150,17 @@ impl Hub {
     /// ([`HubError::NotLive`]) unless every batch from `seq` to the head is
     /// still published (nobody may reuse a slot it is to read) and it holds
     /// nothing from `seq` on.
-    pub fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
+    #[cfg(test)]
+    pub(crate) fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
         self.rejoin_through(id, seq, None)
     }
 
-    /// [`Hub::rejoin`], sent no batch of an epoch after `through` (a
+    /// Puts a cut consumer back from batch `seq` on (see `Hub::rejoin`),
+    /// sent no batch of an epoch after `through` (a
     /// rotated epoch: the consumer reads its rest, then is cut to be
     /// replayed its start, see [`Hub::read_through`]); its end of stream
     /// waits for that too.
-    pub fn rejoin_through(
+    pub(crate) fn rejoin_through(
         &mut self,
         id: ConsumerId,
         seq: u64,
@@ -195,7 +197,7 @@ impl Hub {
     /// there to the head still published (older ones, given back by every
     /// reader, are not looked at): where a consumer may rotate
     /// into that epoch ([`Hub::rejoin_through`]). Its seq and index.
-    pub fn rotation_point(&self, epoch: u64, from: u64, every: u64) -> Option<(u64, u64)> {
+    pub(crate) fn rotation_point(&self, epoch: u64, from: u64, every: u64) -> Option<(u64, u64)> {
         let head = self.head();
         let mut found = None;
         // Back from the head while every batch is still published.
@@ -216,7 +218,7 @@ impl Hub {
     /// The oldest batch a consumer reading the shared stream still holds or
     /// is owed: the ring keeps everything from there to the head for its
     /// members, so one merging back there pins nothing they do not.
-    pub fn members_tail(&self) -> Option<u64> {
+    pub(crate) fn members_tail(&self) -> Option<u64> {
         self.consumers
             .values()
             .filter(|c| !c.cut && !c.closing && !c.ended)
@@ -228,7 +230,7 @@ impl Hub {
     /// that epoch: nothing is queued for it, and every batch of the epoch
     /// was published (the next to be made is of a later one, or the
     /// stream is made to its end).
-    pub fn read_through(&self, id: ConsumerId, epoch: u64) -> bool {
+    pub(crate) fn read_through(&self, id: ConsumerId, epoch: u64) -> bool {
         let Some(c) = self.consumers.get(&id) else {
             return false;
         };
@@ -253,7 +255,7 @@ impl Hub {
 
     /// The seq of batch `index` of `epoch`, if it is published, being made,
     /// or the next one to be made.
-    pub fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
+    pub(crate) fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
         if (self.next_epoch, self.next_index) == (epoch, index) {
             return Some(self.next_seq);
         }
@@ -318,7 +320,7 @@ impl Hub {
 
     /// The head: the first batch not yet published, and how many slots
     /// the ring has.
-    pub fn head_seq(&self) -> (u64, u32) {
+    pub(crate) fn head_seq(&self) -> (u64, u32) {
         (self.head(), self.cfg.slots)
     }
 
@@ -330,7 +332,8 @@ impl Hub {
     }
 
     /// Whether consumer `id` is cut from the shared stream.
-    pub fn is_cut(&self, id: ConsumerId) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_cut(&self, id: ConsumerId) -> bool {
         self.consumers.get(&id).is_some_and(|c| c.cut)
     }
 }

@@ -9,7 +9,7 @@ use super::{ConsumerId, CopyOrder, Group, GroupCounts, GroupId, Hub, HubError, S
 impl Hub {
     /// Adds a ring of `slots` copies (one GPU's arena); its members join
     /// with [`Hub::join_group`].
-    pub fn add_group(&mut self, slots: u32) -> GroupId {
+    pub(crate) fn add_group(&mut self, slots: u32) -> GroupId {
         assert!(slots > 0, "validated by the config");
         self.groups.push(Group {
             slots: vec![None; slots as usize],
@@ -21,7 +21,7 @@ impl Hub {
         (self.groups.len() - 1) as GroupId
     }
 
-    pub fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
+    pub(crate) fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
         self.groups.get(g as usize).map(|grp| GroupCounts {
             slots: grp.slots.len() as u32,
             in_use: (grp.slots.len() - grp.free.len()) as u32,
@@ -59,7 +59,7 @@ impl Hub {
     /// sent nothing more (they are told by the runtime and leave; what they
     /// still hold they may release, to no effect). Returns the members. The
     /// runtime must first make sure no copy still reads host memory.
-    pub fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
+    pub(crate) fn fail_group(&mut self, g: GroupId) -> Vec<ConsumerId> {
         let Some(grp) = self.groups.get_mut(g as usize) else {
             return Vec::new();
         };

@@ -6,7 +6,7 @@ use super::{GroupId, Hub, Slot, SlotId};
 
 impl Hub {
     /// Checks every structural invariant.
-    pub fn check_invariants(&self) {
+    pub(crate) fn check_invariants(&self) {
         self.check_slots();
         self.check_groups();
         self.check_consumers();

@@ -9,14 +9,19 @@ use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Window};
 
 impl Hub {
     /// Subscribes a host consumer; returns its id and the first epoch it
-    /// will see.
-    pub fn join(&mut self, window: u32, join: JoinPolicy) -> Result<(ConsumerId, u64), HubError> {
+    /// will see. (The broker joins through [`Hub::join_group`].)
+    #[cfg(test)]
+    pub(crate) fn join(
+        &mut self,
+        window: u32,
+        join: JoinPolicy,
+    ) -> Result<(ConsumerId, u64), HubError> {
         self.join_group(window, join, None, Delivery::Window)
     }
 
     /// Subscribes a consumer of group `group`'s copies (or, with `None`, of
     /// the host slots); returns its id and the first epoch it will see.
-    pub fn join_group(
+    pub(crate) fn join_group(
         &mut self,
         window: impl Into<Window>,
         join: JoinPolicy,
@@ -86,7 +91,7 @@ impl Hub {
     /// Whether consumer `id` may be cut from the shared stream and
     /// replayed to (a decoupled host consumer): the lag limit never
     /// detaches one that may.
-    pub fn may_be_cut(&mut self, id: ConsumerId, may: bool) {
+    pub(crate) fn may_be_cut(&mut self, id: ConsumerId, may: bool) {
         if let Some(c) = self.consumers.get_mut(&id) {
             c.cuttable = may;
         }

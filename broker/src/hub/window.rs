@@ -38,7 +38,7 @@ impl Hub {
     /// Whether a consumer with this window may join (in a group of
     /// `group_slots` slots): checked before anything is allocated for it.
     /// The lag limit bounds its window in its own batches.
-    pub fn check_window(
+    pub(crate) fn check_window(
         &self,
         window: impl Into<Window>,
         group_slots: Option<u32>,

@@ -55,7 +55,7 @@ impl MinIoCache {
     }
 
     /// Admits `bytes` if they fit in what is left of the budget.
-    pub fn offer(&self, index: u64, bytes: &[u8]) {
+    pub(crate) fn offer(&self, index: u64, bytes: &[u8]) {
         let len = bytes.len() as u64;
         // Reserve first so concurrent offers never overshoot the budget.
         let reserved = self

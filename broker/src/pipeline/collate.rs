@@ -18,7 +18,7 @@ use super::{ImagePipeline, PipelineCounts, PipelineError, Place, Worker};
 
 /// What fills a stream's slots, shared by its pipeline threads.
 #[derive(Debug, Clone)]
-pub enum SlotWriter {
+pub(crate) enum SlotWriter {
     Synthetic(SyntheticSpec),
     /// Fields `image`, `label`, `index`, in that order.
     Images(Arc<ImagePipeline>),
@@ -26,11 +26,11 @@ pub enum SlotWriter {
 
 /// One pipeline thread's state: a decoder and buffers for images.
 #[derive(Debug)]
-pub struct ThreadState(Option<Worker>);
+pub(crate) struct ThreadState(Option<Worker>);
 
 impl SlotWriter {
     /// A pipeline thread's own state.
-    pub fn thread_state(&self) -> Result<ThreadState, DecodeError> {
+    pub(crate) fn thread_state(&self) -> Result<ThreadState, DecodeError> {
         Ok(ThreadState(match self {
             SlotWriter::Synthetic(_) => None,
             SlotWriter::Images(_) => Some(Worker::new()?),
@@ -42,7 +42,7 @@ impl SlotWriter {
     /// in schema order); returns how many. `first`: where the first sample
     /// lies in the source's sequence (the next ones follow it), and
     /// whether this is a replayed batch.
-    pub fn write_batch(
+    pub(crate) fn write_batch(
         &self,
         state: &mut ThreadState,
         epoch: u64,
@@ -101,14 +101,14 @@ impl SlotWriter {
     }
 
     /// Tells a shared source whether this stream takes batches.
-    pub fn set_live(&self, live: bool) {
+    pub(crate) fn set_live(&self, live: bool) {
         if let SlotWriter::Images(p) = self {
             p.set_live(live);
         }
     }
 
     /// Whether the dataset is remote (reads ahead).
-    pub fn reads_remote(&self) -> bool {
+    pub(crate) fn reads_remote(&self) -> bool {
         matches!(self, SlotWriter::Images(p) if p.dataset.remote.is_some())
     }
 

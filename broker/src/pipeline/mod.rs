@@ -1,5 +1,5 @@
 //! The native pipeline: read → decode → transform → write into the slot
-//! ([`collate`]), once per host, for every consumer.
+//! (`collate`), once per host, for every consumer.
 //!
 //! Bad input never tears a batch: with `on_error = "skip"` a sample that
 //! cannot be read or decoded is replaced, deterministically, by the next
@@ -9,13 +9,13 @@
 
 pub mod augment;
 pub mod cache;
-pub mod collate;
+pub(crate) mod collate;
 pub mod dataset;
 pub mod decode;
 pub mod erase;
-pub mod layout;
+pub(crate) mod layout;
 pub mod random;
-pub mod sampler;
+pub(crate) mod sampler;
 pub mod shared;
 pub mod transform;
 
@@ -199,7 +199,7 @@ impl ImagePipeline {
     }
 
     /// Tells a shared source whether this stream takes batches.
-    pub fn set_live(&self, live: bool) {
+    pub(crate) fn set_live(&self, live: bool) {
         if let Some((s, m)) = &self.share {
             s.set_live(*m, live);
         }
@@ -207,13 +207,13 @@ impl ImagePipeline {
 
     /// A batch of this stream's own (not a replay) starts at `at` in its
     /// source's sequence; [`ImagePipeline::batch_done`] when it is filled.
-    pub fn batch_started(&self, at: u64) {
+    pub(crate) fn batch_started(&self, at: u64) {
         if let Some((s, m)) = &self.share {
             s.begin(*m, at);
         }
     }
 
-    pub fn batch_done(&self, at: u64, end: u64) {
+    pub(crate) fn batch_done(&self, at: u64, end: u64) {
         if let Some((s, m)) = &self.share {
             s.end(*m, at, end);
         }

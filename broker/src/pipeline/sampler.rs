@@ -31,18 +31,12 @@ pub enum Uneven {
 pub struct Split {
     pub rank: u64,
     pub world_size: u64,
-    pub uneven: Uneven,
+    pub(crate) uneven: Uneven,
 }
 
 impl Split {
-    pub const WHOLE: Split = Split {
-        rank: 0,
-        world_size: 1,
-        uneven: Uneven::Pad,
-    };
-
     /// Samples per epoch on each host (DistributedSampler's `num_samples`).
-    pub fn per_rank(&self, len: u64) -> u64 {
+    pub(crate) fn per_rank(&self, len: u64) -> u64 {
         let w = self.world_size;
         if self.uneven == Uneven::Drop && !len.is_multiple_of(w) {
             (len - w).div_ceil(w)
@@ -86,7 +80,7 @@ fn fisher_yates<T>(v: &mut [T], rng: &mut SplitMix64) {
 }
 
 /// The whole-dataset order of a random-access dataset for `epoch`.
-pub fn permutation(len: u64, shuffle: bool, seed: u64, epoch: u64) -> Vec<u64> {
+pub(crate) fn permutation(len: u64, shuffle: bool, seed: u64, epoch: u64) -> Vec<u64> {
     let mut order: Vec<u64> = (0..len).collect();
     if shuffle {
         fisher_yates(&mut order, &mut epoch_rng(seed, epoch, 0));
@@ -96,7 +90,7 @@ pub fn permutation(len: u64, shuffle: bool, seed: u64, epoch: u64) -> Vec<u64> {
 
 /// The whole-dataset order of a sharded dataset for `epoch`: shards in a
 /// permuted order, their samples through a shuffle buffer of `buffer`.
-pub fn sharded(
+pub(crate) fn sharded(
     shards: &[std::ops::Range<usize>],
     shuffle: bool,
     buffer: usize,

@@ -12,11 +12,11 @@ use crate::pipeline::augment::{Augment, Resample};
 use crate::pipeline::erase::{EraseValue, Erasing};
 
 /// Most magnitude bins an automatic augmentation may have.
-pub const MAX_BINS: u32 = 1024;
+pub(crate) const MAX_BINS: u32 = 1024;
 /// Most ops RandAugment may chain.
-pub const MAX_RAND_OPS: u32 = 16;
+pub(crate) const MAX_RAND_OPS: u32 = 16;
 /// Largest Gaussian blur kernel side.
-pub const MAX_KERNEL: u32 = 255;
+pub(crate) const MAX_KERNEL: u32 = 255;
 
 fn probability(name: &'static str, p: f64) -> Result<f64, StreamError> {
     if (0.0..=1.0).contains(&p) {

@@ -11,42 +11,42 @@ use super::{StreamError, key, mem_total_bytes};
 use crate::config::{BrokerSection, Pace, StreamConfig};
 
 /// Most slots of a stream: each mailbox consumer may owe every one of them.
-pub const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
+pub(crate) const MAX_SLOTS: u32 = MailboxSpec::MAX_BATCHES;
 /// Most samples in a batch.
-pub const MAX_BATCH_SIZE: u64 = 1 << 20;
+pub(crate) const MAX_BATCH_SIZE: u64 = 1 << 20;
 /// Most pipeline threads of a stream (each has its own stack and decoder).
-pub const MAX_WORKERS: usize = 256;
+pub(crate) const MAX_WORKERS: usize = 256;
 /// Most consumers a stream may wait for (the broker serves 1,024
 /// connections at once by default).
-pub const MAX_MIN_CONSUMERS: u32 = 1024;
+pub(crate) const MAX_MIN_CONSUMERS: u32 = 1024;
 /// Most samples of a synthetic dataset (its order takes 8 bytes a sample
 /// per epoch).
-pub const MAX_SYNTHETIC_LEN: u64 = 1 << 27;
+pub(crate) const MAX_SYNTHETIC_LEN: u64 = 1 << 27;
 /// Most samples a tar shuffle buffer holds.
-pub const MAX_SHUFFLE_BUFFER: usize = 1_000_000;
+pub(crate) const MAX_SHUFFLE_BUFFER: usize = 1_000_000;
 /// Largest output side of a transform, in pixels.
-pub const MAX_SIDE: u32 = 16384;
+pub(crate) const MAX_SIDE: u32 = 16384;
 /// Largest `max_pixels` (an image's width × height).
-pub const MAX_PIXELS: u64 = 1 << 32;
+pub(crate) const MAX_PIXELS: u64 = 1 << 32;
 /// Most hosts a dataset is split over.
-pub const MAX_WORLD_SIZE: u64 = 1 << 20;
+pub(crate) const MAX_WORLD_SIZE: u64 = 1 << 20;
 /// Largest `max_file_bytes`.
-pub const MAX_FILE_BYTES: u64 = 1 << 32;
+pub(crate) const MAX_FILE_BYTES: u64 = 1 << 32;
 /// Most batches in an external producer's epoch.
-pub const MAX_BATCHES_PER_EPOCH: u64 = 1 << 40;
+pub(crate) const MAX_BATCHES_PER_EPOCH: u64 = 1 << 40;
 /// Most connections a broker serves (each is a file descriptor and a task).
 pub const MAX_CONNECTIONS: u64 = 65536;
 /// Longest `idle_timeout_s`: a day.
-pub const MAX_IDLE_S: u64 = 86400;
+pub(crate) const MAX_IDLE_S: u64 = 86400;
 /// The `[broker]` defaults.
-pub const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
-pub const DEFAULT_MAX_CONNECTIONS_PER_UID: u64 = 128;
-pub const DEFAULT_IDLE_S: u64 = 60;
-pub const DEFAULT_REGISTRATION_TIMEOUT_S: u64 = 30;
-pub const DEFAULT_GUEST_PREFIX: &str = "{user}.";
+pub(crate) const DEFAULT_MAX_CONNECTIONS: u64 = 1024;
+pub(crate) const DEFAULT_MAX_CONNECTIONS_PER_UID: u64 = 128;
+pub(crate) const DEFAULT_IDLE_S: u64 = 60;
+pub(crate) const DEFAULT_REGISTRATION_TIMEOUT_S: u64 = 30;
+pub(crate) const DEFAULT_GUEST_PREFIX: &str = "{user}.";
 /// The smallest memory budget: the frame buffers of a few connections and
 /// a small arena.
-pub const MIN_MEMORY_MIB: u64 = 64;
+pub(crate) const MIN_MEMORY_MIB: u64 = 64;
 /// The budget where the host's memory cannot be read: 4 GiB.
 const DEFAULT_MEMORY_MIB_UNKNOWN_RAM: u64 = 4096;
 

@@ -34,10 +34,8 @@ mod source;
 #[cfg(test)]
 mod tests;
 
-pub use checks::{
-    MAX_BATCH_SIZE, MAX_BATCHES_PER_EPOCH, MAX_FILE_BYTES, MAX_MIN_CONSUMERS, MAX_PIXELS,
-    MAX_SHUFFLE_BUFFER, MAX_SIDE, MAX_SLOTS, MAX_SYNTHETIC_LEN, MAX_WORKERS, MAX_WORLD_SIZE,
-};
+pub(crate) use checks::{MAX_BATCH_SIZE, MAX_BATCHES_PER_EPOCH, MAX_SLOTS, MAX_SYNTHETIC_LEN};
+
 use checks::{
     check_fields, check_flow, check_limits, check_name, check_pace, producer_hold_limit,
     run_ahead_slots, within,

@@ -12,9 +12,9 @@ use crate::remote::fetch::Limits;
 use crate::remote::url::{RemoteUrl, Scheme};
 
 /// Most requests in flight for one dataset.
-pub const MAX_REQUESTS: u32 = 256;
+pub(crate) const MAX_REQUESTS: u32 = 256;
 /// Most units in the read-ahead window.
-pub const MAX_READ_AHEAD: u32 = 65_536;
+pub(crate) const MAX_READ_AHEAD: u32 = 65_536;
 
 /// The settings of a stream whose dataset is at a URL.
 pub(super) fn settings(s: &StreamConfig, url: &RemoteUrl) -> Result<Settings, StreamError> {

@@ -11,7 +11,7 @@ use crate::config::{Config, Pace, SourceConfig, StreamConfig};
 use crate::pipeline::shared::{MAX_MEMBERS, MemberSpec, SharePlan, ShareSeat};
 
 /// Largest `ahead` (samples a stream may run ahead of a slower one).
-pub const MAX_AHEAD: u64 = 1 << 20;
+pub(crate) const MAX_AHEAD: u64 = 1 << 20;
 
 fn source_err(name: &str, message: impl Into<String>) -> PlanError {
     PlanError::Source {

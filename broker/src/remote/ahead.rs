@@ -1,7 +1,7 @@
 //! The read-ahead window: units fetched ahead of the pipeline, at most
 //! `max_units` of them and `max_bytes` together (in flight or ready).
 //!
-//! The pipeline says where it reads ([`Ahead::admit`]: a lead position
+//! The pipeline says where it reads (`Ahead::admit`: a lead position
 //! and the units of the samples after it, in order); the window starts
 //! fetches for the first of those it does not hold, while it has room;
 //! tar members in bursts (once a quarter of the nearest units is missing,
@@ -29,7 +29,7 @@ use super::fetch::{FailKind, FetchError};
 
 /// What an object of unknown size (given as 0) is assumed to weigh
 /// before any has arrived; after, the mean of those that did.
-pub const UNKNOWN_SIZE: u64 = 256 << 10;
+pub(crate) const UNKNOWN_SIZE: u64 = 256 << 10;
 
 /// A unit of the window: the bytes `start..end` of object `object` (a
 /// tar member, or a shard part while a shard is indexed), or the whole
@@ -123,7 +123,7 @@ impl Ahead {
         }
     }
 
-    pub fn max_units(&self) -> usize {
+    pub(crate) fn max_units(&self) -> usize {
         self.max_units
     }
 
@@ -134,7 +134,7 @@ impl Ahead {
     /// Which of `upcoming` (the units of the samples at positions `lead`,
     /// `lead + 1`, ..., with their sizes) to fetch now; they are in the
     /// window as pending when this returns.
-    pub fn admit(&self, lead: u64, upcoming: &[(Unit, u64)]) -> Vec<Unit> {
+    pub(crate) fn admit(&self, lead: u64, upcoming: &[(Unit, u64)]) -> Vec<Unit> {
         if self.max_units == 0 || self.max_bytes == 0 {
             return Vec::new();
         }
@@ -240,7 +240,7 @@ impl Ahead {
     }
 
     /// A fetch ended: its bytes or its error, for the readers waiting.
-    pub fn settle(&self, u: Unit, r: Result<Bytes, FetchError>) {
+    pub(crate) fn settle(&self, u: Unit, r: Result<Bytes, FetchError>) {
         let mut w = self.lock();
         let mut delta: i64 = 0;
         let mut w_arrived = None;

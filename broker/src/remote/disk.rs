@@ -59,7 +59,7 @@ pub struct DiskCounts {
     /// Entries found torn or corrupt (removed, fetched again).
     pub corrupt: u64,
     /// Writes that failed (a full disk among them).
-    pub write_errors: u64,
+    pub(crate) write_errors: u64,
 }
 
 #[derive(Debug)]
@@ -157,12 +157,12 @@ impl DiskCache {
 
     /// A record about the dataset (a listing), not counted as a hit or a
     /// miss of the data.
-    pub fn get_record(&self, key: &str) -> Option<Bytes> {
+    pub(crate) fn get_record(&self, key: &str) -> Option<Bytes> {
         self.find(key)
     }
 
     /// Keeps record `bytes` under `key` in place of the one there.
-    pub fn put_record(&self, key: &str, bytes: &[u8]) {
+    pub(crate) fn put_record(&self, key: &str, bytes: &[u8]) {
         self.store(key, bytes, true);
     }
 

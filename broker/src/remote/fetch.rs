@@ -6,7 +6,7 @@
 //! then win it back one by one (AIMD). `object_store`'s own retries are
 //! off: they would hide each 503 from the rate control and can take
 //! minutes. While requests are retried, the log says so at most every
-//! [`WARN_EVERY`] (the pipeline may be waiting for the store).
+//! `WARN_EVERY` (the pipeline may be waiting for the store).
 
 use std::future::Future;
 use std::ops::Range;
@@ -28,7 +28,7 @@ use batchcast::synthetic::{SplitMix64, mix64};
 /// An object's version as listings keep it: its ETag (quotes and a weak
 /// marker dropped, as stores differ there between listings and reads),
 /// else `mtime:` and its last-modified time.
-pub fn version_of(m: &ObjectMeta) -> String {
+pub(crate) fn version_of(m: &ObjectMeta) -> String {
     match &m.e_tag {
         Some(e) => etag(e).to_string(),
         None => format!("mtime:{}", m.last_modified.to_rfc3339()),
@@ -42,7 +42,7 @@ fn etag(e: &str) -> &str {
 /// Whether what a read answered is the version listed: by ETag, where
 /// both have one (last-modified times differ in precision between a
 /// listing and a read, so they are not compared).
-pub fn same_version(listed: &str, read: &ObjectMeta) -> bool {
+pub(crate) fn same_version(listed: &str, read: &ObjectMeta) -> bool {
     match &read.e_tag {
         Some(e) if !listed.is_empty() && !listed.starts_with("mtime:") => etag(e) == listed,
         _ => true,
@@ -68,7 +68,7 @@ pub struct Limits {
 pub struct FetchError {
     pub url: String,
     pub kind: FailKind,
-    pub detail: String,
+    pub(crate) detail: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,14 +202,14 @@ pub struct Counts {
     pub retries: AtomicU64,
     pub throttled: AtomicU64,
     pub failed: AtomicU64,
-    pub in_flight: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
     /// The longest one read took, its retries included (ns).
-    pub longest_ns: AtomicU64,
+    pub(crate) longest_ns: AtomicU64,
     pub last_error: Mutex<Option<String>>,
 }
 
 /// Longest between two log lines saying a store's requests are retried.
-pub const WARN_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// One store, and how its requests are made.
 #[derive(Debug)]
@@ -264,7 +264,7 @@ impl Fetcher {
         self.closing.notify_waiters();
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::SeqCst)
     }
 

@@ -37,7 +37,7 @@ impl Ticket {
 /// Requests in flight a store starts with: a plain HTTP server (Python's
 /// `http.server`, a small nginx) may take only a few connections at once;
 /// object stores soon earn their `requests` by slow start.
-pub const START_REQUESTS: u32 = 8;
+pub(crate) const START_REQUESTS: u32 = 8;
 
 /// The AIMD gate: at most `limit` requests at once, `limit` between 1 and
 /// `max`, starting at [`START_REQUESTS`] and grown by one per success

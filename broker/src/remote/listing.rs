@@ -18,7 +18,11 @@ const MAGIC: &[u8; 8] = b"BCLIST01";
 
 /// The listing under `key` if the disk tier holds one younger than
 /// `max_age`, with its age.
-pub fn cached(disk: &DiskCache, key: &str, max_age: Duration) -> Option<(Vec<Object>, Duration)> {
+pub(crate) fn cached(
+    disk: &DiskCache,
+    key: &str,
+    max_age: Duration,
+) -> Option<(Vec<Object>, Duration)> {
     if max_age.is_zero() {
         return None;
     }

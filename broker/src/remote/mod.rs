@@ -26,7 +26,7 @@ pub mod disk;
 pub mod fetch;
 mod gate;
 pub mod listing;
-pub mod redact;
+pub(crate) mod redact;
 pub mod runs;
 mod store;
 pub mod url;
@@ -45,30 +45,30 @@ use ahead::{Ahead, Taken};
 use disk::DiskCache;
 use fetch::{FetchError, Fetcher, Limits};
 use runs::runs;
-pub use store::{CROSS_HOST, open_store};
+pub(crate) use store::{CROSS_HOST, open_store};
 
 /// How a remote dataset is read (`[stream.remote]`, planned).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub limits: Limits,
     /// Samples fetched or held ahead of the pipeline, at most.
-    pub read_ahead: u32,
+    pub(crate) read_ahead: u32,
     /// Their bytes, at most (taken from the broker's memory budget).
-    pub read_ahead_bytes: u64,
+    pub(crate) read_ahead_bytes: u64,
     /// A shard's range requests, at most.
-    pub part_bytes: u64,
+    pub(crate) part_bytes: u64,
     pub cache_dir: Option<PathBuf>,
-    pub cache_dir_bytes: u64,
+    pub(crate) cache_dir_bytes: u64,
     /// A listing in the disk tier younger than this is used instead of
     /// listing again (zero: always list).
-    pub listing_max_age: Duration,
+    pub(crate) listing_max_age: Duration,
     /// The store's address where not the default (see `RemoteConfig`).
     pub endpoint: Option<String>,
     /// Unsigned requests (public buckets).
     pub anonymous: bool,
     /// A whole object's bytes, at most (the source's `max_file_bytes`):
     /// a larger answer is refused before it is read.
-    pub max_object_bytes: u64,
+    pub(crate) max_object_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +103,7 @@ pub struct Object {
 #[derive(Debug)]
 pub struct RemoteSet {
     fetcher: Arc<Fetcher>,
-    pub objects: Vec<Object>,
+    pub(crate) objects: Vec<Object>,
     /// `None`: units are whole objects (image folders), taken once read;
     /// else shard parts of this many bytes, kept while the window wants
     /// them.
@@ -147,7 +147,7 @@ impl RemoteSet {
     }
 
     /// Takes the read-ahead window's bytes from the broker's budget, once.
-    pub fn reserve(
+    pub(crate) fn reserve(
         &self,
         budget: &Arc<crate::budget::Budget>,
         uid: u32,
@@ -185,7 +185,7 @@ impl RemoteSet {
 
     /// Units of the bytes `range` of object `o` (a tar member), or of the
     /// object (whole), with their size (0: unknown).
-    pub fn unit_of(&self, o: u32, range: Option<Range<u64>>) -> (Unit, u64) {
+    pub(crate) fn unit_of(&self, o: u32, range: Option<Range<u64>>) -> (Unit, u64) {
         match range {
             Some(r) => (Unit::range(o, r.clone()), r.end.saturating_sub(r.start)),
             None => (Unit::whole(o), self.objects[o as usize].size.unwrap_or(0)),
@@ -259,7 +259,7 @@ impl RemoteSet {
     /// Fetches unit `u`: from the disk tier (a whole object or part as
     /// kept, a member from its part), else the store; whole objects and
     /// parts are then kept on disk.
-    pub async fn fetch_unit(self: Arc<Self>, u: Unit) -> Result<Bytes, FetchError> {
+    pub(crate) async fn fetch_unit(self: Arc<Self>, u: Unit) -> Result<Bytes, FetchError> {
         let kept = self.disk.is_some() && (u.bytes().is_none() || self.is_part(u));
         if self.disk.is_some() {
             let me = self.clone();
@@ -395,12 +395,12 @@ impl RemoteSet {
     }
 
     /// How many units the window holds at most.
-    pub fn read_ahead_units(&self) -> usize {
+    pub(crate) fn read_ahead_units(&self) -> usize {
         self.ahead.max_units()
     }
 
     /// The size shard `o` was listed with.
-    pub fn listed_size(&self, o: u32) -> Option<u64> {
+    pub(crate) fn listed_size(&self, o: u32) -> Option<u64> {
         self.objects[o as usize].size
     }
 
@@ -498,7 +498,7 @@ impl RemoteSet {
 }
 
 /// Refuses a sample of more than `max_bytes` (the source's `max_file_bytes`).
-pub fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
+pub(crate) fn check_size(len: u64, max_bytes: u64) -> std::io::Result<()> {
     if len > max_bytes {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

@@ -15,7 +15,7 @@
 use std::sync::OnceLock;
 
 /// The longest store text kept, in characters.
-pub const MAX_CHARS: usize = 300;
+pub(crate) const MAX_CHARS: usize = 300;
 
 /// Where the stores' clients (`object_store`'s builders `from_env`) take
 /// credentials from: their values never reach a message.
@@ -70,12 +70,12 @@ fn env_secrets() -> &'static [String] {
 }
 
 /// `text` (from a store) safe to show: see the module's doc.
-pub fn store_text(text: &str) -> String {
+pub(crate) fn store_text(text: &str) -> String {
     bounded(&redact(text, env_secrets()))
 }
 
 /// `text` with each of `secrets` and anything credential-shaped replaced.
-pub fn redact(text: &str, secrets: &[String]) -> String {
+pub(crate) fn redact(text: &str, secrets: &[String]) -> String {
     let mut t = text.to_string();
     for s in secrets {
         if t.contains(s.as_str()) {

@@ -5,11 +5,11 @@ use super::ahead::Unit;
 
 /// Members of one shard read close together are fetched by one range
 /// request when the bytes between them are few.
-pub const RUN_GAP: u64 = 64 << 10;
+pub(crate) const RUN_GAP: u64 = 64 << 10;
 
 /// `units` (in reading order) grouped into fetches: a whole object
 /// alone; members of one shard, by offset, merged while the gap between
-/// them is at most [`RUN_GAP`] and the run at most `max_run` bytes (a
+/// them is at most `RUN_GAP` and the run at most `max_run` bytes (a
 /// shard part). The fetches go out in reading order (a run where its
 /// first-read member is), since a limit on requests in flight makes the
 /// later ones wait: the next batch's samples must not queue behind

@@ -13,7 +13,10 @@ use super::url::{RemoteUrl, Scheme};
 use super::{RemoteError, Settings};
 
 /// Builds the client of the store `url` names, with no retries of its own.
-pub fn open_store(url: &RemoteUrl, s: &Settings) -> Result<Arc<dyn ObjectStore>, RemoteError> {
+pub(crate) fn open_store(
+    url: &RemoteUrl,
+    s: &Settings,
+) -> Result<Arc<dyn ObjectStore>, RemoteError> {
     use object_store::{ClientOptions, RetryConfig};
     // The client's own timeout is a backstop: batchcast's (fetch.rs) ends
     // a try first, with a message naming `timeout_s`.
@@ -115,11 +118,11 @@ fn same_host(s: &Settings) -> SameHost {
 /// The most of an error answer's body read (`object_store` puts it in its
 /// error's text, which `redact::store_text` then cuts to a line): a store
 /// answering 403 with gigabytes is read this far and no further.
-pub const ERROR_BODY_MAX: usize = 64 << 10;
+pub(crate) const ERROR_BODY_MAX: usize = 64 << 10;
 
 /// What a redirect to another host is refused with (`fetch::judge` reads
 /// it: refused for good, not tried again).
-pub const CROSS_HOST: &str = "redirected to another host, which is not followed";
+pub(crate) const CROSS_HOST: &str = "redirected to another host, which is not followed";
 
 /// The client of every store: `object_store`'s settings that matter here
 /// (no decompression: lengths and ranges are the bytes'), redirects

@@ -7,7 +7,7 @@ use std::fmt;
 
 /// Which kind of store an address names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scheme {
+pub(crate) enum Scheme {
     S3,
     Gcs,
     Azure,
@@ -16,7 +16,7 @@ pub enum Scheme {
 
 impl Scheme {
     /// Where this store's credentials come from, for messages.
-    pub fn credentials_hint(self) -> &'static str {
+    pub(crate) fn credentials_hint(self) -> &'static str {
         match self {
             Scheme::S3 => {
                 "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, web identity (AWS_WEB_IDENTITY_TOKEN_FILE) or the instance's metadata; ~/.aws profiles are not read"
@@ -36,7 +36,7 @@ impl Scheme {
 /// inside it (no leading `/`; a folder ends with `/`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteUrl {
-    pub scheme: Scheme,
+    pub(crate) scheme: Scheme,
     /// `s3://bucket`, `https://host:port`: the store's root.
     pub root: String,
     /// The path under the root, without a leading `/`.
@@ -64,7 +64,7 @@ pub enum UrlError {
 }
 
 /// Whether `s` is a URL (of any scheme) rather than a local path.
-pub fn is_url(s: &str) -> bool {
+pub(crate) fn is_url(s: &str) -> bool {
     s.split_once("://").is_some_and(|(scheme, _)| {
         !scheme.is_empty()
             && scheme
@@ -130,7 +130,7 @@ impl RemoteUrl {
     }
 
     /// The same store, another path.
-    pub fn with_path(&self, path: &str) -> RemoteUrl {
+    pub(crate) fn with_path(&self, path: &str) -> RemoteUrl {
         RemoteUrl {
             path: path.trim_start_matches('/').to_string(),
             ..self.clone()

@@ -47,7 +47,7 @@ pub struct Ticket {
 
 /// Why a peer gets no connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
+pub(crate) struct Refusal {
     pub code: ErrorCode,
     pub message: String,
 }
@@ -74,7 +74,7 @@ impl Admission {
     }
 
     /// Admits a peer of `uid`/`gid`/`pid`, or says why not.
-    pub fn admit(
+    pub(crate) fn admit(
         self: &Arc<Self>,
         uid: u32,
         gid: u32,
@@ -143,7 +143,7 @@ impl Admission {
     /// Whether `uid` may register a stream called `name`: the broker's own
     /// user may use any free name; another user only names under its
     /// prefix, so no guest can take a name the owner's trainers expect.
-    pub fn may_name(&self, uid: u32, name: &str) -> Result<(), Refusal> {
+    pub(crate) fn may_name(&self, uid: u32, name: &str) -> Result<(), Refusal> {
         if !self.is_guest(uid) {
             return Ok(());
         }
@@ -161,7 +161,7 @@ impl Admission {
     }
 
     /// `guest_prefix` for `uid`: its user name (or `u{uid}` without one).
-    pub fn prefix_of(&self, uid: u32) -> String {
+    pub(crate) fn prefix_of(&self, uid: u32) -> String {
         let user = nix::unistd::User::from_uid(uid.into())
             .ok()
             .flatten()
@@ -174,7 +174,7 @@ impl Admission {
 
     /// Whether `uid` may change `owner`'s stream (its `min_consumers`): the
     /// stream's owner and the broker's user may.
-    pub fn may_control(&self, uid: u32, owner: u32, stream: &str) -> Result<(), Refusal> {
+    pub(crate) fn may_control(&self, uid: u32, owner: u32, stream: &str) -> Result<(), Refusal> {
         if uid == owner || !self.is_guest(uid) {
             return Ok(());
         }

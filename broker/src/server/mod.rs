@@ -47,7 +47,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// schema is the largest; a few KiB). With it, every connection's buffer
 /// is bounded, and all of them together are reserved from the memory
 /// budget at start: `max_connections × FRAME_BUFFER_BYTES`.
-pub const MAX_CLIENT_FRAME: usize = 64 << 10;
+pub(crate) const MAX_CLIENT_FRAME: usize = 64 << 10;
 pub const FRAME_BUFFER_BYTES: u64 = (MAX_CLIENT_FRAME + 4096) as u64;
 
 /// Everything the connection tasks share.

@@ -104,11 +104,11 @@ impl Stream {
     }
 
     /// A mailbox consumer rang: it released while a producer waited.
-    pub fn doorbell(&self) {
+    pub(crate) fn doorbell(&self) {
         self.with_hub(|inner| inner.deliver.drain_all = true);
     }
 
-    /// See [`crate::hub::Hub::set_min_consumers`]; whether the stream was still
+    /// See `crate::hub::Hub::set_min_consumers`; whether the stream was still
     /// waiting to start.
     pub fn set_min_consumers(&self, min: u32) -> bool {
         self.with_hub(|inner| {

@@ -97,7 +97,7 @@ pub enum ReplayError {
 /// Why a pipeline thread could not make a replayed batch (that consumer
 /// alone is ended with it).
 #[derive(Debug, thiserror::Error)]
-pub enum MakeError {
+pub(crate) enum MakeError {
     #[error("samples {first}..{end} of epoch {epoch} lie outside its {len} samples")]
     OutsideEpoch {
         first: u64,

@@ -5,7 +5,7 @@
 //! * `batches`: a consumer's own batches in the stream's samples: where
 //!   they begin (`Boundaries`) and how many it was sent. Pure.
 //! * `error`: what the stream refuses ([`SubscribeError`],
-//!   [`ReleaseError`], [`ReplayError`]) and why it stops ([`StreamFailed`]).
+//!   `ReleaseError`, `ReplayError`) and why it stops ([`StreamFailed`]).
 //! * `outbox`: the only writer to a consumer: socket messages, mailbox
 //!   notices and their bell, "an error, then a goodbye".
 //! * `replay/book`: one consumer's replay: its arena (with a named
@@ -33,7 +33,7 @@
 //! * `fill`: pipeline threads (`Filling`: their counts and clocks;
 //!   a thread's own loop): waiting for a free slot or a replay job
 //!   (back-pressure, pacing, naps), writing the batch
-//!   ([`crate::pipeline::collate`]) and publishing it.
+//!   (`crate::pipeline::collate`) and publishing it.
 //! * `port`: the external producer's side ([`Port`]): slots handed out one
 //!   at a time, publishing, sealing the arena, the producer leaving.
 //! * `mod.rs` (here): the stream's lifecycle: start, fail, shut down; the
@@ -87,9 +87,10 @@ use crate::plan::{SourcePlan, StreamPlan};
 
 pub use conn::Peer;
 use deliver::settle;
-pub use error::{ReleaseError, ReplayError, StreamFailed, SubscribeError};
+pub use error::ReplayError;
+pub use error::{StreamFailed, SubscribeError};
 pub use port::{Acquire, Port};
-pub use subscribe::{MailboxGrant, Subscription};
+pub use subscribe::Subscription;
 
 /// What the stream's lock guards: what every part needs (the hub, the
 /// connections, what ended), and each part's own state, behind its private
@@ -187,7 +188,7 @@ impl Stream {
     /// Creates the arena and starts the pipeline threads, which wait for
     /// consumers. The arena is sealed against every writer but this process
     /// at once, except for an external stream: its producer maps it writable
-    /// first, and the server seals it ([`Port::seal`]) before any consumer
+    /// first, and the server seals it (`Port::seal`) before any consumer
     /// can see it.
     ///
     /// The arena's bytes are taken from `budget` for `owner_uid` first; a

@@ -45,13 +45,13 @@ impl Stream {
 
 impl Port<'_> {
     /// Forbids any new writable mapping of the arena (see [`Stream::start`]).
-    pub fn seal(&self) -> Result<(), batchcast::Error> {
+    pub(crate) fn seal(&self) -> Result<(), batchcast::Error> {
         self.s.arena.seal_writes()
     }
 
     /// How often a waiting producer's request is looked at again, so that
     /// a consumer keeping it waiting past the hold limit is detached.
-    pub const HOLD_CHECK: Duration = Duration::from_millis(200);
+    pub(crate) const HOLD_CHECK: Duration = Duration::from_millis(200);
 
     /// Resolves when an external producer's request may succeed now.
     pub async fn ready(&self) {
@@ -98,7 +98,7 @@ impl Port<'_> {
     /// consumers (or the stream's own minimum, if more) until
     /// [`Port::end_rejoin_hold`]. `false` if it could not be moved there
     /// (it has started already).
-    pub fn rejoin_at(&self, rejoin: &Rejoin) -> bool {
+    pub(crate) fn rejoin_at(&self, rejoin: &Rejoin) -> bool {
         self.s.with_hub(|inner| {
             let moved = inner.hub.seek(rejoin.epoch, rejoin.index);
             if moved {
@@ -112,14 +112,14 @@ impl Port<'_> {
 
     /// The consumers a registering-again producer waited for had their
     /// grace: the stream goes on with its own minimum of consumers.
-    pub fn end_rejoin_hold(&self) {
+    pub(crate) fn end_rejoin_hold(&self) {
         // Wakes a waiting producer if the stream may start now.
         let min = self.s.plan.min_consumers;
         self.s.with_hub(|inner| inner.hub.set_min_consumers(min));
     }
 
     /// Whether no slot is free (the producer is under back-pressure).
-    pub fn slots_full(&self) -> bool {
+    pub(crate) fn slots_full(&self) -> bool {
         !self.s.lock().hub.has_free_slot()
     }
 
@@ -135,7 +135,7 @@ impl Port<'_> {
     /// An external producer said goodbye with nothing left unpublished.
     /// An endless stream ends normally at an epoch boundary; anything else
     /// ends early, and consumers are told.
-    pub fn producer_done(&self, who: &str) {
+    pub(crate) fn producer_done(&self, who: &str) {
         let s = self.s;
         let early = s.with_hub(|inner| {
             if inner.hub.exhausted() || inner.records.failed.is_some() {

@@ -24,7 +24,7 @@ use crate::hub::{ConsumerId, Delivery};
 pub struct MailboxGrant {
     pub spec: MailboxSpec,
     pub fd: OwnedFd,
-    pub bell: Bell,
+    pub(crate) bell: Bell,
 }
 
 /// What a consumer gets on subscribing.

@@ -10,6 +10,7 @@ use batchcast::proto::Release;
 use batchcast::synthetic::SyntheticSpec;
 
 use crate::pipeline::shared::Shares;
+use crate::stream::error::ReleaseError;
 
 use std::collections::VecDeque;
 use std::sync::Arc;

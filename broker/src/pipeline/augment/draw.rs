@@ -186,7 +186,7 @@ const IMAGENET_POLICY: [[(Kind, f64, u32); 2]; 25] = {
 impl Augment {
     /// Draws this augmentation's ops for one image of `size` (width,
     /// height), appending them to `ops` in the order they apply.
-    pub fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
+    pub(crate) fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
         match *self {
             Augment::VerticalFlip(p) => {
                 if p > 0.0 && uniform(rng, 0.0, 1.0) < p {

@@ -7,7 +7,7 @@
 
 pub mod remote;
 mod root;
-pub use root::DatasetRoot;
+pub(crate) use root::DatasetRoot;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -19,20 +19,20 @@ use std::sync::Arc;
 use crate::remote::{RemoteSet, check_size};
 
 mod shard;
-pub use shard::ShardError;
+pub(crate) use shard::ShardError;
 use shard::{index_shard, warn_cut, warn_unlabelled};
 
 /// The extensions torchvision's ImageFolder accepts (compared
 /// case-insensitively). The format is read from the bytes: files in a
 /// format batchcast does not decode are listed but fail to decode, and
 /// follow the stream's `on_error` policy.
-pub const IMG_EXTENSIONS: &[&str] = &[
+pub(crate) const IMG_EXTENSIONS: &[&str] = &[
     "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp",
 ];
 
 /// The image keys of a WebDataset sample: WebDataset's own image
 /// extensions (ImageFolder's, and GIF, PBM, PNM).
-pub const SHARD_IMAGE_KEYS: &[&str] = &[
+pub(crate) const SHARD_IMAGE_KEYS: &[&str] = &[
     "jpg", "jpeg", "png", "ppm", "bmp", "pgm", "pbm", "pnm", "tif", "tiff", "webp", "gif",
 ];
 
@@ -65,7 +65,7 @@ pub enum DatasetError {
 
 /// Where a sample's encoded image lives.
 #[derive(Debug, Clone)]
-pub enum Location {
+pub(crate) enum Location {
     File(PathBuf),
     /// Object number `n` of a remote dataset.
     Object(u32),
@@ -79,7 +79,7 @@ pub enum Location {
 
 #[derive(Debug, Clone)]
 pub struct Item {
-    pub loc: Location,
+    pub(crate) loc: Location,
     pub label: i64,
 }
 
@@ -94,7 +94,7 @@ pub struct Dataset {
     /// Open shard files (WebDataset only), read with `pread`.
     shards: Vec<(PathBuf, File)>,
     /// Items of each shard, in file order: `items[shard_items[s]]`.
-    pub shard_items: Vec<std::ops::Range<usize>>,
+    pub(crate) shard_items: Vec<std::ops::Range<usize>>,
     /// A remote dataset's objects (its files, or its shards) and reader.
     pub remote: Option<Arc<RemoteSet>>,
 }
@@ -128,7 +128,7 @@ impl Dataset {
 
     /// The name of item `index` in its dataset (a path, an object key,
     /// or a shard member's place), for the stream's digest.
-    pub fn item_name(&self, index: u64) -> String {
+    pub(crate) fn item_name(&self, index: u64) -> String {
         match (&self.items[index as usize].loc, &self.remote) {
             (Location::File(p), _) => p.to_string_lossy().into_owned(),
             (Location::Object(o), Some(r)) => r.objects[*o as usize].path.clone(),
@@ -265,7 +265,7 @@ impl Dataset {
 
     /// Indexes WebDataset-style tar shards: members grouped into samples by
     /// their key (the path up to the first `.` of the file name), the image
-    /// under one of [`SHARD_IMAGE_KEYS`], the label under `.cls` (a decimal
+    /// under one of `SHARD_IMAGE_KEYS`, the label under `.cls` (a decimal
     /// integer). Only tar headers and labels are read here; image bytes are
     /// read later, by offset.
     /// A sample without a label is left out (said once), or with
@@ -344,7 +344,7 @@ fn walk(dir: &Path, out: &mut Vec<Folder>) -> Result<(), (PathBuf, std::io::Erro
     Ok(())
 }
 
-pub fn has_image_extension(path: &Path) -> bool {
+pub(crate) fn has_image_extension(path: &Path) -> bool {
     path.extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| IMG_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
@@ -352,7 +352,7 @@ pub fn has_image_extension(path: &Path) -> bool {
 
 /// Expands one `{000000..000099}` range in a shard pattern, keeping the
 /// width of zero-padded numbers. A pattern without braces names one file.
-pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, DatasetError> {
+pub(crate) fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, DatasetError> {
     let bad = |message: &str| DatasetError::Pattern {
         pattern: pattern.into(),
         message: message.into(),
@@ -390,7 +390,7 @@ pub fn expand_pattern(pattern: &str) -> Result<Vec<PathBuf>, DatasetError> {
 /// device (`/dev/zero`) never ends. The type and size come from the opened
 /// file itself, so a link swapped meanwhile cannot slip past. Returns the
 /// file and its size.
-pub fn open_regular(path: &Path) -> std::io::Result<(File, u64)> {
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<(File, u64)> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)

@@ -8,7 +8,7 @@ use crate::remote::url::{RemoteUrl, UrlError, is_url};
 /// A dataset's root (an image folder) or shard pattern (tar shards), as
 /// the config gave it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DatasetRoot {
+pub(crate) enum DatasetRoot {
     /// A path on this host, a leading `~/` expanded to `$HOME`.
     Local(String),
     /// An address in an object store or on an HTTP server.

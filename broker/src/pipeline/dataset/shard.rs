@@ -18,7 +18,7 @@ pub(super) fn split_key(path: &str) -> (&str, &str) {
 
 /// What is wrong with a WebDataset shard (its file is named with it).
 #[derive(Debug, thiserror::Error)]
-pub enum ShardError {
+pub(crate) enum ShardError {
     #[error("not a readable tar file: {0}")]
     NotTar(std::io::Error),
     #[error("corrupt tar header: {0}")]

@@ -53,18 +53,18 @@ use crate::budget::{Budget, Grant, OverBudget, Use};
 /// At most this many streams share one source (a bit each in an entry).
 mod pace;
 
-pub const MAX_MEMBERS: usize = 64;
+pub(crate) const MAX_MEMBERS: usize = 64;
 
 /// A lockstep stream that has not moved for this long while another
 /// waits for it stops holding the source.
 pub const HOLD_STALL: Duration = Duration::from_secs(1);
 /// The same for a decoupled stream (its consumers fall back on replay).
-pub const DECOUPLED_HOLD: Duration = Duration::from_millis(10);
+pub(crate) const DECOUPLED_HOLD: Duration = Duration::from_millis(10);
 /// A stream that starts taking batches up to this many windows behind
 /// the leader holds the source at once (the leader waits while it
 /// catches up, as a slow consumer holds a stream); one further behind
 /// decodes alone until it is within half a window.
-pub const REACH_WINDOWS: u64 = 8;
+pub(crate) const REACH_WINDOWS: u64 = 8;
 /// Streams on a source start a moment apart (their trainers connect one
 /// after another): for this long after the first becomes live, decodes
 /// of the first `REACH_WINDOWS` windows are also left for the streams not
@@ -100,7 +100,7 @@ pub struct SharePlan {
     pub window: u64,
     /// Bytes of decoded images left for other streams, at most.
     pub budget: u64,
-    /// Its streams, in member order (at most [`MAX_MEMBERS`]).
+    /// Its streams, in member order (at most `MAX_MEMBERS`).
     pub members: Vec<MemberSpec>,
     /// Bytes of the source's cache of encoded bytes (0: none).
     pub cache_bytes: u64,
@@ -149,14 +149,14 @@ impl SourceFiles {
     }
 
     /// Records `index` as bad: `true` the first time (log it then).
-    pub fn mark_bad(&self, index: u64) -> bool {
+    pub(crate) fn mark_bad(&self, index: u64) -> bool {
         self.bad
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(index)
     }
 
-    pub fn is_bad(&self, index: u64) -> bool {
+    pub(crate) fn is_bad(&self, index: u64) -> bool {
         self.bad
             .lock()
             .unwrap_or_else(|p| p.into_inner())

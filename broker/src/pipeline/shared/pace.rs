@@ -7,7 +7,7 @@ use super::*;
 impl SourceShare {
     /// Whether a stream takes batches (it has consumers and epochs left);
     /// one that does not neither holds the others nor is left entries.
-    pub fn set_live(&self, member: usize, live: bool) {
+    pub(crate) fn set_live(&self, member: usize, live: bool) {
         let mut st = self.lock();
         let lead = Self::lead(&st);
         let p = &mut st.members[member];
