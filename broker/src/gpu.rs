@@ -5,7 +5,7 @@
 //! with asynchronous H2D copies on its own CUDA stream, from page-locked
 //! memory.
 //!
-//! The hub ([`crate::hub`], one group per GPU) decides what to copy where,
+//! The hub (`crate::hub`, one group per GPU) decides what to copy where,
 //! and keeps the host slot until the copy is reported and the device slot
 //! until its consumers release it; this module only runs copies and reports
 //! their end.
@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use batchcast::proto::{DeviceArena, DeviceRequest};
 
 /// Identifies a GPU across processes.
-pub type GpuKey = [u8; 16];
+pub(crate) type GpuKey = [u8; 16];
 
 /// Why a GPU cannot be served, or stopped being served. Cloned into each
 /// refusal of a consumer of a failed GPU.
@@ -60,11 +60,13 @@ pub struct CopyRequest {
     pub seq: u64,
 }
 
-/// A piece of a batch to copy: `len` host bytes at `src` to `dst` bytes
-/// into its device slot.
+/// A piece of a batch to copy: `len` host bytes at `at` bytes into the
+/// host arena (`src` in this process's mapping of it) to `dst` bytes into
+/// its device slot.
 #[derive(Debug, Clone, Copy)]
 pub struct Piece {
     pub src: *const u8,
+    pub at: usize,
     pub len: usize,
     pub dst: usize,
 }
@@ -75,6 +77,10 @@ pub trait CopySink: Send + Sync + 'static {
     /// in one or two pieces around its ring's wrap), valid while the sink
     /// is alive; and the size of a device slot.
     fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize);
+    /// A piece's host bytes as a checked slice of the arena (`None` past
+    /// its end): for a copier that copies with the CPU, which then needs
+    /// no raw pointer.
+    fn host_bytes(&self, piece: &Piece) -> Option<&[u8]>;
     /// The copy of `req` to GPU `key` completed after `elapsed_ns`.
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64);
     /// The GPU `key` failed; its consumers must be told.
@@ -382,9 +388,8 @@ pub mod test_gpu {
                     let (pieces, slot_bytes) = sink.host_pieces(req.seq);
                     let mut len = 0;
                     for p in pieces {
-                        // SAFETY: the sink (which owns the host arena) is
-                        // held, and the hub pins the batch until `copied`.
-                        let src = unsafe { std::slice::from_raw_parts(p.src, p.len) };
+                        // The hub pins the batch's cells until `copied`.
+                        let src = sink.host_bytes(&p).expect("a piece inside the host arena");
                         let at = req.device as usize * slot_bytes + p.dst;
                         mem.lock().unwrap()[at..at + p.len].copy_from_slice(src);
                         len += p.len as u64;

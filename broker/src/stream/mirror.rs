@@ -210,8 +210,10 @@ impl CopySink for Stream {
             // mirrored ring's wrap is two pieces.
             for (from, samples, to) in [(cell, first, 0), (0, rings.unit - first, first)] {
                 if samples > 0 {
+                    let at = (r.offset + from * r.bytes_per_sample) as usize;
                     pieces.push(Piece {
-                        src: base.wrapping_add((r.offset + from * r.bytes_per_sample) as usize),
+                        src: base.wrapping_add(at),
+                        at,
                         len: (samples * r.bytes_per_sample) as usize,
                         dst: (fl.offset + to * r.bytes_per_sample) as usize,
                     });
@@ -219,6 +221,10 @@ impl CopySink for Stream {
             }
         }
         (pieces, self.plan.layout.slot_bytes as usize)
+    }
+
+    fn host_bytes(&self, piece: &Piece) -> Option<&[u8]> {
+        self.arena.mapping().get(piece.at as u64, piece.len as u64)
     }
 
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {

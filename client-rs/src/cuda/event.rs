@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 
-use super::{CudaError, Gpu, check, driver_error};
+use super::{CudaError, Gpu, result};
 
 /// A CUDA event without timing (cheap to record and query).
 #[derive(Debug)]
@@ -28,7 +28,7 @@ impl Event {
         flags: sys::CUevent_flags,
     ) -> Result<Event, CudaError> {
         gpu.bind()?;
-        let ev = result::event::create(flags).map_err(|e| driver_error("cuEventCreate", e))?;
+        let ev = result::event_create(flags)?;
         Ok(Event {
             gpu: gpu.clone(),
             ev,
@@ -40,8 +40,7 @@ impl Event {
     pub fn elapsed_since(&self, start: &Event) -> Result<std::time::Duration, CudaError> {
         self.gpu.bind()?;
         // SAFETY: both events are live timing events of this context.
-        let ms = unsafe { result::event::elapsed(start.ev, self.ev) }
-            .map_err(|e| driver_error("cuEventElapsedTime", e))?;
+        let ms = unsafe { result::event_elapsed_ms(start.ev, self.ev) }?;
         Ok(std::time::Duration::from_secs_f64(
             f64::from(ms.max(0.0)) * 1e-3,
         ))
@@ -54,28 +53,20 @@ impl Event {
         self.gpu.bind()?;
         // SAFETY: the event is live; the stream handle is either one of the
         // driver's special values or a stream the caller owns on this GPU.
-        check("cuEventRecord", unsafe {
-            sys::cuEventRecord(self.ev, stream as usize as sys::CUstream)
-        })
+        unsafe { result::event_record(self.ev, stream) }
     }
 
     /// Whether the work before the record has completed.
     pub fn done(&self) -> Result<bool, CudaError> {
         self.gpu.bind()?;
         // SAFETY: the event is live.
-        match unsafe { sys::cuEventQuery(self.ev) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => check("cuEventQuery", other).map(|_| false),
-        }
+        unsafe { result::event_query(self.ev) }
     }
 
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.gpu.bind()?;
         // SAFETY: the event is live.
-        check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(self.ev)
-        })
+        unsafe { result::event_synchronize(self.ev) }
     }
 }
 
@@ -83,7 +74,7 @@ impl Drop for Event {
     fn drop(&mut self) {
         if self.gpu.bind().is_ok() {
             // SAFETY: created in `new`, destroyed once.
-            let _ = unsafe { result::event::destroy(self.ev) };
+            let _ = unsafe { result::event_destroy(self.ev) };
         }
     }
 }

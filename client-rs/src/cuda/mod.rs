@@ -9,15 +9,11 @@
 //! its first call finds no `libcuda`, so [`driver`] probes for the library
 //! before any call).
 //!
-//! Driver calls go through cudarc's `result` layer where it has them
-//! (init, devices, primary contexts, allocation, streams, events). The
-//! rest call `sys` directly, each in one small `unsafe fn` or block here:
-//! the driver version, CUDA IPC (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle`,
-//! `cuIpcCloseMemHandle`), host registration (`cuMemHostRegister`,
-//! `cuMemHostUnregister`), none of which `result` has; and the
-//! host-to-device copy, whose `result` form takes a `&[T]` of the source,
-//! and a shared slice over an arena other processes map is not ours to
-//! form (the copy takes the raw pointer, as the driver does).
+//! Layered as cudarc layers its own: [`result`] holds every driver call,
+//! each a thin function returning `Result<_, CudaError>` (`unsafe` where
+//! the driver asks what the types cannot check, with its `# Safety`); the
+//! types here hold handles and call it, and make no driver call of their
+//! own.
 //!
 //! This is the only module of the crate with `unsafe` CUDA calls. Objects
 //! keep the device's primary context retained for as long as they live and
@@ -25,19 +21,18 @@
 //! used from any thread.
 
 use std::ffi::c_void;
-use std::mem::MaybeUninit;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::result;
 use cudarc::driver::sys;
 
-/// Bytes of a CUDA IPC memory handle.
 mod event;
+pub mod result;
 mod ring;
 
 pub use event::Event;
 pub use ring::{MirroredRing, granularity};
 
+/// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_LEN: usize = 64;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -68,31 +63,7 @@ pub enum CudaError {
     BadRing { len: usize, granularity: usize },
 }
 
-/// Maps a driver status to `Ok` or to a [`CudaError::Driver`] naming the
-/// call and the CUDA error. The name comes from the status itself, so it is
-/// right even when the driver cannot describe it.
-pub fn check(call: &'static str, status: sys::CUresult) -> Result<(), CudaError> {
-    if status == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    let description = if driver_loaded() {
-        result::DriverError(status)
-            .error_string()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|_| "no description".into())
-    } else {
-        "no description".into()
-    };
-    Err(CudaError::Driver {
-        call,
-        name: format!("{status:?}"),
-        description,
-    })
-}
-
-fn driver_error(call: &'static str, e: result::DriverError) -> CudaError {
-    check(call, e.0).expect_err("a DriverError is never CUDA_SUCCESS")
-}
+pub use result::check;
 
 /// Proof that the driver is loaded and initialised.
 #[derive(Debug)]
@@ -110,22 +81,13 @@ fn driver_loaded() -> bool {
 pub fn driver() -> Result<&'static Driver, CudaError> {
     DRIVER
         .get_or_init(|| {
-            // SAFETY: only tries to dlopen the library names cudarc would use.
-            if !unsafe { sys::is_culib_present() } {
+            if !result::library_present() {
                 return Err(CudaError::NoDriver("libcuda.so not found".into()));
             }
-            result::init().map_err(|e| match e.0 {
-                sys::CUresult::CUDA_ERROR_NO_DEVICE => {
-                    CudaError::NoDriver("the driver sees no GPU".into())
-                }
-                _ => driver_error("cuInit", e),
-            })?;
-            let mut version = 0;
-            // SAFETY: the driver is initialised; `version` is a valid out-pointer.
-            check("cuDriverGetVersion", unsafe {
-                sys::cuDriverGetVersion(&mut version)
-            })?;
-            Ok(Driver { version })
+            result::init()?;
+            Ok(Driver {
+                version: result::driver_version()?,
+            })
         })
         .as_ref()
         .map_err(Clone::clone)
@@ -162,18 +124,15 @@ pub fn format_uuid(u: &[u8; 16]) -> String {
 /// Every GPU this process sees.
 pub fn gpus() -> Result<Vec<GpuInfo>, CudaError> {
     driver()?;
-    let count = result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
-    (0..count.max(0) as u32).map(gpu_info).collect()
+    (0..result::device_count()?).map(gpu_info).collect()
 }
 
 fn gpu_info(ordinal: u32) -> Result<GpuInfo, CudaError> {
-    let dev = result::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
-    let uuid = result::device::get_uuid(dev).map_err(|e| driver_error("cuDeviceGetUuid", e))?;
-    let name = result::device::get_name(dev).map_err(|e| driver_error("cuDeviceGetName", e))?;
+    let dev = result::device(ordinal)?;
     Ok(GpuInfo {
         ordinal,
-        uuid: uuid.bytes.map(|b| b as u8),
-        name,
+        uuid: result::device_uuid(dev)?,
+        name: result::device_name(dev)?,
     })
 }
 
@@ -195,19 +154,15 @@ impl Gpu {
     /// The GPU with this process's ordinal `ordinal`.
     pub fn open(ordinal: u32) -> Result<Arc<Gpu>, CudaError> {
         driver()?;
-        let count = result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
-        if ordinal >= count.max(0) as u32 {
-            return Err(CudaError::NoDevice {
-                ordinal,
-                count: count.max(0) as u32,
-            });
+        let count = result::device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
         }
         let info = gpu_info(ordinal)?;
-        let dev =
-            result::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
-        // SAFETY: `dev` is a valid device of an initialised driver.
-        let ctx = unsafe { result::primary_ctx::retain(dev) }
-            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        let dev = result::device(ordinal)?;
+        // SAFETY: `dev` is a device of the initialised driver; `Drop`
+        // releases the context once.
+        let ctx = unsafe { result::primary_ctx_retain(dev) }?;
         Ok(Arc::new(Gpu { info, dev, ctx }))
     }
 
@@ -223,8 +178,7 @@ impl Gpu {
     /// Makes this GPU's context current on the calling thread.
     fn bind(&self) -> Result<(), CudaError> {
         // SAFETY: the context is retained for as long as `self` lives.
-        unsafe { result::ctx::set_current(self.ctx) }
-            .map_err(|e| driver_error("cuCtxSetCurrent", e))
+        unsafe { result::ctx_set_current(self.ctx) }
     }
 }
 
@@ -232,7 +186,7 @@ impl Drop for Gpu {
     fn drop(&mut self) {
         // SAFETY: balances the retain in `open`; every object using the
         // context holds an `Arc<Gpu>`, so none outlives this.
-        let _ = unsafe { result::primary_ctx::release(self.dev) };
+        let _ = unsafe { result::primary_ctx_release(self.dev) };
     }
 }
 
@@ -273,8 +227,7 @@ impl DeviceRange {
         // SAFETY: the source range lies inside the allocation or mapping
         // (asserted), which lives as long as `self`; the destination is a
         // valid exclusive host slice.
-        unsafe { result::memcpy_dtoh_sync(out, self.ptr + offset as u64) }
-            .map_err(|e| driver_error("cuMemcpyDtoH", e))
+        unsafe { result::memcpy_dtoh(out, self.ptr + offset as u64) }
     }
 
     /// Copies host bytes into the range (checks, not the data path).
@@ -289,8 +242,7 @@ impl DeviceRange {
         // SAFETY: the destination lies inside the allocation or mapping
         // (asserted), which lives as long as `self`; the source is a host
         // slice of ours.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, bytes) }
-            .map_err(|e| driver_error("cuMemcpyHtoD", e))
+        unsafe { result::memcpy_htod(self.ptr + offset as u64, bytes) }
     }
 }
 
@@ -311,8 +263,7 @@ impl DeviceBuffer {
         gpu.bind()?;
         // SAFETY: a context is current; `len` bytes of uninitialised device
         // memory are never read by Rust.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }
-            .map_err(|e| driver_error("cuMemAlloc", e))?;
+        let ptr = unsafe { result::mem_alloc(len) }?;
         Ok(DeviceBuffer(DeviceRange {
             gpu: gpu.clone(),
             ptr,
@@ -323,15 +274,9 @@ impl DeviceBuffer {
     /// The handle another process opens with [`IpcMapping::open`].
     pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaError> {
         self.gpu.bind()?;
-        let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
-        // SAFETY: `ptr` is the base of a live cuMemAlloc allocation; the
-        // out-pointer is valid for one handle.
-        check("cuIpcGetMemHandle", unsafe {
-            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), self.ptr)
-        })?;
-        // SAFETY: initialised by the successful call above.
-        let handle = unsafe { handle.assume_init() };
-        Ok(handle.reserved.map(|b| b as u8))
+        // SAFETY: `ptr` is the base of a live cuMemAlloc allocation of the
+        // context made current above.
+        unsafe { result::ipc_handle(self.ptr) }
     }
 }
 
@@ -340,7 +285,7 @@ impl Drop for DeviceBuffer {
         if self.gpu.bind().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc and is freed once; users
             // of the memory (copy streams) are dropped first by their owners.
-            let _ = unsafe { result::free_sync(self.ptr) };
+            let _ = unsafe { result::mem_free(self.ptr) };
         }
     }
 }
@@ -364,19 +309,8 @@ impl IpcMapping {
             .try_into()
             .map_err(|_| CudaError::BadHandle(handle.len()))?;
         gpu.bind()?;
-        let handle = sys::CUipcMemHandle {
-            reserved: bytes.map(|b| b as _),
-        };
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: a context is current and `ptr` is a valid out-pointer;
-        // the driver validates the handle.
-        check("cuIpcOpenMemHandle", unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                handle,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        })?;
+        // SAFETY: a context is current; `Drop` closes the mapping once.
+        let ptr = unsafe { result::ipc_open(bytes) }?;
         Ok(IpcMapping(DeviceRange {
             gpu: gpu.clone(),
             ptr,
@@ -390,7 +324,7 @@ impl Drop for IpcMapping {
         if self.gpu.bind().is_ok() {
             // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once;
             // batches that point into it hold the mapping alive.
-            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            let _ = unsafe { result::ipc_close(self.ptr) };
         }
     }
 }
@@ -425,9 +359,7 @@ impl HostRegistration {
         gpu.bind()?;
         // SAFETY: the caller guarantees the range is mapped for the
         // registration's lifetime.
-        check("cuMemHostRegister", unsafe {
-            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        })?;
+        unsafe { result::host_register(ptr, len) }?;
         Ok(HostRegistration {
             gpu: gpu.clone(),
             ptr: ptr as *mut c_void,
@@ -446,7 +378,7 @@ impl Drop for HostRegistration {
     fn drop(&mut self) {
         if self.gpu.bind().is_ok() {
             // SAFETY: registered in `register`, unregistered once.
-            let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
+            let _ = unsafe { result::host_unregister(self.ptr as *const u8) };
         }
     }
 }
@@ -466,8 +398,7 @@ unsafe impl Sync for CopyStream {}
 impl CopyStream {
     pub fn new(gpu: &Arc<Gpu>) -> Result<CopyStream, CudaError> {
         gpu.bind()?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        let stream = result::stream_create()?;
         Ok(CopyStream {
             gpu: gpu.clone(),
             stream,
@@ -493,16 +424,10 @@ impl CopyStream {
             "copy past the device buffer"
         );
         self.gpu.bind()?;
-        // SAFETY: the destination range lies inside `dst` (asserted); the
-        // caller guarantees the source stays mapped until the copy is done.
-        check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dst.ptr + offset as u64,
-                src as *const c_void,
-                len,
-                self.stream,
-            )
-        })
+        // SAFETY: the destination range lies inside `dst` (asserted), the
+        // stream is live in the context made current above; the caller
+        // guarantees the source stays mapped until the copy is done.
+        unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, len, self.stream) }
     }
 
     /// Records an event after everything queued so far.
@@ -539,8 +464,7 @@ impl CopyStream {
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.gpu.bind()?;
         // SAFETY: the stream is live.
-        unsafe { result::stream::synchronize(self.stream) }
-            .map_err(|e| driver_error("cuStreamSynchronize", e))
+        unsafe { result::stream_synchronize(self.stream) }
     }
 }
 
@@ -550,8 +474,8 @@ impl Drop for CopyStream {
             // SAFETY: wait for queued copies (their sources and destinations
             // are still alive: owners drop streams first), then destroy once.
             unsafe {
-                let _ = result::stream::synchronize(self.stream);
-                let _ = result::stream::destroy(self.stream);
+                let _ = result::stream_synchronize(self.stream);
+                let _ = result::stream_destroy(self.stream);
             }
         }
     }
@@ -580,8 +504,7 @@ mod tests {
 
     #[test]
     fn without_a_driver_every_entry_point_says_so() {
-        // SAFETY: only probes for the library.
-        if unsafe { sys::is_culib_present() } {
+        if result::library_present() {
             return; // a GPU host: the no-driver path cannot be exercised
         }
         assert!(matches!(driver(), Err(CudaError::NoDriver(_))));

@@ -11,45 +11,20 @@
 //! (`SCM_RIGHTS`); a consumer imports it and maps it the same way, so both
 //! see the same bytes at the same offsets.
 //!
-//! Driver calls go through cudarc's `sys` layer: its `result` layer has no
-//! virtual memory management.
+//! Driver calls (virtual memory management, which cudarc's own `result`
+//! layer lacks) are in [`super::result`].
 
-use std::ffi::c_void;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::{CudaError, DeviceRange, Gpu, check};
-
-/// What both sides ask of the allocation: device memory of `gpu`,
-/// exportable as a POSIX file descriptor.
-fn properties(gpu: &Gpu) -> sys::CUmemAllocationProp {
-    // SAFETY: a plain C struct of integers and one pointer, for which all
-    // zeroes is the documented "no flags, no metadata" value.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes =
-        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = gpu.info.ordinal as i32;
-    prop
-}
+use super::{CudaError, DeviceRange, Gpu, result};
 
 /// The granularity every ring length is a multiple of on `gpu`.
 pub fn granularity(gpu: &Arc<Gpu>) -> Result<usize, CudaError> {
     gpu.bind()?;
-    let prop = properties(gpu);
-    let mut g = 0usize;
-    // SAFETY: both pointers are valid for the call; a context is current.
-    check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut g,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    })?;
-    Ok(g.max(1))
+    Ok(result::granularity(&result::ring_properties(gpu.info.ordinal))?.max(1))
 }
 
 /// Device memory of `len` bytes mapped at `ptr` and again at `ptr + len`.
@@ -80,12 +55,7 @@ impl MirroredRing {
             .checked_next_multiple_of(g)
             .ok_or_else(|| too_large(min_len))?;
         gpu.bind()?;
-        let prop = properties(gpu);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out-pointer and properties; a context is current.
-        check("cuMemCreate", unsafe {
-            sys::cuMemCreate(&mut handle, len, &prop, 0)
-        })?;
+        let handle = result::mem_create(len, &result::ring_properties(gpu.info.ordinal))?;
         MirroredRing::map(gpu, handle, len, g)
     }
 
@@ -105,17 +75,7 @@ impl MirroredRing {
             });
         }
         gpu.bind()?;
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: for a POSIX fd handle the driver takes the descriptor's
-        // value in place of a pointer (the documented calling convention);
-        // the fd stays open for the call and the driver does not keep it.
-        check("cuMemImportFromShareableHandle", unsafe {
-            sys::cuMemImportFromShareableHandle(
-                &mut handle,
-                fd.as_raw_fd() as isize as *mut c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        })?;
+        let handle = result::mem_import(fd)?;
         MirroredRing::map(gpu, handle, len, g)
     }
 
@@ -138,29 +98,17 @@ impl MirroredRing {
             handle,
         };
         let total = len.checked_mul(2).ok_or_else(|| too_large(len))?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: valid out-pointer; no fixed address asked for.
-        check("cuMemAddressReserve", unsafe {
-            sys::cuMemAddressReserve(&mut ptr, total, align, 0, 0)
-        })?;
+        let ptr = result::address_reserve(total, align)?;
         ring.range.ptr = ptr;
         for half in [ptr, ptr + len as u64] {
             // SAFETY: `half .. half + len` lies inside our own reservation
             // and is not mapped yet; the allocation holds `len` bytes.
-            check("cuMemMap", unsafe {
-                sys::cuMemMap(half, len, 0, handle, 0)
-            })?;
+            unsafe { result::mem_map(half, len, handle) }?;
             // Counted as mapped from here on, so drop unmaps it.
             ring.range.len += len;
         }
-        let access = sys::CUmemAccessDesc {
-            location: properties(gpu).location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the range is mapped (above); one valid descriptor.
-        check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(ptr, total, &access, 1)
-        })?;
+        // SAFETY: the whole reservation is mapped (above).
+        unsafe { result::mem_set_access(ptr, total, gpu.info.ordinal) }?;
         Ok(ring)
     }
 
@@ -173,19 +121,9 @@ impl MirroredRing {
     /// [`MirroredRing::import`] (sent over a Unix socket).
     pub fn export(&self) -> Result<OwnedFd, CudaError> {
         self.range.gpu.bind()?;
-        let mut fd: std::ffi::c_int = -1;
-        // SAFETY: for a POSIX fd handle the out-pointer is an `int`; the
-        // allocation was made exportable as one (`properties`).
-        check("cuMemExportToShareableHandle", unsafe {
-            sys::cuMemExportToShareableHandle(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                self.handle,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        })?;
-        // SAFETY: the driver returned a new descriptor that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // SAFETY: the handle lives as long as `self`; it was made
+        // exportable as a POSIX fd (`result::ring_properties`).
+        unsafe { result::mem_export(self.handle) }
     }
 }
 
@@ -207,12 +145,12 @@ impl Drop for MirroredRing {
         // each once. Batches that point into the ring hold it alive.
         unsafe {
             if self.range.len > 0 {
-                let _ = sys::cuMemUnmap(ptr, self.range.len);
+                let _ = result::mem_unmap(ptr, self.range.len);
             }
             if ptr != 0 {
-                let _ = sys::cuMemAddressFree(ptr, 2 * self.ring_len);
+                let _ = result::address_free(ptr, 2 * self.ring_len);
             }
-            let _ = sys::cuMemRelease(self.handle);
+            let _ = result::mem_release(self.handle);
         }
     }
 }
@@ -220,7 +158,7 @@ impl Drop for MirroredRing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd};
 
     const FD_VAR: &str = "BATCHCAST_TEST_RING_FD";
     const LEN_VAR: &str = "BATCHCAST_TEST_RING_LEN";
