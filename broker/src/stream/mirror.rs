@@ -77,11 +77,8 @@ impl Mirrors {
                 },
             );
         }
-        let state = &self.by_gpu[&req.uuid];
-        match &state.failed {
-            Some(why) => Err(SubscribeError::Device(why.clone())),
-            None => Ok(state.group),
-        }
+        self.check(req)?;
+        Ok(self.by_gpu[&req.uuid].group)
     }
 
     /// The label of a GPU this stream copies to.
