@@ -380,7 +380,7 @@ impl Fetcher {
             if self.is_closed() {
                 break Err(self.error(path, FailKind::Closed, "the stream stopped".into()));
             }
-            let outcome = self.try_once(&attempt).await;
+            let outcome = self.try_once(&attempt, deadline).await;
             let (verdict, detail) = match outcome {
                 Ok(v) => break Ok(v),
                 Err((v, d)) => (v, d),
@@ -427,13 +427,28 @@ impl Fetcher {
     }
 
     /// One try, through the gate, within the request timeout.
-    async fn try_once<T, F, Fut>(&self, attempt: &F) -> Result<T, (Verdict, String)>
+    async fn try_once<T, F, Fut>(
+        &self,
+        attempt: &F,
+        deadline: Instant,
+    ) -> Result<T, (Verdict, String)>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<T, TryError>>,
     {
+        // Waiting for a request slot counts against the stall bound: when
+        // the gate has narrowed to a store that keeps requests waiting, a
+        // read queued behind others gives up at `stall_s` like one whose
+        // tries fail, instead of waiting its turn for as long as it takes.
         let ticket = tokio::select! {
             t = self.gate.enter() => t,
+            _ = tokio::time::sleep_until(deadline.into()) => return Err((
+                Verdict::Transient,
+                format!(
+                    "no request slot within stall_s = {:.1} (the store keeps requests waiting)",
+                    self.limits.stall.as_secs_f64()
+                ),
+            )),
             _ = self.closing.notified() => return Err((Verdict::Transient, "the stream stopped".into())),
         };
         self.counts.requests.fetch_add(1, Ordering::Relaxed);
