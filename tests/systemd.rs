@@ -50,13 +50,23 @@ fn stats(socket: &Path) -> Option<StatsReply> {
         .ok()
 }
 
-fn wait_for(socket: &Path, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
+/// Stats from `socket` once `pred` holds; past `LIMIT`, fails with the
+/// service manager's `log` (what the brokers it started said).
+fn wait_for(
+    socket: &Path,
+    log: &Path,
+    what: &str,
+    pred: impl Fn(&StatsReply) -> bool,
+) -> StatsReply {
     let t0 = Instant::now();
     loop {
         if let Some(s) = stats(socket).filter(|s| pred(s)) {
             return s;
         }
-        assert!(t0.elapsed() < LIMIT, "timed out waiting for {what}");
+        if t0.elapsed() >= LIMIT {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            panic!("timed out waiting for {what}:\n{text}");
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -115,15 +125,9 @@ fn socket_activated_brokers_restart_under_consumers_without_an_error() {
     // stats client gives a handshake 2 s, which a broker started under the
     // suite's load on 2 cores can miss (CI did once): the first answer is
     // awaited, as a person would ask again.
-    let t0 = Instant::now();
-    while stats(&socket).is_none_or(|s| s.streams.len() != 1) {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        assert!(
-            t0.elapsed() < LIMIT,
-            "no socket-activated broker answered:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(&socket, &log, "a socket-activated broker", |s| {
+        s.streams.len() == 1
+    });
     let mut kids = Vec::new();
     let ride = ["--digest", "--sleep-ms", "10", "--resume", "0:0"];
     kids.push(common::spawn_consumer(
@@ -140,7 +144,7 @@ fn socket_activated_brokers_restart_under_consumers_without_an_error() {
     ));
     let mut pids = Vec::new();
     for signal in [Signal::SIGTERM, Signal::SIGKILL] {
-        let s = wait_for(&socket, "both consumers to read on", |s| {
+        let s = wait_for(&socket, &log, "both consumers to read on", |s| {
             s.streams[0].consumers.len() == 2
                 && s.streams[0].consumers.iter().all(|c| c.delivered >= 10)
         });
