@@ -13,6 +13,11 @@ use common::{Env, digests, report};
 /// 400 samples an epoch in batches of 10, 4 epochs, shuffled, every
 /// sample's bytes its own; two consumers start it.
 fn config() -> String {
+    config_starting_with(2)
+}
+
+/// `config()`, the stream starting with `min_consumers` consumers.
+fn config_starting_with(min_consumers: u32) -> String {
     let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
     StreamToml::synthetic("train", 10, 400, &fields)
         .epochs(4)
@@ -20,23 +25,27 @@ fn config() -> String {
         .key("slots", 12)
         .key("max_batch_size", 16)
         .key("workers", 2)
-        .key("min_consumers", 2)
+        .key("min_consumers", min_consumers)
         .fill("full")
         .to_toml()
 }
 
+/// Per-epoch digests of an uninterrupted run of `config()` (at the
+/// stream's batch size and at 16: the same).
+fn reference() -> Vec<(u64, Option<String>)> {
+    let env = Env::start(&config());
+    let a = env.consumer(&["--digest"]);
+    let b = env.consumer(&["--digest", "--batch-size", "16"]);
+    let (a, b) = (report(a), report(b));
+    assert!(a.ok && b.ok, "{a:#?}\n{b:#?}");
+    assert_eq!(digests(&a), digests(&b));
+    assert_eq!(digests(&a).len(), 4);
+    digests(&a)
+}
+
 #[test]
 fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run() {
-    let reference = {
-        let env = Env::start(&config());
-        let a = env.consumer(&["--digest"]);
-        let b = env.consumer(&["--digest", "--batch-size", "16"]);
-        let (a, b) = (report(a), report(b));
-        assert!(a.ok && b.ok, "{a:#?}\n{b:#?}");
-        assert_eq!(digests(&a), digests(&b));
-        digests(&a)
-    };
-    assert_eq!(reference.len(), 4);
+    let reference = reference();
     let mut env = Env::start(&config());
     let ride = ["--digest", "--reconnect-timeout", "30", "--sleep-ms", "3"];
     let a = env.consumer(&[&ride[..], &["--name", "a"]].concat());
@@ -77,6 +86,48 @@ fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run
             r.name
         );
     }
+}
+
+/// The broker dies while one consumer pauses in epoch 0's last part and
+/// the other has read on into epoch 1; the next broker starts with the
+/// second alone (its config: `min_consumers = 1`), and the first, back later, is
+/// replayed from its place past epoch 0's end: that epoch is whole
+/// (`complete`: the consumer saw its start, from the first broker).
+#[test]
+fn an_epoch_end_replayed_after_a_restart_completes_the_epoch_the_consumer_began() {
+    let reference = reference();
+    let mut env = Env::start(&config());
+    let ride = ["--digest", "--reconnect-timeout", "30"];
+    let a = env.consumer(&[&ride[..], &["--name", "a", "--sleep-ms", "20"]].concat());
+    // 20 batches of 16: epoch 0's sample 320, then a pause.
+    let b = env.consumer(
+        &[
+            &ride[..],
+            &["--name", "b", "--batch-size", "16"],
+            &["--stall-after", "20", "--stall-ms", "1500"],
+        ]
+        .concat(),
+    );
+    env.wait_for("b paused in epoch 0, a in epoch 1", |s| {
+        let taken = |n: &str| {
+            s.streams[0]
+                .consumers
+                .iter()
+                .find(|c| c.name == n)
+                .map(|c| c.taken)
+        };
+        matches!(
+            (taken("a"), taken("b")),
+            (Some(a), Some(b)) if a.epoch >= 1 && b.epoch == 0 && b.samples == 320
+        )
+    });
+    std::fs::write(env.path("broker.toml"), config_starting_with(1)).unwrap();
+    env.restart_broker(true);
+    let (a, b) = (report(a), report(b));
+    for r in [&a, &b] {
+        common::assert_rode_through(r, 1, &reference, 400);
+    }
+    assert!(b.replayed_batches >= 5, "{b:#?}");
 }
 
 #[test]

@@ -137,29 +137,41 @@ impl Consumer {
             self.opts.name,
             down.since.elapsed().as_secs_f64()
         );
-        let end = self.inbox.unsaid_epoch_end();
-        // What the program saw carries over; the subscription is new.
-        fresh.opts = self.opts.clone();
-        let (place, was) = (&mut fresh.inbox.place, &self.inbox.place);
-        place.epoch_batches = was.epoch_batches;
-        place.ended_epoch = was.ended_epoch;
-        place.started_at = was.started_at;
-        fresh.clock.asking_since = std::mem::take(&mut self.clock.asking_since);
-        fresh.clock.last_batch_ns = self.clock.last_batch_ns;
-        fresh.link.reconnects = self.link.reconnects + 1;
-        // It has seen everything since it first started: an epoch whose
-        // start it saw is complete, whichever broker ends it.
-        fresh.inbox.replay.from = self
-            .inbox
-            .replay
-            .from
-            .or(was.started_at)
-            .or(fresh.inbox.replay.from);
-        if let Some(end) = end {
-            fresh.inbox.next.push_front(Next::EndOfEpoch(end));
-        }
+        hand_over(self, &mut fresh);
         *self = fresh; // the old one says goodbye into the closed socket
         Ok(true)
+    }
+}
+
+/// What the program saw carries over to `fresh`, the new subscription:
+/// its place, clocks, reconnect count, where it began, and the end of
+/// the epoch its last batch ended if no broker said it yet.
+fn hand_over(old: &mut Consumer, fresh: &mut Consumer) {
+    let end = old.inbox.unsaid_epoch_end();
+    fresh.opts = old.opts.clone();
+    let (place, was) = (&mut fresh.inbox.place, &old.inbox.place);
+    place.epoch_batches = was.epoch_batches;
+    place.ended_epoch = was.ended_epoch;
+    place.started_at = was.started_at;
+    fresh.clock.asking_since = std::mem::take(&mut old.clock.asking_since);
+    fresh.clock.last_batch_ns = old.clock.last_batch_ns;
+    fresh.link.reconnects = old.link.reconnects + 1;
+    // It has seen everything since it first started: an epoch whose
+    // start it saw is complete, whichever broker ends it.
+    fresh.inbox.replay.from = old
+        .inbox
+        .replay
+        .from
+        .or(was.started_at)
+        .or(fresh.inbox.replay.from);
+    // The new broker's replay stretch begins where this consumer stopped:
+    // an epoch end it replays is complete if the consumer saw the epoch's
+    // start before.
+    if let (Some(r), Some(from)) = (fresh.inbox.replay.active.as_mut(), fresh.inbox.replay.from) {
+        r.began_at(from);
+    }
+    if let Some(end) = end {
+        fresh.inbox.next.push_front(Next::EndOfEpoch(end));
     }
 }
 

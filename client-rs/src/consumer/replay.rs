@@ -69,6 +69,12 @@ impl Replaying {
         r
     }
 
+    /// The consumer began at `from` (before a reconnect): the epochs this
+    /// stretch ends are complete from there.
+    pub(super) fn began_at(&mut self, from: Position) {
+        self.from = self.from.min(from);
+    }
+
     /// An open stretch (a cut's, until the broker merges or rotates it).
     pub(super) fn open(&self) -> bool {
         self.to.is_none()
