@@ -240,6 +240,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--checkpoint", type=Path, help="save model, optimizer and data state here (each epoch's end, and every --checkpoint-every batches)")
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--step-ms", type=float, default=0.0, help="add this much time to each training step (a bigger model's; the data stall falls)")
     p.add_argument("--resume", type=Path, help="go on from a checkpoint written by --checkpoint")
     args = p.parse_args()
     torch.manual_seed(args.seed)
@@ -302,6 +303,8 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                if args.step_ms > 0:
+                    time.sleep(args.step_ms / 1000)
                 images_seen += len(labels)
                 batches += 1
                 if args.checkpoint and batches % args.checkpoint_every == 0:

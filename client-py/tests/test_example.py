@@ -46,8 +46,10 @@ def test_the_torch_example_checkpoints_mid_epoch_and_resumes_exactly_there(tmp_p
     ckpt = tmp_path / "ckpt.pt"
     common = ("--data", str(data), "--epochs", "2", "--checkpoint", str(ckpt))
     # Checkpoints every batch; interrupted (Ctrl-C: it stops its broker)
-    # once a checkpoint mid-epoch 0 is on disk.
-    first = example(*common, "--checkpoint-every", "1", socket=tmp_path / "a.sock")
+    # once a checkpoint mid-epoch 0 is on disk. Its steps take 40 ms more
+    # (epoch 0 about 1.2 s): unslowed, this small model can finish both
+    # epochs (under a second) before the poll below sees a checkpoint.
+    first = example(*common, "--checkpoint-every", "1", "--step-ms", "40", socket=tmp_path / "a.sock")
     deadline = time.monotonic() + LIMIT
     state = None
     while time.monotonic() < deadline and first.poll() is None:
