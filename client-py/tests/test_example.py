@@ -46,17 +46,14 @@ def test_the_torch_example_checkpoints_mid_epoch_and_resumes_exactly_there(tmp_p
     ckpt = tmp_path / "ckpt.pt"
     common = ("--data", str(data), "--epochs", "2", "--checkpoint", str(ckpt))
     # Checkpoints every batch; interrupted (Ctrl-C: it stops its broker)
-    # once a checkpoint mid-epoch 0 is on disk. Its steps take 40 ms more
-    # (epoch 0 about 1.2 s): unslowed, this small model can finish both
-    # epochs (under a second) before the poll below sees a checkpoint.
+    # as soon as its first checkpoint (after batch 1 of epoch 0) is on
+    # disk. Its steps take 40 ms more (epoch 0 about 1.2 s), and the poll
+    # only looks for the file: unslowed, the small model finished both
+    # epochs in 0.8 s in CI, and a `torch.load` in the poll (cold, in a
+    # fresh virtualenv) once took longer than the whole first epoch.
     first = example(*common, "--checkpoint-every", "1", "--step-ms", "40", socket=tmp_path / "a.sock")
     deadline = time.monotonic() + LIMIT
-    state = None
-    while time.monotonic() < deadline and first.poll() is None:
-        if ckpt.exists():
-            state = torch.load(ckpt, map_location="cpu")["data"]
-            if state["epoch"] == 0 and state["sample"] >= 2 * BATCH:
-                break
+    while time.monotonic() < deadline and first.poll() is None and not ckpt.exists():
         time.sleep(0.01)
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=LIMIT)
