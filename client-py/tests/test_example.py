@@ -22,6 +22,17 @@ BATCH = 8
 
 
 def example(*args: str, socket: Path) -> subprocess.Popen:
+    # Ctrl-C must reach it as a user's would: a suite started in the
+    # background of a script ignores SIGINT, and an ignored signal stays
+    # ignored across exec (a handler does not), so one is set around the start.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return start_example(*args, socket=socket)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def start_example(*args: str, socket: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-u", str(REPO / "examples" / "train_torch.py"), "--socket", str(socket),
          "--batchcast", broker_bin(), "--batch-size", str(BATCH), "--size", "16", "--workers", "0", *args],
