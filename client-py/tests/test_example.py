@@ -27,20 +27,16 @@ def example(*args: str, socket: Path) -> subprocess.Popen:
     # ignored across exec (a handler does not), so one is set around the start.
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return start_example(*args, socket=socket)
+        return subprocess.Popen(
+            [sys.executable, "-u", str(REPO / "examples" / "train_torch.py"), "--socket", str(socket),
+             "--batchcast", broker_bin(), "--batch-size", str(BATCH), "--size", "16", "--workers", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+        )
     finally:
         signal.signal(signal.SIGINT, before)
-
-
-def start_example(*args: str, socket: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-u", str(REPO / "examples" / "train_torch.py"), "--socket", str(socket),
-         "--batchcast", broker_bin(), "--batch-size", str(BATCH), "--size", "16", "--workers", "0", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-    )
 
 
 def epochs_seen(out: str) -> dict:
@@ -58,10 +54,9 @@ def test_the_torch_example_checkpoints_mid_epoch_and_resumes_exactly_there(tmp_p
     common = ("--data", str(data), "--epochs", "2", "--checkpoint", str(ckpt))
     # Checkpoints every batch; interrupted (Ctrl-C: it stops its broker)
     # as soon as its first checkpoint (after batch 1 of epoch 0) is on
-    # disk. Its steps take 40 ms more (epoch 0 about 1.2 s), and the poll
-    # only looks for the file: unslowed, the small model finished both
-    # epochs in 0.8 s in CI, and a `torch.load` in the poll (cold, in a
-    # fresh virtualenv) once took longer than the whole first epoch.
+    # disk. Its steps take 40 ms more (epoch 0 about 1.2 s, against a
+    # 10 ms poll of the file): a margin, since the small model alone
+    # finishes both epochs in under a second.
     first = example(*common, "--checkpoint-every", "1", "--step-ms", "40", socket=tmp_path / "a.sock")
     deadline = time.monotonic() + LIMIT
     while time.monotonic() < deadline and first.poll() is None and not ckpt.exists():
