@@ -172,8 +172,7 @@ dtype = "f32"
 """
 
 
-def start_broker(args, socket: str) -> subprocess.Popen:
-    tmp = Path(tempfile.mkdtemp(prefix="batchcast-example-"))
+def start_broker(args, socket: str, tmp: Path) -> subprocess.Popen:
     cfg = tmp / "broker.toml"
     cfg.write_text(broker_config(args.data, args.size, args.batch_size, args.epochs, args.seed))
     proc = subprocess.Popen(
@@ -248,6 +247,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     broker = None
+    broker_dir = None
     if args.loader == "shared":
         import batchcast
 
@@ -258,10 +258,12 @@ def main() -> None:
                 sys.exit(f"{args.data} is not an image folder: run `batchcast demo` once, or pass --data")
             args.batchcast = args.batchcast or find_batchcast()
             Path(args.socket).parent.mkdir(parents=True, exist_ok=True)
-            broker = start_broker(args, args.socket)
+            broker_dir = Path(tempfile.mkdtemp(prefix="batchcast-example-"))
+            broker = start_broker(args, args.socket, broker_dir)
     elif not args.data.is_dir():
         sys.exit(f"{args.data} is not an image folder: run `batchcast demo` once, or pass --data")
 
+    failed = True
     try:
         ckpt = torch.load(args.resume, map_location=device) if args.resume else None
         # The shared loader goes on exactly where the checkpoint was, mid-epoch
@@ -332,10 +334,19 @@ def main() -> None:
         if args.loader == "shared":
             s = loader.stats()
             print(f"batchcast consumer: waited {s['wait_s']:.2f} s, stall fraction {100 * s['stall_fraction']:.0f}%")
+        failed = False
+    except KeyboardInterrupt:
+        failed = False
+        raise
     finally:
         if broker is not None:
             broker.terminate()
             broker.wait(10)
+            # The broker's log is kept where something went wrong, and said.
+            if failed:
+                print(f"the broker's log: {broker_dir / 'broker.log'}", file=sys.stderr)
+            else:
+                shutil.rmtree(broker_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
