@@ -45,6 +45,12 @@ impl Env {
         self.path(p).display().to_string()
     }
 
+    /// `imgtool(args)` for a command that makes files (`@/NAME` for a path
+    /// in the test's folder), from a kept copy after its first run.
+    fn made(&self, args: &[&str]) -> String {
+        common::imgtool_made(self.dir.path(), &[args]).remove(0)
+    }
+
     fn start(&mut self, config: &str) {
         let path = self.path("broker.toml");
         std::fs::write(&path, config).unwrap();
@@ -125,7 +131,8 @@ const NORM: &str = "normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.
 #[test]
 fn eval_transforms_match_pillow_and_labels_follow_class_order() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--large"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--large"])
         .trim()
         .parse()
         .unwrap();
@@ -209,7 +216,8 @@ fn eval_transforms_match_pillow_and_labels_follow_class_order() {
 #[test]
 fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "2"])
         .trim()
         .parse()
         .unwrap();
@@ -253,7 +261,8 @@ fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch(
 #[test]
 fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "1"])
         .trim()
         .parse()
         .unwrap();
@@ -365,7 +374,8 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
 #[test]
 fn exact_resize_center_crop_pad_and_random_crop_follow_torchvision() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "1"])
         .trim()
         .parse()
         .unwrap();
@@ -442,7 +452,7 @@ fn exact_resize_center_crop_pad_and_random_crop_follow_torchvision() {
 #[test]
 fn interpolations_fills_and_padding_modes_follow_torchvision() {
     let mut env = Env::new();
-    imgtool(&["make-folder", &env.p("ds"), "--count", "1"]);
+    env.made(&["make-folder", "@/ds", "--count", "1"]);
     let root = env.p("ds");
     let filters = [
         "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos",
@@ -699,7 +709,8 @@ fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
 #[test]
 fn entries_that_are_not_regular_files_or_too_large_are_bad_files_and_never_block() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "1"])
         .trim()
         .parse()
         .unwrap();
@@ -779,11 +790,14 @@ fn unusable_datasets_are_refused_naming_the_path() {
 #[test]
 fn tar_shards_cache_and_multi_host_split() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
-        .trim()
-        .parse()
-        .unwrap();
-    imgtool(&["make-shards", &env.p("ds"), &env.p("shards"), "10"]);
+    let out = common::imgtool_made(
+        env.dir.path(),
+        &[
+            &["make-folder", "@/ds", "--count", "2"],
+            &["make-shards", "@/ds", "@/shards", "10"],
+        ],
+    );
+    let n: u64 = out[0].trim().parse().unwrap();
     let shards = format!(
         "[stream.webdataset]\nshards = \"{}/shard-{{000000..{:06}}}.tar\"\nshuffle_buffer = 16",
         env.p("shards"),
@@ -906,7 +920,8 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
 #[test]
 fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
     let mut env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "1"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "1"])
         .trim()
         .parse()
         .unwrap();
@@ -949,7 +964,7 @@ fn reduced_size_decoding_in_random_crops_stays_within_tolerance() {
     // the whole 2400×1800 image, so Pillow's full-size resize is the
     // reference, and the broker decodes at 1/8 size (1800 / 96 > 8).
     let mut env = Env::new();
-    imgtool(&["make-folder", &env.p("all"), "--count", "1", "--large"]);
+    env.made(&["make-folder", "@/all", "--count", "1", "--large"]);
     for class in ["cat", "dog", "zebra"] {
         std::fs::create_dir_all(env.path(&format!("ds/{class}"))).unwrap();
         std::fs::copy(
@@ -985,7 +1000,7 @@ fn reduced_size_decoding_in_random_crops_stays_within_tolerance() {
 fn every_format_decodes_to_pillows_pixels() {
     use batchcast_broker::pipeline::decode::{Decoder, Format, Rgb};
     let env = Env::new();
-    imgtool(&["make-folder", &env.p("ds"), "--count", "1"]);
+    env.made(&["make-folder", "@/ds", "--count", "1"]);
     let n: usize = imgtool(&["decode-all", &env.p("ds"), &env.p("ref")])
         .trim()
         .parse()
@@ -1040,7 +1055,8 @@ fn every_format_decodes_to_pillows_pixels() {
 #[test]
 fn a_hosts_share_comes_from_the_environment_so_one_config_serves_every_node() {
     let env = Env::new();
-    let n: u64 = imgtool(&["make-folder", &env.p("ds"), "--count", "2"])
+    let n: u64 = env
+        .made(&["make-folder", "@/ds", "--count", "2"])
         .trim()
         .parse()
         .unwrap();

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use batchcast::proto::{RemoteSourceStats, StatsReply};
 use batchcast_kit::harness::{self, BrokerProcess};
 use batchcast_kit::report::ConsumerReport;
-use common::{EXE, LIMIT, command, http_get, imgtool, python, repo};
+use common::{EXE, LIMIT, command, http_get, python, repo};
 
 /// A value no message, log or stats reply may ever show.
 const SECRET: &str = "batchcast-test-secret-4f1d9c";
@@ -168,45 +168,62 @@ impl Server {
 }
 
 /// The test's data: the image folder and shards on disk, and an S3
-/// server holding both (under `train/`, `deny/` and `shards/`).
+/// server holding both (under `train/`, `deny/` and `shards/`), started
+/// and filled when a test first asks for it.
 struct Data {
     dir: tempfile::TempDir,
     n: u64,
     shards: u64,
-    s3: Server,
+    s3: std::sync::OnceLock<Server>,
 }
 
 impl Data {
     fn new() -> Data {
         let dir = tempfile::tempdir().unwrap();
-        let p = |s: &str| dir.path().join(s).display().to_string();
-        let n: u64 = imgtool(&["make-folder", &p("ds"), "--count", "1"])
-            .trim()
-            .parse()
-            .unwrap();
-        imgtool(&["make-shards", &p("ds"), &p("shards"), "10"]);
+        let out = common::imgtool_made(
+            dir.path(),
+            &[
+                &["make-folder", "@/ds", "--count", "1"],
+                &["make-shards", "@/ds", "@/shards", "10"],
+            ],
+        );
+        let n: u64 = out[0].trim().parse().unwrap();
         // The manifest a plain HTTP server needs: every file, any order.
         let mut files = Vec::new();
         walk(&dir.path().join("ds"), Path::new(""), &mut files);
         files.reverse();
         std::fs::write(dir.path().join("ds/MANIFEST"), files.join("\n") + "\n").unwrap();
-        let data = Data {
+        Data {
             dir,
             n,
             shards: n.div_ceil(10),
-            s3: Server::moto(),
-        };
-        data.load("s3-load", &data.s3.url(), &["train/", "deny/", "shards/"]);
-        data
+            s3: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// moto's S3 server with the folder and the shards.
+    fn s3(&self) -> &Server {
+        self.s3.get_or_init(|| {
+            let s3 = Server::moto();
+            let (ds, shards) = (self.p("ds"), self.p("shards"));
+            load_dirs(
+                "s3-load",
+                &s3.url(),
+                &[(&ds, "train/"), (&ds, "deny/"), (&shards, "shards/")],
+            );
+            s3
+        })
     }
 
     /// Uploads the folder and shards under `prefixes` (`shards/` the
     /// shards) with `objserver.py LOADER ENDPOINT data ...`.
     fn load(&self, loader: &str, endpoint: &str, prefixes: &[&str]) {
-        for prefix in prefixes {
-            let from = if *prefix == "shards/" { "shards" } else { "ds" };
-            load_dir(loader, endpoint, &self.p(from), prefix);
-        }
+        let (ds, shards) = (self.p("ds"), self.p("shards"));
+        let pairs: Vec<(&str, &str)> = prefixes
+            .iter()
+            .map(|p| (if *p == "shards/" { &shards } else { &ds }.as_str(), *p))
+            .collect();
+        load_dirs(loader, endpoint, &pairs);
     }
 
     fn p(&self, s: &str) -> String {
@@ -221,14 +238,22 @@ impl Data {
 /// Uploads `dir`'s files under `prefix` of bucket (container) `data`
 /// (to an S3 server, with the key pair `s3_env` sets).
 fn load_dir(loader: &str, endpoint: &str, dir: &str, prefix: &str) {
-    let out = common::run(s3_env(command(python())).args([
+    load_dirs(loader, endpoint, &[(dir, prefix)]);
+}
+
+/// [`load_dir`] for each `(dir, prefix)`, in one process.
+fn load_dirs(loader: &str, endpoint: &str, pairs: &[(&str, &str)]) {
+    let mut cmd = s3_env(command(python()));
+    cmd.args([
         repo().join("tests/support/objserver.py").to_str().unwrap(),
         loader,
         endpoint,
         "data",
-        dir,
-        prefix,
-    ]));
+    ]);
+    for (dir, prefix) in pairs {
+        cmd.args([dir, prefix]);
+    }
+    let out = common::run(&mut cmd);
     assert!(
         out.status.success(),
         "{}",
@@ -369,7 +394,7 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
     let data = Data::new();
     let http = Server::objserver(&["files", &data.p("")]);
     let dav = Server::webdav(&data.p("ds"));
-    let s3 = data.s3.url();
+    let s3 = data.s3().url();
     let cache = data.p("cache");
     let cfg = [
         folder_stream("local", &data.p("ds"), ""),
@@ -549,11 +574,11 @@ fn azure_and_gcs_urls_give_the_local_bytes() {
             &data.shard_pattern("az://data/shards"),
             &remote(&account, "part_mib = 1"),
         ),
-        folder_stream("gs", "gs://data/train/", &remote(&data.s3.url(), "")),
+        folder_stream("gs", "gs://data/train/", &remote(&data.s3().url(), "")),
         shard_stream(
             "gs_shards",
             &data.shard_pattern("gs://data/shards"),
-            &remote(&data.s3.url(), "part_mib = 1"),
+            &remote(&data.s3().url(), "part_mib = 1"),
         ),
     ]
     .join("\n");
@@ -696,7 +721,7 @@ fn refusal(dir: &Path, url: &str, stream: &str, env: impl FnOnce(Command) -> Com
 #[test]
 fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
     let data = Data::new();
-    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let proxy = Server::objserver(&["proxy", &data.s3().url()]);
     let via = proxy.url();
     let keys = "timeout_s = 2\nretries = 8\nstall_s = 30\nrequests = 16";
     let cfg = [
@@ -719,11 +744,11 @@ fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
         folder_stream(
             "replaced",
             "s3://data/repl/",
-            &format!("epochs = 1\n{}", remote(&data.s3.url(), "")),
+            &format!("epochs = 1\n{}", remote(&data.s3().url(), "")),
         ),
     ]
     .join("\n");
-    data.load("s3-load", &data.s3.url(), &["repl/"]);
+    data.load("s3-load", &data.s3().url(), &["repl/"]);
     let b = Broker::start(&data.dir.path().join("b"), &cfg);
     let local = epoch_digests(&b.consume(&["--stream", "local", "--digest"]));
 
@@ -770,7 +795,7 @@ fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
     let mut jpeg = std::fs::read(data.dir.path().join("ds/cat/base_0.jpg")).unwrap();
     jpeg.extend_from_slice(b"replaced");
     std::fs::write(changed.join("base_0.jpg"), jpeg).unwrap();
-    load_dir("s3-load", &data.s3.url(), &data.p("changed"), "repl/");
+    load_dir("s3-load", &data.s3().url(), &data.p("changed"), "repl/");
     let r = b.consume(&["--stream", "replaced"]);
     assert!(r.ok, "{r:#?}");
     let s = b.stats();
@@ -793,7 +818,7 @@ fn faults_are_retried_slow_the_requests_or_become_bad_samples_by_url() {
 #[test]
 fn a_stall_is_bounded_and_shutdown_does_not_wait_for_requests() {
     let data = Data::new();
-    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let proxy = Server::objserver(&["proxy", &data.s3().url()]);
     let cfg = [
         folder_stream(
             "stalled",
@@ -1014,7 +1039,7 @@ fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is
     const TOKEN: &str = "session-token-4f1d9c-never-shown";
     const KEY_ID: &str = "AKIDLEAKCHECK0001";
     let data = Data::new();
-    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let proxy = Server::objserver(&["proxy", &data.s3().url()]);
     let cfg = folder_stream(
         "strict",
         "s3://data/train/",
@@ -1177,7 +1202,7 @@ fn a_redirect_to_another_host_is_refused_not_followed() {
 #[test]
 fn an_object_stores_redirect_elsewhere_is_not_followed_nor_a_huge_error_read() {
     let data = Data::new();
-    let proxy = Server::objserver(&["proxy", &data.s3.url()]);
+    let proxy = Server::objserver(&["proxy", &data.s3().url()]);
     let elsewhere = Server::objserver(&["files", &data.p("ds")]);
     let cfg = folder_stream(
         "s3",
@@ -1309,7 +1334,7 @@ fn a_server_keeping_connections_waiting_is_read_with_fewer_at_once_and_the_log_s
 #[test]
 fn a_remote_source_is_replayed_resumed_and_rides_through_a_restart_with_the_local_bytes() {
     let data = Data::new();
-    let keys = remote(&data.s3.url(), "");
+    let keys = remote(&data.s3().url(), "");
     let cfg = [
         folder_stream("local", &data.p("ds"), ""),
         folder_stream(
@@ -1481,7 +1506,7 @@ fn two_brokers_sharing_a_disk_tier_folder_serve_the_local_bytes() {
     let data = Data::new();
     let cache = data.p("shared-cache");
     let keys = remote(
-        &data.s3.url(),
+        &data.s3().url(),
         &format!("cache_dir = \"{cache}\"\ncache_dir_mib = 256"),
     );
     let cfg = [
@@ -1580,7 +1605,7 @@ fn a_disk_tier_on_a_full_disk_serves_the_local_bytes_and_says_so_once() {
         return;
     };
     let keys = remote(
-        &data.s3.url(),
+        &data.s3().url(),
         &format!("cache_dir = \"{}\"\ncache_dir_mib = 1024", cache.display()),
     );
     let cfg = [

@@ -9,7 +9,7 @@ use crate::common;
 use std::collections::BTreeMap;
 
 use batchcast::proto::{SharedSourceStats, StatsReply};
-use common::{Env, command, dumped_i64_by_epoch, imgtool, report, run, sigkill};
+use common::{Env, command, dumped_i64_by_epoch, report, run, sigkill};
 
 /// Three transforms a sweep varies: two crop sizes (one in batches that
 /// do not divide the epoch, kept), and an evaluation transform in f32.
@@ -104,7 +104,8 @@ fn streams_on_one_source_deliver_their_bytes_alone_with_one_decode_per_image_eve
     let root = dir.path().join("ds");
     let root = root.to_str().unwrap();
     // JPEGs only: every sample may be decoded at a reduced scale.
-    let n: u64 = imgtool(&["make-photos", root, "60"])
+    let n: u64 = common::imgtool_made(dir.path(), &[&["make-photos", "@/ds", "60"]])
+        .remove(0)
         .trim()
         .parse()
         .unwrap();
@@ -182,10 +183,14 @@ fn decode_once_makes_one_decode_per_image_and_a_bad_file_is_replaced_alike_in_ev
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ds");
     let root = root.to_str().unwrap();
-    let n: u64 = imgtool(&["make-folder", root, "--count", "1", "--bad"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n: u64 = common::imgtool_made(
+        dir.path(),
+        &[&["make-folder", "@/ds", "--count", "1", "--bad"]],
+    )
+    .remove(0)
+    .trim()
+    .parse()
+    .unwrap();
     let env = Env::start(&shared_config(root, "decode = \"once\"\nshuffle = false"));
     let dumps: Vec<_> = STREAMS
         .iter()
@@ -267,7 +272,7 @@ fn a_source_is_refused_when_a_stream_writes_its_keys_or_names_none() {
     };
     let root = dir.path().join("ds");
     let root = root.to_str().unwrap();
-    imgtool(&["make-photos", root, "20"]);
+    common::imgtool_made(dir.path(), &[&["make-photos", "@/ds", "20"]]);
     let e = refused(&shared_config(root, "").replace(
         "name = \"crop24\"\nsource = \"photos\"",
         "name = \"crop24\"\nsource = \"photos\"\nshuffle = false",
@@ -296,7 +301,7 @@ fn a_slow_but_moving_stream_holds_its_siblings_only_within_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ds");
     let root = root.to_str().unwrap();
-    imgtool(&["make-photos", root, "60"]);
+    common::imgtool_made(dir.path(), &[&["make-photos", "@/ds", "60"]]);
     let mut c = format!(
         "[[source]]\nname = \"photos\"\nseed = 11\n[source.image_folder]\nroot = \"{root}\"\n"
     );
@@ -363,7 +368,7 @@ fn replayed_and_cut_consumers_on_a_shared_source_get_the_bytes_of_the_stream_alo
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ds");
     let root = root.to_str().unwrap();
-    imgtool(&["make-photos", root, "60"]);
+    common::imgtool_made(dir.path(), &[&["make-photos", "@/ds", "60"]]);
     let env = Env::start(&alone_config_of(root, &BOTH));
     let alone: BTreeMap<&str, _> = BOTH
         .iter()

@@ -307,6 +307,60 @@ pub fn imgtool(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Makes in `root` what the imgtool commands `steps` make, whose paths
+/// are written `@/NAME` for `root/NAME`; returns each command's stdout.
+/// Pillow's encoders cost seconds of CPU a folder and most tests make the
+/// same ones: the first run of a recipe is kept under cargo's
+/// `target/tmp`, keyed by the recipe and imgtool's source (made aside and
+/// renamed into place, so another test process never sees it half made),
+/// and each test gets a copy of its own (a test may change its files).
+pub fn imgtool_made(root: &Path, steps: &[&[&str]]) -> Vec<String> {
+    use std::hash::{Hash, Hasher};
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let tool = repo().join("tests/images/imgtool.py");
+    let mut h = std::hash::DefaultHasher::new();
+    std::fs::read(&tool).unwrap().hash(&mut h);
+    steps.hash(&mut h);
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("imgtool-{:016x}", h.finish()));
+    {
+        let _one_at_a_time = MAKING.lock().unwrap_or_else(|e| e.into_inner());
+        if !cache.join("done").exists() {
+            let aside = cache.with_extension(format!("making-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&aside);
+            std::fs::create_dir_all(aside.join("tree")).unwrap();
+            let tree = format!("{}/", aside.join("tree").display());
+            for (i, step) in steps.iter().enumerate() {
+                let args: Vec<String> = step.iter().map(|a| a.replacen("@/", &tree, 1)).collect();
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                std::fs::write(aside.join(format!("out-{i}")), imgtool(&args)).unwrap();
+            }
+            std::fs::write(aside.join("done"), "").unwrap();
+            // Another process may have won the race: its copy is as good.
+            if std::fs::rename(&aside, &cache).is_err() {
+                let _ = std::fs::remove_dir_all(&aside);
+            }
+        }
+    }
+    copy_tree(&cache.join("tree"), root);
+    (0..steps.len())
+        .map(|i| std::fs::read_to_string(cache.join(format!("out-{i}"))).unwrap())
+        .collect()
+}
+
+/// Copies the files and folders under `from` into `to` (made if missing).
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), &dest).unwrap();
+        }
+    }
+}
+
 /// An i64 field of the batches `consume --dump DIR` wrote, per epoch, in
 /// batch order.
 pub fn dumped_i64_by_epoch(dir: &Path, field: &str) -> std::collections::BTreeMap<u64, Vec<i64>> {

@@ -24,8 +24,9 @@
   zeros (default L) after the request's own headers when "echo" and
   "pad" bytes of filler, then closes; "redirect" answers 302 to URL.
   GET /__faults counts "lies" answered and "lie_bytes" sent.
-  objserver.py s3-load ENDPOINT BUCKET DIR PREFIX
-      Creates BUCKET on an S3 server and uploads DIR's files under PREFIX.
+  objserver.py s3-load ENDPOINT BUCKET DIR PREFIX [DIR PREFIX ...]
+      Creates BUCKET on an S3 server and uploads each DIR's files under its
+      PREFIX.
   objserver.py az-load ENDPOINT CONTAINER DIR PREFIX
       The same for azurite (ENDPOINT: its account URL,
       http://127.0.0.1:PORT/devstoreaccount1), with azurite's well-known
@@ -319,7 +320,16 @@ def serve(server):
         pass
 
 
-def s3_load(endpoint, bucket, root, prefix):
+def files_under(pairs):
+    """(path, key) of every file of each (DIR, PREFIX) pair."""
+    for root, prefix in zip(pairs[::2], pairs[1::2]):
+        for d, _, files in os.walk(root):
+            for f in files:
+                p = os.path.join(d, f)
+                yield p, prefix + os.path.relpath(p, root)
+
+
+def s3_load(endpoint, bucket, pairs):
     import boto3
     # The environment's key pair where one is set (a server that checks
     # signatures), else moto's usual one.
@@ -331,12 +341,10 @@ def s3_load(endpoint, bucket, root, prefix):
     except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
         pass  # loaded before (s3s-fs says the latter)
     n = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            key = prefix + os.path.relpath(p, root)
-            s3.upload_file(p, bucket, key)
-            n += 1
+    for p, key in files_under(pairs):
+        with open(p, "rb") as fh:
+            s3.put_object(Bucket=bucket, Key=key, Body=fh.read())
+        n += 1
     print(n)
 
 
@@ -346,7 +354,7 @@ AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K
                "/KBHBeksoGMGw==")
 
 
-def az_load(endpoint, container, root, prefix):
+def az_load(endpoint, container, pairs):
     from azure.storage.blob import BlobServiceClient
     svc = BlobServiceClient(account_url=endpoint,
                             credential={"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY})
@@ -354,12 +362,10 @@ def az_load(endpoint, container, root, prefix):
     if not c.exists():
         c.create_container()
     n = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                c.upload_blob(prefix + os.path.relpath(p, root), fh, overwrite=True)
-            n += 1
+    for p, key in files_under(pairs):
+        with open(p, "rb") as fh:
+            c.upload_blob(key, fh, overwrite=True)
+        n += 1
     print(n)
 
 
@@ -376,14 +382,14 @@ def main():
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--delay-ms", type=float, default=0)
     s = sub.add_parser("s3-load")
-    s.add_argument("endpoint")
-    s.add_argument("bucket")
-    s.add_argument("root")
-    s.add_argument("prefix")
     z = sub.add_parser("az-load")
-    for arg in ("endpoint", "container", "root", "prefix"):
-        z.add_argument(arg)
+    for q, store in ((s, "bucket"), (z, "container")):
+        q.add_argument("endpoint")
+        q.add_argument(store)
+        q.add_argument("pairs", nargs="+", metavar="DIR PREFIX")
     a = ap.parse_args()
+    if a.cmd in ("s3-load", "az-load") and len(a.pairs) % 2:
+        ap.error(f"{a.cmd}: DIR PREFIX pairs expected, got {a.pairs}")
     if a.cmd == "files":
         srv = Server(("127.0.0.1", a.port), FileHandler)
         srv.root = os.path.realpath(a.root)
@@ -399,9 +405,9 @@ def main():
         srv.faults = Faults(a.delay_ms)
         serve(srv)
     elif a.cmd == "az-load":
-        az_load(a.endpoint, a.container, a.root, a.prefix)
+        az_load(a.endpoint, a.container, a.pairs)
     else:
-        s3_load(a.endpoint, a.bucket, a.root, a.prefix)
+        s3_load(a.endpoint, a.bucket, a.pairs)
 
 
 if __name__ == "__main__":
