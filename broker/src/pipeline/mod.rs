@@ -7,17 +7,15 @@
 //! logged once with the reason; with `"fail"` the stream stops and every
 //! consumer is told which file and why.
 
-pub mod augment;
 pub mod cache;
 pub(crate) mod collate;
 pub mod dataset;
-pub mod decode;
-pub mod erase;
-pub(crate) mod layout;
-pub mod random;
 pub(crate) mod sampler;
 pub mod shared;
-pub mod transform;
+
+// The per-image work lives in its own crate (optimised in debug builds,
+// docs/development.md); its modules keep their paths here.
+pub use batchcast_pixels::{augment, decode, erase, layout, random, transform};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -19,7 +19,7 @@ pub enum PaddingMode {
 }
 
 /// An axis's padding steps, in turn: `(before, after)` each.
-pub(crate) type Steps = [(i64, i64); 2];
+pub type Steps = [(i64, i64); 2];
 
 /// What a padding puts outside an image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -87,7 +87,7 @@ impl std::fmt::Debug for Decoder {
     }
 }
 
-pub(crate) fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
+pub fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
     if bytes.is_empty() {
         return Err(DecodeError::Empty);
     }

@@ -4,7 +4,7 @@
 use batchcast::synthetic::SplitMix64;
 
 use super::Op;
-use crate::pipeline::random::uniform;
+use crate::random::uniform;
 
 /// An augmentation of a transform, in the order they run: after the crop
 /// and the horizontal flip, before the conversion to a tensor.
@@ -186,7 +186,7 @@ const IMAGENET_POLICY: [[(Kind, f64, u32); 2]; 25] = {
 impl Augment {
     /// Draws this augmentation's ops for one image of `size` (width,
     /// height), appending them to `ops` in the order they apply.
-    pub(crate) fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
+    pub fn draw(&self, size: (u32, u32), rng: &mut SplitMix64, ops: &mut Vec<Op>) {
         match *self {
             Augment::VerticalFlip(p) => {
                 if p > 0.0 && uniform(rng, 0.0, 1.0) < p {

@@ -22,7 +22,7 @@ mod draw;
 mod pixel;
 
 pub use draw::Augment;
-pub(crate) use pixel::luma;
+pub use pixel::luma;
 use pixel::*;
 
 /// One image operation with its drawn magnitude.

@@ -8,8 +8,8 @@
 use batchcast::DType;
 use batchcast::synthetic::SplitMix64;
 
-use super::layout::Layout;
-use super::random::{round_half_even, uniform};
+use crate::layout::Layout;
+use crate::random::{round_half_even, uniform};
 
 /// A `RandomErasing`, checked.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,14 +37,14 @@ pub struct Rect {
     pub height: u32,
     pub width: u32,
     /// Seeds the noise of [`EraseValue::Normal`] (0 otherwise).
-    pub(crate) noise: u64,
+    pub noise: u64,
 }
 
 impl Erasing {
     /// torchvision's `forward` + `get_params` for an `h × w` output: with
     /// probability `p`, ten tries of a random area and log-uniform aspect
     /// ratio; none that fits erases nothing.
-    pub(crate) fn draw(&self, (h, w): (u32, u32), rng: &mut SplitMix64) -> Option<Rect> {
+    pub fn draw(&self, (h, w): (u32, u32), rng: &mut SplitMix64) -> Option<Rect> {
         if !(self.p > 0.0 && uniform(rng, 0.0, 1.0) < self.p) {
             return None;
         }

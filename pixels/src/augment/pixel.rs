@@ -138,7 +138,7 @@ pub(super) fn hsv_to_rgb([h, s, v]: [u8; 3]) -> [u8; 3] {
 }
 
 /// Pillow's RGB → L: `(R·19595 + G·38470 + B·7471 + 0x8000) >> 16`.
-pub(crate) fn luma(px: &[u8]) -> u8 {
+pub fn luma(px: &[u8]) -> u8 {
     ((u32::from(px[0]) * 19595 + u32::from(px[1]) * 38470 + u32::from(px[2]) * 7471 + 0x8000) >> 16)
         as u8
 }

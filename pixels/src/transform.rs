@@ -20,16 +20,16 @@ use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use serde::Deserialize;
 
-use super::augment::{Augment, Canvas, Op, Resample};
-use super::decode::Rgb;
-use super::erase::{Erasing, Rect};
-pub use super::layout::Layout;
-pub(crate) use super::random::round_half_even;
-use super::random::uniform;
+use crate::augment::{Augment, Canvas, Op, Resample};
+use crate::decode::Rgb;
+use crate::erase::{Erasing, Rect};
+pub use crate::layout::Layout;
+pub use crate::random::round_half_even;
+use crate::random::uniform;
 
 mod pad;
 mod tensor;
-pub(crate) use pad::Steps;
+pub use pad::Steps;
 pub use pad::{Border, PaddingMode};
 use pad::{Window, random_crop_steps};
 pub use tensor::Lut;
@@ -122,11 +122,11 @@ pub struct Plan {
     pub crop: CropBox,
     /// For Resize + CenterCrop: the full image is first resized to this
     /// (width, height), and `crop` is then in *resized* pixels.
-    pub(crate) resized: Option<(u32, u32)>,
+    pub resized: Option<(u32, u32)>,
     pub flip: bool,
     /// `RandomCrop` cannot fit even after its padding (torchvision raises
     /// an error for such an image): the sample fails as a bad one.
-    pub(crate) too_small: bool,
+    pub too_small: bool,
     /// The augmentations' ops, in order (after the flip).
     pub ops: Vec<Op>,
     /// `RandomErasing`'s rectangle of the tensor.
@@ -179,14 +179,14 @@ impl Transform {
     }
 
     /// Output (height, width): the crop's, with the padding.
-    pub(crate) fn out_size(&self) -> (u32, u32) {
+    pub fn out_size(&self) -> (u32, u32) {
         let (h, w) = self.crop_size();
         let [l, t, r, b] = self.pad;
         (h + t + b, w + l + r)
     }
 
     /// The crop's (height, width), before `Pad`.
-    pub(crate) fn crop_size(&self) -> (u32, u32) {
+    pub fn crop_size(&self) -> (u32, u32) {
         match self.geometry {
             Geometry::RandomResizedCrop { size, .. } => size,
             Geometry::ResizeCrop {
@@ -281,7 +281,7 @@ impl Transform {
     /// pick or average exact source pixels, which a DCT-reduced decode has
     /// already blended (up to 7 levels off on photos, where the smooth
     /// filters stay within 1).
-    pub(crate) fn reduction(&self, plan: &Plan, width: u32, height: u32) -> u32 {
+    pub fn reduction(&self, plan: &Plan, width: u32, height: u32) -> u32 {
         if matches!(
             self.interpolation,
             Interpolation::Nearest | Interpolation::Box
@@ -304,7 +304,7 @@ impl Transform {
 
 /// torchvision's `Resize(size)` with an int: the shorter side becomes `size`,
 /// the longer `int(size * long / short)`. Returns (width, height).
-pub(crate) fn resize_shorter(width: u32, height: u32, size: u32) -> (u32, u32) {
+pub fn resize_shorter(width: u32, height: u32, size: u32) -> (u32, u32) {
     let (short, long) = if width <= height {
         (width, height)
     } else {
@@ -360,7 +360,7 @@ fn random_crop_offsets(
 }
 
 /// `RandomResizedCrop.get_params`.
-pub(crate) fn rrc_params(
+pub fn rrc_params(
     width: u32,
     height: u32,
     scale: (f64, f64),
