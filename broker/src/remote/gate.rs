@@ -75,8 +75,10 @@ struct GateState {
     /// The most `limit` grows to now, and when it last rose or was set.
     ceiling: f64,
     probed: Instant,
-    /// The usual answer's latency, seconds (none before an answer).
+    /// The usual answer's latency, seconds (none before an answer), and
+    /// how many answers it averages (at most `USUAL_SAMPLES`).
     usual: Option<f64>,
+    usual_of: f64,
 }
 
 const CUT_EVERY: Duration = Duration::from_millis(200);
@@ -85,7 +87,8 @@ const PROBE_EVERY: Duration = Duration::from_secs(5);
 /// a fault: the kernel's first SYN retry comes after a second.
 const SLOW_ANSWER: f64 = 1.0;
 const SLOW_RATIO: f64 = 8.0;
-/// Answers the usual latency averages over (an exponential average).
+/// Answers the usual latency averages over: their mean until there are
+/// this many, then an exponential average over about this many.
 const USUAL_SAMPLES: f64 = 100.0;
 
 impl Gate {
@@ -100,6 +103,7 @@ impl Gate {
                 ceiling: f64::from(max.max(1)),
                 probed: Instant::now(),
                 usual: None,
+                usual_of: 0.0,
             }),
             freed: Notify::new(),
         }
@@ -177,7 +181,14 @@ impl GateState {
         let usual = *self.usual.get_or_insert(took);
         let slow = took >= SLOW_ANSWER && took >= SLOW_RATIO * usual;
         if !slow {
-            self.usual = Some(usual + (took - usual) / USUAL_SAMPLES);
+            // The first answers (a cold connection, a server still
+            // warming up, a busy machine) weigh as much as later ones,
+            // not a hundred times more: seeded with the first answer
+            // alone, a 0.3 s first answer held the usual one above 0.2 s
+            // for the next hundred, and a server keeping requests waiting
+            // 1.5 s was never seen (one run in three of the test).
+            self.usual_of = (self.usual_of + 1.0).min(USUAL_SAMPLES);
+            self.usual = Some(usual + (took - usual) / self.usual_of);
         }
         slow
     }
@@ -277,6 +288,22 @@ mod tests {
         // Slower than usual, but under a second: an answer like others.
         at_once(&g, &rt, 9, &[Outcome::Success(Duration::from_millis(900))]);
         assert_eq!(g.limit(), 10);
+    }
+
+    /// A first answer slowed by a cold start (a new connection, a busy
+    /// machine) is one answer among the first few, not the usual one:
+    /// after a few fast answers, one that waited 1.5 s is seen.
+    #[test]
+    fn a_slow_first_answer_does_not_hide_a_waiting_server() {
+        let g = Gate::new(128);
+        let rt = runtime();
+        at_once(&g, &rt, 1, &[Outcome::Success(Duration::from_millis(300))]);
+        for _ in 0..3 {
+            at_once(&g, &rt, 4, &[]);
+        }
+        let before = g.limit();
+        at_once(&g, &rt, 1, &[Outcome::Success(Duration::from_millis(1500))]);
+        assert!(g.limit() < before, "{} -> {}", before, g.limit());
     }
 
     /// A store that is slow throughout (far away, big objects) is not
