@@ -247,11 +247,28 @@ fn decode_once_makes_one_decode_per_image_and_a_bad_file_is_replaced_alike_in_ev
     // One decode per good image and epoch, against three alone, plus each
     // bad file's replacement, which every stream decodes apart (it is not
     // in its own place), as alone.
+    // A stream its trainer kept waiting (a busy machine: over a second in
+    // all) is let go and decodes alone until it catches up, as designed;
+    // then the bound is what three streams alone would decode.
     let sh = shared_of(&st, "eval");
     let good = 2 * (n - bad);
+    let let_go: u64 = STREAMS
+        .iter()
+        .map(|(s, _, _)| shared_of(&st, s).let_go)
+        .sum();
+    eprintln!(
+        "{} decodes for {good} good samples, streams let go {let_go} times",
+        sh.decodes
+    );
+    let most = if let_go == 0 {
+        good + 2 * bad * 3
+    } else {
+        eprintln!("streams let go {let_go} times: the bound is three streams' decodes alone");
+        3 * (good + 2 * bad)
+    };
     assert!(
-        sh.decodes >= good && sh.decodes <= good + 2 * bad * 3,
-        "{} decodes for {good} good samples: {sh:?}",
+        sh.decodes >= good && sh.decodes <= most,
+        "{} decodes for {good} good samples, streams let go {let_go} times: {sh:?}",
         sh.decodes
     );
 }

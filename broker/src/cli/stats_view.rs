@@ -124,7 +124,7 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
         Some(sh) => {
             let _ = write!(
                 out,
-                "  images: {} written, {} of them decoded by another stream; {} bad samples replaced\n  source `{}`: {} decodes for its {} streams, this one held {:.2} s by slower ones, {} decoded images ({:.1} MiB) left for others",
+                "  images: {} written, {} of them decoded by another stream; {} bad samples replaced\n  source `{}`: {} decodes for its {} streams, this one held {:.2} s by slower ones (let go {} times), {} decoded images ({:.1} MiB) left for others",
                 src.decoded,
                 sh.taken,
                 src.skipped,
@@ -132,6 +132,7 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
                 sh.decodes,
                 sh.streams,
                 sh.held_s,
+                sh.let_go,
                 sh.entries,
                 sh.bytes as f64 / (1 << 20) as f64
             );

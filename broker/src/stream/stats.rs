@@ -66,6 +66,7 @@ impl Stream {
                     decodes: s.decodes,
                     taken: s.taken,
                     held_s: s.held.as_secs_f64(),
+                    let_go: s.let_go,
                     entries: s.entries,
                     bytes: s.bytes,
                 });

@@ -270,6 +270,10 @@ pub struct SharedSourceStats {
     pub taken: u64,
     /// Seconds this stream's pipeline waited for slower streams.
     pub held_s: f64,
+    /// Times this stream was let go by the others (it stopped moving, or
+    /// kept them waiting too long in all) and decoded alone until it
+    /// caught up: each costs up to a window of decodes made twice.
+    pub let_go: u64,
     /// Decoded images left for other streams now, and their bytes.
     pub entries: u64,
     pub bytes: u64,

@@ -249,6 +249,8 @@ pub struct SourceShare {
     changed: Condvar,
     decodes: AtomicU64,
     held_ns: Vec<AtomicU64>,
+    /// Per stream: times it was let go (see [`ShareCounts::let_go`]).
+    let_go: Vec<AtomicU64>,
     taken: Vec<AtomicU64>,
     /// `budget` bytes of the broker's memory budget, taken by the first
     /// of its streams to start.
@@ -322,6 +324,9 @@ pub struct ShareCounts {
     pub taken: u64,
     /// Time this stream's pipeline waited for slower streams.
     pub held: Duration,
+    /// Times this stream was let go (it stopped moving, or kept the
+    /// others waiting too long) and decoded alone until it caught up.
+    pub let_go: u64,
     /// Decoded images left for other streams now, and their bytes.
     pub entries: u64,
     pub bytes: u64,
@@ -354,6 +359,7 @@ impl SourceShare {
             changed: Condvar::new(),
             decodes: AtomicU64::new(0),
             held_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            let_go: (0..n).map(|_| AtomicU64::new(0)).collect(),
             taken: (0..n).map(|_| AtomicU64::new(0)).collect(),
             grant: Mutex::new(None),
         }
@@ -391,6 +397,7 @@ impl SourceShare {
             decodes: self.decodes.load(Ordering::Relaxed),
             taken: self.taken[member].load(Ordering::Relaxed),
             held: Duration::from_nanos(self.held_ns[member].load(Ordering::Relaxed)),
+            let_go: self.let_go[member].load(Ordering::Relaxed),
             entries: st.entries.len() as u64,
             bytes: st.bytes,
         }
@@ -750,6 +757,7 @@ mod tests {
             t0.elapsed()
         );
         mover.join().unwrap();
+        assert_eq!(s.counts(1).let_go, 0, "a moving stream is waited for");
         // Now stream 1 stops at 20 (batch 20..25 in flight): stream 0 at 40
         // waits about HOLD_STALL, then goes on without it.
         let t0 = Instant::now();
@@ -761,6 +769,7 @@ mod tests {
         s.dims(0, 60, 0, true);
         assert_eq!(s.counts(0).held, held);
         assert!(matches!(s.claim(0, 60, 1, DIMS, 1, true), Claim::Alone));
+        assert_eq!((s.counts(0).let_go, s.counts(1).let_go), (0, 1));
     }
 
     #[test]

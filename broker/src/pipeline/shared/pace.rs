@@ -161,6 +161,7 @@ impl SourceShare {
                         "a stream on this source stopped moving: the others go on without it"
                     );
                     p.holding = false;
+                    self.let_go[k].fetch_add(1, Ordering::Relaxed);
                 } else if p.kept_waiting >= patience {
                     tracing::debug!(
                         source = %self.plan.name,
@@ -169,6 +170,7 @@ impl SourceShare {
                         "a slow stream on this source kept the others waiting too long: it decodes alone until it catches up"
                     );
                     p.holding = false;
+                    self.let_go[k].fetch_add(1, Ordering::Relaxed);
                 } else {
                     blocked = true;
                 }
