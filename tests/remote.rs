@@ -205,12 +205,7 @@ impl Data {
     fn s3(&self) -> &Server {
         self.s3.get_or_init(|| {
             let s3 = Server::moto();
-            let (ds, shards) = (self.p("ds"), self.p("shards"));
-            load_dirs(
-                "s3-load",
-                &s3.url(),
-                &[(&ds, "train/"), (&ds, "deny/"), (&shards, "shards/")],
-            );
+            self.load("s3-load", &s3.url(), &["train/", "deny/", "shards/"]);
             s3
         })
     }
