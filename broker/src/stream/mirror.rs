@@ -198,7 +198,6 @@ pub(super) fn request_copies(inner: &mut Inner) {
 impl CopySink for Stream {
     fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize) {
         let rings = &self.plan.rings;
-        let base = self.arena.mapping().as_ptr();
         let mut pieces = Vec::with_capacity(2 * rings.fields.len());
         for (r, fl) in rings.fields.iter().zip(&self.plan.layout.fields) {
             let cell = (seq * rings.unit) % r.cells;
@@ -209,7 +208,6 @@ impl CopySink for Stream {
                 if samples > 0 {
                     let at = (r.offset + from * r.bytes_per_sample) as usize;
                     pieces.push(Piece {
-                        src: base.wrapping_add(at),
                         at,
                         len: (samples * r.bytes_per_sample) as usize,
                         dst: (fl.offset + to * r.bytes_per_sample) as usize,

@@ -21,6 +21,13 @@ use std::thread::JoinHandle;
 
 use batchcast::proto::{DeviceArena, DeviceRequest};
 
+#[cfg(any(feature = "cuda", test))]
+mod copier;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(test)]
+pub mod test_gpu;
+
 /// Identifies a GPU across processes.
 pub(crate) type GpuKey = [u8; 16];
 
@@ -61,11 +68,10 @@ pub struct CopyRequest {
 }
 
 /// A piece of a batch to copy: `len` host bytes at `at` bytes into the
-/// host arena (`src` in this process's mapping of it) to `dst` bytes into
-/// its device slot.
-#[derive(Debug, Clone, Copy)]
+/// host arena to `dst` bytes into its device slot. Offsets only: the
+/// copier gets the bytes through [`CopySink::host_bytes`], checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
-    pub src: *const u8,
     pub at: usize,
     pub len: usize,
     pub dst: usize,
@@ -78,8 +84,7 @@ pub trait CopySink: Send + Sync + 'static {
     /// is alive; and the size of a device slot.
     fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize);
     /// A piece's host bytes as a checked slice of the arena (`None` past
-    /// its end): for a copier that copies with the CPU, which then needs
-    /// no raw pointer.
+    /// its end), mapped while the sink is alive.
     fn host_bytes(&self, piece: &Piece) -> Option<&[u8]>;
     /// The copy of `req` to GPU `key` completed after `elapsed_ns`.
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64);
@@ -92,9 +97,9 @@ pub trait CopySink: Send + Sync + 'static {
 enum Backend {
     #[cfg(feature = "cuda")]
     Cuda(Arc<batchcast::cuda::CopyStream>),
-    /// [`test_gpu`]: copies are plain memcpys, done when reported.
+    /// [`test_gpu`]: host memory, copied by an engine thread of its own.
     #[cfg(test)]
-    Host,
+    Host(Arc<test_gpu::Engine>),
 }
 
 impl Backend {
@@ -104,7 +109,7 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(ref c) => c.synchronize().map_err(|e| GpuError::Driver(e.to_string())),
             #[cfg(test)]
-            Backend::Host => Ok(()),
+            Backend::Host(ref e) => e.synchronize(),
         }
     }
 }
@@ -194,214 +199,6 @@ impl Drop for Mirror {
     }
 }
 
-#[cfg(feature = "cuda")]
-mod cuda_backend {
-    use std::sync::OnceLock;
-
-    use batchcast::cuda::{self, CopyStream, DeviceBuffer, Gpu, HostRegistration};
-
-    use super::*;
-
-    /// Allocates the device arena of `slots` slots of `slot_bytes` on the
-    /// GPU `req` names, exports it and starts its copier. `registration`
-    /// is the stream's page-locking of its host arena, shared by all its
-    /// GPUs (made on first use).
-    pub(super) fn create(
-        req: &DeviceRequest,
-        spec: MirrorSpec<'_>,
-        registration: &OnceLock<Option<HostRegistration>>,
-    ) -> Result<Mirror, cuda::CudaError> {
-        let MirrorSpec {
-            sink,
-            host,
-            host_len,
-            slots,
-            slot_bytes,
-            stream: stream_name,
-        } = spec;
-        let gpu = Gpu::by_uuid(&req.uuid)?;
-        let label = format!(
-            "cuda:{} {} ({})",
-            gpu.info.ordinal,
-            gpu.info.name,
-            cuda::format_uuid(&gpu.info.uuid)
-        );
-        let pinned = registration
-            .get_or_init(|| {
-                // SAFETY: the host arena is mapped for the stream's whole
-                // life, and the stream drops this registration (with its
-                // mirrors, whose copy streams synchronise on drop) before
-                // its arena.
-                match unsafe { HostRegistration::register(&gpu, host, host_len) } {
-                    Ok(r) => Some(r),
-                    Err(e) => {
-                        tracing::warn!(
-                            stream = stream_name,
-                            "cannot page-lock the host arena, copies will be staged and slower: {e}"
-                        );
-                        None
-                    }
-                }
-            })
-            .is_some();
-        let bytes = slots as u64 * slot_bytes;
-        let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
-        let arena = DeviceArena {
-            handle: buffer.ipc_handle()?.to_vec(),
-            slots,
-            bytes,
-            gpu: label.clone(),
-        };
-        let copies = Arc::new(CopyStream::new(&gpu)?);
-        let key = req.uuid;
-        let backend = Backend::Cuda(copies.clone());
-        let m = Mirror::start(
-            label,
-            arena,
-            pinned,
-            backend,
-            move |rx| copier(key, rx, sink, copies, buffer),
-            format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
-        )
-        .map_err(|e| cuda::CudaError::NoDriver(e.to_string()))?;
-        tracing::info!(stream = stream_name, gpu = %m.label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
-        Ok(m)
-    }
-
-    /// Copies requests in order, keeping the copy engine fed: every request
-    /// waiting is queued on the copy stream (each followed by an event)
-    /// before the oldest copy is waited for, and again before that copy is
-    /// reported, so reporting it (sending the batch to each consumer on
-    /// the GPU) overlaps with the next copies instead of leaving the
-    /// engine idle for as long as the report takes.
-    fn copier(
-        key: GpuKey,
-        rx: mpsc::Receiver<CopyRequest>,
-        sink: Weak<dyn CopySink>,
-        copies: Arc<CopyStream>,
-        buffer: Arc<DeviceBuffer>,
-    ) {
-        // Timing events whose copies were reported, recorded again for the
-        // next copies (at most two per device slot are ever made).
-        let mut spare: Vec<cuda::Event> = Vec::new();
-        let mut queued = std::collections::VecDeque::new();
-        let queue = |req: CopyRequest, sink: &Arc<dyn CopySink>, spare: &mut Vec<cuda::Event>| {
-            let (pieces, slot_bytes) = sink.host_pieces(req.seq);
-            let start = copies.record_timed_reusing(spare.pop())?;
-            let base = req.device as usize * slot_bytes;
-            let mut len = 0;
-            for p in pieces {
-                // SAFETY: `sink` (the stream, which owns the host arena) is
-                // held until this copy's event has completed below, so the
-                // source stays mapped; the hub pins the batch's cells until
-                // this copy is reported (`copied`), and gives them back
-                // unreported only after `fence`.
-                unsafe { copies.copy_to_device(&buffer, base + p.dst, p.src, p.len)? };
-                len += p.len as u64;
-            }
-            let end = copies.record_timed_reusing(spare.pop())?;
-            Ok::<_, cuda::CudaError>((req, start, end, len))
-        };
-        while let Ok(first) = rx.recv() {
-            let Some(sink) = sink.upgrade() else { return };
-            let result = (|| {
-                queued.push_back(queue(first, &sink, &mut spare)?);
-                while let Some((req, start, end, len)) = queued.pop_front() {
-                    while let Ok(more) = rx.try_recv() {
-                        queued.push_back(queue(more, &sink, &mut spare)?);
-                    }
-                    end.synchronize()?;
-                    while let Ok(more) = rx.try_recv() {
-                        queued.push_back(queue(more, &sink, &mut spare)?);
-                    }
-                    // Copy time is GPU time between events around each
-                    // copy: `bytes / copy_s` is the copy path's bandwidth.
-                    sink.copied(&key, req, len, end.elapsed_since(&start)?.as_nanos() as u64);
-                    spare.extend([start, end]);
-                }
-                Ok::<(), cuda::CudaError>(())
-            })();
-            if let Err(e) = result {
-                sink.gpu_failed(&key, GpuError::Driver(e.to_string()));
-                return;
-            }
-        }
-    }
-}
-
-/// A GPU made of host memory, for testing the stream's GPU bookkeeping
-/// (copies, device slots, what device consumers are sent) where no GPU is.
-#[cfg(test)]
-pub mod test_gpu {
-    use super::*;
-
-    /// The UUID that selects it.
-    pub const UUID: GpuKey = *b"host-memory-gpu!";
-
-    pub fn request() -> DeviceRequest {
-        DeviceRequest {
-            uuid: UUID,
-            ordinal: 0,
-            name: "host memory stand-in".into(),
-        }
-    }
-
-    /// Its memory: `slots × slot_bytes`, written by its copier. `fail_at`:
-    /// the copy number (from 0) at which it fails instead.
-    pub(super) fn create(
-        spec: MirrorSpec<'_>,
-        memory: Arc<Mutex<Vec<u8>>>,
-        fail_at: Option<u64>,
-    ) -> Result<Mirror, GpuError> {
-        let MirrorSpec {
-            sink,
-            slots,
-            slot_bytes,
-            ..
-        } = spec;
-        let bytes = slots as u64 * slot_bytes;
-        *memory.lock().unwrap() = vec![0; bytes as usize];
-        let arena = DeviceArena {
-            handle: vec![0; 64],
-            slots,
-            bytes,
-            gpu: "test:0 host memory".into(),
-        };
-        let mem = memory;
-        Mirror::start(
-            "test:0 host memory".into(),
-            arena,
-            false,
-            Backend::Host,
-            move |rx| {
-                let mut n = 0u64;
-                while let Ok(req) = rx.recv() {
-                    let Some(sink) = sink.upgrade() else { return };
-                    if fail_at == Some(n) {
-                        sink.gpu_failed(
-                            &UUID,
-                            GpuError::Driver("CUDA_ERROR_ILLEGAL_ADDRESS (test)".into()),
-                        );
-                        return;
-                    }
-                    n += 1;
-                    let (pieces, slot_bytes) = sink.host_pieces(req.seq);
-                    let mut len = 0;
-                    for p in pieces {
-                        // The hub pins the batch's cells until `copied`.
-                        let src = sink.host_bytes(&p).expect("a piece inside the host arena");
-                        let at = req.device as usize * slot_bytes + p.dst;
-                        mem.lock().unwrap()[at..at + p.len].copy_from_slice(src);
-                        len += p.len as u64;
-                    }
-                    sink.copied(&UUID, req, len, 0);
-                }
-            },
-            "test-gpu-copier".into(),
-        )
-    }
-}
-
 /// The GPUs one stream copies to: mirrors by GPU, created on demand.
 #[derive(Debug, Default)]
 pub struct Gpus {
@@ -467,7 +264,7 @@ impl Gpus {
             return test_gpu::create(spec, self.test_memory.clone(), fail_at);
         }
         #[cfg(feature = "cuda")]
-        return cuda_backend::create(req, spec, &self.registration).map_err(|e| GpuError::Open {
+        return cuda::create(req, spec, &self.registration).map_err(|e| GpuError::Open {
             ordinal: req.ordinal,
             name: req.name.clone(),
             reason: e.to_string(),

@@ -1,0 +1,140 @@
+//! The CUDA backend: a device arena allocated and exported over CUDA IPC,
+//! the host arena page-locked, and a copy engine of asynchronous H2D
+//! copies on a CUDA stream of its own, each between two timing events.
+
+use std::sync::{Arc, OnceLock};
+
+use batchcast::cuda::{self, CopyStream, DeviceBuffer, Event, Gpu, HostRegistration};
+use batchcast::proto::{DeviceArena, DeviceRequest};
+
+use super::copier::{self, CopyEngine};
+use super::{Backend, CopySink, GpuError, Mirror, MirrorSpec, Piece};
+
+/// Allocates the device arena of `slots` slots of `slot_bytes` on the
+/// GPU `req` names, exports it and starts its copier. `registration` is
+/// the stream's page-locking of its host arena, shared by all its GPUs
+/// (made on first use).
+pub(super) fn create(
+    req: &DeviceRequest,
+    spec: MirrorSpec<'_>,
+    registration: &OnceLock<Option<HostRegistration>>,
+) -> Result<Mirror, cuda::CudaError> {
+    let MirrorSpec {
+        sink,
+        host,
+        host_len,
+        slots,
+        slot_bytes,
+        stream: stream_name,
+    } = spec;
+    let gpu = Gpu::by_uuid(&req.uuid)?;
+    let label = format!(
+        "cuda:{} {} ({})",
+        gpu.info.ordinal,
+        gpu.info.name,
+        cuda::format_uuid(&gpu.info.uuid)
+    );
+    let pinned = registration
+        .get_or_init(|| {
+            // SAFETY: the host arena is mapped for the stream's whole life,
+            // and the stream drops this registration (with its mirrors,
+            // whose copy streams synchronise on drop) before its arena.
+            match unsafe { HostRegistration::register(&gpu, host, host_len) } {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    tracing::warn!(
+                        stream = stream_name,
+                        "cannot page-lock the host arena, copies will be staged and slower: {e}"
+                    );
+                    None
+                }
+            }
+        })
+        .is_some();
+    let bytes = slots as u64 * slot_bytes;
+    let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
+    let arena = DeviceArena {
+        handle: buffer.ipc_handle()?.to_vec(),
+        slots,
+        bytes,
+        gpu: label.clone(),
+    };
+    let copies = Arc::new(CopyStream::new(&gpu)?);
+    let key = req.uuid;
+    let engine = Engine {
+        copies: copies.clone(),
+        buffer,
+        spare: Vec::new(),
+    };
+    let m = Mirror::start(
+        label,
+        arena,
+        pinned,
+        Backend::Cuda(copies),
+        move |rx| copier::run(key, rx, sink, engine),
+        format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
+    )
+    .map_err(|e| cuda::CudaError::NoDriver(e.to_string()))?;
+    tracing::info!(stream = stream_name, gpu = %m.label, slots, mib = bytes >> 20, pinned, "device arena allocated and exported");
+    Ok(m)
+}
+
+/// Copies on one CUDA stream into one device arena.
+struct Engine {
+    copies: Arc<CopyStream>,
+    buffer: Arc<DeviceBuffer>,
+    /// Timing events whose copies were waited for, recorded again for the
+    /// next copies (at most two per device slot are ever made).
+    spare: Vec<Event>,
+}
+
+fn driver(e: cuda::CudaError) -> GpuError {
+    GpuError::Driver(e.to_string())
+}
+
+impl CopyEngine for Engine {
+    type Done = (Event, Event);
+
+    fn queue(
+        &mut self,
+        sink: &Arc<dyn CopySink>,
+        base: usize,
+        pieces: &[Piece],
+    ) -> Result<(Event, Event), GpuError> {
+        let start = self
+            .copies
+            .record_timed_reusing(self.spare.pop())
+            .map_err(driver)?;
+        for p in pieces {
+            let src = sink.host_bytes(p).ok_or_else(|| {
+                GpuError::Driver(format!(
+                    "a batch's piece lies past the host arena ({} bytes at {})",
+                    p.len, p.at
+                ))
+            })?;
+            // SAFETY: `src` is inside the stream's host arena, which stays
+            // mapped while `sink` (the stream) is alive: the copier holds
+            // it until this copy's end event has completed (`wait`). The
+            // hub pins the batch's cells until this copy is reported
+            // (`copied`), and gives them back unreported only after
+            // `fence`, so its bytes do not change while they are read.
+            unsafe {
+                self.copies
+                    .copy_to_device(&self.buffer, base + p.dst, src.as_ptr(), src.len())
+                    .map_err(driver)?
+            };
+        }
+        let end = self
+            .copies
+            .record_timed_reusing(self.spare.pop())
+            .map_err(driver)?;
+        Ok((start, end))
+    }
+
+    fn wait(&mut self, (start, end): (Event, Event)) -> Result<u64, GpuError> {
+        end.synchronize().map_err(driver)?;
+        let ns = end.elapsed_since(&start).map_err(driver)?.as_nanos() as u64;
+        self.spare.extend([start, end]);
+        Ok(ns)
+    }
+}

@@ -1,0 +1,339 @@
+//! A GPU made of host memory, for testing the stream's GPU bookkeeping
+//! (copies, device slots, what device consumers are sent) where no GPU is.
+//!
+//! It runs the same copier loop as CUDA ([`super::copier`]) over a copy
+//! engine of its own thread, as a GPU's copy engine is: a copy is queued,
+//! read from the host arena and written later, and its end is seen by
+//! waiting for it; and it can fail mid-run (`fail_at`), as a device does
+//! (a `CUDA_ERROR_ILLEGAL_ADDRESS` poisons every later call).
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use batchcast::proto::{DeviceArena, DeviceRequest};
+
+use super::copier::{self, CopyEngine};
+use super::{Backend, CopySink, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
+
+/// The UUID that selects it.
+pub const UUID: GpuKey = *b"host-memory-gpu!";
+
+pub fn request() -> DeviceRequest {
+    DeviceRequest {
+        uuid: UUID,
+        ordinal: 0,
+        name: "host memory stand-in".into(),
+    }
+}
+
+/// Its memory: `slots × slot_bytes`, written by its copy engine.
+/// `fail_at`: the copy number (from 0) at which the device fails instead.
+pub(super) fn create(
+    spec: MirrorSpec<'_>,
+    memory: Arc<Mutex<Vec<u8>>>,
+    fail_at: Option<u64>,
+) -> Result<Mirror, GpuError> {
+    let MirrorSpec {
+        sink,
+        slots,
+        slot_bytes,
+        ..
+    } = spec;
+    let bytes = slots as u64 * slot_bytes;
+    *memory.lock().unwrap() = vec![0; bytes as usize];
+    let arena = DeviceArena {
+        handle: vec![0; 64],
+        slots,
+        bytes,
+        gpu: "test:0 host memory".into(),
+    };
+    let engine = Arc::new(Engine::default());
+    let (tx, jobs) = mpsc::channel::<Job>();
+    {
+        let engine = engine.clone();
+        std::thread::Builder::new()
+            .name("test-gpu-engine".into())
+            .spawn(move || engine.run(jobs, &memory, fail_at))
+            .map_err(|e| GpuError::Copier(e.to_string()))?;
+    }
+    let copies = Copies {
+        engine: engine.clone(),
+        jobs: tx,
+        next: 0,
+    };
+    Mirror::start(
+        "test:0 host memory".into(),
+        arena,
+        false,
+        Backend::Host(engine),
+        move |rx| copier::run(UUID, rx, sink, copies),
+        "test-gpu-copier".into(),
+    )
+}
+
+/// A copy queued on the engine: copy number `n`, the host bytes `sink`
+/// gives for `pieces`, to device bytes from `base`.
+struct Job {
+    n: u64,
+    sink: Arc<dyn CopySink>,
+    base: usize,
+    pieces: Vec<Piece>,
+}
+
+/// The copy engine's progress, shared by its thread, the copier (which
+/// waits for copies) and the mirror (which fences).
+#[derive(Debug, Default)]
+pub struct Engine {
+    state: Mutex<EngineState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct EngineState {
+    queued: u64,
+    /// Copies ended: every copy numbered below this.
+    done: u64,
+    /// Each ended copy's time, until it is waited for.
+    took_ns: HashMap<u64, u64>,
+    /// Why the device failed: every call from then on fails with it.
+    failed: Option<GpuError>,
+}
+
+impl Engine {
+    fn lock(&self) -> MutexGuard<'_, EngineState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The engine's thread: copies jobs in order until the copier is gone.
+    fn run(&self, jobs: mpsc::Receiver<Job>, memory: &Mutex<Vec<u8>>, fail_at: Option<u64>) {
+        while let Ok(job) = jobs.recv() {
+            if fail_at == Some(job.n) {
+                let mut st = self.lock();
+                st.failed = Some(GpuError::Driver("CUDA_ERROR_ILLEGAL_ADDRESS (test)".into()));
+                self.changed.notify_all();
+                return;
+            }
+            let t0 = Instant::now();
+            let copied = job.pieces.iter().try_for_each(|p| {
+                let src = job.sink.host_bytes(p).ok_or(*p)?;
+                let at = job.base + p.dst;
+                let mut mem = memory.lock().unwrap_or_else(|p| p.into_inner());
+                mem.get_mut(at..at + p.len).ok_or(*p)?.copy_from_slice(src);
+                Ok::<(), Piece>(())
+            });
+            let n = job.n;
+            // The stream is let go before the copy is seen to end, so this
+            // thread never holds its last reference.
+            drop(job);
+            let mut st = self.lock();
+            match copied {
+                Ok(()) => {
+                    st.done = n + 1;
+                    st.took_ns.insert(n, t0.elapsed().as_nanos() as u64);
+                }
+                Err(p) => {
+                    st.failed = Some(GpuError::Driver(format!(
+                        "CUDA_ERROR_INVALID_VALUE (test): a piece outside host or device memory: {p:?}"
+                    )));
+                }
+            }
+            self.changed.notify_all();
+            if st.failed.is_some() {
+                return;
+            }
+        }
+    }
+
+    /// Waits until copy `n` has ended (or the device failed).
+    fn wait_for(&self, n: u64) -> Result<u64, GpuError> {
+        let mut st = self.lock();
+        loop {
+            if st.done > n {
+                return Ok(st.took_ns.remove(&n).unwrap_or(0));
+            }
+            if let Some(why) = &st.failed {
+                return Err(why.clone());
+            }
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Waits until every queued copy has ended (or the device failed).
+    pub(super) fn synchronize(&self) -> Result<(), GpuError> {
+        let queued = self.lock().queued;
+        match queued.checked_sub(1) {
+            Some(last) => self.wait_for(last).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The copier's side of the engine: numbers and sends its copies.
+struct Copies {
+    engine: Arc<Engine>,
+    jobs: mpsc::Sender<Job>,
+    next: u64,
+}
+
+impl CopyEngine for Copies {
+    type Done = u64;
+
+    fn queue(
+        &mut self,
+        sink: &Arc<dyn CopySink>,
+        base: usize,
+        pieces: &[Piece],
+    ) -> Result<u64, GpuError> {
+        let n = self.next;
+        {
+            let mut st = self.engine.lock();
+            if let Some(why) = &st.failed {
+                return Err(why.clone());
+            }
+            st.queued = n + 1;
+        }
+        let job = Job {
+            n,
+            sink: sink.clone(),
+            base,
+            pieces: pieces.to_vec(),
+        };
+        self.jobs
+            .send(job)
+            .map_err(|_| GpuError::Driver("the test GPU's copy engine stopped".into()))?;
+        self.next += 1;
+        Ok(n)
+    }
+
+    fn wait(&mut self, n: u64) -> Result<u64, GpuError> {
+        self.engine.wait_for(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Weak;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::gpu::CopyRequest;
+
+    /// A stream of one field: batch `seq` is 8 bytes of `seq`, in two
+    /// pieces around a 24-byte ring's wrap for every third batch.
+    struct Sink {
+        host: Vec<u8>,
+        copied: Mutex<Vec<(u64, u32, u64)>>,
+        failed: Mutex<Vec<String>>,
+    }
+
+    impl CopySink for Sink {
+        fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize) {
+            let at = (seq % 3) as usize * 8;
+            let pieces = if seq % 3 == 2 {
+                vec![
+                    Piece { at, len: 4, dst: 0 },
+                    Piece {
+                        at: at + 4,
+                        len: 4,
+                        dst: 4,
+                    },
+                ]
+            } else {
+                vec![Piece { at, len: 8, dst: 0 }]
+            };
+            (pieces, 8)
+        }
+        fn host_bytes(&self, p: &Piece) -> Option<&[u8]> {
+            self.host.get(p.at..p.at + p.len)
+        }
+        fn copied(&self, _: &GpuKey, req: CopyRequest, bytes: u64, _: u64) {
+            self.copied
+                .lock()
+                .unwrap()
+                .push((req.seq, req.device, bytes));
+        }
+        fn gpu_failed(&self, _: &GpuKey, why: GpuError) {
+            self.failed.lock().unwrap().push(why.to_string());
+        }
+    }
+
+    fn mirror(fail_at: Option<u64>) -> (Arc<Sink>, Mirror, Arc<Mutex<Vec<u8>>>) {
+        let host: Vec<u8> = (0..3u8).flat_map(|k| [k + 1; 8]).collect();
+        let sink = Arc::new(Sink {
+            host,
+            copied: Mutex::default(),
+            failed: Mutex::default(),
+        });
+        let memory = Arc::new(Mutex::new(Vec::new()));
+        let weak: Weak<dyn CopySink> = Arc::downgrade(&(sink.clone() as Arc<dyn CopySink>));
+        let spec = MirrorSpec {
+            sink: weak,
+            host: sink.host.as_ptr(),
+            host_len: sink.host.len(),
+            slots: 4,
+            slot_bytes: 8,
+            stream: "s",
+        };
+        let m = create(spec, memory.clone(), fail_at).unwrap();
+        (sink, m, memory)
+    }
+
+    fn until(what: impl Fn() -> bool) {
+        let t0 = Instant::now();
+        while !what() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Copies run on the engine's thread and are reported in the order
+    /// they were asked for, each with its bytes, at its device slot.
+    #[test]
+    fn copies_land_in_their_device_slots_and_are_reported_in_order() {
+        let (sink, m, memory) = mirror(None);
+        for seq in 0..12u64 {
+            m.request(CopyRequest {
+                host: 0,
+                device: (seq % 4) as u32,
+                seq,
+            });
+        }
+        until(|| sink.copied.lock().unwrap().len() == 12);
+        m.fence();
+        let copied = sink.copied.lock().unwrap().clone();
+        let want: Vec<_> = (0..12u64).map(|s| (s, (s % 4) as u32, 8)).collect();
+        assert_eq!(copied, want);
+        // Device slot d holds the last batch copied there: 8 + d.
+        let mem = memory.lock().unwrap();
+        for d in 0..4usize {
+            let seq = 8 + d as u64;
+            assert_eq!(mem[d * 8..d * 8 + 8], [(seq % 3) as u8 + 1; 8], "slot {d}");
+        }
+        assert!(sink.failed.lock().unwrap().is_empty());
+    }
+
+    /// A device that fails mid-run: the copies before are reported, the
+    /// stream is told once, and nothing after is copied or reported.
+    #[test]
+    fn a_device_failing_mid_run_is_reported_once_and_copies_stop() {
+        let (sink, m, memory) = mirror(Some(2));
+        for seq in 0..6u64 {
+            m.request(CopyRequest {
+                host: 0,
+                device: (seq % 4) as u32,
+                seq,
+            });
+        }
+        until(|| !sink.failed.lock().unwrap().is_empty());
+        m.stop();
+        assert_eq!(
+            *sink.failed.lock().unwrap(),
+            ["CUDA_ERROR_ILLEGAL_ADDRESS (test)"]
+        );
+        let copied: Vec<u64> = sink.copied.lock().unwrap().iter().map(|c| c.0).collect();
+        assert_eq!(copied, [0, 1]);
+        assert_eq!(memory.lock().unwrap()[16..24], [0; 8], "copy 2 never ran");
+    }
+}
