@@ -99,6 +99,8 @@ struct EngineState {
     took_ns: HashMap<u64, u64>,
     /// Why the device failed: every call from then on fails with it.
     failed: Option<GpuError>,
+    /// Tests: the engine starts no copy while set (a busy device).
+    held: bool,
 }
 
 impl Engine {
@@ -109,6 +111,12 @@ impl Engine {
     /// The engine's thread: copies jobs in order until the copier is gone.
     fn run(&self, jobs: mpsc::Receiver<Job>, memory: &Mutex<Vec<u8>>, fail_at: Option<u64>) {
         while let Ok(job) = jobs.recv() {
+            {
+                let mut st = self.lock();
+                while st.held {
+                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            }
             if fail_at == Some(job.n) {
                 let mut st = self.lock();
                 st.failed = Some(GpuError::Driver("CUDA_ERROR_ILLEGAL_ADDRESS (test)".into()));
@@ -158,6 +166,16 @@ impl Engine {
             }
             st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// Holds the engine (no copy starts) or lets it go on.
+    fn hold(&self, on: bool) {
+        self.lock().held = on;
+        self.changed.notify_all();
+    }
+
+    fn queued(&self) -> u64 {
+        self.lock().queued
     }
 
     /// Waits until every queued copy has ended (or the device failed).
@@ -226,6 +244,9 @@ mod tests {
         host: Vec<u8>,
         copied: Mutex<Vec<(u64, u32, u64)>>,
         failed: Mutex<Vec<String>>,
+        /// The engine, and the copies queued on it at each report.
+        engine: std::sync::OnceLock<Arc<Engine>>,
+        queued_at_report: Mutex<Vec<u64>>,
     }
 
     impl CopySink for Sink {
@@ -253,6 +274,9 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push((req.seq, req.device, bytes));
+            if let Some(e) = self.engine.get() {
+                self.queued_at_report.lock().unwrap().push(e.queued());
+            }
         }
         fn gpu_failed(&self, _: &GpuKey, why: GpuError) {
             self.failed.lock().unwrap().push(why.to_string());
@@ -265,6 +289,8 @@ mod tests {
             host,
             copied: Mutex::default(),
             failed: Mutex::default(),
+            engine: std::sync::OnceLock::new(),
+            queued_at_report: Mutex::default(),
         });
         let memory = Arc::new(Mutex::new(Vec::new()));
         let weak: Weak<dyn CopySink> = Arc::downgrade(&(sink.clone() as Arc<dyn CopySink>));
@@ -277,6 +303,10 @@ mod tests {
             stream: "s",
         };
         let m = create(spec, memory.clone(), fail_at).unwrap();
+        let Backend::Host(engine) = &m.backend else {
+            unreachable!("the stand-in's mirror")
+        };
+        sink.engine.set(engine.clone()).ok();
         (sink, m, memory)
     }
 
@@ -312,6 +342,34 @@ mod tests {
             assert_eq!(mem[d * 8..d * 8 + 8], [(seq % 3) as u8 + 1; 8], "slot {d}");
         }
         assert!(sink.failed.lock().unwrap().is_empty());
+    }
+
+    /// What the copier is for: requests that arrive while a copy runs are
+    /// queued on the engine before that copy is reported (reporting sends
+    /// the batch to every consumer on the GPU), so the engine is never
+    /// idle for as long as a report takes.
+    #[test]
+    fn requests_arriving_during_a_copy_are_queued_before_it_is_reported() {
+        let (sink, m, _memory) = mirror(None);
+        let engine = sink.engine.get().unwrap().clone();
+        engine.hold(true);
+        m.request(CopyRequest {
+            host: 0,
+            device: 0,
+            seq: 0,
+        });
+        until(|| engine.queued() == 1);
+        for seq in 1..6u64 {
+            m.request(CopyRequest {
+                host: 0,
+                device: (seq % 4) as u32,
+                seq,
+            });
+        }
+        engine.hold(false);
+        until(|| sink.copied.lock().unwrap().len() == 6);
+        let at_report = sink.queued_at_report.lock().unwrap().clone();
+        assert_eq!(at_report, [6; 6], "copies queued at each report");
     }
 
     /// A device that fails mid-run: the copies before are reported, the
