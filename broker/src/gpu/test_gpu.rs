@@ -61,7 +61,6 @@ pub(super) fn create(
     let copies = Copies {
         engine: engine.clone(),
         jobs: tx,
-        next: 0,
     };
     Mirror::start(
         "test:0 host memory".into(),
@@ -192,7 +191,6 @@ impl Engine {
 struct Copies {
     engine: Arc<Engine>,
     jobs: mpsc::Sender<Job>,
-    next: u64,
 }
 
 impl CopyEngine for Copies {
@@ -204,14 +202,14 @@ impl CopyEngine for Copies {
         base: usize,
         pieces: &[Piece],
     ) -> Result<u64, GpuError> {
-        let n = self.next;
-        {
+        let n = {
             let mut st = self.engine.lock();
             if let Some(why) = &st.failed {
                 return Err(why.clone());
             }
-            st.queued = n + 1;
-        }
+            st.queued += 1;
+            st.queued - 1
+        };
         let job = Job {
             n,
             sink: sink.clone(),
@@ -221,7 +219,6 @@ impl CopyEngine for Copies {
         self.jobs
             .send(job)
             .map_err(|_| GpuError::Driver("the test GPU's copy engine stopped".into()))?;
-        self.next += 1;
         Ok(n)
     }
 
