@@ -9,6 +9,7 @@ mod augment;
 mod batch_sizes;
 mod config_doc;
 mod decoupled;
+mod device;
 mod e2e;
 mod groups;
 mod hostile;

@@ -382,11 +382,17 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
         ServerMsg::Welcome(w) => Ok(*w),
         other => Err(other),
     })?;
-    let (map, mailbox, replay_arena) = open_arenas(&welcome, fds)?;
+    let Arenas {
+        map,
+        mailbox,
+        replay: replay_arena,
+        device_fd,
+    } = open_arenas(&welcome, fds)?;
     let gpu = crate::gpu::DeviceSide::open(
         opts.device,
         welcome.device.as_ref(),
         welcome.layout.slot_bytes,
+        device_fd,
     )?;
     let (resume, _) = start_of(opts)?;
     let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
@@ -443,13 +449,20 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
     })
 }
 
+/// What a welcome's fds hold, mapped.
+struct Arenas {
+    map: Mapping,
+    mailbox: Option<ConsumerMailbox>,
+    replay: Option<ReplayArena>,
+    /// The stand-in's device arena, for the device side to map.
+    device_fd: Option<OwnedFd>,
+}
+
 /// Maps what the welcome's fds hold, in order: the stream's rings, the
 /// mailbox (if granted), the replay arena (if granted), each checked
-/// against what the welcome says first.
-fn open_arenas(
-    welcome: &Welcome,
-    fds: Vec<OwnedFd>,
-) -> Result<(Mapping, Option<ConsumerMailbox>, Option<ReplayArena>)> {
+/// against what the welcome says first; a stand-in's device arena fd, if
+/// any, is the last.
+fn open_arenas(welcome: &Welcome, fds: Vec<OwnedFd>) -> Result<Arenas> {
     let mut fds = fds.into_iter();
     let fd = fds
         .next()
@@ -487,7 +500,13 @@ fn open_arenas(
         &RingView::of(&welcome.rings),
         false,
     )?;
-    Ok((map, mailbox, replay)) // the mappings keep the memory alive
+    // The mappings keep the memory alive.
+    Ok(Arenas {
+        map,
+        mailbox,
+        replay,
+        device_fd: fds.next(),
+    })
 }
 
 impl Iterator for Consumer {

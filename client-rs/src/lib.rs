@@ -73,6 +73,7 @@ pub mod proto;
 pub mod rotation;
 pub mod schema;
 pub mod shm;
+pub mod stand_in;
 pub mod stats_client;
 pub mod synthetic;
 mod transport;

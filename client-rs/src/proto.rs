@@ -52,7 +52,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 20;
+pub const PROTOCOL_VERSION: u16 = 21;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -271,7 +271,9 @@ pub struct DeviceRequest {
 /// A stream's arena on one GPU, as a consumer opens it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceArena {
-    /// The CUDA IPC memory handle (64 bytes).
+    /// How the consumer opens it (protocol 21).
+    pub memory: DeviceMemory,
+    /// The CUDA IPC memory handle (64 bytes); empty for other memory.
     pub handle: Vec<u8>,
     /// Device slots: a ring of its own, released independently of the
     /// host slots. A device batch's `slot` is one of these.
@@ -280,6 +282,17 @@ pub struct DeviceArena {
     pub bytes: u64,
     /// The GPU, as the broker names it (`cuda:1 NVIDIA H100 (GPU-…)`).
     pub gpu: String,
+}
+
+/// What a device arena is made of (protocol 21).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceMemory {
+    /// GPU memory exported over CUDA IPC: `DeviceArena::handle`.
+    CudaIpc,
+    /// The host-memory stand-in for a GPU (`crate::gpu::stand_in`, a
+    /// test setting of broker and client alike): a sealed memfd that comes
+    /// last among the welcome's fds, mapped read-only.
+    StandIn,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -451,9 +464,10 @@ pub struct Welcome {
     pub start_epoch: u64,
     /// The broker's version string, for diagnostics.
     pub broker: String,
-    /// Device consumers: the GPU arena their batches live in. Slot `s` of it
-    /// holds the same batch as host slot `s`, copied before the batch is
-    /// sent; the host arena's fd still comes with the welcome.
+    /// Device consumers: the GPU arena their batches live in (a device
+    /// batch's `slot` is one of its slots, copied before the batch is
+    /// sent). The host arena's fd still comes first with the welcome; a
+    /// stand-in arena's fd comes last.
     pub device: Option<DeviceArena>,
     /// Granted a mailbox: its fd comes after the arena's with this frame,
     /// and batches, epoch ends and the end of the stream arrive there

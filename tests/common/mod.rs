@@ -28,6 +28,10 @@ pub struct Env {
     pub broker: BrokerProcess,
     pub dir: tempfile::TempDir,
     children: Children,
+    /// The host-memory stand-in for a GPU (`batchcast::stand_in`): the
+    /// value of its setting for the broker and every consumer started
+    /// here, if on.
+    stand_in: Option<String>,
 }
 
 impl Drop for Env {
@@ -68,7 +72,20 @@ pub fn broker(
     socket: &Path,
     log: Option<&Path>,
 ) -> std::io::Result<BrokerProcess> {
+    broker_stand_in(config, socket, log, None)
+}
+
+/// [`broker`], with the GPU stand-in's setting (`batchcast::stand_in`).
+pub fn broker_stand_in(
+    config: Option<&Path>,
+    socket: &Path,
+    log: Option<&Path>,
+    stand_in: Option<&str>,
+) -> std::io::Result<BrokerProcess> {
     let mut cmd = command(EXE);
+    if let Some(v) = stand_in {
+        cmd.env(batchcast::stand_in::ENV, v);
+    }
     batchcast_kit::child::die_with_parent(&mut cmd);
     BrokerProcess::spawn_with(cmd, config, socket, log)
 }
@@ -76,8 +93,16 @@ pub fn broker(
 /// `batchcast consume --json --socket SOCKET ARGS` with stdout piped (its
 /// report), with the test's environment ([`command`]).
 pub fn spawn_consumer(socket: &Path, args: &[&str]) -> Child {
-    command(EXE)
-        .args(["consume", "--json", "--socket"])
+    spawn_consumer_stand_in(socket, args, None)
+}
+
+/// [`spawn_consumer`], with the GPU stand-in's setting.
+pub fn spawn_consumer_stand_in(socket: &Path, args: &[&str], stand_in: Option<&str>) -> Child {
+    let mut cmd = command(EXE);
+    if let Some(v) = stand_in {
+        cmd.env(batchcast::stand_in::ENV, v);
+    }
+    cmd.args(["consume", "--json", "--socket"])
         .arg(socket)
         .args(args)
         .stdin(Stdio::null())
@@ -185,23 +210,37 @@ impl Env {
         Env::spawn(None)
     }
 
+    /// [`Env::start`] with the host-memory stand-in for GPUs on, as
+    /// `setting` says (`1`, `fail-at=N`), for the broker and every
+    /// consumer [`Env::consumer`] starts: `--device cuda:N` consumers
+    /// read "device memory" made of host memory.
+    pub fn start_stand_in(config: &str, setting: &str) -> Env {
+        Env::spawn_with(Some(config), Some(setting))
+    }
+
     fn spawn(config: Option<&str>) -> Env {
+        Env::spawn_with(config, None)
+    }
+
+    fn spawn_with(config: Option<&str>, stand_in: Option<&str>) -> Env {
         let dir = tempfile::tempdir().unwrap();
         let cfg = config.map(|c| {
             let p = dir.path().join("broker.toml");
             std::fs::write(&p, c).unwrap();
             p
         });
-        let broker = broker(
+        let broker = broker_stand_in(
             cfg.as_deref(),
             &dir.path().join("b.sock"),
             Some(&dir.path().join("broker.log")),
+            stand_in,
         )
         .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
         Env {
             broker,
             dir,
             children: Children::default(),
+            stand_in: stand_in.map(Into::into),
         }
     }
 
@@ -217,10 +256,11 @@ impl Env {
         std::thread::sleep(Duration::from_millis(200));
         let cfg = self.path("broker.toml");
         let log = self.path("broker-again.log");
-        self.broker = broker(
+        self.broker = broker_stand_in(
             cfg.exists().then_some(cfg.as_path()),
             &self.socket(),
             Some(&log),
+            self.stand_in.as_deref(),
         )
         .unwrap_or_else(|e| panic!("broker failed to start again: {e}"));
     }
@@ -237,7 +277,11 @@ impl Env {
     /// Starts `batchcast consume` with `args` against this broker (killed
     /// when the test ends, if it is still running then).
     pub fn consumer(&self, args: &[&str]) -> std::process::Child {
-        self.own(spawn_consumer(&self.socket(), args))
+        self.own(spawn_consumer_stand_in(
+            &self.socket(),
+            args,
+            self.stand_in.as_deref(),
+        ))
     }
 
     /// Makes a child the test started its own: killed and reaped when

@@ -181,7 +181,7 @@ fn serve(
                 .with_context(|| format!("starting stream `{name}`"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    batchcast_broker::gpu::announce();
+    batchcast_broker::gpu::announce()?;
     raise_fd_limit(limits.max_connections);
     let admission = server::Admission::new(allow, limits);
     let broker = Arc::new(server::Broker::new(streams, admission, budget, buffers));

@@ -54,6 +54,7 @@ pub(super) fn create(
     let bytes = slots as u64 * slot_bytes;
     let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
     let arena = DeviceArena {
+        memory: batchcast::proto::DeviceMemory::CudaIpc,
         handle: buffer.ipc_handle()?.to_vec(),
         slots,
         bytes,

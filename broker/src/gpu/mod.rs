@@ -12,21 +12,22 @@
 //!
 //! A [`Mirror`] is the same for every backend (its copier thread, its
 //! queue, what consumers are told); the backend makes the copies: CUDA, or
-//! in tests a host-memory stand-in (`test_gpu`) that lets the stream's
-//! GPU bookkeeping run on machines without a GPU.
+//! the host-memory stand-in (`stand_in`, selected by the test setting
+//! [`batchcast::stand_in`]) that lets every device behaviour run on
+//! machines without a GPU.
 
+use std::os::fd::BorrowedFd;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use batchcast::proto::{DeviceArena, DeviceRequest};
+use batchcast::stand_in::Setting;
 
-#[cfg(any(feature = "cuda", test))]
 mod copier;
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(test)]
-pub mod test_gpu;
+pub mod stand_in;
 
 /// Identifies a GPU across processes.
 pub(crate) type GpuKey = [u8; 16];
@@ -97,9 +98,8 @@ pub trait CopySink: Send + Sync + 'static {
 enum Backend {
     #[cfg(feature = "cuda")]
     Cuda(Arc<batchcast::cuda::CopyStream>),
-    /// [`test_gpu`]: host memory, copied by an engine thread of its own.
-    #[cfg(test)]
-    Host(Arc<test_gpu::Engine>),
+    /// [`stand_in`]: host memory, copied by an engine thread of its own.
+    StandIn(Arc<stand_in::Engine>),
 }
 
 impl Backend {
@@ -108,8 +108,7 @@ impl Backend {
         match *self {
             #[cfg(feature = "cuda")]
             Backend::Cuda(ref c) => c.synchronize().map_err(|e| GpuError::Driver(e.to_string())),
-            #[cfg(test)]
-            Backend::Host(ref e) => e.synchronize(),
+            Backend::StandIn(ref e) => e.synchronize(),
         }
     }
 }
@@ -125,11 +124,12 @@ pub struct Mirror {
     backend: Backend,
     tx: Mutex<Option<mpsc::Sender<CopyRequest>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The stand-in's device memory, whose fd its consumers are sent.
+    stand_in: Option<Arc<batchcast::shm::Arena>>,
 }
 
 impl Mirror {
     /// Starts the copier thread of a mirror whose arena exists.
-    #[cfg_attr(not(any(feature = "cuda", test)), expect(dead_code))]
     fn start(
         label: String,
         arena: DeviceArena,
@@ -150,6 +150,7 @@ impl Mirror {
             backend,
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            stand_in: None,
         })
     }
 
@@ -164,6 +165,18 @@ impl Mirror {
 
     pub fn pinned(&self) -> bool {
         self.pinned
+    }
+
+    /// The fd a consumer maps the arena from, sent with its welcome: the
+    /// stand-in's memfd (CUDA's arena goes by its IPC handle).
+    pub fn device_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.stand_in.as_ref().map(|a| a.fd())
+    }
+
+    /// The stand-in's device memory, as consumers see it.
+    pub fn stand_in_bytes(&self) -> Option<&[u8]> {
+        let m = self.stand_in.as_ref()?.mapping();
+        m.get(0, m.len() as u64)
     }
 
     /// Queues a copy; its completion is reported to the sink.
@@ -200,16 +213,30 @@ impl Drop for Mirror {
 }
 
 /// The GPUs one stream copies to: mirrors by GPU, created on demand.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Gpus {
     mirrors: Mutex<std::collections::HashMap<GpuKey, Arc<Mirror>>>,
     #[cfg(feature = "cuda")]
     registration: std::sync::OnceLock<Option<batchcast::cuda::HostRegistration>>,
-    /// Tests: the memory of the host-memory GPU, and when it fails.
-    #[cfg(test)]
-    pub test_memory: Arc<Mutex<Vec<u8>>>,
-    #[cfg(test)]
-    pub test_fail_at: Mutex<Option<u64>>,
+    /// Whether stand-in GPUs are served ([`batchcast::stand_in`]): the
+    /// broker's test setting, read once (always on in unit tests).
+    stand_in: Mutex<Option<Setting>>,
+}
+
+impl Default for Gpus {
+    fn default() -> Gpus {
+        let stand_in = match cfg!(test) {
+            true => Some(Setting::default()),
+            // A bad value stopped the broker at start (`announce`).
+            false => batchcast::stand_in::setting().ok().flatten(),
+        };
+        Gpus {
+            mirrors: Mutex::default(),
+            #[cfg(feature = "cuda")]
+            registration: std::sync::OnceLock::new(),
+            stand_in: Mutex::new(stand_in),
+        }
+    }
 }
 
 /// What a stream gives [`Gpus::mirror`] to make a GPU's device arena.
@@ -258,10 +285,19 @@ impl Gpus {
 
     #[allow(unused_variables)] // which ones depends on the features
     fn create(&self, req: &DeviceRequest, spec: MirrorSpec<'_>) -> Result<Mirror, GpuError> {
-        #[cfg(test)]
-        if req.uuid == test_gpu::UUID {
-            let fail_at = *self.test_fail_at.lock().unwrap();
-            return test_gpu::create(spec, self.test_memory.clone(), fail_at);
+        if let Some(ordinal) = batchcast::stand_in::ordinal_of(&req.uuid) {
+            let setting = *self.stand_in.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(setting) = setting else {
+                return Err(GpuError::Open {
+                    ordinal: req.ordinal,
+                    name: req.name.clone(),
+                    reason: format!(
+                        "this is the host-memory stand-in for a GPU, a test setting this broker was not started with ({}=1)",
+                        batchcast::stand_in::ENV
+                    ),
+                });
+            };
+            return stand_in::create(spec, ordinal, setting.fail_at);
         }
         #[cfg(feature = "cuda")]
         return cuda::create(req, spec, &self.registration).map_err(|e| GpuError::Open {
@@ -274,6 +310,20 @@ impl Gpus {
             ordinal: req.ordinal,
             name: req.name.clone(),
         })
+    }
+
+    /// Tests: stand-in GPUs fail at copy `n` (those made from now on).
+    #[cfg(test)]
+    pub fn fail_stand_ins_at(&self, n: u64) {
+        *self.stand_in.lock().unwrap() = Some(Setting { fail_at: Some(n) });
+    }
+
+    /// Tests: stand-in GPU `ordinal`'s memory for this stream.
+    #[cfg(test)]
+    pub fn stand_in_memory(&self, ordinal: u32) -> Vec<u8> {
+        let mirrors = self.mirrors.lock().unwrap();
+        let m = &mirrors[&batchcast::stand_in::uuid(ordinal)];
+        m.stand_in_bytes().unwrap().to_vec()
     }
 
     /// Stops every copier (after its queued copies) and frees the device
@@ -292,8 +342,18 @@ impl Gpus {
     }
 }
 
-/// What the broker says once at start about GPUs.
-pub fn announce() {
+/// What the broker says once at start about GPUs; a bad test setting
+/// ([`batchcast::stand_in::ENV`]) stops it.
+pub fn announce() -> Result<(), batchcast::ParseError> {
+    if let Some(s) = batchcast::stand_in::setting()? {
+        tracing::warn!(
+            "{}: device consumers are served by a host-memory stand-in for a GPU (a test setting){}",
+            batchcast::stand_in::ENV,
+            s.fail_at
+                .map(|n| format!("; each fails at copy {n}"))
+                .unwrap_or_default()
+        );
+    }
     #[cfg(feature = "cuda")]
     match batchcast::cuda::gpus() {
         Ok(g) if !g.is_empty() => {
@@ -312,4 +372,5 @@ pub fn announce() {
     }
     #[cfg(not(feature = "cuda"))]
     tracing::info!("built without CUDA support: serving host memory only");
+    Ok(())
 }

@@ -47,7 +47,7 @@ pub(super) async fn serve_consumer(
         drop_last: sub.shape.drop_last,
         start_epoch: sub.start_epoch,
         broker: env!("CARGO_PKG_VERSION").into(),
-        device: sub.device,
+        device: sub.device.as_ref().map(|m| m.arena()),
         mailbox: sub.mailbox.as_ref().map(|m| m.spec),
         owner_uid: stream.owner_uid,
         replay: sub.replay.as_ref().map(|(g, _)| g.clone()),
@@ -60,6 +60,7 @@ pub(super) async fn serve_consumer(
         .map(|m| m.fd.as_fd())
         .into_iter()
         .chain(sub.replay.as_ref().map(|(_, fd)| fd.as_fd()))
+        .chain(sub.device.as_ref().and_then(|m| m.device_fd()))
         .collect();
     if conn.send_with_arena(&bytes, &stream, &more).await.is_err() {
         return Ok(());

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use batchcast::JoinPolicy;
 use batchcast::mailbox::{Bell, BrokerMailbox};
-use batchcast::proto::{self, ConsumeRequest, MailboxSpec, ReplayGrant, ServerMsg};
+use batchcast::proto::{ConsumeRequest, MailboxSpec, ReplayGrant, ServerMsg};
 use tokio::sync::mpsc;
 
 use super::conn::{Conn, Peer, Start};
@@ -16,6 +16,7 @@ use super::replay::{self, ReplayFrom, book};
 use super::shape::Shape;
 use super::{Inner, Stream, decouple, mirror, seats};
 use crate::config::Pace;
+use crate::gpu::Mirror;
 use crate::hub::{ConsumerId, Delivery};
 
 /// A mailbox granted to a consumer: the server sends its fd with the
@@ -34,8 +35,9 @@ pub struct Subscription {
     pub start_epoch: u64,
     pub shape: Shape,
     pub rx: mpsc::Receiver<ServerMsg>,
-    /// Device consumers: the arena to open.
-    pub device: Option<proto::DeviceArena>,
+    /// Device consumers: their GPU's mirror (the arena to open, and for
+    /// the stand-in its fd).
+    pub device: Option<Arc<Mirror>>,
     pub mailbox: Option<MailboxGrant>,
     /// Replay granted: what the welcome says, and its arena's fd.
     pub replay: Option<(ReplayGrant, OwnedFd)>,
@@ -137,7 +139,7 @@ impl Stream {
                 start_epoch,
                 shape,
                 rx,
-                device: mirror.as_ref().map(|m| m.arena()),
+                device: mirror,
                 mailbox: grant,
                 replay: started.grant,
             })

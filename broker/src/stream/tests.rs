@@ -2,7 +2,7 @@
 //! releases may name, whose budget its arena is in), and the GPU
 //! bookkeeping (device rings, copies, what GPU consumers
 //! are sent, a failing GPU) driven through a GPU made of host memory
-//! ([`crate::gpu::test_gpu`]): CUDA itself is exercised by `bench/gpu.sh`.
+//! ([`crate::gpu::stand_in`]): CUDA itself is exercised by `bench/gpu.sh`.
 use std::path::Path;
 
 use batchcast::mailbox::ConsumerMailbox;
@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::budget::{Budget, Use};
 use crate::config::Config;
-use crate::gpu::test_gpu;
+use crate::gpu::stand_in;
 use crate::hub::ConsumerId;
 use crate::plan::plan_config;
 use batchcast::proto::ConsumeRequest;
@@ -102,7 +102,7 @@ fn read(s: &Stream, sub: &mut Subscription, n: usize) {
 
 fn subscribe(s: &Arc<Stream>, name: &str, gpu: bool) -> Subscription {
     let req = ConsumeRequest {
-        device: gpu.then(test_gpu::request),
+        device: gpu.then(|| stand_in::request(0)),
         ..request(JoinPolicy::NextEpoch)
     };
     s.subscribe(req, peer(name)).unwrap()
@@ -269,7 +269,7 @@ fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
     let s = start(2, 2);
     let mut host = subscribe(&s, "host", false);
     let mut gpu = subscribe(&s, "gpu", true);
-    assert_eq!(gpu.device.as_ref().unwrap().slots, 2);
+    assert_eq!(gpu.device.as_ref().unwrap().arena().slots, 2);
     let (mut got_host, mut got_gpu) = (Vec::new(), Vec::new());
     let mut held = VecDeque::new();
     let (mut host_done, mut gpu_done) = (false, false);
@@ -290,7 +290,7 @@ fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
             match next(&mut gpu) {
                 ServerMsg::Batch(b) => {
                     assert!(b.slot < 2, "device slot {} of 2", b.slot);
-                    verify(&s, &b, &s.gpus.test_memory.lock().unwrap());
+                    verify(&s, &b, &s.gpus.stand_in_memory(0));
                     got_gpu.push((b.epoch, b.index));
                     // Hold one batch while taking the next: both device
                     // slots in use at once.
@@ -354,7 +354,7 @@ fn host_slots_are_refilled_while_a_gpu_consumer_holds_its_copies() {
         match next(&mut gpu) {
             ServerMsg::Batch(b) => {
                 assert_eq!(b.seq, want);
-                verify(&s, &b, &s.gpus.test_memory.lock().unwrap());
+                verify(&s, &b, &s.gpus.stand_in_memory(0));
             }
             m => panic!("{m:?}"),
         }
@@ -366,7 +366,7 @@ fn host_slots_are_refilled_while_a_gpu_consumer_holds_its_copies() {
 #[test]
 fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     let s = start(2, 2);
-    *s.gpus.test_fail_at.lock().unwrap() = Some(3);
+    s.gpus.fail_stand_ins_at(3);
     let mut host = subscribe(&s, "host", false);
     let mut gpu = subscribe(&s, "gpu", true);
     let mut gpu_batches = 0;
@@ -396,7 +396,7 @@ fn a_failing_gpu_ends_its_consumers_and_host_consumers_finish() {
     assert_eq!(n, 200);
     let req = ConsumeRequest {
         window: 1,
-        device: Some(test_gpu::request()),
+        device: Some(stand_in::request(0)),
         ..request(JoinPolicy::Immediate)
     };
     let err = s.subscribe(req, peer("again")).unwrap_err();

@@ -1,60 +1,75 @@
-//! A GPU made of host memory, for testing the stream's GPU bookkeeping
-//! (copies, device slots, what device consumers are sent) where no GPU is.
+//! The host-memory stand-in for a GPU ([`batchcast::stand_in`]): device
+//! memory that is host memory (a sealed memfd the consumers map
+//! read-only), written by a copy engine of its own thread.
 //!
-//! It runs the same copier loop as CUDA ([`super::copier`]) over a copy
-//! engine of its own thread, as a GPU's copy engine is: a copy is queued,
-//! read from the host arena and written later, and its end is seen by
-//! waiting for it; and it can fail mid-run (`fail_at`), as a device does
-//! (a `CUDA_ERROR_ILLEGAL_ADDRESS` poisons every later call).
+//! It runs the same copier loop as CUDA ([`super::copier`]) over that
+//! engine, as a GPU's copy engine is: a copy is queued, read from the host
+//! arena and written later, and its end is seen by waiting for it; and it
+//! can fail mid-run (`fail_at`), as a device does (a
+//! `CUDA_ERROR_ILLEGAL_ADDRESS` poisons every later call). So every device
+//! behaviour of the stream runs, in unit tests and in the real broker
+//! under the test setting, on machines without a GPU.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use batchcast::proto::{DeviceArena, DeviceRequest};
+use batchcast::proto::{DeviceArena, DeviceMemory, DeviceRequest};
+use batchcast::shm::{Arena, Fault};
 
 use super::copier::{self, CopyEngine};
-use super::{Backend, CopySink, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
+use super::{Backend, CopySink, GpuError, Mirror, MirrorSpec, Piece};
 
-/// The UUID that selects it.
-pub const UUID: GpuKey = *b"host-memory-gpu!";
-
-pub fn request() -> DeviceRequest {
+/// What a consumer on stand-in GPU `ordinal` asks for.
+pub fn request(ordinal: u32) -> DeviceRequest {
     DeviceRequest {
-        uuid: UUID,
-        ordinal: 0,
-        name: "host memory stand-in".into(),
+        uuid: batchcast::stand_in::uuid(ordinal),
+        ordinal,
+        name: batchcast::stand_in::NAME.into(),
     }
 }
 
-/// Its memory: `slots × slot_bytes`, written by its copy engine.
-/// `fail_at`: the copy number (from 0) at which the device fails instead.
+/// Stand-in GPU `ordinal`'s arena for a stream: `slots × slot_bytes` of a
+/// memfd, written by its copy engine. `fail_at`: the copy number (from 0)
+/// at which the device fails instead.
 pub(super) fn create(
     spec: MirrorSpec<'_>,
-    memory: Arc<Mutex<Vec<u8>>>,
+    ordinal: u32,
     fail_at: Option<u64>,
 ) -> Result<Mirror, GpuError> {
     let MirrorSpec {
         sink,
         slots,
         slot_bytes,
+        stream,
         ..
     } = spec;
+    let label = format!("cuda:{ordinal} {}", batchcast::stand_in::NAME);
+    let open = |e: batchcast::Error| GpuError::Open {
+        ordinal,
+        name: batchcast::stand_in::NAME.into(),
+        reason: e.to_string(),
+    };
     let bytes = slots as u64 * slot_bytes;
-    *memory.lock().unwrap() = vec![0; bytes as usize];
+    let memory =
+        Arena::create(&format!("{stream}-gpu{ordinal}"), bytes, Fault::Now).map_err(open)?;
+    // Consumers map it read-only: only this engine writes device memory.
+    memory.seal_writes().map_err(open)?;
+    let memory = Arc::new(memory);
     let arena = DeviceArena {
-        handle: vec![0; 64],
+        memory: DeviceMemory::StandIn,
+        handle: Vec::new(),
         slots,
         bytes,
-        gpu: "test:0 host memory".into(),
+        gpu: label.clone(),
     };
     let engine = Arc::new(Engine::default());
     let (tx, jobs) = mpsc::channel::<Job>();
     {
-        let engine = engine.clone();
+        let (engine, memory) = (engine.clone(), memory.clone());
         std::thread::Builder::new()
-            .name("test-gpu-engine".into())
+            .name(format!("{stream}-gpu{ordinal}-engine"))
             .spawn(move || engine.run(jobs, &memory, fail_at))
             .map_err(|e| GpuError::Copier(e.to_string()))?;
     }
@@ -62,14 +77,17 @@ pub(super) fn create(
         engine: engine.clone(),
         jobs: tx,
     };
-    Mirror::start(
-        "test:0 host memory".into(),
+    let uuid = batchcast::stand_in::uuid(ordinal);
+    let mut m = Mirror::start(
+        label,
         arena,
         false,
-        Backend::Host(engine),
-        move |rx| copier::run(UUID, rx, sink, copies),
-        "test-gpu-copier".into(),
-    )
+        Backend::StandIn(engine),
+        move |rx| copier::run(uuid, rx, sink, copies),
+        format!("{stream}-copy-gpu{ordinal}"),
+    )?;
+    m.stand_in = Some(memory);
+    Ok(m)
 }
 
 /// A copy queued on the engine: copy number `n`, the host bytes `sink`
@@ -108,7 +126,7 @@ impl Engine {
     }
 
     /// The engine's thread: copies jobs in order until the copier is gone.
-    fn run(&self, jobs: mpsc::Receiver<Job>, memory: &Mutex<Vec<u8>>, fail_at: Option<u64>) {
+    fn run(&self, jobs: mpsc::Receiver<Job>, memory: &Arena, fail_at: Option<u64>) {
         while let Ok(job) = jobs.recv() {
             {
                 let mut st = self.lock();
@@ -118,18 +136,17 @@ impl Engine {
             }
             if fail_at == Some(job.n) {
                 let mut st = self.lock();
-                st.failed = Some(GpuError::Driver("CUDA_ERROR_ILLEGAL_ADDRESS (test)".into()));
+                st.failed = Some(GpuError::Driver(
+                    "CUDA_ERROR_ILLEGAL_ADDRESS (stand-in)".into(),
+                ));
                 self.changed.notify_all();
                 return;
             }
             let t0 = Instant::now();
-            let copied = job.pieces.iter().try_for_each(|p| {
-                let src = job.sink.host_bytes(p).ok_or(*p)?;
-                let at = job.base + p.dst;
-                let mut mem = memory.lock().unwrap_or_else(|p| p.into_inner());
-                mem.get_mut(at..at + p.len).ok_or(*p)?.copy_from_slice(src);
-                Ok::<(), Piece>(())
-            });
+            let copied = job
+                .pieces
+                .iter()
+                .try_for_each(|p| write(memory, job.base, p, job.sink.host_bytes(p)));
             let n = job.n;
             // The stream is let go before the copy is seen to end, so this
             // thread never holds its last reference.
@@ -142,7 +159,7 @@ impl Engine {
                 }
                 Err(p) => {
                     st.failed = Some(GpuError::Driver(format!(
-                        "CUDA_ERROR_INVALID_VALUE (test): a piece outside host or device memory: {p:?}"
+                        "CUDA_ERROR_INVALID_VALUE (stand-in): a piece outside host or device memory: {p:?}"
                     )));
                 }
             }
@@ -168,11 +185,13 @@ impl Engine {
     }
 
     /// Holds the engine (no copy starts) or lets it go on.
+    #[cfg(test)]
     fn hold(&self, on: bool) {
         self.lock().held = on;
         self.changed.notify_all();
     }
 
+    #[cfg(test)]
     fn queued(&self) -> u64 {
         self.lock().queued
     }
@@ -185,6 +204,23 @@ impl Engine {
             None => Ok(()),
         }
     }
+}
+
+/// Writes a piece's host bytes (`None`: outside the host arena) to device
+/// memory at `base + piece.dst`, checked against the arena's end.
+fn write(memory: &Arena, base: usize, p: &Piece, src: Option<&[u8]>) -> Result<(), Piece> {
+    let src = src.ok_or(*p)?;
+    let at = base.checked_add(p.dst).ok_or(*p)?;
+    let map = memory.mapping();
+    if src.len() != p.len || at.checked_add(p.len).is_none_or(|end| end > map.len()) {
+        return Err(*p);
+    }
+    // SAFETY: in bounds (checked above). The device slot a copy writes is
+    // the hub's to fill: no consumer holds it until the copy is reported,
+    // and this engine makes one copy at a time, so nothing else reads or
+    // writes these bytes meanwhile (consumers map the memfd read-only).
+    unsafe { map.slice_mut(at as u64, p.len as u64) }.copy_from_slice(src);
+    Ok(())
 }
 
 /// The copier's side of the engine: numbers and sends its copies.
@@ -233,7 +269,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::gpu::CopyRequest;
+    use crate::gpu::{CopyRequest, GpuKey};
 
     /// A stream of one field: batch `seq` is 8 bytes of `seq`, in two
     /// pieces around a 24-byte ring's wrap for every third batch.
@@ -280,7 +316,7 @@ mod tests {
         }
     }
 
-    fn mirror(fail_at: Option<u64>) -> (Arc<Sink>, Mirror, Arc<Mutex<Vec<u8>>>) {
+    fn mirror(fail_at: Option<u64>) -> (Arc<Sink>, Mirror) {
         let host: Vec<u8> = (0..3u8).flat_map(|k| [k + 1; 8]).collect();
         let sink = Arc::new(Sink {
             host,
@@ -289,7 +325,6 @@ mod tests {
             engine: std::sync::OnceLock::new(),
             queued_at_report: Mutex::default(),
         });
-        let memory = Arc::new(Mutex::new(Vec::new()));
         let weak: Weak<dyn CopySink> = Arc::downgrade(&(sink.clone() as Arc<dyn CopySink>));
         let spec = MirrorSpec {
             sink: weak,
@@ -299,15 +334,15 @@ mod tests {
             slot_bytes: 8,
             stream: "s",
         };
-        let m = create(spec, memory.clone(), fail_at).unwrap();
+        let m = create(spec, 0, fail_at).unwrap();
         sink.engine.set(engine_of(&m)).ok();
-        (sink, m, memory)
+        (sink, m)
     }
 
     /// The engine of a mirror the stand-in made.
     fn engine_of(m: &Mirror) -> Arc<Engine> {
         match &m.backend {
-            Backend::Host(e) => e.clone(),
+            Backend::StandIn(e) => e.clone(),
             #[allow(unreachable_patterns)] // without `cuda`, the only backend
             _ => unreachable!("the stand-in's mirror"),
         }
@@ -325,7 +360,7 @@ mod tests {
     /// they were asked for, each with its bytes, at its device slot.
     #[test]
     fn copies_land_in_their_device_slots_and_are_reported_in_order() {
-        let (sink, m, memory) = mirror(None);
+        let (sink, m) = mirror(None);
         for seq in 0..12u64 {
             m.request(CopyRequest {
                 host: 0,
@@ -339,7 +374,7 @@ mod tests {
         let want: Vec<_> = (0..12u64).map(|s| (s, (s % 4) as u32, 8)).collect();
         assert_eq!(copied, want);
         // Device slot d holds the last batch copied there: 8 + d.
-        let mem = memory.lock().unwrap();
+        let mem = m.stand_in_bytes().unwrap();
         for d in 0..4usize {
             let seq = 8 + d as u64;
             assert_eq!(mem[d * 8..d * 8 + 8], [(seq % 3) as u8 + 1; 8], "slot {d}");
@@ -353,7 +388,7 @@ mod tests {
     /// idle for as long as a report takes.
     #[test]
     fn requests_arriving_during_a_copy_are_queued_before_it_is_reported() {
-        let (sink, m, _memory) = mirror(None);
+        let (sink, m) = mirror(None);
         let engine = sink.engine.get().unwrap().clone();
         engine.hold(true);
         m.request(CopyRequest {
@@ -379,7 +414,7 @@ mod tests {
     /// stream is told once, and nothing after is copied or reported.
     #[test]
     fn a_device_failing_mid_run_is_reported_once_and_copies_stop() {
-        let (sink, m, memory) = mirror(Some(2));
+        let (sink, m) = mirror(Some(2));
         for seq in 0..6u64 {
             m.request(CopyRequest {
                 host: 0,
@@ -391,10 +426,14 @@ mod tests {
         m.stop();
         assert_eq!(
             *sink.failed.lock().unwrap(),
-            ["CUDA_ERROR_ILLEGAL_ADDRESS (test)"]
+            ["CUDA_ERROR_ILLEGAL_ADDRESS (stand-in)"]
         );
         let copied: Vec<u64> = sink.copied.lock().unwrap().iter().map(|c| c.0).collect();
         assert_eq!(copied, [0, 1]);
-        assert_eq!(memory.lock().unwrap()[16..24], [0; 8], "copy 2 never ran");
+        assert_eq!(
+            m.stand_in_bytes().unwrap()[16..24],
+            [0; 8],
+            "copy 2 never ran"
+        );
     }
 }

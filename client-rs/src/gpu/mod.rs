@@ -1,0 +1,304 @@
+//! The consumer's side of GPU delivery: the stream's device arena, opened
+//! once per process, and releases fenced on the trainer's GPU work.
+//!
+//! The arena is GPU memory opened from its CUDA IPC handle, or under the
+//! test setting ([`crate::stand_in`]) the host-memory stand-in's memfd,
+//! mapped read-only. Everything else here is the same for both: what a
+//! device consumer receives was decided by the broker as for any consumer;
+//! this side only knows where the bytes are and when it may give a batch
+//! back.
+//!
+//! # Stream semantics
+//!
+//! The broker publishes a device batch only after its host-to-device copy
+//! has completed, so a trainer may read it on any CUDA stream at once.
+//! Releasing is the other direction: when Python drops a tensor, the kernels
+//! that read it may still be queued. A release therefore records an event on
+//! the streams the batch was used on (those DLPack consumers pass to
+//! `__dlpack__`, else the legacy default stream) and reaches the broker only
+//! once that event has completed, so the broker never copies a new batch
+//! into a slot a kernel is still reading. The consumer keeps polling those
+//! events while it waits for its next batch. (The stand-in has no GPU work:
+//! its releases go at once.)
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Mutex;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::proto::{DeviceArena, DeviceMemory, DeviceRequest, Release};
+use crate::shm::Mapping;
+use crate::stand_in;
+
+#[cfg(feature = "cuda")]
+mod cuda_memory;
+
+impl Device {
+    /// What the broker needs to know about this device: its GPU's UUID.
+    /// Errors, naming the reason, when this host or build has no such GPU.
+    pub fn request(&self) -> Result<Option<DeviceRequest>> {
+        match *self {
+            Device::Cpu => Ok(None),
+            Device::Cuda(ordinal) if stand_in::setting()?.is_some() => Ok(Some(DeviceRequest {
+                uuid: stand_in::uuid(ordinal),
+                ordinal,
+                name: stand_in::NAME.into(),
+            })),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = crate::cuda::Gpu::open(ordinal)?;
+                Ok(Some(DeviceRequest {
+                    uuid: gpu.info.uuid,
+                    ordinal,
+                    name: gpu.info.name.clone(),
+                }))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(Error::Device(format!(
+                "{self} asked for, but this build of batchcast has no CUDA support (rebuild with the `cuda` feature) — use device=\"cpu\""
+            ))),
+        }
+    }
+}
+
+/// Where a device arena's bytes are.
+#[derive(Debug)]
+enum Memory {
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<crate::cuda::IpcMapping>),
+    /// The stand-in's memfd, mapped read-only.
+    StandIn(Mapping),
+}
+
+/// What a release waits for: the GPU work queued on a batch's streams.
+#[cfg(feature = "cuda")]
+type Fence = crate::cuda::Event;
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+enum Fence {}
+
+/// A device batch released by the program, waiting for its GPU work.
+#[derive(Debug)]
+struct Pending {
+    release: Release,
+    fences: Vec<Fence>,
+}
+
+#[derive(Debug)]
+pub(crate) struct DeviceSide {
+    device: Device,
+    memory: Memory,
+    slots: u32,
+    /// Streams each held batch was handed to.
+    streams: Mutex<HashMap<u64, Vec<u64>>>,
+    pending: Mutex<Vec<Pending>>,
+}
+
+impl DeviceSide {
+    /// Opens the device arena a welcome names (`fd`: the stand-in's, the
+    /// welcome's last), or `None` for a host consumer.
+    pub(crate) fn open(
+        device: Device,
+        arena: Option<&DeviceArena>,
+        slot_bytes: u64,
+        fd: Option<OwnedFd>,
+    ) -> Result<Option<DeviceSide>> {
+        let (ordinal, arena) = match (device, arena) {
+            (Device::Cpu, None) => return Ok(None),
+            (Device::Cpu, Some(_)) => {
+                return Err(Error::Unexpected(
+                    "a device arena for a host consumer".into(),
+                ));
+            }
+            (Device::Cuda(_), None) => {
+                return Err(Error::Device(
+                    "the broker answered without a device arena".into(),
+                ));
+            }
+            (Device::Cuda(n), Some(a)) => (n, a),
+        };
+        if arena.slots == 0 || Some(arena.bytes) != slot_bytes.checked_mul(arena.slots as u64) {
+            return Err(Error::Unexpected(format!(
+                "device arena of {} bytes for {} slots of {slot_bytes} bytes",
+                arena.bytes, arena.slots
+            )));
+        }
+        let memory = match arena.memory {
+            DeviceMemory::StandIn => Memory::StandIn(open_stand_in(arena, fd)?),
+            #[cfg(feature = "cuda")]
+            DeviceMemory::CudaIpc => Memory::Cuda(cuda_memory::open(ordinal, arena)?),
+            #[cfg(not(feature = "cuda"))]
+            DeviceMemory::CudaIpc => {
+                let _ = ordinal;
+                return Err(Error::Device(
+                    "this build of batchcast has no CUDA support (feature `cuda`); use device=\"cpu\""
+                        .into(),
+                ));
+            }
+        };
+        tracing::info!(device = %device, gpu = %arena.gpu, "opened the stream's device arena");
+        Ok(Some(DeviceSide {
+            device,
+            memory,
+            slots: arena.slots,
+            streams: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether the "device" memory is the host-memory stand-in's (its
+    /// addresses are host addresses).
+    pub(crate) fn stand_in(&self) -> bool {
+        matches!(self.memory, Memory::StandIn(_))
+    }
+
+    /// The arena's first byte: a device address (a host one for the
+    /// stand-in).
+    pub(crate) fn base(&self) -> u64 {
+        match &self.memory {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(m) => m.ptr(),
+            Memory::StandIn(m) => m.as_ptr() as u64,
+        }
+    }
+
+    pub(crate) fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Copies `out.len()` bytes at `offset` of the arena to the host.
+    pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        match &self.memory {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(m) => Ok(m.read(offset as usize, out)?),
+            Memory::StandIn(m) => {
+                let bytes = m.get(offset, out.len() as u64).ok_or_else(|| {
+                    Error::Unexpected(format!(
+                        "{} bytes at {offset} past the device arena's end",
+                        out.len()
+                    ))
+                })?;
+                out.copy_from_slice(bytes);
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn fence_on(&self, seq: u64, stream: u64) {
+        let mut f = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let streams = f.entry(seq).or_default();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+    }
+
+    /// Records the release of `seq`: it is sent once the GPU has done
+    /// what was queued on the batch's streams so far.
+    pub(crate) fn release_after_gpu(&self, release: Release) -> Result<()> {
+        let streams = self
+            .streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&release.seq);
+        let fences = match &self.memory {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(m) => cuda_memory::fences(m, streams)?,
+            Memory::StandIn(_) => {
+                let _ = streams;
+                Vec::new()
+            }
+        };
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Pending { release, fences });
+        Ok(())
+    }
+
+    /// Releases whose GPU work has finished (with `all`: waits for all).
+    pub(crate) fn finished_releases(&self, all: bool) -> Result<Vec<Release>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut done = Vec::new();
+        let mut err = None;
+        pending.retain(|p| {
+            let finished = p.fences.iter().all(|f| {
+                finished(f, all).unwrap_or_else(|e| {
+                    err.get_or_insert(e);
+                    true
+                })
+            });
+            if finished {
+                done.push(p.release);
+            }
+            !finished
+        });
+        // A failed query means the context is broken; the release still
+        // goes out (the process's GPU work cannot continue).
+        if let Some(e) = err {
+            tracing::warn!("waiting for GPU work before a release: {e}");
+        }
+        Ok(done)
+    }
+
+    pub(crate) fn pending(&self) -> bool {
+        !self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+}
+
+/// Whether a fence's GPU work has finished (with `wait`: once it has).
+#[cfg(feature = "cuda")]
+fn finished(f: &Fence, wait: bool) -> Result<bool> {
+    Ok(if wait {
+        f.synchronize().map(|_| true)?
+    } else {
+        f.done()?
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn finished(f: &Fence, _wait: bool) -> Result<bool> {
+    match *f {}
+}
+
+/// Maps the stand-in's memfd, which only a consumer that asked for a
+/// stand-in GPU accepts.
+fn open_stand_in(arena: &DeviceArena, fd: Option<OwnedFd>) -> Result<Mapping> {
+    if stand_in::setting()?.is_none() {
+        return Err(Error::Unexpected(format!(
+            "the broker answered with a host-memory stand-in for a GPU, which this process did not ask for ({} is not set)",
+            stand_in::ENV
+        )));
+    }
+    let fd = fd.ok_or_else(|| {
+        Error::Shm("the broker's welcome carried no fd for the stand-in's device arena".into())
+    })?;
+    Mapping::map_readonly(fd.as_fd(), arena.bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_request_without_a_gpu_names_the_way_out() {
+        if stand_in::setting().unwrap().is_some() {
+            return; // the stand-in answers for every ordinal
+        }
+        #[cfg(feature = "cuda")]
+        if crate::cuda::available() {
+            return; // a GPU host: this is the no-driver path only
+        }
+        let e = Device::Cuda(0).request().unwrap_err().to_string();
+        assert!(e.contains("device=\"cpu\""), "{e}");
+        assert_eq!(Device::Cpu.request().unwrap(), None);
+    }
+}

@@ -1,0 +1,123 @@
+//! Device twins: end-to-end tests of consumers with `--device cuda:N`
+//! against the real broker, on the host-memory stand-in for a GPU
+//! (`batchcast::stand_in`, a test setting of the broker and the
+//! consumers). Everything the broker decides for a device consumer (which
+//! batches, copied where, when its slot comes back, a device that fails)
+//! runs as on a GPU host; only CUDA's own calls are left for one
+//! (`bench/gpu.sh`). Each test has a host twin elsewhere with the same
+//! assertions: the bytes a device consumer reads are the bytes a host
+//! consumer reads.
+
+use batchcast_kit::StreamToml;
+use batchcast_kit::report::ConsumerReport;
+
+use crate::common;
+
+use common::{Env, digests, report};
+
+/// 1000 samples an epoch in units of 40, three fields whose rings are not
+/// multiples of the unit (units straddle their wraps, so copies are made
+/// of two pieces), shuffled.
+fn config(extra: &str) -> String {
+    let fields: [(&str, &str, &[u64]); 3] = [
+        ("image", "u8", &[3, 16, 16]),
+        ("label", "i64", &[]),
+        ("weights", "f32", &[5]),
+    ];
+    StreamToml::synthetic("train", 40, 1000, &fields)
+        .key("seed", 5)
+        .key("slots", 12)
+        .key("workers", 2)
+        .key("shuffle", true)
+        .raw(extra)
+        .to_toml()
+}
+
+fn assert_whole(r: &ConsumerReport, epochs: u64) {
+    assert!(r.ok && r.ended, "{r:#?}");
+    assert_eq!(r.verified_samples, epochs * 1000, "{r:#?}");
+    common::assert_every_epoch_whole(r, epochs, 1000);
+}
+
+/// Two consumers on one GPU and one on another read every sample of every
+/// epoch with a host consumer's bytes; each GPU gets one copy of each
+/// batch, whoever reads it.
+#[test]
+fn device_consumers_read_a_host_consumers_bytes_one_copy_per_batch_per_gpu() {
+    let env = Env::start_stand_in(&config("epochs = 3\nmin_consumers = 4"), "1");
+    let host = env.consumer(&["--verify", "--digest", "--name", "host"]);
+    let gpus: Vec<_> = [("a", "cuda:0"), ("b", "cuda:0"), ("c", "cuda:1")]
+        .into_iter()
+        .map(|(name, dev)| env.consumer(&["--verify", "--digest", "--device", dev, "--name", name]))
+        .collect();
+    let host = report(host);
+    assert_whole(&host, 3);
+    for r in gpus.into_iter().map(report) {
+        assert_whole(&r, 3);
+        assert_eq!(
+            digests(&r),
+            digests(&host),
+            "{}: a host consumer's bytes",
+            r.name
+        );
+    }
+    let s = env.stats();
+    let st = &s.streams[0];
+    assert_eq!(st.batches_produced, 75);
+    let copies: Vec<(String, u64)> = st.gpus.iter().map(|g| (g.gpu.clone(), g.copies)).collect();
+    assert_eq!(
+        copies,
+        [
+            ("cuda:0 host-memory stand-in".to_string(), 75),
+            ("cuda:1 host-memory stand-in".to_string(), 75)
+        ],
+        "one copy per batch per GPU"
+    );
+    assert!(
+        st.gpus.iter().all(|g| g.slots_in_use == 0),
+        "{:#?}",
+        st.gpus
+    );
+}
+
+/// A GPU that fails mid-run ends its consumers with the device's error;
+/// a host consumer of the same stream reads every batch.
+#[test]
+fn a_device_failing_mid_run_ends_its_consumers_and_no_one_else() {
+    let env = Env::start_stand_in(&config("epochs = 2\nmin_consumers = 2"), "fail-at=7");
+    let host = env.consumer(&["--verify", "--digest", "--name", "host"]);
+    let gpu = env.consumer(&["--verify", "--device", "cuda:0", "--name", "gpu"]);
+    let gpu = report(gpu);
+    assert!(!gpu.ok, "{gpu:#?}");
+    assert_eq!(
+        gpu.error_code.as_deref(),
+        Some("DeviceUnavailable"),
+        "{gpu:#?}"
+    );
+    let e = gpu.error.as_deref().unwrap_or_default();
+    assert!(e.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{e}");
+    // Copies 0..7 ended before the failure; the consumer reads those it
+    // was sent before the device's error reached it (a window's worth,
+    // often fewer), never one more.
+    assert!(gpu.batches <= 7, "{gpu:#?}");
+    assert_whole(&report(host), 2);
+}
+
+/// The stand-in is the broker's test setting, never a consumer's choice:
+/// a broker started without it refuses a consumer that asks for one, and
+/// says how it is turned on.
+#[test]
+fn a_broker_without_the_setting_refuses_a_stand_in_gpu() {
+    let env = Env::start(&config("epochs = 1"));
+    let c = env.own(common::spawn_consumer_stand_in(
+        &env.socket(),
+        &["--device", "cuda:0"],
+        Some("1"),
+    ));
+    let r = report(c);
+    assert!(!r.ok, "{r:#?}");
+    assert_eq!(r.error_code.as_deref(), Some("DeviceUnavailable"), "{r:#?}");
+    let e = r.error.as_deref().unwrap_or_default();
+    assert!(e.contains("BATCHCAST_TEST_GPU=1"), "{e}");
+    assert_eq!(env.stats().streams[0].gpus.len(), 0);
+}
