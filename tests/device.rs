@@ -26,7 +26,7 @@ fn config(extra: &str) -> String {
     ];
     StreamToml::synthetic("train", 40, 1000, &fields)
         .key("seed", 5)
-        .key("slots", 12)
+        .key("slots", 28)
         .key("workers", 2)
         .key("shuffle", true)
         .raw(extra)
@@ -120,4 +120,54 @@ fn a_broker_without_the_setting_refuses_a_stand_in_gpu() {
     let e = r.error.as_deref().unwrap_or_default();
     assert!(e.contains("BATCHCAST_TEST_GPU=1"), "{e}");
     assert_eq!(env.stats().streams[0].gpus.len(), 0);
+}
+
+/// Device twin of `batch_sizes::consumers_of_mixed_batch_sizes_...`:
+/// device consumers of their own batch sizes on one GPU read every sample
+/// of every epoch once, in the stream's order, with a host consumer's
+/// bytes, from one copy of each unit (their runs straddle units and the
+/// device rings' wraps: spans of the rings, as on the host).
+#[test]
+fn device_consumers_of_mixed_batch_sizes_read_one_copy_of_each_unit() {
+    let sizes: [u64; 6] = [1, 7, 32, 40, 64, 96];
+    let env = Env::start_stand_in(
+        &config("epochs = 3\nmin_consumers = 7\ngpu_slots = 16"),
+        "1",
+    );
+    let host = env.consumer(&["--verify", "--digest", "--name", "host"]);
+    let kids: Vec<_> = sizes
+        .iter()
+        .map(|b| {
+            let (name, b) = (format!("b{b}"), b.to_string());
+            env.consumer(&[
+                "--verify",
+                "--digest",
+                "--device",
+                "cuda:0",
+                "--batch-size",
+                &b,
+                "--name",
+                &name,
+            ])
+        })
+        .collect();
+    let host = report(host);
+    assert_whole(&host, 3);
+    for (r, &b) in kids.into_iter().map(report).zip(&sizes) {
+        assert_whole(&r, 3);
+        assert_eq!(r.batches, 3 * 1000u64.div_ceil(b), "batch size {b}");
+        assert_eq!(
+            digests(&r),
+            digests(&host),
+            "batch size {b}: a host consumer's bytes"
+        );
+    }
+    let s = env.stats();
+    let st = &s.streams[0];
+    assert_eq!(st.batches_produced, 75);
+    assert_eq!(st.gpus.len(), 1);
+    assert_eq!(
+        st.gpus[0].copies, 75,
+        "one copy per unit, whatever the batch sizes"
+    );
 }

@@ -46,8 +46,11 @@
 //!
 //! A group ([`Hub::add_group`]) is a second ring of slots holding copies of
 //! batches, one per GPU, read by the consumers that joined the group. A
-//! batch a member owes is copied once into a free group slot (in sequence
-//! order; [`Hub::take_copies`] says which, [`Hub::copied`] reports the end).
+//! batch a member owes is copied once into the group's ring, laid out as
+//! the host's (batch `seq` in slot `seq mod slots`, in sequence order, the
+//! live ones less than `slots` apart, so a member's runs of its own batch
+//! size are spans of it; [`Hub::take_copies`] says which, [`Hub::copied`]
+//! reports the end).
 //! The host slot is pinned only until its copy has completed; the group
 //! slot is pinned by the members that owe the batch, exactly as host slots
 //! are by host consumers. So host and group slots are released

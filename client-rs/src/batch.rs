@@ -403,14 +403,13 @@ impl Batch {
         let Some(g) = &self.shared.gpu else {
             return Ok(self.field_at(i)?.bytes().to_vec());
         };
-        let w = &self.shared.welcome;
-        let fl = w.layout.fields.get(i).ok_or_else(|| Error::NoSuchField {
-            name: format!("#{i}"),
-            available: format!("{} fields", w.schema.fields.len()),
-        })?;
-        let mut out = vec![0; (fl.bytes_per_sample * self.run.samples) as usize];
-        g.read(self.slot as u64 * w.layout.slot_bytes + fl.offset, &mut out)?;
-        Ok(out)
+        if i >= self.schema().fields.len() {
+            return Err(Error::NoSuchField {
+                name: format!("#{i}"),
+                available: format!("{} fields", self.schema().fields.len()),
+            });
+        }
+        g.read(i, self.run.position, self.run.samples)
     }
 
     fn host_only(&self) -> Result<()> {
@@ -452,9 +451,7 @@ impl Batch {
     /// consumer on this GPU reads the same memory. `None` for host batches.
     pub fn device_ptr(&self, i: usize) -> Option<u64> {
         let g = self.shared.gpu.as_ref()?;
-        let w = &self.shared.welcome;
-        let fl = w.layout.fields.get(i)?;
-        Some(g.base() + self.slot as u64 * w.layout.slot_bytes + fl.offset)
+        g.address(i, self.run.position, self.run.samples).ok()
     }
 
     /// Device batches: also wait for the work queued so far on `stream` (a
@@ -463,7 +460,9 @@ impl Batch {
     /// default stream is used.
     pub fn fence_on(&self, stream: u64) {
         if let Some(g) = &self.shared.gpu {
-            g.fence_on(self.run.first_seq, stream);
+            for seq in self.run.first_seq..=self.run.last_seq {
+                g.fence_on(seq, stream);
+            }
         }
     }
 

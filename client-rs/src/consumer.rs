@@ -391,7 +391,7 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
     let gpu = crate::gpu::DeviceSide::open(
         opts.device,
         welcome.device.as_ref(),
-        welcome.layout.slot_bytes,
+        &welcome.schema,
         device_fd,
     )?;
     let (resume, _) = start_of(opts)?;

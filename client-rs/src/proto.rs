@@ -276,10 +276,14 @@ pub struct DeviceArena {
     /// The CUDA IPC memory handle (64 bytes); empty for other memory.
     pub handle: Vec<u8>,
     /// Device slots: a ring of its own, released independently of the
-    /// host slots. A device batch's `slot` is one of these.
+    /// host slots. A device unit's `slot` is one of these: unit `seq` is
+    /// in slot `seq mod slots`.
     pub slots: u32,
-    /// `slots × slot_bytes`; each slot laid out as a host slot.
-    pub bytes: u64,
+    /// Its layout (protocol 21): a ring per field, as the host arena's, of
+    /// `slots` units; unit `seq`'s samples are at the cells of its stream
+    /// position, so a consumer's runs of any batch size are spans of the
+    /// rings where they are mirrored. Its `arena_bytes` is the arena's size.
+    pub rings: crate::schema::RingLayout,
     /// The GPU, as the broker names it (`cuda:1 NVIDIA H100 (GPU-…)`).
     pub gpu: String,
 }

@@ -263,6 +263,17 @@ impl RingLayout {
     /// costs at most the larger of 1 MiB and a quarter of the live bytes
     /// more than `slots × unit` cells would.
     pub fn for_schema(schema: &Schema, slots: u32) -> Result<RingLayout> {
+        RingLayout::lay_out(schema, slots, true)
+    }
+
+    /// [`RingLayout::for_schema`] with no ring mirrored: each field's ring
+    /// holds exactly `slots` whole units, for memory that cannot be mapped
+    /// twice (a GPU arena shared over CUDA IPC).
+    pub fn unmirrored_for_schema(schema: &Schema, slots: u32) -> Result<RingLayout> {
+        RingLayout::lay_out(schema, slots, false)
+    }
+
+    fn lay_out(schema: &Schema, slots: u32, mirror: bool) -> Result<RingLayout> {
         let overflow = || Error::Schema("arena size overflows u64".into());
         let live = schema
             .batch_size
@@ -278,7 +289,7 @@ impl RingLayout {
             let live_bytes = live.checked_mul(bps).ok_or_else(overflow)?;
             let ring = cells.checked_mul(bps).ok_or_else(overflow)?;
             let slack = MIRROR_SLACK_BYTES.max(live_bytes / MIRROR_SLACK_DIV);
-            let ring = if ring - live_bytes <= slack {
+            let ring = if mirror && ring - live_bytes <= slack {
                 FieldRing {
                     offset,
                     bytes_per_sample: bps,

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use batchcast::cuda::{self, CopyStream, DeviceBuffer, Event, Gpu, HostRegistration};
 use batchcast::proto::{DeviceArena, DeviceRequest};
+use batchcast::schema::RingLayout;
 
 use super::copier::{self, CopyEngine};
 use super::{Backend, CopySink, GpuError, Mirror, MirrorSpec, Piece};
@@ -24,7 +25,7 @@ pub(super) fn create(
         host,
         host_len,
         slots,
-        slot_bytes,
+        schema,
         stream: stream_name,
     } = spec;
     let gpu = Gpu::by_uuid(&req.uuid)?;
@@ -51,13 +52,18 @@ pub(super) fn create(
             }
         })
         .is_some();
-    let bytes = slots as u64 * slot_bytes;
+    // Memory shared over CUDA IPC is mapped once: its rings hold whole
+    // units, and device consumers take the stream's batch size (mirrored
+    // device rings need CUDA's virtual memory management: `cuda/ring.rs`).
+    let rings = RingLayout::unmirrored_for_schema(schema, slots)
+        .map_err(|e| cuda::CudaError::NoDriver(e.to_string()))?;
+    let bytes = rings.arena_bytes;
     let buffer = Arc::new(DeviceBuffer::alloc(&gpu, bytes as usize)?);
     let arena = DeviceArena {
         memory: batchcast::proto::DeviceMemory::CudaIpc,
         handle: buffer.ipc_handle()?.to_vec(),
         slots,
-        bytes,
+        rings: rings.clone(),
         gpu: label.clone(),
     };
     let copies = Arc::new(CopyStream::new(&gpu)?);
@@ -72,7 +78,7 @@ pub(super) fn create(
         arena,
         pinned,
         Backend::Cuda(copies),
-        move |rx| copier::run(key, rx, sink, engine),
+        move |rx| copier::run((key, rings), rx, sink, engine),
         format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
     )
     .map_err(|e| cuda::CudaError::NoDriver(e.to_string()))?;
@@ -99,7 +105,6 @@ impl CopyEngine for Engine {
     fn queue(
         &mut self,
         sink: &Arc<dyn CopySink>,
-        base: usize,
         pieces: &[Piece],
     ) -> Result<(Event, Event), GpuError> {
         let start = self
@@ -121,7 +126,7 @@ impl CopyEngine for Engine {
             // `fence`, so its bytes do not change while they are read.
             unsafe {
                 self.copies
-                    .copy_to_device(&self.buffer, base + p.dst, src.as_ptr(), src.len())
+                    .copy_to_device(&self.buffer, p.dst, src.as_ptr(), src.len())
                     .map_err(driver)?
             };
         }

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use batchcast::proto::{DeviceArena, DeviceRequest};
+use batchcast::schema::{RingLayout, Schema};
 use batchcast::stand_in::Setting;
 
 mod copier;
@@ -68,8 +69,8 @@ pub struct CopyRequest {
     pub seq: u64,
 }
 
-/// A piece of a batch to copy: `len` host bytes at `at` bytes into the
-/// host arena to `dst` bytes into its device slot. Offsets only: the
+/// A piece of a unit to copy: `len` host bytes at `at` bytes into the
+/// host arena to `dst` bytes into the device arena. Offsets only: the
 /// copier gets the bytes through [`CopySink::host_bytes`], checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
@@ -80,10 +81,10 @@ pub struct Piece {
 
 /// What the copier calls back into (the stream).
 pub trait CopySink: Send + Sync + 'static {
-    /// Where batch `seq`'s bytes lie in the host arena (each field's cells,
-    /// in one or two pieces around its ring's wrap), valid while the sink
-    /// is alive; and the size of a device slot.
-    fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize);
+    /// Unit `seq`'s bytes: each field's cells in the host arena, to the
+    /// cells of its stream position in the device arena laid out as
+    /// `device` (a piece wherever either ring wraps).
+    fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece>;
     /// A piece's host bytes as a checked slice of the arena (`None` past
     /// its end), mapped while the sink is alive.
     fn host_bytes(&self, piece: &Piece) -> Option<&[u8]>;
@@ -247,9 +248,9 @@ pub struct MirrorSpec<'a> {
     /// start, mapped for the stream's whole life, and its length.
     pub host: *const u8,
     pub host_len: usize,
-    /// The device arena's slots (`gpu_slots`), each `slot_bytes` long.
+    /// The device arena's slots (`gpu_slots`): units of `schema`.
     pub slots: u32,
-    pub slot_bytes: u64,
+    pub schema: &'a Schema,
     /// The stream's name, for logs and the copier thread's name.
     pub stream: &'a str,
 }
@@ -260,7 +261,6 @@ impl std::fmt::Debug for MirrorSpec<'_> {
             .field("host", &self.host)
             .field("host_len", &self.host_len)
             .field("slots", &self.slots)
-            .field("slot_bytes", &self.slot_bytes)
             .field("stream", &self.stream)
             .finish_non_exhaustive()
     }
@@ -318,12 +318,13 @@ impl Gpus {
         *self.stand_in.lock().unwrap() = Some(Setting { fail_at: Some(n) });
     }
 
-    /// Tests: stand-in GPU `ordinal`'s memory for this stream.
+    /// Tests: stand-in GPU `ordinal`'s rings for this stream, and its
+    /// memory.
     #[cfg(test)]
-    pub fn stand_in_memory(&self, ordinal: u32) -> Vec<u8> {
+    pub fn stand_in_memory(&self, ordinal: u32) -> (RingLayout, Vec<u8>) {
         let mirrors = self.mirrors.lock().unwrap();
         let m = &mirrors[&batchcast::stand_in::uuid(ordinal)];
-        m.stand_in_bytes().unwrap().to_vec()
+        (m.arena.rings.clone(), m.stand_in_bytes().unwrap().to_vec())
     }
 
     /// Stops every copier (after its queued copies) and frees the device

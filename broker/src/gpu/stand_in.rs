@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use batchcast::proto::{DeviceArena, DeviceMemory, DeviceRequest};
+use batchcast::schema::RingLayout;
 use batchcast::shm::{Arena, Fault};
 
 use super::copier::{self, CopyEngine};
@@ -41,7 +42,7 @@ pub(super) fn create(
     let MirrorSpec {
         sink,
         slots,
-        slot_bytes,
+        schema,
         stream,
         ..
     } = spec;
@@ -51,9 +52,15 @@ pub(super) fn create(
         name: batchcast::stand_in::NAME.into(),
         reason: e.to_string(),
     };
-    let bytes = slots as u64 * slot_bytes;
-    let memory =
-        Arena::create(&format!("{stream}-gpu{ordinal}"), bytes, Fault::Now).map_err(open)?;
+    // Mirrored where the host arena's rings would be: consumers map it as
+    // they map the host arena, and take runs of any batch size from it.
+    let rings = RingLayout::for_schema(schema, slots).map_err(open)?;
+    let memory = Arena::create(
+        &format!("{stream}-gpu{ordinal}"),
+        rings.arena_bytes,
+        Fault::Now,
+    )
+    .map_err(open)?;
     // Consumers map it read-only: only this engine writes device memory.
     memory.seal_writes().map_err(open)?;
     let memory = Arc::new(memory);
@@ -61,7 +68,7 @@ pub(super) fn create(
         memory: DeviceMemory::StandIn,
         handle: Vec::new(),
         slots,
-        bytes,
+        rings: rings.clone(),
         gpu: label.clone(),
     };
     let engine = Arc::new(Engine::default());
@@ -83,7 +90,7 @@ pub(super) fn create(
         arena,
         false,
         Backend::StandIn(engine),
-        move |rx| copier::run(uuid, rx, sink, copies),
+        move |rx| copier::run((uuid, rings), rx, sink, copies),
         format!("{stream}-copy-gpu{ordinal}"),
     )?;
     m.stand_in = Some(memory);
@@ -91,11 +98,10 @@ pub(super) fn create(
 }
 
 /// A copy queued on the engine: copy number `n`, the host bytes `sink`
-/// gives for `pieces`, to device bytes from `base`.
+/// gives for `pieces`, to their device bytes.
 struct Job {
     n: u64,
     sink: Arc<dyn CopySink>,
-    base: usize,
     pieces: Vec<Piece>,
 }
 
@@ -146,7 +152,7 @@ impl Engine {
             let copied = job
                 .pieces
                 .iter()
-                .try_for_each(|p| write(memory, job.base, p, job.sink.host_bytes(p)));
+                .try_for_each(|p| write(memory, p, job.sink.host_bytes(p)));
             let n = job.n;
             // The stream is let go before the copy is seen to end, so this
             // thread never holds its last reference.
@@ -207,10 +213,10 @@ impl Engine {
 }
 
 /// Writes a piece's host bytes (`None`: outside the host arena) to device
-/// memory at `base + piece.dst`, checked against the arena's end.
-fn write(memory: &Arena, base: usize, p: &Piece, src: Option<&[u8]>) -> Result<(), Piece> {
+/// memory at `piece.dst`, checked against the arena's end.
+fn write(memory: &Arena, p: &Piece, src: Option<&[u8]>) -> Result<(), Piece> {
     let src = src.ok_or(*p)?;
-    let at = base.checked_add(p.dst).ok_or(*p)?;
+    let at = p.dst;
     let map = memory.mapping();
     if src.len() != p.len || at.checked_add(p.len).is_none_or(|end| end > map.len()) {
         return Err(*p);
@@ -232,12 +238,7 @@ struct Copies {
 impl CopyEngine for Copies {
     type Done = u64;
 
-    fn queue(
-        &mut self,
-        sink: &Arc<dyn CopySink>,
-        base: usize,
-        pieces: &[Piece],
-    ) -> Result<u64, GpuError> {
+    fn queue(&mut self, sink: &Arc<dyn CopySink>, pieces: &[Piece]) -> Result<u64, GpuError> {
         let n = {
             let mut st = self.engine.lock();
             if let Some(why) = &st.failed {
@@ -249,12 +250,11 @@ impl CopyEngine for Copies {
         let job = Job {
             n,
             sink: sink.clone(),
-            base,
             pieces: pieces.to_vec(),
         };
         self.jobs
             .send(job)
-            .map_err(|_| GpuError::Driver("the test GPU's copy engine stopped".into()))?;
+            .map_err(|_| GpuError::Driver("the stand-in's copy engine stopped".into()))?;
         Ok(n)
     }
 
@@ -271,8 +271,9 @@ mod tests {
     use super::*;
     use crate::gpu::{CopyRequest, GpuKey};
 
-    /// A stream of one field: batch `seq` is 8 bytes of `seq`, in two
-    /// pieces around a 24-byte ring's wrap for every third batch.
+    /// A stream of one field of 8 bytes a sample, units of one sample:
+    /// unit `seq` is 8 bytes of `seq % 3 + 1` in a host ring of 3, in two
+    /// pieces for every third unit; the device ring holds it at cell `seq`.
     struct Sink {
         host: Vec<u8>,
         copied: Mutex<Vec<(u64, u32, u64)>>,
@@ -283,21 +284,22 @@ mod tests {
     }
 
     impl CopySink for Sink {
-        fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize) {
+        fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece> {
             let at = (seq % 3) as usize * 8;
-            let pieces = if seq % 3 == 2 {
+            let r = &device.fields[0];
+            let dst = (r.offset + (seq % r.cells) * 8) as usize;
+            if seq % 3 == 2 {
                 vec![
-                    Piece { at, len: 4, dst: 0 },
+                    Piece { at, len: 4, dst },
                     Piece {
                         at: at + 4,
                         len: 4,
-                        dst: 4,
+                        dst: dst + 4,
                     },
                 ]
             } else {
-                vec![Piece { at, len: 8, dst: 0 }]
-            };
-            (pieces, 8)
+                vec![Piece { at, len: 8, dst }]
+            }
         }
         fn host_bytes(&self, p: &Piece) -> Option<&[u8]> {
             self.host.get(p.at..p.at + p.len)
@@ -326,12 +328,32 @@ mod tests {
             queued_at_report: Mutex::default(),
         });
         let weak: Weak<dyn CopySink> = Arc::downgrade(&(sink.clone() as Arc<dyn CopySink>));
+        let schema = batchcast::Schema {
+            fields: vec![batchcast::Field {
+                name: "x".into(),
+                dtype: batchcast::DType::U8,
+                shape: vec![8],
+                aux: false,
+            }],
+            batch_size: 1,
+            samples_per_epoch: 12,
+            batches_per_epoch: 12,
+            epochs: Some(1),
+            source: batchcast::schema::SourceInfo::External(
+                batchcast::schema::ExternalSourceInfo {
+                    producer: "test".into(),
+                    pid: 0,
+                    description: String::new(),
+                    classes: Vec::new(),
+                },
+            ),
+        };
         let spec = MirrorSpec {
             sink: weak,
             host: sink.host.as_ptr(),
             host_len: sink.host.len(),
             slots: 4,
-            slot_bytes: 8,
+            schema: &schema,
             stream: "s",
         };
         let m = create(spec, 0, fail_at).unwrap();
@@ -373,11 +395,11 @@ mod tests {
         let copied = sink.copied.lock().unwrap().clone();
         let want: Vec<_> = (0..12u64).map(|s| (s, (s % 4) as u32, 8)).collect();
         assert_eq!(copied, want);
-        // Device slot d holds the last batch copied there: 8 + d.
+        // Each unit at the cell of its stream position.
         let mem = m.stand_in_bytes().unwrap();
-        for d in 0..4usize {
-            let seq = 8 + d as u64;
-            assert_eq!(mem[d * 8..d * 8 + 8], [(seq % 3) as u8 + 1; 8], "slot {d}");
+        for seq in 0..12usize {
+            let at = seq * 8;
+            assert_eq!(mem[at..at + 8], [(seq % 3) as u8 + 1; 8], "unit {seq}");
         }
         assert!(sink.failed.lock().unwrap().is_empty());
     }

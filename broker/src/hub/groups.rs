@@ -1,6 +1,6 @@
 //! Groups: rings of copies in other memory, one per GPU (see the module
-//! doc of [`crate::hub`], "Groups"). Adding one, ordering copies into free
-//! group slots in sequence order, a completed copy, a failed GPU.
+//! doc of [`crate::hub`], "Groups"). Adding one, ordering copies into the
+//! group's ring in sequence order, a completed copy, a failed GPU.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -89,13 +89,27 @@ impl Hub {
         members
     }
 
-    /// Orders the copies that have a free group slot, in sequence order.
+    /// Orders the copies the group's ring has room for, in sequence
+    /// order. The ring is laid out as the host's: batch `seq` goes to slot
+    /// `seq mod slots`, its samples to the cells of its stream position, so
+    /// a member's runs of any batch size are spans of it. A copy waits
+    /// until every batch the ring holds is less than `slots` behind it
+    /// (then its slot is free too): live batches never share a cell.
     pub(super) fn start_copies(&mut self) {
         for (g, grp) in self.groups.iter_mut().enumerate() {
-            while !grp.free.is_empty()
-                && let Some(seq) = grp.waiting.pop_front()
+            let n = grp.slots.len() as u64;
+            while let Some(&seq) = grp.waiting.front()
+                && grp
+                    .slots
+                    .iter()
+                    .flatten()
+                    .min()
+                    .is_none_or(|&oldest| seq < oldest + n)
             {
-                let slot = grp.free.pop().expect("checked above");
+                grp.waiting.pop_front();
+                let slot = (seq % n) as SlotId;
+                debug_assert_eq!(grp.slots[slot as usize], None, "the span rule frees it");
+                grp.free.retain(|&s| s != slot);
                 let r = grp.replicas.get_mut(&seq).expect("waiting has a replica");
                 r.slot = Some(slot);
                 grp.slots[slot as usize] = Some(seq);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{self, DeviceRequest, ErrorCode, GoodbyeReason};
+use batchcast::schema::RingLayout;
 
 use super::conn::{Ending, Peer};
 use super::error::SubscribeError;
@@ -126,7 +127,7 @@ pub(super) fn open(
         false => Some(s.budget.take(
             peer.uid,
             Use::GpuArena,
-            u64::from(s.plan.gpu_slots) * s.plan.layout.slot_bytes,
+            device_arena_bytes(s),
             &format!(
                 "stream `{}` on cuda:{} ({})",
                 s.name(),
@@ -140,7 +141,7 @@ pub(super) fn open(
         host: s.arena.mapping().as_ptr(),
         host_len: s.arena.mapping().len(),
         slots: s.plan.gpu_slots,
-        slot_bytes: s.plan.layout.slot_bytes,
+        schema: &s.plan.schema,
         stream: s.name(),
     };
     let mirror = s.gpus.mirror(req, spec).map_err(SubscribeError::Device)?;
@@ -176,6 +177,37 @@ pub(super) fn free_device_arenas(s: &Stream) {
     drop(mirrors);
 }
 
+/// What a GPU's arena for this stream costs the memory budget: its rings
+/// laid out as the stand-in's are (mirrored where cheap), at least what
+/// CUDA's unmirrored ones take.
+fn device_arena_bytes(s: &Stream) -> u64 {
+    RingLayout::for_schema(&s.plan.schema, s.plan.gpu_slots).map_or(u64::MAX, |r| r.arena_bytes)
+}
+
+/// Unit `seq`'s bytes, field by field, from the host arena's plain
+/// (page-locked) mapping laid out as `host` to the device arena laid out
+/// as `device`: its samples lie at the cells of its stream position in
+/// each, so a piece ends wherever either ring wraps.
+pub(super) fn unit_pieces(host: &RingLayout, device: &RingLayout, seq: u64) -> Vec<Piece> {
+    let unit = host.unit;
+    let mut pieces = Vec::with_capacity(2 * host.fields.len());
+    for (h, d) in host.fields.iter().zip(&device.fields) {
+        let bps = h.bytes_per_sample;
+        let (mut hc, mut dc) = ((seq * unit) % h.cells, (seq * unit) % d.cells);
+        let mut left = unit;
+        while left > 0 {
+            let n = left.min(h.cells - hc).min(d.cells - dc);
+            pieces.push(Piece {
+                at: (h.offset + hc * bps) as usize,
+                len: (n * bps) as usize,
+                dst: (d.offset + dc * bps) as usize,
+            });
+            (hc, dc, left) = ((hc + n) % h.cells, (dc + n) % d.cells, left - n);
+        }
+    }
+    pieces
+}
+
 /// Hands the copies the hub ordered to each GPU's copier.
 pub(super) fn request_copies(inner: &mut Inner) {
     for c in inner.hub.take_copies() {
@@ -196,26 +228,8 @@ pub(super) fn request_copies(inner: &mut Inner) {
 }
 
 impl CopySink for Stream {
-    fn host_pieces(&self, seq: u64) -> (Vec<Piece>, usize) {
-        let rings = &self.plan.rings;
-        let mut pieces = Vec::with_capacity(2 * rings.fields.len());
-        for (r, fl) in rings.fields.iter().zip(&self.plan.layout.fields) {
-            let cell = (seq * rings.unit) % r.cells;
-            let first = rings.unit.min(r.cells - cell);
-            // The plain (page-locked) mapping: a unit straddling a
-            // mirrored ring's wrap is two pieces.
-            for (from, samples, to) in [(cell, first, 0), (0, rings.unit - first, first)] {
-                if samples > 0 {
-                    let at = (r.offset + from * r.bytes_per_sample) as usize;
-                    pieces.push(Piece {
-                        at,
-                        len: (samples * r.bytes_per_sample) as usize,
-                        dst: (fl.offset + to * r.bytes_per_sample) as usize,
-                    });
-                }
-            }
-        }
-        (pieces, self.plan.layout.slot_bytes as usize)
+    fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece> {
+        unit_pieces(&self.plan.rings, device, seq)
     }
 
     fn host_bytes(&self, piece: &Piece) -> Option<&[u8]> {

@@ -22,6 +22,25 @@ pub struct Shape {
     pub per_epoch: u64,
 }
 
+/// A device consumer's batch size against its GPU's arena: another size
+/// than the stream's needs the arena's rings mirrored, as the host's
+/// (the stand-in's are where the host's are; memory shared over CUDA IPC
+/// is mapped once).
+pub(super) fn check_device(
+    shape: Shape,
+    arena: &batchcast::proto::DeviceArena,
+) -> Result<(), SubscribeError> {
+    match arena.rings.unmirrored() {
+        Some(f) if shape.batch_size != shape.unit => Err(SubscribeError::BatchSize(format!(
+            "batch_size {}: {} serves the stream's batch size ({}) only: its arena's ring of field #{f} is not mirrored \
+             (GPU memory shared over CUDA IPC is mapped once; mirrored device rings need CUDA's virtual memory management, \
+             not in this build); leave batch_size unset, or use device=\"cpu\"",
+            shape.batch_size, arena.gpu, shape.unit
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl Shape {
     /// Its window as the hub counts it: `units` of the stream, holding
     /// the consumer's own `window` batches.
@@ -57,21 +76,15 @@ impl Shape {
         if size == 0 {
             return refuse("batch_size must be at least 1".into());
         }
-        if size != unit {
-            if req.device.is_some() {
-                return refuse(format!(
-                    "batch_size {size}: a GPU consumer takes the stream's batch size ({unit}) \
-                     (a device arena holds whole batches of the stream); leave batch_size unset, or use device=\"cpu\""
-                ));
-            }
-            if let Some(f) = plan.rings.unmirrored() {
-                let field = &plan.schema.fields[f];
-                return refuse(format!(
-                    "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
-                     ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
-                    plan.name, field.name, plan.rings.fields[f].bytes_per_sample
-                ));
-            }
+        if size != unit
+            && let Some(f) = plan.rings.unmirrored()
+        {
+            let field = &plan.schema.fields[f];
+            return refuse(format!(
+                "batch_size {size}: stream `{}` serves only its own batch size ({unit}): field `{}` \
+                 ({} bytes a sample) would need a ring many times its size to be mirrored; leave batch_size unset",
+                plan.name, field.name, plan.rings.fields[f].bytes_per_sample
+            ));
         }
         let units = if req.group.is_some() {
             batchcast::batcher::member_units_needed(req.window, size, unit)

@@ -88,6 +88,9 @@ impl Stream {
             Some(dev) => mirror::open(self, dev, &peer).map(|(m, g)| (Some(m), g))?,
             None => (None, None),
         };
+        if let Some(m) = &mirror {
+            super::shape::check_device(shape, &m.arena())?;
+        }
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
         let delivery = mailbox

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use batchcast::mailbox::ConsumerMailbox;
 use batchcast::proto::Release;
+use batchcast::schema::RingLayout;
 use batchcast::synthetic::SyntheticSpec;
 
 use crate::pipeline::shared::Shares;
@@ -159,16 +160,28 @@ fn spec(s: &Stream) -> &SyntheticSpec {
     }
 }
 
-/// Checks every sample of device batch `b` in its slot of `memory`.
-fn verify(s: &Stream, b: &BatchReady, memory: &[u8]) {
-    let layout = &s.plan.layout;
-    let slot =
-        &memory[(b.slot as u64 * layout.slot_bytes) as usize..][..layout.slot_bytes as usize];
-    let fields = layout.fields.iter().map(|fl| {
-        let bytes = (fl.bytes_per_sample * b.samples) as usize;
-        &slot[fl.offset as usize..][..bytes]
-    });
-    verify_fields(s, b, fields);
+/// Checks every sample of device batch `b` in a stand-in GPU's memory (a
+/// plain mapping of its rings): at the cells of its stream position.
+fn verify(s: &Stream, b: &BatchReady, (rings, memory): (RingLayout, Vec<u8>)) {
+    assert_eq!(
+        b.slot as u64,
+        b.seq % u64::from(rings.slots),
+        "a ring's slot"
+    );
+    let fields: Vec<Vec<u8>> = rings
+        .fields
+        .iter()
+        .map(|r| {
+            let bps = r.bytes_per_sample as usize;
+            (0..b.samples)
+                .flat_map(|j| {
+                    let cell = ((b.seq * rings.unit + j) % r.cells) as usize;
+                    memory[r.offset as usize + cell * bps..][..bps].to_vec()
+                })
+                .collect()
+        })
+        .collect();
+    verify_fields(s, b, fields.iter().map(Vec::as_slice));
 }
 
 /// Checks every sample of host batch `b` in the stream's rings.
@@ -290,7 +303,7 @@ fn gpu_consumers_read_every_batch_from_their_own_device_ring() {
             match next(&mut gpu) {
                 ServerMsg::Batch(b) => {
                     assert!(b.slot < 2, "device slot {} of 2", b.slot);
-                    verify(&s, &b, &s.gpus.stand_in_memory(0));
+                    verify(&s, &b, s.gpus.stand_in_memory(0));
                     got_gpu.push((b.epoch, b.index));
                     // Hold one batch while taking the next: both device
                     // slots in use at once.
@@ -354,7 +367,7 @@ fn host_slots_are_refilled_while_a_gpu_consumer_holds_its_copies() {
         match next(&mut gpu) {
             ServerMsg::Batch(b) => {
                 assert_eq!(b.seq, want);
-                verify(&s, &b, &s.gpus.stand_in_memory(0));
+                verify(&s, &b, s.gpus.stand_in_memory(0));
             }
             m => panic!("{m:?}"),
         }

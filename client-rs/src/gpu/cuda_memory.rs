@@ -24,7 +24,11 @@ pub(super) fn open(ordinal: u32, arena: &DeviceArena) -> Result<Arc<IpcMapping>>
     if let Some(m) = open.get(&key).and_then(Weak::upgrade) {
         return Ok(m);
     }
-    let m = Arc::new(IpcMapping::open(&gpu, &arena.handle, arena.bytes as usize)?);
+    let m = Arc::new(IpcMapping::open(
+        &gpu,
+        &arena.handle,
+        arena.rings.arena_bytes as usize,
+    )?);
     open.insert(key, Arc::downgrade(&m));
     Ok(m)
 }

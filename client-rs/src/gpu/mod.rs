@@ -28,7 +28,8 @@ use std::sync::Mutex;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::proto::{DeviceArena, DeviceMemory, DeviceRequest, Release};
-use crate::shm::Mapping;
+use crate::schema::{RingLayout, Schema};
+use crate::shm::{Mapping, RingView};
 use crate::stand_in;
 
 #[cfg(feature = "cuda")]
@@ -90,7 +91,9 @@ pub(crate) struct DeviceSide {
     device: Device,
     memory: Memory,
     slots: u32,
-    /// Streams each held batch was handed to.
+    /// The arena's rings: where each unit's and run's samples are.
+    rings: RingLayout,
+    /// Streams each held unit was handed to.
     streams: Mutex<HashMap<u64, Vec<u64>>>,
     pending: Mutex<Vec<Pending>>,
 }
@@ -101,7 +104,7 @@ impl DeviceSide {
     pub(crate) fn open(
         device: Device,
         arena: Option<&DeviceArena>,
-        slot_bytes: u64,
+        schema: &Schema,
         fd: Option<OwnedFd>,
     ) -> Result<Option<DeviceSide>> {
         let (ordinal, arena) = match (device, arena) {
@@ -118,10 +121,17 @@ impl DeviceSide {
             }
             (Device::Cuda(n), Some(a)) => (n, a),
         };
-        if arena.slots == 0 || Some(arena.bytes) != slot_bytes.checked_mul(arena.slots as u64) {
+        arena.rings.validate(schema)?;
+        if arena.slots != arena.rings.slots
+            || (arena.memory == DeviceMemory::CudaIpc
+                && arena.rings.fields.iter().any(|r| r.mirrored))
+        {
             return Err(Error::Unexpected(format!(
-                "device arena of {} bytes for {} slots of {slot_bytes} bytes",
-                arena.bytes, arena.slots
+                "a device arena of {} slots laid out for {} ({:?} memory, {} rings mirrored)",
+                arena.slots,
+                arena.rings.slots,
+                arena.memory,
+                arena.rings.fields.iter().filter(|r| r.mirrored).count()
             )));
         }
         let memory = match arena.memory {
@@ -142,6 +152,7 @@ impl DeviceSide {
             device,
             memory,
             slots: arena.slots,
+            rings: arena.rings.clone(),
             streams: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
         }))
@@ -159,7 +170,7 @@ impl DeviceSide {
 
     /// The arena's first byte: a device address (a host one for the
     /// stand-in).
-    pub(crate) fn base(&self) -> u64 {
+    fn base(&self) -> u64 {
         match &self.memory {
             #[cfg(feature = "cuda")]
             Memory::Cuda(m) => m.ptr(),
@@ -171,21 +182,35 @@ impl DeviceSide {
         self.slots
     }
 
-    /// Copies `out.len()` bytes at `offset` of the arena to the host.
-    pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+    /// Where field `f` of `samples` samples from stream position
+    /// `position` lie in the arena's mapping: one contiguous span (the
+    /// units the broker copied there), as an offset and a length.
+    fn span(&self, f: usize, position: u64, samples: u64) -> Result<(u64, u64)> {
+        self.rings.span(f, position, samples).ok_or_else(|| {
+            Error::Unexpected(format!(
+                "{samples} samples at {position} are not one span of field {f}'s device ring"
+            ))
+        })
+    }
+
+    /// The device address of field `f` of a run.
+    pub(crate) fn address(&self, f: usize, position: u64, samples: u64) -> Result<u64> {
+        Ok(self.base() + self.span(f, position, samples)?.0)
+    }
+
+    /// Copies field `f` of a run to the host.
+    pub(crate) fn read(&self, f: usize, position: u64, samples: u64) -> Result<Vec<u8>> {
+        let (at, len) = self.span(f, position, samples)?;
         match &self.memory {
             #[cfg(feature = "cuda")]
-            Memory::Cuda(m) => Ok(m.read(offset as usize, out)?),
-            Memory::StandIn(m) => {
-                let bytes = m.get(offset, out.len() as u64).ok_or_else(|| {
-                    Error::Unexpected(format!(
-                        "{} bytes at {offset} past the device arena's end",
-                        out.len()
-                    ))
-                })?;
-                out.copy_from_slice(bytes);
-                Ok(())
+            Memory::Cuda(m) => {
+                let mut out = vec![0; len as usize];
+                m.read(at as usize, &mut out)?;
+                Ok(out)
             }
+            Memory::StandIn(m) => m.get(at, len).map(<[u8]>::to_vec).ok_or_else(|| {
+                Error::Unexpected(format!("{len} bytes at {at} past the device arena's end"))
+            }),
         }
     }
 
@@ -281,7 +306,7 @@ fn open_stand_in(arena: &DeviceArena, fd: Option<OwnedFd>) -> Result<Mapping> {
     let fd = fd.ok_or_else(|| {
         Error::Shm("the broker's welcome carried no fd for the stand-in's device arena".into())
     })?;
-    Mapping::map_readonly(fd.as_fd(), arena.bytes)
+    Mapping::rings(fd.as_fd(), &RingView::of(&arena.rings), false)
 }
 
 #[cfg(test)]
