@@ -171,3 +171,24 @@ fn device_consumers_of_mixed_batch_sizes_read_one_copy_of_each_unit() {
         "one copy per unit, whatever the batch sizes"
     );
 }
+
+/// Device twin of `groups::a_groups_ranks_split_each_epoch_...`: the
+/// members of one group on one GPU, those of another on a second, and a
+/// plain consumer on a third each read exactly their share (runs of the
+/// device rings, as of the host's).
+#[test]
+fn a_groups_device_ranks_split_each_epoch_while_others_receive_everything() {
+    let env = Env::start_stand_in(&crate::groups::config(6), "1");
+    crate::groups::ranks_split_each_epoch_while_others_receive_everything(
+        &env,
+        [
+            &["--device", "cuda:0"],
+            &["--device", "cuda:1"],
+            &["--device", "cuda:2"],
+        ],
+    );
+    let s = env.stats();
+    let copies: Vec<u64> = s.streams[0].gpus.iter().map(|g| g.copies).collect();
+    let units = s.streams[0].batches_produced;
+    assert_eq!(copies, [units; 3], "one copy of each unit per GPU");
+}

@@ -16,7 +16,7 @@ use common::{Env, report};
 
 /// 203 samples an epoch (no batch size divides it) in units of 8, shuffled,
 /// 2 epochs; `consumers` start it together.
-fn config(consumers: u32) -> String {
+pub(crate) fn config(consumers: u32) -> String {
     let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 4, 4]), ("label", "i64", &[])];
     StreamToml::synthetic("train", 8, 203, &fields)
         .epochs(2)
@@ -68,21 +68,30 @@ fn member(env: &Env, group: &str, rank: u32, world: u32, extra: &[&str]) -> std:
 #[test]
 fn a_groups_ranks_split_each_epoch_while_others_receive_everything() {
     let env = Env::start(&config(6));
-    // Trial A: 3 ranks of the stream's batch size; trial B: 2 ranks of 5,
-    // replicated in pairs (4 ranks, 2 data ranks); and a plain consumer.
-    let a: Vec<_> = (0..3).map(|r| member(&env, "trial-a", r, 3, &[])).collect();
+    ranks_split_each_epoch_while_others_receive_everything(&env, [&[], &[], &[]]);
+}
+
+/// Trial A: 3 ranks of the stream's batch size; trial B: 2 ranks of 5,
+/// replicated in pairs (4 ranks, 2 data ranks); and a plain consumer;
+/// each with `device`'s arguments (A's, B's, the plain one's). Its device
+/// twin is in `device.rs`.
+pub(crate) fn ranks_split_each_epoch_while_others_receive_everything(
+    env: &Env,
+    device: [&[&str]; 3],
+) {
+    let a: Vec<_> = (0..3)
+        .map(|r| member(env, "trial-a", r, 3, device[0]))
+        .collect();
     let b: Vec<_> = (0..2)
         .map(|r| {
-            member(
-                &env,
-                "trial-b",
-                r,
-                4,
-                &["--batch-size", "5", "--replicate", "2", "--no-mailbox"],
-            )
+            let mut args = vec!["--batch-size", "5", "--replicate", "2", "--no-mailbox"];
+            args.extend_from_slice(device[1]);
+            member(env, "trial-b", r, 4, &args)
         })
         .collect();
-    let plain = env.consumer(&["--verify", "--positions"]);
+    let mut args = vec!["--verify", "--positions"];
+    args.extend_from_slice(device[2]);
+    let plain = env.consumer(&args);
     let check = |kids: Vec<std::process::Child>, world: u32, replicate: u32, batch: u64| {
         let mut seen = BTreeMap::<u64, Vec<u32>>::new();
         for (rank, kid) in kids.into_iter().enumerate() {

@@ -33,12 +33,6 @@ pub(super) fn check(
     if let Err(why) = seat.validate() {
         return refuse(why.to_string());
     }
-    if req.device.is_some() {
-        return refuse(format!(
-            "group `{}`: a group's members read host memory for now (their batches are runs of the stream's ring); use device=\"cpu\"",
-            seat.name
-        ));
-    }
     let members = inner
         .conns
         .values()

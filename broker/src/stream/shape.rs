@@ -26,19 +26,42 @@ pub struct Shape {
 /// than the stream's needs the arena's rings mirrored, as the host's
 /// (the stand-in's are where the host's are; memory shared over CUDA IPC
 /// is mapped once).
+///
+/// A group member's runs lie a batch of each data rank apart: the span of
+/// units it may hold must fit the GPU's ring as it must the host's.
 pub(super) fn check_device(
     shape: Shape,
+    req: &ConsumeRequest,
     arena: &batchcast::proto::DeviceArena,
 ) -> Result<(), SubscribeError> {
-    match arena.rings.unmirrored() {
-        Some(f) if shape.batch_size != shape.unit => Err(SubscribeError::BatchSize(format!(
+    if let Some(f) = arena.rings.unmirrored()
+        && shape.batch_size != shape.unit
+    {
+        return Err(SubscribeError::BatchSize(format!(
             "batch_size {}: {} serves the stream's batch size ({}) only: its arena's ring of field #{f} is not mirrored \
              (GPU memory shared over CUDA IPC is mapped once; mirrored device rings need CUDA's virtual memory management, \
              not in this build); leave batch_size unset, or use device=\"cpu\"",
             shape.batch_size, arena.gpu, shape.unit
-        ))),
-        _ => Ok(()),
+        )));
     }
+    if let Some(seat) = req.group.as_deref() {
+        let data_ranks = u64::from(seat.world / seat.replicate.max(1));
+        let span = batchcast::batcher::member_ring_span(
+            req.window,
+            shape.batch_size,
+            shape.unit,
+            data_ranks,
+        );
+        let need = span.max(u64::from(shape.units));
+        if need > u64::from(arena.slots) {
+            return Err(SubscribeError::BatchSize(format!(
+                "a group member of {data_ranks} data ranks with window {} and batches of {} may span {need} units of the stream, \
+                 more than the {} slots of its arena on {}: size the stream for it (gpu_slots = {need}), or use a smaller window",
+                req.window, shape.batch_size, arena.slots, arena.gpu
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Shape {

@@ -89,7 +89,7 @@ impl Stream {
             None => (None, None),
         };
         if let Some(m) = &mirror {
-            super::shape::check_device(shape, &m.arena())?;
+            super::shape::check_device(shape, &req, &m.arena())?;
         }
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
