@@ -192,3 +192,25 @@ fn a_groups_device_ranks_split_each_epoch_while_others_receive_everything() {
     let units = s.streams[0].batches_produced;
     assert_eq!(copies, [units; 3], "one copy of each unit per GPU");
 }
+
+/// Device twin of `replay::joining_now_at_every_position_...`: a device
+/// consumer that joins now at any unit of an epoch is replayed the
+/// epoch's start (each replayed batch copied to its own arena on its GPU
+/// before it is sent) and reads a complete first epoch of the stream's
+/// bytes.
+#[test]
+fn a_device_consumer_joining_now_anywhere_in_an_epoch_reads_it_complete() {
+    let env = Env::start_stand_in(&crate::replay::config(""), "1");
+    crate::replay::joining_now_at_every_position_of_an_epoch(&env, &["--device", "cuda:0"]);
+    let s = env.stats();
+    let g = &s.streams[0].gpus;
+    assert_eq!(g.len(), 1);
+    assert!(g[0].replayed > 0, "replayed batches were copied: {g:#?}");
+}
+
+/// Device twin of `replay::a_trainer_resumes_at_a_checkpoint_...`.
+#[test]
+fn a_device_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
+    let env = Env::start_stand_in(&crate::replay::config(""), "1");
+    crate::replay::resumes_at_a_checkpoint_position_behind_or_ahead(&env, &["--device", "cuda:0"]);
+}

@@ -18,7 +18,7 @@ use crate::common;
 use common::{Env, report};
 
 /// 400 samples an epoch in units of 40 (10 units), endless, 8 slots.
-fn config(extra: &str) -> String {
+pub(crate) fn config(extra: &str) -> String {
     let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
     StreamToml::synthetic("train", 40, 400, &fields)
         .key("seed", 11)
@@ -73,6 +73,12 @@ fn epochs(r: &ConsumerReport) -> Vec<(u64, u64, bool)> {
 #[test]
 fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the_same_bytes() {
     let env = Env::start(&config(""));
+    joining_now_at_every_position_of_an_epoch(&env, &[]);
+}
+
+/// Consumers (with `device`'s arguments) join now at every unit of an
+/// epoch; its device twin is in `device.rs`.
+pub(crate) fn joining_now_at_every_position_of_an_epoch(env: &Env, device: &[&str]) {
     let b: u64 = 32;
     let per_epoch_batches = PER_EPOCH.div_ceil(b);
     let mut seen = BTreeSet::new();
@@ -80,7 +86,7 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
     // How far the pipeline runs ahead of a reader that reads slowly: the
     // ring's slots, less what it holds; learned as it goes.
     let mut ahead = 8;
-    let mut produced = paused_at(&env);
+    let mut produced = paused_at(env);
     for round in 0..40 {
         let Some(target) = (0..units).find(|k| !seen.contains(k)) else {
             break;
@@ -104,7 +110,7 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
             let r = report(pacer);
             assert!(r.ok, "{r:#?}");
             let before = produced;
-            produced = paused_at(&env);
+            produced = paused_at(env);
             ahead = (produced - before).saturating_sub(m);
         }
         let at = produced % units;
@@ -121,6 +127,7 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
         if drop_last {
             args.push("--drop-last");
         }
+        args.extend_from_slice(device);
         let r = report(env.consumer(&args));
         let what = format!(
             "joined at unit {at} of epoch {epoch} (socket {socket}, drop_last {drop_last})"
@@ -147,7 +154,7 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
             "{what}: replays up to its first batch boundary past it"
         );
         seen.insert(at);
-        produced = paused_at(&env);
+        produced = paused_at(env);
     }
     assert_eq!(
         seen.len() as u64,
@@ -166,14 +173,27 @@ fn joining_now_at_every_position_of_an_epoch_gives_a_complete_first_epoch_of_the
 #[test]
 fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
     let env = Env::start(&config(""));
+    resumes_at_a_checkpoint_position_behind_or_ahead(&env, &[]);
+}
+
+/// A trainer (with `device`'s arguments) resumes behind the stream and
+/// ahead of it; its device twin is in `device.rs`.
+pub(crate) fn resumes_at_a_checkpoint_position_behind_or_ahead(env: &Env, device: &[&str]) {
+    let with = |args: &[&str]| -> Vec<String> {
+        args.iter().chain(device).map(|a| a.to_string()).collect()
+    };
+    let consumer = |args: &[&str]| {
+        let args = with(args);
+        env.consumer(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
     // Run the stream into its third epoch, then stop.
     let r = report(env.consumer(&["--max-batches", "25"]));
     assert!(r.ok, "{r:#?}");
-    let produced = paused_at(&env);
+    let produced = paused_at(env);
     assert!(produced >= 25);
     // Behind: from sample 50 of epoch 0, through epoch 1, into the shared
     // stream; batches of 16 from there.
-    let r = report(env.consumer(&[
+    let r = report(consumer(&[
         "--resume",
         "0:50",
         "--verify",
@@ -189,18 +209,24 @@ fn a_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stream() {
     assert_eq!(r.verified_samples, r.samples);
     assert!(r.replayed_batches >= 22 + 25, "{r:#?}");
     // Ahead: epoch 9, sample 120: waited for, nothing before it.
-    let at = paused_at(&env);
+    let at = paused_at(env);
     assert!(
         at < 9 * 10,
         "the stream is at unit {at}, not yet at epoch 9: {:#?}",
         env.stats().streams[0].past_consumers
     );
-    let r = report(env.consumer(&["--resume", "9:120", "--verify", "--max-batches", "3"]));
+    let r = report(consumer(&[
+        "--resume",
+        "9:120",
+        "--verify",
+        "--max-batches",
+        "3",
+    ]));
     assert!(r.ok, "{r:#?}");
     assert_eq!(r.replayed_batches, 0);
     assert_eq!(epochs(&r), vec![(9, 120, false)]);
     // A position outside the epoch is refused, naming it.
-    let r = report(env.consumer(&["--resume", "0:400"]));
+    let r = report(consumer(&["--resume", "0:400"]));
     assert!(!r.ok);
     let err = r.error.unwrap_or_default();
     assert!(err.contains("400 samples"), "{err}");

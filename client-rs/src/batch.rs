@@ -409,7 +409,7 @@ impl Batch {
                 available: format!("{} fields", self.schema().fields.len()),
             });
         }
-        g.read(i, self.run.position, self.run.samples)
+        g.read(i, (self.run.position, self.run.samples), self.replayed)
     }
 
     fn host_only(&self) -> Result<()> {
@@ -451,7 +451,8 @@ impl Batch {
     /// consumer on this GPU reads the same memory. `None` for host batches.
     pub fn device_ptr(&self, i: usize) -> Option<u64> {
         let g = self.shared.gpu.as_ref()?;
-        g.address(i, self.run.position, self.run.samples).ok()
+        g.address(i, (self.run.position, self.run.samples), self.replayed)
+            .ok()
     }
 
     /// Device batches: also wait for the work queued so far on `stream` (a

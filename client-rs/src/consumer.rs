@@ -386,13 +386,16 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
         map,
         mailbox,
         replay: replay_arena,
-        device_fd,
+        device_fds,
     } = open_arenas(&welcome, fds)?;
     let gpu = crate::gpu::DeviceSide::open(
         opts.device,
-        welcome.device.as_ref(),
+        (
+            welcome.device.as_ref(),
+            welcome.replay.as_ref().and_then(|g| g.device.as_ref()),
+        ),
         &welcome.schema,
-        device_fd,
+        device_fds.into_iter(),
     )?;
     let (resume, _) = start_of(opts)?;
     let skip = welcome.replay.as_ref().map(|g| g.to).or(resume);
@@ -454,8 +457,9 @@ struct Arenas {
     map: Mapping,
     mailbox: Option<ConsumerMailbox>,
     replay: Option<ReplayArena>,
-    /// The stand-in's device arena, for the device side to map.
-    device_fd: Option<OwnedFd>,
+    /// The stand-in's device arenas (shared, then replay), for the device
+    /// side to map.
+    device_fds: Vec<OwnedFd>,
 }
 
 /// Maps what the welcome's fds hold, in order: the stream's rings, the
@@ -505,7 +509,7 @@ fn open_arenas(welcome: &Welcome, fds: Vec<OwnedFd>) -> Result<Arenas> {
         map,
         mailbox,
         replay,
-        device_fd: fds.next(),
+        device_fds: fds.collect(),
     })
 }
 

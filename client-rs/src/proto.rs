@@ -424,6 +424,10 @@ pub struct ReplayGrant {
     pub rings: RingLayout,
     pub from: Position,
     pub to: Position,
+    /// A device consumer's own arena on its GPU for its replayed batches
+    /// (protocol 21): each is copied there before it is sent, at the same
+    /// ring position. A stand-in's fd comes after the shared device arena's.
+    pub device: Option<DeviceArena>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

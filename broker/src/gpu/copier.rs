@@ -10,19 +10,33 @@ use std::sync::{Arc, Weak};
 
 use batchcast::schema::RingLayout;
 
-use super::{CopyRequest, CopySink, GpuError, GpuKey, Piece};
+use super::{CopyRequest, CopySink, CopySource, GpuError, GpuKey, Piece, ReplayTarget, Request};
+
+/// One copy for an engine: `pieces` of `src`'s host bytes to the GPU's
+/// shared arena, or to a consumer's replay arena (`target`). The copier
+/// keeps it until the copy has ended, so what it names stays mapped.
+pub(super) struct Copy {
+    pub src: Arc<dyn CopySource>,
+    pub pieces: Vec<Piece>,
+    pub target: Option<Arc<ReplayTarget>>,
+}
 
 /// A device's copy engine: copies queued in order, each ending later.
 pub(super) trait CopyEngine {
     /// What marks a queued copy's end (CUDA: events around it).
     type Done;
-    /// Queues the copy of `pieces` (the host bytes `sink` gives for them)
-    /// to device arena bytes `piece.dst`, after every copy queued before.
-    /// `sink` stays alive until [`CopyEngine::wait`] has returned for it.
-    fn queue(&mut self, sink: &Arc<dyn CopySink>, pieces: &[Piece])
-    -> Result<Self::Done, GpuError>;
+    /// Queues `copy` (each piece's `src` bytes to byte `piece.dst` of its
+    /// destination), after every copy queued before. `copy` stays alive
+    /// until [`CopyEngine::wait`] has returned for it.
+    fn queue(&mut self, copy: &Copy) -> Result<Self::Done, GpuError>;
     /// Waits until a queued copy has ended; its time on the device, ns.
     fn wait(&mut self, done: Self::Done) -> Result<u64, GpuError>;
+}
+
+/// What a copy's end is reported as.
+enum Report {
+    Unit(CopyRequest),
+    Replay { consumer: u64, seq: u64 },
 }
 
 /// Runs copies for GPU `key`, whose arena is laid out as `rings`, until
@@ -37,7 +51,7 @@ pub(super) trait CopyEngine {
 /// as long as the report takes.
 pub(super) fn run<E: CopyEngine>(
     (key, rings): (GpuKey, RingLayout),
-    rx: mpsc::Receiver<CopyRequest>,
+    rx: mpsc::Receiver<Request>,
     sink: Weak<dyn CopySink>,
     mut engine: E,
 ) {
@@ -49,17 +63,24 @@ pub(super) fn run<E: CopyEngine>(
         let result = (|| {
             let queue = |engine: &mut E, req| queue(engine, &sink, &rings, req);
             queued.push_back(queue(&mut engine, first)?);
-            while let Some((req, done, len)) = queued.pop_front() {
+            while let Some((report, done, copy)) = queued.pop_front() {
                 while let Ok(more) = rx.try_recv() {
                     queued.push_back(queue(&mut engine, more)?);
                 }
                 let ns = engine.wait(done)?;
+                let bytes = copy.pieces.iter().map(|p| p.len as u64).sum();
+                drop(copy);
                 while let Ok(more) = rx.try_recv() {
                     queued.push_back(queue(&mut engine, more)?);
                 }
                 // Copy time is device time around each copy: `bytes /
                 // copy_s` is the copy path's bandwidth.
-                sink.copied(&key, req, len, ns);
+                match report {
+                    Report::Unit(req) => sink.copied(&key, req, bytes, ns),
+                    Report::Replay { consumer, seq } => {
+                        sink.replay_copied(&key, consumer, seq, bytes, ns)
+                    }
+                }
             }
             Ok::<(), GpuError>(())
         })();
@@ -70,14 +91,35 @@ pub(super) fn run<E: CopyEngine>(
     }
 }
 
-/// Queues request `req`'s unit: its end marker and its bytes.
+/// Queues request `req`: a unit of the stream (its pieces from the host
+/// arena to the shared arena's rings), or a replayed batch.
 fn queue<E: CopyEngine>(
     engine: &mut E,
     sink: &Arc<dyn CopySink>,
     rings: &RingLayout,
-    req: CopyRequest,
-) -> Result<(CopyRequest, E::Done, u64), GpuError> {
-    let pieces = sink.host_pieces(req.seq, rings);
-    let done = engine.queue(sink, &pieces)?;
-    Ok((req, done, pieces.iter().map(|p| p.len as u64).sum()))
+    req: Request,
+) -> Result<(Report, E::Done, Copy), GpuError> {
+    let (report, copy) = match req {
+        Request::Unit(req) => (
+            Report::Unit(req),
+            Copy {
+                src: sink.clone(),
+                pieces: sink.host_pieces(req.seq, rings),
+                target: None,
+            },
+        ),
+        Request::Replay(r) => (
+            Report::Replay {
+                consumer: r.consumer,
+                seq: r.seq,
+            },
+            Copy {
+                src: r.src,
+                pieces: r.pieces,
+                target: Some(r.target),
+            },
+        ),
+    };
+    let done = engine.queue(&copy)?;
+    Ok((report, done, copy))
 }

@@ -8,8 +8,8 @@ use batchcast::cuda::{self, CopyStream, DeviceBuffer, Event, Gpu, HostRegistrati
 use batchcast::proto::{DeviceArena, DeviceRequest};
 use batchcast::schema::RingLayout;
 
-use super::copier::{self, CopyEngine};
-use super::{Backend, CopySink, GpuError, Mirror, MirrorSpec, Piece};
+use super::copier::{self, Copy, CopyEngine};
+use super::{Backend, GpuError, Mirror, MirrorSpec, ReplayTarget, TargetMemory};
 
 /// Allocates the device arena of `slots` slots of `slot_bytes` on the
 /// GPU `req` names, exports it and starts its copier. `registration` is
@@ -86,6 +86,31 @@ pub(super) fn create(
     Ok(m)
 }
 
+/// A consumer's replay arena on the GPU of `copies`: device memory
+/// exported over CUDA IPC, its rings unmirrored (mapped once), for
+/// `schema`'s batch size and `slots` batches.
+pub(super) fn replay_target(
+    copies: &CopyStream,
+    label: &str,
+    schema: &batchcast::Schema,
+    slots: u32,
+) -> Result<ReplayTarget, String> {
+    let rings = RingLayout::unmirrored_for_schema(schema, slots).map_err(|e| e.to_string())?;
+    let buffer =
+        DeviceBuffer::alloc(copies.gpu(), rings.arena_bytes as usize).map_err(|e| e.to_string())?;
+    let handle = buffer.ipc_handle().map_err(|e| e.to_string())?.to_vec();
+    Ok(ReplayTarget {
+        arena: DeviceArena {
+            memory: batchcast::proto::DeviceMemory::CudaIpc,
+            handle,
+            slots,
+            rings,
+            gpu: label.into(),
+        },
+        memory: TargetMemory::Cuda(buffer),
+    })
+}
+
 /// Copies on one CUDA stream into one device arena.
 struct Engine {
     copies: Arc<CopyStream>,
@@ -102,31 +127,38 @@ fn driver(e: cuda::CudaError) -> GpuError {
 impl CopyEngine for Engine {
     type Done = (Event, Event);
 
-    fn queue(
-        &mut self,
-        sink: &Arc<dyn CopySink>,
-        pieces: &[Piece],
-    ) -> Result<(Event, Event), GpuError> {
+    fn queue(&mut self, copy: &Copy) -> Result<(Event, Event), GpuError> {
+        let dst = match copy.target.as_deref().map(|t| &t.memory) {
+            Some(TargetMemory::Cuda(b)) => b,
+            Some(TargetMemory::StandIn(_)) => {
+                return Err(GpuError::Driver(
+                    "a replay arena of the stand-in for a CUDA copy".into(),
+                ));
+            }
+            None => &*self.buffer,
+        };
         let start = self
             .copies
             .record_timed_reusing(self.spare.pop())
             .map_err(driver)?;
-        for p in pieces {
-            let src = sink.host_bytes(p).ok_or_else(|| {
+        for p in &copy.pieces {
+            let src = copy.src.bytes(p).ok_or_else(|| {
                 GpuError::Driver(format!(
                     "a batch's piece lies past the host arena ({} bytes at {})",
                     p.len, p.at
                 ))
             })?;
-            // SAFETY: `src` is inside the stream's host arena, which stays
-            // mapped while `sink` (the stream) is alive: the copier holds
-            // it until this copy's end event has completed (`wait`). The
-            // hub pins the batch's cells until this copy is reported
-            // (`copied`), and gives them back unreported only after
-            // `fence`, so its bytes do not change while they are read.
+            // SAFETY: `src` is inside the copy's source (the stream's host
+            // arena, or a consumer's replay arena), which stays mapped
+            // while `copy` is alive: the copier holds it until this copy's
+            // end event has completed (`wait`). The hub pins a unit's cells
+            // until its copy is reported (`copied`), and gives them back
+            // unreported only after `fence`; a replayed batch's cells are
+            // neither sent nor rewritten before its copy is reported; so
+            // the bytes do not change while they are read.
             unsafe {
                 self.copies
-                    .copy_to_device(&self.buffer, p.dst, src.as_ptr(), src.len())
+                    .copy_to_device(dst, p.dst, src.as_ptr(), src.len())
                     .map_err(driver)?
             };
         }

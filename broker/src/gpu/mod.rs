@@ -52,6 +52,8 @@ pub enum GpuError {
     /// The driver failed during copies (its error's text).
     #[error("{0}")]
     Driver(String),
+    #[error("cannot make a replay arena on {gpu}: {reason}")]
+    ReplayArena { gpu: String, reason: String },
     #[error("stream `{stream}`: copies to {gpu} failed: {reason}")]
     CopiesFailed {
         stream: String,
@@ -69,6 +71,73 @@ pub struct CopyRequest {
     pub seq: u64,
 }
 
+/// A replayed batch to copy: batch `seq` of consumer `consumer`'s replay,
+/// from its replay arena (`src`, the broker's mapping of its rings) to its
+/// own device arena (`target`), as `pieces` say.
+#[derive(Debug, Clone)]
+pub struct ReplayCopy {
+    pub consumer: u64,
+    pub seq: u64,
+    pub src: Arc<batchcast::shm::Mapping>,
+    pub pieces: Vec<Piece>,
+    pub target: Arc<ReplayTarget>,
+}
+
+/// What a copier is asked to copy.
+#[derive(Debug)]
+pub(crate) enum Request {
+    /// A unit of the stream, to the GPU's shared arena.
+    Unit(CopyRequest),
+    /// A replayed batch, to its consumer's device arena.
+    Replay(ReplayCopy),
+}
+
+/// Where a copy's host bytes are read.
+pub trait CopySource: Send + Sync {
+    /// A piece's host bytes as a checked slice (`None` past the end),
+    /// mapped while the source is alive.
+    fn bytes(&self, piece: &Piece) -> Option<&[u8]>;
+}
+
+impl CopySource for batchcast::shm::Mapping {
+    fn bytes(&self, p: &Piece) -> Option<&[u8]> {
+        self.get(p.at as u64, p.len as u64)
+    }
+}
+
+/// A consumer's own arena on its GPU for the batches replayed to it (its
+/// replay is its alone: copied once, for it), laid out as the backend's
+/// rings for its batch size; freed when the last holder lets it go.
+#[derive(Debug)]
+pub struct ReplayTarget {
+    arena: DeviceArena,
+    memory: TargetMemory,
+}
+
+#[derive(Debug)]
+enum TargetMemory {
+    /// The stand-in's: a sealed memfd the consumer maps.
+    StandIn(batchcast::shm::Arena),
+    #[cfg(feature = "cuda")]
+    Cuda(batchcast::cuda::DeviceBuffer),
+}
+
+impl ReplayTarget {
+    /// What the consumer opens.
+    pub fn arena(&self) -> DeviceArena {
+        self.arena.clone()
+    }
+
+    /// The fd the consumer maps (the stand-in's).
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.memory {
+            TargetMemory::StandIn(a) => Some(a.fd()),
+            #[cfg(feature = "cuda")]
+            TargetMemory::Cuda(_) => None,
+        }
+    }
+}
+
 /// A piece of a unit to copy: `len` host bytes at `at` bytes into the
 /// host arena to `dst` bytes into the device arena. Offsets only: the
 /// copier gets the bytes through [`CopySink::host_bytes`], checked.
@@ -79,17 +148,17 @@ pub struct Piece {
     pub dst: usize,
 }
 
-/// What the copier calls back into (the stream).
-pub trait CopySink: Send + Sync + 'static {
+/// What the copier calls back into (the stream); it is the source of
+/// units' bytes ([`CopySource`]: its host arena).
+pub trait CopySink: CopySource + 'static {
     /// Unit `seq`'s bytes: each field's cells in the host arena, to the
     /// cells of its stream position in the device arena laid out as
     /// `device` (a piece wherever either ring wraps).
     fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece>;
-    /// A piece's host bytes as a checked slice of the arena (`None` past
-    /// its end), mapped while the sink is alive.
-    fn host_bytes(&self, piece: &Piece) -> Option<&[u8]>;
     /// The copy of `req` to GPU `key` completed after `elapsed_ns`.
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64);
+    /// The copy of consumer `consumer`'s replayed batch `seq` completed.
+    fn replay_copied(&self, key: &GpuKey, consumer: u64, seq: u64, bytes: u64, elapsed_ns: u64);
     /// The GPU `key` failed; its consumers must be told.
     fn gpu_failed(&self, key: &GpuKey, why: GpuError);
 }
@@ -123,7 +192,7 @@ pub struct Mirror {
     /// Whether copies come from page-locked memory.
     pinned: bool,
     backend: Backend,
-    tx: Mutex<Option<mpsc::Sender<CopyRequest>>>,
+    tx: Mutex<Option<mpsc::Sender<Request>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The stand-in's device memory, whose fd its consumers are sent.
     stand_in: Option<Arc<batchcast::shm::Arena>>,
@@ -136,7 +205,7 @@ impl Mirror {
         arena: DeviceArena,
         pinned: bool,
         backend: Backend,
-        run: impl FnOnce(mpsc::Receiver<CopyRequest>) + Send + 'static,
+        run: impl FnOnce(mpsc::Receiver<Request>) + Send + 'static,
         thread_name: String,
     ) -> Result<Mirror, GpuError> {
         let (tx, rx) = mpsc::channel();
@@ -182,9 +251,38 @@ impl Mirror {
 
     /// Queues a copy; its completion is reported to the sink.
     pub fn request(&self, req: CopyRequest) {
+        self.send(Request::Unit(req));
+    }
+
+    /// Queues the copy of a replayed batch; its completion is reported to
+    /// the sink ([`CopySink::replay_copied`]).
+    pub fn request_replay(&self, copy: ReplayCopy) {
+        self.send(Request::Replay(copy));
+    }
+
+    fn send(&self, req: Request) {
         if let Some(tx) = &*self.tx.lock().unwrap_or_else(|p| p.into_inner()) {
             let _ = tx.send(req);
         }
+    }
+
+    /// A consumer's own arena on this GPU for its replayed batches: the
+    /// backend's rings for `schema` (its batch size) and `slots` batches.
+    pub fn replay_target(
+        &self,
+        schema: &Schema,
+        slots: u32,
+        name: &str,
+    ) -> Result<Arc<ReplayTarget>, GpuError> {
+        let made = match &self.backend {
+            Backend::StandIn(_) => stand_in::replay_target(&self.label, schema, slots, name),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => cuda::replay_target(c, &self.label, schema, slots),
+        };
+        made.map(Arc::new).map_err(|reason| GpuError::ReplayArena {
+            gpu: self.label.clone(),
+            reason,
+        })
     }
 
     /// Waits until every queued copy has finished reading host memory

@@ -19,8 +19,8 @@ use batchcast::proto::{DeviceArena, DeviceMemory, DeviceRequest};
 use batchcast::schema::RingLayout;
 use batchcast::shm::{Arena, Fault};
 
-use super::copier::{self, CopyEngine};
-use super::{Backend, CopySink, GpuError, Mirror, MirrorSpec, Piece};
+use super::copier::{self, Copy, CopyEngine};
+use super::{Backend, GpuError, Mirror, MirrorSpec, Piece, ReplayTarget, TargetMemory};
 
 /// What a consumer on stand-in GPU `ordinal` asks for.
 pub fn request(ordinal: u32) -> DeviceRequest {
@@ -97,12 +97,41 @@ pub(super) fn create(
     Ok(m)
 }
 
-/// A copy queued on the engine: copy number `n`, the host bytes `sink`
-/// gives for `pieces`, to their device bytes.
+/// A consumer's replay arena on stand-in GPU `label`: a sealed memfd of
+/// the host arena's rings for `schema` and `slots` batches.
+pub(super) fn replay_target(
+    label: &str,
+    schema: &batchcast::Schema,
+    slots: u32,
+    name: &str,
+) -> Result<ReplayTarget, String> {
+    let rings = RingLayout::for_schema(schema, slots).map_err(|e| e.to_string())?;
+    let memory = Arena::create(
+        &format!("{name}-replay-gpu"),
+        rings.arena_bytes,
+        Fault::Lazily,
+    )
+    .map_err(|e| e.to_string())?;
+    memory.seal_writes().map_err(|e| e.to_string())?;
+    Ok(ReplayTarget {
+        arena: DeviceArena {
+            memory: DeviceMemory::StandIn,
+            handle: Vec::new(),
+            slots,
+            rings,
+            gpu: label.into(),
+        },
+        memory: TargetMemory::StandIn(memory),
+    })
+}
+
+/// A copy queued on the engine: copy number `n`, its host bytes, pieces
+/// and destination (the shared arena, or a consumer's replay arena).
 struct Job {
     n: u64,
-    sink: Arc<dyn CopySink>,
+    src: Arc<dyn super::CopySource>,
     pieces: Vec<Piece>,
+    target: Option<Arc<ReplayTarget>>,
 }
 
 /// The copy engine's progress, shared by its thread, the copier (which
@@ -149,10 +178,16 @@ impl Engine {
                 return;
             }
             let t0 = Instant::now();
+            let dst = match job.target.as_deref().map(|t| &t.memory) {
+                Some(TargetMemory::StandIn(a)) => a,
+                #[allow(unreachable_patterns)] // without `cuda`, the only memory
+                Some(_) => unreachable!("a stand-in's replay target is host memory"),
+                None => memory,
+            };
             let copied = job
                 .pieces
                 .iter()
-                .try_for_each(|p| write(memory, p, job.sink.host_bytes(p)));
+                .try_for_each(|p| write(dst, p, job.src.bytes(p)));
             let n = job.n;
             // The stream is let go before the copy is seen to end, so this
             // thread never holds its last reference.
@@ -221,10 +256,13 @@ fn write(memory: &Arena, p: &Piece, src: Option<&[u8]>) -> Result<(), Piece> {
     if src.len() != p.len || at.checked_add(p.len).is_none_or(|end| end > map.len()) {
         return Err(*p);
     }
-    // SAFETY: in bounds (checked above). The device slot a copy writes is
-    // the hub's to fill: no consumer holds it until the copy is reported,
-    // and this engine makes one copy at a time, so nothing else reads or
-    // writes these bytes meanwhile (consumers map the memfd read-only).
+    // SAFETY: in bounds (checked above). The cells a copy writes are the
+    // stream's to fill: a unit's device slot is held by no consumer until
+    // the copy is reported (the hub), a replayed batch's cells are sent to
+    // no one until then and were released before its making began (the
+    // replay book); and this engine makes one copy at a time, so nothing
+    // else reads or writes these bytes meanwhile (consumers map the memfd
+    // read-only).
     unsafe { map.slice_mut(at as u64, p.len as u64) }.copy_from_slice(src);
     Ok(())
 }
@@ -238,7 +276,7 @@ struct Copies {
 impl CopyEngine for Copies {
     type Done = u64;
 
-    fn queue(&mut self, sink: &Arc<dyn CopySink>, pieces: &[Piece]) -> Result<u64, GpuError> {
+    fn queue(&mut self, copy: &Copy) -> Result<u64, GpuError> {
         let n = {
             let mut st = self.engine.lock();
             if let Some(why) = &st.failed {
@@ -249,8 +287,9 @@ impl CopyEngine for Copies {
         };
         let job = Job {
             n,
-            sink: sink.clone(),
-            pieces: pieces.to_vec(),
+            src: copy.src.clone(),
+            pieces: copy.pieces.clone(),
+            target: copy.target.clone(),
         };
         self.jobs
             .send(job)
@@ -269,7 +308,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::gpu::{CopyRequest, GpuKey};
+    use crate::gpu::{CopyRequest, CopySink, GpuKey};
 
     /// A stream of one field of 8 bytes a sample, units of one sample:
     /// unit `seq` is 8 bytes of `seq % 3 + 1` in a host ring of 3, in two
@@ -283,7 +322,14 @@ mod tests {
         queued_at_report: Mutex<Vec<u64>>,
     }
 
+    impl crate::gpu::CopySource for Sink {
+        fn bytes(&self, p: &Piece) -> Option<&[u8]> {
+            self.host.get(p.at..p.at + p.len)
+        }
+    }
+
     impl CopySink for Sink {
+        fn replay_copied(&self, _: &GpuKey, _: u64, _: u64, _: u64, _: u64) {}
         fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece> {
             let at = (seq % 3) as usize * 8;
             let r = &device.fields[0];
@@ -300,9 +346,6 @@ mod tests {
             } else {
                 vec![Piece { at, len: 8, dst }]
             }
-        }
-        fn host_bytes(&self, p: &Piece) -> Option<&[u8]> {
-            self.host.get(p.at..p.at + p.len)
         }
         fn copied(&self, _: &GpuKey, req: CopyRequest, bytes: u64, _: u64) {
             self.copied

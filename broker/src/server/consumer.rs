@@ -61,6 +61,7 @@ pub(super) async fn serve_consumer(
         .into_iter()
         .chain(sub.replay.as_ref().map(|(_, fd)| fd.as_fd()))
         .chain(sub.device.as_ref().and_then(|m| m.device_fd()))
+        .chain(sub.device_replay.as_ref().and_then(|t| t.fd()))
         .collect();
     if conn.send_with_arena(&bytes, &stream, &more).await.is_err() {
         return Ok(());

@@ -33,8 +33,13 @@ pub(super) struct Conn {
     /// Replay in progress, or kept for the next (decoupled pace).
     pub(super) replay: Option<Replay>,
     pub(super) merges: Merges,
-    /// Device consumers: their GPU.
+    /// Device consumers: their GPU, and their own arena there for the
+    /// batches replayed to them.
     pub(super) gpu: Option<GpuKey>,
+    pub(super) device_replay: Option<(
+        std::sync::Arc<crate::gpu::ReplayTarget>,
+        crate::budget::Grant,
+    )>,
     /// Why it is about to leave, once known (the stream ended for it, it
     /// was detached, it said goodbye); otherwise it disconnected.
     pub(super) ending: Option<Ending>,
@@ -197,6 +202,7 @@ impl Conn {
                 rotations: 0,
             },
             gpu: req.device.as_ref().map(|dev| dev.uuid),
+            device_replay: None,
             ending: None,
             seat: req.group.as_deref().cloned(),
         }

@@ -15,7 +15,7 @@ use super::conn::{Ending, Peer};
 use super::error::SubscribeError;
 use super::{Inner, Stream};
 use crate::budget::{Grant, Use};
-use crate::gpu::{CopyRequest, CopySink, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
+use crate::gpu::{CopyRequest, CopySink, CopySource, GpuError, GpuKey, Mirror, MirrorSpec, Piece};
 use crate::hub::{GroupId, Hub};
 
 /// One GPU's copies of this stream, as the stream tracks them.
@@ -27,6 +27,8 @@ struct MirrorState {
     copies: u64,
     bytes: u64,
     copy_ns: u64,
+    /// Replayed batches copied to consumers' own arenas.
+    replayed: u64,
     /// Why its copies stopped; its consumers were ended then.
     failed: Option<GpuError>,
     /// Its device arena's bytes in the broker's memory budget (`None` if
@@ -73,6 +75,7 @@ impl Mirrors {
                     copies: 0,
                     bytes: 0,
                     copy_ns: 0,
+                    replayed: 0,
                     failed: None,
                     _grant: grant,
                 },
@@ -80,6 +83,11 @@ impl Mirrors {
         }
         self.check(req)?;
         Ok(self.by_gpu[&req.uuid].group)
+    }
+
+    /// The mirror of a GPU this stream copies to.
+    pub(super) fn mirror(&self, key: &GpuKey) -> Option<Arc<Mirror>> {
+        self.by_gpu.get(key).map(|m| m.mirror.clone())
     }
 
     /// The label of a GPU this stream copies to.
@@ -103,6 +111,7 @@ impl Mirrors {
                     slots: n.slots,
                     slots_in_use: n.in_use,
                     waiting: n.waiting,
+                    replayed: m.replayed,
                 }
             })
             .collect();
@@ -227,13 +236,15 @@ pub(super) fn request_copies(inner: &mut Inner) {
     }
 }
 
+impl CopySource for Stream {
+    fn bytes(&self, piece: &Piece) -> Option<&[u8]> {
+        self.arena.mapping().get(piece.at as u64, piece.len as u64)
+    }
+}
+
 impl CopySink for Stream {
     fn host_pieces(&self, seq: u64, device: &RingLayout) -> Vec<Piece> {
         unit_pieces(&self.plan.rings, device, seq)
-    }
-
-    fn host_bytes(&self, piece: &Piece) -> Option<&[u8]> {
-        self.arena.mapping().get(piece.at as u64, piece.len as u64)
     }
 
     fn copied(&self, key: &GpuKey, req: CopyRequest, bytes: u64, elapsed_ns: u64) {
@@ -248,6 +259,25 @@ impl CopySink for Stream {
             if let Err(e) = inner.hub.copied(group, req.seq) {
                 tracing::error!(stream = %self.name(), gpu = %m.mirror.label(), "copy report: {e}");
             }
+        });
+    }
+
+    fn replay_copied(&self, key: &GpuKey, consumer: u64, seq: u64, bytes: u64, elapsed_ns: u64) {
+        self.with_hub(|inner| {
+            if let Some(m) = inner.mirrors.by_gpu.get_mut(key) {
+                m.replayed += 1;
+                m.bytes += bytes;
+                m.copy_ns += elapsed_ns;
+            }
+            let Some(r) = inner
+                .conns
+                .get_mut(&consumer)
+                .and_then(|c| c.replay.as_mut())
+            else {
+                return; // it left meanwhile
+            };
+            let ready = r.copied(seq);
+            super::replay::send_ready(inner, consumer, ready);
         });
     }
 

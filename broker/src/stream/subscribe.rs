@@ -16,7 +16,7 @@ use super::replay::{self, ReplayFrom, book};
 use super::shape::Shape;
 use super::{Inner, Stream, decouple, mirror, seats};
 use crate::config::Pace;
-use crate::gpu::Mirror;
+use crate::gpu::{Mirror, ReplayTarget};
 use crate::hub::{ConsumerId, Delivery};
 
 /// A mailbox granted to a consumer: the server sends its fd with the
@@ -41,6 +41,9 @@ pub struct Subscription {
     pub mailbox: Option<MailboxGrant>,
     /// Replay granted: what the welcome says, and its arena's fd.
     pub replay: Option<(ReplayGrant, OwnedFd)>,
+    /// A device consumer's own arena on its GPU for replayed batches (its
+    /// fd, the stand-in's, follows the device arena's).
+    pub device_replay: Option<Arc<ReplayTarget>>,
 }
 
 /// A subscriber's replay arena, where it may need one.
@@ -91,6 +94,12 @@ impl Stream {
         if let Some(m) = &mirror {
             super::shape::check_device(shape, &req, &m.arena())?;
         }
+        // Its replayed batches are copied to its own arena on its GPU.
+        let device_replay = match (&mirror, &arena.prepared) {
+            (Some(m), Some(_)) => Some(j.device_replay(m, shape)?),
+            _ => None,
+        };
+        let replay_target = device_replay.as_ref().map(|(t, _)| t.clone());
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
         let delivery = mailbox
@@ -117,15 +126,16 @@ impl Stream {
             j.seek_to_resume(inner, replaying);
             let (id, mut start_epoch) = inner.hub.join_group(shape.window(&req), join, group, delivery)?;
             inner.hub.may_be_cut(id, j.decoupled());
-            let started = replay::start(self, inner, id, (replaying, arena.kept), arena.prepared, cut)
+            let mut started = replay::start(self, inner, id, (replaying, arena.kept), arena.prepared, cut)
                 .inspect_err(|_| {
                     inner.hub.leave(id);
                 })?;
-            if let Some((g, _)) = &started.grant {
+            if let Some((g, _)) = &mut started.grant {
                 start_epoch = g.from.epoch;
+                g.device = replay_target.as_ref().map(|t| t.arena());
             }
             tracing::info!(stream = %self.name(), consumer = id, name = %peer.name, pid = peer.pid, start_epoch, device = mirror.as_ref().map(|m| m.label()), "consumer subscribed");
-            let conn = Conn::new(
+            let mut conn = Conn::new(
                 (id, tx),
                 peer.clone(),
                 (shape, &req),
@@ -133,6 +143,7 @@ impl Stream {
                 started.replay,
                 Start::of(started.skip, started.anchor),
             );
+            conn.device_replay = device_replay;
             inner.conns.insert(id, conn);
             if let Some(from) = started.cut {
                 decouple::tell_cut(inner, id, from);
@@ -145,6 +156,7 @@ impl Stream {
                 device: mirror,
                 mailbox: grant,
                 replay: started.grant,
+                device_replay: replay_target,
             })
         })
     }
@@ -266,6 +278,40 @@ impl Joining<'_> {
     fn bounded(&self) -> bool {
         let s = self.s;
         s.plan.hold_limit.is_some() && s.writer.is_some() && self.req.device.is_none()
+    }
+
+    /// A device consumer's own arena on its GPU for the batches replayed
+    /// to it: as many of its batches as its host replay arena holds, in
+    /// the budget under its uid.
+    fn device_replay(
+        &self,
+        mirror: &Mirror,
+        shape: Shape,
+    ) -> Result<(Arc<ReplayTarget>, crate::budget::Grant), SubscribeError> {
+        let (s, peer) = (self.s, self.peer);
+        let schema = batchcast::Schema {
+            batch_size: shape.batch_size,
+            ..s.plan.schema.clone()
+        };
+        let slots = book::slots(self.req.window);
+        let bytes = batchcast::schema::RingLayout::for_schema(&schema, slots)
+            .map_err(|e| SubscribeError::Replay(e.into()))?
+            .arena_bytes;
+        let grant = s.budget.take(
+            peer.uid,
+            crate::budget::Use::GpuArena,
+            bytes,
+            &format!(
+                "the replay arena on {} of consumer `{}` (pid {})",
+                mirror.label(),
+                peer.name,
+                peer.pid
+            ),
+        )?;
+        let target = mirror
+            .replay_target(&schema, slots, s.name())
+            .map_err(SubscribeError::Device)?;
+        Ok((target, grant))
     }
 
     /// A mailbox for a host consumer that asked for one, in the budget

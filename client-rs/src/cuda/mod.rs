@@ -405,6 +405,11 @@ impl CopyStream {
         })
     }
 
+    /// The GPU its copies go to.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Queues a copy of `len` host bytes at `src` to `dst + offset`.
     ///
     /// # Safety

@@ -86,26 +86,36 @@ struct Pending {
     fences: Vec<Fence>,
 }
 
+/// A device arena opened: its memory and its rings (where each unit's
+/// and run's samples are).
+#[derive(Debug)]
+struct Region {
+    memory: Memory,
+    rings: RingLayout,
+}
+
 #[derive(Debug)]
 pub(crate) struct DeviceSide {
     device: Device,
-    memory: Memory,
+    /// The stream's arena on the GPU, shared by its consumers there.
+    shared: Region,
     slots: u32,
-    /// The arena's rings: where each unit's and run's samples are.
-    rings: RingLayout,
+    /// This consumer's own arena there for its replayed batches.
+    replay: Option<Region>,
     /// Streams each held unit was handed to.
     streams: Mutex<HashMap<u64, Vec<u64>>>,
     pending: Mutex<Vec<Pending>>,
 }
 
 impl DeviceSide {
-    /// Opens the device arena a welcome names (`fd`: the stand-in's, the
-    /// welcome's last), or `None` for a host consumer.
+    /// Opens the device arenas a welcome names (the shared one, and the
+    /// consumer's own for replay if granted; `fds`: a stand-in's, the
+    /// welcome's last, in that order), or `None` for a host consumer.
     pub(crate) fn open(
         device: Device,
-        arena: Option<&DeviceArena>,
+        (arena, replay): (Option<&DeviceArena>, Option<&DeviceArena>),
         schema: &Schema,
-        fd: Option<OwnedFd>,
+        mut fds: impl Iterator<Item = OwnedFd>,
     ) -> Result<Option<DeviceSide>> {
         let (ordinal, arena) = match (device, arena) {
             (Device::Cpu, None) => return Ok(None),
@@ -121,38 +131,23 @@ impl DeviceSide {
             }
             (Device::Cuda(n), Some(a)) => (n, a),
         };
-        arena.rings.validate(schema)?;
-        if arena.slots != arena.rings.slots
-            || (arena.memory == DeviceMemory::CudaIpc
-                && arena.rings.fields.iter().any(|r| r.mirrored))
-        {
-            return Err(Error::Unexpected(format!(
-                "a device arena of {} slots laid out for {} ({:?} memory, {} rings mirrored)",
-                arena.slots,
-                arena.rings.slots,
-                arena.memory,
-                arena.rings.fields.iter().filter(|r| r.mirrored).count()
-            )));
-        }
-        let memory = match arena.memory {
-            DeviceMemory::StandIn => Memory::StandIn(open_stand_in(arena, fd)?),
-            #[cfg(feature = "cuda")]
-            DeviceMemory::CudaIpc => Memory::Cuda(cuda_memory::open(ordinal, arena)?),
-            #[cfg(not(feature = "cuda"))]
-            DeviceMemory::CudaIpc => {
-                let _ = ordinal;
-                return Err(Error::Device(
-                    "this build of batchcast has no CUDA support (feature `cuda`); use device=\"cpu\""
-                        .into(),
-                ));
-            }
-        };
-        tracing::info!(device = %device, gpu = %arena.gpu, "opened the stream's device arena");
+        let shared = Region::open(ordinal, arena, schema, &mut fds)?;
+        let replay = replay
+            .map(|a| {
+                // Its rings are of this consumer's batch size.
+                let schema = Schema {
+                    batch_size: a.rings.unit,
+                    ..schema.clone()
+                };
+                Region::open(ordinal, a, &schema, &mut fds)
+            })
+            .transpose()?;
+        tracing::info!(device = %device, gpu = %arena.gpu, replay = replay.is_some(), "opened the stream's device arena");
         Ok(Some(DeviceSide {
             device,
-            memory,
+            shared,
             slots: arena.slots,
-            rings: arena.rings.clone(),
+            replay,
             streams: Mutex::new(HashMap::new()),
             pending: Mutex::new(Vec::new()),
         }))
@@ -165,53 +160,45 @@ impl DeviceSide {
     /// Whether the "device" memory is the host-memory stand-in's (its
     /// addresses are host addresses).
     pub(crate) fn stand_in(&self) -> bool {
-        matches!(self.memory, Memory::StandIn(_))
-    }
-
-    /// The arena's first byte: a device address (a host one for the
-    /// stand-in).
-    fn base(&self) -> u64 {
-        match &self.memory {
-            #[cfg(feature = "cuda")]
-            Memory::Cuda(m) => m.ptr(),
-            Memory::StandIn(m) => m.as_ptr() as u64,
-        }
+        matches!(self.shared.memory, Memory::StandIn(_))
     }
 
     pub(crate) fn slots(&self) -> u32 {
         self.slots
     }
 
-    /// Where field `f` of `samples` samples from stream position
-    /// `position` lie in the arena's mapping: one contiguous span (the
-    /// units the broker copied there), as an offset and a length.
-    fn span(&self, f: usize, position: u64, samples: u64) -> Result<(u64, u64)> {
-        self.rings.span(f, position, samples).ok_or_else(|| {
-            Error::Unexpected(format!(
-                "{samples} samples at {position} are not one span of field {f}'s device ring"
-            ))
-        })
+    /// The arena a run lies in: the shared one, or for a replayed batch
+    /// the consumer's own.
+    fn region(&self, replayed: bool) -> Result<&Region> {
+        match (replayed, &self.replay) {
+            (false, _) => Ok(&self.shared),
+            (true, Some(r)) => Ok(r),
+            (true, None) => Err(Error::Unexpected(
+                "a replayed device batch with no replay arena on the GPU".into(),
+            )),
+        }
     }
 
-    /// The device address of field `f` of a run.
-    pub(crate) fn address(&self, f: usize, position: u64, samples: u64) -> Result<u64> {
-        Ok(self.base() + self.span(f, position, samples)?.0)
+    /// The device address of field `f` of a run (`samples` samples from
+    /// ring position `position`, replayed or shared).
+    pub(crate) fn address(
+        &self,
+        f: usize,
+        (position, samples): (u64, u64),
+        replayed: bool,
+    ) -> Result<u64> {
+        let r = self.region(replayed)?;
+        Ok(r.base() + r.span(f, position, samples)?.0)
     }
 
     /// Copies field `f` of a run to the host.
-    pub(crate) fn read(&self, f: usize, position: u64, samples: u64) -> Result<Vec<u8>> {
-        let (at, len) = self.span(f, position, samples)?;
-        match &self.memory {
-            #[cfg(feature = "cuda")]
-            Memory::Cuda(m) => {
-                let mut out = vec![0; len as usize];
-                m.read(at as usize, &mut out)?;
-                Ok(out)
-            }
-            Memory::StandIn(m) => m.get(at, len).map(<[u8]>::to_vec).ok_or_else(|| {
-                Error::Unexpected(format!("{len} bytes at {at} past the device arena's end"))
-            }),
-        }
+    pub(crate) fn read(
+        &self,
+        f: usize,
+        (position, samples): (u64, u64),
+        replayed: bool,
+    ) -> Result<Vec<u8>> {
+        self.region(replayed)?.read(f, position, samples)
     }
 
     pub(crate) fn fence_on(&self, seq: u64, stream: u64) {
@@ -230,7 +217,7 @@ impl DeviceSide {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&release.seq);
-        let fences = match &self.memory {
+        let fences = match &self.shared.memory {
             #[cfg(feature = "cuda")]
             Memory::Cuda(m) => cuda_memory::fences(m, streams)?,
             Memory::StandIn(_) => {
@@ -276,6 +263,81 @@ impl DeviceSide {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .is_empty()
+    }
+}
+
+impl Region {
+    /// Opens `arena` (laid out for `schema`), taking its fd from `fds` if
+    /// it is the stand-in's.
+    fn open(
+        ordinal: u32,
+        arena: &DeviceArena,
+        schema: &Schema,
+        fds: &mut impl Iterator<Item = OwnedFd>,
+    ) -> Result<Region> {
+        arena.rings.validate(schema)?;
+        let mirrored = arena.rings.fields.iter().filter(|r| r.mirrored).count();
+        if arena.slots != arena.rings.slots
+            || (arena.memory == DeviceMemory::CudaIpc && mirrored > 0)
+        {
+            return Err(Error::Unexpected(format!(
+                "a device arena of {} slots laid out for {} ({:?} memory, {mirrored} rings mirrored)",
+                arena.slots, arena.rings.slots, arena.memory,
+            )));
+        }
+        let memory = match arena.memory {
+            DeviceMemory::StandIn => Memory::StandIn(open_stand_in(arena, fds.next())?),
+            #[cfg(feature = "cuda")]
+            DeviceMemory::CudaIpc => Memory::Cuda(cuda_memory::open(ordinal, arena)?),
+            #[cfg(not(feature = "cuda"))]
+            DeviceMemory::CudaIpc => {
+                let _ = ordinal;
+                return Err(Error::Device(
+                    "this build of batchcast has no CUDA support (feature `cuda`); use device=\"cpu\""
+                        .into(),
+                ));
+            }
+        };
+        Ok(Region {
+            memory,
+            rings: arena.rings.clone(),
+        })
+    }
+
+    /// The arena's first byte: a device address (a host one for the
+    /// stand-in).
+    fn base(&self) -> u64 {
+        match &self.memory {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(m) => m.ptr(),
+            Memory::StandIn(m) => m.as_ptr() as u64,
+        }
+    }
+
+    /// Where field `f` of `samples` samples from ring position `position`
+    /// lie in the arena's mapping: one contiguous span (what the broker
+    /// copied there), as an offset and a length.
+    fn span(&self, f: usize, position: u64, samples: u64) -> Result<(u64, u64)> {
+        self.rings.span(f, position, samples).ok_or_else(|| {
+            Error::Unexpected(format!(
+                "{samples} samples at {position} are not one span of field {f}'s device ring"
+            ))
+        })
+    }
+
+    fn read(&self, f: usize, position: u64, samples: u64) -> Result<Vec<u8>> {
+        let (at, len) = self.span(f, position, samples)?;
+        match &self.memory {
+            #[cfg(feature = "cuda")]
+            Memory::Cuda(m) => {
+                let mut out = vec![0; len as usize];
+                m.read(at as usize, &mut out)?;
+                Ok(out)
+            }
+            Memory::StandIn(m) => m.get(at, len).map(<[u8]>::to_vec).ok_or_else(|| {
+                Error::Unexpected(format!("{len} bytes at {at} past the device arena's end"))
+            }),
+        }
     }
 }
 

@@ -197,6 +197,10 @@ pub struct GpuCopyStats {
     /// Batches whose copy waits for a free device slot (their host slots
     /// stay pinned meanwhile).
     pub waiting: u32,
+    /// Replayed batches copied to their consumers' own arenas on this GPU
+    /// (protocol 21): one per batch replayed to a device consumer, not in
+    /// `copies`.
+    pub replayed: u64,
 }
 
 /// What an image source has done so far.

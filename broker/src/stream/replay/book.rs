@@ -16,6 +16,7 @@ use batchcast::schema::{RingLayout, Schema};
 use batchcast::shm::{Arena, Fault, Mapping, RingView};
 
 use crate::budget::Grant;
+use crate::gpu::Piece;
 use crate::hub::ConsumerId;
 use crate::stream::error::ReplayError;
 
@@ -99,6 +100,7 @@ impl Prepared {
             rings: self.layout.clone(),
             from,
             to,
+            device: None,
         };
         let mut replay = Replay {
             rings: self.rings,
@@ -169,6 +171,9 @@ struct Entry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Making,
+    /// Made, and being copied to its consumer's GPU (a device consumer's:
+    /// sent once the copy is reported).
+    Copying,
     Made,
     Sent,
 }
@@ -309,9 +314,37 @@ impl Replay {
 
     /// Batch `seq` was made: what is now ready to send, in order.
     pub(in crate::stream) fn made(&mut self, seq: u64) -> Vec<ReplayReady> {
-        if let Some(e) = self.live.get_mut(&seq) {
-            e.state = State::Made;
+        self.set(seq, State::Making, State::Made);
+        self.ready()
+    }
+
+    /// Batch `seq` was made for a device consumer: its copy to the GPU
+    /// (`target`'s rings), piece by piece, before it is ready.
+    pub(in crate::stream) fn made_for_copy(
+        &mut self,
+        seq: u64,
+        target: &RingLayout,
+    ) -> Option<(Arc<Mapping>, Vec<Piece>)> {
+        let samples = self.live.get(&seq)?.samples;
+        self.set(seq, State::Making, State::Copying);
+        let pieces = copy_pieces(&self.layout, target, seq * self.batch, samples);
+        Some((self.rings.clone(), pieces))
+    }
+
+    /// Batch `seq`'s copy to its consumer's GPU was reported: what is now
+    /// ready to send, in order.
+    pub(in crate::stream) fn copied(&mut self, seq: u64) -> Vec<ReplayReady> {
+        self.set(seq, State::Copying, State::Made);
+        self.ready()
+    }
+
+    fn set(&mut self, seq: u64, from: State, to: State) {
+        if let Some(e) = self.live.get_mut(&seq).filter(|e| e.state == from) {
+            e.state = to;
         }
+    }
+
+    fn ready(&mut self) -> Vec<ReplayReady> {
         let mut ready = Vec::new();
         while let Some(e) = self
             .live
@@ -343,4 +376,30 @@ impl Replay {
         }
         Ok(self.done() && self.life == ArenaLife::UntilDone)
     }
+}
+
+/// A replayed batch's bytes, `samples` from ring position `position`:
+/// from the broker's mapping of the replay arena laid out as `host` (each
+/// field one span: mirrored, or whole batches in the ring) to the cells of
+/// the same position in a device arena laid out as `device`, a piece
+/// wherever its ring wraps.
+fn copy_pieces(host: &RingLayout, device: &RingLayout, position: u64, samples: u64) -> Vec<Piece> {
+    let mut pieces = Vec::with_capacity(2 * host.fields.len());
+    for (f, d) in device.fields.iter().enumerate() {
+        let (at, _) = host
+            .span(f, position, samples)
+            .expect("a replayed batch lies in one span of its ring");
+        let bps = d.bytes_per_sample;
+        let (mut from, mut cell, mut left) = (at, position % d.cells, samples);
+        while left > 0 {
+            let n = left.min(d.cells - cell);
+            pieces.push(Piece {
+                at: from as usize,
+                len: (n * bps) as usize,
+                dst: (d.offset + cell * bps) as usize,
+            });
+            (from, cell, left) = (from + n * bps, (cell + n) % d.cells, left - n);
+        }
+    }
+    pieces
 }

@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use batchcast::JoinPolicy;
 use batchcast::deal::Deal;
-use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ServerMsg};
+use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ReplayReady, ServerMsg};
 use batchcast::rotation::Rotation;
 use batchcast::schema::Schema;
 
@@ -54,6 +54,7 @@ use super::error::{MakeError, ReplayError, SubscribeError};
 use super::{Inner, Stream};
 use crate::budget::Use;
 use crate::config::Pace;
+use crate::gpu::ReplayCopy;
 use crate::hub::ConsumerId;
 use crate::plan::StreamPlan;
 use book::{ArenaLife, Prepared, Replay, ReplayJob};
@@ -111,11 +112,6 @@ pub(super) fn wanted(
         return refuse(format!(
             "{what} needs replay, and stream `{}` is fed by an external producer: its batches cannot be recomputed; join \"next-epoch\" or \"immediate\" instead",
             s.name()
-        ));
-    }
-    if req.device.is_some() {
-        return refuse(format!(
-            "{what} needs replay, which serves host memory only for now; use device=\"cpu\", or join \"next-epoch\""
         ));
     }
     if let Some(p) = req.resume {
@@ -465,7 +461,33 @@ pub(super) fn finish(
     let Some(r) = conn.replay.as_mut() else {
         return;
     };
-    for m in r.made(seq) {
+    // A device consumer's batch is copied to its GPU first (sent once the
+    // copy is reported: `replay_copied`).
+    if let (Some((target, _)), Some(key)) = (&conn.device_replay, conn.gpu) {
+        let target = target.clone();
+        let mirror = inner.mirrors.mirror(&key);
+        match (r.made_for_copy(seq, &target.arena().rings), mirror) {
+            (Some((src, pieces)), Some(m)) => m.request_replay(ReplayCopy {
+                consumer: id,
+                seq,
+                src,
+                pieces,
+                target,
+            }),
+            _ => tracing::warn!(consumer = id, seq, "a replayed batch with no copy to make"),
+        }
+        return;
+    }
+    let ready = r.made(seq);
+    send_ready(inner, id, ready);
+}
+
+/// Sends consumer `id` the replayed batches that are ready, in order.
+pub(super) fn send_ready(inner: &mut Inner, id: ConsumerId, ready: Vec<ReplayReady>) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    for m in ready {
         tracing::debug!(
             consumer = id,
             seq = m.seq,
