@@ -20,7 +20,7 @@ const EPOCHS: u64 = 4;
 /// decoupled with a ring of 12 units (a consumer of batches of 64 with a
 /// window of 2 may hold 9); the stream starts once `consumers` have
 /// subscribed.
-fn config(consumers: usize) -> String {
+pub(crate) fn config(consumers: usize) -> String {
     common::small_images(40, PER_EPOCH)
         .epochs(EPOCHS)
         .key("min_consumers", consumers)
@@ -42,18 +42,33 @@ fn assert_whole(r: &ConsumerReport, batch: u64, drop_last: bool) {
 #[test]
 fn a_trainer_that_stalls_is_replayed_to_while_the_others_go_on_unheld() {
     let env = Env::start(&config(4));
+    stalling_trainer_is_replayed_to_while_the_others_go_on(&env, [&[], &[]]);
+}
+
+/// `odd` (batches of 7) and `stalls` have `device`'s arguments; the device
+/// twin is in `device.rs`.
+pub(crate) fn stalling_trainer_is_replayed_to_while_the_others_go_on(
+    env: &Env,
+    device: [&[&str]; 2],
+) {
     let fast = env.consumer(&["--verify", "--name", "fast"]);
-    let odd = env.consumer(&[
-        "--verify",
-        "--sleep-ms",
-        "1",
-        "--batch-size",
-        "7",
-        "--window",
-        "3",
-        "--name",
-        "odd",
-    ]);
+    let odd = env.consumer(
+        &[
+            &[
+                "--verify",
+                "--sleep-ms",
+                "1",
+                "--batch-size",
+                "7",
+                "--window",
+                "3",
+                "--name",
+                "odd",
+            ][..],
+            device[0],
+        ]
+        .concat(),
+    );
     let big = env.consumer(&[
         "--verify",
         "--sleep-ms",
@@ -66,15 +81,21 @@ fn a_trainer_that_stalls_is_replayed_to_while_the_others_go_on_unheld() {
     ]);
     // Stalls 5 s between two batches (it holds none meanwhile): far longer
     // than the others take to read the whole run, on any machine.
-    let stalls = env.consumer(&[
-        "--verify",
-        "--stall-after",
-        "15",
-        "--stall-ms",
-        "5000",
-        "--name",
-        "stalls",
-    ]);
+    let stalls = env.consumer(
+        &[
+            &[
+                "--verify",
+                "--stall-after",
+                "15",
+                "--stall-ms",
+                "5000",
+                "--name",
+                "stalls",
+            ][..],
+            device[1],
+        ]
+        .concat(),
+    );
     let fast = report(fast);
     let odd = report(odd);
     let big = report(big);

@@ -214,3 +214,41 @@ fn a_device_trainer_resumes_at_a_checkpoint_position_behind_or_ahead_of_the_stre
     let env = Env::start_stand_in(&crate::replay::config(""), "1");
     crate::replay::resumes_at_a_checkpoint_position_behind_or_ahead(&env, &["--device", "cuda:0"]);
 }
+
+/// Device twin of `restart::consumers_ride_through_broker_restarts_...`:
+/// device consumers (one of the stream's batch size, one of 16, on two
+/// GPUs) ride through a SIGKILL, a SIGTERM and a SIGKILL of the broker
+/// with the bytes of an uninterrupted run: each new broker serves each
+/// from its place, replayed to its GPU.
+#[test]
+fn device_consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run() {
+    let mut env = Env::start_stand_in(&crate::restart::config(), "1");
+    crate::restart::ride_through_broker_restarts(
+        &mut env,
+        [&["--device", "cuda:0"], &["--device", "cuda:1"]],
+    );
+}
+
+/// Device twin of `pause::a_stopped_trainer_on_a_default_stream_is_cut_...`:
+/// a device consumer stopped for 6 s on a lockstep stream holds the others
+/// only for the hold limit: it is cut to replay (to its own arena on its
+/// GPU) and, continued, reads every sample once, then merges back.
+#[test]
+fn a_stopped_device_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
+    let env = Env::start_stand_in(&crate::pause::lockstep(), "1");
+    crate::pause::stopped_trainer_is_cut_and_reads_every_sample_once(&env, &["--device", "cuda:0"]);
+    assert!(env.stats().streams[0].gpus[0].replayed > 0);
+}
+
+/// Device twin of `decoupled::a_trainer_that_stalls_is_replayed_to_...`:
+/// on a decoupled stream, device consumers (one of batches of 7) read
+/// every sample once while a stalling one is cut, replayed to its GPU and
+/// merged back, the others never held.
+#[test]
+fn on_a_decoupled_stream_a_stalling_device_trainer_is_replayed_to_and_holds_no_one() {
+    let env = Env::start_stand_in(&crate::decoupled::config(4), "1");
+    crate::decoupled::stalling_trainer_is_replayed_to_while_the_others_go_on(
+        &env,
+        [&["--device", "cuda:0"], &["--device", "cuda:0"]],
+    );
+}

@@ -25,7 +25,7 @@ const STOPPED: Duration = Duration::from_secs(6);
 /// 400 samples an epoch in units of 40, `EPOCHS` epochs, a ring of 12,
 /// the default pace (lockstep) with a hold limit of 1 s; the stream starts
 /// once two consumers have subscribed.
-fn lockstep() -> String {
+pub(crate) fn lockstep() -> String {
     common::small_images(40, PER_EPOCH)
         .epochs(EPOCHS)
         .key("min_consumers", 2)
@@ -74,8 +74,20 @@ fn steady(env: &Env) -> std::process::Child {
 #[test]
 fn a_stopped_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
     let env = Env::start(&lockstep());
-    let steady = steady(&env);
-    let stopped = env.consumer(&["--verify", "--stop-after", "5", "--name", "stopped"]);
+    stopped_trainer_is_cut_and_reads_every_sample_once(&env, &[]);
+}
+
+/// The stopped trainer has `device`'s arguments; its device twin is in
+/// `device.rs`.
+pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, device: &[&str]) {
+    let steady = steady(env);
+    let stopped = env.consumer(
+        &[
+            &["--verify", "--stop-after", "5", "--name", "stopped"][..],
+            device,
+        ]
+        .concat(),
+    );
     let (steady, stopped, finished) = steady_then_continue(steady, stopped);
     assert_whole(&steady);
     // Alone it takes 0.4 s; held, the stop's 6 s: the bound is the hold

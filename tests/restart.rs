@@ -12,7 +12,7 @@ use common::{Env, digests, report};
 
 /// 400 samples an epoch in batches of 10, 4 epochs, shuffled, every
 /// sample's bytes its own; two consumers start it.
-fn config() -> String {
+pub(crate) fn config() -> String {
     config_starting_with(2)
 }
 
@@ -45,14 +45,22 @@ fn reference() -> Vec<(u64, Option<String>)> {
 
 #[test]
 fn consumers_ride_through_broker_restarts_with_the_bytes_of_an_uninterrupted_run() {
-    let reference = reference();
     let mut env = Env::start(&config());
+    ride_through_broker_restarts(&mut env, [&[], &[]]);
+}
+
+/// Two consumers (with `device`'s arguments, one each) ride through a
+/// SIGKILL, a SIGTERM and a SIGKILL of the broker; its device twin is in
+/// `device.rs`.
+pub(crate) fn ride_through_broker_restarts(env: &mut Env, device: [&[&str]; 2]) {
+    let reference = reference();
     let ride = ["--digest", "--reconnect-timeout", "30", "--sleep-ms", "3"];
-    let a = env.consumer(&[&ride[..], &["--name", "a"]].concat());
+    let a = env.consumer(&[&ride[..], &["--name", "a"], device[0]].concat());
     let b = env.consumer(
         &[
             &ride[..],
             &["--name", "b", "--batch-size", "16", "--no-mailbox"],
+            device[1],
         ]
         .concat(),
     );

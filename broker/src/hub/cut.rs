@@ -1,4 +1,4 @@
-//! Decoupled pace: cutting a host consumer from the shared stream (it fell
+//! Decoupled pace: cutting a consumer from the shared stream (it fell
 //! a ring behind and goes on from replay) and re-joining it where the
 //! shared stream still holds its samples. What it took stays held; what it
 //! never took, or was queued for it, is given back; nothing is published to
@@ -10,7 +10,10 @@ use super::{ConsumerId, GroupId, Hub, HubError, Outbound, Slot};
 
 impl Hub {
     /// Consumer `id` owes every published batch from `seq` to the head
-    /// (all still published: the caller checked): referenced and queued.
+    /// (all still published, and for a group member its GPU's copies of
+    /// them still there or yet to be placed in order: the caller checked,
+    /// [`Hub::group_may_owe`]): referenced and queued. A group member owes
+    /// its GPU's copy, made now where there is none.
     pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
         let head = self.head();
         let Some(c) = self.consumers.get_mut(&id) else {
@@ -23,11 +26,45 @@ impl Hub {
                 continue;
             }
             c.queue.push_back(s);
+            if let Some(g) = c.group {
+                let grp = &mut self.groups[g as usize];
+                if let Some(r) = grp.replicas.get_mut(&s) {
+                    r.refs += 1;
+                    continue;
+                }
+                grp.replicas.insert(
+                    s,
+                    super::Replica {
+                        batch: b,
+                        slot: None,
+                        done: false,
+                        refs: 1,
+                    },
+                );
+                let at = grp.waiting.partition_point(|&w| w < s);
+                grp.waiting.insert(at, s);
+            }
             match &mut self.slots[b.slot as usize] {
                 Slot::Published { refs, .. } => *refs += 1,
                 other => unreachable!("published batch {s} in slot {} in state {other:?}", b.slot),
             }
         }
+    }
+
+    /// Whether a member of group `g` may owe every batch from `seq` to
+    /// `head` again: each has its copy there still (placed or waiting), or
+    /// comes after every copy placed, so that a copy made for it now is
+    /// placed in sequence order.
+    pub(super) fn group_may_owe(&self, g: GroupId, seq: u64, head: u64) -> bool {
+        let grp = &self.groups[g as usize];
+        let placed = grp
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.slot.is_some())
+            .map(|(&s, _)| s)
+            .max();
+        !grp.failed
+            && (seq..head).all(|s| grp.replicas.contains_key(&s) || placed.is_none_or(|p| s > p))
     }
 
     /// The oldest batch from which every batch up to the head is still
@@ -66,7 +103,7 @@ impl Hub {
         true
     }
 
-    /// Cuts a host consumer from the shared stream (decoupled pace: it fell
+    /// Cuts a consumer from the shared stream (decoupled pace: it fell
     /// too far behind, and goes on from replay): what was queued for it,
     /// and the batches in `revoke` that it was sent and never took, are
     /// given back; nothing more is published to it until it
@@ -82,9 +119,7 @@ impl Hub {
             .consumers
             .get(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
-        let not = if c.group.is_some() {
-            Some("it takes a GPU's copies")
-        } else if c.closing {
+        let not = if c.closing {
             Some("it said goodbye")
         } else if c.ended {
             Some("it was told the stream ended")
@@ -105,8 +140,14 @@ impl Hub {
             .chain(c.queue.front().copied())
             .min()
             .unwrap_or(head.max(c.floor));
+        // A GPU member's batch may be gone from the host ring, copied.
+        let copied = |g: GroupId| {
+            let r = self.groups[g as usize].replicas.get(&lost)?;
+            Some((r.batch.epoch, r.batch.index))
+        };
         let at = self
             .position(lost)
+            .or_else(|| c.group.and_then(copied))
             .unwrap_or((self.next_epoch, self.next_index));
         let first = if at.0 < c.start_epoch {
             (c.start_epoch, 0)
@@ -117,9 +158,10 @@ impl Hub {
         c.cut = true;
         c.through = None;
         c.held.retain(|s| !revoke.contains(s));
+        let group = c.group;
         let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
         for seq in dropped {
-            self.unpin(seq);
+            self.unref(group, seq);
         }
         self.pump();
         Ok(first)
@@ -179,7 +221,8 @@ impl Hub {
         // epoch abandoned while nobody read it, see `join_group`).
         let epoch = self.position(seq).map(|(epoch, _)| epoch);
         let whole = epoch.is_some_and(|epoch| epoch >= self.live_epoch);
-        if seq > head || !live || !whole || c.held.iter().any(|&h| h >= seq) {
+        let copies = c.group.is_none_or(|g| self.group_may_owe(g, seq, head));
+        if seq > head || !live || !whole || !copies || c.held.iter().any(|&h| h >= seq) {
             return Err(HubError::NotLive { seq });
         }
         let c = self.consumers.get_mut(&id).expect("looked up above");

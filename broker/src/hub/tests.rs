@@ -1271,7 +1271,7 @@ impl Model {
         let cuttable: Vec<ConsumerId> = self
             .seen
             .iter()
-            .filter(|(_, s)| !s.gone && !s.closing && !s.ended && !s.cut && s.group.is_none())
+            .filter(|(_, s)| !s.gone && !s.closing && !s.ended && !s.cut)
             .map(|(&id, _)| id)
             .collect();
         if cuttable.is_empty() {
@@ -1310,7 +1310,21 @@ impl Model {
                 .hub
                 .position(seq)
                 .is_some_and(|(e, _)| e >= self.hub.live_epoch)
-            && s.held.iter().all(|&(h, _)| h < seq);
+            && s.held.iter().all(|&(h, _)| h < seq)
+            // A GPU member: its GPU's copies from there are still there, or
+            // come after every copy placed (made now, in order).
+            && s.group.is_none_or(|g| {
+                let grp = &self.hub.groups[g as usize];
+                let placed = grp
+                    .replicas
+                    .iter()
+                    .filter(|(_, r)| r.slot.is_some())
+                    .map(|(&q, _)| q)
+                    .max();
+                !grp.failed
+                    && (seq..head)
+                        .all(|q| grp.replicas.contains_key(&q) || placed.is_none_or(|p| q > p))
+            });
         match self.hub.rejoin(id, seq) {
             Ok(()) => {
                 assert!(live, "rejoined at {seq}, which is not live");
@@ -1469,4 +1483,52 @@ fn a_consumer_cut_as_it_joins_owes_and_holds_nothing_and_is_sent_nothing() {
     }
     assert!(h.start_batch().is_some(), "nobody else owes the ring");
     h.check_invariants();
+}
+
+/// A GPU member is cut as a host consumer is (its window full, units
+/// waiting for it): what it was never sent is given back to its GPU's
+/// ring, and its replay begins at the first of those, whose host slot was
+/// given back once copied (the position comes from its GPU's copy). It
+/// rejoins only where its GPU's copies are still there or yet to be
+/// placed in order.
+#[test]
+fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
+    let mut h = hub(4, 10, None, None);
+    let g = h.add_group(2);
+    let (m, _) = h
+        .join_group(1, JoinPolicy::NextEpoch, Some(g), Delivery::Window)
+        .unwrap();
+    let (host, _) = h.join(1, JoinPolicy::NextEpoch).unwrap();
+    let mut seqs = Vec::new();
+    for _ in 0..2 {
+        let w = produce(&mut h).unwrap();
+        seqs.push(w.seq);
+        h.release(host, w.seq).ok();
+        for c in h.take_copies() {
+            h.copied(g, c.seq).unwrap();
+        }
+        h.take_outbound();
+    }
+    // The member holds batch 0 (its window of 1); batch 1 is copied and
+    // queued for it, its host slot given back.
+    assert!(h.holds(m, seqs[0]) && !h.holds(m, seqs[1]));
+    assert_eq!(h.position(seqs[1]), None, "gone from the host ring");
+    h.check_invariants();
+    assert_eq!(h.cut(m, &[]), Ok((0, 1)), "its replay begins at batch 1");
+    h.check_invariants();
+    assert_eq!(h.group_counts(g).unwrap().in_use, 1, "batch 1's copy freed");
+    h.release(m, seqs[0]).unwrap();
+    // Batch 1 left both rings: it cannot rejoin there.
+    assert_eq!(
+        h.rejoin(m, seqs[1]),
+        Err(HubError::NotLive { seq: seqs[1] })
+    );
+    let w = produce(&mut h).unwrap();
+    h.rejoin(m, w.seq).unwrap();
+    h.check_invariants();
+    assert_eq!(
+        h.take_copies().len(),
+        1,
+        "its GPU's copy made again, in order"
+    );
 }

@@ -78,8 +78,8 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
             .is_some_and(|mb| mb.unread_units().contains(&seq))
 }
 
-/// Whether consumer `id` may be cut: it keeps a replay arena for cuts, in
-/// host memory, reading the shared stream (its last replay's batches all
+/// Whether consumer `id` may be cut: it keeps a replay arena for cuts
+/// (a device consumer: and one on its GPU), reading the shared stream (its last replay's batches all
 /// sent: a cut's notice must follow them), behind (units wait for it,
 /// noticed or queued), and it did not take `stalled`, the unit it keeps
 /// from reuse when it has not moved for the hold limit (lockstep: a cut
@@ -89,7 +89,6 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         return false;
     };
     !stalled.is_some_and(|seq| took(hub, id, c, seq))
-        && c.gpu.is_none()
         && c.ending.is_none()
         && c.replay.as_ref().is_some_and(|r| {
             r.life == ArenaLife::WhileConnected && !r.running() && !r.open() && r.settled()
@@ -213,9 +212,6 @@ fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, held: Duration) 
     let what = match (s.writer.is_some(), inner.conns.get(&id)) {
         (false, _) => {
             "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
-        }
-        (true, Some(c)) if c.gpu.is_some() => {
-            "a GPU consumer cannot be cut to replay or resume from a state yet; subscribe again (it starts at the stream's next batch), or read host memory (device=\"cpu\"), which is cut and replayed instead"
         }
         _ => {
             "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"

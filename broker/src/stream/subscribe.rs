@@ -261,23 +261,23 @@ impl Joining<'_> {
         asks && self.s.writer.is_some()
     }
 
-    /// Decoupled pace: a host consumer (mailbox or socket, a group member
-    /// too: replayed its own runs) of a stream the broker computes may be
-    /// cut from the shared stream and replayed to; GPU consumers keep
-    /// lockstep.
+    /// Decoupled pace: a consumer (mailbox or socket, a group member too:
+    /// replayed its own runs; on a GPU: replayed to its own arena there)
+    /// of a stream the broker computes may be cut from the shared stream
+    /// and replayed to.
     fn decoupled(&self) -> bool {
         let s = self.s;
-        s.plan.pace == Pace::Decoupled && s.writer.is_some() && self.req.device.is_none()
+        s.plan.pace == Pace::Decoupled && s.writer.is_some()
     }
 
-    /// Lockstep with a hold limit (the default): a host consumer of a
-    /// stream the broker computes that keeps the others waiting past the
-    /// limit is cut to replay ([`super::decouple`]), so it keeps a replay
-    /// arena as a decoupled one does. Others (a producer's stream, a GPU
-    /// consumer) are detached at the limit.
+    /// Lockstep with a hold limit (the default): a consumer of a stream
+    /// the broker computes that keeps the others waiting past the limit is
+    /// cut to replay ([`super::decouple`]), so it keeps a replay arena as a
+    /// decoupled one does. On a producer's stream it is detached at the
+    /// limit.
     fn bounded(&self) -> bool {
         let s = self.s;
-        s.plan.hold_limit.is_some() && s.writer.is_some() && self.req.device.is_none()
+        s.plan.hold_limit.is_some() && s.writer.is_some()
     }
 
     /// A device consumer's own arena on its GPU for the batches replayed

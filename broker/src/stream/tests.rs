@@ -551,11 +551,11 @@ fn only_the_owners_resume_moves_a_stream_nobody_has_read() {
 /// A GPU consumer (on the host-memory stand-in) that stops releasing
 /// holds the host consumers of a lockstep stream only for the hold limit:
 /// its GPU's ring fills, the copy of the ring's next unit waits for a
-/// device slot, and it is detached (`HoldLimit`, told that a GPU consumer
-/// cannot be cut yet) while the host consumer reads every batch. Before,
-/// it held everyone until it released.
+/// device slot, and it is cut to replay as a host consumer is (it owes
+/// units it was never sent), while the host consumer reads every batch.
+/// (Before, it was detached: a GPU consumer could not be cut.)
 #[test]
-fn a_gpu_consumer_that_stops_releasing_is_detached_at_the_hold_limit() {
+fn a_gpu_consumer_that_stops_releasing_is_cut_at_the_hold_limit() {
     let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
     let text = StreamToml::synthetic("t", 3, 300, &fields)
         .epochs(2)
@@ -570,29 +570,25 @@ fn a_gpu_consumer_that_stops_releasing_is_detached_at_the_hold_limit() {
     let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
     let mut host = subscribe(&s, "host", false);
     let mut gpu = subscribe(&s, "gpu", true);
+    assert!(gpu.replay.is_some(), "it keeps a replay arena for a cut");
+    assert!(gpu.device_replay.is_some(), "and one on its GPU");
     let n = read_to_end(&s, &mut host);
     assert_eq!(n, 200, "the host consumer read every batch");
-    // It was sent what its GPU's ring held, then told why it was detached.
+    // It was sent what its GPU's ring held, then told it was cut.
     let mut sent = 0;
-    let e = loop {
+    let at = loop {
         match next(&mut gpu) {
             ServerMsg::Batch(_) => sent += 1,
-            ServerMsg::Error(e) => break e,
+            ServerMsg::Cut(at) => break at,
             m => panic!("{m:?}"),
         }
     };
-    assert_eq!(e.code, ErrorCode::HoldLimit, "{}", e.message);
-    assert!(
-        e.message.contains("a GPU consumer cannot be cut")
-            && e.message.contains("hold_limit_s of 0.5"),
-        "{}",
-        e.message
-    );
     assert!(
         (1..=2).contains(&sent),
         "{sent} batches: its ring has 2 slots"
     );
-    assert_eq!(s.stats().detached, 1);
+    assert_eq!(at.sample, 3 * sent, "its replay begins where it stopped");
+    assert_eq!(s.stats().detached, 0);
     s.leave(gpu.id);
     s.leave(host.id);
     s.shutdown();

@@ -28,14 +28,13 @@ impl Consumer {
     /// was left to read.
     pub(super) fn ride_through<T>(&mut self, result: Result<T>) -> Result<Option<T>> {
         match result {
-            // Not on a GPU: a device consumer is not served by replay. A
-            // stream a producer feeds resumes once its producer registered
-            // it again (see [`crate::Producer`]).
+            // A device consumer too: its place is served by replay to its
+            // GPU. A stream a producer feeds resumes once its producer
+            // registered it again (see [`crate::Producer`]).
             Err(e)
                 if e.broker_went_away()
                     && !self.link.finished
-                    && !self.opts.reconnect_timeout.is_zero()
-                    && self.opts.device == crate::device::Device::Cpu =>
+                    && !self.opts.reconnect_timeout.is_zero() =>
             {
                 // A send that found the connection closed: the broker may
                 // have left its reason there first (it detached this
