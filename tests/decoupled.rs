@@ -436,7 +436,7 @@ fn a_resume_on_a_finished_decoupled_stream_is_served_from_replay() {
 
 /// 2,000 samples an epoch in units of 40 (50 units, the ring 12),
 /// decoupled: an epoch far longer than the ring, as a real dataset's is.
-fn long_epochs(epochs: u64) -> String {
+pub(crate) fn long_epochs(epochs: u64) -> String {
     common::small_images(40, 2000)
         .epochs(epochs)
         .key("drop_last", false)
@@ -451,8 +451,13 @@ fn long_epochs(epochs: u64) -> String {
 /// the epoch's end: every sample once an epoch, replayed only that part.
 #[test]
 fn a_joiner_as_fast_as_the_others_reads_each_epoch_rotated_and_replays_only_its_start() {
+    let env = Env::start(&long_epochs(3));
+    joiner_reads_each_epoch_rotated(&env, &[]);
+}
+
+/// The joiner has `device`'s arguments; the device twin is in `device.rs`.
+pub(crate) fn joiner_reads_each_epoch_rotated(env: &Env, device: &[&str]) {
     const EPOCHS: u64 = 3;
-    let env = Env::start(&long_epochs(EPOCHS));
     let pace = ["--verify", "--sleep-ms", "10"];
     let steady = env.consumer(&[&pace[..], &["--name", "steady"]].concat());
     // Far enough in that the ring, 12 units ahead of the steady reader at
@@ -463,7 +468,7 @@ fn a_joiner_as_fast_as_the_others_reads_each_epoch_rotated_and_replays_only_its_
             .iter()
             .any(|c| c.name == "steady" && c.taken.batches >= 10)
     });
-    let late = env.consumer(&[&pace[..], &["--join", "now", "--name", "late"]].concat());
+    let late = env.consumer(&[&pace[..], &["--join", "now", "--name", "late"], device].concat());
     let steady = report(steady);
     let late = report(late);
     common::assert_every_epoch_whole(&steady, EPOCHS, 2000);

@@ -252,3 +252,14 @@ fn on_a_decoupled_stream_a_stalling_device_trainer_is_replayed_to_and_holds_no_o
         [&["--device", "cuda:0"], &["--device", "cuda:0"]],
     );
 }
+
+/// Device twin of `decoupled::a_joiner_as_fast_as_the_others_reads_each_
+/// epoch_rotated_...`: a device consumer joining now on a stream whose
+/// epochs are far longer than the ring reads each epoch from where the
+/// shared stream is and its start after its end (rotated), replayed only
+/// that part.
+#[test]
+fn a_device_joiner_reads_each_epoch_rotated_and_replays_only_its_start() {
+    let env = Env::start_stand_in(&crate::decoupled::long_epochs(3), "1");
+    crate::decoupled::joiner_reads_each_epoch_rotated(&env, &["--device", "cuda:0"]);
+}

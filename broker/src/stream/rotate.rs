@@ -59,7 +59,7 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
     let Some(conn) = inner.conns.get(&id) else {
         return false;
     };
-    if !s.plan.rotate_epochs || conn.seat.is_some() || conn.gpu.is_some() || conn.ending.is_some() {
+    if !s.plan.rotate_epochs || conn.seat.is_some() || conn.ending.is_some() {
         return false;
     }
     // Units from one of its batch boundaries: lcm(batch, unit) / unit.
