@@ -23,7 +23,7 @@
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
-//! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: GPU consumers)
+//! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: cut instead)
 //! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 30     # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
@@ -229,8 +229,8 @@ with_source_keys! {
         /// Pipeline threads; default: all cores but one.
         pub workers: Option<usize>,
         /// Detach a consumer this many batches behind the least behind one;
-        /// under decoupled pace, only consumers that keep lockstep (GPU
-        /// consumers): the others are cut and replayed to.
+        /// under decoupled pace a consumer is cut and replayed to instead
+        /// (host and GPU consumers alike).
         pub lag_limit: Option<u32>,
         /// Who sets the pipeline's pace; see [`Pace`].
         #[serde(default)]
@@ -241,7 +241,7 @@ with_source_keys! {
         /// The longest one consumer may keep the pipeline waiting while
         /// another waits for data (it paused, or holds the batch needed
         /// next): then it is cut to replay, or detached if it cannot be
-        /// (a producer's stream, a GPU consumer, a batch held); default
+        /// (a producer's stream, a batch held); default
         /// 30 s, `inf` for no bound. Decoupled pace cuts at once.
         pub hold_limit_s: Option<f64>,
         /// A replayed consumer (a late joiner, one cut) reads an epoch
@@ -322,7 +322,8 @@ pub enum Pace {
     /// read yet; one that falls a whole arena behind is cut from the
     /// shared stream and goes on from replay (recomputed batches), and
     /// merges back where the shared stream still holds its samples.
-    /// Consumers of host memory with a mailbox only; others keep lockstep.
+    /// Every consumer of a stream the broker computes: host or GPU, with
+    /// a mailbox or on the socket, a group member (replayed its share).
     Decoupled,
 }
 

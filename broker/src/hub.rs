@@ -24,8 +24,8 @@
 //!   is detached (for one that releases in order: it owes more than that;
 //!   a consumer that joins beside others starts level with the least
 //!   behind of them, see `Hub::join_credit`),
-//!   unless it may be cut ([`Hub::may_be_cut`], decoupled pace): there the
-//!   limit bounds only the consumers that keep lockstep (GPU consumers).
+//!   unless it may be cut ([`Hub::may_be_cut`], decoupled pace): a host
+//!   consumer or a GPU group's member alike.
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
 //!   it held and all that was queued for it at once. One that said goodbye
 //!   takes nothing more: with nobody else, the stream pauses.

@@ -107,10 +107,12 @@ impl Consumer {
             start_epoch: consumer.welcome().start_epoch,
             owner_uid: consumer.welcome().owner_uid,
             arena: (base as usize, len),
-            // The GPU stand-in's device memory is host memory: its
-            // tensors are CPU tensors (`batchcast::stand_in`, tests only).
+            // Under the GPU stand-in's setting (tests only) every `cuda:N`
+            // is host memory: its tensors are CPU tensors.
             device: match consumer.device() {
-                batchcast::Device::Cuda(_) if consumer.device_in_host_memory() => {
+                batchcast::Device::Cuda(_)
+                    if batchcast::stand_in::setting().ok().flatten().is_some() =>
+                {
                     (dlpack::DEVICE_CPU, 0)
                 }
                 batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),

@@ -156,9 +156,14 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
 fn gpu_line(out: &mut String, g: &batchcast::proto::GpuCopyStats) {
     let _ = writeln!(
         out,
-        "  {}: {} H2D copies, {:.1} GiB at {:.1} GB/s, device slots {}/{} in use{}{}",
+        "  {}: {} H2D copies{}, {:.1} GiB at {:.1} GB/s, device slots {}/{} in use{}{}",
         g.gpu,
         g.copies,
+        if g.replayed > 0 {
+            format!(" (and {} of replayed batches)", g.replayed)
+        } else {
+            String::new()
+        },
         g.bytes as f64 / (1u64 << 30) as f64,
         if g.copy_s > 0.0 {
             g.bytes as f64 / g.copy_s / 1e9

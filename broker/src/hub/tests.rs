@@ -356,7 +356,7 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
 fn the_lag_limit_leaves_a_consumer_that_may_be_cut_alone() {
     // Decoupled pace: a consumer that may be cut falls behind and is cut
     // and replayed to (not here), never detached for its lag; one that
-    // keeps lockstep (a GPU consumer) is.
+    // may not is.
     let mut h = hub(6, 100, None, Some(3));
     let (fast, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();
     let (cuttable, _) = h.join(2, JoinPolicy::NextEpoch).unwrap();

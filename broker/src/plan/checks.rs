@@ -284,8 +284,8 @@ pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
             ),
         ));
     }
-    // On a decoupled stream `lag_limit` bounds only the consumers that keep
-    // lockstep there (GPU consumers); the others are cut.
+    // On a decoupled stream a consumer `lag_limit` would detach is cut
+    // instead.
     match (s.pace, s.run_ahead_mib) {
         (Pace::Lockstep, Some(_)) => Err(key(
             "run_ahead_mib",

@@ -299,12 +299,18 @@ static CONSUMER_METRICS: [Metric<ConsumerStats>; 7] = [
 ];
 
 /// Per GPU of a stream, labelled `stream` and `gpu`.
-static GPU_METRICS: [Metric<GpuCopyStats>; 3] = [
+static GPU_METRICS: [Metric<GpuCopyStats>; 4] = [
     (
         "gpu_copies_total",
         "counter",
         "Host-to-device copies of batches.",
         |g| g.copies as f64,
+    ),
+    (
+        "gpu_replayed_copies_total",
+        "counter",
+        "Host-to-device copies of batches replayed to one consumer (its own arena on the GPU).",
+        |g| g.replayed as f64,
     ),
     (
         "gpu_copy_bytes_total",

@@ -307,10 +307,4 @@ impl Consumer {
     pub fn device(&self) -> Device {
         self.shared.gpu.as_ref().map_or(Device::Cpu, |g| g.device())
     }
-
-    /// Whether a device consumer's "GPU" is the host-memory stand-in
-    /// ([`crate::stand_in`]): its device addresses are host addresses.
-    pub fn device_in_host_memory(&self) -> bool {
-        self.shared.gpu.as_ref().is_some_and(|g| g.stand_in())
-    }
 }

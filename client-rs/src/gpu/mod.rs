@@ -157,12 +157,6 @@ impl DeviceSide {
         self.device
     }
 
-    /// Whether the "device" memory is the host-memory stand-in's (its
-    /// addresses are host addresses).
-    pub(crate) fn stand_in(&self) -> bool {
-        matches!(self.shared.memory, Memory::StandIn(_))
-    }
-
     pub(crate) fn slots(&self) -> u32 {
         self.slots
     }
