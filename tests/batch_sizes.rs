@@ -17,7 +17,7 @@ use common::{Env, LIMIT, report};
 /// cells) and the weights ring (2048) are not multiples of the unit, so
 /// units straddle those rings' wraps, and consumer batches straddle them
 /// too; 28 slots hold batches of up to 256 with a window of 2.
-fn config(extra: &str) -> String {
+pub(crate) fn config(extra: &str) -> String {
     let fields: [(&str, &str, &[u64]); 3] = [
         ("image", "u8", &[3, 16, 16]),
         ("label", "i64", &[]),

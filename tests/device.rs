@@ -8,30 +8,16 @@
 //! assertions: the bytes a device consumer reads are the bytes a host
 //! consumer reads.
 
-use batchcast_kit::StreamToml;
 use batchcast_kit::report::ConsumerReport;
 
 use crate::common;
 
 use common::{Env, digests, report};
 
-/// 1000 samples an epoch in units of 40, three fields whose rings are not
-/// multiples of the unit (units straddle their wraps, so copies are made
-/// of two pieces), shuffled.
-fn config(extra: &str) -> String {
-    let fields: [(&str, &str, &[u64]); 3] = [
-        ("image", "u8", &[3, 16, 16]),
-        ("label", "i64", &[]),
-        ("weights", "f32", &[5]),
-    ];
-    StreamToml::synthetic("train", 40, 1000, &fields)
-        .key("seed", 5)
-        .key("slots", 28)
-        .key("workers", 2)
-        .key("shuffle", true)
-        .raw(extra)
-        .to_toml()
-}
+// `batch_sizes`' stream: 1000 samples an epoch in units of 40, three
+// fields whose rings are not multiples of the unit (units straddle their
+// wraps, so copies are made of two pieces), shuffled, 28 slots.
+use crate::batch_sizes::config;
 
 fn assert_whole(r: &ConsumerReport, epochs: u64) {
     assert!(r.ok && r.ended, "{r:#?}");
