@@ -107,17 +107,7 @@ impl Consumer {
             start_epoch: consumer.welcome().start_epoch,
             owner_uid: consumer.welcome().owner_uid,
             arena: (base as usize, len),
-            // Under the GPU stand-in's setting (tests only) every `cuda:N`
-            // is host memory: its tensors are CPU tensors.
-            device: match consumer.device() {
-                batchcast::Device::Cuda(_)
-                    if batchcast::stand_in::setting().ok().flatten().is_some() =>
-                {
-                    (dlpack::DEVICE_CPU, 0)
-                }
-                batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),
-                batchcast::Device::Cuda(n) => (dlpack::DEVICE_CUDA, n as i32),
-            },
+            device: dl_device(consumer.device()),
             inner: Mutex::new(consumer),
         })
     }
@@ -340,5 +330,18 @@ fn seat(
             ..batchcast::group_from_env(&name).map_err(|e| invalid(e.to_string()))?
         }),
         _ => Err(invalid(batchcast::proto::SeatError::HalfGiven.to_string())),
+    }
+}
+
+/// The DLPack device of a consumer's batches. Under the GPU stand-in's
+/// setting (tests only) every `cuda:N` is host memory: its tensors are
+/// CPU tensors.
+fn dl_device(device: batchcast::Device) -> (i32, i32) {
+    match device {
+        batchcast::Device::Cuda(_) if batchcast::stand_in::setting().ok().flatten().is_some() => {
+            (dlpack::DEVICE_CPU, 0)
+        }
+        batchcast::Device::Cpu => (dlpack::DEVICE_CPU, 0),
+        batchcast::Device::Cuda(n) => (dlpack::DEVICE_CUDA, n as i32),
     }
 }

@@ -137,29 +137,7 @@ impl Hub {
                     "group {g}: batch {first_waiting} waits behind a later one"
                 );
             }
-            // A ring, as the host's: batch `seq` in slot `seq mod slots`,
-            // the live ones less than `slots` apart, and a copy waits only
-            // while the next would be `slots` ahead of the oldest.
-            let n = grp.slots.len() as u64;
-            let placed: Vec<u64> = grp.slots.iter().flatten().copied().collect();
-            for (i, slot) in grp.slots.iter().enumerate() {
-                if let Some(seq) = slot {
-                    assert_eq!(seq % n, i as u64, "group {g}: batch {seq} in slot {i}");
-                }
-            }
-            if let (Some(lo), Some(hi)) = (placed.iter().min(), placed.iter().max()) {
-                assert!(
-                    hi - lo < n,
-                    "group {g}: batches {lo} and {hi} live in a ring of {n}"
-                );
-            }
-            if let Some(&w) = grp.waiting.front() {
-                let oldest = placed.iter().min().copied();
-                assert!(
-                    oldest.is_some_and(|o| w >= o + n),
-                    "group {g}: batch {w} waits with room in the ring (oldest {oldest:?})"
-                );
-            }
+            check_ring(g, grp);
         }
     }
 
@@ -217,5 +195,31 @@ impl Hub {
                 );
             }
         }
+    }
+}
+
+/// A group's ring, as the host's: batch `seq` in slot `seq mod slots`,
+/// the live ones less than `slots` apart, and a copy waits only while the
+/// next would be `slots` ahead of the oldest.
+fn check_ring(g: GroupId, grp: &super::Group) {
+    let n = grp.slots.len() as u64;
+    let placed: Vec<u64> = grp.slots.iter().flatten().copied().collect();
+    for (i, slot) in grp.slots.iter().enumerate() {
+        if let Some(seq) = slot {
+            assert_eq!(seq % n, i as u64, "group {g}: batch {seq} in slot {i}");
+        }
+    }
+    if let (Some(lo), Some(hi)) = (placed.iter().min(), placed.iter().max()) {
+        assert!(
+            hi - lo < n,
+            "group {g}: batches {lo} and {hi} live in a ring of {n}"
+        );
+    }
+    if let Some(&w) = grp.waiting.front() {
+        let oldest = placed.iter().min().copied();
+        assert!(
+            oldest.is_some_and(|o| w >= o + n),
+            "group {g}: batch {w} waits with room in the ring (oldest {oldest:?})"
+        );
     }
 }

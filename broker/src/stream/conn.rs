@@ -316,3 +316,29 @@ pub(super) fn unread(c: &mut Conn) -> usize {
             .count()
     })
 }
+
+/// Sends consumer `id` the replayed batches that are ready, in order.
+pub(super) fn send_replayed(
+    inner: &mut Inner,
+    id: ConsumerId,
+    ready: Vec<batchcast::proto::ReplayReady>,
+) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
+    for m in ready {
+        tracing::debug!(
+            consumer = id,
+            seq = m.seq,
+            epoch = m.epoch,
+            first = m.first,
+            "replayed batch sent"
+        );
+        conn.tally.replayed += m.samples;
+        conn.own.replayed.add(m.epoch, m.first, m.samples);
+        if let Err(why) = conn.out.deliver_now(ServerMsg::Replay(m)) {
+            end_mailbox_consumer(inner, id, why.to_string());
+            return;
+        }
+    }
+}

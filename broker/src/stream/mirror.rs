@@ -120,6 +120,22 @@ impl Mirrors {
     }
 }
 
+/// The hub group of a device consumer's GPU (made on its GPU's first
+/// consumer, keeping `grant`, which paid for its arena), or `None` for a
+/// host consumer.
+pub(super) fn group_of(
+    inner: &mut Inner,
+    (mirror, grant): (Option<&Arc<Mirror>>, Option<Grant>),
+    req: &batchcast::proto::ConsumeRequest,
+    gpu_slots: u32,
+) -> Result<Option<GroupId>, SubscribeError> {
+    let (Some(m), Some(dev)) = (mirror, &req.device) else {
+        return Ok(None);
+    };
+    let Inner { hub, mirrors, .. } = inner;
+    mirrors.group_for(hub, (m, grant), dev, gpu_slots).map(Some)
+}
+
 /// Opens (or finds) the stream's arena on the consumer's GPU. It takes a
 /// while (a device allocation): call it without the hub's lock.
 ///
@@ -277,7 +293,7 @@ impl CopySink for Stream {
                 return; // it left meanwhile
             };
             let ready = r.copied(seq);
-            super::replay::send_ready(inner, consumer, ready);
+            super::conn::send_replayed(inner, consumer, ready);
         });
     }
 

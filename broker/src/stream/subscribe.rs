@@ -87,18 +87,7 @@ impl Stream {
         let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = j.make_mailbox((arena.replays, arena.kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        let (mirror, gpu_grant) = match &req.device {
-            Some(dev) => mirror::open(self, dev, &peer).map(|(m, g)| (Some(m), g))?,
-            None => (None, None),
-        };
-        if let Some(m) = &mirror {
-            super::shape::check_device(shape, &req, &m.arena())?;
-        }
-        // Its replayed batches are copied to its own arena on its GPU.
-        let device_replay = match (&mirror, &arena.prepared) {
-            (Some(m), Some(_)) => Some(j.device_replay(m, shape)?),
-            _ => None,
-        };
+        let (mirror, gpu_grant, device_replay) = j.open_gpu(shape, arena.prepared.is_some())?;
         let replay_target = device_replay.as_ref().map(|(t, _)| t.clone());
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
@@ -110,13 +99,7 @@ impl Stream {
                 return Err(SubscribeError::Failed(why.clone()));
             }
             seats::check(inner, &req, shape, peer.uid)?;
-            let group = match (&mirror, &req.device) {
-                (Some(m), Some(dev)) => {
-                    let Inner { hub, mirrors, .. } = &mut *inner;
-                    Some(mirrors.group_for(hub, (m, gpu_grant), dev, self.plan.gpu_slots)?)
-                }
-                _ => None,
-            };
+            let group = mirror::group_of(inner, (mirror.as_ref(), gpu_grant), &req, self.plan.gpu_slots)?;
             // Where a consumer starts (`join`, `resume`): a replaying one
             // joins where the readers are, at the oldest batch the ring
             // still holds (`JoinPolicy::Now` in the hub): it is sent what
@@ -278,6 +261,33 @@ impl Joining<'_> {
     fn bounded(&self) -> bool {
         let s = self.s;
         s.plan.hold_limit.is_some() && s.writer.is_some()
+    }
+
+    /// A device consumer's GPU: its arena there (opened on its first
+    /// consumer, with the grant that pays for it), its batch size checked
+    /// against it, and with `replays` its own arena there for replayed
+    /// batches. Nothing for a host consumer.
+    #[allow(clippy::type_complexity)] // the three parts, each optional
+    fn open_gpu(
+        &self,
+        shape: Shape,
+        replays: bool,
+    ) -> Result<
+        (
+            Option<Arc<Mirror>>,
+            Option<crate::budget::Grant>,
+            Option<(Arc<ReplayTarget>, crate::budget::Grant)>,
+        ),
+        SubscribeError,
+    > {
+        let Some(dev) = &self.req.device else {
+            return Ok((None, None, None));
+        };
+        let (m, grant) = mirror::open(self.s, dev, self.peer)?;
+        super::shape::check_device(shape, self.req, &m.arena())?;
+        // Its replayed batches are copied to its own arena on its GPU.
+        let replay = replays.then(|| self.device_replay(&m, shape)).transpose()?;
+        Ok((Some(m), grant, replay))
     }
 
     /// A device consumer's own arena on its GPU for the batches replayed

@@ -44,12 +44,12 @@ use std::time::Duration;
 
 use batchcast::JoinPolicy;
 use batchcast::deal::Deal;
-use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant, ReplayReady, ServerMsg};
+use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant};
 use batchcast::rotation::Rotation;
 use batchcast::schema::Schema;
 
 use super::batches::replay_end;
-use super::conn::{Conn, Ending, end_consumer, end_mailbox_consumer};
+use super::conn::{Conn, Ending, end_consumer};
 use super::error::{MakeError, ReplayError, SubscribeError};
 use super::{Inner, Stream};
 use crate::budget::Use;
@@ -479,29 +479,7 @@ pub(super) fn finish(
         return;
     }
     let ready = r.made(seq);
-    send_ready(inner, id, ready);
-}
-
-/// Sends consumer `id` the replayed batches that are ready, in order.
-pub(super) fn send_ready(inner: &mut Inner, id: ConsumerId, ready: Vec<ReplayReady>) {
-    let Some(conn) = inner.conns.get_mut(&id) else {
-        return;
-    };
-    for m in ready {
-        tracing::debug!(
-            consumer = id,
-            seq = m.seq,
-            epoch = m.epoch,
-            first = m.first,
-            "replayed batch sent"
-        );
-        conn.tally.replayed += m.samples;
-        conn.own.replayed.add(m.epoch, m.first, m.samples);
-        if let Err(why) = conn.out.deliver_now(ServerMsg::Replay(m)) {
-            end_mailbox_consumer(inner, id, why.to_string());
-            return;
-        }
-    }
+    super::conn::send_replayed(inner, id, ready);
 }
 
 #[cfg(test)]
