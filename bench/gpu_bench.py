@@ -21,6 +21,12 @@ Needs torch with CUDA and the batchcast wheel; the broker binary is
   broker does: one copy per GPU from page-locked host memory), or a
   device-to-device copy from the first GPU (peer access over NVLink or
   PCIe), each alone and with the first GPU's own copy running at once.
+* One consumer model (issue 51): GPU consumers of batches of B/2, B and
+  2B together, each against its rate alone (target ≥ 90 %), with H2D
+  copies per unit (target 1.00); a GPU consumer joining now mid-epoch:
+  the time to its first, replayed batch (target ≤ 1 s). Where the GPU's
+  arena is not mirrored (CUDA IPC memory) another batch size is refused:
+  the row says so.
 * Content: a position-weighted checksum of every field of every batch of an
   epoch computed on the GPU by a GPU consumer equals the same checksum
   computed by a host consumer of the same stream. The stream has fewer
@@ -106,7 +112,8 @@ class Broker:
 CONSUMER = r"""
 import json, sys, time, torch, batchcast
 socket, limit, device, window = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-c = batchcast.Consumer(stream="gpu", socket=socket, device=device, window=window, connect_timeout=30)
+size = int(sys.argv[5]) if len(sys.argv) > 5 else None
+c = batchcast.Consumer(stream="gpu", socket=socket, device=device, window=window, connect_timeout=30, batch_size=size)
 n, handoff, t0 = 0, [], None
 for epoch in range(1000):
     for images, labels in c:
@@ -229,6 +236,97 @@ def second_gpu_rows(nbytes: int) -> list[tuple[str, str, str]]:
     ]
 
 
+def consumers(b: Broker, specs: list[tuple[int, int | None]], window: int) -> list[dict]:
+    """GPU consumers of `b`'s stream on cuda:0, one per (batches, batch
+    size) in `specs`, run together; their reports."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONSUMER, b.socket, str(n), "cuda:0", str(window), *([str(size)] if size else [])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n, size in specs
+    ]
+    reports = []
+    for pr in procs:
+        out, err = pr.communicate(timeout=300)
+        if pr.returncode != 0:
+            reports.append({"error": err.strip().splitlines()[-1] if err.strip() else f"exit {pr.returncode}"})
+        else:
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def one_model_rows(exe: str, batch: int, batches: int, slots: int, tmp: Path) -> list[tuple[str, str, str]]:
+    """Issue 51's measures: GPU consumers of their own batch sizes (each
+    with the others vs alone, copies per unit), and a GPU consumer joining
+    now: how soon its first (replayed) batch arrives."""
+    rows = []
+    sizes = (batch // 2, batch, 2 * batch)
+    # Units to cover each consumer's run; slots for the largest size.
+    units = batches * 2 + 64
+    big = max(slots, 16)  # window 4 of batches of 2B span 15 units
+    alone = {}
+    for size in sizes:
+        b = Broker(exe, config(batch, batch * units, 1, "stamp", big, 1), tmp)
+        try:
+            (r,) = consumers(b, [(batches * batch // size, size)], 4)
+        finally:
+            b.stop()
+        alone[size] = r
+    b = Broker(exe, config(batch, batch * units, 1, "stamp", big, len(sizes)), tmp)
+    try:
+        together = consumers(b, [(batches * batch // s, s) for s in sizes], 4)
+        st = b.stats()
+    finally:
+        b.stop()
+    for size, r in zip(sizes, together):
+        a = alone[size]
+        if "error" in r or "error" in a:
+            rows.append((f"GPU consumer of batches of {size}, with the others", "refused", r.get("error") or a["error"]))
+            continue
+        rate, rate_alone = r["batches"] / r["seconds"], a["batches"] / a["seconds"]
+        rows.append(
+            (
+                f"GPU consumer of batches of {size}, with {len(sizes) - 1} others, batches/s",
+                f"{rate:.0f}",
+                f"{100 * rate / rate_alone:.0f} % of its rate alone (target ≥ 90 %)",
+            )
+        )
+    g = st["gpus"][0] if st["gpus"] else None
+    if g:
+        rows.append(("H2D copies per unit, mixed batch sizes", f"{g['copies'] / max(st['batches_produced'], 1):.2f}", "target 1.00"))
+    # Join now: a steady GPU reader, then one joining mid-epoch.
+    b = Broker(exe, config(batch, batch * units, 1, "stamp", slots, 1), tmp)
+    try:
+        steady = subprocess.Popen(
+            [sys.executable, "-c", CONSUMER, b.socket, str(batches), "cuda:0", "4"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(2.0)
+        t0 = time.perf_counter()
+        late = batchcast.Consumer(stream="gpu", socket=b.socket, device="cuda:0", join="now", name="late")
+        first = next(iter(late))
+        waited = time.perf_counter() - t0
+        replayed = first.replayed
+        del first, late
+        steady.kill()
+        steady.wait()
+        gr = b.stats()["gpus"][0]["replayed"]
+    finally:
+        b.stop()
+    rows.append(
+        (
+            "GPU consumer joining now mid-epoch: first batch after",
+            f"{waited:.3f} s",
+            f"replayed {replayed}; {gr} replayed copies (target ≤ 1 s)",
+        )
+    )
+    return rows
+
+
 def checksum(t: torch.Tensor) -> int:
     flat = t.reshape(-1).to(torch.int64)
     weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
@@ -313,6 +411,7 @@ def main() -> None:
         )
     )
     rows.append(("content: GPU checksum == host checksum", f"{equal}/{total} fields", ""))
+    rows += one_model_rows(a.broker, a.batch, a.batches, a.slots, tmp)
     if torch.cuda.device_count() >= 2:
         rows += second_gpu_rows(slot_bytes)
     else:
