@@ -267,6 +267,13 @@ fn decode_once_makes_one_decode_per_image_and_a_bad_file_is_replaced_alike_in_ev
     // budget, the two workers' claims): at most one sample per worker
     // and stream here, far below three streams alone (about 550).
     let slack = 2 * 3;
+    // Where there are more, say why (the broker logs each decode alone
+    // at debug level: RUST_LOG=batchcast_broker::pipeline::shared=debug).
+    if sh.decodes > good + 2 * bad * 3 {
+        for l in env.log().lines().filter(|l| l.contains("decodes alone")) {
+            eprintln!("{l}");
+        }
+    }
     let most = if let_go == 0 {
         good + 2 * bad * 3 + slack
     } else {

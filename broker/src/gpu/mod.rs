@@ -140,7 +140,7 @@ impl ReplayTarget {
 
 /// A piece of a unit to copy: `len` host bytes at `at` bytes into the
 /// host arena to `dst` bytes into the device arena. Offsets only: the
-/// copier gets the bytes through [`CopySink::host_bytes`], checked.
+/// copier gets the bytes through [`CopySource::bytes`], checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Piece {
     pub at: usize,

@@ -2,7 +2,7 @@
 //! memory that is host memory (a sealed memfd the consumers map
 //! read-only), written by a copy engine of its own thread.
 //!
-//! It runs the same copier loop as CUDA ([`super::copier`]) over that
+//! It runs the same copier loop as CUDA (`gpu/copier.rs`) over that
 //! engine, as a GPU's copy engine is: a copy is queued, read from the host
 //! arena and written later, and its end is seen by waiting for it; and it
 //! can fail mid-run (`fail_at`), as a device does (a

@@ -462,6 +462,16 @@ impl SourceShare {
             let fits = st.bytes.saturating_add(bytes) <= self.plan.budget;
             let Some(e) = st.entries.get_mut(&at).filter(|e| e.index == index) else {
                 if others == 0 || !fits || st.entries.contains_key(&at) {
+                    tracing::debug!(
+                        member,
+                        at,
+                        index,
+                        share,
+                        others,
+                        fits,
+                        other_index = st.entries.contains_key(&at),
+                        "decodes alone: no entry to share"
+                    );
                     return Claim::Alone;
                 }
                 st.entries.insert(
@@ -494,6 +504,16 @@ impl SourceShare {
                 }
                 None => {
                     if !share || !fits || e.want & !bit == 0 {
+                        tracing::debug!(
+                            member,
+                            at,
+                            index,
+                            share,
+                            fits,
+                            want = e.want,
+                            denom,
+                            "decodes alone: another scale, wanted by no other"
+                        );
                         return Claim::Alone;
                     }
                     e.decodes.push(Decode { denom, img: None });
