@@ -268,6 +268,13 @@ pub enum Claim {
     Alone,
 }
 
+/// [`Claim::Alone`], said at debug level with why: which member, position
+/// and index, the others that want it, whether it fits the budget.
+fn alone((member, at, index): (usize, u64, u64), why: &str, (others, fits): (u64, bool)) -> Claim {
+    tracing::debug!(member, at, index, others, fits, "decodes alone: {why}");
+    Claim::Alone
+}
+
 /// A decode this stream promised the others; dropped unpublished (an
 /// error), it is withdrawn and whoever waited decodes alone.
 #[derive(Debug)]
@@ -462,17 +469,7 @@ impl SourceShare {
             let fits = st.bytes.saturating_add(bytes) <= self.plan.budget;
             let Some(e) = st.entries.get_mut(&at).filter(|e| e.index == index) else {
                 if others == 0 || !fits || st.entries.contains_key(&at) {
-                    tracing::debug!(
-                        member,
-                        at,
-                        index,
-                        share,
-                        others,
-                        fits,
-                        other_index = st.entries.contains_key(&at),
-                        "decodes alone: no entry to share"
-                    );
-                    return Claim::Alone;
+                    return alone((member, at, index), "no entry to share", (others, fits));
                 }
                 st.entries.insert(
                     at,
@@ -504,17 +501,8 @@ impl SourceShare {
                 }
                 None => {
                     if !share || !fits || e.want & !bit == 0 {
-                        tracing::debug!(
-                            member,
-                            at,
-                            index,
-                            share,
-                            fits,
-                            want = e.want,
-                            denom,
-                            "decodes alone: another scale, wanted by no other"
-                        );
-                        return Claim::Alone;
+                        let why = "its scale wanted by no other";
+                        return alone((member, at, index), why, (e.want & !bit, fits));
                     }
                     e.decodes.push(Decode { denom, img: None });
                     e.want |= bit;
