@@ -249,3 +249,99 @@ fn a_device_joiner_reads_each_epoch_rotated_and_replays_only_its_start() {
     let env = Env::start_stand_in(&crate::decoupled::long_epochs(3), "1");
     crate::decoupled::joiner_reads_each_epoch_rotated(&env, &["--device", "cuda:0"]);
 }
+
+/// Device twin of `replay::a_forged_release_of_a_replayed_batch_ends_
+/// only_that_consumer` (threat model: a device consumer is held to a host
+/// one's bounds): a raw client on a stand-in GPU, granted replay (and its
+/// own replay arena on the GPU, whose fd comes last), releases a replayed
+/// batch it never got; it alone is ended, a steady device reader reads
+/// on, and both of its replay arenas go back to the budget.
+#[test]
+fn a_forged_release_of_a_batch_replayed_to_a_gpu_ends_only_that_consumer() {
+    use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
+    use std::io::Write;
+
+    let env = Env::start_stand_in(&crate::replay::config(""), "1");
+    let r = report(env.consumer(&["--max-batches", "5"]));
+    assert!(r.ok, "{r:#?}");
+    let steady = env.consumer(&[
+        "--join",
+        "immediate",
+        "--verify",
+        "--max-batches",
+        "40",
+        "--sleep-ms",
+        "2",
+        "--device",
+        "cuda:0",
+        "--name",
+        "steady",
+    ]);
+    let request = proto::ConsumeRequest {
+        join: batchcast::JoinPolicy::Now,
+        resume: Some(proto::Position::default()),
+        device: Some(proto::DeviceRequest {
+            uuid: batchcast::stand_in::uuid(0),
+            ordinal: 0,
+            name: batchcast::stand_in::NAME.into(),
+        }),
+        mailbox: false,
+        ..common::consume_request(2)
+    };
+    let (mut sock, welcome, fds) = common::raw_subscribe_with(&env.socket(), "forger", request);
+    let grant = welcome.replay.expect("behind the stream: replay granted");
+    let device = grant
+        .device
+        .as_ref()
+        .expect("and a replay arena on its GPU");
+    assert_eq!(device.memory, proto::DeviceMemory::StandIn);
+    // The host arena, the replay arena, the GPU's arena, its replay arena.
+    assert_eq!(fds.len(), 4, "{grant:?}");
+    // The GPU's arena (the steady reader's and its own), and its own
+    // replay arena there (the steady one, if still there, has one too:
+    // for a cut), in the budget.
+    let shared = welcome
+        .device
+        .as_ref()
+        .expect("a device arena")
+        .rings
+        .arena_bytes;
+    let gpu = env.stats().memory.gpu_arenas_bytes;
+    assert!(
+        gpu >= shared + device.rings.arena_bytes,
+        "charged to the budget: {gpu}"
+    );
+    let forged = ClientMsg::Release(Release {
+        seq: 999 | proto::REPLAYED,
+        wait_ns: 0,
+        busy_ns: 0,
+        taken: Default::default(),
+    });
+    sock.write_all(&proto::encode(&forged).unwrap()).unwrap();
+    let error = loop {
+        match proto::read_frame::<ServerMsg>(&mut sock, &mut Vec::new()) {
+            Ok(Some(ServerMsg::Error(e))) => break e,
+            Ok(Some(_)) => {}
+            other => panic!("the connection ended without an error: {other:?}"),
+        }
+    };
+    assert_eq!(error.code, ErrorCode::InvalidRequest);
+    assert!(
+        error.message.contains("replayed batch 999 is not held"),
+        "{}",
+        error.message
+    );
+    let r = report(steady);
+    assert!(
+        r.ok && r.batches == 40 && r.verified_samples == r.samples,
+        "the others are unaffected: {r:#?}"
+    );
+    let s = env.wait_for("the forger to be gone", |s| {
+        s.streams[0].consumers.is_empty()
+    });
+    assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
+    assert_eq!(
+        s.memory.gpu_arenas_bytes, shared,
+        "and those on its GPU (the GPU's own arena stays)"
+    );
+}
