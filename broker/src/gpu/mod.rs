@@ -128,6 +128,11 @@ impl ReplayTarget {
         self.arena.clone()
     }
 
+    /// Its layout: where each replayed batch's samples go.
+    pub fn rings(&self) -> &RingLayout {
+        &self.arena.rings
+    }
+
     /// The fd the consumer maps (the stand-in's).
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.memory {

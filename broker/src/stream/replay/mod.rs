@@ -466,7 +466,7 @@ pub(super) fn finish(
     if let (Some((target, _)), Some(key)) = (&conn.device_replay, conn.gpu) {
         let target = target.clone();
         let mirror = inner.mirrors.mirror(&key);
-        match (r.made_for_copy(seq, &target.arena().rings), mirror) {
+        match (r.made_for_copy(seq, target.rings()), mirror) {
             (Some((src, pieces)), Some(m)) => m.request_replay(ReplayCopy {
                 consumer: id,
                 seq,
