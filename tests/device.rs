@@ -258,8 +258,7 @@ fn a_device_joiner_reads_each_epoch_rotated_and_replays_only_its_start() {
 /// on, and both of its replay arenas go back to the budget.
 #[test]
 fn a_forged_release_of_a_batch_replayed_to_a_gpu_ends_only_that_consumer() {
-    use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
-    use std::io::Write;
+    use batchcast::proto;
 
     let env = Env::start_stand_in(&crate::replay::config(""), "1");
     let r = report(env.consumer(&["--max-batches", "5"]));
@@ -311,34 +310,7 @@ fn a_forged_release_of_a_batch_replayed_to_a_gpu_ends_only_that_consumer() {
         gpu >= shared + device.rings.arena_bytes,
         "charged to the budget: {gpu}"
     );
-    let forged = ClientMsg::Release(Release {
-        seq: 999 | proto::REPLAYED,
-        wait_ns: 0,
-        busy_ns: 0,
-        taken: Default::default(),
-    });
-    sock.write_all(&proto::encode(&forged).unwrap()).unwrap();
-    let error = loop {
-        match proto::read_frame::<ServerMsg>(&mut sock, &mut Vec::new()) {
-            Ok(Some(ServerMsg::Error(e))) => break e,
-            Ok(Some(_)) => {}
-            other => panic!("the connection ended without an error: {other:?}"),
-        }
-    };
-    assert_eq!(error.code, ErrorCode::InvalidRequest);
-    assert!(
-        error.message.contains("replayed batch 999 is not held"),
-        "{}",
-        error.message
-    );
-    let r = report(steady);
-    assert!(
-        r.ok && r.batches == 40 && r.verified_samples == r.samples,
-        "the others are unaffected: {r:#?}"
-    );
-    let s = env.wait_for("the forger to be gone", |s| {
-        s.streams[0].consumers.is_empty()
-    });
+    let s = crate::replay::forged_release_ends_only_the_forger(&env, &mut sock, steady);
     assert_eq!(s.memory.replay_bytes, 0, "its replay arena went back");
     assert_eq!(
         s.memory.gpu_arenas_bytes, shared,
