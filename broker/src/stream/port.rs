@@ -10,6 +10,7 @@
 //! writable once, and the server seals it ([`Port::seal`]) on the
 //! producer's first request, before any consumer can see the stream.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use batchcast::FillSlot;
@@ -66,6 +67,13 @@ impl Port<'_> {
                 return Err(why.clone());
             }
             inner.fill.set_producer_waiting(false);
+            // Stopping: the consumers told goodbye leave, and what they
+            // held frees slots. A slot handed out now would be a batch
+            // none of them reads, and would push the producer's kept
+            // batches (where it registers again) past their positions.
+            if s.stop.load(Ordering::SeqCst) {
+                return Ok(Acquire::Wait);
+            }
             if inner.hub.exhausted() {
                 return Ok(Acquire::Ended);
             }

@@ -685,3 +685,60 @@ fn a_forged_rotation_is_refused_or_harms_only_its_sender() {
     s.leave(honest.id);
     s.shutdown();
 }
+
+/// A broker shutting down says goodbye to consumers first; as they leave,
+/// what they held frees slots. Its producer must get none of them: the
+/// producer registers the stream again from the oldest batch it kept, and
+/// every batch it published past a consumer's position pushes that point
+/// past the consumer's, which the new broker then refuses to resume (seen
+/// under load: a producer's rejoin at batch 21 for a consumer at 165).
+#[test]
+fn a_stopping_stream_hands_its_producer_no_slot_its_leaving_consumers_free() {
+    use crate::plan::StreamPlan;
+    use crate::stream::port::Acquire;
+    use batchcast::proto::ProduceRequest;
+    use batchcast::schema::{DType, Field};
+    let field = Field {
+        name: "x".into(),
+        dtype: DType::U8,
+        shape: vec![4],
+        aux: false,
+    };
+    let mut req = ProduceRequest::new("ext", vec![field], 8, 100);
+    req.slots = 2;
+    let plan = StreamPlan::external(&req, "loader", 7).unwrap();
+    let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
+    let ext = ConsumeRequest {
+        stream: "ext".into(),
+        ..request(JoinPolicy::NextEpoch)
+    };
+    let mut reader = s.subscribe(ext.clone(), peer("reader")).unwrap();
+    let mut holder = s.subscribe(ext, peer("holder")).unwrap();
+    let port = s.port();
+    let fill = || match port.acquire().unwrap() {
+        Acquire::Slot(w) => {
+            port.publish(&w, 8, Duration::ZERO);
+            true
+        }
+        Acquire::Wait => false,
+        Acquire::Ended => panic!("the stream ended"),
+    };
+    // Both slots filled; one consumer read and released both, the other
+    // holds them (window 2): none free.
+    assert!(fill() && fill());
+    read(&s, &mut reader, 2);
+    for _ in 0..2 {
+        assert!(matches!(next(&mut holder), ServerMsg::Batch(_)));
+    }
+    assert!(!fill());
+    s.shutdown();
+    for sub in [&mut reader, &mut holder] {
+        assert!(matches!(
+            next(sub),
+            ServerMsg::Goodbye(batchcast::proto::GoodbyeReason::Shutdown)
+        ));
+    }
+    // The holder leaves first, with both batches it held.
+    s.leave(holder.id);
+    assert!(!fill(), "a stopping stream handed its producer a slot");
+}
