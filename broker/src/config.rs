@@ -185,6 +185,10 @@ with_source_keys! {
         /// much smaller anyway.
         #[serde(default = "yes")]
         reduced_decode: bool,
+        /// Decode only the part of a JPEG RandomResizedCrop reads (the
+        /// same bytes as decoding it all).
+        #[serde(default = "yes")]
+        crop_decode: bool,
         /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
         #[serde(default)]
         cache_mib: u64,

@@ -8,10 +8,21 @@
 //! PIL maps them (a transparent index keeps its palette colour). The format
 //! is taken from the bytes, not the file name. Every size check happens on
 //! the header, before any pixel buffer is allocated.
+//!
+//! A JPEG can also be decoded in part: only a [`Region`] the transform
+//! will read (its iMCU columns decoded, the rows above skipped, decoding
+//! stopped below), into the same place of a buffer of the whole image's
+//! size, so the transform reads it with the same arithmetic as a whole
+//! decode and writes the same bytes. The region is widened by one iMCU on
+//! each side inside the image: TurboJPEG's chroma upsampling blends
+//! across iMCU edges, which a cropped row does not have
+//! (`pixels/tests/crop_decode.rs` pins it).
 
 use std::io::Cursor;
 
-use turbojpeg::{Colorspace, Decompressor, Image, PixelFormat, ScalingFactor};
+mod tj;
+pub use tj::Region;
+use tj::{JpegInfo, Tj};
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -73,11 +84,41 @@ pub struct Rgb {
     pub width: u32,
     pub height: u32,
     pub data: Vec<u8>,
+    /// Where a decode in part put pixels (`None`: everywhere); the rest
+    /// of `data` holds whatever was there.
+    pub decoded: Option<Region>,
+}
+
+impl Rgb {
+    /// Whether `r` holds decoded pixels throughout.
+    pub fn has(&self, r: &Region) -> bool {
+        let whole = Region {
+            x: 0,
+            y: 0,
+            width: self.width,
+            height: self.height,
+        };
+        whole.holds(r) && self.decoded.is_none_or(|d| d.holds(r))
+    }
+
+    /// Sizes `data` for `width × height`, keeping what it holds: a buffer
+    /// that must grow is allocated zeroed (pages a decode in part never
+    /// writes are then never touched).
+    fn size(&mut self, width: usize, height: usize, decoded: Option<Region>) {
+        let n = width * height * 3;
+        if self.data.capacity() < n {
+            self.data = vec![0; n];
+        } else {
+            self.data.resize(n, 0);
+        }
+        (self.width, self.height) = (width as u32, height as u32);
+        self.decoded = decoded;
+    }
 }
 
 /// One per pipeline thread: the TurboJPEG handle and scratch buffers.
 pub struct Decoder {
-    tj: Decompressor,
+    tj: Tj,
     scratch: Vec<u8>,
 }
 
@@ -119,7 +160,7 @@ pub fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
 impl Decoder {
     pub fn new() -> Result<Decoder, DecodeError> {
         Ok(Decoder {
-            tj: Decompressor::new().map_err(|e| DecodeError::Jpeg(e.to_string()))?,
+            tj: Tj::new().map_err(DecodeError::Jpeg)?,
             scratch: Vec::new(),
         })
     }
@@ -128,11 +169,14 @@ impl Decoder {
     pub fn header(&mut self, bytes: &[u8], max_pixels: u64) -> Result<Header, DecodeError> {
         let format = sniff(bytes)?;
         let (width, height) = match format {
-            Format::Jpeg => match self.tj.read_header(bytes) {
-                Ok(h) => (h.width as u32, h.height as u32),
+            Format::Jpeg => match self.tj.header(bytes) {
+                Ok(h) => (
+                    u32::try_from(h.width).unwrap_or(u32::MAX),
+                    u32::try_from(h.height).unwrap_or(u32::MAX),
+                ),
                 Err(e) => {
                     self.reset()?;
-                    return Err(DecodeError::Jpeg(e.to_string()));
+                    return Err(DecodeError::Jpeg(e));
                 }
             },
             Format::Png => {
@@ -173,18 +217,20 @@ impl Decoder {
     }
 
     /// Decodes into `out`. JPEGs are decoded at `1/denom` of their size
-    /// (`denom` ∈ {1, 2, 4, 8}; the output size is rounded up); PNGs ignore
-    /// `denom`. The header must have come from [`header`](Self::header).
+    /// (`denom` ∈ {1, 2, 4, 8}; the output size is rounded up), and only
+    /// around `region` of that if given (see the module's notes;
+    /// `out.decoded` says where); other formats ignore both. The header
+    /// must have come from [`header`](Self::header).
     pub fn decode(
         &mut self,
         bytes: &[u8],
         header: &Header,
-        denom: u32,
+        (denom, region): (u32, Option<Region>),
         out: &mut Rgb,
     ) -> Result<(), DecodeError> {
         match header.format {
             Format::Jpeg => {
-                let r = self.jpeg(bytes, denom, out);
+                let r = self.jpeg(bytes, (denom, region), out);
                 if r.is_err() {
                     self.reset()?;
                 }
@@ -205,47 +251,72 @@ impl Decoder {
     /// A TurboJPEG handle keeps its error state after a corrupt file and
     /// fails every later image with the same message; start a fresh one.
     fn reset(&mut self) -> Result<(), DecodeError> {
-        self.tj = Decompressor::new().map_err(|e| DecodeError::Jpeg(e.to_string()))?;
+        self.tj = Tj::new().map_err(DecodeError::Jpeg)?;
         Ok(())
     }
 
-    fn jpeg(&mut self, bytes: &[u8], denom: u32, out: &mut Rgb) -> Result<(), DecodeError> {
-        let err = |e: turbojpeg::Error| DecodeError::Jpeg(e.to_string());
-        let scale = ScalingFactor::new(1, denom as usize);
-        self.tj.set_scaling_factor(scale).map_err(err)?;
-        let header = self.tj.read_header(bytes).map_err(err)?;
-        let scaled = header.scaled(scale);
-        let (w, h) = (scaled.width, scaled.height);
-        out.width = w as u32;
-        out.height = h as u32;
-        out.data.resize(w * h * 3, 0);
-        match header.colorspace {
-            Colorspace::CMYK | Colorspace::YCCK => {
-                // TurboJPEG only decodes these to CMYK; convert like PIL.
-                self.scratch.resize(w * h * 4, 0);
-                let image = Image {
-                    pixels: &mut self.scratch[..],
-                    width: w,
-                    pitch: w * 4,
-                    height: h,
-                    format: PixelFormat::CMYK,
-                };
-                self.tj.decompress(bytes, image).map_err(err)?;
-                cmyk_to_rgb(&self.scratch, &mut out.data, has_adobe_marker(bytes));
-            }
-            _ => {
-                let image = Image {
-                    pixels: &mut out.data[..],
-                    width: w,
-                    pitch: w * 3,
-                    height: h,
-                    format: PixelFormat::RGB,
-                };
-                self.tj.decompress(bytes, image).map_err(err)?;
-            }
+    fn jpeg(
+        &mut self,
+        bytes: &[u8],
+        (denom, region): (u32, Option<Region>),
+        out: &mut Rgb,
+    ) -> Result<(), DecodeError> {
+        let info = self.tj.header(bytes).map_err(DecodeError::Jpeg)?;
+        let (w, h) = info.scaled(denom);
+        let crop = region.and_then(|r| widened(r, &info, denom));
+        out.size(w, h, crop);
+        let r = crop.unwrap_or(Region {
+            x: 0,
+            y: 0,
+            width: w as u32,
+            height: h as u32,
+        });
+        let (x, y, rw, rh) = (
+            r.x as usize,
+            r.y as usize,
+            r.width as usize,
+            r.height as usize,
+        );
+        let at = (y * w + x) * 3;
+        if !info.cmyk {
+            return self
+                .tj
+                .decompress(bytes, &info, denom, crop, (&mut out.data[at..], w * 3))
+                .map_err(DecodeError::Jpeg);
+        }
+        // TurboJPEG only decodes CMYK and YCCK to CMYK; convert like PIL.
+        self.scratch.resize(rw * rh * 4, 0);
+        self.tj
+            .decompress(bytes, &info, denom, crop, (&mut self.scratch, rw * 4))
+            .map_err(DecodeError::Jpeg)?;
+        let inverted = has_adobe_marker(bytes);
+        for (row, src) in self.scratch.chunks_exact(rw * 4).enumerate() {
+            let o = ((y + row) * w + x) * 3;
+            cmyk_to_rgb(src, &mut out.data[o..o + rw * 3], inverted);
         }
         Ok(())
     }
+}
+
+/// `r` (in the image at `1/denom`) widened to what is decoded for it: one
+/// iMCU more on each side within the image, the left edge on an iMCU
+/// boundary (TurboJPEG's rule). `None`: decode the whole image (a sampling
+/// TurboJPEG cannot crop, a lossless JPEG, or a region covering it all).
+fn widened(r: Region, info: &JpegInfo, denom: u32) -> Option<Region> {
+    let (mw, mh) = info.imcu(denom).filter(|_| !info.lossless)?;
+    let (w, h) = info.scaled(denom);
+    let (mw, mh) = (mw as u32, mh as u32);
+    let (w, h) = (u32::try_from(w).ok()?, u32::try_from(h).ok()?);
+    let x0 = r.x.saturating_sub(mw) / mw * mw;
+    let y0 = r.y.saturating_sub(mh);
+    let x1 = r.x.saturating_add(r.width).saturating_add(mw).min(w);
+    let y1 = r.y.saturating_add(r.height).saturating_add(mh).min(h);
+    (x1 > x0 && y1 > y0 && (x0, y0, x1, y1) != (0, 0, w, h)).then_some(Region {
+        x: x0,
+        y: y0,
+        width: x1 - x0,
+        height: y1 - y0,
+    })
 }
 
 /// PIL's CMYK → RGB: `R = 255 - K' - C'·(255 - K')/255` with primes the
@@ -307,6 +378,7 @@ fn image_reader(bytes: &[u8], format: Format) -> image::ImageReader<Cursor<&[u8]
 fn dynamic_rgb(img: image::DynamicImage, out: &mut Rgb) {
     use image::DynamicImage as D;
     let (w, h) = (img.width(), img.height());
+    out.decoded = None;
     out.width = w;
     out.height = h;
     out.data.resize(w as usize * h as usize * 3, 0);
@@ -391,6 +463,7 @@ fn gif_rgb(
             .map_or([0, 0, 0], |c| [c[0], c[1], c[2]])
     };
     let (w, h) = (header.width as usize, header.height as usize);
+    out.decoded = None;
     out.width = header.width;
     out.height = header.height;
     out.data.clear();
@@ -426,6 +499,7 @@ fn png_rgb(bytes: &[u8], out: &mut Rgb, scratch: &mut Vec<u8>) -> Result<(), Dec
     let frame = reader.next_frame(scratch).map_err(err)?;
     let (w, h) = (frame.width as usize, frame.height as usize);
     let px = &scratch[..frame.buffer_size()];
+    out.decoded = None;
     out.width = w as u32;
     out.height = h as u32;
     out.data.resize(w * h * 3, 0);
@@ -457,6 +531,7 @@ fn png_rgb(bytes: &[u8], out: &mut Rgb, scratch: &mut Vec<u8>) -> Result<(), Dec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use turbojpeg::{Image, PixelFormat};
 
     #[test]
     fn cmyk_conversion_matches_pil_on_corners() {
@@ -493,9 +568,9 @@ mod tests {
         let mut d = Decoder::new().unwrap();
         let mut out = Rgb::default();
         let h = d.header(&bad, u64::MAX).unwrap();
-        assert!(d.decode(&bad, &h, 1, &mut out).is_err());
+        assert!(d.decode(&bad, &h, (1, None), &mut out).is_err());
         let h = d.header(&good, u64::MAX).unwrap();
-        d.decode(&good, &h, 1, &mut out).unwrap();
+        d.decode(&good, &h, (1, None), &mut out).unwrap();
         assert_eq!((out.width, out.height), (16, 16));
         assert!(out.data.iter().all(|&v| v.abs_diff(128) <= 1));
     }

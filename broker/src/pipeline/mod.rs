@@ -24,7 +24,7 @@ use serde::Deserialize;
 
 use cache::CacheCounts;
 use dataset::Dataset;
-use decode::{DecodeError, Decoder, Format, Header, Rgb};
+use decode::{DecodeError, Decoder, Format, Header, Region, Rgb};
 use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
 use transform::{Lut, Scratch, Transform};
 
@@ -95,6 +95,9 @@ pub struct SampleRules {
     pub max_file_bytes: u64,
     /// Decode JPEGs at reduced size when the transform shrinks them anyway.
     pub reduced_decode: bool,
+    /// Decode only the region of a JPEG the transform reads (the same
+    /// bytes as a whole decode: `Transform::decode_region`).
+    pub crop_decode: bool,
     /// Budget of the cache of encoded bytes (0: none).
     pub cache_bytes: u64,
 }
@@ -282,7 +285,7 @@ impl ImagePipeline {
         index: u64,
         read: Option<Read>,
         dims: Dims,
-        denom: u32,
+        scale: (u32, Option<Region>),
         claim: Claim,
     ) -> Result<Option<Arc<Rgb>>, SampleError> {
         let path = || self.dataset.describe(index);
@@ -307,9 +310,9 @@ impl ImagePipeline {
             _ => &mut w.rgb,
         };
         w.decoder
-            .decode(bytes, &header, denom, rgb)
+            .decode(bytes, &header, scale, rgb)
             .map_err(decode_err)?;
-        if denom > 1 {
+        if scale.0 > 1 {
             self.reduced.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((s, _)) = &self.share {
@@ -402,13 +405,20 @@ impl ImagePipeline {
             }
             _ => self.transform.reduction(&plan, dims.width, dims.height),
         };
+        let region = match shared {
+            _ if !self.rules.crop_decode || dims.format != Format::Jpeg => None,
+            Some((s, _, _)) => s.region((epoch, position), dims, denom, self.rules.reduced_decode),
+            None => self
+                .transform
+                .decode_region(&plan, dims.width, dims.height, denom),
+        };
         let claim = match shared {
             Some((s, m, p)) => s.claim(m, p.at, index, dims, denom, !p.replay),
             None => Claim::Alone,
         };
         let img = match claim {
             Claim::Ready(img) => Some(img),
-            claim => self.decode(w, index, read, dims, denom, claim)?,
+            claim => self.decode(w, index, read, dims, (denom, region), claim)?,
         };
         let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
         self.transform

@@ -346,6 +346,7 @@ pub(super) fn image_source(
                 max_pixels: s.max_pixels,
                 max_file_bytes: s.max_file_bytes,
                 reduced_decode: s.reduced_decode,
+                crop_decode: s.crop_decode,
                 cache_bytes: s.cache_mib.saturating_mul(1 << 20),
             },
             split,

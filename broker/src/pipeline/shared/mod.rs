@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use super::cache::MinIoCache;
-use super::decode::{Format, Rgb};
+use super::decode::{Format, Region, Rgb};
 use super::transform::Transform;
 use crate::budget::{Budget, Grant, OverBudget, Use};
 
@@ -444,6 +444,40 @@ impl SourceShare {
             .unwrap_or(1)
     }
 
+    /// The part of sample `index` (at `epoch`) decoded at `denom` that the
+    /// streams taking that decode read: the union of their regions
+    /// (`Transform::decode_region`), the same whichever stream asks;
+    /// `None` (all of it) if one of them reads all. The streams taking it
+    /// are those that decode at `denom`: under [`DecodeShare::Once`] all
+    /// of them; under `Exact` those whose own scale it is (`reduced`: the
+    /// source's `reduced_decode`, else every scale is 1).
+    pub fn region(
+        &self,
+        (epoch, index): (u64, u64),
+        dims: Dims,
+        denom: u32,
+        reduced: bool,
+    ) -> Option<Region> {
+        let mut union: Option<Region> = None;
+        for m in &self.plan.members {
+            let mut rng = m.transform.rng(epoch, index);
+            let plan = m.transform.plan(dims.width, dims.height, &mut rng);
+            let own = if reduced {
+                m.transform.reduction(&plan, dims.width, dims.height)
+            } else {
+                1
+            };
+            if self.plan.policy == DecodeShare::Exact && own != denom {
+                continue;
+            }
+            let r = m
+                .transform
+                .decode_region(&plan, dims.width, dims.height, denom)?;
+            union = Some(union.map_or(r, |u| u.union(r)));
+        }
+        union
+    }
+
     /// Takes sample `at` decoded at `denom` from another stream, waiting
     /// for one that is decoding it, or says who decodes it.
     /// `share`: a stream's own fill (a replayed batch only takes).
@@ -600,6 +634,7 @@ mod tests {
             width: 4,
             height: 4,
             data: vec![7; 48],
+            decoded: None,
         })
     }
 
