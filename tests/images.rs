@@ -51,6 +51,15 @@ impl Env {
         common::imgtool_made(self.dir.path(), &[args]).remove(0)
     }
 
+    /// Makes `ds`, an ImageFolder of every format (`imgtool make-folder`,
+    /// `count` images of each kind): how many images.
+    fn images(&self, count: u32) -> u64 {
+        self.made(&["make-folder", "@/ds", "--count", &count.to_string()])
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     fn start(&mut self, config: &str) {
         let path = self.path("broker.toml");
         std::fs::write(&path, config).unwrap();
@@ -216,11 +225,7 @@ fn eval_transforms_match_pillow_and_labels_follow_class_order() {
 #[test]
 fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch() {
     let mut env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "2"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(2);
     let root = env.p("ds");
     let t = format!(
         "random_resized_crop = {{ size = 96 }}\nhorizontal_flip = 0.5\ndtype = \"bf16\"\n{NORM}"
@@ -261,11 +266,7 @@ fn random_transforms_are_reproducible_across_thread_counts_and_cover_each_epoch(
 #[test]
 fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
     let mut env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "1"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(1);
     let root = env.p("ds");
     let random = |aug: &str| {
         format!(
@@ -374,11 +375,7 @@ fn augmentations_are_reproducible_and_match_torchvision_when_fixed() {
 #[test]
 fn exact_resize_center_crop_pad_and_random_crop_follow_torchvision() {
     let mut env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "1"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(1);
     let root = env.p("ds");
     let fixed = "resize = [40, 48]\ncenter_crop = [44, 30]\npad = [1, 2, 3, 4]\ndtype = \"u8\"";
     let random =
@@ -709,11 +706,7 @@ fn bad_files_are_skipped_counted_and_logged_once_or_stop_the_stream() {
 #[test]
 fn entries_that_are_not_regular_files_or_too_large_are_bad_files_and_never_block() {
     let mut env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "1"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(1);
     let cat = env.path("ds/cat");
     // A FIFO nobody writes (opening it for reading would wait forever), a
     // link to an endless device, and a file over max_file_bytes.
@@ -920,11 +913,7 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
 #[test]
 fn a_class_folder_that_disappears_mid_run_is_reported_by_path() {
     let mut env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "1"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(1);
     let t = "resize = 32\ncenter_crop = 32\ndtype = \"u8\"";
     env.start(&stream(
         "s",
@@ -1055,11 +1044,7 @@ fn every_format_decodes_to_pillows_pixels() {
 #[test]
 fn a_hosts_share_comes_from_the_environment_so_one_config_serves_every_node() {
     let env = Env::new();
-    let n: u64 = env
-        .made(&["make-folder", "@/ds", "--count", "2"])
-        .trim()
-        .parse()
-        .unwrap();
+    let n = env.images(2);
     let cfg = stream(
         "s",
         &folder(&env.p("ds")),
@@ -1099,4 +1084,92 @@ fn a_hosts_share_comes_from_the_environment_so_one_config_serves_every_node() {
     let bad = cfg.replace("\"slurm\"", "\"mpi\"");
     let err = env.serve_fails(&bad.replace("{ env = \"NODE_RANK\" }", "0"));
     assert!(err.contains("unknown preset \"mpi\""), "{err}");
+}
+
+/// Decoded images kept for later epochs (`decoded_cache_mib`): bytes that
+/// depend on the configuration only (the same whether the cache holds
+/// every image or a few), at full size the bytes of a full-size decode,
+/// every image of later epochs a hit where it fits, its budget taken from
+/// the broker's memory budget, and refused with the key named where it
+/// cannot work.
+#[test]
+fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
+    let mut env = Env::new();
+    let n = env.images(2);
+    let root = env.p("ds");
+    let t = "random_resized_crop = { size = 24 }\nhorizontal_flip = 0.5\ndtype = \"u8\"";
+    let two = "seed = 3\nepochs = 2\ndrop_last = false";
+    let cfg = [
+        (
+            "kept",
+            format!("{two}\ndecoded_cache_mib = 64\ndecoded_side = 40"),
+        ),
+        (
+            "kept_few",
+            format!("{two}\ndecoded_cache_mib = 1\ndecoded_side = 40"),
+        ),
+        ("kept_full", format!("{two}\ndecoded_cache_mib = 64")),
+        ("full_size", format!("{two}\nreduced_decode = false")),
+        ("plain", two.to_string()),
+    ]
+    .iter()
+    .map(|(name, extra)| stream(name, &folder(&root), t, extra))
+    .collect::<Vec<_>>()
+    .join("\n");
+    env.start(&cfg);
+    let before = env.stats().memory;
+    // Each cache's budget was taken from the broker's when its stream
+    // started: 64 + 1 + 64 MiB more than the arenas alone.
+    assert!(before.arenas_bytes >= (129 << 20), "{before:?}");
+    let digests = |env: &Env, name: &str| {
+        let r = env.consume(&["--stream", name, "--digest"]);
+        assert!(r.ok && r.ended && r.epochs.len() == 2, "{r:#?}");
+        for e in &r.epochs {
+            assert_eq!(
+                e.distinct_indices,
+                Some(n),
+                "{name}: every sample once; the broker's log:\n{}",
+                env.log()
+            );
+        }
+        r.epochs
+            .iter()
+            .map(|e| e.digest.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let kept = digests(&env, "kept");
+    assert_eq!(kept, digests(&env, "kept_few"), "what fits changes no byte");
+    assert_ne!(kept, digests(&env, "plain"), "kept at side 40: other bytes");
+    assert_eq!(
+        digests(&env, "kept_full"),
+        digests(&env, "full_size"),
+        "kept at full size: a full-size decode's bytes"
+    );
+    let st = env.stats();
+    let cache = |name: &str| {
+        st.streams
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.source.as_ref())
+            .and_then(|s| s.decoded_cache.clone())
+            .unwrap_or_else(|| panic!("{name} has a decoded cache"))
+    };
+    let k = cache("kept");
+    assert_eq!((k.misses, k.hits, k.items), (n, n, n), "{k:?}");
+    assert!(k.bytes <= n * 40 * 40 * 3 && k.budget == 64 << 20, "{k:?}");
+    let few = cache("kept_few");
+    assert!(
+        few.bytes <= 1 << 20 && few.items == few.hits,
+        "MinIO: {few:?}"
+    );
+    for s in &st.streams {
+        let on = s.source.as_ref().unwrap().decoded_cache.is_some();
+        assert_eq!(on, s.name.starts_with("kept"), "{}", s.name);
+    }
+    // A side without a cache is refused, naming both keys.
+    let err = env.serve_fails(&stream("s", &folder(&root), t, "decoded_side = 64"));
+    assert!(
+        err.contains("decoded_side") && err.contains("decoded_cache_mib"),
+        "{err}"
+    );
 }

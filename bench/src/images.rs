@@ -59,6 +59,12 @@ struct Args {
     /// Runs of each decode variant (alternating); rows show the median
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// The decoded cache that holds the dataset, in MiB
+    #[arg(long, default_value_t = 1024)]
+    decoded_cache_mib: u64,
+    /// The longer side decoded images are kept at
+    #[arg(long, default_value_t = 256)]
+    decoded_side: u32,
 }
 
 /// How the native pipeline decodes a JPEG.
@@ -109,24 +115,66 @@ struct Row {
     cpu: f64,
 }
 
-/// The native pipeline in this process: `threads` threads share the work.
-fn native(root: &Path, threads: usize, passes: usize, decode: Decode) -> anyhow::Result<Row> {
+/// The sample rules of a decode variant (no caches).
+fn rules(decode: Decode) -> SampleRules {
+    SampleRules {
+        on_error: OnError::Skip,
+        max_pixels: u64::MAX,
+        max_file_bytes: u64::MAX,
+        reduced_decode: decode != Decode::FullSize,
+        crop_decode: decode == Decode::Crop,
+        cache_bytes: 0,
+        decoded_cache_bytes: 0,
+        decoded_side: None,
+    }
+}
+
+fn pipeline(root: &Path, rules: SampleRules) -> anyhow::Result<Arc<ImagePipeline>> {
     let ds = Dataset::image_folder(root)?;
-    let n = ds.len() as usize;
-    let p = Arc::new(ImagePipeline::new(
+    Ok(Arc::new(ImagePipeline::new(
         Arc::new(ds),
         transform(),
-        SampleRules {
-            on_error: OnError::Skip,
-            max_pixels: u64::MAX,
-            max_file_bytes: u64::MAX,
-            reduced_decode: decode != Decode::FullSize,
-            crop_decode: decode == Decode::Crop,
-            cache_bytes: 0,
-        },
+        rules,
         None,
-    ));
-    let total = n * passes;
+    )))
+}
+
+/// The native pipeline in this process: `threads` threads share the work.
+fn native(root: &Path, threads: usize, passes: usize, decode: Decode) -> anyhow::Result<Row> {
+    let p = pipeline(root, rules(decode))?;
+    run(&p, threads, 0..passes, decode.label())
+}
+
+/// The pipeline keeping decoded images (`decoded_cache_mib` of
+/// `cache_bytes`, `decoded_side` of `side`): its first epoch and the
+/// later ones, apart.
+fn kept(root: &Path, passes: usize, cache_bytes: u64, side: u32) -> anyhow::Result<(Row, Row)> {
+    let p = pipeline(
+        root,
+        SampleRules {
+            decoded_cache_bytes: cache_bytes,
+            decoded_side: Some(side),
+            ..rules(Decode::Crop)
+        },
+    )?;
+    let what = format!(
+        "native, decoded cache {} MiB at side {side}",
+        cache_bytes >> 20
+    );
+    let first = run(&p, 1, 0..1, &format!("{what}: first epoch"))?;
+    let later = run(&p, 1, 1..passes.max(2), &format!("{what}: later epochs"))?;
+    Ok((first, later))
+}
+
+/// `threads` threads make every sample of `epochs` through `p`.
+fn run(
+    p: &Arc<ImagePipeline>,
+    threads: usize,
+    epochs: std::ops::Range<usize>,
+    what: &str,
+) -> anyhow::Result<Row> {
+    let n = p.dataset.len() as usize;
+    let (from, total) = (epochs.start * n, epochs.len() * n);
     let next = Arc::new(AtomicUsize::new(0));
     let (cpu0, t0) = (process_cpu(), Instant::now());
     let handles: Vec<_> = (0..threads)
@@ -140,6 +188,7 @@ fn native(root: &Path, threads: usize, passes: usize, decode: Decode) -> anyhow:
                     if k >= total {
                         return Ok(());
                     }
+                    let k = from + k;
                     p.fill(&mut w, (k / n) as u64, (k % n) as u64, None, &mut out)?;
                 }
             })
@@ -153,7 +202,7 @@ fn native(root: &Path, threads: usize, passes: usize, decode: Decode) -> anyhow:
         eprintln!("note: {} unreadable images were replaced", counts.skipped);
     }
     Ok(Row {
-        what: decode.label().into(),
+        what: what.into(),
         threads,
         images: total,
         wall: t0.elapsed().as_secs_f64(),
@@ -230,6 +279,29 @@ fn broker_epoch(exe: &Path, root: &Path, n: usize) -> anyhow::Result<(f64, f64, 
     Ok((cpu, wall, same))
 }
 
+/// The decoded-cache rows (a cache that holds the dataset, and one that
+/// holds almost none of it, as a dataset larger than memory sees), with
+/// their ratios to the first row (the native pipeline, 1 thread).
+fn kept_rows(a: &Args, rows: &mut Vec<Row>) -> anyhow::Result<Vec<String>> {
+    let rate = |r: &Row| r.images as f64 / r.wall;
+    let native = rate(&rows[0]);
+    let mut lines = Vec::new();
+    for bytes in [a.decoded_cache_mib << 20, 1 << 20] {
+        let (first, later) = kept(&a.dataset, a.passes, bytes, a.decoded_side)?;
+        lines.push(format!(
+            "decoded cache of {} MiB at side {}: later epochs {:.2}x the first epoch's images/s; first epoch {:.2}x, later {:.2}x the images/s of the native row (1 thread)",
+            bytes >> 20,
+            a.decoded_side,
+            rate(&later) / rate(&first),
+            rate(&first) / native,
+            rate(&later) / native,
+        ));
+        rows.push(first);
+        rows.push(later);
+    }
+    Ok(lines)
+}
+
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -261,6 +333,7 @@ fn main() -> anyhow::Result<()> {
     rows.push(native(&a.dataset, 2, a.passes, Decode::Crop)?);
     rows.push(whole);
     rows.push(native(&a.dataset, 1, a.passes, Decode::FullSize)?);
+    let kept_lines = kept_rows(&a, &mut rows)?;
     for p in [1, 2] {
         rows.push(pillow(&python, &a.dataset, p, a.passes)?);
     }
@@ -286,6 +359,9 @@ fn main() -> anyhow::Result<()> {
         );
     }
     println!("\n{decode_line}");
+    for l in &kept_lines {
+        println!("{l}\n");
+    }
     println!(
         "| consumers | broker CPU-s per epoch | epoch wall s | identical bytes at every consumer |"
     );

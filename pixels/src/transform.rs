@@ -21,17 +21,19 @@ use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer
 use serde::Deserialize;
 
 use crate::augment::{Augment, Canvas, Op, Resample};
-use crate::decode::{Region, Rgb};
+use crate::decode::Rgb;
 use crate::erase::{Erasing, Rect};
 pub use crate::layout::Layout;
 pub use crate::random::round_half_even;
 use crate::random::uniform;
 
 mod pad;
+mod scale;
 mod tensor;
 pub use pad::Steps;
 pub use pad::{Border, PaddingMode};
 use pad::{Window, random_crop_steps};
+pub use scale::{Scale, kept_size, shrink};
 pub use tensor::Lut;
 use tensor::write_tensor;
 
@@ -275,42 +277,6 @@ impl Transform {
         }
     }
 
-    /// The part of the image decoded at `1/denom` that applying `plan`
-    /// reads, or `None` where it reads all of it (a resize of the whole
-    /// image). RandomResizedCrop resamples its box with Pillow's filters,
-    /// whose taps reach `support × max(scale, 1)` source pixels past the
-    /// box (support 3 at most: Lanczos), clamped to the image; one pixel
-    /// more on each side covers the rounding of the box's edges.
-    pub fn decode_region(
-        &self,
-        plan: &Plan,
-        width: u32,
-        height: u32,
-        denom: u32,
-    ) -> Option<Region> {
-        if plan.resized.is_some() || plan.too_small {
-            return None;
-        }
-        let (oh, ow) = self.crop_size();
-        let f = 1.0 / f64::from(denom);
-        let c = plan.crop;
-        let span = |start: f64, len: f64, out: u32, size: u32| {
-            let (start, len) = (start * f, len * f);
-            let reach = 3.0 * (len / f64::from(out.max(1))).max(1.0) + 1.0;
-            let lo = (start - reach).floor().max(0.0) as u32;
-            let hi = ((start + len + reach).ceil() as u32).min(size);
-            (lo, hi.max(lo))
-        };
-        let (x0, x1) = span(c.left, c.width, ow, width.div_ceil(denom));
-        let (y0, y1) = span(c.top, c.height, oh, height.div_ceil(denom));
-        Some(Region {
-            x: x0,
-            y: y0,
-            width: x1 - x0,
-            height: y1 - y0,
-        })
-    }
-
     /// The largest DCT downscale (1, 2, 4 or 8) that still leaves at least
     /// the output's resolution in the region that becomes the output, so the
     /// final resize only ever shrinks. None for `nearest` and `box`: they
@@ -454,13 +420,13 @@ pub struct ResizeError(String);
 
 impl Transform {
     /// Crops, resizes, flips and converts `img` per `plan` (made for the
-    /// image's full size; `denom` is the DCT reduction it was decoded at),
+    /// image's full size; `scale` is how `img` relates to that size),
     /// writing one sample's tensor into `out`.
     pub fn apply(
         &self,
         img: &Rgb,
         plan: &Plan,
-        denom: u32,
+        scale: Scale,
         lut: &Lut,
         scratch: &mut Scratch,
         out: &mut [u8],
@@ -471,7 +437,7 @@ impl Transform {
                 img.width, img.height
             )));
         }
-        self.crop_into(img, plan, denom, scratch)?;
+        self.crop_into(img, plan, scale, scratch)?;
         let (oh, ow) = self.out_size();
         let [l, t, r, b] = self.pad;
         if l + t + r + b > 0 {
@@ -517,7 +483,7 @@ impl Transform {
         &self,
         img: &Rgb,
         plan: &Plan,
-        denom: u32,
+        scale: Scale,
         scratch: &mut Scratch,
     ) -> Result<(), ResizeError> {
         let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
@@ -528,21 +494,19 @@ impl Transform {
         scratch.resized.resize(oh as usize * ow as usize * 3, 0);
         let (rw, rh) = match plan.resized {
             None => {
-                // A decode in part must hold what the resize reads.
-                if let Some(r) =
-                    self.decode_region(plan, img.width * denom, img.height * denom, denom)
-                    && !img.has(&r)
-                {
-                    return Err(ResizeError(format!(
-                        "the image was decoded in {:?}, the crop reads {r:?}",
-                        img.decoded
-                    )));
-                }
+                self.check_decoded(img, plan, scale)?;
                 // The crop box was chosen on the full-size image; a decode
-                // reduced in the DCT domain maps pixel x to x / denom.
-                let f = 1.0 / denom as f64;
+                // reduced in the DCT domain maps pixel x to x / denom, a
+                // kept image to x × its size over the original's.
+                let (fx, fy) = (scale.x, scale.y);
                 let c = plan.crop;
-                let opts = resample.crop(c.left * f, c.top * f, c.width * f, c.height * f);
+                let (x, y) = (c.left * fx, c.top * fy);
+                // A box that ends at the image's edge may pass it by a
+                // rounding error once scaled (a kept image's factor is a
+                // ratio): it ends at the edge.
+                let w = (c.width * fx).min(f64::from(img.width) - x);
+                let h = (c.height * fy).min(f64::from(img.height) - y);
+                let opts = resample.crop(x, y, w, h);
                 let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
                     .map_err(|e| err(&e))?;
                 scratch

@@ -149,6 +149,19 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
             src.cache_budget as f64 / (1 << 20) as f64
         );
     }
+    if let Some(k) = &src.decoded_cache {
+        let looked = (k.hits + k.misses).max(1);
+        let _ = write!(
+            out,
+            "; decoded cache {:.0} % hits ({} of {}), {} images, {:.1} of {:.1} MiB",
+            100.0 * k.hits as f64 / looked as f64,
+            k.hits,
+            k.hits + k.misses,
+            k.items,
+            k.bytes as f64 / (1 << 20) as f64,
+            k.budget as f64 / (1 << 20) as f64
+        );
+    }
     let _ = writeln!(out);
 }
 

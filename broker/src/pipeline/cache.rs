@@ -4,16 +4,19 @@
 //! page cache's LRU evicts every file before its next use (each epoch reads
 //! everything again); MinIO keeps a fixed part of the dataset resident, so
 //! each epoch reads from storage only what did not fit.
+//!
+//! The same policy keeps decoded images (`decoded_cache_mib`): a value is
+//! anything shared (`Arc`) with its size in bytes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 #[derive(Debug)]
-pub struct MinIoCache {
+pub struct MinIoCache<V: ?Sized = [u8]> {
     budget: u64,
     used: AtomicU64,
-    items: RwLock<HashMap<u64, Arc<[u8]>>>,
+    items: RwLock<HashMap<u64, Arc<V>>>,
     hits: AtomicU64,
     misses: AtomicU64,
 }
@@ -27,8 +30,8 @@ pub struct CacheCounts {
     pub budget: u64,
 }
 
-impl MinIoCache {
-    pub fn new(budget: u64) -> MinIoCache {
+impl<V: ?Sized> MinIoCache<V> {
+    pub fn new(budget: u64) -> MinIoCache<V> {
         MinIoCache {
             budget,
             used: AtomicU64::new(0),
@@ -38,7 +41,7 @@ impl MinIoCache {
         }
     }
 
-    pub fn get(&self, index: u64) -> Option<Arc<[u8]>> {
+    pub fn get(&self, index: u64) -> Option<Arc<V>> {
         let hit = self
             .items
             .read()
@@ -54,9 +57,9 @@ impl MinIoCache {
         hit
     }
 
-    /// Admits `bytes` if they fit in what is left of the budget.
-    pub(crate) fn offer(&self, index: u64, bytes: &[u8]) {
-        let len = bytes.len() as u64;
+    /// Admits `value`, `len` bytes, if it fits in what is left of the
+    /// budget (`make` is called only then).
+    pub(crate) fn offer_with(&self, index: u64, len: u64, make: impl FnOnce() -> Arc<V>) {
         // Reserve first so concurrent offers never overshoot the budget.
         let reserved = self
             .used
@@ -68,10 +71,21 @@ impl MinIoCache {
             return;
         }
         let mut items = self.items.write().unwrap_or_else(|p| p.into_inner());
-        if items.insert(index, Arc::from(bytes)).is_some() {
+        if items.insert(index, make()).is_some() {
             // Another thread admitted the same item meanwhile.
             self.used.fetch_sub(len, Ordering::Relaxed);
         }
+    }
+
+    /// Whether `len` bytes more would be admitted now (another thread may
+    /// take the room first: `offer_with` decides).
+    pub fn has_room(&self, len: u64) -> bool {
+        self.used.load(Ordering::Relaxed).saturating_add(len) <= self.budget
+    }
+
+    /// The bytes it may hold.
+    pub fn budget(&self) -> u64 {
+        self.budget
     }
 
     pub fn counts(&self) -> CacheCounts {
@@ -85,13 +99,20 @@ impl MinIoCache {
     }
 }
 
+impl MinIoCache<[u8]> {
+    /// Admits `bytes` if they fit in what is left of the budget.
+    pub(crate) fn offer(&self, index: u64, bytes: &[u8]) {
+        self.offer_with(index, bytes.len() as u64, || Arc::from(bytes));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn admits_until_full_and_never_evicts() {
-        let c = MinIoCache::new(10);
+        let c = MinIoCache::<[u8]>::new(10);
         c.offer(1, &[1; 4]);
         c.offer(2, &[2; 4]);
         c.offer(3, &[3; 4]); // does not fit

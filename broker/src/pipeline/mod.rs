@@ -10,6 +10,7 @@
 pub mod cache;
 pub(crate) mod collate;
 pub mod dataset;
+pub mod kept;
 pub(crate) mod sampler;
 pub mod shared;
 
@@ -26,7 +27,7 @@ use cache::CacheCounts;
 use dataset::Dataset;
 use decode::{DecodeError, Decoder, Format, Header, Region, Rgb};
 use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
-use transform::{Lut, Scratch, Transform};
+use transform::{Lut, Scale, Scratch, Transform};
 
 /// What to do with a sample that cannot be read or decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -78,6 +79,8 @@ pub struct PipelineCounts {
     pub skipped: u64,
     pub reduced: u64,
     pub cache: Option<CacheCounts>,
+    /// The cache of decoded images, if on.
+    pub kept: Option<CacheCounts>,
     /// A stream on a shared source: the source's name and counts.
     pub shared: Option<(String, ShareCounts)>,
     /// A remote dataset's requests, read-ahead and disk tier.
@@ -100,6 +103,11 @@ pub struct SampleRules {
     pub crop_decode: bool,
     /// Budget of the cache of encoded bytes (0: none).
     pub cache_bytes: u64,
+    /// Budget of the cache of decoded images (0: none): with it, samples
+    /// are transformed from kept images ([`kept`]).
+    pub decoded_cache_bytes: u64,
+    /// The longer side images are kept at (`None`: full size).
+    pub decoded_side: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -125,6 +133,9 @@ pub struct Worker {
     decoder: Decoder,
     bytes: Vec<u8>,
     rgb: Rgb,
+    /// A kept image made for a sample whose image the cache had no room
+    /// for (`kept.rs`).
+    kept: kept::Kept,
     scratch: Scratch,
 }
 
@@ -134,6 +145,7 @@ impl Worker {
             decoder: Decoder::new()?,
             bytes: Vec::new(),
             rgb: Rgb::default(),
+            kept: kept::Kept::default(),
             scratch: Scratch::default(),
         })
     }
@@ -170,7 +182,10 @@ impl ImagePipeline {
     ) -> ImagePipeline {
         let files = match &share {
             Some((s, _)) => s.files.clone(),
-            None => Arc::new(SourceFiles::new(rules.cache_bytes)),
+            None => Arc::new(SourceFiles::new(
+                rules.cache_bytes,
+                rules.decoded_cache_bytes,
+            )),
         };
         ImagePipeline {
             lut: Lut::new(&transform),
@@ -191,6 +206,7 @@ impl ImagePipeline {
             skipped: self.skipped.load(Ordering::Relaxed),
             reduced: self.reduced.load(Ordering::Relaxed),
             cache: self.files.cache.as_ref().map(|c| c.counts()),
+            kept: self.files.kept.as_ref().map(|k| k.cache.counts()),
             shared: self
                 .share
                 .as_ref()
@@ -312,12 +328,7 @@ impl ImagePipeline {
         w.decoder
             .decode(bytes, &header, scale, rgb)
             .map_err(decode_err)?;
-        if scale.0 > 1 {
-            self.reduced.fetch_add(1, Ordering::Relaxed);
-        }
-        if let Some((s, _)) = &self.share {
-            s.count_decode();
-        }
+        self.count_decode(scale.0);
         // Only what decoded is worth keeping.
         if cached.is_none()
             && let Some(c) = &self.files.cache
@@ -332,6 +343,30 @@ impl ImagePipeline {
             }
             _ => None,
         })
+    }
+
+    /// Counts a decode run, at `1/denom`.
+    fn count_decode(&self, denom: u32) {
+        if denom > 1 {
+            self.reduced.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some((s, _)) = &self.share {
+            s.count_decode();
+        }
+    }
+
+    /// Takes what this stream's source keeps from the broker's memory
+    /// budget (its cache of decoded images), once per source.
+    pub fn reserve(
+        &self,
+        budget: &Arc<crate::budget::Budget>,
+        uid: u32,
+        whom: &str,
+    ) -> Result<(), crate::budget::OverBudget> {
+        match &self.files.kept {
+            Some(k) => k.reserve(budget, uid, whom),
+            None => Ok(()),
+        }
     }
 
     /// Reads sample `index` ([`ImagePipeline::read`]) and its header.
@@ -375,6 +410,11 @@ impl ImagePipeline {
         place: Option<Place>,
         out: &mut [u8],
     ) -> Result<(), SampleError> {
+        if let Some(kept) = &self.files.kept {
+            // Kept images stand in for decodes (a source's streams share
+            // them through the cache, not by place).
+            return self.fill_kept(w, kept, (epoch, position, index), out);
+        }
         let path = || self.dataset.describe(index);
         // Only a sample in its own place is shared (a replacement is not
         // where the other streams look for it).
@@ -422,7 +462,14 @@ impl ImagePipeline {
         };
         let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
         self.transform
-            .apply(src, &plan, denom, &self.lut, &mut w.scratch, out)
+            .apply(
+                src,
+                &plan,
+                Scale::reduced(denom),
+                &self.lut,
+                &mut w.scratch,
+                out,
+            )
             .map_err(|e| SampleError::Transform {
                 path: path(),
                 message: e.to_string(),

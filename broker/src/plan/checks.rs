@@ -353,6 +353,30 @@ pub(super) fn check_limits(s: &StreamConfig) -> Result<(), StreamError> {
             total >> 20,
             "MiB of this host's memory",
         )?;
+        within(
+            "decoded_cache_mib",
+            s.decoded_cache_mib,
+            0,
+            total >> 20,
+            "MiB of this host's memory",
+        )?;
+    }
+    if let Some(side) = s.decoded_side {
+        within(
+            "decoded_side",
+            u64::from(side),
+            16,
+            65_535,
+            "pixels on a kept image's longer side",
+        )?;
+        if s.decoded_cache_mib == 0 {
+            return Err(StreamError::Key {
+                key: "decoded_side",
+                message: format!(
+                    "decoded_side = {side} keeps decoded images at that size, but decoded_cache_mib is 0 (no cache of decoded images): set decoded_cache_mib, or remove decoded_side"
+                ),
+            });
+        }
     }
     within(
         "world_size",

@@ -279,6 +279,20 @@ fn list_dataset(s: &StreamConfig) -> Result<(Dataset, Option<usize>), StreamErro
 
 /// `listed`: the dataset already listed (by another stream of a shared
 /// source), with its shuffle buffer.
+/// How a stream's samples are read and decoded, from its keys.
+fn sample_rules(s: &StreamConfig) -> SampleRules {
+    SampleRules {
+        on_error: s.on_error,
+        max_pixels: s.max_pixels,
+        max_file_bytes: s.max_file_bytes,
+        reduced_decode: s.reduced_decode,
+        crop_decode: s.crop_decode,
+        cache_bytes: s.cache_mib.saturating_mul(1 << 20),
+        decoded_cache_bytes: s.decoded_cache_mib.saturating_mul(1 << 20),
+        decoded_side: s.decoded_side,
+    }
+}
+
 pub(super) fn image_source(
     s: &StreamConfig,
     listed: Option<(Arc<Dataset>, Option<usize>)>,
@@ -341,14 +355,7 @@ pub(super) fn image_source(
         plan: SourcePlan::Images(Box::new(ImagePlan {
             dataset,
             transform,
-            rules: SampleRules {
-                on_error: s.on_error,
-                max_pixels: s.max_pixels,
-                max_file_bytes: s.max_file_bytes,
-                reduced_decode: s.reduced_decode,
-                crop_decode: s.crop_decode,
-                cache_bytes: s.cache_mib.saturating_mul(1 << 20),
-            },
+            rules: sample_rules(s),
             split,
             shuffle_buffer,
             shuffle: s.shuffle,

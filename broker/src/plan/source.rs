@@ -153,6 +153,7 @@ pub(super) fn attach(
             budget: src.decoded_mib.saturating_mul(1 << 20),
             members: specs,
             cache_bytes: src.cache_mib.saturating_mul(1 << 20),
+            decoded_cache_bytes: src.decoded_cache_mib.saturating_mul(1 << 20),
         });
         for (member, &i) in members.iter().enumerate() {
             if let SourcePlan::Images(p) = &mut plans[i].source {

@@ -194,7 +194,7 @@ impl Family<'_> {
 type Metric<T> = (&'static str, &'static str, &'static str, fn(&T) -> f64);
 
 /// Per stream, labelled `stream` (named `batchcast_stream_NAME`).
-static STREAM_METRICS: [Metric<StreamStats>; 11] = [
+static STREAM_METRICS: [Metric<StreamStats>; 13] = [
     (
         "batches_produced_total",
         "counter",
@@ -248,6 +248,28 @@ static STREAM_METRICS: [Metric<StreamStats>; 11] = [
         "counter",
         "Encoded-bytes cache hits (image streams).",
         |st| st.source.as_ref().map_or(0.0, |x| x.cache_hits as f64),
+    ),
+    (
+        "decoded_cache_hits_total",
+        "counter",
+        "Decoded-image cache hits (image streams with decoded_cache_mib).",
+        |st| {
+            st.source
+                .as_ref()
+                .and_then(|x| x.decoded_cache.as_ref())
+                .map_or(0.0, |k| k.hits as f64)
+        },
+    ),
+    (
+        "decoded_cache_misses_total",
+        "counter",
+        "Decoded-image cache misses: images decoded and kept, or not kept (full).",
+        |st| {
+            st.source
+                .as_ref()
+                .and_then(|x| x.decoded_cache.as_ref())
+                .map_or(0.0, |k| k.misses as f64)
+        },
     ),
     (
         "bad_files_skipped_total",

@@ -232,12 +232,16 @@ impl Stream {
         }
         let writer = match &plan.source {
             SourcePlan::Synthetic(spec) => Some(SlotWriter::Synthetic(*spec)),
-            SourcePlan::Images(p) => Some(SlotWriter::Images(Arc::new(ImagePipeline::new(
-                p.dataset.clone(),
-                p.transform.clone(),
-                p.rules,
-                share,
-            )))),
+            SourcePlan::Images(p) => {
+                let pipeline = Arc::new(ImagePipeline::new(
+                    p.dataset.clone(),
+                    p.transform.clone(),
+                    p.rules,
+                    share,
+                ));
+                pipeline.reserve(budget, owner_uid, &format!("stream `{}`", plan.name))?;
+                Some(SlotWriter::Images(pipeline))
+            }
             SourcePlan::External => None,
         };
         let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);

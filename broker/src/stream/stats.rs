@@ -58,31 +58,11 @@ impl Stream {
                 _ => None,
             },
             gpus: inner.mirrors.stats(&inner.hub),
-            source: self.writer.as_ref().and_then(|w| w.counts()).map(|n| {
-                let c = n.cache.unwrap_or_default();
-                let shared = n.shared.map(|(name, s)| proto::SharedSourceStats {
-                    source: name,
-                    streams: s.streams,
-                    decodes: s.decodes,
-                    taken: s.taken,
-                    held_s: s.held.as_secs_f64(),
-                    let_go: s.let_go,
-                    entries: s.entries,
-                    bytes: s.bytes,
-                });
-                SourceStats {
-                    decoded: n.decoded,
-                    skipped: n.skipped,
-                    reduced: n.reduced,
-                    cache_hits: c.hits,
-                    cache_misses: c.misses,
-                    cache_bytes: c.bytes,
-                    cache_items: c.items,
-                    cache_budget: c.budget,
-                    shared,
-                    remote: n.remote,
-                }
-            }),
+            source: self
+                .writer
+                .as_ref()
+                .and_then(|w| w.counts())
+                .map(source_stats),
             consumers,
             consumers_left_out: 0,
             past_consumers: inner.records.past.iter().cloned().collect(),
@@ -135,4 +115,38 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
             .mailbox()
             .map_or(conn.tally.taken, |mb| conn.tally.taken.max(mb.taken())),
     })
+}
+
+/// What an image source's counts show.
+fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
+    let c = n.cache.unwrap_or_default();
+    let shared = n.shared.map(|(name, s)| proto::SharedSourceStats {
+        source: name,
+        streams: s.streams,
+        decodes: s.decodes,
+        taken: s.taken,
+        held_s: s.held.as_secs_f64(),
+        let_go: s.let_go,
+        entries: s.entries,
+        bytes: s.bytes,
+    });
+    SourceStats {
+        decoded: n.decoded,
+        skipped: n.skipped,
+        reduced: n.reduced,
+        cache_hits: c.hits,
+        cache_misses: c.misses,
+        cache_bytes: c.bytes,
+        cache_items: c.items,
+        cache_budget: c.budget,
+        shared,
+        remote: n.remote,
+        decoded_cache: n.kept.map(|k| proto::DecodedCacheStats {
+            hits: k.hits,
+            misses: k.misses,
+            bytes: k.bytes,
+            items: k.items,
+            budget: k.budget,
+        }),
+    }
 }

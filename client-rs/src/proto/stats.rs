@@ -223,6 +223,20 @@ pub struct SourceStats {
     pub shared: Option<SharedSourceStats>,
     /// A dataset in an object store or on an HTTP server (protocol 17).
     pub remote: Option<RemoteSourceStats>,
+    /// The cache of decoded images, if on (protocol 22).
+    pub decoded_cache: Option<DecodedCacheStats>,
+}
+
+/// A source's cache of decoded images (`decoded_cache_mib`, protocol 22):
+/// a lookup per sample made, a hit where the image was kept.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DecodedCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Bytes and images kept, and the bytes it may keep.
+    pub bytes: u64,
+    pub items: u64,
+    pub budget: u64,
 }
 
 /// How a remote dataset's bytes arrive (protocol 17). Its URL never holds

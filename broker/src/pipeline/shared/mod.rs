@@ -47,6 +47,7 @@ use serde::Deserialize;
 
 use super::cache::MinIoCache;
 use super::decode::{Format, Region, Rgb};
+use super::kept::KeptImages;
 use super::transform::Transform;
 use crate::budget::{Budget, Grant, OverBudget, Use};
 
@@ -104,6 +105,8 @@ pub struct SharePlan {
     pub members: Vec<MemberSpec>,
     /// Bytes of the source's cache of encoded bytes (0: none).
     pub cache_bytes: u64,
+    /// Bytes of the source's cache of decoded images (0: none).
+    pub decoded_cache_bytes: u64,
 }
 
 /// A stream's seat on a shared source, as planned: the source, and which
@@ -136,14 +139,18 @@ impl Shares {
 #[derive(Debug, Default)]
 pub struct SourceFiles {
     pub cache: Option<MinIoCache>,
+    /// The cache of decoded images (`decoded_cache_mib`), if on.
+    pub kept: Option<KeptImages>,
     bad: Mutex<HashSet<u64>>,
 }
 
 impl SourceFiles {
-    /// With a cache of `cache_bytes` (0: none).
-    pub fn new(cache_bytes: u64) -> SourceFiles {
+    /// With a cache of `cache_bytes` of encoded bytes and one of
+    /// `decoded_bytes` of decoded images (0: none).
+    pub fn new(cache_bytes: u64, decoded_bytes: u64) -> SourceFiles {
         SourceFiles {
             cache: (cache_bytes > 0).then(|| MinIoCache::new(cache_bytes)),
+            kept: (decoded_bytes > 0).then(|| KeptImages::new(decoded_bytes)),
             bad: Mutex::default(),
         }
     }
@@ -344,7 +351,7 @@ impl SourceShare {
         let now = Instant::now();
         let n = plan.members.len().min(MAX_MEMBERS);
         SourceShare {
-            files: Arc::new(SourceFiles::new(plan.cache_bytes)),
+            files: Arc::new(SourceFiles::new(plan.cache_bytes, plan.decoded_cache_bytes)),
             plan,
             start_grace: START_GRACE,
             state: Mutex::new(State {
@@ -618,6 +625,7 @@ mod tests {
                 budget,
                 members,
                 cache_bytes: 0,
+                decoded_cache_bytes: 0,
             }))
             .with_start_grace(grace),
         )

@@ -1,0 +1,132 @@
+//! How the image a transform is applied to relates to the one its plan
+//! was drawn for: a JPEG decoded at a reduced scale or only in part
+//! (the region a crop reads), or a decoded image kept at a bounded size.
+
+use fast_image_resize::PixelType;
+use fast_image_resize::images::{Image, ImageRef};
+
+use super::{Interpolation, Plan, ResizeError, Scratch, Transform};
+use crate::decode::{Region, Rgb};
+
+/// How the image a transform is applied to relates to the one its plan
+/// was drawn for: pixel `(x, y)` of that one is at `(x × self.x, y ×
+/// self.y)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scale {
+    pub x: f64,
+    pub y: f64,
+}
+
+impl Scale {
+    /// A JPEG decoded at `1/denom` in the DCT domain (1: the image itself).
+    pub fn reduced(denom: u32) -> Scale {
+        let f = 1.0 / denom as f64;
+        Scale { x: f, y: f }
+    }
+
+    /// An image of `width × height` standing for one of `of`.
+    pub fn kept((width, height): (u32, u32), of: (u32, u32)) -> Scale {
+        Scale {
+            x: f64::from(width) / f64::from(of.0),
+            y: f64::from(height) / f64::from(of.1),
+        }
+    }
+}
+
+/// The size an image of `width × height` is kept at with its longer side
+/// at most `side`: the longer becomes `side`, the shorter its share
+/// rounded (at least 1), as Pillow's `thumbnail`; a smaller image keeps
+/// its size.
+pub fn kept_size(width: u32, height: u32, side: u32) -> (u32, u32) {
+    let long = width.max(height);
+    if long <= side {
+        return (width, height);
+    }
+    let short = |s: u32| ((f64::from(s) * f64::from(side) / f64::from(long)).round() as u32).max(1);
+    if width >= height {
+        (side, short(height))
+    } else {
+        (short(width), side)
+    }
+}
+
+/// `img` resized to `(width, height)` with Pillow's bilinear filter
+/// (antialiased), into `out`.
+pub fn shrink(
+    img: &Rgb,
+    (width, height): (u32, u32),
+    scratch: &mut Scratch,
+    out: &mut Rgb,
+) -> Result<(), ResizeError> {
+    let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
+    let n = img.width as usize * img.height as usize * 3;
+    let src = ImageRef::new(img.width, img.height, &img.data[..n], PixelType::U8x3)
+        .map_err(|e| err(&e))?;
+    out.data.resize(width as usize * height as usize * 3, 0);
+    (out.width, out.height, out.decoded) = (width, height, None);
+    let mut dst =
+        Image::from_slice_u8(width, height, &mut out.data, PixelType::U8x3).map_err(|e| err(&e))?;
+    scratch
+        .resizer
+        .resize(&src, &mut dst, &Interpolation::Bilinear.options())
+        .map_err(|e| err(&e))
+}
+
+impl Transform {
+    /// The part of the image decoded at `1/denom` that applying `plan`
+    /// reads, or `None` where it reads all of it (a resize of the whole
+    /// image). RandomResizedCrop resamples its box with Pillow's filters,
+    /// whose taps reach `support × max(scale, 1)` source pixels past the
+    /// box (support 3 at most: Lanczos), clamped to the image; one pixel
+    /// more on each side covers the rounding of the box's edges.
+    pub fn decode_region(
+        &self,
+        plan: &Plan,
+        width: u32,
+        height: u32,
+        denom: u32,
+    ) -> Option<Region> {
+        if plan.resized.is_some() || plan.too_small {
+            return None;
+        }
+        let (oh, ow) = self.crop_size();
+        let f = 1.0 / f64::from(denom);
+        let c = plan.crop;
+        let span = |start: f64, len: f64, out: u32, size: u32| {
+            let (start, len) = (start * f, len * f);
+            let reach = 3.0 * (len / f64::from(out.max(1))).max(1.0) + 1.0;
+            let lo = (start - reach).floor().max(0.0) as u32;
+            let hi = ((start + len + reach).ceil() as u32).min(size);
+            (lo, hi.max(lo))
+        };
+        let (x0, x1) = span(c.left, c.width, ow, width.div_ceil(denom));
+        let (y0, y1) = span(c.top, c.height, oh, height.div_ceil(denom));
+        Some(Region {
+            x: x0,
+            y: y0,
+            width: x1 - x0,
+            height: y1 - y0,
+        })
+    }
+
+    /// A decode in part (at `1/denom`, `scale`) must hold what the
+    /// resize of `plan`'s crop reads.
+    pub(super) fn check_decoded(
+        &self,
+        img: &Rgb,
+        plan: &Plan,
+        scale: Scale,
+    ) -> Result<(), ResizeError> {
+        let denom = (1.0 / scale.x).round() as u32;
+        if img.decoded.is_some()
+            && let Some(r) = self.decode_region(plan, img.width * denom, img.height * denom, denom)
+            && !img.has(&r)
+        {
+            return Err(ResizeError(format!(
+                "the image was decoded in {:?}, the crop reads {r:?}",
+                img.decoded
+            )));
+        }
+        Ok(())
+    }
+}
