@@ -1172,4 +1172,9 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
         err.contains("decoded_side") && err.contains("decoded_cache_mib"),
         "{err}"
     );
+    // A cache beyond the broker's memory budget is refused at start,
+    // naming the key.
+    let big = stream("s", &folder(&root), t, "decoded_cache_mib = 512");
+    let err = env.serve_fails(&format!("[broker]\nmemory_mib = 256\n\n{big}"));
+    assert!(err.contains("decoded_cache_mib"), "{err}");
 }
