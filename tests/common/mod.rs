@@ -32,6 +32,9 @@ pub struct Env {
     /// value of its setting for the broker and every consumer started
     /// here, if on.
     stand_in: Option<String>,
+    /// Consumers started here, counted: each one's stderr goes to
+    /// `consumer-N.stderr` in the folder, shown when a wait times out.
+    consumers: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for Env {
@@ -98,6 +101,11 @@ pub fn spawn_consumer(socket: &Path, args: &[&str]) -> Child {
 
 /// [`spawn_consumer`], with the GPU stand-in's setting.
 pub fn spawn_consumer_stand_in(socket: &Path, args: &[&str], stand_in: Option<&str>) -> Child {
+    consumer_command(socket, args, stand_in).spawn().unwrap()
+}
+
+/// The command [`spawn_consumer_stand_in`] runs.
+fn consumer_command(socket: &Path, args: &[&str], stand_in: Option<&str>) -> Command {
     let mut cmd = command(EXE);
     if let Some(v) = stand_in {
         cmd.env(batchcast::stand_in::ENV, v);
@@ -106,9 +114,8 @@ pub fn spawn_consumer_stand_in(socket: &Path, args: &[&str], stand_in: Option<&s
         .arg(socket)
         .args(args)
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stdout(Stdio::piped());
+    cmd
 }
 
 /// A command for a program the tests start, without the `BATCHCAST_*`
@@ -241,6 +248,7 @@ impl Env {
             dir,
             children: Children::default(),
             stand_in: stand_in.map(Into::into),
+            consumers: Default::default(),
         }
     }
 
@@ -277,11 +285,34 @@ impl Env {
     /// Starts `batchcast consume` with `args` against this broker (killed
     /// when the test ends, if it is still running then).
     pub fn consumer(&self, args: &[&str]) -> std::process::Child {
-        self.own(spawn_consumer_stand_in(
-            &self.socket(),
-            args,
-            self.stand_in.as_deref(),
-        ))
+        let n = self
+            .consumers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let err = std::fs::File::create(self.path(&format!("consumer-{n}.stderr"))).unwrap();
+        let mut cmd = consumer_command(&self.socket(), args, self.stand_in.as_deref());
+        self.own(cmd.stderr(err).spawn().unwrap())
+    }
+
+    /// The end of what the consumers started here and the brokers said
+    /// (their stderr and logs), for a failure's message.
+    pub fn what_they_said(&self) -> String {
+        let tail = |path: &Path, lines: usize| {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            all[all.len().saturating_sub(lines)..].join("\n")
+        };
+        let mut out = String::new();
+        let n = self.consumers.load(std::sync::atomic::Ordering::Relaxed);
+        for k in 0..n {
+            let said = tail(&self.path(&format!("consumer-{k}.stderr")), 12);
+            out += &format!("--- consumer {k} said:\n{said}\n");
+        }
+        for log in ["broker.log", "broker-again.log"] {
+            if self.path(log).exists() {
+                out += &format!("--- {log}, its end:\n{}\n", tail(&self.path(log), 25));
+            }
+        }
+        out
     }
 
     /// Makes a child the test started its own: killed and reaped when
@@ -305,7 +336,8 @@ impl Env {
             }
             assert!(
                 t0.elapsed() < LIMIT,
-                "timed out waiting for {what}; last stats: {s:#?}"
+                "timed out waiting for {what}; last stats: {s:#?}\n{}",
+                self.what_they_said()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
