@@ -44,7 +44,7 @@
 //! on_error = "skip"     # or "fail"
 //! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off
 //! decoded_cache_mib = 0 # MinIO cache of decoded images (from the memory budget); 0 = off
-//! decoded_side = 256    # ... kept with the longer side at most this (absent: full size)
+//! decoded_side = 256    # ... JPEGs kept at the DCT scale leaving the longer side >= this
 //! max_file_bytes = 268435456   # larger samples are bad files
 //! rank = 0              # this host's share of a multi-host job; or
 //! world_size = 1        # { env = "VAR" }, "torchrun" or "slurm" (config/share.rs)
@@ -195,12 +195,12 @@ with_source_keys! {
         #[serde(default)]
         cache_mib: u64,
         /// Budget of the MinIO cache of decoded images, in MiB (0: none),
-        /// taken from the broker's memory budget. On, every sample is
-        /// transformed from its kept image (other bytes than without).
+        /// taken from the broker's memory budget. On, every JPEG is
+        /// decoded at its kept scale (other bytes than without).
         #[serde(default)]
         decoded_cache_mib: u64,
-        /// The longer side decoded images are kept at (smaller ones as
-        /// they are); absent: at full size.
+        /// JPEGs are kept at the largest DCT reduction that leaves the
+        /// longer side at least this; absent: at full size.
         decoded_side: Option<u32>,
         /// How a dataset in an object store or on an HTTP server is read
         /// (`[stream.remote]`; defaults when absent).

@@ -33,7 +33,7 @@ mod tensor;
 pub use pad::Steps;
 pub use pad::{Border, PaddingMode};
 use pad::{Window, random_crop_steps};
-pub use scale::{Scale, kept_size, shrink};
+pub use scale::Scale;
 pub use tensor::Lut;
 use tensor::write_tensor;
 
@@ -496,17 +496,10 @@ impl Transform {
             None => {
                 self.check_decoded(img, plan, scale)?;
                 // The crop box was chosen on the full-size image; a decode
-                // reduced in the DCT domain maps pixel x to x / denom, a
-                // kept image to x × its size over the original's.
+                // reduced in the DCT domain maps pixel x to x / denom.
                 let (fx, fy) = (scale.x, scale.y);
                 let c = plan.crop;
-                let (x, y) = (c.left * fx, c.top * fy);
-                // A box that ends at the image's edge may pass it by a
-                // rounding error once scaled (a kept image's factor is a
-                // ratio): it ends at the edge.
-                let w = (c.width * fx).min(f64::from(img.width) - x);
-                let h = (c.height * fy).min(f64::from(img.height) - y);
-                let opts = resample.crop(x, y, w, h);
+                let opts = resample.crop(c.left * fx, c.top * fy, c.width * fx, c.height * fy);
                 let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
                     .map_err(|e| err(&e))?;
                 scratch

@@ -1,19 +1,19 @@
 //! Decoded images kept for the next epoch (`decoded_cache_mib`), as FFCV
-//! keeps decoded pixels at a bounded resolution: each sample is decoded
-//! whole once, kept with its longer side at most `decoded_side`
-//! (`transform::kept_size`: the largest DCT reduction that leaves at least
-//! that, then Pillow's bilinear filter), and every epoch's transform is
-//! applied to the kept image, its plan drawn for the original size and its
-//! crop box mapped by the kept size over the original
-//! (`transform::Scale::kept`).
+//! keeps decoded pixels at a bounded resolution. A JPEG is kept as decoded
+//! at the largest DCT reduction (1/2, 1/4, 1/8) that leaves its longer side
+//! at least `decoded_side` (so below twice that, or its own size when
+//! smaller); other formats, and every image without `decoded_side`, at
+//! full size. No resampling: each epoch's transform is applied to the kept
+//! image exactly as to a decode at that scale (`Scale::reduced`), its plan
+//! drawn for the original size.
 //!
 //! The bytes depend only on the configuration, never on what the cache
-//! holds: an image that did not fit is made the same way again on each
-//! use. They differ from a stream without the cache where the kept image
-//! is smaller than the decode the transform alone would choose (a crop of
-//! a 256-px image resized to 224 instead of a crop of the photo), and,
-//! without `decoded_side`, equal those of `reduced_decode = false` (the
-//! whole image at full size, the crop box unscaled).
+//! holds: an image the cache has no room for is decoded at the same scale
+//! again on each use (only the part its crop reads: the same pixels,
+//! `pixels/tests/crop_decode.rs`). They differ from a stream without the
+//! cache only in the scale a JPEG is decoded at (fixed per image here,
+//! chosen per crop there); without `decoded_side` they equal those of
+//! `reduced_decode = false`.
 //!
 //! The cache is a [`MinIoCache`] (admitted until its budget is spent,
 //! never evicted), one per source, its budget taken from the broker's
@@ -22,15 +22,17 @@
 use std::sync::{Arc, Mutex};
 
 use super::cache::MinIoCache;
-use super::decode::{Format, Rgb};
-use super::transform::{Scale, kept_size, shrink};
+use super::decode::{Format, Header, Rgb};
+use super::transform::{Plan, Scale};
 use super::{ImagePipeline, SampleError, Worker};
 use crate::budget::{Budget, Grant, OverBudget, Use};
 
-/// A decoded image as kept, and the size of the image it stands for.
-#[derive(Debug, Default)]
+/// A decoded image as kept: decoded at `1/denom`, and the size of the
+/// image it stands for.
+#[derive(Debug)]
 pub struct Kept {
     pub rgb: Rgb,
+    pub denom: u32,
     pub width: u32,
     pub height: u32,
 }
@@ -68,8 +70,9 @@ impl KeptImages {
 
 impl ImagePipeline {
     /// Writes sample `index`'s tensor (drawn for `(epoch, position)`) from
-    /// its kept image, made now if it was not kept (and kept if it fits;
-    /// made in the worker's buffer if it does not).
+    /// its kept image; where it was not kept, decodes it at its kept
+    /// scale: whole, and kept, if the cache has room, else only where the
+    /// crop reads.
     pub(super) fn fill_kept(
         &self,
         w: &mut Worker,
@@ -77,84 +80,101 @@ impl ImagePipeline {
         (epoch, position, index): (u64, u64, u64),
         out: &mut [u8],
     ) -> Result<(), SampleError> {
-        let found = kept.cache.get(index);
-        let mut made = std::mem::take(&mut w.kept);
-        let result = match &found {
-            Some(k) => self.apply_kept(w, k, (epoch, position, index), out),
-            None => self.keep(w, index, &mut made).and_then(|()| {
-                let len = made.rgb.data.len() as u64;
-                if !kept.cache.has_room(len) {
-                    return self.apply_kept(w, &made, (epoch, position, index), out);
+        let path = || self.dataset.describe(index);
+        let (img, plan, denom) = match kept.cache.get(index) {
+            Some(k) => {
+                let plan = self.plan_for(epoch, position, (k.width, k.height));
+                self.transform_into(w, &k.rgb, (&plan, k.denom), index, out)?;
+                return Ok(());
+            }
+            None => {
+                let (cached, header) = self.read_header(w, index)?;
+                let denom = self.kept_scale(&header);
+                let plan = self.plan_for(epoch, position, (header.width, header.height));
+                let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
+                let len = u64::from(sw) * u64::from(sh) * 3;
+                let room = kept.cache.has_room(len);
+                let region = match header.format {
+                    Format::Jpeg if !room && self.rules.crop_decode => self
+                        .transform
+                        .decode_region(&plan, header.width, header.height, denom),
+                    _ => None,
+                };
+                let bytes = cached.as_deref().unwrap_or(&w.bytes);
+                w.decoder
+                    .decode(bytes, &header, (denom, region), &mut w.rgb)
+                    .map_err(|source| SampleError::Decode {
+                        path: path(),
+                        source,
+                    })?;
+                self.count_decode(denom);
+                if room {
+                    let n = len as usize;
+                    let k = Arc::new(Kept {
+                        rgb: Rgb {
+                            width: sw,
+                            height: sh,
+                            data: w.rgb.data[..n].to_vec(),
+                            decoded: None,
+                        },
+                        denom,
+                        width: header.width,
+                        height: header.height,
+                    });
+                    kept.cache.offer_with(index, len, || k.clone());
                 }
-                // Admitted: an exact copy (the worker's buffer stays).
-                let k = Arc::new(Kept {
-                    rgb: Rgb {
-                        data: made.rgb.data.clone(),
-                        ..made.rgb
-                    },
-                    ..made
-                });
-                kept.cache.offer_with(index, len, || k.clone());
-                self.apply_kept(w, &k, (epoch, position, index), out)
-            }),
+                (std::mem::take(&mut w.rgb), plan, denom)
+            }
         };
-        w.kept = made;
-        result
+        let r = self.transform_into(w, &img, (&plan, denom), index, out);
+        w.rgb = img;
+        r
     }
 
-    fn apply_kept(
+    /// The plan of the sample at `(epoch, position)` for an image of
+    /// `size`.
+    fn plan_for(&self, epoch: u64, position: u64, (width, height): (u32, u32)) -> Plan {
+        let mut rng = self.transform.rng(epoch, position);
+        self.transform.plan(width, height, &mut rng)
+    }
+
+    fn transform_into(
         &self,
         w: &mut Worker,
-        img: &Kept,
-        (epoch, position, index): (u64, u64, u64),
+        img: &Rgb,
+        (plan, denom): (&Plan, u32),
+        index: u64,
         out: &mut [u8],
     ) -> Result<(), SampleError> {
-        let mut rng = self.transform.rng(epoch, position);
-        let plan = self.transform.plan(img.width, img.height, &mut rng);
-        let scale = Scale::kept((img.rgb.width, img.rgb.height), (img.width, img.height));
         self.transform
-            .apply(&img.rgb, &plan, scale, &self.lut, &mut w.scratch, out)
+            .apply(
+                img,
+                plan,
+                Scale::reduced(denom),
+                &self.lut,
+                &mut w.scratch,
+                out,
+            )
             .map_err(|e| SampleError::Transform {
                 path: self.dataset.describe(index),
                 message: e.to_string(),
             })
     }
 
-    /// Reads and decodes sample `index` whole, at the size it is kept at,
-    /// into `into` (its buffer reused).
-    fn keep(&self, w: &mut Worker, index: u64, into: &mut Kept) -> Result<(), SampleError> {
-        let (cached, header) = self.read_header(w, index)?;
-        let (width, height) = (header.width, header.height);
-        let size = self
-            .rules
-            .decoded_side
-            .map_or((width, height), |s| kept_size(width, height, s));
-        // The largest DCT reduction that still leaves the kept size.
-        let denom = [8u32, 4, 2]
+    /// The DCT reduction an image is kept at: the largest that leaves its
+    /// longer side at least `decoded_side` (JPEG, with `reduced_decode`).
+    fn kept_scale(&self, header: &Header) -> u32 {
+        let (Some(side), Format::Jpeg, true) = (
+            self.rules.decoded_side,
+            header.format,
+            self.rules.reduced_decode,
+        ) else {
+            return 1;
+        };
+        let long = header.width.max(header.height);
+        [8u32, 4, 2]
             .into_iter()
-            .find(|&d| width.div_ceil(d) >= size.0 && height.div_ceil(d) >= size.1)
-            .filter(|_| header.format == Format::Jpeg && self.rules.reduced_decode)
-            .unwrap_or(1);
-        let bytes = cached.as_deref().unwrap_or(&w.bytes);
-        w.decoder
-            .decode(bytes, &header, (denom, None), &mut w.rgb)
-            .map_err(|source| SampleError::Decode {
-                path: self.dataset.describe(index),
-                source,
-            })?;
-        self.count_decode(denom);
-        (into.width, into.height) = (width, height);
-        let rgb = &mut into.rgb;
-        if (w.rgb.width, w.rgb.height) == size {
-            let n = size.0 as usize * size.1 as usize * 3;
-            rgb.data.clear();
-            rgb.data.extend_from_slice(&w.rgb.data[..n]);
-            (rgb.width, rgb.height, rgb.decoded) = (size.0, size.1, None);
-            return Ok(());
-        }
-        shrink(&w.rgb, size, &mut w.scratch, rgb).map_err(|e| SampleError::Transform {
-            path: self.dataset.describe(index),
-            message: e.to_string(),
-        })
+            .find(|&d| long.div_ceil(d) >= side)
+            .unwrap_or(1)
     }
 }

@@ -106,7 +106,7 @@ pub struct SampleRules {
     /// Budget of the cache of decoded images (0: none): with it, samples
     /// are transformed from kept images ([`kept`]).
     pub decoded_cache_bytes: u64,
-    /// The longer side images are kept at (`None`: full size).
+    /// The least longer side JPEGs are kept at (`None`: full size).
     pub decoded_side: Option<u32>,
 }
 
@@ -133,9 +133,6 @@ pub struct Worker {
     decoder: Decoder,
     bytes: Vec<u8>,
     rgb: Rgb,
-    /// A kept image made for a sample whose image the cache had no room
-    /// for (`kept.rs`).
-    kept: kept::Kept,
     scratch: Scratch,
 }
 
@@ -145,7 +142,6 @@ impl Worker {
             decoder: Decoder::new()?,
             bytes: Vec::new(),
             rgb: Rgb::default(),
-            kept: kept::Kept::default(),
             scratch: Scratch::default(),
         })
     }

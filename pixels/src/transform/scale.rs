@@ -1,11 +1,8 @@
 //! How the image a transform is applied to relates to the one its plan
-//! was drawn for: a JPEG decoded at a reduced scale or only in part
-//! (the region a crop reads), or a decoded image kept at a bounded size.
+//! was drawn for: a JPEG decoded at a reduced scale, or only in part (the
+//! region a crop reads).
 
-use fast_image_resize::PixelType;
-use fast_image_resize::images::{Image, ImageRef};
-
-use super::{Interpolation, Plan, ResizeError, Scratch, Transform};
+use super::{Plan, ResizeError, Transform};
 use crate::decode::{Region, Rgb};
 
 /// How the image a transform is applied to relates to the one its plan
@@ -23,53 +20,6 @@ impl Scale {
         let f = 1.0 / denom as f64;
         Scale { x: f, y: f }
     }
-
-    /// An image of `width × height` standing for one of `of`.
-    pub fn kept((width, height): (u32, u32), of: (u32, u32)) -> Scale {
-        Scale {
-            x: f64::from(width) / f64::from(of.0),
-            y: f64::from(height) / f64::from(of.1),
-        }
-    }
-}
-
-/// The size an image of `width × height` is kept at with its longer side
-/// at most `side`: the longer becomes `side`, the shorter its share
-/// rounded (at least 1), as Pillow's `thumbnail`; a smaller image keeps
-/// its size.
-pub fn kept_size(width: u32, height: u32, side: u32) -> (u32, u32) {
-    let long = width.max(height);
-    if long <= side {
-        return (width, height);
-    }
-    let short = |s: u32| ((f64::from(s) * f64::from(side) / f64::from(long)).round() as u32).max(1);
-    if width >= height {
-        (side, short(height))
-    } else {
-        (short(width), side)
-    }
-}
-
-/// `img` resized to `(width, height)` with Pillow's bilinear filter
-/// (antialiased), into `out`.
-pub fn shrink(
-    img: &Rgb,
-    (width, height): (u32, u32),
-    scratch: &mut Scratch,
-    out: &mut Rgb,
-) -> Result<(), ResizeError> {
-    let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
-    let n = img.width as usize * img.height as usize * 3;
-    let src = ImageRef::new(img.width, img.height, &img.data[..n], PixelType::U8x3)
-        .map_err(|e| err(&e))?;
-    out.data.resize(width as usize * height as usize * 3, 0);
-    (out.width, out.height, out.decoded) = (width, height, None);
-    let mut dst =
-        Image::from_slice_u8(width, height, &mut out.data, PixelType::U8x3).map_err(|e| err(&e))?;
-    scratch
-        .resizer
-        .resize(&src, &mut dst, &Interpolation::Bilinear.options())
-        .map_err(|e| err(&e))
 }
 
 impl Transform {
