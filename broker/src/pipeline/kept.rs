@@ -80,55 +80,55 @@ impl ImagePipeline {
         (epoch, position, index): (u64, u64, u64),
         out: &mut [u8],
     ) -> Result<(), SampleError> {
-        let path = || self.dataset.describe(index);
-        let (img, plan, denom) = match kept.cache.get(index) {
-            Some(k) => {
-                let plan = self.plan_for(epoch, position, (k.width, k.height));
-                self.transform_into(w, &k.rgb, (&plan, k.denom), index, out)?;
-                return Ok(());
+        if let Some(k) = kept.cache.get(index) {
+            let plan = self.plan_for(epoch, position, (k.width, k.height));
+            return self.transform_into(w, &k.rgb, (&plan, k.denom), index, out);
+        }
+        let (cached, header) = self.read_header(w, index)?;
+        let denom = self.kept_scale(&header);
+        let plan = self.plan_for(epoch, position, (header.width, header.height));
+        let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
+        let len = u64::from(sw) * u64::from(sh) * 3;
+        let room = kept.cache.has_room(len);
+        let region = match header.format {
+            Format::Jpeg if !room && self.rules.crop_decode => {
+                self.transform
+                    .decode_region(&plan, header.width, header.height, denom)
             }
-            None => {
-                let (cached, header) = self.read_header(w, index)?;
-                let denom = self.kept_scale(&header);
-                let plan = self.plan_for(epoch, position, (header.width, header.height));
-                let (sw, sh) = (header.width.div_ceil(denom), header.height.div_ceil(denom));
-                let len = u64::from(sw) * u64::from(sh) * 3;
-                let room = kept.cache.has_room(len);
-                let region = match header.format {
-                    Format::Jpeg if !room && self.rules.crop_decode => self
-                        .transform
-                        .decode_region(&plan, header.width, header.height, denom),
-                    _ => None,
-                };
-                let bytes = cached.as_deref().unwrap_or(&w.bytes);
-                w.decoder
-                    .decode(bytes, &header, (denom, region), &mut w.rgb)
-                    .map_err(|source| SampleError::Decode {
-                        path: path(),
-                        source,
-                    })?;
-                self.count_decode(denom);
-                if room {
-                    let n = len as usize;
-                    let k = Arc::new(Kept {
-                        rgb: Rgb {
-                            width: sw,
-                            height: sh,
-                            data: w.rgb.data[..n].to_vec(),
-                            decoded: None,
-                        },
-                        denom,
-                        width: header.width,
-                        height: header.height,
-                    });
-                    kept.cache.offer_with(index, len, || k.clone());
-                }
-                (std::mem::take(&mut w.rgb), plan, denom)
-            }
+            _ => None,
         };
-        let r = self.transform_into(w, &img, (&plan, denom), index, out);
-        w.rgb = img;
-        r
+        // Kept: decoded straight into its own buffer (fresh, zeroed pages
+        // the decode writes once); else into the worker's.
+        let mut img = if room {
+            Rgb::default()
+        } else {
+            std::mem::take(&mut w.rgb)
+        };
+        let bytes = cached.as_deref().unwrap_or(&w.bytes);
+        let decoded = w
+            .decoder
+            .decode(bytes, &header, (denom, region), &mut img)
+            .map_err(|source| SampleError::Decode {
+                path: self.dataset.describe(index),
+                source,
+            });
+        if decoded.is_ok() {
+            self.count_decode(denom);
+        }
+        if !room {
+            let r = decoded.and_then(|()| self.transform_into(w, &img, (&plan, denom), index, out));
+            w.rgb = img;
+            return r;
+        }
+        decoded?;
+        let k = Arc::new(Kept {
+            rgb: img,
+            denom,
+            width: header.width,
+            height: header.height,
+        });
+        kept.cache.offer_with(index, len, || k.clone());
+        self.transform_into(w, &k.rgb, (&plan, denom), index, out)
     }
 
     /// The plan of the sample at `(epoch, position)` for an image of
