@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXE, print  # noqa: E402,A004
+from python_client import start_broker  # noqa: E402
 
 SAMPLES = 64
 
@@ -74,18 +75,6 @@ len = {SAMPLES * 100000}
 fill = "stamp"
 fields = [{{ name = "x", dtype = "u8", shape = [{per_sample}] }}]
 """
-
-
-def start_broker(tmp: Path, config: str) -> tuple[subprocess.Popen, str]:
-    sock = str(tmp / "b.sock")
-    (tmp / "b.toml").write_text(config)
-    args = [EXE, "serve", "--socket", sock, "--config", str(tmp / "b.toml")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / "broker.log", "w"))
-    for _ in range(500):
-        if subprocess.run([EXE, "stats", "--socket", sock], capture_output=True).returncode == 0:
-            return proc, sock
-        time.sleep(0.02)
-    raise SystemExit("the broker did not start")
 
 
 def run(client: str, batch_bytes: int, n: int, batches: int, step_ms: int) -> float:

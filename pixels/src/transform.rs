@@ -28,12 +28,11 @@ pub use crate::random::round_half_even;
 use crate::random::uniform;
 
 mod pad;
-mod scale;
+mod region;
 mod tensor;
 pub use pad::Steps;
 pub use pad::{Border, PaddingMode};
 use pad::{Window, random_crop_steps};
-pub use scale::Scale;
 pub use tensor::Lut;
 use tensor::write_tensor;
 
@@ -420,13 +419,13 @@ pub struct ResizeError(String);
 
 impl Transform {
     /// Crops, resizes, flips and converts `img` per `plan` (made for the
-    /// image's full size; `scale` is how `img` relates to that size),
+    /// image's full size; `denom` is the DCT reduction it was decoded at),
     /// writing one sample's tensor into `out`.
     pub fn apply(
         &self,
         img: &Rgb,
         plan: &Plan,
-        scale: Scale,
+        denom: u32,
         lut: &Lut,
         scratch: &mut Scratch,
         out: &mut [u8],
@@ -437,7 +436,7 @@ impl Transform {
                 img.width, img.height
             )));
         }
-        self.crop_into(img, plan, scale, scratch)?;
+        self.crop_into(img, plan, denom, scratch)?;
         let (oh, ow) = self.out_size();
         let [l, t, r, b] = self.pad;
         if l + t + r + b > 0 {
@@ -483,7 +482,7 @@ impl Transform {
         &self,
         img: &Rgb,
         plan: &Plan,
-        scale: Scale,
+        denom: u32,
         scratch: &mut Scratch,
     ) -> Result<(), ResizeError> {
         let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
@@ -494,12 +493,12 @@ impl Transform {
         scratch.resized.resize(oh as usize * ow as usize * 3, 0);
         let (rw, rh) = match plan.resized {
             None => {
-                self.check_decoded(img, plan, scale)?;
+                self.check_decoded(img, plan, denom)?;
                 // The crop box was chosen on the full-size image; a decode
                 // reduced in the DCT domain maps pixel x to x / denom.
-                let (fx, fy) = (scale.x, scale.y);
+                let f = 1.0 / denom as f64;
                 let c = plan.crop;
-                let opts = resample.crop(c.left * fx, c.top * fy, c.width * fx, c.height * fy);
+                let opts = resample.crop(c.left * f, c.top * f, c.width * f, c.height * f);
                 let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
                     .map_err(|e| err(&e))?;
                 scratch

@@ -7,7 +7,7 @@ use turbojpeg::{Colorspace, Compressor, Image, PixelFormat, Subsamp};
 
 use batchcast::synthetic::SplitMix64;
 use batchcast_pixels::decode::{Decoder, Region, Rgb};
-use batchcast_pixels::transform::{Geometry, Interpolation, Lut, Scale, Scratch, Transform};
+use batchcast_pixels::transform::{Geometry, Interpolation, Lut, Scratch, Transform};
 
 /// A photo-like image: smooth colour fields under fine texture and edges
 /// (what chroma upsampling and the resampling filters blend).
@@ -214,29 +214,15 @@ fn random_resized_crops_of_a_decode_in_part_are_byte_identical() {
                 let region = t.decode_region(&plan, w, h, denom);
                 assert!(region.is_some());
                 let full = whole(&mut d, bytes, denom);
-                t.apply(
-                    &full,
-                    &plan,
-                    Scale::reduced(denom),
-                    &lut,
-                    &mut scratch,
-                    &mut a,
-                )
-                .unwrap();
+                t.apply(&full, &plan, denom, &lut, &mut scratch, &mut a)
+                    .unwrap();
                 d.decode(bytes, &header, (denom, region), &mut part)
                     .unwrap();
                 // Poison all but the region the transform says it reads
                 // (inside what was decoded): the resize must not read there.
                 poison_outside(&mut part, region.unwrap());
-                t.apply(
-                    &part,
-                    &plan,
-                    Scale::reduced(denom),
-                    &lut,
-                    &mut scratch,
-                    &mut b,
-                )
-                .unwrap();
+                t.apply(&part, &plan, denom, &lut, &mut scratch, &mut b)
+                    .unwrap();
                 assert!(
                     a == b,
                     "{interpolation:?}, {w}x{h} sample {index} at 1/{denom}: {:?} differs",

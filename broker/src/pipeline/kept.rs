@@ -4,7 +4,7 @@
 //! at least `decoded_side` (so below twice that, or its own size when
 //! smaller); other formats, and every image without `decoded_side`, at
 //! full size. No resampling: each epoch's transform is applied to the kept
-//! image exactly as to a decode at that scale (`Scale::reduced`), its plan
+//! image exactly as to a decode at that scale, its plan
 //! drawn for the original size.
 //!
 //! The bytes depend only on the configuration, never on what the cache
@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use super::cache::MinIoCache;
 use super::decode::{Format, Header, Rgb};
-use super::transform::{Plan, Scale};
+use super::transform::Plan;
 use super::{ImagePipeline, SampleError, Worker};
 use crate::budget::{Budget, Grant, OverBudget, Use};
 
@@ -147,14 +147,7 @@ impl ImagePipeline {
         out: &mut [u8],
     ) -> Result<(), SampleError> {
         self.transform
-            .apply(
-                img,
-                plan,
-                Scale::reduced(denom),
-                &self.lut,
-                &mut w.scratch,
-                out,
-            )
+            .apply(img, plan, denom, &self.lut, &mut w.scratch, out)
             .map_err(|e| SampleError::Transform {
                 path: self.dataset.describe(index),
                 message: e.to_string(),

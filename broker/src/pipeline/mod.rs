@@ -27,7 +27,7 @@ use cache::CacheCounts;
 use dataset::Dataset;
 use decode::{DecodeError, Decoder, Format, Header, Region, Rgb};
 use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
-use transform::{Lut, Scale, Scratch, Transform};
+use transform::{Lut, Scratch, Transform};
 
 /// What to do with a sample that cannot be read or decoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -441,31 +441,29 @@ impl ImagePipeline {
             }
             _ => self.transform.reduction(&plan, dims.width, dims.height),
         };
-        let region = match shared {
-            _ if !self.rules.crop_decode || dims.format != Format::Jpeg => None,
-            Some((s, _, _)) => s.region((epoch, position), dims, denom, self.rules.reduced_decode),
-            None => self
-                .transform
-                .decode_region(&plan, dims.width, dims.height, denom),
-        };
         let claim = match shared {
             Some((s, m, p)) => s.claim(m, p.at, index, dims, denom, !p.replay),
             None => Claim::Alone,
         };
         let img = match claim {
             Claim::Ready(img) => Some(img),
-            claim => self.decode(w, index, read, dims, (denom, region), claim)?,
+            claim => {
+                // Only a decode that happens needs its region.
+                let region = match shared {
+                    _ if !self.rules.crop_decode || dims.format != Format::Jpeg => None,
+                    Some((s, _, _)) => {
+                        s.region((epoch, position), dims, denom, self.rules.reduced_decode)
+                    }
+                    None => self
+                        .transform
+                        .decode_region(&plan, dims.width, dims.height, denom),
+                };
+                self.decode(w, index, read, dims, (denom, region), claim)?
+            }
         };
         let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
         self.transform
-            .apply(
-                src,
-                &plan,
-                Scale::reduced(denom),
-                &self.lut,
-                &mut w.scratch,
-                out,
-            )
+            .apply(src, &plan, denom, &self.lut, &mut w.scratch, out)
             .map_err(|e| SampleError::Transform {
                 path: path(),
                 message: e.to_string(),

@@ -253,23 +253,13 @@ static STREAM_METRICS: [Metric<StreamStats>; 13] = [
         "decoded_cache_hits_total",
         "counter",
         "Decoded-image cache hits (image streams with decoded_cache_mib).",
-        |st| {
-            st.source
-                .as_ref()
-                .and_then(|x| x.decoded_cache.as_ref())
-                .map_or(0.0, |k| k.hits as f64)
-        },
+        |st| decoded_cache(st).map_or(0.0, |k| k.hits as f64),
     ),
     (
         "decoded_cache_misses_total",
         "counter",
         "Decoded-image cache misses: images decoded and kept, or not kept (full).",
-        |st| {
-            st.source
-                .as_ref()
-                .and_then(|x| x.decoded_cache.as_ref())
-                .map_or(0.0, |k| k.misses as f64)
-        },
+        |st| decoded_cache(st).map_or(0.0, |k| k.misses as f64),
     ),
     (
         "bad_files_skipped_total",
@@ -278,6 +268,11 @@ static STREAM_METRICS: [Metric<StreamStats>; 13] = [
         |st| st.source.as_ref().map_or(0.0, |x| x.skipped as f64),
     ),
 ];
+
+/// A stream's cache of decoded images, if it has one.
+fn decoded_cache(st: &StreamStats) -> Option<&batchcast::proto::DecodedCacheStats> {
+    st.source.as_ref().and_then(|x| x.decoded_cache.as_ref())
+}
 
 /// Per consumer, labelled `stream`, `consumer` and `id`
 /// (`batchcast_consumer_NAME`).

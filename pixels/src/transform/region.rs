@@ -1,26 +1,9 @@
-//! How the image a transform is applied to relates to the one its plan
-//! was drawn for: a JPEG decoded at a reduced scale, or only in part (the
-//! region a crop reads).
+//! What a transform reads of a JPEG decoded at a reduced scale: the region
+//! its crop's resize reads, for a decode in part, and the check that a
+//! decode in part holds it.
 
 use super::{Plan, ResizeError, Transform};
 use crate::decode::{Region, Rgb};
-
-/// How the image a transform is applied to relates to the one its plan
-/// was drawn for: pixel `(x, y)` of that one is at `(x × self.x, y ×
-/// self.y)`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scale {
-    pub x: f64,
-    pub y: f64,
-}
-
-impl Scale {
-    /// A JPEG decoded at `1/denom` in the DCT domain (1: the image itself).
-    pub fn reduced(denom: u32) -> Scale {
-        let f = 1.0 / denom as f64;
-        Scale { x: f, y: f }
-    }
-}
 
 impl Transform {
     /// The part of the image decoded at `1/denom` that applying `plan`
@@ -59,15 +42,14 @@ impl Transform {
         })
     }
 
-    /// A decode in part (at `1/denom`, `scale`) must hold what the
-    /// resize of `plan`'s crop reads.
+    /// A decode in part (at `1/denom`) must hold what the resize of
+    /// `plan`'s crop reads.
     pub(super) fn check_decoded(
         &self,
         img: &Rgb,
         plan: &Plan,
-        scale: Scale,
+        denom: u32,
     ) -> Result<(), ResizeError> {
-        let denom = (1.0 / scale.x).round() as u32;
         if img.decoded.is_some()
             && let Some(r) = self.decode_region(plan, img.width * denom, img.height * denom, denom)
             && !img.has(&r)
