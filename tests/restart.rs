@@ -162,3 +162,34 @@ fn without_a_reconnect_timeout_a_consumer_fails_at_once() {
         );
     }
 }
+
+/// A broker that goes away while a consumer subscribes (here a listener
+/// that reads its hello and closes without a word, then nothing
+/// listening, then the real broker behind the same path) is waited for
+/// as one that goes away later is: the consumer reads the whole stream.
+/// Before, a broker killed between a subscription and its welcome ended
+/// the consumer at once.
+#[test]
+fn a_broker_gone_before_its_welcome_is_waited_for_like_one_gone_later() {
+    use std::io::Read;
+    let env = Env::start(&config_starting_with(1));
+    let door = env.path("door.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&door).unwrap();
+    let (d, real) = (door.clone(), env.socket());
+    let gate = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = s.read(&mut [0u8; 64]);
+        drop((s, listener));
+        std::fs::remove_file(&d).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::os::unix::fs::symlink(&real, &d).unwrap();
+    });
+    let kid = env.consumer_on(&door, &["--digest", "--reconnect-timeout", "30"]);
+    gate.join().unwrap();
+    let r = report(kid);
+    let said = env.what_they_said();
+    assert!(r.ok && r.ended, "{r:#?}\n{said}");
+    assert_eq!(r.reconnects, 0, "{r:#?}");
+    assert_eq!(digests(&r), reference());
+    assert!(said.contains("waits up to 30 s"), "{said}");
+}

@@ -83,8 +83,12 @@ pub struct Consumer {
 
 impl Consumer {
     /// Connects to the broker, subscribes and maps the stream's arena.
+    ///
+    /// A broker that goes away before its welcome arrives (killed or
+    /// restarted while this consumer subscribed) is waited for as one that
+    /// goes away later is: up to `reconnect_timeout`.
     pub fn connect(opts: ConsumerOptions) -> Result<Consumer> {
-        connect_carrying(opts, TakenTally::new_consumer())
+        reconnect::first_connect(opts)
     }
 
     /// Where this consumer is, for a checkpoint: right after the last

@@ -285,11 +285,16 @@ impl Env {
     /// Starts `batchcast consume` with `args` against this broker (killed
     /// when the test ends, if it is still running then).
     pub fn consumer(&self, args: &[&str]) -> std::process::Child {
+        self.consumer_on(&self.socket(), args)
+    }
+
+    /// [`Env::consumer`], connecting to `socket` (a way to this broker).
+    pub fn consumer_on(&self, socket: &Path, args: &[&str]) -> std::process::Child {
         let n = self
             .consumers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let err = std::fs::File::create(self.path(&format!("consumer-{n}.stderr"))).unwrap();
-        let mut cmd = consumer_command(&self.socket(), args, self.stand_in.as_deref());
+        let mut cmd = consumer_command(socket, args, self.stand_in.as_deref());
         self.own(cmd.stderr(err).spawn().unwrap())
     }
 

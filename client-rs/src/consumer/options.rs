@@ -72,9 +72,10 @@ pub struct ConsumerOptions {
     /// same samples), and the stream's digest, which the broker checks.
     /// Not with `resume`.
     pub state: Option<ConsumerState>,
-    /// When the broker goes away (killed, restarted, shut down): how long
-    /// to wait for it to come back and go on from this consumer's next
-    /// position, the batches it holds still readable. Zero: fail at once
+    /// When the broker goes away (killed, restarted, shut down; also while
+    /// this consumer subscribes): how long to wait for it to come back and
+    /// go on from this consumer's next position, the batches it holds
+    /// still readable. Zero: fail at once
     /// with [`Error::BrokerGone`]. Default: `$BATCHCAST_RECONNECT_TIMEOUT`
     /// seconds, else [`DEFAULT_RECONNECT_TIMEOUT`].
     pub reconnect_timeout: Duration,

@@ -10,7 +10,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Consumer, Next};
+use super::{Consumer, ConsumerOptions, Next};
+use crate::batch::TakenTally;
 use crate::error::{Error, ErrorCode, Result};
 use crate::transport::last_words;
 
@@ -139,6 +140,37 @@ impl Consumer {
         hand_over(self, &mut fresh);
         *self = fresh; // the old one says goodbye into the closed socket
         Ok(true)
+    }
+}
+
+/// [`Consumer::connect`]: subscribes with `opts`; where the broker goes
+/// away before its welcome arrives and `reconnect_timeout` allows, waits
+/// for it to come back (saying so once) and subscribes again, as a
+/// consumer that had received nothing.
+pub(super) fn first_connect(opts: ConsumerOptions) -> Result<Consumer> {
+    let t0 = Instant::now();
+    let mut went_away = false;
+    loop {
+        match super::connect_carrying(opts.clone(), TakenTally::new_consumer()) {
+            // Once it went away, a broker not listening yet or still
+            // closing is the restart under way, whatever the connect
+            // timeout says.
+            Err(e)
+                if (e.broker_went_away() || (went_away && e.while_restarting()))
+                    && t0.elapsed() < opts.reconnect_timeout =>
+            {
+                if !std::mem::replace(&mut went_away, true) {
+                    eprintln!(
+                        "batchcast: {e} while consumer `{}` subscribed to stream `{}`; it waits up to {:.0} s for the broker to come back",
+                        opts.name,
+                        opts.state.as_ref().map_or(&opts.stream, |s| &s.stream),
+                        opts.reconnect_timeout.as_secs_f64()
+                    );
+                }
+                std::thread::sleep(RETRY);
+            }
+            other => return other,
+        }
     }
 }
 
