@@ -1177,3 +1177,146 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     let err = env.serve_fails(&format!("[broker]\nmemory_mib = 256\n\n{big}"));
     assert!(err.contains("decoded_cache_mib"), "{err}");
 }
+
+/// `batchcast make` (a cluster's CPU node making a stream for a broker
+/// elsewhere) writes byte for byte what the stream's own broker delivers,
+/// at every place of two epochs, the short last batch too: a plain stream
+/// (crop-only decode), one keeping decoded images in a cache that holds
+/// few, and the streams of a shared source that decodes once (made alone,
+/// each as the broker would replay it). Requests it cannot serve are
+/// refused, naming what is wrong.
+#[test]
+fn batches_made_elsewhere_are_the_brokers_bytes() {
+    let mut env = Env::new();
+    let n = env.images(2);
+    let root = env.p("ds");
+    let t = format!("random_resized_crop = {{ size = 24 }}\nhorizontal_flip = 0.5\n{NORM}");
+    let own = |name: &str, bs: u32, t: &str, extra: &str| {
+        format!(
+            "[[stream]]\nname = \"{name}\"\nbatch_size = {bs}\nslots = 4\nseed = 3\nepochs = 2\nworkers = 2\n{extra}\n{}\n[stream.transform]\n{t}\n",
+            folder(&root)
+        )
+    };
+    let mut cfg = own("plain", 7, &t, "");
+    cfg += &own(
+        "kept",
+        11,
+        "random_resized_crop = { size = 20 }\ndtype = \"u8\"",
+        "decoded_cache_mib = 1\ndecoded_side = 40",
+    );
+    cfg += &format!(
+        "\n[[source]]\nname = \"photos\"\nseed = 5\ndecode = \"once\"\n[source.image_folder]\nroot = \"{root}\"\n"
+    );
+    for (name, size) in [("crop32", 32), ("crop16", 16)] {
+        cfg += &format!(
+            "\n[[stream]]\nname = \"{name}\"\nsource = \"photos\"\nepochs = 2\nbatch_size = 7\nslots = 4\n[stream.transform]\nrandom_resized_crop = {{ size = {size} }}\ndtype = \"u8\"\n"
+        );
+    }
+    env.start(&cfg);
+    let config = env.path("broker.toml");
+    let make = |stream: &str, input: &str| {
+        let mut child = command(EXE)
+            .args(["make", "--config"])
+            .arg(&config)
+            .args(["--stream", stream])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    for name in ["plain", "kept", "crop32", "crop16"] {
+        let dir = env.path(&format!("dump-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = env.consume(&["--stream", name, "--dump", dir.to_str().unwrap()]);
+        assert!(r.ok && r.ended && r.epochs.len() == 2, "{r:#?}");
+        let schema = json(&String::from_utf8_lossy(
+            &run(command(EXE)
+                .args(["make", "--schema", "--config"])
+                .arg(&config)
+                .args(["--stream", name]))
+            .stdout,
+        ));
+        let per_epoch = schema["schema"]["batches_per_epoch"].as_u64().unwrap();
+        let bs = schema["schema"]["batch_size"].as_u64().unwrap();
+        assert_ne!(n % bs, 0, "{name}: an epoch ends with a short batch");
+        let fields: Vec<(String, u64)> = schema["schema"]["fields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                let per: u64 = f["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap())
+                    .product();
+                let size = match f["dtype"].as_str().unwrap() {
+                    "u8" => 1,
+                    "f32" => 4,
+                    "i64" => 8,
+                    other => panic!("{other}"),
+                };
+                (f["name"].as_str().unwrap().to_string(), per * size)
+            })
+            .collect();
+        // Epoch 1 asked first, in two requests: a request is any span.
+        let out = make(
+            name,
+            &format!("1 0 3\n1 3 {}\n0 0 {per_epoch}\n", per_epoch - 3),
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut rest = &out.stdout[..];
+        let places = (0..per_epoch)
+            .map(|i| (1, i))
+            .chain((0..per_epoch).map(|i| (0, i)));
+        for (epoch, index) in places {
+            let word = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap());
+            let (samples, len) = (word(rest), word(&rest[8..]));
+            let want = bs.min(n - index * bs);
+            assert_eq!(samples, want, "{name} e{epoch} b{index}");
+            let mut bytes = &rest[16..16 + len as usize];
+            rest = &rest[16 + len as usize..];
+            for (field, per) in &fields {
+                let dumped =
+                    std::fs::read(dir.join(format!("e{epoch}-b{index}-{field}.bin"))).unwrap();
+                let (mine, tail) = bytes.split_at((per * samples) as usize);
+                assert!(
+                    mine == dumped,
+                    "{name}: {field} of batch {index} of epoch {epoch} differs"
+                );
+                bytes = tail;
+            }
+        }
+        assert!(rest.is_empty(), "{name}: {} bytes more", rest.len());
+    }
+    let refused = |stream: &str, input: &str| {
+        let out = make(stream, input);
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused("plain", "2 0 1\n");
+    assert!(
+        err.contains("batch 0 of epoch 2 is not in stream `plain`"),
+        "{err}"
+    );
+    let err = refused("nope", "0 0 1\n");
+    assert!(
+        err.contains("no stream `nope`") && err.contains("`plain`"),
+        "{err}"
+    );
+    let err = refused("plain", "0 0\n");
+    assert!(err.contains("EPOCH INDEX COUNT"), "{err}");
+}

@@ -17,6 +17,8 @@
 //!   `/metrics` endpoint ([`server::metrics`]).
 //! * [`listen`], [`budget`], [`gpu`]: the socket and who is admitted, the
 //!   memory budget, device arenas and copiers.
+//! * [`make`]: a configured stream's batches made away from any broker
+//!   (`batchcast make`, for a cluster's CPU nodes).
 //!
 //! The command line (`batchcast serve`, `consume`, `demo`, `launch`,
 //! `stats`) is the binary's own, in `src/cli/`; what it shares with the
@@ -28,6 +30,7 @@ pub mod config;
 pub mod gpu;
 pub(crate) mod hub;
 pub mod listen;
+pub mod make;
 pub mod pipeline;
 pub mod plan;
 pub mod remote;

@@ -1,7 +1,7 @@
 //! The `batchcast` command line. Errors are reported here with their whole
 //! chain; everything below returns typed errors. Its tools are this
 //! binary's modules, apart from the broker's library: the test consumer
-//! (`consume`), the demo, the stats table and the launcher.
+//! (`consume`), the demo, the stats table, the launcher and `make`.
 
 use std::io::{IsTerminal, Write};
 use std::os::unix::fs::MetadataExt;
@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand};
 mod consume;
 mod demo;
 mod launch;
+mod make;
 mod stats_view;
 
 /// batchcast: run the input pipeline once per host, share every batch with
@@ -74,6 +75,10 @@ enum Cmd {
     /// live, and summarise (exit code 0: all done; 2: some failed; 3:
     /// stopped after a failure; 130: interrupted)
     Launch(launch::LaunchArgs),
+    /// Make a configured stream's batches here, for a broker elsewhere:
+    /// requests `EPOCH INDEX COUNT` on stdin, each batch on stdout (a
+    /// cluster's CPU nodes run it for `batchcast.ray.feed_stream`)
+    Make(make::MakeArgs),
     /// Show the whole idea on built-in data: a sweep of trainers sharing one
     /// broker, then with a pipeline each, side by side
     Demo(demo::DemoArgs),
@@ -140,6 +145,7 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Demo(args) => demo::run(&args),
+        Cmd::Make(args) => make::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

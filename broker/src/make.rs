@@ -1,0 +1,239 @@
+//! Making a configured stream's batches away from any broker: on another
+//! machine's CPUs (`batchcast make`, which `batchcast.ray.feed_stream` runs
+//! on a cluster's CPU nodes), byte for byte what the stream's own broker
+//! makes at the same place.
+//!
+//! Batch `index` of epoch `epoch` is the stream's epoch order at
+//! `index × batch_size ..` written by the same `SlotWriter` as the
+//! broker's pipeline threads, into a plain buffer: each field's cells in
+//! schema order (`samples × bytes_per_sample` each). Where it lies in the
+//! stream's sequence is the broker's replay place, so a stream on a
+//! shared source decodes what a replay of it would (the same bytes; with
+//! `decode = "once"`, the source's finest scale) and waits for none of
+//! the source's other streams.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use batchcast::schema::Schema;
+
+use crate::budget::{Budget, OverBudget};
+use crate::config::Config;
+use crate::pipeline::collate::{SlotWriter, ThreadState};
+use crate::pipeline::decode::DecodeError;
+use crate::pipeline::shared::Shares;
+use crate::pipeline::{ImagePipeline, PipelineError, Place};
+use crate::plan::{PlanError, SourcePlan, StreamPlan, plan_broker, plan_config};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MakeError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the config has no stream `{stream}` (its streams: {names})")]
+    NoStream { stream: String, names: String },
+    #[error(
+        "stream `{0}` is an external producer's: only a stream the config describes can be made"
+    )]
+    External(String),
+    #[error(
+        "batch {index} of epoch {epoch} is not in stream `{stream}` ({batches} batches an epoch{epochs})"
+    )]
+    Outside {
+        stream: String,
+        epoch: u64,
+        index: u64,
+        batches: u64,
+        epochs: String,
+    },
+    #[error(transparent)]
+    Budget(#[from] OverBudget),
+    #[error("cannot start a decoder")]
+    Decoder(#[from] DecodeError),
+    #[error("stream `{stream}`: {error}")]
+    Pipeline {
+        stream: String,
+        error: PipelineError,
+    },
+}
+
+/// A configured stream's maker: its plan, the writer of its batches and
+/// the epoch orders it used last.
+#[derive(Debug)]
+pub struct Maker {
+    plan: StreamPlan,
+    writer: SlotWriter,
+    /// The decoded images and encoded bytes it keeps are taken from here
+    /// (the config's `[broker] memory_mib`), as a broker's would be.
+    _budget: Arc<Budget>,
+    orders: Mutex<HashMap<u64, Arc<Vec<u64>>>>,
+}
+
+/// What one thread of a [`Maker`] makes batches with: a decoder and
+/// buffers.
+#[derive(Debug)]
+pub struct MakerThread(ThreadState);
+
+/// Epoch orders kept at once (a request spans one epoch, the next may
+/// begin another).
+const ORDERS_KEPT: usize = 4;
+
+impl Maker {
+    /// The maker of stream `stream` of `cfg`, as the user `uid` (whose
+    /// share of the memory budget its caches take).
+    pub fn new(cfg: &Config, stream: &str, uid: u32) -> Result<Maker, MakeError> {
+        let broker = plan_broker(&cfg.broker)?;
+        let plans = plan_config(cfg)?;
+        let names = plans
+            .iter()
+            .map(|p| format!("`{}`", p.name))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let plan = plans
+            .into_iter()
+            .find(|p| p.name == stream)
+            .ok_or_else(|| MakeError::NoStream {
+                stream: stream.into(),
+                names,
+            })?;
+        let budget = Budget::new(broker.memory_bytes, uid);
+        let whom = format!("stream `{}`", plan.name);
+        let writer = match &plan.source {
+            SourcePlan::Synthetic(spec) => SlotWriter::Synthetic(*spec),
+            SourcePlan::Images(p) => {
+                if let Some(r) = &p.dataset.remote {
+                    r.reserve(&budget, uid, &whom)?;
+                }
+                let share = match &p.share {
+                    Some(seat) => {
+                        let share = Shares::default().take(seat);
+                        share.reserve(&budget, uid)?;
+                        Some((share, seat.member))
+                    }
+                    None => None,
+                };
+                let pipeline =
+                    ImagePipeline::new(p.dataset.clone(), p.transform.clone(), p.rules, share);
+                pipeline.reserve(&budget, uid, &whom)?;
+                SlotWriter::Images(Arc::new(pipeline))
+            }
+            SourcePlan::External => return Err(MakeError::External(plan.name.clone())),
+        };
+        Ok(Maker {
+            plan,
+            writer,
+            _budget: budget,
+            orders: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn plan(&self) -> &StreamPlan {
+        &self.plan
+    }
+
+    pub fn schema(&self) -> &Schema {
+        &self.plan.schema
+    }
+
+    /// A thread's own state (its decoder and buffers).
+    pub fn thread(&self) -> Result<MakerThread, MakeError> {
+        Ok(MakerThread(self.writer.thread_state()?))
+    }
+
+    /// The samples of batch `index` of `epoch`, or why it is not one of
+    /// the stream's.
+    pub fn samples(&self, epoch: u64, index: u64) -> Result<u64, MakeError> {
+        let s = &self.plan.schema;
+        let past_end = self.plan.epochs.is_some_and(|n| epoch >= n);
+        if past_end || index >= s.batches_per_epoch {
+            return Err(MakeError::Outside {
+                stream: self.plan.name.clone(),
+                epoch,
+                index,
+                batches: s.batches_per_epoch,
+                epochs: self
+                    .plan
+                    .epochs
+                    .map_or(String::new(), |n| format!(", {n} epochs")),
+            });
+        }
+        let first = index * s.batch_size;
+        Ok(s.batch_size.min(s.samples_per_epoch - first))
+    }
+
+    /// Bytes of a batch of `samples`: every field's cells.
+    pub fn batch_bytes(&self, samples: u64) -> u64 {
+        self.plan
+            .schema
+            .fields
+            .iter()
+            .map(|f| f.bytes_per_sample().unwrap_or(0) * samples)
+            .sum()
+    }
+
+    /// Tells a remote dataset the batches `index..end` of `epoch` come
+    /// next (it reads ahead).
+    pub fn want(&self, epoch: u64, index: u64, end: u64) {
+        if !self.writer.reads_remote() {
+            return;
+        }
+        let order = self.order(epoch);
+        let bs = self.plan.schema.batch_size;
+        let from = ((index * bs) as usize).min(order.len());
+        let to = ((end * bs) as usize).min(order.len());
+        self.writer.want(
+            epoch * order.len() as u64 + from as u64,
+            order[from..to].iter().copied(),
+        );
+    }
+
+    /// Writes batch `index` of `epoch` into `out` (resized to its bytes):
+    /// each field's cells in schema order. Returns its samples.
+    pub fn make(
+        &self,
+        thread: &mut MakerThread,
+        epoch: u64,
+        index: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<u64, MakeError> {
+        let samples = self.samples(epoch, index)?;
+        let order = self.order(epoch);
+        let first = (index * self.plan.schema.batch_size) as usize;
+        let indices = &order[first..first + samples as usize];
+        out.clear();
+        out.resize(self.batch_bytes(samples) as usize, 0);
+        let mut fields: Vec<&mut [u8]> = Vec::with_capacity(self.plan.schema.fields.len());
+        let mut rest = out.as_mut_slice();
+        for f in &self.plan.schema.fields {
+            let len = (f.bytes_per_sample().unwrap_or(0) * samples) as usize;
+            let (cells, tail) = rest.split_at_mut(len);
+            fields.push(cells);
+            rest = tail;
+        }
+        let place = Place {
+            at: epoch * order.len() as u64 + first as u64,
+            replay: true,
+        };
+        self.writer
+            .write_batch(&mut thread.0, epoch, place, indices, &mut fields)
+            .map_err(|error| MakeError::Pipeline {
+                stream: self.plan.name.clone(),
+                error,
+            })
+    }
+
+    /// Epoch `epoch`'s order of dataset indices.
+    fn order(&self, epoch: u64) -> Arc<Vec<u64>> {
+        let mut orders = self.orders.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(o) = orders.get(&epoch) {
+            return o.clone();
+        }
+        if orders.len() >= ORDERS_KEPT
+            && let Some(&oldest) = orders.keys().min()
+        {
+            orders.remove(&oldest);
+        }
+        let o = Arc::new(self.plan.epoch_order(epoch));
+        orders.insert(epoch, o.clone());
+        o
+    }
+}
