@@ -15,12 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 EXE = os.environ.get("BATCHCAST_BIN") or str(REPO / "target" / "release" / "batchcast")
 
 
-def image_stream(name: str, root: Path, batch: int, size: int = 224, **keys: object) -> str:
+def image_stream(name: str, root: Path, batch: int, size: int = 224, dtype: str = "f32", **keys: object) -> str:
     """A `[[stream]]` table reading the ImageFolder at `root`, augmented as
     torchvision's RandomResizedCrop(size) + RandomHorizontalFlip +
-    Normalize (ImageNet's) to float32. `keys`: more keys of the stream
-    (`epochs`, `slots`, `workers`, `min_consumers`, `seed`, ...), None ones
-    left out; strings are quoted, other values written as they are."""
+    Normalize (ImageNet's) to float32 (`dtype="u8"`: uint8 pixels, not
+    normalised, as a trainer that normalises on its GPU takes them).
+    `keys`: more keys of the stream (`epochs`, `slots`, `workers`,
+    `min_consumers`, `seed`, ...), None ones left out; strings are quoted,
+    other values written as they are."""
     lines = [f'name = "{name}"', f"batch_size = {batch}"]
     for key, value in keys.items():
         if value is None:
@@ -28,6 +30,7 @@ def image_stream(name: str, root: Path, batch: int, size: int = 224, **keys: obj
         text = f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else value
         lines.append(f"{key} = {text}")
     body = "\n".join(lines)
+    normalize = "" if dtype == "u8" else "normalize = { mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }\n"
     return f"""
 [[stream]]
 {body}
@@ -38,6 +41,5 @@ root = "{root}"
 [stream.transform]
 random_resized_crop = {{ size = {size} }}
 horizontal_flip = 0.5
-normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
-dtype = "f32"
+{normalize}dtype = "{dtype}"
 """

@@ -77,6 +77,15 @@ impl Env {
         harness::wait_report(child, LIMIT).unwrap()
     }
 
+    /// [`Env::consume`] on the broker at `socket`.
+    fn consume_on(&self, socket: &Path, args: &[&str]) -> ConsumerReport {
+        harness::wait_report(self.spawn_consumer_on(socket, args), LIMIT).unwrap()
+    }
+
+    fn spawn_consumer_on(&self, socket: &Path, args: &[&str]) -> std::process::Child {
+        common::spawn_consumer(socket, args)
+    }
+
     fn stats(&self) -> StatsReply {
         self.broker.as_ref().unwrap().stats().unwrap()
     }
@@ -1319,4 +1328,143 @@ fn batches_made_elsewhere_are_the_brokers_bytes() {
     );
     let err = refused("plain", "0 0\n");
     assert!(err.contains("EPOCH INDEX COUNT"), "{err}");
+}
+
+/// A stream made on other machines and fed into a host's broker
+/// (`batchcast make --connect` twice, `batchcast feed`; what
+/// `batchcast.ray.feed_stream` runs): the host's consumer reads the
+/// epochs of a broker serving the config itself, digest for digest. Only
+/// the feed's makers get in: a stranger and a wrong token are dropped.
+/// A maker sending a batch that is not the schema's for its place stops
+/// the stream, naming the maker, and its consumer is told.
+#[test]
+fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
+    use std::io::{BufRead, Read, Write};
+    use std::process::Stdio;
+    let mut env = Env::new();
+    let n = env.images(2);
+    let root = env.p("ds");
+    let t = format!("random_resized_crop = {{ size = 24 }}\nhorizontal_flip = 0.5\n{NORM}");
+    let cfg = format!(
+        "[[stream]]\nname = \"plain\"\nbatch_size = 7\nslots = 4\nseed = 3\nepochs = 2\nworkers = 2\n{}\n[stream.transform]\n{t}\n",
+        folder(&root)
+    );
+    env.start(&cfg);
+    let config = env.path("broker.toml");
+    let digests = |r: &ConsumerReport| {
+        assert!(r.ok && r.ended && r.epochs.len() == 2, "{r:#?}");
+        r.epochs
+            .iter()
+            .map(|e| e.digest.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let want = digests(&env.consume(&["--stream", "plain", "--digest"]));
+    let schema = env.path("schema.json");
+    std::fs::write(
+        &schema,
+        run(command(EXE)
+            .args(["make", "--schema", "--stream", "plain", "--config"])
+            .arg(&config))
+        .stdout,
+    )
+    .unwrap();
+    let fed = env.path("fed.sock");
+    let _host = common::broker(None, &fed, Some(&env.path("fed.log"))).unwrap();
+    let token = "0123456789abcdef0123456789abcdef";
+    let feed = |makers: &str| {
+        let mut child = command(EXE)
+            .args(["feed", "--listen", "127.0.0.1:0", "--min-consumers", "1"])
+            .args(["--makers", makers, "--schema"])
+            .arg(&schema)
+            .arg("--socket")
+            .arg(&fed)
+            .env("BATCHCAST_FEED_TOKEN", token)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line.strip_prefix("listening ").unwrap().trim().to_string();
+        (child, addr)
+    };
+    let (feeder, addr) = feed("2");
+    // A stranger, and one with the wrong token: dropped without a word.
+    for hello in [
+        "GET / HTTP/1.0\n",
+        "batchcast-make 1 0123456789abcdef0123456789abcdeX\n",
+    ] {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(hello.as_bytes()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        assert_eq!(
+            s.read(&mut [0u8; 16]).unwrap_or(0),
+            0,
+            "{hello:?} was let in"
+        );
+    }
+    let maker = |addr: &str| {
+        command(EXE)
+            .args(["make", "--stream", "plain", "--connect", addr, "--config"])
+            .arg(&config)
+            .env("BATCHCAST_FEED_TOKEN", token)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let makers = [maker(&addr), maker(&addr)];
+    let got = env.consume_on(
+        &fed,
+        &["--stream", "plain", "--digest", "--connect-timeout", "60"],
+    );
+    assert_eq!(digests(&got), want, "the epochs of the stream's own broker");
+    let out = feeder.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let figures = json(String::from_utf8_lossy(&out.stdout).lines().last().unwrap());
+    assert_eq!(figures["samples"].as_u64(), Some(2 * n), "{figures}");
+    let made: u64 = makers
+        .into_iter()
+        .map(|m| {
+            let out = m.wait_with_output().unwrap();
+            assert!(out.status.success());
+            json(String::from_utf8_lossy(&out.stdout).lines().last().unwrap())["samples"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(made, 2 * n, "each batch made once, by one of the makers");
+
+    // A maker that sends a batch of the wrong size for its place.
+    let (feeder, addr) = feed("1");
+    let mut bad = std::net::TcpStream::connect(&addr).unwrap();
+    writeln!(bad, "batchcast-make 1 {token}").unwrap();
+    let reader = env.spawn_consumer_on(&fed, &["--stream", "plain", "--connect-timeout", "60"]);
+    let mut request = String::new();
+    std::io::BufReader::new(bad.try_clone().unwrap())
+        .read_line(&mut request)
+        .unwrap();
+    assert!(request.starts_with("0 0 "), "{request:?}");
+    bad.write_all(&[3u64.to_le_bytes(), 99u64.to_le_bytes()].concat())
+        .unwrap();
+    let out = feeder.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        said.contains("sent 3 samples in 99 bytes") && said.contains("batch 0 of epoch 0"),
+        "{said}"
+    );
+    let r = harness::wait_report(reader, LIMIT).unwrap();
+    assert!(
+        !r.ok
+            && r.error
+                .as_deref()
+                .is_some_and(|e| e.contains("sent 3 samples")),
+        "{r:#?}"
+    );
 }

@@ -7,6 +7,9 @@
 * A Ray Data dataset feeding one node's stream (`batchcast.ray.feed`): that
   node's trainers read every row of every epoch once, with the bytes the
   dataset made; `batchcast.ray.shutdown()` stops every broker.
+* A configured image stream made by its own pipeline on the other node
+  (`batchcast.ray.feed_stream`): the host's trainers get the epochs of a
+  broker serving the config itself, digest for digest.
 
 Needs Ray (`scripts/setup` installs it into .venv); skipped, saying so,
 where it is absent.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, report as report_of, small_image_folder
 
 try:
     import ray  # noqa: F401
@@ -124,7 +127,7 @@ def test_an_asha_sweep_on_two_nodes_gets_one_broker_per_node(tmp_path):
 
 
 FEED = r"""
-import json, os, sys, time
+import json, os, subprocess, sys, time
 import numpy as np
 import ray
 from ray.cluster_utils import Cluster
@@ -158,14 +161,33 @@ def trainer(stream, name):
     return {"node": ray.get_runtime_context().get_node_id(), "epochs": epochs, "wrong": wrong,
             "socket": c._args["socket"]}
 
+@ray.remote(num_cpus=0)
+def consume(stream, name):
+    # The test consumer's per-epoch digests: what a broker serving the
+    # config itself gives is compared with them.
+    from batchcast._exe import executable
+    args = [executable(), "consume", "--json", "--digest", "--socket", batchcast.ray.socket(),
+            "--stream", stream, "--name", name, "--connect-timeout", "120"]
+    r = subprocess.run(args, capture_output=True, text=True)
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    report["stderr"] = r.stderr[-2000:]
+    report["node"] = ray.get_runtime_context().get_node_id()
+    return report
+
 # One cluster, one stream per placement of Ray Data's executor (a cluster
 # takes about 15 s to start): "here", on the fed node; "elsewhere", on the
 # other node (a streaming split held there), the fed node only iterating
-# and copying.
+# and copying; then "native": a configured stream made by its own pipeline
+# on the other node (batchcast make) and fed to the host.
 runs = {}
 try:
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=host, soft=False)
     for executor in sys.argv[1:]:
+        if executor == "native":
+            fed = batchcast.ray.feed_stream(os.environ["NATIVE_CONFIG"], "photos", node_id=host, min_consumers=2)
+            readers = ray.get([consume.options(scheduling_strategy=pin).remote("photos", f"n{i}") for i in range(2)])
+            runs[executor] = {"readers": readers, "figures": ray.get(fed), "other": other}
+            continue
         ds = ray.data.range(ROWS, override_num_blocks=8).map_batches(make, batch_size=BATCH)
         stream = f"rows-{executor}"
         fed = batchcast.ray.feed(ds, stream, batch_size=BATCH, epochs=EPOCHS, node_id=host, rows=ROWS, min_consumers=2,
@@ -183,16 +205,58 @@ print(json.dumps({"host": host, "runs": runs, "brokers": brokers, "dir_mode": mo
 """
 
 
-def test_a_ray_data_dataset_feeds_one_nodes_trainers_from_either_node(tmp_path):
+NATIVE = """
+[[stream]]
+name = "photos"
+batch_size = 8
+epochs = 2
+shuffle = true
+seed = 19
+drop_last = false
+workers = 1
+[stream.image_folder]
+root = "{root}"
+[stream.transform]
+random_resized_crop = {{ size = 16 }}
+horizontal_flip = 0.5
+normalize = {{ mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] }}
+"""
+
+
+def test_a_ray_data_dataset_or_a_streams_own_pipeline_feeds_one_nodes_trainers(tmp_path, start_broker, monkeypatch):
+    """Ray Data's executor on either node; and a configured stream made on
+    the other node by its own pipeline (`batchcast.ray.feed_stream`): the
+    host's trainers read the same epochs, digest for digest, as from a
+    broker serving the config itself."""
+    images = 60  # 7 batches of 8 and a short one
+    small_image_folder(tmp_path / "photos", images, seed=4)
+    config = tmp_path / "photos.toml"
+    config.write_text(NATIVE.format(root=tmp_path / "photos"))
+    local = start_broker(config.read_text())
+    reference = local.rust_consumer("--digest", "--stream", "photos")
+    want = [e["digest"] for e in report_of(reference)["epochs"]]
+    assert len(want) == 2 and len(set(want)) == 2, want
     script = tmp_path / "feed.py"
     script.write_text(FEED)
-    r = run([sys.executable, str(script), "here", "elsewhere"], tmp_path, timeout=300)
+    monkeypatch.setenv("NATIVE_CONFIG", str(config))
+    r = run([sys.executable, str(script), "here", "elsewhere", "native"], tmp_path, timeout=300)
     report = json.loads(r.stdout.strip().splitlines()[-1])
     host, rows = report["host"], report["rows"]
     # Only the fed node got a broker: the dataset's work ran where Ray put
     # it, the hand-off on the trainers' node.
     assert list(report["brokers"]) == [host]
     assert report["dir_mode"] == 0o700
+    native = report["runs"].pop("native")
+    for reader in native["readers"]:
+        assert reader["ok"] and reader["ended"], reader
+        assert reader["node"] == host
+        assert [e["digest"] for e in reader["epochs"]] == want, reader
+        assert [e["samples"] for e in reader["epochs"]] == [images, images], reader
+    figures = native["figures"]
+    assert figures["epochs"] == 2 and figures["samples"] == 2 * images, figures
+    # Every batch was made on the other node, none on the host.
+    assert [m["node_id"] for m in figures["makers"]] == [native["other"]], figures
+    assert figures["makers"][0]["samples"] == 2 * images, figures
     assert sorted(report["runs"]) == ["elsewhere", "here"]
     for executor, fed in report["runs"].items():
         for reader in fed["readers"]:

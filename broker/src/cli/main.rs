@@ -1,7 +1,8 @@
 //! The `batchcast` command line. Errors are reported here with their whole
 //! chain; everything below returns typed errors. Its tools are this
 //! binary's modules, apart from the broker's library: the test consumer
-//! (`consume`), the demo, the stats table, the launcher and `make`.
+//! (`consume`), the demo, the stats table, the launcher, and `make` and `feed`
+//! (a stream made on other machines).
 
 use std::io::{IsTerminal, Write};
 use std::os::unix::fs::MetadataExt;
@@ -15,6 +16,7 @@ use clap::{Parser, Subcommand};
 
 mod consume;
 mod demo;
+mod feed;
 mod launch;
 mod make;
 mod stats_view;
@@ -79,6 +81,10 @@ enum Cmd {
     /// requests `EPOCH INDEX COUNT` on stdin, each batch on stdout (a
     /// cluster's CPU nodes run it for `batchcast.ray.feed_stream`)
     Make(make::MakeArgs),
+    /// Feed a stream that `batchcast make --connect` makes on other
+    /// machines into this host's broker, each batch read straight into its
+    /// slot (what `batchcast.ray.feed_stream` runs on the GPU host)
+    Feed(feed::FeedArgs),
     /// Show the whole idea on built-in data: a sweep of trainers sharing one
     /// broker, then with a pipeline each, side by side
     Demo(demo::DemoArgs),
@@ -146,6 +152,7 @@ fn main() {
         },
         Cmd::Demo(args) => demo::run(&args),
         Cmd::Make(args) => make::run(&args),
+        Cmd::Feed(args) => feed::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

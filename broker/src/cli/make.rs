@@ -7,8 +7,15 @@
 //! batch to stdout in order: a header of two little-endian `u64`s (its
 //! samples, its bytes), then its bytes, every field's cells in schema
 //! order. Its pipeline threads make a request's batches side by side.
-//! `--schema` prints the stream's schema as JSON instead. A batch that
+//! `--schema` prints the stream's schema as JSON instead (with the
+//! `slots`, `min_consumers`, `lag_limit` and `hold_limit_s` a producer of
+//! it elsewhere registers it with). A batch that
 //! cannot be made ends it with the reason on stderr and exit code 1.
+//!
+//! `--connect ADDR` serves a `batchcast feed` over TCP instead: it says
+//! `batchcast-make 1 TOKEN` first (the feed's token, from
+//! `$BATCHCAST_FEED_TOKEN`), then reads requests and writes batches on
+//! that connection, and prints what it made (JSON) when the feed closes it.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -33,6 +40,11 @@ pub struct MakeArgs {
     /// Print the stream's schema (JSON) and exit
     #[arg(long)]
     pub schema: bool,
+    /// Serve a feed (`batchcast feed`) at this address instead of stdin
+    /// and stdout, its token in $BATCHCAST_FEED_TOKEN; print what was
+    /// made (JSON) at the end
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<std::net::SocketAddr>,
 }
 
 pub fn run(args: &MakeArgs) -> anyhow::Result<()> {
@@ -47,10 +59,16 @@ pub fn run(args: &MakeArgs) -> anyhow::Result<()> {
     })?;
     let workers = args.workers.unwrap_or(maker.plan().workers).max(1);
     if args.schema {
+        // What a producer of the stream elsewhere registers it with.
+        let plan = maker.plan();
         let out = serde_json::json!({
-            "stream": maker.plan().name,
+            "stream": plan.name,
             "schema": maker.schema(),
             "workers": workers,
+            "slots": plan.slots,
+            "min_consumers": plan.min_consumers,
+            "lag_limit": plan.lag_limit,
+            "hold_limit_s": plan.hold_limit.map(|d| d.as_secs_f64()),
         });
         writeln!(std::io::stdout().lock(), "{out}")?;
         return Ok(());
@@ -58,32 +76,81 @@ pub fn run(args: &MakeArgs) -> anyhow::Result<()> {
     let mut threads = (0..workers)
         .map(|_| maker.thread())
         .collect::<Result<Vec<_>, _>>()?;
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
-    for (n, line) in std::io::stdin().lock().lines().enumerate() {
-        let line = line.context("reading requests from stdin")?;
-        if line.trim().is_empty() {
-            continue;
+    match args.connect {
+        None => {
+            let out = std::io::stdout().lock();
+            serve(&maker, &mut threads, std::io::stdin().lock(), out)?;
         }
-        let (epoch, index, count) =
-            request(&line).with_context(|| format!("request {} on stdin: {line:?}", n + 1))?;
-        maker.want(epoch, index, index + count);
-        let written = make_in_order(&maker, &mut threads, (epoch, index, count), &mut out);
-        // A reader that went away (its feed ended) is not an error here.
-        match written {
-            Err(e) if is_closed(&e) => return Ok(()),
-            other => other?,
-        }
-        match out.flush() {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
-            other => other?,
+        Some(addr) => {
+            let conn = connect(addr)?;
+            let reader = std::io::BufReader::new(conn.try_clone()?);
+            let made = serve(&maker, &mut threads, reader, conn)?;
+            let out = serde_json::json!({"batches": made.0, "samples": made.1});
+            writeln!(std::io::stdout().lock(), "{out}")?;
         }
     }
     Ok(())
 }
 
+/// Connects to the feed at `addr` and says who it is: the feed's token
+/// (`$BATCHCAST_FEED_TOKEN`), which only the feed's owner handed out.
+fn connect(addr: std::net::SocketAddr) -> anyhow::Result<std::net::TcpStream> {
+    let token = std::env::var(TOKEN_ENV)
+        .with_context(|| format!("--connect needs the feed's token in ${TOKEN_ENV}"))?;
+    let mut conn = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(30))
+        .with_context(|| format!("connecting to the feed at {addr}"))?;
+    conn.set_nodelay(true)?;
+    writeln!(conn, "{HELLO} {token}")?;
+    Ok(conn)
+}
+
+/// The variable a maker finds its feed's token in.
+pub const TOKEN_ENV: &str = "BATCHCAST_FEED_TOKEN";
+/// What a maker says first, before its token.
+pub const HELLO: &str = "batchcast-make 1";
+
+/// Serves the requests of `input` into `out` until `input` ends (or its
+/// reader goes away): the batches and samples it made.
+fn serve(
+    maker: &Maker,
+    threads: &mut [MakerThread],
+    input: impl BufRead,
+    out: impl Write,
+) -> anyhow::Result<(u64, u64)> {
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, out);
+    let mut made = (0u64, 0u64);
+    for (n, line) in input.lines().enumerate() {
+        let line = line.context("reading requests")?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (epoch, index, count) =
+            request(&line).with_context(|| format!("request {}: {line:?}", n + 1))?;
+        maker.want(epoch, index, index + count);
+        let written = make_in_order(maker, threads, (epoch, index, count), &mut out);
+        // A reader that went away (its feed ended) is not an error here.
+        let samples = match written {
+            Err(e) if is_closed(&e) => return Ok(made),
+            other => other?,
+        };
+        match out.flush() {
+            Err(e) if closed_io(&e) => return Ok(made),
+            other => other?,
+        }
+        made = (made.0 + count, made.1 + samples);
+    }
+    Ok(made)
+}
+
 fn is_closed(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<std::io::Error>()
-        .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    e.downcast_ref::<std::io::Error>().is_some_and(closed_io)
+}
+
+fn closed_io(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+    )
 }
 
 /// `EPOCH INDEX COUNT`.
@@ -108,10 +175,10 @@ fn make_in_order(
     threads: &mut [MakerThread],
     (epoch, index, count): (u64, u64, u64),
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<u64> {
     let next = AtomicU64::new(0);
     let (tx, rx) = mpsc::channel::<(u64, Result<(u64, Vec<u8>), MakeError>)>();
-    std::thread::scope(|scope| -> anyhow::Result<()> {
+    std::thread::scope(|scope| -> anyhow::Result<u64> {
         for thread in threads.iter_mut().take(count as usize) {
             let (tx, next) = (tx.clone(), &next);
             scope.spawn(move || {
@@ -135,7 +202,7 @@ fn make_in_order(
         }
         drop(tx);
         let mut waiting = std::collections::BTreeMap::new();
-        let mut due = 0u64;
+        let (mut due, mut samples_out) = (0u64, 0u64);
         for (k, made) in rx {
             waiting.insert(k, made?);
             while let Some((samples, bytes)) = waiting.remove(&due) {
@@ -143,11 +210,12 @@ fn make_in_order(
                 out.write_all(&(bytes.len() as u64).to_le_bytes())?;
                 out.write_all(&bytes)?;
                 due += 1;
+                samples_out += samples;
             }
         }
         if due < count {
             bail!("made {due} of {count} batches");
         }
-        Ok(())
+        Ok(samples_out)
     })
 }

@@ -15,7 +15,10 @@ gets SIGTERM when it goes).
 
 :func:`feed` runs a :class:`batchcast.Producer` over a Ray Data dataset on
 one node, so a stream can be made on the cluster's CPU nodes and handed to
-that node's trainers through its broker, once for all of them.
+that node's trainers through its broker, once for all of them;
+:func:`feed_stream` does the same with a configured stream's own pipeline
+(``batchcast make`` on each CPU node, ``batchcast feed`` on the fed one),
+the stream's exact epochs.
 
 Who may do what: the brokers run as the user Ray's workers run as, with
 sockets in a directory only that user can enter; anything that can call
@@ -31,7 +34,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy
 
@@ -384,4 +387,196 @@ def feed(
     )
 
 
-__all__ = ["NAMESPACE", "brokers", "feed", "init", "initialized", "shutdown", "socket", "socket_if_initialized"]
+def _child_cpu_s(proc: subprocess.Popen) -> float:
+    """Waits for ``proc`` and returns the CPU seconds it took (all its
+    threads), from the kernel's accounting at its exit."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _describe(config: str, stream: str) -> Dict[str, Any]:
+    """``batchcast make --schema`` on this node (where the dataset is)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="batchcast-make-") as d:
+        cfg = Path(d) / "stream.toml"
+        cfg.write_text(config)
+        r = subprocess.run(
+            [executable(), "make", "--config", str(cfg), "--stream", stream, "--schema"],
+            capture_output=True,
+            text=True,
+        )
+    if r.returncode != 0:
+        node = ray.get_runtime_context().get_node_id()
+        raise InvalidArgument(f"batchcast make on Ray node {node}: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def _make(config: str, stream: str, workers: int, address: str, token: str) -> Dict[str, Any]:
+    """``batchcast make --connect`` on this node: the stream's own pipeline
+    making what the feed at ``address`` asks for, until it is done."""
+    import json
+    import tempfile
+
+    node = ray.get_runtime_context().get_node_id()
+    with tempfile.TemporaryDirectory(prefix="batchcast-make-") as d:
+        cfg = Path(d) / "stream.toml"
+        cfg.write_text(config)
+        log = Path(d) / "make.log"
+        proc = subprocess.Popen(
+            [executable(), "make", "--config", str(cfg), "--stream", stream, "--workers", str(workers),
+             "--connect", address],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "wb"),
+            env={**os.environ, "BATCHCAST_FEED_TOKEN": token},
+            preexec_fn=_die_with_parent,
+        )
+        out = proc.stdout.read() if proc.stdout else b""
+        cpu_s = _child_cpu_s(proc)
+        said = log.read_text(errors="replace").strip()
+    if proc.returncode != 0:
+        raise BrokerUnavailable(f"batchcast make on Ray node {node} failed ({proc.returncode}): {said[-2000:]}")
+    made = json.loads(out.decode().strip().splitlines()[-1])
+    return {"node_id": node, "cpu_s": cpu_s, **made}
+
+
+@ray.remote(num_cpus=0)
+def _feed_stream(config: str, stream: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    import json
+    import secrets
+    import tempfile
+
+    makers = options.pop("makers")
+    pins = {n: NodeAffinitySchedulingStrategy(node_id=n, soft=False) for n, _ in makers}
+    first = makers[0][0]
+    described = ray.get(ray.remote(num_cpus=0)(_describe).options(scheduling_strategy=pins[first]).remote(config, stream))
+    token = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory(prefix="batchcast-feed-") as d:
+        schema = Path(d) / "schema.json"
+        schema.write_text(json.dumps(described))
+        args = [executable(), "feed", "--schema", str(schema), "--makers", str(len(makers)),
+                "--listen", f"{ray.util.get_node_ip_address()}:0", "--socket", options["socket"] or socket(),
+                "--in-flight", str(options["in_flight"])]
+        for key in ("epochs", "per_request", "min_consumers"):
+            if options.get(key) is not None:
+                args += [f"--{key.replace('_', '-')}", str(options[key])]
+        log = Path(d) / "feed.log"
+        feed = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "wb"),
+            env={**os.environ, "BATCHCAST_FEED_TOKEN": token},
+            preexec_fn=_die_with_parent,
+        )
+        first_line = feed.stdout.readline().decode() if feed.stdout else ""
+        if not first_line.startswith("listening "):
+            feed.wait()
+            raise BrokerUnavailable(f"batchcast feed did not start: {log.read_text(errors='replace')[-2000:]}")
+        address = first_line.split()[1]
+        made = [
+            ray.remote(_make)
+            .options(num_cpus=workers, scheduling_strategy=pins[node])
+            .remote(config, stream, workers, address, token)
+            for node, workers in makers
+        ]
+        out = feed.stdout.read() if feed.stdout else b""
+        cpu_s = _child_cpu_s(feed)
+        if feed.returncode != 0:
+            for ref in made:
+                ray.cancel(ref, force=True)
+            raise BrokerUnavailable(f"batchcast feed failed: {log.read_text(errors='replace')[-2000:]}")
+    figures: Dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    # The host's part: reading each batch into its slot (the kernel's copy).
+    figures["cpu_s"] = cpu_s
+    figures["makers"] = ray.get(made)
+    return figures
+
+
+def _cpu_nodes(fed: str) -> List[Tuple[str, int]]:
+    """Every other alive node with CPUs, and how many it has."""
+    return [
+        (n["NodeID"], int(n["Resources"]["CPU"]))
+        for n in ray.nodes()
+        if n.get("Alive") and n["NodeID"] != fed and n.get("Resources", {}).get("CPU", 0) >= 1
+    ]
+
+
+def feed_stream(
+    config: Union[str, os.PathLike],
+    stream: str,
+    epochs: Optional[int] = None,
+    node_id: Optional[str] = None,
+    nodes: Optional[List[str]] = None,
+    workers: Optional[int] = None,
+    per_request: Optional[int] = None,
+    in_flight: int = 2,
+    min_consumers: Optional[int] = None,
+    socket_path: Optional[str] = None,
+) -> "ray.ObjectRef":
+    """Feeds stream ``stream`` of the broker on ``node_id`` (default: the
+    node this runs on) with batches that stream's own pipeline makes on the
+    cluster's CPU nodes: ``config`` (a TOML file's path or its text) is the
+    stream's config as its broker would have it, and each node in ``nodes``
+    (default: every other alive node with CPUs) runs ``batchcast make`` on
+    it with ``workers`` pipeline threads (default: the node's CPUs, all of
+    them reserved), making a share of each epoch's batches. On the fed node,
+    ``batchcast feed`` registers the stream with the broker as its producer
+    and reads each batch from its maker's TCP connection straight into its
+    slot, in the stream's order: every epoch is the stream's, sample for
+    sample and byte for byte what its broker would make, whichever node
+    made it (the dataset's paths must reach the same files from every
+    making node). Makers connect to the fed node's Ray address with a
+    token the feed made for them; nothing else gets in.
+
+    ``epochs``: default the config's. ``per_request``: batches a node makes
+    per request (default twice its threads); ``in_flight``: requests each
+    node has ahead. ``min_consumers`` (default the config's): trainers the
+    stream waits for. ``socket_path``: the fed node's broker (default: the
+    one :func:`socket` finds or starts). Returns the task's reference;
+    ``ray.get`` it for the figures: batches, samples, ``cpu_s`` (the feed's
+    on the fed node) and ``makers`` (each node's batches, samples and
+    CPU)."""
+    text = _config_text(config)
+    if not text.strip():
+        raise InvalidArgument("batchcast.ray.feed_stream: the config is empty; it must describe the stream")
+    node = node_id or ray.get_runtime_context().get_node_id()
+    known = dict(_cpu_nodes(node))
+    chosen = list(known) if nodes is None else list(nodes)
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        raise InvalidArgument(f"batchcast.ray.feed_stream: no alive node with CPUs other than the fed one: {unknown}")
+    if not chosen:
+        raise InvalidArgument(
+            "batchcast.ray.feed_stream: the cluster has no other node with CPUs to make the stream on "
+            "(serve the stream from the config on this node instead)"
+        )
+    if workers is not None and workers < 1:
+        raise InvalidArgument(f"workers={workers} must be at least 1")
+    options = dict(
+        makers=[(n, workers or known[n]) for n in chosen],
+        epochs=epochs,
+        per_request=per_request,
+        in_flight=in_flight,
+        min_consumers=min_consumers,
+        socket=socket_path,
+    )
+    return _feed_stream.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+        text, stream, options
+    )
+
+
+__all__ = [
+    "NAMESPACE",
+    "brokers",
+    "feed",
+    "feed_stream",
+    "init",
+    "initialized",
+    "shutdown",
+    "socket",
+    "socket_if_initialized",
+]

@@ -1,0 +1,441 @@
+//! `batchcast feed`: a GPU host's end of a stream made on other machines
+//! (`batchcast make --connect` on a cluster's CPU nodes; what
+//! `batchcast.ray.feed_stream` starts). It registers the stream with the
+//! host's broker as its producer, takes its makers' TCP connections (each
+//! must say the feed's token first), asks them for the batches the
+//! broker's slots want, in turn, `in_flight` requests ahead, and reads
+//! each batch straight into its slot: the host's only copy is the
+//! kernel's, from the socket into the ring.
+//!
+//! Every epoch is the stream's own: batch `i` of epoch `e` is what the
+//! stream's broker would make there, whichever maker made it (each makes
+//! with the same config); a batch whose samples or bytes are not the
+//! schema's for its place stops the stream, naming the maker.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use batchcast::schema::{Schema, SourceInfo};
+use batchcast::{Acquired, Producer, ProducerOptions};
+
+use crate::make::{HELLO, TOKEN_ENV};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct FeedArgs {
+    /// The stream's description as `batchcast make --schema` prints it (a
+    /// file)
+    #[arg(long)]
+    pub schema: PathBuf,
+    /// Listen for makers here (IP:PORT; port 0 picks one); the address is
+    /// printed on stdout's first line
+    #[arg(long)]
+    pub listen: SocketAddr,
+    /// Makers to wait for (their token in $BATCHCAST_FEED_TOKEN)
+    #[arg(long)]
+    pub makers: usize,
+    /// The host broker's socket [default: as for any client]
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Epochs to feed [default: the stream's]
+    #[arg(long)]
+    pub epochs: Option<u64>,
+    /// Batches a maker makes per request [default: twice its threads]
+    #[arg(long)]
+    pub per_request: Option<u64>,
+    /// Requests each maker has ahead of the batch being published
+    #[arg(long, default_value_t = 2)]
+    pub in_flight: usize,
+    /// Consumers that must subscribe before the first batch [default: the
+    /// stream's]
+    #[arg(long)]
+    pub min_consumers: Option<u32>,
+    /// Seconds to wait for every maker to connect
+    #[arg(long, default_value_t = 60.0)]
+    pub accept_timeout: f64,
+}
+
+/// What a feed did, printed as JSON at its end.
+#[derive(Debug, Default, serde::Serialize)]
+struct Figures {
+    batches: u64,
+    samples: u64,
+    epochs: u64,
+    seconds: f64,
+    /// Time spent waiting for a slot (consumers slower than the makers).
+    slot_wait_s: f64,
+    /// Time spent waiting for a maker's batch (makers slower).
+    maker_wait_s: f64,
+    /// Batches read and dropped: the broker skipped to another place.
+    dropped: u64,
+}
+
+pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
+    let token = std::env::var(TOKEN_ENV)
+        .with_context(|| format!("the feed's token must be in ${TOKEN_ENV}"))?;
+    if token.len() < 16 {
+        bail!("${TOKEN_ENV} is too short to keep others out: give at least 16 characters");
+    }
+    if args.makers == 0 {
+        bail!("--makers must be at least 1");
+    }
+    let text = std::fs::read_to_string(&args.schema)
+        .with_context(|| format!("reading {}", args.schema.display()))?;
+    let described: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}", args.schema.display()))?;
+    let schema: Schema = serde_json::from_value(described["schema"].clone())
+        .with_context(|| format!("the schema in {}", args.schema.display()))?;
+    let listener =
+        TcpListener::bind(args.listen).with_context(|| format!("listening on {}", args.listen))?;
+    writeln!(
+        std::io::stdout().lock(),
+        "listening {}",
+        listener.local_addr()?
+    )?;
+    std::io::stdout().flush()?;
+    let makers = accept(
+        &listener,
+        args.makers,
+        &token,
+        Duration::from_secs_f64(args.accept_timeout.max(0.0)),
+    )?;
+    drop(listener); // no one else gets in
+    let opts = producer_options(args, &described, &schema)?;
+    let producer = Producer::register(opts).context("registering the stream with the broker")?;
+    let workers = described["workers"].as_u64().unwrap_or(1).max(1);
+    let per_request = args.per_request.unwrap_or(2 * workers).max(1);
+    let mut feed = Feed {
+        schema,
+        epochs: args.epochs.or(described["schema"]["epochs"].as_u64()),
+        makers,
+        per_request,
+        ahead: args.in_flight.max(1) * args.makers,
+        asked: VecDeque::new(),
+        next: (0, 0),
+        sent: 0,
+        figures: Figures::default(),
+    };
+    let t0 = Instant::now();
+    let result = feed.run(producer);
+    feed.figures.seconds = t0.elapsed().as_secs_f64();
+    result?;
+    let out = serde_json::to_string(&feed.figures)?;
+    writeln!(std::io::stdout().lock(), "{out}")?;
+    Ok(())
+}
+
+/// The stream as `described` says, with the feed's overrides.
+fn producer_options(
+    args: &FeedArgs,
+    described: &serde_json::Value,
+    schema: &Schema,
+) -> anyhow::Result<ProducerOptions> {
+    let name = described["stream"]
+        .as_str()
+        .context("the schema file names no stream")?;
+    let mut opts = ProducerOptions::new(
+        name,
+        schema.fields.clone(),
+        schema.batch_size,
+        schema.batches_per_epoch,
+    );
+    let r = &mut opts.request;
+    r.epochs = args.epochs.or(schema.epochs);
+    if let Some(s) = described["slots"].as_u64() {
+        r.slots = u32::try_from(s).context("slots")?;
+    }
+    r.min_consumers = match args.min_consumers {
+        Some(n) => n,
+        None => u32::try_from(described["min_consumers"].as_u64().unwrap_or(1))?,
+    };
+    r.lag_limit = described["lag_limit"]
+        .as_u64()
+        .map(u32::try_from)
+        .transpose()?;
+    r.hold_limit_ms = described["hold_limit_s"]
+        .as_f64()
+        .map(|s| (s * 1000.0) as u64);
+    r.description = format!("made on {} nodes (batchcast make)", args.makers);
+    if let SourceInfo::Images(i) = &schema.source {
+        r.classes = i.classes.clone();
+    }
+    opts.socket = args.socket.clone();
+    opts.name = "batchcast feed".into();
+    opts.connect_timeout = Duration::from_secs(60);
+    Ok(opts)
+}
+
+/// A maker's connection.
+struct Maker {
+    addr: SocketAddr,
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+/// Takes `n` makers' connections, each of which must say the token first;
+/// others are dropped (and logged) without a word.
+fn accept(
+    listener: &TcpListener,
+    n: usize,
+    token: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<Maker>> {
+    let deadline = Instant::now() + timeout;
+    listener.set_nonblocking(true)?;
+    let mut makers = Vec::with_capacity(n);
+    while makers.len() < n {
+        let (conn, addr) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    bail!(
+                        "{} of {n} makers connected within {:.0} s",
+                        makers.len(),
+                        timeout.as_secs_f64()
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match hello(conn, addr, token) {
+            Ok(m) => makers.push(m),
+            Err(e) => {
+                tracing::warn!(%addr, "a connection that is not one of this feed's makers: {e:#}")
+            }
+        }
+    }
+    Ok(makers)
+}
+
+/// Reads a maker's first line (at most 256 bytes, within 5 s) and checks
+/// its token.
+fn hello(conn: TcpStream, addr: SocketAddr, token: &str) -> anyhow::Result<Maker> {
+    conn.set_nonblocking(false)?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    conn.set_nodelay(true)?;
+    let mut reader = BufReader::with_capacity(1 << 20, conn.try_clone()?);
+    let mut line = Vec::new();
+    reader.by_ref().take(256).read_until(b'\n', &mut line)?;
+    let said = String::from_utf8_lossy(&line);
+    let given = said
+        .trim_end()
+        .strip_prefix(HELLO)
+        .map(str::trim)
+        .context("it did not say hello as a maker")?;
+    if !same(given.as_bytes(), token.as_bytes()) {
+        bail!("wrong token");
+    }
+    conn.set_read_timeout(None)?;
+    Ok(Maker {
+        addr,
+        reader,
+        writer: conn,
+    })
+}
+
+/// `a == b` in a time that does not depend on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A request in flight: batches `first .. first + count` of `epoch`, of
+/// which `read` were read so far, from maker `maker`.
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    epoch: u64,
+    first: u64,
+    count: u64,
+    read: u64,
+    maker: usize,
+}
+
+impl Asked {
+    fn head(&self) -> (u64, u64) {
+        (self.epoch, self.first + self.read)
+    }
+}
+
+struct Feed {
+    schema: Schema,
+    epochs: Option<u64>,
+    makers: Vec<Maker>,
+    per_request: u64,
+    ahead: usize,
+    asked: VecDeque<Asked>,
+    /// The place the next request starts at.
+    next: (u64, u64),
+    sent: usize,
+    figures: Figures,
+}
+
+impl Feed {
+    fn run(&mut self, mut producer: Producer) -> anyhow::Result<()> {
+        loop {
+            self.ask()?;
+            let w0 = Instant::now();
+            let slot = loop {
+                match producer.acquire_timeout(Duration::from_millis(100))? {
+                    Acquired::Slot(s) => break Some(s),
+                    Acquired::Ended => break None,
+                    Acquired::Pending => self.ask()?,
+                }
+            };
+            self.figures.slot_wait_s += w0.elapsed().as_secs_f64();
+            let Some(slot) = slot else { break };
+            let place = (slot.epoch, slot.index);
+            let samples = self.expected(place)?;
+            self.line_up(place)?;
+            let asked = self.asked[0];
+            let w0 = Instant::now();
+            let read = {
+                let mut fields = producer.fields_mut(&slot);
+                read_batch(
+                    &mut self.makers[asked.maker],
+                    &self.schema,
+                    samples,
+                    &mut fields,
+                )
+            };
+            if let Err(e) = read {
+                let why = format!(
+                    "batch {} of epoch {} from the maker at {}: {e:#}",
+                    place.1, place.0, self.makers[asked.maker].addr
+                );
+                let _ = producer.fail(&why);
+                bail!(why);
+            }
+            self.figures.maker_wait_s += w0.elapsed().as_secs_f64();
+            producer.publish(&slot, samples)?;
+            self.figures.batches += 1;
+            self.figures.samples += samples;
+            self.figures.epochs = self.figures.epochs.max(place.0 + 1);
+            self.advance();
+        }
+        Ok(())
+    }
+
+    /// Samples of the batch at `place`, or why it is not the stream's.
+    fn expected(&self, (epoch, index): (u64, u64)) -> anyhow::Result<u64> {
+        let s = &self.schema;
+        if index >= s.batches_per_epoch || self.epochs.is_some_and(|n| epoch >= n) {
+            bail!("the broker asked for batch {index} of epoch {epoch}, not one of the stream's");
+        }
+        Ok(s.batch_size.min(s.samples_per_epoch - index * s.batch_size))
+    }
+
+    /// Keeps `ahead` requests in flight, each to the next maker in turn.
+    fn ask(&mut self) -> anyhow::Result<()> {
+        let per_epoch = self.schema.batches_per_epoch;
+        while self.asked.len() < self.ahead {
+            let (epoch, first) = self.next;
+            if self.epochs.is_some_and(|n| epoch >= n) {
+                return Ok(());
+            }
+            let count = self.per_request.min(per_epoch - first);
+            let maker = self.sent % self.makers.len();
+            let m = &mut self.makers[maker];
+            writeln!(m.writer, "{epoch} {first} {count}")
+                .with_context(|| format!("asking the maker at {}", m.addr))?;
+            self.sent += 1;
+            self.asked.push_back(Asked {
+                epoch,
+                first,
+                count,
+                read: 0,
+                maker,
+            });
+            self.next = if first + count < per_epoch {
+                (epoch, first + count)
+            } else {
+                (epoch + 1, 0)
+            };
+        }
+        Ok(())
+    }
+
+    /// Makes the oldest request in flight start at `place`: batches asked
+    /// before it (the broker skipped them: nobody read the rest of an
+    /// epoch) are read and dropped, and where none was asked for `place`,
+    /// requests start there.
+    fn line_up(&mut self, place: (u64, u64)) -> anyhow::Result<()> {
+        let mut scratch = Vec::new();
+        loop {
+            match self.asked.front() {
+                Some(a) if a.head() == place => return Ok(()),
+                Some(a) => {
+                    let a = *a;
+                    let samples = self.expected(a.head())?;
+                    let m = &mut self.makers[a.maker];
+                    let bytes = frame_head(m, samples, &self.schema)?;
+                    scratch.resize(bytes as usize, 0);
+                    m.reader.read_exact(&mut scratch)?;
+                    self.figures.dropped += 1;
+                    self.advance();
+                }
+                None => {
+                    self.next = place;
+                    self.ask()?;
+                    if self.asked.is_empty() {
+                        bail!(
+                            "the broker asked for batch {} of epoch {}, past the stream's end",
+                            place.1,
+                            place.0
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The oldest request's next batch was read.
+    fn advance(&mut self) {
+        if let Some(a) = self.asked.front_mut() {
+            a.read += 1;
+            if a.read == a.count {
+                self.asked.pop_front();
+            }
+        }
+    }
+}
+
+/// Reads a frame's header from `m`: it must hold `samples` samples of
+/// the schema's bytes; returns its bytes.
+fn frame_head(m: &mut Maker, samples: u64, schema: &Schema) -> anyhow::Result<u64> {
+    let mut head = [0u8; 16];
+    m.reader
+        .read_exact(&mut head)
+        .context("the maker closed its connection (see its log)")?;
+    let got = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    let bytes = u64::from_le_bytes(head[8..].try_into().expect("8 bytes"));
+    let want: u64 = schema
+        .fields
+        .iter()
+        .map(|f| f.bytes_per_sample().unwrap_or(0) * samples)
+        .sum();
+    if got != samples || bytes != want {
+        bail!(
+            "it sent {got} samples in {bytes} bytes where the stream has {samples} samples in {want} bytes (is it making the same config?)"
+        );
+    }
+    Ok(bytes)
+}
+
+/// Reads the next batch of `m` straight into `fields` (the slot's cells).
+fn read_batch(
+    m: &mut Maker,
+    schema: &Schema,
+    samples: u64,
+    fields: &mut [&mut [u8]],
+) -> anyhow::Result<()> {
+    frame_head(m, samples, schema)?;
+    for (f, cells) in schema.fields.iter().zip(fields.iter_mut()) {
+        let len = (f.bytes_per_sample().unwrap_or(0) * samples) as usize;
+        m.reader.read_exact(&mut cells[..len])?;
+    }
+    Ok(())
+}
