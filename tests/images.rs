@@ -1333,8 +1333,10 @@ fn batches_made_elsewhere_are_the_brokers_bytes() {
 /// A stream made on other machines and fed into a host's broker
 /// (`batchcast make --connect` twice, `batchcast feed`; what
 /// `batchcast.ray.feed_stream` runs): the host's consumer reads the
-/// epochs of a broker serving the config itself, digest for digest. Only
-/// the feed's makers get in: a stranger and a wrong token are dropped.
+/// epochs of a broker serving the config itself, digest for digest, and
+/// again through a SIGKILL of the host's broker (the feed registers the
+/// stream again). Only the feed's makers get in: a stranger and a wrong
+/// token are dropped.
 /// A maker sending a batch that is not the schema's for its place stops
 /// the stream, naming the maker, and its consumer is told.
 #[test]
@@ -1439,6 +1441,52 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
         })
         .sum();
     assert_eq!(made, 2 * n, "each batch made once, by one of the makers");
+
+    // The host's broker SIGKILLed mid-stream and started again: the feed
+    // (a producer) registers the stream again and the consumer, back,
+    // reads on with the same bytes.
+    drop(_host);
+    let mut host = common::broker(None, &fed, Some(&env.path("fed.log"))).unwrap();
+    let (feeder, addr) = feed("1");
+    let one = maker(&addr);
+    let slow = env.spawn_consumer_on(
+        &fed,
+        &[
+            "--stream",
+            "plain",
+            "--digest",
+            "--reconnect-timeout",
+            "30",
+            "--connect-timeout",
+            "60",
+            "--sleep-ms",
+            "40",
+            "--name",
+            "slow",
+        ],
+    );
+    let t0 = std::time::Instant::now();
+    while !host.stats().is_ok_and(|s| {
+        s.streams
+            .iter()
+            .flat_map(|st| &st.consumers)
+            .any(|c| c.name == "slow" && c.batches >= 4)
+    }) {
+        assert!(t0.elapsed() < LIMIT, "the slow consumer never read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    host.kill().unwrap();
+    let _host = common::broker(None, &fed, Some(&env.path("fed-again.log"))).unwrap();
+    let r = harness::wait_report(slow, LIMIT).unwrap();
+    assert_eq!(digests(&r), want, "through a restart: {r:#?}");
+    assert_eq!(r.reconnects, 1, "{r:#?}");
+    let out = feeder.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(one.wait_with_output().unwrap().status.success());
 
     // A maker that sends a batch of the wrong size for its place.
     let (feeder, addr) = feed("1");
