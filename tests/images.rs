@@ -1173,7 +1173,19 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     for s in &st.streams {
         let on = s.source.as_ref().unwrap().decoded_cache.is_some();
         assert_eq!(on, s.name.starts_with("kept"), "{}", s.name);
+        // Where the pipeline's time went: every stage took some.
+        let t = s.source.as_ref().unwrap().stages;
+        assert!(
+            t.read_s > 0.0 && t.decode_s > 0.0 && t.transform_s > 0.0,
+            "{}: {t:?}",
+            s.name
+        );
     }
+    let table = run(command(EXE)
+        .args(["stats", "--socket"])
+        .arg(env.path("b.sock")));
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("per image: read "), "{table}");
     // A side without a cache is refused, naming both keys.
     let err = env.serve_fails(&stream("s", &folder(&root), t, "decoded_side = 64"));
     assert!(

@@ -162,6 +162,17 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
             k.budget as f64 / (1 << 20) as f64
         );
     }
+    let st = &src.stages;
+    if src.decoded > 0 {
+        let per = |s: f64| 1e6 * s / src.decoded as f64;
+        let _ = write!(
+            out,
+            "; per image: read {:.0} µs, decode {:.0} µs, transform {:.0} µs",
+            per(st.read_s),
+            per(st.decode_s),
+            per(st.transform_s)
+        );
+    }
     let _ = writeln!(out);
 }
 

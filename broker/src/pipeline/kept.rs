@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use super::cache::MinIoCache;
 use super::decode::{Format, Header, Rgb};
+use super::stages::Stage;
 use super::transform::Plan;
 use super::{ImagePipeline, SampleError, Worker};
 use crate::budget::{Budget, Grant, OverBudget, Use};
@@ -105,9 +106,11 @@ impl ImagePipeline {
             std::mem::take(&mut w.rgb)
         };
         let bytes = cached.as_deref().unwrap_or(&w.bytes);
-        let decoded = w
-            .decoder
-            .decode(bytes, &header, (denom, region), &mut img)
+        let decoded = self
+            .stages
+            .time(Stage::Decode, || {
+                w.decoder.decode(bytes, &header, (denom, region), &mut img)
+            })
             .map_err(|source| SampleError::Decode {
                 path: self.dataset.describe(index),
                 source,
@@ -146,8 +149,11 @@ impl ImagePipeline {
         index: u64,
         out: &mut [u8],
     ) -> Result<(), SampleError> {
-        self.transform
-            .apply(img, plan, denom, &self.lut, &mut w.scratch, out)
+        self.stages
+            .time(Stage::Transform, || {
+                self.transform
+                    .apply(img, plan, denom, &self.lut, &mut w.scratch, out)
+            })
             .map_err(|e| SampleError::Transform {
                 path: self.dataset.describe(index),
                 message: e.to_string(),

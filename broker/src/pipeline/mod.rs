@@ -13,6 +13,7 @@ pub mod dataset;
 pub mod kept;
 pub(crate) mod sampler;
 pub mod shared;
+pub mod stages;
 
 // The per-image work lives in its own crate (optimised in debug builds,
 // docs/development.md); its modules keep their paths here.
@@ -27,6 +28,7 @@ use cache::CacheCounts;
 use dataset::Dataset;
 use decode::{DecodeError, Decoder, Format, Header, Region, Rgb};
 use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
+use stages::Stage;
 use transform::{Lut, Scratch, Transform};
 
 /// What to do with a sample that cannot be read or decoded.
@@ -85,6 +87,9 @@ pub struct PipelineCounts {
     pub shared: Option<(String, ShareCounts)>,
     /// A remote dataset's requests, read-ahead and disk tier.
     pub remote: Option<batchcast::proto::RemoteSourceStats>,
+    /// Seconds the threads spent reading, decoding and transforming
+    /// ([`stages`]).
+    pub stages: [f64; 3],
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan
@@ -125,6 +130,8 @@ pub struct ImagePipeline {
     decoded: AtomicU64,
     skipped: AtomicU64,
     reduced: AtomicU64,
+    /// Where the threads' time goes, stage by stage.
+    stages: stages::StageClock,
 }
 
 /// Per-thread state: decoder, buffers.
@@ -193,6 +200,7 @@ impl ImagePipeline {
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             reduced: AtomicU64::new(0),
+            stages: stages::StageClock::default(),
         }
     }
 
@@ -208,6 +216,7 @@ impl ImagePipeline {
                 .as_ref()
                 .map(|(s, m)| (s.plan.name.clone(), s.counts(*m))),
             remote: self.dataset.remote.as_ref().map(|r| r.counts()),
+            stages: self.stages.seconds(),
         }
     }
 
@@ -321,8 +330,10 @@ impl ImagePipeline {
             Claim::Mine(_) => &mut fresh,
             _ => &mut w.rgb,
         };
-        w.decoder
-            .decode(bytes, &header, scale, rgb)
+        self.stages
+            .time(Stage::Decode, || {
+                w.decoder.decode(bytes, &header, scale, rgb)
+            })
             .map_err(decode_err)?;
         self.count_decode(scale.0);
         // Only what decoded is worth keeping.
@@ -367,7 +378,7 @@ impl ImagePipeline {
 
     /// Reads sample `index` ([`ImagePipeline::read`]) and its header.
     fn read_header(&self, w: &mut Worker, index: u64) -> Result<Read, SampleError> {
-        let cached = self.read(w, index)?;
+        let cached = self.stages.time(Stage::Read, || self.read(w, index))?;
         let bytes = cached.as_deref().unwrap_or(&w.bytes);
         let h = w
             .decoder
@@ -462,8 +473,11 @@ impl ImagePipeline {
             }
         };
         let src: &Rgb = img.as_deref().unwrap_or(&w.rgb);
-        self.transform
-            .apply(src, &plan, denom, &self.lut, &mut w.scratch, out)
+        self.stages
+            .time(Stage::Transform, || {
+                self.transform
+                    .apply(src, &plan, denom, &self.lut, &mut w.scratch, out)
+            })
             .map_err(|e| SampleError::Transform {
                 path: path(),
                 message: e.to_string(),

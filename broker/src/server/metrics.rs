@@ -194,7 +194,7 @@ impl Family<'_> {
 type Metric<T> = (&'static str, &'static str, &'static str, fn(&T) -> f64);
 
 /// Per stream, labelled `stream` (named `batchcast_stream_NAME`).
-static STREAM_METRICS: [Metric<StreamStats>; 13] = [
+static STREAM_METRICS: [Metric<StreamStats>; 16] = [
     (
         "batches_produced_total",
         "counter",
@@ -260,6 +260,24 @@ static STREAM_METRICS: [Metric<StreamStats>; 13] = [
         "counter",
         "Decoded-image cache misses: images decoded and kept, or not kept (full).",
         |st| decoded_cache(st).map_or(0.0, |k| k.misses as f64),
+    ),
+    (
+        "stage_read_seconds_total",
+        "counter",
+        "Seconds the pipeline threads spent reading files and headers (image streams; wall time).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.stages.read_s),
+    ),
+    (
+        "stage_decode_seconds_total",
+        "counter",
+        "Seconds the pipeline threads spent decoding (image streams).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.stages.decode_s),
+    ),
+    (
+        "stage_transform_seconds_total",
+        "counter",
+        "Seconds the pipeline threads spent cropping, resizing, augmenting and writing tensors (image streams).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.stages.transform_s),
     ),
     (
         "bad_files_skipped_total",

@@ -148,5 +148,10 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
             items: k.items,
             budget: k.budget,
         }),
+        stages: proto::StageStats {
+            read_s: n.stages[0],
+            decode_s: n.stages[1],
+            transform_s: n.stages[2],
+        },
     }
 }

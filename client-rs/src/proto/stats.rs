@@ -225,6 +225,21 @@ pub struct SourceStats {
     pub remote: Option<RemoteSourceStats>,
     /// The cache of decoded images, if on (protocol 22).
     pub decoded_cache: Option<DecodedCacheStats>,
+    /// Where the pipeline threads' time went (protocol 23).
+    pub stages: StageStats,
+}
+
+/// Seconds an image stream's pipeline threads spent in each stage, summed
+/// over the threads (protocol 23). Wall time: a read waiting for a remote
+/// store counts as reading. Per image: divide by `decoded`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageStats {
+    /// Reading the file (the cache of encoded bytes, a remote store) and
+    /// its header.
+    pub read_s: f64,
+    pub decode_s: f64,
+    /// Crop, resize, augmentations and the tensor written into its slot.
+    pub transform_s: f64,
 }
 
 /// A source's cache of decoded images (`decoded_cache_mib`, protocol 22):
