@@ -900,7 +900,9 @@ fn tar_shards_cache_and_multi_host_split() {
 fn the_demo_generates_images_and_serves_them_to_every_consumer() {
     let env = Env::new();
     let out = run(command(EXE)
-        .args(["demo", "--consumers", "2", "--epochs", "2"])
+        .args(["demo", "--consumers", "2", "--epochs", "2", "--no-baseline"])
+        .arg("--run-dir")
+        .arg(env.path("run"))
         .env("XDG_CACHE_HOME", env.path("cache")));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -917,6 +919,62 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
         env.path("cache/batchcast/demo-images-v1/.complete")
             .exists()
     );
+    // `batchcast doctor` judges the finished run from its summary: a
+    // verdict and its evidence (which bound depends on the build and the
+    // machine; the recorded release demo's is pinned in doctor's tests).
+    let out = run(command(EXE).arg("doctor").arg(env.path("run")));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.starts_with("stream `train`: ") && said.contains("-bound: "),
+        "{said}"
+    );
+    assert!(
+        said.contains("trainers' data stall (median)") && said.contains("decode per image"),
+        "{said}"
+    );
+}
+
+/// `batchcast doctor` against a running broker: trainers that take 40 ms
+/// a batch of 8 small images are what limits them, and it says so.
+#[test]
+fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
+    let mut env = Env::new();
+    env.images(2);
+    env.start(&stream(
+        "photos",
+        &folder(&env.p("ds")),
+        "random_resized_crop = { size = 16 }\ndtype = \"u8\"",
+        "epochs = 50",
+    ));
+    let mut slow = common::spawn_consumer(
+        &env.path("b.sock"),
+        &["--stream", "photos", "--sleep-ms", "40"],
+    );
+    let t0 = std::time::Instant::now();
+    while !env.stats().streams[0]
+        .consumers
+        .iter()
+        .any(|c| c.batches >= 3)
+    {
+        assert!(t0.elapsed() < LIMIT, "the consumer never read");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = run(command(EXE)
+        .args(["doctor", "--seconds", "1", "--socket"])
+        .arg(env.path("b.sock")));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.starts_with("stream `photos`: trainer-bound: the 1 trainers"),
+        "{said}"
+    );
+    let out = run(command(EXE)
+        .args(["doctor", "--json", "--seconds", "0.5", "--socket"])
+        .arg(env.path("b.sock")));
+    let found = json(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(found[0]["bound"], "trainer", "{found}");
+    common::sigkill(&mut slow);
 }
 
 #[test]

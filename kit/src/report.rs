@@ -204,6 +204,10 @@ pub struct BrokerSummary {
     pub images_decoded: u64,
     pub cache_hits: u64,
     pub bad_files_skipped: u64,
+    /// Its stats as last seen (the last broker's, after a restart): what
+    /// `batchcast doctor` judges a finished run by.
+    #[serde(default)]
+    pub last_stats: Option<batchcast::proto::StatsReply>,
 }
 
 /// One run of the sweep.

@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand};
 
 mod consume;
 mod demo;
+mod doctor;
 mod feed;
 mod launch;
 mod make;
@@ -85,6 +86,9 @@ enum Cmd {
     /// machines into this host's broker, each batch read straight into its
     /// slot (what `batchcast.ray.feed_stream` runs on the GPU host)
     Feed(feed::FeedArgs),
+    /// Say what limits the trainers (the data, or not; which stage), with
+    /// the evidence: watching a running broker, or a finished run folder
+    Doctor(doctor::DoctorArgs),
     /// Show the whole idea on built-in data: a sweep of trainers sharing one
     /// broker, then with a pipeline each, side by side
     Demo(demo::DemoArgs),
@@ -152,6 +156,7 @@ fn main() {
         },
         Cmd::Demo(args) => demo::run(&args),
         Cmd::Make(args) => make::run(&args),
+        Cmd::Doctor(args) => doctor::run(&args),
         Cmd::Feed(args) => feed::run(&args),
     };
     if let Err(e) = result {

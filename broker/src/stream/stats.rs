@@ -36,6 +36,7 @@ impl Stream {
             producer_blocked_s: inner.fill.blocked().as_secs_f64(),
             pipeline_cpu_s: inner.fill.cpu().as_secs_f64(),
             replay_cpu_s: inner.replay.cpu().as_secs_f64(),
+            workers: u32::try_from(self.plan.workers).unwrap_or(u32::MAX),
             owner_uid: self.owner_uid,
             producer: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::External(e) => Some(format!(

@@ -150,6 +150,8 @@ pub struct StreamStats {
     /// CPU seconds the pipeline threads spent replaying batches for single
     /// consumers (every consumer's, those gone included).
     pub replay_cpu_s: f64,
+    /// Pipeline threads (0 for a producer's stream; protocol 23).
+    pub workers: u32,
     /// Image sources only.
     pub source: Option<SourceStats>,
     /// External streams: who produces them.
@@ -439,6 +441,7 @@ mod tests {
             producer_blocked_s: 0.0,
             pipeline_cpu_s: 0.0,
             replay_cpu_s: 0.0,
+            workers: 1,
             source: None,
             producer: None,
             share: None,

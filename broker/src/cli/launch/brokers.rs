@@ -278,6 +278,7 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
             images_decoded: all.images_decoded,
             cache_hits: all.cache_hits,
             bad_files_skipped: all.bad_files_skipped,
+            last_stats: b.last.clone(),
         });
         if let Some(mut p) = b.process
             && let Err(e) = p.terminate(Duration::from_secs(10))

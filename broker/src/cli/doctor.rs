@@ -1,0 +1,442 @@
+//! `batchcast doctor`: what limits the trainers, in a sentence a person
+//! acts on, with the evidence beneath. Against a running broker it reads
+//! its stats twice, `--seconds` apart, and judges what happened between;
+//! against a finished `batchcast launch` (or `demo --run-dir`) run folder,
+//! the brokers' last stats, over their whole run.
+//!
+//! Per stream, from the stats alone (the arithmetic is [`diagnose`]'s):
+//! the trainers' data stall (`wait / (wait + busy)`, as each client
+//! reports), how busy the pipeline threads were (their CPU over their
+//! time), where that time went (read, decode, transform), and whether the
+//! pipeline waited for free slots. The verdict: trainer-bound when the
+//! trainers rarely wait; else bound by the pipeline's largest stage when
+//! its threads are busy; else held by flow (slots, a holder) or by reads
+//! that wait for storage.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use batchcast::StatsClient;
+use batchcast::proto::{ConsumerStats, StatsReply, StreamStats};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct DoctorArgs {
+    /// A run folder of `batchcast launch` or `batchcast demo --run-dir`
+    /// (its summary.json) [default: ask the running broker]
+    pub run: Option<PathBuf>,
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Seconds to watch a running broker
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Print the findings as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What limits a stream's trainers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Bound {
+    /// Nothing moved while it watched.
+    Idle,
+    /// The trainers rarely wait for data: faster data buys nothing.
+    Trainer,
+    /// The pipeline threads are busy, most of their time in this stage.
+    Read,
+    Decode,
+    Transform,
+    /// The pipeline waits for slots while trainers wait: flow (a holder,
+    /// too few slots), not work.
+    Flow,
+    /// A producer's stream: its producer sets the pace.
+    Producer,
+    /// A synthetic stream's threads are busy making it.
+    Pipeline,
+}
+
+/// One stream's diagnosis.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Finding {
+    pub stream: String,
+    pub bound: Bound,
+    /// The sentence a person acts on.
+    pub verdict: String,
+    /// The numbers it rests on, in order.
+    pub evidence: Vec<(String, String)>,
+}
+
+/// What the stream did between two stats replies, per second of `dt`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Rates {
+    pub images_s: f64,
+    /// The share of the pipeline threads' time spent working on images
+    /// (in a stage, running or waiting for a core; 0..1). A synthetic
+    /// stream's: its CPU share.
+    pub busy: f64,
+    /// The pipeline threads' CPU over their time (0..1): below `busy`
+    /// where they wait for a core.
+    pub cpu: f64,
+    /// Share of the pipeline threads' time waiting for free slots.
+    pub blocked: f64,
+    /// Seconds per image in each stage: read, decode, transform.
+    pub per_image: [f64; 3],
+    /// The trainers' median data stall (0..1), and how many reported.
+    pub stall: f64,
+    pub trainers: usize,
+}
+
+/// The rates of `after` since `before` (`None`: since the start).
+pub fn rates(before: Option<&StreamStats>, after: &StreamStats, dt: f64) -> Rates {
+    let dt = dt.max(1e-9);
+    let src = |s: Option<&StreamStats>| {
+        s.and_then(|s| s.source.as_ref())
+            .map_or((0, [0.0; 3]), |x| {
+                (
+                    x.decoded,
+                    [x.stages.read_s, x.stages.decode_s, x.stages.transform_s],
+                )
+            })
+    };
+    let (d0, t0) = src(before);
+    let (d1, t1) = src(Some(after));
+    let images = d1.saturating_sub(d0) as f64;
+    let threads = f64::from(after.workers.max(1)) * dt;
+    let cpu = after.pipeline_cpu_s - before.map_or(0.0, |b| b.pipeline_cpu_s);
+    let blocked = after.producer_blocked_s - before.map_or(0.0, |b| b.producer_blocked_s);
+    let mut stalls: Vec<f64> = trainers(after)
+        .filter_map(|c| {
+            let was = before.and_then(|b| trainers(b).find(|p| p.id == c.id));
+            let wait = c.wait_s - was.map_or(0.0, |p| p.wait_s);
+            let busy = c.busy_s - was.map_or(0.0, |p| p.busy_s);
+            (wait + busy > 1e-3).then(|| wait / (wait + busy))
+        })
+        .collect();
+    stalls.sort_by(f64::total_cmp);
+    let staged: f64 = (0..3).map(|i| t1[i] - t0[i]).sum();
+    let cpu = (cpu / threads).clamp(0.0, 1.0);
+    Rates {
+        images_s: images / dt,
+        busy: if after.source.is_some() {
+            (staged / threads).clamp(0.0, 1.0)
+        } else {
+            cpu
+        },
+        cpu,
+        blocked: (blocked / threads).clamp(0.0, 1.0),
+        per_image: std::array::from_fn(|i| (t1[i] - t0[i]) / images.max(1.0)),
+        stall: stalls.get(stalls.len() / 2).copied().unwrap_or(0.0),
+        trainers: stalls.len(),
+    }
+}
+
+/// A stream's consumers, those still there and those that left.
+fn trainers(s: &StreamStats) -> impl Iterator<Item = &ConsumerStats> {
+    s.consumers.iter().chain(&s.past_consumers)
+}
+
+/// Trainers waiting less than this share of their time are not held by
+/// data.
+const STALL: f64 = 0.10;
+/// Pipeline threads at least this busy are the bottleneck's suspects.
+const BUSY: f64 = 0.85;
+
+/// The finding for one stream, from its `r`ates; `cores`: the host's.
+pub fn diagnose(name: &str, s: &StreamStats, r: &Rates, cores: usize) -> Finding {
+    let evidence = evidence(s, r, cores);
+    let (bound, verdict) = if s.producer.is_some() {
+        (
+            Bound::Producer,
+            format!(
+                "producer-paced: {} makes this stream; the trainers wait {} of their time for it",
+                s.producer.as_deref().unwrap_or_default(),
+                pct(r.stall)
+            ),
+        )
+    } else if r.images_s <= 0.0 && r.trainers == 0 {
+        (Bound::Idle, "idle: nothing was made or read".to_string())
+    } else if r.stall < STALL {
+        (
+            Bound::Trainer,
+            format!(
+                "trainer-bound: the {} trainers wait for data only {} of their time; the pipeline is {} busy. Faster data would not speed them up",
+                r.trainers,
+                pct(r.stall),
+                pct(r.busy)
+            ),
+        )
+    } else if r.busy >= BUSY && s.source.is_none() {
+        (
+            Bound::Pipeline,
+            format!(
+                "pipeline-bound: {} pipeline threads {} busy making synthetic batches; the trainers wait {} of their time",
+                s.workers,
+                pct(r.busy),
+                pct(r.stall)
+            ),
+        )
+    } else if r.busy >= BUSY {
+        stage_bound(s, r, cores)
+    } else if r.blocked >= 0.5 {
+        (
+            Bound::Flow,
+            format!(
+                "flow-bound: the trainers wait {} of their time while the pipeline waits for free slots {} of its own: a consumer holds the ring (see `batchcast stats`) or the stream has too few slots",
+                pct(r.stall),
+                pct(r.blocked)
+            ),
+        )
+    } else {
+        (
+            Bound::Read,
+            format!(
+                "read-bound: the trainers wait {} of their time while the pipeline threads are only {} busy: they wait on reads ({} an image)",
+                pct(r.stall),
+                pct(r.busy),
+                us(r.per_image[0])
+            ),
+        )
+    };
+    Finding {
+        stream: name.to_string(),
+        bound,
+        verdict,
+        evidence,
+    }
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.0} %", 100.0 * x)
+}
+
+fn us(x: f64) -> String {
+    format!("{:.0} µs", 1e6 * x)
+}
+
+const STAGES: [&str; 3] = ["read", "decode", "transform"];
+
+/// The numbers a finding rests on.
+fn evidence(s: &StreamStats, r: &Rates, cores: usize) -> Vec<(String, String)> {
+    let mut evidence = vec![
+        ("images/s".to_string(), format!("{:.0}", r.images_s)),
+        (
+            "trainers' data stall (median)".into(),
+            format!("{} of {} trainers", pct(r.stall), r.trainers),
+        ),
+        (
+            "pipeline threads busy".into(),
+            format!("{} ({} threads; {cores} cores)", pct(r.busy), s.workers),
+        ),
+        ("pipeline threads on a core".into(), pct(r.cpu)),
+        ("pipeline waiting for slots".into(), pct(r.blocked)),
+    ];
+    for (i, st) in STAGES.iter().enumerate() {
+        evidence.push((format!("{st} per image"), us(r.per_image[i])));
+    }
+    evidence
+}
+
+/// Busy pipeline threads: bound by their largest stage.
+fn stage_bound(s: &StreamStats, r: &Rates, cores: usize) -> (Bound, String) {
+    let (i, _) = r
+        .per_image
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .expect("three stages");
+    let bound = [Bound::Read, Bound::Decode, Bound::Transform][i];
+    let total: f64 = r.per_image.iter().sum();
+    let spare = cores.saturating_sub(s.workers as usize + 1);
+    let more = if r.cpu < 0.8 * r.busy {
+        format!(
+            "; they run only {} of the time they work: this host's {cores} cores are shared with the trainers, so more cores (or the work made elsewhere: feed_stream) would help, more threads would not",
+            pct(r.cpu / r.busy)
+        )
+    } else if spare > 0 {
+        format!("; {spare} more pipeline threads (workers) would fit this host's {cores} cores")
+    } else {
+        format!(
+            "; all of this host's {cores} cores are in use: fewer or cheaper transforms, or make it elsewhere (feed_stream)"
+        )
+    };
+    (
+        bound,
+        format!(
+            "{}-bound: {} pipeline threads {} busy, {} of their time {}ing ({} an image); the trainers wait {} of their time{more}",
+            STAGES[i],
+            s.workers,
+            pct(r.busy),
+            pct(r.per_image[i] / total.max(1e-12)),
+            STAGES[i].trim_end_matches('e'),
+            us(r.per_image[i]),
+            pct(r.stall)
+        ),
+    )
+}
+
+/// Every stream's finding between `before` and `after`.
+pub fn findings(before: Option<&StatsReply>, after: &StatsReply, dt: f64) -> Vec<Finding> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    after
+        .streams
+        .iter()
+        .map(|s| {
+            let was = before.and_then(|b| b.streams.iter().find(|p| p.name == s.name));
+            diagnose(&s.name, s, &rates(was, s, dt), cores)
+        })
+        .collect()
+}
+
+pub fn run(args: &DoctorArgs) -> anyhow::Result<()> {
+    let found = match &args.run {
+        Some(dir) => from_run(dir)?,
+        None => {
+            let mut client = StatsClient::connect(args.socket.clone())
+                .context("asking the broker (is one running? --socket)")?;
+            let before = client.fetch()?;
+            let watch = Duration::from_secs_f64(args.seconds.clamp(0.1, 3600.0));
+            std::thread::sleep(watch);
+            let after = client.fetch()?;
+            findings(Some(&before), &after, watch.as_secs_f64())
+        }
+    };
+    let mut out = String::new();
+    if args.json {
+        out = serde_json::to_string(&found)?;
+    } else {
+        for f in &found {
+            let _ = writeln!(out, "stream `{}`: {}", f.stream, f.verdict);
+            for (k, v) in &f.evidence {
+                let _ = writeln!(out, "    {k:<32} {v}");
+            }
+        }
+        if found.is_empty() {
+            out = "the broker serves no stream\n".into();
+        }
+    }
+    use std::io::Write as _;
+    writeln!(std::io::stdout().lock(), "{}", out.trim_end())?;
+    Ok(())
+}
+
+/// The findings of a finished run: its brokers' last stats, from their
+/// start.
+fn from_run(dir: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
+    let path = if dir.is_file() {
+        dir.to_path_buf()
+    } else {
+        dir.join("summary.json")
+    };
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {} (a launch run folder's summary)", path.display()))?;
+    let summary: batchcast_kit::report::Summary =
+        serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    let mut found = Vec::new();
+    for b in &summary.shared.brokers {
+        let Some(last) = &b.last_stats else { continue };
+        found.extend(findings(None, last, last.uptime_s));
+    }
+    if found.is_empty() {
+        anyhow::bail!(
+            "{} holds no broker's stats (a run of an older batchcast?)",
+            path.display()
+        );
+    }
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stats `batchcast demo` (release build, this project's 2-core
+    /// machine) left at its end: 3 trainers, 2 pipeline threads.
+    fn demo() -> StatsReply {
+        serde_json::from_str(include_str!("doctor_demo_stats.json")).unwrap()
+    }
+
+    /// `s` as it was `dt` seconds before, when it had made `images` fewer,
+    /// `stage` seconds less in each stage, and each trainer had waited
+    /// `wait` and worked `busy` seconds less.
+    fn earlier(
+        s: &StreamStats,
+        images: u64,
+        stage: [f64; 3],
+        (wait, busy): (f64, f64),
+    ) -> StreamStats {
+        let mut b = s.clone();
+        let src = b.source.as_mut().unwrap();
+        src.decoded -= images;
+        src.stages.read_s -= stage[0];
+        src.stages.decode_s -= stage[1];
+        src.stages.transform_s -= stage[2];
+        b.pipeline_cpu_s -= 1.0;
+        b.producer_blocked_s -= 0.25;
+        for c in b.consumers.iter_mut().chain(b.past_consumers.iter_mut()) {
+            c.wait_s -= wait;
+            c.busy_s -= busy;
+        }
+        b
+    }
+
+    #[test]
+    fn the_demo_on_two_cores_is_decode_bound_with_its_cores_shared() {
+        let st = demo();
+        let s = &st.streams[0];
+        let r = rates(None, s, st.uptime_s);
+        assert!((0.85..0.95).contains(&r.busy), "{r:?}");
+        assert!(r.cpu < 0.8 * r.busy, "{r:?}");
+        assert_eq!(r.trainers, 3);
+        let f = diagnose(&s.name, s, &r, 2);
+        assert_eq!(f.bound, Bound::Decode, "{}", f.verdict);
+        assert!(
+            f.verdict.starts_with("decode-bound: 2 pipeline threads"),
+            "{}",
+            f.verdict
+        );
+        assert!(
+            f.verdict.contains("more threads would not"),
+            "{}",
+            f.verdict
+        );
+    }
+
+    #[test]
+    fn rates_are_the_differences_over_the_time_between() {
+        let after = demo().streams[0].clone();
+        let before = earlier(&after, 1000, [0.1, 0.8, 0.3], (0.25, 0.75));
+        let r = rates(Some(&before), &after, 2.0);
+        assert!((r.images_s - 500.0).abs() < 1e-9, "{r:?}");
+        // 1.2 s in stages over 2 threads × 2 s; 1 CPU-s; 0.25 s blocked.
+        assert!((r.busy - 0.3).abs() < 1e-9, "{r:?}");
+        assert!((r.cpu - 0.25).abs() < 1e-9, "{r:?}");
+        assert!((r.blocked - 0.0625).abs() < 1e-9, "{r:?}");
+        for (got, want) in r.per_image.iter().zip([1e-4, 8e-4, 3e-4]) {
+            assert!((got - want).abs() < 1e-12, "{r:?}");
+        }
+        assert!((r.stall - 0.25).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn each_bottleneck_gets_its_verdict() {
+        let after = demo().streams[0].clone();
+        let verdict = |stage: [f64; 3], blocked: f64, wait: f64| {
+            let mut before = earlier(&after, 1000, stage, (wait, 1.0 - wait));
+            before.producer_blocked_s = after.producer_blocked_s - blocked;
+            let r = rates(Some(&before), &after, 1.0);
+            diagnose("s", &after, &r, 16).bound
+        };
+        // Trainers that rarely wait: theirs, whatever the pipeline does.
+        assert_eq!(verdict([0.1, 1.7, 0.1], 0.0, 0.02), Bound::Trainer);
+        // Busy threads (1.9 of 2 thread-seconds in stages): the largest stage.
+        assert_eq!(verdict([0.1, 1.7, 0.1], 0.0, 0.5), Bound::Decode);
+        assert_eq!(verdict([1.5, 0.2, 0.2], 0.0, 0.5), Bound::Read);
+        assert_eq!(verdict([0.1, 0.3, 1.5], 0.0, 0.5), Bound::Transform);
+        // Idle threads waiting for slots while trainers wait: flow.
+        assert_eq!(verdict([0.1, 0.2, 0.1], 1.5, 0.5), Bound::Flow);
+        // Idle threads, no slot wait: reads that wait for storage.
+        assert_eq!(verdict([0.1, 0.2, 0.1], 0.0, 0.5), Bound::Read);
+    }
+}
