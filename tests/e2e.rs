@@ -923,6 +923,7 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
         "{body}\n{st:?}"
     );
     assert!(get("/other").starts_with("HTTP/1.1 404"));
+    grafana_asks_only_for_what_is_served(&body);
     // Probes: alive, and ready (no stream failed).
     let live = get("/healthz");
     assert!(
@@ -936,6 +937,42 @@ fn the_broker_serves_prometheus_metrics_that_match_its_stats() {
     );
     harness::signal(broker.id(), nix::sys::signal::Signal::SIGTERM);
     harness::wait_timeout(&mut broker.0, LIMIT).unwrap();
+}
+
+/// Every metric the Grafana dashboard (`deploy/grafana/batchcast.json`)
+/// queries is one `body` (a broker's `/metrics`) declares, and every
+/// panel queries something.
+fn grafana_asks_only_for_what_is_served(body: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/batchcast.json");
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut asked = std::collections::BTreeSet::new();
+    for panel in dash["panels"].as_array().unwrap() {
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{panel}");
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(at) = rest.find("batchcast_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[at + name.len()..];
+                asked.insert(name);
+            }
+        }
+    }
+    assert!(
+        asked.contains("batchcast_consumer_wait_seconds_total"),
+        "{asked:?}"
+    );
+    for name in &asked {
+        assert!(
+            body.contains(&format!("# TYPE {name} ")),
+            "the dashboard asks for {name}, which /metrics does not serve"
+        );
+    }
 }
 
 /// The metrics address is open to anyone who can reach it: 1,000 idle
