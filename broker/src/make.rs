@@ -156,18 +156,7 @@ impl Maker {
                     .map_or(String::new(), |n| format!(", {n} epochs")),
             });
         }
-        let first = index * s.batch_size;
-        Ok(s.batch_size.min(s.samples_per_epoch - first))
-    }
-
-    /// Bytes of a batch of `samples`: every field's cells.
-    pub fn batch_bytes(&self, samples: u64) -> u64 {
-        self.plan
-            .schema
-            .fields
-            .iter()
-            .map(|f| f.bytes_per_sample().unwrap_or(0) * samples)
-            .sum()
+        Ok(s.batch_samples(index))
     }
 
     /// Tells a remote dataset the batches `index..end` of `epoch` come
@@ -200,7 +189,7 @@ impl Maker {
         let first = (index * self.plan.schema.batch_size) as usize;
         let indices = &order[first..first + samples as usize];
         out.clear();
-        out.resize(self.batch_bytes(samples) as usize, 0);
+        out.resize(self.plan.schema.batch_bytes(samples) as usize, 0);
         let mut fields: Vec<&mut [u8]> = Vec::with_capacity(self.plan.schema.fields.len());
         let mut rest = out.as_mut_slice();
         for f in &self.plan.schema.fields {

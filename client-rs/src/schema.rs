@@ -63,6 +63,23 @@ impl Schema {
     pub fn field(&self, name: &str) -> Option<(usize, &Field)> {
         self.fields.iter().enumerate().find(|(_, f)| f.name == name)
     }
+
+    /// Samples in batch `index` of an epoch (`index <
+    /// batches_per_epoch`): the batch size, fewer for a short last batch.
+    pub fn batch_samples(&self, index: u64) -> u64 {
+        self.batch_size.min(
+            self.samples_per_epoch
+                .saturating_sub(index * self.batch_size),
+        )
+    }
+
+    /// Bytes of a batch of `samples`, every field's cells together.
+    pub fn batch_bytes(&self, samples: u64) -> u64 {
+        self.fields
+            .iter()
+            .map(|f| f.bytes_per_sample().unwrap_or(0) * samples)
+            .sum()
+    }
 }
 
 /// Description of the stream's data source, as far as a consumer may care.

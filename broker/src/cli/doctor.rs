@@ -439,4 +439,19 @@ mod tests {
         // Idle threads, no slot wait: reads that wait for storage.
         assert_eq!(verdict([0.1, 0.2, 0.1], 0.0, 0.5), Bound::Read);
     }
+
+    /// One trainer of three that claims it waited all the time (its
+    /// client's own report) does not turn the honest two's verdict.
+    #[test]
+    fn one_lying_trainer_does_not_move_the_verdict() {
+        let after = demo().streams[0].clone();
+        let mut before = earlier(&after, 1000, [0.1, 1.7, 0.1], (0.02, 0.98));
+        let liar = &mut before.past_consumers[0];
+        liar.wait_s = after.past_consumers[0].wait_s - 1000.0;
+        liar.busy_s = after.past_consumers[0].busy_s;
+        let r = rates(Some(&before), &after, 1.0);
+        assert_eq!(r.trainers, 3);
+        assert!((r.stall - 0.02).abs() < 1e-9, "{r:?}");
+        assert_eq!(diagnose("s", &after, &r, 16).bound, Bound::Trainer);
+    }
 }

@@ -325,7 +325,7 @@ impl Feed {
         if index >= s.batches_per_epoch || self.epochs.is_some_and(|n| epoch >= n) {
             bail!("the broker asked for batch {index} of epoch {epoch}, not one of the stream's");
         }
-        Ok(s.batch_size.min(s.samples_per_epoch - index * s.batch_size))
+        Ok(s.batch_samples(index))
     }
 
     /// Keeps `ahead` requests in flight, each to the next maker in turn.
@@ -412,11 +412,7 @@ fn frame_head(m: &mut Maker, samples: u64, schema: &Schema) -> anyhow::Result<u6
         .context("the maker closed its connection (see its log)")?;
     let got = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
     let bytes = u64::from_le_bytes(head[8..].try_into().expect("8 bytes"));
-    let want: u64 = schema
-        .fields
-        .iter()
-        .map(|f| f.bytes_per_sample().unwrap_or(0) * samples)
-        .sum();
+    let want = schema.batch_bytes(samples);
     if got != samples || bytes != want {
         bail!(
             "it sent {got} samples in {bytes} bytes where the stream has {samples} samples in {want} bytes (is it making the same config?)"
