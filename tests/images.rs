@@ -933,6 +933,11 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
         said.contains("trainers' data stall (median)") && said.contains("decode per image"),
         "{said}"
     );
+    // Its model: the rate it gives now, and what more threads would buy.
+    assert!(
+        said.contains("the model (demand ") && said.contains("    workers = 3: "),
+        "{said}"
+    );
 }
 
 /// `batchcast doctor` against a running broker: trainers that take 40 ms
@@ -974,6 +979,31 @@ fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
         .arg(env.path("b.sock")));
     let found = json(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(found[0]["bound"], "trainer", "{found}");
+    // The model: one trainer whose 40 ms a batch of 8 caps it near 200
+    // images/s (over half a second, a batch more or less: its samples are
+    // counted when sent, its busy time with each release), its process's
+    // CPU and the pipeline threads' run-queue wait read from /proc; one
+    // more trainer, the same rate, still its bound.
+    let m = &found[0]["model"];
+    let i = &m["inputs"];
+    assert_eq!(i["trainers"], 1, "{m}");
+    let demand = i["demand"].as_f64().unwrap();
+    assert!((120.0..=300.0).contains(&demand), "{m}");
+    assert!(
+        i["trainers_cpu"].is_number() && i["core_wait"].is_number(),
+        "{m}"
+    );
+    assert_eq!(m["now"]["limit"], "trainers", "{m}");
+    let more = m["predictions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["change"] == "one-more-trainer")
+        .expect("one more trainer priced");
+    assert_eq!(more["limit"], "trainers", "{m}");
+    let measured = i["images_s"].as_f64().unwrap();
+    let predicted = more["images_s"].as_f64().unwrap();
+    assert!((predicted - measured).abs() <= 0.1 * measured, "{m}");
     common::sigkill(&mut slow);
 }
 
@@ -1235,6 +1265,12 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
         let t = s.source.as_ref().unwrap().stages;
         assert!(
             t.read_s > 0.0 && t.decode_s > 0.0 && t.transform_s > 0.0,
+            "{}: {t:?}",
+            s.name
+        );
+        // The read's CPU is part of its wall time.
+        assert!(
+            t.read_cpu_s > 0.0 && t.read_cpu_s <= t.read_s * 1.05 + 1e-3,
             "{}: {t:?}",
             s.name
         );

@@ -58,3 +58,69 @@ pub fn rss_anon_kb(pid: &str) -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// CPU seconds of the threads of process `pid` named `comm*` (a
+/// thread's name is its first 15 bytes), and seconds they waited on a run
+/// queue for a core: the first two fields of `/proc/PID/task/*/schedstat`.
+/// `None` without schedstat or such a thread.
+pub fn named_threads(pid: u32, comm: &str) -> Option<ThreadTimes> {
+    let want = &comm.as_bytes()[..comm.len().min(15)];
+    let mut ns = [0u64; 2];
+    let mut seen = false;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let Ok(task) = task else { continue };
+        let Ok(name) = std::fs::read(task.path().join("comm")) else {
+            continue;
+        };
+        if !name.starts_with(want) {
+            continue;
+        }
+        // A thread that exits meanwhile is skipped.
+        let Ok(s) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        let mut f = s.split_whitespace().map(str::parse::<u64>);
+        ns[0] += f.next()?.ok()?;
+        ns[1] += f.next()?.ok()?;
+        seen = true;
+    }
+    seen.then_some(ThreadTimes {
+        cpu_s: ns[0] as f64 / 1e9,
+        run_queue_s: ns[1] as f64 / 1e9,
+    })
+}
+
+/// What [`named_threads`] reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ThreadTimes {
+    pub cpu_s: f64,
+    pub run_queue_s: f64,
+}
+
+/// The name of the broker's threads that fetch from remote stores.
+pub const REMOTE_THREADS: &str = "batchcast-remote";
+
+/// The name prefix of stream `stream`'s pipeline threads, for
+/// [`named_threads`].
+pub fn pipeline_threads(stream: &str) -> String {
+    format!("{stream}-worker-")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_threads_run_queue_wait_is_found_and_others_are_not() {
+        let t = std::thread::Builder::new()
+            .name("probe-worker-0".into())
+            .spawn(|| std::thread::sleep(std::time::Duration::from_millis(300)))
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let me = std::process::id();
+        let q = named_threads(me, &pipeline_threads("probe"));
+        assert!(q.is_some_and(|q| q.run_queue_s >= 0.0), "{q:?}");
+        assert_eq!(named_threads(me, "no-such-thread"), None);
+        t.join().unwrap();
+    }
+}

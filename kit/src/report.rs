@@ -208,6 +208,10 @@ pub struct BrokerSummary {
     /// `batchcast doctor` judges a finished run by.
     #[serde(default)]
     pub last_stats: Option<batchcast::proto::StatsReply>,
+    /// Per stream of the last broker: seconds its pipeline threads waited
+    /// for a core (their run queue, from `/proc` at the run's end).
+    #[serde(default)]
+    pub run_queue_s: std::collections::BTreeMap<String, f64>,
 }
 
 /// One run of the sweep.

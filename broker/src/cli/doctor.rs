@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use batchcast::StatsClient;
-use batchcast::proto::{ConsumerStats, StatsReply, StreamStats};
+use batchcast::proto::{StatsReply, StreamStats};
+
+use super::predict::{self, CpuSeen, Inputs, Limit, OtherCpu, Prediction, Rate, trainers};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DoctorArgs {
@@ -34,6 +36,10 @@ pub struct DoctorArgs {
     /// Print the findings as JSON
     #[arg(long)]
     pub json: bool,
+    /// The host's cores, for the predictions [default: the cores this
+    /// process may use]
+    #[arg(long)]
+    pub cores: Option<f64>,
 }
 
 /// What limits a stream's trainers.
@@ -66,6 +72,19 @@ pub struct Finding {
     pub verdict: String,
     /// The numbers it rests on, in order.
     pub evidence: Vec<(String, String)>,
+    /// The model's inputs, its rate now, and what changes would buy
+    /// ([`predict`]); none for an idle stream or a producer's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<Model>,
+}
+
+/// A stream's model: its inputs, the rate they give now (to check
+/// against the measured one), and the predictions.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Model {
+    pub inputs: Inputs,
+    pub now: Rate,
+    pub predictions: Vec<Prediction>,
 }
 
 /// What the stream did between two stats replies, per second of `dt`.
@@ -130,11 +149,6 @@ pub fn rates(before: Option<&StreamStats>, after: &StreamStats, dt: f64) -> Rate
         stall: stalls.get(stalls.len() / 2).copied().unwrap_or(0.0),
         trainers: stalls.len(),
     }
-}
-
-/// A stream's consumers, those still there and those that left.
-fn trainers(s: &StreamStats) -> impl Iterator<Item = &ConsumerStats> {
-    s.consumers.iter().chain(&s.past_consumers)
 }
 
 /// Trainers waiting less than this share of their time are not held by
@@ -204,6 +218,7 @@ pub fn diagnose(name: &str, s: &StreamStats, r: &Rates, cores: usize) -> Finding
         bound,
         verdict,
         evidence,
+        model: None,
     }
 }
 
@@ -276,54 +291,131 @@ fn stage_bound(s: &StreamStats, r: &Rates, cores: usize) -> (Bound, String) {
     )
 }
 
-/// Every stream's finding between `before` and `after`.
-pub fn findings(before: Option<&StatsReply>, after: &StatsReply, dt: f64) -> Vec<Finding> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    after
+/// What the findings are read from: two stats replies `dt` seconds
+/// apart (no first one: from the broker's start), and the CPU outside the
+/// pipelines meanwhile.
+pub struct Window<'a> {
+    pub before: Option<&'a StatsReply>,
+    pub after: &'a StatsReply,
+    pub dt: f64,
+    /// Per stream: the broker's CPU outside pipelines, and its trainers'.
+    pub other: &'a dyn Fn(&StreamStats) -> OtherCpu,
+    pub cores: f64,
+}
+
+/// Every stream's finding in `w`, with its model and predictions.
+pub fn findings(w: &Window<'_>) -> Vec<Finding> {
+    let cores = w.cores as usize;
+    let was = |s: &StreamStats| {
+        w.before
+            .and_then(|b| b.streams.iter().find(|p| p.name == s.name))
+    };
+    let all: f64 = w
+        .after
+        .streams
+        .iter()
+        .map(|s| rates(was(s), s, w.dt).images_s)
+        .sum();
+    w.after
         .streams
         .iter()
         .map(|s| {
-            let was = before.and_then(|b| b.streams.iter().find(|p| p.name == s.name));
-            diagnose(&s.name, s, &rates(was, s, dt), cores)
+            let r = rates(was(s), s, w.dt);
+            let mut f = diagnose(&s.name, s, &r, cores);
+            if !matches!(f.bound, Bound::Idle | Bound::Producer) {
+                let share = if all > 0.0 {
+                    r.images_s / all
+                } else {
+                    1.0 / w.after.streams.len() as f64
+                };
+                let inputs =
+                    predict::inputs(was(s), s, w.dt, (w.cores, r.stall), (w.other)(s), share);
+                let now = inputs.now();
+                // Threads not busy enough for the rule, reads that do not
+                // wait, and the host's cores the bound: CPU-bound after
+                // all, by the largest stage (the cores shared).
+                if f.bound == Bound::Read
+                    && now.limit == Limit::HostCpu
+                    && inputs.io() < 0.25 * inputs.wall[0].max(1e-12)
+                {
+                    (f.bound, f.verdict) = stage_bound(s, &r, cores);
+                }
+                f.model = Some(Model {
+                    now,
+                    predictions: inputs.predictions(),
+                    inputs,
+                });
+            }
+            f
         })
         .collect()
 }
 
+fn host_cores() -> f64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
 pub fn run(args: &DoctorArgs) -> anyhow::Result<()> {
+    let cores = args.cores.unwrap_or_else(host_cores).max(1.0);
     let found = match &args.run {
-        Some(dir) => from_run(dir)?,
+        Some(dir) => from_run(dir, cores)?,
         None => {
             let mut client = StatsClient::connect(args.socket.clone())
                 .context("asking the broker (is one running? --socket)")?;
             let before = client.fetch()?;
+            let cpu0 = CpuSeen::read(&before);
             let watch = Duration::from_secs_f64(args.seconds.clamp(0.1, 3600.0));
             std::thread::sleep(watch);
             let after = client.fetch()?;
-            findings(Some(&before), &after, watch.as_secs_f64())
+            let cpu1 = CpuSeen::read(&after);
+            findings(&Window {
+                before: Some(&before),
+                after: &after,
+                dt: watch.as_secs_f64(),
+                other: &|s| predict::other_cpu(&cpu0, &cpu1, (Some(&before), &after), s),
+                cores,
+            })
         }
     };
-    let mut out = String::new();
-    if args.json {
-        out = serde_json::to_string(&found)?;
+    let out = if args.json {
+        serde_json::to_string(&found)?
+    } else if found.is_empty() {
+        "the broker serves no stream".into()
     } else {
-        for f in &found {
-            let _ = writeln!(out, "stream `{}`: {}", f.stream, f.verdict);
-            for (k, v) in &f.evidence {
-                let _ = writeln!(out, "    {k:<32} {v}");
-            }
-        }
-        if found.is_empty() {
-            out = "the broker serves no stream\n".into();
-        }
-    }
+        found.iter().map(render).collect::<Vec<_>>().join("\n")
+    };
     use std::io::Write as _;
     writeln!(std::io::stdout().lock(), "{}", out.trim_end())?;
     Ok(())
 }
 
+/// A finding as text: the verdict, its evidence, the model's predictions.
+fn render(f: &Finding) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "stream `{}`: {}", f.stream, f.verdict);
+    for (k, v) in &f.evidence {
+        let _ = writeln!(out, "    {k:<32} {v}");
+    }
+    if let Some(m) = &f.model {
+        let measured = m.inputs.images_s;
+        let _ = writeln!(
+            out,
+            "  the model ({}):\n    now: {:.0} images/s against {measured:.0} measured, limited by {}; the predictions scale that bound by {:.2}",
+            m.inputs.describe(),
+            m.now.images_s,
+            m.now.limit.says(),
+            m.inputs.calibration(),
+        );
+        for p in &m.predictions {
+            let _ = writeln!(out, "    {}", predict::line(p, measured));
+        }
+    }
+    out
+}
+
 /// The findings of a finished run: its brokers' last stats, from their
-/// start.
-fn from_run(dir: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
+/// start; the trainers' CPU is the run's less its brokers'.
+fn from_run(dir: &std::path::Path, cores: f64) -> anyhow::Result<Vec<Finding>> {
     let path = if dir.is_file() {
         dir.to_path_buf()
     } else {
@@ -333,10 +425,33 @@ fn from_run(dir: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
         .with_context(|| format!("reading {} (a launch run folder's summary)", path.display()))?;
     let summary: batchcast_kit::report::Summary =
         serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    let run = &summary.shared;
+    let brokers: f64 = run.brokers.iter().map(|b| b.cpu_s).sum();
     let mut found = Vec::new();
-    for b in &summary.shared.brokers {
+    for b in &run.brokers {
         let Some(last) = &b.last_stats else { continue };
-        found.extend(findings(None, last, last.uptime_s));
+        let pipelines: f64 = last
+            .streams
+            .iter()
+            .map(|s| s.pipeline_cpu_s + s.replay_cpu_s)
+            .sum();
+        // This broker's trainers: the run's trainers' CPU, by its share
+        // of the brokers' CPU.
+        let trainers = (run.cpu_s - brokers).max(0.0) * b.cpu_s / brokers.max(1e-9);
+        let images: f64 = last.streams.iter().map(images_of).sum();
+        let other = |s: &StreamStats| OtherCpu {
+            broker: Some((b.cpu_s - pipelines).max(0.0)),
+            trainers: Some(trainers * images_of(s) / images.max(1e-9)),
+            run_queue: b.run_queue_s.get(&s.name).copied(),
+            fetch: None,
+        };
+        found.extend(findings(&Window {
+            before: None,
+            after: last,
+            dt: last.uptime_s,
+            other: &other,
+            cores,
+        }));
     }
     if found.is_empty() {
         anyhow::bail!(
@@ -345,6 +460,11 @@ fn from_run(dir: &std::path::Path) -> anyhow::Result<Vec<Finding>> {
         );
     }
     Ok(found)
+}
+
+/// Images an image stream made (0 for others).
+fn images_of(s: &StreamStats) -> f64 {
+    s.source.as_ref().map_or(0.0, |x| x.decoded as f64)
 }
 
 #[cfg(test)]
@@ -453,5 +573,38 @@ mod tests {
         assert_eq!(r.trainers, 3);
         assert!((r.stall - 0.02).abs() < 1e-9, "{r:?}");
         assert_eq!(diagnose("s", &after, &r, 16).bound, Bound::Trainer);
+    }
+
+    /// The demand the predictions rest on is the median trainer's: one
+    /// trainer claiming a step of 1000 s, or none at all, leaves it.
+    #[test]
+    fn one_lying_trainer_does_not_move_the_prediction() {
+        let after = demo().streams[0].clone();
+        let demand = |lie: f64| {
+            let mut before = earlier(&after, 1000, [0.1, 1.7, 0.1], (0.5, 0.5));
+            for c in before
+                .consumers
+                .iter_mut()
+                .chain(&mut before.past_consumers)
+            {
+                c.samples -= 1000;
+            }
+            before.past_consumers[0].busy_s = after.past_consumers[0].busy_s - lie;
+            let r = rates(Some(&before), &after, 1.0);
+            let i = predict::inputs(
+                Some(&before),
+                &after,
+                1.0,
+                (2.0, r.stall),
+                OtherCpu::default(),
+                1.0,
+            );
+            assert_eq!(i.trainers, 3);
+            i.demand
+        };
+        // Honest: 1000 samples in 0.5 busy seconds each.
+        assert!((demand(0.5) - 2000.0).abs() < 1e-6);
+        assert!((demand(1000.0) - 2000.0).abs() < 1e-6);
+        assert!((demand(0.0) - 2000.0).abs() < 1e-6);
     }
 }

@@ -20,6 +20,7 @@ mod doctor;
 mod feed;
 mod launch;
 mod make;
+mod predict;
 mod stats_view;
 
 /// batchcast: run the input pipeline once per host, share every batch with

@@ -167,8 +167,9 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
         let per = |s: f64| 1e6 * s / src.decoded as f64;
         let _ = write!(
             out,
-            "; per image: read {:.0} µs, decode {:.0} µs, transform {:.0} µs",
+            "; per image: read {:.0} µs ({:.0} on a CPU), decode {:.0} µs, transform {:.0} µs",
             per(st.read_s),
+            per(st.read_cpu_s),
             per(st.decode_s),
             per(st.transform_s)
         );

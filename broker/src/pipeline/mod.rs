@@ -90,6 +90,8 @@ pub struct PipelineCounts {
     /// Seconds the threads spent reading, decoding and transforming
     /// ([`stages`]).
     pub stages: [f64; 3],
+    /// CPU seconds of the read stage.
+    pub read_cpu_s: f64,
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan
@@ -217,6 +219,7 @@ impl ImagePipeline {
                 .map(|(s, m)| (s.plan.name.clone(), s.counts(*m))),
             remote: self.dataset.remote.as_ref().map(|r| r.counts()),
             stages: self.stages.seconds(),
+            read_cpu_s: self.stages.read_cpu_seconds(),
         }
     }
 

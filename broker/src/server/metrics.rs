@@ -194,7 +194,7 @@ impl Family<'_> {
 type Metric<T> = (&'static str, &'static str, &'static str, fn(&T) -> f64);
 
 /// Per stream, labelled `stream` (named `batchcast_stream_NAME`).
-static STREAM_METRICS: [Metric<StreamStats>; 16] = [
+static STREAM_METRICS: [Metric<StreamStats>; 17] = [
     (
         "batches_produced_total",
         "counter",
@@ -266,6 +266,12 @@ static STREAM_METRICS: [Metric<StreamStats>; 16] = [
         "counter",
         "Seconds the pipeline threads spent reading files and headers (image streams; wall time).",
         |st| st.source.as_ref().map_or(0.0, |x| x.stages.read_s),
+    ),
+    (
+        "stage_read_cpu_seconds_total",
+        "counter",
+        "CPU seconds of the read stage; the rest of stage_read_seconds_total waited for bytes or a core (image streams).",
+        |st| st.source.as_ref().map_or(0.0, |x| x.stages.read_cpu_s),
     ),
     (
         "stage_decode_seconds_total",

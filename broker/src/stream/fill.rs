@@ -103,7 +103,10 @@ pub(super) fn spawn_workers(stream: &Arc<Stream>) -> std::io::Result<()> {
     for i in 0..stream.plan.workers {
         let s = stream.clone();
         let handle = std::thread::Builder::new()
-            .name(format!("{}-worker-{i}", stream.plan.name))
+            .name(format!(
+                "{}{i}",
+                batchcast_kit::procstat::pipeline_threads(&stream.plan.name)
+            ))
             .spawn(move || run(&s))?;
         workers.push(handle);
     }

@@ -153,6 +153,7 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
             read_s: n.stages[0],
             decode_s: n.stages[1],
             transform_s: n.stages[2],
+            read_cpu_s: n.read_cpu_s,
         },
     }
 }

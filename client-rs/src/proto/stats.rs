@@ -242,6 +242,11 @@ pub struct StageStats {
     pub decode_s: f64,
     /// Crop, resize, augmentations and the tensor written into its slot.
     pub transform_s: f64,
+    /// The CPU time of `read_s` (protocol 24): the rest of it waited for
+    /// bytes (a remote store, a disk) or for a core. (Missing from an
+    /// older run's summary: 0.)
+    #[serde(default)]
+    pub read_cpu_s: f64,
 }
 
 /// A source's cache of decoded images (`decoded_cache_mib`, protocol 22):

@@ -255,6 +255,18 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
     let mut reused_cpu = 0.0;
     for b in brokers {
         let cpu_end = harness::cpu_seconds(b.pid).unwrap_or(b.cpu_seen);
+        let run_queue_s = b
+            .last
+            .iter()
+            .flat_map(|st| &st.streams)
+            .filter_map(|s| {
+                let t = batchcast_kit::procstat::named_threads(
+                    b.pid,
+                    &batchcast_kit::procstat::pipeline_threads(&s.name),
+                )?;
+                Some((s.name.clone(), t.run_queue_s))
+            })
+            .collect();
         let started = b.process.is_some();
         let mut all = b.before;
         let mut last = Counts::of(b.last.as_ref());
@@ -279,6 +291,7 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
             cache_hits: all.cache_hits,
             bad_files_skipped: all.bad_files_skipped,
             last_stats: b.last.clone(),
+            run_queue_s,
         });
         if let Some(mut p) = b.process
             && let Err(e) = p.terminate(Duration::from_secs(10))
