@@ -940,6 +940,96 @@ fn the_demo_generates_images_and_serves_them_to_every_consumer() {
     );
 }
 
+/// `batchcast demo --report`: one self-contained page (doctor's verdict
+/// and predictions, the shared run and the baseline over time) that a real
+/// browser, Debian's Chromium (scripts/setup installs it), renders with
+/// every plot, no console error and no request for anything else.
+#[test]
+fn the_demo_report_renders_in_a_real_browser_with_every_plot() {
+    let env = Env::new();
+    let out = run(command(EXE)
+        .args(["demo", "--consumers", "2", "--epochs", "3", "--report"])
+        .arg("--run-dir")
+        .arg(env.path("run"))
+        .env("XDG_CACHE_HOME", env.path("cache")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let page = env.path("run/report.html");
+    assert!(
+        text.contains(&format!("report: {}", page.display())),
+        "{text}"
+    );
+    let html = std::fs::read_to_string(&page).unwrap();
+    // Self-contained: no script, nothing fetched.
+    for banned in ["<script", "src=", "href=", "@import", "url("] {
+        assert!(!html.contains(banned), "the page holds `{banned}`");
+    }
+    let chromium = ["chromium", "chromium-browser"]
+        .into_iter()
+        .find(|c| common::on_path(c))
+        .expect("Chromium is missing: scripts/setup installs it (Debian's chromium)");
+    let browse = |args: &[&str]| {
+        let out = run(command(chromium)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+            ])
+            .args([
+                "--enable-logging=stderr",
+                "--v=0",
+                "--window-size=1280,2400",
+            ])
+            .args(args)
+            .arg(format!("file://{}", page.display())));
+        assert!(out.status.success(), "{out:?}");
+        out
+    };
+    let shot = env.path("report.png");
+    let out = browse(&[&format!("--screenshot={}", shot.display())]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    for bad in [":CONSOLE", "Uncaught", "Failed to load resource"] {
+        assert!(!log.contains(bad), "{bad} in the browser's log:\n{log}");
+    }
+    // What the browser built: the verdict, the prediction bars and the
+    // four plots of each run, each with its lines.
+    let dom = String::from_utf8_lossy(&browse(&["--dump-dom"]).stdout).into_owned();
+    assert!(dom.contains("stream <code>train</code>: ") && dom.contains("-bound: "));
+    assert!(dom.contains("images/s after each change"));
+    assert_eq!(dom.matches("<svg").count(), 1 + 4 * 2, "{dom}");
+    for plot in [
+        "Samples/s per trainer",
+        "Data stall per trainer",
+        "Broker CPU by stage",
+        "Broker memory",
+    ] {
+        assert!(dom.contains(plot), "{plot}");
+    }
+    let lines = dom.matches("<polyline").count();
+    assert!(lines >= 2 * (2 + 2 + 4 + 2), "{lines} lines");
+    assert!(!dom.contains("no samples over time"), "{dom}");
+    // The screenshot shows them: a picture, mostly white, with colour.
+    use batchcast_broker::pipeline::decode::{Decoder, Rgb};
+    let bytes = std::fs::read(&shot).unwrap();
+    let mut d = Decoder::new().unwrap();
+    let header = d.header(&bytes, u64::MAX).unwrap();
+    let mut img = Rgb::default();
+    d.decode(&bytes, &header, (1, None), &mut img).unwrap();
+    assert_eq!((img.width, img.height), (1280, 2400));
+    let px: Vec<&[u8]> = img.data.chunks(3).collect();
+    let white = px.iter().filter(|p| p.iter().all(|&c| c > 245)).count();
+    let coloured = px
+        .iter()
+        .filter(|p| p.iter().max().unwrap() - p.iter().min().unwrap() > 80)
+        .count();
+    assert!(white > px.len() / 2, "{white} of {} white", px.len());
+    assert!(
+        coloured > 2000,
+        "{coloured} coloured pixels: the plots did not draw"
+    );
+}
+
 /// `batchcast doctor` against a running broker: trainers that take 40 ms
 /// a batch of 8 small images are what limits them, and it says so.
 #[test]

@@ -230,6 +230,40 @@ pub struct RunSummary {
     pub interrupted: bool,
     pub trainers: Vec<TrainerSummary>,
     pub brokers: Vec<BrokerSummary>,
+    /// The run over time, about once a second (thinned to at most
+    /// [`TIMELINE_TICKS`] over a long run): what `--report` plots.
+    #[serde(default)]
+    pub timeline: Vec<Tick>,
+}
+
+/// Most ticks a run's timeline keeps: past it, every other one goes and
+/// the interval doubles.
+pub const TIMELINE_TICKS: usize = 1200;
+
+/// The run at one moment; counts are totals so far.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Tick {
+    /// Seconds since the run began.
+    pub t_s: f64,
+    /// Per trainer, in `trainers`' order: samples taken, seconds waiting
+    /// for data, seconds busy.
+    pub trainers: Vec<[f64; 3]>,
+    /// Per broker, in `brokers`' order.
+    pub brokers: Vec<BrokerTick>,
+}
+
+/// One broker at a [`Tick`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct BrokerTick {
+    /// CPU seconds since the run began.
+    pub cpu_s: f64,
+    /// Its pipeline threads' seconds reading, decoding and transforming,
+    /// all streams (of the broker now serving: they restart with it).
+    pub stages: [f64; 3],
+    /// Resident memory, and the shared memory it holds for batches
+    /// (`MemoryStats::used_bytes`).
+    pub rss_bytes: u64,
+    pub shared_bytes: u64,
 }
 
 /// Shared vs baseline.

@@ -132,6 +132,17 @@ pub fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
+/// Whether `program` is an executable file in a folder of `$PATH`.
+pub fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|d| {
+            std::fs::metadata(d.join(program))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    })
+}
+
 /// Runs `cmd` (no input, output captured) to its end, within [`LIMIT`]:
 /// a program that should exit and hangs fails the test with what was
 /// running and what it said, instead of hanging the suite.

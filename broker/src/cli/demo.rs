@@ -38,6 +38,10 @@ pub struct DemoArgs {
     /// removed at the end]
     #[arg(long)]
     pub run_dir: Option<std::path::PathBuf>,
+    /// Also write report.html in the run folder (doctor's verdict and
+    /// predictions, the runs over time)
+    #[arg(long, requires = "run_dir")]
+    pub report: bool,
 }
 
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
@@ -50,37 +54,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         .context("cannot create a temporary directory")?;
     let dir = args.run_dir.clone().unwrap_or_else(|| tmp.path().into());
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
-    let (stream, images) = if args.synthetic {
-        println!(
-            "batchcast demo: {} trainer processes, {} epochs of a synthetic stream (4096 samples of u8 [3, 64, 64] + label, batches of 64)",
-            args.consumers, args.epochs
-        );
-        (demo_config(args.epochs), None)
-    } else {
-        let root = batchcast_kit::demo_data::ensure()?;
-        let n = batchcast_broker::pipeline::dataset::Dataset::image_folder(&root)?.len();
-        println!(
-            "batchcast demo: {} trainer processes, {} epochs of {n} JPEG/PNG images in {}",
-            args.consumers,
-            args.epochs,
-            root.display()
-        );
-        println!(
-            "  stream `train`: decode → RandomResizedCrop(160) → flip → Normalize, f32 [3, 160, 160] + label, batches of 32, {workers} pipeline threads"
-        );
-        (
-            image_stream_toml(
-                "train",
-                &root,
-                160,
-                args.epochs,
-                args.consumers,
-                &format!("workers = {workers}"),
-            ),
-            Some(n as u64),
-        )
-    };
+    let (stream, images) = demo_stream(args)?;
     println!(
         "  each trainer spends {} ms per batch; first shared (one pipeline for all), then baseline (a pipeline each)\n",
         args.step_ms
@@ -112,11 +86,51 @@ command = ["{{batchcast}}", "consume", "--json", "--digest", {verify}"--window",
     if args.run_dir.is_some() {
         println!("logs and summary.json: {}", dir.display());
     }
+    if args.report {
+        let report = launch::write_report(&dir, &summary, "batchcast demo")?;
+        println!("report: {}", report.display());
+    }
     if !verdict.starts_with("OK") {
         let keep = tmp.keep();
         bail!("the demo found a problem (logs: {})", keep.display());
     }
     Ok(())
+}
+
+/// The demo's stream (synthetic, or the built-in images, generated once)
+/// and its images, if any; said on the terminal.
+fn demo_stream(args: &DemoArgs) -> anyhow::Result<(String, Option<u64>)> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    Ok(if args.synthetic {
+        println!(
+            "batchcast demo: {} trainer processes, {} epochs of a synthetic stream (4096 samples of u8 [3, 64, 64] + label, batches of 64)",
+            args.consumers, args.epochs
+        );
+        (demo_config(args.epochs), None)
+    } else {
+        let root = batchcast_kit::demo_data::ensure()?;
+        let n = batchcast_broker::pipeline::dataset::Dataset::image_folder(&root)?.len();
+        println!(
+            "batchcast demo: {} trainer processes, {} epochs of {n} JPEG/PNG images in {}",
+            args.consumers,
+            args.epochs,
+            root.display()
+        );
+        println!(
+            "  stream `train`: decode → RandomResizedCrop(160) → flip → Normalize, f32 [3, 160, 160] + label, batches of 32, {workers} pipeline threads"
+        );
+        (
+            image_stream_toml(
+                "train",
+                &root,
+                160,
+                args.epochs,
+                args.consumers,
+                &format!("workers = {workers}"),
+            ),
+            Some(n as u64),
+        )
+    })
 }
 
 /// Checks the shared run with the trainers' own reports (the last line of

@@ -21,7 +21,8 @@ use anyhow::Context;
 use batchcast::StatsClient;
 use batchcast::proto::{StatsReply, StreamStats};
 
-use super::predict::{self, CpuSeen, Inputs, Limit, OtherCpu, Prediction, Rate, trainers};
+pub use super::finding::{Bound, Finding, Model};
+use super::predict::{self, CpuSeen, Limit, OtherCpu, trainers};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DoctorArgs {
@@ -40,51 +41,10 @@ pub struct DoctorArgs {
     /// process may use]
     #[arg(long)]
     pub cores: Option<f64>,
-}
-
-/// What limits a stream's trainers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Bound {
-    /// Nothing moved while it watched.
-    Idle,
-    /// The trainers rarely wait for data: faster data buys nothing.
-    Trainer,
-    /// The pipeline threads are busy, most of their time in this stage.
-    Read,
-    Decode,
-    Transform,
-    /// The pipeline waits for slots while trainers wait: flow (a holder,
-    /// too few slots), not work.
-    Flow,
-    /// A producer's stream: its producer sets the pace.
-    Producer,
-    /// A synthetic stream's threads are busy making it.
-    Pipeline,
-}
-
-/// One stream's diagnosis.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Finding {
-    pub stream: String,
-    pub bound: Bound,
-    /// The sentence a person acts on.
-    pub verdict: String,
-    /// The numbers it rests on, in order.
-    pub evidence: Vec<(String, String)>,
-    /// The model's inputs, its rate now, and what changes would buy
-    /// ([`predict`]); none for an idle stream or a producer's.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<Model>,
-}
-
-/// A stream's model: its inputs, the rate they give now (to check
-/// against the measured one), and the predictions.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Model {
-    pub inputs: Inputs,
-    pub now: Rate,
-    pub predictions: Vec<Prediction>,
+    /// Also write the findings (and a run folder's plots over time) as
+    /// one self-contained HTML file
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
 }
 
 /// What the stream did between two stats replies, per second of `dt`.
@@ -351,14 +311,26 @@ pub fn findings(w: &Window<'_>) -> Vec<Finding> {
         .collect()
 }
 
-fn host_cores() -> f64 {
+pub fn host_cores() -> f64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
 }
 
 pub fn run(args: &DoctorArgs) -> anyhow::Result<()> {
     let cores = args.cores.unwrap_or_else(host_cores).max(1.0);
+    let mut summary = None;
     let found = match &args.run {
-        Some(dir) => from_run(dir, cores)?,
+        Some(dir) => {
+            let s = read_summary(dir)?;
+            let found = judge_run(&s, cores);
+            if found.is_empty() {
+                anyhow::bail!(
+                    "{} holds no broker's stats (a run of an older batchcast?)",
+                    dir.display()
+                );
+            }
+            summary = Some(s);
+            found
+        }
         None => {
             let mut client = StatsClient::connect(args.socket.clone())
                 .context("asking the broker (is one running? --socket)")?;
@@ -386,6 +358,14 @@ pub fn run(args: &DoctorArgs) -> anyhow::Result<()> {
     };
     use std::io::Write as _;
     writeln!(std::io::stdout().lock(), "{}", out.trim_end())?;
+    if let Some(path) = &args.html {
+        let title = match &args.run {
+            Some(dir) => format!("batchcast doctor: {}", dir.display()),
+            None => "batchcast doctor: the running broker".into(),
+        };
+        let page = super::report_html::page(&title, summary.as_ref(), &found);
+        std::fs::write(path, page).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -413,9 +393,8 @@ fn render(f: &Finding) -> String {
     out
 }
 
-/// The findings of a finished run: its brokers' last stats, from their
-/// start; the trainers' CPU is the run's less its brokers'.
-fn from_run(dir: &std::path::Path, cores: f64) -> anyhow::Result<Vec<Finding>> {
+/// A run folder's (or its file's) summary.json.
+pub fn read_summary(dir: &std::path::Path) -> anyhow::Result<batchcast_kit::report::Summary> {
     let path = if dir.is_file() {
         dir.to_path_buf()
     } else {
@@ -423,8 +402,12 @@ fn from_run(dir: &std::path::Path, cores: f64) -> anyhow::Result<Vec<Finding>> {
     };
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("reading {} (a launch run folder's summary)", path.display()))?;
-    let summary: batchcast_kit::report::Summary =
-        serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}", path.display()))
+}
+
+/// The findings of a finished run: its shared run's brokers' last stats,
+/// from their start; the trainers' CPU is the run's less its brokers'.
+pub fn judge_run(summary: &batchcast_kit::report::Summary, cores: f64) -> Vec<Finding> {
     let run = &summary.shared;
     let brokers: f64 = run.brokers.iter().map(|b| b.cpu_s).sum();
     let mut found = Vec::new();
@@ -453,13 +436,7 @@ fn from_run(dir: &std::path::Path, cores: f64) -> anyhow::Result<Vec<Finding>> {
             cores,
         }));
     }
-    if found.is_empty() {
-        anyhow::bail!(
-            "{} holds no broker's stats (a run of an older batchcast?)",
-            path.display()
-        );
-    }
-    Ok(found)
+    found
 }
 
 /// Images an image stream made (0 for others).

@@ -18,9 +18,11 @@ mod consume;
 mod demo;
 mod doctor;
 mod feed;
+mod finding;
 mod launch;
 mod make;
 mod predict;
+mod report_html;
 mod stats_view;
 
 /// batchcast: run the input pipeline once per host, share every batch with

@@ -153,6 +153,27 @@ impl BrokerRun {
         self.last.as_ref()
     }
 
+    /// What the run's timeline keeps of this broker now.
+    pub(super) fn tick(&self) -> batchcast_kit::report::BrokerTick {
+        let last = self.last.as_ref();
+        let mut stages = [0.0; 3];
+        for x in last
+            .iter()
+            .flat_map(|l| &l.streams)
+            .filter_map(|s| s.source.as_ref())
+        {
+            stages[0] += x.stages.read_s;
+            stages[1] += x.stages.decode_s;
+            stages[2] += x.stages.transform_s;
+        }
+        batchcast_kit::report::BrokerTick {
+            cpu_s: self.before.cpu_s + self.cpu_seen - self.cpu_at_start,
+            stages,
+            rss_bytes: harness::rss_kb(self.pid).unwrap_or(0) * 1024,
+            shared_bytes: last.map_or(0, |l| l.memory.used_bytes),
+        }
+    }
+
     /// Another broker (`pid`) serves the socket now; `ours`: the one
     /// before was this process's child.
     fn restarted(&mut self, pid: u32, ours: bool) {

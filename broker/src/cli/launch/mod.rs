@@ -48,6 +48,10 @@ pub struct LaunchArgs {
     /// terminal's table is redrawn every second)
     #[arg(long, default_value_t = STATUS_EVERY.as_secs_f64(), value_parser = parse_status_every)]
     pub status_every: f64,
+    /// Also write report.html in the run folder: doctor's verdict and
+    /// predictions, and the run over time (one self-contained file)
+    #[arg(long)]
+    pub report: bool,
 }
 
 /// Time between status lines when the output is not a terminal, unless
@@ -79,7 +83,22 @@ pub fn run(args: &LaunchArgs) -> anyhow::Result<i32> {
     std::fs::write(&path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", path.display()))?;
     println!("summary: {}", path.display());
+    if args.report {
+        let title = format!("batchcast launch {}", args.file.display());
+        let report = write_report(&dir, &summary, &title)?;
+        println!("report: {}", report.display());
+    }
     Ok(summary.exit_code)
+}
+
+/// Writes `dir`/report.html for `summary`: doctor's findings on its shared
+/// run and its timelines. Returns the file's path.
+pub fn write_report(dir: &Path, summary: &Summary, title: &str) -> anyhow::Result<PathBuf> {
+    let found = crate::doctor::judge_run(summary, crate::doctor::host_cores());
+    let page = crate::report_html::page(title, Some(summary), &found);
+    let path = dir.join("report.html");
+    std::fs::write(&path, page).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
 }
 
 /// Runs `sweep` shared (and then baseline, if asked) with logs under

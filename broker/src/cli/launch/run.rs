@@ -13,6 +13,7 @@ use super::spec::{BrokerSource, OnFailure, Sweep};
 use super::trainer::{State, Trainer, finished, refresh, rows, spawn_trainer, stop_all, summarise};
 use super::view::View;
 use super::{Mode, RunSummary, Stop, TrainerSummary};
+use batchcast_kit::report::{TIMELINE_TICKS, Tick};
 
 /// Runs every trainer of `sweep` in `mode` until all have ended.
 pub(super) fn run_mode(
@@ -51,7 +52,14 @@ pub(super) fn run_mode(
             }
         }
     }
-    let interrupted = supervise(sweep, stop, view, &mut trainers, &mut brokers, t0);
+    let mut timeline = Timeline::default();
+    let interrupted = supervise(
+        sweep,
+        stop,
+        view,
+        (&mut trainers, &mut brokers),
+        (t0, &mut timeline),
+    );
     view.clear();
     let wall = t0.elapsed().as_secs_f64();
     let (broker_summaries, reused_cpu) = stop_brokers(brokers);
@@ -73,7 +81,39 @@ pub(super) fn run_mode(
         interrupted,
         trainers: trainer_summaries,
         brokers: broker_summaries,
+        timeline: timeline.ticks,
     })
+}
+
+/// The run over time: a tick at each refresh, at most
+/// [`TIMELINE_TICKS`]; past that every other goes and ticks come half as
+/// often.
+#[derive(Default)]
+struct Timeline {
+    ticks: Vec<Tick>,
+    /// Refreshes per tick kept, and refreshes since the last one.
+    every: u32,
+    skipped: u32,
+}
+
+impl Timeline {
+    fn record(&mut self, t0: Instant, trainers: &[Trainer], brokers: &[BrokerRun]) {
+        self.skipped += 1;
+        if self.skipped < self.every.max(1) {
+            return;
+        }
+        self.skipped = 0;
+        self.ticks.push(Tick {
+            t_s: t0.elapsed().as_secs_f64(),
+            trainers: trainers.iter().map(super::trainer::tick).collect(),
+            brokers: brokers.iter().map(BrokerRun::tick).collect(),
+        });
+        if self.ticks.len() > TIMELINE_TICKS {
+            let kept = self.ticks.iter().step_by(2).cloned().collect();
+            self.ticks = kept;
+            self.every = self.every.max(1) * 2;
+        }
+    }
 }
 
 /// The run's brokers, and which one each trainer uses (`None`: a trainer
@@ -141,9 +181,8 @@ fn supervise(
     sweep: &Sweep,
     stop: &Stop,
     view: &mut View,
-    trainers: &mut [Trainer],
-    brokers: &mut [BrokerRun],
-    t0: Instant,
+    (trainers, brokers): (&mut [Trainer], &mut [BrokerRun]),
+    (t0, timeline): (Instant, &mut Timeline),
 ) -> bool {
     let mut interrupted = false;
     let mut restarts_left = sweep.broker_restarts;
@@ -194,6 +233,7 @@ fn supervise(
                     None => super::trainer::refresh_from_report(t),
                 }
             }
+            timeline.record(t0, trainers, brokers);
             if !all_done {
                 view.table(&rows(trainers), t0.elapsed());
             }

@@ -257,6 +257,11 @@ fn killpg(pgid: u32, sig: Signal) {
 }
 
 /// Updates a trainer's numbers from its broker's latest stats.
+/// What the run's timeline keeps of a trainer now: samples, wait, busy.
+pub(super) fn tick(t: &Trainer) -> [f64; 3] {
+    [t.seen.samples as f64, t.seen.wait_s, t.seen.busy_s]
+}
+
 pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
     t.seen.broker_down = b.down();
     let Some(st) = b.stream(&t.plan.stream) else {

@@ -1,0 +1,414 @@
+//! One self-contained HTML file about a run (`launch --report`, `demo
+//! --report`, `doctor --html`): doctor's verdict and predictions, and the
+//! run over time (samples/s and stall per trainer, the broker's CPU by
+//! stage, memory), the shared run and the baseline side by side. Plots
+//! are inline SVG; the page has no script and loads nothing.
+
+use std::fmt::Write as _;
+
+use batchcast_kit::report::{RunSummary, Summary};
+
+use super::finding::Finding;
+use super::predict;
+
+/// Line colours, one per series in turn.
+const COLOURS: [&str; 8] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+
+/// A named line: (x, y) points.
+struct Series {
+    name: String,
+    points: Vec<(f64, f64)>,
+}
+
+/// The page: `summary` (a finished run) if there is one, and doctor's
+/// findings.
+pub fn page(title: &str, summary: Option<&Summary>, findings: &[Finding]) -> String {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width\">\
+         <title>{t}</title><style>{STYLE}</style></head><body>\n<h1>{t}</h1>\n",
+        t = esc(title)
+    );
+    out.push_str("<h2>What limits the trainers</h2>\n");
+    if findings.is_empty() {
+        out.push_str("<p>No stream to judge.</p>\n");
+    }
+    for f in findings {
+        finding(&mut out, f);
+    }
+    if let Some(s) = summary {
+        runs(&mut out, s);
+    }
+    out.push_str("</body></html>\n");
+    out
+}
+
+const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1240px}\
+h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}\
+.card{border:1px solid #ccc;border-radius:6px;padding:10px 14px;margin:10px 0}\
+.verdict{font-size:15px;font-weight:600}\
+table{border-collapse:collapse;margin:6px 0}td,th{padding:2px 10px;text-align:left}\
+td.n{text-align:right;font-variant-numeric:tabular-nums}\
+.pair{display:flex;gap:16px;flex-wrap:wrap}.pair>div{flex:1;min-width:560px}\
+svg{background:#fff}svg text{font:11px system-ui,sans-serif;fill:#333}";
+
+fn finding(out: &mut String, f: &Finding) {
+    let _ = write!(
+        out,
+        "<div class=\"card\"><p class=\"verdict\">stream <code>{}</code>: {}</p><table>",
+        esc(&f.stream),
+        esc(&f.verdict)
+    );
+    for (k, v) in &f.evidence {
+        let _ = write!(out, "<tr><td>{}</td><td>{}</td></tr>", esc(k), esc(v));
+    }
+    out.push_str("</table>");
+    if let Some(m) = &f.model {
+        let now = m.inputs.images_s;
+        let _ = write!(
+            out,
+            "<p>The model ({}): {:.0} images/s now against {now:.0} measured, limited by {}.</p>",
+            esc(&m.inputs.describe()),
+            m.now.images_s,
+            m.now.limit.says()
+        );
+        let mut rows = vec![("now (measured)".to_string(), now)];
+        rows.extend(
+            m.predictions
+                .iter()
+                .map(|p| (p.what.clone(), p.rate.images_s)),
+        );
+        out.push_str(&bars("images/s after each change", &rows));
+        out.push_str("<ul>");
+        for p in &m.predictions {
+            let _ = write!(out, "<li>{}</li>", esc(&predict::line(p, now)));
+        }
+        out.push_str("</ul>");
+    }
+    out.push_str("</div>\n");
+}
+
+/// The runs' table and their plots, shared and baseline side by side.
+fn runs(out: &mut String, s: &Summary) {
+    let both: Vec<(&str, &RunSummary)> = std::iter::once(("shared", &s.shared))
+        .chain(s.baseline.as_ref().map(|b| ("baseline", b)))
+        .collect();
+    out.push_str("<h2>The runs</h2>\n<table><tr><th>run</th><th>trainers</th><th>wall s</th><th>samples/s</th><th>CPU ms per sample</th></tr>");
+    for (name, r) in &both {
+        let _ = write!(
+            out,
+            "<tr><td>{name}</td><td class=\"n\">{}</td><td class=\"n\">{:.1}</td><td class=\"n\">{:.0}</td><td class=\"n\">{}</td></tr>",
+            r.trainers.len(),
+            r.wall_s,
+            r.samples_per_s,
+            r.cpu_ms_per_sample
+                .map_or("-".into(), |c| format!("{c:.3}"))
+        );
+    }
+    out.push_str("</table>");
+    if let Some(c) = &s.comparison {
+        let _ = write!(
+            out,
+            "<p>Shared against baseline: {:.2}x the samples/s, {:.2}x faster{}.</p>",
+            c.throughput_ratio,
+            c.speedup,
+            c.cpu_per_sample_ratio
+                .map_or(String::new(), |r| format!(", {r:.2}x the CPU per sample"))
+        );
+    }
+    type Plot = fn(&RunSummary) -> Vec<Series>;
+    let plots: [(&str, &str, Plot, Option<f64>); 4] = [
+        ("Samples/s per trainer", "samples/s", rates, None),
+        ("Data stall per trainer", "% waiting", stalls, Some(100.0)),
+        (
+            "Broker CPU by stage",
+            "cores; threads in each stage",
+            stages,
+            None,
+        ),
+        ("Broker memory", "MiB", memory, None),
+    ];
+    for (title, unit, plot, y_max) in plots {
+        let _ = write!(out, "<h2>{title}</h2>\n<div class=\"pair\">");
+        for (name, r) in &both {
+            let series = plot(r);
+            let _ = write!(out, "<div>{}</div>", chart(name, unit, &series, y_max));
+        }
+        out.push_str("</div>\n");
+    }
+}
+
+/// Differences of a tick's figure over the time between ticks.
+fn per_second(
+    r: &RunSummary,
+    value: impl Fn(&batchcast_kit::report::Tick) -> Option<f64>,
+) -> Vec<(f64, f64)> {
+    r.timeline
+        .windows(2)
+        .filter_map(|w| {
+            let dt = w[1].t_s - w[0].t_s;
+            let d = value(&w[1])? - value(&w[0])?;
+            (dt > 0.0).then(|| (w[1].t_s, (d / dt).max(0.0)))
+        })
+        .collect()
+}
+
+fn rates(r: &RunSummary) -> Vec<Series> {
+    (0..r.trainers.len())
+        .map(|i| Series {
+            name: r.trainers[i].name.clone(),
+            points: per_second(r, |t| t.trainers.get(i).map(|x| x[0])),
+        })
+        .collect()
+}
+
+fn stalls(r: &RunSummary) -> Vec<Series> {
+    (0..r.trainers.len())
+        .map(|i| Series {
+            name: r.trainers[i].name.clone(),
+            points: r
+                .timeline
+                .windows(2)
+                .filter_map(|w| {
+                    let (a, b) = (w[0].trainers.get(i)?, w[1].trainers.get(i)?);
+                    let (wait, busy) = (b[1] - a[1], b[2] - a[2]);
+                    (wait + busy > 1e-3).then(|| (w[1].t_s, 100.0 * wait / (wait + busy)))
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Every broker of the run together: its CPU, and its threads in each
+/// stage.
+fn stages(r: &RunSummary) -> Vec<Series> {
+    let sum = |f: fn(&batchcast_kit::report::BrokerTick) -> f64| {
+        move |t: &batchcast_kit::report::Tick| Some(t.brokers.iter().map(f).sum::<f64>())
+    };
+    vec![
+        Series {
+            name: "broker CPU".into(),
+            points: per_second(r, sum(|b| b.cpu_s)),
+        },
+        Series {
+            name: "reading".into(),
+            points: per_second(r, sum(|b| b.stages[0])),
+        },
+        Series {
+            name: "decoding".into(),
+            points: per_second(r, sum(|b| b.stages[1])),
+        },
+        Series {
+            name: "transforming".into(),
+            points: per_second(r, sum(|b| b.stages[2])),
+        },
+    ]
+}
+
+fn memory(r: &RunSummary) -> Vec<Series> {
+    let mib = |f: fn(&batchcast_kit::report::BrokerTick) -> u64| {
+        r.timeline
+            .iter()
+            .map(|t| {
+                let bytes: u64 = t.brokers.iter().map(f).sum();
+                (t.t_s, bytes as f64 / f64::from(1 << 20))
+            })
+            .collect()
+    };
+    vec![
+        Series {
+            name: "resident".into(),
+            points: mib(|b| b.rss_bytes),
+        },
+        Series {
+            name: "shared (batches)".into(),
+            points: mib(|b| b.shared_bytes),
+        },
+    ]
+}
+
+const W: f64 = 560.0;
+const H: f64 = 240.0;
+/// Plot area: left, top, right, bottom margins.
+const M: (f64, f64, f64, f64) = (52.0, 26.0, 120.0, 30.0);
+
+/// A line chart of `series` over seconds, with axes, ticks and a legend.
+fn chart(title: &str, unit: &str, series: &[Series], y_max: Option<f64>) -> String {
+    let all = || series.iter().flat_map(|s| &s.points);
+    let (x_max, x_step) = axis(all().map(|p| p.0).fold(0.0, f64::max));
+    let (y_top, y_step) = match y_max {
+        Some(top) => (top, top / 5.0),
+        None => axis(all().map(|p| p.1).fold(0.0, f64::max)),
+    };
+    let (pw, ph) = (W - M.0 - M.2, H - M.1 - M.3);
+    let x = |v: f64| M.0 + pw * v / x_max;
+    let y = |v: f64| M.1 + ph * (1.0 - v / y_top.max(1e-12));
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\" role=\"img\">\
+         <text x=\"{M0}\" y=\"16\" font-weight=\"600\">{t} ({u})</text>",
+        M0 = M.0,
+        t = esc(title),
+        u = esc(unit)
+    );
+    for i in 0..=(y_top / y_step).round() as u32 {
+        let v = y_step * f64::from(i);
+        let _ = write!(
+            svg,
+            "<line x1=\"{M0}\" x2=\"{x2}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#eee\"/>\
+             <text x=\"{tx}\" y=\"{ty:.1}\" text-anchor=\"end\">{v}</text>",
+            M0 = M.0,
+            x2 = M.0 + pw,
+            yy = y(v),
+            tx = M.0 - 4.0,
+            ty = y(v) + 4.0,
+            v = short(v)
+        );
+    }
+    for i in 0..=(x_max / x_step).round() as u32 {
+        let s = x_step * f64::from(i);
+        let _ = write!(
+            svg,
+            "<text x=\"{xx:.1}\" y=\"{ty}\" text-anchor=\"middle\">{} s</text>",
+            short(s),
+            xx = x(s),
+            ty = H - 10.0
+        );
+    }
+    let _ = write!(
+        svg,
+        "<rect x=\"{}\" y=\"{}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>",
+        M.0, M.1
+    );
+    for (k, s) in series.iter().enumerate() {
+        let colour = COLOURS[k % COLOURS.len()];
+        let points: Vec<String> = s
+            .points
+            .iter()
+            .map(|&(a, b)| format!("{:.1},{:.1}", x(a), y(b.min(y_top))))
+            .collect();
+        let _ = write!(
+            svg,
+            "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"1.6\" points=\"{}\"/>\
+             <rect x=\"{lx}\" y=\"{ly:.1}\" width=\"10\" height=\"10\" fill=\"{colour}\"/>\
+             <text x=\"{tx}\" y=\"{ty:.1}\">{n}</text>",
+            points.join(" "),
+            lx = W - M.2 + 10.0,
+            ly = M.1 + 16.0 * k as f64,
+            tx = W - M.2 + 24.0,
+            ty = M.1 + 9.0 + 16.0 * k as f64,
+            n = esc(&s.name)
+        );
+    }
+    if series.iter().all(|s| s.points.is_empty()) {
+        let _ = write!(
+            svg,
+            "<text x=\"{}\" y=\"{}\">no samples over time in this run</text>",
+            M.0 + 10.0,
+            M.1 + 20.0
+        );
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// Horizontal bars, one per row, scaled to the largest.
+fn bars(title: &str, rows: &[(String, f64)]) -> String {
+    let top = rows.iter().map(|r| r.1).fold(0.0, f64::max).max(1e-12);
+    let (label, bar_w, row_h) = (300.0, 360.0, 20.0);
+    let h = 24.0 + row_h * rows.len() as f64;
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" role=\"img\">\
+         <text x=\"0\" y=\"14\" font-weight=\"600\">{t}</text>",
+        w = label + bar_w + 70.0,
+        t = esc(title)
+    );
+    for (i, (name, v)) in rows.iter().enumerate() {
+        let yy = 22.0 + row_h * i as f64;
+        let colour = if i == 0 { "#888" } else { COLOURS[0] };
+        let _ = write!(
+            svg,
+            "<text x=\"{tx}\" y=\"{ty:.1}\" text-anchor=\"end\">{n}</text>\
+             <rect x=\"{label}\" y=\"{yy:.1}\" width=\"{bw:.1}\" height=\"14\" fill=\"{colour}\"/>\
+             <text x=\"{vx:.1}\" y=\"{ty:.1}\">{v:.0}</text>",
+            tx = label - 6.0,
+            ty = yy + 11.0,
+            n = esc(name),
+            bw = bar_w * v / top,
+            vx = label + bar_w * v / top + 4.0
+        );
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+/// An axis for values up to `v`: a step of 1, 2 or 5 times a power of
+/// ten giving at most 5 intervals, and the first multiple of it at or
+/// above `v`.
+fn axis(v: f64) -> (f64, f64) {
+    if v <= 0.0 || !v.is_finite() {
+        return (1.0, 0.2);
+    }
+    let raw = v / 5.0;
+    let p = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * p)
+        .find(|&t| t >= raw * (1.0 - 1e-9))
+        .unwrap_or(10.0 * p);
+    ((v / step - 1e-9).ceil().max(1.0) * step, step)
+}
+
+/// A tick's label: at most two decimals, none trailing.
+fn short(v: f64) -> String {
+    let s = format!("{v:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// Text made safe inside HTML and SVG.
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_escaped_and_axes_are_round() {
+        assert_eq!(esc("<a & \"b\">"), "&lt;a &amp; &quot;b&quot;&gt;");
+        assert_eq!(axis(0.0), (1.0, 0.2));
+        assert_eq!(axis(6.2), (8.0, 2.0));
+        assert_eq!(axis(1234.0), (1500.0, 500.0));
+        assert_eq!(axis(100.0), (100.0, 20.0));
+        assert_eq!(
+            (short(0.4), short(1.0), short(1.25)),
+            ("0.4".into(), "1".into(), "1.25".into())
+        );
+    }
+
+    #[test]
+    fn a_chart_draws_one_line_per_series_inside_its_box() {
+        let series = [
+            Series {
+                name: "t<0>".into(),
+                points: vec![(1.0, 10.0), (2.0, 30.0)],
+            },
+            Series {
+                name: "t1".into(),
+                points: vec![(1.0, 5.0), (2.0, 500.0)],
+            },
+        ];
+        let svg = chart("rate", "samples/s", &series, Some(100.0));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains("t&lt;0&gt;") && !svg.contains("t<0>"));
+        // 500 is clipped to the top of a 0-100 axis (y = the top margin).
+        assert!(svg.contains(&format!("{:.1},{:.1}", W - M.2, M.1)), "{svg}");
+    }
+}
