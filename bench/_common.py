@@ -8,6 +8,8 @@ from __future__ import annotations
 import builtins
 import functools
 import os
+import subprocess
+import time
 from pathlib import Path
 
 print = functools.partial(builtins.print, flush=True)  # noqa: A001 (progress in pipes)
@@ -43,3 +45,21 @@ random_resized_crop = {{ size = {size} }}
 horizontal_flip = 0.5
 {normalize}dtype = "{dtype}"
 """
+
+
+def serve(folder: Path, toml: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """The release broker serving `toml` (written to `folder`/b.toml) on
+    `folder`/b.sock, its log in `folder`/broker.log; returns once its
+    socket is there (exits naming the log's end if it fails)."""
+    (folder / "b.toml").write_text(toml)
+    sock = folder / "b.sock"
+    broker = subprocess.Popen([EXE, "serve", "--config", str(folder / "b.toml"), "--socket", str(sock)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=open(folder / "broker.log", "w"))
+    for _ in range(600):
+        if sock.exists():
+            return broker, sock
+        if broker.poll() is not None:
+            raise SystemExit(f"broker failed: {(folder / 'broker.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    broker.kill()
+    raise SystemExit(f"the broker made no socket in 30 s: {(folder / 'broker.log').read_text()[-2000:]}")

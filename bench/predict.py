@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import EXE, image_stream, print
+from _common import EXE, image_stream, print, serve
 from remote import family, renice, start_latency, start_nginx
 
 BATCH = 32
@@ -49,18 +49,9 @@ def run(work: Path, toml: str, trainers: int, step_ms: int, seconds: float, sett
     """One broker serving `toml` and `trainers` consumers; doctor's JSON
     finding once `settle(stats)` holds (and at least 2 s have passed)."""
     d = Path(tempfile.mkdtemp(dir=work))
-    (d / "b.toml").write_text(toml)
-    sock = d / "b.sock"
-    broker = subprocess.Popen([EXE, "serve", "--config", str(d / "b.toml"), "--socket", str(sock)],
-                              stdout=subprocess.DEVNULL, stderr=open(d / "broker.log", "w"))
+    broker, sock = serve(d, toml)
     consumers = []
     try:
-        for _ in range(600):
-            if sock.exists():
-                break
-            if broker.poll() is not None:
-                raise SystemExit(f"broker failed: {(d / 'broker.log').read_text()[-2000:]}")
-            time.sleep(0.05)
         consumers = [subprocess.Popen([EXE, "consume", "--socket", str(sock), "--stream", "bench",
                                        "--sleep-ms", str(step_ms)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -45,7 +45,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import EXE, REPO, image_stream, print
+from _common import EXE, REPO, image_stream, print, serve
 
 PY = sys.executable
 OBJSERVER = str(REPO / "tests" / "support" / "objserver.py")
@@ -178,16 +178,7 @@ def stream_toml(dataset: str, remote: str | None, epochs: int, manifest: str | N
 def run_row(work: Path, dataset: str, remote: str | None, epochs: int, servers: list[int],
             burst: tuple[str, float] | None = None, manifest: str | None = None) -> dict:
     d = Path(tempfile.mkdtemp(dir=work))
-    (d / "b.toml").write_text(stream_toml(dataset, remote, epochs, manifest))
-    sock = d / "b.sock"
-    broker = subprocess.Popen([EXE, "serve", "--config", str(d / "b.toml"), "--socket", str(sock)],
-                              env=ENV, stdout=subprocess.DEVNULL, stderr=open(d / "broker.log", "w"))
-    for _ in range(600):
-        if sock.exists():
-            break
-        if broker.poll() is not None:
-            raise SystemExit(f"broker failed: {(d / 'broker.log').read_text()[-2000:]}")
-        time.sleep(0.05)
+    broker, sock = serve(d, stream_toml(dataset, remote, epochs, manifest), ENV)
     b0, s0 = cpu_s(broker.pid), sum(cpu_s(p) for p in servers)
     consumer = subprocess.Popen([EXE, "consume", "--json", "--socket", str(sock), "--stream", "bench"],
                                 stdout=subprocess.PIPE, text=True)
