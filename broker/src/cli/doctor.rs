@@ -65,6 +65,10 @@ pub struct Rates {
     /// The trainers' median data stall (0..1), and how many reported.
     pub stall: f64,
     pub trainers: usize,
+    /// GPU seconds per batch copied to a GPU (`None`: none copied).
+    pub copy_per_batch: Option<f64>,
+    /// Pipeline CPU seconds per sample replayed (`None`: none replayed).
+    pub replay_per_sample: Option<f64>,
 }
 
 /// The rates of `after` since `before` (`None`: since the start).
@@ -108,7 +112,26 @@ pub fn rates(before: Option<&StreamStats>, after: &StreamStats, dt: f64) -> Rate
         per_image: std::array::from_fn(|i| (t1[i] - t0[i]) / images.max(1.0)),
         stall: stalls.get(stalls.len() / 2).copied().unwrap_or(0.0),
         trainers: stalls.len(),
+        copy_per_batch: per(before, after, |s| {
+            let g = s.gpus.iter();
+            (g.clone().map(|g| g.copy_s).sum(), g.map(|g| g.copies).sum())
+        }),
+        replay_per_sample: per(before, after, |s| {
+            (s.replay_cpu_s, trainers(s).map(|c| c.replayed).sum())
+        }),
     }
+}
+
+/// Seconds per count between two stats: `f` gives (seconds, count).
+fn per(
+    before: Option<&StreamStats>,
+    after: &StreamStats,
+    f: impl Fn(&StreamStats) -> (f64, u64),
+) -> Option<f64> {
+    let (s0, n0) = before.map_or((0.0, 0), &f);
+    let (s1, n1) = f(after);
+    let n = n1.saturating_sub(n0);
+    (n > 0).then(|| (s1 - s0) / n as f64)
 }
 
 /// Trainers waiting less than this share of their time are not held by
@@ -209,6 +232,12 @@ fn evidence(s: &StreamStats, r: &Rates, cores: usize) -> Vec<(String, String)> {
     ];
     for (i, st) in STAGES.iter().enumerate() {
         evidence.push((format!("{st} per image"), us(r.per_image[i])));
+    }
+    if let Some(c) = r.copy_per_batch {
+        evidence.push(("copy to a GPU per batch".into(), us(c)));
+    }
+    if let Some(c) = r.replay_per_sample {
+        evidence.push(("replay CPU per replayed sample".into(), us(c)));
     }
     evidence
 }
@@ -550,6 +579,45 @@ mod tests {
         assert_eq!(r.trainers, 3);
         assert!((r.stall - 0.02).abs() < 1e-9, "{r:?}");
         assert_eq!(diagnose("s", &after, &r, 16).bound, Bound::Trainer);
+    }
+
+    /// Copies to a GPU and replays are timed per batch and per sample over
+    /// the interval, and shown only where there were some.
+    #[test]
+    fn gpu_copies_and_replays_are_timed_between_the_two_stats() {
+        let before = demo().streams[0].clone();
+        assert_eq!(rates(None, &before, 1.0).copy_per_batch, None);
+        assert_eq!(rates(None, &before, 1.0).replay_per_sample, None);
+        let mut after = before.clone();
+        after.replay_cpu_s += 0.5;
+        after.past_consumers[0].replayed += 1000;
+        let gpu = |copies, copy_s| batchcast::proto::GpuCopyStats {
+            gpu: "cuda:0".into(),
+            copies,
+            bytes: 0,
+            copy_s,
+            pinned: true,
+            slots: 4,
+            slots_in_use: 0,
+            waiting: 0,
+            replayed: 0,
+        };
+        let mut before = before;
+        before.gpus = vec![gpu(100, 0.1)];
+        after.gpus = vec![gpu(300, 0.5)];
+        let r = rates(Some(&before), &after, 1.0);
+        assert!((r.copy_per_batch.unwrap() - 0.002).abs() < 1e-12, "{r:?}");
+        assert!(
+            (r.replay_per_sample.unwrap() - 0.0005).abs() < 1e-12,
+            "{r:?}"
+        );
+        let f = diagnose("s", &after, &r, 2);
+        let shown: Vec<&str> = f.evidence.iter().map(|(k, _)| k.as_str()).collect();
+        assert!(shown.contains(&"copy to a GPU per batch"), "{shown:?}");
+        assert!(
+            shown.contains(&"replay CPU per replayed sample"),
+            "{shown:?}"
+        );
     }
 
     /// The demand the predictions rest on is the median trainer's: one
