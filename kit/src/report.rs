@@ -238,7 +238,7 @@ pub struct RunSummary {
 
 /// Most ticks a run's timeline keeps: past it, every other one goes and
 /// the interval doubles.
-pub const TIMELINE_TICKS: usize = 1200;
+pub const TIMELINE_TICKS: usize = 600;
 
 /// The run at one moment; counts are totals so far.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
