@@ -4,8 +4,9 @@
 //! trainers report over the same interval:
 //!
 //! * the trainers' **demand**: images per second the median trainer would
-//!   take if data never kept it waiting (its samples over its busy
-//!   seconds, less the time it spends neither working nor waiting);
+//!   take if data never kept it waiting (an image costs it its step, its
+//!   busy seconds over its samples, and the time it spends neither working
+//!   nor waiting);
 //! * the **pipeline threads**: `workers / (cpu + io)`, each thread making
 //!   an image in its CPU time plus the time its read waits for bytes;
 //! * the **host's cores**: `cores / (cpu + others)`, the pipeline's CPU
