@@ -208,7 +208,7 @@ def run(root: Path, mode: str, remote_nodes: int, a, executor_remote: bool = Fal
                 min_consumers=a.trainers, slots=8, executor_node=nodes[1] if executor_remote else None,
             )
         elif mode == "native":
-            fed = batchcast.ray.feed_stream(config, stream, node_id=host, min_consumers=a.trainers)
+            fed = batchcast.ray.feed_stream(config, stream, node_id=host, min_consumers=a.trainers, wire=a.wire)
         t0 = time.time()
         runs = ray.get([trainer.options(scheduling_strategy=pin).remote(stream, f"t{i}") for i in range(a.trainers)])
         figures = ray.get(fed) if fed is not None else {}
@@ -271,11 +271,14 @@ def main() -> int:
     p.add_argument("--no-handoff", action="store_true", help="leave out table 3 (the hand-off's parts)")
     p.add_argument("--dtype", choices=("f32", "u8"), default="f32",
                    help="the images' dtype: f32 normalised, or u8 (normalised on the GPU)")
+    p.add_argument("--wire", choices=("auto", "u8", "as-is"), default="auto",
+                   help="feed_stream's wire: an f32 stream's pixels as u8, widened on the host (auto), "
+                        "or its own bytes (as-is)")
     a = p.parse_args()
     if a.epochs < 2:
         p.error("--epochs must be at least 2 (epoch 0 is not counted)")
     print(f"# {len(list(a.dataset.rglob('*.jpg')))} images, batches of {a.batch}, {a.epochs} epochs, "
-          f"{a.dtype} images, {a.trainers} trainers on the host, host {a.host_cpus} CPU, "
+          f"{a.dtype} images (feed_stream's wire: {a.wire}), {a.trainers} trainers on the host, host {a.host_cpus} CPU, "
           f"remote nodes {a.remote_cpus} CPU each, "
           f"{os.cpu_count()} cores on this machine")
     rows = [("the broker's own pipeline on the host (no Ray Data)", run(a.dataset, "local", 0, a))]

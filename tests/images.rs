@@ -1524,6 +1524,27 @@ fn batches_made_elsewhere_are_the_brokers_bytes() {
     );
     let err = refused("plain", "0 0\n");
     assert!(err.contains("EPOCH INDEX COUNT"), "{err}");
+    // u8 pixels on the wire: refused where the tensor is u8 already;
+    // `auto` then sends it as it is (no `wire` in the schema), and says
+    // how an f32 stream's are widened.
+    let schema_of = |stream: &str, wire: &str| {
+        run(command(EXE)
+            .args([
+                "make", "--schema", "--wire", wire, "--stream", stream, "--config",
+            ])
+            .arg(&config))
+    };
+    let out = schema_of("kept", "u8");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("cannot be sent as u8 pixels: its tensor is u8 already"),
+        "{err}"
+    );
+    assert!(json(&String::from_utf8_lossy(&schema_of("kept", "auto").stdout))["wire"].is_null());
+    let plain = json(&String::from_utf8_lossy(&schema_of("plain", "auto").stdout));
+    assert_eq!(plain["wire"]["field"], "image", "{plain}");
+    assert_eq!(plain["wire"]["dtype"], "f32", "{plain}");
 }
 
 /// A stream made on other machines and fed into a host's broker
@@ -1557,23 +1578,31 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
             .collect::<Vec<_>>()
     };
     let want = digests(&env.consume(&["--stream", "plain", "--digest"]));
-    let schema = env.path("schema.json");
-    std::fs::write(
-        &schema,
-        run(command(EXE)
-            .args(["make", "--schema", "--stream", "plain", "--config"])
-            .arg(&config))
-        .stdout,
-    )
-    .unwrap();
+    // The stream's schema as its makers send it: u8 pixels the feed
+    // widens (the first part below), or its own f32 tensor (the rest).
+    let describe = |wire: &str| {
+        let path = env.path(&format!("schema-{wire}.json"));
+        std::fs::write(
+            &path,
+            run(command(EXE)
+                .args([
+                    "make", "--schema", "--stream", "plain", "--wire", wire, "--config",
+                ])
+                .arg(&config))
+            .stdout,
+        )
+        .unwrap();
+        path
+    };
+    let (schema_u8, schema) = (describe("u8"), describe("as-is"));
     let fed = env.path("fed.sock");
     let _host = common::broker(None, &fed, Some(&env.path("fed.log"))).unwrap();
     let token = "0123456789abcdef0123456789abcdef";
-    let feed = |makers: &str| {
+    let feed = |makers: &str, schema: &Path| {
         let mut child = command(EXE)
             .args(["feed", "--listen", "127.0.0.1:0", "--min-consumers", "1"])
             .args(["--makers", makers, "--schema"])
-            .arg(&schema)
+            .arg(schema)
             .arg("--socket")
             .arg(&fed)
             .env("BATCHCAST_FEED_TOKEN", token)
@@ -1588,7 +1617,7 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
         let addr = line.strip_prefix("listening ").unwrap().trim().to_string();
         (child, addr)
     };
-    let (feeder, addr) = feed("2");
+    let (feeder, addr) = feed("2", &schema_u8);
     // A stranger, and one with the wrong token: dropped without a word.
     for hello in [
         "GET / HTTP/1.0\n",
@@ -1603,16 +1632,26 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
             "{hello:?} was let in"
         );
     }
-    let maker = |addr: &str| {
+    let maker_on = |addr: &str, wire: &str| {
         command(EXE)
-            .args(["make", "--stream", "plain", "--connect", addr, "--config"])
+            .args([
+                "make",
+                "--stream",
+                "plain",
+                "--wire",
+                wire,
+                "--connect",
+                addr,
+                "--config",
+            ])
             .arg(&config)
             .env("BATCHCAST_FEED_TOKEN", token)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap()
     };
-    let makers = [maker(&addr), maker(&addr)];
+    let maker = |addr: &str| maker_on(addr, "as-is");
+    let makers = [maker_on(&addr, "u8"), maker_on(&addr, "u8")];
     let got = env.consume_on(
         &fed,
         &["--stream", "plain", "--digest", "--connect-timeout", "60"],
@@ -1626,6 +1665,15 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
     );
     let figures = json(String::from_utf8_lossy(&out.stdout).lines().last().unwrap());
     assert_eq!(figures["samples"].as_u64(), Some(2 * n), "{figures}");
+    // u8 pixels on the wire, a quarter of the image's f32 bytes: a header
+    // a batch, then per sample 24 × 24 × 3 bytes, a label and an index.
+    assert_eq!(figures["widened"], true, "{figures}");
+    let batches = figures["batches"].as_u64().unwrap();
+    assert_eq!(
+        figures["wire_bytes"].as_u64(),
+        Some(16 * batches + 2 * n * (24 * 24 * 3 + 16)),
+        "{figures}"
+    );
     let made: u64 = makers
         .into_iter()
         .map(|m| {
@@ -1643,7 +1691,7 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
     // reads on with the same bytes.
     drop(_host);
     let mut host = common::broker(None, &fed, Some(&env.path("fed.log"))).unwrap();
-    let (feeder, addr) = feed("1");
+    let (feeder, addr) = feed("1", &schema);
     let one = maker(&addr);
     let slow = env.spawn_consumer_on(
         &fed,
@@ -1685,7 +1733,7 @@ fn a_stream_made_elsewhere_is_fed_exactly_and_only_its_makers_get_in() {
     assert!(one.wait_with_output().unwrap().status.success());
 
     // A maker that sends a batch of the wrong size for its place.
-    let (feeder, addr) = feed("1");
+    let (feeder, addr) = feed("1", &schema);
     let mut bad = std::net::TcpStream::connect(&addr).unwrap();
     writeln!(bad, "batchcast-make 1 {token}").unwrap();
     let reader = env.spawn_consumer_on(&fed, &["--stream", "plain", "--connect-timeout", "60"]);

@@ -11,10 +11,17 @@
 //! shared source decodes what a replay of it would (the same bytes; with
 //! `decode = "once"`, the source's finest scale) and waits for none of
 //! the source's other streams.
+//!
+//! [`Wire::U8`]: an image stream whose tensor is its `u8` pixels through a
+//! table (`Normalize` to a float dtype, nothing in float after it) is sent
+//! as those `u8` values, a quarter of an `f32` batch's bytes; its feed
+//! writes them through the same table ([`Expand`]), so the slot holds the
+//! bytes the stream's own broker writes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use batchcast::DType;
 use batchcast::schema::Schema;
 
 use crate::budget::{Budget, OverBudget};
@@ -22,6 +29,7 @@ use crate::config::Config;
 use crate::pipeline::collate::{SlotWriter, ThreadState};
 use crate::pipeline::decode::DecodeError;
 use crate::pipeline::shared::Shares;
+use crate::pipeline::transform::{Layout, Lut, Transform};
 use crate::pipeline::{ImagePipeline, PipelineError, Place};
 use crate::plan::{PlanError, SourcePlan, StreamPlan, plan_broker, plan_config};
 
@@ -45,6 +53,8 @@ pub enum MakeError {
         batches: u64,
         epochs: String,
     },
+    #[error("stream `{stream}` cannot be sent as u8 pixels: {why} (leave out --wire u8)")]
+    Wire { stream: String, why: String },
     #[error(transparent)]
     Budget(#[from] OverBudget),
     #[error("cannot start a decoder")]
@@ -61,6 +71,10 @@ pub enum MakeError {
 #[derive(Debug)]
 pub struct Maker {
     plan: StreamPlan,
+    /// What goes on the wire: the stream's schema, or with its image
+    /// field as `u8` where [`Maker::expand`] says how to widen it.
+    wire: Schema,
+    expand: Option<Expand>,
     writer: SlotWriter,
     /// The decoded images and encoded bytes it keeps are taken from here
     /// (the config's `[broker] memory_mib`), as a broker's would be.
@@ -77,10 +91,105 @@ pub struct MakerThread(ThreadState);
 /// begin another).
 const ORDERS_KEPT: usize = 4;
 
+/// How a maker sends an image stream's image field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Wire {
+    /// As the stream has it.
+    #[default]
+    AsIs,
+    /// As `u8` pixels, widened by the feed; refused where the stream's
+    /// tensor is not a table of its pixels.
+    U8,
+    /// `U8` where the stream allows it, else as it is.
+    Auto,
+}
+
+/// How a feed widens a field sent as `u8`: the stream's own table.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Expand {
+    /// The field, and the stream's dtype, layout and normalisation of it.
+    pub field: String,
+    pub dtype: DType,
+    pub nhwc: bool,
+    pub normalize: Option<([f64; 3], [f64; 3])>,
+}
+
+impl Expand {
+    /// The table the stream's transform writes its tensor through.
+    pub fn lut(&self) -> Lut {
+        Lut::new(&self.transform(self.dtype, self.normalize))
+    }
+
+    fn transform(&self, dtype: DType, normalize: Option<([f64; 3], [f64; 3])>) -> Transform {
+        let geometry = crate::pipeline::transform::Geometry::ResizeCrop {
+            resize: None,
+            crop: None,
+        };
+        Transform {
+            dtype,
+            normalize,
+            layout: self.layout(),
+            ..Transform::of(geometry)
+        }
+    }
+
+    pub fn layout(&self) -> Layout {
+        if self.nhwc {
+            Layout::Nhwc
+        } else {
+            Layout::Nchw
+        }
+    }
+
+    /// `schema` with this field as `u8`: what a maker sends.
+    pub fn wire(&self, schema: &Schema) -> Schema {
+        let mut wire = schema.clone();
+        for f in wire.fields.iter_mut().filter(|f| f.name == self.field) {
+            f.dtype = DType::U8;
+        }
+        wire
+    }
+}
+
+/// The transform a maker runs for `wire`, and how its feed widens it.
+fn wire_transform(
+    stream: &str,
+    t: &Transform,
+    wire: Wire,
+) -> Result<(Transform, Option<Expand>), MakeError> {
+    let why = if t.dtype == DType::U8 {
+        Some("its tensor is u8 already")
+    } else if t.erasing.is_some() {
+        Some("random_erasing works on the float tensor, after the table")
+    } else {
+        None
+    };
+    match (wire, why) {
+        (Wire::AsIs, _) | (Wire::Auto, Some(_)) => Ok((t.clone(), None)),
+        (Wire::U8, Some(why)) => Err(MakeError::Wire {
+            stream: stream.into(),
+            why: why.into(),
+        }),
+        (Wire::U8 | Wire::Auto, None) => Ok((
+            Transform {
+                dtype: DType::U8,
+                normalize: None,
+                ..t.clone()
+            },
+            Some(Expand {
+                field: "image".into(),
+                dtype: t.dtype,
+                nhwc: t.layout == Layout::Nhwc,
+                normalize: t.normalize,
+            }),
+        )),
+    }
+}
+
 impl Maker {
     /// The maker of stream `stream` of `cfg`, as the user `uid` (whose
     /// share of the memory budget its caches take).
-    pub fn new(cfg: &Config, stream: &str, uid: u32) -> Result<Maker, MakeError> {
+    pub fn new(cfg: &Config, stream: &str, uid: u32, wire: Wire) -> Result<Maker, MakeError> {
         let broker = plan_broker(&cfg.broker)?;
         let plans = plan_config(cfg)?;
         let names = plans
@@ -97,7 +206,14 @@ impl Maker {
             })?;
         let budget = Budget::new(broker.memory_bytes, uid);
         let whom = format!("stream `{}`", plan.name);
+        let mut expand = None;
         let writer = match &plan.source {
+            SourcePlan::Synthetic(_) if wire == Wire::U8 => {
+                return Err(MakeError::Wire {
+                    stream: plan.name.clone(),
+                    why: "a synthetic stream has no pixels".into(),
+                });
+            }
             SourcePlan::Synthetic(spec) => SlotWriter::Synthetic(*spec),
             SourcePlan::Images(p) => {
                 if let Some(r) = &p.dataset.remote {
@@ -111,15 +227,22 @@ impl Maker {
                     }
                     None => None,
                 };
-                let pipeline =
-                    ImagePipeline::new(p.dataset.clone(), p.transform.clone(), p.rules, share);
+                let (transform, widen) = wire_transform(&plan.name, &p.transform, wire)?;
+                expand = widen;
+                let pipeline = ImagePipeline::new(p.dataset.clone(), transform, p.rules, share);
                 pipeline.reserve(&budget, uid, &whom)?;
                 SlotWriter::Images(Arc::new(pipeline))
             }
             SourcePlan::External => return Err(MakeError::External(plan.name.clone())),
         };
+        let wire = match &expand {
+            Some(e) => e.wire(&plan.schema),
+            None => plan.schema.clone(),
+        };
         Ok(Maker {
             plan,
+            wire,
+            expand,
             writer,
             _budget: budget,
             orders: Mutex::new(HashMap::new()),
@@ -132,6 +255,11 @@ impl Maker {
 
     pub fn schema(&self) -> &Schema {
         &self.plan.schema
+    }
+
+    /// How the image field is sent, where it is sent as `u8`.
+    pub fn expand(&self) -> Option<&Expand> {
+        self.expand.as_ref()
     }
 
     /// A thread's own state (its decoder and buffers).
@@ -189,10 +317,10 @@ impl Maker {
         let first = (index * self.plan.schema.batch_size) as usize;
         let indices = &order[first..first + samples as usize];
         out.clear();
-        out.resize(self.plan.schema.batch_bytes(samples) as usize, 0);
-        let mut fields: Vec<&mut [u8]> = Vec::with_capacity(self.plan.schema.fields.len());
+        out.resize(self.wire.batch_bytes(samples) as usize, 0);
+        let mut fields: Vec<&mut [u8]> = Vec::with_capacity(self.wire.fields.len());
         let mut rest = out.as_mut_slice();
-        for f in &self.plan.schema.fields {
+        for f in &self.wire.fields {
             let len = (f.bytes_per_sample().unwrap_or(0) * samples) as usize;
             let (cells, tail) = rest.split_at_mut(len);
             fields.push(cells);

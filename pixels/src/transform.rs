@@ -677,6 +677,51 @@ mod tests {
         }
     }
 
+    /// A u8 tensor expanded through an f32 (or f16) table is the tensor
+    /// that table writes itself: what a stream made elsewhere sends as
+    /// u8 and its feed expands.
+    #[test]
+    fn a_u8_tensor_expanded_is_the_tensor_written_with_the_table() {
+        let (h, w) = (5usize, 7usize);
+        let src: Vec<u8> = (0..h * w * 3).map(|i| (i * 53 % 256) as u8).collect();
+        let norm = Some(([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]));
+        let geometry = Geometry::ResizeCrop {
+            resize: None,
+            crop: None,
+        };
+        for (dtype, normalize) in [(DType::F32, norm), (DType::F32, None), (DType::F16, norm)] {
+            for layout in [Layout::Nchw, Layout::Nhwc] {
+                for flip in [false, true] {
+                    let t = Transform {
+                        dtype,
+                        layout,
+                        normalize,
+                        ..Transform::of(geometry.clone())
+                    };
+                    let lut = Lut::new(&t);
+                    let raw = Lut::new(&Transform {
+                        dtype: DType::U8,
+                        layout,
+                        ..Transform::of(geometry.clone())
+                    });
+                    let mut want = vec![0u8; h * w * 3 * lut.element_bytes()];
+                    write_tensor(&src, h as u32, w as u32, flip, layout, &lut, &mut want);
+                    let mut small = vec![0u8; h * w * 3];
+                    write_tensor(&src, h as u32, w as u32, flip, layout, &raw, &mut small);
+                    // Two samples back to back, as in a batch.
+                    let two = [small.clone(), small].concat();
+                    let mut got = vec![0u8; 2 * want.len()];
+                    lut.expand(layout, h * w, &two, &mut got);
+                    assert_eq!(
+                        got,
+                        [want.clone(), want].concat(),
+                        "{dtype:?} {layout:?} flip={flip}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn padding_modes_fold_like_np_pad_in_one_and_two_steps() {
         let row = |mode, n: i64, steps: Steps| -> Vec<Option<i64>> {

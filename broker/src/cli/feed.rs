@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use batchcast::schema::{Schema, SourceInfo};
 use batchcast::{Acquired, Producer, ProducerOptions};
+use batchcast_broker::make::Expand;
 
 use crate::make::{HELLO, TOKEN_ENV};
 
@@ -71,6 +72,55 @@ struct Figures {
     maker_wait_s: f64,
     /// Batches read and dropped: the broker skipped to another place.
     dropped: u64,
+    /// Bytes received from the makers (batches, their headers
+    /// included), and whether the image field came as `u8` pixels.
+    wire_bytes: u64,
+    widened: bool,
+}
+
+/// A field sent as `u8` and widened here through the stream's table.
+struct Widen {
+    /// Its place among the schema's fields, its pixels per sample.
+    field: usize,
+    hw: usize,
+    layout: batchcast_broker::pipeline::transform::Layout,
+    lut: batchcast_broker::pipeline::transform::Lut,
+    scratch: Vec<u8>,
+}
+
+impl Widen {
+    /// How `described["wire"]` says the makers send `schema`'s field,
+    /// and the schema of what they send.
+    fn of(
+        described: &serde_json::Value,
+        schema: &Schema,
+    ) -> anyhow::Result<Option<(Widen, Schema)>> {
+        if described["wire"].is_null() {
+            return Ok(None);
+        }
+        let e: Expand = serde_json::from_value(described["wire"].clone())
+            .context("the schema file's `wire`")?;
+        let field = schema
+            .fields
+            .iter()
+            .position(|f| f.name == e.field && f.dtype == e.dtype)
+            .with_context(|| {
+                format!(
+                    "the schema has no {:?} field `{}` to widen",
+                    e.dtype, e.field
+                )
+            })?;
+        let shape = &schema.fields[field].shape;
+        let hw = (shape.iter().product::<u64>() / 3) as usize;
+        let widen = Widen {
+            field,
+            hw,
+            layout: e.layout(),
+            lut: e.lut(),
+            scratch: Vec::new(),
+        };
+        Ok(Some((widen, e.wire(schema))))
+    }
 }
 
 pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
@@ -88,6 +138,10 @@ pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
         serde_json::from_str(&text).with_context(|| format!("{}", args.schema.display()))?;
     let schema: Schema = serde_json::from_value(described["schema"].clone())
         .with_context(|| format!("the schema in {}", args.schema.display()))?;
+    let (widen, wire) = match Widen::of(&described, &schema)? {
+        Some((w, wire)) => (Some(w), wire),
+        None => (None, schema.clone()),
+    };
     let listener =
         TcpListener::bind(args.listen).with_context(|| format!("listening on {}", args.listen))?;
     writeln!(
@@ -108,7 +162,13 @@ pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
     let workers = described["workers"].as_u64().unwrap_or(1).max(1);
     let per_request = args.per_request.unwrap_or(2 * workers).max(1);
     let mut feed = Feed {
+        figures: Figures {
+            widened: widen.is_some(),
+            ..Figures::default()
+        },
         schema,
+        wire,
+        widen,
         epochs: args.epochs.or(described["schema"]["epochs"].as_u64()),
         makers,
         per_request,
@@ -116,7 +176,6 @@ pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
         asked: VecDeque::new(),
         next: (0, 0),
         sent: 0,
-        figures: Figures::default(),
     };
     let t0 = Instant::now();
     let result = feed.run(producer);
@@ -262,6 +321,10 @@ impl Asked {
 
 struct Feed {
     schema: Schema,
+    /// What the makers send: `schema`, or with a field as `u8` that
+    /// `widen` widens.
+    wire: Schema,
+    widen: Option<Widen>,
     epochs: Option<u64>,
     makers: Vec<Maker>,
     per_request: u64,
@@ -296,9 +359,9 @@ impl Feed {
                 let mut fields = producer.fields_mut(&slot);
                 read_batch(
                     &mut self.makers[asked.maker],
-                    &self.schema,
+                    &self.wire,
                     samples,
-                    &mut fields,
+                    (&mut fields, self.widen.as_mut()),
                 )
             };
             if let Err(e) = read {
@@ -310,6 +373,7 @@ impl Feed {
                 bail!(why);
             }
             self.figures.maker_wait_s += w0.elapsed().as_secs_f64();
+            self.figures.wire_bytes += 16 + self.wire.batch_bytes(samples);
             producer.publish(&slot, samples)?;
             self.figures.batches += 1;
             self.figures.samples += samples;
@@ -371,7 +435,7 @@ impl Feed {
                     let a = *a;
                     let samples = self.expected(a.head())?;
                     let m = &mut self.makers[a.maker];
-                    let bytes = frame_head(m, samples, &self.schema)?;
+                    let bytes = frame_head(m, samples, &self.wire)?;
                     scratch.resize(bytes as usize, 0);
                     m.reader.read_exact(&mut scratch)?;
                     self.figures.dropped += 1;
@@ -421,17 +485,27 @@ fn frame_head(m: &mut Maker, samples: u64, schema: &Schema) -> anyhow::Result<u6
     Ok(bytes)
 }
 
-/// Reads the next batch of `m` straight into `fields` (the slot's cells).
+/// Reads the next batch of `m` (`wire`'s fields) straight into `fields`
+/// (the slot's cells), but for a field `widen` widens: read into its
+/// scratch, then written through the stream's table.
 fn read_batch(
     m: &mut Maker,
-    schema: &Schema,
+    wire: &Schema,
     samples: u64,
-    fields: &mut [&mut [u8]],
+    (fields, mut widen): (&mut [&mut [u8]], Option<&mut Widen>),
 ) -> anyhow::Result<()> {
-    frame_head(m, samples, schema)?;
-    for (f, cells) in schema.fields.iter().zip(fields.iter_mut()) {
+    frame_head(m, samples, wire)?;
+    for (i, (f, cells)) in wire.fields.iter().zip(fields.iter_mut()).enumerate() {
         let len = (f.bytes_per_sample().unwrap_or(0) * samples) as usize;
-        m.reader.read_exact(&mut cells[..len])?;
+        match widen.as_deref_mut() {
+            Some(w) if w.field == i => {
+                w.scratch.resize(len, 0);
+                m.reader.read_exact(&mut w.scratch)?;
+                let out = len * w.lut.element_bytes();
+                w.lut.expand(w.layout, w.hw, &w.scratch, &mut cells[..out]);
+            }
+            _ => m.reader.read_exact(&mut cells[..len])?,
+        }
     }
     Ok(())
 }

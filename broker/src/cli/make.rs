@@ -12,6 +12,11 @@
 //! it elsewhere registers it with). A batch that
 //! cannot be made ends it with the reason on stderr and exit code 1.
 //!
+//! `--wire u8` (or `auto`: where the stream allows it) sends an image
+//! stream's float tensor as the `u8` pixels it is made from, for the feed
+//! to widen through the stream's own table (`--schema` says how, under
+//! `wire`): the same bytes in the slot, a quarter of them on the wire.
+//!
 //! `--connect ADDR` serves a `batchcast feed` over TCP instead: it says
 //! `batchcast-make 1 TOKEN` first (the feed's token, from
 //! `$BATCHCAST_FEED_TOKEN`), then reads requests and writes batches on
@@ -24,7 +29,7 @@ use std::sync::mpsc;
 
 use anyhow::{Context, bail};
 use batchcast_broker::config::Config;
-use batchcast_broker::make::{MakeError, Maker, MakerThread};
+use batchcast_broker::make::{MakeError, Maker, MakerThread, Wire};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct MakeArgs {
@@ -45,12 +50,22 @@ pub struct MakeArgs {
     /// made (JSON) at the end
     #[arg(long, value_name = "ADDR")]
     pub connect: Option<std::net::SocketAddr>,
+    /// How to send an image stream's image field: as the stream has it,
+    /// as u8 pixels its feed widens (refused where the stream's tensor is
+    /// not a table of its pixels), or u8 where the stream allows it
+    #[arg(long, default_value = "as-is", value_parser = ["as-is", "u8", "auto"])]
+    pub wire: String,
 }
 
 pub fn run(args: &MakeArgs) -> anyhow::Result<()> {
     let cfg = Config::load(&args.config)?;
     let uid = nix::unistd::getuid().as_raw();
-    let maker = Maker::new(&cfg, &args.stream, uid).with_context(|| {
+    let wire = match args.wire.as_str() {
+        "u8" => Wire::U8,
+        "auto" => Wire::Auto,
+        _ => Wire::AsIs,
+    };
+    let maker = Maker::new(&cfg, &args.stream, uid, wire).with_context(|| {
         format!(
             "making stream `{}` of {}",
             args.stream,
@@ -69,6 +84,7 @@ pub fn run(args: &MakeArgs) -> anyhow::Result<()> {
             "min_consumers": plan.min_consumers,
             "lag_limit": plan.lag_limit,
             "hold_limit_s": plan.hold_limit.map(|d| d.as_secs_f64()),
+            "wire": maker.expand(),
         });
         writeln!(std::io::stdout().lock(), "{out}")?;
         return Ok(());

@@ -395,7 +395,7 @@ def _child_cpu_s(proc: subprocess.Popen) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _describe(config: str, stream: str) -> Dict[str, Any]:
+def _describe(config: str, stream: str, wire: str) -> Dict[str, Any]:
     """``batchcast make --schema`` on this node (where the dataset is)."""
     import json
     import tempfile
@@ -404,7 +404,7 @@ def _describe(config: str, stream: str) -> Dict[str, Any]:
         cfg = Path(d) / "stream.toml"
         cfg.write_text(config)
         r = subprocess.run(
-            [executable(), "make", "--config", str(cfg), "--stream", stream, "--schema"],
+            [executable(), "make", "--config", str(cfg), "--stream", stream, "--schema", "--wire", wire],
             capture_output=True,
             text=True,
         )
@@ -414,7 +414,7 @@ def _describe(config: str, stream: str) -> Dict[str, Any]:
     return json.loads(r.stdout)
 
 
-def _make(config: str, stream: str, workers: int, address: str, token: str) -> Dict[str, Any]:
+def _make(config: str, stream: str, workers: int, address: str, token: str, wire: str) -> Dict[str, Any]:
     """``batchcast make --connect`` on this node: the stream's own pipeline
     making what the feed at ``address`` asks for, until it is done."""
     import json
@@ -427,7 +427,7 @@ def _make(config: str, stream: str, workers: int, address: str, token: str) -> D
         log = Path(d) / "make.log"
         proc = subprocess.Popen(
             [executable(), "make", "--config", str(cfg), "--stream", stream, "--workers", str(workers),
-             "--connect", address],
+             "--connect", address, "--wire", wire],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=open(log, "wb"),
@@ -452,7 +452,10 @@ def _feed_stream(config: str, stream: str, options: Dict[str, Any]) -> Dict[str,
     makers = options.pop("makers")
     pins = {n: NodeAffinitySchedulingStrategy(node_id=n, soft=False) for n, _ in makers}
     first = makers[0][0]
-    described = ray.get(ray.remote(num_cpus=0)(_describe).options(scheduling_strategy=pins[first]).remote(config, stream))
+    wire = options["wire"]
+    described = ray.get(
+        ray.remote(num_cpus=0)(_describe).options(scheduling_strategy=pins[first]).remote(config, stream, wire)
+    )
     token = secrets.token_hex(32)
     with tempfile.TemporaryDirectory(prefix="batchcast-feed-") as d:
         schema = Path(d) / "schema.json"
@@ -480,7 +483,7 @@ def _feed_stream(config: str, stream: str, options: Dict[str, Any]) -> Dict[str,
         made = [
             ray.remote(_make)
             .options(num_cpus=workers, scheduling_strategy=pins[node])
-            .remote(config, stream, workers, address, token)
+            .remote(config, stream, workers, address, token, wire)
             for node, workers in makers
         ]
         out = feed.stdout.read() if feed.stdout else b""
@@ -516,6 +519,7 @@ def feed_stream(
     in_flight: int = 2,
     min_consumers: Optional[int] = None,
     socket_path: Optional[str] = None,
+    wire: str = "auto",
 ) -> "ray.ObjectRef":
     """Feeds stream ``stream`` of the broker on ``node_id`` (default: the
     node this runs on) with batches that stream's own pipeline makes on the
@@ -536,7 +540,12 @@ def feed_stream(
     per request (default twice its threads); ``in_flight``: requests each
     node has ahead. ``min_consumers`` (default the config's): trainers the
     stream waits for. ``socket_path``: the fed node's broker (default: the
-    one :func:`socket` finds or starts). Returns the task's reference;
+    one :func:`socket` finds or starts). ``wire``: ``"auto"`` (default)
+    sends an image stream's float tensor as the ``u8`` pixels it is made
+    from, which the feed widens through the stream's own table (the same
+    bytes, a quarter of them on the network), where the stream allows it
+    (no ``random_erasing``); ``"u8"`` insists, ``"as-is"`` sends the
+    stream's bytes. Returns the task's reference;
     ``ray.get`` it for the figures: batches, samples, ``cpu_s`` (the feed's
     on the fed node) and ``makers`` (each node's batches, samples and
     CPU)."""
@@ -556,6 +565,8 @@ def feed_stream(
         )
     if workers is not None and workers < 1:
         raise InvalidArgument(f"workers={workers} must be at least 1")
+    if wire not in ("auto", "u8", "as-is"):
+        raise InvalidArgument(f'wire={wire!r}: give "auto", "u8" or "as-is"')
     options = dict(
         makers=[(n, workers or known[n]) for n in chosen],
         epochs=epochs,
@@ -563,6 +574,7 @@ def feed_stream(
         in_flight=in_flight,
         min_consumers=min_consumers,
         socket=socket_path,
+        wire=wire,
     )
     return _feed_stream.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
         text, stream, options

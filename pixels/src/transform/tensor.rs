@@ -35,6 +35,55 @@ impl Lut {
         }
         Lut { bytes, size }
     }
+
+    /// Bytes of one output element.
+    pub fn element_bytes(&self) -> usize {
+        self.size
+    }
+
+    /// Writes `src`, tensors of `u8` values in `layout` with `hw` pixels
+    /// each (what the same transform makes with `dtype = "u8"` and no
+    /// normalisation), as this table's elements into `out`: the bytes the
+    /// transform itself writes. `out` holds `src.len()` elements; a
+    /// shorter one is filled as far as it goes.
+    pub fn expand(&self, layout: Layout, hw: usize, src: &[u8], out: &mut [u8]) {
+        let n = self.size;
+        match layout {
+            // A channel's plane is contiguous: one table for the plane.
+            Layout::Nchw => {
+                for (k, (plane, o)) in src
+                    .chunks(hw.max(1))
+                    .zip(out.chunks_mut(hw.max(1) * n))
+                    .enumerate()
+                {
+                    let table = &self.bytes[(k % 3) * 256..(k % 3 + 1) * 256];
+                    expand_plane(table, n, plane, o);
+                }
+            }
+            Layout::Nhwc => {
+                for (px, o) in src.chunks_exact(3).zip(out.chunks_exact_mut(3 * n)) {
+                    for c in 0..3 {
+                        let e = &self.bytes[c * 256 + px[c] as usize];
+                        o[c * n..(c + 1) * n].copy_from_slice(&e[..n]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `plane`'s values through one channel's `table` (elements of `n`
+/// bytes) into `out`.
+fn expand_plane(table: &[[u8; 4]], n: usize, plane: &[u8], out: &mut [u8]) {
+    if n == 4 {
+        for (&v, e) in plane.iter().zip(out.chunks_exact_mut(4)) {
+            e.copy_from_slice(&table[v as usize]);
+        }
+    } else {
+        for (&v, e) in plane.iter().zip(out.chunks_exact_mut(n)) {
+            e.copy_from_slice(&table[v as usize][..n]);
+        }
+    }
 }
 
 /// HWC u8 → the output tensor, flipping horizontally if asked.
