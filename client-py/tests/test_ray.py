@@ -257,6 +257,11 @@ def test_a_ray_data_dataset_or_a_streams_own_pipeline_feeds_one_nodes_trainers(t
     # Every batch was made on the other node, none on the host.
     assert [m["node_id"] for m in figures["makers"]] == [native["other"]], figures
     assert figures["makers"][0]["samples"] == 2 * images, figures
+    # An f32 stream normalised by a table: its pixels travelled as u8 (the
+    # default wire) and the digests above are still the broker's.
+    assert figures["widened"] is True, figures
+    batches = figures["batches"]
+    assert figures["wire_bytes"] == 16 * batches + 2 * images * (16 * 16 * 3 + 16), figures
     assert sorted(report["runs"]) == ["elsewhere", "here"]
     for executor, fed in report["runs"].items():
         for reader in fed["readers"]:

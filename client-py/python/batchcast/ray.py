@@ -547,8 +547,8 @@ def feed_stream(
     (no ``random_erasing``); ``"u8"`` insists, ``"as-is"`` sends the
     stream's bytes. Returns the task's reference;
     ``ray.get`` it for the figures: batches, samples, ``cpu_s`` (the feed's
-    on the fed node) and ``makers`` (each node's batches, samples and
-    CPU)."""
+    on the fed node), ``widened`` (pixels came as u8), ``wire_bytes`` and
+    ``makers`` (each node's batches, samples and CPU)."""
     text = _config_text(config)
     if not text.strip():
         raise InvalidArgument("batchcast.ray.feed_stream: the config is empty; it must describe the stream")
