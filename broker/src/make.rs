@@ -117,20 +117,16 @@ pub struct Expand {
 impl Expand {
     /// The table the stream's transform writes its tensor through.
     pub fn lut(&self) -> Lut {
-        Lut::new(&self.transform(self.dtype, self.normalize))
-    }
-
-    fn transform(&self, dtype: DType, normalize: Option<([f64; 3], [f64; 3])>) -> Transform {
         let geometry = crate::pipeline::transform::Geometry::ResizeCrop {
             resize: None,
             crop: None,
         };
-        Transform {
-            dtype,
-            normalize,
+        Lut::new(&Transform {
+            dtype: self.dtype,
+            normalize: self.normalize,
             layout: self.layout(),
             ..Transform::of(geometry)
-        }
+        })
     }
 
     pub fn layout(&self) -> Layout {

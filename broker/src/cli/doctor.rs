@@ -299,17 +299,18 @@ pub fn findings(w: &Window<'_>) -> Vec<Finding> {
         w.before
             .and_then(|b| b.streams.iter().find(|p| p.name == s.name))
     };
-    let all: f64 = w
+    let rated: Vec<Rates> = w
         .after
         .streams
         .iter()
-        .map(|s| rates(was(s), s, w.dt).images_s)
-        .sum();
+        .map(|s| rates(was(s), s, w.dt))
+        .collect();
+    let all: f64 = rated.iter().map(|r| r.images_s).sum();
     w.after
         .streams
         .iter()
-        .map(|s| {
-            let r = rates(was(s), s, w.dt);
+        .zip(rated)
+        .map(|(s, r)| {
             let mut f = diagnose(&s.name, s, &r, cores);
             if !matches!(f.bound, Bound::Idle | Bound::Producer) {
                 let share = if all > 0.0 {

@@ -242,9 +242,12 @@ impl Inputs {
     /// pipeline's work outside its stages), carried to the same bound
     /// after a change.
     pub fn calibration(&self) -> f64 {
-        let now = self.now().images_s;
-        if self.images_s > 0.0 && now.is_finite() && now > 0.0 {
-            self.images_s / now
+        self.calibrated(self.now())
+    }
+
+    fn calibrated(&self, now: Rate) -> f64 {
+        if self.images_s > 0.0 && now.images_s.is_finite() && now.images_s > 0.0 {
+            self.images_s / now.images_s
         } else {
             1.0
         }
@@ -285,7 +288,8 @@ impl Inputs {
             }
         }
         t.cpu = t.cpu.max(1e-9);
-        t.rate(self.calibration(), self.now().limit)
+        let now = self.now();
+        t.rate(self.calibrated(now), now.limit)
     }
 
     /// The changes worth pricing for this stream, with their words.
