@@ -1383,6 +1383,122 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     assert!(err.contains("decoded_cache_mib"), "{err}");
 }
 
+/// `batchcast prepare` copies a dataset with its JPEGs re-encoded with
+/// restart markers: streams over the copy deliver the original's bytes
+/// (RandomResizedCrop's decodes in part cut from the markers, the eval
+/// transform's whole decodes), other files and a JPEG it cannot re-encode
+/// are copied as they are, and a folder that is not empty is refused.
+#[test]
+fn a_prepared_copy_streams_the_originals_bytes() {
+    let mut env = Env::new();
+    let n = env.images(2);
+    let (root, copy) = (env.p("ds"), env.p("prepared"));
+    let out = run(command(EXE).args(["prepare", &root, &copy]));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // 8 JPEGs a class (baseline, progressive, grey, CMYK; 2 each) and the
+    // tiny one.
+    assert!(
+        said.contains("27 JPEGs re-encoded with restart markers"),
+        "{said}"
+    );
+    let mut jpegs = 0;
+    for file in walk(&env.path("ds")) {
+        let rel = file.strip_prefix(env.path("ds")).unwrap();
+        let (a, b) = (
+            std::fs::read(&file).unwrap(),
+            std::fs::read(env.path("prepared").join(rel)).unwrap(),
+        );
+        if a.starts_with(&[0xFF, 0xD8]) {
+            // A restart interval of one MCU: FF DD 00 04 00 01.
+            let dri = [0xFF, 0xDD, 0x00, 0x04, 0x00, 0x01];
+            assert!(
+                b.windows(6).any(|w| w == dri),
+                "{rel:?} has restart markers"
+            );
+            jpegs += 1;
+        } else {
+            assert!(a == b, "{rel:?} is copied as it is");
+        }
+    }
+    assert_eq!(jpegs, 27);
+    let crop = "random_resized_crop = { size = 32 }\nhorizontal_flip = 0.5\ndtype = \"u8\"";
+    let eval = format!("resize = 40\ncenter_crop = 32\n{NORM}");
+    let two = "seed = 5\nepochs = 2\ndrop_last = false";
+    let cfg = [
+        stream("crop", &folder(&root), crop, two),
+        stream("crop_prepared", &folder(&copy), crop, two),
+        stream("eval", &folder(&root), &eval, two),
+        stream("eval_prepared", &folder(&copy), &eval, two),
+    ]
+    .join("\n");
+    env.start(&cfg);
+    let digests = |name: &str| {
+        let r = env.consume(&["--stream", name, "--digest"]);
+        assert!(r.ok && r.ended && r.epochs.len() == 2, "{name}: {r:#?}");
+        for e in &r.epochs {
+            assert_eq!(e.distinct_indices, Some(n), "{name}: {}", env.log());
+        }
+        r.epochs
+            .iter()
+            .map(|e| e.digest.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(digests("crop"), digests("crop_prepared"));
+    assert_eq!(digests("eval"), digests("eval_prepared"));
+    // A JPEG TurboJPEG cannot re-encode (cut short) is copied as it is
+    // and named; a copy into a folder that holds files is refused.
+    let extra = env.path("extra");
+    std::fs::create_dir_all(&extra).unwrap();
+    let whole = std::fs::read(env.path("ds/cat/base_0.jpg")).unwrap();
+    std::fs::write(extra.join("short.jpg"), &whole[..whole.len() / 2]).unwrap();
+    std::fs::write(extra.join("notes.txt"), "not an image").unwrap();
+    let out = run(command(EXE)
+        .arg("prepare")
+        .arg(&extra)
+        .arg(env.path("extra2")));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("0 JPEGs re-encoded")
+            && said.contains("1 other files copied")
+            && said.contains("1 JPEGs copied as they were")
+            && said.contains("short.jpg"),
+        "{said}"
+    );
+    assert_eq!(
+        std::fs::read(env.path("extra2/short.jpg")).unwrap(),
+        &whole[..whole.len() / 2]
+    );
+    let out = run(command(EXE)
+        .arg("prepare")
+        .arg(&extra)
+        .arg(env.path("extra2")));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("extra2") && err.contains("not empty"),
+        "{err}"
+    );
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 /// `batchcast make` (a cluster's CPU node making a stream for a broker
 /// elsewhere) writes byte for byte what the stream's own broker delivers,
 /// at every place of two epochs, the short last batch too: a plain stream

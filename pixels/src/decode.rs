@@ -20,7 +20,9 @@
 
 use std::io::Cursor;
 
+mod restart;
 mod tj;
+use restart::{Cut, Splicer};
 pub use tj::Region;
 use tj::{JpegInfo, Tj};
 
@@ -120,6 +122,7 @@ impl Rgb {
 pub struct Decoder {
     tj: Tj,
     scratch: Vec<u8>,
+    splicer: Splicer,
 }
 
 impl std::fmt::Debug for Decoder {
@@ -157,11 +160,22 @@ pub fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
     }
 }
 
+/// `bytes` (a JPEG) re-encoded losslessly with a restart marker every
+/// `mcus` MCUs, as baseline with Huffman tables fitted to it: it decodes
+/// to the same pixels, and a decode in part then entropy-decodes only the
+/// MCUs around its region, in runs of `mcus` (see the module's notes;
+/// where `mcus` does not divide an MCU row, it cuts whole rows only). A
+/// lossless JPEG is refused.
+pub fn restart_marked(bytes: &[u8], mcus: u16) -> Result<Vec<u8>, DecodeError> {
+    tj::with_restarts(bytes, mcus).map_err(DecodeError::Jpeg)
+}
+
 impl Decoder {
     pub fn new() -> Result<Decoder, DecodeError> {
         Ok(Decoder {
             tj: Tj::new().map_err(DecodeError::Jpeg)?,
             scratch: Vec::new(),
+            splicer: Splicer::default(),
         })
     }
 
@@ -263,7 +277,43 @@ impl Decoder {
     ) -> Result<(), DecodeError> {
         let info = self.tj.header(bytes).map_err(DecodeError::Jpeg)?;
         let (w, h) = info.scaled(denom);
-        let crop = region.and_then(|r| widened(r, &info, denom));
+        let mut crop = region.and_then(|r| widened(r, &info, denom));
+        // With restart markers, only the MCUs around the region are
+        // entropy-decoded: a smaller JPEG of them, decoded whole. Its
+        // edges are MCU edges, where chroma upsampling sees no neighbour:
+        // that reaches 2 pixels in (a chroma sample upsampled by 2), so the
+        // region is widened by `CUT_MARGIN` before the MCUs are chosen.
+        let d = denom as usize;
+        let cut = region.and_then(|r| {
+            let (x0, y0) = (
+                r.x.saturating_sub(CUT_MARGIN),
+                r.y.saturating_sub(CUT_MARGIN),
+            );
+            let x1 = (r.x + r.width + CUT_MARGIN).min(w as u32);
+            let y1 = (r.y + r.height + CUT_MARGIN).min(h as u32);
+            let full = |v: u32| v as usize * d;
+            let want = Cut {
+                x: full(x0),
+                y: full(y0),
+                width: full(x1.saturating_sub(x0)),
+                height: full(y1.saturating_sub(y0)),
+            };
+            self.splicer.cut(bytes, want)
+        });
+        let (src, info, tj_crop) = match cut {
+            Some(c) => {
+                let part = &self.splicer.jpeg[..];
+                let sub = self.tj.header(part).map_err(DecodeError::Jpeg)?;
+                crop = Some(Region {
+                    x: (c.x / d) as u32,
+                    y: (c.y / d) as u32,
+                    width: sub.scaled(denom).0 as u32,
+                    height: sub.scaled(denom).1 as u32,
+                });
+                (part, sub, None)
+            }
+            None => (bytes, info, crop),
+        };
         out.size(w, h, crop);
         let r = crop.unwrap_or(Region {
             x: 0,
@@ -281,13 +331,13 @@ impl Decoder {
         if !info.cmyk {
             return self
                 .tj
-                .decompress(bytes, &info, denom, crop, (&mut out.data[at..], w * 3))
+                .decompress(src, &info, denom, tj_crop, (&mut out.data[at..], w * 3))
                 .map_err(DecodeError::Jpeg);
         }
         // TurboJPEG only decodes CMYK and YCCK to CMYK; convert like PIL.
         self.scratch.resize(rw * rh * 4, 0);
         self.tj
-            .decompress(bytes, &info, denom, crop, (&mut self.scratch, rw * 4))
+            .decompress(src, &info, denom, tj_crop, (&mut self.scratch, rw * 4))
             .map_err(DecodeError::Jpeg)?;
         let inverted = has_adobe_marker(bytes);
         for (row, src) in self.scratch.chunks_exact(rw * 4).enumerate() {
@@ -297,6 +347,10 @@ impl Decoder {
         Ok(())
     }
 }
+
+/// Pixels (at the decode's scale) kept between a region and the edge of
+/// the MCUs cut for it: twice what chroma upsampling reaches.
+const CUT_MARGIN: u32 = 4;
 
 /// `r` (in the image at `1/denom`) widened to what is decoded for it: one
 /// iMCU more on each side within the image, the left edge on an iMCU

@@ -1,12 +1,13 @@
 //! Decoding in part gives the whole decode's bytes: the decoder's pixels
 //! in every region asked for, and RandomResizedCrop's tensors, across the
 //! samplings TurboJPEG crops, progressive and baseline, CMYK, odd sizes
-//! and every reduced scale.
+//! and every reduced scale; and the same for the JPEGs re-encoded with a
+//! restart marker after every MCU, which a decode in part cuts instead.
 
 use turbojpeg::{Colorspace, Compressor, Image, PixelFormat, Subsamp};
 
 use batchcast::synthetic::SplitMix64;
-use batchcast_pixels::decode::{Decoder, Region, Rgb};
+use batchcast_pixels::decode::{Decoder, Region, Rgb, restart_marked};
 use batchcast_pixels::transform::{Geometry, Interpolation, Lut, Scratch, Transform};
 
 /// A photo-like image: smooth colour fields under fine texture and edges
@@ -100,24 +101,57 @@ fn whole(d: &mut Decoder, bytes: &[u8], denom: u32) -> Rgb {
 
 #[test]
 fn decoded_regions_are_the_whole_decodes_pixels() {
+    decoded_regions_match(false);
+}
+
+#[test]
+fn restart_marked_jpegs_decode_to_the_same_pixels_whole_and_in_part() {
+    decoded_regions_match(true);
+}
+
+/// Random regions of every encoding at every scale against the whole
+/// decode of the JPEG as encoded; `marked`: the regions decoded from it
+/// re-encoded with restart markers (which must decode whole to the same
+/// pixels too).
+fn decoded_regions_match(marked: bool) {
     let mut d = Decoder::new().unwrap();
     let mut rng = SplitMix64::new(7);
     // One buffer for all: stale pixels of earlier images stay outside
     // each region, as in a pipeline thread.
     let mut part = Rgb::default();
-    for (name, bytes) in encodings() {
+    for (name, original) in encodings() {
+        let bytes = match marked {
+            true => restart_marked(&original, 1).unwrap(),
+            false => original.clone(),
+        };
         let header = d.header(&bytes, u64::MAX).unwrap();
         for denom in [1, 2, 4, 8] {
-            let full = whole(&mut d, &bytes, denom);
+            let full = whole(&mut d, &original, denom);
+            if marked {
+                let again = whole(&mut d, &bytes, denom);
+                assert!(again.data == full.data, "{name} re-encoded, 1/{denom}");
+            }
             let (w, h) = (full.width, full.height);
-            for _ in 0..12 {
-                let x = rng.below(w as u64) as u32;
-                let y = rng.below(h as u64) as u32;
-                let r = Region {
-                    x,
-                    y,
-                    width: 1 + rng.below(u64::from(w - x)) as u32,
-                    height: 1 + rng.below(u64::from(h - y)) as u32,
+            // Random regions, then small ones whose edges fall at every
+            // offset within an MCU (where a cut's edge would show).
+            for i in 0..36u32 {
+                let r = if i < 12 {
+                    let x = rng.below(w as u64) as u32;
+                    let y = rng.below(h as u64) as u32;
+                    Region {
+                        x,
+                        y,
+                        width: 1 + rng.below(u64::from(w - x)) as u32,
+                        height: 1 + rng.below(u64::from(h - y)) as u32,
+                    }
+                } else {
+                    let (x, y) = ((i * 7) % w, (i * 5) % h);
+                    Region {
+                        x,
+                        y,
+                        width: (1 + i % 5).min(w - x),
+                        height: (1 + i % 4).min(h - y),
+                    }
                 };
                 d.decode(&bytes, &header, (denom, Some(r)), &mut part)
                     .unwrap();
@@ -174,16 +208,54 @@ fn a_region_decode_touches_less_than_the_image() {
     };
     d.decode(&bytes, &h, (1, Some(all)), &mut out).unwrap();
     assert_eq!(out.decoded, None);
+    // With restart markers, the MCUs around it are cut out: whole MCU
+    // rows and columns (16 × 16 here) holding it and 4 pixels around it,
+    // decoded as a JPEG of their own.
+    let marked = restart_marked(&bytes, 1).unwrap();
+    d.decode(&marked, &h, (1, Some(r)), &mut out).unwrap();
+    assert_eq!(
+        out.decoded,
+        Some(Region {
+            x: 96,
+            y: 192,
+            width: 64,
+            height: 64,
+        })
+    );
+    let quarter = Region {
+        x: 25,
+        y: 50,
+        width: 13,
+        height: 10,
+    };
+    d.decode(&marked, &h, (4, Some(quarter)), &mut out).unwrap();
+    assert_eq!(
+        out.decoded,
+        Some(Region {
+            x: 20,
+            y: 44,
+            width: 24,
+            height: 20,
+        })
+    );
 }
 
 #[test]
 fn random_resized_crops_of_a_decode_in_part_are_byte_identical() {
     let mut d = Decoder::new().unwrap();
     let mut scratch = Scratch::default();
-    let bytes = [
+    let encoded = [
         jpeg(1203, 907, Subsamp::Sub2x2, false, false),
         jpeg(905, 1211, Subsamp::Sub2x1, true, false),
     ];
+    // Each as encoded, then re-encoded with restart markers (cut, not
+    // cropped by TurboJPEG), against the whole decode as encoded.
+    let marked = encoded.iter().map(|b| restart_marked(b, 1).unwrap());
+    let pairs: Vec<(&Vec<u8>, Vec<u8>)> = encoded
+        .iter()
+        .zip(encoded.iter().cloned())
+        .chain(encoded.iter().zip(marked))
+        .collect();
     for interpolation in [
         Interpolation::Bilinear,
         Interpolation::Bicubic,
@@ -205,7 +277,7 @@ fn random_resized_crops_of_a_decode_in_part_are_byte_identical() {
         let n = 64 * 48 * 3 * 4;
         let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
         let mut part = Rgb::default();
-        for bytes in &bytes {
+        for (original, bytes) in &pairs {
             let header = d.header(bytes, u64::MAX).unwrap();
             let (w, h) = (header.width, header.height);
             for index in 0..40 {
@@ -213,7 +285,7 @@ fn random_resized_crops_of_a_decode_in_part_are_byte_identical() {
                 let denom = t.reduction(&plan, w, h);
                 let region = t.decode_region(&plan, w, h, denom);
                 assert!(region.is_some());
-                let full = whole(&mut d, bytes, denom);
+                let full = whole(&mut d, original, denom);
                 t.apply(&full, &plan, denom, &lut, &mut scratch, &mut a)
                     .unwrap();
                 d.decode(bytes, &header, (denom, region), &mut part)

@@ -22,6 +22,7 @@ mod finding;
 mod launch;
 mod make;
 mod predict;
+mod prepare;
 mod report_html;
 mod stats_view;
 
@@ -95,6 +96,10 @@ enum Cmd {
     /// Show the whole idea on built-in data: a sweep of trainers sharing one
     /// broker, then with a pipeline each, side by side
     Demo(demo::DemoArgs),
+    /// Copy a dataset folder with its JPEGs re-encoded losslessly with
+    /// restart markers (the same pixels), so that decoding only a crop
+    /// reads only the crop's part of each file
+    Prepare(prepare::PrepareArgs),
 }
 
 fn main() {
@@ -161,6 +166,7 @@ fn main() {
         Cmd::Make(args) => make::run(&args),
         Cmd::Doctor(args) => doctor::run(&args),
         Cmd::Feed(args) => feed::run(&args),
+        Cmd::Prepare(args) => prepare::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -249,3 +249,63 @@ fn check_destination(
     }
     Ok(())
 }
+
+/// Re-encodes `bytes` losslessly (TurboJPEG's transform: the DCT
+/// coefficients as they are, so the pixels decoded are the same) as a
+/// baseline JPEG with Huffman tables fitted to it and a restart marker
+/// every `blocks` MCUs, its other markers kept.
+pub(super) fn with_restarts(bytes: &[u8], blocks: u16) -> Result<Vec<u8>, String> {
+    // SAFETY: no preconditions; a null return is handled.
+    let ptr = unsafe { raw::tj3Init(raw::TJINIT_TJINIT_TRANSFORM as c_int) };
+    let mut handle = NonNull::new(ptr)
+        .map(|ptr| Tj { ptr })
+        .ok_or_else(|| "TurboJPEG could not make a transformer".to_string())?;
+    let transform = raw::tjtransform {
+        r: raw::tjregion {
+            x: 0,
+            y: 0,
+            w: 0,
+            h: 0,
+        },
+        op: raw::TJXOP_TJXOP_NONE as c_int,
+        options: 0,
+        data: std::ptr::null_mut(),
+        customFilter: None,
+    };
+    let (mut out, mut len): (*mut u8, raw::size_t) = (std::ptr::null_mut(), 0);
+    // SAFETY: a live transform handle. `bytes` is valid for its length;
+    // `out` starts null with NOREALLOC off, so TurboJPEG allocates it and
+    // sets `len`; one transform is passed for the one destination.
+    let r = unsafe {
+        let p = handle.ptr.as_ptr();
+        let set = |param: raw::TJPARAM, v: c_int| raw::tj3Set(p, param as c_int, v);
+        if set(raw::TJPARAM_TJPARAM_NOREALLOC, 0) != 0
+            || set(raw::TJPARAM_TJPARAM_RESTARTBLOCKS, c_int::from(blocks)) != 0
+            || set(raw::TJPARAM_TJPARAM_OPTIMIZE, 1) != 0
+            || set(raw::TJPARAM_TJPARAM_PROGRESSIVE, 0) != 0
+        {
+            -1
+        } else {
+            raw::tj3Transform(
+                p,
+                bytes.as_ptr(),
+                bytes.len() as _,
+                1,
+                &mut out,
+                &mut len,
+                &transform,
+            )
+        }
+    };
+    let result = if r != 0 || out.is_null() {
+        Err(handle.error())
+    } else {
+        // SAFETY: TurboJPEG wrote `len` bytes at `out`, which it allocated.
+        Ok(unsafe { std::slice::from_raw_parts(out, len as usize) }.to_vec())
+    };
+    if !out.is_null() {
+        // SAFETY: `out` came from TurboJPEG's allocator and is freed once.
+        unsafe { raw::tj3Free(out.cast()) };
+    }
+    result
+}
