@@ -52,7 +52,11 @@ On one machine the "remote" nodes share its cores: with 2 cores, host
 no core. The table shows the hand-off and the scheduling, not a cluster's
 scaling; on real nodes each remote node brings its own cores.
 
-    python bench/ray_data.py DATASET [--epochs 4] [--remote 0,1,2] [--native 1,2]
+    python bench/ray_data.py DATASET [--epochs 4] [--remote 0,1,2] [--native 1,2] [--prepared COPY]
+
+`--prepared COPY` (`batchcast prepare DATASET COPY`: its JPEGs with
+restart markers, the same pixels) adds the native rows on that copy, the
+Ray Data rows staying on the dataset as it is.
 
 Needs Ray with Ray Data (scripts/setup installs it) and the release broker.
 """
@@ -210,7 +214,15 @@ def run(root: Path, mode: str, remote_nodes: int, a, executor_remote: bool = Fal
         elif mode == "native":
             fed = batchcast.ray.feed_stream(config, stream, node_id=host, min_consumers=a.trainers, wire=a.wire)
         t0 = time.time()
-        runs = ray.get([trainer.options(scheduling_strategy=pin).remote(stream, f"t{i}") for i in range(a.trainers)])
+        pending = [trainer.options(scheduling_strategy=pin).remote(stream, f"t{i}") for i in range(a.trainers)]
+        left = list(pending)
+        while left:
+            _, left = ray.wait(left, num_returns=len(left), timeout=1.0)
+            if fed is not None and ray.wait([fed], timeout=0)[0]:
+                # A feed that failed says why now, not as its trainers'
+                # connect timeout later (a feed done early returns).
+                ray.get(fed)
+        runs = ray.get(pending)
         figures = ray.get(fed) if fed is not None else {}
         images = len(files) * a.epochs
         host_s = _cpu_s(broker["pid"]) - cpu0["broker"] + figures.get("cpu_s", 0.0)
@@ -274,6 +286,9 @@ def main() -> int:
     p.add_argument("--wire", choices=("auto", "u8", "as-is"), default="auto",
                    help="feed_stream's wire: an f32 stream's pixels as u8, widened on the host (auto), "
                         "or its own bytes (as-is)")
+    p.add_argument("--prepared", type=Path,
+                   help="the dataset as `batchcast prepare` copies it (restart markers): rows of the native "
+                        "pipeline on it, on the host and with feed_stream, after the others")
     a = p.parse_args()
     if a.epochs < 2:
         p.error("--epochs must be at least 2 (epoch 0 is not counted)")
@@ -292,6 +307,12 @@ def main() -> int:
         label = f"the stream's own pipeline on {n} remote CPU node{'s' if n != 1 else ''} (feed_stream)"
         rows.append((label, run(a.dataset, "native", n, a)))
         print(f"  {label}: {rows[-1][1]['images_s']:.0f} images/s")
+    if a.prepared:
+        rows.append(("the broker's own pipeline on the host, the prepared copy", run(a.prepared, "local", 0, a)))
+        for n in (int(x) for x in a.native.split(",") if x):
+            label = f"the stream's own pipeline on {n} remote CPU node{'s' if n != 1 else ''} (feed_stream), the prepared copy"
+            rows.append((label, run(a.prepared, "native", n, a)))
+            print(f"  {label}: {rows[-1][1]['images_s']:.0f} images/s")
     ray_rows = [r for label, r in rows if label.startswith("Ray Data")]
     base = ray_rows[0]["images_s"] if ray_rows else None
     local = rows[0][1]
