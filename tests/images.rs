@@ -1450,6 +1450,27 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     };
     assert_eq!(digests("crop"), digests("crop_prepared"));
     assert_eq!(digests("eval"), digests("eval_prepared"));
+    // Only the prepared copy's crops were cut at restart markers: most of
+    // its 27 JPEGs in each of 2 epochs (not a crop covering its image, nor
+    // the 3 × 5 one of a single MCU); whole decodes never are.
+    let st = env.stats();
+    let cut = |name: &str| {
+        let s = st.streams.iter().find(|s| s.name == name).unwrap();
+        s.source.as_ref().unwrap().cut
+    };
+    assert!(
+        (27..=52).contains(&cut("crop_prepared")),
+        "{}",
+        cut("crop_prepared")
+    );
+    for name in ["crop", "eval", "eval_prepared"] {
+        assert_eq!(cut(name), 0, "{name}");
+    }
+    let table = run(command(EXE)
+        .args(["stats", "--socket"])
+        .arg(env.path("b.sock")));
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("cut at restart markers"), "{table}");
     // A JPEG TurboJPEG cannot re-encode (cut short) is copied as it is
     // and named; a copy into a folder that holds files is refused.
     let extra = env.path("extra");

@@ -89,6 +89,9 @@ pub struct Rgb {
     /// Where a decode in part put pixels (`None`: everywhere); the rest
     /// of `data` holds whatever was there.
     pub decoded: Option<Region>,
+    /// The last decode was a JPEG cut at its restart markers (only the
+    /// MCUs around the region entropy-decoded).
+    pub cut: bool,
 }
 
 impl Rgb {
@@ -242,6 +245,7 @@ impl Decoder {
         (denom, region): (u32, Option<Region>),
         out: &mut Rgb,
     ) -> Result<(), DecodeError> {
+        out.cut = false;
         match header.format {
             Format::Jpeg => {
                 let r = self.jpeg(bytes, (denom, region), out);
@@ -315,6 +319,7 @@ impl Decoder {
             None => (bytes, info, crop),
         };
         out.size(w, h, crop);
+        out.cut = cut.is_some();
         let r = crop.unwrap_or(Region {
             x: 0,
             y: 0,

@@ -115,9 +115,13 @@ fn broker_lines(out: &mut String, s: &StatsReply) {
 fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
     match &src.shared {
         None => {
+            let cut = match src.cut {
+                0 => String::new(),
+                n => format!(", {n} cut at restart markers"),
+            };
             let _ = write!(
                 out,
-                "  images: {} decoded ({} at reduced size), {} bad samples replaced",
+                "  images: {} decoded ({} at reduced size{cut}), {} bad samples replaced",
                 src.decoded, src.reduced, src.skipped
             );
         }

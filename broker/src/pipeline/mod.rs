@@ -80,6 +80,8 @@ pub struct PipelineCounts {
     pub decoded: u64,
     pub skipped: u64,
     pub reduced: u64,
+    /// JPEGs cut out of their file at restart markers.
+    pub cut: u64,
     pub cache: Option<CacheCounts>,
     /// The cache of decoded images, if on.
     pub kept: Option<CacheCounts>,
@@ -132,6 +134,7 @@ pub struct ImagePipeline {
     decoded: AtomicU64,
     skipped: AtomicU64,
     reduced: AtomicU64,
+    cut: AtomicU64,
     /// Where the threads' time goes, stage by stage.
     stages: stages::StageClock,
 }
@@ -202,6 +205,7 @@ impl ImagePipeline {
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             reduced: AtomicU64::new(0),
+            cut: AtomicU64::new(0),
             stages: stages::StageClock::default(),
         }
     }
@@ -211,6 +215,7 @@ impl ImagePipeline {
             decoded: self.decoded.load(Ordering::Relaxed),
             skipped: self.skipped.load(Ordering::Relaxed),
             reduced: self.reduced.load(Ordering::Relaxed),
+            cut: self.cut.load(Ordering::Relaxed),
             cache: self.files.cache.as_ref().map(|c| c.counts()),
             kept: self.files.kept.as_ref().map(|k| k.cache.counts()),
             shared: self
@@ -338,7 +343,7 @@ impl ImagePipeline {
                 w.decoder.decode(bytes, &header, scale, rgb)
             })
             .map_err(decode_err)?;
-        self.count_decode(scale.0);
+        self.count_decode(scale.0, rgb.cut);
         // Only what decoded is worth keeping.
         if cached.is_none()
             && let Some(c) = &self.files.cache
@@ -355,10 +360,13 @@ impl ImagePipeline {
         })
     }
 
-    /// Counts a decode run, at `1/denom`.
-    fn count_decode(&self, denom: u32) {
+    /// Counts a decode run, at `1/denom`, `cut` at restart markers.
+    fn count_decode(&self, denom: u32, cut: bool) {
         if denom > 1 {
             self.reduced.fetch_add(1, Ordering::Relaxed);
+        }
+        if cut {
+            self.cut.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((s, _)) = &self.share {
             s.count_decode();

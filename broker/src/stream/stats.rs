@@ -135,6 +135,7 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
         decoded: n.decoded,
         skipped: n.skipped,
         reduced: n.reduced,
+        cut: n.cut,
         cache_hits: c.hits,
         cache_misses: c.misses,
         cache_bytes: c.bytes,

@@ -643,6 +643,7 @@ mod tests {
             height: 4,
             data: vec![7; 48],
             decoded: None,
+            cut: false,
         })
     }
 
