@@ -1478,6 +1478,8 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     let whole = std::fs::read(env.path("ds/cat/base_0.jpg")).unwrap();
     std::fs::write(extra.join("short.jpg"), &whole[..whole.len() / 2]).unwrap();
     std::fs::write(extra.join("notes.txt"), "not an image").unwrap();
+    // A link to a JPEG is read as the JPEG.
+    std::os::unix::fs::symlink(env.path("ds/cat/base_0.jpg"), extra.join("link.jpg")).unwrap();
     let out = run(command(EXE)
         .arg("prepare")
         .arg(&extra)
@@ -1485,7 +1487,7 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{said}");
     assert!(
-        said.contains("0 JPEGs re-encoded")
+        said.contains("1 JPEGs re-encoded")
             && said.contains("1 other files copied")
             && said.contains("1 JPEGs copied as they were")
             && said.contains("short.jpg"),

@@ -101,14 +101,16 @@ pub fn run(args: &PrepareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every file under `dir`, depth first.
+/// Every file under `dir`, depth first: a link to a file is read as the
+/// file (ImageFolders of links are common); a link to a folder is not
+/// followed (it could lead back up).
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let entry = entry?;
         let kind = entry.file_type()?;
         if kind.is_dir() {
             walk(&entry.path(), out)?;
-        } else if kind.is_file() {
+        } else if kind.is_file() || (kind.is_symlink() && entry.path().is_file()) {
             out.push(entry.path());
         }
     }
