@@ -1391,7 +1391,14 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
 #[test]
 fn a_prepared_copy_streams_the_originals_bytes() {
     let mut env = Env::new();
-    let n = env.images(2);
+    let made = common::imgtool_made(
+        env.dir.path(),
+        &[
+            &["make-folder", "@/ds", "--count", "2"],
+            &["make-shards", "@/ds", "@/shards", "10"],
+        ],
+    );
+    let n: u64 = made[0].trim().parse().unwrap();
     let (root, copy) = (env.p("ds"), env.p("prepared"));
     let out = run(command(EXE).args(["prepare", &root, &copy]));
     let said = String::from_utf8_lossy(&out.stdout);
@@ -1429,11 +1436,27 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     let crop = "random_resized_crop = { size = 32 }\nhorizontal_flip = 0.5\ndtype = \"u8\"";
     let eval = format!("resize = 40\ncenter_crop = 32\n{NORM}");
     let two = "seed = 5\nepochs = 2\ndrop_last = false";
+    // WebDataset shards: written again with their JPEG members prepared.
+    let out = run(command(EXE).args(["prepare", &env.p("shards"), &env.p("shards2")]));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains("27 JPEGs re-encoded"),
+        "{said}"
+    );
+    let wds = |dir: &str| {
+        format!(
+            "[stream.webdataset]\nshards = \"{}/shard-{{000000..{:06}}}.tar\"\nshuffle_buffer = 16",
+            env.p(dir),
+            (n - 1) / 10
+        )
+    };
     let cfg = [
         stream("crop", &folder(&root), crop, two),
         stream("crop_prepared", &folder(&copy), crop, two),
         stream("eval", &folder(&root), &eval, two),
         stream("eval_prepared", &folder(&copy), &eval, two),
+        stream("wds", &wds("shards"), crop, two),
+        stream("wds_prepared", &wds("shards2"), crop, two),
     ]
     .join("\n");
     env.start(&cfg);
@@ -1450,6 +1473,7 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     };
     assert_eq!(digests("crop"), digests("crop_prepared"));
     assert_eq!(digests("eval"), digests("eval_prepared"));
+    assert_eq!(digests("wds"), digests("wds_prepared"));
     // Only the prepared copy's crops were cut at restart markers: most of
     // its 27 JPEGs in each of 2 epochs (not a crop covering its image, nor
     // the 3 × 5 one of a single MCU); whole decodes never are.
@@ -1463,7 +1487,8 @@ fn a_prepared_copy_streams_the_originals_bytes() {
         "{}",
         cut("crop_prepared")
     );
-    for name in ["crop", "eval", "eval_prepared"] {
+    assert!(cut("wds_prepared") >= 27, "{}", cut("wds_prepared"));
+    for name in ["crop", "eval", "eval_prepared", "wds"] {
         assert_eq!(cut(name), 0, "{name}");
     }
     let table = run(command(EXE)
@@ -1488,7 +1513,7 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     assert!(out.status.success(), "{said}");
     assert!(
         said.contains("1 JPEGs re-encoded")
-            && said.contains("1 other files copied")
+            && said.contains("1 other files or shard members copied")
             && said.contains("1 JPEGs copied as they were")
             && said.contains("short.jpg"),
         "{said}"

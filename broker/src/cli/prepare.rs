@@ -5,12 +5,14 @@
 //! coefficients, so the same pixels decoded, pinned by
 //! `pixels/tests/crop_decode.rs`), a JPEG lets RandomResizedCrop's decode
 //! in part entropy-decode only the MCUs around its crop instead of every
-//! MCU above the crop's bottom (docs/pipeline.md, "Decoding only the
-//! crop"). Other files are copied as they are, and so is a JPEG that
+//! MCU above the crop's bottom (ARCHITECTURE.md, "Cutting the crop out
+//! of the file"). Other files are copied as they are, and so is a JPEG that
 //! cannot be re-encoded (a lossless or corrupt one: the pipeline decodes
-//! it as before), counted and named in the summary.
+//! it as before), counted and named in the summary. A `.tar` (a
+//! WebDataset shard) is written again with its JPEG members prepared,
+//! every member in its place under its name.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -37,8 +39,15 @@ struct Tally {
     bytes_in: AtomicU64,
     bytes_out: AtomicU64,
     copied: AtomicU64,
-    /// JPEGs copied as they were, with TurboJPEG's reason.
+    /// JPEGs (and shards) copied as they were, with the reason.
     kept: Mutex<Vec<(PathBuf, String)>>,
+}
+
+impl Tally {
+    fn keep(&self, name: PathBuf, why: String) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.push((name, why));
+    }
 }
 
 pub fn run(args: &PrepareArgs) -> anyhow::Result<()> {
@@ -123,33 +132,77 @@ fn prepare_one(file: &Path, to: &Path, tally: &Tally) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    let out = match sniff(&bytes) {
-        // One MCU a segment: a crop is cut at any MCU column (an interval
-        // that does not divide every image's MCU row would leave those
-        // images decoded as before).
-        Ok(Format::Jpeg) => match restart_marked(&bytes, 1) {
-            Ok(marked) => {
-                tally.marked.fetch_add(1, Ordering::Relaxed);
-                tally
-                    .bytes_in
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                tally
-                    .bytes_out
-                    .fetch_add(marked.len() as u64, Ordering::Relaxed);
-                marked
-            }
+    let out = if file
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("tar"))
+    {
+        match prepare_tar(&bytes, file, tally) {
+            Ok(shard) => shard,
             Err(e) => {
-                let mut kept = tally.kept.lock().unwrap_or_else(|p| p.into_inner());
-                kept.push((file.to_path_buf(), e.to_string()));
+                tally.keep(
+                    file.to_path_buf(),
+                    format!("not a tar shard it can read: {e}"),
+                );
                 bytes
             }
-        },
-        _ => {
-            tally.copied.fetch_add(1, Ordering::Relaxed);
-            bytes
+        }
+    } else {
+        match sniff(&bytes) {
+            Ok(Format::Jpeg) => prepare_jpeg(bytes, file.to_path_buf(), tally),
+            _ => {
+                tally.copied.fetch_add(1, Ordering::Relaxed);
+                bytes
+            }
         }
     };
     std::fs::write(to, out).with_context(|| format!("writing {}", to.display()))
+}
+
+/// A JPEG's prepared bytes: re-encoded with a marker after every MCU (a
+/// crop is then cut at any MCU column; an interval that does not divide
+/// every image's MCU row would leave those images decoded as before), or
+/// the bytes as they are where TurboJPEG cannot re-encode them.
+fn prepare_jpeg(bytes: Vec<u8>, name: PathBuf, tally: &Tally) -> Vec<u8> {
+    match restart_marked(&bytes, 1) {
+        Ok(marked) => {
+            tally.marked.fetch_add(1, Ordering::Relaxed);
+            let n = bytes.len() as u64;
+            tally.bytes_in.fetch_add(n, Ordering::Relaxed);
+            let n = marked.len() as u64;
+            tally.bytes_out.fetch_add(n, Ordering::Relaxed);
+            marked
+        }
+        Err(e) => {
+            tally.keep(name, e.to_string());
+            bytes
+        }
+    }
+}
+
+/// A WebDataset shard with its JPEG members prepared, every other member
+/// (labels, other images) as it is, in the same order under the same
+/// names. An error (a tar it cannot read) leaves the shard to be copied
+/// as it is.
+fn prepare_tar(bytes: &[u8], file: &Path, tally: &Tally) -> anyhow::Result<Vec<u8>> {
+    let mut archive = tar::Archive::new(bytes);
+    let mut out = tar::Builder::new(Vec::with_capacity(bytes.len() + bytes.len() / 8));
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.into_owned();
+        let mut header = entry.header().clone();
+        // A member holds at most the shard's bytes, whatever its header says.
+        let mut data = Vec::with_capacity(entry.size().min(bytes.len() as u64) as usize);
+        entry.read_to_end(&mut data)?;
+        if header.entry_type().is_file() && sniff(&data).is_ok_and(|f| f == Format::Jpeg) {
+            let name = file.join(&path);
+            data = prepare_jpeg(data, name, tally);
+        } else if header.entry_type().is_file() {
+            tally.copied.fetch_add(1, Ordering::Relaxed);
+        }
+        header.set_size(data.len() as u64);
+        out.append_data(&mut header, &path, &data[..])?;
+    }
+    Ok(out.into_inner()?)
 }
 
 fn summary(t: &Tally, seconds: f64) -> String {
@@ -160,7 +213,7 @@ fn summary(t: &Tally, seconds: f64) -> String {
     );
     let growth = 100.0 * (bytes_out as f64 / bytes_in.max(1) as f64 - 1.0);
     let mut s = format!(
-        "{marked} JPEGs re-encoded with restart markers ({:.1} MB -> {:.1} MB, {growth:+.1} %), {} other files copied, in {seconds:.1} s",
+        "{marked} JPEGs re-encoded with restart markers ({:.1} MB -> {:.1} MB, {growth:+.1} %), {} other files or shard members copied, in {seconds:.1} s",
         bytes_in as f64 / 1e6,
         bytes_out as f64 / 1e6,
         t.copied.load(Ordering::Relaxed),
