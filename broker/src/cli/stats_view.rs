@@ -117,12 +117,12 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
         None => {
             let cut = match src.cut {
                 0 => String::new(),
-                n => format!(", {n} cut at restart markers"),
+                n => format!(", {n} of them cut at restart markers"),
             };
             let _ = write!(
                 out,
-                "  images: {} decoded ({} at reduced size{cut}), {} bad samples replaced",
-                src.decoded, src.reduced, src.skipped
+                "  images: {} decoded ({} at reduced size, {} in part{cut}), {} bad samples replaced",
+                src.decoded, src.reduced, src.in_part, src.skipped
             );
         }
         Some(sh) => {

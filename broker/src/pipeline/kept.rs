@@ -116,7 +116,7 @@ impl ImagePipeline {
                 source,
             });
         if decoded.is_ok() {
-            self.count_decode(denom, img.cut);
+            self.count_decode(denom, &img);
         }
         if !room {
             let r = decoded.and_then(|()| self.transform_into(w, &img, (&plan, denom), index, out));

@@ -80,7 +80,9 @@ pub struct PipelineCounts {
     pub decoded: u64,
     pub skipped: u64,
     pub reduced: u64,
-    /// JPEGs cut out of their file at restart markers.
+    /// JPEGs decoded in part (only what a crop reads), and of those, cut
+    /// out of their file at restart markers.
+    pub in_part: u64,
     pub cut: u64,
     pub cache: Option<CacheCounts>,
     /// The cache of decoded images, if on.
@@ -134,6 +136,7 @@ pub struct ImagePipeline {
     decoded: AtomicU64,
     skipped: AtomicU64,
     reduced: AtomicU64,
+    in_part: AtomicU64,
     cut: AtomicU64,
     /// Where the threads' time goes, stage by stage.
     stages: stages::StageClock,
@@ -205,6 +208,7 @@ impl ImagePipeline {
             decoded: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
             reduced: AtomicU64::new(0),
+            in_part: AtomicU64::new(0),
             cut: AtomicU64::new(0),
             stages: stages::StageClock::default(),
         }
@@ -215,6 +219,7 @@ impl ImagePipeline {
             decoded: self.decoded.load(Ordering::Relaxed),
             skipped: self.skipped.load(Ordering::Relaxed),
             reduced: self.reduced.load(Ordering::Relaxed),
+            in_part: self.in_part.load(Ordering::Relaxed),
             cut: self.cut.load(Ordering::Relaxed),
             cache: self.files.cache.as_ref().map(|c| c.counts()),
             kept: self.files.kept.as_ref().map(|k| k.cache.counts()),
@@ -343,7 +348,7 @@ impl ImagePipeline {
                 w.decoder.decode(bytes, &header, scale, rgb)
             })
             .map_err(decode_err)?;
-        self.count_decode(scale.0, rgb.cut);
+        self.count_decode(scale.0, rgb);
         // Only what decoded is worth keeping.
         if cached.is_none()
             && let Some(c) = &self.files.cache
@@ -360,12 +365,15 @@ impl ImagePipeline {
         })
     }
 
-    /// Counts a decode run, at `1/denom`, `cut` at restart markers.
-    fn count_decode(&self, denom: u32, cut: bool) {
+    /// Counts a decode run, at `1/denom`, into `img`.
+    fn count_decode(&self, denom: u32, img: &Rgb) {
         if denom > 1 {
             self.reduced.fetch_add(1, Ordering::Relaxed);
         }
-        if cut {
+        if img.decoded.is_some() {
+            self.in_part.fetch_add(1, Ordering::Relaxed);
+        }
+        if img.cut {
             self.cut.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((s, _)) = &self.share {

@@ -135,6 +135,7 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
         decoded: n.decoded,
         skipped: n.skipped,
         reduced: n.reduced,
+        in_part: n.in_part,
         cut: n.cut,
         cache_hits: c.hits,
         cache_misses: c.misses,

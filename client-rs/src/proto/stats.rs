@@ -215,10 +215,13 @@ pub struct SourceStats {
     pub skipped: u64,
     /// JPEGs decoded at reduced size.
     pub reduced: u64,
-    /// JPEGs cut out of their file at their restart markers (protocol
-    /// 25): only the MCUs around the crop entropy-decoded (a dataset
-    /// `batchcast prepare` copied). (Missing from an older run's
-    /// summary: 0.)
+    /// JPEGs decoded in part, only where a crop reads (protocol 25).
+    /// (Missing from an older run's summary: 0.)
+    #[serde(default)]
+    pub in_part: u64,
+    /// Of those, JPEGs cut out of their file at their restart markers
+    /// (protocol 25): only the MCUs around the crop entropy-decoded (a
+    /// dataset `batchcast prepare` copied).
     #[serde(default)]
     pub cut: u64,
     pub cache_hits: u64,
