@@ -166,8 +166,9 @@ pub fn sniff(bytes: &[u8]) -> Result<Format, DecodeError> {
 /// `bytes` (a JPEG) re-encoded losslessly with a restart marker every
 /// `mcus` MCUs, as baseline with Huffman tables fitted to it: it decodes
 /// to the same pixels, and a decode in part then entropy-decodes only the
-/// MCUs around its region, in runs of `mcus` (see the module's notes;
-/// where `mcus` does not divide an MCU row, it cuts whole rows only). A
+/// MCUs around its region, in runs of `mcus` where `mcus` divides the
+/// image's MCU row, in whole rows where it is whole rows, and as before
+/// otherwise (see the module's notes; `batchcast prepare` uses 1). A
 /// lossless JPEG is refused.
 pub fn restart_marked(bytes: &[u8], mcus: u16) -> Result<Vec<u8>, DecodeError> {
     tj::with_restarts(bytes, mcus).map_err(DecodeError::Jpeg)
@@ -293,8 +294,8 @@ impl Decoder {
                 r.x.saturating_sub(CUT_MARGIN),
                 r.y.saturating_sub(CUT_MARGIN),
             );
-            let x1 = (r.x + r.width + CUT_MARGIN).min(w as u32);
-            let y1 = (r.y + r.height + CUT_MARGIN).min(h as u32);
+            let x1 = (r.x.saturating_add(r.width).saturating_add(CUT_MARGIN)).min(w as u32);
+            let y1 = (r.y.saturating_add(r.height).saturating_add(CUT_MARGIN)).min(h as u32);
             let full = |v: u32| v as usize * d;
             let want = Cut {
                 x: full(x0),
