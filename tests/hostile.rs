@@ -1069,3 +1069,29 @@ fn qualified(test: &str) -> String {
     let module = module_path!().split_once("::").map_or("", |(_, m)| m);
     format!("{module}::{test}")
 }
+
+/// A consumer's hello claiming another process's pid (1, or the
+/// broker's): stats show the pid the kernel gave the connection
+/// (SO_PEERCRED), which is what doctor reads /proc for, never the claim.
+#[test]
+fn stats_show_the_kernels_pid_not_the_one_a_hello_claims() {
+    let env = Env::start(&stream_config(""));
+    let broker_pid = env.broker.pid();
+    let _liars: Vec<_> = [("claims-init", 1), ("claims-broker", broker_pid)]
+        .into_iter()
+        .map(|(name, pid)| {
+            common::raw_subscribe_claiming(&env.socket(), name, pid, common::consume_request(2))
+        })
+        .collect();
+    let st = env.wait_for("both liars subscribed", |s| {
+        s.streams.iter().flat_map(|s| &s.consumers).count() == 2
+    });
+    for c in st.streams.iter().flat_map(|s| &s.consumers) {
+        assert_eq!(
+            c.pid,
+            std::process::id(),
+            "{} is shown with the pid it claimed",
+            c.name
+        );
+    }
+}

@@ -1547,6 +1547,90 @@ fn a_prepared_copy_streams_the_originals_bytes() {
     );
 }
 
+/// `batchcast prepare` run by someone who may read more than the
+/// dataset's owner (root, as CI): a link to a file outside the source
+/// that is not the link owner's (a secret 0600 file, /proc/self/environ)
+/// is not followed and is named; a 0600 JPEG's copy stays 0600 and a
+/// folder's mode carries over; a destination given through a link that
+/// resolves inside the source is refused.
+#[test]
+fn prepare_copies_no_one_elses_files_and_keeps_modes() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let env = Env::new();
+    env.images(2);
+    let ds = env.path("ds");
+    let private = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    private(&ds.join("cat/base_0.jpg"), 0o600);
+    private(&ds.join("dog"), 0o750);
+    let secret = env.path("secret.txt");
+    std::fs::write(&secret, "the owner's secret").unwrap();
+    private(&secret, 0o600);
+    // Links by another user (a guest planting them in a shared dataset),
+    // where this test may make them.
+    let guest = common::is_root("links owned by another user");
+    for (name, to) in [
+        ("cat/secret.jpg", secret.as_path()),
+        ("cat/environ.jpg", Path::new("/proc/self/environ")),
+    ] {
+        let link = ds.join(name);
+        std::os::unix::fs::symlink(to, &link).unwrap();
+        if guest {
+            std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+        }
+    }
+    // A link inside the source is followed, whoever made it.
+    let inside = ds.join("dog/inside.jpg");
+    std::os::unix::fs::symlink(ds.join("cat/base_1.jpg"), &inside).unwrap();
+    if guest {
+        std::os::unix::fs::lchown(&inside, Some(65534), Some(65534)).unwrap();
+    }
+    let out = run(command(EXE).args(["prepare", &env.p("ds"), &env.p("copy")]));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let copy = env.path("copy");
+    assert_eq!(
+        std::fs::read(copy.join("dog/inside.jpg")).unwrap(),
+        std::fs::read(copy.join("cat/base_1.jpg")).unwrap(),
+        "a link inside the source is read as its file"
+    );
+    if guest {
+        for name in ["cat/secret.jpg", "cat/environ.jpg"] {
+            assert!(!copy.join(name).exists(), "{name} was copied: {said}");
+            assert!(said.contains(name), "{name} is not named: {said}");
+        }
+        assert!(said.contains("2 links not followed"), "{said}");
+        assert!(
+            said.contains("outside the dataset and not its owner's"),
+            "{said}"
+        );
+    }
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o777;
+    assert_eq!(mode(&copy.join("cat/base_0.jpg")), 0o600);
+    assert_eq!(mode(&copy.join("dog")), 0o750);
+    assert_eq!(
+        mode(&copy.join("cat/base_1.jpg")) & !mode(&ds.join("cat/base_1.jpg")),
+        0,
+        "at most the source's bits"
+    );
+    // A destination inside the source, given through a link.
+    std::os::unix::fs::symlink(&ds, env.path("alias")).unwrap();
+    let out = run(command(EXE).args(["prepare", &env.p("ds"), &env.p("alias/new")]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("lies inside")
+            && err.contains("put the copy elsewhere"),
+        "{err}"
+    );
+    assert!(!ds.join("new").exists(), "the copy landed in the dataset");
+}
+
 /// Every file under `dir`.
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();

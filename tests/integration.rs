@@ -11,6 +11,7 @@ mod config_doc;
 mod decoupled;
 mod device;
 mod e2e;
+mod feed;
 mod groups;
 mod hostile;
 mod images;

@@ -22,7 +22,7 @@ use std::io::Cursor;
 
 mod restart;
 mod tj;
-use restart::{Cut, Splicer};
+use restart::{Cut, Cutting, Splicer};
 pub use tj::Region;
 use tj::{JpegInfo, Tj};
 
@@ -303,7 +303,18 @@ impl Decoder {
                 width: full(x1.saturating_sub(x0)),
                 height: full(y1.saturating_sub(y0)),
             };
-            self.splicer.cut(bytes, want)
+            match self.splicer.cut(bytes, want) {
+                Cutting::Cut(c) => Some(c),
+                // Markers that line up in a broken scan: the whole
+                // image's decode says whether the file is bad, as it
+                // would with no crop (a cut or a region might not look
+                // where it is broken).
+                Cutting::Damaged => {
+                    crop = None;
+                    None
+                }
+                Cutting::No => None,
+            }
         });
         let (src, info, tj_crop) = match cut {
             Some(c) => {

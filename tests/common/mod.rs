@@ -544,11 +544,21 @@ pub fn raw_subscribe_with(
     name: &str,
     request: proto::ConsumeRequest,
 ) -> (UnixStream, Welcome, Vec<OwnedFd>) {
+    raw_subscribe_claiming(socket, name, std::process::id(), request)
+}
+
+/// [`raw_subscribe_with`], its hello claiming to come from process `pid`.
+pub fn raw_subscribe_claiming(
+    socket: &Path,
+    name: &str,
+    pid: u32,
+    request: proto::ConsumeRequest,
+) -> (UnixStream, Welcome, Vec<OwnedFd>) {
     let s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let hello = ClientMsg::Hello(Hello {
         name: name.into(),
-        pid: std::process::id(),
+        pid,
         intent: Intent::Consume(request),
     });
     let mut out = Preamble::ours().to_bytes().to_vec();

@@ -12,10 +12,11 @@
 //! with the same config); a batch whose samples or bytes are not the
 //! schema's for its place stops the stream, naming the maker.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -57,6 +58,11 @@ pub struct FeedArgs {
     /// Seconds to wait for every maker to connect
     #[arg(long, default_value_t = 60.0)]
     pub accept_timeout: f64,
+    /// Seconds a maker may take to send a batch once the feed reads it,
+    /// plus one for each 50 MiB of the batch: past that the stream fails,
+    /// naming the maker (a stopped or cut-off node)
+    #[arg(long, default_value_t = 20.0)]
+    pub batch_timeout: f64,
 }
 
 /// What a feed did, printed as JSON at its end.
@@ -150,12 +156,16 @@ pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
         listener.local_addr()?
     )?;
     std::io::stdout().flush()?;
-    let makers = accept(
+    let mut makers = accept(
         &listener,
         args.makers,
         &token,
         Duration::from_secs_f64(args.accept_timeout.max(0.0)),
     )?;
+    let batch_timeout = Duration::from_secs_f64(args.batch_timeout.max(0.1));
+    for m in &mut makers {
+        m.batch_timeout = batch_timeout;
+    }
     drop(listener); // no one else gets in
     let opts = producer_options(args, &described, &schema)?;
     let producer = Producer::register(opts).context("registering the stream with the broker")?;
@@ -179,6 +189,11 @@ pub fn run(args: &FeedArgs) -> anyhow::Result<()> {
     };
     let t0 = Instant::now();
     let result = feed.run(producer);
+    // A feed that stops early (a maker failed or went silent) leaves its
+    // makers nothing to do: they see the connections close.
+    for m in &feed.makers {
+        let _ = m.writer.shutdown(Shutdown::Both);
+    }
     feed.figures.seconds = t0.elapsed().as_secs_f64();
     result?;
     let out = serde_json::to_string(&feed.figures)?;
@@ -232,10 +247,69 @@ struct Maker {
     addr: SocketAddr,
     reader: BufReader<TcpStream>,
     writer: TcpStream,
+    /// How long it may take to send a batch (plus a second per
+    /// [`BYTES_PER_SECOND`] of it), and when the one being read is due.
+    batch_timeout: Duration,
+    due: Instant,
 }
 
+/// The slowest a maker's link is taken to be when a batch's deadline is
+/// set: one second more for each 50 MiB.
+const BYTES_PER_SECOND: u64 = 50 << 20;
+
+impl Maker {
+    /// Starts the clock on a batch of `bytes` bytes.
+    fn batch_due(&mut self, bytes: u64) {
+        let allowed = self.batch_timeout + Duration::from_secs(bytes / BYTES_PER_SECOND);
+        self.due = Instant::now() + allowed;
+    }
+
+    /// `buf.len()` bytes of the batch being read, by its deadline.
+    fn read_exact(&mut self, buf: &mut [u8]) -> anyhow::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let left = self.due.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "it sent {done} of the next {} bytes and then nothing within its deadline ({:.0} s a batch, --batch-timeout): is the node stopped or cut off?",
+                    buf.len(),
+                    self.batch_timeout.as_secs_f64()
+                );
+            }
+            self.writer.set_read_timeout(Some(left))?;
+            match self.reader.read(&mut buf[done..]) {
+                Ok(0) => bail!("the maker closed its connection (see its log)"),
+                Ok(k) => done += k,
+                Err(e) if retry(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A read that ran out of time (the deadline decides) or was interrupted.
+fn retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock
+            | std::io::ErrorKind::TimedOut
+            | std::io::ErrorKind::Interrupted
+    )
+}
+
+/// How long a connection has, from its accept, to say its whole hello.
+const HELLO_TIME: Duration = Duration::from_secs(5);
+/// Connections whose hello is being read at once; past it the oldest is
+/// dropped for the newest (so strangers opening connections cannot keep
+/// a maker, which says hello as soon as it connects, out).
+const PENDING_HELLOS: usize = 64;
+
 /// Takes `n` makers' connections, each of which must say the token first;
-/// others are dropped (and logged) without a word.
+/// others are dropped (and logged) without a word. Each connection's
+/// hello is read on a thread of its own, within [`HELLO_TIME`] of its
+/// accept, so a stranger that connects and says nothing, or drips, holds
+/// no one: the makers are let in while strangers wait out their deadline.
 fn accept(
     listener: &TcpListener,
     n: usize,
@@ -244,11 +318,33 @@ fn accept(
 ) -> anyhow::Result<Vec<Maker>> {
     let deadline = Instant::now() + timeout;
     listener.set_nonblocking(true)?;
+    let token: Arc<str> = token.into();
+    let (tx, rx) = mpsc::channel::<(u64, anyhow::Result<Maker>)>();
+    // Connections whose hello is being read, oldest first (a clone each,
+    // to cut it short).
+    let mut pending: BTreeMap<u64, (SocketAddr, TcpStream)> = BTreeMap::new();
+    let mut accepted = 0u64;
     let mut makers = Vec::with_capacity(n);
     while makers.len() < n {
+        while let Ok((id, said)) = rx.try_recv() {
+            let addr = pending.remove(&id).map(|p| p.0);
+            match said {
+                Ok(m) if makers.len() < n => makers.push(m),
+                Ok(m) => tracing::warn!(addr = %m.addr, "a maker more than --makers: dropped"),
+                Err(e) => {
+                    tracing::warn!(
+                        ?addr,
+                        "a connection that is not one of this feed's makers: {e:#}"
+                    )
+                }
+            }
+        }
+        if makers.len() >= n {
+            break;
+        }
         let (conn, addr) = match listener.accept() {
             Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            Err(e) if retry(&e) => {
                 if Instant::now() >= deadline {
                     bail!(
                         "{} of {n} makers connected within {:.0} s",
@@ -256,30 +352,67 @@ fn accept(
                         timeout.as_secs_f64()
                     );
                 }
-                std::thread::sleep(Duration::from_millis(10));
+                std::thread::sleep(Duration::from_millis(5));
                 continue;
             }
             Err(e) => return Err(e.into()),
         };
-        match hello(conn, addr, token) {
-            Ok(m) => makers.push(m),
-            Err(e) => {
-                tracing::warn!(%addr, "a connection that is not one of this feed's makers: {e:#}")
-            }
+        if pending.len() >= PENDING_HELLOS
+            && let Some((_, (old, conn))) = pending.pop_first()
+        {
+            tracing::warn!(addr = %old, "{PENDING_HELLOS} connections are saying hello at once: the oldest is dropped");
+            let _ = conn.shutdown(Shutdown::Both);
         }
+        let id = accepted;
+        accepted += 1;
+        let Ok(clone) = conn.try_clone() else {
+            continue;
+        };
+        pending.insert(id, (addr, clone));
+        let (tx, token) = (tx.clone(), token.clone());
+        let due = Instant::now() + HELLO_TIME;
+        let spawned = std::thread::Builder::new()
+            .name("feed-hello".into())
+            .spawn(move || {
+                let _ = tx.send((id, hello(conn, addr, &token, due)));
+            });
+        if spawned.is_err()
+            && let Some((_, conn)) = pending.remove(&id)
+        {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+    // No one else gets in: hellos still being read are cut short.
+    for (_, conn) in pending.values() {
+        let _ = conn.shutdown(Shutdown::Both);
     }
     Ok(makers)
 }
 
-/// Reads a maker's first line (at most 256 bytes, within 5 s) and checks
-/// its token.
-fn hello(conn: TcpStream, addr: SocketAddr, token: &str) -> anyhow::Result<Maker> {
+/// Reads a maker's first line (at most 256 bytes, all of it by `due`)
+/// and checks its token.
+fn hello(conn: TcpStream, addr: SocketAddr, token: &str, due: Instant) -> anyhow::Result<Maker> {
     conn.set_nonblocking(false)?;
-    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
     conn.set_nodelay(true)?;
     let mut reader = BufReader::with_capacity(1 << 20, conn.try_clone()?);
     let mut line = Vec::new();
-    reader.by_ref().take(256).read_until(b'\n', &mut line)?;
+    while line.last() != Some(&b'\n') && line.len() < 256 {
+        let left = due.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!(
+                "it did not say hello within {} s of connecting",
+                HELLO_TIME.as_secs()
+            );
+        }
+        conn.set_read_timeout(Some(left))?;
+        let room = 256 - line.len() as u64;
+        match reader.by_ref().take(room).read_until(b'\n', &mut line) {
+            Ok(0) => bail!("it closed the connection before its hello"),
+            Ok(_) => {}
+            Err(e) if retry(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     let said = String::from_utf8_lossy(&line);
     let given = said
         .trim_end()
@@ -294,6 +427,8 @@ fn hello(conn: TcpStream, addr: SocketAddr, token: &str) -> anyhow::Result<Maker
         addr,
         reader,
         writer: conn,
+        batch_timeout: Duration::from_secs(20),
+        due: Instant::now(),
     })
 }
 
@@ -337,7 +472,20 @@ struct Feed {
 }
 
 impl Feed {
+    /// Feeds the stream to its end; on an error (a maker's batch that is
+    /// wrong, late or cut off), fails the stream with the reason, so its
+    /// consumers are told as for any failed source.
     fn run(&mut self, mut producer: Producer) -> anyhow::Result<()> {
+        match self.pump(&mut producer) {
+            Err(e) => {
+                let _ = producer.fail(&format!("{e:#}"));
+                Err(e)
+            }
+            done => done,
+        }
+    }
+
+    fn pump(&mut self, producer: &mut Producer) -> anyhow::Result<()> {
         loop {
             self.ask()?;
             let w0 = Instant::now();
@@ -364,14 +512,12 @@ impl Feed {
                     (&mut fields, self.widen.as_mut()),
                 )
             };
-            if let Err(e) = read {
-                let why = format!(
-                    "batch {} of epoch {} from the maker at {}: {e:#}",
+            read.with_context(|| {
+                format!(
+                    "batch {} of epoch {} from the maker at {}",
                     place.1, place.0, self.makers[asked.maker].addr
-                );
-                let _ = producer.fail(&why);
-                bail!(why);
-            }
+                )
+            })?;
             self.figures.maker_wait_s += w0.elapsed().as_secs_f64();
             self.figures.wire_bytes += 16 + self.wire.batch_bytes(samples);
             producer.publish(&slot, samples)?;
@@ -435,9 +581,19 @@ impl Feed {
                     let a = *a;
                     let samples = self.expected(a.head())?;
                     let m = &mut self.makers[a.maker];
-                    let bytes = frame_head(m, samples, &self.wire)?;
-                    scratch.resize(bytes as usize, 0);
-                    m.reader.read_exact(&mut scratch)?;
+                    let skipped = (|| {
+                        let bytes = frame_head(m, samples, &self.wire)?;
+                        scratch.resize(bytes as usize, 0);
+                        m.read_exact(&mut scratch)
+                    })();
+                    skipped.with_context(|| {
+                        format!(
+                            "batch {} of epoch {} (skipped) from the maker at {}",
+                            a.head().1,
+                            a.head().0,
+                            m.addr
+                        )
+                    })?;
                     self.figures.dropped += 1;
                     self.advance();
                 }
@@ -468,12 +624,12 @@ impl Feed {
 }
 
 /// Reads a frame's header from `m`: it must hold `samples` samples of
-/// the schema's bytes; returns its bytes.
+/// the schema's bytes; returns its bytes. The batch's deadline starts
+/// here.
 fn frame_head(m: &mut Maker, samples: u64, schema: &Schema) -> anyhow::Result<u64> {
     let mut head = [0u8; 16];
-    m.reader
-        .read_exact(&mut head)
-        .context("the maker closed its connection (see its log)")?;
+    m.batch_due(schema.batch_bytes(samples));
+    m.read_exact(&mut head)?;
     let got = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
     let bytes = u64::from_le_bytes(head[8..].try_into().expect("8 bytes"));
     let want = schema.batch_bytes(samples);
@@ -500,11 +656,11 @@ fn read_batch(
         match widen.as_deref_mut() {
             Some(w) if w.field == i => {
                 w.scratch.resize(len, 0);
-                m.reader.read_exact(&mut w.scratch)?;
+                m.read_exact(&mut w.scratch)?;
                 let out = len * w.lut.element_bytes();
                 w.lut.expand(w.layout, w.hw, &w.scratch, &mut cells[..out]);
             }
-            _ => m.reader.read_exact(&mut cells[..len])?,
+            _ => m.read_exact(&mut cells[..len])?,
         }
     }
     Ok(())

@@ -355,9 +355,16 @@ async fn serve_connection(
         in_handshake = false;
         proto::check_peer_name(&hello.name)
             .map_err(|why| Reject(ErrorCode::InvalidRequest, why.to_string()))?;
+        // The kernel's pid for the peer (SO_PEERCRED, taken at connect),
+        // never the one its hello claims: stats show it and doctor reads
+        // /proc for it. 0 where the kernel gave none.
+        let pid = cred.pid().and_then(|p| u32::try_from(p).ok()).unwrap_or(0);
+        if pid != hello.pid {
+            tracing::debug!(pid, claimed = hello.pid, name = %hello.name, "a hello's pid is not the kernel's: the kernel's is kept");
+        }
         let peer = Peer {
             name: hello.name,
-            pid: hello.pid,
+            pid,
             uid: cred.uid(),
         };
         match hello.intent {

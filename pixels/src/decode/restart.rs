@@ -55,6 +55,20 @@ pub(super) struct Cut {
     pub height: usize,
 }
 
+/// What [`Splicer::cut`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cutting {
+    /// `jpeg` holds the cut.
+    Cut(Cut),
+    /// No cut: no restart markers that line up, a JPEG this module does
+    /// not read, or a cut that would be the whole image. Decode as usual.
+    No,
+    /// Restart markers that line up, in a scan whose structure is broken
+    /// (see `find_segments`): decode the whole image, whose decode then
+    /// gives the file's verdict, as it would with no crop at all.
+    Damaged,
+}
+
 /// Reusable buffers: one per decoder.
 #[derive(Debug, Default)]
 pub(super) struct Splicer {
@@ -68,11 +82,29 @@ pub(super) struct Splicer {
 
 impl Splicer {
     /// Cuts the MCUs holding `want` (full-size pixels; widened to whole
-    /// restart segments) out of `bytes` into `self.jpeg`. `None`: no
-    /// restart markers that line up, a JPEG this module does not read, or
-    /// a cut that would be the whole image.
-    pub fn cut(&mut self, bytes: &[u8], want: Cut) -> Option<Cut> {
-        let l = layout(bytes)?;
+    /// restart segments) out of `bytes` into `self.jpeg` (see [`Cutting`]).
+    pub fn cut(&mut self, bytes: &[u8], want: Cut) -> Cutting {
+        let Some(l) = layout(bytes) else {
+            return Cutting::No;
+        };
+        let Some(r) = self.segments_for(&l, want) else {
+            return Cutting::No;
+        };
+        let Some(&last) = self.order.last() else {
+            return Cutting::No;
+        };
+        if self.find_segments(bytes, &l, last).is_none() {
+            return Cutting::Damaged;
+        }
+        match self.splice(bytes, &l, r) {
+            Some(c) => Cutting::Cut(c),
+            None => Cutting::No,
+        }
+    }
+
+    /// The MCUs a cut of `want` writes (whole restart segments), with the
+    /// segments in `self.order`; `None` where there is no cut to make.
+    fn segments_for(&mut self, l: &Layout, want: Cut) -> Option<McuRect> {
         let (cols, rows) = l.grid;
         let k = l.interval;
         let want = McuRect {
@@ -107,7 +139,12 @@ impl Splicer {
             }
             Some(first) => self.order.extend(first..r.r1.div_ceil(rows_per)),
         }
-        self.find_segments(bytes, &l, *self.order.last()?)?;
+        Some(r)
+    }
+
+    /// Writes the JPEG of the MCUs `r` (their segments in `self.order`,
+    /// found) into `self.jpeg`.
+    fn splice(&mut self, bytes: &[u8], l: &Layout, r: McuRect) -> Option<Cut> {
         let cut = Cut {
             x: r.c0 * l.mcu.0,
             y: r.r0 * l.mcu.1,
@@ -131,14 +168,25 @@ impl Splicer {
         Some(cut)
     }
 
-    /// Records the entropy-coded bytes of segments `0..=last`: each ends
-    /// at the restart marker the sequence expects (RST0, RST1, ... RST7,
-    /// RST0...); the last segment of the image at the marker after it.
+    /// Records the entropy-coded bytes of every segment of the scan, after
+    /// checking the scan's whole structure (a cut reads only some of it, so
+    /// damage elsewhere must be seen here, as the whole decode would): each
+    /// segment ends at the restart marker the sequence expects (RST0,
+    /// RST1, ... RST7, RST0...), there are as many as the frame's MCU grid
+    /// implies, and the last ends at the image's EOI. `None` otherwise: the
+    /// caller decodes as it would without markers, and fails where that
+    /// fails. (Damage inside a segment's Huffman codes is not structure:
+    /// a cut sees only that of its own segments.) `last`, the highest
+    /// segment the cut writes, must be one of them.
     fn find_segments(&mut self, bytes: &[u8], l: &Layout, last: usize) -> Option<()> {
         let total = (l.grid.0 * l.grid.1).div_ceil(l.interval);
+        if last >= total {
+            return None;
+        }
         self.segments.clear();
+        self.segments.reserve(total);
         let (mut start, mut at) = (l.scan_at, l.scan_at);
-        while self.segments.len() <= last {
+        while self.segments.len() < total {
             let ff = at + memchr::memchr(0xFF, bytes.get(at..)?)?;
             // Fill bytes (0xFF runs) may precede a marker.
             let mut m = ff + 1;
@@ -155,13 +203,10 @@ impl Splicer {
                     self.segments.push((start, ff));
                     (start, at) = (m + 1, m + 1);
                 }
-                _ => {
-                    // The marker after the scan: it ends the last segment.
-                    if self.segments.len() + 1 != total {
-                        return None;
-                    }
-                    self.segments.push((start, ff));
-                }
+                // The image's end: it ends the last segment.
+                0xD9 if self.segments.len() + 1 == total => self.segments.push((start, ff)),
+                // A marker the scan may not hold, or an end too early.
+                _ => return None,
             }
         }
         Some(())
@@ -320,7 +365,7 @@ mod tests {
                 width: 100,
                 height: 60,
             };
-            let Some(cut) = s.cut(&marked, want) else {
+            let Cutting::Cut(cut) = s.cut(&marked, want) else {
                 assert!(!lines_up, "{w}x{h} every {k}: no cut");
                 continue;
             };
@@ -363,23 +408,23 @@ mod tests {
             width: 320,
             height: 240,
         };
-        assert_eq!(s.cut(&marked, all), None);
+        assert_eq!(s.cut(&marked, all), Cutting::No);
         let some = Cut {
             x: 64,
             y: 64,
             width: 32,
             height: 32,
         };
-        assert!(s.cut(&marked, some).is_some());
+        assert!(matches!(s.cut(&marked, some), Cutting::Cut(_)));
         // A marker out of sequence: RST3 where RST2 belongs.
         let mut bad = marked.clone();
         let third = (0..bad.len() - 1)
             .find(|&i| bad[i] == 0xFF && bad[i + 1] == 0xD2)
             .unwrap();
         bad[third + 1] = 0xD3;
-        assert_eq!(s.cut(&bad, some), None);
+        assert_eq!(s.cut(&bad, some), Cutting::Damaged);
         // No restart markers at all.
-        assert_eq!(s.cut(&jpeg(320, 240), some), None);
+        assert_eq!(s.cut(&jpeg(320, 240), some), Cutting::No);
     }
 
     #[test]
@@ -419,5 +464,105 @@ mod tests {
                 let _ = d.decode(&b, &h, (1, Some(region)), &mut out);
             }
         }
+    }
+
+    /// `marked` damaged in the ways a file's structure can be: cut
+    /// short, its EOI gone, restart markers out of sequence, missing or
+    /// added, a marker the scan may not hold, a frame header that lies
+    /// about the image's size or a restart interval that does not match
+    /// the scan. Named, for a failure's message.
+    fn damaged(marked: &[u8]) -> Vec<(String, Vec<u8>)> {
+        let markers: Vec<usize> = (0..marked.len() - 1)
+            .filter(|&i| marked[i] == 0xFF && (0xD0..=0xD7).contains(&marked[i + 1]))
+            .collect();
+        let sof = (0..marked.len() - 1)
+            .find(|&i| marked[i] == 0xFF && marked[i + 1] == 0xC0)
+            .unwrap();
+        let dri = (0..marked.len() - 1)
+            .find(|&i| marked[i] == 0xFF && marked[i + 1] == 0xDD)
+            .unwrap();
+        let scan = markers[0];
+        let n = marked.len();
+        let mut out = Vec::new();
+        for pct in [1, 25, 50, 75, 99] {
+            let at = scan + (n - 2 - scan) * pct / 100;
+            out.push((
+                format!("cut short at {pct} % of its scan"),
+                marked[..at].to_vec(),
+            ));
+        }
+        out.push(("without its EOI".into(), marked[..n - 2].to_vec()));
+        let mut b = marked.to_vec();
+        b[n - 1] = 0xD8;
+        out.push(("an SOI where its EOI was".into(), b));
+        for pct in [5, 50, 95] {
+            let m = markers[markers.len() * pct / 100];
+            let mut b = marked.to_vec();
+            b[m + 1] = 0xD0 + (b[m + 1] - 0xD0 + 3) % 8;
+            out.push((format!("a marker out of sequence at {pct} %"), b));
+            let mut b = marked.to_vec();
+            b.drain(m..m + 2);
+            out.push((format!("a marker missing at {pct} %"), b));
+            let mut b = marked.to_vec();
+            b.splice(m..m, [0xFF, b[m + 1]]);
+            out.push((format!("a marker twice at {pct} %"), b));
+            let mut b = marked.to_vec();
+            b.splice(m..m, [0xFF, 0xC4]);
+            out.push((format!("a DHT marker inside the scan at {pct} %"), b));
+        }
+        for (what, at, delta) in [
+            ("height", sof + 5, 16i32),
+            ("height", sof + 5, -16),
+            ("width", sof + 7, 16),
+            ("width", sof + 7, -16),
+        ] {
+            let mut b = marked.to_vec();
+            let v = i32::from(u16::from_be_bytes([b[at], b[at + 1]])) + delta;
+            b[at..at + 2].copy_from_slice(&(v as u16).to_be_bytes());
+            out.push((format!("a frame header whose {what} is {delta:+} off"), b));
+        }
+        let mut b = marked.to_vec();
+        b[dri + 5] = 2;
+        out.push(("a restart interval of 2 over segments of 1".into(), b));
+        out
+    }
+
+    #[test]
+    fn a_damaged_file_is_bad_to_the_cut_exactly_when_it_is_bad_to_the_whole_decode() {
+        let mut d = Decoder::new().unwrap();
+        let mut out = Rgb::default();
+        let (mut cut, mut bad) = (0, 0);
+        for (w, h) in [(333, 251), (320, 240)] {
+            let marked = with_restarts(&jpeg(w, h), 1).unwrap();
+            let mut corpus = vec![("intact".to_string(), marked.clone())];
+            corpus.extend(damaged(&marked));
+            for (name, b) in corpus {
+                let whole = d
+                    .header(&b, u64::MAX)
+                    .and_then(|hd| d.decode(&b, &hd, (1, None), &mut out));
+                bad += usize::from(whole.is_err());
+                for (rx, ry) in [(0, 0), (1, 1), (2, 2), (0, 2), (2, 0), (1, 0)] {
+                    let region = super::super::Region {
+                        x: (rx * w / 3) as u32,
+                        y: (ry * h / 3) as u32,
+                        width: (w / 4) as u32,
+                        height: (h / 4) as u32,
+                    };
+                    let part = d
+                        .header(&b, u64::MAX)
+                        .and_then(|hd| d.decode(&b, &hd, (1, Some(region)), &mut out));
+                    assert_eq!(
+                        part.is_ok(),
+                        whole.is_ok(),
+                        "{w}x{h}, {name}: the whole decode {whole:?}, the crop at {region:?} {part:?}"
+                    );
+                    cut += usize::from(part.is_ok() && out.cut);
+                }
+            }
+        }
+        // The intact files were cut at every region; most damaged ones
+        // are bad to both.
+        assert!(cut >= 12, "{cut} crops cut");
+        assert!(bad >= 30, "{bad} files bad to the whole decode");
     }
 }
