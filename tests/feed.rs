@@ -213,3 +213,36 @@ fn wait_with_stderr(mut child: Child) -> (std::process::ExitStatus, String) {
     let status = harness::wait_timeout(&mut child, LIMIT).unwrap();
     (status, said.join().unwrap())
 }
+
+/// A request whose INDEX + COUNT overflows, or lies past the epoch, ends
+/// `batchcast make` with the reason, never a panic.
+#[test]
+fn make_refuses_a_request_that_overflows_with_the_reason() {
+    let env = Env::bare();
+    let config = config(&env);
+    for (request, reason) in [
+        ("0 18446744073709551615 2\n", "lie past any epoch"),
+        ("0 2 18446744073709551615\n", "lie past any epoch"),
+        ("0 99 1\n", "is not in stream `fed`"),
+    ] {
+        let mut made = command(EXE)
+            .args(["make", "--stream", "fed", "--config"])
+            .arg(&config)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        made.stdin
+            .take()
+            .unwrap()
+            .write_all(request.as_bytes())
+            .unwrap();
+        let out = made.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(reason) && !err.contains("panicked"),
+            "{request:?}: {err}"
+        );
+    }
+}

@@ -647,6 +647,11 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
 
     refused_with(hello_named(&sock, &"x".repeat(60_000)), "at most 128 bytes");
     refused_with(hello_named(&sock, "trainer\u{1b}[2J"), "control character");
+    // A right-to-left override would make a stats line read backwards.
+    refused_with(
+        hello_named(&sock, "trainer\u{202e}0x4"),
+        "control character",
+    );
     // A stream's name asked for is bounded too: it is logged and answered.
     let forged = format!("{}\n2026-11-26T00:00:00Z ERROR forged", "s".repeat(60_000));
     refused_with(consume_named(&sock, &forged), "at most 128 bytes");
@@ -704,9 +709,9 @@ fn names_are_bounded_stats_always_answers_and_refusals_do_not_flood_the_log() {
     let s = env.wait_for("the refusals to be counted", |s| {
         s.connections.handshakes_refused >= flood
     });
-    // The four bad names are refused after the handshake.
+    // The five bad names are refused after the handshake.
     assert_eq!(s.connections.handshakes_refused, flood);
-    assert_eq!(s.connections.requests_refused, flood + 4);
+    assert_eq!(s.connections.requests_refused, flood + 5);
     let logged = env
         .log()
         .lines()

@@ -73,7 +73,9 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
             std::fs::create_dir_all(dir).map_err(io)?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
         }
-        check_dir(dir)?;
+        if let Some(warning) = check_dir(dir)? {
+            tracing::warn!("{}: {warning}", path.display());
+        }
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) if !meta.file_type().is_socket() => {
@@ -123,8 +125,11 @@ pub fn bind(path: &Path, shared: bool) -> Result<Bound, ListenError> {
 /// by this user or root, not a link, and writable by nobody else unless
 /// sticky (like `/tmp`, where others cannot remove or rename this user's
 /// files). Otherwise another user could swap the socket for their own, as
-/// ssh-agent and tmux also refuse.
-pub(crate) fn check_dir(dir: &Path) -> Result<(), ListenError> {
+/// ssh-agent and tmux also refuse. A sticky shared folder is allowed with
+/// a warning (the answer's `Some`): while no broker runs, another user may
+/// bind the path first (this broker then refuses to start, naming them,
+/// and clients refuse a socket of another uid).
+pub(crate) fn check_dir(dir: &Path) -> Result<Option<String>, ListenError> {
     let unsafe_dir = |problem: String| ListenError::UnsafeDir {
         dir: dir.into(),
         problem,
@@ -153,7 +158,15 @@ pub(crate) fn check_dir(dir: &Path) -> Result<(), ListenError> {
             mode & 0o7777
         )));
     }
-    Ok(())
+    if mode & 0o022 != 0 {
+        let me = nix::unistd::geteuid().as_raw();
+        return Ok(Some(format!(
+            "its folder {} is shared (mode {:o}): while no broker runs, another user may bind this path first, and then this broker refuses to start (its trainers refuse a socket of another uid). Put the socket in a folder only you can write, e.g. --socket /run/user/{me}/batchcast.sock",
+            dir.display(),
+            mode & 0o7777
+        )));
+    }
+    Ok(None)
 }
 
 /// Who may connect: the broker's own user, plus the config's allow lists.
@@ -269,6 +282,28 @@ mod tests {
         assert!(err.to_string().contains("uid 65534") && err.to_string().contains("/run/user/"));
         assert!(path.exists(), "the other user's socket is left alone");
         drop(impostor);
+    }
+
+    /// A sticky shared folder (as /tmp) is allowed with a warning that
+    /// names the squatting risk and where to go instead; a folder only
+    /// this user writes gets none; a shared one that is not sticky is
+    /// refused.
+    #[test]
+    fn a_sticky_shared_folder_is_warned_about() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(check_dir(dir.path()).unwrap(), None);
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let warning = check_dir(dir.path()).unwrap().expect("a warning");
+        assert!(
+            warning.contains("another user may bind this path first")
+                && warning.contains("/run/user/"),
+            "{warning}"
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(matches!(
+            check_dir(dir.path()),
+            Err(ListenError::UnsafeDir { .. })
+        ));
     }
 
     #[test]

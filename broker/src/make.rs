@@ -291,12 +291,19 @@ impl Maker {
         }
         let order = self.order(epoch);
         let bs = self.plan.schema.batch_size;
-        let from = ((index * bs) as usize).min(order.len());
-        let to = ((end * bs) as usize).min(order.len());
-        self.writer.want(
-            epoch * order.len() as u64 + from as u64,
-            order[from..to].iter().copied(),
-        );
+        // Any numbers a request holds: a range past the epoch (or one
+        // that overflows) wants nothing; `make` then says why.
+        let at = |i: u64| i.saturating_mul(bs).min(order.len() as u64) as usize;
+        let (from, to) = (at(index), at(end));
+        let Some(first) = epoch
+            .checked_mul(order.len() as u64)
+            .and_then(|e| e.checked_add(from as u64))
+        else {
+            return;
+        };
+        if from < to {
+            self.writer.want(first, order[from..to].iter().copied());
+        }
     }
 
     /// Writes batch `index` of `epoch` into `out` (resized to its bytes):

@@ -181,6 +181,9 @@ fn request(line: &str) -> anyhow::Result<(u64, u64, u64)> {
     let [epoch, index, count] = nums[..] else {
         bail!("a request is three numbers: EPOCH INDEX COUNT");
     };
+    if index.checked_add(count).is_none() {
+        bail!("batches {index} + {count} lie past any epoch: INDEX + COUNT must be a batch count");
+    }
     Ok((epoch, index, count))
 }
 

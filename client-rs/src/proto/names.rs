@@ -57,7 +57,7 @@ pub fn check_text(
             fix: fix.into(),
         });
     }
-    if let Some(c) = text.chars().find(|c| c.is_control()) {
+    if let Some(c) = text.chars().find(|&c| c.is_control() || is_bidi_control(c)) {
         return Err(TextError::Control {
             what: what.into(),
             c,
@@ -65,4 +65,15 @@ pub fn check_text(
         });
     }
     Ok(())
+}
+
+/// The characters that reorder text on a terminal (bidirectional
+/// embeddings, overrides, isolates and marks): a name holding one could
+/// make a stats line read as something else, so they count as control
+/// characters.
+fn is_bidi_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}'
+    )
 }
