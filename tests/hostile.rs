@@ -1100,3 +1100,48 @@ fn stats_show_the_kernels_pid_not_the_one_a_hello_claims() {
         );
     }
 }
+
+/// A user the socket's mode keeps out (the broker never sees the
+/// attempt) is told so: the mode and owner of the socket or of its
+/// folder, and what admits another user (`allow_uids`, `allow_gids`),
+/// not asked whether a broker runs.
+#[test]
+fn a_user_the_sockets_mode_keeps_out_is_told_why() {
+    if !is_root("running a consumer as another uid") {
+        return;
+    }
+    let env = Env::start(&stream_config(""));
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = bin.path().join("batchcast");
+    std::fs::copy(common::EXE, &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let as_guest = || {
+        let out = run(command(&exe)
+            .args(["consume", "--stream", "train", "--connect-timeout", "1", "--socket"])
+            .arg(env.socket())
+            .uid(GUEST)
+            .gid(GUEST));
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // The socket's folder is the broker owner's alone (0700).
+    let dir = env.socket().parent().unwrap().to_path_buf();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let said = as_guest();
+    assert!(
+        said.contains(&format!("you (uid {GUEST}) may not open"))
+            && said.contains("its folder")
+            && said.contains("mode 700")
+            && said.contains("allow_uids"),
+        "{said}"
+    );
+    assert!(!said.contains("is `batchcast serve` running"), "{said}");
+    // The folder open, the socket owner-only (0600).
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let said = as_guest();
+    assert!(
+        said.contains("mode 600, owned by uid 0") && said.contains("allow_gids"),
+        "{said}"
+    );
+}

@@ -10,6 +10,7 @@ pub(crate) fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let code = e.code();
     let class = match &e {
         Error::Connect { .. }
+        | Error::Denied { .. }
         | Error::BrokerGone
         | Error::BrokerShutdown
         | Error::Impostor { .. }

@@ -65,6 +65,18 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The socket is there but this user may not open it (its mode, or
+    /// its folder's): the broker never sees the attempt, so this is the
+    /// only place to say why.
+    #[error(
+        "you (uid {me}) may not open the broker's socket {path} ({what}): a broker admits only its own user unless its config's [broker] allow_uids, allow_gids or allow_groups names yours, and then it opens the socket to others itself (mode 0666; peer credentials still decide). Ask the broker's owner to add you there, or run a broker of your own (`batchcast serve`) and point BATCHCAST_SOCKET or --socket at it"
+    )]
+    Denied {
+        path: PathBuf,
+        /// The socket's mode and owner, or why its folder keeps this user out.
+        what: String,
+        me: u32,
+    },
     #[error(
         "the broker at {path} accepted the connection but did not answer within {waited:?}: it may be overloaded or stuck (`batchcast stats` shows its connections); raise connect_timeout to wait longer"
     )]

@@ -8,7 +8,7 @@
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -26,6 +26,39 @@ pub fn default_socket_path() -> PathBuf {
         return PathBuf::from(dir).join("batchcast.sock");
     }
     PathBuf::from(format!("/tmp/batchcast-{}", nix::unistd::getuid())).join("batchcast.sock")
+}
+
+/// Why connecting to `path` failed: [`Error::Denied`] (with the socket's
+/// mode and owner, or its folder's) where the file system kept this user
+/// out, else [`Error::Connect`].
+fn connect_error(path: &Path, source: std::io::Error) -> Error {
+    use std::os::unix::fs::MetadataExt;
+    if source.kind() != std::io::ErrorKind::PermissionDenied {
+        return Error::Connect {
+            path: path.into(),
+            source,
+        };
+    }
+    let what = match std::fs::metadata(path) {
+        Ok(m) => format!("mode {:o}, owned by uid {}", m.mode() & 0o777, m.uid()),
+        Err(_) => {
+            let dir = path.parent().unwrap_or(Path::new("/"));
+            match std::fs::metadata(dir) {
+                Ok(m) => format!(
+                    "its folder {} has mode {:o} and is owned by uid {}",
+                    dir.display(),
+                    m.mode() & 0o777,
+                    m.uid()
+                ),
+                Err(e) => format!("its folder {}: {e}", dir.display()),
+            }
+        }
+    };
+    Error::Denied {
+        path: path.into(),
+        what,
+        me: nix::unistd::getuid().as_raw(),
+    }
 }
 
 /// This program's file name (for `batchcast stats`), else `fallback`.
@@ -94,10 +127,7 @@ pub(crate) fn connect_retrying<T>(
             .saturating_duration_since(std::time::Instant::now())
             .max(floor);
         let result = UnixStream::connect(&path)
-            .map_err(|source| Error::Connect {
-                path: path.clone(),
-                source,
-            })
+            .map_err(|source| connect_error(&path, source))
             .and_then(|s| check_broker(&s, &path, broker_uid).map(|()| s))
             .and_then(|s| with_deadline(s, patience, &mut attempt))
             .map_err(|e| match e {

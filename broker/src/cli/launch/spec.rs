@@ -136,6 +136,9 @@ impl Sweep {
                 "no [[trainer]] defined; add one with a `name` and a `command`".into(),
             ));
         }
+        if l.config.is_none() && l.socket.is_none() {
+            check_inline(&file, &dir).map_err(invalid)?;
+        }
         let (broker, config_tables) = broker_source(&file, &dir).map_err(invalid)?;
         let mut streams = Vec::new();
         if let Some(t) = &config_tables {
@@ -201,6 +204,47 @@ impl Sweep {
         table.remove("broker");
         Some((toml::to_string(&table).ok()?, dir.clone()))
     }
+}
+
+/// The sweep file's own `[broker]` and `[[stream]]` tables checked as the
+/// broker will read them, before a run folder or a broker exists: an
+/// unknown key or a bad value names the table in this file (not a line of
+/// the config the run writes), and so does an image folder that is not
+/// there (relative paths are the sweep file's folder's).
+fn check_inline(file: &SweepFile, dir: &Path) -> Result<(), String> {
+    use batchcast_broker::config::{BrokerSection, StreamConfig};
+    if let Some(b) = &file.broker {
+        toml::Value::Table(b.clone())
+            .try_into::<BrokerSection>()
+            .map_err(|e| format!("[broker]: {}", e.message()))?;
+    }
+    for (i, t) in file.streams.iter().enumerate() {
+        let name = t
+            .get("name")
+            .and_then(|n| n.as_str())
+            .map_or_else(|| format!("the {} [[stream]]", ordinal(i)), |n| format!("[[stream]] `{n}`"));
+        toml::Value::Table(t.clone())
+            .try_into::<StreamConfig>()
+            .map_err(|e| format!("{name}: {}", e.message()))?;
+        let root = t
+            .get("image_folder")
+            .and_then(|f| f.get("root"))
+            .and_then(|r| r.as_str());
+        if let Some(root) = root.filter(|r| !r.contains("://")) {
+            let at = match root.strip_prefix("~/") {
+                Some(rest) => std::env::var_os("HOME")
+                    .map_or_else(|| dir.join(root), |h| PathBuf::from(h).join(rest)),
+                None => dir.join(root),
+            };
+            if !at.is_dir() {
+                return Err(format!(
+                    "{name}: its image_folder root {root:?} is not a folder ({} does not exist or is not one); relative paths are this file's folder's",
+                    at.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn stream_names(table: &toml::Table) -> Result<Vec<String>, String> {
@@ -393,6 +437,43 @@ mod tests {
             panic!()
         };
         assert!(config.contains("min_consumers = 8"), "{config}");
+    }
+
+    /// A typo or a missing folder in the sweep file's own [[stream]] is
+    /// named against the sweep file and the stream, at parse (before a
+    /// run folder or a broker exists), not against the config the run
+    /// would write.
+    #[test]
+    fn an_inline_streams_typo_or_missing_folder_names_the_sweep_file() {
+        let trainer = "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\n";
+        let err = |text: &str| {
+            let Err(e) = Sweep::parse(text, Path::new("/tmp/sweep.toml"), &host(0)) else {
+                panic!("{text} was not refused")
+            };
+            let said = e.to_string();
+            assert!(said.contains("/tmp/sweep.toml"), "{said}");
+            assert!(!said.contains("broker.toml"), "{said}");
+            said
+        };
+        let typo = format!(
+            "[[stream]]\nname = \"train\"\nbatchsize = 8\n[stream.synthetic]\nlen = 8\nfields = [{{ name = \"x\", dtype = \"u8\", shape = [4] }}]\n{trainer}"
+        );
+        let said = err(&typo);
+        assert!(
+            said.contains("[[stream]] `train`") && said.contains("batchsize"),
+            "{said}"
+        );
+        let missing = format!(
+            "[[stream]]\nname = \"photos\"\nbatch_size = 8\n[stream.image_folder]\nroot = \"no/such/folder\"\n[stream.transform]\nresize = 8\n{trainer}"
+        );
+        let said = err(&missing);
+        assert!(
+            said.contains("[[stream]] `photos`") && said.contains("no/such/folder"),
+            "{said}"
+        );
+        let broker = format!("[broker]\nmemory_mb = 64\n{}", typo.replace("batchsize", "batch_size"));
+        let said = err(&broker);
+        assert!(said.contains("[broker]") && said.contains("memory_mb"), "{said}");
     }
 
     #[test]
