@@ -245,6 +245,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ckpt = torch.load(args.resume, map_location=device) if args.resume else None
+    if ckpt is not None and ckpt["epoch"] >= args.epochs:
+        # Saved at the end of the run: there is nothing left to train on.
+        print(f"{args.resume} was saved after epoch {ckpt['epoch'] - 1}, the last of {args.epochs}: nothing left to do")
+        return
 
     broker = None
     broker_dir = None
@@ -265,7 +270,6 @@ def main() -> None:
 
     failed = True
     try:
-        ckpt = torch.load(args.resume, map_location=device) if args.resume else None
         # The shared loader goes on exactly where the checkpoint was, mid-epoch
         # included; a DataLoader starts the epoch it was in again.
         loader = make_loader(args, ckpt and ckpt["data"])

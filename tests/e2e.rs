@@ -1256,3 +1256,41 @@ fn the_lag_limit_detaches_the_slow_reader_not_the_joiner_it_holds() {
     let mut waiting = waiting;
     common::sigkill(&mut waiting);
 }
+
+/// `batchcast consume` that reads nothing and fails says only why (no
+/// "0 batches" summary before the error); with --json the report comes
+/// as always, for a program.
+#[test]
+fn a_consumer_that_fails_before_any_batch_prints_only_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nobody.sock");
+    let out = common::run(common::command(common::EXE).args([
+        "consume",
+        "--stream",
+        "train",
+        "--connect-timeout",
+        "0",
+        "--socket",
+        socket.to_str().unwrap(),
+    ]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success());
+    assert!(stdout.trim().is_empty(), "{stdout}");
+    assert!(stderr.contains("cannot connect"), "{stderr}");
+    let out = common::run(common::command(common::EXE).args([
+        "consume",
+        "--json",
+        "--stream",
+        "train",
+        "--connect-timeout",
+        "0",
+        "--socket",
+        socket.to_str().unwrap(),
+    ]));
+    let report: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(report["batches"], 0, "{report}");
+}

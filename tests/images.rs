@@ -1370,6 +1370,17 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
         .arg(env.path("b.sock")));
     let table = String::from_utf8_lossy(&table.stdout);
     assert!(table.contains("per image: read "), "{table}");
+    // What keeping them costs is said once per stream at start, and
+    // where they are kept at full size, how to keep them smaller.
+    let log = env.log();
+    let said = |stream: &str| {
+        log.lines()
+            .find(|l| l.contains("keeping decoded images in up to") && l.contains(stream))
+            .unwrap_or_else(|| panic!("nothing said for {stream}: {log}"))
+            .to_string()
+    };
+    assert!(said("kept_full").contains("set decoded_side"));
+    assert!(said("kept_few").contains("at least 40 px"));
     // A side without a cache is refused, naming both keys.
     let err = env.serve_fails(&stream("s", &folder(&root), t, "decoded_side = 64"));
     assert!(

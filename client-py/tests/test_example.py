@@ -78,6 +78,14 @@ def test_the_torch_example_checkpoints_mid_epoch_and_resumes_exactly_there(tmp_p
     # The rest of epoch 0, then all of epoch 1: every sample once.
     assert epochs_seen(out) == {0: IMAGES - done, 1: IMAGES}, out
 
+    # Resumed from the checkpoint the finished run saved at its end:
+    # nothing is left, said so, and it exits 0.
+    third = example(*common, "--resume", str(ckpt), socket=tmp_path / "d.sock")
+    out, _ = third.communicate(timeout=LIMIT)
+    assert third.returncode == 0, out
+    assert "nothing left to do" in out, out
+    assert epochs_seen(out) == {}, out
+
     # The DataLoader variant counts the same samples (its last batch is
     # short as the shared loader's is, not dropped).
     base = example("--data", str(data), "--epochs", "1", "--loader", "dataloader", socket=tmp_path / "c.sock")

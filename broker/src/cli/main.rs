@@ -147,7 +147,11 @@ fn main() {
                 )
             };
             // A closed stdout (the reader went away) is not worth a panic.
-            let _ = writeln!(std::io::stdout().lock(), "{summary}");
+            // A consumer that read nothing and failed prints only its
+            // error (the JSON report always: a program reads it).
+            if args.json || report.batches > 0 || report.error.is_none() {
+                let _ = writeln!(std::io::stdout().lock(), "{summary}");
+            }
             match (&report.error, report.ok) {
                 (Some(e), _) => Err(anyhow::anyhow!("{e}")),
                 (None, false) => Err(anyhow::anyhow!(

@@ -143,6 +143,11 @@ fn start_brokers(
                 )?,
                 BrokerSource::Reuse(sock) => reuse_broker(sock)?,
             };
+            // Where to point `batchcast stats` and `doctor` while it runs.
+            eprintln!(
+                "broker socket: {0} (batchcast stats --socket {0}; batchcast doctor --socket {0})",
+                b.socket.display()
+            );
             brokers.push(b);
             assignment.resize(sweep.trainers.len(), Some(0));
         }
