@@ -1118,7 +1118,14 @@ fn a_user_the_sockets_mode_keeps_out_is_told_why() {
     std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
     let as_guest = || {
         let out = run(command(&exe)
-            .args(["consume", "--stream", "train", "--connect-timeout", "1", "--socket"])
+            .args([
+                "consume",
+                "--stream",
+                "train",
+                "--connect-timeout",
+                "1",
+                "--socket",
+            ])
             .arg(env.socket())
             .uid(GUEST)
             .gid(GUEST));

@@ -219,10 +219,10 @@ fn check_inline(file: &SweepFile, dir: &Path) -> Result<(), String> {
             .map_err(|e| format!("[broker]: {}", e.message()))?;
     }
     for (i, t) in file.streams.iter().enumerate() {
-        let name = t
-            .get("name")
-            .and_then(|n| n.as_str())
-            .map_or_else(|| format!("the {} [[stream]]", ordinal(i)), |n| format!("[[stream]] `{n}`"));
+        let name = t.get("name").and_then(|n| n.as_str()).map_or_else(
+            || format!("the {} [[stream]]", ordinal(i)),
+            |n| format!("[[stream]] `{n}`"),
+        );
         toml::Value::Table(t.clone())
             .try_into::<StreamConfig>()
             .map_err(|e| format!("{name}: {}", e.message()))?;
@@ -471,9 +471,15 @@ mod tests {
             said.contains("[[stream]] `photos`") && said.contains("no/such/folder"),
             "{said}"
         );
-        let broker = format!("[broker]\nmemory_mb = 64\n{}", typo.replace("batchsize", "batch_size"));
+        let broker = format!(
+            "[broker]\nmemory_mb = 64\n{}",
+            typo.replace("batchsize", "batch_size")
+        );
         let said = err(&broker);
-        assert!(said.contains("[broker]") && said.contains("memory_mb"), "{said}");
+        assert!(
+            said.contains("[broker]") && said.contains("memory_mb"),
+            "{said}"
+        );
     }
 
     #[test]
