@@ -196,3 +196,44 @@ fn without_a_hold_limit_a_stopped_trainer_holds_the_others_until_continued() {
     let past = &env.stats().streams[0].past_consumers;
     assert!(past.iter().all(|c| c.cuts == 0), "{past:#?}");
 }
+
+/// Two trainers stopped at different places (after 5 and after 9
+/// batches: each owes a unit of its own in the ring) hold the steady one
+/// for one hold limit, not one each in turn: the bound is the stream's
+/// (how long anyone has waited), so once the first is cut at the limit,
+/// the second, which has kept the others waiting as long behind it, is
+/// cut at once. Continued, both read every sample once.
+#[test]
+fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() {
+    let env = Env::start(
+        &lockstep()
+            .replace("hold_limit_s = 1.0", "hold_limit_s = 3.0")
+            .replace("min_consumers = 2", "min_consumers = 3"),
+    );
+    let steady = steady(&env);
+    let stopped: Vec<_> = [("first", "5"), ("second", "9")]
+        .into_iter()
+        .map(|(name, after)| env.consumer(&["--verify", "--stop-after", after, "--name", name]))
+        .collect();
+    for s in &stopped {
+        wait_stopped(s.id());
+    }
+    let t0 = Instant::now();
+    let steady = report(steady);
+    let finished = t0.elapsed();
+    for s in &stopped {
+        harness::signal(s.id(), SIGCONT);
+    }
+    assert_whole(&steady);
+    // Alone 0.4 s; one limit 3 s; one limit each in turn 6 s.
+    assert!(
+        finished < Duration::from_secs(5),
+        "steady finished {finished:?} after both stopped: held once for each"
+    );
+    for s in stopped {
+        let r = report(s);
+        assert_whole(&r);
+        assert!(r.replayed_batches > 0, "{r:#?}");
+    }
+    assert_eq!(env.stats().streams[0].detached, 0);
+}

@@ -20,8 +20,10 @@
 
 use std::io::Cursor;
 
+mod cmyk;
 mod restart;
 mod tj;
+use cmyk::{cmyk_to_rgb, has_adobe_marker};
 use restart::{Cut, Cutting, Splicer};
 pub use tj::Region;
 use tj::{JpegInfo, Tj};
@@ -288,34 +290,18 @@ impl Decoder {
         // edges are MCU edges, where chroma upsampling sees no neighbour:
         // that reaches 2 pixels in (a chroma sample upsampled by 2), so the
         // region is widened by `CUT_MARGIN` before the MCUs are chosen.
-        let d = denom as usize;
-        let cut = region.and_then(|r| {
-            let (x0, y0) = (
-                r.x.saturating_sub(CUT_MARGIN),
-                r.y.saturating_sub(CUT_MARGIN),
-            );
-            let x1 = (r.x.saturating_add(r.width).saturating_add(CUT_MARGIN)).min(w as u32);
-            let y1 = (r.y.saturating_add(r.height).saturating_add(CUT_MARGIN)).min(h as u32);
-            let full = |v: u32| v as usize * d;
-            let want = Cut {
-                x: full(x0),
-                y: full(y0),
-                width: full(x1.saturating_sub(x0)),
-                height: full(y1.saturating_sub(y0)),
-            };
-            match self.splicer.cut(bytes, want) {
-                Cutting::Cut(c) => Some(c),
-                // Markers that line up in a broken scan: the whole
-                // image's decode says whether the file is bad, as it
-                // would with no crop (a cut or a region might not look
-                // where it is broken).
-                Cutting::Damaged => {
-                    crop = None;
-                    None
-                }
-                Cutting::No => None,
+        let cut = match region.map(|r| self.cut(bytes, r, (w, h), denom)) {
+            Some(Cutting::Cut(c)) => Some(c),
+            // Markers that line up in a broken scan: the whole image's
+            // decode says whether the file is bad, as it would with no
+            // crop (a cut or a region might not look where it is broken).
+            Some(Cutting::Damaged) => {
+                crop = None;
+                None
             }
-        });
+            _ => None,
+        };
+        let d = denom as usize;
         let (src, info, tj_crop) = match cut {
             Some(c) => {
                 let part = &self.splicer.jpeg[..];
@@ -365,6 +351,27 @@ impl Decoder {
     }
 }
 
+impl Decoder {
+    /// Cuts the MCUs around `r` (in the `w × h` image at `1/denom`,
+    /// widened by [`CUT_MARGIN`]) out of `bytes` into the splicer.
+    fn cut(&mut self, bytes: &[u8], r: Region, (w, h): (usize, usize), denom: u32) -> Cutting {
+        let (x0, y0) = (
+            r.x.saturating_sub(CUT_MARGIN),
+            r.y.saturating_sub(CUT_MARGIN),
+        );
+        let x1 = (r.x.saturating_add(r.width).saturating_add(CUT_MARGIN)).min(w as u32);
+        let y1 = (r.y.saturating_add(r.height).saturating_add(CUT_MARGIN)).min(h as u32);
+        let full = |v: u32| v as usize * denom as usize;
+        let want = Cut {
+            x: full(x0),
+            y: full(y0),
+            width: full(x1.saturating_sub(x0)),
+            height: full(y1.saturating_sub(y0)),
+        };
+        self.splicer.cut(bytes, want)
+    }
+}
+
 /// Pixels (at the decode's scale) kept between a region and the edge of
 /// the MCUs cut for it: twice what chroma upsampling reaches.
 const CUT_MARGIN: u32 = 4;
@@ -388,47 +395,6 @@ fn widened(r: Region, info: &JpegInfo, denom: u32) -> Option<Region> {
         width: x1 - x0,
         height: y1 - y0,
     })
-}
-
-/// PIL's CMYK → RGB: `R = 255 - K' - C'·(255 - K')/255` with primes the
-/// CMYK values PIL holds. Adobe's JPEGs store inverted CMYK, which PIL
-/// reads as `CMYK;I`, so its values are `255 - stored`.
-fn cmyk_to_rgb(cmyk: &[u8], rgb: &mut [u8], adobe_inverted: bool) {
-    for (src, dst) in cmyk.chunks_exact(4).zip(rgb.chunks_exact_mut(3)) {
-        let inv = |v: u8| if adobe_inverted { 255 - v } else { v };
-        let nk = 255 - inv(src[3]) as i32;
-        for c in 0..3 {
-            let v = inv(src[c]) as i32;
-            // MULDIV255(a, b) = ((a*b + 128) + ((a*b + 128) >> 8)) >> 8
-            let t = v * nk + 128;
-            let m = (t + (t >> 8)) >> 8;
-            dst[c] = (nk - m).clamp(0, 255) as u8;
-        }
-    }
-}
-
-/// Whether the JPEG has an Adobe APP14 marker (scanned up to the first scan).
-fn has_adobe_marker(bytes: &[u8]) -> bool {
-    let mut i = 2;
-    while i + 4 <= bytes.len() {
-        if bytes[i] != 0xFF {
-            return false;
-        }
-        let marker = bytes[i + 1];
-        if marker == 0xFF {
-            i += 1;
-            continue;
-        }
-        if marker == 0xDA || marker == 0xD9 {
-            return false;
-        }
-        let len = u16::from_be_bytes([bytes[i + 2], bytes[i + 3]]) as usize;
-        if marker == 0xEE && bytes.get(i + 4..i + 9) == Some(b"Adobe") {
-            return true;
-        }
-        i += 2 + len;
-    }
-    false
 }
 
 /// A reader of `bytes` as `format` (one `image` decodes), with `image`'s

@@ -105,12 +105,18 @@ pub(super) struct Pace {
     /// keep the pipeline from reusing, and since when (the hold limit runs
     /// from there).
     pinned: Option<(u64, Instant)>,
+    /// When the hold that the last round at the limit ended began: the
+    /// next unit pinned, if it was made before then, is counted from there
+    /// (its owers kept the others waiting all along, behind the unit just
+    /// freed), so consumers stalled at different places are all cut by
+    /// one bound, not each by one of its own in turn.
+    carried: Option<Instant>,
 }
 
 impl Pace {
     /// Unit `seq` was made (decoupled pace: its age decides a cut).
     pub(super) fn made(&mut self, plan: &StreamPlan, seq: u64) {
-        if plan.pace != PaceRule::Decoupled {
+        if plan.pace != PaceRule::Decoupled && plan.hold_limit.is_none() {
             return;
         }
         self.made_at.push_back((seq, Instant::now()));
@@ -128,16 +134,45 @@ impl Pace {
             .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER)
     }
 
-    /// Since when unit `seq` has been pinned (from now, if it was not).
-    fn pinned_since(&mut self, seq: u64) -> Instant {
+    /// Since when unit `seq` has been pinned (from now, if it was not, or
+    /// from the hold carried over a round at the limit where `seq` was
+    /// made before it began), and whether that is a carried hold.
+    fn pinned_since(&mut self, seq: u64) -> (Instant, bool) {
         match self.pinned {
-            Some((s, t)) if s == seq => t,
-            _ => self.pinned.insert((seq, Instant::now())).1,
+            Some((s, t)) if s == seq => (t, self.carried.is_some()),
+            _ => {
+                let made = self.made_at.iter().find(|(s, _)| *s == seq).map(|p| p.1);
+                let from = self.carried.filter(|&c| made.is_none_or(|m| m <= c));
+                if from.is_none() {
+                    self.carried = None;
+                }
+                (
+                    self.pinned
+                        .insert((seq, from.unwrap_or_else(Instant::now)))
+                        .1,
+                    from.is_some(),
+                )
+            }
         }
     }
 
+    /// Nothing pins the ring: the next pin starts a hold of its own.
     fn unpin(&mut self) {
         self.pinned = None;
+        self.carried = None;
+    }
+
+    /// A round at the limit freed the ring: the hold that began at `since`
+    /// carries over to the next unit pinned (see `carried`).
+    fn carry(&mut self, since: Instant) {
+        self.pinned = None;
+        self.carried = Some(since);
+    }
+
+    /// Unit `seq`'s holders start a hold of their own, from now.
+    fn restart(&mut self, seq: u64) {
+        self.pinned = Some((seq, Instant::now()));
+        self.carried = None;
     }
 }
 
@@ -167,8 +202,10 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
         return false;
     }
     // Someone waits for data while these pin the ring: counted from
-    // when this unit was first pinned.
-    let held = inner.pace.pinned_since(seq).elapsed();
+    // when this unit was first pinned, or from the start of a hold a
+    // round at the limit carried over to it.
+    let (since, carried) = inner.pace.pinned_since(seq);
+    let held = since.elapsed();
     let past = limit.is_some_and(|l| held >= l);
     if !eager && !past {
         return false;
@@ -192,11 +229,26 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
         if !past {
             return false;
         }
+        if carried {
+            // Those that took the unit may be moving: a hold carried from
+            // behind another is not theirs to be detached for. They get a
+            // bound of their own; the others are cut now.
+            inner.pace.restart(seq);
+            let mut any = false;
+            for id in can {
+                any |= cut(s, inner, id);
+            }
+            return any;
+        }
         for &id in &cannot {
             detach_holder(s, inner, id, held);
         }
     }
-    inner.pace.unpin();
+    if past {
+        inner.pace.carry(since);
+    } else {
+        inner.pace.unpin();
+    }
     // Detaching freed the slot of whoever could not be cut; cutting the
     // others frees it of them.
     let mut any = !cannot.is_empty();

@@ -240,19 +240,7 @@ impl Stream {
                     share,
                 ));
                 pipeline.reserve(budget, owner_uid, &format!("stream `{}`", plan.name))?;
-                if p.rules.decoded_cache_bytes > 0 {
-                    // What keeping decoded images costs, said up front.
-                    let scale = match p.rules.decoded_side {
-                        Some(side) => format!("JPEGs at the largest reduction that keeps their longer side at least {side} px, others at full size"),
-                        None => "full size: set decoded_side (the crop's side, say 256) to keep large photos at 1/2 to 1/8 of it".into(),
-                    };
-                    tracing::info!(
-                        stream = %plan.name,
-                        "keeping decoded images in up to {} MiB (decoded_cache_mib) for its {} images, each width x height x 3 bytes at its kept scale ({scale}): often 10-20x its file; the first epoch decodes each JPEG whole at that scale",
-                        p.rules.decoded_cache_bytes >> 20,
-                        p.dataset.len()
-                    );
-                }
+                say_decoded_cost(&plan.name, p);
                 Some(SlotWriter::Images(pipeline))
             }
             SourcePlan::External => None,
@@ -385,4 +373,24 @@ fn ring_fault(source: &SourcePlan) -> Fault {
         SourcePlan::External => Fault::Lazily,
         _ => Fault::Now,
     }
+}
+
+/// Says once, at start, what keeping a stream's decoded images costs
+/// (`decoded_cache_mib`), and how `decoded_side` makes it less.
+fn say_decoded_cost(name: &str, p: &crate::plan::ImagePlan) {
+    if p.rules.decoded_cache_bytes == 0 {
+        return;
+    }
+    let scale = match p.rules.decoded_side {
+        Some(side) => format!(
+            "JPEGs at the largest reduction that keeps their longer side at least {side} px, others at full size"
+        ),
+        None => "full size: set decoded_side (the crop's side, say 256) to keep large photos at 1/2 to 1/8 of it".into(),
+    };
+    tracing::info!(
+        stream = %name,
+        "keeping decoded images in up to {} MiB (decoded_cache_mib) for its {} images, each width x height x 3 bytes at its kept scale ({scale}): often 10-20x its file; the first epoch decodes each JPEG whole at that scale",
+        p.rules.decoded_cache_bytes >> 20,
+        p.dataset.len()
+    );
 }
