@@ -41,4 +41,3 @@ pub(super) fn has_adobe_marker(bytes: &[u8]) -> bool {
     }
     false
 }
-
