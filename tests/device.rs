@@ -317,3 +317,59 @@ fn a_forged_release_of_a_batch_replayed_to_a_gpu_ends_only_that_consumer() {
         "and those on its GPU (the GPU's own arena stays)"
     );
 }
+
+/// A guest's device consumers that resume at 0:0 and stop after their
+/// first batch (46 of them, the guest's connection share) hold neither a
+/// decoupled stream nor the owner's trainer that joins it: it is served
+/// as fast as beside never-reading host consumers.
+#[test]
+fn a_guests_device_consumers_that_never_read_hold_no_one_on_a_decoupled_stream() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !common::is_root("running consumers as another uid") {
+        return;
+    }
+    const GUEST: u32 = 65534;
+    let body = crate::decoupled::config(1);
+    let env = Env::start_stand_in(
+        &format!("[broker]\nallow_uids = [{GUEST}]\nmax_connections_per_uid = 64\n{body}"),
+        "1",
+    );
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = bin.path().join("batchcast");
+    std::fs::copy(common::EXE, &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = env.socket().parent().unwrap().to_path_buf();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let idle: Vec<_> = (0..46)
+        .map(|k| {
+            env.own(
+                common::command(&exe)
+                    .args(["consume", "--json", "--socket"])
+                    .arg(env.socket())
+                    .args(["--device", "cuda:0", "--resume", "0:0", "--stop-after", "1"])
+                    .args(["--name", &format!("idle-{k}")])
+                    .env(batchcast::stand_in::ENV, "1")
+                    .env("BATCHCAST_BROKER_UID", "0")
+                    .uid(GUEST)
+                    .gid(GUEST)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    for c in &idle {
+        common::wait_stopped(c.id());
+    }
+    let t0 = std::time::Instant::now();
+    let r = common::report(env.consumer(&["--verify", "--max-batches", "50", "--name", "owner"]));
+    let took = t0.elapsed();
+    assert!(r.ok, "{r:#?}");
+    assert!(
+        took < std::time::Duration::from_secs(10),
+        "the owner took {took:?}"
+    );
+}
