@@ -1294,3 +1294,28 @@ fn a_consumer_that_fails_before_any_batch_prints_only_the_error() {
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
     assert_eq!(report["batches"], 0, "{report}");
 }
+
+/// `batchcast demo --synthetic` says what its comparison shows (the
+/// mechanics: synthetic batches cost nothing to make, so sharing saves
+/// little) and where sharing pays (the image demo), beside its verdict.
+#[test]
+fn the_synthetic_demo_says_what_its_comparison_shows() {
+    let out = common::run(common::command(common::EXE).args([
+        "demo",
+        "--synthetic",
+        "--consumers",
+        "2",
+        "--epochs",
+        "1",
+        "--step-ms",
+        "1",
+    ]));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("shared vs baseline"), "{said}");
+    assert!(
+        said.contains("synthetic batches cost next to nothing to make")
+            && said.contains("`batchcast demo` without --synthetic"),
+        "{said}"
+    );
+}
