@@ -51,6 +51,17 @@ pub enum ExpandError {
     NoCopies,
     #[error("grid.{key} is an empty list")]
     EmptyGrid { key: String },
+    #[error(
+        "zip.{key} has {len} values where zip.{first} has {want}: zip pairs the i-th value of each list, so give them one length (or use grid for every combination)"
+    )]
+    ZipLengths {
+        key: String,
+        len: usize,
+        first: String,
+        want: usize,
+    },
+    #[error("{key} is in both grid and zip; give it in one")]
+    GridAndZip { key: String },
     #[error("grid.{key} would hide the built-in {{{key}}}; rename it")]
     HidesBuiltin { key: String },
     #[error("gpu = {word:?}: use \"round-robin\", \"none\", a GPU index, or a list of indices")]
@@ -246,7 +257,9 @@ fn trainer_batch_size(
     let text = match &t.batch_size {
         Some(v) => substitute(&value_text(v).map_err(|m| m.within("batch_size"))?, vars)?,
         None => match vars.get("batch_size") {
-            Some(v) if t.grid.contains_key("batch_size") => v.clone(),
+            Some(v) if t.grid.contains_key("batch_size") || t.zip.contains_key("batch_size") => {
+                v.clone()
+            }
             _ => return Ok(None),
         },
     };
@@ -280,20 +293,61 @@ fn check_trainer(t: &TrainerSpec) -> Result<(), ExpandError> {
     Ok(())
 }
 
-/// Every combination of the grid's values (one empty one without a grid).
+/// A grid's or zip's list as texts, checked: not empty, not a built-in's name.
+fn list_texts(table: &str, key: &str, values: &[toml::Value]) -> Result<Vec<String>, ExpandError> {
+    if values.is_empty() {
+        return Err(ExpandError::EmptyGrid { key: key.into() });
+    }
+    if matches!(key, "name" | "index" | "gpu" | "batchcast") {
+        return Err(ExpandError::HidesBuiltin { key: key.into() });
+    }
+    values
+        .iter()
+        .map(|v| value_text(v).map_err(|m| m.within(format!("{table}.{key}"))))
+        .collect()
+}
+
+/// The zip's rows: the i-th value of each list together (one empty row
+/// without a zip).
+fn zip_rows(t: &TrainerSpec) -> Result<Vec<BTreeMap<String, String>>, ExpandError> {
+    let mut rows: Vec<BTreeMap<String, String>> = Vec::new();
+    let mut first: Option<(&String, usize)> = None;
+    for (key, values) in &t.zip {
+        if t.grid.contains_key(key) {
+            return Err(ExpandError::GridAndZip { key: key.clone() });
+        }
+        let texts = list_texts("zip", key, values)?;
+        match first {
+            None => {
+                first = Some((key, texts.len()));
+                rows = vec![BTreeMap::new(); texts.len()];
+            }
+            Some((f, want)) if want != texts.len() => {
+                return Err(ExpandError::ZipLengths {
+                    key: key.clone(),
+                    len: texts.len(),
+                    first: f.clone(),
+                    want,
+                });
+            }
+            Some(_) => {}
+        }
+        for (row, v) in rows.iter_mut().zip(texts) {
+            row.insert(key.clone(), v);
+        }
+    }
+    if rows.is_empty() {
+        rows.push(BTreeMap::new());
+    }
+    Ok(rows)
+}
+
+/// Every combination of the grid's values, each with every row of the
+/// zip (one empty one without either).
 fn grid_combinations(t: &TrainerSpec) -> Result<Vec<BTreeMap<String, String>>, ExpandError> {
-    let mut combos: Vec<BTreeMap<String, String>> = vec![BTreeMap::new()];
+    let mut combos: Vec<BTreeMap<String, String>> = zip_rows(t)?;
     for (key, values) in &t.grid {
-        if values.is_empty() {
-            return Err(ExpandError::EmptyGrid { key: key.clone() });
-        }
-        if matches!(key.as_str(), "name" | "index" | "gpu" | "batchcast") {
-            return Err(ExpandError::HidesBuiltin { key: key.clone() });
-        }
-        let texts = values
-            .iter()
-            .map(|v| value_text(v).map_err(|m| m.within(format!("grid.{key}"))))
-            .collect::<Result<Vec<_>, _>>()?;
+        let texts = list_texts("grid", key, values)?;
         combos = combos
             .into_iter()
             .flat_map(|c| {

@@ -80,6 +80,11 @@ pub(super) struct TrainerSpec {
     pub(super) copies: Option<u32>,
     #[serde(default)]
     pub(super) grid: BTreeMap<String, Vec<toml::Value>>,
+    /// Lists of one length whose i-th values go together (a batch size
+    /// with its own learning rate): one trainer per position, crossed
+    /// with `grid`'s combinations.
+    #[serde(default)]
+    pub(super) zip: BTreeMap<String, Vec<toml::Value>>,
     #[serde(default)]
     pub(super) env: BTreeMap<String, toml::Value>,
     pub(super) gpu: Option<GpuSpec>,

@@ -482,6 +482,58 @@ mod tests {
         );
     }
 
+    /// `zip` pairs each batch size with its own learning rate (one
+    /// trainer per position), crossed with `grid`; lists of other lengths
+    /// and a key in both are refused, naming them.
+    #[test]
+    fn a_zip_pairs_each_batch_size_with_its_own_learning_rate() {
+        let s = parse(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\", \"--lr\", \"{lr}\", \"--seed\", \"{seed}\"]\nzip = { batch_size = [32, 64, 128], lr = [0.1, 0.2, 0.4] }\ngrid = { seed = [1, 2] }\n",
+            0,
+        )
+        .unwrap();
+        let got: Vec<(String, String, String)> = s
+            .trainers
+            .iter()
+            .map(|t| {
+                let bs = t
+                    .env
+                    .iter()
+                    .find(|(k, _)| k == "BATCHCAST_BATCH_SIZE")
+                    .map(|(_, v)| v.clone())
+                    .unwrap();
+                (bs, t.argv[2].clone(), t.argv[4].clone())
+            })
+            .collect();
+        let want: Vec<(String, String, String)> = [
+            ("32", "0.1", "1"),
+            ("32", "0.1", "2"),
+            ("64", "0.2", "1"),
+            ("64", "0.2", "2"),
+            ("128", "0.4", "1"),
+            ("128", "0.4", "2"),
+        ]
+        .iter()
+        .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
+        .collect();
+        assert_eq!(got, want);
+        let err = |trainer: &str| match parse(trainer, 0) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{trainer} was not refused"),
+        };
+        let said = err(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\nzip = { batch_size = [32, 64], lr = [0.1] }\n",
+        );
+        assert!(
+            said.contains("zip.lr has 1 values where zip.batch_size has 2"),
+            "{said}"
+        );
+        let said = err(
+            "[[trainer]]\nname = \"m\"\ncommand = [\"sh\"]\nzip = { lr = [0.1] }\ngrid = { lr = [0.2] }\n",
+        );
+        assert!(said.contains("lr is in both grid and zip"), "{said}");
+    }
+
     #[test]
     fn a_grid_over_batch_sizes_sizes_the_streams_ring() {
         let s = parse(
