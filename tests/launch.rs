@@ -1068,3 +1068,85 @@ command = ["{{batchcast}}", "consume", "--json", "--max-batches", "4"]
         }
     }
 }
+
+/// What the live lines and the report show while a trainer holds the
+/// stream (issue 70, item 9): the others are shown waiting and their
+/// stall counts the hold while it lasts (not only once their clients
+/// report it), the cut is an event line with its time (a mark on the
+/// report's axis), and the summary's figures agree with the trainers' own
+/// reports.
+#[test]
+fn a_held_stream_shows_as_waiting_and_stall_and_the_cut_as_an_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let sweep = format!(
+        r#"{}
+[[trainer]]
+name = "steady"
+copies = 2
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1"]
+
+[[trainer]]
+name = "pauses"
+command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1", "--stall-after", "10", "--stall-ms", "8000"]
+"#,
+        stream(3, "hold_limit_s = 3.0")
+    );
+    let (out, summary) = launch(dir.path(), &sweep, &["--status-every", "1", "--report"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = summary.expect("summary.json").shared;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The cut, said when it happened, and kept with its time.
+    let cut = run
+        .events
+        .iter()
+        .find(|e| e.text.contains("pauses was cut to replay"))
+        .unwrap_or_else(|| panic!("no cut among {:?}\n{stdout}", run.events));
+    assert!(cut.t_s > 2.0 && cut.t_s < run.wall_s, "{cut:?}");
+    assert!(stdout.contains("pauses was cut to replay"), "{stdout}");
+    assert!(
+        run.events
+            .iter()
+            .any(|e| e.text.contains("steady-0 joined")),
+        "{:?}",
+        run.events
+    );
+    // While held, the steady ones were shown waiting for data.
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.contains(" steady-") && l.contains("s for data")),
+        "{stdout}"
+    );
+    // Their stall over time shows the hold: a window in which they waited
+    // most of the time, before the cut.
+    for (i, t) in run.trainers.iter().enumerate() {
+        let own = own_report(&t.log);
+        assert!(own.ok && own.verified_samples == own.samples, "{own:?}");
+        assert_eq!(t.samples, own.samples, "{}", t.name);
+        if !t.name.starts_with("steady") {
+            continue;
+        }
+        let worst = run
+            .timeline
+            .windows(3)
+            .filter(|w| w[2].t_s <= cut.t_s + 0.5)
+            .filter_map(|w| {
+                let (a, b) = (w[0].trainers.get(i)?, w[2].trainers.get(i)?);
+                let (wait, busy) = (b[1] - a[1], b[2] - a[2]);
+                (wait + busy > 0.0).then(|| wait / (wait + busy))
+            })
+            .fold(0.0, f64::max);
+        assert!(worst > 0.5, "{}: at most {worst:.2} waiting", t.name);
+        // Once over, the stall is the trainer's own account of it.
+        assert!(
+            (t.wait_s - own.wait_s).abs() < 0.5,
+            "{}: {} against its own {}",
+            t.name,
+            t.wait_s,
+            own.wait_s
+        );
+    }
+    let html = std::fs::read_to_string(dir.path().join("run/report.html")).unwrap();
+    assert!(html.contains("class=\"event\"") && html.contains("What happened"));
+    assert!(html.contains("pauses was cut to replay"));
+}

@@ -234,6 +234,18 @@ pub struct RunSummary {
     /// [`TIMELINE_TICKS`] over a long run): what `--report` plots.
     #[serde(default)]
     pub timeline: Vec<Tick>,
+    /// What happened, when: each line the launcher printed above its
+    /// table (a trainer joined, was cut to replay, detached, ended; a
+    /// broker restarted), marked on the report's time axis.
+    #[serde(default)]
+    pub events: Vec<Event>,
+}
+
+/// A line the launcher printed during a run, seconds after it began.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub t_s: f64,
+    pub text: String,
 }
 
 /// Most ticks a run's timeline keeps: past it, every other one goes and

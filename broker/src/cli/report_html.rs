@@ -121,38 +121,94 @@ fn runs(out: &mut String, s: &Summary) {
         );
     }
     type Plot = fn(&RunSummary) -> Vec<Series>;
-    let plots: [(&str, &str, Plot, Option<f64>); 4] = [
-        ("Samples/s per trainer", "samples/s", rates, None),
-        ("Data stall per trainer", "% waiting", stalls, Some(100.0)),
+    // (title, unit, plot, y top, whether it is the brokers')
+    let plots: [(&str, &str, Plot, Option<f64>, bool); 4] = [
+        ("Samples/s per trainer", "samples/s", rates, None, false),
+        (
+            "Data stall per trainer",
+            "% waiting",
+            stalls,
+            Some(100.0),
+            false,
+        ),
         (
             "Broker CPU by stage",
-            "cores; threads in each stage",
+            "cores, split by the pipeline's time in each stage",
             stages,
             None,
+            true,
         ),
-        ("Broker memory", "MiB", memory, None),
+        ("Broker memory", "MiB", memory, None, true),
     ];
-    for (title, unit, plot, y_max) in plots {
+    for (title, unit, plot, y_max, brokers) in plots {
         let _ = write!(out, "<h2>{title}</h2>\n<div class=\"pair\">");
         for (name, r) in &both {
+            // A run without a broker (a baseline's own loaders) has no
+            // panel to draw: it says so instead.
+            if brokers && r.brokers.is_empty() {
+                let _ = write!(
+                    out,
+                    "<div><p>{name}: no broker in this run (each trainer had its own loader).</p></div>"
+                );
+                continue;
+            }
             let series = plot(r);
-            let _ = write!(out, "<div>{}</div>", chart(name, unit, &series, y_max));
+            let marks: Vec<f64> = r.events.iter().map(|e| e.t_s).collect();
+            let _ = write!(
+                out,
+                "<div>{}</div>",
+                chart(name, unit, &series, (y_max, &marks))
+            );
         }
         out.push_str("</div>\n");
     }
+    for (name, r) in &both {
+        if r.events.is_empty() {
+            continue;
+        }
+        let _ = write!(
+            out,
+            "<h2>What happened ({name})</h2>\n<p>Each is a dashed line on the time axes above.</p><ul>"
+        );
+        for e in &r.events {
+            let _ = write!(out, "<li>{:.1} s: {}</li>", e.t_s, esc(&e.text));
+        }
+        out.push_str("</ul>\n");
+    }
 }
 
-/// Differences of a tick's figure over the time between ticks.
+/// Rates are taken over at least this long: figures that trainers report
+/// every few seconds read 0 between two reports and double after over a
+/// tick's second alone.
+const RATE_WINDOW_S: f64 = 5.0;
+
+/// For each tick, the tick [`RATE_WINDOW_S`] or more before it (the
+/// run's first while it is younger than that).
+fn windows(r: &RunSummary) -> Vec<(usize, usize)> {
+    let t = &r.timeline;
+    let mut from = 0;
+    (1..t.len())
+        .map(|j| {
+            while from + 1 < j && t[j].t_s - t[from + 1].t_s >= RATE_WINDOW_S {
+                from += 1;
+            }
+            (from, j)
+        })
+        .collect()
+}
+
+/// Differences of a tick's figure over a window of ticks, per second.
 fn per_second(
     r: &RunSummary,
     value: impl Fn(&batchcast_kit::report::Tick) -> Option<f64>,
 ) -> Vec<(f64, f64)> {
-    r.timeline
-        .windows(2)
-        .filter_map(|w| {
-            let dt = w[1].t_s - w[0].t_s;
-            let d = value(&w[1])? - value(&w[0])?;
-            (dt > 0.0).then(|| (w[1].t_s, (d / dt).max(0.0)))
+    let t = &r.timeline;
+    windows(r)
+        .into_iter()
+        .filter_map(|(i, j)| {
+            let dt = t[j].t_s - t[i].t_s;
+            let d = value(&t[j])? - value(&t[i])?;
+            (dt > 0.0).then(|| (t[j].t_s, (d / dt).max(0.0)))
         })
         .collect()
 }
@@ -170,41 +226,65 @@ fn stalls(r: &RunSummary) -> Vec<Series> {
     (0..r.trainers.len())
         .map(|i| Series {
             name: r.trainers[i].name.clone(),
-            points: r
-                .timeline
-                .windows(2)
-                .filter_map(|w| {
-                    let (a, b) = (w[0].trainers.get(i)?, w[1].trainers.get(i)?);
+            points: windows(r)
+                .into_iter()
+                .filter_map(|(from, to)| {
+                    let t = &r.timeline;
+                    let (a, b) = (t[from].trainers.get(i)?, t[to].trainers.get(i)?);
                     let (wait, busy) = (b[1] - a[1], b[2] - a[2]);
-                    (wait + busy > 1e-3).then(|| (w[1].t_s, 100.0 * wait / (wait + busy)))
+                    (wait + busy > 1e-3).then(|| (t[to].t_s, 100.0 * wait / (wait + busy)))
                 })
                 .collect(),
         })
         .collect()
 }
 
-/// Every broker of the run together: its CPU, and its threads in each
-/// stage.
+/// Every broker of the run together: its CPU (what /proc says), and that
+/// CPU split by its pipeline threads' time in each stage over the same
+/// window, so the stages add up to the CPU (the stage clock is wall time:
+/// a thread waiting for a core or a read counts in it, and stats read
+/// between two ticks can put seconds of it in one).
 fn stages(r: &RunSummary) -> Vec<Series> {
-    let sum = |f: fn(&batchcast_kit::report::BrokerTick) -> f64| {
-        move |t: &batchcast_kit::report::Tick| Some(t.brokers.iter().map(f).sum::<f64>())
+    let t = &r.timeline;
+    let sum = |k: &batchcast_kit::report::Tick,
+               f: &dyn Fn(&batchcast_kit::report::BrokerTick) -> f64| {
+        k.brokers.iter().map(f).sum::<f64>()
     };
+    let mut cpu = Vec::new();
+    let mut by_stage: [Vec<(f64, f64)>; 3] = Default::default();
+    for (i, j) in windows(r) {
+        let dt = t[j].t_s - t[i].t_s;
+        if dt <= 0.0 {
+            continue;
+        }
+        let cores = (sum(&t[j], &|b| b.cpu_s) - sum(&t[i], &|b| b.cpu_s)).max(0.0) / dt;
+        cpu.push((t[j].t_s, cores));
+        let d: Vec<f64> = (0..3)
+            .map(|s| (sum(&t[j], &|b| b.stages[s]) - sum(&t[i], &|b| b.stages[s])).max(0.0))
+            .collect();
+        let all: f64 = d.iter().sum();
+        for (s, points) in by_stage.iter_mut().enumerate() {
+            let share = if all > 0.0 { d[s] / all } else { 0.0 };
+            points.push((t[j].t_s, cores * share));
+        }
+    }
+    let [reading, decoding, transforming] = by_stage;
     vec![
         Series {
             name: "broker CPU".into(),
-            points: per_second(r, sum(|b| b.cpu_s)),
+            points: cpu,
         },
         Series {
             name: "reading".into(),
-            points: per_second(r, sum(|b| b.stages[0])),
+            points: reading,
         },
         Series {
             name: "decoding".into(),
-            points: per_second(r, sum(|b| b.stages[1])),
+            points: decoding,
         },
         Series {
             name: "transforming".into(),
-            points: per_second(r, sum(|b| b.stages[2])),
+            points: transforming,
         },
     ]
 }
@@ -237,7 +317,12 @@ const H: f64 = 240.0;
 const M: (f64, f64, f64, f64) = (52.0, 26.0, 120.0, 30.0);
 
 /// A line chart of `series` over seconds, with axes, ticks and a legend.
-fn chart(title: &str, unit: &str, series: &[Series], y_max: Option<f64>) -> String {
+fn chart(
+    title: &str,
+    unit: &str,
+    series: &[Series],
+    (y_max, marks): (Option<f64>, &[f64]),
+) -> String {
     let all = || series.iter().flat_map(|s| &s.points);
     let (x_max, x_step) = axis(all().map(|p| p.0).fold(0.0, f64::max));
     let (y_top, y_step) = match y_max {
@@ -301,6 +386,16 @@ fn chart(title: &str, unit: &str, series: &[Series], y_max: Option<f64>) -> Stri
             tx = W - M.2 + 24.0,
             ty = M.1 + 9.0 + 16.0 * k as f64,
             n = esc(&s.name)
+        );
+    }
+    // Events (a trainer cut, detached, ended; a broker restarted).
+    for &m in marks.iter().filter(|&&m| m <= x_max) {
+        let _ = write!(
+            svg,
+            "<line class=\"event\" x1=\"{xx:.1}\" y1=\"{}\" x2=\"{xx:.1}\" y2=\"{}\" stroke=\"#b00\" stroke-dasharray=\"3,3\"/>",
+            M.1,
+            M.1 + ph,
+            xx = x(m)
         );
     }
     if series.iter().all(|s| s.points.is_empty()) {
@@ -405,10 +500,116 @@ mod tests {
                 points: vec![(1.0, 5.0), (2.0, 500.0)],
             },
         ];
-        let svg = chart("rate", "samples/s", &series, Some(100.0));
+        let svg = chart("rate", "samples/s", &series, (Some(100.0), &[]));
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("t&lt;0&gt;") && !svg.contains("t<0>"));
         // 500 is clipped to the top of a 0-100 axis (y = the top margin).
         assert!(svg.contains(&format!("{:.1},{:.1}", W - M.2, M.1)), "{svg}");
+    }
+
+    /// A run whose trainer reports every 2 s, ticked every second, whose
+    /// broker's stage clock ran ahead of its CPU (3 s of decoding in a
+    /// second of one thread), with a cut at 6 s.
+    fn run(brokers: bool) -> RunSummary {
+        use batchcast_kit::report::{BrokerTick, Event, Mode, Tick};
+        let timeline = (0..20u32)
+            .map(|k| {
+                let s = f64::from(k);
+                Tick {
+                    t_s: s,
+                    trainers: vec![[f64::from(k / 2 * 200), 0.1 * s, 0.9 * s]],
+                    brokers: if brokers {
+                        vec![BrokerTick {
+                            cpu_s: 0.9 * s,
+                            stages: [0.1 * s, 3.0 * s, 0.4 * s],
+                            ..BrokerTick::default()
+                        }]
+                    } else {
+                        Vec::new()
+                    },
+                }
+            })
+            .collect();
+        RunSummary {
+            mode: if brokers {
+                Mode::Shared
+            } else {
+                Mode::Baseline
+            },
+            dir: "run".into(),
+            wall_s: 19.0,
+            samples: 1800,
+            samples_per_s: 95.0,
+            cpu_s: 20.0,
+            cpu_ms_per_sample: Some(11.0),
+            failed: 0,
+            interrupted: false,
+            trainers: Vec::new(),
+            brokers: Vec::new(),
+            timeline,
+            events: vec![Event {
+                t_s: 6.0,
+                text: "t-0 was cut to replay".into(),
+            }],
+        }
+    }
+
+    /// Rates span several reports (no 0 / 200 sawtooth); the stages add
+    /// up to the broker's CPU; a cut is a mark on the time axis and a
+    /// line of what happened; a run without a broker gets no broker panel.
+    #[test]
+    fn rates_are_smooth_stages_add_up_to_the_cpu_and_events_are_marked() {
+        let r = run(true);
+        let rates: Vec<f64> = per_second(&r, |t| Some(t.trainers[0][0]))
+            .into_iter()
+            .map(|p| p.1)
+            .collect();
+        for v in &rates[5..] {
+            assert!((80.0..=120.0).contains(v), "{rates:?}");
+        }
+        let st = stages(&r);
+        for k in 0..st[0].points.len() {
+            let cpu = st[0].points[k].1;
+            let parts: f64 = st[1..].iter().map(|s| s.points[k].1).sum();
+            assert!(
+                (cpu - 0.9).abs() < 1e-9 && (parts - cpu).abs() < 1e-9,
+                "{k}"
+            );
+            assert!(st[2].points[k].1 <= cpu, "decoding above the CPU");
+        }
+        let mut summary_shared = r.clone();
+        summary_shared.brokers = vec![batchcast_kit::report::BrokerSummary {
+            socket: "b.sock".into(),
+            pid: 1,
+            started: true,
+            restarts: 0,
+            cpu_s: 17.0,
+            batches_produced: 0,
+            deliveries: 0,
+            images_decoded: 0,
+            cache_hits: 0,
+            bad_files_skipped: 0,
+            last_stats: None,
+            run_queue_s: Default::default(),
+        }];
+        let mut html = String::new();
+        runs(
+            &mut html,
+            &Summary {
+                sweep: "s.toml".into(),
+                on_failure: Default::default(),
+                exit_code: 0,
+                shared: summary_shared,
+                baseline: Some(run(false)),
+                comparison: None,
+            },
+        );
+        assert!(html.contains("class=\"event\""), "no event mark");
+        assert!(html.contains("6.0 s: t-0 was cut to replay"));
+        assert_eq!(
+            html.matches("baseline: no broker in this run").count(),
+            2,
+            "the baseline's two broker panels say so instead"
+        );
     }
 }

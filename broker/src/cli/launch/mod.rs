@@ -12,6 +12,7 @@
 mod brokers;
 mod expand;
 mod file;
+mod pulse;
 mod run;
 pub mod spec;
 mod trainer;

@@ -82,6 +82,7 @@ pub(super) fn run_mode(
         trainers: trainer_summaries,
         brokers: broker_summaries,
         timeline: timeline.ticks,
+        events: view.said_since(t0),
     })
 }
 
@@ -233,7 +234,11 @@ fn supervise(
             }
             for t in trainers.iter_mut() {
                 match t.broker {
-                    Some(b) => refresh(t, &brokers[b]),
+                    Some(b) => {
+                        for news in refresh(t, &brokers[b]) {
+                            view.event(&news);
+                        }
+                    }
                     // Its own loader (a baseline): what it reports.
                     None => super::trainer::refresh_from_report(t),
                 }

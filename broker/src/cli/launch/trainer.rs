@@ -16,6 +16,7 @@ use nix::sys::signal::Signal;
 use serde::Deserialize;
 
 use super::brokers::BrokerRun;
+use super::pulse::{Glimpse, Pulse};
 use super::spec::TrainerPlan;
 use super::view;
 use super::{Mode, Stop, TrainerSummary};
@@ -104,9 +105,9 @@ pub(super) struct Trainer {
     pub(super) stopping: bool,
     pub(super) seen: Seen,
     pub(super) account: Account,
-    /// (when, samples) at the previous refresh, for the current rate.
-    pub(super) prev: (Instant, u64),
-    pub(super) rate: f64,
+    /// Its rate over a window, whether it waits on a held stream or is
+    /// stopped, and what the broker said last (for events).
+    pub(super) pulse: Pulse,
     pub(super) log_tail: Option<String>,
 }
 
@@ -159,6 +160,9 @@ pub(super) fn spawn_trainer(
         .spawn()
         .with_context(|| format!("running {:?} in {}", argv, plan.cwd.display()))?;
     let now = Instant::now();
+    // Its rate counts from its start.
+    let mut pulse = Pulse::default();
+    pulse.count(now, 0);
     Ok(Trainer {
         plan: plan.clone(),
         argv,
@@ -174,8 +178,7 @@ pub(super) fn spawn_trainer(
         stopping: false,
         seen: Seen::default(),
         account: Account::default(),
-        prev: (now, 0),
-        rate: 0.0,
+        pulse,
         log_tail: None,
     })
 }
@@ -257,20 +260,25 @@ fn killpg(pgid: u32, sig: Signal) {
 }
 
 /// Updates a trainer's numbers from its broker's latest stats.
-/// What the run's timeline keeps of a trainer now: samples, wait, busy.
+/// What the run's timeline keeps of a trainer now: samples, wait (with
+/// the wait on a held stream so far, which its client reports only once
+/// the next batch comes), busy.
 pub(super) fn tick(t: &Trainer) -> [f64; 3] {
-    [t.seen.samples as f64, t.seen.wait_s, t.seen.busy_s]
+    let wait = t.seen.wait_s + t.pulse.waiting_s(Instant::now());
+    [t.seen.samples as f64, wait, t.seen.busy_s]
 }
 
-pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
+/// Updates a trainer's numbers from its broker's latest stats; returns
+/// the events they make (it joined, was cut, was detached).
+pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) -> Vec<String> {
     t.seen.broker_down = b.down();
     let Some(st) = b.stream(&t.plan.stream) else {
-        return;
+        return Vec::new();
     };
     if b.down() {
         // Its last stats, seen already; it reads at most what it was sent.
-        t.rate = 0.0;
-        return;
+        t.pulse.count(Instant::now(), t.seen.samples);
+        return Vec::new();
     }
     let a = &mut t.account;
     if a.broker != b.restarts {
@@ -281,6 +289,7 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
     }
     let mut now = BrokerSums::default();
     let (mut connected, mut held, mut any) = (false, 0, false);
+    let (mut cuts, mut detached, mut unread) = (0, None, false);
     for c in st
         .consumers
         .iter()
@@ -290,6 +299,12 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
         any = true;
         connected |= c.left.is_none();
         held += c.held;
+        cuts += c.cuts;
+        // Sent batches its program has not taken yet.
+        unread |= c.left.is_none() && c.batches > c.taken.batches;
+        if c.left.as_deref().is_some_and(|l| l.starts_with("detached")) {
+            detached.clone_from(&c.left);
+        }
         now.add(BrokerSums {
             replayed: c.replayed,
             wait_s: c.wait_s,
@@ -301,7 +316,7 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
             .or_insert(c.taken);
     }
     if !any && !t.seen.subscribed {
-        return;
+        return Vec::new();
     }
     a.now = now;
     let mut all = a.before;
@@ -321,17 +336,21 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) {
         busy_s: all.busy_s,
     };
     // What a trainer took never goes back (its clients count it), so
-    // neither does the table; its rate is over the last half second or more.
-    let now = Instant::now();
-    let dt = now.duration_since(t.prev.0).as_secs_f64();
-    if dt >= 0.5 {
-        t.rate = seen.samples.saturating_sub(t.prev.1) as f64 / dt;
-        t.prev = (now, seen.samples);
-    }
+    // neither does the table; its rate is over a window of several reports.
+    let glimpse = Glimpse {
+        samples: seen.samples,
+        epoch: seen.epoch,
+        connected,
+        cuts,
+        detached: detached.filter(|_| !connected),
+        unread,
+    };
+    let news = t.pulse.see(Instant::now(), t.pid, &t.plan.name, &glimpse);
     if t.state == State::Starting {
         t.state = State::Running;
     }
     t.seen = seen;
+    news
 }
 
 /// Updates a trainer the broker does not see (its own loader, in a
@@ -345,19 +364,10 @@ pub(super) fn refresh_from_report(t: &mut Trainer) {
     else {
         return;
     };
-    let now = Instant::now();
     let samples = r.samples.max(t.seen.samples);
     // The report changes every few seconds, the table every second: the
-    // rate is taken between changes (it read 0 between them), and falls
-    // to 0 only when the report has not moved for `REPORT_STILL`.
-    let dt = now.duration_since(t.prev.0).as_secs_f64();
-    if samples > t.prev.1 && dt >= 0.5 {
-        t.rate = (samples - t.prev.1) as f64 / dt;
-        t.prev = (now, samples);
-    } else if dt >= REPORT_STILL.as_secs_f64() {
-        t.rate = 0.0;
-        t.prev = (now, samples);
-    }
+    // rate is over a window that spans several reports.
+    t.pulse.count(Instant::now(), samples);
     t.seen.batches = r.batches.max(t.seen.batches);
     t.seen.samples = samples;
     t.seen.wait_s = r.wait_s;
@@ -367,10 +377,6 @@ pub(super) fn refresh_from_report(t: &mut Trainer) {
         t.state = State::Running;
     }
 }
-
-/// How long a trainer's report may stay unchanged before its live rate
-/// reads 0 (examples/train_torch.py rewrites it every 2 s).
-const REPORT_STILL: Duration = Duration::from_secs(6);
 
 /// What a trainer may write to `$BATCHCAST_REPORT` when the broker does
 /// not see its data (its own loader, in a baseline run).
@@ -447,14 +453,25 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
     trainers
         .iter()
         .map(|t| {
-            let total = t.seen.wait_s + t.seen.busy_s;
+            // The wait on a held stream so far counts as stall now, not
+            // only once its client reports it with the next batch.
+            let waiting = t.pulse.waiting_s(Instant::now());
+            let wait = t.seen.wait_s + waiting;
+            let total = wait + t.seen.busy_s;
             view::Row {
                 name: t.plan.name.clone(),
                 state: match &t.state {
                     State::Starting => "starting".into(),
+                    State::Running if t.pulse.stopped => "stopped (SIGSTOP)".into(),
                     State::Running if t.seen.broker_down => "waiting for its broker".into(),
                     State::Running if t.seen.reconnecting => "reconnecting".into(),
+                    State::Running if !t.seen.connected && t.pulse.detached().is_some() => {
+                        "detached".into()
+                    }
                     State::Running if !t.seen.connected => "finishing".into(),
+                    State::Running if waiting > 0.0 => {
+                        format!("waiting {waiting:.0} s for data")
+                    }
                     State::Running => "running".into(),
                     State::Done => "done".into(),
                     State::Failed(why) => format!("FAILED: {why}"),
@@ -463,10 +480,14 @@ pub(super) fn rows(trainers: &[Trainer]) -> Vec<view::Row> {
                 epoch: t.seen.subscribed.then_some(t.seen.epoch),
                 batches: t.seen.batches,
                 replayed: t.seen.replayed,
-                rate: if t.child.is_some() { t.rate } else { 0.0 },
+                rate: if t.child.is_some() {
+                    t.pulse.rate()
+                } else {
+                    0.0
+                },
                 // Until it has trained at all, its stall says nothing (it
                 // was 100 % on a first refresh: waiting for the first batch).
-                stall_pct: (t.seen.busy_s > 0.0).then(|| 100.0 * t.seen.wait_s / total),
+                stall_pct: (t.seen.busy_s > 0.0).then(|| 100.0 * wait / total),
                 held: t.seen.held,
                 gpu: t.plan.gpu.clone(),
             }

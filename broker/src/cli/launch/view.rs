@@ -31,6 +31,9 @@ pub struct View {
     last_plain: Option<Instant>,
     /// Time between status lines when output is not a terminal.
     plain_every: Duration,
+    /// Every event line, with when it was said (for the run's summary and
+    /// the marks on its report's time axis).
+    said: Vec<(Instant, String)>,
 }
 
 impl View {
@@ -40,11 +43,25 @@ impl View {
             drawn: 0,
             last_plain: None,
             plain_every,
+            said: Vec::new(),
         }
+    }
+
+    /// The events said since `t0`, as seconds from it.
+    pub fn said_since(&self, t0: Instant) -> Vec<batchcast_kit::report::Event> {
+        self.said
+            .iter()
+            .filter(|(t, _)| *t >= t0)
+            .map(|(t, text)| batchcast_kit::report::Event {
+                t_s: t.duration_since(t0).as_secs_f64(),
+                text: text.clone(),
+            })
+            .collect()
     }
 
     /// A line that stays (above the table on a terminal).
     pub fn event(&mut self, msg: &str) {
+        self.said.push((Instant::now(), msg.to_string()));
         let mut out = std::io::stdout().lock();
         self.erase(&mut out);
         let _ = writeln!(out, "{msg}");
