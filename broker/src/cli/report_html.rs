@@ -162,7 +162,12 @@ fn runs(out: &mut String, s: &Summary) {
         }
         out.push_str("</div>\n");
     }
-    for (name, r) in &both {
+    events(out, &both);
+}
+
+/// Each run's events, listed with their times.
+fn events(out: &mut String, both: &[(&str, &RunSummary)]) {
+    for (name, r) in both {
         if r.events.is_empty() {
             continue;
         }
@@ -353,16 +358,7 @@ fn chart(
             v = short(v)
         );
     }
-    for i in 0..=(x_max / x_step).round() as u32 {
-        let s = x_step * f64::from(i);
-        let _ = write!(
-            svg,
-            "<text x=\"{xx:.1}\" y=\"{ty}\" text-anchor=\"middle\">{} s</text>",
-            short(s),
-            xx = x(s),
-            ty = H - 10.0
-        );
-    }
+    svg.push_str(&seconds_axis((x_max, x_step), &x));
     let _ = write!(
         svg,
         "<rect x=\"{}\" y=\"{}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"#999\"/>",
@@ -390,13 +386,7 @@ fn chart(
     }
     // Events (a trainer cut, detached, ended; a broker restarted).
     for &m in marks.iter().filter(|&&m| m <= x_max) {
-        let _ = write!(
-            svg,
-            "<line class=\"event\" x1=\"{xx:.1}\" y1=\"{}\" x2=\"{xx:.1}\" y2=\"{}\" stroke=\"#b00\" stroke-dasharray=\"3,3\"/>",
-            M.1,
-            M.1 + ph,
-            xx = x(m)
-        );
+        svg.push_str(&mark(x(m), ph));
     }
     if series.iter().all(|s| s.points.is_empty()) {
         let _ = write!(
@@ -408,6 +398,31 @@ fn chart(
     }
     svg.push_str("</svg>");
     svg
+}
+
+/// The time axis's labels, every `step` up to `max` seconds, placed by `x`.
+fn seconds_axis((max, step): (f64, f64), x: &dyn Fn(f64) -> f64) -> String {
+    let mut out = String::new();
+    for i in 0..=(max / step).round() as u32 {
+        let s = step * f64::from(i);
+        let _ = write!(
+            out,
+            "<text x=\"{xx:.1}\" y=\"{ty}\" text-anchor=\"middle\">{} s</text>",
+            short(s),
+            xx = x(s),
+            ty = H - 10.0
+        );
+    }
+    out
+}
+
+/// An event's dashed line across a plot of height `ph`, at `xx`.
+fn mark(xx: f64, ph: f64) -> String {
+    format!(
+        "<line class=\"event\" x1=\"{xx:.1}\" y1=\"{}\" x2=\"{xx:.1}\" y2=\"{}\" stroke=\"#b00\" stroke-dasharray=\"3,3\"/>",
+        M.1,
+        M.1 + ph
+    )
 }
 
 /// Horizontal bars, one per row, scaled to the largest.

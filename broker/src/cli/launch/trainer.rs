@@ -78,6 +78,18 @@ pub(super) struct Account {
     broker: u32,
 }
 
+impl Account {
+    /// The broker now serving is the run's `restarts`-th: a new one
+    /// keeps the old one's figures as last seen.
+    fn serving(&mut self, restarts: u32) {
+        if self.broker != restarts {
+            let now = std::mem::take(&mut self.now);
+            self.before.add(now);
+            self.broker = restarts;
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum State {
     Starting,
@@ -281,12 +293,7 @@ pub(super) fn refresh(t: &mut Trainer, b: &BrokerRun) -> Vec<String> {
         return Vec::new();
     }
     let a = &mut t.account;
-    if a.broker != b.restarts {
-        // A new broker: the old one's figures are kept as last seen.
-        let now = std::mem::take(&mut a.now);
-        a.before.add(now);
-        a.broker = b.restarts;
-    }
+    a.serving(b.restarts);
     let mut now = BrokerSums::default();
     let (mut connected, mut held, mut any) = (false, 0, false);
     let (mut cuts, mut detached, mut unread) = (0, None, false);
