@@ -50,7 +50,6 @@
 //!   and a joiner whose catch-up replay goes on is waited for. A cut one
 //!   merges back by the rule above. Without a limit (`inf`) nothing is.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{Position, ServerMsg};
@@ -62,7 +61,6 @@ use super::rotate::{self, merge_from};
 use super::{Inner, Stream};
 use crate::config::Pace as PaceRule;
 use crate::hub::{ConsumerId, Hub};
-use crate::plan::StreamPlan;
 
 /// How old the unit in the ring's next slot must be before the consumers
 /// that owe it are cut.
@@ -96,92 +94,12 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         && (queued > 0 || unread(c) > 0)
 }
 
-/// Decoupled pace's bookkeeping of the ring.
-#[derive(Debug, Default)]
-pub(super) struct Pace {
-    /// When each of the last units of the ring was made.
-    made_at: VecDeque<(u64, Instant)>,
-    /// The unit in the ring's next slot that consumers who cannot be cut
-    /// keep the pipeline from reusing, and since when (the hold limit runs
-    /// from there).
-    pinned: Option<(u64, Instant)>,
-    /// When the hold that the last round at the limit ended began: the
-    /// next unit pinned, if it was made before then, is counted from there
-    /// (its owers kept the others waiting all along, behind the unit just
-    /// freed), so consumers stalled at different places are all cut by
-    /// one bound, not each by one of its own in turn.
-    carried: Option<Instant>,
-}
-
-impl Pace {
-    /// Unit `seq` was made (decoupled pace: its age decides a cut).
-    pub(super) fn made(&mut self, plan: &StreamPlan, seq: u64) {
-        if plan.pace != PaceRule::Decoupled && plan.hold_limit.is_none() {
-            return;
-        }
-        self.made_at.push_back((seq, Instant::now()));
-        while self.made_at.len() > plan.slots as usize {
-            self.made_at.pop_front();
-        }
-    }
-
-    /// Whether unit `seq` was made less than [`CUT_AFTER`] ago (one made
-    /// longer ago than the ring remembers is old enough).
-    fn young(&self, seq: u64) -> bool {
-        self.made_at
-            .iter()
-            .find(|(s, _)| *s == seq)
-            .is_some_and(|(_, t)| t.elapsed() < CUT_AFTER)
-    }
-
-    /// Since when unit `seq` has been pinned (from now, if it was not, or
-    /// from the hold carried over a round at the limit where `seq` was
-    /// made before it began), and whether that is a carried hold.
-    fn pinned_since(&mut self, seq: u64) -> (Instant, bool) {
-        match self.pinned {
-            Some((s, t)) if s == seq => (t, self.carried.is_some()),
-            _ => {
-                let made = self.made_at.iter().find(|(s, _)| *s == seq).map(|p| p.1);
-                let from = self.carried.filter(|&c| made.is_none_or(|m| m <= c));
-                if from.is_none() {
-                    self.carried = None;
-                }
-                (
-                    self.pinned
-                        .insert((seq, from.unwrap_or_else(Instant::now)))
-                        .1,
-                    from.is_some(),
-                )
-            }
-        }
-    }
-
-    /// Nothing pins the ring: the next pin starts a hold of its own.
-    fn unpin(&mut self) {
-        self.pinned = None;
-        self.carried = None;
-    }
-
-    /// A round at the limit freed the ring: the hold that began at `since`
-    /// carries over to the next unit pinned (see `carried`).
-    fn carry(&mut self, since: Instant) {
-        self.pinned = None;
-        self.carried = Some(since);
-    }
-
-    /// Unit `seq`'s holders start a hold of their own, from now.
-    fn restart(&mut self, seq: u64) {
-        self.pinned = Some((seq, Instant::now()));
-        self.carried = None;
-    }
-}
-
 /// The pipeline waits for the ring's next slot: cuts the consumers that
 /// owe its unit if the rules allow (decoupled: at once; lockstep: once
 /// it was pinned for the hold limit), or detaches those that cannot be
 /// cut once they have pinned it for the hold limit (see the module's).
 /// Whether it did either.
-pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
+pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
     let eager = s.plan.pace == PaceRule::Decoupled;
     let limit = s.plan.hold_limit;
     if !eager && limit.is_none() {
@@ -191,7 +109,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
         inner.pace.unpin();
         return false;
     };
-    if eager && inner.pace.young(seq) {
+    if eager && inner.pace.younger_than(seq, CUT_AFTER, now) {
         return false;
     }
     let Inner { hub, conns, .. } = &mut *inner;
@@ -204,8 +122,8 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
     // Someone waits for data while these pin the ring: counted from
     // when this unit was first pinned, or from the start of a hold a
     // round at the limit carried over to it.
-    let (since, carried) = inner.pace.pinned_since(seq);
-    let held = since.elapsed();
+    let (since, carried) = inner.pace.pinned_since(seq, now);
+    let held = now.saturating_duration_since(since);
     let past = limit.is_some_and(|l| held >= l);
     if !eager && !past {
         return false;
@@ -233,7 +151,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner) -> bool {
             // Those that took the unit may be moving: a hold carried from
             // behind another is not theirs to be detached for. They get a
             // bound of their own; the others are cut now.
-            inner.pace.restart(seq);
+            inner.pace.restart(seq, now);
             let mut any = false;
             for id in can {
                 any |= cut(s, inner, id);

@@ -223,7 +223,7 @@ impl<'a> Worker<'a> {
                     inner.fill.fill_ns = fill_ns;
                     inner.fill.cpu += spent;
                     inner.hub.finish_batch(work.seq, samples);
-                    inner.pace.made(&s.plan, work.seq);
+                    inner.pace.made(work.seq, Instant::now());
                 }),
                 Err(e) => {
                     // The slot stays in `Filling`: nobody ever sees a torn batch.
@@ -360,7 +360,7 @@ impl<'a> Worker<'a> {
             }
             blocked_since.get_or_insert(now);
             // Decoupled pace: one a ring behind is cut, not waited for.
-            if free == 0 && decouple::cut_laggards(s, &mut inner) {
+            if free == 0 && decouple::cut_laggards(s, &mut inner, now) {
                 settle(&mut inner, true);
                 continue;
             }
@@ -381,6 +381,7 @@ impl<'a> Worker<'a> {
         if let Some(t) = blocked_since {
             inner.fill.blocked += t.elapsed();
         }
+        inner.pace.begun(work.seq, s.plan.slots, Instant::now());
         Some(Job::Shared(work))
     }
 

@@ -26,8 +26,11 @@
 //!   order.
 //! * `rotate`: rotated epochs: a replayed consumer rotated into an epoch
 //!   the ring holds, its start replayed after its end.
-//! * `decouple`: decoupled pace (`Pace`): cutting a consumer
-//!   that fell a ring behind, merging it back, the hold limit.
+//! * `decouple`: decoupled pace: cutting a consumer that fell a ring
+//!   behind, merging it back, the hold limit.
+//! * `hold`: the hold clock (`HoldClock`), with no clock inside: when
+//!   units were begun and made, which unit pins the ring since when, the
+//!   hold a round at the limit carries over.
 //! * `subscribe`: a consumer joining: what is made outside the lock, then
 //!   the hub, then replay.
 //! * `fill`: pipeline threads (`Filling`: their counts and clocks;
@@ -56,6 +59,7 @@ mod decouple;
 mod deliver;
 mod error;
 mod fill;
+mod hold;
 mod mirror;
 mod outbox;
 mod port;
@@ -104,8 +108,8 @@ struct Inner {
     fill: fill::Filling,
     /// GPU copies: a device ring per GPU.
     mirrors: mirror::Mirrors,
-    /// Decoupled pace's bookkeeping: when units were made, what is pinned.
-    pace: decouple::Pace,
+    /// The hold clock: when units were begun and made, what is pinned.
+    pace: hold::HoldClock,
     /// Replayed batches being made, and their CPU.
     replay: replay::Load,
     /// What the hub emitted and mailboxes released, on their way.
@@ -177,7 +181,7 @@ impl Inner {
             records: Records::default(),
             fill: fill::Filling::new(workers),
             mirrors: mirror::Mirrors::default(),
-            pace: decouple::Pace::default(),
+            pace: hold::HoldClock::default(),
             replay: replay::Load::default(),
             deliver: deliver::Dispatch::default(),
         }

@@ -11,7 +11,7 @@
 //! producer's first request, before any consumer can see the stream.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use batchcast::FillSlot;
 use batchcast::proto::Rejoin;
@@ -79,16 +79,20 @@ impl Port<'_> {
             }
             // A consumer that kept the producer waiting past the hold
             // limit is detached (nothing here can be recomputed for it).
-            if !inner.hub.has_free_slot() && decouple::cut_laggards(s, inner) {
+            let now = Instant::now();
+            if !inner.hub.has_free_slot() && decouple::cut_laggards(s, inner, now) {
                 settle(inner, true);
             }
             Ok(match inner.hub.start_batch() {
-                Some(w) => Acquire::Slot(FillSlot {
-                    seq: w.seq,
-                    epoch: w.epoch,
-                    index: w.index,
-                    slot: w.slot,
-                    readers: inner.hub.members(),
+                Some(w) => Acquire::Slot({
+                    inner.pace.begun(w.seq, s.plan.slots, now);
+                    FillSlot {
+                        seq: w.seq,
+                        epoch: w.epoch,
+                        index: w.index,
+                        slot: w.slot,
+                        readers: inner.hub.members(),
+                    }
                 }),
                 None => {
                     // Mailbox consumers may have released already, and ring
@@ -137,6 +141,7 @@ impl Port<'_> {
         self.s.with_hub(|inner| {
             inner.fill.add_blocked(blocked);
             inner.hub.finish_batch(slot.seq, samples);
+            inner.pace.made(slot.seq, Instant::now());
         });
     }
 
