@@ -318,10 +318,11 @@ fn a_forged_release_of_a_batch_replayed_to_a_gpu_ends_only_that_consumer() {
     );
 }
 
-/// A guest's device consumers that resume at 0:0 and stop after their
-/// first batch (46 of them, the guest's connection share) hold neither a
-/// decoupled stream nor the owner's trainer that joins it: it is served
-/// as fast as beside never-reading host consumers.
+/// A guest's device consumers that resume at 0:0 and never read (46 of
+/// them, the guest's connection share: half stopped before their first
+/// notice, half after one batch) hold neither a decoupled stream nor the
+/// owner's trainer that joins it at the next epoch of a stream that does
+/// not end: it is served as fast as beside never-reading host consumers.
 #[test]
 fn a_guests_device_consumers_that_never_read_hold_no_one_on_a_decoupled_stream() {
     use std::os::unix::fs::PermissionsExt;
@@ -330,7 +331,11 @@ fn a_guests_device_consumers_that_never_read_hold_no_one_on_a_decoupled_stream()
         return;
     }
     const GUEST: u32 = 65534;
-    let body = crate::decoupled::config(1);
+    let body = common::small_images(40, 410)
+        .epochs(100_000)
+        .key("min_consumers", 1)
+        .raw("pace = \"decoupled\"")
+        .to_toml();
     let env = Env::start_stand_in(
         &format!("[broker]\nallow_uids = [{GUEST}]\nmax_connections_per_uid = 64\n{body}"),
         "1",
@@ -344,11 +349,20 @@ fn a_guests_device_consumers_that_never_read_hold_no_one_on_a_decoupled_stream()
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     let idle: Vec<_> = (0..46)
         .map(|k| {
+            // Half never take a first notice, half stop after one batch.
+            let stop = if k % 2 == 0 { "0" } else { "1" };
             env.own(
                 common::command(&exe)
                     .args(["consume", "--json", "--socket"])
                     .arg(env.socket())
-                    .args(["--device", "cuda:0", "--resume", "0:0", "--stop-after", "1"])
+                    .args([
+                        "--device",
+                        "cuda:0",
+                        "--resume",
+                        "0:0",
+                        "--stop-after",
+                        stop,
+                    ])
                     .args(["--name", &format!("idle-{k}")])
                     .env(batchcast::stand_in::ENV, "1")
                     .env("BATCHCAST_BROKER_UID", "0")
@@ -365,7 +379,15 @@ fn a_guests_device_consumers_that_never_read_hold_no_one_on_a_decoupled_stream()
         common::wait_stopped(c.id());
     }
     let t0 = std::time::Instant::now();
-    let r = common::report(env.consumer(&["--verify", "--max-batches", "50", "--name", "owner"]));
+    let r = common::report(env.consumer(&[
+        "--verify",
+        "--join",
+        "next-epoch",
+        "--max-batches",
+        "50",
+        "--name",
+        "owner",
+    ]));
     let took = t0.elapsed();
     assert!(r.ok, "{r:#?}");
     assert!(

@@ -56,7 +56,8 @@ pub struct ConsumeArgs {
     pub stall_ms: u64,
     /// After releasing batch N (and those beyond --hold), stop this
     /// process with SIGSTOP (as Ctrl-Z or a debugger would) until it is
-    /// sent SIGCONT: for tests of a paused trainer
+    /// sent SIGCONT: for tests of a paused trainer (0: once subscribed,
+    /// before its first batch)
     #[arg(long, hide = true)]
     pub stop_after: Option<u64>,
     /// Keep the last N batches instead of releasing each at once
@@ -327,6 +328,11 @@ fn consume(
     let mut check = checker_for(args, &consumer, join, saved)?;
     let mut held: VecDeque<Batch> = VecDeque::new();
     let mut ends = 0u64;
+    if args.stop_after == Some(0) {
+        // Subscribed, before its first notice: a trainer that never reads.
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP)
+            .map_err(|e| batchcast::Error::Io(e.into()))?;
+    }
     loop {
         let batch = match consumer.next_event()? {
             None | Some(Event::EndOfStream) => {
