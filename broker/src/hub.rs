@@ -225,11 +225,8 @@ struct Consumer {
     queue: VecDeque<u64>,
     /// Sent, not yet released.
     held: Vec<u64>,
-    /// Said goodbye: nothing more is sent, held batches await release.
-    closing: bool,
-    /// Cut from the shared stream ([`Hub::cut`]): nothing more is published
-    /// to it until it [rejoins](Hub::rejoin); held batches await release.
-    cut: bool,
+    /// Where it is in its life: reading, cut, told the end, saying goodbye.
+    life: Life,
     /// May be cut (decoupled pace: [`Hub::may_be_cut`]): the lag limit
     /// leaves it alone, since falling behind gets it cut and replayed to.
     cuttable: bool,
@@ -239,25 +236,48 @@ struct Consumer {
     /// Units its window spans beyond its own batches ([`Window`]): behind
     /// by that much more is not lag.
     allowance: usize,
-    /// End of stream was sent.
-    ended: bool,
-    /// Gets no batch of a later epoch ([`Hub::rejoin_through`]: it reads
-    /// this epoch's rest, and the part it missed comes replayed next).
-    through: Option<u64>,
     delivered: u64,
     /// Epoch of the batches being counted in `in_epoch`.
     cur_epoch: u64,
     in_epoch: u64,
 }
 
+/// A consumer's life in the hub: one state, changed only by the hub's
+/// methods named on each variant. In every state what it holds stays held
+/// until it releases it or leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Life {
+    /// Reads the shared stream (from joining, or [`Hub::rejoin_through`]);
+    /// with `through`, gets no batch of a later epoch (it reads this
+    /// epoch's rest, and the part it missed comes replayed next).
+    Reading { through: Option<u64> },
+    /// Cut from the shared stream ([`Hub::cut`]): nothing more is published
+    /// to it until it [rejoins](Hub::rejoin).
+    Cut,
+    /// Was sent the end of the stream (`pump`); a joiner's end is taken
+    /// back if it is cut as it joins ([`Hub::cut_at_join`]).
+    Ended,
+    /// Said goodbye ([`Hub::goodbye`]) or its GPU failed: nothing more is
+    /// sent. Final.
+    Closing,
+}
+
+impl Life {
+    /// Whether it reads the shared stream (cut, ended and closing ones do not).
+    fn reading(self) -> bool {
+        matches!(self, Life::Reading { .. })
+    }
+}
+
 impl Consumer {
     fn wants(&self, seq: u64, epoch: u64) -> bool {
-        !self.closing
-            && !self.cut
-            && !self.ended
-            && seq >= self.floor
-            && epoch >= self.start_epoch
-            && self.through.is_none_or(|t| epoch <= t)
+        let Life::Reading { through } = self.life else {
+            return false;
+        };
+        seq >= self.floor && epoch >= self.start_epoch && through.is_none_or(|t| epoch <= t)
+    }
+    fn closing(&self) -> bool {
+        self.life == Life::Closing
     }
     /// How far behind the first unpublished batch `head` the oldest batch
     /// it owes is: what it keeps the ring from reusing (batches are slots
@@ -409,9 +429,7 @@ impl Hub {
     /// was sent the end of the stream, only gives back what it holds): with
     /// none, the stream pauses rather than make batches for nobody.
     fn anyone_reading(&self) -> bool {
-        self.consumers
-            .values()
-            .any(|c| !c.closing && !c.cut && !c.ended)
+        self.consumers.values().any(|c| c.life.reading())
     }
 
     /// Slots the pipeline may fill now: the free ones from the ring's next

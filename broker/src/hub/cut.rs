@@ -6,7 +6,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{ConsumerId, GroupId, Hub, HubError, Outbound, Slot};
+use super::{ConsumerId, GroupId, Hub, HubError, Life, Outbound, Slot};
 
 impl Hub {
     /// Consumer `id` owes every published batch from `seq` to the head
@@ -19,7 +19,10 @@ impl Hub {
         let Some(c) = self.consumers.get_mut(&id) else {
             return;
         };
-        let through = c.through.unwrap_or(u64::MAX);
+        let through = match c.life {
+            Life::Reading { through } => through.unwrap_or(u64::MAX),
+            _ => u64::MAX,
+        };
         for s in seq..head {
             let b = self.published[&s];
             if b.epoch > through {
@@ -119,12 +122,10 @@ impl Hub {
             .consumers
             .get(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
-        let not = if c.closing {
-            Some("it said goodbye")
-        } else if c.ended {
-            Some("it was told the stream ended")
-        } else {
-            None
+        let not = match c.life {
+            Life::Closing => Some("it said goodbye"),
+            Life::Ended => Some("it was told the stream ended"),
+            Life::Reading { .. } | Life::Cut => None,
         };
         if let Some(why) = not {
             return Err(HubError::NotCuttable(why));
@@ -155,8 +156,7 @@ impl Hub {
             at
         };
         let c = self.consumers.get_mut(&id).expect("looked up above");
-        c.cut = true;
-        c.through = None;
+        c.life = Life::Cut;
         c.held.retain(|s| !revoke.contains(s));
         let group = c.group;
         let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
@@ -181,8 +181,10 @@ impl Hub {
         self.out.retain(|(to, _)| *to != id);
         // A finite stream already made to its end told it so on joining:
         // that end is taken back with the rest (replay tells it again).
-        if let Some(c) = self.consumers.get_mut(&id) {
-            c.ended = false;
+        if let Some(c) = self.consumers.get_mut(&id)
+            && c.life == Life::Ended
+        {
+            c.life = Life::Reading { through: None };
         }
         self.cut(id, &sent)
     }
@@ -213,7 +215,7 @@ impl Hub {
             .consumers
             .get(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
-        if !c.cut || c.closing || c.ended {
+        if c.life != Life::Cut {
             return Err(HubError::NotCut(id));
         }
         let live = (seq..head).all(|s| self.published.contains_key(&s));
@@ -226,10 +228,9 @@ impl Hub {
             return Err(HubError::NotLive { seq });
         }
         let c = self.consumers.get_mut(&id).expect("looked up above");
-        c.cut = false;
+        c.life = Life::Reading { through };
         c.floor = seq;
         c.start_epoch = epoch.expect("checked above");
-        c.through = through;
         self.owe_published(id, seq);
         self.pump();
         Ok(())
@@ -264,7 +265,7 @@ impl Hub {
     pub(crate) fn members_tail(&self) -> Option<u64> {
         self.consumers
             .values()
-            .filter(|c| !c.cut && !c.closing && !c.ended)
+            .filter(|c| c.life.reading())
             .filter_map(|c| c.oldest_owed())
             .min()
     }
@@ -277,8 +278,10 @@ impl Hub {
         let Some(c) = self.consumers.get(&id) else {
             return false;
         };
-        c.through == Some(epoch)
-            && !c.cut
+        c.life
+            == (Life::Reading {
+                through: Some(epoch),
+            })
             && c.queue.is_empty()
             && !self.inflight.values().any(|b| b.epoch <= epoch)
             && self.next_epoch > epoch
@@ -357,7 +360,7 @@ impl Hub {
     pub fn reading(&self, id: ConsumerId) -> Option<usize> {
         self.consumers
             .get(&id)
-            .filter(|c| !c.cut && !c.closing && !c.ended)
+            .filter(|c| c.life.reading())
             .map(|c| c.queue.len())
     }
 
@@ -377,6 +380,6 @@ impl Hub {
     /// Whether consumer `id` is cut from the shared stream.
     #[cfg(test)]
     pub(crate) fn is_cut(&self, id: ConsumerId) -> bool {
-        self.consumers.get(&id).is_some_and(|c| c.cut)
+        self.consumers.get(&id).is_some_and(|c| c.life == Life::Cut)
     }
 }

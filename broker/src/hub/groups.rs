@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use super::{ConsumerId, CopyOrder, Group, GroupCounts, GroupId, Hub, HubError, SlotId};
+use super::{ConsumerId, CopyOrder, Group, GroupCounts, GroupId, Hub, HubError, Life, SlotId};
 
 impl Hub {
     /// Adds a ring of `slots` copies (one GPU's arena); its members join
@@ -81,7 +81,7 @@ impl Hub {
         for (&id, c) in self.consumers.iter_mut() {
             if c.group == Some(g) {
                 c.queue.clear();
-                c.closing = true;
+                c.life = Life::Closing;
                 members.push(id);
             }
         }

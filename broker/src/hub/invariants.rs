@@ -171,7 +171,7 @@ impl Hub {
             if let (Some(&q), Some(&h)) = (c.queue.front(), c.held.iter().max()) {
                 assert!(q > h, "queued batch older than a sent one");
             }
-            if c.closing {
+            if c.closing() {
                 assert!(c.queue.is_empty());
             }
         }
@@ -181,7 +181,7 @@ impl Hub {
             let tail = self
                 .consumers
                 .values()
-                .filter(|c| !c.closing)
+                .filter(|c| !c.closing())
                 .filter_map(super::Consumer::oldest_owed)
                 .min();
             for (id, lag) in self.lags(self.head()) {

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use batchcast::JoinPolicy;
 
-use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Window};
+use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Life, Window};
 
 impl Hub {
     /// Subscribes a host consumer; returns its id and the first epoch it
@@ -69,15 +69,12 @@ impl Hub {
                 first,
                 queue: VecDeque::new(),
                 held: Vec::new(),
-                closing: false,
-                cut: false,
+                life: Life::Reading { through: None },
                 cuttable: false,
                 credit,
                 allowance,
-                ended: false,
                 delivered: 0,
                 cur_epoch: start_epoch,
-                through: None,
                 in_epoch: 0,
             },
         );
@@ -110,7 +107,7 @@ impl Hub {
             .consumers
             .get_mut(&id)
             .ok_or(HubError::UnknownConsumer(id))?;
-        c.closing = true;
+        c.life = Life::Closing;
         let group = c.group;
         let queued: Vec<u64> = c.queue.drain(..).collect();
         for seq in queued {
@@ -154,7 +151,7 @@ impl Hub {
     pub(super) fn least_behind(&self, head: u64) -> Option<usize> {
         self.consumers
             .values()
-            .filter(|c| !c.closing)
+            .filter(|c| !c.closing())
             .map(|c| Hub::lag_behind(c, head))
             .min()
     }
@@ -166,7 +163,7 @@ impl Hub {
         let least = self.least_behind(head).unwrap_or(0);
         self.consumers
             .iter()
-            .filter(|(_, c)| !c.closing)
+            .filter(|(_, c)| !c.closing())
             .map(|(&id, c)| (id, Hub::lag_behind(c, head).saturating_sub(least)))
             .collect()
     }

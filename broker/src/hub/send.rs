@@ -5,7 +5,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{Consumer, ConsumerId, GroupId, Hub, Outbound, Published, Replica, Slot, SlotId};
+use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published, Replica, Slot, SlotId};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -180,14 +180,11 @@ impl Hub {
             }
         }
         if exhausted
-            && !c.ended
-            && !c.closing
-            && !c.cut
-            && c.through.is_none()
+            && c.life == (Life::Reading { through: None })
             && c.queue.is_empty()
             && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
         {
-            c.ended = true;
+            c.life = Life::Ended;
             self.out.push((id, Outbound::EndOfStream));
         }
     }
@@ -243,7 +240,7 @@ impl Hub {
         let tail = self
             .consumers
             .values()
-            .filter(|c| !c.closing)
+            .filter(|c| !c.closing())
             .filter_map(Consumer::oldest_owed)
             .min()?;
         self.lags(self.head())
