@@ -8,7 +8,7 @@
 //! # Rules
 //!
 //! * A cut happens only when the pipeline waits for the ring's next slot,
-//!   the unit in it was made at least [`CUT_AFTER`] ago (a consumer a
+//!   the unit in it was made at least [`super::hold::CUT_AFTER`] ago (a consumer a
 //!   moment late, as trainers starting together are, is not worth a
 //!   replay), some consumer has read everything published for it (it
 //!   waits for the pipeline), and every consumer that owes that unit can
@@ -56,15 +56,12 @@ use batchcast::proto::{Position, ServerMsg};
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
+use super::hold::{Ower, Rule, Verdict};
 use super::replay::book::ArenaLife;
 use super::rotate::{self, merge_from};
 use super::{Inner, Stream};
 use crate::config::Pace as PaceRule;
 use crate::hub::{ConsumerId, Hub};
-
-/// How old the unit in the ring's next slot must be before the consumers
-/// that owe it are cut.
-pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 
 /// Whether consumer `id` took unit `seq` (it was sent it and, with a
 /// mailbox, took the notice): a cut cannot give it back.
@@ -94,82 +91,66 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         && (queued > 0 || unread(c) > 0)
 }
 
-/// The pipeline waits for the ring's next slot: cuts the consumers that
-/// owe its unit if the rules allow (decoupled: at once; lockstep: once
-/// it was pinned for the hold limit), or detaches those that cannot be
-/// cut once they have pinned it for the hold limit (see the module's).
+/// The pipeline waits for the ring's next slot: gathers who owes its unit
+/// and whether anyone waits for data, asks the hold clock what its rules
+/// say ([`super::hold::HoldClock::decide`]), and cuts or detaches whom it
+/// names.
 /// Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
-    let eager = s.plan.pace == PaceRule::Decoupled;
-    let limit = s.plan.hold_limit;
-    if !eager && limit.is_none() {
+    let rule = Rule {
+        eager: s.plan.pace == PaceRule::Decoupled,
+        limit: s.plan.hold_limit,
+    };
+    if !rule.eager && rule.limit.is_none() {
         return false;
     }
-    let Some((seq, owe)) = inner.hub.pinning() else {
-        inner.pace.unpin();
+    let pinned = inner.hub.pinning();
+    let Inner { hub, conns, .. } = &mut *inner;
+    let hungry = pinned.is_some()
+        && conns
+            .iter_mut()
+            .any(|(&id, c)| hub.reading(id) == Some(0) && unread(c) == 0);
+    // Owers are looked at only while someone waits for data.
+    let owers: Vec<Ower> = match &pinned {
+        Some((seq, owe)) if hungry => {
+            let within = rule.limit.unwrap_or(Duration::MAX);
+            let stalled = (!rule.eager).then_some(*seq);
+            owe.iter()
+                .map(|&id| {
+                    let c = conns.get_mut(&id);
+                    Ower {
+                        id,
+                        cuttable: c.is_some_and(|c| cuttable(hub, id, c, stalled)),
+                        catching_up: conns
+                            .get(&id)
+                            .and_then(|c| c.replay.as_ref())
+                            .is_some_and(|r| r.catching_up(within, now)),
+                    }
+                })
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    let verdict = inner.pace.decide(
+        rule,
+        pinned.as_ref().map(|(seq, _)| (*seq, owers.as_slice())),
+        hungry,
+        now,
+    );
+    let Verdict::Act {
+        cut: can,
+        detach,
+        held,
+    } = verdict
+    else {
         return false;
     };
-    if eager && inner.pace.younger_than(seq, CUT_AFTER, now) {
-        return false;
-    }
-    let Inner { hub, conns, .. } = &mut *inner;
-    let hungry = conns
-        .iter_mut()
-        .any(|(&id, c)| hub.reading(id) == Some(0) && unread(c) == 0);
-    if !hungry || owe.is_empty() {
-        return false;
-    }
-    // Someone waits for data while these pin the ring: counted from
-    // when this unit was first pinned, or from the start of a hold a
-    // round at the limit carried over to it.
-    let (since, carried) = inner.pace.pinned_since(seq, now);
-    let held = now.saturating_duration_since(since);
-    let past = limit.is_some_and(|l| held >= l);
-    if !eager && !past {
-        return false;
-    }
-    let Inner { hub, conns, .. } = &mut *inner;
-    let (can, mut cannot): (Vec<ConsumerId>, Vec<ConsumerId>) = owe.into_iter().partition(|id| {
-        conns
-            .get_mut(id)
-            .is_some_and(|c| cuttable(hub, *id, c, (!eager).then_some(seq)))
-    });
-    // A lockstep joiner replayed the epoch's start is waited for while
-    // its replay goes on (it releases batches within the limit).
-    let within = limit.unwrap_or(Duration::MAX);
-    cannot.retain(|id| {
-        !conns
-            .get(id)
-            .and_then(|c| c.replay.as_ref())
-            .is_some_and(|r| r.catching_up(within))
-    });
-    if !cannot.is_empty() {
-        if !past {
-            return false;
-        }
-        if carried {
-            // Those that took the unit may be moving: a hold carried from
-            // behind another is not theirs to be detached for. They get a
-            // bound of their own; the others are cut now.
-            inner.pace.restart(seq, now);
-            let mut any = false;
-            for id in can {
-                any |= cut(s, inner, id);
-            }
-            return any;
-        }
-        for &id in &cannot {
-            detach_holder(s, inner, id, held);
-        }
-    }
-    if past {
-        inner.pace.carry(since);
-    } else {
-        inner.pace.unpin();
+    for &id in &detach {
+        detach_holder(s, inner, id, held);
     }
     // Detaching freed the slot of whoever could not be cut; cutting the
     // others frees it of them.
-    let mut any = !cannot.is_empty();
+    let mut any = !detach.is_empty();
     for id in can {
         any |= cut(s, inner, id);
     }

@@ -5,11 +5,18 @@
 //!
 //! # Rules
 //!
-//! * A unit's age (decoupled pace's cut waits until it is
-//!   [`super::decouple::CUT_AFTER`] old) runs from when it was made
-//!   (published).
+//! * A unit's age (decoupled pace's cut waits until it is [`CUT_AFTER`]
+//!   old) runs from when it was made (published).
 //! * A hold runs from when a unit first pinned the ring's next slot while
 //!   another consumer waited for data; it ends when nothing pins it.
+//! * What is done about the owers of the pinned unit ([`HoldClock::decide`]):
+//!   decoupled pace cuts them once the unit is [`CUT_AFTER`] old; lockstep
+//!   cuts them once the hold reaches the limit. An ower that cannot be cut
+//!   (it took the unit, or has no replay arena) is detached at the limit,
+//!   unless it is a joiner catching up (waited for) or the hold was
+//!   carried to it (it gets a hold of its own, from now; the others are
+//!   cut). Nothing is done while nobody waits for data, or without a
+//!   limit under lockstep.
 //! * A round at the limit (the owers of the pinned unit cut or detached)
 //!   carries its hold to the next unit pinned if that unit was already in
 //!   the ring when the hold began (begun, not necessarily made: workers
@@ -21,6 +28,47 @@
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+
+use crate::hub::ConsumerId;
+
+/// How old the unit in the ring's next slot must be before decoupled pace
+/// cuts the consumers that owe it (one a moment late, as trainers starting
+/// together are, is not worth a replay).
+pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
+
+/// The stream's hold rule.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rule {
+    /// Decoupled pace: cut at once (once the unit is [`CUT_AFTER`] old).
+    pub eager: bool,
+    /// The hold limit (`None`: `hold_limit_s = inf`).
+    pub limit: Option<Duration>,
+}
+
+/// A consumer that owes the unit pinning the ring, as the runtime sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Ower {
+    pub id: ConsumerId,
+    /// It may be cut: a replay arena, reading the shared stream, behind,
+    /// and (lockstep) it did not take the pinned unit.
+    pub cuttable: bool,
+    /// A lockstep joiner whose catch-up replay moves within the limit.
+    pub catching_up: bool,
+}
+
+/// What the hold rule says to do now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Nothing: wait for the owers.
+    Wait,
+    /// Cut `cut` to replay; detach `detach`, which kept the others waiting
+    /// for `held`.
+    Act {
+        cut: Vec<ConsumerId>,
+        detach: Vec<ConsumerId>,
+        held: Duration,
+    },
+}
 
 /// One unit of the ring: when the pipeline began it and when it was made.
 #[derive(Debug, Clone, Copy)]
@@ -42,6 +90,61 @@ pub(super) struct HoldClock {
 }
 
 impl HoldClock {
+    /// The hold rule at `now` (see the module's rules): `pinned` is the
+    /// unit in the ring's next slot and its owers, if a published unit is
+    /// there; `hungry`, whether some consumer waits for data.
+    pub(super) fn decide(
+        &mut self,
+        rule: Rule,
+        pinned: Option<(u64, &[Ower])>,
+        hungry: bool,
+        now: Instant,
+    ) -> Verdict {
+        if !rule.eager && rule.limit.is_none() {
+            return Verdict::Wait;
+        }
+        let Some((seq, owe)) = pinned else {
+            self.unpin();
+            return Verdict::Wait;
+        };
+        if (rule.eager && self.younger_than(seq, CUT_AFTER, now)) || !hungry || owe.is_empty() {
+            return Verdict::Wait;
+        }
+        let (since, carried) = self.pinned_since(seq, now);
+        let held = now.saturating_duration_since(since);
+        let past = rule.limit.is_some_and(|l| held >= l);
+        if !rule.eager && !past {
+            return Verdict::Wait;
+        }
+        let cut: Vec<ConsumerId> = owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect();
+        let detach: Vec<ConsumerId> = owe
+            .iter()
+            .filter(|o| !o.cuttable && !o.catching_up)
+            .map(|o| o.id)
+            .collect();
+        if !detach.is_empty() {
+            if !past {
+                return Verdict::Wait;
+            }
+            if carried {
+                // Those that took the unit may be moving: a hold carried
+                // from behind another is not theirs to be detached for.
+                self.restart(seq, now);
+                return Verdict::Act {
+                    cut,
+                    detach: Vec::new(),
+                    held,
+                };
+            }
+        }
+        if past {
+            self.carry(since);
+        } else {
+            self.unpin();
+        }
+        Verdict::Act { cut, detach, held }
+    }
+
     /// Unit `seq` was begun at `now`; the clock keeps the last `slots`.
     pub(super) fn begun(&mut self, seq: u64, slots: u32, now: Instant) {
         self.units.push_back(Unit {
@@ -63,7 +166,7 @@ impl HoldClock {
 
     /// Whether unit `seq` was made less than `age` before `now` (one the
     /// clock no longer remembers is old enough; one not made yet is young).
-    pub(super) fn younger_than(&self, seq: u64, age: Duration, now: Instant) -> bool {
+    fn younger_than(&self, seq: u64, age: Duration, now: Instant) -> bool {
         self.units.iter().find(|u| u.seq == seq).is_some_and(|u| {
             u.made
                 .is_none_or(|m| now.saturating_duration_since(m) < age)
@@ -74,7 +177,7 @@ impl HoldClock {
     /// not, or from the hold carried over a round at the limit where `seq`
     /// was begun before that hold began), and whether that is a carried
     /// hold.
-    pub(super) fn pinned_since(&mut self, seq: u64, now: Instant) -> (Instant, bool) {
+    fn pinned_since(&mut self, seq: u64, now: Instant) -> (Instant, bool) {
         if let Some((s, t)) = self.pinned
             && s == seq
         {
@@ -92,20 +195,20 @@ impl HoldClock {
     }
 
     /// Nothing pins the ring: the next pin starts a hold of its own.
-    pub(super) fn unpin(&mut self) {
+    fn unpin(&mut self) {
         self.pinned = None;
         self.carried = None;
     }
 
     /// A round at the limit freed the ring: the hold that began at `since`
     /// carries over to the next unit pinned (see the rules).
-    pub(super) fn carry(&mut self, since: Instant) {
+    fn carry(&mut self, since: Instant) {
         self.pinned = None;
         self.carried = Some(since);
     }
 
     /// Unit `seq`'s owers start a hold of their own, at `now`.
-    pub(super) fn restart(&mut self, seq: u64, now: Instant) {
+    fn restart(&mut self, seq: u64, now: Instant) {
         self.pinned = Some((seq, now));
         self.carried = None;
     }
@@ -205,6 +308,126 @@ mod tests {
         assert_eq!(h.pinned_since(4, c.at(5000)), (c.at(3100), false));
     }
 
+    const LIMIT: Duration = Duration::from_secs(3);
+
+    fn ower(id: ConsumerId, cuttable: bool) -> Ower {
+        Ower {
+            id,
+            cuttable,
+            catching_up: false,
+        }
+    }
+
+    fn lockstep() -> Rule {
+        Rule {
+            eager: false,
+            limit: Some(LIMIT),
+        }
+    }
+
+    #[test]
+    fn lockstep_waits_for_the_limit_then_cuts_and_detaches_by_kind() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let owe = [ower(1, true), ower(2, false)];
+        assert_eq!(
+            h.decide(lockstep(), Some((0, &owe)), true, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(lockstep(), Some((0, &owe)), true, c.at(3099)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(lockstep(), Some((0, &owe)), true, c.at(3100)),
+            Verdict::Act {
+                cut: vec![1],
+                detach: vec![2],
+                held: LIMIT
+            }
+        );
+    }
+
+    #[test]
+    fn nothing_is_done_without_a_limit_or_while_nobody_waits() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let owe = [ower(1, true)];
+        let inf = Rule {
+            eager: false,
+            limit: None,
+        };
+        assert_eq!(
+            h.decide(inf, Some((0, &owe)), true, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(inf, Some((0, &owe)), true, c.at(99_000)),
+            Verdict::Wait
+        );
+        // Nobody waits: no hold starts.
+        assert_eq!(
+            h.decide(lockstep(), Some((0, &owe)), false, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(lockstep(), Some((0, &owe)), true, c.at(200)),
+            Verdict::Wait
+        );
+        assert_eq!(h.pinned_since(0, c.at(300)), (c.at(200), false));
+    }
+
+    #[test]
+    fn a_joiner_catching_up_is_waited_for_past_the_limit() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let owe = [Ower {
+            id: 1,
+            cuttable: false,
+            catching_up: true,
+        }];
+        h.decide(lockstep(), Some((0, &owe)), true, c.at(100));
+        let v = h.decide(lockstep(), Some((0, &owe)), true, c.at(9000));
+        assert_eq!(
+            v,
+            Verdict::Act {
+                cut: vec![],
+                detach: vec![],
+                held: Duration::from_millis(8900)
+            }
+        );
+    }
+
+    #[test]
+    fn decoupled_cuts_once_the_unit_is_old_enough_and_waits_for_one_it_cannot_cut() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 500);
+        let eager = Rule {
+            eager: true,
+            limit: Some(LIMIT),
+        };
+        // Unit 5 was made at 500: young until 510.
+        let owe = [ower(1, true)];
+        assert_eq!(
+            h.decide(eager, Some((5, &owe)), true, c.at(505)),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            h.decide(eager, Some((5, &owe)), true, c.at(510)),
+            Verdict::Act { ref cut, .. } if cut == &[1]
+        ));
+        // One that cannot be cut is detached at the limit only.
+        let owe = [ower(1, true), ower(2, false)];
+        assert_eq!(
+            h.decide(eager, Some((6, &owe)), true, c.at(600)),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            h.decide(eager, Some((6, &owe)), true, c.at(3600)),
+            Verdict::Act { ref detach, .. } if detach == &[2]
+        ));
+    }
+
     #[test]
     fn age_runs_from_the_unit_made_not_begun() {
         let c = Clock(Instant::now());
@@ -216,5 +439,100 @@ mod tests {
         assert!(!h.younger_than(5, ten, c.at(510)));
         // Forgotten or never begun here: old enough.
         assert!(!h.younger_than(99, ten, c.at(0)));
+    }
+
+    /// Random schedules on a simulated clock: consumers stopped at
+    /// random units of a full ring (each cut to replay or not), a reader
+    /// waiting for data throughout, workers still filling some units
+    /// when the hold begins, the clock stepping 1-400 ms between looks.
+    /// Lockstep acts on no one before the limit, cuts only those that
+    /// may be cut and detaches only those that may not; when all may be
+    /// cut, all are gone one limit after the hold began (one bound, not
+    /// one each in turn), and every one that may not adds at most one
+    /// limit of its own.
+    mod schedules {
+        use super::*;
+        use proptest::prelude::*;
+
+        const STEP_MS: u64 = 400;
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+            #[test]
+            fn stopped_consumers_are_all_gone_within_their_bounds(
+                stops in proptest::collection::vec((0u64..12, any::<bool>()), 1..6),
+                fill in proptest::collection::vec(0u64..300, 24),
+                steps in proptest::collection::vec(1u64..STEP_MS, 1..50),
+            ) {
+                let c = Clock(Instant::now());
+                let mut h = HoldClock::default();
+                // The ring of 12 was begun before the hold; some units are
+                // made after it began.
+                for seq in 0..12 {
+                    h.begun(seq, SLOTS, c.at(seq));
+                    h.made(seq, c.at(seq + fill[seq as usize]));
+                }
+                let mut left: Vec<(ConsumerId, u64, bool)> = stops
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &(stop, may))| (k as ConsumerId, stop, may))
+                    .collect();
+                let uncuttable = left.iter().filter(|o| !o.2).count() as u32;
+                let mut head = 12u64;
+                let mut now = 20u64;
+                let first = now + steps[0];
+                let mut done_at = None;
+                // One limit for all that may be cut, one more for each
+                // that may not (it may have taken the unit and be moving);
+                // each round seen up to a step late.
+                let bound = first + (3000 + STEP_MS) * u64::from(1 + uncuttable);
+                for &dt in steps.iter().cycle() {
+                    now += dt;
+                    if left.is_empty() || now > bound + STEP_MS {
+                        break;
+                    }
+                    // The pipeline looks again at once after acting.
+                    while let Some(p) = left.iter().map(|o| o.1).min() {
+                        let owe: Vec<Ower> = left
+                            .iter()
+                            .filter(|o| o.1 == p)
+                            .map(|o| ower(o.0, o.2))
+                            .collect();
+                        let Verdict::Act { cut, detach, held } =
+                            h.decide(lockstep(), Some((p, &owe)), true, c.at(now))
+                        else {
+                            break;
+                        };
+                        prop_assert!(held >= LIMIT, "acted after {held:?}");
+                        prop_assert!(now >= first + 3000, "acted at {now} ms");
+                        for id in &cut {
+                            prop_assert!(owe.iter().any(|o| o.id == *id && o.cuttable));
+                        }
+                        for id in &detach {
+                            prop_assert!(owe.iter().any(|o| o.id == *id && !o.cuttable));
+                        }
+                        let before = left.len();
+                        left.retain(|o| !cut.contains(&o.0) && !detach.contains(&o.0));
+                        if left.is_empty() {
+                            done_at = Some(now);
+                        }
+                        // The freed slots are begun again now.
+                        let next = left.iter().map(|o| o.1).min().unwrap_or(head);
+                        while head < next.max(p + 1) + 12 {
+                            h.begun(head, SLOTS, c.at(now));
+                            h.made(head, c.at(now + fill[(head % 24) as usize]));
+                            head += 1;
+                        }
+                        if left.len() == before {
+                            break;
+                        }
+                    }
+                }
+                let Some(done) = done_at else {
+                    return Err(TestCaseError::fail(format!("still held at {now} ms: {left:?}")));
+                };
+                prop_assert!(done <= bound, "all gone at {done} ms, bound {bound} ms");
+            }
+        }
     }
 }

@@ -224,9 +224,11 @@ impl Replay {
 
     /// A lockstep joiner's stretch (it ends where the shared stream
     /// begins for it) is under way and its consumer released a batch, or
-    /// the stretch began, less than `within` ago: it is catching up.
-    pub(in crate::stream) fn catching_up(&self, within: Duration) -> bool {
-        !self.open() && (self.running() || !self.live.is_empty()) && self.active.elapsed() < within
+    /// the stretch began, less than `within` before `now`: it is catching up.
+    pub(in crate::stream) fn catching_up(&self, within: Duration, now: Instant) -> bool {
+        !self.open()
+            && (self.running() || !self.live.is_empty())
+            && now.saturating_duration_since(self.active) < within
     }
 
     /// A group member's cursor moves to the start of its next own run
