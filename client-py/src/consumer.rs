@@ -14,6 +14,24 @@ use crate::{TICK, args, dlpack, lock, schema_dict};
 
 use crate::batch::Batch;
 
+impl Consumer {
+    /// The Python side of a subscription just made.
+    fn connected(consumer: batchcast::Consumer) -> Consumer {
+        let (base, len) = consumer.arena();
+        Consumer {
+            schema: Arc::new(consumer.schema().clone()),
+            window: consumer.welcome().window,
+            batch_size: consumer.batch_size(),
+            batches_per_epoch: consumer.batches_per_epoch(),
+            start_epoch: consumer.welcome().start_epoch,
+            owner_uid: consumer.welcome().owner_uid,
+            arena: (base as usize, len),
+            device: dl_device(consumer.device()),
+            inner: Mutex::new(consumer),
+        }
+    }
+}
+
 /// A subscription to one stream (see `batchcast.Consumer`).
 #[pyclass(module = "batchcast._native")]
 pub(crate) struct Consumer {
@@ -32,18 +50,22 @@ pub(crate) struct Consumer {
 
 #[pymethods]
 impl Consumer {
+    /// Its arguments are `batchcast::options::CONSUMER_OPTIONS`' native
+    /// rows, in order (`client-py/tests/test_options.py` checks): `None`
+    /// is the Rust client's default, read from the environment where the
+    /// table says.
     #[new]
-    #[pyo3(signature = (stream, socket=None, window=None, join="next-epoch", name=None, connect_timeout=0.0, device="cpu", broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None, group=None, rank=None, world=None, replicate=None))]
+    #[pyo3(signature = (stream=None, socket=None, window=None, join=None, name=None, connect_timeout=None, device=None, broker_uid=None, batch_size=None, drop_last=None, resume=None, state=None, reconnect_timeout=None, group=None, rank=None, world=None, replicate=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        stream: String,
+        stream: Option<String>,
         socket: Option<PathBuf>,
         window: Option<Bound<'_, PyAny>>,
-        join: &str,
+        join: Option<&str>,
         name: Option<String>,
-        connect_timeout: f64,
-        device: &str,
+        connect_timeout: Option<f64>,
+        device: Option<&str>,
         broker_uid: Option<u32>,
         batch_size: Option<Bound<'_, PyAny>>,
         drop_last: Option<bool>,
@@ -60,17 +82,23 @@ impl Consumer {
                 "give state= or resume=, not both (a state carries its position)",
             ));
         }
-        let device: batchcast::Device = device.parse().map_err(parse_error)?;
-        let join: JoinPolicy = join.parse().map_err(parse_error)?;
         let mut opts = batchcast::ConsumerOptions {
             socket,
-            stream,
-            join,
-            connect_timeout: args::seconds("connect_timeout", connect_timeout)?,
-            device,
             broker_uid,
             ..Default::default()
         };
+        if let Some(s) = stream {
+            opts.stream = s;
+        }
+        if let Some(d) = device {
+            opts.device = d.parse().map_err(parse_error)?;
+        }
+        if let Some(j) = join {
+            opts.join = j.parse::<JoinPolicy>().map_err(parse_error)?;
+        }
+        if let Some(t) = connect_timeout {
+            opts.connect_timeout = args::seconds("connect_timeout", t)?;
+        }
         if let Some(w) = &window {
             opts.window = u32::try_from(args::size("window", w)?).unwrap_or(u32::MAX);
         }
@@ -98,18 +126,7 @@ impl Consumer {
         let consumer = py
             .detach(|| batchcast::Consumer::connect(opts))
             .map_err(|e| to_py(py, e))?;
-        let (base, len) = consumer.arena();
-        Ok(Consumer {
-            schema: Arc::new(consumer.schema().clone()),
-            window: consumer.welcome().window,
-            batch_size: consumer.batch_size(),
-            batches_per_epoch: consumer.batches_per_epoch(),
-            start_epoch: consumer.welcome().start_epoch,
-            owner_uid: consumer.welcome().owner_uid,
-            arena: (base as usize, len),
-            device: dl_device(consumer.device()),
-            inner: Mutex::new(consumer),
-        })
+        Ok(Consumer::connected(consumer))
     }
 
     /// The next event, waiting at most `timeout` seconds (forever if

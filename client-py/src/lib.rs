@@ -87,6 +87,29 @@ fn default_socket_path() -> PathBuf {
     batchcast::default_socket_path()
 }
 
+/// `batchcast::options::CONSUMER_OPTIONS` as a list of dicts, for the
+/// Python package's checks of its own signatures against it.
+fn consumer_options(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+    let rows = pyo3::types::PyList::empty(py);
+    for o in batchcast::options::CONSUMER_OPTIONS {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("name", o.name)?;
+        d.set_item("flag", o.cli_flag())?;
+        d.set_item("py_type", o.py_type)?;
+        d.set_item("native_type", o.native_type.unwrap_or(o.py_type))?;
+        d.set_item("py_default", o.py_default)?;
+        d.set_item("native_default", o.native_default.unwrap_or(o.py_default))?;
+        d.set_item("env", o.env)?;
+        d.set_item("refused", o.refused)?;
+        d.set_item("rust", o.on.rust)?;
+        d.set_item("native", o.on.native)?;
+        d.set_item("python", o.on.python)?;
+        d.set_item("cli", o.on.cli)?;
+        rows.append(d)?;
+    }
+    Ok(rows)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Consumer>()?;
@@ -95,6 +118,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Producer>()?;
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
     m.add("PROTOCOL_VERSION", batchcast::proto::PROTOCOL_VERSION)?;
+    m.add("CONSUMER_OPTIONS", consumer_options(m.py())?)?;
     // The release: the wheel's version (every crate shares the workspace's).
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -67,6 +67,7 @@ pub mod dtype;
 pub mod error;
 mod gpu;
 pub mod mailbox;
+pub mod options;
 pub mod parse;
 pub mod producer;
 pub mod proto;

@@ -19,7 +19,7 @@ use crate::shm;
 /// else `$XDG_RUNTIME_DIR/batchcast.sock`, else
 /// `/tmp/batchcast-<uid>/batchcast.sock`.
 pub fn default_socket_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("BATCHCAST_SOCKET").filter(|p| !p.is_empty()) {
+    if let Some(p) = std::env::var_os(crate::options::env_var("socket")).filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
     if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
@@ -181,7 +181,7 @@ fn with_deadline<T>(
 pub(crate) fn expected_broker_uid(expected: Option<u32>) -> u32 {
     expected
         .or_else(|| {
-            std::env::var("BATCHCAST_BROKER_UID")
+            std::env::var(crate::options::env_var("broker_uid"))
                 .ok()
                 .and_then(|v| v.trim().parse().ok())
         })

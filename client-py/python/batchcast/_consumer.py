@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _native
-from ._args import PathLike, default_socket, env_timeout
+from ._args import PathLike, default_socket
 from ._batch import Batch, converter
 from .errors import InvalidArgument, WindowFullWarning
 
@@ -46,7 +45,8 @@ class Consumer:
 
     Arguments:
         stream: the stream's name in the broker's config (or the name a
-            producer registered).
+            producer registered); default ``$BATCHCAST_STREAM``, else
+            ``"train"``.
         socket: the broker's socket; default ``$BATCHCAST_SOCKET``, else
             in a Ray worker after ``batchcast.ray.init()`` the broker of its
             node (started on first use), else
@@ -68,10 +68,13 @@ class Consumer:
         as_dict: make each batch behave as a dict of name to tensor.
         fields: the fields a batch unpacks to, by name; default every field
             except metadata ones (an image stream's ``index``).
-        name: shown in ``batchcast stats``.
+        name: shown in ``batchcast stats`` and the live table; default
+            ``$BATCHCAST_NAME`` (``batchcast launch`` sets it), else the
+            program's name.
         connect_timeout: seconds to keep retrying while the broker or the
             stream is not up yet; default ``$BATCHCAST_CONNECT_TIMEOUT`` or 0.
-        device: where batches arrive: ``"cpu"`` (shared host memory), or
+        device: where batches arrive: ``"cpu"`` (shared host memory, the
+            default unless ``$BATCHCAST_DEVICE`` says otherwise), or
             ``"cuda:N"`` / a ``torch.device``: the broker copies each batch
             once into GPU N's memory and every consumer on that GPU gets
             tensors over the same device memory (CUDA IPC), with no copy of
@@ -86,7 +89,8 @@ class Consumer:
         broker_uid: the uid the broker must run as; default
             ``$BATCHCAST_BROKER_UID``, else this process's own. A socket
             served by any other user is refused (it could be an impostor).
-        batch_size: this trainer's own batch size; default the stream's.
+        batch_size: this trainer's own batch size; default
+            ``$BATCHCAST_BATCH_SIZE``, else the stream's.
             Trainers of one stream may each ask for a different one: every
             trainer still gets every sample of every epoch once, in the
             stream's order, and each field of a batch is still one view of
@@ -133,7 +137,7 @@ class Consumer:
 
     def __init__(
         self,
-        stream: str = "train",
+        stream: Optional[str] = None,
         socket: Optional[PathLike] = None,
         window: int = 2,
         join: Optional[str] = None,
@@ -142,7 +146,7 @@ class Consumer:
         fields: Optional[Sequence[str]] = None,
         name: Optional[str] = None,
         connect_timeout: Optional[float] = None,
-        device: Any = "cpu",
+        device: Any = None,
         copy: bool = False,
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
@@ -155,8 +159,10 @@ class Consumer:
         world: Optional[int] = None,
         replicate: int = 1,
     ) -> None:
-        dev = _device(device)
-        if output == "numpy" and dev != "cpu":
+        # Every default left as None is the native client's: it reads the
+        # environment (batchcast.options' table says which variable).
+        dev = None if device is None else _device(device)
+        if output == "numpy" and dev not in (None, "cpu"):
             raise InvalidArgument(
                 f"output='numpy' cannot hold GPU memory (device={dev!r}); use output='torch' or device='cpu'"
             )
@@ -164,16 +170,14 @@ class Consumer:
         self.output = output
         self.copy = bool(copy)
         self.as_dict = bool(as_dict)
-        self.stream = stream
         self._fields = None if fields is None else list(fields)
-        timeout = env_timeout() if connect_timeout is None else float(connect_timeout)
         # What a load_state_dict() subscribes with again, its state aside.
         self._args: Dict[str, Any] = dict(
             socket=default_socket(socket),
             window=window,
-            join=join if join is not None else (os.environ.get("BATCHCAST_JOIN") or "next-epoch"),
+            join=join,
             name=name,
-            connect_timeout=timeout,
+            connect_timeout=None if connect_timeout is None else float(connect_timeout),
             device=dev,
             broker_uid=broker_uid,
             batch_size=batch_size,
@@ -188,10 +192,15 @@ class Consumer:
 
     def _attach(self, native: Any) -> None:
         """Takes ``native`` (a new subscription) as this consumer's."""
+        kind, index = native.device
+        if self.output == "numpy" and kind != 1:
+            # Dropping the subscription (the last reference) leaves it.
+            raise InvalidArgument(
+                f"output='numpy' cannot hold GPU memory ($BATCHCAST_DEVICE gave cuda:{index}); use output='torch' or device='cpu'"
+            )
         self._native = native
         self.stream = native.state()["stream"]
         fields = self._fields
-        kind, index = self._native.device
         #: ``"cpu"`` or ``"cuda:N"``: where this consumer's batches live.
         self.device: str = "cpu" if kind == 1 else f"cuda:{index}"
         self.schema: Dict[str, Any] = self._native.schema()

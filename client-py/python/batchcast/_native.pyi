@@ -4,6 +4,7 @@ API instead of this module directly."""
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 PROTOCOL_VERSION: int
+CONSUMER_OPTIONS: List[Dict[str, Any]]
 __version__: str
 
 def default_socket_path() -> str: ...
@@ -11,13 +12,13 @@ def default_socket_path() -> str: ...
 class Consumer:
     def __init__(
         self,
-        stream: str,
+        stream: Optional[str] = None,
         socket: Optional[str] = None,
-        window: int = 2,
-        join: str = "next-epoch",
+        window: Optional[int] = None,
+        join: Optional[str] = None,
         name: Optional[str] = None,
-        connect_timeout: float = 0.0,
-        device: str = "cpu",
+        connect_timeout: Optional[float] = None,
+        device: Optional[str] = None,
         broker_uid: Optional[int] = None,
         batch_size: Optional[int] = None,
         drop_last: Optional[bool] = None,
@@ -27,7 +28,7 @@ class Consumer:
         group: Optional[str] = None,
         rank: Optional[int] = None,
         world: Optional[int] = None,
-        replicate: int = 1,
+        replicate: Optional[int] = None,
     ) -> None: ...
     def state(self) -> Dict[str, Any]: ...
     def next_event(

@@ -6,18 +6,19 @@ use std::time::Duration;
 use super::ConsumerState;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::options::env_var;
 use crate::proto::{JoinPolicy, Position, Seat, SeatError};
 use crate::transport::program_name;
 
-/// How to connect. `Default` reads `BATCHCAST_SOCKET`, `BATCHCAST_STREAM`
-/// (else `train`), `BATCHCAST_NAME`, `BATCHCAST_JOIN` (else `next-epoch`)
-/// and the others named below from the environment.
+/// How to connect. `Default` reads each option's environment variable
+/// named in [`crate::options::CONSUMER_OPTIONS`] (and below); its fields
+/// are that table's Rust rows, in order (a test checks).
 #[derive(Debug, Clone)]
 pub struct ConsumerOptions {
-    /// The broker's socket; `None` for [`crate::default_socket_path`].
-    pub socket: Option<PathBuf>,
     /// The stream to subscribe to.
     pub stream: String,
+    /// The broker's socket; `None` for [`crate::default_socket_path`].
+    pub socket: Option<PathBuf>,
     /// Most batches the program may hold (received, not released) at once,
     /// ≥ 1: it gets no more until it releases one. (A mailbox consumer is
     /// sent batches ahead of that; they wait in its mailbox, and are given
@@ -34,20 +35,10 @@ pub struct ConsumerOptions {
     /// broker copies each batch once per GPU; see [`Batch::device_ptr`](crate::Batch::device_ptr)).
     /// Default: `$BATCHCAST_DEVICE`, else `cpu`.
     pub device: Device,
-    /// Host consumers: take batch notices and give releases back through
-    /// a [mailbox](crate::mailbox) in shared memory instead of the socket,
-    /// which saves the broker two system calls per batch. Default: on,
-    /// unless `$BATCHCAST_MAILBOX` is `0`.
-    pub mailbox: bool,
     /// The uid the broker must run as; a socket served by anyone else is
     /// refused ([`Error::Impostor`]). `None`: `$BATCHCAST_BROKER_UID`, else
     /// this process's own uid.
     pub broker_uid: Option<u32>,
-    /// Mailbox consumers: how long to poll for the next batch before
-    /// sleeping (a sleeper costs the broker a wake-up system call). The
-    /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
-    /// microseconds, else 50.
-    pub spin: Duration,
     /// This consumer's batch size: `None` for the stream's. Any size from
     /// 1 to what the stream's slots hold with this window (the broker says
     /// the limit when asked for more) is served without a copy: each field
@@ -86,12 +77,24 @@ pub struct ConsumerOptions {
     /// batch size. Default: with `$BATCHCAST_GROUP` set, that group, the
     /// rank and world from the environment ([`group_from_env`]).
     pub group: Option<Seat>,
+    /// Host consumers: take batch notices and give releases back through
+    /// a [mailbox](crate::mailbox) in shared memory instead of the socket,
+    /// which saves the broker two system calls per batch. Default: on,
+    /// unless `$BATCHCAST_MAILBOX` is `0`.
+    pub mailbox: bool,
+    /// Mailbox consumers: how long to poll for the next batch before
+    /// sleeping (a sleeper costs the broker a wake-up system call). The
+    /// poll yields the CPU between looks. Default: `$BATCHCAST_SPIN_US`
+    /// microseconds, else 50.
+    pub spin: Duration,
 }
 
 impl ConsumerOptions {
     /// Checks what can be checked before connecting: bindings call it (via
     /// [`Consumer::connect`](crate::Consumer::connect)) rather than repeating the rules.
     pub fn validate(&self) -> Result<()> {
+        // A variable set wrong is named first: it may be what set a value.
+        check_env()?;
         if self.window == 0 {
             return Err(Error::InvalidOption(
                 "window must be at least 1 (batches held at once)".into(),
@@ -107,10 +110,12 @@ impl ConsumerOptions {
                 "batch_size must be at least 1 (or unset for the stream's)".into(),
             ));
         }
+        crate::proto::check_peer_name(&self.name)
+            .map_err(|e| Error::InvalidOption(format!("name={:?}: {e}", self.name)))?;
         if let Some(seat) = &self.group {
             seat.validate()
                 .map_err(|e| Error::InvalidOption(e.to_string()))?;
-        } else if let Ok(name) = std::env::var("BATCHCAST_GROUP")
+        } else if let Ok(name) = std::env::var(env_var("group"))
             && !name.is_empty()
             && let Err(why) = group_from_env(&name)
         {
@@ -124,34 +129,83 @@ impl ConsumerOptions {
     }
 }
 
+/// The environment's defaults, checked: a variable set to what its option
+/// does not accept is refused, naming it, rather than left for the default
+/// silently (`BATCHCAST_RECONNECT_TIMEOUT=1m` is not 60 s).
+fn check_env() -> Result<()> {
+    let refuse = |name: &str, value: &str, accepts: &str| {
+        Err(Error::InvalidOption(format!(
+            "${}={value:?} is not {accepts} (the default of option `{name}`): set it right or unset it",
+            env_var(name)
+        )))
+    };
+    let seconds_ok = |v: &str| v.parse::<f64>().is_ok_and(|s| s.is_finite() && s >= 0.0);
+    for name in [
+        "join",
+        "name",
+        "connect_timeout",
+        "device",
+        "mailbox",
+        "broker_uid",
+        "spin",
+        "batch_size",
+        "reconnect_timeout",
+    ] {
+        let Some(v) = env(name) else { continue };
+        let ok = match name {
+            "join" => v.parse::<JoinPolicy>().is_ok(),
+            "name" => crate::proto::check_peer_name(&v).is_ok(),
+            "connect_timeout" | "reconnect_timeout" => seconds_ok(&v),
+            "device" => v.parse::<Device>().is_ok(),
+            "mailbox" => v == "0" || v == "1",
+            "broker_uid" => v.trim().parse::<u32>().is_ok(),
+            "spin" => v.parse::<u64>().is_ok(),
+            "batch_size" => v.parse::<u64>().is_ok_and(|n| n >= 1),
+            _ => true,
+        };
+        if !ok {
+            let accepts = match name {
+                "spin" => "a number of microseconds",
+                "mailbox" => "0 or 1",
+                _ => crate::options::option(name).accepts,
+            };
+            return refuse(name, &v, accepts);
+        }
+    }
+    Ok(())
+}
+
+/// Option `name`'s environment variable ([`crate::options`]), if set and
+/// not empty.
+fn env(name: &str) -> Option<String> {
+    std::env::var(env_var(name)).ok().filter(|v| !v.is_empty())
+}
+
 impl Default for ConsumerOptions {
+    /// The defaults of [`crate::options::CONSUMER_OPTIONS`], each read
+    /// from its environment variable where it has one.
     fn default() -> Self {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         ConsumerOptions {
             socket: None,
-            stream: env("BATCHCAST_STREAM").unwrap_or_else(|| "train".into()),
+            stream: env("stream").unwrap_or_else(|| "train".into()),
             window: 2,
-            join: env("BATCHCAST_JOIN")
+            join: env("join")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(JoinPolicy::NextEpoch),
-            device: env("BATCHCAST_DEVICE")
+            name: env("name").unwrap_or_else(|| program_name("consumer")),
+            connect_timeout: seconds(env_var("connect_timeout"), Duration::ZERO),
+            device: env("device")
                 .and_then(|d| d.parse().ok())
                 .unwrap_or_default(),
-            mailbox: env("BATCHCAST_MAILBOX").is_none_or(|v| v != "0"),
+            mailbox: env("mailbox").is_none_or(|v| v != "0"),
             broker_uid: None,
-            spin: Duration::from_micros(
-                env("BATCHCAST_SPIN_US")
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(50),
-            ),
-            connect_timeout: seconds("BATCHCAST_CONNECT_TIMEOUT", Duration::ZERO),
-            name: env("BATCHCAST_NAME").unwrap_or_else(|| program_name("consumer")),
-            batch_size: env("BATCHCAST_BATCH_SIZE").and_then(|v| v.parse().ok()),
+            spin: Duration::from_micros(env("spin").and_then(|v| v.parse().ok()).unwrap_or(50)),
+            batch_size: env("batch_size").and_then(|v| v.parse().ok()),
             drop_last: None,
             resume: None,
             state: None,
-            reconnect_timeout: seconds("BATCHCAST_RECONNECT_TIMEOUT", DEFAULT_RECONNECT_TIMEOUT),
-            group: env("BATCHCAST_GROUP").and_then(|g| group_from_env(&g).ok()),
+            reconnect_timeout: seconds(env_var("reconnect_timeout"), DEFAULT_RECONNECT_TIMEOUT),
+            group: env("group").and_then(|g| group_from_env(&g).ok()),
         }
     }
 }

@@ -12,6 +12,7 @@ use batchcast_kit::procstat::rss_anon_kb;
 use batchcast_kit::report::{ConsumerReport, EpochReport, SavedState};
 
 mod check;
+mod options;
 
 use check::Checker;
 
@@ -36,7 +37,8 @@ pub struct ConsumeArgs {
     /// checkpoint); overrides --join
     #[arg(long, value_parser = parse_position)]
     pub resume: Option<batchcast::proto::Position>,
-    /// Name shown in `batchcast stats`
+    /// Name shown in `batchcast stats` [default: $BATCHCAST_NAME, else the
+    /// program's name]
     #[arg(long)]
     pub name: Option<String>,
     /// Check every sample's bytes against the synthetic generator
@@ -77,16 +79,18 @@ pub struct ConsumeArgs {
     #[arg(long)]
     pub json: bool,
     /// Keep retrying this many seconds while the broker or the stream is
-    /// not there yet (e.g. a producer still starting)
-    #[arg(long, default_value_t = 0.0)]
-    pub connect_timeout: f64,
+    /// not there yet (e.g. a producer still starting) [default:
+    /// $BATCHCAST_CONNECT_TIMEOUT, else 0]
+    #[arg(long)]
+    pub connect_timeout: Option<f64>,
     /// When the broker goes away, wait this many seconds for it to come
     /// back and go on from this consumer's next position; 0: fail at once
     /// [default: $BATCHCAST_RECONNECT_TIMEOUT, else 60]
     #[arg(long)]
     pub reconnect_timeout: Option<f64>,
     /// Receive batches on this device: `cpu`, or `cuda:N` (the broker
-    /// copies each batch to that GPU; --verify and --dump read the host copy)
+    /// copies each batch to that GPU; --verify and --dump read the host
+    /// copy) [default: $BATCHCAST_DEVICE, else cpu]
     #[arg(long)]
     pub device: Option<batchcast::Device>,
     /// Write every batch's fields to DIR/e{epoch}-b{index}-{field}.bin
@@ -118,13 +122,15 @@ pub struct ConsumeArgs {
     pub resume_state: Option<PathBuf>,
     /// Take a seat in this group: its ranks split each epoch among them
     /// (rank and world from --rank/--world, else torchrun's or Slurm's
-    /// environment)
+    /// environment) [default: $BATCHCAST_GROUP]
     #[arg(long)]
     pub group: Option<String>,
-    /// This member's rank in --group
+    /// This member's rank in --group [default: $LOCAL_RANK, else
+    /// $SLURM_LOCALID]
     #[arg(long, requires = "group")]
     pub rank: Option<u32>,
-    /// The ranks of --group
+    /// The ranks of --group [default: $LOCAL_WORLD_SIZE, else
+    /// $SLURM_NTASKS_PER_NODE]
     #[arg(long, requires = "group")]
     pub world: Option<u32>,
     /// Consecutive ranks of --group that read the same samples
@@ -133,27 +139,6 @@ pub struct ConsumeArgs {
     /// Report each batch's place: the first sample and how many, per epoch
     #[arg(long)]
     pub positions: bool,
-}
-
-/// The seat `--group` asks for, if any.
-fn seat(args: &ConsumeArgs) -> Result<Option<batchcast::proto::Seat>, batchcast::proto::SeatError> {
-    let Some(name) = &args.group else {
-        return Ok(None);
-    };
-    let seat = match (args.rank, args.world) {
-        (Some(rank), Some(world)) => batchcast::proto::Seat {
-            name: name.clone(),
-            rank,
-            world,
-            replicate: args.replicate,
-        },
-        (None, None) => batchcast::proto::Seat {
-            replicate: args.replicate,
-            ..batchcast::group_from_env(name)?
-        },
-        _ => return Err(batchcast::proto::SeatError::HalfGiven),
-    };
-    Ok(Some(seat))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -196,62 +181,15 @@ fn parse_position(s: &str) -> Result<batchcast::proto::Position, PositionError> 
 }
 
 pub fn run(args: &ConsumeArgs) -> ConsumerReport {
-    let mut opts = ConsumerOptions::default();
-    if let Some(s) = &args.stream {
-        opts.stream = s.clone();
-    }
-    if let Some(n) = &args.name {
-        opts.name = n.clone();
-    }
-    opts.socket = args.socket.clone();
-    opts.window = args.window;
-    if args.batch_size.is_some() {
-        opts.batch_size = args.batch_size;
-    }
-    opts.drop_last = args.drop_last;
-    if args.no_mailbox {
-        opts.mailbox = false;
-    }
-    if let Some(d) = args.device {
-        opts.device = d;
-    }
-    if args.connect_timeout > 0.0 && args.connect_timeout.is_finite() {
-        opts.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
-    }
-    if let Some(t) = args
-        .reconnect_timeout
-        .filter(|t| t.is_finite() && *t >= 0.0)
-    {
-        opts.reconnect_timeout = std::time::Duration::from_secs_f64(t);
-    }
-    if let Some(join) = args.join {
-        opts.join = match join {
-            Join::NextEpoch => JoinPolicy::NextEpoch,
-            Join::Immediate => JoinPolicy::Immediate,
-            Join::Now => JoinPolicy::Now,
-        };
-    }
-    opts.resume = args.resume;
-    let saved = match args.resume_state.as_deref().map(SavedState::load) {
-        Some(Ok(saved)) => Some(saved),
-        Some(Err(e)) => {
-            return ConsumerReport {
-                error: Some(e.to_string()),
-                ..Default::default()
-            };
-        }
-        None => None,
-    };
-    opts.state = saved.as_ref().map(|s| s.state.clone());
-    match seat(args) {
-        Ok(s) => opts.group = s,
+    let (opts, saved) = match options::from_args(args) {
+        Ok(o) => o,
         Err(e) => {
             return ConsumerReport {
-                error: Some(e.to_string()),
+                error: Some(e),
                 ..Default::default()
             };
         }
-    }
+    };
     let mut report = ConsumerReport {
         name: opts.name.clone(),
         pid: std::process::id(),

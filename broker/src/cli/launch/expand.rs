@@ -2,6 +2,7 @@
 //! values, copies, GPUs (round-robin, fixed, or a list), `{key}`
 //! substitution in commands and environment, and finding each program.
 
+use batchcast::options::env_var;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -228,12 +229,12 @@ fn expand_trainer(
             .collect::<Result<Vec<_>, ExpandError>>()?;
         let mut env = env;
         if let Some(bs) = trainer_batch_size(t, &vars).map_err(&e)? {
-            env.push(("BATCHCAST_BATCH_SIZE".into(), bs.to_string()));
+            env.push((env_var("batch_size").into(), bs.to_string()));
         }
         if let Some(join) = &t.join {
             join.parse::<batchcast::JoinPolicy>()
                 .map_err(|m| e(ExpandError::Join(m.to_string())))?;
-            env.push(("BATCHCAST_JOIN".into(), join.clone()));
+            env.push((env_var("join").into(), join.clone()));
         }
         out.push(TrainerPlan {
             name,

@@ -32,6 +32,7 @@
 //! `{gpu}`, `{batchcast}` (this executable) and the grid's keys; `{{` is a
 //! literal brace.
 
+use batchcast::options::env_var;
 use std::path::{Path, PathBuf};
 
 use super::expand::{expand_trainers, gpu_value};
@@ -284,7 +285,7 @@ fn set_max_batch_size(table: &mut toml::Table, trainers: &[TrainerPlan]) {
             .filter_map(|p| {
                 p.env
                     .iter()
-                    .find(|(k, _)| k == "BATCHCAST_BATCH_SIZE")
+                    .find(|(k, _)| k == env_var("batch_size"))
                     .and_then(|(_, v)| v.parse::<i64>().ok())
             })
             .max();
@@ -499,7 +500,7 @@ mod tests {
                 let bs = t
                     .env
                     .iter()
-                    .find(|(k, _)| k == "BATCHCAST_BATCH_SIZE")
+                    .find(|(k, _)| k == env_var("batch_size"))
                     .map(|(_, v)| v.clone())
                     .unwrap();
                 (bs, t.argv[2].clone(), t.argv[4].clone())
@@ -581,7 +582,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             s.trainers[0].env,
-            [("BATCHCAST_JOIN".to_string(), "now".to_string())]
+            [(env_var("join").to_string(), "now".to_string())]
         );
     }
 

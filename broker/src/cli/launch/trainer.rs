@@ -2,6 +2,7 @@
 //! the broker says about each, stopping them (SIGTERM, then SIGKILL after
 //! the grace period), and each one's summary and table row.
 
+use batchcast::options::env_var;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -144,8 +145,8 @@ pub(super) fn spawn_trainer(
         .stdout(out.try_clone()?)
         .stderr(out)
         .process_group(0)
-        .env("BATCHCAST_NAME", &plan.name)
-        .env("BATCHCAST_STREAM", &plan.stream)
+        .env(env_var("name"), &plan.name)
+        .env(env_var("stream"), &plan.stream)
         .env("BATCHCAST_REPORT", &report)
         .env(
             "BATCHCAST_MODE",
@@ -154,12 +155,12 @@ pub(super) fn spawn_trainer(
                 Mode::Baseline => "baseline",
             },
         );
-    if std::env::var_os("BATCHCAST_CONNECT_TIMEOUT").is_none() {
-        cmd.env("BATCHCAST_CONNECT_TIMEOUT", "60");
+    if std::env::var_os(env_var("connect_timeout")).is_none() {
+        cmd.env(env_var("connect_timeout"), "60");
     }
     match socket {
-        Some(s) => cmd.env("BATCHCAST_SOCKET", std::path::absolute(s)?),
-        None => cmd.env_remove("BATCHCAST_SOCKET"),
+        Some(s) => cmd.env(env_var("socket"), std::path::absolute(s)?),
+        None => cmd.env_remove(env_var("socket")),
     };
     if let Some(g) = &plan.gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
