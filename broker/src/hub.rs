@@ -70,6 +70,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use batchcast::proto::ErrorCode;
 
+use life::{Life, Sent, Slack};
+
 pub(crate) type ConsumerId = u64;
 pub(crate) type SlotId = u32;
 /// A ring of copies in other memory (one GPU); see [`Hub::add_group`].
@@ -230,43 +232,10 @@ struct Consumer {
     /// May be cut (decoupled pace: [`Hub::may_be_cut`]): the lag limit
     /// leaves it alone, since falling behind gets it cut and replayed to.
     cuttable: bool,
-    /// Batches the least behind reader owed beyond what this one owed when
-    /// it joined, counted as behind for the lag limit ([`Hub::join_credit`]).
-    credit: usize,
-    /// Units its window spans beyond its own batches ([`Window`]): behind
-    /// by that much more is not lag.
-    allowance: usize,
-    delivered: u64,
-    /// Epoch of the batches being counted in `in_epoch`.
-    cur_epoch: u64,
-    in_epoch: u64,
-}
-
-/// A consumer's life in the hub: one state, changed only by the hub's
-/// methods named on each variant. In every state what it holds stays held
-/// until it releases it or leaves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Life {
-    /// Reads the shared stream (from joining, or [`Hub::rejoin_through`]);
-    /// with `through`, gets no batch of a later epoch (it reads this
-    /// epoch's rest, and the part it missed comes replayed next).
-    Reading { through: Option<u64> },
-    /// Cut from the shared stream ([`Hub::cut`]): nothing more is published
-    /// to it until it [rejoins](Hub::rejoin).
-    Cut,
-    /// Was sent the end of the stream (`pump`); a joiner's end is taken
-    /// back if it is cut as it joins ([`Hub::cut_at_join`]).
-    Ended,
-    /// Said goodbye ([`Hub::goodbye`]) or its GPU failed: nothing more is
-    /// sent. Final.
-    Closing,
-}
-
-impl Life {
-    /// Whether it reads the shared stream (cut, ended and closing ones do not).
-    fn reading(self) -> bool {
-        matches!(self, Life::Reading { .. })
-    }
+    /// What the lag limit does not count as its lag.
+    slack: Slack,
+    /// What it was sent, counted.
+    sent: Sent,
 }
 
 impl Consumer {
@@ -301,13 +270,8 @@ pub(crate) struct Hub {
     /// Free slots (for counts and checks: batch `seq` always takes slot
     /// `seq mod slots`, see `next_slot`).
     free: Vec<SlotId>,
-    started: bool,
-    /// Cursor: the next batch the pipeline will be given.
-    next_seq: u64,
-    next_epoch: u64,
-    next_index: u64,
-    /// Epochs below this were abandoned while nobody was subscribed.
-    live_epoch: u64,
+    /// The next batch the pipeline will be given.
+    cursor: Cursor,
     inflight: BTreeMap<u64, InFlight>,
     /// Batches in host slots (pinned by a host consumer or a pending copy).
     published: BTreeMap<u64, Published>,
@@ -316,6 +280,25 @@ pub(crate) struct Hub {
     next_id: ConsumerId,
     out: Vec<(ConsumerId, Outbound)>,
     copies: Vec<CopyOrder>,
+    /// What the hub has done, counted (for stats).
+    tally: Tally,
+}
+
+/// Where the pipeline is: the next batch it will be given.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cursor {
+    /// The first batch was given out (the stream started).
+    started: bool,
+    next_seq: u64,
+    next_epoch: u64,
+    next_index: u64,
+    /// Epochs below this were abandoned while nobody was subscribed.
+    live_epoch: u64,
+}
+
+/// What the hub has done, counted (for stats).
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
     produced: u64,
     last_epoch: u64,
     deliveries: u64,
@@ -333,11 +316,7 @@ impl Hub {
             slots: vec![Slot::Free; cfg.slots as usize],
             free: (0..cfg.slots).rev().collect(),
             cfg,
-            started: false,
-            next_seq: 0,
-            next_epoch: 0,
-            next_index: 0,
-            live_epoch: 0,
+            cursor: Cursor::default(),
             inflight: BTreeMap::new(),
             published: BTreeMap::new(),
             consumers: BTreeMap::new(),
@@ -345,11 +324,7 @@ impl Hub {
             next_id: 1,
             out: Vec::new(),
             copies: Vec::new(),
-            produced: 0,
-            last_epoch: 0,
-            deliveries: 0,
-            departed: 0,
-            detached: 0,
+            tally: Tally::default(),
         }
     }
 
@@ -368,7 +343,7 @@ impl Hub {
 
     /// True once every epoch has been produced (finite streams only).
     pub fn exhausted(&self) -> bool {
-        self.cfg.epochs.is_some_and(|e| self.next_epoch >= e)
+        self.cfg.epochs.is_some_and(|e| self.cursor.next_epoch >= e)
     }
 
     /// Takes the copies to start, in order.
@@ -400,14 +375,14 @@ impl Hub {
     /// samples, so batch `seq` takes slot `seq mod slots` (its samples are
     /// `seq × unit ..`), and the ring cannot run past a slot still owed.
     fn next_slot(&self) -> SlotId {
-        (self.next_seq % u64::from(self.cfg.slots)) as SlotId
+        (self.cursor.next_seq % u64::from(self.cfg.slots)) as SlotId
     }
 
     /// Changes how many consumers the stream waits for before it starts
     /// (when one that was counted on will never come); no effect once it
     /// has started.
     pub fn set_min_consumers(&mut self, min: u32) {
-        if !self.started {
+        if !self.cursor.started {
             self.cfg.min_consumers = min;
         }
     }
@@ -420,7 +395,7 @@ impl Hub {
     /// Whether the pipeline would be given work if a slot were free
     /// (someone to produce for, epochs left).
     pub fn wants_batches(&self) -> bool {
-        (self.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
+        (self.cursor.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
             && self.anyone_reading()
             && !self.exhausted()
     }
@@ -470,10 +445,10 @@ impl Hub {
     /// started (an external producer stopping between epochs): consumers get
     /// the end of the stream after what was already produced.
     pub fn end_at_epoch_boundary(&mut self) -> bool {
-        if self.next_index != 0 {
+        if self.cursor.next_index != 0 {
             return false;
         }
-        self.cfg.epochs = Some(self.next_epoch);
+        self.cfg.epochs = Some(self.cursor.next_epoch);
         self.pump();
         true
     }
@@ -488,12 +463,12 @@ impl Hub {
         let past = self.cfg.epochs.is_some_and(|e| epoch >= e)
             || epoch >= MAX_EPOCH
             || index >= self.cfg.batches_per_epoch;
-        if self.started || self.next_seq != 0 || !self.consumers.is_empty() || past {
+        if self.cursor.started || self.cursor.next_seq != 0 || !self.consumers.is_empty() || past {
             return false;
         }
-        self.next_epoch = epoch;
-        self.next_index = index;
-        self.live_epoch = epoch;
+        self.cursor.next_epoch = epoch;
+        self.cursor.next_index = index;
+        self.cursor.live_epoch = epoch;
         true
     }
 
@@ -503,14 +478,14 @@ impl Hub {
         if !self.can_start() {
             return None;
         }
-        self.started = true;
+        self.cursor.started = true;
         let slot = self.next_slot();
         self.free.retain(|&s| s != slot);
         self.slots[slot as usize] = Slot::Filling;
         let work = Work {
-            seq: self.next_seq,
-            epoch: self.next_epoch,
-            index: self.next_index,
+            seq: self.cursor.next_seq,
+            epoch: self.cursor.next_epoch,
+            index: self.cursor.next_index,
             slot,
         };
         self.inflight.insert(
@@ -522,11 +497,11 @@ impl Hub {
                 samples: None,
             },
         );
-        self.next_seq += 1;
-        self.next_index += 1;
-        if self.next_index == self.cfg.batches_per_epoch {
-            self.next_index = 0;
-            self.next_epoch += 1;
+        self.cursor.next_seq += 1;
+        self.cursor.next_index += 1;
+        if self.cursor.next_index == self.cfg.batches_per_epoch {
+            self.cursor.next_index = 0;
+            self.cursor.next_epoch += 1;
         }
         Some(work)
     }
@@ -564,6 +539,7 @@ mod error;
 mod groups;
 #[cfg(test)]
 mod invariants;
+mod life;
 mod members;
 #[cfg(test)]
 mod mixed;

@@ -39,10 +39,10 @@ impl Hub {
     pub(crate) fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
         self.consumers.get(&id).map(|c| ConsumerCounts {
             window: c.window,
-            delivered: c.delivered,
+            delivered: c.sent.batches,
             held: c.held.len() as u32,
             queued: c.queue.len() as u32,
-            epoch: c.cur_epoch,
+            epoch: c.sent.epoch,
         })
     }
 
@@ -56,12 +56,12 @@ impl Hub {
             free: self.free.len() as u32,
             filling,
             in_use: self.cfg.slots - self.free.len() as u32 - filling,
-            produced: self.produced,
-            epoch: self.last_epoch,
+            produced: self.tally.produced,
+            epoch: self.tally.last_epoch,
             finished: self.finished(),
-            deliveries: self.deliveries,
-            departed: self.departed,
-            detached: self.detached,
+            deliveries: self.tally.deliveries,
+            departed: self.tally.departed,
+            detached: self.tally.detached,
         }
     }
 }

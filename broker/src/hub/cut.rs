@@ -76,7 +76,7 @@ impl Hub {
         let mut s = self.head();
         while let Some(prev) = s.checked_sub(1)
             && let Some(b) = self.published.get(&prev)
-            && b.epoch >= self.live_epoch
+            && b.epoch >= self.cursor.live_epoch
         {
             s = prev;
         }
@@ -99,7 +99,7 @@ impl Hub {
                 code: ErrorCode::HoldLimit,
             },
         ));
-        self.detached += 1;
+        self.tally.detached += 1;
         self.remove(id);
         self.pump();
         self.start_copies();
@@ -149,7 +149,7 @@ impl Hub {
         let at = self
             .position(lost)
             .or_else(|| c.group.and_then(copied))
-            .unwrap_or((self.next_epoch, self.next_index));
+            .unwrap_or((self.cursor.next_epoch, self.cursor.next_index));
         let first = if at.0 < c.start_epoch {
             (c.start_epoch, 0)
         } else {
@@ -222,7 +222,7 @@ impl Hub {
         // Batches from there on follow each other in the epoch (none of an
         // epoch abandoned while nobody read it, see `join_group`).
         let epoch = self.position(seq).map(|(epoch, _)| epoch);
-        let whole = epoch.is_some_and(|epoch| epoch >= self.live_epoch);
+        let whole = epoch.is_some_and(|epoch| epoch >= self.cursor.live_epoch);
         let copies = c.group.is_none_or(|g| self.group_may_owe(g, seq, head));
         if seq > head || !live || !whole || !copies || c.held.iter().any(|&h| h >= seq) {
             return Err(HubError::NotLive { seq });
@@ -249,7 +249,7 @@ impl Hub {
             let Some(b) = self.published.get(&s) else {
                 break;
             };
-            if b.epoch < self.live_epoch || b.epoch < epoch {
+            if b.epoch < self.cursor.live_epoch || b.epoch < epoch {
                 break;
             }
             if b.epoch == epoch && b.index > 0 && b.index.is_multiple_of(every.max(1)) {
@@ -284,7 +284,7 @@ impl Hub {
             })
             && c.queue.is_empty()
             && !self.inflight.values().any(|b| b.epoch <= epoch)
-            && self.next_epoch > epoch
+            && self.cursor.next_epoch > epoch
     }
 
     /// Epoch and index of batch `seq`, if it is published, being made, or
@@ -296,14 +296,14 @@ impl Hub {
         if let Some(b) = self.inflight.get(&seq) {
             return Some((b.epoch, b.index));
         }
-        (seq == self.next_seq).then_some((self.next_epoch, self.next_index))
+        (seq == self.cursor.next_seq).then_some((self.cursor.next_epoch, self.cursor.next_index))
     }
 
     /// The seq of batch `index` of `epoch`, if it is published, being made,
     /// or the next one to be made.
     pub(crate) fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
-        if (self.next_epoch, self.next_index) == (epoch, index) {
-            return Some(self.next_seq);
+        if (self.cursor.next_epoch, self.cursor.next_index) == (epoch, index) {
+            return Some(self.cursor.next_seq);
         }
         let found = |e: u64, i: u64| (e, i) == (epoch, index);
         self.published

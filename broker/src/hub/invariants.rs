@@ -187,7 +187,7 @@ impl Hub {
             for (id, lag) in self.lags(self.head()) {
                 let c = &self.consumers[&id];
                 assert!(
-                    lag <= limit as usize + c.allowance
+                    lag <= limit as usize + c.slack.allowance
                         || c.cuttable
                         || c.oldest_owed() != tail
                         || tail.is_none(),

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 
 use batchcast::JoinPolicy;
 
-use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Life, Window};
+use super::{Consumer, ConsumerId, Delivery, GroupId, Hub, HubError, Life, Sent, Slack, Window};
 
 impl Hub {
     /// Subscribes a host consumer; returns its id and the first epoch it
@@ -71,11 +71,8 @@ impl Hub {
                 held: Vec::new(),
                 life: Life::Reading { through: None },
                 cuttable: false,
-                credit,
-                allowance,
-                delivered: 0,
-                cur_epoch: start_epoch,
-                in_epoch: 0,
+                slack: Slack { credit, allowance },
+                sent: Sent::new(start_epoch),
             },
         );
         if from_ring {
@@ -131,7 +128,7 @@ impl Hub {
         let Some(c) = self.consumers.remove(&id) else {
             return false;
         };
-        self.departed += 1;
+        self.tally.departed += 1;
         for seq in c.held.into_iter().chain(c.queue) {
             self.unref(c.group, seq);
         }
@@ -142,7 +139,7 @@ impl Hub {
     /// (its oldest owed batch) plus its join credit (see
     /// [`Hub::join_credit`]).
     fn lag_behind(c: &Consumer, head: u64) -> usize {
-        c.behind(head) + c.credit
+        c.behind(head) + c.slack.credit
     }
 
     /// The least [`Hub::lag_behind`] of the readers (readers saying
@@ -211,21 +208,25 @@ impl Hub {
         join: JoinPolicy,
         group: Option<GroupId>,
     ) -> (u64, u64, (u64, u64), bool) {
-        if join == JoinPolicy::NextEpoch && !self.anyone_reading() && self.next_index != 0 {
+        if join == JoinPolicy::NextEpoch && !self.anyone_reading() && self.cursor.next_index != 0 {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
             // in flight are published to nobody.
-            self.next_epoch += 1;
-            self.next_index = 0;
-            self.live_epoch = self.next_epoch;
+            self.cursor.next_epoch += 1;
+            self.cursor.next_index = 0;
+            self.cursor.live_epoch = self.cursor.next_epoch;
         }
         // The first batch not yet published, skipping abandoned epochs.
         let (floor, epoch, index) = self
             .inflight
             .iter()
-            .find(|(_, b)| b.epoch >= self.live_epoch)
+            .find(|(_, b)| b.epoch >= self.cursor.live_epoch)
             .map(|(&seq, b)| (seq, b.epoch, b.index))
-            .unwrap_or((self.next_seq, self.next_epoch, self.next_index));
+            .unwrap_or((
+                self.cursor.next_seq,
+                self.cursor.next_epoch,
+                self.cursor.next_index,
+            ));
         let (start_epoch, first) = match join {
             JoinPolicy::NextEpoch if index != 0 => (epoch + 1, (epoch + 1, 0)),
             _ => (epoch, (epoch, index)),

@@ -9,8 +9,8 @@ use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published, Repli
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
-        self.produced += 1;
-        self.last_epoch = b.epoch;
+        self.tally.produced += 1;
+        self.tally.last_epoch = b.epoch;
         // Host consumers and groups with a copy to make pin the host slot.
         let mut refs = 0;
         for c in self.consumers.values_mut() {
@@ -151,13 +151,8 @@ impl Hub {
             };
             c.queue.pop_front();
             c.held.push(seq);
-            c.delivered += 1;
-            self.deliveries += 1;
-            if b.epoch != c.cur_epoch {
-                c.cur_epoch = b.epoch;
-                c.in_epoch = 0;
-            }
-            c.in_epoch += 1;
+            c.sent.count(b.epoch);
+            self.tally.deliveries += 1;
             self.out.push((
                 id,
                 Outbound::Batch {
@@ -173,8 +168,8 @@ impl Hub {
                     id,
                     Outbound::EndOfEpoch {
                         epoch: b.epoch,
-                        batches: c.in_epoch,
-                        complete: c.in_epoch == bpe,
+                        batches: c.sent.in_epoch,
+                        complete: c.sent.in_epoch == bpe,
                     },
                 ));
             }
@@ -195,7 +190,7 @@ impl Hub {
             .keys()
             .next()
             .copied()
-            .unwrap_or(self.next_seq)
+            .unwrap_or(self.cursor.next_seq)
     }
 
     /// Detaches whoever lags more than the lag limit and holds the oldest
@@ -219,7 +214,7 @@ impl Hub {
                     code: ErrorCode::LagLimit,
                 },
             ));
-            self.detached += 1;
+            self.tally.detached += 1;
             self.remove(id);
         }
         // Removal may have freed group slots.
@@ -247,7 +242,7 @@ impl Hub {
             .into_iter()
             .filter_map(|(id, lag)| {
                 let c = &self.consumers[&id];
-                let lag = lag.saturating_sub(c.allowance);
+                let lag = lag.saturating_sub(c.slack.allowance);
                 (lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)).then_some((id, lag))
             })
             .max_by_key(|&(id, lag)| (lag, std::cmp::Reverse(id)))

@@ -1309,7 +1309,7 @@ impl Model {
             && self
                 .hub
                 .position(seq)
-                .is_some_and(|(e, _)| e >= self.hub.live_epoch)
+                .is_some_and(|(e, _)| e >= self.hub.cursor.live_epoch)
             && s.held.iter().all(|&(h, _)| h < seq)
             // A GPU member: its GPU's copies from there are still there, or
             // come after every copy placed (made now, in order).

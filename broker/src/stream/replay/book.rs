@@ -45,7 +45,8 @@ pub(in crate::stream) struct Prepared {
     rings: Arc<Mapping>,
     layout: RingLayout,
     slots: u32,
-    grant: Grant,
+    /// What pays for the arena's bytes, given back when it is dropped.
+    _grant: Grant,
 }
 
 impl Prepared {
@@ -76,7 +77,7 @@ impl Prepared {
             rings: Arc::new(rings),
             layout,
             slots: slots(window),
-            grant,
+            _grant: grant,
         })
     }
 
@@ -103,12 +104,12 @@ impl Prepared {
             device: None,
         };
         let mut replay = Replay {
-            rings: self.rings,
-            layout: self.layout,
-            batch,
-            deal,
-            slots: self.slots,
-            per_epoch,
+            mem: self,
+            shape: Shape {
+                batch,
+                deal,
+                per_epoch,
+            },
             cursor: from,
             rotation: None,
             to: Some(to),
@@ -118,8 +119,6 @@ impl Prepared {
             live: BTreeMap::new(),
             sent: 0,
             active: Instant::now(),
-            _arena: self.arena,
-            _grant: self.grant,
         };
         replay.seek_own_run();
         Ok((replay, grant, fd))
@@ -129,13 +128,10 @@ impl Prepared {
 /// One consumer's replay in progress.
 #[derive(Debug)]
 pub(in crate::stream) struct Replay {
-    rings: Arc<Mapping>,
-    layout: RingLayout,
-    batch: u64,
-    /// A group member's share: only its own runs are replayed.
-    deal: Option<Deal>,
-    slots: u32,
-    per_epoch: u64,
+    /// Its arena: the rings its batches are made in, and their slots.
+    mem: Prepared,
+    /// The batches it replays.
+    shape: Shape,
     /// The next batch to start, and where replay ends (`None`: open, a
     /// cut consumer's until it merges back; never past `limit`, the
     /// stream's end).
@@ -154,8 +150,15 @@ pub(in crate::stream) struct Replay {
     sent: u64,
     /// When its stretch began or its consumer last released a batch.
     active: Instant,
-    _arena: Arena,
-    _grant: Grant,
+}
+
+/// The batches a replay makes.
+#[derive(Debug, Clone)]
+struct Shape {
+    batch: u64,
+    /// A group member's share: only its own runs are replayed.
+    deal: Option<Deal>,
+    per_epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -235,7 +238,7 @@ impl Replay {
     /// (the next epoch's first, past its last of an epoch), or past the
     /// end if it has none.
     fn seek_own_run(&mut self) {
-        let Some(deal) = self.deal else {
+        let Some(deal) = self.shape.deal else {
             return;
         };
         self.cursor = deal.seek_own_run(self.cursor, self.end());
@@ -243,7 +246,7 @@ impl Replay {
 
     pub(in crate::stream) fn can_start(&self) -> bool {
         let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
-        self.running() && self.next_seq < oldest + u64::from(self.slots)
+        self.running() && self.next_seq < oldest + u64::from(self.mem.slots)
     }
 
     /// Waits for its consumer to release a batch.
@@ -253,9 +256,9 @@ impl Replay {
 
     pub(in crate::stream) fn start(&mut self, id: ConsumerId) -> ReplayJob {
         let c = self.cursor;
-        let (samples, ends_epoch) = match self.deal {
+        let (samples, ends_epoch) = match self.shape.deal {
             None => {
-                let step = rotation::step(c, self.batch, self.per_epoch, self.rotation);
+                let step = rotation::step(c, self.shape.batch, self.shape.per_epoch, self.rotation);
                 self.cursor = step.next;
                 self.rotation = step.rotation;
                 (step.samples, step.ends_epoch)
@@ -270,7 +273,7 @@ impl Replay {
                 // before where it ends).
                 let later = self.end().epoch > c.epoch;
                 let samples = run.end - run.start;
-                self.cursor = c.advance(samples, self.per_epoch);
+                self.cursor = c.advance(samples, self.shape.per_epoch);
                 self.seek_own_run();
                 (samples, later && deal.ends_epoch(&run))
             }
@@ -287,10 +290,11 @@ impl Replay {
                 state: State::Making,
             },
         );
-        let spans = (0..self.layout.fields.len())
+        let spans = (0..self.mem.layout.fields.len())
             .map(|f| {
-                self.layout
-                    .span(f, seq * self.batch, samples)
+                self.mem
+                    .layout
+                    .span(f, seq * self.shape.batch, samples)
                     .expect("a replayed batch lies in one slot of its ring")
             })
             .collect();
@@ -300,7 +304,7 @@ impl Replay {
             epoch: c.epoch,
             first: c.sample,
             samples,
-            rings: self.rings.clone(),
+            rings: self.mem.rings.clone(),
             spans,
         }
     }
@@ -329,8 +333,8 @@ impl Replay {
     ) -> Option<(Arc<Mapping>, Vec<Piece>)> {
         let samples = self.live.get(&seq)?.samples;
         self.set(seq, State::Making, State::Copying);
-        let pieces = copy_pieces(&self.layout, target, seq * self.batch, samples);
-        Some((self.rings.clone(), pieces))
+        let pieces = copy_pieces(&self.mem.layout, target, seq * self.shape.batch, samples);
+        Some((self.mem.rings.clone(), pieces))
     }
 
     /// Batch `seq`'s copy to its consumer's GPU was reported: what is now
