@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Counts the methods of a type (over every `impl` block of its crate) and
-the fields of a struct, and fails where one is over its limit.
+the fields of a struct, and fails where one is over its limit; fails where
+the stream's ledger (CLOCKLESS) reads a clock.
 
 The types checked and their limits are LIMITS below: the ones every new
 feature lands in, kept split by owner instead of growing. OWED names a
@@ -25,6 +26,31 @@ LIMITS = [
 # of the stream's decisions, at most LEDGER_LIMITS methods and fields.
 LEDGER = ["broker/src/hub.rs", "broker/src/hub", "broker/src/stream"]
 LEDGER_LIMITS = (25, 12)
+# The ledger's parts that read no clock: time is an argument (`now`), so
+# their rules are tested on a simulated clock.
+CLOCKLESS = [
+    "broker/src/hub.rs",
+    "broker/src/hub",
+    "broker/src/stream/hold.rs",
+    "broker/src/stream/replay/book.rs",
+]
+CLOCK = re.compile(r"Instant::now\(\)|SystemTime|\.elapsed\(\)")
+
+
+def clock_reads() -> list:
+    """`file:line: text` of every clock read in CLOCKLESS' production code."""
+    found = []
+    for entry in CLOCKLESS:
+        path = ROOT / entry
+        for f in sorted(path.rglob("*.rs")) if path.is_dir() else [path]:
+            if f.name in ("tests.rs", "mixed.rs"):
+                continue
+            for k, line in enumerate(production(f.read_text()).splitlines(), 1):
+                if CLOCK.search(line.split("//")[0]):
+                    found.append(f"{f.relative_to(ROOT)}:{k}: {line.strip()}")
+    return found
+
+
 # Types over a limit today, owed a split (issue 71: the ledger by owner):
 # (file of the struct, "Type", "methods" | "fields").
 OWED: set = {
@@ -107,6 +133,9 @@ def fields(home: Path, name: str) -> int:
 def main() -> int:
     show = "--all" in sys.argv
     bad = 0
+    for read in clock_reads():
+        print(f"{read}: reads the clock in the ledger: take `now` as an argument")
+        bad += 1
     listed = {(home, name) for _, name, home, _, _ in LIMITS}
     types = LIMITS + [t for t in ledger_types() if (t[2], t[1]) not in listed]
     for src, name, home, max_methods, max_fields in types:

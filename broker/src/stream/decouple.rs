@@ -152,7 +152,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     // others frees it of them.
     let mut any = !detach.is_empty();
     for id in can {
-        any |= cut(s, inner, id);
+        any |= cut(s, inner, id, now);
     }
     any
 }
@@ -193,7 +193,7 @@ pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
 }
 
 /// Cuts consumer `id` from the shared stream; replay follows.
-fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
+fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
     let unit = s.plan.schema.batch_size;
     // A mailbox consumer gives back the notices it has not taken; a
     // socket consumer took everything it was sent, and gives back only
@@ -234,7 +234,7 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     conn.own.shared.rewind(restart);
     conn.merges.cuts += 1;
     if let Some(r) = conn.replay.as_mut() {
-        r.reopen(restart);
+        r.reopen(restart, now);
     }
     if !notify(inner, id, ServerMsg::Cut(restart)) {
         return true;

@@ -10,6 +10,7 @@
 //! count out of range, a ring it never reads) is ended alone.
 
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use batchcast::mailbox::BrokerMailbox;
 use batchcast::proto;
@@ -182,7 +183,7 @@ fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), Relea
         let Some(r) = conn.replay.as_mut() else {
             return Err(ReplayError::NotHeld { seq }.into());
         };
-        if r.release(seq)? {
+        if r.release(seq, Instant::now())? {
             // Its arena and budget go back now.
             conn.replay = None;
         }

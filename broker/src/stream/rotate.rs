@@ -28,6 +28,8 @@
 //! * A cut in the part read first replays the rest of it, then the part
 //!   read last: the replay book walks the rotated order.
 
+use std::time::Instant;
+
 use batchcast::proto::{Position, ServerMsg};
 use batchcast::rotation::Rotation;
 
@@ -137,7 +139,7 @@ pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner) {
         }
         let from = rot.owed_from();
         if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
-            r.reopen(from);
+            r.reopen(from, Instant::now());
         }
         if notify(inner, id, ServerMsg::Cut(from)) {
             tracing::debug!(stream = %s.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");

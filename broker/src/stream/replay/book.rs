@@ -91,6 +91,7 @@ impl Prepared {
         (batch, deal): (u64, Option<Deal>),
         per_epoch: u64,
         (life, limit): (ArenaLife, Position),
+        now: Instant,
     ) -> Result<(Replay, ReplayGrant, OwnedFd), ReplayError> {
         let fd = self
             .arena
@@ -118,7 +119,7 @@ impl Prepared {
             next_seq: 0,
             live: BTreeMap::new(),
             sent: 0,
-            active: Instant::now(),
+            active: now,
         };
         replay.seek_own_run();
         Ok((replay, grant, fd))
@@ -218,10 +219,10 @@ impl Replay {
 
     /// Opens a stretch from `from` (the consumer was cut from the shared
     /// stream there); seqs go on from the last stretch's.
-    pub(in crate::stream) fn reopen(&mut self, from: Position) {
+    pub(in crate::stream) fn reopen(&mut self, from: Position, now: Instant) {
         self.cursor = from;
         self.to = None;
-        self.active = Instant::now();
+        self.active = now;
         self.seek_own_run();
     }
 
@@ -372,11 +373,15 @@ impl Replay {
 
     /// Its consumer released batch `seq`: one sent and not yet released,
     /// else refused. Whether the arena may go now ([`ArenaLife`]).
-    pub(in crate::stream) fn release(&mut self, seq: u64) -> Result<bool, ReplayError> {
+    pub(in crate::stream) fn release(
+        &mut self,
+        seq: u64,
+        now: Instant,
+    ) -> Result<bool, ReplayError> {
         match self.live.get(&seq) {
             Some(e) if e.state == State::Sent => {
                 self.live.remove(&seq);
-                self.active = Instant::now();
+                self.active = now;
             }
             _ => return Err(ReplayError::NotHeld { seq }),
         }

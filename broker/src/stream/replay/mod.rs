@@ -40,7 +40,7 @@
 pub(super) mod book;
 
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use batchcast::JoinPolicy;
 use batchcast::deal::Deal;
@@ -186,21 +186,7 @@ pub(super) fn start(
         None => shared,
     };
     let Some(prepared) = prepared else {
-        if from < shared {
-            return Err(SubscribeError::Replay(ReplayError::Refused(format!(
-                "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
-                from.epoch,
-                from.sample,
-                s.name(),
-                shared.epoch,
-                shared.sample
-            ))));
-        }
-        return Ok(Started {
-            skip: replaying.and_then(ReplayFrom::resume),
-            anchor: from,
-            ..Started::default()
-        });
+        return without_arena(s, (from, shared), replaying);
     };
     if let Some(rot) = replaying.and_then(ReplayFrom::rotation) {
         return start_rotated(s, inner, id, (prepared, kept), (from, rot), (batch, deal));
@@ -230,8 +216,13 @@ pub(super) fn start(
     if kept && s.plan.pace == Pace::Decoupled && from < to {
         return start_cut(s, inner, id, prepared, (from, (batch, deal)), limit);
     }
-    let (replay, grant, fd) =
-        prepared.start((from, to), (batch, deal), per_epoch, (life, limit))?;
+    let (replay, grant, fd) = prepared.start(
+        (from, to),
+        (batch, deal),
+        per_epoch,
+        (life, limit),
+        Instant::now(),
+    )?;
     if from < to {
         tracing::info!(stream = %s.name(), consumer = id, ?from, ?to, "replaying");
         s.work_cv.notify_all();
@@ -242,6 +233,30 @@ pub(super) fn start(
         skip: Some(to),
         anchor: from.min(to),
         cut: None,
+    })
+}
+
+/// A joiner with no replay arena (a producer's stream): it starts where
+/// the shared stream is, or is refused a resume behind it.
+fn without_arena(
+    s: &Stream,
+    (from, shared): (Position, Position),
+    replaying: Option<ReplayFrom>,
+) -> Result<Started, SubscribeError> {
+    if from < shared {
+        return Err(SubscribeError::Replay(ReplayError::Refused(format!(
+            "resuming at epoch {} sample {}: stream `{}` is fed by an external producer and now goes on from epoch {} sample {}; the batches between were not kept and cannot be made again for it",
+            from.epoch,
+            from.sample,
+            s.name(),
+            shared.epoch,
+            shared.sample
+        ))));
+    }
+    Ok(Started {
+        skip: replaying.and_then(ReplayFrom::resume),
+        anchor: from,
+        ..Started::default()
     })
 }
 
@@ -297,13 +312,15 @@ fn start_cut(
 ) -> Result<Started, SubscribeError> {
     inner.hub.cut_at_join(id)?;
     let per_epoch = s.plan.schema.samples_per_epoch;
+    let now = Instant::now();
     let (mut replay, grant, fd) = prepared.start(
         (from, from),
         (batch, deal),
         per_epoch,
         (ArenaLife::WhileConnected, limit),
+        now,
     )?;
-    replay.reopen(from);
+    replay.reopen(from, now);
     tracing::info!(stream = %s.name(), consumer = id, ?from, "replaying, cut from the shared stream until it merges back");
     s.work_cv.notify_all();
     Ok(Started {
