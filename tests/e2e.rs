@@ -692,9 +692,9 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
                 busy_ns: u64::MAX - 1,
                 hold_ns: u64::MAX,
             };
-            assert!(mb.push_release(seqs[0], forged));
+            assert!(mb.push_release(proto::Unit::Shared(seqs[0]), forged));
             let r = ClientMsg::Release(Release {
-                seq: seqs[1],
+                unit: proto::Unit::Shared(seqs[1]),
                 wait_ns: u64::MAX,
                 busy_ns: u64::MAX,
                 taken: Default::default(),
@@ -709,7 +709,7 @@ fn times_a_client_reports_are_clamped_to_its_own_connection_and_line() {
                 }
             };
             let r = ClientMsg::Release(Release {
-                seq,
+                unit: proto::Unit::Shared(seq),
                 wait_ns: u64::MAX,
                 busy_ns: u64::MAX,
                 taken: Default::default(),

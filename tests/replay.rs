@@ -306,7 +306,7 @@ pub(crate) fn forged_release_ends_only_the_forger(
     steady: std::process::Child,
 ) -> batchcast::proto::StatsReply {
     let forged = ClientMsg::Release(Release {
-        seq: 999 | batchcast::proto::REPLAYED,
+        unit: batchcast::proto::Unit::Replayed(999),
         wait_ns: 0,
         busy_ns: 0,
         taken: Default::default(),

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::mailbox::ConsumerMailbox;
 use crate::mailbox::Totals;
 use crate::proto::ReplayGrant;
-use crate::proto::{self, ClientMsg, Release, Taken, Welcome};
+use crate::proto::{self, ClientMsg, Release, Taken, Unit, Welcome};
 use crate::schema::{DType, Field, RingLayout, Schema};
 use crate::shm::{Mapping, RingView};
 use crate::transport::send_msg;
@@ -151,11 +151,15 @@ impl Shared {
     /// Gives units back to the broker: through the mailbox (or the socket
     /// when its ring is full), or for device units once the GPU work on
     /// them is done. `totals` rides with the first.
-    pub(crate) fn give_back(&self, seqs: &[u64], mut totals: Totals) -> Result<()> {
-        for &seq in seqs {
+    pub(crate) fn give_back(
+        &self,
+        units: impl IntoIterator<Item = Unit>,
+        mut totals: Totals,
+    ) -> Result<()> {
+        for unit in units {
             let t = std::mem::take(&mut totals);
             let release = Release {
-                seq,
+                unit,
                 wait_ns: t.wait_ns,
                 busy_ns: t.busy_ns,
                 taken: self.taken.load(),
@@ -165,7 +169,7 @@ impl Shared {
                 continue;
             }
             if let Some(mb) = &self.mailbox
-                && mb.push_release(seq, t)
+                && mb.push_release(unit, t)
             {
                 if mb.wants_doorbell() {
                     self.send(&ClientMsg::Doorbell)?;
@@ -193,7 +197,10 @@ impl Shared {
         }
         // Given back under the lock, from a buffer kept for it: no
         // allocation per batch.
-        let result = self.give_back(scratch, std::mem::take(totals));
+        let result = self.give_back(
+            scratch.iter().map(|&seq| Unit::Shared(seq)),
+            std::mem::take(totals),
+        );
         scratch.clear();
         result
     }
@@ -461,8 +468,12 @@ impl Batch {
     /// default stream is used.
     pub fn fence_on(&self, stream: u64) {
         if let Some(g) = &self.shared.gpu {
+            if self.replayed {
+                g.fence_on(Unit::Replayed(self.run.first_seq), stream);
+                return;
+            }
             for seq in self.run.first_seq..=self.run.last_seq {
-                g.fence_on(seq, stream);
+                g.fence_on(Unit::Shared(seq), stream);
             }
         }
     }
@@ -487,7 +498,7 @@ impl Batch {
         if self.replayed {
             return self
                 .shared
-                .give_back(&[self.run.first_seq | proto::REPLAYED], totals);
+                .give_back([Unit::Replayed(self.run.first_seq)], totals);
         }
         self.shared.release_run(&self.run, totals)
     }

@@ -52,7 +52,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 25;
+pub const PROTOCOL_VERSION: u16 = 26;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -95,9 +95,26 @@ impl std::str::FromStr for JoinPolicy {
     }
 }
 
-/// A release's `seq` with this bit set gives back a replayed batch
-/// ([`ReplayReady::seq`]) rather than a unit of the shared stream.
-pub const REPLAYED: u64 = 1 << 63;
+/// What a consumer gives back: a unit of the shared stream (its `seq`),
+/// or one of its replayed batches ([`ReplayReady::seq`]). The two are
+/// told apart by this type on every path (a release on the socket, a
+/// mailbox's release ring, a notice given back unread), never by a bit of
+/// the number (protocol 26).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Unit {
+    Shared(u64),
+    Replayed(u64),
+}
+
+impl Unit {
+    /// The shared unit's seq (`None` for a replayed batch).
+    pub fn shared(self) -> Option<u64> {
+        match self {
+            Unit::Shared(seq) => Some(seq),
+            Unit::Replayed(_) => None,
+        }
+    }
+}
 
 /// What a consumer asks for, from its hello to the stream that serves it
 /// (the broker passes it on as it came).
@@ -349,7 +366,7 @@ pub enum ClientMsg {
 /// does: only the wait is data stall).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Release {
-    pub seq: u64,
+    pub unit: Unit,
     /// How long the program was blocked asking for this batch: from its
     /// first call that could return it to its arrival (data stall).
     pub wait_ns: u64,
@@ -400,7 +417,7 @@ pub enum ServerMsg {
 /// A batch recomputed for one consumer ([`JoinPolicy::Now`],
 /// [`ConsumeRequest::resume`]): `samples` samples of `epoch` from
 /// sample `first` on, in its replay arena at ring position
-/// `seq × batch_size`. Released with `seq | REPLAYED`.
+/// `seq × batch_size`. Released as [`Unit::Replayed`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplayReady {
     pub seq: u64,
@@ -555,7 +572,7 @@ mod tests {
     #[test]
     fn frames_round_trip() {
         let msg = ClientMsg::Release(Release {
-            seq: 1 << 40,
+            unit: Unit::Replayed(1 << 40),
             wait_ns: 12,
             busy_ns: 1 << 33,
             taken: Taken {

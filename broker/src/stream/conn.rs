@@ -312,7 +312,7 @@ pub(super) fn unread(c: &mut Conn) -> usize {
     c.out.mailbox_mut().map_or(0, |mb| {
         mb.unread_units()
             .iter()
-            .filter(|&&s| s & proto::REPLAYED == 0)
+            .filter(|u| u.shared().is_some())
             .count()
     })
 }

@@ -52,7 +52,7 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast::proto::{Position, ServerMsg};
+use batchcast::proto::{Position, ServerMsg, Unit};
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
@@ -70,7 +70,7 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
         && !c
             .out
             .mailbox_mut()
-            .is_some_and(|mb| mb.unread_units().contains(&seq))
+            .is_some_and(|mb| mb.unread_units().contains(&Unit::Shared(seq)))
 }
 
 /// Whether consumer `id` may be cut: it keeps a replay arena for cuts

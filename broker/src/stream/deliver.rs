@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use batchcast::mailbox::BrokerMailbox;
-use batchcast::proto;
+use batchcast::proto::{self, Unit};
 
 use super::conn::{Conn, Ending, end_mailbox_consumer};
 use super::error::{ReleaseError, ReplayError};
@@ -29,7 +29,7 @@ pub(super) struct Dispatch {
     /// A doorbell rang: take every mailbox's releases at the next settle.
     drain_all: bool,
     /// Releases drained from mailboxes, reused between drains.
-    drained: Vec<(ConsumerId, u64)>,
+    drained: Vec<(ConsumerId, Unit)>,
     /// What the hub emitted, reused between dispatches.
     outbound: Vec<(ConsumerId, Outbound)>,
 }
@@ -65,8 +65,8 @@ impl Stream {
                 .and_then(|c| c.out.mailbox_mut())
                 .map(BrokerMailbox::unread_units)
                 .unwrap_or_default();
-            for seq in unread {
-                if let Err(e) = take_release(inner, id, seq) {
+            for unit in unread {
+                if let Err(e) = take_release(inner, id, unit) {
                     tracing::debug!(consumer = id, "giving back an unread notice: {e}");
                 }
             }
@@ -128,12 +128,12 @@ fn release(
     r: proto::Release,
     now: u64,
 ) -> Result<(), ReleaseError> {
-    take_release(inner, id, r.seq)?;
+    take_release(inner, id, r.unit)?;
     if let Some(c) = inner.conns.get_mut(&id) {
         c.tally.wait_ns = c.tally.wait_ns.saturating_add(r.wait_ns);
         c.tally.busy_ns = c.tally.busy_ns.saturating_add(r.busy_ns);
         c.tally.taken = c.tally.taken.max(r.taken);
-        if let Some(sent) = c.tally.sent_ns.remove(&r.seq) {
+        if let Some(sent) = r.unit.shared().and_then(|seq| c.tally.sent_ns.remove(&seq)) {
             c.tally.hold_ns = c.tally.hold_ns.saturating_add(now.saturating_sub(sent));
         }
     }
@@ -172,11 +172,14 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
     }
 }
 
-/// A release of a shared unit, or (with [`proto::REPLAYED`]) of a
-/// replayed batch.
-fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), ReleaseError> {
-    if seq & proto::REPLAYED != 0 {
-        let seq = seq & !proto::REPLAYED;
+/// A release of a shared unit (the hub's) or of a replayed batch (the
+/// consumer's replay book's): one path, told apart by the unit's type.
+fn take_release(inner: &mut Inner, id: ConsumerId, unit: Unit) -> Result<(), ReleaseError> {
+    let seq = match unit {
+        Unit::Shared(seq) => return Ok(inner.hub.release(id, seq)?),
+        Unit::Replayed(seq) => seq,
+    };
+    {
         let Some(conn) = inner.conns.get_mut(&id) else {
             return Err(ReplayError::NotHeld { seq }.into());
         };
@@ -187,9 +190,8 @@ fn take_release(inner: &mut Inner, id: ConsumerId, seq: u64) -> Result<(), Relea
             // Its arena and budget go back now.
             conn.replay = None;
         }
-        return Ok(());
     }
-    Ok(inner.hub.release(id, seq)?)
+    Ok(())
 }
 
 /// Takes the releases of consumers being replayed to (a pipeline thread
@@ -218,14 +220,14 @@ fn drain(inner: &mut Inner, which: impl Fn(ConsumerId, &Conn) -> bool) -> bool {
         let Some(mb) = conn.out.mailbox_mut() else {
             continue;
         };
-        match mb.drain(|seq| taken.push((id, seq))) {
+        match mb.drain(|unit| taken.push((id, unit))) {
             Ok((_, totals)) => conn.tally.mailbox = totals,
             Err(e) => broken.push((id, e.to_string())),
         }
     }
     let any = !taken.is_empty();
-    for (id, seq) in taken.drain(..) {
-        match take_release(inner, id, seq) {
+    for (id, unit) in taken.drain(..) {
+        match take_release(inner, id, unit) {
             // Detached by one of its own releases just taken (the lag
             // limit): the hub gave back everything it held, and the reason
             // is on its way; the rest of what it released is moot.

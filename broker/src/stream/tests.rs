@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use batchcast::mailbox::ConsumerMailbox;
-use batchcast::proto::Release;
+use batchcast::proto::{Release, Unit};
 use batchcast::schema::RingLayout;
 use batchcast::synthetic::SyntheticSpec;
 
@@ -126,7 +126,7 @@ fn release(s: &Stream, id: ConsumerId, seq: u64) {
     s.release(
         id,
         Release {
-            seq,
+            unit: Unit::Shared(seq),
             wait_ns: 0,
             busy_ns: 0,
             taken: Default::default(),
@@ -222,7 +222,7 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
             Some(Notice::Batch(b)) => {
                 verify_host(s, &b);
                 seen.push(b.seq);
-                assert!(mb.push_release(b.seq, Totals::default()));
+                assert!(mb.push_release(Unit::Shared(b.seq), Totals::default()));
                 if mb.wants_doorbell() {
                     s.doorbell();
                 }
@@ -260,7 +260,7 @@ fn a_consumer_that_forges_a_mailbox_release_is_ended_and_the_others_finish() {
     let (good, good_mb) = grant("good");
     let (mut bad, bad_mb) = grant("bad");
     // It releases a batch it was never sent.
-    assert!(bad_mb.push_release(12345, Totals::default()));
+    assert!(bad_mb.push_release(Unit::Shared(12345), Totals::default()));
     let ServerMsg::Error(e) = next(&mut bad) else {
         panic!("expected an error")
     };
@@ -439,7 +439,7 @@ fn replayed_batches_come_in_order_and_a_forged_replay_release_is_refused() {
     );
     assert!(grant.to.sample >= 30, "{grant:?}");
     let forged = |seq: u64| Release {
-        seq: seq | batchcast::proto::REPLAYED,
+        unit: Unit::Replayed(seq),
         wait_ns: 0,
         busy_ns: 0,
         taken: Default::default(),
@@ -652,11 +652,11 @@ fn a_forged_rotation_is_refused_or_harms_only_its_sender() {
                 std::thread::sleep(Duration::from_millis(1));
                 continue;
             };
-            let seq = match m {
-                ServerMsg::Batch(b) => b.seq,
+            let unit = match m {
+                ServerMsg::Batch(b) => Unit::Shared(b.seq),
                 ServerMsg::Replay(r) => {
                     replayed.push((r.epoch, r.first, r.samples));
-                    r.seq | batchcast::proto::REPLAYED
+                    Unit::Replayed(r.seq)
                 }
                 ServerMsg::EndOfStream | ServerMsg::Error(_) | ServerMsg::Goodbye(_) => break,
                 _ => continue,
@@ -664,7 +664,7 @@ fn a_forged_rotation_is_refused_or_harms_only_its_sender() {
             let _ = stream.release(
                 odd.id,
                 Release {
-                    seq,
+                    unit,
                     wait_ns: 0,
                     busy_ns: 0,
                     taken: Default::default(),

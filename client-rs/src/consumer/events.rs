@@ -228,7 +228,7 @@ impl Inbox {
             std::mem::take(&mut b.totals)
         };
         drop(b);
-        shared.give_back(&give, totals)
+        shared.give_back(give.into_iter().map(proto::Unit::Shared), totals)
     }
 
     /// Leaving: gives back every unit this consumer was sent and no batch
@@ -237,11 +237,12 @@ impl Inbox {
     /// connection closes.
     pub(super) fn give_back_unread(&mut self, shared: &Shared) {
         let mut seqs = Vec::new();
+        let mut replayed = Vec::new();
         if let Some(mb) = shared.mailbox.as_ref() {
             loop {
                 match mb.pop() {
                     Ok(Some(Notice::Batch(b))) => seqs.push(b.seq),
-                    Ok(Some(Notice::Replay(r))) => seqs.push(r.seq | proto::REPLAYED),
+                    Ok(Some(Notice::Replay(r))) => replayed.push(r.seq),
                     Ok(Some(_)) => {}
                     Ok(None) | Err(_) => break,
                 }
@@ -257,7 +258,7 @@ impl Inbox {
             if let Some(r) = self.replay.active.take() {
                 for n in r.queue {
                     match n {
-                        Next::Replayed(run) => seqs.push(run.first_seq | proto::REPLAYED),
+                        Next::Replayed(run) => replayed.push(run.first_seq),
                         Next::Run(run, ..) => b.batcher.release(&run, &mut seqs),
                         _ => {}
                     }
@@ -266,7 +267,11 @@ impl Inbox {
             b.batcher.leave(&mut seqs);
             std::mem::take(&mut b.totals)
         };
-        if let Err(e) = shared.give_back(&seqs, totals) {
+        let units = seqs
+            .into_iter()
+            .map(proto::Unit::Shared)
+            .chain(replayed.into_iter().map(proto::Unit::Replayed));
+        if let Err(e) = shared.give_back(units, totals) {
             tracing::debug!("giving back unread batches: {e}");
         }
     }

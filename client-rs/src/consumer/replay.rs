@@ -21,7 +21,7 @@ use crate::batch::Shared;
 use crate::batcher::Run;
 use crate::deal::Deal;
 use crate::error::{Error, Result};
-use crate::proto::{self, EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg};
+use crate::proto::{EpochEnd, Position, ReplayGrant, ReplayReady, ServerMsg, Unit};
 use crate::rotation::{self, Rotation};
 
 /// A consumer's replay: the one in progress, where replay began, and the
@@ -175,7 +175,7 @@ impl Inbox {
             let at = b.batcher.cut(&mut give);
             (at, std::mem::take(&mut b.totals))
         };
-        shared.give_back(&give, totals)?;
+        shared.give_back(give.into_iter().map(Unit::Shared), totals)?;
         // A rotated epoch's start, replayed after the shared stream's part
         // (its batches all cut): the batcher stands past the epoch's end.
         let rot = self
@@ -306,7 +306,7 @@ impl Inbox {
         let index = r.deal.and_then(|d| d.run_at(m.first)).map(|d| d.index);
         if shared.welcome.drop_last && m.samples < size && index.is_none() {
             // An epoch's short last batch, dropped as asked.
-            shared.give_back(&[m.seq | proto::REPLAYED], Default::default())?;
+            shared.give_back([Unit::Replayed(m.seq)], Default::default())?;
         } else {
             r.queue.push_back(Next::Replayed(Run {
                 epoch: m.epoch,

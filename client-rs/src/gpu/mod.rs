@@ -27,7 +27,7 @@ use std::sync::Mutex;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::proto::{DeviceArena, DeviceMemory, DeviceRequest, Release};
+use crate::proto::{DeviceArena, DeviceMemory, DeviceRequest, Release, Unit};
 use crate::schema::{RingLayout, Schema};
 use crate::shm::{Mapping, RingView};
 use crate::stand_in;
@@ -103,7 +103,7 @@ pub(crate) struct DeviceSide {
     /// This consumer's own arena there for its replayed batches.
     replay: Option<Region>,
     /// Streams each held unit was handed to.
-    streams: Mutex<HashMap<u64, Vec<u64>>>,
+    streams: Mutex<HashMap<Unit, Vec<u64>>>,
     pending: Mutex<Vec<Pending>>,
 }
 
@@ -195,22 +195,22 @@ impl DeviceSide {
         self.region(replayed)?.read(f, position, samples)
     }
 
-    pub(crate) fn fence_on(&self, seq: u64, stream: u64) {
+    pub(crate) fn fence_on(&self, unit: Unit, stream: u64) {
         let mut f = self.streams.lock().unwrap_or_else(|p| p.into_inner());
-        let streams = f.entry(seq).or_default();
+        let streams = f.entry(unit).or_default();
         if !streams.contains(&stream) {
             streams.push(stream);
         }
     }
 
-    /// Records the release of `seq`: it is sent once the GPU has done
+    /// Records the release of its unit: it is sent once the GPU has done
     /// what was queued on the batch's streams so far.
     pub(crate) fn release_after_gpu(&self, release: Release) -> Result<()> {
         let streams = self
             .streams
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&release.seq);
+            .remove(&release.unit);
         let fences = match &self.shared.memory {
             #[cfg(feature = "cuda")]
             Memory::Cuda(m) => cuda_memory::fences(m, streams)?,

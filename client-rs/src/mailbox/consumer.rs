@@ -151,13 +151,13 @@ impl ConsumerMailbox {
         w.u32(SLEEPING).store(0, Ordering::Relaxed);
     }
 
-    /// Writes the release of batch `seq`, adding its timings to the
+    /// Writes the release of `unit`, adding its timings to the
     /// running totals. `false` when the ring is full (the caller sends it
     /// on the socket instead); then [`wants_doorbell`] says whether the
     /// broker waits for it.
     ///
     /// [`wants_doorbell`]: Self::wants_doorbell
-    pub fn push_release(&self, seq: u64, t: Totals) -> bool {
+    pub fn push_release(&self, unit: Unit, t: Totals) -> bool {
         let _guard = self.releasing.lock().unwrap_or_else(|p| p.into_inner());
         let w = &self.words;
         let n = w.u64(RELEASED).load(Ordering::Relaxed);
@@ -165,7 +165,7 @@ impl ConsumerMailbox {
         if n.wrapping_sub(drained) >= w.spec.releases as u64 {
             return false;
         }
-        w.release(n).store(seq, Ordering::Relaxed);
+        w.release(n).store(super::word_of(unit), Ordering::Relaxed);
         for (at, add) in [
             (WAIT_TOTAL, t.wait_ns),
             (BUSY_TOTAL, t.busy_ns),

@@ -21,7 +21,7 @@
 //! | 128 | consumer | `tail` (u64: notices read) |
 //! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns, then what its program has taken ([`Taken`](crate::proto::Taken): batches, samples, the last one's epoch) |
 //! | 256 | broker | notice ring: records of 8 words, the first a stamp (the notice's number + 1) written last |
-//! | … | consumer | release ring: one word (the batch's seq) per release |
+//! | … | consumer | release ring: one word per release, the unit's seq with the top bit set for a replayed batch (only `word_of` and `unit_of` write and read it) |
 //!
 //! A notice costs the broker one cache line (the stamp publishes it; there
 //! is no separate head counter to bounce), and it reads the consumer's
@@ -61,7 +61,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady};
+use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady, Unit};
 use crate::shm::{Arena, Mapping};
 
 mod consumer;
@@ -85,6 +85,27 @@ const NOTICES: usize = 256;
 const NOTICE_WORDS: usize = 8;
 /// Largest ring either side accepts.
 const MAX_RECORDS: u32 = 1 << 16;
+
+/// A release word's tag for a replayed batch.
+const REPLAYED_TAG: u64 = 1 << 63;
+
+/// The release ring's word for `unit`: the encoding of the shared layout,
+/// kept here (a shared unit's seq never reaches the tag bit).
+pub(crate) fn word_of(unit: Unit) -> u64 {
+    match unit {
+        Unit::Shared(seq) => seq & !REPLAYED_TAG,
+        Unit::Replayed(seq) => seq | REPLAYED_TAG,
+    }
+}
+
+/// The unit a release word names.
+pub(crate) fn unit_of(word: u64) -> Unit {
+    if word & REPLAYED_TAG != 0 {
+        Unit::Replayed(word & !REPLAYED_TAG)
+    } else {
+        Unit::Shared(word)
+    }
+}
 
 const KIND_BATCH: u64 = 1;
 const KIND_EPOCH_END: u64 = 2;
@@ -248,10 +269,10 @@ pub struct BrokerMailbox {
     tail: u64,
     drained: u64,
     want: bool,
-    /// The notice index and seq (tagged [`proto::REPLAYED`] for a replayed
-    /// batch) of each batch noticed at or after `tail`: what the consumer
-    /// may not have read. At most the ring's capacity.
-    units: VecDeque<(u64, u64)>,
+    /// The notice index and unit of each batch noticed at or after
+    /// `tail`: what the consumer may not have read. At most the ring's
+    /// capacity.
+    units: VecDeque<(u64, Unit)>,
     /// The notices the last cut took back: `[from, to)`.
     cut: (u64, u64),
 }
@@ -368,8 +389,8 @@ impl BrokerMailbox {
         w.notice(self.head, 0)
             .store(self.head + 1, Ordering::Release);
         match *notice {
-            Notice::Batch(b) => self.units.push_back((self.head, b.seq)),
-            Notice::Replay(r) => self.units.push_back((self.head, r.seq | proto::REPLAYED)),
+            Notice::Batch(b) => self.units.push_back((self.head, Unit::Shared(b.seq))),
+            Notice::Replay(r) => self.units.push_back((self.head, Unit::Replayed(r.seq))),
             Notice::EndOfEpoch(_)
             | Notice::EndOfStream
             | Notice::Cut(_)
@@ -403,12 +424,12 @@ impl BrokerMailbox {
         self.tail = self.tail.max(tail);
         self.forget_read();
         let mut revoked = Vec::new();
-        self.units.retain(|&(n, seq)| {
-            let take = n >= tail && seq & proto::REPLAYED == 0;
-            if take {
+        self.units.retain(|&(n, unit)| match unit {
+            Unit::Shared(seq) if n >= tail => {
                 revoked.push(seq);
+                false
             }
-            !take
+            _ => true,
         });
         Some(revoked)
     }
@@ -420,18 +441,18 @@ impl BrokerMailbox {
         }
     }
 
-    /// The units (seqs; replayed ones tagged [`proto::REPLAYED`]) noticed
-    /// and not read by the consumer's `tail`: what a consumer that said
-    /// goodbye will never give back itself. A forged `tail` harms only that
-    /// consumer (units it holds given back, or units kept until it leaves).
-    pub fn unread_units(&mut self) -> Vec<u64> {
+    /// The units noticed and not read by the consumer's `tail`: what a
+    /// consumer that said goodbye will never give back itself. A forged
+    /// `tail` harms only that consumer (units it holds given back, or units
+    /// kept until it leaves).
+    pub fn unread_units(&mut self) -> Vec<Unit> {
         let tail = self.words.u64(TAIL).load(Ordering::Acquire);
         if tail > self.head {
             return Vec::new(); // forged: nothing is unread
         }
         self.tail = self.tail.max(tail);
         self.forget_read();
-        self.units.iter().map(|&(_, seq)| seq).collect()
+        self.units.iter().map(|&(_, unit)| unit).collect()
     }
 
     /// Asks the consumer to send a doorbell after each release (`true`), or
@@ -459,12 +480,12 @@ impl BrokerMailbox {
         }
     }
 
-    /// Hands the seq of every release the consumer has written to `take`,
-    /// in order, and returns how many there were with the consumer's
-    /// running totals. An impossible count is an error.
+    /// Hands the unit of every release the consumer has written to
+    /// `take`, in order, and returns how many there were with the
+    /// consumer's running totals. An impossible count is an error.
     pub fn drain(
         &mut self,
-        mut take: impl FnMut(u64),
+        mut take: impl FnMut(Unit),
     ) -> std::result::Result<(usize, Totals), MailboxError> {
         let w = &self.words;
         let released = w.u64(RELEASED).load(Ordering::Acquire);
@@ -482,7 +503,7 @@ impl BrokerMailbox {
             hold_ns: w.u64(HOLD_TOTAL).load(Ordering::Relaxed),
         };
         for _ in 0..new {
-            take(w.release(self.drained).load(Ordering::Relaxed));
+            take(unit_of(w.release(self.drained).load(Ordering::Relaxed)));
             self.drained += 1;
         }
         if new > 0 {
@@ -598,16 +619,19 @@ mod tests {
             ends_epoch: false,
         }))
         .unwrap();
-        assert_eq!(b.unread_units(), vec![next, 5 | proto::REPLAYED]);
+        assert_eq!(
+            b.unread_units(),
+            vec![Unit::Shared(next), Unit::Replayed(5)]
+        );
         assert_eq!(c.pop().unwrap(), Some(batch(next)));
-        assert_eq!(b.unread_units(), vec![5 | proto::REPLAYED]);
+        assert_eq!(b.unread_units(), vec![Unit::Replayed(5)]);
         assert!(c.pop().unwrap().is_some());
         assert!(c.pop().unwrap().is_some());
-        assert_eq!(b.unread_units(), Vec::<u64>::new());
+        assert_eq!(b.unread_units(), Vec::<Unit>::new());
         // A tail forged past what was written: nothing is unread.
         b.push(&batch(next + 1)).unwrap();
         c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
-        assert_eq!(b.unread_units(), Vec::<u64>::new());
+        assert_eq!(b.unread_units(), Vec::<Unit>::new());
     }
 
     #[test]
@@ -650,7 +674,7 @@ mod tests {
         // record no longer holds what was taken back.
         assert_eq!(b.cut(), Some(vec![]));
         b.push(&batch(8)).unwrap();
-        assert_eq!(b.unread_units(), vec![8]);
+        assert_eq!(b.unread_units(), vec![Unit::Shared(8)]);
         assert_eq!(c.pop().unwrap(), Some(batch(8)));
     }
 
@@ -760,13 +784,13 @@ mod tests {
                 );
             }
             assert_eq!(c.pop().unwrap(), None);
-            assert!(c.push_release(round, t(round)));
+            assert!(c.push_release(Unit::Shared(round), t(round)));
             sum.wait_ns += round;
             sum.busy_ns += 2 * round;
             sum.hold_ns += 3 * round;
             let mut got = Vec::new();
             let (n, totals) = b.drain(|s| got.push(s)).unwrap();
-            assert_eq!((n, got, totals), (1, vec![round], sum));
+            assert_eq!((n, got, totals), (1, vec![Unit::Shared(round)], sum));
         }
         b.push(&Notice::EndOfStream).unwrap();
         assert_eq!(c.pop().unwrap(), Some(Notice::EndOfStream));
@@ -791,11 +815,15 @@ mod tests {
         // Releases: the consumer falls back to the socket when full.
         let rcap = b.spec().releases;
         for s in 0..rcap {
-            assert!(c.push_release(s as u64, t(1)));
+            assert!(c.push_release(Unit::Shared(s as u64), t(1)));
         }
-        assert!(!c.push_release(99, t(1)));
+        assert!(!c.push_release(Unit::Shared(99), t(1)));
         assert_eq!(b.drain(|_| {}).unwrap().0, rcap as usize);
-        assert!(c.push_release(99, t(1)));
+        assert!(c.push_release(Unit::Replayed(99), t(1)));
+        assert!(c.push_release(Unit::Shared(98), t(1)));
+        let mut got = Vec::new();
+        b.drain(|u| got.push(u)).unwrap();
+        assert_eq!(got, vec![Unit::Replayed(99), Unit::Shared(98)]);
     }
 
     #[test]
