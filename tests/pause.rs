@@ -228,7 +228,8 @@ fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() 
     // Alone 0.4 s; one limit 3 s; one limit each in turn 6 s.
     assert!(
         finished < Duration::from_secs(5),
-        "steady finished {finished:?} after both stopped: held once for each"
+        "steady finished {finished:?} after both stopped: held once for each\n{}",
+        env.log()
     );
     for s in stopped {
         let r = report(s);

@@ -120,6 +120,7 @@ impl Prepared {
             live: BTreeMap::new(),
             sent: 0,
             active: now,
+            moved: false,
         };
         replay.seek_own_run();
         Ok((replay, grant, fd))
@@ -151,6 +152,10 @@ pub(in crate::stream) struct Replay {
     sent: u64,
     /// When its stretch began or its consumer last released a batch.
     active: Instant,
+    /// Its consumer released a replayed batch since the stretch began: it
+    /// reads, so it may merge back (one that does not would only pin the
+    /// ring again, see `decouple::merge`).
+    moved: bool,
 }
 
 /// The batches a replay makes.
@@ -223,7 +228,15 @@ impl Replay {
         self.cursor = from;
         self.to = None;
         self.active = now;
+        self.moved = false;
         self.seek_own_run();
+    }
+
+    /// Whether its consumer reads its replay: it released a replayed
+    /// batch since the stretch began, or none waits for it (a stopped
+    /// one's replay is made ahead of it, up to its window, and waits).
+    pub(in crate::stream) fn read(&self) -> bool {
+        self.moved || self.live.is_empty()
     }
 
     /// A lockstep joiner's stretch (it ends where the shared stream
@@ -382,6 +395,7 @@ impl Replay {
             Some(e) if e.state == State::Sent => {
                 self.live.remove(&seq);
                 self.active = now;
+                self.moved = true;
             }
             _ => return Err(ReplayError::NotHeld { seq }),
         }
