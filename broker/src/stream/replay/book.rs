@@ -233,11 +233,10 @@ impl Replay {
     }
 
     /// Whether its consumer reads its replay: it released a replayed
-    /// batch since the stretch began, or there is nothing left to replay
-    /// (the stream's end). A stopped one's replay is made ahead of it, up
-    /// to its window, and waits; one just cut has none made yet.
+    /// batch since the stretch began, or none waits for it (a stopped
+    /// one's replay is made ahead of it, up to its window, and waits).
     pub(in crate::stream) fn read(&self) -> bool {
-        self.moved || (self.live.is_empty() && self.cursor >= self.limit)
+        self.moved || self.live.is_empty()
     }
 
     /// A lockstep joiner's stretch (it ends where the shared stream
