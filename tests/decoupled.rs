@@ -161,25 +161,29 @@ fn a_slow_socket_consumer_is_cut_and_replayed_to_like_a_mailbox_one() {
 fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
     // A paused socket consumer keeps the window it was sent (it cannot be
     // taken back without its reading): the hold limit bounds the wait.
+    // It pauses first, then the steady reader comes: a steady reader
+    // started first may itself be a ring behind when the other joins
+    // (under load) and go on from replay, where no one can hold it, and
+    // the paused one, keeping no one waiting, would rightly read on.
     let env = Env::start(&held_config(1.0));
-    let steady = steady(&env, 600);
-    env.wait_for("the steady reader to start", |s| {
-        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
-    });
     let paused = env.consumer(&[
         "--verify",
         "--stall-after",
         "3",
         "--stall-ms",
         "12000",
+        "--max-batches",
+        "2000",
         "--no-mailbox",
-        "--join",
-        "immediate",
         "--name",
         "paused",
     ]);
-    let steady = report(steady);
-    let paused = report(paused);
+    env.wait_for("the paused reader to pause", |s| {
+        s.streams[0].consumers.iter().any(|c| c.taken.batches >= 3)
+    });
+    let steady = steady(&env, 600);
+    let steady = env.report(steady);
+    let paused = env.report(paused);
     assert_not_held(&steady);
     assert_eq!(
         paused.error_code.as_deref(),
@@ -234,12 +238,9 @@ fn steady(env: &Env, batches: u64) -> std::process::Child {
 
 #[test]
 fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold_limit() {
+    // Keeps its last batch through a 12 s pause: it pins the ring. It
+    // pauses before the steady reader comes (see the test above).
     let env = Env::start(&held_config(1.0));
-    let steady = steady(&env, 600);
-    env.wait_for("the steady reader to start", |s| {
-        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
-    });
-    // Keeps its last batch through a 12 s pause: it pins the ring.
     let holder = env.consumer(&[
         "--stall-after",
         "5",
@@ -247,13 +248,17 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
         "12000",
         "--hold",
         "1",
-        "--join",
-        "immediate",
+        "--max-batches",
+        "2000",
         "--name",
         "holder",
     ]);
-    let holder = report(holder);
-    let steady = report(steady);
+    env.wait_for("the holder to pause", |s| {
+        s.streams[0].consumers.iter().any(|c| c.taken.batches >= 4)
+    });
+    let steady = steady(&env, 600);
+    let holder = env.report(holder);
+    let steady = env.report(steady);
     assert_not_held(&steady);
     assert_eq!(
         holder.error_code.as_deref(),
@@ -382,13 +387,14 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
     // batch noticed to it (its mailbox's `tail` says so) and gives none
     // back, keeping its connection open.
     use batchcast::proto::ErrorCode;
+    // It hoards before the steady reader comes (see the tests above).
     let env = Env::start(&held_config(1.0));
-    let steady = steady(&env, 600);
-    env.wait_for("the steady reader to start", |s| {
-        s.streams[0].consumers.iter().any(|c| c.delivered > 0)
-    });
     let hoard = common::hoarder(&env.socket());
-    let steady = report(steady);
+    env.wait_for("the hoarder to take its window", |s| {
+        s.streams[0].consumers.iter().any(|c| c.delivered >= 2)
+    });
+    let steady = steady(&env, 600);
+    let steady = env.report(steady);
     assert_not_held(&steady);
     let (taken, msg) = hoard.join().unwrap();
     assert!(taken > 0);

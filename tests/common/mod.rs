@@ -359,6 +359,19 @@ impl Env {
         }
     }
 
+    /// A consumer process's report, once it has exited (bounded); when it
+    /// gives none (hung past the limit and killed, or crashed), the panic
+    /// carries the broker's stats and the end of its log.
+    pub fn report(&self, child: std::process::Child) -> ConsumerReport {
+        harness::wait_report(child, LIMIT).unwrap_or_else(|e| {
+            panic!(
+                "{e}\nstats: {:#?}\n{}",
+                self.broker.stats().ok(),
+                self.what_they_said()
+            )
+        })
+    }
+
     /// What the broker logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.path("broker.log")).unwrap_or_default()
