@@ -24,9 +24,10 @@
 //!   there.
 //! * It merges back when its replay is to start a batch inside a unit the
 //!   shared stream still publishes, with at most half the ring ahead of it
-//!   (room to keep up), once it holds no unit from before its cut and has
-//!   read some of its replay since (either way it would pin the ring again
-//!   at once: a stopped one's replay is made ahead of it up to its window): the hub re-joins it at that unit ([`crate::hub::Hub::rejoin`]),
+//!   (room to keep up), once it holds no unit from before its cut and, if
+//!   it was cut for falling behind (not a joiner starting cut), has read
+//!   some of its replay since (either way it would pin the ring again at
+//!   once: a stopped one's replay is made ahead of it up to its window): the hub re-joins it at that unit ([`crate::hub::Hub::rejoin`]),
 //!   its replay ends there, and its client skips the unit's samples before
 //!   that point. At the stream's end it merges at the end.
 //! * Every sample reaches it once, in order: from the shared stream before
@@ -272,13 +273,16 @@ pub(super) fn merge_replays(s: &Stream, inner: &mut Inner) {
 
 fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     let unit = s.plan.schema.batch_size;
-    // One that has read nothing of its replay since its cut (stopped,
-    // with its replay made ahead of it) would only pin the ring again.
+    // One cut for keeping the others waiting that has read nothing of
+    // its replay since (stopped, its replay made ahead of it) would only
+    // pin the ring again. A joiner that starts cut has not stalled.
     let Some((at, rotation)) = inner
         .conns
         .get(&id)
-        .and_then(|c| c.replay.as_ref())
-        .filter(|r| r.read())
+        .and_then(|c| {
+            let r = c.replay.as_ref()?;
+            (c.merges.cuts == 0 || r.read()).then_some(r)
+        })
         .map(|r| (r.cursor, r.rotation))
     else {
         return false;

@@ -742,3 +742,99 @@ fn a_stopping_stream_hands_its_producer_no_slot_its_leaving_consumers_free() {
     s.leave(holder.id);
     assert!(!fill(), "a stopping stream handed its producer a slot");
 }
+
+/// A cut consumer that reads nothing of its replay is neither merged nor
+/// rotated back into the shared stream: decoupled, ring of 8; `reader`
+/// takes every notice, gives back units 0-3 and keeps 4-7; `stopped`
+/// (window 6) never reads. `stopped` is cut at the epoch's start and its
+/// replay is made ahead of it (its window and two more). Before, it was
+/// rotated back at once (the epoch read from where the ring is: it owed 8
+/// units again, replayed none); mid-epoch, merged back where its replay
+/// reached a unit the ring still held (the second full hold a stopped
+/// trainer cost `pause::` under load). Either way it pinned the ring
+/// again though it read nothing.
+#[test]
+fn a_cut_consumer_that_reads_nothing_is_not_merged_back() {
+    let fields: [(&str, &str, &[u64]); 2] = [("x", "u8", &[3, 4, 4]), ("y", "i64", &[])];
+    let text = StreamToml::synthetic("t", 3, 300, &fields)
+        .epochs(2)
+        .key("slots", 8)
+        .key("min_consumers", 2)
+        .key("workers", 1)
+        .raw("pace = \"decoupled\"")
+        .to_toml();
+    let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+    let plan = plan_config(&cfg).unwrap().remove(0);
+    let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
+    let grant = |name: &str, window: u32| {
+        let mut sub = s
+            .subscribe(
+                ConsumeRequest {
+                    mailbox: true,
+                    window,
+                    ..request(JoinPolicy::NextEpoch)
+                },
+                peer(name),
+            )
+            .unwrap();
+        let g = sub.mailbox.take().expect("a mailbox");
+        (sub, ConsumerMailbox::open(g.fd, g.spec).unwrap())
+    };
+    let (reader, reader_mb) = grant("reader", 2);
+    let (stopped, stopped_mb) = grant("stopped", 6);
+    // The reader takes the ring's 8 units, gives back 4 and keeps 4.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut taken = 0;
+    while taken < 8 {
+        assert!(Instant::now() < deadline, "{taken} units noticed");
+        match reader_mb.pop().unwrap() {
+            Some(Notice::Batch(b)) => {
+                taken += 1;
+                if b.seq < 4 {
+                    assert!(reader_mb.push_release(Unit::Shared(b.seq), Totals::default()));
+                }
+            }
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    s.doorbell();
+    // It waits for data: `stopped` is cut and replayed to, ahead of it.
+    let replayed = |s: &Stream| {
+        let st = s.stats();
+        st.consumers
+            .iter()
+            .find(|c| c.name == "stopped")
+            .map_or(0, |c| c.replayed)
+    };
+    // Its window and two more, of 3 samples each.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while replayed(&s) < 24 {
+        assert!(Instant::now() < deadline, "{:?}", s.stats());
+        s.doorbell();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A moment for the pipeline thread's merge check, then what it was told.
+    std::thread::sleep(Duration::from_millis(200));
+    s.doorbell();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut told = Vec::new();
+    while let Some(n) = stopped_mb.pop().unwrap() {
+        told.push(n);
+    }
+    assert!(
+        matches!(told.first(), Some(Notice::Cut(p)) if p.sample == 0),
+        "{told:?}"
+    );
+    let replayed = told
+        .iter()
+        .filter(|n| matches!(n, Notice::Replay(_)))
+        .count();
+    assert_eq!(replayed, 8, "its window and two more: {told:?}");
+    assert!(
+        !told.iter().any(|n| matches!(n, Notice::Merge(_))),
+        "merged back though it read nothing: {told:?}"
+    );
+    drop((reader, stopped));
+    s.shutdown();
+}

@@ -233,10 +233,11 @@ impl Replay {
     }
 
     /// Whether its consumer reads its replay: it released a replayed
-    /// batch since the stretch began, or none waits for it (a stopped
-    /// one's replay is made ahead of it, up to its window, and waits).
+    /// batch since the stretch began, or there is nothing left to replay
+    /// (the stream's end). A stopped one's replay is made ahead of it, up
+    /// to its window, and waits; one just cut has none made yet.
     pub(in crate::stream) fn read(&self) -> bool {
-        self.moved || self.live.is_empty()
+        self.moved || (self.live.is_empty() && self.cursor >= self.limit)
     }
 
     /// A lockstep joiner's stretch (it ends where the shared stream
