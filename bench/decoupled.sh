@@ -3,5 +3,5 @@
 # table. Extra arguments go to the harness (`target/release/decoupled --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p batchcast-broker -p batchcast-bench
+cargo build --release -q -p batchcast-cli -p batchcast-bench
 exec target/release/decoupled "$@"

@@ -20,7 +20,7 @@ Two kinds of consumer:
 
     python bench/fanout_bytes.py [--batches 3000] [--consumers 1,2,4,8]
 
-Needs the release binary (`cargo build --release -p batchcast-broker`) and
+Needs the release binary (`cargo build --release -p batchcast-cli`) and
 a Python with batchcast installed.
 """
 

@@ -22,7 +22,7 @@ the ranks with their workers, and of the broker, sampled every 100 ms.
 
     python bench/groups.py DATASET [--epochs 3] [--batch 32] [--tables 1,2,3]
 
-Needs the release broker (`cargo build --release -p batchcast-broker`), and
+Needs the release broker (`cargo build --release -p batchcast-cli`), and
 a Python with batchcast, torch and torchvision (bench/groups.sh sets it up).
 """
 

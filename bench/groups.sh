@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 [ "$PYTHON" = ".venv/bin/python" ] && bash scripts/setup
-cargo build --release -q -p batchcast-broker
+cargo build --release -q -p batchcast-cli
 if ! "$PYTHON" -c "import torch, torchvision" 2>/dev/null; then
     echo "== installing torch and torchvision into $("$PYTHON" -c 'import sys; print(sys.prefix)')"
     "$PYTHON" -m pip install -q --no-cache-dir --disable-pip-version-check torch torchvision

@@ -6,5 +6,5 @@
 # to the harness (see `target/release/hostile --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p batchcast-broker -p batchcast-bench
+cargo build --release -q -p batchcast-cli -p batchcast-bench
 exec target/release/hostile "$@"

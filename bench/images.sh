@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup
-cargo build --release -q -p batchcast-broker -p batchcast-bench
+cargo build --release -q -p batchcast-cli -p batchcast-bench
 dataset="$1"
 shift
 if [[ " $* " != *" --prepared "* ]]; then

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup
-cargo build --release -q -p batchcast-broker -p batchcast-bench --bin batchcast --bin latency_proxy
+cargo build --release -q -p batchcast-cli -p batchcast-bench --bin batchcast --bin latency_proxy
 if ! command -v nginx >/dev/null; then
     echo "== installing nginx (Debian) for the I/O-bound scenario"
     sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"

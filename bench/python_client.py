@@ -14,7 +14,7 @@
 
     python bench/python_client.py [--batches 20000] [--repeats 3]
 
-Needs the release binary (`cargo build --release -p batchcast-broker`) and
+Needs the release binary (`cargo build --release -p batchcast-cli`) and
 a Python with batchcast installed; table 2 needs torch (and tensorsocket
 for its rows).
 """
@@ -247,7 +247,7 @@ def main() -> None:
     p.add_argument("--tensorsocket-timeout", type=int, default=120)
     args = p.parse_args()
     if not Path(EXE).exists():
-        raise SystemExit(f"no broker binary at {EXE}: cargo build --release -p batchcast-broker")
+        raise SystemExit(f"no broker binary at {EXE}: cargo build --release -p batchcast-cli")
     consumer_overhead(args.batches, args.repeats)
     try:
         import torch  # noqa: F401

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup
-cargo build --release -q -p batchcast-broker
+cargo build --release -q -p batchcast-cli
 .venv/bin/python -c "import batchcast.ray; batchcast.ray.feed_stream" 2>/dev/null || {
     rm -rf target/bench-wheel
     bash scripts/build-wheels target/bench-wheel

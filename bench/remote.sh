@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # nginx below; moto, s3s-fs and the rest from scripts/setup.
 bash scripts/setup
-cargo build --release -q -p batchcast-broker -p batchcast-bench --bin batchcast --bin latency_proxy
+cargo build --release -q -p batchcast-cli -p batchcast-bench --bin batchcast --bin latency_proxy
 if ! command -v nginx >/dev/null; then
     echo "== installing nginx (Debian) for the HTTP rows"
     sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"

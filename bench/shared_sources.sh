@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup
-cargo build --release -q -p batchcast-broker -p batchcast-bench
+cargo build --release -q -p batchcast-cli -p batchcast-bench
 exec target/release/shared_sources "$@"

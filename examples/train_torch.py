@@ -65,7 +65,7 @@ def find_batchcast() -> str:
     ):
         if candidate and Path(candidate).exists():
             return str(candidate)
-    sys.exit("no `batchcast` binary: run `cargo build --release -p batchcast-broker` or pass --batchcast")
+    sys.exit("no `batchcast` binary: run `cargo build --release -p batchcast-cli` or pass --batchcast")
 
 
 class SmallCNN(nn.Module):

@@ -21,9 +21,10 @@
 //!   (`batchcast make`, for a cluster's CPU nodes).
 //!
 //! The command line (`batchcast serve`, `consume`, `demo`, `launch`,
-//! `stats`) is the binary's own, in `src/cli/`; what it shares with the
-//! benchmarks and tests (starting real processes, the reports it writes)
-//! is the `batchcast-kit` crate. This library knows neither.
+//! `stats`, ...) is the crate `batchcast-cli` (`cli/`), over this library;
+//! what it shares with the benchmarks and tests (starting real processes,
+//! the reports it writes) is the `batchcast-kit` crate. This library knows
+//! neither (its tests use the kit).
 
 pub mod budget;
 pub mod config;

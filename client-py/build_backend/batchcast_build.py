@@ -1,7 +1,7 @@
 """PEP 517 build backend of the `batchcast` package: maturin's, plus the broker.
 
 maturin builds the Python client's native module (`batchcast._native`). This
-backend first builds the broker (`cargo build --release -p batchcast-broker`)
+backend first builds the broker (`cargo build --release -p batchcast-cli`)
 and stages its binary where maturin's `data` setting puts it into the wheel
 (`batchcast-X.data/scripts/batchcast`), so `pip install` puts the
 `batchcast` command on PATH. `BATCHCAST_WHEEL_BROKER=/path/to/batchcast`
@@ -65,7 +65,7 @@ def stage_broker() -> Path:
                 "install Rust from https://rustup.rs and cmake/nasm from your distribution, "
                 "or install a prebuilt wheel"
             )
-        cmd = [cargo, "build", "--release", "--locked", "-p", "batchcast-broker"]
+        cmd = [cargo, "build", "--release", "--locked", "-p", "batchcast-cli"]
         subprocess.run(cmd, cwd=ROOT, check=True)
         target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
         src = target / "release" / "batchcast"

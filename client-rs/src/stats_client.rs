@@ -91,3 +91,13 @@ impl StatsClient {
         }
     }
 }
+
+/// The name of the broker's threads that fetch from remote stores: a stats
+/// reader (`batchcast doctor`) finds their CPU time in `/proc` by it.
+pub const REMOTE_THREADS: &str = "batchcast-remote";
+
+/// The name prefix of stream `stream`'s pipeline threads in the broker, as
+/// [`REMOTE_THREADS`].
+pub fn pipeline_threads(stream: &str) -> String {
+    format!("{stream}-worker-")
+}

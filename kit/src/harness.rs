@@ -226,7 +226,7 @@ pub fn batchcast_exe(given: Option<&Path>) -> std::io::Result<PathBuf> {
         return Err(std::io::Error::new(
             std::io::ErrorKind::NotFound,
             format!(
-                "{} not found; build it with `cargo build --release -p batchcast-broker` or pass --exe",
+                "{} not found; build it with `cargo build --release -p batchcast-cli` or pass --exe",
                 exe.display()
             ),
         ));

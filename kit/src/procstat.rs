@@ -97,14 +97,7 @@ pub struct ThreadTimes {
     pub run_queue_s: f64,
 }
 
-/// The name of the broker's threads that fetch from remote stores.
-pub const REMOTE_THREADS: &str = "batchcast-remote";
-
-/// The name prefix of stream `stream`'s pipeline threads, for
-/// [`named_threads`].
-pub fn pipeline_threads(stream: &str) -> String {
-    format!("{stream}-worker-")
-}
+pub use batchcast::stats_client::{REMOTE_THREADS, pipeline_threads};
 
 #[cfg(test)]
 mod tests {

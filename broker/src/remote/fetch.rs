@@ -567,7 +567,7 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
     RT.get_or_init(|| {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name(batchcast_kit::procstat::REMOTE_THREADS)
+            .thread_name(batchcast::stats_client::REMOTE_THREADS)
             .enable_all()
             .build()
             .expect("the remote-read runtime starts")

@@ -105,7 +105,7 @@ pub(super) fn spawn_workers(stream: &Arc<Stream>) -> std::io::Result<()> {
         let handle = std::thread::Builder::new()
             .name(format!(
                 "{}{i}",
-                batchcast_kit::procstat::pipeline_threads(&stream.plan.name)
+                batchcast::stats_client::pipeline_threads(&stream.plan.name)
             ))
             .spawn(move || run(&s))?;
         workers.push(handle);
