@@ -71,6 +71,8 @@ use std::collections::{BTreeMap, VecDeque};
 use batchcast::proto::ErrorCode;
 
 use life::{Life, Sent, Slack};
+use ring::Published;
+pub(crate) use ring::Ring;
 
 pub(crate) type ConsumerId = u64;
 pub(crate) type SlotId = u32;
@@ -157,35 +159,6 @@ pub(crate) enum Outbound {
 /// the epoch number wraps.
 pub(crate) const MAX_EPOCH: u64 = 1 << 48;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
-    Free,
-    /// Being written by the pipeline (exclusive).
-    Filling,
-    /// Published; `refs` consumers owe it.
-    Published {
-        seq: u64,
-        refs: u32,
-    },
-}
-
-#[derive(Debug, Clone, Copy)]
-struct InFlight {
-    epoch: u64,
-    index: u64,
-    slot: SlotId,
-    /// `Some` once filled.
-    samples: Option<u64>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Published {
-    epoch: u64,
-    index: u64,
-    slot: SlotId,
-    samples: u64,
-}
-
 /// A batch a group owes: its copy and the members that owe it.
 #[derive(Debug, Clone, Copy)]
 struct Replica {
@@ -266,15 +239,8 @@ impl Consumer {
 #[derive(Debug)]
 pub(crate) struct Hub {
     cfg: HubConfig,
-    slots: Vec<Slot>,
-    /// Free slots (for counts and checks: batch `seq` always takes slot
-    /// `seq mod slots`, see `next_slot`).
-    free: Vec<SlotId>,
-    /// The next batch the pipeline will be given.
-    cursor: Cursor,
-    inflight: BTreeMap<u64, InFlight>,
-    /// Batches in host slots (pinned by a host consumer or a pending copy).
-    published: BTreeMap<u64, Published>,
+    /// The host ring: slots, batches in flight and published, the cursor.
+    ring: Ring,
     consumers: BTreeMap<ConsumerId, Consumer>,
     groups: Vec<Group>,
     next_id: ConsumerId,
@@ -282,18 +248,6 @@ pub(crate) struct Hub {
     copies: Vec<CopyOrder>,
     /// What the hub has done, counted (for stats).
     tally: Tally,
-}
-
-/// Where the pipeline is: the next batch it will be given.
-#[derive(Debug, Clone, Copy, Default)]
-struct Cursor {
-    /// The first batch was given out (the stream started).
-    started: bool,
-    next_seq: u64,
-    next_epoch: u64,
-    next_index: u64,
-    /// Epochs below this were abandoned while nobody was subscribed.
-    live_epoch: u64,
 }
 
 /// What the hub has done, counted (for stats).
@@ -313,12 +267,8 @@ impl Hub {
             "validated by the config"
         );
         Hub {
-            slots: vec![Slot::Free; cfg.slots as usize],
-            free: (0..cfg.slots).rev().collect(),
+            ring: Ring::new(cfg.slots),
             cfg,
-            cursor: Cursor::default(),
-            inflight: BTreeMap::new(),
-            published: BTreeMap::new(),
             consumers: BTreeMap::new(),
             groups: Vec::new(),
             next_id: 1,
@@ -343,7 +293,9 @@ impl Hub {
 
     /// True once every epoch has been produced (finite streams only).
     pub fn exhausted(&self) -> bool {
-        self.cfg.epochs.is_some_and(|e| self.cursor.next_epoch >= e)
+        self.cfg
+            .epochs
+            .is_some_and(|e| self.ring.cursor().next_epoch >= e)
     }
 
     /// Takes the copies to start, in order.
@@ -351,38 +303,29 @@ impl Hub {
         std::mem::take(&mut self.copies)
     }
 
-    /// Whether batches are being filled (taken by the pipeline, not yet
-    /// published).
-    pub fn filling(&self) -> bool {
-        !self.inflight.is_empty()
+    /// The host ring, to look at (only the hub changes it).
+    pub(crate) fn ring(&self) -> &Ring {
+        &self.ring
     }
 
     /// True once every batch has been produced, published and given back.
     pub fn finished(&self) -> bool {
         self.exhausted()
-            && self.inflight.is_empty()
-            && self.published.is_empty()
+            && self.ring.is_empty()
             && self.groups.iter().all(|g| g.replicas.is_empty())
     }
 
     /// Whether the pipeline could be given work now (the next slot of the
     /// ring free, someone to produce for, epochs left).
     pub fn can_start(&self) -> bool {
-        self.wants_batches() && self.has_free_slot()
-    }
-
-    /// The slot the next batch goes to: the host arena is a ring of
-    /// samples, so batch `seq` takes slot `seq mod slots` (its samples are
-    /// `seq × unit ..`), and the ring cannot run past a slot still owed.
-    fn next_slot(&self) -> SlotId {
-        (self.cursor.next_seq % u64::from(self.cfg.slots)) as SlotId
+        self.wants_batches() && self.ring.free_slots() > 0
     }
 
     /// Changes how many consumers the stream waits for before it starts
     /// (when one that was counted on will never come); no effect once it
     /// has started.
     pub fn set_min_consumers(&mut self, min: u32) {
-        if !self.cursor.started {
+        if !self.ring.cursor().started {
             self.cfg.min_consumers = min;
         }
     }
@@ -395,7 +338,7 @@ impl Hub {
     /// Whether the pipeline would be given work if a slot were free
     /// (someone to produce for, epochs left).
     pub fn wants_batches(&self) -> bool {
-        (self.cursor.started || self.consumers.len() as u32 >= self.cfg.min_consumers)
+        (self.ring.cursor().started || self.consumers.len() as u32 >= self.cfg.min_consumers)
             && self.anyone_reading()
             && !self.exhausted()
     }
@@ -405,23 +348,6 @@ impl Hub {
     /// none, the stream pauses rather than make batches for nobody.
     fn anyone_reading(&self) -> bool {
         self.consumers.values().any(|c| c.life.reading())
-    }
-
-    /// Slots the pipeline may fill now: the free ones from the ring's next
-    /// slot on, up to the first still in use (a free slot beyond that one
-    /// waits for it).
-    pub fn free_slots(&self) -> u32 {
-        let n = self.cfg.slots;
-        let next = self.next_slot();
-        (0..n)
-            .take_while(|k| self.slots[((next + k) % n) as usize] == Slot::Free)
-            .count() as u32
-    }
-
-    /// Whether the next slot of the ring is free (otherwise the pipeline is
-    /// under back-pressure).
-    pub fn has_free_slot(&self) -> bool {
-        self.slots[self.next_slot() as usize] == Slot::Free
     }
 
     pub fn release(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
@@ -445,10 +371,11 @@ impl Hub {
     /// started (an external producer stopping between epochs): consumers get
     /// the end of the stream after what was already produced.
     pub fn end_at_epoch_boundary(&mut self) -> bool {
-        if self.cursor.next_index != 0 {
+        let cursor = self.ring.cursor();
+        if cursor.next_index != 0 {
             return false;
         }
-        self.cfg.epochs = Some(self.cursor.next_epoch);
+        self.cfg.epochs = Some(cursor.next_epoch);
         self.pump();
         true
     }
@@ -463,12 +390,11 @@ impl Hub {
         let past = self.cfg.epochs.is_some_and(|e| epoch >= e)
             || epoch >= MAX_EPOCH
             || index >= self.cfg.batches_per_epoch;
-        if self.cursor.started || self.cursor.next_seq != 0 || !self.consumers.is_empty() || past {
+        let cursor = self.ring.cursor();
+        if cursor.started || cursor.next_seq != 0 || !self.consumers.is_empty() || past {
             return false;
         }
-        self.cursor.next_epoch = epoch;
-        self.cursor.next_index = index;
-        self.cursor.live_epoch = epoch;
+        self.ring.seek(epoch, index);
         true
     }
 
@@ -478,56 +404,15 @@ impl Hub {
         if !self.can_start() {
             return None;
         }
-        self.cursor.started = true;
-        let slot = self.next_slot();
-        self.free.retain(|&s| s != slot);
-        self.slots[slot as usize] = Slot::Filling;
-        let work = Work {
-            seq: self.cursor.next_seq,
-            epoch: self.cursor.next_epoch,
-            index: self.cursor.next_index,
-            slot,
-        };
-        self.inflight.insert(
-            work.seq,
-            InFlight {
-                epoch: work.epoch,
-                index: work.index,
-                slot,
-                samples: None,
-            },
-        );
-        self.cursor.next_seq += 1;
-        self.cursor.next_index += 1;
-        if self.cursor.next_index == self.cfg.batches_per_epoch {
-            self.cursor.next_index = 0;
-            self.cursor.next_epoch += 1;
-        }
+        let work = self.ring.start(self.cfg.batches_per_epoch);
         Some(work)
     }
 
     /// The pipeline has filled batch `seq` with `samples` samples. It is
     /// published once every earlier batch is.
     pub fn finish_batch(&mut self, seq: u64, samples: u64) {
-        let b = self
-            .inflight
-            .get_mut(&seq)
-            .expect("finish_batch of a batch that is not in flight");
-        b.samples = Some(samples);
-        while let Some(entry) = self.inflight.first_entry() {
-            let Some(samples) = entry.get().samples else {
-                break;
-            };
-            let (seq, b) = entry.remove_entry();
-            self.publish(
-                seq,
-                Published {
-                    epoch: b.epoch,
-                    index: b.index,
-                    slot: b.slot,
-                    samples,
-                },
-            );
+        for (seq, b) in self.ring.finish(seq, samples) {
+            self.publish(seq, b);
         }
         self.pump();
     }
@@ -543,6 +428,7 @@ mod life;
 mod members;
 #[cfg(test)]
 mod mixed;
+mod ring;
 mod send;
 #[cfg(test)]
 mod tests;

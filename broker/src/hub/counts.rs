@@ -1,6 +1,6 @@
 //! The hub's numbers for `stats`: per stream, per consumer, per group.
 
-use super::{ConsumerId, Hub, Slot};
+use super::{ConsumerId, Hub};
 
 /// One group's numbers for stats.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -47,15 +47,11 @@ impl Hub {
     }
 
     pub fn counts(&self) -> HubCounts {
-        let filling = self
-            .slots
-            .iter()
-            .filter(|s| matches!(s, Slot::Filling))
-            .count() as u32;
+        let (free, filling) = self.ring.counts();
         HubCounts {
-            free: self.free.len() as u32,
+            free,
             filling,
-            in_use: self.cfg.slots - self.free.len() as u32 - filling,
+            in_use: self.cfg.slots - free - filling,
             produced: self.tally.produced,
             epoch: self.tally.last_epoch,
             finished: self.finished(),

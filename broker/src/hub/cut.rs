@@ -6,7 +6,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{ConsumerId, GroupId, Hub, HubError, Life, Outbound, Slot};
+use super::{ConsumerId, GroupId, Hub, HubError, Life, Outbound};
 
 impl Hub {
     /// Consumer `id` owes every published batch from `seq` to the head
@@ -15,7 +15,7 @@ impl Hub {
     /// [`Hub::group_may_owe`]): referenced and queued. A group member owes
     /// its GPU's copy, made now where there is none.
     pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
-        let head = self.head();
+        let head = self.ring.head();
         let Some(c) = self.consumers.get_mut(&id) else {
             return;
         };
@@ -24,7 +24,7 @@ impl Hub {
             _ => u64::MAX,
         };
         for s in seq..head {
-            let b = self.published[&s];
+            let b = self.ring.published(s).expect("owed batches are published");
             if b.epoch > through {
                 continue;
             }
@@ -47,10 +47,7 @@ impl Hub {
                 let at = grp.waiting.partition_point(|&w| w < s);
                 grp.waiting.insert(at, s);
             }
-            match &mut self.slots[b.slot as usize] {
-                Slot::Published { refs, .. } => *refs += 1,
-                other => unreachable!("published batch {s} in slot {} in state {other:?}", b.slot),
-            }
+            self.ring.pin(s);
         }
     }
 
@@ -68,20 +65,6 @@ impl Hub {
             .max();
         !grp.failed
             && (seq..head).all(|s| grp.replicas.contains_key(&s) || placed.is_none_or(|p| s > p))
-    }
-
-    /// The oldest batch from which every batch up to the head is still
-    /// published (of an epoch not abandoned): seq, epoch, index.
-    pub(crate) fn oldest_live(&self) -> Option<(u64, u64, u64)> {
-        let mut s = self.head();
-        while let Some(prev) = s.checked_sub(1)
-            && let Some(b) = self.published.get(&prev)
-            && b.epoch >= self.cursor.live_epoch
-        {
-            s = prev;
-        }
-        let b = self.published.get(&s)?;
-        Some((s, b.epoch, b.index))
     }
 
     /// Detaches a consumer that kept the pipeline waiting too long
@@ -117,7 +100,7 @@ impl Hub {
     /// Returns the epoch and index of the first batch it no longer gets
     /// (its replay begins there, or at its batch boundary before).
     pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(u64, u64), HubError> {
-        let head = self.head();
+        let head = self.ring.head();
         let c = self
             .consumers
             .get(&id)
@@ -146,10 +129,12 @@ impl Hub {
             let r = self.groups[g as usize].replicas.get(&lost)?;
             Some((r.batch.epoch, r.batch.index))
         };
+        let next = self.ring.cursor();
         let at = self
+            .ring
             .position(lost)
             .or_else(|| c.group.and_then(copied))
-            .unwrap_or((self.cursor.next_epoch, self.cursor.next_index));
+            .unwrap_or((next.next_epoch, next.next_index));
         let first = if at.0 < c.start_epoch {
             (c.start_epoch, 0)
         } else {
@@ -210,7 +195,7 @@ impl Hub {
         seq: u64,
         through: Option<u64>,
     ) -> Result<(), HubError> {
-        let head = self.head();
+        let head = self.ring.head();
         let c = self
             .consumers
             .get(&id)
@@ -218,45 +203,24 @@ impl Hub {
         if c.life != Life::Cut {
             return Err(HubError::NotCut(id));
         }
-        let live = (seq..head).all(|s| self.published.contains_key(&s));
-        // Batches from there on follow each other in the epoch (none of an
-        // epoch abandoned while nobody read it, see `join_group`).
-        let epoch = self.position(seq).map(|(epoch, _)| epoch);
-        let whole = epoch.is_some_and(|epoch| epoch >= self.cursor.live_epoch);
+        // Every batch from there on published, following each other in
+        // the epoch (none of an epoch abandoned while nobody read it, see
+        // `join_group`).
+        let live = self.ring.live_from(seq);
         let copies = c.group.is_none_or(|g| self.group_may_owe(g, seq, head));
-        if seq > head || !live || !whole || !copies || c.held.iter().any(|&h| h >= seq) {
+        let Some((epoch, _)) = self.ring.position(seq).filter(|_| live && copies) else {
+            return Err(HubError::NotLive { seq });
+        };
+        if c.held.iter().any(|&h| h >= seq) {
             return Err(HubError::NotLive { seq });
         }
         let c = self.consumers.get_mut(&id).expect("looked up above");
         c.life = Life::Reading { through };
         c.floor = seq;
-        c.start_epoch = epoch.expect("checked above");
+        c.start_epoch = epoch;
         self.owe_published(id, seq);
         self.pump();
         Ok(())
-    }
-
-    /// The oldest batch of `epoch` from seq `from` on, past the epoch's
-    /// first and at an index that `every` divides, with every batch from
-    /// there to the head still published (older ones, given back by every
-    /// reader, are not looked at): where a consumer may rotate
-    /// into that epoch ([`Hub::rejoin_through`]). Its seq and index.
-    pub(crate) fn rotation_point(&self, epoch: u64, from: u64, every: u64) -> Option<(u64, u64)> {
-        let head = self.head();
-        let mut found = None;
-        // Back from the head while every batch is still published.
-        for s in (from..head).rev() {
-            let Some(b) = self.published.get(&s) else {
-                break;
-            };
-            if b.epoch < self.cursor.live_epoch || b.epoch < epoch {
-                break;
-            }
-            if b.epoch == epoch && b.index > 0 && b.index.is_multiple_of(every.max(1)) {
-                found = Some((s, b.index));
-            }
-        }
-        found
     }
 
     /// The oldest batch a consumer reading the shared stream still holds or
@@ -283,39 +247,8 @@ impl Hub {
                 through: Some(epoch),
             })
             && c.queue.is_empty()
-            && !self.inflight.values().any(|b| b.epoch <= epoch)
-            && self.cursor.next_epoch > epoch
-    }
-
-    /// Epoch and index of batch `seq`, if it is published, being made, or
-    /// the next one to be made.
-    pub fn position(&self, seq: u64) -> Option<(u64, u64)> {
-        if let Some(b) = self.published.get(&seq) {
-            return Some((b.epoch, b.index));
-        }
-        if let Some(b) = self.inflight.get(&seq) {
-            return Some((b.epoch, b.index));
-        }
-        (seq == self.cursor.next_seq).then_some((self.cursor.next_epoch, self.cursor.next_index))
-    }
-
-    /// The seq of batch `index` of `epoch`, if it is published, being made,
-    /// or the next one to be made.
-    pub(crate) fn seq_of(&self, epoch: u64, index: u64) -> Option<u64> {
-        if (self.cursor.next_epoch, self.cursor.next_index) == (epoch, index) {
-            return Some(self.cursor.next_seq);
-        }
-        let found = |e: u64, i: u64| (e, i) == (epoch, index);
-        self.published
-            .iter()
-            .find(|(_, b)| found(b.epoch, b.index))
-            .map(|(&s, _)| s)
-            .or_else(|| {
-                self.inflight
-                    .iter()
-                    .find(|(_, b)| found(b.epoch, b.index))
-                    .map(|(&s, _)| s)
-            })
+            && !self.ring.in_flight().any(|(_, e)| e <= epoch)
+            && self.ring.cursor().next_epoch > epoch
     }
 
     /// The batch in the ring's next slot, which the pipeline waits for
@@ -324,9 +257,7 @@ impl Hub {
     /// where a GPU's copy of it waits for a free slot of that GPU's ring,
     /// the members that owe the oldest copy there.
     pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
-        let Slot::Published { seq, .. } = self.slots[self.next_slot() as usize] else {
-            return None;
-        };
+        let seq = self.ring.pinned()?;
         let owes = |c: &super::Consumer, s: u64| c.held.contains(&s) || c.queue.contains(&s);
         let mut owe: Vec<ConsumerId> = self
             .consumers
@@ -362,12 +293,6 @@ impl Hub {
             .get(&id)
             .filter(|c| c.life.reading())
             .map(|c| c.queue.len())
-    }
-
-    /// The head: the first batch not yet published, and how many slots
-    /// the ring has.
-    pub(crate) fn head_seq(&self) -> (u64, u32) {
-        (self.head(), self.cfg.slots)
     }
 
     /// Whether consumer `id` was sent batch `seq` and has not released it.

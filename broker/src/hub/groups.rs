@@ -49,7 +49,7 @@ impl Hub {
             grp.slots[slot as usize] = None;
             grp.free.push(slot);
         }
-        self.unpin(seq);
+        self.ring.unpin(seq);
         self.pump();
         Ok(())
     }
@@ -75,7 +75,7 @@ impl Hub {
         grp.slots.fill(None);
         grp.free = (0..grp.slots.len() as SlotId).rev().collect();
         for seq in pinned {
-            self.unpin(seq);
+            self.ring.unpin(seq);
         }
         let mut members = Vec::new();
         for (&id, c) in self.consumers.iter_mut() {

@@ -2,7 +2,7 @@
 //! (`tests.rs`): host slots and their refcounts, each GPU group's ring, and
 //! each consumer's window, queue and lag.
 
-use super::{GroupId, Hub, Slot, SlotId};
+use super::{GroupId, Hub, SlotId};
 
 impl Hub {
     /// Checks every structural invariant.
@@ -12,59 +12,28 @@ impl Hub {
         self.check_consumers();
     }
 
-    /// Free list and slots agree; a published slot's refcount is what its
-    /// host consumers owe plus the copies reading it.
+    /// The ring's own rules; a published slot's refcount is what its host
+    /// consumers owe plus the copies reading it.
     fn check_slots(&self) {
-        let mut free_seen = vec![false; self.slots.len()];
-        for &s in &self.free {
+        super::ring::tests::check(&self.ring);
+        for (seq, refs) in super::ring::tests::pins(&self.ring) {
+            let owing = self
+                .consumers
+                .values()
+                .filter(|c| c.group.is_none())
+                .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
+                .count() as u32;
+            let copying = self
+                .groups
+                .iter()
+                .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
+                .count() as u32;
             assert_eq!(
-                self.slots[s as usize],
-                Slot::Free,
-                "free list holds a used slot {s}"
-            );
-            assert!(
-                !std::mem::replace(&mut free_seen[s as usize], true),
-                "slot {s} twice in the free list"
+                refs,
+                owing + copying,
+                "batch {seq}: refcount {refs} but {owing} host consumers owe it and {copying} groups copy it"
             );
         }
-        for (i, slot) in self.slots.iter().enumerate() {
-            match *slot {
-                Slot::Free => assert!(free_seen[i], "free slot {i} missing from the free list"),
-                Slot::Filling => {
-                    assert_eq!(
-                        self.inflight
-                            .values()
-                            .filter(|b| b.slot as usize == i)
-                            .count(),
-                        1
-                    )
-                }
-                Slot::Published { seq, refs } => {
-                    assert!(refs > 0, "published slot {i} with no references");
-                    assert_eq!(self.published[&seq].slot as usize, i);
-                    let owing = self
-                        .consumers
-                        .values()
-                        .filter(|c| c.group.is_none())
-                        .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
-                        .count() as u32;
-                    let copying = self
-                        .groups
-                        .iter()
-                        .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
-                        .count() as u32;
-                    assert_eq!(
-                        refs,
-                        owing + copying,
-                        "slot {i} (batch {seq}) refcount {refs} but {owing} host consumers owe it and {copying} groups copy it"
-                    );
-                }
-            }
-        }
-        assert_eq!(
-            self.published.len() + self.inflight.len() + self.free.len(),
-            self.slots.len()
-        );
     }
 
     /// Each group's ring: free list, replicas, refcounts, copies in order.
@@ -113,7 +82,7 @@ impl Hub {
                 );
                 if !r.done {
                     assert!(
-                        self.published.contains_key(&seq),
+                        self.ring.published(seq).is_some(),
                         "group {g}: batch {seq} copied from an unpinned host slot"
                     );
                 }
@@ -184,7 +153,7 @@ impl Hub {
                 .filter(|c| !c.closing())
                 .filter_map(super::Consumer::oldest_owed)
                 .min();
-            for (id, lag) in self.lags(self.head()) {
+            for (id, lag) in self.lags(self.ring.head()) {
                 let c = &self.consumers[&id];
                 assert!(
                     lag <= limit as usize + c.slack.allowance

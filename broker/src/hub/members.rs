@@ -51,7 +51,7 @@ impl Hub {
         };
         let (floor, start_epoch, first, from_ring) = self.start_of(join, group);
         let owes = if from_ring {
-            self.head().saturating_sub(floor) as usize
+            self.ring.head().saturating_sub(floor) as usize
         } else {
             0
         };
@@ -175,7 +175,7 @@ impl Hub {
     /// by joining late. With it the two start level, and a lag is what
     /// either falls behind from there.
     fn join_credit(&self, behind: usize) -> usize {
-        let head = self.head();
+        let head = self.ring.head();
         self.least_behind(head)
             .map_or(0, |least| least.saturating_sub(behind))
     }
@@ -187,7 +187,7 @@ impl Hub {
         let Some(limit) = self.cfg.lag_limit else {
             return Some(oldest);
         };
-        let head = self.head();
+        let head = self.ring.head();
         let Some(least) = self.least_behind(head) else {
             return Some(oldest);
         };
@@ -195,7 +195,7 @@ impl Hub {
         if oldest.0 >= earliest {
             return Some(oldest);
         }
-        let b = self.published.get(&earliest)?;
+        let b = self.ring.published(earliest)?;
         Some((earliest, b.epoch, b.index))
     }
 
@@ -208,25 +208,17 @@ impl Hub {
         join: JoinPolicy,
         group: Option<GroupId>,
     ) -> (u64, u64, (u64, u64), bool) {
-        if join == JoinPolicy::NextEpoch && !self.anyone_reading() && self.cursor.next_index != 0 {
+        if join == JoinPolicy::NextEpoch
+            && !self.anyone_reading()
+            && self.ring.cursor().next_index != 0
+        {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
             // in flight are published to nobody.
-            self.cursor.next_epoch += 1;
-            self.cursor.next_index = 0;
-            self.cursor.live_epoch = self.cursor.next_epoch;
+            self.ring.skip_epoch();
         }
         // The first batch not yet published, skipping abandoned epochs.
-        let (floor, epoch, index) = self
-            .inflight
-            .iter()
-            .find(|(_, b)| b.epoch >= self.cursor.live_epoch)
-            .map(|(&seq, b)| (seq, b.epoch, b.index))
-            .unwrap_or((
-                self.cursor.next_seq,
-                self.cursor.next_epoch,
-                self.cursor.next_index,
-            ));
+        let (floor, epoch, index) = self.ring.first_unpublished();
         let (start_epoch, first) = match join {
             JoinPolicy::NextEpoch if index != 0 => (epoch + 1, (epoch + 1, 0)),
             _ => (epoch, (epoch, index)),
@@ -239,7 +231,10 @@ impl Hub {
         // Never further behind than the lag limit allows: it would be
         // detached at once.
         let oldest = match (join, group) {
-            (JoinPolicy::Now, None) => self.oldest_live().and_then(|o| self.within_lag_limit(o)),
+            (JoinPolicy::Now, None) => self
+                .ring
+                .oldest_live()
+                .and_then(|o| self.within_lag_limit(o)),
             _ => None,
         };
         match oldest {

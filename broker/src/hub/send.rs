@@ -5,7 +5,7 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published, Replica, Slot, SlotId};
+use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published, Replica};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -40,19 +40,13 @@ impl Hub {
                 }
             }
         }
-        if refs == 0 {
-            self.slots[b.slot as usize] = Slot::Free;
-            self.free.push(b.slot);
-        } else {
-            self.slots[b.slot as usize] = Slot::Published { seq, refs };
-            self.published.insert(seq, b);
-        }
+        self.ring.place(seq, b, refs);
     }
 
     /// A consumer (of `group`, or of host slots) no longer owes `seq`.
     pub(super) fn unref(&mut self, group: Option<GroupId>, seq: u64) {
         let Some(g) = group else {
-            self.unpin(seq);
+            self.ring.unpin(seq);
             return;
         };
         let grp = &mut self.groups[g as usize];
@@ -72,7 +66,7 @@ impl Hub {
                 // Never copied: nobody needs it on this GPU any more.
                 grp.waiting.retain(|&s| s != seq);
                 grp.replicas.remove(&seq);
-                self.unpin(seq);
+                self.ring.unpin(seq);
             }
             (Some(slot), true) => {
                 grp.replicas.remove(&seq);
@@ -81,24 +75,6 @@ impl Hub {
             }
             // Being copied: `copied` frees both slots.
             (Some(_), false) => {}
-        }
-    }
-
-    /// Drops one pin of the host slot holding `seq`.
-    pub(super) fn unpin(&mut self, seq: u64) {
-        let b = self
-            .published
-            .get(&seq)
-            .expect("a referenced batch is published");
-        let slot = b.slot as usize;
-        match &mut self.slots[slot] {
-            Slot::Published { refs, .. } if *refs > 1 => *refs -= 1,
-            Slot::Published { .. } => {
-                self.slots[slot] = Slot::Free;
-                self.free.push(slot as SlotId);
-                self.published.remove(&seq);
-            }
-            other => unreachable!("unref of slot {slot} in state {other:?}"),
         }
     }
 
@@ -135,7 +111,10 @@ impl Hub {
         {
             let (b, slot) = match c.group {
                 None => {
-                    let b = self.published[&seq];
+                    let b = self
+                        .ring
+                        .published(seq)
+                        .expect("a queued batch is published");
                     (b, b.slot)
                 }
                 Some(g) => match self.groups[g as usize].replicas[&seq] {
@@ -177,20 +156,11 @@ impl Hub {
         if exhausted
             && c.life == (Life::Reading { through: None })
             && c.queue.is_empty()
-            && !self.inflight.iter().any(|(&s, b)| c.wants(s, b.epoch))
+            && !self.ring.in_flight().any(|(s, epoch)| c.wants(s, epoch))
         {
             c.life = Life::Ended;
             self.out.push((id, Outbound::EndOfStream));
         }
-    }
-
-    /// The first batch not yet published.
-    pub(super) fn head(&self) -> u64 {
-        self.inflight
-            .keys()
-            .next()
-            .copied()
-            .unwrap_or(self.cursor.next_seq)
     }
 
     /// Detaches whoever lags more than the lag limit and holds the oldest
@@ -238,7 +208,7 @@ impl Hub {
             .filter(|c| !c.closing())
             .filter_map(Consumer::oldest_owed)
             .min()?;
-        self.lags(self.head())
+        self.lags(self.ring.head())
             .into_iter()
             .filter_map(|(id, lag)| {
                 let c = &self.consumers[&id];

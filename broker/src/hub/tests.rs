@@ -479,7 +479,7 @@ fn a_now_joiner_starts_within_the_lag_limit() {
         !out.iter()
             .any(|(_, o)| matches!(o, Outbound::Detached { .. }))
     );
-    assert_eq!(h.oldest_live().map(|o| (o.1, o.2)), Some((0, 0)));
+    assert_eq!(h.ring().oldest_live().map(|o| (o.1, o.2)), Some((0, 0)));
     let (late, _) = h.join(2, JoinPolicy::Now).unwrap();
     assert_eq!(
         h.first_batch(late),
@@ -652,10 +652,14 @@ fn a_consumer_rejoined_through_an_epoch_gets_nothing_after_it() {
     assert_eq!(h.cut(late, &[]), Ok((0, 0)));
     let ws: Vec<Work> = (0..3).map(|_| produce(&mut h).unwrap()).collect();
     // Batches 1 and 2 of epoch 0 are live; every other index (2) only 2.
-    assert_eq!(h.rotation_point(0, 0, 1), Some((ws[1].seq, 1)));
-    assert_eq!(h.rotation_point(0, 0, 2), Some((ws[2].seq, 2)));
-    assert_eq!(h.rotation_point(0, ws[2].seq, 3), None);
-    assert_eq!(h.rotation_point(1, 0, 1), None, "no batch of epoch 1 yet");
+    assert_eq!(h.ring().rotation_point(0, 0, 1), Some((ws[1].seq, 1)));
+    assert_eq!(h.ring().rotation_point(0, 0, 2), Some((ws[2].seq, 2)));
+    assert_eq!(h.ring().rotation_point(0, ws[2].seq, 3), None);
+    assert_eq!(
+        h.ring().rotation_point(1, 0, 1),
+        None,
+        "no batch of epoch 1 yet"
+    );
     h.rejoin_through(late, ws[2].seq, Some(0)).unwrap();
     assert!(!h.read_through(late, 0), "batch 3 of epoch 0 is to come");
     for w in &ws {
@@ -1165,7 +1169,7 @@ impl Model {
                 } else {
                     Delivery::Window
                 };
-                let oldest = self.hub.oldest_live();
+                let oldest = self.hub.ring().oldest_live();
                 let (id, start_epoch) = self
                     .hub
                     .join_group(window, policy, group, delivery)
@@ -1300,16 +1304,17 @@ impl Model {
             return;
         }
         let id = cut[who.index(cut.len())];
-        let head = self.hub.head();
-        let oldest = self.hub.published.keys().next().copied().unwrap_or(head);
+        let head = self.hub.ring().head();
+        let oldest = super::ring::tests::oldest_published(&self.hub.ring).unwrap_or(head);
         let seq = oldest + at.index((head - oldest + 2) as usize) as u64;
         let s = self.seen.get_mut(&id).unwrap();
         let live = seq <= head
-            && (seq..head).all(|q| self.hub.published.contains_key(&q))
+            && (seq..head).all(|q| self.hub.ring.published(q).is_some())
             && self
                 .hub
+                .ring()
                 .position(seq)
-                .is_some_and(|(e, _)| e >= self.hub.cursor.live_epoch)
+                .is_some_and(|(e, _)| e >= self.hub.ring.cursor().live_epoch)
             && s.held.iter().all(|&(h, _)| h < seq)
             // A GPU member: its GPU's copies from there are still there, or
             // come after every copy placed (made now, in order).
@@ -1346,7 +1351,7 @@ impl Model {
             .map(|(&id, _)| id)
             .collect();
         for id in cut {
-            let head = self.hub.head();
+            let head = self.hub.ring().head();
             match self.hub.rejoin(id, head) {
                 Ok(()) => {}
                 // Batches of an epoch nobody read are still in flight.
@@ -1512,7 +1517,7 @@ fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
     // The member holds batch 0 (its window of 1); batch 1 is copied and
     // queued for it, its host slot given back.
     assert!(h.holds(m, seqs[0]) && !h.holds(m, seqs[1]));
-    assert_eq!(h.position(seqs[1]), None, "gone from the host ring");
+    assert_eq!(h.ring().position(seqs[1]), None, "gone from the host ring");
     h.check_invariants();
     assert_eq!(h.cut(m, &[]), Ok((0, 1)), "its replay begins at batch 1");
     h.check_invariants();

@@ -294,6 +294,7 @@ fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     let from = merge_from(&inner.hub);
     let near = inner
         .hub
+        .ring()
         .seq_of(at.epoch, at.sample / unit)
         .filter(|&seq| seq >= from);
     // An epoch's start the ring no longer holds near its head: the

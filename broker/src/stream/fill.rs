@@ -145,7 +145,8 @@ pub(super) fn join_workers(s: &Stream, wait: Duration) {
 pub(super) fn tell_source(s: &Stream, inner: &mut Inner) {
     // Batches still being filled count: the last ones of a run are filled
     // after the hub has handed out its last batch.
-    let live = !s.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.filling());
+    let live =
+        !s.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.ring().filling());
     if live != inner.fill.told_live
         && let Some(w) = &s.writer
     {
@@ -342,7 +343,7 @@ impl<'a> Worker<'a> {
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
             let (mailboxes, target) = slot_target(s, &inner);
-            let free = inner.hub.free_slots();
+            let free = inner.hub.ring().free_slots();
             if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
                 && let Some(w) = inner.hub.start_batch()
             {

@@ -43,7 +43,7 @@ use crate::hub::{ConsumerId, Hub};
 /// pauses would pin the ring, be cut and merge again at once, over and
 /// over).
 pub(super) fn merge_from(hub: &Hub) -> u64 {
-    let (head, slots) = hub.head_seq();
+    let (head, slots) = (hub.ring().head(), hub.ring().slots());
     head.saturating_sub(u64::from(slots / 2))
 }
 
@@ -73,7 +73,7 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
     // epoch at most.
     let room = merge_from(&inner.hub);
     let from = inner.hub.members_tail().map_or(room, |t| t.min(room));
-    let Some((seq, index)) = inner.hub.rotation_point(at.epoch, from, every) else {
+    let Some((seq, index)) = inner.hub.ring().rotation_point(at.epoch, from, every) else {
         return false;
     };
     let point = Position {
