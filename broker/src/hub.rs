@@ -70,6 +70,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use batchcast::proto::ErrorCode;
 
+use group::Group;
 use life::{Life, Sent, Slack};
 use ring::Published;
 pub(crate) use ring::Ring;
@@ -158,29 +159,6 @@ pub(crate) enum Outbound {
 /// forged resume or registration) is refused rather than counted on until
 /// the epoch number wraps.
 pub(crate) const MAX_EPOCH: u64 = 1 << 48;
-
-/// A batch a group owes: its copy and the members that owe it.
-#[derive(Debug, Clone, Copy)]
-struct Replica {
-    batch: Published,
-    /// The group slot, once one was free (copies are ordered by sequence).
-    slot: Option<SlotId>,
-    /// The copy completed: members may be sent it, the host slot is unpinned.
-    done: bool,
-    /// Members that owe it (queued or sent, not released).
-    refs: u32,
-}
-
-#[derive(Debug, Clone)]
-struct Group {
-    /// Per group slot: the batch copied (or being copied) there.
-    slots: Vec<Option<u64>>,
-    free: Vec<SlotId>,
-    replicas: BTreeMap<u64, Replica>,
-    /// Batches waiting for a free group slot, in sequence order.
-    waiting: VecDeque<u64>,
-    failed: bool,
-}
 
 #[derive(Debug, Clone)]
 struct Consumer {
@@ -310,9 +288,7 @@ impl Hub {
 
     /// True once every batch has been produced, published and given back.
     pub fn finished(&self) -> bool {
-        self.exhausted()
-            && self.ring.is_empty()
-            && self.groups.iter().all(|g| g.replicas.is_empty())
+        self.exhausted() && self.ring.is_empty() && self.groups.iter().all(Group::is_empty)
     }
 
     /// Whether the pipeline could be given work now (the next slot of the
@@ -421,6 +397,7 @@ impl Hub {
 mod counts;
 mod cut;
 mod error;
+mod group;
 mod groups;
 #[cfg(test)]
 mod invariants;

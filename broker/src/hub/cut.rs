@@ -12,7 +12,7 @@ impl Hub {
     /// Consumer `id` owes every published batch from `seq` to the head
     /// (all still published, and for a group member its GPU's copies of
     /// them still there or yet to be placed in order: the caller checked,
-    /// [`Hub::group_may_owe`]): referenced and queued. A group member owes
+    /// `Group::may_owe`): referenced and queued. A group member owes
     /// its GPU's copy, made now where there is none.
     pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
         let head = self.ring.head();
@@ -29,42 +29,13 @@ impl Hub {
                 continue;
             }
             c.queue.push_back(s);
-            if let Some(g) = c.group {
-                let grp = &mut self.groups[g as usize];
-                if let Some(r) = grp.replicas.get_mut(&s) {
-                    r.refs += 1;
-                    continue;
-                }
-                grp.replicas.insert(
-                    s,
-                    super::Replica {
-                        batch: b,
-                        slot: None,
-                        done: false,
-                        refs: 1,
-                    },
-                );
-                let at = grp.waiting.partition_point(|&w| w < s);
-                grp.waiting.insert(at, s);
+            if let Some(g) = c.group
+                && !self.groups[g as usize].owe(s, b)
+            {
+                continue; // its copy is there: the host slot is not pinned for it
             }
             self.ring.pin(s);
         }
-    }
-
-    /// Whether a member of group `g` may owe every batch from `seq` to
-    /// `head` again: each has its copy there still (placed or waiting), or
-    /// comes after every copy placed, so that a copy made for it now is
-    /// placed in sequence order.
-    pub(super) fn group_may_owe(&self, g: GroupId, seq: u64, head: u64) -> bool {
-        let grp = &self.groups[g as usize];
-        let placed = grp
-            .replicas
-            .iter()
-            .filter(|(_, r)| r.slot.is_some())
-            .map(|(&s, _)| s)
-            .max();
-        !grp.failed
-            && (seq..head).all(|s| grp.replicas.contains_key(&s) || placed.is_none_or(|p| s > p))
     }
 
     /// Detaches a consumer that kept the pipeline waiting too long
@@ -125,10 +96,7 @@ impl Hub {
             .min()
             .unwrap_or(head.max(c.floor));
         // A GPU member's batch may be gone from the host ring, copied.
-        let copied = |g: GroupId| {
-            let r = self.groups[g as usize].replicas.get(&lost)?;
-            Some((r.batch.epoch, r.batch.index))
-        };
+        let copied = |g: GroupId| self.groups[g as usize].position(lost);
         let next = self.ring.cursor();
         let at = self
             .ring
@@ -207,7 +175,9 @@ impl Hub {
         // the epoch (none of an epoch abandoned while nobody read it, see
         // `join_group`).
         let live = self.ring.live_from(seq);
-        let copies = c.group.is_none_or(|g| self.group_may_owe(g, seq, head));
+        let copies = c
+            .group
+            .is_none_or(|g| self.groups[g as usize].may_owe(seq, head));
         let Some((epoch, _)) = self.ring.position(seq).filter(|_| live && copies) else {
             return Err(HubError::NotLive { seq });
         };
@@ -268,13 +238,7 @@ impl Hub {
         // A GPU's copy of it waits for a free slot of that GPU's ring: the
         // members owing the oldest copy there keep it from being freed.
         for (g, grp) in self.groups.iter().enumerate() {
-            let waits = grp.replicas.get(&seq).is_some_and(|r| r.slot.is_none());
-            let oldest = grp
-                .replicas
-                .iter()
-                .find(|(_, r)| r.slot.is_some() && r.done)
-                .map(|(&s, _)| s);
-            if let (true, Some(oldest)) = (waits, oldest) {
+            if let Some(oldest) = grp.blocked_by(seq) {
                 owe.extend(
                     self.consumers
                         .iter()

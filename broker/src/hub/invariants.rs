@@ -2,7 +2,7 @@
 //! (`tests.rs`): host slots and their refcounts, each GPU group's ring, and
 //! each consumer's window, queue and lag.
 
-use super::{GroupId, Hub, SlotId};
+use super::{GroupId, Hub, group};
 
 impl Hub {
     /// Checks every structural invariant.
@@ -26,7 +26,7 @@ impl Hub {
             let copying = self
                 .groups
                 .iter()
-                .filter(|g| g.replicas.get(&seq).is_some_and(|r| !r.done))
+                .filter(|g| group::tests::copying(g, seq))
                 .count() as u32;
             assert_eq!(
                 refs,
@@ -40,73 +40,14 @@ impl Hub {
     fn check_groups(&self) {
         for (g, grp) in self.groups.iter().enumerate() {
             let g = g as GroupId;
-            let mut seen = vec![false; grp.slots.len()];
-            for &s in &grp.free {
-                assert_eq!(
-                    grp.slots[s as usize], None,
-                    "group {g}: free list holds a used slot {s}"
-                );
-                assert!(
-                    !std::mem::replace(&mut seen[s as usize], true),
-                    "group {g}: slot {s} freed twice"
-                );
-            }
-            for (i, slot) in grp.slots.iter().enumerate() {
-                match slot {
-                    None => assert!(
-                        seen[i],
-                        "group {g}: free slot {i} missing from the free list"
-                    ),
-                    Some(seq) => assert_eq!(
-                        grp.replicas[seq].slot,
-                        Some(i as SlotId),
-                        "group {g}: slot {i} and batch {seq} disagree"
-                    ),
-                }
-            }
-            for (&seq, r) in &grp.replicas {
-                let owing = self
-                    .consumers
+            let owing = |seq: u64| {
+                self.consumers
                     .values()
                     .filter(|c| c.group == Some(g))
                     .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
-                    .count() as u32;
-                assert_eq!(
-                    r.refs, owing,
-                    "group {g}: batch {seq} refcount {} but {owing} members owe it",
-                    r.refs
-                );
-                assert!(
-                    r.refs > 0 || (r.slot.is_some() && !r.done),
-                    "group {g}: batch {seq} kept for nobody"
-                );
-                if !r.done {
-                    assert!(
-                        self.ring.published(seq).is_some(),
-                        "group {g}: batch {seq} copied from an unpinned host slot"
-                    );
-                }
-                assert_eq!(
-                    r.slot.is_none(),
-                    grp.waiting.contains(&seq),
-                    "group {g}: batch {seq} both waiting and placed, or neither"
-                );
-            }
-            // Copies are placed in sequence order.
-            if let (Some(&first_waiting), Some(last_placed)) = (
-                grp.waiting.front(),
-                grp.replicas
-                    .iter()
-                    .filter(|(_, r)| r.slot.is_some())
-                    .map(|(&s, _)| s)
-                    .max(),
-            ) {
-                assert!(
-                    last_placed < first_waiting,
-                    "group {g}: batch {first_waiting} waits behind a later one"
-                );
-            }
-            check_ring(g, grp);
+                    .count() as u32
+            };
+            group::tests::check(g, grp, owing, |seq| self.ring.published(seq).is_some());
         }
     }
 
@@ -115,17 +56,18 @@ impl Hub {
     fn check_consumers(&self) {
         for c in self.consumers.values() {
             assert!(c.held.len() <= c.ahead as usize, "window exceeded");
-            if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed) {
+            if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed()) {
                 let grp = &self.groups[g as usize];
-                for seq in &c.held {
-                    assert!(
-                        grp.replicas[seq].done,
+                for &seq in &c.held {
+                    assert_eq!(
+                        group::tests::replica(grp, seq),
+                        Some(true),
                         "member sent batch {seq} before its copy completed"
                     );
                 }
-                for seq in &c.queue {
+                for &seq in &c.queue {
                     assert!(
-                        grp.replicas.contains_key(seq),
+                        group::tests::replica(grp, seq).is_some(),
                         "member owes batch {seq} the group lacks"
                     );
                 }
@@ -164,31 +106,5 @@ impl Hub {
                 );
             }
         }
-    }
-}
-
-/// A group's ring, as the host's: batch `seq` in slot `seq mod slots`,
-/// the live ones less than `slots` apart, and a copy waits only while the
-/// next would be `slots` ahead of the oldest.
-fn check_ring(g: GroupId, grp: &super::Group) {
-    let n = grp.slots.len() as u64;
-    let placed: Vec<u64> = grp.slots.iter().flatten().copied().collect();
-    for (i, slot) in grp.slots.iter().enumerate() {
-        if let Some(seq) = slot {
-            assert_eq!(seq % n, i as u64, "group {g}: batch {seq} in slot {i}");
-        }
-    }
-    if let (Some(lo), Some(hi)) = (placed.iter().min(), placed.iter().max()) {
-        assert!(
-            hi - lo < n,
-            "group {g}: batches {lo} and {hi} live in a ring of {n}"
-        );
-    }
-    if let Some(&w) = grp.waiting.front() {
-        let oldest = placed.iter().min().copied();
-        assert!(
-            oldest.is_some_and(|o| w >= o + n),
-            "group {g}: batch {w} waits with room in the ring (oldest {oldest:?})"
-        );
     }
 }

@@ -35,10 +35,10 @@ impl Hub {
                     .groups
                     .get(g as usize)
                     .ok_or(HubError::UnknownGroup(g))?;
-                if grp.failed {
+                if grp.failed() {
                     return Err(HubError::GroupFailed);
                 }
-                Some(grp.slots.len() as u32)
+                Some(grp.slots())
             }
         };
         let window = window.into();

@@ -5,7 +5,8 @@
 
 use batchcast::proto::ErrorCode;
 
-use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published, Replica};
+use super::group::Unowed;
+use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -22,22 +23,8 @@ impl Hub {
                 refs += 1;
                 continue;
             };
-            let grp = &mut self.groups[g as usize];
-            match grp.replicas.get_mut(&seq) {
-                Some(r) => r.refs += 1,
-                None => {
-                    grp.replicas.insert(
-                        seq,
-                        Replica {
-                            batch: b,
-                            slot: None,
-                            done: false,
-                            refs: 1,
-                        },
-                    );
-                    grp.waiting.push_back(seq);
-                    refs += 1;
-                }
+            if self.groups[g as usize].owe(seq, b) {
+                refs += 1;
             }
         }
         self.ring.place(seq, b, refs);
@@ -49,32 +36,8 @@ impl Hub {
             self.ring.unpin(seq);
             return;
         };
-        let grp = &mut self.groups[g as usize];
-        if grp.failed {
-            return; // its replicas are gone
-        }
-        let r = grp
-            .replicas
-            .get_mut(&seq)
-            .expect("a member's batch has a replica");
-        r.refs -= 1;
-        if r.refs > 0 {
-            return;
-        }
-        match (r.slot, r.done) {
-            (None, _) => {
-                // Never copied: nobody needs it on this GPU any more.
-                grp.waiting.retain(|&s| s != seq);
-                grp.replicas.remove(&seq);
-                self.ring.unpin(seq);
-            }
-            (Some(slot), true) => {
-                grp.replicas.remove(&seq);
-                grp.slots[slot as usize] = None;
-                grp.free.push(slot);
-            }
-            // Being copied: `copied` frees both slots.
-            (Some(_), false) => {}
+        if self.groups[g as usize].unowe(seq) == Unowed::Unpin {
+            self.ring.unpin(seq);
         }
     }
 
@@ -117,15 +80,10 @@ impl Hub {
                         .expect("a queued batch is published");
                     (b, b.slot)
                 }
-                Some(g) => match self.groups[g as usize].replicas[&seq] {
-                    Replica {
-                        batch,
-                        slot: Some(slot),
-                        done: true,
-                        ..
-                    } => (batch, slot),
+                Some(g) => match self.groups[g as usize].ready(seq) {
+                    Some(ready) => ready,
                     // Members get batches in order, each once copied.
-                    _ => break,
+                    None => break,
                 },
             };
             c.queue.pop_front();

@@ -1320,15 +1320,12 @@ impl Model {
             // come after every copy placed (made now, in order).
             && s.group.is_none_or(|g| {
                 let grp = &self.hub.groups[g as usize];
-                let placed = grp
-                    .replicas
-                    .iter()
-                    .filter(|(_, r)| r.slot.is_some())
-                    .map(|(&q, _)| q)
-                    .max();
-                !grp.failed
-                    && (seq..head)
-                        .all(|q| grp.replicas.contains_key(&q) || placed.is_none_or(|p| q > p))
+                let placed = super::group::tests::last_placed(grp);
+                !grp.failed()
+                    && (seq..head).all(|q| {
+                        super::group::tests::replica(grp, q).is_some()
+                            || placed.is_none_or(|p| q > p)
+                    })
             });
         match self.hub.rejoin(id, seq) {
             Ok(()) => {
