@@ -23,7 +23,7 @@
 //!   oldest owed batch is more than `lag_limit` batches behind the others'
 //!   is detached (for one that releases in order: it owes more than that;
 //!   a consumer that joins beside others starts level with the least
-//!   behind of them, see `Hub::join_credit`),
+//!   behind of them, see `Readers::join_credit`),
 //!   unless it may be cut ([`Hub::may_be_cut`], decoupled pace): a host
 //!   consumer or a GPU group's member alike.
 //! * A consumer that leaves (disconnects, dies, is detached) gives back all
@@ -66,12 +66,13 @@
 //! copies. `counts.rs`: numbers for stats. `invariants.rs` (tests): every
 //! rule above, checked after each step of the property tests (`tests.rs`).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use batchcast::proto::ErrorCode;
 
 use group::Group;
 use life::{Life, Sent, Slack};
+use readers::Readers;
 use ring::Published;
 pub(crate) use ring::Ring;
 
@@ -160,8 +161,11 @@ pub(crate) enum Outbound {
 /// the epoch number wraps.
 pub(crate) const MAX_EPOCH: u64 = 1 << 48;
 
+/// A reader of the hub: where it starts, what is queued for it and what
+/// it holds, its life. The stream runtime looks at one through
+/// [`Hub::reader`]; only the hub changes it.
 #[derive(Debug, Clone)]
-struct Consumer {
+pub(crate) struct Consumer {
     window: u32,
     /// Unreleased batches it may be sent: its window, or its ring's slots
     /// for [`Delivery::Ahead`].
@@ -212,6 +216,40 @@ impl Consumer {
     fn oldest_owed(&self) -> Option<u64> {
         self.held.iter().chain(self.queue.front()).min().copied()
     }
+
+    /// Epoch and index in it of the first batch it gets (unless the
+    /// stream ends before): where the shared stream begins for it.
+    pub(crate) fn first_batch(&self) -> (u64, u64) {
+        self.first
+    }
+
+    /// How many batches wait for it here, unsent, if it takes batches from
+    /// the shared stream now (not cut, closing or ended).
+    pub(crate) fn reading(&self) -> Option<usize> {
+        self.life.reading().then_some(self.queue.len())
+    }
+
+    /// Whether it was sent batch `seq` and has not released it.
+    pub(crate) fn holds(&self, seq: u64) -> bool {
+        self.held.contains(&seq)
+    }
+
+    /// Whether it is cut from the shared stream.
+    #[cfg(test)]
+    pub(crate) fn is_cut(&self) -> bool {
+        self.life == Life::Cut
+    }
+
+    /// Its numbers for stats.
+    pub(crate) fn counts(&self) -> counts::ConsumerCounts {
+        counts::ConsumerCounts {
+            window: self.window,
+            delivered: self.sent.batches,
+            held: self.held.len() as u32,
+            queued: self.queue.len() as u32,
+            epoch: self.sent.epoch,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -219,9 +257,9 @@ pub(crate) struct Hub {
     cfg: HubConfig,
     /// The host ring: slots, batches in flight and published, the cursor.
     ring: Ring,
-    consumers: BTreeMap<ConsumerId, Consumer>,
+    /// Every reader by id, and their lags.
+    readers: Readers,
     groups: Vec<Group>,
-    next_id: ConsumerId,
     out: Vec<(ConsumerId, Outbound)>,
     copies: Vec<CopyOrder>,
     /// What the hub has done, counted (for stats).
@@ -247,9 +285,8 @@ impl Hub {
         Hub {
             ring: Ring::new(cfg.slots),
             cfg,
-            consumers: BTreeMap::new(),
+            readers: Readers::new(),
             groups: Vec::new(),
-            next_id: 1,
             out: Vec::new(),
             copies: Vec::new(),
             tally: Tally::default(),
@@ -281,6 +318,11 @@ impl Hub {
         std::mem::take(&mut self.copies)
     }
 
+    /// Reader `id`, to look at (only the hub changes it).
+    pub(crate) fn reader(&self, id: ConsumerId) -> Option<&Consumer> {
+        self.readers.get(id)
+    }
+
     /// The host ring, to look at (only the hub changes it).
     pub(crate) fn ring(&self) -> &Ring {
         &self.ring
@@ -308,28 +350,21 @@ impl Hub {
 
     /// Consumers subscribed now.
     pub fn members(&self) -> u32 {
-        self.consumers.len() as u32
+        self.readers.len() as u32
     }
 
     /// Whether the pipeline would be given work if a slot were free
     /// (someone to produce for, epochs left).
     pub fn wants_batches(&self) -> bool {
-        (self.ring.cursor().started || self.consumers.len() as u32 >= self.cfg.min_consumers)
-            && self.anyone_reading()
+        (self.ring.cursor().started || self.readers.len() as u32 >= self.cfg.min_consumers)
+            && self.readers.anyone_reading()
             && !self.exhausted()
-    }
-
-    /// Whether some consumer still takes batches (one that said goodbye, or
-    /// was sent the end of the stream, only gives back what it holds): with
-    /// none, the stream pauses rather than make batches for nobody.
-    fn anyone_reading(&self) -> bool {
-        self.consumers.values().any(|c| c.life.reading())
     }
 
     pub fn release(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
         let c = self
-            .consumers
-            .get_mut(&id)
+            .readers
+            .get_mut(id)
             .ok_or(HubError::UnknownConsumer(id))?;
         let pos = c
             .held
@@ -367,7 +402,7 @@ impl Hub {
             || epoch >= MAX_EPOCH
             || index >= self.cfg.batches_per_epoch;
         let cursor = self.ring.cursor();
-        if cursor.started || cursor.next_seq != 0 || !self.consumers.is_empty() || past {
+        if cursor.started || cursor.next_seq != 0 || !self.readers.is_empty() || past {
             return false;
         }
         self.ring.seek(epoch, index);
@@ -405,6 +440,7 @@ mod life;
 mod members;
 #[cfg(test)]
 mod mixed;
+mod readers;
 mod ring;
 mod send;
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The hub's numbers for `stats`: per stream, per consumer, per group.
 
-use super::{ConsumerId, Hub};
+use super::Hub;
 
 /// One group's numbers for stats.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -36,16 +36,6 @@ pub(crate) struct HubCounts {
 }
 
 impl Hub {
-    pub(crate) fn consumer_counts(&self, id: ConsumerId) -> Option<ConsumerCounts> {
-        self.consumers.get(&id).map(|c| ConsumerCounts {
-            window: c.window,
-            delivered: c.sent.batches,
-            held: c.held.len() as u32,
-            queued: c.queue.len() as u32,
-            epoch: c.sent.epoch,
-        })
-    }
-
     pub fn counts(&self) -> HubCounts {
         let (free, filling) = self.ring.counts();
         HubCounts {

@@ -16,7 +16,7 @@ impl Hub {
     /// its GPU's copy, made now where there is none.
     pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
         let head = self.ring.head();
-        let Some(c) = self.consumers.get_mut(&id) else {
+        let Some(c) = self.readers.get_mut(id) else {
             return;
         };
         let through = match c.life {
@@ -43,7 +43,7 @@ impl Hub {
     /// was owed is given back (a batch it still reads may be rewritten: its
     /// own loss, as with the lag limit), and it is told `reason`.
     pub fn detach(&mut self, id: ConsumerId, reason: String) -> bool {
-        if !self.consumers.contains_key(&id) {
+        if self.readers.get(id).is_none() {
             return false;
         }
         self.out.push((
@@ -72,10 +72,7 @@ impl Hub {
     /// (its replay begins there, or at its batch boundary before).
     pub fn cut(&mut self, id: ConsumerId, revoke: &[u64]) -> Result<(u64, u64), HubError> {
         let head = self.ring.head();
-        let c = self
-            .consumers
-            .get(&id)
-            .ok_or(HubError::UnknownConsumer(id))?;
+        let c = self.readers.get(id).ok_or(HubError::UnknownConsumer(id))?;
         let not = match c.life {
             Life::Closing => Some("it said goodbye"),
             Life::Ended => Some("it was told the stream ended"),
@@ -108,7 +105,7 @@ impl Hub {
         } else {
             at
         };
-        let c = self.consumers.get_mut(&id).expect("looked up above");
+        let c = self.readers.get_mut(id).expect("looked up above");
         c.life = Life::Cut;
         c.held.retain(|s| !revoke.contains(s));
         let group = c.group;
@@ -126,15 +123,15 @@ impl Hub {
     /// it owes and holds nothing. Returns what [`Hub::cut`] does.
     pub(crate) fn cut_at_join(&mut self, id: ConsumerId) -> Result<(u64, u64), HubError> {
         let sent = self
-            .consumers
-            .get(&id)
+            .readers
+            .get(id)
             .ok_or(HubError::UnknownConsumer(id))?
             .held
             .clone();
         self.out.retain(|(to, _)| *to != id);
         // A finite stream already made to its end told it so on joining:
         // that end is taken back with the rest (replay tells it again).
-        if let Some(c) = self.consumers.get_mut(&id)
+        if let Some(c) = self.readers.get_mut(id)
             && c.life == Life::Ended
         {
             c.life = Life::Reading { through: None };
@@ -164,10 +161,7 @@ impl Hub {
         through: Option<u64>,
     ) -> Result<(), HubError> {
         let head = self.ring.head();
-        let c = self
-            .consumers
-            .get(&id)
-            .ok_or(HubError::UnknownConsumer(id))?;
+        let c = self.readers.get(id).ok_or(HubError::UnknownConsumer(id))?;
         if c.life != Life::Cut {
             return Err(HubError::NotCut(id));
         }
@@ -184,7 +178,7 @@ impl Hub {
         if c.held.iter().any(|&h| h >= seq) {
             return Err(HubError::NotLive { seq });
         }
-        let c = self.consumers.get_mut(&id).expect("looked up above");
+        let c = self.readers.get_mut(id).expect("looked up above");
         c.life = Life::Reading { through };
         c.floor = seq;
         c.start_epoch = epoch;
@@ -197,11 +191,7 @@ impl Hub {
     /// is owed: the ring keeps everything from there to the head for its
     /// members, so one merging back there pins nothing they do not.
     pub(crate) fn members_tail(&self) -> Option<u64> {
-        self.consumers
-            .values()
-            .filter(|c| c.life.reading())
-            .filter_map(|c| c.oldest_owed())
-            .min()
+        self.readers.tail(true)
     }
 
     /// Whether consumer `id`, rejoined through `epoch`, was sent all of
@@ -209,7 +199,7 @@ impl Hub {
     /// was published (the next to be made is of a later one, or the
     /// stream is made to its end).
     pub(crate) fn read_through(&self, id: ConsumerId, epoch: u64) -> bool {
-        let Some(c) = self.consumers.get(&id) else {
+        let Some(c) = self.readers.get(id) else {
             return false;
         };
         c.life
@@ -230,45 +220,23 @@ impl Hub {
         let seq = self.ring.pinned()?;
         let owes = |c: &super::Consumer, s: u64| c.held.contains(&s) || c.queue.contains(&s);
         let mut owe: Vec<ConsumerId> = self
-            .consumers
+            .readers
             .iter()
             .filter(|(_, c)| c.group.is_none() && owes(c, seq))
-            .map(|(&id, _)| id)
+            .map(|(id, _)| id)
             .collect();
         // A GPU's copy of it waits for a free slot of that GPU's ring: the
         // members owing the oldest copy there keep it from being freed.
         for (g, grp) in self.groups.iter().enumerate() {
             if let Some(oldest) = grp.blocked_by(seq) {
                 owe.extend(
-                    self.consumers
+                    self.readers
                         .iter()
                         .filter(|(_, c)| c.group == Some(g as GroupId) && owes(c, oldest))
-                        .map(|(&id, _)| id),
+                        .map(|(id, _)| id),
                 );
             }
         }
         Some((seq, owe))
-    }
-
-    /// Whether consumer `id` takes batches from the shared stream now (not
-    /// cut, closing or ended), and how many wait for it here, unsent.
-    pub fn reading(&self, id: ConsumerId) -> Option<usize> {
-        self.consumers
-            .get(&id)
-            .filter(|c| c.life.reading())
-            .map(|c| c.queue.len())
-    }
-
-    /// Whether consumer `id` was sent batch `seq` and has not released it.
-    pub fn holds(&self, id: ConsumerId, seq: u64) -> bool {
-        self.consumers
-            .get(&id)
-            .is_some_and(|c| c.held.contains(&seq))
-    }
-
-    /// Whether consumer `id` is cut from the shared stream.
-    #[cfg(test)]
-    pub(crate) fn is_cut(&self, id: ConsumerId) -> bool {
-        self.consumers.get(&id).is_some_and(|c| c.life == Life::Cut)
     }
 }

@@ -46,7 +46,7 @@ impl Hub {
             self.ring.unpin(seq);
         }
         let mut members = Vec::new();
-        for (&id, c) in self.consumers.iter_mut() {
+        for (id, c) in self.readers.iter_mut() {
             if c.group == Some(g) {
                 c.queue.clear();
                 c.life = Life::Closing;

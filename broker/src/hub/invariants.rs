@@ -18,8 +18,9 @@ impl Hub {
         super::ring::tests::check(&self.ring);
         for (seq, refs) in super::ring::tests::pins(&self.ring) {
             let owing = self
-                .consumers
-                .values()
+                .readers
+                .iter()
+                .map(|(_, c)| c)
                 .filter(|c| c.group.is_none())
                 .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
                 .count() as u32;
@@ -41,8 +42,9 @@ impl Hub {
         for (g, grp) in self.groups.iter().enumerate() {
             let g = g as GroupId;
             let owing = |seq: u64| {
-                self.consumers
-                    .values()
+                self.readers
+                    .iter()
+                    .map(|(_, c)| c)
                     .filter(|c| c.group == Some(g))
                     .filter(|c| c.held.contains(&seq) || c.queue.contains(&seq))
                     .count() as u32
@@ -54,7 +56,7 @@ impl Hub {
     /// Windows, queues in order, members sent only completed copies, the
     /// lag limit.
     fn check_consumers(&self) {
-        for c in self.consumers.values() {
+        for c in self.readers.iter().map(|(_, c)| c) {
             assert!(c.held.len() <= c.ahead as usize, "window exceeded");
             if let Some(g) = c.group.filter(|&g| !self.groups[g as usize].failed()) {
                 let grp = &self.groups[g as usize];
@@ -89,14 +91,9 @@ impl Hub {
         if let Some(limit) = self.cfg.lag_limit.filter(|_| !self.exhausted()) {
             // Consumers that may be cut are left to cuts (decoupled pace);
             // one that does not hold the oldest owed batch holds no one.
-            let tail = self
-                .consumers
-                .values()
-                .filter(|c| !c.closing())
-                .filter_map(super::Consumer::oldest_owed)
-                .min();
-            for (id, lag) in self.lags(self.ring.head()) {
-                let c = &self.consumers[&id];
+            let tail = self.readers.tail(false);
+            for (id, lag) in self.readers.lags(self.ring.head()) {
+                let c = self.readers.get(id).expect("a listed reader");
                 assert!(
                     lag <= limit as usize + c.slack.allowance
                         || c.cuttable

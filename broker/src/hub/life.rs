@@ -9,7 +9,7 @@ use super::{Hub, Window};
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Slack {
     /// Batches the least behind reader owed beyond what this one owed when
-    /// it joined, counted as behind ([`Hub::join_credit`]).
+    /// it joined, counted as behind (`Readers::join_credit`).
     pub(super) credit: usize,
     /// Units its window spans beyond its own batches ([`Window`]): behind
     /// by that much more is not lag.

@@ -55,26 +55,21 @@ impl Hub {
         } else {
             0
         };
-        let credit = self.join_credit(owes);
-        let id = self.next_id;
-        self.next_id += 1;
-        self.consumers.insert(
-            id,
-            Consumer {
-                window,
-                ahead,
-                group,
-                floor,
-                start_epoch,
-                first,
-                queue: VecDeque::new(),
-                held: Vec::new(),
-                life: Life::Reading { through: None },
-                cuttable: false,
-                slack: Slack { credit, allowance },
-                sent: Sent::new(start_epoch),
-            },
-        );
+        let credit = self.readers.join_credit(self.ring.head(), owes);
+        let id = self.readers.add(Consumer {
+            window,
+            ahead,
+            group,
+            floor,
+            start_epoch,
+            first,
+            queue: VecDeque::new(),
+            held: Vec::new(),
+            life: Life::Reading { through: None },
+            cuttable: false,
+            slack: Slack { credit, allowance },
+            sent: Sent::new(start_epoch),
+        });
         if from_ring {
             self.owe_published(id, floor);
         }
@@ -86,23 +81,17 @@ impl Hub {
     /// replayed to (a decoupled host consumer): the lag limit never
     /// detaches one that may.
     pub(crate) fn may_be_cut(&mut self, id: ConsumerId, may: bool) {
-        if let Some(c) = self.consumers.get_mut(&id) {
+        if let Some(c) = self.readers.get_mut(id) {
             c.cuttable = may;
         }
-    }
-
-    /// Epoch and index in it of the first batch consumer `id` gets (unless
-    /// the stream ends before): where the shared stream begins for it.
-    pub fn first_batch(&self, id: ConsumerId) -> Option<(u64, u64)> {
-        self.consumers.get(&id).map(|c| c.first)
     }
 
     /// The consumer wants nothing more; what it holds stays held until it
     /// releases it or leaves.
     pub fn goodbye(&mut self, id: ConsumerId) -> Result<(), HubError> {
         let c = self
-            .consumers
-            .get_mut(&id)
+            .readers
+            .get_mut(id)
             .ok_or(HubError::UnknownConsumer(id))?;
         c.life = Life::Closing;
         let group = c.group;
@@ -125,7 +114,7 @@ impl Hub {
     /// Removes a consumer and drops its references. Removing never adds to
     /// another consumer's queue, so callers need not pump again for it.
     pub(super) fn remove(&mut self, id: ConsumerId) -> bool {
-        let Some(c) = self.consumers.remove(&id) else {
+        let Some(c) = self.readers.remove(id) else {
             return false;
         };
         self.tally.departed += 1;
@@ -133,51 +122,6 @@ impl Hub {
             self.unref(c.group, seq);
         }
         true
-    }
-
-    /// How far behind `head` a reader is for the lag limit: what it owes
-    /// (its oldest owed batch) plus its join credit (see
-    /// [`Hub::join_credit`]).
-    fn lag_behind(c: &Consumer, head: u64) -> usize {
-        c.behind(head) + c.slack.credit
-    }
-
-    /// The least [`Hub::lag_behind`] of the readers (readers saying
-    /// goodbye left out); `None` with no such reader. The lag limit is
-    /// counted from it.
-    pub(super) fn least_behind(&self, head: u64) -> Option<usize> {
-        self.consumers
-            .values()
-            .filter(|c| !c.closing())
-            .map(|c| Hub::lag_behind(c, head))
-            .min()
-    }
-
-    /// Each reader's lag: how much further behind it is than the least
-    /// behind reader ([`Hub::lag_behind`]). Readers saying goodbye neither
-    /// lag nor count.
-    pub(super) fn lags(&self, head: u64) -> Vec<(ConsumerId, usize)> {
-        let least = self.least_behind(head).unwrap_or(0);
-        self.consumers
-            .iter()
-            .filter(|(_, c)| !c.closing())
-            .map(|(&id, c)| (id, Hub::lag_behind(c, head).saturating_sub(least)))
-            .collect()
-    }
-
-    /// What a consumer joining now, `behind` batches behind `head` (what
-    /// the ring holds from where it starts), is credited with for the lag
-    /// limit: how much further behind the least behind reader is. A
-    /// reader sent the ring ahead (a mailbox), or with a full queue, owes
-    /// the whole ring while it keeps up; one that joins at the next batch
-    /// owes nothing yet. Without the credit the first would look a ring
-    /// behind the second, and be detached, for batches the second skipped
-    /// by joining late. With it the two start level, and a lag is what
-    /// either falls behind from there.
-    fn join_credit(&self, behind: usize) -> usize {
-        let head = self.ring.head();
-        self.least_behind(head)
-            .map_or(0, |least| least.saturating_sub(behind))
     }
 
     /// `oldest` (seq, epoch, index), or a later published batch so that a
@@ -188,7 +132,7 @@ impl Hub {
             return Some(oldest);
         };
         let head = self.ring.head();
-        let Some(least) = self.least_behind(head) else {
+        let Some(least) = self.readers.least_behind(head) else {
             return Some(oldest);
         };
         let earliest = head.saturating_sub(least as u64 + u64::from(limit));
@@ -209,7 +153,7 @@ impl Hub {
         group: Option<GroupId>,
     ) -> (u64, u64, (u64, u64), bool) {
         if join == JoinPolicy::NextEpoch
-            && !self.anyone_reading()
+            && !self.readers.anyone_reading()
             && self.ring.cursor().next_index != 0
         {
             // Paused mid-epoch with nobody subscribed: nobody would see the

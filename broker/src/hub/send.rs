@@ -6,7 +6,7 @@
 use batchcast::proto::ErrorCode;
 
 use super::group::Unowed;
-use super::{Consumer, ConsumerId, GroupId, Hub, Life, Outbound, Published};
+use super::{ConsumerId, GroupId, Hub, Life, Outbound, Published};
 
 impl Hub {
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
@@ -14,7 +14,7 @@ impl Hub {
         self.tally.last_epoch = b.epoch;
         // Host consumers and groups with a copy to make pin the host slot.
         let mut refs = 0;
-        for c in self.consumers.values_mut() {
+        for c in self.readers.iter_mut().map(|(_, c)| c) {
             if !c.wants(seq, b.epoch) {
                 continue;
             }
@@ -44,10 +44,10 @@ impl Hub {
     /// Sends what windows allow, ends epochs and streams, enforces the lag limit.
     pub(super) fn pump(&mut self) {
         self.start_copies();
-        let mut next = self.consumers.keys().next().copied();
+        let mut next = self.readers.next_after(None);
         while let Some(id) = next {
             self.send_to(id);
-            next = self.consumers.range(id + 1..).next().map(|(&id, _)| id);
+            next = self.readers.next_after(Some(id));
         }
         self.enforce_lag_limit();
     }
@@ -66,7 +66,7 @@ impl Hub {
     pub(super) fn send_to(&mut self, id: ConsumerId) {
         let bpe = self.cfg.batches_per_epoch;
         let exhausted = self.exhausted();
-        let Some(c) = self.consumers.get_mut(&id) else {
+        let Some(c) = self.readers.get_mut(id) else {
             return;
         };
         while c.held.len() < c.ahead as usize
@@ -160,16 +160,12 @@ impl Hub {
         if self.exhausted() {
             return None;
         }
-        let tail = self
-            .consumers
-            .values()
-            .filter(|c| !c.closing())
-            .filter_map(Consumer::oldest_owed)
-            .min()?;
-        self.lags(self.ring.head())
+        let tail = self.readers.tail(false)?;
+        self.readers
+            .lags(self.ring.head())
             .into_iter()
             .filter_map(|(id, lag)| {
-                let c = &self.consumers[&id];
+                let c = self.readers.get(id).expect("a listed reader");
                 let lag = lag.saturating_sub(c.slack.allowance);
                 (lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)).then_some((id, lag))
             })

@@ -63,7 +63,10 @@ fn a_stream_nobody_read_yet_starts_where_it_is_sought_and_only_then() {
     assert!(endless.seek(MAX_EPOCH - 1, 9));
     assert!(h.seek(2, 7));
     let (a, start) = h.join(2, JoinPolicy::Now).unwrap();
-    assert_eq!((start, h.first_batch(a)), (2, Some((2, 7))));
+    assert_eq!(
+        (start, h.reader(a).map(|c| c.first_batch())),
+        (2, Some((2, 7)))
+    );
     assert!(!h.seek(0, 0), "someone is subscribed");
     let w = produce(&mut h).unwrap();
     assert_eq!(
@@ -169,7 +172,7 @@ fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
     let out = h.take_outbound();
     assert_eq!(batches(&out, ahead).len(), 3, "past its window of 1");
     assert_eq!(batches(&out, windowed).len(), 1, "its window of 1");
-    let c = h.consumer_counts(ahead).unwrap();
+    let c = h.reader(ahead).map(|c| c.counts()).unwrap();
     assert_eq!((c.window, c.held, c.queued), (1, 3, 0));
     // What it was sent pins slots exactly as what is queued would.
     h.release(windowed, ws[0].seq).unwrap();
@@ -184,7 +187,12 @@ fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
     assert!(h.start_batch().is_none(), "the ring's next slot is ws[0]'s");
     h.release(ahead, ws[0].seq).unwrap();
     assert_eq!(h.start_batch().unwrap().slot, ws[0].slot);
-    assert_eq!(h.consumer_counts(ahead).unwrap().held, 2, "2 and {}", w.seq);
+    assert_eq!(
+        h.reader(ahead).map(|c| c.counts()).unwrap().held,
+        2,
+        "2 and {}",
+        w.seq
+    );
     h.check_invariants();
 }
 
@@ -205,7 +213,7 @@ fn a_dead_consumer_gives_back_everything_at_once() {
         2,
         "b's two held and two queued batches: two slots a released"
     );
-    assert_eq!(h.consumer_counts(a).unwrap().held, 2);
+    assert_eq!(h.reader(a).map(|c| c.counts()).unwrap().held, 2);
     h.check_invariants();
 }
 
@@ -343,7 +351,7 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
         h.check_invariants();
     }
     assert!(detached);
-    assert!(h.consumer_counts(slow).is_none());
+    assert!(h.reader(slow).map(|c| c.counts()).is_none());
     assert_eq!(h.counts().detached, 1);
     assert_eq!(
         h.counts().free,
@@ -374,7 +382,7 @@ fn the_lag_limit_leaves_a_consumer_that_may_be_cut_alone() {
         h.check_invariants();
     }
     assert_eq!(detached, vec![lockstep]);
-    assert!(h.consumer_counts(cuttable).is_some());
+    assert!(h.reader(cuttable).map(|c| c.counts()).is_some());
 }
 
 #[test]
@@ -450,7 +458,10 @@ fn a_consumer_joining_beside_one_sent_the_ring_ahead_does_not_get_it_detached() 
         }
         h.check_invariants();
     }
-    assert!(h.consumer_counts(reader).is_some() && h.consumer_counts(newcomer).is_some());
+    assert!(
+        h.reader(reader).map(|c| c.counts()).is_some()
+            && h.reader(newcomer).map(|c| c.counts()).is_some()
+    );
 }
 
 #[test]
@@ -482,7 +493,7 @@ fn a_now_joiner_starts_within_the_lag_limit() {
     assert_eq!(h.ring().oldest_live().map(|o| (o.1, o.2)), Some((0, 0)));
     let (late, _) = h.join(2, JoinPolicy::Now).unwrap();
     assert_eq!(
-        h.first_batch(late),
+        h.reader(late).map(|c| c.first_batch()),
         Some((0, 3)),
         "three behind the fast one"
     );
@@ -601,8 +612,8 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     // It took batch 1 and never took 2, 3 and 4.
     assert_eq!(h.cut(slow, &[9]), Err(HubError::NotHeld { seq: 9 }));
     assert_eq!(h.cut(slow, &[ws[2].seq, ws[3].seq, w4.seq]), Ok((0, 2)));
-    assert!(h.is_cut(slow));
-    assert_eq!(h.consumer_counts(slow).unwrap().held, 1);
+    assert!(h.reader(slow).is_some_and(|c| c.is_cut()));
+    assert_eq!(h.reader(slow).map(|c| c.counts()).unwrap().held, 1);
     assert_eq!(
         h.release(slow, ws[2].seq),
         Err(HubError::NotHeld { seq: 2 })
@@ -622,7 +633,7 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     // rejoin there, and gets 4, 5, ... in order.
     let w5 = produce(&mut h).unwrap();
     h.rejoin(slow, w4.seq).unwrap();
-    assert!(!h.is_cut(slow));
+    assert!(!h.reader(slow).is_some_and(|c| c.is_cut()));
     let w6 = produce(&mut h).unwrap();
     assert_eq!(
         batches(&h.take_outbound(), slow),
@@ -788,7 +799,11 @@ fn host_slots_are_refilled_while_members_still_hold_their_copies() {
         vec![0, 1, 2, 3],
         "four batches in four distinct group slots"
     );
-    assert_eq!(h.consumer_counts(m).unwrap().held, 2, "window of two sent");
+    assert_eq!(
+        h.reader(m).map(|c| c.counts()).unwrap().held,
+        2,
+        "window of two sent"
+    );
     assert_eq!(h.counts().free, 2, "no host slot is pinned by the GPU");
     // The group is full: the next batch pins its host slot until a member
     // releases a copy.
@@ -1179,7 +1194,7 @@ impl Model {
                 // limit, a later one if the oldest would detach it at once.
                 let first = match (policy, group, oldest) {
                     (JoinPolicy::Now, None, Some((_, e, i))) => {
-                        let first = self.hub.first_batch(id);
+                        let first = self.hub.reader(id).map(|c| c.first_batch());
                         assert!(first.is_some(), "a `Now` joiner detached at once");
                         if self.lag_limit.is_none() {
                             assert_eq!(first, Some((e, i)));
@@ -1471,11 +1486,11 @@ fn a_consumer_cut_as_it_joins_owes_and_holds_nothing_and_is_sent_nothing() {
     let (late, _) = h
         .join_group(1, JoinPolicy::Now, None, Delivery::Ahead)
         .unwrap();
-    assert_eq!(h.consumer_counts(late).unwrap().held, 4);
+    assert_eq!(h.reader(late).map(|c| c.counts()).unwrap().held, 4);
     // ...all taken back before they left the hub.
     assert_eq!(h.cut_at_join(late), Ok((0, 0)));
-    assert!(h.is_cut(late));
-    assert_eq!(h.consumer_counts(late).unwrap().held, 0);
+    assert!(h.reader(late).is_some_and(|c| c.is_cut()));
+    assert_eq!(h.reader(late).map(|c| c.counts()).unwrap().held, 0);
     assert_eq!(batches(&h.take_outbound(), late), vec![]);
     // The ring waits only for the reader.
     let (seq, owe) = h.pinning().unwrap();
@@ -1513,7 +1528,10 @@ fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
     }
     // The member holds batch 0 (its window of 1); batch 1 is copied and
     // queued for it, its host slot given back.
-    assert!(h.holds(m, seqs[0]) && !h.holds(m, seqs[1]));
+    assert!(
+        h.reader(m)
+            .is_some_and(|c| c.holds(seqs[0]) && !c.holds(seqs[1]))
+    );
     assert_eq!(h.ring().position(seqs[1]), None, "gone from the host ring");
     h.check_invariants();
     assert_eq!(h.cut(m, &[]), Ok((0, 1)), "its replay begins at batch 1");

@@ -68,7 +68,7 @@ use crate::hub::{ConsumerId, Hub};
 /// Whether consumer `id` took unit `seq` (it was sent it and, with a
 /// mailbox, took the notice): a cut cannot give it back.
 fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
-    hub.holds(id, seq)
+    hub.reader(id).is_some_and(|c| c.holds(seq))
         && !c
             .out
             .mailbox_mut()
@@ -82,7 +82,7 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
 /// from reuse when it has not moved for the hold limit (lockstep: a cut
 /// would not free it). One that moves releases what it took soon.
 fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bool {
-    let Some(queued) = hub.reading(id) else {
+    let Some(queued) = hub.reader(id).and_then(|c| c.reading()) else {
         return false;
     };
     !stalled.is_some_and(|seq| took(hub, id, c, seq))
@@ -111,7 +111,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     let hungry = pinned.is_some()
         && conns
             .iter_mut()
-            .any(|(&id, c)| hub.reading(id) == Some(0) && unread(c) == 0);
+            .any(|(&id, c)| hub.reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0);
     // Owers are looked at only while someone waits for data.
     let owers: Vec<Ower> = match &pinned {
         Some((seq, owe)) if hungry => {
@@ -304,7 +304,11 @@ fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     };
     // It still holds units of the shared stream from before its cut: it
     // would pin the ring again at once.
-    let holds = inner.hub.consumer_counts(id).is_none_or(|c| c.held > 0);
+    let holds = inner
+        .hub
+        .reader(id)
+        .map(|c| c.counts())
+        .is_none_or(|c| c.held > 0);
     // Inside a rotated epoch's part read first: up to the epoch's end.
     let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
     if holds || inner.hub.rejoin_through(id, seq, through).is_err() {

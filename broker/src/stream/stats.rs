@@ -76,7 +76,7 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
     let conn = inner.conns.get(&id)?;
     // One the hub detached (lag or hold limit) is still shown, with the
     // reason, until its connection closes; the hub no longer counts it.
-    let n = inner.hub.consumer_counts(id).unwrap_or_default();
+    let n = inner.hub.reader(id).map(|c| c.counts()).unwrap_or_default();
     // Wait, busy and hold times are the client's own figures (a release
     // carries them, a mailbox sums them): nobody can have waited, worked or
     // held longer than it has been connected, whatever it writes.

@@ -176,7 +176,11 @@ pub(super) fn start(
     prepared: Option<Prepared>,
     (batch, deal): (u64, Option<Deal>),
 ) -> Result<Started, SubscribeError> {
-    let (epoch, index) = inner.hub.first_batch(id).expect("it just joined");
+    let (epoch, index) = inner
+        .hub
+        .reader(id)
+        .map(|c| c.first_batch())
+        .expect("it just joined");
     let shared = Position {
         epoch,
         sample: index * s.plan.schema.batch_size,
