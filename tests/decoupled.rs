@@ -7,7 +7,9 @@
 //! one that pins the ring (holding a batch, or paused while replayed to)
 //! is detached after the stream's hold limit, and the others go on.
 
+use batchcast_kit::harness;
 use batchcast_kit::report::ConsumerReport;
+use nix::sys::signal::Signal::SIGCONT;
 
 use crate::common;
 
@@ -168,21 +170,18 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
     let env = Env::start(&held_config(1.0));
     let paused = env.consumer(&[
         "--verify",
-        "--stall-after",
+        "--stop-after",
         "3",
-        "--stall-ms",
-        "12000",
         "--max-batches",
         "2000",
         "--no-mailbox",
         "--name",
         "paused",
     ]);
-    env.wait_for("the paused reader to pause", |s| {
-        s.streams[0].consumers.iter().any(|c| c.taken.batches >= 3)
-    });
+    common::wait_stopped(paused.id());
     let steady = steady(&env, 600);
     let steady = env.report(steady);
+    harness::signal(paused.id(), SIGCONT);
     let paused = env.report(paused);
     assert_not_held(&steady);
     assert_eq!(
@@ -208,7 +207,8 @@ fn held_config(hold: f64) -> String {
 
 /// The steady reader got everything right and was not held: 600 batches
 /// at 2 ms are 1.2 s alone; held by the consumer under test they would
-/// take its whole 12 s pause (the bound: the hold limit and slack).
+/// take its whole pause (12 s, or until it is continued after the steady
+/// reader ends; the bound: the hold limit and slack).
 fn assert_not_held(steady: &ConsumerReport) {
     assert!(
         steady.ok && steady.verified_samples == steady.samples,
@@ -242,10 +242,8 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
     // pauses before the steady reader comes (see the test above).
     let env = Env::start(&held_config(1.0));
     let holder = env.consumer(&[
-        "--stall-after",
+        "--stop-after",
         "5",
-        "--stall-ms",
-        "12000",
         "--hold",
         "1",
         "--max-batches",
@@ -253,12 +251,11 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
         "--name",
         "holder",
     ]);
-    env.wait_for("the holder to pause", |s| {
-        s.streams[0].consumers.iter().any(|c| c.taken.batches >= 4)
-    });
+    common::wait_stopped(holder.id());
     let steady = steady(&env, 600);
-    let holder = env.report(holder);
     let steady = env.report(steady);
+    harness::signal(holder.id(), SIGCONT);
+    let holder = env.report(holder);
     assert_not_held(&steady);
     assert_eq!(
         holder.error_code.as_deref(),
@@ -289,8 +286,8 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
 
 #[test]
 fn a_consumer_being_replayed_to_that_pauses_is_never_waited_for() {
-    // A hold limit longer than the pause: only never waiting for the
-    // paused consumer lets the steady reader finish in time.
+    // A hold limit far longer than the steady reader's run: only never
+    // waiting for the paused consumers lets it finish in time.
     let env = Env::start(&held_config(60.0));
     let steady = steady(&env, 600);
     // Past epoch 2 (11 units an epoch): the ring no longer holds epoch 1.
@@ -307,10 +304,8 @@ fn a_consumer_being_replayed_to_that_pauses_is_never_waited_for() {
                 "--verify",
                 start[0],
                 start[1],
-                "--stall-after",
+                "--stop-after",
                 "1",
-                "--stall-ms",
-                "12000",
                 "--max-batches",
                 "30",
                 "--name",
@@ -318,8 +313,14 @@ fn a_consumer_being_replayed_to_that_pauses_is_never_waited_for() {
             ])
         })
         .collect();
-    let steady = report(steady);
+    // They stay stopped until the steady reader is done: had they held
+    // the stream, it would wait for them (up to the 60 s hold limit).
+    let steady = env.report(steady);
     assert_not_held(&steady);
+    for p in &paused {
+        common::wait_stopped(p.id());
+        harness::signal(p.id(), SIGCONT);
+    }
     // Not detached: neither was in the others' way, and what each read
     // (replayed, then shared after its merge) is right and in order.
     let reports: Vec<_> = paused.into_iter().map(report).collect();

@@ -702,15 +702,17 @@ fn on_a_decoupled_stream_a_paused_member_is_cut_and_goes_on_from_replay() {
         &[
             "--join",
             "immediate",
-            "--stall-after",
+            "--stop-after",
             "3",
-            "--stall-ms",
-            "12000",
             "--max-batches",
             "60",
         ],
     );
+    // Stopped until the steady reader is done: had it held the stream,
+    // the steady reader would wait for it.
     assert_steady_not_held(steady);
+    common::wait_stopped(paused.id());
+    harness::signal(paused.id(), nix::sys::signal::Signal::SIGCONT);
     let paused = report(paused);
     assert_eq!(paused.batches, 60, "{paused:#?}");
     assert_eq!(paused.reconnects, 0, "{paused:#?}");
