@@ -336,7 +336,7 @@ impl Hub {
     /// Whether the pipeline could be given work now (the next slot of the
     /// ring free, someone to produce for, epochs left).
     pub fn can_start(&self) -> bool {
-        self.wants_batches() && self.ring.free_slots() > 0
+        self.wants_batches() && self.ring.has_free_slot()
     }
 
     /// Changes how many consumers the stream waits for before it starts
