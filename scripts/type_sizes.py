@@ -75,7 +75,7 @@ def ledger_types() -> list:
 
 
 def production(text: str) -> str:
-    at = re.search(r"#\[cfg\(test\)\]\s*mod\s+tests\s*\{", text)
+    at = re.search(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s+tests\s*\{", text)
     return text if at is None else text[: at.start()]
 
 

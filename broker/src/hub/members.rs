@@ -159,7 +159,8 @@ impl Hub {
             // Paused mid-epoch with nobody subscribed: nobody would see the
             // rest of this epoch, so it is not produced; batches of it still
             // in flight are published to nobody.
-            self.ring.skip_epoch();
+            let next = self.ring.cursor().next_epoch + 1;
+            self.ring.seek(next, 0);
         }
         // The first batch not yet published, skipping abandoned epochs.
         let (floor, epoch, index) = self.ring.first_unpublished();

@@ -260,21 +260,14 @@ impl Ring {
         (self.free.len() as u32, filling)
     }
 
-    /// Starts the stream at batch `index` of `epoch` (the hub checked it
-    /// has not begun).
+    /// The pipeline goes on at batch `index` of `epoch`, epochs before it
+    /// abandoned: a stream that has not begun starts there (the hub checked
+    /// it has not), or the rest of the epoch nobody will read is skipped
+    /// (batches of it still in flight are published to nobody).
     pub(super) fn seek(&mut self, epoch: u64, index: u64) {
         self.cursor.next_epoch = epoch;
         self.cursor.next_index = index;
         self.cursor.live_epoch = epoch;
-    }
-
-    /// Abandons the rest of the epoch the pipeline is in (nobody will read
-    /// it): the next batch made is the next epoch's first; batches of it
-    /// still in flight are published to nobody.
-    pub(super) fn skip_epoch(&mut self) {
-        self.cursor.next_epoch += 1;
-        self.cursor.next_index = 0;
-        self.cursor.live_epoch = self.cursor.next_epoch;
     }
 
     /// Gives the pipeline the next batch into the next slot (the caller
