@@ -253,15 +253,17 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
 }
 
 /// Merges back each cut consumer whose replay reached a unit the
-/// shared stream still publishes (see the module's rules).
-pub(super) fn merge_replays(s: &Stream, inner: &mut Inner) {
+/// shared stream still publishes (see the module's rules). `clock` tells
+/// the time when a decision needs it (rarely: this runs for every batch,
+/// which reads no clock for it).
+pub(super) fn merge_replays(s: &Stream, inner: &mut Inner, clock: fn() -> Instant) {
     let open: Vec<ConsumerId> = inner
         .conns
         .iter()
         .filter(|(_, c)| c.ending.is_none() && c.replay.as_ref().is_some_and(|r| r.open()))
         .map(|(&id, _)| id)
         .collect();
-    rotate::replay_rotated_starts(s, inner);
+    rotate::replay_rotated_starts(s, inner, clock);
     let mut merged = false;
     for id in open {
         merged |= merge(s, inner, id);

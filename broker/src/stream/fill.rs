@@ -326,7 +326,7 @@ impl<'a> Worker<'a> {
             if s.stop.load(Ordering::SeqCst) {
                 return None;
             }
-            decouple::merge_replays(s, &mut inner);
+            decouple::merge_replays(s, &mut inner, Instant::now);
             if let Some(job) = replay::take_job(&mut inner, self.replayed_last) {
                 if let Some(t) = blocked_since {
                     inner.fill.blocked += t.elapsed();

@@ -109,7 +109,7 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
 
 /// Cuts each rotated consumer the shared stream sent the whole rest of
 /// its epoch, nothing taken back, to be replayed the epoch's start.
-pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner) {
+pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner, clock: fn() -> Instant) {
     let Inner { hub, conns, .. } = &mut *inner;
     let mut due: Vec<(ConsumerId, Rotation)> = Vec::new();
     for (&id, c) in conns.iter_mut() {
@@ -139,7 +139,7 @@ pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner) {
         }
         let from = rot.owed_from();
         if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
-            r.reopen(from, Instant::now());
+            r.reopen(from, clock());
         }
         if notify(inner, id, ServerMsg::Cut(from)) {
             tracing::debug!(stream = %s.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
