@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use super::{Consumer, ConsumerId};
 
 /// Every reader of the hub by id (see the module's rules).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Readers {
     map: BTreeMap<ConsumerId, Consumer>,
     /// The id the next reader gets.
