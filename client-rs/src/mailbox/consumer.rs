@@ -2,7 +2,8 @@
 //! sleeping on the bell.
 
 use std::os::fd::AsFd;
-use std::sync::atomic::{Ordering, fence};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -13,8 +14,8 @@ use super::*;
 
 /// The consumer's side of a mailbox.
 #[derive(Debug)]
-pub struct ConsumerMailbox {
-    pub(super) words: Words,
+pub struct ConsumerMailbox<M: Memory = Shm> {
+    pub(super) words: Arc<Words<M>>,
     /// Serialises release writers (batches are released from any thread).
     releasing: std::sync::Mutex<()>,
 }
@@ -24,13 +25,19 @@ impl ConsumerMailbox {
     pub fn open(fd: impl AsFd, spec: MailboxSpec) -> Result<ConsumerMailbox> {
         spec.validate()?;
         let map = Mapping::map_readwrite(fd.as_fd(), spec.bytes())?;
-        Ok(ConsumerMailbox {
-            words: Words {
-                mem: Mem::Mapped(map),
-                spec,
-            },
+        Ok(ConsumerMailbox::in_memory(Arc::new(Words {
+            mem: Shm::Mapped(map),
+            spec,
+        })))
+    }
+}
+
+impl<M: Memory> ConsumerMailbox<M> {
+    pub(super) fn in_memory(words: Arc<Words<M>>) -> ConsumerMailbox<M> {
+        ConsumerMailbox {
+            words,
             releasing: std::sync::Mutex::new(()),
-        })
+        }
     }
 
     /// Whether a notice is waiting.
@@ -44,7 +51,7 @@ impl ConsumerMailbox {
     /// broker (read after storing `tail` past it).
     fn taken_back(&self, n: u64) -> Result<bool> {
         let cut = self.words.u64(CUT);
-        let mut word = cut.load(Ordering::SeqCst);
+        let mut word = cut.load(Ordering::Acquire);
         let start = Instant::now();
         while word == CUT_UNDER_WAY {
             if start.elapsed() > CUT_WAIT {
@@ -52,8 +59,8 @@ impl ConsumerMailbox {
                     "mailbox: the broker began taking notices back and never finished".into(),
                 ));
             }
-            std::hint::spin_loop();
-            word = cut.load(Ordering::SeqCst);
+            self.words.mem.spin();
+            word = cut.load(Ordering::Acquire);
         }
         let from = word & ((1 << CUT_FROM_BITS) - 1);
         if from < 2 {
@@ -82,9 +89,11 @@ impl ConsumerMailbox {
             }
             let v: [u64; NOTICE_WORDS] =
                 std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
-            // The entry may be rewritten once `tail` moves on. `SeqCst`:
-            // ordered before reading `cut` (see the module's notes).
-            w.u64(TAIL).store(tail + 1, Ordering::SeqCst);
+            // The entry may be rewritten once `tail` moves on; the fence
+            // orders the store before reading `cut` (see the module's
+            // notes).
+            w.u64(TAIL).store(tail + 1, Ordering::Release);
+            w.mem.fence(Ordering::SeqCst);
             let in_cut = self.taken_back(tail)?;
             if v[1] != KIND_BATCH || !in_cut {
                 break (v, in_cut);
@@ -144,9 +153,9 @@ impl ConsumerMailbox {
         let w = &self.words;
         let seen = w.bell().load(Ordering::Acquire);
         w.u32(SLEEPING).store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
+        w.mem.fence(Ordering::SeqCst);
         if !self.has_notice() && !ready() {
-            futex_wait(w.bell(), seen, timeout);
+            w.mem.wait(w.bell(), seen, timeout);
         }
         w.u32(SLEEPING).store(0, Ordering::Relaxed);
     }
@@ -192,7 +201,7 @@ impl ConsumerMailbox {
 
     /// Whether the broker asked to be told of releases (it waits on one).
     pub fn wants_doorbell(&self) -> bool {
-        fence(Ordering::SeqCst);
+        self.words.mem.fence(Ordering::SeqCst);
         self.words.u32(WANT).load(Ordering::Relaxed) != 0
     }
 }

@@ -39,8 +39,8 @@
 //! Taking notices back (decoupled pace: a consumer that fell behind is cut
 //! from the shared stream and goes on from replay). The broker may take
 //! back only the batches the consumer has not taken. Both sides store,
-//! then read the other's word, both `SeqCst` (so at least one sees the
-//! other): the consumer stores `tail` past a notice, then reads `cut`; the
+//! then a `SeqCst` fence, then read the other's word (so at least one sees
+//! the other): the consumer stores `tail` past a notice, then reads `cut`; the
 //! broker stores `cut = 1` (under way), reads `tail` as `T`, then stores
 //! the range `[T, head)` in `cut`. A batch notice at `i` is taken back iff
 //! `T <= i < head` in the range the consumer reads after taking it (it
@@ -57,16 +57,20 @@
 use std::collections::VecDeque;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::proto::{self, BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady, Unit};
-use crate::shm::{Arena, Mapping};
+use crate::shm::Arena;
 
 mod consumer;
+#[cfg(test)]
+mod loom_tests;
+mod words;
 
 pub use consumer::ConsumerMailbox;
+pub use words::{Memory, Shm, Word32, Word64};
 
 const BELL: usize = 0;
 const WANT: usize = 4;
@@ -194,54 +198,32 @@ impl Totals {
 
 /// A mailbox's memory and the word accessors both sides use.
 #[derive(Debug)]
-struct Words {
-    mem: Mem,
+struct Words<M: Memory> {
+    mem: M,
     spec: MailboxSpec,
 }
 
-/// The broker owns the memfd; a consumer maps the fd it was sent.
-#[derive(Debug)]
-enum Mem {
-    Owner(Arena),
-    Mapped(Mapping),
-}
-
-impl Words {
-    fn map(&self) -> &Mapping {
-        match &self.mem {
-            Mem::Owner(a) => a.mapping(),
-            Mem::Mapped(m) => m,
-        }
+impl<M: Memory> Words<M> {
+    fn u64(&self, offset: usize) -> &M::W64 {
+        self.mem.u64(offset)
     }
 
-    fn u64(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8) && offset + 8 <= self.map().len());
-        // SAFETY: in bounds and 8-byte aligned (asserted; the mapping is
-        // page-aligned); the memory lives as long as the mapping, which the
-        // borrow of `self` ties the reference to. Every access to this
-        // shared memory, from either process, is atomic, so a concurrent
-        // write by the other side is not a data race.
-        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU64) }
-    }
-
-    fn u32(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.map().len());
-        // SAFETY: as in `u64`, for a 4-byte aligned word.
-        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU32) }
+    fn u32(&self, offset: usize) -> &M::W32 {
+        self.mem.u32(offset)
     }
 
     /// Word `word` of the ring entry that notice number `n` uses.
-    fn notice(&self, n: u64, word: usize) -> &AtomicU64 {
+    fn notice(&self, n: u64, word: usize) -> &M::W64 {
         let i = (n % self.spec.notices as u64) as usize;
         self.u64(NOTICES + (i * NOTICE_WORDS + word) * 8)
     }
 
-    fn release(&self, n: u64) -> &AtomicU64 {
+    fn release(&self, n: u64) -> &M::W64 {
         let i = (n % self.spec.releases as u64) as usize;
         self.u64(self.spec.releases_at() + i * 8)
     }
 
-    fn bell(&self) -> &AtomicU32 {
+    fn bell(&self) -> &M::W32 {
         self.u32(BELL)
     }
 
@@ -249,21 +231,21 @@ impl Words {
     /// a line that changes only when it goes to sleep). The broker clears
     /// `sleeping` for it: one wake per sleep.
     fn ring(&self) -> bool {
-        fence(Ordering::SeqCst);
+        self.mem.fence(Ordering::SeqCst);
         if self.u32(SLEEPING).load(Ordering::Relaxed) == 0 {
             return false;
         }
         self.u32(SLEEPING).store(0, Ordering::Relaxed);
         self.bell().fetch_add(1, Ordering::SeqCst);
-        futex_wake(self.bell());
+        self.mem.wake(self.bell());
         true
     }
 }
 
 /// The broker's side of a mailbox.
 #[derive(Debug)]
-pub struct BrokerMailbox {
-    words: Arc<Words>,
+pub struct BrokerMailbox<M: Memory = Shm> {
+    words: Arc<Words<M>>,
     /// Notices written, the consumer's `tail` as last read, releases taken.
     head: u64,
     tail: u64,
@@ -299,30 +281,36 @@ impl BrokerMailbox {
         spec.validate()?;
         // Sealed against resizing: a consumer cannot make the broker fault.
         let arena = Arena::create("mailbox", spec.bytes(), crate::shm::Fault::Now)?;
-        Ok(BrokerMailbox {
-            words: Arc::new(Words {
-                mem: Mem::Owner(arena),
-                spec,
-            }),
+        Ok(BrokerMailbox::in_memory(Arc::new(Words {
+            mem: Shm::Owner(arena),
+            spec,
+        })))
+    }
+
+    /// The fd to hand to the consumer.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        match &self.words.mem {
+            Shm::Owner(a) => a.fd(),
+            Shm::Mapped(_) => unreachable!("the broker's side owns its memfd"),
+        }
+    }
+}
+
+impl<M: Memory> BrokerMailbox<M> {
+    fn in_memory(words: Arc<Words<M>>) -> BrokerMailbox<M> {
+        BrokerMailbox {
+            words,
             head: 0,
             tail: 0,
             drained: 0,
             want: false,
             units: VecDeque::new(),
             cut: (0, 0),
-        })
+        }
     }
 
     pub fn spec(&self) -> MailboxSpec {
         self.words.spec
-    }
-
-    /// The fd to hand to the consumer.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        match &self.words.mem {
-            Mem::Owner(a) => a.fd(),
-            Mem::Mapped(_) => unreachable!("the broker's side owns its memfd"),
-        }
     }
 
     /// Wakes the consumer if it sleeps: call after a run of pushes.
@@ -331,7 +319,7 @@ impl BrokerMailbox {
     }
 
     /// A handle that rings this mailbox's bell from another thread.
-    pub fn bell(&self) -> Bell {
+    pub fn bell(&self) -> Bell<M> {
         Bell(self.words.clone())
     }
 
@@ -410,16 +398,26 @@ impl BrokerMailbox {
         if self.head + 2 >= 1 << CUT_FROM_BITS {
             return None;
         }
-        w.u64(CUT).store(CUT_UNDER_WAY, Ordering::SeqCst);
+        w.u64(CUT).store(CUT_UNDER_WAY, Ordering::Relaxed);
+        // Pairs with the consumer's fence between storing `tail` and
+        // reading `cut` (see the module's notes).
+        w.mem.fence(Ordering::SeqCst);
         // A tail past what was written is forged: nothing is unread.
-        let tail = w.u64(TAIL).load(Ordering::SeqCst).min(self.head);
-        // The consumer may not have passed all the last cut took back: the
-        // word must still cover that (it replaces the last one).
-        let from = if tail < self.cut.1 { self.cut.0 } else { tail };
+        let tail = w.u64(TAIL).load(Ordering::Acquire).min(self.head);
+        // The word replaces the last cut's, so it must still cover what
+        // that one took back and the consumer may yet check: the notices
+        // from `tail` on, and the one before it (a consumer checks notice
+        // `n` after storing `tail = n + 1`, so that check may still be
+        // under way; the ones before it are done, since their check came
+        // before the store of the `tail` read here). Found by loom
+        // (`loom_tests`): with `tail < self.cut.1` a consumer stopped
+        // between storing `tail` and reading `cut` took a batch the last
+        // cut had given back.
+        let from = if tail <= self.cut.1 { self.cut.0 } else { tail };
         self.cut = (from, self.head);
         w.u64(CUT).store(
             ((self.head - from) << CUT_FROM_BITS) | (from + 2),
-            Ordering::SeqCst,
+            Ordering::Release,
         );
         self.tail = self.tail.max(tail);
         self.forget_read();
@@ -515,51 +513,19 @@ impl BrokerMailbox {
 
 /// Rings a mailbox's bell from another thread (the connection's task,
 /// after writing to the socket).
-#[derive(Debug, Clone)]
-pub struct Bell(Arc<Words>);
+#[derive(Debug)]
+pub struct Bell<M: Memory = Shm>(Arc<Words<M>>);
 
-impl Bell {
+impl<M: Memory> Clone for Bell<M> {
+    fn clone(&self) -> Self {
+        Bell(self.0.clone())
+    }
+}
+
+impl<M: Memory> Bell<M> {
     /// Returns whether the consumer was asleep (and was woken).
     pub fn ring(&self) -> bool {
         self.0.ring()
-    }
-}
-
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: FUTEX_WAIT only reads the aligned u32 at `word` (live for the
-    // call: borrowed) and the timespec on our stack; a shared (non-private)
-    // futex, because the other side is another process. Spurious returns
-    // (EINTR, EAGAIN, ETIMEDOUT) are fine: callers re-check.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: FUTEX_WAKE reads nothing behind the pointer beyond using its
-    // address as the key; the word is borrowed and live.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0,
-        );
     }
 }
 

@@ -1,0 +1,152 @@
+//! Where a mailbox's words live, and the only place its atomics, fences,
+//! spins and futex calls come from ([`Memory`]). The mailbox's protocol
+//! (`super`) is written once over this trait; the real memory is the
+//! shared memfd ([`Shm`]: the `unsafe` casts and system calls are here and
+//! nowhere else in the mailbox), and the tests put the same protocol on
+//! loom's model of atomics (`super::loom_tests`), which tries every
+//! interleaving and weak-memory outcome of the handshakes the module's
+//! notes describe.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::shm::{Arena, Mapping};
+
+/// A 64-bit word of a mailbox, accessed only atomically.
+pub trait Word64 {
+    fn load(&self, order: Ordering) -> u64;
+    fn store(&self, value: u64, order: Ordering);
+}
+
+/// A 32-bit word of a mailbox (the futex word and the flags).
+pub trait Word32 {
+    fn load(&self, order: Ordering) -> u32;
+    fn store(&self, value: u32, order: Ordering);
+    fn fetch_add(&self, value: u32, order: Ordering) -> u32;
+}
+
+/// A mailbox's memory: its words by byte offset (no word is used at
+/// both widths), and how a side fences, spins, sleeps on a word and wakes
+/// a sleeper. Offsets are the layout's (`super`'s table); an offset out of
+/// range or misaligned panics (the layout is fixed at creation).
+pub trait Memory: fmt::Debug + Send + Sync {
+    type W64: Word64;
+    type W32: Word32;
+    fn u64(&self, offset: usize) -> &Self::W64;
+    fn u32(&self, offset: usize) -> &Self::W32;
+    fn fence(&self, order: Ordering);
+    /// A pause in a wait for the other side (a spin-loop hint).
+    fn spin(&self);
+    /// Sleeps while `word` reads `expected`, up to `timeout`; may return
+    /// early for no reason (callers re-check).
+    fn wait(&self, word: &Self::W32, expected: u32, timeout: Duration);
+    /// Wakes every side sleeping on `word`.
+    fn wake(&self, word: &Self::W32);
+}
+
+impl Word64 for AtomicU64 {
+    fn load(&self, order: Ordering) -> u64 {
+        AtomicU64::load(self, order)
+    }
+    fn store(&self, value: u64, order: Ordering) {
+        AtomicU64::store(self, value, order)
+    }
+}
+
+impl Word32 for AtomicU32 {
+    fn load(&self, order: Ordering) -> u32 {
+        AtomicU32::load(self, order)
+    }
+    fn store(&self, value: u32, order: Ordering) {
+        AtomicU32::store(self, value, order)
+    }
+    fn fetch_add(&self, value: u32, order: Ordering) -> u32 {
+        AtomicU32::fetch_add(self, value, order)
+    }
+}
+
+/// The shared memfd: the broker owns it, a consumer maps the fd it was
+/// sent.
+#[derive(Debug)]
+pub enum Shm {
+    Owner(Arena),
+    Mapped(Mapping),
+}
+
+impl Shm {
+    fn map(&self) -> &Mapping {
+        match self {
+            Shm::Owner(a) => a.mapping(),
+            Shm::Mapped(m) => m,
+        }
+    }
+}
+
+impl Memory for Shm {
+    type W64 = AtomicU64;
+    type W32 = AtomicU32;
+
+    fn u64(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.map().len());
+        // SAFETY: in bounds and 8-byte aligned (asserted; the mapping is
+        // page-aligned); the memory lives as long as the mapping, which the
+        // borrow of `self` ties the reference to. Every access to this
+        // shared memory, from either process, is atomic, so a concurrent
+        // write by the other side is not a data race.
+        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU64) }
+    }
+
+    fn u32(&self, offset: usize) -> &AtomicU32 {
+        assert!(offset.is_multiple_of(4) && offset + 4 <= self.map().len());
+        // SAFETY: as in `u64`, for a 4-byte aligned word.
+        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    fn fence(&self, order: Ordering) {
+        std::sync::atomic::fence(order)
+    }
+
+    fn spin(&self) {
+        std::hint::spin_loop()
+    }
+
+    fn wait(&self, word: &AtomicU32, expected: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: FUTEX_WAIT only reads the aligned u32 at `word` (live for
+        // the call: borrowed) and the timespec on our stack; a shared
+        // (non-private) futex, because the other side is another process.
+        // Spurious returns (EINTR, EAGAIN, ETIMEDOUT) are fine: callers
+        // re-check.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0,
+            );
+        }
+    }
+
+    fn wake(&self, word: &AtomicU32) {
+        // SAFETY: FUTEX_WAKE reads nothing behind the pointer beyond using
+        // its address as the key; the word is borrowed and live.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0,
+            );
+        }
+    }
+}
