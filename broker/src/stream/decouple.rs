@@ -58,10 +58,10 @@ use batchcast::proto::{Position, ServerMsg, Unit};
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
-use super::hold::{Ower, Rule, Verdict};
+use super::hold::{Facts, Rule, Verdict};
 use super::replay::book::ArenaLife;
 use super::rotate::{self, merge_from};
-use super::{Inner, Stream};
+use super::{Conns, Inner, Stream};
 use crate::config::Pace as PaceRule;
 use crate::hub::{ConsumerId, Hub};
 
@@ -93,11 +93,39 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         && (queued > 0 || unread(c) > 0)
 }
 
-/// The pipeline waits for the ring's next slot: gathers who owes its unit
-/// and whether anyone waits for data, asks the hold clock what its rules
-/// say ([`super::hold::HoldClock::decide`]), and cuts or detaches whom it
-/// names.
-/// Whether it did either.
+/// The runtime's answers to the hold rule's questions, from the
+/// connections.
+struct ConnFacts<'a> {
+    hub: &'a Hub,
+    conns: &'a mut Conns,
+}
+
+impl Facts for ConnFacts<'_> {
+    fn hungry(&mut self) -> bool {
+        let hub = self.hub;
+        self.conns
+            .iter_mut()
+            .any(|(&id, c)| hub.reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0)
+    }
+
+    fn cuttable(&mut self, id: ConsumerId, stalled: Option<u64>) -> bool {
+        self.conns
+            .get_mut(&id)
+            .is_some_and(|c| cuttable(self.hub, id, c, stalled))
+    }
+
+    fn catching_up(&self, id: ConsumerId, within: Duration, now: Instant) -> bool {
+        self.conns
+            .get(&id)
+            .and_then(|c| c.replay.as_ref())
+            .is_some_and(|r| r.catching_up(within, now))
+    }
+}
+
+/// The pipeline waits for the ring's next slot: asks the hold clock what
+/// its rules say of who owes the unit there
+/// ([`super::hold::HoldClock::judge`]), and cuts or detaches whom it
+/// names. Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
@@ -107,38 +135,10 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         return false;
     }
     let pinned = inner.hub.pinning();
-    let Inner { hub, conns, .. } = &mut *inner;
-    let hungry = pinned.is_some()
-        && conns
-            .iter_mut()
-            .any(|(&id, c)| hub.reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0);
-    // Owers are looked at only while someone waits for data.
-    let owers: Vec<Ower> = match &pinned {
-        Some((seq, owe)) if hungry => {
-            let within = rule.limit.unwrap_or(Duration::MAX);
-            let stalled = (!rule.eager).then_some(*seq);
-            owe.iter()
-                .map(|&id| {
-                    let c = conns.get_mut(&id);
-                    Ower {
-                        id,
-                        cuttable: c.is_some_and(|c| cuttable(hub, id, c, stalled)),
-                        catching_up: conns
-                            .get(&id)
-                            .and_then(|c| c.replay.as_ref())
-                            .is_some_and(|r| r.catching_up(within, now)),
-                    }
-                })
-                .collect()
-        }
-        _ => Vec::new(),
-    };
-    let verdict = inner.pace.decide(
-        rule,
-        pinned.as_ref().map(|(seq, _)| (*seq, owers.as_slice())),
-        hungry,
-        now,
-    );
+    let Inner {
+        hub, conns, pace, ..
+    } = &mut *inner;
+    let verdict = pace.judge(rule, pinned, &mut ConnFacts { hub, conns }, now);
     let Verdict::Act {
         cut: can,
         detach,

@@ -70,6 +70,21 @@ pub(super) enum Verdict {
     },
 }
 
+/// What the hold rule asks the runtime about its consumers (the runtime's
+/// answers come from their connections: mailboxes, replay arenas).
+pub(super) trait Facts {
+    /// Whether some consumer has read everything published for it and
+    /// waits for data.
+    fn hungry(&mut self) -> bool;
+    /// Whether consumer `id` may be cut now (see [`Ower::cuttable`]);
+    /// `stalled`: under lockstep, the pinned unit, which a cut would not
+    /// free if it took it.
+    fn cuttable(&mut self, id: ConsumerId, stalled: Option<u64>) -> bool;
+    /// Whether consumer `id` is a joiner whose catch-up replay moves
+    /// within `within` of `now`.
+    fn catching_up(&self, id: ConsumerId, within: Duration, now: Instant) -> bool;
+}
+
 /// One unit of the ring: when the pipeline began it and when it was made.
 #[derive(Debug, Clone, Copy)]
 struct Unit {
@@ -90,6 +105,45 @@ pub(super) struct HoldClock {
 }
 
 impl HoldClock {
+    /// The pipeline waits for the ring's next slot: `pinned` is the unit
+    /// in it and the consumers that owe it ([`crate::hub::Hub::pinning`]).
+    /// Asks `facts` whether anyone waits for data and, only then, about
+    /// each ower, and says what the rules make of it at `now`
+    /// ([`HoldClock::decide`]).
+    pub(super) fn judge(
+        &mut self,
+        rule: Rule,
+        pinned: Option<(u64, Vec<ConsumerId>)>,
+        facts: &mut impl Facts,
+        now: Instant,
+    ) -> Verdict {
+        if !rule.eager && rule.limit.is_none() {
+            return Verdict::Wait;
+        }
+        let hungry = pinned.is_some() && facts.hungry();
+        // Owers are looked at only while someone waits for data.
+        let owers: Vec<Ower> = match &pinned {
+            Some((seq, owe)) if hungry => {
+                let within = rule.limit.unwrap_or(Duration::MAX);
+                let stalled = (!rule.eager).then_some(*seq);
+                owe.iter()
+                    .map(|&id| Ower {
+                        id,
+                        cuttable: facts.cuttable(id, stalled),
+                        catching_up: facts.catching_up(id, within, now),
+                    })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        self.decide(
+            rule,
+            pinned.as_ref().map(|(seq, _)| (*seq, owers.as_slice())),
+            hungry,
+            now,
+        )
+    }
+
     /// The hold rule at `now` (see the module's rules): `pinned` is the
     /// unit in the ring's next slot and its owers, if a published unit is
     /// there; `hungry`, whether some consumer waits for data.
@@ -213,6 +267,9 @@ impl HoldClock {
         self.carried = None;
     }
 }
+
+#[cfg(test)]
+mod sim;
 
 #[cfg(test)]
 mod tests {
