@@ -71,6 +71,14 @@ def production(path: Path) -> str:
     return text[:at] if at >= 0 else text
 
 
+def test_module(path: Path) -> bool:
+    """Whether the module that declares this file does so under
+    `#[cfg(test)]` (a test module of its own file)."""
+    decl = re.compile(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod " + re.escape(path.stem) + r";")
+    parents = [path.parent.with_suffix(".rs"), path.parent / "mod.rs", path.parent / "lib.rs", path.parent / "main.rs"]
+    return any(p.is_file() and decl.search(p.read_text()) for p in parents)
+
+
 def production_lines(path: Path) -> int:
     return production(path).count("\n")
 
@@ -95,7 +103,7 @@ def main() -> int:
 
     for d in args:
         for f in sorted(Path(d).rglob("*.rs")):
-            if f.name == "tests.rs" or "tests" in f.parts:
+            if f.name == "tests.rs" or "tests" in f.parts or test_module(f):
                 continue
             rel = str(f)
             n = production_lines(f)

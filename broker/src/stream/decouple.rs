@@ -55,6 +55,7 @@
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{Position, ServerMsg, Unit};
+use batchcast::rotation::Rotation;
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
@@ -273,6 +274,62 @@ pub(super) fn merge_replays(s: &Stream, inner: &mut Inner, clock: fn() -> Instan
     }
 }
 
+/// What the merge rule says of a replayed consumer (see the module's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Merge {
+    /// Re-join the shared stream at unit `seq`, sent no epoch after
+    /// `through` (a rotated epoch's part read first).
+    At { seq: u64, through: Option<u64> },
+    /// Its replay stands at an epoch's start the ring no longer holds
+    /// near its head: it may rotate into that epoch ([`rotate`]).
+    Rotate,
+    /// Not now: its replay goes on.
+    Wait,
+}
+
+/// The merge rule for consumer `id`, whose replay's cursor is `at`, on a
+/// stream of `unit` samples a unit, reading a rotated epoch as
+/// `rotation` says (the caller checked it read some of its replay since
+/// a cut for keeping the others waiting).
+pub(super) fn merge_rule(
+    hub: &Hub,
+    id: ConsumerId,
+    at: Position,
+    unit: u64,
+    rotation: Option<Rotation>,
+) -> Merge {
+    // The part of a rotated epoch read last: the stream left it behind.
+    if rotation.is_some_and(|r| r.in_owed_part(at)) {
+        return Merge::Wait;
+    }
+    let from = merge_from(hub);
+    let near = hub
+        .ring()
+        .seq_of(at.epoch, at.sample / unit)
+        .filter(|&seq| seq >= from);
+    // An epoch's start the ring no longer holds near its head: the
+    // epoch is read from where the ring is, its start after its end.
+    let Some(seq) = near else {
+        return if at.sample == 0 {
+            Merge::Rotate
+        } else {
+            Merge::Wait
+        };
+    };
+    // It still holds units of the shared stream from before its cut: it
+    // would pin the ring again at once.
+    if hub
+        .reader(id)
+        .map(|c| c.counts())
+        .is_none_or(|c| c.held > 0)
+    {
+        return Merge::Wait;
+    }
+    // Inside a rotated epoch's part read first: up to the epoch's end.
+    let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
+    Merge::At { seq, through }
+}
+
 fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     let unit = s.plan.schema.batch_size;
     // One cut for keeping the others waiting that has read nothing of
@@ -289,32 +346,14 @@ fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     else {
         return false;
     };
-    // The part of a rotated epoch read last: the stream left it behind.
-    if rotation.is_some_and(|r| r.in_owed_part(at)) {
-        return false;
-    }
-    let from = merge_from(&inner.hub);
-    let near = inner
-        .hub
-        .ring()
-        .seq_of(at.epoch, at.sample / unit)
-        .filter(|&seq| seq >= from);
-    // An epoch's start the ring no longer holds near its head: the
-    // epoch is read from where the ring is, its start after its end.
-    let Some(seq) = near else {
-        return at.sample == 0 && rotate::rotate(s, inner, id, at);
-    };
-    // It still holds units of the shared stream from before its cut: it
-    // would pin the ring again at once.
-    let holds = inner
-        .hub
-        .reader(id)
-        .map(|c| c.counts())
-        .is_none_or(|c| c.held > 0);
-    // Inside a rotated epoch's part read first: up to the epoch's end.
-    let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
-    if holds || inner.hub.rejoin_through(id, seq, through).is_err() {
-        return false;
+    match merge_rule(&inner.hub, id, at, unit, rotation) {
+        Merge::Wait => return false,
+        Merge::Rotate => return rotate::rotate(s, inner, id, at),
+        Merge::At { seq, through } => {
+            if inner.hub.rejoin_through(id, seq, through).is_err() {
+                return false;
+            }
+        }
     }
     let conn = inner.conns.get_mut(&id).expect("listed above");
     if let Some(r) = conn.replay.as_mut() {
