@@ -2,7 +2,6 @@
 //! sleeping on the bell.
 
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -15,7 +14,7 @@ use super::*;
 /// The consumer's side of a mailbox.
 #[derive(Debug)]
 pub struct ConsumerMailbox<M: Memory = Shm> {
-    pub(super) words: Arc<Words<M>>,
+    pub(super) words: Words<M>,
     /// Serialises release writers (batches are released from any thread).
     releasing: std::sync::Mutex<()>,
 }
@@ -25,15 +24,15 @@ impl ConsumerMailbox {
     pub fn open(fd: impl AsFd, spec: MailboxSpec) -> Result<ConsumerMailbox> {
         spec.validate()?;
         let map = Mapping::map_readwrite(fd.as_fd(), spec.bytes())?;
-        Ok(ConsumerMailbox::in_memory(Arc::new(Words {
+        Ok(ConsumerMailbox::in_memory(Words {
             mem: Shm::Mapped(map),
             spec,
-        })))
+        }))
     }
 }
 
 impl<M: Memory> ConsumerMailbox<M> {
-    pub(super) fn in_memory(words: Arc<Words<M>>) -> ConsumerMailbox<M> {
+    pub(super) fn in_memory(words: Words<M>) -> ConsumerMailbox<M> {
         ConsumerMailbox {
             words,
             releasing: std::sync::Mutex::new(()),
@@ -51,7 +50,7 @@ impl<M: Memory> ConsumerMailbox<M> {
     /// broker (read after storing `tail` past it).
     fn taken_back(&self, n: u64) -> Result<bool> {
         let cut = self.words.u64(CUT);
-        let mut word = cut.load(Ordering::Acquire);
+        let mut word = self.words.mem.sc_load(cut);
         let start = Instant::now();
         while word == CUT_UNDER_WAY {
             if start.elapsed() > CUT_WAIT {
@@ -89,11 +88,10 @@ impl<M: Memory> ConsumerMailbox<M> {
             }
             let v: [u64; NOTICE_WORDS] =
                 std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
-            // The entry may be rewritten once `tail` moves on; the fence
-            // orders the store before reading `cut` (see the module's
-            // notes).
-            w.u64(TAIL).store(tail + 1, Ordering::Release);
-            w.mem.fence(Ordering::SeqCst);
+            // The entry may be rewritten once `tail` moves on (a release
+            // store); a Dekker handshake with the broker's cut (see the
+            // module's notes).
+            w.mem.sc_store(w.u64(TAIL), tail + 1);
             let in_cut = self.taken_back(tail)?;
             if v[1] != KIND_BATCH || !in_cut {
                 break (v, in_cut);

@@ -10,8 +10,10 @@
 //! still checking took, the bug these tests found).
 //!
 //! Loom models `SeqCst` fences but treats `SeqCst` loads and stores as
-//! acquire/release, so the handshakes use the fence form (store, `SeqCst`
-//! fence, load), which the C++ memory model makes as strong.
+//! acquire/release, so the model's Dekker handshake ([`Memory::sc_store`],
+//! [`Memory::sc_load`]) takes the fence form (store, `SeqCst` fence,
+//! load), which the C++ memory model makes as strong as the `SeqCst`
+//! accesses of the real memory.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,9 +23,13 @@ use loom::sync::atomic::{AtomicU32, AtomicU64};
 
 use super::*;
 
-/// Loom's atomics as a mailbox's words, and what the futex calls did.
+/// Loom's atomics as a mailbox's words, and what the futex calls did;
+/// the broker's and the consumer's side each hold a clone (one memory).
+#[derive(Debug, Clone)]
+struct Model(Arc<Cells>);
+
 #[derive(Debug)]
-struct Model {
+struct Cells {
     u64s: Vec<AtomicU64>,
     /// Only the first cache lines hold 32-bit words.
     u32s: Vec<AtomicU32>,
@@ -36,17 +42,14 @@ struct Model {
 const U32_BYTES: usize = 128;
 
 impl Model {
-    fn words(spec: MailboxSpec) -> Arc<Words<Model>> {
+    fn new(spec: MailboxSpec) -> Model {
         let bytes = spec.bytes() as usize;
-        Arc::new(Words {
-            mem: Model {
-                u64s: (0..bytes / 8).map(|_| AtomicU64::new(0)).collect(),
-                u32s: (0..U32_BYTES / 4).map(|_| AtomicU32::new(0)).collect(),
-                blocked: AtomicBool::new(false),
-                woken: AtomicBool::new(false),
-            },
-            spec,
-        })
+        Model(Arc::new(Cells {
+            u64s: (0..bytes / 8).map(|_| AtomicU64::new(0)).collect(),
+            u32s: (0..U32_BYTES / 4).map(|_| AtomicU32::new(0)).collect(),
+            blocked: AtomicBool::new(false),
+            woken: AtomicBool::new(false),
+        }))
     }
 }
 
@@ -77,12 +80,12 @@ impl Memory for Model {
 
     fn u64(&self, offset: usize) -> &AtomicU64 {
         assert!(offset.is_multiple_of(8));
-        &self.u64s[offset / 8]
+        &self.0.u64s[offset / 8]
     }
 
     fn u32(&self, offset: usize) -> &AtomicU32 {
         assert!(offset.is_multiple_of(4) && offset < U32_BYTES);
-        &self.u32s[offset / 4]
+        &self.0.u32s[offset / 4]
     }
 
     fn fence(&self, order: Ordering) {
@@ -93,13 +96,25 @@ impl Memory for Model {
         loom::thread::yield_now()
     }
 
+    // Loom treats `SeqCst` accesses as acquire/release but models `SeqCst`
+    // fences: the fence form, as strong under the C++ memory model as the
+    // `SeqCst` accesses `Shm` uses.
+    fn sc_store(&self, word: &AtomicU64, value: u64) {
+        word.store(value, Ordering::Release);
+        loom::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    fn sc_load(&self, word: &AtomicU64) -> u64 {
+        word.load(Ordering::Acquire)
+    }
+
     fn wait(&self, word: &AtomicU32, expected: u32, _timeout: Duration) {
         // The futex's check: sleep only if the word still reads `expected`.
         // Then it sleeps until the bell changes: a wake that never comes
         // leaves this loop spinning, which loom reports (it exceeds its
         // branch limit).
         if word.load(Ordering::Acquire) == expected {
-            self.blocked.store(true, Ordering::Relaxed);
+            self.0.blocked.store(true, Ordering::Relaxed);
             while word.load(Ordering::Acquire) == expected {
                 loom::thread::yield_now();
             }
@@ -107,7 +122,7 @@ impl Memory for Model {
     }
 
     fn wake(&self, _word: &AtomicU32) {
-        self.woken.store(true, Ordering::Relaxed);
+        self.0.woken.store(true, Ordering::Relaxed);
     }
 }
 
@@ -137,10 +152,13 @@ fn batch(seq: u64) -> Notice {
 }
 
 fn pair() -> (BrokerMailbox<Model>, ConsumerMailbox<Model>) {
-    let words = Model::words(SPEC);
+    let mem = Model::new(SPEC);
     (
-        BrokerMailbox::in_memory(words.clone()),
-        ConsumerMailbox::in_memory(words),
+        BrokerMailbox::in_memory(Arc::new(Words {
+            mem: mem.clone(),
+            spec: SPEC,
+        })),
+        ConsumerMailbox::in_memory(Words { mem, spec: SPEC }),
     )
 }
 
@@ -217,7 +235,7 @@ fn a_second_cut_before_the_reader_passed_the_first_still_covers_it() {
 fn a_consumer_going_to_sleep_is_never_left_asleep_with_a_notice() {
     model(|| {
         let (mut b, c) = pair();
-        let words = c.words.clone();
+        let mem = c.words.mem.clone();
         let sleeper = loom::thread::spawn(move || {
             c.sleep_unless(Duration::from_secs(1), || false);
         });
@@ -226,9 +244,9 @@ fn a_consumer_going_to_sleep_is_never_left_asleep_with_a_notice() {
         sleeper.join().unwrap();
         // A futex that slept (the bell unchanged when it looked) must be
         // woken by this ring: otherwise the notice waits for its timeout.
-        let blocked = words.mem.blocked.load(Ordering::Relaxed);
+        let blocked = mem.0.blocked.load(Ordering::Relaxed);
         assert!(
-            !blocked || (rang && words.mem.woken.load(Ordering::Relaxed)),
+            !blocked || (rang && mem.0.woken.load(Ordering::Relaxed)),
             "the consumer slept past a notice: the broker did not see it sleeping"
         );
     });

@@ -39,8 +39,9 @@
 //! Taking notices back (decoupled pace: a consumer that fell behind is cut
 //! from the shared stream and goes on from replay). The broker may take
 //! back only the batches the consumer has not taken. Both sides store,
-//! then a `SeqCst` fence, then read the other's word (so at least one sees
-//! the other): the consumer stores `tail` past a notice, then reads `cut`; the
+//! then read the other's word, a Dekker handshake (`Memory::sc_store` and
+//! `sc_load`: `SeqCst` accesses, so at least one sees the other): the
+//! consumer stores `tail` past a notice, then reads `cut`; the
 //! broker stores `cut = 1` (under way), reads `tail` as `T`, then stores
 //! the range `[T, head)` in `cut`. A batch notice at `i` is taken back iff
 //! `T <= i < head` in the range the consumer reads after taking it (it
@@ -398,12 +399,11 @@ impl<M: Memory> BrokerMailbox<M> {
         if self.head + 2 >= 1 << CUT_FROM_BITS {
             return None;
         }
-        w.u64(CUT).store(CUT_UNDER_WAY, Ordering::Relaxed);
-        // Pairs with the consumer's fence between storing `tail` and
-        // reading `cut` (see the module's notes).
-        w.mem.fence(Ordering::SeqCst);
+        // A Dekker handshake with the consumer's store of `tail` and read
+        // of `cut` (see the module's notes).
+        w.mem.sc_store(w.u64(CUT), CUT_UNDER_WAY);
         // A tail past what was written is forged: nothing is unread.
-        let tail = w.u64(TAIL).load(Ordering::Acquire).min(self.head);
+        let tail = w.mem.sc_load(w.u64(TAIL)).min(self.head);
         // The word replaces the last cut's, so it must still cover what
         // that one took back and the consumer may yet check: the notices
         // from `tail` on, and the one before it (a consumer checks notice
