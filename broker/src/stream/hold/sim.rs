@@ -20,8 +20,10 @@
 //!
 //! The wait is bounded per unit, as today's rule is: a reader kept
 //! waiting by one laggard after another, or by a crawler unit by unit,
-//! may wait longer in all (the next issue's defaults change that rule,
-//! and this check with it).
+//! may wait longer in all. README's promise, the limit in all whoever
+//! pins the ring ([`Bound::Promise`]), is the ignored test at the end: it
+//! fails today (the next issue's defaults change the rule, and this check
+//! with it).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -119,7 +121,6 @@ struct Sim {
     hub: Hub,
     clock: HoldClock,
     rule: Rule,
-    slots: u32,
     start: Instant,
     now: u64,
     longest_step: u64,
@@ -127,7 +128,19 @@ struct Sim {
     readers: BTreeMap<ConsumerId, Reader>,
     pending: Vec<Plan>,
     bpe: u64,
+    /// How waits are bounded.
+    bound: Bound,
     tally: Tally,
+}
+
+/// What the simulation holds the hold rule to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Bound {
+    /// Today's rule: a wait on one pinned unit, up to twice the limit.
+    PerUnit,
+    /// The promise: no reader waits for data with the ring full longer
+    /// than the limit in all, whoever pins it, unit after unit.
+    Promise,
 }
 
 /// The simulation's answers to the hold rule, as the runtime's
@@ -179,7 +192,11 @@ impl Sim {
     /// made during the next step).
     fn bound(&self) -> Option<u64> {
         let limit = self.rule.limit.map(|l| l.as_millis() as u64)?;
-        Some(2 * limit + CUT_AFTER.as_millis() as u64 + 3 * self.longest_step)
+        let times = match self.bound {
+            Bound::PerUnit => 2,
+            Bound::Promise => 1,
+        };
+        Some(times * limit + CUT_AFTER.as_millis() as u64 + 3 * self.longest_step)
     }
 
     fn step(&mut self, dt: u64) -> Result<(), TestCaseError> {
@@ -357,7 +374,7 @@ impl Sim {
                 let Some(w) = self.hub.start_batch() else {
                     return Ok(());
                 };
-                self.clock.begun(w.seq, self.slots, at);
+                self.clock.begun(w.seq, self.hub.ring().slots(), at);
                 self.inflight.push(w);
                 continue;
             }
@@ -419,7 +436,10 @@ impl Sim {
                 r.blocked_since = None;
                 continue;
             }
-            if r.blocked_since.is_none_or(|(_, seq)| seq != pinned) {
+            let per_unit = self.bound == Bound::PerUnit;
+            if r.blocked_since
+                .is_none_or(|(_, seq)| per_unit && seq != pinned)
+            {
                 r.blocked_since = Some((now, pinned));
             }
             let since = r.blocked_since.map_or(now, |(t, _)| t);
@@ -540,7 +560,7 @@ struct Tally {
 }
 
 /// Runs `sc`, checking every step (see the module's).
-fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
+fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
     let mut sim = Sim {
         hub: Hub::new(HubConfig {
             slots: sc.slots,
@@ -554,7 +574,6 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
             eager: sc.eager,
             limit: sc.limit.map(Duration::from_millis),
         },
-        slots: sc.slots,
         start: Instant::now(),
         now: 0,
         longest_step: 0,
@@ -562,6 +581,7 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
         readers: BTreeMap::new(),
         pending: sc.plans,
         bpe: sc.bpe,
+        bound,
         tally: Tally::default(),
     };
     for dt in sc.steps {
@@ -589,7 +609,7 @@ proptest! {
     fn no_reader_is_held_past_its_bound_and_each_gets_its_batches_once_in_order(
         sc in schedule(),
     ) {
-        run(sc)?;
+        run(sc, Bound::PerUnit)?;
     }
 }
 
@@ -602,7 +622,7 @@ fn the_schedules_reach_every_rule() {
     let mut sum = Tally::default();
     for _ in 0..200 {
         let sc = schedule().new_tree(&mut runner).unwrap().current();
-        let t = run(sc).unwrap();
+        let t = run(sc, Bound::PerUnit).unwrap();
         sum.cuts += t.cuts;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
@@ -612,4 +632,18 @@ fn the_schedules_reach_every_rule() {
         sum.cuts > 50 && sum.detaches > 20 && sum.merges > 20 && sum.bounded_waits > 1000,
         "{sum:?}"
     );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// README's promise, which today's rule does not keep: a crawler pins
+    /// unit after unit, each within the limit, and a hold carried to an
+    /// ower that took its unit late starts again (issue 72 changes the
+    /// rule; this is its check on a simulated clock).
+    #[test]
+    #[ignore = "issue 72: the hold limit bounds a wait per unit, not in all"]
+    fn no_reader_waits_on_others_past_the_limit_in_all(sc in schedule()) {
+        run(sc, Bound::Promise)?;
+    }
 }

@@ -260,8 +260,12 @@ impl Replay {
     }
 
     pub(in crate::stream) fn can_start(&self) -> bool {
-        let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
-        self.running() && self.next_seq < oldest + u64::from(self.mem.slots)
+        // Asked of every consumer for every batch the pipeline makes: the
+        // cheap test first (most consumers are not being replayed to).
+        self.running() && {
+            let oldest = self.live.keys().next().copied().unwrap_or(self.next_seq);
+            self.next_seq < oldest + u64::from(self.mem.slots)
+        }
     }
 
     /// Waits for its consumer to release a batch.
