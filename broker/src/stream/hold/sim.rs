@@ -1,7 +1,9 @@
 //! The hold and merge rules and the hub together on a simulated clock:
 //! random schedules of mailbox readers (steady, crawling, paused with or
 //! without the batch they hold, dying, joining late, with or without a
-//! replay arena) under both paces and several hold limits, driven as the
+//! replay arena, of the host ring or members of a GPU group reading its
+//! copies, which complete a step after they are ordered) under both
+//! paces and several hold limits, driven as the
 //! stream's runtime drives them: the pipeline judges the pinned unit
 //! through [`HoldClock::judge`] whenever it waits for the ring's next
 //! slot; a cut reader reads its replay from where the hub says it lost
@@ -15,8 +17,8 @@
 //! between merges; no reader waits for data while one unit pins the full
 //! ring for longer than the hold rule allows ([`Sim::bound`]: twice the
 //! limit, plus the simulation's steps); a reader is detached only when it
-//! could not be cut. At the end, once all have left, every slot is free
-//! (nothing leaked). A failing schedule shrinks (proptest) and prints.
+//! could not be cut. At the end, once all have left, every host and
+//! group slot is free (nothing leaked). A failing schedule shrinks (proptest) and prints.
 //!
 //! The wait is bounded per unit, as today's rule is: a reader kept
 //! waiting by one laggard after another, or by a crawler unit by unit,
@@ -33,7 +35,9 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::{CUT_AFTER, Facts, HoldClock, Rule, Verdict};
-use crate::hub::{ConsumerId, Delivery, Hub, HubConfig, Outbound, Work};
+use crate::hub::{
+    ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
+};
 use crate::stream::decouple::{Merge, merge_rule};
 use batchcast::proto::Position;
 
@@ -60,6 +64,9 @@ struct Plan {
     /// cut. Without one (a producer's stream) it is detached instead.
     arena: bool,
     window: u32,
+    /// A GPU group's member: it reads the group's copies (of the two
+    /// groups every schedule has).
+    group: Option<GroupId>,
     /// Units of its replay it reads each time it acts (faster than the
     /// shared stream, or it could never merge back).
     replay_pace: u64,
@@ -124,7 +131,7 @@ struct Sim {
     start: Instant,
     now: u64,
     longest_step: u64,
-    inflight: Vec<Work>,
+    making: Making,
     readers: BTreeMap<ConsumerId, Reader>,
     pending: Vec<Plan>,
     bpe: u64,
@@ -141,6 +148,14 @@ enum Bound {
     /// The promise: no reader waits for data with the ring full longer
     /// than the limit in all, whoever pins it, unit after unit.
     Promise,
+}
+
+/// What the pipeline and the copiers have under way: units begun, made
+/// during the next step; copies ordered, completed during the next step.
+#[derive(Debug, Default)]
+struct Making {
+    inflight: Vec<Work>,
+    copying: Vec<CopyOrder>,
 }
 
 /// The simulation's answers to the hold rule, as the runtime's
@@ -207,10 +222,19 @@ impl Sim {
         let (join, later): (Vec<Plan>, Vec<Plan>) =
             self.pending.drain(..).partition(|p| p.join_at <= now);
         self.pending = later;
-        for plan in join {
+        for mut plan in join {
+            if let Some(g) = plan.group {
+                let slots = self.hub.group_counts(g).expect("two groups").slots;
+                plan.window = plan.window.min(slots);
+            }
             let (id, _) = self
                 .hub
-                .join_group(plan.window, JoinPolicy::Immediate, None, Delivery::Ahead)
+                .join_group(
+                    plan.window,
+                    JoinPolicy::Immediate,
+                    plan.group,
+                    Delivery::Ahead,
+                )
                 .expect("a window within the slots");
             self.hub.may_be_cut(id, plan.arena);
             self.readers.insert(
@@ -228,12 +252,17 @@ impl Sim {
                 },
             );
         }
-        // What the pipeline began last step is made now.
+        // What the pipeline began and the copies ordered last step are
+        // done now.
         let at = self.at();
-        for w in std::mem::take(&mut self.inflight) {
+        for c in std::mem::take(&mut self.making.copying) {
+            self.hub.copied(c.group, c.seq).map_err(fail)?;
+        }
+        for w in std::mem::take(&mut self.making.inflight) {
             self.hub.finish_batch(w.seq, 1);
             self.clock.made(w.seq, at);
         }
+        self.making.copying.extend(self.hub.take_copies());
         self.deliver()?;
         let ids: Vec<ConsumerId> = self.readers.keys().copied().collect();
         for id in ids {
@@ -358,9 +387,16 @@ impl Sim {
             let Merge::At { seq, through } = merge_rule(&self.hub, r.id, cursor, 1, None) else {
                 continue;
             };
-            self.hub.rejoin_through(r.id, seq, through).map_err(fail)?;
-            r.mode = Mode::Shared;
-            self.tally.merges += 1;
+            // As the runtime: a refused merge is tried again later (a
+            // member's copies from there are gone from its GPU's ring).
+            match self.hub.rejoin_through(r.id, seq, through) {
+                Ok(()) => {
+                    r.mode = Mode::Shared;
+                    self.tally.merges += 1;
+                }
+                Err(HubError::NotLive { .. }) => {}
+                Err(e) => return Err(fail(e)),
+            }
         }
         Ok(())
     }
@@ -375,7 +411,7 @@ impl Sim {
                     return Ok(());
                 };
                 self.clock.begun(w.seq, self.hub.ring().slots(), at);
-                self.inflight.push(w);
+                self.making.inflight.push(w);
                 continue;
             }
             let pinned = self.hub.pinning();
@@ -404,6 +440,7 @@ impl Sim {
                 let revoked: Vec<u64> = r.unread.drain(..).map(|(seq, _)| seq).collect();
                 let (epoch, index) = self.hub.cut(id, &revoked).map_err(fail)?;
                 self.tally.cuts += 1;
+                self.tally.member_cuts += u64::from(r.plan.group.is_some());
                 // What it was noticed and gave back is noticed again
                 // after it merges.
                 r.last = None;
@@ -509,13 +546,15 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         prop_oneof![3 => Just(0u64), 1 => 0u64..3000],
         prop::bool::weighted(0.8),
         1..=slots.min(3),
+        prop_oneof![3 => Just(None), 1 => (0u32..2).prop_map(Some)],
         2u64..5,
     )
-        .prop_map(|(kind, join_at, arena, window, replay_pace)| Plan {
+        .prop_map(|(kind, join_at, arena, window, group, replay_pace)| Plan {
             kind,
             join_at,
             arena,
             window,
+            group,
             replay_pace,
         })
 }
@@ -525,6 +564,7 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
 #[derive(Debug, Clone)]
 struct Schedule {
     slots: u32,
+    group_slots: u32,
     plans: Vec<Plan>,
     bpe: u64,
     eager: bool,
@@ -535,25 +575,31 @@ struct Schedule {
 fn schedule() -> impl Strategy<Value = Schedule> {
     (
         (2u32..7).prop_flat_map(|s| (Just(s), prop::collection::vec(plan(s), 1..5))),
+        1u32..5,
         1u64..9,
         any::<bool>(),
         prop_oneof![Just(None), (50u64..3000).prop_map(Some)],
         prop::collection::vec(1u64..40, 100..400),
     )
-        .prop_map(|((slots, plans), bpe, eager, limit, steps)| Schedule {
-            slots,
-            plans,
-            bpe,
-            eager,
-            limit,
-            steps,
-        })
+        .prop_map(
+            |((slots, plans), group_slots, bpe, eager, limit, steps)| Schedule {
+                slots,
+                group_slots,
+                plans,
+                bpe,
+                eager,
+                limit,
+                steps,
+            },
+        )
 }
 
 /// What happened in a schedule, to show the property test is not vacuous.
 #[derive(Debug, Default, Clone, Copy)]
 struct Tally {
     cuts: u64,
+    /// Of them, of GPU group members.
+    member_cuts: u64,
     detaches: u64,
     merges: u64,
     bounded_waits: u64,
@@ -561,14 +607,18 @@ struct Tally {
 
 /// Runs `sc`, checking every step (see the module's).
 fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
+    let mut hub = Hub::new(HubConfig {
+        slots: sc.slots,
+        batches_per_epoch: sc.bpe,
+        epochs: None,
+        lag_limit: None,
+        min_consumers: 1,
+    });
+    for _ in 0..2 {
+        hub.add_group(sc.group_slots);
+    }
     let mut sim = Sim {
-        hub: Hub::new(HubConfig {
-            slots: sc.slots,
-            batches_per_epoch: sc.bpe,
-            epochs: None,
-            lag_limit: None,
-            min_consumers: 1,
-        }),
+        hub,
         clock: HoldClock::default(),
         rule: Rule {
             eager: sc.eager,
@@ -577,7 +627,7 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         start: Instant::now(),
         now: 0,
         longest_step: 0,
-        inflight: Vec::new(),
+        making: Making::default(),
         readers: BTreeMap::new(),
         pending: sc.plans,
         bpe: sc.bpe,
@@ -589,16 +639,34 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
     }
     // What is in flight is made and everyone leaves: nothing stays
     // pinned or owed.
-    for w in std::mem::take(&mut sim.inflight) {
+    for w in std::mem::take(&mut sim.making.inflight) {
         sim.hub.finish_batch(w.seq, 1);
     }
     let ids: Vec<ConsumerId> = sim.readers.keys().copied().collect();
     for id in ids {
         sim.hub.leave(id);
     }
+    // The copies under way complete (leaving may free group slots that
+    // batches waited for: their copies are ordered then).
+    loop {
+        sim.making.copying.extend(sim.hub.take_copies());
+        if sim.making.copying.is_empty() {
+            break;
+        }
+        for c in std::mem::take(&mut sim.making.copying) {
+            sim.hub.copied(c.group, c.seq).map_err(fail)?;
+        }
+    }
     sim.hub.take_outbound();
     sim.hub.check_invariants();
-    prop_assert_eq!(sim.hub.counts().free, sc.slots, "slots leaked");
+    prop_assert_eq!(sim.hub.counts().free, sc.slots, "host slots leaked");
+    for g in 0..2 {
+        prop_assert_eq!(
+            sim.hub.group_counts(g).map(|c| c.in_use),
+            Some(0),
+            "group slots leaked"
+        );
+    }
     Ok(sim.tally)
 }
 
@@ -624,12 +692,17 @@ fn the_schedules_reach_every_rule() {
         let sc = schedule().new_tree(&mut runner).unwrap().current();
         let t = run(sc, Bound::PerUnit).unwrap();
         sum.cuts += t.cuts;
+        sum.member_cuts += t.member_cuts;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
         sum.bounded_waits += t.bounded_waits;
     }
     assert!(
-        sum.cuts > 50 && sum.detaches > 20 && sum.merges > 20 && sum.bounded_waits > 1000,
+        sum.cuts > 50
+            && sum.member_cuts > 5
+            && sum.detaches > 20
+            && sum.merges > 20
+            && sum.bounded_waits > 1000,
         "{sum:?}"
     );
 }
