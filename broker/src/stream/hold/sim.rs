@@ -1,6 +1,7 @@
 //! The hold and merge rules and the hub together on a simulated clock:
 //! random schedules of mailbox readers (steady, crawling, paused with or
-//! without the batch they hold, dying, joining late, with or without a
+//! without the batch they hold, dying, joining late or `now` (decoupled
+//! pace: cut at once, replayed their epoch from its start), with or without a
 //! replay arena, of the host ring or members of a GPU group reading its
 //! copies, which complete a step after they are ordered) under both
 //! paces and several hold limits, driven as the
@@ -67,6 +68,8 @@ struct Plan {
     /// A GPU group's member: it reads the group's copies (of the two
     /// groups every schedule has).
     group: Option<GroupId>,
+    /// It joins `now`: a complete epoch at once (see `Sim::step`).
+    now: bool,
     /// Units of its replay it reads each time it acts (faster than the
     /// shared stream, or it could never merge back).
     replay_pace: u64,
@@ -227,26 +230,45 @@ impl Sim {
                 let slots = self.hub.group_counts(g).expect("two groups").slots;
                 plan.window = plan.window.min(slots);
             }
+            // `join = "now"` under decoupled pace: a host reader with a
+            // replay arena starts cut, replayed its epoch from the start
+            // (as `replay::start_cut`), and merges back by the rule
+            // without having to read first (it never stalled).
+            let now_join = plan.now && self.rule.eager && plan.arena && plan.group.is_none();
+            let policy = if now_join {
+                JoinPolicy::Now
+            } else {
+                JoinPolicy::Immediate
+            };
             let (id, _) = self
                 .hub
-                .join_group(
-                    plan.window,
-                    JoinPolicy::Immediate,
-                    plan.group,
-                    Delivery::Ahead,
-                )
+                .join_group(plan.window, policy, plan.group, Delivery::Ahead)
                 .expect("a window within the slots");
             self.hub.may_be_cut(id, plan.arena);
+            let (mode, next) = if now_join {
+                let (epoch, _) = self.hub.cut_at_join(id).map_err(fail)?;
+                let from = Position { epoch, sample: 0 };
+                self.tally.joined_now += 1;
+                (
+                    Mode::Replaying {
+                        cursor: from,
+                        read: true,
+                    },
+                    Some(from),
+                )
+            } else {
+                (Mode::Shared, None)
+            };
             self.readers.insert(
                 id,
                 Reader {
                     plan,
                     id,
-                    mode: Mode::Shared,
+                    mode,
                     unread: VecDeque::new(),
                     held: VecDeque::new(),
                     last: None,
-                    next: None,
+                    next,
                     acted: now,
                     blocked_since: None,
                 },
@@ -547,16 +569,20 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         prop::bool::weighted(0.8),
         1..=slots.min(3),
         prop_oneof![3 => Just(None), 1 => (0u32..2).prop_map(Some)],
+        prop::bool::weighted(0.3),
         2u64..5,
     )
-        .prop_map(|(kind, join_at, arena, window, group, replay_pace)| Plan {
-            kind,
-            join_at,
-            arena,
-            window,
-            group,
-            replay_pace,
-        })
+        .prop_map(
+            |(kind, join_at, arena, window, group, now, replay_pace)| Plan {
+                kind,
+                join_at,
+                arena,
+                window,
+                group,
+                now,
+                replay_pace,
+            },
+        )
 }
 
 /// One schedule: the stream's shape, the hold rule, the readers, and
@@ -600,6 +626,8 @@ struct Tally {
     cuts: u64,
     /// Of them, of GPU group members.
     member_cuts: u64,
+    /// Readers that joined `now`, starting cut.
+    joined_now: u64,
     detaches: u64,
     merges: u64,
     bounded_waits: u64,
@@ -693,6 +721,7 @@ fn the_schedules_reach_every_rule() {
         let t = run(sc, Bound::PerUnit).unwrap();
         sum.cuts += t.cuts;
         sum.member_cuts += t.member_cuts;
+        sum.joined_now += t.joined_now;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
         sum.bounded_waits += t.bounded_waits;
@@ -700,6 +729,7 @@ fn the_schedules_reach_every_rule() {
     assert!(
         sum.cuts > 50
             && sum.member_cuts > 5
+            && sum.joined_now > 20
             && sum.detaches > 20
             && sum.merges > 20
             && sum.bounded_waits > 1000,
