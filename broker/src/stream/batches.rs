@@ -153,7 +153,15 @@ impl BatchCounter {
         }
         // The span from the epoch's first counted sample to the end of
         // these: a group member is replayed only its own runs, with the
-        // others' between them.
+        // others' between them. Almost always the epoch counted last
+        // (called for every batch sent to every consumer): no search.
+        if let Some(mut last) = self.epochs.last_entry()
+            && *last.key() == epoch
+        {
+            let e = last.get_mut();
+            e.1 = e.1.max((first + samples).saturating_sub(e.0));
+            return;
+        }
         let e = self.epochs.entry(epoch).or_insert((first, 0));
         e.1 = e.1.max((first + samples).saturating_sub(e.0));
         if self.epochs.len() > COUNTED_EPOCHS

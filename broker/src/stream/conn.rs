@@ -309,12 +309,7 @@ pub(super) fn notify(inner: &mut Inner, id: ConsumerId, msg: ServerMsg) -> bool 
 
 /// Shared units noticed to this consumer and not yet taken.
 pub(super) fn unread(c: &mut Conn) -> usize {
-    c.out.mailbox_mut().map_or(0, |mb| {
-        mb.unread_units()
-            .iter()
-            .filter(|u| u.shared().is_some())
-            .count()
-    })
+    c.out.mailbox_mut().map_or(0, |mb| mb.unread_shared())
 }
 
 /// Sends consumer `id` the replayed batches that are ready, in order.

@@ -453,6 +453,23 @@ impl<M: Memory> BrokerMailbox<M> {
         self.units.iter().map(|&(_, unit)| unit).collect()
     }
 
+    /// How many shared batches are noticed and not read by the consumer's
+    /// `tail` ([`unread_units`](Self::unread_units)' shared ones, counted
+    /// without a list: asked of every consumer whenever the pipeline
+    /// waits for a slot).
+    pub fn unread_shared(&mut self) -> usize {
+        let tail = self.words.u64(TAIL).load(Ordering::Acquire);
+        if tail > self.head {
+            return 0; // forged: nothing is unread
+        }
+        self.tail = self.tail.max(tail);
+        self.forget_read();
+        self.units
+            .iter()
+            .filter(|(_, u)| matches!(u, Unit::Shared(_)))
+            .count()
+    }
+
     /// Asks the consumer to send a doorbell after each release (`true`), or
     /// to stop. Stores only when the wish changes; returns whether it rose.
     /// After raising it, [`drain`](Self::drain) once more after a `SeqCst`
@@ -589,8 +606,10 @@ mod tests {
             b.unread_units(),
             vec![Unit::Shared(next), Unit::Replayed(5)]
         );
+        assert_eq!(b.unread_shared(), 1, "the replayed one is not counted");
         assert_eq!(c.pop().unwrap(), Some(batch(next)));
         assert_eq!(b.unread_units(), vec![Unit::Replayed(5)]);
+        assert_eq!(b.unread_shared(), 0);
         assert!(c.pop().unwrap().is_some());
         assert!(c.pop().unwrap().is_some());
         assert_eq!(b.unread_units(), Vec::<Unit>::new());
@@ -598,6 +617,7 @@ mod tests {
         b.push(&batch(next + 1)).unwrap();
         c.words.u64(TAIL).store(u64::MAX / 2, Ordering::Release);
         assert_eq!(b.unread_units(), Vec::<Unit>::new());
+        assert_eq!(b.unread_shared(), 0);
     }
 
     #[test]
