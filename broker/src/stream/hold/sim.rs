@@ -4,7 +4,9 @@
 //! pace: cut at once, replayed their epoch from its start), with or without a
 //! replay arena, of the host ring or members of a GPU group reading its
 //! copies, which complete a step after they are ordered) under both
-//! paces and several hold limits, driven as the
+//! paces and several hold limits, some riding through a broker restart
+//! (a new hub seeked to the reader furthest behind; host readers resume
+//! from their place, cut and replayed until they merge), driven as the
 //! stream's runtime drives them: the pipeline judges the pinned unit
 //! through [`HoldClock::judge`] whenever it waits for the ring's next
 //! slot; a cut reader reads its replay from where the hub says it lost
@@ -398,6 +400,67 @@ impl Sim {
         Ok(())
     }
 
+    /// The broker restarts: a new hub (the same stream, from the position
+    /// of the reader furthest behind, as `Hub::seek` starts a resumed
+    /// stream); each host reader with a replay arena resumes from its
+    /// place (its `state_dict()`: the unit it reads next), starting cut
+    /// and replayed from there until it merges back. The others' runs end
+    /// with the broker (a producer's stream is not recomputed, a GPU's
+    /// copies are gone; nothing read yet: nothing to resume).
+    fn restart(&mut self) -> Result<(), TestCaseError> {
+        let group_slots = self.hub.group_counts(0).expect("two groups").slots;
+        let mut hub = Hub::new(HubConfig {
+            slots: self.hub.ring().slots(),
+            batches_per_epoch: self.bpe,
+            epochs: None,
+            lag_limit: None,
+            min_consumers: 1,
+        });
+        for _ in 0..2 {
+            hub.add_group(group_slots);
+        }
+        self.hub = hub;
+        self.clock = HoldClock::default();
+        self.making = Making::default();
+        let resumes = |r: &Reader| {
+            r.mode != Mode::Gone && r.plan.arena && r.plan.group.is_none() && r.next.is_some()
+        };
+        let from = self
+            .readers
+            .values()
+            .filter(|r| resumes(r))
+            .filter_map(|r| r.next)
+            .min();
+        if let Some(p) = from {
+            prop_assert!(self.hub.seek(p.epoch, p.sample), "seek to {:?}", p);
+        }
+        let mut readers = BTreeMap::new();
+        for (_, mut r) in std::mem::take(&mut self.readers) {
+            if !resumes(&r) {
+                continue;
+            }
+            let (id, _) = self
+                .hub
+                .join_group(r.plan.window, JoinPolicy::Immediate, None, Delivery::Ahead)
+                .map_err(fail)?;
+            self.hub.may_be_cut(id, true);
+            self.hub.cut_at_join(id).map_err(fail)?;
+            r.id = id;
+            r.mode = Mode::Replaying {
+                cursor: r.next.expect("resumes"),
+                read: true,
+            };
+            r.unread.clear();
+            r.held.clear();
+            r.last = None;
+            r.blocked_since = None;
+            readers.insert(id, r);
+            self.tally.resumed += 1;
+        }
+        self.readers = readers;
+        Ok(())
+    }
+
     /// Each replayed reader that read some of its replay merges back
     /// where the stream's merge rule says (no rotation here: an epoch's
     /// start the ring left behind is replayed on, in order).
@@ -595,6 +658,8 @@ struct Schedule {
     bpe: u64,
     eager: bool,
     limit: Option<u64>,
+    /// When the broker restarts (once), if it does.
+    restart_at: Option<u64>,
     steps: Vec<u64>,
 }
 
@@ -605,16 +670,18 @@ fn schedule() -> impl Strategy<Value = Schedule> {
         1u64..9,
         any::<bool>(),
         prop_oneof![Just(None), (50u64..3000).prop_map(Some)],
+        prop_oneof![3 => Just(None), 1 => (100u64..4000).prop_map(Some)],
         prop::collection::vec(1u64..40, 100..400),
     )
         .prop_map(
-            |((slots, plans), group_slots, bpe, eager, limit, steps)| Schedule {
+            |((slots, plans), group_slots, bpe, eager, limit, restart_at, steps)| Schedule {
                 slots,
                 group_slots,
                 plans,
                 bpe,
                 eager,
                 limit,
+                restart_at,
                 steps,
             },
         )
@@ -628,6 +695,8 @@ struct Tally {
     member_cuts: u64,
     /// Readers that joined `now`, starting cut.
     joined_now: u64,
+    /// Readers that resumed after a restart.
+    resumed: u64,
     detaches: u64,
     merges: u64,
     bounded_waits: u64,
@@ -662,7 +731,12 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         bound,
         tally: Tally::default(),
     };
+    let mut restart_at = sc.restart_at;
     for dt in sc.steps {
+        if restart_at.is_some_and(|t| sim.now + dt >= t) {
+            restart_at = None;
+            sim.restart()?;
+        }
         sim.step(dt)?;
     }
     // What is in flight is made and everyone leaves: nothing stays
@@ -722,6 +796,7 @@ fn the_schedules_reach_every_rule() {
         sum.cuts += t.cuts;
         sum.member_cuts += t.member_cuts;
         sum.joined_now += t.joined_now;
+        sum.resumed += t.resumed;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
         sum.bounded_waits += t.bounded_waits;
@@ -730,6 +805,7 @@ fn the_schedules_reach_every_rule() {
         sum.cuts > 50
             && sum.member_cuts > 5
             && sum.joined_now > 20
+            && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
             && sum.bounded_waits > 1000,
