@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast_kit::StreamToml;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 

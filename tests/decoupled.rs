@@ -7,8 +7,8 @@
 //! one that pins the ring (holding a batch, or paused while replayed to)
 //! is detached after the stream's hold limit, and the others go on.
 
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
 use nix::sys::signal::Signal::SIGCONT;
 
 use crate::common;
@@ -530,7 +530,7 @@ fn a_resume_from_a_rotated_state_goes_on_in_the_rotated_order() {
         ),
     );
     assert!(first.ok && first.rotated_epochs == 1, "{first:#?}");
-    let saved = batchcast_kit::report::SavedState::load(&state).unwrap();
+    let saved = batchcast_cli::report::SavedState::load(&state).unwrap();
     let rot = saved
         .state
         .rotation

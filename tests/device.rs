@@ -8,7 +8,7 @@
 //! assertions: the bytes a device consumer reads are the bytes a host
 //! consumer reads.
 
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use batchcast::mailbox::{ConsumerMailbox, Notice, Totals};
 use batchcast::proto::{self, ClientMsg, ErrorCode, Preamble, Release, ServerMsg, StatsReply};
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 

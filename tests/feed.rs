@@ -8,9 +8,9 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 use common::{EXE, Env, LIMIT, command, run};

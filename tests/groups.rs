@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 use batchcast::deal::Deal;
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 
@@ -258,7 +258,7 @@ fn members_killed_mid_epoch_resume_their_own_share_by_replay() {
         .collect();
     let t0 = std::time::Instant::now();
     for state in &states {
-        while !batchcast_kit::report::SavedState::load(state)
+        while !batchcast_cli::report::SavedState::load(state)
             .is_ok_and(|s| (s.epoch.epoch, s.epoch.positions.len()) == (0, 5))
         {
             assert!(t0.elapsed() < common::LIMIT, "a member never stood still");
@@ -546,7 +546,7 @@ fn a_group_reformed_with_another_world_goes_on_from_any_members_state() {
         .collect();
     let t0 = std::time::Instant::now();
     for state in &states {
-        while !batchcast_kit::report::SavedState::load(state)
+        while !batchcast_cli::report::SavedState::load(state)
             .is_ok_and(|s| s.epoch.positions.len() == 10)
         {
             assert!(t0.elapsed() < common::LIMIT, "a member never stood still");
@@ -556,7 +556,7 @@ fn a_group_reformed_with_another_world_goes_on_from_any_members_state() {
     for kid in &mut kids {
         common::sigkill(kid);
     }
-    let saved = batchcast_kit::report::SavedState::load(&states[2]).unwrap();
+    let saved = batchcast_cli::report::SavedState::load(&states[2]).unwrap();
     let place = saved
         .state
         .group

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use batchcast::proto::{self, ClientMsg, ErrorCode, Hello, Intent, Preamble, ServerMsg};
 use batchcast::{Consumer, ConsumerOptions, Error, StatsClient};
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness::{self, BrokerProcess};
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness::{self, BrokerProcess};
 
 use crate::common;
 

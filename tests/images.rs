@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use batchcast::proto::StatsReply;
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 use common::{command, imgtool, run};

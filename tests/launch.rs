@@ -6,10 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
-use batchcast_kit::report::{Summary, exit};
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
+use batchcast_cli::report::{Summary, exit};
 
 use crate::common;
 

@@ -9,8 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use batchcast_kit::harness;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness;
+use batchcast_cli::report::ConsumerReport;
 use nix::sys::signal::Signal::SIGCONT;
 
 use crate::common;

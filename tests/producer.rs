@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use batchcast::proto::ErrorCode;
 use batchcast::{DType, Field, Producer, ProducerOptions};
-use batchcast_kit::StreamToml;
+use batchcast_broker::config::StreamToml;
 
 use crate::common;
 
@@ -440,7 +440,7 @@ fn a_stopped_consumer_of_a_producers_stream_is_detached_at_the_hold_limit() {
     // 200 batches: all made while it is stopped, past the 1 s limit.
     assert_eq!(made.join().unwrap(), 200);
     let finished = t0.elapsed();
-    batchcast_kit::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    batchcast_cli::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
     assert!(
         finished < Duration::from_secs(10),
         "the producer was held {finished:?}"

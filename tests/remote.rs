@@ -14,8 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use batchcast::proto::{RemoteSourceStats, StatsReply};
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 use common::{EXE, LIMIT, command, http_get, python, repo};
 
 /// A value no message, log or stats reply may ever show.
@@ -329,7 +329,7 @@ impl Broker {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("broker.toml"), config).unwrap();
         let mut cmd = env(command(EXE));
-        batchcast_kit::child::die_with_parent(&mut cmd);
+        batchcast_cli::child::die_with_parent(&mut cmd);
         let process = BrokerProcess::spawn_with(
             cmd,
             Some(&dir.join("broker.toml")),
@@ -1058,7 +1058,7 @@ fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is
         .arg("--socket")
         .arg(dir.join("b.sock"))
         .stderr(std::fs::File::create(&log).unwrap());
-    batchcast_kit::child::die_with_parent(&mut broker);
+    batchcast_cli::child::die_with_parent(&mut broker);
     let mut broker = common::Guard(broker.spawn().unwrap());
     let addr = common::metrics_address(&log, &mut broker.0);
     proxy.faults(

@@ -10,8 +10,8 @@ use std::collections::BTreeSet;
 use std::io::Write;
 
 use batchcast::proto::{self, ClientMsg, ErrorCode, Release, ServerMsg};
-use batchcast_kit::StreamToml;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::report::ConsumerReport;
 
 use crate::common;
 

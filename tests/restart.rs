@@ -4,7 +4,7 @@
 //! must finish without an error, with every epoch's digest (sample by
 //! sample) equal to an uninterrupted run's.
 
-use batchcast_kit::StreamToml;
+use batchcast_broker::config::StreamToml;
 
 use crate::common;
 

@@ -80,7 +80,7 @@ fn digests(env: &Env, stream: &str) -> BTreeMap<u64, String> {
     epochs_of(&r)
 }
 
-fn epochs_of(r: &batchcast_kit::report::ConsumerReport) -> BTreeMap<u64, String> {
+fn epochs_of(r: &batchcast_cli::report::ConsumerReport) -> BTreeMap<u64, String> {
     r.epochs
         .iter()
         .filter(|e| e.complete)

@@ -10,8 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use batchcast_kit::StreamToml;
-use batchcast_kit::report::{ConsumerReport, SavedState};
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::report::{ConsumerReport, SavedState};
 
 use crate::common;
 

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use batchcast::StatsClient;
 use batchcast::proto::StatsReply;
-use batchcast_kit::StreamToml;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::report::ConsumerReport;
 use nix::sys::signal::Signal;
 
 use crate::common;
@@ -79,7 +79,7 @@ fn manager(socket: &Path, cfg: &Path, log: &Path, stop: &Path) -> Child {
     let restart = r#"while [ ! -e "$3" ]; do bash -c 'export LISTEN_PID=$$; exec "$0" serve --config "$1"' "$1" "$2"; done"#;
     let log = std::fs::File::create(log).unwrap();
     let mut cmd = command(ACTIVATE);
-    batchcast_kit::child::die_with_parent(&mut cmd);
+    batchcast_cli::child::die_with_parent(&mut cmd);
     cmd.arg("-l")
         .arg(socket)
         .args(["bash", "-c", restart, "manager", EXE])
@@ -205,9 +205,9 @@ fn readiness_and_stopping_are_told_to_the_service_manager() {
     std::fs::write(&cfg, config()).unwrap();
     let mut cmd = command(EXE);
     cmd.env("NOTIFY_SOCKET", &notify);
-    batchcast_kit::child::die_with_parent(&mut cmd);
+    batchcast_cli::child::die_with_parent(&mut cmd);
     let socket = dir.path().join("b.sock");
-    let mut broker = batchcast_kit::harness::BrokerProcess::spawn_with(
+    let mut broker = batchcast_cli::harness::BrokerProcess::spawn_with(
         cmd,
         Some(&cfg),
         &socket,
@@ -258,7 +258,7 @@ fn activation_the_broker_cannot_serve_is_refused_by_name() {
     let mut cmd = command(EXE);
     cmd.env("LISTEN_PID", "1").env("LISTEN_FDS", "1");
     let socket = dir.path().join("own.sock");
-    let mut broker = batchcast_kit::harness::BrokerProcess::spawn_with(
+    let mut broker = batchcast_cli::harness::BrokerProcess::spawn_with(
         cmd,
         None,
         &socket,

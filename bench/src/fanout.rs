@@ -16,9 +16,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::{procstat::rss_anon_kb, report::ConsumerReport};
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::{procstat::rss_anon_kb, report::ConsumerReport};
 use clap::Parser;
 
 #[derive(Debug, Parser)]

@@ -29,9 +29,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use batchcast::{Consumer, ConsumerOptions, JoinPolicy, StatsClient};
-use batchcast_kit::StreamToml;
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::report::ConsumerReport;
+use batchcast_broker::config::StreamToml;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 use clap::Parser;
 
 const GUEST: u32 = 65534;

@@ -42,12 +42,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use batchcast_broker::config::image_stream_toml;
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Geometry, Transform};
 use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::image_stream_toml;
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 use clap::Parser;
 
 #[derive(Debug, Parser)]

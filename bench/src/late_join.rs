@@ -43,8 +43,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -92,7 +92,7 @@ struct Case {
 fn run(exe: &Path, root: &Path, join: &str, at: u64, slots: u32) -> anyhow::Result<Case> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.toml");
-    let cfg = batchcast_kit::image_stream_toml("img", root, 224, 3, 1, "workers = 2")
+    let cfg = batchcast_broker::config::image_stream_toml("img", root, 224, 3, 1, "workers = 2")
         .replace("slots = 6", &format!("slots = {slots}"));
     if !cfg.contains(&format!("slots = {slots}")) {
         bail!("the demo stream's config no longer sets its slots: update this benchmark");
@@ -148,7 +148,7 @@ fn run(exe: &Path, root: &Path, join: &str, at: u64, slots: u32) -> anyhow::Resu
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let exe = harness::batchcast_exe(a.exe.as_deref())?;
-    let root = batchcast_kit::demo_data::ensure().context("the demo images")?;
+    let root = batchcast_cli::demo_data::ensure().context("the demo images")?;
     if a.decoupled {
         return decoupled_table(&a, &exe, &root);
     }
@@ -239,7 +239,7 @@ fn run_decoupled(
 ) -> anyhow::Result<Decoupled> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.toml");
-    let cfg = batchcast_kit::image_stream_toml(
+    let cfg = batchcast_broker::config::image_stream_toml(
         "img",
         root,
         224,

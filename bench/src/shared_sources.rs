@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use batchcast_broker::pipeline::augment::{AffineFilter, Canvas, Op};
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::procstat;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::procstat;
 use clap::Parser;
 
 #[derive(Debug, Parser)]

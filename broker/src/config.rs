@@ -101,7 +101,9 @@ use crate::pipeline::sampler::Uneven;
 use crate::pipeline::shared::DecodeShare;
 
 mod share;
+mod stream_toml;
 mod transform;
+pub use stream_toml::{StreamToml, image_stream_toml};
 pub use transform::*;
 
 #[derive(Debug, thiserror::Error)]

@@ -12,8 +12,8 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 
-use batchcast_kit::report::{ConsumerReport, Summary, exit};
-use batchcast_kit::{StreamToml, image_stream_toml};
+use batchcast_broker::config::{StreamToml, image_stream_toml};
+use batchcast_cli::report::{ConsumerReport, Summary, exit};
 
 use crate::launch::{self, Stop, spec};
 
@@ -116,7 +116,7 @@ fn demo_stream(args: &DemoArgs) -> anyhow::Result<(String, Option<u64>)> {
         );
         (demo_config(args.epochs), None)
     } else {
-        let root = batchcast_kit::demo_data::ensure()?;
+        let root = batchcast_cli::demo_data::ensure()?;
         let n = batchcast_broker::pipeline::dataset::Dataset::image_folder(&root)?.len();
         println!(
             "batchcast demo: {} trainer processes, {} epochs of {n} JPEG/PNG images in {}",
@@ -185,7 +185,7 @@ fn check(summary: &Summary, epochs: u64, images: Option<u64>) -> anyhow::Result<
 fn read_report(log: &Path) -> anyhow::Result<ConsumerReport> {
     let text =
         std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
-    batchcast_kit::harness::parse_report(&text)
+    batchcast_cli::harness::parse_report(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", log.display()))
 }
 

@@ -475,7 +475,7 @@ fn render(f: &Finding) -> String {
 }
 
 /// A run folder's (or its file's) summary.json.
-pub fn read_summary(dir: &std::path::Path) -> anyhow::Result<batchcast_kit::report::Summary> {
+pub fn read_summary(dir: &std::path::Path) -> anyhow::Result<batchcast_cli::report::Summary> {
     let path = if dir.is_file() {
         dir.to_path_buf()
     } else {
@@ -488,7 +488,7 @@ pub fn read_summary(dir: &std::path::Path) -> anyhow::Result<batchcast_kit::repo
 
 /// The findings of a finished run: its shared run's brokers' last stats,
 /// from their start; the trainers' CPU is the run's less its brokers'.
-pub fn judge_run(summary: &batchcast_kit::report::Summary, cores: f64) -> Vec<Finding> {
+pub fn judge_run(summary: &batchcast_cli::report::Summary, cores: f64) -> Vec<Finding> {
     let run = &summary.shared;
     let brokers: f64 = run.brokers.iter().map(|b| b.cpu_s).sum();
     let mut found = Vec::new();

@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use batchcast_kit::report::{RunSummary, Summary};
+use batchcast_cli::report::{RunSummary, Summary};
 
 use super::finding::Finding;
 use super::predict;
@@ -205,7 +205,7 @@ fn windows(r: &RunSummary) -> Vec<(usize, usize)> {
 /// Differences of a tick's figure over a window of ticks, per second.
 fn per_second(
     r: &RunSummary,
-    value: impl Fn(&batchcast_kit::report::Tick) -> Option<f64>,
+    value: impl Fn(&batchcast_cli::report::Tick) -> Option<f64>,
 ) -> Vec<(f64, f64)> {
     let t = &r.timeline;
     windows(r)
@@ -251,8 +251,8 @@ fn stalls(r: &RunSummary) -> Vec<Series> {
 /// between two ticks can put seconds of it in one).
 fn stages(r: &RunSummary) -> Vec<Series> {
     let t = &r.timeline;
-    let sum = |k: &batchcast_kit::report::Tick,
-               f: &dyn Fn(&batchcast_kit::report::BrokerTick) -> f64| {
+    let sum = |k: &batchcast_cli::report::Tick,
+               f: &dyn Fn(&batchcast_cli::report::BrokerTick) -> f64| {
         k.brokers.iter().map(f).sum::<f64>()
     };
     let mut cpu = Vec::new();
@@ -295,7 +295,7 @@ fn stages(r: &RunSummary) -> Vec<Series> {
 }
 
 fn memory(r: &RunSummary) -> Vec<Series> {
-    let mib = |f: fn(&batchcast_kit::report::BrokerTick) -> u64| {
+    let mib = |f: fn(&batchcast_cli::report::BrokerTick) -> u64| {
         r.timeline
             .iter()
             .map(|t| {
@@ -526,7 +526,7 @@ mod tests {
     /// broker's stage clock ran ahead of its CPU (3 s of decoding in a
     /// second of one thread), with a cut at 6 s.
     fn run(brokers: bool) -> RunSummary {
-        use batchcast_kit::report::{BrokerTick, Event, Mode, Tick};
+        use batchcast_cli::report::{BrokerTick, Event, Mode, Tick};
         let timeline = (0..20u32)
             .map(|k| {
                 let s = f64::from(k);
@@ -593,7 +593,7 @@ mod tests {
             assert!(st[2].points[k].1 <= cpu, "decoding above the CPU");
         }
         let mut summary_shared = r.clone();
-        summary_shared.brokers = vec![batchcast_kit::report::BrokerSummary {
+        summary_shared.brokers = vec![batchcast_cli::report::BrokerSummary {
             socket: "b.sock".into(),
             pid: 1,
             started: true,

@@ -14,8 +14,8 @@ use batchcast::proto::{
     self, ClientMsg, ErrorCode, Hello, Intent, Preamble, ServerMsg, StatsReply, Welcome,
 };
 use batchcast::shm;
-use batchcast_kit::harness::{self, BrokerProcess};
-use batchcast_kit::report::ConsumerReport;
+use batchcast_cli::harness::{self, BrokerProcess};
+use batchcast_cli::report::ConsumerReport;
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_batchcast");
 /// The bound on every wait: a deadlock fails a test instead of hanging it.
@@ -89,7 +89,7 @@ pub fn broker_stand_in(
     if let Some(v) = stand_in {
         cmd.env(batchcast::stand_in::ENV, v);
     }
-    batchcast_kit::child::die_with_parent(&mut cmd);
+    batchcast_cli::child::die_with_parent(&mut cmd);
     BrokerProcess::spawn_with(cmd, config, socket, log)
 }
 
@@ -749,9 +749,9 @@ pub fn assert_every_epoch_whole(r: &ConsumerReport, epochs: u64, per_epoch: u64)
 /// A synthetic stream `train` of 8x8 RGB images and labels, `len` samples
 /// an epoch in batches of `batch` (seed 5, 12 slots, 2 workers): the
 /// stream the pace and pause tests run against, keys added by each.
-pub fn small_images(batch: u64, len: u64) -> batchcast_kit::StreamToml {
+pub fn small_images(batch: u64, len: u64) -> batchcast_broker::config::StreamToml {
     let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 8, 8]), ("label", "i64", &[])];
-    batchcast_kit::StreamToml::synthetic("train", batch, len, &fields)
+    batchcast_broker::config::StreamToml::synthetic("train", batch, len, &fields)
         .key("seed", 5)
         .key("slots", 12)
         .key("workers", 2)

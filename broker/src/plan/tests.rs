@@ -5,7 +5,7 @@ use std::path::Path;
 use batchcast::DType;
 
 use super::*;
-use batchcast_kit::StreamToml;
+use crate::config::StreamToml;
 
 /// A minimal valid config: one synthetic stream of 10 samples.
 fn good() -> String {

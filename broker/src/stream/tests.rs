@@ -25,11 +25,11 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::budget::{Budget, Use};
 use crate::config::Config;
+use crate::config::StreamToml;
 use crate::gpu::stand_in;
 use crate::hub::ConsumerId;
 use crate::plan::plan_config;
 use batchcast::proto::ConsumeRequest;
-use batchcast_kit::StreamToml;
 
 /// Batches of 3, 100 to an epoch: the rings hold
 /// 256 cells of `x` and 512 of `y`, so batches 85 and 170 straddle their

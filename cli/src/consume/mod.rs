@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use batchcast::{Batch, Consumer, ConsumerOptions, Event, JoinPolicy};
-use batchcast_kit::procstat::rss_anon_kb;
-use batchcast_kit::report::{ConsumerReport, EpochReport, SavedState};
+use batchcast_cli::procstat::rss_anon_kb;
+use batchcast_cli::report::{ConsumerReport, EpochReport, SavedState};
 
 mod check;
 mod options;
@@ -201,7 +201,7 @@ pub fn run(args: &ConsumeArgs) -> ConsumerReport {
     report.seconds = t0.elapsed().as_secs_f64();
     report.batches_per_s = report.batches as f64 / report.seconds.max(1e-9);
     report.rss_anon_kb_end = rss_anon_kb("self");
-    report.cpu_s = batchcast_kit::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
+    report.cpu_s = batchcast_cli::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
     if let Err(e) = result {
         report.error_code = e.code().map(|c| format!("{c:?}"));
         report.error = Some(e.to_string());
@@ -290,7 +290,7 @@ fn consume(
         if report.batches == 0 {
             report.first_batch_s = t0.elapsed().as_secs_f64();
             report.cpu_first_batch_s =
-                batchcast_kit::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
+                batchcast_cli::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         report.reconnects = consumer.reconnects();
         check.batch(

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use batchcast::{ConsumerOptions, JoinPolicy};
-use batchcast_kit::report::SavedState;
+use batchcast_cli::report::SavedState;
 
 use super::{ConsumeArgs, Join};
 

@@ -11,7 +11,7 @@ use batchcast::StatsClient;
 use batchcast::proto::{StatsReply, StreamStats};
 
 use super::BrokerSummary;
-use batchcast_kit::harness::{self, BrokerProcess};
+use batchcast_cli::harness::{self, BrokerProcess};
 
 /// A broker the run talks to.
 #[derive(Debug)]
@@ -154,7 +154,7 @@ impl BrokerRun {
     }
 
     /// What the run's timeline keeps of this broker now.
-    pub(super) fn tick(&self) -> batchcast_kit::report::BrokerTick {
+    pub(super) fn tick(&self) -> batchcast_cli::report::BrokerTick {
         let last = self.last.as_ref();
         let mut stages = [0.0; 3];
         for x in last
@@ -166,7 +166,7 @@ impl BrokerRun {
             stages[1] += x.stages.decode_s;
             stages[2] += x.stages.transform_s;
         }
-        batchcast_kit::report::BrokerTick {
+        batchcast_cli::report::BrokerTick {
             cpu_s: self.before.cpu_s + self.cpu_seen - self.cpu_at_start,
             stages,
             rss_bytes: harness::rss_kb(self.pid).unwrap_or(0) * 1024,
@@ -281,9 +281,9 @@ pub(super) fn stop_brokers(brokers: Vec<BrokerRun>) -> (Vec<BrokerSummary>, f64)
             .iter()
             .flat_map(|st| &st.streams)
             .filter_map(|s| {
-                let t = batchcast_kit::procstat::named_threads(
+                let t = batchcast_cli::procstat::named_threads(
                     b.pid,
-                    &batchcast_kit::procstat::pipeline_threads(&s.name),
+                    &batchcast_cli::procstat::pipeline_threads(&s.name),
                 )?;
                 Some((s.name.clone(), t.run_queue_s))
             })

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use batchcast_kit::report::OnFailure;
+use batchcast_cli::report::OnFailure;
 use serde::Deserialize;
 
 #[derive(Debug, Default, Deserialize)]

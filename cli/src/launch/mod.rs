@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-pub use batchcast_kit::report::{
+pub use batchcast_cli::report::{
     BrokerSummary, Comparison, Mode, OnFailure, RunSummary, Summary, TrainerSummary, exit,
 };
 

@@ -13,7 +13,7 @@ use super::spec::{BrokerSource, OnFailure, Sweep};
 use super::trainer::{State, Trainer, finished, refresh, rows, spawn_trainer, stop_all, summarise};
 use super::view::View;
 use super::{Mode, RunSummary, Stop, TrainerSummary};
-use batchcast_kit::report::{TIMELINE_TICKS, Tick};
+use batchcast_cli::report::{TIMELINE_TICKS, Tick};
 
 /// Runs every trainer of `sweep` in `mode` until all have ended.
 pub(super) fn run_mode(

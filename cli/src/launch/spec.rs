@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use super::expand::{expand_trainers, gpu_value};
 pub use super::file::{Host, TrainerPlan};
 use super::file::{LaunchSection, SweepFile, ordinal};
-pub use batchcast_kit::report::OnFailure;
+pub use batchcast_cli::report::OnFailure;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
@@ -389,7 +389,7 @@ mod tests {
 
     use super::*;
     use crate::launch::expand::{ExpandError, substitute};
-    use batchcast_kit::StreamToml;
+    use batchcast_broker::config::StreamToml;
 
     fn host(gpus: usize) -> Host {
         Host {

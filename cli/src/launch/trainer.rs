@@ -165,7 +165,7 @@ pub(super) fn spawn_trainer(
     if let Some(g) = &plan.gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
     }
-    batchcast_kit::child::die_with_parent(&mut cmd);
+    batchcast_cli::child::die_with_parent(&mut cmd);
     for (k, v) in &plan.env {
         cmd.env(k, v);
     }

@@ -48,11 +48,11 @@ impl View {
     }
 
     /// The events said since `t0`, as seconds from it.
-    pub fn said_since(&self, t0: Instant) -> Vec<batchcast_kit::report::Event> {
+    pub fn said_since(&self, t0: Instant) -> Vec<batchcast_cli::report::Event> {
         self.said
             .iter()
             .filter(|(t, _)| *t >= t0)
-            .map(|(t, text)| batchcast_kit::report::Event {
+            .map(|(t, text)| batchcast_cli::report::Event {
                 t_s: t.duration_since(t0).as_secs_f64(),
                 text: text.clone(),
             })

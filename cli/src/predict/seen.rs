@@ -23,7 +23,7 @@ pub struct CpuSeen {
 impl CpuSeen {
     /// Reads the CPU of `reply`'s broker and of its consumers' processes.
     pub fn read(reply: &StatsReply) -> Self {
-        use batchcast_kit::procstat::{
+        use batchcast_cli::procstat::{
             REMOTE_THREADS, cpu_seconds, named_threads, pipeline_threads,
         };
         let trainers = reply

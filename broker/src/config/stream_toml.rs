@@ -1,6 +1,6 @@
-//! TOML for a broker's streams: the demo, the benchmarks and the tests
-//! configure their brokers with [`StreamToml`] rather than each spelling
-//! the TOML.
+//! TOML for a broker's streams, the other way round from the parser
+//! above: the demo, the benchmarks and the tests configure their brokers
+//! with [`StreamToml`] rather than each spelling the TOML.
 
 use std::path::Path;
 
@@ -8,7 +8,7 @@ use std::path::Path;
 /// configure their brokers with it rather than each spelling the TOML.
 ///
 /// ```
-/// use batchcast_kit::StreamToml;
+/// use crate::config::StreamToml;
 /// let text = StreamToml::synthetic("train", 8, 100, &[("x", "f32", &[3])])
 ///     .epochs(2)
 ///     .key("slots", 4)
