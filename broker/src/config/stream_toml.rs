@@ -8,7 +8,7 @@ use std::path::Path;
 /// configure their brokers with it rather than each spelling the TOML.
 ///
 /// ```
-/// use crate::config::StreamToml;
+/// use batchcast_broker::config::StreamToml;
 /// let text = StreamToml::synthetic("train", 8, 100, &[("x", "f32", &[3])])
 ///     .epochs(2)
 ///     .key("slots", 4)
