@@ -1,9 +1,10 @@
 //! The hold and merge rules and the hub together on a simulated clock:
-//! random schedules of mailbox readers (steady, crawling, paused with or
-//! without the batch they hold, dying, joining late or `now` (decoupled
-//! pace: cut at once, replayed their epoch from its start), with or without a
-//! replay arena, of the host ring or members of a GPU group reading its
-//! copies, which complete a step after they are ordered) under both
+//! random schedules of readers through mailboxes or on the socket
+//! (steady, crawling, paused with or without the batch they hold, dying,
+//! joining late or `now` (decoupled pace: cut at once, replayed their
+//! epoch from its start), with or without a replay arena, of the host
+//! ring or members of a GPU group reading its copies, which complete a
+//! step after they are ordered) under both
 //! paces and several hold limits, some riding through a broker restart
 //! (a new hub seeked to the reader furthest behind; host readers resume
 //! from their place, cut and replayed until they merge), driven as the
@@ -72,6 +73,11 @@ struct Plan {
     group: Option<GroupId>,
     /// It joins `now`: a complete epoch at once (see `Sim::step`).
     now: bool,
+    /// A host reader on the socket, not a mailbox: sent at most its
+    /// window (the rest queued in the hub), and what it was sent it took
+    /// (a cut gives back only the queue; it reads its socket's batches
+    /// before its replay).
+    socket: bool,
     /// Units of its replay it reads each time it acts (faster than the
     /// shared stream, or it could never merge back).
     replay_pace: u64,
@@ -113,6 +119,25 @@ struct Reader {
 }
 
 impl Reader {
+    /// Shared batches a cut could take back from it: those its mailbox
+    /// noticed and its program did not take (none on the socket).
+    fn revocable(&self) -> usize {
+        if self.plan.socket {
+            0
+        } else {
+            self.unread.len()
+        }
+    }
+
+    /// Whether it took batch `seq` (as the runtime's `decouple::took`).
+    fn took(&self, seq: u64) -> bool {
+        self.held.contains(&seq) || (self.plan.socket && self.unread.iter().any(|&(s, _)| s == seq))
+    }
+
+    fn delivery(&self) -> Delivery {
+        delivery(&self.plan)
+    }
+
     fn active(&self, now: u64) -> bool {
         match self.plan.kind {
             Kind::Pause { at, length, .. } => !(at..at + length).contains(&now),
@@ -175,7 +200,7 @@ impl Facts for SimFacts<'_> {
         self.readers.values().any(|r| {
             r.mode != Mode::Gone
                 && self.hub.reader(r.id).and_then(|c| c.reading()) == Some(0)
-                && r.unread.is_empty()
+                && r.revocable() == 0
         })
     }
 
@@ -188,8 +213,8 @@ impl Facts for SimFacts<'_> {
         };
         r.plan.arena
             && r.mode == Mode::Shared
-            && !stalled.is_some_and(|seq| r.held.contains(&seq))
-            && (queued > 0 || !r.unread.is_empty())
+            && !stalled.is_some_and(|seq| r.took(seq))
+            && (queued > 0 || r.revocable() > 0)
     }
 
     fn catching_up(&self, _: ConsumerId, _: Duration, _: Instant) -> bool {
@@ -236,7 +261,8 @@ impl Sim {
             // replay arena starts cut, replayed its epoch from the start
             // (as `replay::start_cut`), and merges back by the rule
             // without having to read first (it never stalled).
-            let now_join = plan.now && self.rule.eager && plan.arena && plan.group.is_none();
+            let now_join =
+                plan.now && self.rule.eager && plan.arena && plan.group.is_none() && !plan.socket;
             let policy = if now_join {
                 JoinPolicy::Now
             } else {
@@ -244,7 +270,7 @@ impl Sim {
             };
             let (id, _) = self
                 .hub
-                .join_group(plan.window, policy, plan.group, Delivery::Ahead)
+                .join_group(plan.window, policy, plan.group, delivery(&plan))
                 .expect("a window within the slots");
             self.hub.may_be_cut(id, plan.arena);
             let (mode, next) = if now_join {
@@ -374,8 +400,13 @@ impl Sim {
             Mode::Gone => {}
             Mode::Replaying { mut cursor, .. } => {
                 // Its program reads replayed batches: what it held of the
-                // shared stream goes.
+                // shared stream goes. On the socket, the batches sent
+                // before the cut come first.
                 for seq in r.held.drain(..) {
+                    self.hub.release(id, seq).map_err(fail)?;
+                }
+                while let Some((seq, at)) = r.unread.pop_front() {
+                    consume(r, at, self.bpe)?;
                     self.hub.release(id, seq).map_err(fail)?;
                 }
                 for _ in 0..r.plan.replay_pace {
@@ -441,7 +472,7 @@ impl Sim {
             }
             let (id, _) = self
                 .hub
-                .join_group(r.plan.window, JoinPolicy::Immediate, None, Delivery::Ahead)
+                .join_group(r.plan.window, JoinPolicy::Immediate, None, r.delivery())
                 .map_err(fail)?;
             self.hub.may_be_cut(id, true);
             self.hub.cut_at_join(id).map_err(fail)?;
@@ -512,9 +543,7 @@ impl Sim {
             for id in detach {
                 let r = &self.readers[&id];
                 prop_assert!(
-                    !r.plan.arena
-                        || r.mode != Mode::Shared
-                        || stalled.is_some_and(|s| r.held.contains(&s)),
+                    !r.plan.arena || r.mode != Mode::Shared || stalled.is_some_and(|s| r.took(s)),
                     "reader {id} detached although it could be cut: {r:?}"
                 );
                 self.hub.detach(id, "held the ring".into());
@@ -522,10 +551,17 @@ impl Sim {
             }
             for id in cut {
                 let r = self.readers.get_mut(&id).expect("an ower");
-                let revoked: Vec<u64> = r.unread.drain(..).map(|(seq, _)| seq).collect();
+                // A mailbox gives back what its program did not take; on
+                // the socket, what was sent stays (the hub drops the queue).
+                let revoked: Vec<u64> = if r.plan.socket {
+                    Vec::new()
+                } else {
+                    r.unread.drain(..).map(|(seq, _)| seq).collect()
+                };
                 let (epoch, index) = self.hub.cut(id, &revoked).map_err(fail)?;
                 self.tally.cuts += 1;
                 self.tally.member_cuts += u64::from(r.plan.group.is_some());
+                self.tally.socket_cuts += u64::from(r.plan.socket);
                 // What it was noticed and gave back is noticed again
                 // after it merges.
                 r.last = None;
@@ -582,6 +618,15 @@ impl Sim {
     }
 }
 
+/// How a reader of `plan` is sent batches.
+fn delivery(plan: &Plan) -> Delivery {
+    if plan.socket {
+        Delivery::Window
+    } else {
+        Delivery::Ahead
+    }
+}
+
 /// The unit after `at` (a unit is one sample here).
 fn next_unit(at: Position, bpe: u64) -> Position {
     if at.sample + 1 < bpe {
@@ -633,16 +678,19 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         1..=slots.min(3),
         prop_oneof![3 => Just(None), 1 => (0u32..2).prop_map(Some)],
         prop::bool::weighted(0.3),
+        prop::bool::weighted(0.25),
         2u64..5,
     )
         .prop_map(
-            |(kind, join_at, arena, window, group, now, replay_pace)| Plan {
+            |(kind, join_at, arena, window, group, now, socket, replay_pace)| Plan {
                 kind,
                 join_at,
                 arena,
                 window,
                 group,
                 now,
+                // Device consumers read a group's copies through a mailbox.
+                socket: socket && group.is_none(),
                 replay_pace,
             },
         )
@@ -693,6 +741,8 @@ struct Tally {
     cuts: u64,
     /// Of them, of GPU group members.
     member_cuts: u64,
+    /// Of them, of readers on the socket.
+    socket_cuts: u64,
     /// Readers that joined `now`, starting cut.
     joined_now: u64,
     /// Readers that resumed after a restart.
@@ -795,6 +845,7 @@ fn the_schedules_reach_every_rule() {
         let t = run(sc, Bound::PerUnit).unwrap();
         sum.cuts += t.cuts;
         sum.member_cuts += t.member_cuts;
+        sum.socket_cuts += t.socket_cuts;
         sum.joined_now += t.joined_now;
         sum.resumed += t.resumed;
         sum.detaches += t.detaches;
@@ -804,6 +855,7 @@ fn the_schedules_reach_every_rule() {
     assert!(
         sum.cuts > 50
             && sum.member_cuts > 5
+            && sum.socket_cuts > 5
             && sum.joined_now > 20
             && sum.resumed > 20
             && sum.detaches > 20
