@@ -444,13 +444,7 @@ impl<M: Memory> BrokerMailbox<M> {
     /// `tail` harms only that consumer (units it holds given back, or units
     /// kept until it leaves).
     pub fn unread_units(&mut self) -> Vec<Unit> {
-        let tail = self.words.u64(TAIL).load(Ordering::Acquire);
-        if tail > self.head {
-            return Vec::new(); // forged: nothing is unread
-        }
-        self.tail = self.tail.max(tail);
-        self.forget_read();
-        self.units.iter().map(|&(_, unit)| unit).collect()
+        self.unread().collect()
     }
 
     /// How many shared batches are noticed and not read by the consumer's
@@ -458,16 +452,24 @@ impl<M: Memory> BrokerMailbox<M> {
     /// without a list: asked of every consumer whenever the pipeline
     /// waits for a slot).
     pub fn unread_shared(&mut self) -> usize {
+        self.unread()
+            .filter(|u| matches!(u, Unit::Shared(_)))
+            .count()
+    }
+
+    /// The units noticed and not read by the consumer's `tail` as it reads
+    /// now (none for a `tail` past what was written: forged).
+    fn unread(&mut self) -> impl Iterator<Item = Unit> + '_ {
         let tail = self.words.u64(TAIL).load(Ordering::Acquire);
-        if tail > self.head {
-            return 0; // forged: nothing is unread
+        let forged = tail > self.head;
+        if !forged {
+            self.tail = self.tail.max(tail);
+            self.forget_read();
         }
-        self.tail = self.tail.max(tail);
-        self.forget_read();
         self.units
             .iter()
-            .filter(|(_, u)| matches!(u, Unit::Shared(_)))
-            .count()
+            .filter(move |_| !forged)
+            .map(|&(_, unit)| unit)
     }
 
     /// Asks the consumer to send a doorbell after each release (`true`), or
