@@ -59,11 +59,17 @@
 //!
 //! # Layout
 //!
-//! Here: the types, joining and leaving, releases, the pipeline's side
-//! (`start_batch`, `finish_batch`). `send.rs`: publishing, sending within
-//! windows, the lag limit, unreferencing. `cut.rs`: cutting a consumer from
-//! the shared stream and re-joining it (decoupled pace). `groups.rs`: GPU groups and their
-//! copies. `counts.rs`: numbers for stats. `invariants.rs` (tests): every
+//! The state is split by owner: [`Ring`] (`ring.rs`), each GPU's `Group`
+//! (`group.rs`), the `Readers` (`readers.rs`), each changed only here.
+//! [`Hub`] takes the runtime's commands: here the types, releases and the
+//! pipeline's side (`start_batch`, `finish_batch`); `members.rs` joining
+//! and leaving; `cut.rs` cutting a consumer from the shared stream and
+//! re-joining it (decoupled pace); `groups.rs` GPU groups and their copies.
+//! Every command ends in the delivery engine `Post` (`send.rs`: publishing,
+//! sending within windows, the lag limit, ordering copies,
+//! unreferencing). What is asked without changing anything goes through
+//! [`View`] (`view.rs`; `window.rs` the join checks, `counts.rs` numbers
+//! for stats). `invariants.rs` (tests): every
 //! rule above, checked after each step of the property tests (`tests.rs`).
 
 use std::collections::VecDeque;
@@ -75,6 +81,8 @@ use life::{Life, Sent, Slack};
 use readers::Readers;
 use ring::Published;
 pub(crate) use ring::Ring;
+use send::Post;
+pub(crate) use view::View;
 
 pub(crate) type ConsumerId = u64;
 pub(crate) type SlotId = u32;
@@ -163,7 +171,7 @@ pub(crate) const MAX_EPOCH: u64 = 1 << 48;
 
 /// A reader of the hub: where it starts, what is queued for it and what
 /// it holds, its life. The stream runtime looks at one through
-/// [`Hub::reader`]; only the hub changes it.
+/// [`View::reader`]; only the hub changes it.
 #[derive(Debug, Clone)]
 pub(crate) struct Consumer {
     window: u32,
@@ -293,6 +301,31 @@ impl Hub {
         }
     }
 
+    /// The hub, to look at: every question the runtime and the stats ask.
+    pub(crate) fn view(&self) -> View<'_> {
+        View {
+            cfg: &self.cfg,
+            ring: &self.ring,
+            readers: &self.readers,
+            groups: &self.groups,
+            tally: &self.tally,
+        }
+    }
+
+    /// The delivery engine over the hub's owners: what every command ends
+    /// with (publishing, sending, the lag limit, copies, unreferencing).
+    fn post(&mut self) -> Post<'_> {
+        Post {
+            cfg: &self.cfg,
+            ring: &mut self.ring,
+            readers: &mut self.readers,
+            groups: &mut self.groups,
+            out: &mut self.out,
+            copies: &mut self.copies,
+            tally: &mut self.tally,
+        }
+    }
+
     /// Swaps what must be sent, in order, with `empty` (so the runtime and
     /// the hub keep reusing two buffers).
     pub(crate) fn swap_outbound(&mut self, empty: &mut Vec<(ConsumerId, Outbound)>) {
@@ -306,37 +339,9 @@ impl Hub {
         std::mem::take(&mut self.out)
     }
 
-    /// True once every epoch has been produced (finite streams only).
-    pub fn exhausted(&self) -> bool {
-        self.cfg
-            .epochs
-            .is_some_and(|e| self.ring.cursor().next_epoch >= e)
-    }
-
     /// Takes the copies to start, in order.
     pub fn take_copies(&mut self) -> Vec<CopyOrder> {
         std::mem::take(&mut self.copies)
-    }
-
-    /// Reader `id`, to look at (only the hub changes it).
-    pub(crate) fn reader(&self, id: ConsumerId) -> Option<&Consumer> {
-        self.readers.get(id)
-    }
-
-    /// The host ring, to look at (only the hub changes it).
-    pub(crate) fn ring(&self) -> &Ring {
-        &self.ring
-    }
-
-    /// True once every batch has been produced, published and given back.
-    pub fn finished(&self) -> bool {
-        self.exhausted() && self.ring.is_empty() && self.groups.iter().all(Group::is_empty)
-    }
-
-    /// Whether the pipeline could be given work now (the next slot of the
-    /// ring free, someone to produce for, epochs left).
-    pub fn can_start(&self) -> bool {
-        self.wants_batches() && self.ring.has_free_slot()
     }
 
     /// Changes how many consumers the stream waits for before it starts
@@ -346,19 +351,6 @@ impl Hub {
         if !self.ring.cursor().started {
             self.cfg.min_consumers = min;
         }
-    }
-
-    /// Consumers subscribed now.
-    pub fn members(&self) -> u32 {
-        self.readers.len() as u32
-    }
-
-    /// Whether the pipeline would be given work if a slot were free
-    /// (someone to produce for, epochs left).
-    pub fn wants_batches(&self) -> bool {
-        (self.ring.cursor().started || self.readers.len() as u32 >= self.cfg.min_consumers)
-            && self.readers.anyone_reading()
-            && !self.exhausted()
     }
 
     pub fn release(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
@@ -373,8 +365,8 @@ impl Hub {
             .ok_or(HubError::NotHeld { seq })?;
         c.held.swap_remove(pos);
         let group = c.group;
-        self.unref(group, seq);
-        self.pump_after_release(id);
+        self.post().unref(group, seq);
+        self.post().pump_after_release(id);
         Ok(())
     }
 
@@ -387,7 +379,7 @@ impl Hub {
             return false;
         }
         self.cfg.epochs = Some(cursor.next_epoch);
-        self.pump();
+        self.post().pump();
         true
     }
 
@@ -412,7 +404,7 @@ impl Hub {
     /// Gives the pipeline its next batch to fill, or `None` if it must wait
     /// (no free slot, no consumer yet, or all epochs produced).
     pub fn start_batch(&mut self) -> Option<Work> {
-        if !self.can_start() {
+        if !self.view().can_start() {
             return None;
         }
         let work = self.ring.start(self.cfg.batches_per_epoch);
@@ -423,9 +415,9 @@ impl Hub {
     /// published once every earlier batch is.
     pub fn finish_batch(&mut self, seq: u64, samples: u64) {
         for (seq, b) in self.ring.finish(seq, samples) {
-            self.publish(seq, b);
+            self.post().publish(seq, b);
         }
-        self.pump();
+        self.post().pump();
     }
 }
 
@@ -445,4 +437,5 @@ mod ring;
 mod send;
 #[cfg(test)]
 mod tests;
+mod view;
 mod window;

@@ -1,6 +1,6 @@
 //! The hub's numbers for `stats`: per stream, per consumer, per group.
 
-use super::Hub;
+use super::{GroupId, View};
 
 /// One group's numbers for stats.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -35,7 +35,7 @@ pub(crate) struct HubCounts {
     pub detached: u64,
 }
 
-impl Hub {
+impl View<'_> {
     pub fn counts(&self) -> HubCounts {
         let (free, filling) = self.ring.counts();
         HubCounts {
@@ -49,5 +49,9 @@ impl Hub {
             departed: self.tally.departed,
             detached: self.tally.detached,
         }
+    }
+
+    pub(crate) fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
+        self.groups.get(g as usize).map(super::group::Group::counts)
     }
 }

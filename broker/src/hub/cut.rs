@@ -9,35 +9,6 @@ use batchcast::proto::ErrorCode;
 use super::{ConsumerId, GroupId, Hub, HubError, Life, Outbound};
 
 impl Hub {
-    /// Consumer `id` owes every published batch from `seq` to the head
-    /// (all still published, and for a group member its GPU's copies of
-    /// them still there or yet to be placed in order: the caller checked,
-    /// `Group::may_owe`): referenced and queued. A group member owes
-    /// its GPU's copy, made now where there is none.
-    pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
-        let head = self.ring.head();
-        let Some(c) = self.readers.get_mut(id) else {
-            return;
-        };
-        let through = match c.life {
-            Life::Reading { through } => through.unwrap_or(u64::MAX),
-            _ => u64::MAX,
-        };
-        for s in seq..head {
-            let b = self.ring.published(s).expect("owed batches are published");
-            if b.epoch > through {
-                continue;
-            }
-            c.queue.push_back(s);
-            if let Some(g) = c.group
-                && !self.groups[g as usize].owe(s, b)
-            {
-                continue; // its copy is there: the host slot is not pinned for it
-            }
-            self.ring.pin(s);
-        }
-    }
-
     /// Detaches a consumer that kept the pipeline waiting too long
     /// (decoupled pace's hold limit): it is removed, everything it held or
     /// was owed is given back (a batch it still reads may be rewritten: its
@@ -54,9 +25,9 @@ impl Hub {
             },
         ));
         self.tally.detached += 1;
-        self.remove(id);
-        self.pump();
-        self.start_copies();
+        self.post().remove(id);
+        self.post().pump();
+        self.post().start_copies();
         true
     }
 
@@ -111,9 +82,9 @@ impl Hub {
         let group = c.group;
         let dropped: Vec<u64> = c.queue.drain(..).chain(revoke.iter().copied()).collect();
         for seq in dropped {
-            self.unref(group, seq);
+            self.post().unref(group, seq);
         }
-        self.pump();
+        self.post().pump();
         Ok(first)
     }
 
@@ -152,7 +123,7 @@ impl Hub {
     /// Puts a cut consumer back from batch `seq` on (see `Hub::rejoin`),
     /// sent no batch of an epoch after `through` (a
     /// rotated epoch: the consumer reads its rest, then is cut to be
-    /// replayed its start, see [`Hub::read_through`]); its end of stream
+    /// replayed its start, see [`View::read_through`](super::View::read_through)); its end of stream
     /// waits for that too.
     pub(crate) fn rejoin_through(
         &mut self,
@@ -182,61 +153,8 @@ impl Hub {
         c.life = Life::Reading { through };
         c.floor = seq;
         c.start_epoch = epoch;
-        self.owe_published(id, seq);
-        self.pump();
+        self.post().owe_published(id, seq);
+        self.post().pump();
         Ok(())
-    }
-
-    /// The oldest batch a consumer reading the shared stream still holds or
-    /// is owed: the ring keeps everything from there to the head for its
-    /// members, so one merging back there pins nothing they do not.
-    pub(crate) fn members_tail(&self) -> Option<u64> {
-        self.readers.tail(true)
-    }
-
-    /// Whether consumer `id`, rejoined through `epoch`, was sent all of
-    /// that epoch: nothing is queued for it, and every batch of the epoch
-    /// was published (the next to be made is of a later one, or the
-    /// stream is made to its end).
-    pub(crate) fn read_through(&self, id: ConsumerId, epoch: u64) -> bool {
-        let Some(c) = self.readers.get(id) else {
-            return false;
-        };
-        c.life
-            == (Life::Reading {
-                through: Some(epoch),
-            })
-            && c.queue.is_empty()
-            && !self.ring.in_flight().any(|(_, e)| e <= epoch)
-            && self.ring.cursor().next_epoch > epoch
-    }
-
-    /// The batch in the ring's next slot, which the pipeline waits for
-    /// (`None` if the slot is free or being filled), and the consumers
-    /// that owe it: host consumers that hold it or are to be sent it, and
-    /// where a GPU's copy of it waits for a free slot of that GPU's ring,
-    /// the members that owe the oldest copy there.
-    pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
-        let seq = self.ring.pinned()?;
-        let owes = |c: &super::Consumer, s: u64| c.held.contains(&s) || c.queue.contains(&s);
-        let mut owe: Vec<ConsumerId> = self
-            .readers
-            .iter()
-            .filter(|(_, c)| c.group.is_none() && owes(c, seq))
-            .map(|(id, _)| id)
-            .collect();
-        // A GPU's copy of it waits for a free slot of that GPU's ring: the
-        // members owing the oldest copy there keep it from being freed.
-        for (g, grp) in self.groups.iter().enumerate() {
-            if let Some(oldest) = grp.blocked_by(seq) {
-                owe.extend(
-                    self.readers
-                        .iter()
-                        .filter(|(_, c)| c.group == Some(g as GroupId) && owes(c, oldest))
-                        .map(|(id, _)| id),
-                );
-            }
-        }
-        Some((seq, owe))
     }
 }

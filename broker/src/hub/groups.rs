@@ -2,7 +2,7 @@
 //! doc of [`crate::hub`], "Groups"). Adding one, ordering copies into the
 //! group's ring in sequence order, a completed copy, a failed GPU.
 
-use super::{ConsumerId, Group, GroupCounts, GroupId, Hub, HubError, Life};
+use super::{ConsumerId, Group, GroupId, Hub, HubError, Life};
 
 impl Hub {
     /// Adds a ring of `slots` copies (one GPU's arena); its members join
@@ -11,10 +11,6 @@ impl Hub {
         assert!(slots > 0, "validated by the config");
         self.groups.push(Group::new(slots));
         (self.groups.len() - 1) as GroupId
-    }
-
-    pub(crate) fn group_counts(&self, g: GroupId) -> Option<GroupCounts> {
-        self.groups.get(g as usize).map(Group::counts)
     }
 
     /// The copy `seq` to group `g` has completed: its members may be sent
@@ -28,7 +24,7 @@ impl Hub {
             return Err(HubError::NotCopying { group: g, seq });
         }
         self.ring.unpin(seq);
-        self.pump();
+        self.post().pump();
         Ok(())
     }
 
@@ -53,15 +49,7 @@ impl Hub {
                 members.push(id);
             }
         }
-        self.pump();
+        self.post().pump();
         members
-    }
-
-    /// Orders the copies each group's ring has room for, in sequence order
-    /// (`Group::place`).
-    pub(super) fn start_copies(&mut self) {
-        for (g, grp) in self.groups.iter_mut().enumerate() {
-            grp.place(g as GroupId, &mut self.copies);
-        }
     }
 }

@@ -2,9 +2,9 @@
 //! (`tests.rs`): host slots and their refcounts, each GPU group's ring, and
 //! each consumer's window, queue and lag.
 
-use super::{GroupId, Hub, group};
+use super::{GroupId, View, group};
 
-impl Hub {
+impl View<'_> {
     /// Checks every structural invariant.
     pub(crate) fn check_invariants(&self) {
         check_slots(self);
@@ -15,9 +15,9 @@ impl Hub {
 
 /// The ring's own rules; a published slot's refcount is what its host
 /// consumers owe plus the copies reading it.
-fn check_slots(hub: &Hub) {
-    super::ring::tests::check(&hub.ring);
-    for (seq, refs) in super::ring::tests::pins(&hub.ring) {
+fn check_slots(hub: &View<'_>) {
+    super::ring::tests::check(hub.ring);
+    for (seq, refs) in super::ring::tests::pins(hub.ring) {
         let owing = hub
             .readers
             .iter()
@@ -39,7 +39,7 @@ fn check_slots(hub: &Hub) {
 }
 
 /// Each group's ring: free list, replicas, refcounts, copies in order.
-fn check_groups(hub: &Hub) {
+fn check_groups(hub: &View<'_>) {
     for (g, grp) in hub.groups.iter().enumerate() {
         let g = g as GroupId;
         let owing = |seq: u64| {
@@ -56,7 +56,7 @@ fn check_groups(hub: &Hub) {
 
 /// Windows, queues in order, members sent only completed copies, the
 /// lag limit.
-fn check_consumers(hub: &Hub) {
+fn check_consumers(hub: &View<'_>) {
     for c in hub.readers.iter().map(|(_, c)| c) {
         assert!(c.held.len() <= c.ahead as usize, "window exceeded");
         if let Some(g) = c.group.filter(|&g| !hub.groups[g as usize].failed()) {

@@ -322,7 +322,7 @@ impl Model {
                 }
             }
         }
-        self.hub.check_invariants();
+        self.hub.view().check_invariants();
     }
 
     /// Everyone takes and releases promptly until the stream ends.
@@ -338,12 +338,12 @@ impl Model {
             if let Some(w) = self.inflight.pop() {
                 self.finish(w);
             }
-            self.hub.check_invariants();
+            self.hub.view().check_invariants();
             let idle = self.live().iter().all(|id| {
                 let c = &self.clients[id];
                 c.ended && c.inbox.is_empty()
             });
-            if self.hub.finished() && self.inflight.is_empty() && idle {
+            if self.hub.view().finished() && self.inflight.is_empty() && idle {
                 break;
             }
         }
@@ -430,13 +430,13 @@ proptest! {
             m.join((1, unit, false), (false, false), None);
         }
         m.run_to_end();
-        prop_assert!(m.hub.finished(), "stream did not finish: {:?}", m.hub.counts());
+        prop_assert!(m.hub.view().finished(), "stream did not finish: {:?}", m.hub.view().counts());
         for (&id, c) in &m.clients {
             if !c.gone {
                 prop_assert!(c.ended, "consumer {} never saw the end", id);
                 m.check_complete(id, c, epochs);
             }
         }
-        prop_assert_eq!(m.hub.counts().free, slots);
+        prop_assert_eq!(m.hub.view().counts().free, slots);
     }
 }

@@ -1,14 +1,42 @@
-//! Publishing and sending: a finished batch is published in sequence
+//! The delivery engine: a finished batch is published in sequence
 //! order to the consumers that want it (a host slot's refcount, a group's
 //! copy), each consumer is sent what its window (or sending ahead) allows,
-//! the lag limit detaches a straggler, and releases unreference slots.
+//! the lag limit detaches a straggler, copies are ordered, and releases
+//! and departures unreference slots. Every command of the hub ends here.
 
 use batchcast::proto::ErrorCode;
 
-use super::group::Unowed;
-use super::{ConsumerId, GroupId, Hub, Life, Outbound, Published};
+use super::group::{Group, Unowed};
+use super::readers::Readers;
+use super::{
+    ConsumerId, CopyOrder, GroupId, HubConfig, Life, Outbound, Published, Ring, Tally, View,
+};
 
-impl Hub {
+/// The hub's owners borrowed to deliver ([`Hub::post`](super::Hub::post)):
+/// the only code that moves a batch from the ring to a reader's queue, its
+/// window and its messages, or takes one back.
+pub(super) struct Post<'a> {
+    pub(super) cfg: &'a HubConfig,
+    pub(super) ring: &'a mut Ring,
+    pub(super) readers: &'a mut Readers,
+    pub(super) groups: &'a mut [Group],
+    pub(super) out: &'a mut Vec<(ConsumerId, Outbound)>,
+    pub(super) copies: &'a mut Vec<CopyOrder>,
+    pub(super) tally: &'a mut Tally,
+}
+
+impl Post<'_> {
+    /// The owners, to look at.
+    fn view(&self) -> View<'_> {
+        View {
+            cfg: self.cfg,
+            ring: self.ring,
+            readers: self.readers,
+            groups: self.groups,
+            tally: self.tally,
+        }
+    }
+
     pub(super) fn publish(&mut self, seq: u64, b: Published) {
         self.tally.produced += 1;
         self.tally.last_epoch = b.epoch;
@@ -65,7 +93,7 @@ impl Hub {
     /// stream.
     pub(super) fn send_to(&mut self, id: ConsumerId) {
         let bpe = self.cfg.batches_per_epoch;
-        let exhausted = self.exhausted();
+        let exhausted = self.view().exhausted();
         let Some(c) = self.readers.get_mut(id) else {
             return;
         };
@@ -157,7 +185,7 @@ impl Hub {
         // Everything made: nobody waits for the pipeline any more (a
         // group's member ends before the last member's tail, which it
         // then no longer waits for).
-        if self.exhausted() {
+        if self.view().exhausted() {
             return None;
         }
         let tail = self.readers.tail(false)?;
@@ -170,5 +198,55 @@ impl Hub {
                 (lag > limit && !c.cuttable && c.oldest_owed() == Some(tail)).then_some((id, lag))
             })
             .max_by_key(|&(id, lag)| (lag, std::cmp::Reverse(id)))
+    }
+
+    /// Orders the copies each group's ring has room for, in sequence order
+    /// (`Group::place`).
+    pub(super) fn start_copies(&mut self) {
+        for (g, grp) in self.groups.iter_mut().enumerate() {
+            grp.place(g as GroupId, self.copies);
+        }
+    }
+
+    /// Removes a consumer and drops its references. Removing never adds to
+    /// another consumer's queue, so callers need not pump again for it.
+    pub(super) fn remove(&mut self, id: ConsumerId) -> bool {
+        let Some(c) = self.readers.remove(id) else {
+            return false;
+        };
+        self.tally.departed += 1;
+        for seq in c.held.into_iter().chain(c.queue) {
+            self.unref(c.group, seq);
+        }
+        true
+    }
+
+    /// Consumer `id` owes every published batch from `seq` to the head
+    /// (all still published, and for a group member its GPU's copies of
+    /// them still there or yet to be placed in order: the caller checked,
+    /// `Group::may_owe`): referenced and queued. A group member owes
+    /// its GPU's copy, made now where there is none.
+    pub(super) fn owe_published(&mut self, id: ConsumerId, seq: u64) {
+        let head = self.ring.head();
+        let Some(c) = self.readers.get_mut(id) else {
+            return;
+        };
+        let through = match c.life {
+            Life::Reading { through } => through.unwrap_or(u64::MAX),
+            _ => u64::MAX,
+        };
+        for s in seq..head {
+            let b = self.ring.published(s).expect("owed batches are published");
+            if b.epoch > through {
+                continue;
+            }
+            c.queue.push_back(s);
+            if let Some(g) = c.group
+                && !self.groups[g as usize].owe(s, b)
+            {
+                continue; // its copy is there: the host slot is not pinned for it
+            }
+            self.ring.pin(s);
+        }
     }
 }

@@ -42,13 +42,13 @@ fn a_stream_whose_only_consumer_said_goodbye_pauses() {
     // It still holds batch 0, and is still subscribed until it leaves,
     // but takes nothing more: nothing is made for nobody.
     assert!(
-        !h.can_start(),
+        !h.view().can_start(),
         "a closing consumer is nobody to produce for"
     );
     h.release(a, w.seq).unwrap();
-    assert!(!h.can_start());
+    assert!(!h.view().can_start());
     let (_b, _) = h.join(1, JoinPolicy::Immediate).unwrap();
-    assert!(h.can_start(), "a new reader starts it again");
+    assert!(h.view().can_start(), "a new reader starts it again");
 }
 
 #[test]
@@ -64,7 +64,7 @@ fn a_stream_nobody_read_yet_starts_where_it_is_sought_and_only_then() {
     assert!(h.seek(2, 7));
     let (a, start) = h.join(2, JoinPolicy::Now).unwrap();
     assert_eq!(
-        (start, h.reader(a).map(|c| c.first_batch())),
+        (start, h.view().reader(a).map(|c| c.first_batch())),
         (2, Some((2, 7)))
     );
     assert!(!h.seek(0, 0), "someone is subscribed");
@@ -77,7 +77,7 @@ fn a_stream_nobody_read_yet_starts_where_it_is_sought_and_only_then() {
     produce(&mut h).unwrap();
     produce(&mut h).unwrap();
     assert_eq!(batches(&h.take_outbound(), a), vec![(2, 7), (2, 8)]);
-    h.check_invariants();
+    h.view().check_invariants();
     // Once a batch was started, a seek changes nothing.
     let mut h = hub(4, 10, None, None);
     let (b, _) = h.join(1, JoinPolicy::Immediate).unwrap();
@@ -107,7 +107,7 @@ fn pipeline_waits_for_the_first_consumer_then_for_free_slots() {
     h.release(a, w0.seq).unwrap();
     assert_eq!(batches(&h.take_outbound(), a), vec![(0, 1)]);
     assert!(h.start_batch().is_some(), "released slot is reused");
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -131,7 +131,7 @@ fn min_consumers_can_be_lowered_before_the_start_and_not_after() {
     assert!(h.start_batch().is_some(), "no effect once started");
     let out = h.take_outbound();
     assert_eq!(batches(&out, a), batches(&out, b));
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -158,7 +158,7 @@ fn slowest_consumer_sets_the_pace_and_slot_is_reused_only_at_zero() {
         w.slot, ws[0].slot,
         "the ring's next slot is reused once released by both"
     );
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -172,7 +172,7 @@ fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
     let out = h.take_outbound();
     assert_eq!(batches(&out, ahead).len(), 3, "past its window of 1");
     assert_eq!(batches(&out, windowed).len(), 1, "its window of 1");
-    let c = h.reader(ahead).map(|c| c.counts()).unwrap();
+    let c = h.view().reader(ahead).map(|c| c.counts()).unwrap();
     assert_eq!((c.window, c.held, c.queued), (1, 3, 0));
     // What it was sent pins slots exactly as what is queued would.
     h.release(windowed, ws[0].seq).unwrap();
@@ -188,12 +188,12 @@ fn an_ahead_consumer_is_sent_every_batch_at_once_and_owes_them_all() {
     h.release(ahead, ws[0].seq).unwrap();
     assert_eq!(h.start_batch().unwrap().slot, ws[0].slot);
     assert_eq!(
-        h.reader(ahead).map(|c| c.counts()).unwrap().held,
+        h.view().reader(ahead).map(|c| c.counts()).unwrap().held,
         2,
         "2 and {}",
         w.seq
     );
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -209,12 +209,12 @@ fn a_dead_consumer_gives_back_everything_at_once() {
     assert!(h.leave(b));
     assert!(!h.leave(b), "leaving twice is a no-op");
     assert_eq!(
-        h.counts().free,
+        h.view().counts().free,
         2,
         "b's two held and two queued batches: two slots a released"
     );
-    assert_eq!(h.reader(a).map(|c| c.counts()).unwrap().held, 2);
-    h.check_invariants();
+    assert_eq!(h.view().reader(a).map(|c| c.counts()).unwrap().held, 2);
+    h.view().check_invariants();
 }
 
 #[test]
@@ -258,7 +258,7 @@ fn late_joiners_start_at_the_next_epoch_unless_they_ask_for_now() {
             }
         ]
     );
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -303,7 +303,7 @@ fn the_lag_limit_allows_what_a_consumers_own_window_spans() {
     let mut h = hub(8, 100, None, Some(2));
     let wide = |batches| Window { units: 4, batches };
     assert_eq!(
-        h.check_window(wide(3), None),
+        h.view().check_window(wide(3), None),
         Err(HubError::WindowAboveLagLimit {
             window: 3,
             lag_limit: 2
@@ -325,7 +325,7 @@ fn the_lag_limit_allows_what_a_consumers_own_window_spans() {
             detached_at = Some(made);
             break;
         }
-        h.check_invariants();
+        h.view().check_invariants();
     }
     // Behind by 5 (its oldest batch 0, the head 5) is 3 past its 2 units
     // of allowance: past the limit of 2. A plain window went at 3.
@@ -348,13 +348,13 @@ fn straggler_beyond_the_lag_limit_is_detached_and_frees_its_slots() {
                 detached = true;
             }
         }
-        h.check_invariants();
+        h.view().check_invariants();
     }
     assert!(detached);
-    assert!(h.reader(slow).map(|c| c.counts()).is_none());
-    assert_eq!(h.counts().detached, 1);
+    assert!(h.view().reader(slow).map(|c| c.counts()).is_none());
+    assert_eq!(h.view().counts().detached, 1);
     assert_eq!(
-        h.counts().free,
+        h.view().counts().free,
         6,
         "fast consumer released everything it got"
     );
@@ -379,10 +379,10 @@ fn the_lag_limit_leaves_a_consumer_that_may_be_cut_alone() {
                 detached.push(id);
             }
         }
-        h.check_invariants();
+        h.view().check_invariants();
     }
     assert_eq!(detached, vec![lockstep]);
-    assert!(h.reader(cuttable).map(|c| c.counts()).is_some());
+    assert!(h.view().reader(cuttable).map(|c| c.counts()).is_some());
 }
 
 #[test]
@@ -417,9 +417,9 @@ fn the_lag_limit_detaches_a_stalled_ahead_consumer_not_the_one_keeping_up() {
             }
         }
         let _ = w;
-        h.check_invariants();
+        h.view().check_invariants();
     }
-    assert_eq!(detached, vec![staller], "{:?}", h.counts());
+    assert_eq!(detached, vec![staller], "{:?}", h.view().counts());
 }
 
 #[test]
@@ -456,11 +456,11 @@ fn a_consumer_joining_beside_one_sent_the_ring_ahead_does_not_get_it_detached() 
                 _ => {}
             }
         }
-        h.check_invariants();
+        h.view().check_invariants();
     }
     assert!(
-        h.reader(reader).map(|c| c.counts()).is_some()
-            && h.reader(newcomer).map(|c| c.counts()).is_some()
+        h.view().reader(reader).map(|c| c.counts()).is_some()
+            && h.view().reader(newcomer).map(|c| c.counts()).is_some()
     );
 }
 
@@ -490,10 +490,13 @@ fn a_now_joiner_starts_within_the_lag_limit() {
         !out.iter()
             .any(|(_, o)| matches!(o, Outbound::Detached { .. }))
     );
-    assert_eq!(h.ring().oldest_live().map(|o| (o.1, o.2)), Some((0, 0)));
+    assert_eq!(
+        h.view().ring().oldest_live().map(|o| (o.1, o.2)),
+        Some((0, 0))
+    );
     let (late, _) = h.join(2, JoinPolicy::Now).unwrap();
     assert_eq!(
-        h.reader(late).map(|c| c.first_batch()),
+        h.view().reader(late).map(|c| c.first_batch()),
         Some((0, 3)),
         "three behind the fast one"
     );
@@ -504,7 +507,7 @@ fn a_now_joiner_starts_within_the_lag_limit() {
         "{out:?}"
     );
     assert_eq!(batches(&out, late), vec![(0, 3), (0, 4)]);
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -519,7 +522,7 @@ fn finite_stream_ends_for_everyone_and_frees_all_slots() {
         ends += usize::from(o == Outbound::EndOfStream);
     }
     assert_eq!(ends, 1);
-    assert!(h.finished());
+    assert!(h.view().finished());
     let (_, start) = h.join(1, JoinPolicy::NextEpoch).unwrap();
     assert_eq!(start, 2);
     assert_eq!(
@@ -566,7 +569,7 @@ fn bad_windows_and_releases_are_errors() {
         "double release"
     );
     assert_eq!(h.release(99, 0), Err(HubError::UnknownConsumer(99)));
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -576,14 +579,18 @@ fn goodbye_stops_sending_but_keeps_held_batches_valid() {
     let (b, _) = h.join(4, JoinPolicy::NextEpoch).unwrap();
     let ws: Vec<Work> = (0..4).map(|_| produce(&mut h).unwrap()).collect();
     h.goodbye(a).unwrap();
-    h.check_invariants();
+    h.view().check_invariants();
     for w in &ws {
         h.release(b, w.seq).unwrap();
     }
-    assert_eq!(h.counts().free, 2, "a's two held batches stay pinned");
+    assert_eq!(
+        h.view().counts().free,
+        2,
+        "a's two held batches stay pinned"
+    );
     h.release(a, ws[0].seq).unwrap();
     h.release(a, ws[1].seq).unwrap();
-    assert_eq!(h.counts().free, 4);
+    assert_eq!(h.view().counts().free, 4);
     produce(&mut h).unwrap();
     assert!(
         batches(&h.take_outbound(), a).len() == 2,
@@ -612,8 +619,8 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     // It took batch 1 and never took 2, 3 and 4.
     assert_eq!(h.cut(slow, &[9]), Err(HubError::NotHeld { seq: 9 }));
     assert_eq!(h.cut(slow, &[ws[2].seq, ws[3].seq, w4.seq]), Ok((0, 2)));
-    assert!(h.reader(slow).is_some_and(|c| c.is_cut()));
-    assert_eq!(h.reader(slow).map(|c| c.counts()).unwrap().held, 1);
+    assert!(h.view().reader(slow).is_some_and(|c| c.is_cut()));
+    assert_eq!(h.view().reader(slow).map(|c| c.counts()).unwrap().held, 1);
     assert_eq!(
         h.release(slow, ws[2].seq),
         Err(HubError::NotHeld { seq: 2 })
@@ -633,7 +640,7 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
     // rejoin there, and gets 4, 5, ... in order.
     let w5 = produce(&mut h).unwrap();
     h.rejoin(slow, w4.seq).unwrap();
-    assert!(!h.reader(slow).is_some_and(|c| c.is_cut()));
+    assert!(!h.view().reader(slow).is_some_and(|c| c.is_cut()));
     let w6 = produce(&mut h).unwrap();
     assert_eq!(
         batches(&h.take_outbound(), slow),
@@ -643,8 +650,8 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
         h.release(fast, w.seq).unwrap();
         h.release(slow, w.seq).unwrap();
     }
-    assert_eq!(h.counts().free, 4);
-    h.check_invariants();
+    assert_eq!(h.view().counts().free, 4);
+    h.view().check_invariants();
 }
 
 /// A rotated consumer (`rejoin_through`) is sent its epoch's rest and
@@ -663,16 +670,25 @@ fn a_consumer_rejoined_through_an_epoch_gets_nothing_after_it() {
     assert_eq!(h.cut(late, &[]), Ok((0, 0)));
     let ws: Vec<Work> = (0..3).map(|_| produce(&mut h).unwrap()).collect();
     // Batches 1 and 2 of epoch 0 are live; every other index (2) only 2.
-    assert_eq!(h.ring().rotation_point(0, 0, 1), Some((ws[1].seq, 1)));
-    assert_eq!(h.ring().rotation_point(0, 0, 2), Some((ws[2].seq, 2)));
-    assert_eq!(h.ring().rotation_point(0, ws[2].seq, 3), None);
     assert_eq!(
-        h.ring().rotation_point(1, 0, 1),
+        h.view().ring().rotation_point(0, 0, 1),
+        Some((ws[1].seq, 1))
+    );
+    assert_eq!(
+        h.view().ring().rotation_point(0, 0, 2),
+        Some((ws[2].seq, 2))
+    );
+    assert_eq!(h.view().ring().rotation_point(0, ws[2].seq, 3), None);
+    assert_eq!(
+        h.view().ring().rotation_point(1, 0, 1),
         None,
         "no batch of epoch 1 yet"
     );
     h.rejoin_through(late, ws[2].seq, Some(0)).unwrap();
-    assert!(!h.read_through(late, 0), "batch 3 of epoch 0 is to come");
+    assert!(
+        !h.view().read_through(late, 0),
+        "batch 3 of epoch 0 is to come"
+    );
     for w in &ws {
         h.release(fast, w.seq).unwrap();
     }
@@ -689,18 +705,21 @@ fn a_consumer_rejoined_through_an_epoch_gets_nothing_after_it() {
         !out.iter()
             .any(|(id, o)| *id == late && *o == Outbound::EndOfStream)
     );
-    assert!(h.read_through(late, 0));
-    assert!(!h.read_through(fast, 0), "not rejoined through an epoch");
+    assert!(h.view().read_through(late, 0));
+    assert!(
+        !h.view().read_through(fast, 0),
+        "not rejoined through an epoch"
+    );
     // It owes nothing of epoch 1: the ring is the fast one's alone.
     for w in &rest {
         h.release(fast, w.seq).unwrap();
     }
     h.release(late, rest[0].seq).unwrap();
-    assert_eq!(h.counts().free, 6);
+    assert_eq!(h.view().counts().free, 6);
     // Cut to be replayed its epoch's start: nothing to give back.
     h.cut(late, &[]).unwrap();
-    assert!(!h.read_through(late, 0));
-    h.check_invariants();
+    assert!(!h.view().read_through(late, 0));
+    h.view().check_invariants();
 }
 
 /// `(seq, slot)` of every batch sent to `who`.
@@ -747,12 +766,16 @@ fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
         sent(&out, m1).is_empty() && sent(&out, m2).is_empty(),
         "not before the copy"
     );
-    h.check_invariants();
+    h.view().check_invariants();
     h.release(host, w.seq).unwrap();
-    assert_eq!(h.counts().free, 1, "the copy still reads the host slot");
+    assert_eq!(
+        h.view().counts().free,
+        1,
+        "the copy still reads the host slot"
+    );
     h.copied(g, w.seq).unwrap();
     assert_eq!(
-        h.counts().free,
+        h.view().counts().free,
         2,
         "copied and released by the host consumer: free"
     );
@@ -760,7 +783,7 @@ fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
     assert_eq!(sent(&out, m1), vec![(w.seq, copies[0].slot)]);
     assert_eq!(sent(&out, m2), vec![(w.seq, copies[0].slot)]);
     assert_eq!(
-        h.group_counts(g).unwrap().in_use,
+        h.view().group_counts(g).unwrap().in_use,
         1,
         "the members hold the copy"
     );
@@ -773,8 +796,8 @@ fn a_group_copies_each_batch_once_and_sends_it_only_once_copied() {
     );
     h.release(m1, w.seq).unwrap();
     h.release(m2, w.seq).unwrap();
-    assert_eq!(h.group_counts(g).unwrap().in_use, 0);
-    h.check_invariants();
+    assert_eq!(h.view().group_counts(g).unwrap().in_use, 0);
+    h.view().check_invariants();
 }
 
 #[test]
@@ -800,11 +823,15 @@ fn host_slots_are_refilled_while_members_still_hold_their_copies() {
         "four batches in four distinct group slots"
     );
     assert_eq!(
-        h.reader(m).map(|c| c.counts()).unwrap().held,
+        h.view().reader(m).map(|c| c.counts()).unwrap().held,
         2,
         "window of two sent"
     );
-    assert_eq!(h.counts().free, 2, "no host slot is pinned by the GPU");
+    assert_eq!(
+        h.view().counts().free,
+        2,
+        "no host slot is pinned by the GPU"
+    );
     // The group is full: the next batch pins its host slot until a member
     // releases a copy.
     let w = produce(&mut h).unwrap();
@@ -823,7 +850,7 @@ fn host_slots_are_refilled_while_members_still_hold_their_copies() {
         (w.seq, first.1),
         "the freed group slot takes the next batch"
     );
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -842,21 +869,21 @@ fn a_member_leaving_during_its_copy_frees_both_slots_when_the_copy_ends() {
     assert!(h.leave(m));
     h.release(host, w0.seq).unwrap();
     h.release(host, w1.seq).unwrap();
-    h.check_invariants();
+    h.view().check_invariants();
     assert_eq!(
-        h.counts().free,
+        h.view().counts().free,
         1,
         "batch 1's copy still reads its host slot"
     );
     assert_eq!(
-        h.group_counts(g).unwrap().in_use,
+        h.view().group_counts(g).unwrap().in_use,
         1,
         "and its group slot is being written"
     );
     h.copied(g, w1.seq).unwrap();
-    assert_eq!(h.counts().free, 2);
-    assert_eq!(h.group_counts(g).unwrap().in_use, 0);
-    h.check_invariants();
+    assert_eq!(h.view().counts().free, 2);
+    assert_eq!(h.view().group_counts(g).unwrap().in_use, 0);
+    h.view().check_invariants();
 }
 
 #[test]
@@ -884,7 +911,7 @@ fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     );
     h.take_outbound();
     assert_eq!(h.fail_group(g), vec![m]);
-    h.check_invariants();
+    h.view().check_invariants();
     assert!(produce(&mut h).is_some(), "host consumers go on");
     assert_eq!(
         h.join_group(1, JoinPolicy::Immediate, Some(g), Delivery::Window),
@@ -895,9 +922,9 @@ fn a_failed_group_lets_go_of_host_slots_and_host_consumers_go_on() {
     assert_eq!(sent(&out, host).len(), 1);
     h.release(m, w0.seq)
         .expect("what a member held it may still release");
-    h.check_invariants();
+    h.view().check_invariants();
     assert!(h.leave(m));
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 #[test]
@@ -912,13 +939,13 @@ fn a_window_larger_than_the_group_is_refused() {
         })
     );
     assert_eq!(
-        h.check_window(3, Some(2)),
+        h.view().check_window(3, Some(2)),
         Err(HubError::WindowAboveGroupSlots {
             window: 3,
             slots: 2
         })
     );
-    assert_eq!(h.check_window(3, None), Ok(()));
+    assert_eq!(h.view().check_window(3, None), Ok(()));
     assert_eq!(
         h.join_group(1, JoinPolicy::NextEpoch, Some(7), Delivery::Window),
         Err(HubError::UnknownGroup(7))
@@ -1184,7 +1211,7 @@ impl Model {
                 } else {
                     Delivery::Window
                 };
-                let oldest = self.hub.ring().oldest_live();
+                let oldest = self.hub.view().ring().oldest_live();
                 let (id, start_epoch) = self
                     .hub
                     .join_group(window, policy, group, delivery)
@@ -1194,7 +1221,7 @@ impl Model {
                 // limit, a later one if the oldest would detach it at once.
                 let first = match (policy, group, oldest) {
                     (JoinPolicy::Now, None, Some((_, e, i))) => {
-                        let first = self.hub.reader(id).map(|c| c.first_batch());
+                        let first = self.hub.view().reader(id).map(|c| c.first_batch());
                         assert!(first.is_some(), "a `Now` joiner detached at once");
                         if self.lag_limit.is_none() {
                             assert_eq!(first, Some((e, i)));
@@ -1283,7 +1310,7 @@ impl Model {
             Op::Finish(_) | Op::Copy(_) => {}
         }
         self.drain();
-        self.hub.check_invariants();
+        self.hub.view().check_invariants();
     }
 
     fn cut(&mut self, who: prop::sample::Index, from: prop::sample::Index) {
@@ -1319,7 +1346,7 @@ impl Model {
             return;
         }
         let id = cut[who.index(cut.len())];
-        let head = self.hub.ring().head();
+        let head = self.hub.view().ring().head();
         let oldest = super::ring::tests::oldest_published(&self.hub.ring).unwrap_or(head);
         let seq = oldest + at.index((head - oldest + 2) as usize) as u64;
         let s = self.seen.get_mut(&id).unwrap();
@@ -1327,7 +1354,7 @@ impl Model {
             && (seq..head).all(|q| self.hub.ring.published(q).is_some())
             && self
                 .hub
-                .ring()
+                .view().ring()
                 .position(seq)
                 .is_some_and(|(e, _)| e >= self.hub.ring.cursor().live_epoch)
             && s.held.iter().all(|&(h, _)| h < seq)
@@ -1363,7 +1390,7 @@ impl Model {
             .map(|(&id, _)| id)
             .collect();
         for id in cut {
-            let head = self.hub.ring().head();
+            let head = self.hub.view().ring().head();
             match self.hub.rejoin(id, head) {
                 Ok(()) => {}
                 // Batches of an epoch nobody read are still in flight.
@@ -1408,8 +1435,8 @@ impl Model {
                 self.complete_copy(0);
             }
             self.drain();
-            self.hub.check_invariants();
-            if self.hub.finished() && self.inflight.is_empty() {
+            self.hub.view().check_invariants();
+            if self.hub.view().finished() && self.inflight.is_empty() {
                 self.rejoin_at_head();
                 break;
             }
@@ -1454,7 +1481,7 @@ proptest! {
             m.step(op);
         }
         m.run_to_end();
-        prop_assert!(m.hub.finished(), "stream did not finish: {:?}", m.hub.counts());
+        prop_assert!(m.hub.view().finished(), "stream did not finish: {:?}", m.hub.view().counts());
         for (id, s) in &m.seen {
             if s.gone || s.closing {
                 continue;
@@ -1466,10 +1493,10 @@ proptest! {
                 prop_assert_eq!((e, i), (2, bpe - 1), "consumer {} stopped early", id);
             }
         }
-        let c = m.hub.counts();
+        let c = m.hub.view().counts();
         prop_assert_eq!(c.free, slots);
         for g in 0..2 {
-            prop_assert_eq!(m.hub.group_counts(g).unwrap().in_use, 0);
+            prop_assert_eq!(m.hub.view().group_counts(g).unwrap().in_use, 0);
         }
     }
 }
@@ -1486,20 +1513,20 @@ fn a_consumer_cut_as_it_joins_owes_and_holds_nothing_and_is_sent_nothing() {
     let (late, _) = h
         .join_group(1, JoinPolicy::Now, None, Delivery::Ahead)
         .unwrap();
-    assert_eq!(h.reader(late).map(|c| c.counts()).unwrap().held, 4);
+    assert_eq!(h.view().reader(late).map(|c| c.counts()).unwrap().held, 4);
     // ...all taken back before they left the hub.
     assert_eq!(h.cut_at_join(late), Ok((0, 0)));
-    assert!(h.reader(late).is_some_and(|c| c.is_cut()));
-    assert_eq!(h.reader(late).map(|c| c.counts()).unwrap().held, 0);
+    assert!(h.view().reader(late).is_some_and(|c| c.is_cut()));
+    assert_eq!(h.view().reader(late).map(|c| c.counts()).unwrap().held, 0);
     assert_eq!(batches(&h.take_outbound(), late), vec![]);
     // The ring waits only for the reader.
-    let (seq, owe) = h.pinning().unwrap();
+    let (seq, owe) = h.view().pinning().unwrap();
     assert_eq!((seq, owe), (ws[0].seq, vec![reader]));
     for w in &ws {
         h.release(reader, w.seq).unwrap();
     }
     assert!(h.start_batch().is_some(), "nobody else owes the ring");
-    h.check_invariants();
+    h.view().check_invariants();
 }
 
 /// A GPU member is cut as a host consumer is (its window full, units
@@ -1529,14 +1556,23 @@ fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
     // The member holds batch 0 (its window of 1); batch 1 is copied and
     // queued for it, its host slot given back.
     assert!(
-        h.reader(m)
+        h.view()
+            .reader(m)
             .is_some_and(|c| c.holds(seqs[0]) && !c.holds(seqs[1]))
     );
-    assert_eq!(h.ring().position(seqs[1]), None, "gone from the host ring");
-    h.check_invariants();
+    assert_eq!(
+        h.view().ring().position(seqs[1]),
+        None,
+        "gone from the host ring"
+    );
+    h.view().check_invariants();
     assert_eq!(h.cut(m, &[]), Ok((0, 1)), "its replay begins at batch 1");
-    h.check_invariants();
-    assert_eq!(h.group_counts(g).unwrap().in_use, 1, "batch 1's copy freed");
+    h.view().check_invariants();
+    assert_eq!(
+        h.view().group_counts(g).unwrap().in_use,
+        1,
+        "batch 1's copy freed"
+    );
     h.release(m, seqs[0]).unwrap();
     // Batch 1 left both rings: it cannot rejoin there.
     assert_eq!(
@@ -1545,7 +1581,7 @@ fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
     );
     let w = produce(&mut h).unwrap();
     h.rejoin(m, w.seq).unwrap();
-    h.check_invariants();
+    h.view().check_invariants();
     assert_eq!(
         h.take_copies().len(),
         1,

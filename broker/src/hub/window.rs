@@ -1,7 +1,7 @@
 //! A consumer's window, in the stream's units and in its own batches,
 //! and the checks it must pass to join.
 
-use super::{Hub, HubError};
+use super::{HubError, View};
 
 /// A consumer's window: what it may hold unreleased, in the stream's
 /// batches (`units`, what the hub counts), and in its own batches
@@ -34,7 +34,7 @@ impl Window {
     }
 }
 
-impl Hub {
+impl View<'_> {
     /// Whether a consumer with this window may join (in a group of
     /// `group_slots` slots): checked before anything is allocated for it.
     /// The lag limit bounds its window in its own batches.

@@ -69,7 +69,7 @@ use crate::hub::{ConsumerId, Hub};
 /// Whether consumer `id` took unit `seq` (it was sent it and, with a
 /// mailbox, took the notice): a cut cannot give it back.
 fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
-    hub.reader(id).is_some_and(|c| c.holds(seq))
+    hub.view().reader(id).is_some_and(|c| c.holds(seq))
         && !c
             .out
             .mailbox_mut()
@@ -83,7 +83,7 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
 /// from reuse when it has not moved for the hold limit (lockstep: a cut
 /// would not free it). One that moves releases what it took soon.
 fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bool {
-    let Some(queued) = hub.reader(id).and_then(|c| c.reading()) else {
+    let Some(queued) = hub.view().reader(id).and_then(|c| c.reading()) else {
         return false;
     };
     !stalled.is_some_and(|seq| took(hub, id, c, seq))
@@ -104,9 +104,9 @@ struct ConnFacts<'a> {
 impl Facts for ConnFacts<'_> {
     fn hungry(&mut self) -> bool {
         let hub = self.hub;
-        self.conns
-            .iter_mut()
-            .any(|(&id, c)| hub.reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0)
+        self.conns.iter_mut().any(|(&id, c)| {
+            hub.view().reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0
+        })
     }
 
     fn cuttable(&mut self, id: ConsumerId, stalled: Option<u64>) -> bool {
@@ -135,7 +135,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     if !rule.eager && rule.limit.is_none() {
         return false;
     }
-    let pinned = inner.hub.pinning();
+    let pinned = inner.hub.view().pinning();
     let Inner {
         hub, conns, pace, ..
     } = &mut *inner;
@@ -304,6 +304,7 @@ pub(super) fn merge_rule(
     }
     let from = merge_from(hub);
     let near = hub
+        .view()
         .ring()
         .seq_of(at.epoch, at.sample / unit)
         .filter(|&seq| seq >= from);
@@ -319,6 +320,7 @@ pub(super) fn merge_rule(
     // It still holds units of the shared stream from before its cut: it
     // would pin the ring again at once.
     if hub
+        .view()
         .reader(id)
         .map(|c| c.counts())
         .is_none_or(|c| c.held > 0)

@@ -113,7 +113,7 @@ impl Stream {
     /// waiting to start.
     pub fn set_min_consumers(&self, min: u32) -> bool {
         self.with_hub(|inner| {
-            let waiting = inner.hub.counts().produced == 0;
+            let waiting = inner.hub.view().counts().produced == 0;
             inner.hub.set_min_consumers(min);
             waiting
         })

@@ -145,8 +145,8 @@ pub(super) fn join_workers(s: &Stream, wait: Duration) {
 pub(super) fn tell_source(s: &Stream, inner: &mut Inner) {
     // Batches still being filled count: the last ones of a run are filled
     // after the hub has handed out its last batch.
-    let live =
-        !s.stop.load(Ordering::SeqCst) && (inner.hub.wants_batches() || inner.hub.ring().filling());
+    let live = !s.stop.load(Ordering::SeqCst)
+        && (inner.hub.view().wants_batches() || inner.hub.view().ring().filling());
     if live != inner.fill.told_live
         && let Some(w) = &s.writer
     {
@@ -343,7 +343,7 @@ impl<'a> Worker<'a> {
             let now = Instant::now();
             let waited = blocked_since.map_or(Duration::ZERO, |t| now - t);
             let (mailboxes, target) = slot_target(s, &inner);
-            let free = inner.hub.ring().free_slots();
+            let free = inner.hub.view().ring().free_slots();
             if (free >= target || (free > 0 && (take_any || waited >= MAX_GATHER)))
                 && let Some(w) = inner.hub.start_batch()
             {
@@ -354,7 +354,7 @@ impl<'a> Worker<'a> {
                 tracing::trace!(naps, free, waited_us, "slot wait");
                 break w;
             }
-            if !inner.hub.wants_batches() {
+            if !inner.hub.view().wants_batches() {
                 inner = self.wait_idle(inner);
                 (blocked_since, wake_at) = (None, None);
                 continue;
@@ -443,7 +443,7 @@ fn idle<'a>(
         inner.fill.armed += 1;
         settle(&mut inner, true);
     }
-    if !(armed && (inner.hub.can_start() || replay::has_work(&inner))) {
+    if !(armed && (inner.hub.view().can_start() || replay::has_work(&inner))) {
         inner = s
             .work_cv
             .wait_timeout(inner, timeout)

@@ -106,7 +106,7 @@ pub(super) struct HoldClock {
 
 impl HoldClock {
     /// The pipeline waits for the ring's next slot: `pinned` is the unit
-    /// in it and the consumers that owe it ([`crate::hub::Hub::pinning`]).
+    /// in it and the consumers that owe it ([`crate::hub::View::pinning`]).
     /// Asks `facts` whether anyone waits for data and, only then, about
     /// each ower, and says what the rules make of it at `now`
     /// ([`HoldClock::decide`]).

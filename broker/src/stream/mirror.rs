@@ -101,7 +101,7 @@ impl Mirrors {
             .by_gpu
             .values()
             .map(|m| {
-                let n = hub.group_counts(m.group).unwrap_or_default();
+                let n = hub.view().group_counts(m.group).unwrap_or_default();
                 proto::GpuCopyStats {
                     gpu: m.mirror.label().to_string(),
                     copies: m.copies,

@@ -293,7 +293,7 @@ impl Stream {
         let r = f(&mut inner);
         settle(&mut inner, false);
         fill::tell_source(self, &mut inner);
-        let can_start = inner.hub.can_start();
+        let can_start = inner.hub.view().can_start();
         // Waiters count themselves under this lock before they wait.
         if (can_start || replay::has_work(&inner)) && inner.fill.anyone_idle() {
             self.work_cv.notify_all();

@@ -74,13 +74,13 @@ impl Port<'_> {
             if s.stop.load(Ordering::SeqCst) {
                 return Ok(Acquire::Wait);
             }
-            if inner.hub.exhausted() {
+            if inner.hub.view().exhausted() {
                 return Ok(Acquire::Ended);
             }
             // A consumer that kept the producer waiting past the hold
             // limit is detached (nothing here can be recomputed for it).
             let now = Instant::now();
-            if !inner.hub.ring().has_free_slot() && decouple::cut_laggards(s, inner, now) {
+            if !inner.hub.view().ring().has_free_slot() && decouple::cut_laggards(s, inner, now) {
                 settle(inner, true);
             }
             Ok(match inner.hub.start_batch() {
@@ -91,7 +91,7 @@ impl Port<'_> {
                         epoch: w.epoch,
                         index: w.index,
                         slot: w.slot,
-                        readers: inner.hub.members(),
+                        readers: inner.hub.view().members(),
                     }
                 }),
                 None => {
@@ -132,7 +132,7 @@ impl Port<'_> {
 
     /// Whether no slot is free (the producer is under back-pressure).
     pub(crate) fn slots_full(&self) -> bool {
-        !self.s.lock().hub.ring().has_free_slot()
+        !self.s.lock().hub.view().ring().has_free_slot()
     }
 
     /// An external producer filled `slot` with `samples` samples, after
@@ -151,13 +151,13 @@ impl Port<'_> {
     pub(crate) fn producer_done(&self, who: &str) {
         let s = self.s;
         let early = s.with_hub(|inner| {
-            if inner.hub.exhausted() || inner.records.failed.is_some() {
+            if inner.hub.view().exhausted() || inner.records.failed.is_some() {
                 return None;
             }
             if s.plan.epochs.is_none() && inner.hub.end_at_epoch_boundary() {
                 return None;
             }
-            let c = inner.hub.counts();
+            let c = inner.hub.view().counts();
             Some(StreamFailed::ProducerStopped {
                 who: who.into(),
                 produced: c.produced,

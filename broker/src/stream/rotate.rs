@@ -43,7 +43,7 @@ use crate::hub::{ConsumerId, Hub};
 /// pauses would pin the ring, be cut and merge again at once, over and
 /// over).
 pub(super) fn merge_from(hub: &Hub) -> u64 {
-    let (head, slots) = (hub.ring().head(), hub.ring().slots());
+    let (head, slots) = (hub.view().ring().head(), hub.view().ring().slots());
     head.saturating_sub(u64::from(slots / 2))
 }
 
@@ -72,8 +72,17 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
     // ring keeps that for them anyway, and a rotation happens once an
     // epoch at most.
     let room = merge_from(&inner.hub);
-    let from = inner.hub.members_tail().map_or(room, |t| t.min(room));
-    let Some((seq, index)) = inner.hub.ring().rotation_point(at.epoch, from, every) else {
+    let from = inner
+        .hub
+        .view()
+        .members_tail()
+        .map_or(room, |t| t.min(room));
+    let Some((seq, index)) = inner
+        .hub
+        .view()
+        .ring()
+        .rotation_point(at.epoch, from, every)
+    else {
         return false;
     };
     let point = Position {
@@ -124,7 +133,7 @@ pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner, clock: fn() -
         };
         // It took every unit it was sent: a paused one that did not is
         // cut as any member is, taking back what it did not take.
-        if c.ending.is_none() && hub.read_through(id, rot.epoch) && unread(c) == 0 {
+        if c.ending.is_none() && hub.view().read_through(id, rot.epoch) && unread(c) == 0 {
             due.push((id, rot));
         }
     }

@@ -13,7 +13,7 @@ impl Stream {
         // Releases sitting in mailboxes count as released.
         self.with_hub(|inner| inner.deliver.drain_all());
         let inner = self.lock();
-        let c = inner.hub.counts();
+        let c = inner.hub.view().counts();
         let mut consumers: Vec<ConsumerStats> = inner
             .conns
             .keys()
@@ -76,7 +76,12 @@ pub(super) fn consumer_stats(inner: &Inner, id: ConsumerId) -> Option<ConsumerSt
     let conn = inner.conns.get(&id)?;
     // One the hub detached (lag or hold limit) is still shown, with the
     // reason, until its connection closes; the hub no longer counts it.
-    let n = inner.hub.reader(id).map(|c| c.counts()).unwrap_or_default();
+    let n = inner
+        .hub
+        .view()
+        .reader(id)
+        .map(|c| c.counts())
+        .unwrap_or_default();
     // Wait, busy and hold times are the client's own figures (a release
     // carries them, a mailbox sums them): nobody can have waited, worked or
     // held longer than it has been connected, whatever it writes.

@@ -230,7 +230,10 @@ impl Joining<'_> {
         }
         seats::check(&inner, req, shape, self.peer.uid)?;
         let gpu_slots = req.device.as_ref().map(|_| self.s.plan.gpu_slots);
-        inner.hub.check_window(shape.window(req), gpu_slots)?;
+        inner
+            .hub
+            .view()
+            .check_window(shape.window(req), gpu_slots)?;
         if let Some(dev) = &req.device {
             inner.mirrors.check(dev)?;
         }

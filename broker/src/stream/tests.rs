@@ -533,7 +533,11 @@ fn only_the_owners_resume_moves_a_stream_nobody_has_read() {
     let s = start(2, 1);
     let guest = s.subscribe(resume_at(1), peer_of("guest", 1001)).unwrap();
     assert_eq!(
-        s.lock().hub.reader(guest.id).map(|c| c.first_batch()),
+        s.lock()
+            .hub
+            .view()
+            .reader(guest.id)
+            .map(|c| c.first_batch()),
         Some((0, 0)),
         "not moved by a guest"
     );
@@ -541,7 +545,11 @@ fn only_the_owners_resume_moves_a_stream_nobody_has_read() {
     let s = start(2, 1);
     let owner = s.subscribe(resume_at(1), peer("owner")).unwrap();
     assert_eq!(
-        s.lock().hub.reader(owner.id).map(|c| c.first_batch()),
+        s.lock()
+            .hub
+            .view()
+            .reader(owner.id)
+            .map(|c| c.first_batch()),
         Some((1, 10)),
         "moved to the owner's place"
     );

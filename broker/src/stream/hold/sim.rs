@@ -199,7 +199,7 @@ impl Facts for SimFacts<'_> {
     fn hungry(&mut self) -> bool {
         self.readers.values().any(|r| {
             r.mode != Mode::Gone
-                && self.hub.reader(r.id).and_then(|c| c.reading()) == Some(0)
+                && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0)
                 && r.revocable() == 0
         })
     }
@@ -208,7 +208,7 @@ impl Facts for SimFacts<'_> {
         let Some(r) = self.readers.get(&id) else {
             return false;
         };
-        let Some(queued) = self.hub.reader(id).and_then(|c| c.reading()) else {
+        let Some(queued) = self.hub.view().reader(id).and_then(|c| c.reading()) else {
             return false;
         };
         r.plan.arena
@@ -254,7 +254,7 @@ impl Sim {
         self.pending = later;
         for mut plan in join {
             if let Some(g) = plan.group {
-                let slots = self.hub.group_counts(g).expect("two groups").slots;
+                let slots = self.hub.view().group_counts(g).expect("two groups").slots;
                 plan.window = plan.window.min(slots);
             }
             // `join = "now"` under decoupled pace: a host reader with a
@@ -322,7 +322,7 @@ impl Sim {
         self.deliver()?;
         self.pipeline()?;
         self.deliver()?;
-        self.hub.check_invariants();
+        self.hub.view().check_invariants();
         self.check_waits()
     }
 
@@ -439,9 +439,9 @@ impl Sim {
     /// with the broker (a producer's stream is not recomputed, a GPU's
     /// copies are gone; nothing read yet: nothing to resume).
     fn restart(&mut self) -> Result<(), TestCaseError> {
-        let group_slots = self.hub.group_counts(0).expect("two groups").slots;
+        let group_slots = self.hub.view().group_counts(0).expect("two groups").slots;
         let mut hub = Hub::new(HubConfig {
-            slots: self.hub.ring().slots(),
+            slots: self.hub.view().ring().slots(),
             batches_per_epoch: self.bpe,
             epochs: None,
             lag_limit: None,
@@ -522,15 +522,15 @@ impl Sim {
     fn pipeline(&mut self) -> Result<(), TestCaseError> {
         let at = self.at();
         for _ in 0..64 {
-            if self.hub.ring().has_free_slot() {
+            if self.hub.view().ring().has_free_slot() {
                 let Some(w) = self.hub.start_batch() else {
                     return Ok(());
                 };
-                self.clock.begun(w.seq, self.hub.ring().slots(), at);
+                self.clock.begun(w.seq, self.hub.view().ring().slots(), at);
                 self.making.inflight.push(w);
                 continue;
             }
-            let pinned = self.hub.pinning();
+            let pinned = self.hub.view().pinning();
             let stalled = pinned.as_ref().map(|(seq, _)| *seq);
             let mut facts = SimFacts {
                 hub: &self.hub,
@@ -580,15 +580,15 @@ impl Sim {
 
     /// No reader waits for data with the ring full past the bound.
     fn check_waits(&mut self) -> Result<(), TestCaseError> {
-        let full = !self.hub.ring().has_free_slot();
-        let pinned = self.hub.pinning().map(|(seq, _)| seq);
+        let full = !self.hub.view().ring().has_free_slot();
+        let pinned = self.hub.view().pinning().map(|(seq, _)| seq);
         let bound = self.bound();
         let now = self.now;
         for r in self.readers.values_mut() {
             let waiting = r.mode == Mode::Shared
                 && r.active(now)
                 && r.unread.is_empty()
-                && self.hub.reader(r.id).and_then(|c| c.reading()) == Some(0);
+                && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0);
             // Taking a batch this step is progress: not blocked.
             if !(waiting && full) || r.acted == now {
                 r.blocked_since = None;
@@ -810,11 +810,11 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         }
     }
     sim.hub.take_outbound();
-    sim.hub.check_invariants();
-    prop_assert_eq!(sim.hub.counts().free, sc.slots, "host slots leaked");
+    sim.hub.view().check_invariants();
+    prop_assert_eq!(sim.hub.view().counts().free, sc.slots, "host slots leaked");
     for g in 0..2 {
         prop_assert_eq!(
-            sim.hub.group_counts(g).map(|c| c.in_use),
+            sim.hub.view().group_counts(g).map(|c| c.in_use),
             Some(0),
             "group slots leaked"
         );

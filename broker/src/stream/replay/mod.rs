@@ -178,6 +178,7 @@ pub(super) fn start(
 ) -> Result<Started, SubscribeError> {
     let (epoch, index) = inner
         .hub
+        .view()
         .reader(id)
         .map(|c| c.first_batch())
         .expect("it just joined");
@@ -390,7 +391,7 @@ pub(super) struct Started {
 /// (see the module's rules). `shared_first`: the thread made a replayed
 /// batch last and the shared pipeline could go on.
 pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJob> {
-    let shared_waits = !inner.hub.can_start();
+    let shared_waits = !inner.hub.view().can_start();
     if shared_first && !shared_waits {
         return None;
     }
