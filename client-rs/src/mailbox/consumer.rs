@@ -172,7 +172,9 @@ impl<M: Memory> ConsumerMailbox<M> {
         if n.wrapping_sub(drained) >= w.spec.releases as u64 {
             return false;
         }
-        w.release(n).store(super::word_of(unit), Ordering::Relaxed);
+        for (word, v) in super::record_of(unit).into_iter().enumerate() {
+            w.release(n, word).store(v, Ordering::Relaxed);
+        }
         for (at, add) in [
             (WAIT_TOTAL, t.wait_ns),
             (BUSY_TOTAL, t.busy_ns),

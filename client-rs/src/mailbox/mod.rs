@@ -21,7 +21,7 @@
 //! | 128 | consumer | `tail` (u64: notices read) |
 //! | 192 | consumer | `released` (u64: release records written), then running totals of wait, busy and hold ns, then what its program has taken ([`Taken`](crate::proto::Taken): batches, samples, the last one's epoch) |
 //! | 256 | broker | notice ring: records of 8 words, the first a stamp (the notice's number + 1) written last |
-//! | … | consumer | release ring: one word per release, the unit's seq with the top bit set for a replayed batch (only `word_of` and `unit_of` write and read it) |
+//! | … | consumer | release ring: two words per release, the unit's kind (1 shared, 2 replayed) and its seq |
 //!
 //! A notice costs the broker one cache line (the stamp publishes it; there
 //! is no separate head counter to bounce), and it reads the consumer's
@@ -91,24 +91,27 @@ const NOTICE_WORDS: usize = 8;
 /// Largest ring either side accepts.
 const MAX_RECORDS: u32 = 1 << 16;
 
-/// A release word's tag for a replayed batch.
-const REPLAYED_TAG: u64 = 1 << 63;
+/// Words of a release record: the unit's kind, then its seq.
+const RELEASE_WORDS: usize = 2;
+/// A release record's kind word.
+const RELEASE_SHARED: u64 = 1;
+const RELEASE_REPLAYED: u64 = 2;
 
-/// The release ring's word for `unit`: the encoding of the shared layout,
-/// kept here (a shared unit's seq never reaches the tag bit).
-pub(crate) fn word_of(unit: Unit) -> u64 {
+/// The release record for `unit`: its kind and its seq, each a word of
+/// its own (a seq is any u64; nothing in it marks its kind).
+pub(crate) fn record_of(unit: Unit) -> [u64; RELEASE_WORDS] {
     match unit {
-        Unit::Shared(seq) => seq & !REPLAYED_TAG,
-        Unit::Replayed(seq) => seq | REPLAYED_TAG,
+        Unit::Shared(seq) => [RELEASE_SHARED, seq],
+        Unit::Replayed(seq) => [RELEASE_REPLAYED, seq],
     }
 }
 
-/// The unit a release word names.
-pub(crate) fn unit_of(word: u64) -> Unit {
-    if word & REPLAYED_TAG != 0 {
-        Unit::Replayed(word & !REPLAYED_TAG)
-    } else {
-        Unit::Shared(word)
+/// The unit a release record names; `None` for a kind no client writes.
+pub(crate) fn unit_of([kind, seq]: [u64; RELEASE_WORDS]) -> Option<Unit> {
+    match kind {
+        RELEASE_SHARED => Some(Unit::Shared(seq)),
+        RELEASE_REPLAYED => Some(Unit::Replayed(seq)),
+        _ => None,
     }
 }
 
@@ -146,7 +149,7 @@ impl MailboxSpec {
 
     /// Bytes of the shared memory.
     pub fn bytes(&self) -> u64 {
-        self.releases_at() as u64 + self.releases as u64 * 8
+        self.releases_at() as u64 + self.releases as u64 * (RELEASE_WORDS * 8) as u64
     }
 
     fn releases_at(&self) -> usize {
@@ -219,9 +222,10 @@ impl<M: Memory> Words<M> {
         self.u64(NOTICES + (i * NOTICE_WORDS + word) * 8)
     }
 
-    fn release(&self, n: u64) -> &M::W64 {
+    /// Word `word` of the ring entry that release number `n` uses.
+    fn release(&self, n: u64, word: usize) -> &M::W64 {
         let i = (n % self.spec.releases as u64) as usize;
-        self.u64(self.spec.releases_at() + i * 8)
+        self.u64(self.spec.releases_at() + (i * RELEASE_WORDS + word) * 8)
     }
 
     fn bell(&self) -> &M::W32 {
@@ -275,6 +279,10 @@ pub enum MailboxError {
         drained: u64,
         capacity: u32,
     },
+    #[error(
+        "its mailbox's release number {at} is of kind {kind}, which no client writes (1 is a shared batch, 2 a replayed one)"
+    )]
+    BadReleaseKind { at: u64, kind: u64 },
 }
 
 impl BrokerMailbox {
@@ -499,7 +507,9 @@ impl<M: Memory> BrokerMailbox<M> {
 
     /// Hands the unit of every release the consumer has written to
     /// `take`, in order, and returns how many there were with the
-    /// consumer's running totals. An impossible count is an error.
+    /// consumer's running totals. An impossible count, or a record of no
+    /// kind a client writes, is an error (the records before it were
+    /// taken).
     pub fn drain(
         &mut self,
         mut take: impl FnMut(Unit),
@@ -519,14 +529,29 @@ impl<M: Memory> BrokerMailbox<M> {
             busy_ns: w.u64(BUSY_TOTAL).load(Ordering::Relaxed),
             hold_ns: w.u64(HOLD_TOTAL).load(Ordering::Relaxed),
         };
+        let mut bad = None;
         for _ in 0..new {
-            take(unit_of(w.release(self.drained).load(Ordering::Relaxed)));
+            let n = self.drained;
+            let record = [0, 1].map(|word| w.release(n, word).load(Ordering::Relaxed));
             self.drained += 1;
+            match unit_of(record) {
+                Some(unit) => take(unit),
+                None => {
+                    bad = Some(MailboxError::BadReleaseKind {
+                        at: n,
+                        kind: record[0],
+                    });
+                    break;
+                }
+            }
         }
         if new > 0 {
             w.u64(DRAINED).store(self.drained, Ordering::Release);
         }
-        Ok((new as usize, totals))
+        match bad {
+            Some(e) => Err(e),
+            None => Ok((new as usize, totals)),
+        }
     }
 }
 
@@ -835,6 +860,23 @@ mod tests {
             }
         }
         assert!(full);
+        // A release record of no kind a client writes: the records before
+        // it are taken, then the error (which ends this consumer only).
+        let (mut b, c) = pair(2);
+        assert!(c.push_release(Unit::Shared(7), t(1)));
+        assert!(c.push_release(Unit::Replayed(7), t(1)));
+        c.words.release(1, 0).store(3, Ordering::Relaxed);
+        let mut got = Vec::new();
+        assert_eq!(
+            b.drain(|u| got.push(u)),
+            Err(MailboxError::BadReleaseKind { at: 1, kind: 3 })
+        );
+        assert_eq!(got, vec![Unit::Shared(7)]);
+        // A seq with its top bit set is a seq like any other.
+        assert!(c.push_release(Unit::Shared(u64::MAX), t(1)));
+        got.clear();
+        b.drain(|u| got.push(u)).unwrap();
+        assert_eq!(got, vec![Unit::Shared(u64::MAX)]);
         // And the consumer refuses an unknown record kind.
         let (mut b, c) = pair(2);
         b.push(&batch(0)).unwrap();
