@@ -9,7 +9,7 @@ use batchcast::proto::{DeviceArena, DeviceRequest};
 use batchcast::schema::RingLayout;
 
 use super::copier::{self, Copy, CopyEngine};
-use super::{Backend, GpuError, Mirror, MirrorSpec, ReplayTarget, TargetMemory};
+use super::{Device, GpuError, Mirror, MirrorSpec, ReplayTarget, TargetMemory};
 
 /// Allocates the device arena of `slots` slots of `slot_bytes` on the
 /// GPU `req` names, exports it and starts its copier. `registration` is
@@ -77,7 +77,7 @@ pub(super) fn create(
         label,
         arena,
         pinned,
-        Backend::Cuda(copies),
+        Arc::new(Cuda(copies)),
         move |rx| copier::run((key, rings), rx, sink, engine),
         format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
     )
@@ -86,10 +86,30 @@ pub(super) fn create(
     Ok(m)
 }
 
+/// A CUDA GPU, by the stream its mirror copies on.
+#[derive(Debug)]
+struct Cuda(Arc<CopyStream>);
+
+impl Device for Cuda {
+    fn fence(&self) -> Result<(), GpuError> {
+        self.0.synchronize().map_err(driver)
+    }
+
+    fn replay_target(
+        &self,
+        label: &str,
+        schema: &batchcast::Schema,
+        slots: u32,
+        _name: &str,
+    ) -> Result<ReplayTarget, String> {
+        replay_target(&self.0, label, schema, slots)
+    }
+}
+
 /// A consumer's replay arena on the GPU of `copies`: device memory
 /// exported over CUDA IPC, its rings unmirrored (mapped once), for
 /// `schema`'s batch size and `slots` batches.
-pub(super) fn replay_target(
+fn replay_target(
     copies: &CopyStream,
     label: &str,
     schema: &batchcast::Schema,

@@ -11,8 +11,9 @@
 //! their end.
 //!
 //! A [`Mirror`] is the same for every backend (its copier thread, its
-//! queue, what consumers are told); the backend makes the copies: CUDA, or
-//! the host-memory stand-in (`stand_in`, selected by the test setting
+//! queue, what consumers are told); the backend (a `copier::CopyEngine`
+//! and a `Device`, chosen once when the mirror is made) makes the copies:
+//! CUDA, or the host-memory stand-in (`stand_in`, selected by the test setting
 //! [`batchcast::stand_in`]) that lets every device behaviour run on
 //! machines without a GPU.
 
@@ -168,24 +169,22 @@ pub trait CopySink: CopySource + 'static {
     fn gpu_failed(&self, key: &GpuKey, why: GpuError);
 }
 
-/// Where a mirror's copies go.
-#[derive(Debug, Clone)]
-enum Backend {
-    #[cfg(feature = "cuda")]
-    Cuda(Arc<batchcast::cuda::CopyStream>),
-    /// [`stand_in`]: host memory, copied by an engine thread of its own.
-    StandIn(Arc<stand_in::Engine>),
-}
-
-impl Backend {
+/// A backend's device, chosen once when its mirror is made (CUDA, or the
+/// host-memory stand-in): what the copier thread, the same for every
+/// backend, does not do itself. Its copies go through the backend's
+/// `copier::CopyEngine`.
+trait Device: Send + Sync + std::fmt::Debug {
     /// Waits until every queued copy has finished reading host memory.
-    fn fence(&self) -> Result<(), GpuError> {
-        match *self {
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(ref c) => c.synchronize().map_err(|e| GpuError::Driver(e.to_string())),
-            Backend::StandIn(ref e) => e.synchronize(),
-        }
-    }
+    fn fence(&self) -> Result<(), GpuError>;
+    /// A consumer's own arena on this device (labelled `label`) for
+    /// `schema`'s batch size and `slots` batches; `name` names its memory.
+    fn replay_target(
+        &self,
+        label: &str,
+        schema: &Schema,
+        slots: u32,
+        name: &str,
+    ) -> Result<ReplayTarget, String>;
 }
 
 /// One stream's arena on one GPU and its copier.
@@ -196,7 +195,7 @@ pub struct Mirror {
     arena: DeviceArena,
     /// Whether copies come from page-locked memory.
     pinned: bool,
-    backend: Backend,
+    device: Arc<dyn Device>,
     tx: Mutex<Option<mpsc::Sender<Request>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The stand-in's device memory, whose fd its consumers are sent.
@@ -209,7 +208,7 @@ impl Mirror {
         label: String,
         arena: DeviceArena,
         pinned: bool,
-        backend: Backend,
+        device: Arc<dyn Device>,
         run: impl FnOnce(mpsc::Receiver<Request>) + Send + 'static,
         thread_name: String,
     ) -> Result<Mirror, GpuError> {
@@ -222,7 +221,7 @@ impl Mirror {
             label,
             arena,
             pinned,
-            backend,
+            device,
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             stand_in: None,
@@ -279,22 +278,20 @@ impl Mirror {
         slots: u32,
         name: &str,
     ) -> Result<Arc<ReplayTarget>, GpuError> {
-        let made = match &self.backend {
-            Backend::StandIn(_) => stand_in::replay_target(&self.label, schema, slots, name),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => cuda::replay_target(c, &self.label, schema, slots),
-        };
-        made.map(Arc::new).map_err(|reason| GpuError::ReplayArena {
-            gpu: self.label.clone(),
-            reason,
-        })
+        self.device
+            .replay_target(&self.label, schema, slots, name)
+            .map(Arc::new)
+            .map_err(|reason| GpuError::ReplayArena {
+                gpu: self.label.clone(),
+                reason,
+            })
     }
 
     /// Waits until every queued copy has finished reading host memory
     /// (before the host slots of copies that will never be reported are
     /// given back).
     pub fn fence(&self) {
-        if let Err(e) = self.backend.fence() {
+        if let Err(e) = self.device.fence() {
             tracing::warn!(gpu = %self.label, "waiting for copies: {e}");
         }
     }

@@ -20,7 +20,7 @@ use batchcast::schema::RingLayout;
 use batchcast::shm::{Arena, Fault};
 
 use super::copier::{self, Copy, CopyEngine};
-use super::{Backend, GpuError, Mirror, MirrorSpec, Piece, ReplayTarget, TargetMemory};
+use super::{Device, GpuError, Mirror, MirrorSpec, Piece, ReplayTarget, TargetMemory};
 
 /// What a consumer on stand-in GPU `ordinal` asks for.
 pub fn request(ordinal: u32) -> DeviceRequest {
@@ -39,6 +39,15 @@ pub(super) fn create(
     ordinal: u32,
     fail_at: Option<u64>,
 ) -> Result<Mirror, GpuError> {
+    start(spec, ordinal, fail_at).map(|(m, _)| m)
+}
+
+/// [`create`], and the mirror's copy engine (the tests hold it).
+fn start(
+    spec: MirrorSpec<'_>,
+    ordinal: u32,
+    fail_at: Option<u64>,
+) -> Result<(Mirror, Arc<Engine>), GpuError> {
     let MirrorSpec {
         sink,
         slots,
@@ -89,17 +98,37 @@ pub(super) fn create(
         label,
         arena,
         false,
-        Backend::StandIn(engine),
+        Arc::new(StandIn(engine.clone())),
         move |rx| copier::run((uuid, rings), rx, sink, copies),
         format!("{stream}-copy-gpu{ordinal}"),
     )?;
     m.stand_in = Some(memory);
-    Ok(m)
+    Ok((m, engine))
+}
+
+/// A stand-in GPU, by its copy engine.
+#[derive(Debug)]
+struct StandIn(Arc<Engine>);
+
+impl Device for StandIn {
+    fn fence(&self) -> Result<(), GpuError> {
+        self.0.synchronize()
+    }
+
+    fn replay_target(
+        &self,
+        label: &str,
+        schema: &batchcast::Schema,
+        slots: u32,
+        name: &str,
+    ) -> Result<ReplayTarget, String> {
+        replay_target(label, schema, slots, name)
+    }
 }
 
 /// A consumer's replay arena on stand-in GPU `label`: a sealed memfd of
 /// the host arena's rings for `schema` and `slots` batches.
-pub(super) fn replay_target(
+fn replay_target(
     label: &str,
     schema: &batchcast::Schema,
     slots: u32,
@@ -399,18 +428,9 @@ mod tests {
             schema: &schema,
             stream: "s",
         };
-        let m = create(spec, 0, fail_at).unwrap();
-        sink.engine.set(engine_of(&m)).ok();
+        let (m, engine) = start(spec, 0, fail_at).unwrap();
+        sink.engine.set(engine).ok();
         (sink, m)
-    }
-
-    /// The engine of a mirror the stand-in made.
-    fn engine_of(m: &Mirror) -> Arc<Engine> {
-        match &m.backend {
-            Backend::StandIn(e) => e.clone(),
-            #[allow(unreachable_patterns)] // without `cuda`, the only backend
-            _ => unreachable!("the stand-in's mirror"),
-        }
     }
 
     fn until(what: impl Fn() -> bool) {
