@@ -95,6 +95,8 @@ impl Device for Cuda {
         self.0.synchronize().map_err(driver)
     }
 
+    /// Device memory exported over CUDA IPC, its rings unmirrored (mapped
+    /// once).
     fn replay_target(
         &self,
         label: &str,
@@ -102,33 +104,21 @@ impl Device for Cuda {
         slots: u32,
         _name: &str,
     ) -> Result<ReplayTarget, String> {
-        replay_target(&self.0, label, schema, slots)
+        let rings = RingLayout::unmirrored_for_schema(schema, slots).map_err(|e| e.to_string())?;
+        let buffer = DeviceBuffer::alloc(self.0.gpu(), rings.arena_bytes as usize)
+            .map_err(|e| e.to_string())?;
+        let handle = buffer.ipc_handle().map_err(|e| e.to_string())?.to_vec();
+        Ok(ReplayTarget {
+            arena: DeviceArena {
+                memory: batchcast::proto::DeviceMemory::CudaIpc,
+                handle,
+                slots,
+                rings,
+                gpu: label.into(),
+            },
+            memory: TargetMemory::Cuda(buffer),
+        })
     }
-}
-
-/// A consumer's replay arena on the GPU of `copies`: device memory
-/// exported over CUDA IPC, its rings unmirrored (mapped once), for
-/// `schema`'s batch size and `slots` batches.
-fn replay_target(
-    copies: &CopyStream,
-    label: &str,
-    schema: &batchcast::Schema,
-    slots: u32,
-) -> Result<ReplayTarget, String> {
-    let rings = RingLayout::unmirrored_for_schema(schema, slots).map_err(|e| e.to_string())?;
-    let buffer =
-        DeviceBuffer::alloc(copies.gpu(), rings.arena_bytes as usize).map_err(|e| e.to_string())?;
-    let handle = buffer.ipc_handle().map_err(|e| e.to_string())?.to_vec();
-    Ok(ReplayTarget {
-        arena: DeviceArena {
-            memory: batchcast::proto::DeviceMemory::CudaIpc,
-            handle,
-            slots,
-            rings,
-            gpu: label.into(),
-        },
-        memory: TargetMemory::Cuda(buffer),
-    })
 }
 
 /// Copies on one CUDA stream into one device arena.

@@ -13,9 +13,9 @@
 //! A [`Mirror`] is the same for every backend (its copier thread, its
 //! queue, what consumers are told); the backend (a `copier::CopyEngine`
 //! and a `Device`, chosen once when the mirror is made) makes the copies:
-//! CUDA, or the host-memory stand-in (`stand_in`, selected by the test setting
-//! [`batchcast::stand_in`]) that lets every device behaviour run on
-//! machines without a GPU.
+//! CUDA, or the host-memory stand-in (`stand_in`, selected by the test
+//! setting [`batchcast::stand_in`]) that lets every device behaviour run
+//! on machines without a GPU.
 
 use std::os::fd::BorrowedFd;
 use std::sync::mpsc;

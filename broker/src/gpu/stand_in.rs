@@ -115,6 +115,7 @@ impl Device for StandIn {
         self.0.synchronize()
     }
 
+    /// A sealed memfd of the host arena's rings.
     fn replay_target(
         &self,
         label: &str,
@@ -122,36 +123,25 @@ impl Device for StandIn {
         slots: u32,
         name: &str,
     ) -> Result<ReplayTarget, String> {
-        replay_target(label, schema, slots, name)
+        let rings = RingLayout::for_schema(schema, slots).map_err(|e| e.to_string())?;
+        let memory = Arena::create(
+            &format!("{name}-replay-gpu"),
+            rings.arena_bytes,
+            Fault::Lazily,
+        )
+        .map_err(|e| e.to_string())?;
+        memory.seal_writes().map_err(|e| e.to_string())?;
+        Ok(ReplayTarget {
+            arena: DeviceArena {
+                memory: DeviceMemory::StandIn,
+                handle: Vec::new(),
+                slots,
+                rings,
+                gpu: label.into(),
+            },
+            memory: TargetMemory::StandIn(memory),
+        })
     }
-}
-
-/// A consumer's replay arena on stand-in GPU `label`: a sealed memfd of
-/// the host arena's rings for `schema` and `slots` batches.
-fn replay_target(
-    label: &str,
-    schema: &batchcast::Schema,
-    slots: u32,
-    name: &str,
-) -> Result<ReplayTarget, String> {
-    let rings = RingLayout::for_schema(schema, slots).map_err(|e| e.to_string())?;
-    let memory = Arena::create(
-        &format!("{name}-replay-gpu"),
-        rings.arena_bytes,
-        Fault::Lazily,
-    )
-    .map_err(|e| e.to_string())?;
-    memory.seal_writes().map_err(|e| e.to_string())?;
-    Ok(ReplayTarget {
-        arena: DeviceArena {
-            memory: DeviceMemory::StandIn,
-            handle: Vec::new(),
-            slots,
-            rings,
-            gpu: label.into(),
-        },
-        memory: TargetMemory::StandIn(memory),
-    })
 }
 
 /// A copy queued on the engine: copy number `n`, its host bytes, pieces

@@ -532,7 +532,8 @@ impl<M: Memory> BrokerMailbox<M> {
         let mut bad = None;
         for _ in 0..new {
             let n = self.drained;
-            let record = [0, 1].map(|word| w.release(n, word).load(Ordering::Relaxed));
+            let record: [u64; RELEASE_WORDS] =
+                std::array::from_fn(|word| w.release(n, word).load(Ordering::Relaxed));
             self.drained += 1;
             match unit_of(record) {
                 Some(unit) => take(unit),
