@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-CRATES = ["client-rs/src", "broker/src", "cli/src", "pixels/src", "client-py/src", "bench/src"]
+CRATES = ["core/src", "client-rs/src", "broker/src", "cli/src", "pixels/src", "client-py/src", "bench/src"]
 SKIP = {"mod.rs", "lib.rs", "main.rs", "tests.rs"}
 
 

@@ -1,58 +1,16 @@
-//! The client library's error type, and the broker's error codes on the
-//! wire. It names only leaf modules (dtypes, devices, parse errors, CUDA),
-//! so every other module may use it without an import circle.
+//! The client library's error type (the broker's error codes on the wire
+//! are the core's, re-exported). It names only leaf modules (dtypes,
+//! devices, parse errors, CUDA), so every other module may use it without
+//! an import circle.
 
 use std::path::PathBuf;
 use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::parse::ParseError;
 
-/// Machine-readable error codes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ErrorCode {
-    VersionMismatch,
-    NotBatchcast,
-    MalformedFrame,
-    FrameTooLarge,
-    UnknownStream,
-    NotAllowed,
-    InvalidRequest,
-    /// The consumer fell further behind than the stream's lag limit.
-    LagLimit,
-    StreamEnded,
-    /// The stream's data source failed (a bad file with `on_error = "fail"`,
-    /// an unreadable dataset); the message names the file.
-    SourceFailed,
-    /// A producer asked for a stream name that is already served.
-    StreamExists,
-    /// A producer's request or batch does not fit its stream's schema.
-    SchemaMismatch,
-    /// A GPU delivery the broker cannot make (no driver, unknown GPU, a
-    /// driver error); the message names the CUDA error.
-    DeviceUnavailable,
-    Internal,
-    /// The broker is at a limit (connections, its own or this uid's
-    /// share; the memory budget), or a group seat is held by another
-    /// member of the uid: the message names what and who. Worth asking
-    /// again later: a reconnecting consumer does, until its
-    /// `reconnect_timeout`.
-    Busy,
-    /// A stats connection asked nothing for the broker's `idle_timeout_s`
-    /// and was closed ([`crate::StatsClient`] reconnects by itself).
-    Idle,
-    /// Decoupled pace: the consumer kept the pipeline waiting longer than
-    /// the stream's `hold_limit_s` (it held batches, or paused while being
-    /// replayed to) and was detached (protocol 14).
-    HoldLimit,
-    /// A consumer resumed (from a checkpoint's state, or reconnecting)
-    /// with a digest its stream no longer has: the stream now makes other
-    /// data; the message names the parts that changed (protocol 15).
-    StreamChanged,
-}
+pub use batchcast_core::ErrorCode;
 
 /// Everything that can go wrong talking to a broker.
 #[derive(Debug, thiserror::Error)]
@@ -198,6 +156,30 @@ impl Error {
             Error::Broker { code, .. } => Some(*code),
             Error::VersionMismatch { .. } => Some(ErrorCode::VersionMismatch),
             _ => None,
+        }
+    }
+}
+
+/// Each of the core's errors is the variant of the same name.
+impl From<batchcast_core::WireError> for Error {
+    fn from(e: batchcast_core::WireError) -> Error {
+        use batchcast_core::WireError as W;
+        match e {
+            W::Io(io) => Error::Io(io),
+            W::VersionMismatch {
+                ours,
+                theirs,
+                message,
+            } => Error::VersionMismatch {
+                ours,
+                theirs,
+                message,
+            },
+            W::NotABroker { found } => Error::NotABroker { found },
+            W::FrameTooLarge { len, max } => Error::FrameTooLarge { len, max },
+            W::Decode(d) => Error::Decode(d),
+            W::Schema(s) => Error::Schema(s),
+            W::Unexpected(s) => Error::Unexpected(s),
         }
     }
 }

@@ -17,15 +17,20 @@
 //!
 //! # Layout
 //!
-//! The wire, shared with the broker (one definition of every message):
+//! The wire, shared with the broker, is the core crate's
+//! (`batchcast-core`: one definition of every message and layout), and is
+//! this crate's at the same paths:
 //!
 //! * [`proto`]: preamble, every message, framing, protocol version.
 //! * [`schema`]: fields, and where each field lives in a slot; [`dtype`]:
 //!   element types.
-//! * [`shm`]: memfd arenas, read-only mappings and fd passing.
+//! * [`synthetic`]: the deterministic test data source both sides use.
+//!
+//! Shared memory, over the core's layouts:
+//!
+//! * [`shm`]: read-only mappings of memfd arenas and fd passing.
 //! * [`mailbox`]: a host consumer's batch notices and releases in shared
 //!   memory, with futex wake-ups (the socket carries the rest).
-//! * [`synthetic`]: the deterministic test data source both sides use.
 //!
 //! The client:
 //!
@@ -44,10 +49,10 @@
 //! * [`error`]: [`Error`] and the broker's [`ErrorCode`]s; [`parse`]: the
 //!   error of parsing a dtype, device or join policy a user wrote.
 //!
-//! The broker's half of the shared-memory protocols lives here too
-//! ([`shm::Arena`], [`mailbox::BrokerMailbox`], [`synthetic`]'s fill): one
-//! definition of each layout, next to the other side's (ARCHITECTURE.md,
-//! "Crates", says why there is no separate wire crate).
+//! The broker's half of the shared-memory protocols (creating and sealing
+//! an arena, sending its fd, a mailbox's broker side) is built only with
+//! the `broker` feature, which the broker turns on: a client's API has
+//! none of it, and each protocol's two sides stay in one module.
 //!
 //! # Shared means read-only
 //!
@@ -61,23 +66,20 @@ pub mod batcher;
 pub mod consumer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod deal;
 pub mod device;
-pub mod dtype;
 pub mod error;
 mod gpu;
 pub mod mailbox;
 pub mod options;
-pub mod parse;
 pub mod producer;
-pub mod proto;
-pub mod rotation;
-pub mod schema;
 pub mod shm;
 pub mod stand_in;
 pub mod stats_client;
-pub mod synthetic;
 mod transport;
+
+// What the broker and this client agree on byte for byte lives in
+// batchcast-core; its modules are this crate's at the same paths.
+pub use batchcast_core::{deal, dtype, parse, proto, rotation, schema, synthetic};
 
 pub use batch::{Batch, Element, FieldView};
 pub use consumer::{

@@ -1,6 +1,7 @@
 //! Shared memory and file-descriptor passing. With [`mailbox`](crate::mailbox)
-//! (atomics over shared memory, futexes) and `cuda` (driver calls), one of
-//! the three modules of the client library with `unsafe` code.
+//! (futexes) and `cuda` (driver calls), one of the three modules of the
+//! client library with `unsafe` code; a layout in shared memory is viewed
+//! only through [`Mapping::view`], for the core's [`Shared`] types.
 //!
 //! * [`Arena::create`] (broker side) makes an anonymous `memfd`, sizes it,
 //!   maps it read-write and seals it: it can never shrink or grow (so no
@@ -17,17 +18,22 @@
 //!   with `SCM_RIGHTS`.
 
 use std::ffi::c_void;
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSliceMut;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 
-use nix::fcntl::{FcntlArg, SealFlag, fcntl};
-use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+
+use batchcast_core::shared::Shared;
 
 use crate::error::{Error, Result};
+
+#[cfg(any(test, feature = "broker"))]
+mod owner;
+#[cfg(any(test, feature = "broker"))]
+pub use owner::{Arena, send_with_fd, send_with_fds};
 
 fn shm_err(what: &str, e: nix::Error) -> Error {
     Error::Shm(format!("{what}: {e}"))
@@ -289,6 +295,43 @@ impl Mapping {
         })
     }
 
+    /// The [`Shared`] value at `offset`: the one place a layout is laid
+    /// over a mapping (a mailbox's header).
+    ///
+    /// # Panics
+    ///
+    /// If it lies outside the mapping or `offset` is not aligned for `T`
+    /// (a layout's offsets are fixed: a bug, not an input).
+    #[inline]
+    pub fn view<T: Shared>(&self, offset: usize) -> &T {
+        &self.view_slice::<T>(offset, 1)[0]
+    }
+
+    /// `len` [`Shared`] values from `offset` on (a mailbox's rings).
+    ///
+    /// # Panics
+    ///
+    /// As [`view`](Self::view).
+    #[inline]
+    pub fn view_slice<T: Shared>(&self, offset: usize, len: usize) -> &[T] {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .expect("view size overflows");
+        assert!(
+            offset.is_multiple_of(align_of::<T>())
+                && offset.checked_add(bytes).is_some_and(|end| end <= self.len),
+            "a view of {len} x {} bytes at {offset} in a mapping of {} bytes",
+            size_of::<T>(),
+            self.len
+        );
+        // SAFETY: in bounds and aligned for `T` (asserted; the mapping is
+        // page-aligned, and `Shared` types are aligned to at most a page),
+        // and live as long as the borrow of `self`. `Shared` says any bits
+        // are a `T` and that every access to it, from either process, is
+        // atomic, so the other side's writes are not data races.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset).cast::<T>(), len) }
+    }
+
     /// Mutable bytes at `offset..offset + len` of a writable mapping.
     ///
     /// # Safety
@@ -328,74 +371,6 @@ impl Drop for Mapping {
     }
 }
 
-/// A shared-memory arena owned by the broker: a sealed memfd and its
-/// read-write mapping.
-#[derive(Debug)]
-pub struct Arena {
-    fd: OwnedFd,
-    map: Mapping,
-}
-
-impl Arena {
-    /// Creates an anonymous arena of `len` bytes, its memory allocated at
-    /// once (`fallocate`: committed now, so a lack of memory is an error
-    /// here, not a fault later), sealed against shrinking and growing, and
-    /// mapped; `fault` says whether the mapping's pages are faulted in now.
-    /// Allocating takes no lock of the process's memory map, so other
-    /// threads go on meanwhile.
-    pub fn create(name: &str, len: u64, fault: Fault) -> Result<Arena> {
-        let cname = std::ffi::CString::new(format!("batchcast:{name}"))
-            .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
-        let fd = memfd_create(
-            cname.as_c_str(),
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(|e| shm_err("memfd_create failed", e))?;
-        let size = i64::try_from(len)
-            .map_err(|_| Error::Shm(format!("arena of {len} bytes is too large")))?;
-        nix::unistd::ftruncate(&fd, size)
-            .map_err(|e| shm_err(&format!("sizing the arena to {len} bytes failed"), e))?;
-        if size > 0 {
-            nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, size)
-                .map_err(|e| shm_err(&format!("allocating the arena's {len} bytes failed"), e))?;
-        }
-        fcntl(
-            &fd,
-            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
-        )
-        .map_err(|e| shm_err("sealing the arena's size failed", e))?;
-        let len = usize::try_from(len)
-            .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
-        let map = Mapping::map(
-            fd.as_fd(),
-            len,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            fault.flags(),
-        )?;
-        Ok(Arena { fd, map })
-    }
-
-    /// Forbids every future writable mapping and `write(2)` of the memfd, in
-    /// every process (`F_SEAL_FUTURE_WRITE`); the broker's own mapping stays
-    /// writable. Call after every writer has mapped the arena.
-    pub fn seal_writes(&self) -> Result<()> {
-        fcntl(
-            &self.fd,
-            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_FUTURE_WRITE | SealFlag::F_SEAL_SEAL),
-        )
-        .map_err(|e| shm_err("sealing the arena against writers failed", e))?;
-        Ok(())
-    }
-
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    pub fn mapping(&self) -> &Mapping {
-        &self.map
-    }
-}
-
 /// When a mapping's pages are faulted in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -418,27 +393,6 @@ impl Fault {
             Fault::Lazily => MapFlags::empty(),
         }
     }
-}
-
-/// Sends `bytes` with `fd` attached (`SCM_RIGHTS`). Returns the bytes
-/// written, which may be fewer than `bytes.len()` on a non-blocking socket;
-/// the fd travels with the first byte.
-pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
-    send_with_fds(sock, bytes, &[fd])
-}
-
-/// [`send_with_fd`] with several fds, which arrive in this order.
-pub fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<usize> {
-    let fds: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    let cmsg = [ControlMessage::ScmRights(&fds)];
-    sendmsg::<()>(
-        sock,
-        &[IoSlice::new(bytes)],
-        &cmsg,
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )
-    .map_err(std::io::Error::from)
 }
 
 /// Receives into `buf`, returning the bytes read and any fds that arrived
@@ -471,6 +425,7 @@ pub fn recv_with_fds(sock: RawFd, buf: &mut [u8]) -> std::io::Result<(usize, Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::{AsFd, AsRawFd};
 
     #[test]
     fn a_mirrored_ring_is_one_contiguous_window_across_its_wrap() {

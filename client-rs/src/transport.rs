@@ -11,6 +11,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use batchcast_core::WireError;
+
 use crate::error::{Error, Result};
 use crate::proto::{self, ClientMsg, ErrorCode, ErrorMsg, GoodbyeReason, Preamble, ServerMsg};
 use crate::shm;
@@ -327,7 +329,7 @@ pub(crate) fn read_server_msg(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Se
     match proto::read_frame(r, buf) {
         Ok(Some(m)) => Ok(m),
         Ok(None) => Err(Error::BrokerGone),
-        Err(Error::Io(e))
+        Err(WireError::Io(e))
             if matches!(
                 e.kind(),
                 std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
@@ -335,6 +337,6 @@ pub(crate) fn read_server_msg(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<Se
         {
             Err(Error::BrokerGone)
         }
-        Err(e) => Err(e),
+        Err(e) => Err(e.into()),
     }
 }

@@ -493,7 +493,7 @@ impl Canvas {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchcast::synthetic::SplitMix64;
+    use batchcast_core::synthetic::SplitMix64;
 
     fn draws(a: &Augment, n: u64) -> Vec<Vec<Op>> {
         (0..n)

@@ -5,8 +5,8 @@
 //! torchvision's `normal_()` (from the sample's own seeded generator, so the
 //! same sample gets the same noise in every run).
 
-use batchcast::DType;
-use batchcast::synthetic::SplitMix64;
+use batchcast_core::DType;
+use batchcast_core::synthetic::SplitMix64;
 
 use crate::layout::Layout;
 use crate::random::{round_half_even, uniform};

@@ -1,7 +1,7 @@
 //! The draws of a sample's plan: what transform, augment and erase share
 //! (below all three, so none imports another for them).
 
-use batchcast::synthetic::SplitMix64;
+use batchcast_core::synthetic::SplitMix64;
 
 /// Uniform in `[lo, hi)`: every random draw of a sample's plan (crop,
 /// flips, augmentations, erasing).

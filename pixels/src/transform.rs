@@ -14,8 +14,8 @@
 //! Randomness is drawn from a generator seeded by `(seed, epoch, index)`, so
 //! results do not depend on which thread handles a sample.
 
-use batchcast::DType;
-use batchcast::synthetic::{SplitMix64, mix64};
+use batchcast_core::DType;
+use batchcast_core::synthetic::{SplitMix64, mix64};
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 use serde::Deserialize;

@@ -6,7 +6,7 @@
 
 use turbojpeg::{Colorspace, Compressor, Image, PixelFormat, Subsamp};
 
-use batchcast::synthetic::SplitMix64;
+use batchcast_core::synthetic::SplitMix64;
 use batchcast_pixels::decode::{Decoder, Region, Rgb, restart_marked};
 use batchcast_pixels::transform::{Geometry, Interpolation, Lut, Scratch, Transform};
 

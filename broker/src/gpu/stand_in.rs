@@ -63,7 +63,7 @@ fn start(
     };
     // Mirrored where the host arena's rings would be: consumers map it as
     // they map the host arena, and take runs of any batch size from it.
-    let rings = RingLayout::for_schema(schema, slots).map_err(open)?;
+    let rings = RingLayout::for_schema(schema, slots).map_err(|e| open(e.into()))?;
     let memory = Arena::create(
         &format!("{stream}-gpu{ordinal}"),
         rings.arena_bytes,

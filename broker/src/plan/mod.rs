@@ -111,7 +111,7 @@ pub enum StreamError {
     #[error(transparent)]
     Dataset(#[from] DatasetError),
     #[error("its slot layout: {0}")]
-    Layout(batchcast::Error),
+    Layout(batchcast_core::WireError),
     #[error(
         "the arena needs {need_mib} MiB of shared memory ({slots} slots of {slot_mib} MiB), more than half of this host's {have_mib} MiB; use fewer slots or smaller batches"
     )]

@@ -5,9 +5,9 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use batchcast::Error;
 use batchcast::proto::{self, ClientMsg, ErrorCode, ErrorMsg, Hello, Preamble, ServerMsg};
 use batchcast::shm;
+use batchcast_core::WireError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 
@@ -107,7 +107,7 @@ impl Connection {
                 Ok(Some(msg))
             }
             Ok(None) => Ok(None),
-            Err(e @ Error::FrameTooLarge { len, max }) => Err(Reject(
+            Err(e @ WireError::FrameTooLarge { len, max }) => Err(Reject(
                 ErrorCode::FrameTooLarge,
                 match len > u64::from(proto::MAX_FRAME) {
                     true => e.to_string(),

@@ -308,7 +308,7 @@ impl Joining<'_> {
         };
         let slots = book::slots(self.req.window);
         let bytes = batchcast::schema::RingLayout::for_schema(&schema, slots)
-            .map_err(|e| SubscribeError::Replay(e.into()))?
+            .map_err(|e| SubscribeError::Replay(batchcast::Error::from(e).into()))?
             .arena_bytes;
         let grant = s.budget.take(
             peer.uid,

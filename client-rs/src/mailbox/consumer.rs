@@ -5,8 +5,10 @@ use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use batchcast_core::mailbox::NoticeWords;
+
 use crate::error::{Error, Result};
-use crate::proto::{BatchReady, EpochEnd, MailboxSpec, Position, ReplayReady};
+use crate::proto::MailboxSpec;
 use crate::shm::Mapping;
 
 use super::*;
@@ -42,14 +44,14 @@ impl<M: Memory> ConsumerMailbox<M> {
     /// Whether a notice is waiting.
     pub fn has_notice(&self) -> bool {
         let w = &self.words;
-        let tail = w.u64(TAIL).load(Ordering::Relaxed);
+        let tail = w.header().tail.load(Ordering::Relaxed);
         w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
     }
 
     /// Whether the batch noticed at `n`, just taken, was taken back by the
     /// broker (read after storing `tail` past it).
     fn taken_back(&self, n: u64) -> Result<bool> {
-        let cut = self.words.u64(CUT);
+        let cut = &self.words.header().broker.cut;
         let mut word = self.words.mem.sc_load(cut);
         let start = Instant::now();
         while word == CUT_UNDER_WAY {
@@ -81,65 +83,24 @@ impl<M: Memory> ConsumerMailbox<M> {
     /// before where the cut's replay begins).
     pub fn pop_marked(&self) -> Result<Option<(Notice, bool)>> {
         let w = &self.words;
+        let tail = &w.header().tail;
         let (v, in_cut) = loop {
-            let tail = w.u64(TAIL).load(Ordering::Relaxed);
-            if w.notice(tail, 0).load(Ordering::Acquire) != tail + 1 {
+            let n = tail.load(Ordering::Relaxed);
+            if w.notice(n, 0).load(Ordering::Acquire) != n + 1 {
                 return Ok(None);
             }
-            let v: [u64; NOTICE_WORDS] =
-                std::array::from_fn(|i| w.notice(tail, i).load(Ordering::Relaxed));
+            let v: NoticeWords =
+                std::array::from_fn(|i| w.notice(n, i + 1).load(Ordering::Relaxed));
             // The entry may be rewritten once `tail` moves on (a release
             // store); a Dekker handshake with the broker's cut (see the
             // module's notes).
-            w.mem.sc_store(w.u64(TAIL), tail + 1);
-            let in_cut = self.taken_back(tail)?;
-            if v[1] != KIND_BATCH || !in_cut {
+            w.mem.sc_store(tail, n + 1);
+            let in_cut = self.taken_back(n)?;
+            if !Notice::is_batch(&v) || !in_cut {
                 break (v, in_cut);
             }
         };
-        let notice = match v[1] {
-            KIND_BATCH => Notice::Batch(BatchReady {
-                seq: v[2],
-                epoch: v[3],
-                index: v[4],
-                slot: u32::try_from(v[5]).map_err(|_| {
-                    Error::Unexpected(format!("mailbox: batch {} in slot {}", v[2], v[5]))
-                })?,
-                samples: v[6],
-                sent_ns: v[7],
-            }),
-            KIND_EPOCH_END => Notice::EndOfEpoch(EpochEnd {
-                epoch: v[2],
-                batches: v[3],
-                complete: v[4] != 0,
-            }),
-            KIND_END_OF_STREAM => Notice::EndOfStream,
-            KIND_REPLAY => Notice::Replay(ReplayReady {
-                seq: v[2],
-                epoch: v[3],
-                first: v[4],
-                samples: v[5],
-                ends_epoch: v[6] != 0,
-            }),
-            KIND_CUT => Notice::Cut(Position {
-                epoch: v[2],
-                sample: v[3],
-            }),
-            KIND_MERGE => Notice::Merge(Position {
-                epoch: v[2],
-                sample: v[3],
-            }),
-            KIND_ROTATE => Notice::Rotate(Position {
-                epoch: v[2],
-                sample: v[3],
-            }),
-            k => {
-                return Err(Error::Unexpected(format!(
-                    "mailbox: notice of unknown kind {k}"
-                )));
-            }
-        };
-        Ok(Some((notice, in_cut)))
+        Ok(Some((Notice::from_words(v)?, in_cut)))
     }
 
     /// Sleeps until the broker rings or `timeout` passes, unless a notice
@@ -150,12 +111,13 @@ impl<M: Memory> ConsumerMailbox<M> {
     pub fn sleep_unless(&self, timeout: Duration, ready: impl FnOnce() -> bool) {
         let w = &self.words;
         let seen = w.bell().load(Ordering::Acquire);
-        w.u32(SLEEPING).store(1, Ordering::Relaxed);
+        let sleeping = &*w.header().sleeping;
+        sleeping.store(1, Ordering::Relaxed);
         w.mem.fence(Ordering::SeqCst);
         if !self.has_notice() && !ready() {
             w.mem.wait(w.bell(), seen, timeout);
         }
-        w.u32(SLEEPING).store(0, Ordering::Relaxed);
+        sleeping.store(0, Ordering::Relaxed);
     }
 
     /// Writes the release of `unit`, adding its timings to the
@@ -167,41 +129,42 @@ impl<M: Memory> ConsumerMailbox<M> {
     pub fn push_release(&self, unit: Unit, t: Totals) -> bool {
         let _guard = self.releasing.lock().unwrap_or_else(|p| p.into_inner());
         let w = &self.words;
-        let n = w.u64(RELEASED).load(Ordering::Relaxed);
-        let drained = w.u64(DRAINED).load(Ordering::Acquire);
+        let h = w.header();
+        let n = h.consumer.released.load(Ordering::Relaxed);
+        let drained = h.broker.drained.load(Ordering::Acquire);
         if n.wrapping_sub(drained) >= w.spec.releases as u64 {
             return false;
         }
-        for (word, v) in super::record_of(unit).into_iter().enumerate() {
+        for (word, v) in record_of(unit).into_iter().enumerate() {
             w.release(n, word).store(v, Ordering::Relaxed);
         }
-        for (at, add) in [
-            (WAIT_TOTAL, t.wait_ns),
-            (BUSY_TOTAL, t.busy_ns),
-            (HOLD_TOTAL, t.hold_ns),
+        let c = &h.consumer;
+        for (total, add) in [
+            (&c.wait_total, t.wait_ns),
+            (&c.busy_total, t.busy_ns),
+            (&c.hold_total, t.hold_ns),
         ] {
-            let total = w.u64(at);
             total.store(
                 total.load(Ordering::Relaxed).wrapping_add(add),
                 Ordering::Relaxed,
             );
         }
-        w.u64(RELEASED).store(n + 1, Ordering::Release);
+        c.released.store(n + 1, Ordering::Release);
         true
     }
 
     /// Notes what the program has taken so far (for the broker's
     /// `stats`; only this side writes these words).
     pub fn note_taken(&self, t: crate::proto::Taken) {
-        let w = &self.words;
-        w.u64(TAKEN_BATCHES).store(t.batches, Ordering::Relaxed);
-        w.u64(TAKEN_SAMPLES).store(t.samples, Ordering::Relaxed);
-        w.u64(TAKEN_EPOCH).store(t.epoch, Ordering::Relaxed);
+        let c = &self.words.header().consumer;
+        c.taken_batches.store(t.batches, Ordering::Relaxed);
+        c.taken_samples.store(t.samples, Ordering::Relaxed);
+        c.taken_epoch.store(t.epoch, Ordering::Relaxed);
     }
 
     /// Whether the broker asked to be told of releases (it waits on one).
     pub fn wants_doorbell(&self) -> bool {
         self.words.mem.fence(Ordering::SeqCst);
-        self.words.u32(WANT).load(Ordering::Relaxed) != 0
+        self.words.header().broker.want.load(Ordering::Relaxed) != 0
     }
 }

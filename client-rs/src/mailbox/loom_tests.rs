@@ -22,6 +22,7 @@ use std::time::Duration;
 use loom::sync::atomic::{AtomicU32, AtomicU64};
 
 use super::*;
+use crate::proto::{BatchReady, Position};
 
 /// Loom's atomics as a mailbox's words, and what the futex calls did;
 /// the broker's and the consumer's side each hold a clone (one memory).
@@ -30,23 +31,19 @@ struct Model(Arc<Cells>);
 
 #[derive(Debug)]
 struct Cells {
-    u64s: Vec<AtomicU64>,
-    /// Only the first cache lines hold 32-bit words.
-    u32s: Vec<AtomicU32>,
+    header: Header<AtomicU64, AtomicU32>,
+    rings: Vec<AtomicU64>,
     /// A `wait` found the word at its expected value: a real futex sleeps
     /// until a `wake`.
     blocked: AtomicBool,
     woken: AtomicBool,
 }
 
-const U32_BYTES: usize = 128;
-
 impl Model {
     fn new(spec: MailboxSpec) -> Model {
-        let bytes = spec.bytes() as usize;
         Model(Arc::new(Cells {
-            u64s: (0..bytes / 8).map(|_| AtomicU64::new(0)).collect(),
-            u32s: (0..U32_BYTES / 4).map(|_| AtomicU32::new(0)).collect(),
+            header: Header::new(|| AtomicU64::new(0), || AtomicU32::new(0)),
+            rings: (0..spec.ring_words()).map(|_| AtomicU64::new(0)).collect(),
             blocked: AtomicBool::new(false),
             woken: AtomicBool::new(false),
         }))
@@ -78,14 +75,12 @@ impl Memory for Model {
     type W64 = AtomicU64;
     type W32 = AtomicU32;
 
-    fn u64(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8));
-        &self.0.u64s[offset / 8]
+    fn header(&self) -> &Header<AtomicU64, AtomicU32> {
+        &self.0.header
     }
 
-    fn u32(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset < U32_BYTES);
-        &self.0.u32s[offset / 4]
+    fn rings(&self) -> &[AtomicU64] {
+        &self.0.rings
     }
 
     fn fence(&self, order: Ordering) {

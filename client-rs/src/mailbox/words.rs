@@ -1,8 +1,9 @@
 //! Where a mailbox's words live, and the only place its atomics, fences,
 //! spins and futex calls come from ([`Memory`]). The mailbox's protocol
 //! (`super`) is written once over this trait; the real memory is the
-//! shared memfd ([`Shm`]: the `unsafe` casts and system calls are here and
-//! nowhere else in the mailbox), and the tests put the same protocol on
+//! shared memfd ([`Shm`]: its header and rings viewed as the core's
+//! `#[repr(C)]` layout through [`Mapping::view`], and the futex calls,
+//! the only `unsafe` of the mailbox), and the tests put the same protocol on
 //! loom's model of atomics (`super::loom_tests`), which tries every
 //! interleaving and weak-memory outcome of the handshakes the module's
 //! notes describe.
@@ -16,7 +17,11 @@ use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::shm::{Arena, Mapping};
+use batchcast_core::mailbox::{HEADER_BYTES, Header, SharedHeader};
+
+#[cfg(any(test, feature = "broker"))]
+use crate::shm::Arena;
+use crate::shm::Mapping;
 
 /// A 64-bit word of a mailbox, accessed only atomically.
 pub trait Word64 {
@@ -31,15 +36,16 @@ pub trait Word32 {
     fn fetch_add(&self, value: u32, order: Ordering) -> u32;
 }
 
-/// A mailbox's memory: its words by byte offset (no word is used at
-/// both widths), and how a side fences, spins, sleeps on a word and wakes
-/// a sleeper. Offsets are the layout's (`super`'s table); an offset out of
-/// range or misaligned panics (the layout is fixed at creation).
+/// A mailbox's memory: its header and its rings (the layout's,
+/// [`batchcast_core::mailbox`]), and how a side fences, spins, sleeps on a
+/// word and wakes a sleeper.
 pub trait Memory: fmt::Debug + Send + Sync {
     type W64: Word64;
     type W32: Word32;
-    fn u64(&self, offset: usize) -> &Self::W64;
-    fn u32(&self, offset: usize) -> &Self::W32;
+    fn header(&self) -> &Header<Self::W64, Self::W32>;
+    /// The words after the header: the notice ring's, then the release
+    /// ring's ([`MailboxSpec::ring_words`](crate::proto::MailboxSpec::ring_words)).
+    fn rings(&self) -> &[Self::W64];
     fn fence(&self, order: Ordering);
     /// The store half of a Dekker handshake: stores `value` (with release
     /// ordering), ordered before this side's next [`Memory::sc_load`] as
@@ -89,6 +95,7 @@ impl Word32 for AtomicU32 {
 /// sent.
 #[derive(Debug)]
 pub enum Shm {
+    #[cfg(any(test, feature = "broker"))]
     Owner(Arena),
     Mapped(Mapping),
 }
@@ -97,6 +104,7 @@ impl Shm {
     #[inline]
     fn map(&self) -> &Mapping {
         match self {
+            #[cfg(any(test, feature = "broker"))]
             Shm::Owner(a) => a.mapping(),
             Shm::Mapped(m) => m,
         }
@@ -108,21 +116,14 @@ impl Memory for Shm {
     type W32 = AtomicU32;
 
     #[inline]
-    fn u64(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset.is_multiple_of(8) && offset + 8 <= self.map().len());
-        // SAFETY: in bounds and 8-byte aligned (asserted; the mapping is
-        // page-aligned); the memory lives as long as the mapping, which the
-        // borrow of `self` ties the reference to. Every access to this
-        // shared memory, from either process, is atomic, so a concurrent
-        // write by the other side is not a data race.
-        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU64) }
+    fn header(&self) -> &SharedHeader {
+        self.map().view(0)
     }
 
     #[inline]
-    fn u32(&self, offset: usize) -> &AtomicU32 {
-        assert!(offset.is_multiple_of(4) && offset + 4 <= self.map().len());
-        // SAFETY: as in `u64`, for a 4-byte aligned word.
-        unsafe { &*(self.map().as_ptr().add(offset) as *const AtomicU32) }
+    fn rings(&self) -> &[AtomicU64] {
+        let m = self.map();
+        m.view_slice(HEADER_BYTES, (m.len() - HEADER_BYTES) / 8)
     }
 
     #[inline]

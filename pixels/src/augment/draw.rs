@@ -1,7 +1,7 @@
 //! Drawing an augmentation's ops for one image: torchvision's op spaces,
 //! magnitude bins, probabilities and orders, with the sample's generator.
 
-use batchcast::synthetic::SplitMix64;
+use batchcast_core::synthetic::SplitMix64;
 
 use super::Op;
 use crate::random::uniform;

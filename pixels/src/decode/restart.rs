@@ -309,7 +309,7 @@ fn frame_of(f: &[u8], body: usize) -> Option<Frame> {
 
 #[cfg(test)]
 mod tests {
-    use batchcast::synthetic::SplitMix64;
+    use batchcast_core::synthetic::SplitMix64;
     use turbojpeg::{Compressor, Image, PixelFormat, Subsamp};
 
     use super::super::tj::with_restarts;

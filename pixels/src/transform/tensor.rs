@@ -1,7 +1,7 @@
 //! The tensor a sample becomes: `ToTensor` + `Normalize` through one
 //! table per channel, in the output's dtype and layout.
 
-use batchcast::DType;
+use batchcast_core::DType;
 
 use super::{Layout, Transform};
 

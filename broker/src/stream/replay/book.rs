@@ -57,7 +57,7 @@ impl Prepared {
         schema: &Schema,
         window: u32,
     ) -> Result<RingLayout, ReplayError> {
-        Ok(RingLayout::for_schema(schema, slots(window))?)
+        Ok(RingLayout::for_schema(schema, slots(window)).map_err(batchcast::Error::from)?)
     }
 
     pub(in crate::stream) fn make(

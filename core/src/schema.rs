@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 pub use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Result, WireError};
 
 /// Alignment of every field inside a slot. 256 bytes satisfies SIMD loads,
 /// cache lines and the CUDA allocation granularity for copies.
@@ -157,7 +157,7 @@ impl SlotLayout {
     /// contiguous (`[B, ...shape]`), each field aligned to [`FIELD_ALIGN`],
     /// the slot rounded up to [`SLOT_ALIGN`].
     pub fn for_schema(schema: &Schema) -> Result<SlotLayout> {
-        let overflow = || Error::Schema("slot size overflows u64".into());
+        let overflow = || WireError::Schema("slot size overflows u64".into());
         let mut offset = 0u64;
         let mut fields = Vec::with_capacity(schema.fields.len());
         for field in &schema.fields {
@@ -180,7 +180,7 @@ impl SlotLayout {
     /// that views built from it stay inside their slot.
     pub fn validate(&self, schema: &Schema) -> Result<()> {
         if self.fields.len() != schema.fields.len() {
-            return Err(Error::Schema(format!(
+            return Err(WireError::Schema(format!(
                 "layout has {} fields but the schema has {}",
                 self.fields.len(),
                 schema.fields.len()
@@ -197,7 +197,7 @@ impl SlotLayout {
                 (Some(bps), Some(end))
                     if bps == layout.bytes_per_sample && end <= self.slot_bytes && aligned => {}
                 _ => {
-                    return Err(Error::Schema(format!(
+                    return Err(WireError::Schema(format!(
                         "field `{}` does not fit its slot (offset {}, {} bytes per sample, slot {} bytes)",
                         field.name, layout.offset, layout.bytes_per_sample, self.slot_bytes
                     )));
@@ -215,7 +215,7 @@ impl SlotLayout {
 /// in cell `p mod cells`.
 ///
 /// A `mirrored` ring is mapped twice, back to back
-/// ([`crate::shm::Mapping::rings`]), so any run of up to `cells`
+/// (`batchcast::shm::Mapping::rings`), so any run of up to `cells`
 /// consecutive samples is one contiguous slice, across the wrap: that is
 /// what lets each consumer take batches of its own size without a copy.
 /// Mirroring needs the ring to be whole pages; a field whose stride would
@@ -291,12 +291,12 @@ impl RingLayout {
     }
 
     fn lay_out(schema: &Schema, slots: u32, mirror: bool) -> Result<RingLayout> {
-        let overflow = || Error::Schema("arena size overflows u64".into());
+        let overflow = || WireError::Schema("arena size overflows u64".into());
         let live = schema
             .batch_size
             .checked_mul(u64::from(slots))
             .filter(|&l| l > 0)
-            .ok_or_else(|| Error::Schema("a stream needs a batch size and slots".into()))?;
+            .ok_or_else(|| WireError::Schema("a stream needs a batch size and slots".into()))?;
         let mut offset = 0u64;
         let mut fields = Vec::with_capacity(schema.fields.len());
         for field in &schema.fields {
@@ -337,7 +337,7 @@ impl RingLayout {
     /// Checks that the layout describes `schema` and stays inside its
     /// arena, so that views built from it stay inside their rings.
     pub fn validate(&self, schema: &Schema) -> Result<()> {
-        let bad = |what: String| Err(Error::Schema(format!("arena layout: {what}")));
+        let bad = |what: String| Err(WireError::Schema(format!("arena layout: {what}")));
         if self.fields.len() != schema.fields.len() {
             return bad(format!(
                 "{} rings for {} fields",
@@ -384,7 +384,7 @@ impl RingLayout {
     }
 
     /// Address-space offset of field `f`'s ring in a mapping of every ring
-    /// in order ([`crate::shm::Mapping::rings`]).
+    /// in order (`batchcast::shm::Mapping::rings`).
     pub fn mapped_offset(&self, f: usize) -> u64 {
         self.fields[..f].iter().map(FieldRing::mapped_bytes).sum()
     }

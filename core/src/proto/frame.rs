@@ -8,14 +8,14 @@ use std::io::{ErrorKind, Read, Write};
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::MAX_FRAME;
-use crate::error::{Error, Result};
+use crate::error::{Result, WireError};
 
 /// Encodes `msg` as one frame (length prefix + payload).
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>> {
     let mut out = postcard::to_extend(msg, vec![0u8; 4])?;
     let len = out.len() - 4;
     if len > MAX_FRAME as usize {
-        return Err(Error::FrameTooLarge {
+        return Err(WireError::FrameTooLarge {
             len: len as u64,
             max: MAX_FRAME as u64,
         });
@@ -27,7 +27,7 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>> {
 /// Checks a length prefix against [`MAX_FRAME`].
 pub fn check_len(len: u32) -> Result<usize> {
     if len > MAX_FRAME {
-        Err(Error::FrameTooLarge {
+        Err(WireError::FrameTooLarge {
             len: len as u64,
             max: MAX_FRAME as u64,
         })
@@ -40,7 +40,7 @@ pub fn check_len(len: u32) -> Result<usize> {
 pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T> {
     let (msg, rest) = postcard::take_from_bytes(payload)?;
     if !rest.is_empty() {
-        return Err(Error::Decode(postcard::Error::DeserializeBadEncoding));
+        return Err(WireError::Decode(postcard::Error::DeserializeBadEncoding));
     }
     Ok(msg)
 }
@@ -56,7 +56,7 @@ pub fn split_frame<T: DeserializeOwned>(buf: &[u8], max: u32) -> Result<Option<(
     let len = u32::from_le_bytes(*prefix);
     let max = max.min(MAX_FRAME);
     if len > max {
-        return Err(Error::FrameTooLarge {
+        return Err(WireError::FrameTooLarge {
             len: len.into(),
             max: max.into(),
         });
@@ -76,7 +76,7 @@ pub fn read_frame<T: DeserializeOwned>(r: &mut impl Read, buf: &mut Vec<u8>) -> 
     while got < 4 {
         match r.read(&mut len[got..]) {
             Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(Error::Io(ErrorKind::UnexpectedEof.into())),
+            Ok(0) => return Err(WireError::Io(ErrorKind::UnexpectedEof.into())),
             Ok(n) => got += n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => return Err(e.into()),
@@ -123,7 +123,7 @@ mod tests {
         let long = 100u32.to_le_bytes();
         assert!(matches!(
             split_frame::<ClientMsg>(&long, 64),
-            Err(Error::FrameTooLarge { len: 100, max: 64 })
+            Err(WireError::FrameTooLarge { len: 100, max: 64 })
         ));
         // A payload with bytes after its message is malformed.
         let mut padded = vec![(one.len() - 4 + 1) as u8, 0, 0, 0];
@@ -131,7 +131,7 @@ mod tests {
         padded.push(0);
         assert!(matches!(
             split_frame::<ClientMsg>(&padded, MAX_FRAME),
-            Err(Error::Decode(_))
+            Err(WireError::Decode(_))
         ));
     }
 }

@@ -2,7 +2,7 @@
 //! version, release line), and what to say when two releases differ.
 
 use super::{MAGIC, PROTOCOL_VERSION};
-use crate::error::{Error, Result};
+use crate::error::{Result, WireError};
 
 /// A release's (major, minor), as the preamble carries it (from protocol
 /// 13 on; earlier peers send zeros there, [`ReleaseLine::UNKNOWN`]).
@@ -90,11 +90,11 @@ impl Preamble {
         ]
     }
 
-    /// Parses a peer's preamble; wrong magic is [`Error::NotABroker`].
+    /// Parses a peer's preamble; wrong magic is [`WireError::NotABroker`].
     pub fn parse(bytes: [u8; Self::LEN]) -> Result<Preamble> {
         let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
         if magic != MAGIC {
-            return Err(Error::NotABroker { found: magic });
+            return Err(WireError::NotABroker { found: magic });
         }
         Ok(Preamble {
             version: u16::from_le_bytes([bytes[4], bytes[5]]),
@@ -111,7 +111,7 @@ impl Preamble {
         if self.version == PROTOCOL_VERSION {
             Ok(())
         } else {
-            Err(Error::VersionMismatch {
+            Err(WireError::VersionMismatch {
                 ours: PROTOCOL_VERSION,
                 theirs: self.version,
                 message: mismatch(Preamble::ours(), self, Side::Client),

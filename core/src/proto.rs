@@ -567,7 +567,7 @@ pub fn monotonic_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
+    use crate::error::WireError;
 
     #[test]
     fn frames_round_trip() {
@@ -597,7 +597,7 @@ mod tests {
     fn oversized_length_prefix_is_rejected_before_allocating() {
         let mut cursor = std::io::Cursor::new(u32::MAX.to_le_bytes().to_vec());
         let err = read_frame::<ClientMsg>(&mut cursor, &mut Vec::new()).unwrap_err();
-        assert!(matches!(err, Error::FrameTooLarge { .. }), "{err}");
+        assert!(matches!(err, WireError::FrameTooLarge { .. }), "{err}");
     }
 
     #[test]
@@ -617,7 +617,7 @@ mod tests {
         other[4] = 99;
         assert!(matches!(
             Preamble::parse(other).unwrap().check(),
-            Err(Error::VersionMismatch { theirs: 99, .. })
+            Err(WireError::VersionMismatch { theirs: 99, .. })
         ));
         let back = Preamble::parse(ours).unwrap();
         assert_eq!(back.release, ReleaseLine::OURS);
@@ -631,7 +631,7 @@ mod tests {
         );
         assert!(matches!(
             Preamble::parse(*b"GET / HT"),
-            Err(Error::NotABroker { .. })
+            Err(WireError::NotABroker { .. })
         ));
     }
 

@@ -14,7 +14,7 @@ pub struct ParseError {
 }
 
 impl ParseError {
-    pub(crate) fn new(what: &'static str, given: &str, expected: &'static str) -> ParseError {
+    pub fn new(what: &'static str, given: &str, expected: &'static str) -> ParseError {
         ParseError {
             what,
             given: given.into(),

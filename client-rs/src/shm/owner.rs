@@ -1,0 +1,102 @@
+//! What only the broker does with shared memory: create and seal arenas,
+//! send their fds (the `broker` feature, and this crate's tests).
+
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::mman::ProtFlags;
+use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+
+use super::{Fault, Mapping, shm_err};
+use crate::error::{Error, Result};
+
+/// A shared-memory arena owned by the broker: a sealed memfd and its
+/// read-write mapping.
+#[derive(Debug)]
+pub struct Arena {
+    fd: OwnedFd,
+    map: Mapping,
+}
+
+impl Arena {
+    /// Creates an anonymous arena of `len` bytes, its memory allocated at
+    /// once (`fallocate`: committed now, so a lack of memory is an error
+    /// here, not a fault later), sealed against shrinking and growing, and
+    /// mapped; `fault` says whether the mapping's pages are faulted in now.
+    /// Allocating takes no lock of the process's memory map, so other
+    /// threads go on meanwhile.
+    pub fn create(name: &str, len: u64, fault: Fault) -> Result<Arena> {
+        let cname = std::ffi::CString::new(format!("batchcast:{name}"))
+            .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
+        let fd = memfd_create(
+            cname.as_c_str(),
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| shm_err("memfd_create failed", e))?;
+        let size = i64::try_from(len)
+            .map_err(|_| Error::Shm(format!("arena of {len} bytes is too large")))?;
+        nix::unistd::ftruncate(&fd, size)
+            .map_err(|e| shm_err(&format!("sizing the arena to {len} bytes failed"), e))?;
+        if size > 0 {
+            nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, size)
+                .map_err(|e| shm_err(&format!("allocating the arena's {len} bytes failed"), e))?;
+        }
+        fcntl(
+            &fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+        )
+        .map_err(|e| shm_err("sealing the arena's size failed", e))?;
+        let len = usize::try_from(len)
+            .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
+        let map = Mapping::map(
+            fd.as_fd(),
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            fault.flags(),
+        )?;
+        Ok(Arena { fd, map })
+    }
+
+    /// Forbids every future writable mapping and `write(2)` of the memfd, in
+    /// every process (`F_SEAL_FUTURE_WRITE`); the broker's own mapping stays
+    /// writable. Call after every writer has mapped the arena.
+    pub fn seal_writes(&self) -> Result<()> {
+        fcntl(
+            &self.fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_FUTURE_WRITE | SealFlag::F_SEAL_SEAL),
+        )
+        .map_err(|e| shm_err("sealing the arena against writers failed", e))?;
+        Ok(())
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    pub fn mapping(&self) -> &Mapping {
+        &self.map
+    }
+}
+
+/// Sends `bytes` with `fd` attached (`SCM_RIGHTS`). Returns the bytes
+/// written, which may be fewer than `bytes.len()` on a non-blocking socket;
+/// the fd travels with the first byte.
+pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
+    send_with_fds(sock, bytes, &[fd])
+}
+
+/// [`send_with_fd`] with several fds, which arrive in this order.
+pub fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<usize> {
+    let fds: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    sendmsg::<()>(
+        sock,
+        &[IoSlice::new(bytes)],
+        &cmsg,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .map_err(std::io::Error::from)
+}
