@@ -30,8 +30,9 @@ use crate::pipeline::collate::{SlotWriter, ThreadState};
 use crate::pipeline::decode::DecodeError;
 use crate::pipeline::shared::Shares;
 use crate::pipeline::transform::{Layout, Lut, Transform};
-use crate::pipeline::{ImagePipeline, PipelineError, Place};
-use crate::plan::{PlanError, SourcePlan, StreamPlan, plan_broker, plan_config};
+use crate::pipeline::{PipelineError, Place};
+use crate::plan::kind::WriterJob;
+use crate::plan::{PlanError, StreamPlan, plan_broker, plan_config};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MakeError {
@@ -202,35 +203,29 @@ impl Maker {
             })?;
         let budget = Budget::new(broker.memory_bytes, uid);
         let whom = format!("stream `{}`", plan.name);
-        let mut expand = None;
-        let writer = match &plan.source {
-            SourcePlan::Synthetic(_) if wire == Wire::U8 => {
+        let (transform, expand) = match plan.source.images() {
+            Some(p) => {
+                let (transform, widen) = wire_transform(&plan.name, &p.transform, wire)?;
+                (Some(transform), widen)
+            }
+            None if wire == Wire::U8 && plan.source.broker_writes() => {
                 return Err(MakeError::Wire {
                     stream: plan.name.clone(),
-                    why: "a synthetic stream has no pixels".into(),
+                    why: format!("a {} stream has no pixels", plan.source.kind()),
                 });
             }
-            SourcePlan::Synthetic(spec) => SlotWriter::Synthetic(*spec),
-            SourcePlan::Images(p) => {
-                if let Some(r) = &p.dataset.remote {
-                    r.reserve(&budget, uid, &whom)?;
-                }
-                let share = match &p.share {
-                    Some(seat) => {
-                        let share = Shares::default().take(seat);
-                        share.reserve(&budget, uid)?;
-                        Some((share, seat.member))
-                    }
-                    None => None,
-                };
-                let (transform, widen) = wire_transform(&plan.name, &p.transform, wire)?;
-                expand = widen;
-                let pipeline = ImagePipeline::new(p.dataset.clone(), transform, p.rules, share);
-                pipeline.reserve(&budget, uid, &whom)?;
-                SlotWriter::Images(Arc::new(pipeline))
-            }
-            SourcePlan::External => return Err(MakeError::External(plan.name.clone())),
+            None => (None, None),
         };
+        let writer = plan
+            .source
+            .writer(WriterJob {
+                budget: &budget,
+                uid,
+                whom: &whom,
+                shares: &mut Shares::default(),
+                transform,
+            })?
+            .ok_or_else(|| MakeError::External(plan.name.clone()))?;
         let wire = match &expand {
             Some(e) => e.wire(&plan.schema),
             None => plan.schema.clone(),

@@ -6,60 +6,14 @@
 use batchcast::proto::{Digester, StreamDigest};
 use batchcast::schema::Field;
 
-use super::{SourcePlan, StreamPlan};
+use super::StreamPlan;
 use crate::config::StreamConfig;
-use crate::pipeline::dataset::Location;
-use crate::pipeline::sampler::Uneven;
 
 /// The digest of a configured stream, from its config and its plan.
 pub(super) fn of_config(s: &StreamConfig, plan: &StreamPlan) -> StreamDigest {
     let mut source = Digester::default();
     let mut order = Digester::default();
-    match &plan.source {
-        SourcePlan::Synthetic(spec) => {
-            source
-                .str("synthetic")
-                .u64(spec.len)
-                .str(&format!("{:?}", spec.fill));
-            order.u64(u64::from(spec.shuffle)).u64(spec.seed);
-        }
-        SourcePlan::Images(p) => {
-            let d = &p.dataset;
-            source
-                .str(d.format)
-                .str(&d.root)
-                .u64(d.classes.len() as u64);
-            for c in &d.classes {
-                source.str(c);
-            }
-            for (i, item) in d.items.iter().enumerate() {
-                match &item.loc {
-                    Location::File(path) => source.str(&path.to_string_lossy()),
-                    Location::Object(_) => source.str(&d.item_name(i as u64)),
-                    Location::Member { shard, offset, len } => {
-                        source.u64(u64::from(*shard)).u64(*offset).u64(*len)
-                    }
-                };
-                source.u64(item.label as u64);
-            }
-            // A remote dataset's objects by version: a resume across a
-            // replaced object is refused (its reads would fail anyway).
-            for o in d.remote.iter().flat_map(|r| &r.objects) {
-                source.str(&o.path).str(&o.version);
-            }
-            order
-                .u64(u64::from(p.shuffle))
-                .u64(p.seed)
-                .u64(p.shuffle_buffer.map_or(0, |b| b as u64 + 1))
-                .u64(p.split.rank)
-                .u64(p.split.world_size)
-                .u64(match p.split.uneven {
-                    Uneven::Pad => 0,
-                    Uneven::Drop => 1,
-                });
-        }
-        SourcePlan::External => {}
-    }
+    plan.source.digest(&mut source, &mut order);
     order.u64(plan.schema.samples_per_epoch);
     let mut transform = Digester::default();
     if let Some(t) = &s.transform_table {

@@ -9,7 +9,7 @@ use batchcast::DType;
 use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
 
 use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
-use super::{ImagePlan, SourceParts, SourcePlan, StreamError, key};
+use super::{ImagePlan, SourceParts, StreamError, key};
 use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{self, Dataset, expand_pattern};
@@ -352,7 +352,7 @@ pub(super) fn image_source(
         fields,
         len,
         per_epoch: split.per_rank(len),
-        plan: SourcePlan::Images(Box::new(ImagePlan {
+        plan: Arc::new(ImagePlan {
             dataset,
             transform,
             rules: sample_rules(s),
@@ -361,7 +361,7 @@ pub(super) fn image_source(
             shuffle: s.shuffle,
             seed: s.seed,
             share: None,
-        })),
+        }),
         info,
     })
 }

@@ -22,13 +22,14 @@ use batchcast::synthetic::SyntheticSpec;
 use crate::config::{Config, Pace, StreamConfig, SyntheticConfig};
 use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{Dataset, DatasetError};
-use crate::pipeline::sampler::{self, Split};
+use crate::pipeline::sampler::Split;
 use crate::pipeline::transform::Transform;
 
 mod augment;
 mod checks;
 mod digest;
 mod image;
+pub(crate) mod kind;
 mod remote;
 mod source;
 #[cfg(test)]
@@ -130,15 +131,9 @@ fn key(key: &'static str, message: impl Into<String>) -> StreamError {
     }
 }
 
-/// Where a stream's samples come from, described.
-#[derive(Debug, Clone)]
-pub enum SourcePlan {
-    Synthetic(SyntheticSpec),
-    Images(Box<ImagePlan>),
-    /// Filled by a producer process over the socket; the broker only does
-    /// the bookkeeping.
-    External,
-}
+/// Where a stream's samples come from: one of [`kind`]'s sources, chosen
+/// once here.
+pub(crate) type SourcePlan = Arc<dyn kind::SampleSource>;
 
 /// An image stream's source: the dataset's listing and what to do with
 /// each sample.
@@ -205,7 +200,7 @@ pub struct StreamPlan {
     pub rings: RingLayout,
     /// A device arena's slots (each a whole unit).
     pub layout: SlotLayout,
-    pub source: SourcePlan,
+    pub(crate) source: SourcePlan,
     /// What the stream's data is made from, digested: sent in every
     /// welcome, checked against a resuming consumer's.
     pub digest: StreamDigest,
@@ -216,22 +211,10 @@ impl StreamPlan {
         self.rings.arena_bytes
     }
 
-    /// The dataset indices of `epoch`, in order, for this host.
+    /// The dataset indices of `epoch`, in order, for this host (none
+    /// where a producer decides what each batch holds).
     pub fn epoch_order(&self, epoch: u64) -> Vec<u64> {
-        match &self.source {
-            SourcePlan::Synthetic(spec) => spec.epoch_order(epoch),
-            SourcePlan::Images(p) => {
-                let whole = match p.shuffle_buffer {
-                    Some(b) => {
-                        sampler::sharded(&p.dataset.shard_items, p.shuffle, b, p.seed, epoch)
-                    }
-                    None => sampler::permutation(p.dataset.len(), p.shuffle, p.seed, epoch),
-                };
-                p.split.apply(whole)
-            }
-            // The producer decides what each batch holds.
-            SourcePlan::External => Vec::new(),
-        }
+        self.source.epoch_order(epoch)
     }
 
     /// Plans the stream an external producer asked for, with the same
@@ -311,7 +294,7 @@ impl StreamPlan {
             schema,
             rings,
             layout,
-            source: SourcePlan::External,
+            source: Arc::new(kind::Producer),
             digest: Default::default(),
         };
         Ok(plan.digested(digest::of_external))
@@ -369,10 +352,8 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
         let listed = streams[..i]
             .iter()
             .position(|t| source::same_listing(t, s))
-            .and_then(|j| match &plans[j].source {
-                SourcePlan::Images(p) => Some((p.dataset.clone(), p.shuffle_buffer)),
-                _ => None,
-            });
+            .and_then(|j| plans[j].source.images())
+            .map(|p| (p.dataset.clone(), p.shuffle_buffer));
         let plan = plan_stream(s, listed, budget).map_err(|error| PlanError::Stream {
             stream: s.name.clone(),
             error,
@@ -529,7 +510,7 @@ fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourcePar
         fields: src.fields.clone(),
         len: src.len,
         per_epoch: src.len,
-        plan: SourcePlan::Synthetic(spec),
+        plan: Arc::new(spec),
         info: SourceInfo::Synthetic(spec),
     })
 }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use super::checks::check_name;
-use super::{PlanError, SourcePlan, StreamError, StreamPlan, key};
+use super::{PlanError, StreamError, StreamPlan, key};
 use crate::config::{Config, Pace, SourceConfig, StreamConfig};
 use crate::pipeline::shared::{MAX_MEMBERS, MemberSpec, SharePlan, ShareSeat};
 
@@ -137,13 +137,13 @@ pub(super) fn attach(
         };
         let specs = members
             .iter()
-            .map(|&i| match &plans[i].source {
-                SourcePlan::Images(p) => Ok(MemberSpec {
+            .map(|&i| match plans[i].source.images() {
+                Some(p) => Ok(MemberSpec {
                     stream: plans[i].name.clone(),
                     transform: p.transform.clone(),
                     decoupled: plans[i].pace == Pace::Decoupled,
                 }),
-                _ => Err(source_err(&src.name, "only image streams share a source")),
+                None => Err(source_err(&src.name, "only image streams share a source")),
             })
             .collect::<Result<Vec<_>, _>>()?;
         let source = Arc::new(SharePlan {
@@ -156,12 +156,15 @@ pub(super) fn attach(
             decoded_cache_bytes: src.decoded_cache_mib.saturating_mul(1 << 20),
         });
         for (member, &i) in members.iter().enumerate() {
-            if let SourcePlan::Images(p) = &mut plans[i].source {
-                p.share = Some(ShareSeat {
-                    source: source.clone(),
-                    member,
-                });
-            }
+            // Planned just now: no other handle to the source yet, and
+            // every member is an image stream (checked above).
+            let p = Arc::get_mut(&mut plans[i].source)
+                .and_then(|s| s.images_mut())
+                .ok_or_else(|| source_err(&src.name, "a member's plan is already shared"))?;
+            p.share = Some(ShareSeat {
+                source: source.clone(),
+                member,
+            });
         }
     }
     Ok(())

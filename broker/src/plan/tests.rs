@@ -28,7 +28,8 @@ fn a_minimal_config_gets_documented_defaults() {
         (p.slots, p.gpu_slots, p.min_consumers, p.lag_limit),
         (15, 15, 1, None)
     );
-    let SourcePlan::Synthetic(spec) = p.source else {
+    assert_eq!(p.source.kind(), "synthetic");
+    let SourceInfo::Synthetic(spec) = p.schema.source else {
         panic!("a synthetic source")
     };
     assert!(spec.shuffle, "shuffled by default");

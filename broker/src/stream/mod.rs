@@ -84,10 +84,10 @@ use batchcast::shm::{Arena, Fault, Mapping, RingView};
 use crate::budget::{Budget, Grant, OverBudget, Use};
 use crate::gpu::Gpus;
 use crate::hub::{ConsumerId, Hub, HubConfig};
-use crate::pipeline::ImagePipeline;
 use crate::pipeline::collate::SlotWriter;
 use crate::pipeline::shared::Shares;
-use crate::plan::{SourcePlan, StreamPlan};
+use crate::plan::StreamPlan;
+use crate::plan::kind::{SampleSource, WriterJob};
 
 pub use conn::Peer;
 use deliver::settle;
@@ -211,44 +211,22 @@ impl Stream {
             plan.arena_bytes(),
             &format!("stream `{}`", plan.name),
         )?;
-        if let SourcePlan::Images(p) = &plan.source
-            && let Some(r) = &p.dataset.remote
-        {
-            r.reserve(budget, owner_uid, &format!("stream `{}`", plan.name))?;
+        let writer = plan.source.writer(WriterJob {
+            budget,
+            uid: owner_uid,
+            whom: &format!("stream `{}`", plan.name),
+            shares,
+            transform: None,
+        })?;
+        if let Some(p) = plan.source.images() {
+            say_decoded_cost(&plan.name, p);
         }
-        let seat = match &plan.source {
-            SourcePlan::Images(p) => p.share.as_ref(),
-            _ => None,
-        };
-        let share = match seat {
-            Some(seat) => {
-                let share = shares.take(seat);
-                share.reserve(budget, owner_uid)?;
-                Some((share, seat.member))
-            }
-            None => None,
-        };
         let arena = Arena::create(&plan.name, plan.arena_bytes(), Fault::Lazily)?;
-        let fault = ring_fault(&plan.source);
+        let fault = ring_fault(&*plan.source);
         let rings = Mapping::rings_faulted(arena.fd(), &RingView::of(&plan.rings), true, fault)?;
-        if !matches!(plan.source, SourcePlan::External) {
+        if plan.source.broker_writes() {
             arena.seal_writes()?;
         }
-        let writer = match &plan.source {
-            SourcePlan::Synthetic(spec) => Some(SlotWriter::Synthetic(*spec)),
-            SourcePlan::Images(p) => {
-                let pipeline = Arc::new(ImagePipeline::new(
-                    p.dataset.clone(),
-                    p.transform.clone(),
-                    p.rules,
-                    share,
-                ));
-                pipeline.reserve(budget, owner_uid, &format!("stream `{}`", plan.name))?;
-                say_decoded_cost(&plan.name, p);
-                Some(SlotWriter::Images(pipeline))
-            }
-            SourcePlan::External => None,
-        };
         let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
         let stream = Arc::new(Stream {
             gpus: Gpus::default(),
@@ -372,10 +350,10 @@ impl std::hash::Hasher for IdHasher {
 /// written by the producer, and a registration comes while the broker
 /// serves others: nothing is faulted in (populating holds the process's
 /// memory map lock, and stalled every other connection while it ran).
-fn ring_fault(source: &SourcePlan) -> Fault {
-    match source {
-        SourcePlan::External => Fault::Lazily,
-        _ => Fault::Now,
+fn ring_fault(source: &dyn SampleSource) -> Fault {
+    match source.broker_writes() {
+        true => Fault::Now,
+        false => Fault::Lazily,
     }
 }
 

@@ -154,8 +154,8 @@ fn read_to_end(s: &Stream, sub: &mut Subscription) -> usize {
 }
 
 fn spec(s: &Stream) -> &SyntheticSpec {
-    match &s.plan.source {
-        SourcePlan::Synthetic(spec) => spec,
+    match &s.plan.schema.source {
+        batchcast::schema::SourceInfo::Synthetic(spec) => spec,
         _ => unreachable!(),
     }
 }
