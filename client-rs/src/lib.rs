@@ -50,7 +50,8 @@
 //!   error of parsing a dtype, device or join policy a user wrote.
 //!
 //! The broker's half of the shared-memory protocols (creating and sealing
-//! an arena, sending its fd, a mailbox's broker side) is built only with
+//! an arena, sending its fd, a mailbox's broker side, the GPU memory it
+//! exports and copies into) is built only with
 //! the `broker` feature, which the broker turns on: a client's API has
 //! none of it, and each protocol's two sides stay in one module.
 //!

@@ -13,6 +13,7 @@
 //! to `sys` here and nowhere else.
 
 use std::ffi::c_void;
+#[cfg(any(test, feature = "broker"))]
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
@@ -158,6 +159,7 @@ pub(super) unsafe fn memcpy_htod(dst: sys::CUdeviceptr, bytes: &[u8]) -> Result<
 /// `dst .. dst + len` lies in live device memory of the current context;
 /// `src .. src + len` stays mapped until the copy completes; `stream` is a
 /// live stream of the current context.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn memcpy_htod_async(
     dst: sys::CUdeviceptr,
     src: *const u8,
@@ -176,6 +178,7 @@ pub(super) unsafe fn memcpy_htod_async(
 ///
 /// A context is current; the memory is uninitialised, freed once with
 /// [`mem_free`].
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr, CudaError> {
     // SAFETY: as the caller guarantees; Rust never reads the memory.
     unsafe { cu::malloc_sync(len.max(1)) }.map_err(named("cuMemAlloc"))
@@ -186,6 +189,7 @@ pub(super) unsafe fn mem_alloc(len: usize) -> Result<sys::CUdeviceptr, CudaError
 /// # Safety
 ///
 /// Once, with nothing queued that uses it.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<(), CudaError> {
     // SAFETY: as the caller guarantees.
     unsafe { cu::free_sync(ptr) }.map_err(named("cuMemFree"))
@@ -197,6 +201,7 @@ pub(super) unsafe fn mem_free(ptr: sys::CUdeviceptr) -> Result<(), CudaError> {
 ///
 /// `ptr` is the base of a live [`mem_alloc`] allocation of the current
 /// context.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn ipc_handle(ptr: sys::CUdeviceptr) -> Result<[u8; IPC_HANDLE_LEN], CudaError> {
     let mut handle = MaybeUninit::<sys::CUipcMemHandle>::uninit();
     // SAFETY: as the caller guarantees; the out-pointer is valid for one
@@ -249,6 +254,7 @@ pub(super) unsafe fn ipc_close(ptr: sys::CUdeviceptr) -> Result<(), CudaError> {
 /// # Safety
 ///
 /// The range stays mapped until [`host_unregister`].
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn host_register(ptr: *const u8, len: usize) -> Result<(), CudaError> {
     // SAFETY: as the caller guarantees.
     check("cuMemHostRegister", unsafe {
@@ -261,6 +267,7 @@ pub(super) unsafe fn host_register(ptr: *const u8, len: usize) -> Result<(), Cud
 /// # Safety
 ///
 /// Once per registration, with no copy from it in flight.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn host_unregister(ptr: *const u8) -> Result<(), CudaError> {
     // SAFETY: as the caller guarantees.
     check("cuMemHostUnregister", unsafe {
@@ -270,6 +277,7 @@ pub(super) unsafe fn host_unregister(ptr: *const u8) -> Result<(), CudaError> {
 
 /// A new non-blocking stream of the current context (`cuStreamCreate`).
 /// Call with a context current.
+#[cfg(any(test, feature = "broker"))]
 pub(super) fn stream_create() -> Result<sys::CUstream, CudaError> {
     cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(named("cuStreamCreate"))
 }
@@ -279,6 +287,7 @@ pub(super) fn stream_create() -> Result<sys::CUstream, CudaError> {
 /// # Safety
 ///
 /// `stream` is live.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), CudaError> {
     // SAFETY: as the caller guarantees.
     unsafe { cu::stream::synchronize(stream) }.map_err(named("cuStreamSynchronize"))
@@ -289,6 +298,7 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), Cud
 /// # Safety
 ///
 /// Once; nothing is queued on it any more.
+#[cfg(any(test, feature = "broker"))]
 pub(super) unsafe fn stream_destroy(stream: sys::CUstream) -> Result<(), CudaError> {
     // SAFETY: as the caller guarantees.
     unsafe { cu::stream::destroy(stream) }.map_err(named("cuStreamDestroy"))
