@@ -26,6 +26,16 @@ for line in sys.stdin:
     if m.get("executable") and m.get("profile", {}).get("test"):
         print(m["executable"])')
     strip -o "$KIT/client-gpu-tests" "$exe"
+    # The broker's GPU backend conformance suite on CUDA
+    # (gpu::conformance::gpu_cuda_backend, ignored without a GPU).
+    exe=$(PATH="$PWD/.venv/bin:$PATH" cargo zigbuild --locked -q -p batchcast-broker --lib --tests \
+        --target x86_64-unknown-linux-gnu.2.28 --message-format=json |
+        .venv/bin/python -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line) if line.startswith("{") else {}
+    if m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["executable"])')
+    strip -o "$KIT/broker-gpu-tests" "$exe"
     # pytest for the GPU tests (the GPU host reaches no package index).
     .venv/bin/pip download -q --disable-pip-version-check --only-binary :all: -d "$KIT/pytest" pytest
     ls -l "$KIT"
@@ -45,12 +55,18 @@ rm -rf "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, batchcast; print("torch", torch.__version__, "batchcast", batchcast.__file__)'
 nvidia-smi -L 2>/dev/null || true
-# The Rust client's GPU tests (client-rs, tests named gpu_*), then the
-# Python client's (client-py/tests/test_gpu.py).
+# The Rust client's GPU tests (client-rs, tests named gpu_*), the broker's
+# GPU backend conformance suite on CUDA, then the Python client's
+# (client-py/tests/test_gpu.py).
 if [[ -x "$KIT/client-gpu-tests" ]]; then
     "$KIT/client-gpu-tests" --include-ignored --test-threads 1 gpu_
 else
     echo "no client-gpu-tests in $KIT: the Rust GPU tests did not run" >&2
+fi
+if [[ -x "$KIT/broker-gpu-tests" ]]; then
+    "$KIT/broker-gpu-tests" --include-ignored --test-threads 1 gpu_cuda_backend
+else
+    echo "no broker-gpu-tests in $KIT: the CUDA backend's conformance suite did not run" >&2
 fi
 if ls "$KIT"/pytest/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$SITE" "$KIT"/pytest/*.whl

@@ -70,14 +70,14 @@ pub(super) fn create(
     let key = req.uuid;
     let engine = Engine {
         copies: copies.clone(),
-        buffer,
+        buffer: buffer.clone(),
         spare: Vec::new(),
     };
     let m = Mirror::start(
         label,
         arena,
         pinned,
-        Arc::new(Cuda(copies)),
+        Arc::new(Cuda { copies, buffer }),
         move |rx| copier::run((key, rings), rx, sink, engine),
         format!("{stream_name}-copy-gpu{}", gpu.info.ordinal),
     )
@@ -86,13 +86,26 @@ pub(super) fn create(
     Ok(m)
 }
 
-/// A CUDA GPU, by the stream its mirror copies on.
+/// A CUDA GPU: the stream its mirror copies on, and the device arena
+/// the copies go to.
 #[derive(Debug)]
-struct Cuda(Arc<CopyStream>);
+struct Cuda {
+    copies: Arc<CopyStream>,
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "read back by the conformance suite")
+    )]
+    buffer: Arc<DeviceBuffer>,
+}
 
 impl Device for Cuda {
     fn fence(&self) -> Result<(), GpuError> {
-        self.0.synchronize().map_err(driver)
+        self.copies.synchronize().map_err(driver)
+    }
+
+    #[cfg(test)]
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        self.buffer.read(offset, out).map_err(driver)
     }
 
     /// Device memory exported over CUDA IPC, its rings unmirrored (mapped
@@ -105,7 +118,7 @@ impl Device for Cuda {
         _name: &str,
     ) -> Result<ReplayTarget, String> {
         let rings = RingLayout::unmirrored_for_schema(schema, slots).map_err(|e| e.to_string())?;
-        let buffer = DeviceBuffer::alloc(self.0.gpu(), rings.arena_bytes as usize)
+        let buffer = DeviceBuffer::alloc(self.copies.gpu(), rings.arena_bytes as usize)
             .map_err(|e| e.to_string())?;
         let handle = buffer.ipc_handle().map_err(|e| e.to_string())?.to_vec();
         Ok(ReplayTarget {

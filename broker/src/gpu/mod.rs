@@ -26,6 +26,8 @@ use batchcast::proto::{DeviceArena, DeviceRequest};
 use batchcast::schema::{RingLayout, Schema};
 use batchcast::stand_in::Setting;
 
+#[cfg(test)]
+mod conformance;
 mod copier;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -134,6 +136,18 @@ impl ReplayTarget {
         &self.arena.rings
     }
 
+    /// `out.len()` bytes of the arena at `offset`, read back.
+    #[cfg(test)]
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        match &self.memory {
+            TargetMemory::StandIn(a) => stand_in::read_arena(a, offset, out),
+            #[cfg(feature = "cuda")]
+            TargetMemory::Cuda(b) => b
+                .read(offset, out)
+                .map_err(|e| GpuError::Driver(e.to_string())),
+        }
+    }
+
     /// The fd the consumer maps (the stand-in's).
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.memory {
@@ -176,6 +190,10 @@ pub trait CopySink: CopySource + 'static {
 trait Device: Send + Sync + std::fmt::Debug {
     /// Waits until every queued copy has finished reading host memory.
     fn fence(&self) -> Result<(), GpuError>;
+    /// `out.len()` bytes of the mirror's device arena at `offset`, read
+    /// back (what the conformance suite checks copies by).
+    #[cfg(test)]
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError>;
     /// A consumer's own arena on this device (labelled `label`) for
     /// `schema`'s batch size and `slots` batches; `name` names its memory.
     fn replay_target(
@@ -294,6 +312,12 @@ impl Mirror {
         if let Err(e) = self.device.fence() {
             tracing::warn!(gpu = %self.label, "waiting for copies: {e}");
         }
+    }
+
+    /// `out.len()` bytes of the device arena at `offset`, read back.
+    #[cfg(test)]
+    fn read_device(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        self.device.read(offset, out)
     }
 
     /// Stops the copier after the copies already queued.

@@ -31,6 +31,17 @@ pub fn request(ordinal: u32) -> DeviceRequest {
     }
 }
 
+/// `out.len()` bytes of a stand-in's device memory at `offset`.
+#[cfg(test)]
+pub(super) fn read_arena(memory: &Arena, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+    let bytes = memory
+        .mapping()
+        .get(offset as u64, out.len() as u64)
+        .ok_or_else(|| GpuError::Driver(format!("a read past the device memory at {offset}")))?;
+    out.copy_from_slice(bytes);
+    Ok(())
+}
+
 /// Stand-in GPU `ordinal`'s arena for a stream: `slots × slot_bytes` of a
 /// memfd, written by its copy engine. `fail_at`: the copy number (from 0)
 /// at which the device fails instead.
@@ -98,7 +109,10 @@ fn start(
         label,
         arena,
         false,
-        Arc::new(StandIn(engine.clone())),
+        Arc::new(StandIn {
+            engine: engine.clone(),
+            memory: memory.clone(),
+        }),
         move |rx| copier::run((uuid, rings), rx, sink, copies),
         format!("{stream}-copy-gpu{ordinal}"),
     )?;
@@ -106,13 +120,25 @@ fn start(
     Ok((m, engine))
 }
 
-/// A stand-in GPU, by its copy engine.
+/// A stand-in GPU: its copy engine and the device arena it writes.
 #[derive(Debug)]
-struct StandIn(Arc<Engine>);
+struct StandIn {
+    engine: Arc<Engine>,
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "read back by the conformance suite")
+    )]
+    memory: Arc<Arena>,
+}
 
 impl Device for StandIn {
     fn fence(&self) -> Result<(), GpuError> {
-        self.0.synchronize()
+        self.engine.synchronize()
+    }
+
+    #[cfg(test)]
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        read_arena(&self.memory, offset, out)
     }
 
     /// A sealed memfd of the host arena's rings.

@@ -133,11 +133,11 @@ impl<M: Memory> BrokerMailbox<M> {
         }
         let w = &self.words;
         let words = notice.to_words();
-        for (i, v) in words.into_iter().enumerate() {
-            w.notice(self.head, i + 1).store(v, Ordering::Relaxed);
+        let record = w.notice(self.head);
+        for (word, v) in record[1..].iter().zip(words) {
+            word.store(v, Ordering::Relaxed);
         }
-        w.notice(self.head, 0)
-            .store(self.head + 1, Ordering::Release);
+        record[0].store(self.head + 1, Ordering::Release);
         if let Some(unit) = notice.unit() {
             self.units.push_back((self.head, unit));
         }
@@ -285,8 +285,10 @@ impl<M: Memory> BrokerMailbox<M> {
         let mut bad = None;
         for _ in 0..new {
             let n = self.drained;
-            let record: [u64; RELEASE_WORDS] =
-                std::array::from_fn(|word| w.release(n, word).load(Ordering::Relaxed));
+            let record: [u64; RELEASE_WORDS] = w
+                .release(n)
+                .each_ref()
+                .map(|word| word.load(Ordering::Relaxed));
             self.drained += 1;
             match unit_of(record) {
                 Some(unit) => take(unit),

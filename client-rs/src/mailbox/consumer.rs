@@ -45,7 +45,7 @@ impl<M: Memory> ConsumerMailbox<M> {
     pub fn has_notice(&self) -> bool {
         let w = &self.words;
         let tail = w.header().tail.load(Ordering::Relaxed);
-        w.notice(tail, 0).load(Ordering::Acquire) == tail + 1
+        w.notice(tail)[0].load(Ordering::Acquire) == tail + 1
     }
 
     /// Whether the batch noticed at `n`, just taken, was taken back by the
@@ -86,11 +86,11 @@ impl<M: Memory> ConsumerMailbox<M> {
         let tail = &w.header().tail;
         let (v, in_cut) = loop {
             let n = tail.load(Ordering::Relaxed);
-            if w.notice(n, 0).load(Ordering::Acquire) != n + 1 {
+            let record = w.notice(n);
+            if record[0].load(Ordering::Acquire) != n + 1 {
                 return Ok(None);
             }
-            let v: NoticeWords =
-                std::array::from_fn(|i| w.notice(n, i + 1).load(Ordering::Relaxed));
+            let v: NoticeWords = std::array::from_fn(|i| record[i + 1].load(Ordering::Relaxed));
             // The entry may be rewritten once `tail` moves on (a release
             // store); a Dekker handshake with the broker's cut (see the
             // module's notes).
@@ -135,8 +135,8 @@ impl<M: Memory> ConsumerMailbox<M> {
         if n.wrapping_sub(drained) >= w.spec.releases as u64 {
             return false;
         }
-        for (word, v) in record_of(unit).into_iter().enumerate() {
-            w.release(n, word).store(v, Ordering::Relaxed);
+        for (word, v) in w.release(n).iter().zip(record_of(unit)) {
+            word.store(v, Ordering::Relaxed);
         }
         let c = &h.consumer;
         for (total, add) in [

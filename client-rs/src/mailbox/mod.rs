@@ -87,6 +87,13 @@ impl Totals {
     }
 }
 
+/// The `N` words of the rings from `at` (within the rings: the spec sized
+/// them, and the memory was checked against it when mapped).
+#[inline]
+fn record<W, const N: usize>(rings: &[W], at: usize) -> &[W; N] {
+    rings[at..at + N].try_into().expect("N words")
+}
+
 /// A mailbox's memory and the word accessors both sides use.
 #[derive(Debug)]
 struct Words<M: Memory> {
@@ -100,18 +107,22 @@ impl<M: Memory> Words<M> {
         self.mem.header()
     }
 
-    /// Word `word` of the ring entry that notice number `n` uses.
+    /// The ring entry that notice number `n` uses (its words, found once:
+    /// a notice costs the broker one lookup, not one a word).
     #[inline]
-    fn notice(&self, n: u64, word: usize) -> &M::W64 {
-        let i = (n % self.spec.notices as u64) as usize;
-        &self.mem.rings()[i * NOTICE_WORDS + word]
+    fn notice(&self, n: u64) -> &[M::W64; NOTICE_WORDS] {
+        let at = (n % self.spec.notices as u64) as usize * NOTICE_WORDS;
+        record(self.mem.rings(), at)
     }
 
-    /// Word `word` of the ring entry that release number `n` uses.
+    /// The ring entry that release number `n` uses.
     #[inline]
-    fn release(&self, n: u64, word: usize) -> &M::W64 {
+    fn release(&self, n: u64) -> &[M::W64; RELEASE_WORDS] {
         let i = (n % self.spec.releases as u64) as usize;
-        &self.mem.rings()[self.spec.releases_from() + i * RELEASE_WORDS + word]
+        record(
+            self.mem.rings(),
+            self.spec.releases_from() + i * RELEASE_WORDS,
+        )
     }
 
     #[inline]
@@ -418,7 +429,7 @@ mod tests {
         let (mut b, c) = pair(2);
         assert!(c.push_release(Unit::Shared(7), t(1)));
         assert!(c.push_release(Unit::Replayed(7), t(1)));
-        c.words.release(1, 0).store(3, Ordering::Relaxed);
+        c.words.release(1)[0].store(3, Ordering::Relaxed);
         let mut got = Vec::new();
         assert_eq!(
             b.drain(|u| got.push(u)),
@@ -433,7 +444,7 @@ mod tests {
         // And the consumer refuses an unknown record kind.
         let (mut b, c) = pair(2);
         b.push(&batch(0)).unwrap();
-        b.words.notice(0, 1).store(99, Ordering::Relaxed);
+        b.words.notice(0)[1].store(99, Ordering::Relaxed);
         assert!(c.pop().is_err());
     }
 
