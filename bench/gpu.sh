@@ -16,26 +16,25 @@ if [[ "${1:-}" == "--build" ]]; then
     bash scripts/build-wheels "$KIT"
     rm -f "$KIT"/*.tar.gz
     strip -o "$KIT/batchcast" target/x86_64-unknown-linux-gnu/release/batchcast
-    # The Rust client's GPU tests (ignored without a GPU; named gpu_*), as
-    # one test executable linked against glibc 2.28 like the wheel.
-    exe=$(PATH="$PWD/.venv/bin:$PATH" cargo zigbuild --locked -q -p batchcast --features cuda --lib --tests \
-        --target x86_64-unknown-linux-gnu.2.28 --message-format=json |
-        .venv/bin/python -c 'import json, sys
+    # A crate's unit tests as one executable linked against glibc 2.28
+    # like the wheel: `tests OUT CARGO-ARGS..`.
+    tests() {
+        local out="$1" exe
+        shift
+        exe=$(PATH="$PWD/.venv/bin:$PATH" cargo zigbuild --locked -q "$@" --lib --tests \
+            --target x86_64-unknown-linux-gnu.2.28 --message-format=json |
+            .venv/bin/python -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line) if line.startswith("{") else {}
     if m.get("executable") and m.get("profile", {}).get("test"):
         print(m["executable"])')
-    strip -o "$KIT/client-gpu-tests" "$exe"
-    # The broker's GPU backend conformance suite on CUDA
+        strip -o "$KIT/$out" "$exe"
+    }
+    # The Rust client's GPU tests (ignored without a GPU; named gpu_*),
+    # and the broker's GPU backend conformance suite on CUDA
     # (gpu::conformance::gpu_cuda_backend, ignored without a GPU).
-    exe=$(PATH="$PWD/.venv/bin:$PATH" cargo zigbuild --locked -q -p batchcast-broker --lib --tests \
-        --target x86_64-unknown-linux-gnu.2.28 --message-format=json |
-        .venv/bin/python -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line) if line.startswith("{") else {}
-    if m.get("executable") and m.get("profile", {}).get("test"):
-        print(m["executable"])')
-    strip -o "$KIT/broker-gpu-tests" "$exe"
+    tests client-gpu-tests -p batchcast --features cuda
+    tests broker-gpu-tests -p batchcast-broker
     # pytest for the GPU tests (the GPU host reaches no package index).
     .venv/bin/pip download -q --disable-pip-version-check --only-binary :all: -d "$KIT/pytest" pytest
     ls -l "$KIT"

@@ -126,7 +126,8 @@ fn mirror(start: Start) -> (Arc<Sink>, Mirror) {
     (sink, m)
 }
 
-fn until(what: impl Fn() -> bool) {
+/// Waits for `what`, failing the test after 10 s.
+pub(super) fn until(what: impl Fn() -> bool) {
     let t0 = Instant::now();
     while !what() {
         assert!(t0.elapsed() < Duration::from_secs(10), "timed out");

@@ -350,9 +350,9 @@ impl CopyEngine for Copies {
 #[cfg(test)]
 mod tests {
     use std::sync::Weak;
-    use std::time::Duration;
 
     use super::*;
+    use crate::gpu::conformance::until;
     use crate::gpu::{CopyRequest, CopySink, GpuKey};
 
     /// A stream of one field of 8 bytes a sample, units of one sample:
@@ -447,14 +447,6 @@ mod tests {
         let (m, engine) = start(spec, 0, fail_at).unwrap();
         sink.engine.set(engine).ok();
         (sink, m)
-    }
-
-    fn until(what: impl Fn() -> bool) {
-        let t0 = Instant::now();
-        while !what() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "timed out");
-            std::thread::sleep(Duration::from_millis(1));
-        }
     }
 
     /// Copies run on the engine's thread and are reported in the order
