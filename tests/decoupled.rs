@@ -113,7 +113,7 @@ pub(crate) fn stalling_trainer_is_replayed_to_while_the_others_go_on(
     }
     // It fell a ring behind while it stalled: cut, and replayed to.
     assert!(stalls.replayed_batches > 0, "{stalls:#?}");
-    let s = env.stats();
+    let s = env.gone(&["stalls"]);
     let past = &s.streams[0].past_consumers;
     let cuts = |name: &str| {
         past.iter()
@@ -482,7 +482,7 @@ pub(crate) fn joiner_reads_each_epoch_rotated(env: &Env, device: &[&str]) {
     common::assert_every_epoch_whole(&late, EPOCHS, 2000);
     assert!(late.rotated_epochs >= 1, "{late:#?}");
     // The broker counts the epochs it rotated it into, as the trainer saw.
-    let s = env.stats();
+    let s = env.gone(&["late"]);
     let broker_says = s.streams[0]
         .past_consumers
         .iter()

@@ -98,7 +98,7 @@ pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, devi
     );
     assert_whole(&stopped);
     assert!(stopped.replayed_batches > 0, "{stopped:#?}");
-    let s = env.stats();
+    let s = env.gone(&["stopped"]);
     let past = &s.streams[0].past_consumers;
     let cut = past.iter().find(|c| c.name == "stopped").unwrap();
     assert!(cut.cuts >= 1 && cut.replayed > 0, "{cut:#?}");

@@ -80,7 +80,7 @@ pub(crate) fn ride_through_broker_restarts(env: &mut Env, device: [&[&str]; 2]) 
     // What each says it took, carried across the restarts, reaches the
     // last broker's stats: from its mailbox (a) and with its releases on
     // the socket (b).
-    let s = env.stats();
+    let s = env.gone(&[&a.name, &b.name]);
     for r in [&a, &b] {
         let c = s.streams[0]
             .past_consumers

@@ -342,6 +342,19 @@ impl Env {
         self.broker.stats().unwrap()
     }
 
+    /// Stats once the broker has recorded each of `names` as gone (in a
+    /// stream's past consumers): a consumer's process can exit, and its
+    /// report be read, before the broker has seen its connection close.
+    pub fn gone(&self, names: &[&str]) -> StatsReply {
+        self.wait_for(&format!("{names:?} to be recorded as gone"), |s| {
+            names.iter().all(|n| {
+                s.streams
+                    .iter()
+                    .any(|st| st.past_consumers.iter().any(|c| c.name == *n))
+            })
+        })
+    }
+
     /// Polls stats until `pred` holds (bounded).
     pub fn wait_for(&self, what: &str, pred: impl Fn(&StatsReply) -> bool) -> StatsReply {
         let t0 = Instant::now();
