@@ -34,7 +34,7 @@ impl DeviceBuffer {
         }))
     }
 
-    /// The handle another process opens with [`IpcMapping::open`].
+    /// The handle another process opens with [`IpcMapping::open`](super::IpcMapping::open).
     pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_LEN], CudaError> {
         self.gpu.bind()?;
         // SAFETY: `ptr` is the base of a live cuMemAlloc allocation of the
