@@ -16,8 +16,9 @@
 
 use batchcast_core::DType;
 use batchcast_core::synthetic::{SplitMix64, mix64};
-use fast_image_resize::images::{Image, ImageRef};
-use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
+use fast_image_resize::images::{TypedImage, TypedImageRef};
+use fast_image_resize::pixels::U8x3;
+use fast_image_resize::{FilterType, ResizeAlg, ResizeOptions, Resizer};
 use serde::Deserialize;
 
 use crate::augment::{Augment, Canvas, Op, Resample};
@@ -487,7 +488,9 @@ impl Transform {
     ) -> Result<(), ResizeError> {
         let err = |e: &dyn std::fmt::Display| ResizeError(e.to_string());
         let (oh, ow) = self.crop_size();
-        let src = ImageRef::new(img.width, img.height, &img.data, PixelType::U8x3)
+        // Typed (RGB only): the resizer's untyped entry point would build
+        // its kernels for all 13 pixel types, most of this crate's build.
+        let src = TypedImageRef::<U8x3>::from_buffer(img.width, img.height, &img.data)
             .map_err(|e| err(&e))?;
         let resample = self.interpolation.options();
         scratch.resized.resize(oh as usize * ow as usize * 3, 0);
@@ -499,11 +502,11 @@ impl Transform {
                 let f = 1.0 / denom as f64;
                 let c = plan.crop;
                 let opts = resample.crop(c.left * f, c.top * f, c.width * f, c.height * f);
-                let mut dst = Image::from_slice_u8(ow, oh, &mut scratch.resized, PixelType::U8x3)
+                let mut dst = TypedImage::<U8x3>::from_buffer(ow, oh, &mut scratch.resized)
                     .map_err(|e| err(&e))?;
                 scratch
                     .resizer
-                    .resize(&src, &mut dst, &opts)
+                    .resize_typed(&src, &mut dst, &opts)
                     .map_err(|e| err(&e))?;
                 return Ok(());
             }
@@ -513,11 +516,11 @@ impl Transform {
         let resized = (rw, rh) != (img.width, img.height);
         if resized {
             scratch.out.resize(rw as usize * rh as usize * 3, 0);
-            let mut full = Image::from_slice_u8(rw, rh, &mut scratch.out, PixelType::U8x3)
-                .map_err(|e| err(&e))?;
+            let mut full =
+                TypedImage::<U8x3>::from_buffer(rw, rh, &mut scratch.out).map_err(|e| err(&e))?;
             scratch
                 .resizer
-                .resize(&src, &mut full, &resample)
+                .resize_typed(&src, &mut full, &resample)
                 .map_err(|e| err(&e))?;
         }
         let no_steps = [(0, 0), (0, 0)];
