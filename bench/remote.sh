@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # nginx below; moto, s3s-fs and the rest from scripts/setup.
-bash scripts/setup
+bash scripts/setup --bench
 cargo build --release -q -p batchcast-cli -p batchcast-bench --bin batchcast --bin latency_proxy
 if ! command -v nginx >/dev/null; then
     echo "== installing nginx (Debian) for the HTTP rows"

@@ -1,5 +1,5 @@
 //! Datasets where they live: the same image folder and tar shards read
-//! from local disk, from S3 servers (moto's, and s3s-fs, which checks
+//! from local disk, from S3 servers (moto's, and moto's checking
 //! signatures, started here), Azure's emulator, a plain HTTP server with
 //! range requests (tests/support/objserver.py), a WebDAV server, and
 //! through a fault-injecting proxy; every form's batches byte-identical
@@ -100,27 +100,11 @@ impl Server {
         Server::listening(child, port, "azurite")
     }
 
-    /// s3s-fs (the s3s project's S3 server over a folder, installed by
-    /// scripts/setup) on a free port, serving `dir` to the key pair
-    /// `s3_env` sets; unlike moto it checks request signatures.
-    fn s3s(dir: &Path) -> Server {
-        let exe = repo().join(".venv/s3s-fs/bin/s3s-fs");
-        assert!(
-            exe.exists(),
-            "{} is missing: run `bash scripts/setup`",
-            exe.display()
-        );
-        std::fs::create_dir_all(dir).unwrap();
-        let port = free_port();
-        let child = command(exe)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--access-key", "testing", "--secret-key", SECRET])
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        Server::listening(child, port, "s3s-fs")
+    /// moto's S3 server checking request signatures (its IAM access
+    /// control, which the plain [`Server::moto`] leaves off) against the
+    /// key pair `s3_env` sets.
+    fn s3_signed() -> Server {
+        Server::objserver(&["s3-signed", "testing", SECRET])
     }
 
     /// A WebDAV server (WsgiDAV, installed by scripts/setup) publishing
@@ -625,22 +609,23 @@ fn azure_and_gcs_urls_give_the_local_bytes() {
     assert!(!e.contains(&wrong), "the key shows: {e}");
 }
 
-/// s3s-fs checks SigV4 signatures (moto does not): the broker's signed
-/// listing, GETs and range GETs are accepted and give the local bytes; a
-/// wrong secret is refused, by name, and no secret shows.
+/// An S3 server that checks SigV4 signatures (moto's, with its access
+/// control on; the plain one accepts any): the broker's signed listing,
+/// GETs and range GETs are accepted and give the local bytes; a wrong
+/// secret is refused, by name, and no secret shows.
 #[test]
 fn a_server_that_checks_signatures_accepts_the_brokers_and_refuses_a_wrong_secret() {
     let data = Data::new();
-    let s3s = Server::s3s(&data.dir.path().join("s3s"));
-    data.load("s3-load", &s3s.url(), &["train/", "shards/"]);
+    let s3 = Server::s3_signed();
+    data.load("s3-load", &s3.url(), &["train/", "shards/"]);
     let cfg = [
         folder_stream("local", &data.p("ds"), ""),
         shard_stream("local_shards", &data.shard_pattern(&data.p("shards")), ""),
-        folder_stream("s3", "s3://data/train/", &remote(&s3s.url(), "")),
+        folder_stream("s3", "s3://data/train/", &remote(&s3.url(), "")),
         shard_stream(
             "s3_shards",
             &data.shard_pattern("s3://data/shards"),
-            &remote(&s3s.url(), "part_mib = 1"),
+            &remote(&s3.url(), "part_mib = 1"),
         ),
     ]
     .join("\n");
@@ -670,7 +655,7 @@ fn a_server_that_checks_signatures_accepts_the_brokers_and_refuses_a_wrong_secre
         &folder_stream("s3", "s3://data/train/", ""),
         |cmd| {
             let mut cmd = s3_env(cmd);
-            cmd.env("AWS_ENDPOINT_URL", s3s.url());
+            cmd.env("AWS_ENDPOINT_URL", s3.url());
             cmd
         },
     );
@@ -682,7 +667,7 @@ fn a_server_that_checks_signatures_accepts_the_brokers_and_refuses_a_wrong_secre
     drop(from_env);
 
     let wrong = format!("{SECRET}-not");
-    let stream = folder_stream("s3", "s3://data/train/", &remote(&s3s.url(), "retries = 0"));
+    let stream = folder_stream("s3", "s3://data/train/", &remote(&s3.url(), "retries = 0"));
     let e = refusal(&b.dir, "s3://data/train/", &stream, |cmd| {
         let mut cmd = s3_env(cmd);
         cmd.env("AWS_SECRET_ACCESS_KEY", &wrong);

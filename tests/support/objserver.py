@@ -27,12 +27,17 @@
   objserver.py s3-load ENDPOINT BUCKET DIR PREFIX [DIR PREFIX ...]
       Creates BUCKET on an S3 server and uploads each DIR's files under its
       PREFIX.
+  objserver.py s3-signed ACCESS_KEY SECRET_KEY
+      moto's S3 server that checks every request's SigV4 signature (its
+      IAM access control, on from the first request) against the one key
+      pair given: a request signed with another secret is refused with
+      403 SignatureDoesNotMatch, an unknown key with 403 InvalidAccessKeyId.
   objserver.py az-load ENDPOINT CONTAINER DIR PREFIX
       The same for azurite (ENDPOINT: its account URL,
       http://127.0.0.1:PORT/devstoreaccount1), with azurite's well-known
       account key.
 
-Both servers print `listening PORT` on their first line of stdout.
+The servers print `listening PORT` on their first line of stdout.
 """
 import argparse
 import email.utils
@@ -339,7 +344,7 @@ def s3_load(endpoint, bucket, pairs):
     try:
         s3.create_bucket(Bucket=bucket)
     except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
-        pass  # loaded before (s3s-fs says the latter)
+        pass  # loaded before
     n = 0
     for p, key in files_under(pairs):
         with open(p, "rb") as fh:
@@ -369,6 +374,32 @@ def az_load(endpoint, container, pairs):
     print(n)
 
 
+def s3_signed(access_key, secret_key):
+    # Read by moto's settings as they are imported: authenticate every
+    # request, none let through first.
+    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.iam.models import iam_backends
+    from moto.server import ThreadedMotoServer
+    iam = iam_backends[DEFAULT_ACCOUNT_ID]["aws"]
+    iam.create_user(region_name="us-east-1", user_name="batchcast-test")
+    # moto makes up a key pair; the tests sign with theirs.
+    key = iam.create_access_key("batchcast-test")
+    key.access_key_id, key.secret_access_key = access_key, secret_key
+    iam.put_user_policy("batchcast-test", "everything", json.dumps({
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+    import logging
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request
+    srv = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    print(f"listening {srv.get_host_and_port()[1]}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -381,6 +412,9 @@ def main():
     p.add_argument("upstream")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--delay-ms", type=float, default=0)
+    k = sub.add_parser("s3-signed")
+    k.add_argument("access_key")
+    k.add_argument("secret_key")
     s = sub.add_parser("s3-load")
     z = sub.add_parser("az-load")
     for q, store in ((s, "bucket"), (z, "container")):
@@ -404,6 +438,8 @@ def main():
         srv.tls = threading.local()
         srv.faults = Faults(a.delay_ms)
         serve(srv)
+    elif a.cmd == "s3-signed":
+        s3_signed(a.access_key, a.secret_key)
     elif a.cmd == "az-load":
         az_load(a.endpoint, a.container, a.pairs)
     else:
