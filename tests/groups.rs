@@ -138,8 +138,16 @@ pub(crate) fn ranks_split_each_epoch_while_others_receive_everything(
             "the plain consumer reads everything: {r:#?}"
         );
     }
-    // Stats count each member's own batches and samples, and show its seat.
-    let st = env.stats();
+    // Stats count each member's own batches and samples, and show its seat
+    // (once the broker has seen each leave: a report can come first).
+    let st = env.wait_for("the three members to be recorded as gone", |s| {
+        s.streams[0]
+            .past_consumers
+            .iter()
+            .filter(|c| c.group.is_some())
+            .count()
+            >= 3
+    });
     for r in 0..3u32 {
         let seat = format!("trial-a {r}/3");
         let c = st.streams[0]
@@ -511,7 +519,14 @@ fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
     }
     let r = report(plain);
     assert!(r.ok && r.ended, "{r:#?}");
-    let st = env.stats();
+    let st = env.wait_for("the two members to be recorded as gone", |s| {
+        s.streams[0]
+            .past_consumers
+            .iter()
+            .filter(|c| c.group.is_some())
+            .count()
+            >= 2
+    });
     for c in st.streams[0]
         .past_consumers
         .iter()

@@ -193,7 +193,7 @@ fn without_a_hold_limit_a_stopped_trainer_holds_the_others_until_continued() {
     harness::signal(stopped.id(), SIGCONT);
     assert_whole(&report(steady));
     assert_whole(&report(stopped));
-    let past = &env.stats().streams[0].past_consumers;
+    let past = &env.gone(&["steady", "stopped"]).streams[0].past_consumers;
     assert!(past.iter().all(|c| c.cuts == 0), "{past:#?}");
 }
 
