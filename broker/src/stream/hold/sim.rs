@@ -7,7 +7,10 @@
 //! step after they are ordered) under both
 //! paces and several hold limits, some riding through a broker restart
 //! (a new hub seeked to the reader furthest behind; host readers resume
-//! from their place, cut and replayed until they merge), driven as the
+//! from their place, cut and replayed until they merge), lockstep readers
+//! joining `now` reading their epoch's start replayed before the shared
+//! batches sent to them meanwhile (waited for while that replay moves,
+//! detached at the limit once it stops), driven as the
 //! stream's runtime drives them: the pipeline judges the pinned unit
 //! through [`HoldClock::judge`] whenever it waits for the ring's next
 //! slot; a cut reader reads its replay from where the hub says it lost
@@ -92,6 +95,16 @@ enum Mode {
         cursor: Position,
         read: bool,
     },
+    /// A lockstep joiner `now` (`replay::start`'s stretch): reads its
+    /// epoch's start replayed, from `cursor` up to `to`, where the shared
+    /// stream, sent to it meanwhile, begins for it; `active`, when it last
+    /// read a replayed unit (or joined): while that is within the hold
+    /// limit it is waited for, not detached.
+    CatchingUp {
+        cursor: Position,
+        to: Position,
+        active: u64,
+    },
     Gone,
 }
 
@@ -136,6 +149,13 @@ impl Reader {
 
     fn delivery(&self) -> Delivery {
         delivery(&self.plan)
+    }
+
+    /// A lockstep joiner whose catch-up replay moved less than `within`
+    /// before `now` (ms), as `Replay::catching_up`.
+    fn catching_up(&self, within: Duration, now: u64) -> bool {
+        matches!(self.mode, Mode::CatchingUp { active, .. }
+            if u128::from(now.saturating_sub(active)) < within.as_millis())
     }
 
     fn active(&self, now: u64) -> bool {
@@ -193,6 +213,7 @@ struct Making {
 struct SimFacts<'a> {
     hub: &'a Hub,
     readers: &'a BTreeMap<ConsumerId, Reader>,
+    start: Instant,
 }
 
 impl Facts for SimFacts<'_> {
@@ -217,8 +238,11 @@ impl Facts for SimFacts<'_> {
             && (queued > 0 || r.revocable() > 0)
     }
 
-    fn catching_up(&self, _: ConsumerId, _: Duration, _: Instant) -> bool {
-        false
+    fn catching_up(&self, id: ConsumerId, within: Duration, now: Instant) -> bool {
+        let now = now.saturating_duration_since(self.start).as_millis() as u64;
+        self.readers
+            .get(&id)
+            .is_some_and(|r| r.catching_up(within, now))
     }
 }
 
@@ -263,7 +287,17 @@ impl Sim {
             // without having to read first (it never stalled).
             let now_join =
                 plan.now && self.rule.eager && plan.arena && plan.group.is_none() && !plan.socket;
-            let policy = if now_join {
+            // Under lockstep it is sent the shared stream from the oldest
+            // unit the ring holds and reads its epoch's start, replayed,
+            // first (as `replay::start`'s stretch); with a limit (an arena
+            // kept for cuts), as the runtime's `kept`.
+            let catch_up = plan.now
+                && !self.rule.eager
+                && self.rule.limit.is_some()
+                && plan.arena
+                && plan.group.is_none()
+                && !plan.socket;
+            let policy = if now_join || catch_up {
                 JoinPolicy::Now
             } else {
                 JoinPolicy::Immediate
@@ -273,6 +307,7 @@ impl Sim {
                 .join_group(plan.window, policy, plan.group, delivery(&plan))
                 .expect("a window within the slots");
             self.hub.may_be_cut(id, plan.arena);
+            let first = self.hub.view().reader(id).expect("joined").first_batch();
             let (mode, next) = if now_join {
                 let (epoch, _) = self.hub.cut_at_join(id).map_err(fail)?;
                 let from = Position { epoch, sample: 0 };
@@ -281,6 +316,24 @@ impl Sim {
                     Mode::Replaying {
                         cursor: from,
                         read: true,
+                    },
+                    Some(from),
+                )
+            } else if catch_up && first.1 > 0 {
+                let to = Position {
+                    epoch: first.0,
+                    sample: first.1,
+                };
+                let from = Position {
+                    epoch: first.0,
+                    sample: 0,
+                };
+                self.tally.caught_up += 1;
+                (
+                    Mode::CatchingUp {
+                        cursor: from,
+                        to,
+                        active: now,
                     },
                     Some(from),
                 )
@@ -344,7 +397,7 @@ impl Sim {
                         r.last
                     );
                     prop_assert!(
-                        r.mode == Mode::Shared,
+                        matches!(r.mode, Mode::Shared | Mode::CatchingUp { .. }),
                         "reader {id} sent shared batch {seq} while cut"
                     );
                     r.last = Some(seq);
@@ -414,6 +467,27 @@ impl Sim {
                     cursor = next_unit(cursor, self.bpe);
                 }
                 r.mode = Mode::Replaying { cursor, read: true };
+                r.acted = now;
+            }
+            Mode::CatchingUp { mut cursor, to, .. } => {
+                // Its replayed stretch first; the shared batches it was
+                // sent meanwhile wait in its mailbox (and pin the ring).
+                for _ in 0..r.plan.replay_pace {
+                    if cursor == to {
+                        break;
+                    }
+                    consume(r, cursor, self.bpe)?;
+                    cursor = next_unit(cursor, self.bpe);
+                }
+                r.mode = if cursor == to {
+                    Mode::Shared
+                } else {
+                    Mode::CatchingUp {
+                        cursor,
+                        to,
+                        active: now,
+                    }
+                };
                 r.acted = now;
             }
             Mode::Shared => {
@@ -535,6 +609,7 @@ impl Sim {
             let mut facts = SimFacts {
                 hub: &self.hub,
                 readers: &self.readers,
+                start: self.start,
             };
             let verdict = self.clock.judge(self.rule, pinned, &mut facts, at);
             let Verdict::Act { cut, detach, .. } = verdict else {
@@ -581,16 +656,27 @@ impl Sim {
     /// No reader waits for data with the ring full past the bound.
     fn check_waits(&mut self) -> Result<(), TestCaseError> {
         let full = !self.hub.view().ring().has_free_slot();
-        let pinned = self.hub.view().pinning().map(|(seq, _)| seq);
+        let pinning = self.hub.view().pinning();
+        let pinned = pinning.as_ref().map(|(seq, _)| *seq);
         let bound = self.bound();
         let now = self.now;
+        // A lockstep joiner whose catch-up replay moves is waited for (the
+        // rule): a wait on the unit it owes starts when it stops moving.
+        let within = self.rule.limit.unwrap_or(Duration::MAX);
+        let waited_for = pinning.is_some_and(|(_, owe)| {
+            owe.iter().any(|id| {
+                self.readers
+                    .get(id)
+                    .is_some_and(|r| r.catching_up(within, now))
+            })
+        });
         for r in self.readers.values_mut() {
             let waiting = r.mode == Mode::Shared
                 && r.active(now)
                 && r.unread.is_empty()
                 && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0);
             // Taking a batch this step is progress: not blocked.
-            if !(waiting && full) || r.acted == now {
+            if !(waiting && full) || r.acted == now || waited_for {
                 r.blocked_since = None;
                 continue;
             }
@@ -677,14 +763,24 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         prop::bool::weighted(0.8),
         1..=slots.min(3),
         prop_oneof![3 => Just(None), 1 => (0u32..2).prop_map(Some)],
-        prop::bool::weighted(0.3),
+        prop::bool::weighted(0.4),
         prop::bool::weighted(0.25),
-        2u64..5,
+        (2u64..5, 50u64..3000),
     )
         .prop_map(
-            |(kind, join_at, arena, window, group, now, socket, replay_pace)| Plan {
-                kind,
-                join_at,
+            |(kind, join_at, arena, window, group, now, socket, (replay_pace, late))| Plan {
+                kind: match kind {
+                    // One joining `now` stops while it reads its replay
+                    // (it joins at `late`, below).
+                    Kind::Pause { at, length, drops } if now => Kind::Pause {
+                        at: late + at % 40,
+                        length,
+                        drops,
+                    },
+                    k => k,
+                },
+                // Joining `now` at the start has nothing to replay.
+                join_at: if now { late } else { join_at },
                 arena,
                 window,
                 group,
@@ -745,6 +841,8 @@ struct Tally {
     socket_cuts: u64,
     /// Readers that joined `now`, starting cut.
     joined_now: u64,
+    /// Lockstep readers that joined `now` and caught up, waited for.
+    caught_up: u64,
     /// Readers that resumed after a restart.
     resumed: u64,
     detaches: u64,
@@ -840,13 +938,14 @@ proptest! {
 fn the_schedules_reach_every_rule() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut sum = Tally::default();
-    for _ in 0..200 {
+    for _ in 0..600 {
         let sc = schedule().new_tree(&mut runner).unwrap().current();
         let t = run(sc, Bound::PerUnit).unwrap();
         sum.cuts += t.cuts;
         sum.member_cuts += t.member_cuts;
         sum.socket_cuts += t.socket_cuts;
         sum.joined_now += t.joined_now;
+        sum.caught_up += t.caught_up;
         sum.resumed += t.resumed;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
@@ -857,12 +956,61 @@ fn the_schedules_reach_every_rule() {
             && sum.member_cuts > 5
             && sum.socket_cuts > 5
             && sum.joined_now > 20
+            && sum.caught_up > 8
             && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
             && sum.bounded_waits > 1000,
         "{sum:?}"
     );
+}
+
+/// A schedule of a steady reader and one that joins `now` at 500 ms, on
+/// a lockstep stream with a hold limit of 200 ms.
+fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
+    let reader = |kind, join_at, now| Plan {
+        kind,
+        join_at,
+        arena: true,
+        window: 2,
+        group: None,
+        now,
+        socket: false,
+        replay_pace: 2,
+    };
+    Schedule {
+        slots: 4,
+        group_slots: 1,
+        plans: vec![reader(Kind::Steady, 0, false), reader(joiner, 500, true)],
+        bpe: 7,
+        eager: false,
+        limit: Some(200),
+        restart_at: None,
+        steps: vec![10; 400],
+    }
+}
+
+/// Lockstep: a joiner reading its catch-up replay, slowly, is waited
+/// for (never detached, though the others wait on it past the limit).
+#[test]
+fn a_lockstep_joiner_catching_up_is_waited_for() {
+    let sc = joiner_beside_a_steady_reader(Kind::Crawl { every: 150 });
+    let t = run(sc, Bound::PerUnit).unwrap();
+    assert_eq!((t.caught_up, t.detaches), (1, 0), "{t:?}");
+}
+
+/// Lockstep: a joiner that stops while it reads its catch-up replay is
+/// detached once it has not moved for the limit; the steady reader's
+/// wait stays within the bound.
+#[test]
+fn a_lockstep_joiner_that_stops_catching_up_is_detached_at_the_limit() {
+    let sc = joiner_beside_a_steady_reader(Kind::Pause {
+        at: 500,
+        length: 3000,
+        drops: false,
+    });
+    let t = run(sc, Bound::PerUnit).unwrap();
+    assert_eq!((t.caught_up, t.detaches), (1, 1), "{t:?}");
 }
 
 proptest! {
