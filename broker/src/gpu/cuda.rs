@@ -2,6 +2,7 @@
 //! the host arena page-locked, and a copy engine of asynchronous H2D
 //! copies on a CUDA stream of its own, each between two timing events.
 
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, OnceLock};
 
 use batchcast::cuda::{self, CopyStream, DeviceBuffer, Event, Gpu, HostRegistration};
@@ -129,8 +130,24 @@ impl Device for Cuda {
                 rings,
                 gpu: label.into(),
             },
-            memory: TargetMemory::Cuda(buffer),
+            memory: Box::new(buffer),
         })
+    }
+}
+
+/// A CUDA replay arena: device memory exported over CUDA IPC (no fd).
+impl TargetMemory for DeviceBuffer {
+    fn fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+
+    #[cfg(test)]
+    fn read_back(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        self.read(offset, out).map_err(driver)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
@@ -151,13 +168,10 @@ impl CopyEngine for Engine {
     type Done = (Event, Event);
 
     fn queue(&mut self, copy: &Copy) -> Result<(Event, Event), GpuError> {
-        let dst = match copy.target.as_deref().map(|t| &t.memory) {
-            Some(TargetMemory::Cuda(b)) => b,
-            Some(TargetMemory::StandIn(_)) => {
-                return Err(GpuError::Driver(
-                    "a replay arena of the stand-in for a CUDA copy".into(),
-                ));
-            }
+        let dst = match copy.target.as_deref() {
+            Some(t) => t.memory::<DeviceBuffer>().ok_or_else(|| {
+                GpuError::Driver("a replay arena of another backend for a CUDA copy".into())
+            })?,
             None => &*self.buffer,
         };
         let start = self

@@ -114,15 +114,20 @@ impl CopySource for batchcast::shm::Mapping {
 #[derive(Debug)]
 pub struct ReplayTarget {
     arena: DeviceArena,
-    memory: TargetMemory,
+    memory: Box<dyn TargetMemory>,
 }
 
-#[derive(Debug)]
-enum TargetMemory {
-    /// The stand-in's: a sealed memfd the consumer maps.
-    StandIn(batchcast::shm::Arena),
-    #[cfg(feature = "cuda")]
-    Cuda(batchcast::cuda::DeviceBuffer),
+/// A replay arena's memory, of the backend that made it (a sealed memfd
+/// the consumer maps for the stand-in, a device buffer for CUDA): only
+/// that backend's copy engine writes it, finding its own type again
+/// through [`TargetMemory::as_any`].
+pub(crate) trait TargetMemory: std::fmt::Debug + Send + Sync + 'static {
+    /// The fd the consumer maps, where it maps one (the stand-in's).
+    fn fd(&self) -> Option<BorrowedFd<'_>>;
+    /// `out.len()` bytes at `offset`, read back (tests).
+    #[cfg(test)]
+    fn read_back(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError>;
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 impl ReplayTarget {
@@ -139,22 +144,17 @@ impl ReplayTarget {
     /// `out.len()` bytes of the arena at `offset`, read back.
     #[cfg(test)]
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
-        match &self.memory {
-            TargetMemory::StandIn(a) => stand_in::read_arena(a, offset, out),
-            #[cfg(feature = "cuda")]
-            TargetMemory::Cuda(b) => b
-                .read(offset, out)
-                .map_err(|e| GpuError::Driver(e.to_string())),
-        }
+        self.memory.read_back(offset, out)
     }
 
     /// The fd the consumer maps (the stand-in's).
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
-        match &self.memory {
-            TargetMemory::StandIn(a) => Some(a.fd()),
-            #[cfg(feature = "cuda")]
-            TargetMemory::Cuda(_) => None,
-        }
+        self.memory.fd()
+    }
+
+    /// Its memory, if it is of type `M` (the backend that made it asks).
+    fn memory<M: TargetMemory>(&self) -> Option<&M> {
+        self.memory.as_any().downcast_ref()
     }
 }
 

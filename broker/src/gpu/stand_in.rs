@@ -11,6 +11,7 @@
 //! under the test setting, on machines without a GPU.
 
 use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -40,6 +41,22 @@ pub(super) fn read_arena(memory: &Arena, offset: usize, out: &mut [u8]) -> Resul
         .ok_or_else(|| GpuError::Driver(format!("a read past the device memory at {offset}")))?;
     out.copy_from_slice(bytes);
     Ok(())
+}
+
+/// The stand-in's device memory: a sealed memfd the consumer maps.
+impl TargetMemory for Arena {
+    fn fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(Arena::fd(self))
+    }
+
+    #[cfg(test)]
+    fn read_back(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
+        read_arena(self, offset, out)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// Stand-in GPU `ordinal`'s arena for a stream: `slots × slot_bytes` of a
@@ -165,7 +182,7 @@ impl Device for StandIn {
                 rings,
                 gpu: label.into(),
             },
-            memory: TargetMemory::StandIn(memory),
+            memory: Box::new(memory),
         })
     }
 }
@@ -223,10 +240,10 @@ impl Engine {
                 return;
             }
             let t0 = Instant::now();
-            let dst = match job.target.as_deref().map(|t| &t.memory) {
-                Some(TargetMemory::StandIn(a)) => a,
-                #[allow(unreachable_patterns)] // without `cuda`, the only memory
-                Some(_) => unreachable!("a stand-in's replay target is host memory"),
+            let dst = match job.target.as_deref() {
+                Some(t) => t
+                    .memory::<Arena>()
+                    .expect("a stand-in's replay target is its own memory"),
                 None => memory,
             };
             let copied = job
