@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use batchcast::deal::Deal;
+use batchcast::proto::StatsReply;
 use batchcast_broker::config::StreamToml;
 use batchcast_cli::harness;
 use batchcast_cli::report::ConsumerReport;
@@ -47,6 +48,19 @@ fn dealt(deal: Deal) -> Vec<(u64, u64)> {
         }
     }
     out
+}
+
+/// Stats once the broker has recorded `n` group members as gone (a
+/// member's report can come before the broker sees its connection close).
+fn members_gone(env: &Env, n: usize) -> StatsReply {
+    env.wait_for(&format!("{n} members to be recorded as gone"), |s| {
+        s.streams[0]
+            .past_consumers
+            .iter()
+            .filter(|c| c.group.is_some())
+            .count()
+            >= n
+    })
 }
 
 fn member(env: &Env, group: &str, rank: u32, world: u32, extra: &[&str]) -> std::process::Child {
@@ -140,14 +154,7 @@ pub(crate) fn ranks_split_each_epoch_while_others_receive_everything(
     }
     // Stats count each member's own batches and samples, and show its seat
     // (once the broker has seen each leave: a report can come first).
-    let st = env.wait_for("the three members to be recorded as gone", |s| {
-        s.streams[0]
-            .past_consumers
-            .iter()
-            .filter(|c| c.group.is_some())
-            .count()
-            >= 3
-    });
+    let st = members_gone(env, 3);
     for r in 0..3u32 {
         let seat = format!("trial-a {r}/3");
         let c = st.streams[0]
@@ -519,14 +526,7 @@ fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
     }
     let r = report(plain);
     assert!(r.ok && r.ended, "{r:#?}");
-    let st = env.wait_for("the two members to be recorded as gone", |s| {
-        s.streams[0]
-            .past_consumers
-            .iter()
-            .filter(|c| c.group.is_some())
-            .count()
-            >= 2
-    });
+    let st = members_gone(&env, 2);
     for c in st.streams[0]
         .past_consumers
         .iter()
