@@ -106,7 +106,7 @@ impl Device for Cuda {
 
     #[cfg(test)]
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
-        self.buffer.read(offset, out).map_err(driver)
+        self.buffer.read_back(offset, out)
     }
 
     /// Device memory exported over CUDA IPC, its rings unmirrored (mapped

@@ -32,17 +32,6 @@ pub fn request(ordinal: u32) -> DeviceRequest {
     }
 }
 
-/// `out.len()` bytes of a stand-in's device memory at `offset`.
-#[cfg(test)]
-pub(super) fn read_arena(memory: &Arena, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
-    let bytes = memory
-        .mapping()
-        .get(offset as u64, out.len() as u64)
-        .ok_or_else(|| GpuError::Driver(format!("a read past the device memory at {offset}")))?;
-    out.copy_from_slice(bytes);
-    Ok(())
-}
-
 /// The stand-in's device memory: a sealed memfd the consumer maps.
 impl TargetMemory for Arena {
     fn fd(&self) -> Option<BorrowedFd<'_>> {
@@ -51,7 +40,14 @@ impl TargetMemory for Arena {
 
     #[cfg(test)]
     fn read_back(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
-        read_arena(self, offset, out)
+        let bytes = self
+            .mapping()
+            .get(offset as u64, out.len() as u64)
+            .ok_or_else(|| {
+                GpuError::Driver(format!("a read past the device memory at {offset}"))
+            })?;
+        out.copy_from_slice(bytes);
+        Ok(())
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -155,7 +151,7 @@ impl Device for StandIn {
 
     #[cfg(test)]
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), GpuError> {
-        read_arena(&self.memory, offset, out)
+        self.memory.read_back(offset, out)
     }
 
     /// A sealed memfd of the host arena's rings.
