@@ -1284,10 +1284,13 @@ fn a_server_taking_few_connections_at_once_is_read_whole_and_the_log_says_so() {
     let seen = http.faults("{}");
     let over = seen["over"].as_u64().unwrap_or(0);
     assert!(r.retries > 0 && over > 0, "{r:#?} {seen}");
-    // Capped at what the server takes, it retried a few: 5 to 9 of about
-    // 95 requests here, fewer than one in 5 asserted (before the cap,
-    // 197 retries for 285 requests).
-    assert!(r.retries * 5 < r.requests, "{r:#?}");
+    // Capped at what the server takes, it retried a few: 7 to 9 of about
+    // 95 requests on an idle machine, 13-14 beside three busy loops and 24
+    // of 112 once in CI (the HTTP client opens a fresh connection when a
+    // finished one is not yet back in its pool, and the server counts
+    // that one too); fewer than one in 3 asserted. Before the cap, 197
+    // retries for 285 requests (more than two in 3).
+    assert!(r.retries * 3 < r.requests, "{r:#?}");
 }
 
 /// A server that keeps the connections past its 4 waiting (1.5 s, as a
