@@ -24,3 +24,4 @@ mod restart;
 mod shared_sources;
 mod state;
 mod systemd;
+mod versions;
