@@ -226,6 +226,79 @@ fn a_stopped_device_trainer_on_a_default_stream_is_cut_and_reads_every_sample_on
     assert!(env.stats().streams[0].gpus[0].replayed > 0);
 }
 
+/// A device consumer whose replay arena on its GPU cannot be had (here
+/// the memory budget has room for the stream, two host replay arenas and
+/// the GPU's arena, not for one more on the GPU) falls back as a host
+/// consumer does: it is served, and stopped past the hold limit it is
+/// detached, told why (its replay arena was refused at subscribe), while
+/// the steady reader is held only for the bound. Before, its subscription
+/// was refused.
+#[test]
+fn a_device_trainer_without_room_for_a_replay_arena_is_served_and_detached_at_the_bound() {
+    // 1 MiB samples in units of 4: the stream's ring of 8 units 32 MiB;
+    // a consumer's replay arena (window 1: 3 batches) 12 MiB; the GPU's
+    // arena of 4 units 16 MiB. Of 80 MiB: the frame buffers of 16
+    // connections (about 1 MiB), 32 + 12 (steady) + 12 (the device
+    // trainer's on the host) + 16 (the GPU's arena) leave 7, no room for
+    // a replay arena on the GPU.
+    let cfg = "[broker]\nmemory_mib = 80\nmax_connections = 16\n\n[[stream]]\nname = \"train\"\nbatch_size = 4\nslots = 8\n\
+               gpu_slots = 4\nepochs = 40\nmin_consumers = 2\nhold_limit_s = 1.0\n\n\
+               [stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
+               fields = [{ name = \"x\", dtype = \"u8\", shape = [1048576] }]\n";
+    let env = Env::start_stand_in(cfg, "1");
+    let mut steady = env.consumer(&[
+        "--verify",
+        "--window",
+        "1",
+        "--sleep-ms",
+        "2",
+        "--name",
+        "steady",
+    ]);
+    let stopped = env.consumer(&[
+        "--verify",
+        "--window",
+        "1",
+        "--device",
+        "cuda:0",
+        "--stop-after",
+        "5",
+        "--name",
+        "stopped",
+    ]);
+    common::wait_stopped(stopped.id());
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(6) && steady.try_wait().unwrap().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let finished = t0.elapsed();
+    batchcast_cli::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    let (steady, stopped) = (report(steady), report(stopped));
+    assert!(steady.ok && steady.ended, "{steady:#?}\n{}", env.log());
+    assert_eq!(steady.verified_samples, 40 * 16);
+    assert!(
+        finished < std::time::Duration::from_secs(4),
+        "steady finished {finished:?} after the stop"
+    );
+    assert_eq!(
+        stopped.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{stopped:#?}\n{}",
+        env.log()
+    );
+    let why = stopped.error.clone().unwrap_or_default();
+    assert!(
+        why.contains("no replay arena (refused at subscribe: on cuda:0") && why.contains("memory"),
+        "{why}"
+    );
+    assert_eq!(stopped.verified_samples, 5 * 4, "{stopped:#?}");
+    assert!(
+        env.log().contains("no replay arena on its GPU"),
+        "{}",
+        env.log()
+    );
+}
+
 /// Device twin of `decoupled::a_trainer_that_stalls_is_replayed_to_...`:
 /// on a decoupled stream, device consumers (one of batches of 7) read
 /// every sample once while a stalling one is cut, replayed to its GPU and
@@ -347,6 +420,73 @@ fn a_guests_device_consumers_stopped_on_the_shared_stream_hold_no_one() {
     let Some(env) = guest_stream(2) else { return };
     let idle = guest_device_consumers(&env, 0..2);
     owner_is_served_at_once(&env, &idle);
+}
+
+/// Threat model: memory shared over CUDA IPC is mapped writable, so a
+/// guest's device consumers read an arena of their own uid on the GPU
+/// (copied once per batch for all of that uid's consumers), never the
+/// owner's: the owner's and the guest's device consumers on one GPU read
+/// every sample of the epoch with the host's bytes, and the stream shows
+/// two arenas on it, one per uid, each with one copy per batch. Before,
+/// both read the one arena (one entry, 25 copies).
+#[test]
+fn a_guests_device_consumers_read_an_arena_of_their_own_uid() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !common::is_root("running consumers as another uid") {
+        return;
+    }
+    let env = Env::start_stand_in(
+        &format!(
+            "[broker]\nallow_uids = [{GUEST}]\n{}",
+            config("epochs = 1\nmin_consumers = 2")
+        ),
+        "1",
+    );
+    let dir = env.socket().parent().unwrap().to_path_buf();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = bin.path().join("batchcast");
+    std::fs::copy(common::EXE, &exe).unwrap();
+    let guest = env.own(
+        common::command(&exe)
+            .args(["consume", "--json", "--socket"])
+            .arg(env.socket())
+            .args([
+                "--verify", "--digest", "--device", "cuda:0", "--name", "guest",
+            ])
+            .env(batchcast::stand_in::ENV, "1")
+            .env("BATCHCAST_BROKER_UID", "0")
+            .uid(GUEST)
+            .gid(GUEST)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let owner = env.consumer(&[
+        "--verify", "--digest", "--device", "cuda:0", "--name", "owner",
+    ]);
+    let (owner, guest) = (report(owner), report(guest));
+    assert_whole(&owner, 1);
+    assert_whole(&guest, 1);
+    assert_eq!(digests(&owner), digests(&guest), "the same bytes");
+    let s = env.stats();
+    let mut copies: Vec<(String, u64)> = s.streams[0]
+        .gpus
+        .iter()
+        .map(|g| (g.gpu.clone(), g.copies))
+        .collect();
+    copies.sort();
+    assert_eq!(
+        copies,
+        [
+            ("cuda:0 host-memory stand-in".to_string(), 25),
+            (format!("cuda:0 host-memory stand-in, uid {GUEST}"), 25)
+        ],
+        "an arena per uid on the GPU, one copy per batch each"
+    );
 }
 
 const GUEST: u32 = 65534;

@@ -70,19 +70,33 @@ fn every_place_naming_a_release_to_install_names_this_one() {
     let places = [
         ("README.md", wheel.as_str()),
         ("docs/install.md", wheel.as_str()),
-        ("docs/install.md", &format!("batchcast {RELEASE} (protocol {PROTOCOL_VERSION})")),
+        (
+            "docs/install.md",
+            &format!("batchcast {RELEASE} (protocol {PROTOCOL_VERSION})"),
+        ),
         ("deploy/k8s/trainer-job.yaml", image.as_str()),
         ("deploy/k8s/broker-daemonset.yaml", image.as_str()),
-        ("cli/src/doctor_demo_stats.json", &format!("\"broker_version\": \"{RELEASE}\"")),
+        (
+            "cli/src/doctor_demo_stats.json",
+            &format!("\"broker_version\": \"{RELEASE}\""),
+        ),
     ];
     for (file, want) in places {
         assert!(read(file).contains(want), "{file} does not name `{want}`");
     }
     // No other release's wheel or image is named anywhere of these.
-    for file in ["README.md", "docs/install.md", "deploy/k8s/trainer-job.yaml"] {
+    for file in [
+        "README.md",
+        "docs/install.md",
+        "deploy/k8s/trainer-job.yaml",
+    ] {
         let text = read(file);
         for (at, _) in text.match_indices("batchcast-0.") {
-            assert!(text[at..].starts_with(&wheel), "{file}: {}", &text[at..at + 30]);
+            assert!(
+                text[at..].starts_with(&wheel),
+                "{file}: {}",
+                &text[at..at + 30]
+            );
         }
     }
 }

@@ -115,6 +115,10 @@ fn mirror(start: Start) -> (Arc<Sink>, Mirror) {
     });
     let weak: Weak<dyn CopySink> = Arc::downgrade(&(sink.clone() as Arc<dyn CopySink>));
     let spec = MirrorSpec {
+        key: crate::gpu::GpuKey {
+            uuid: [0; 16],
+            uid: 0,
+        },
         sink: weak,
         host: sink.host.as_ptr(),
         host_len: sink.host.len(),

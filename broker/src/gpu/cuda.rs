@@ -22,6 +22,7 @@ pub(super) fn create(
     registration: &OnceLock<Option<HostRegistration>>,
 ) -> Result<Mirror, cuda::CudaError> {
     let MirrorSpec {
+        key,
         sink,
         host,
         host_len,
@@ -68,7 +69,6 @@ pub(super) fn create(
         gpu: label.clone(),
     };
     let copies = Arc::new(CopyStream::new(&gpu)?);
-    let key = req.uuid;
     let engine = Engine {
         copies: copies.clone(),
         buffer: buffer.clone(),

@@ -33,8 +33,17 @@ mod copier;
 mod cuda;
 pub mod stand_in;
 
-/// Identifies a GPU across processes.
-pub(crate) type GpuKey = [u8; 16];
+/// A device arena's key: the GPU (its UUID, the same across processes)
+/// and the uid whose consumers read it. Memory shared over CUDA IPC is
+/// mapped writable (CUDA has no read-only mapping), so each uid reads an
+/// arena of its own, copied once per batch for all that uid's consumers
+/// on the GPU: what one user's program writes there reaches only that
+/// user's own trainers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GpuKey {
+    pub uuid: [u8; 16],
+    pub uid: u32,
+}
 
 /// Why a GPU cannot be served, or stopped being served. Cloned into each
 /// refusal of a consumer of a failed GPU.
@@ -366,6 +375,8 @@ impl Default for Gpus {
 
 /// What a stream gives [`Gpus::mirror`] to make a GPU's device arena.
 pub struct MirrorSpec<'a> {
+    /// The arena's GPU and the uid it serves.
+    pub key: GpuKey,
     /// Where the copier reports copies done or failed: the stream.
     pub sink: Weak<dyn CopySink>,
     /// The stream's host arena (page-locked once for all its GPUs): its
@@ -399,11 +410,12 @@ impl Gpus {
         spec: MirrorSpec<'_>,
     ) -> Result<Arc<Mirror>, GpuError> {
         let mut mirrors = self.mirrors.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = mirrors.get(&req.uuid) {
+        let key = spec.key;
+        if let Some(m) = mirrors.get(&key) {
             return Ok(m.clone());
         }
         let m = Arc::new(self.create(req, spec)?);
-        mirrors.insert(req.uuid, m.clone());
+        mirrors.insert(key, m.clone());
         Ok(m)
     }
 
@@ -443,11 +455,14 @@ impl Gpus {
     }
 
     /// Tests: stand-in GPU `ordinal`'s rings for this stream, and its
-    /// memory.
+    /// memory (the arena of this process's uid).
     #[cfg(test)]
     pub fn stand_in_memory(&self, ordinal: u32) -> (RingLayout, Vec<u8>) {
         let mirrors = self.mirrors.lock().unwrap();
-        let m = &mirrors[&batchcast::stand_in::uuid(ordinal)];
+        let m = &mirrors[&GpuKey {
+            uuid: batchcast::stand_in::uuid(ordinal),
+            uid: nix::unistd::geteuid().as_raw(),
+        }];
         (m.arena.rings.clone(), m.stand_in_bytes().unwrap().to_vec())
     }
 

@@ -73,6 +73,7 @@ fn start(
     fail_at: Option<u64>,
 ) -> Result<(Mirror, Arc<Engine>), GpuError> {
     let MirrorSpec {
+        key,
         sink,
         slots,
         schema,
@@ -117,7 +118,6 @@ fn start(
         engine: engine.clone(),
         jobs: tx,
     };
-    let uuid = batchcast::stand_in::uuid(ordinal);
     let mut m = Mirror::start(
         label,
         arena,
@@ -126,7 +126,7 @@ fn start(
             engine: engine.clone(),
             memory: memory.clone(),
         }),
-        move |rx| copier::run((uuid, rings), rx, sink, copies),
+        move |rx| copier::run((key, rings), rx, sink, copies),
         format!("{stream}-copy-gpu{ordinal}"),
     )?;
     m.stand_in = Some(memory);
@@ -450,6 +450,10 @@ mod tests {
             ),
         };
         let spec = MirrorSpec {
+            key: crate::gpu::GpuKey {
+                uuid: [0; 16],
+                uid: 0,
+            },
             sink: weak,
             host: sink.host.as_ptr(),
             host_len: sink.host.len(),

@@ -45,6 +45,9 @@ pub(super) struct Conn {
     pub(super) ending: Option<Ending>,
     /// Its seat in a group, if it took one.
     pub(super) seat: Option<batchcast::proto::Seat>,
+    /// Why it has no replay arena where it would have kept one for cuts
+    /// (the budget or its GPU refused it): said if it is detached.
+    pub(super) no_replay: Option<String>,
 }
 
 /// Who is connecting, for stats and the budget.
@@ -168,6 +171,10 @@ impl Conn {
         replay: Option<Replay>,
         start: Start,
     ) -> Conn {
+        let gpu = req
+            .device
+            .as_ref()
+            .map(|dev| super::mirror::key_of(dev, peer.uid));
         Conn {
             peer,
             out: Outbox::new(id, tx, mailbox),
@@ -201,10 +208,11 @@ impl Conn {
                 merged_at: start.anchor,
                 rotations: 0,
             },
-            gpu: req.device.as_ref().map(|dev| dev.uuid),
+            gpu,
             device_replay: None,
             ending: None,
             seat: req.group.as_deref().cloned(),
+            no_replay: None,
         }
     }
 

@@ -163,12 +163,16 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
 /// Detaches consumer `id`, which kept the pipeline waiting for `held`.
 fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, held: Duration) {
     let limit = s.plan.hold_limit.unwrap_or_default().as_secs_f64();
-    let what = match (s.writer.is_some(), inner.conns.get(&id)) {
+    let no_replay = inner.conns.get(&id).and_then(|c| c.no_replay.as_deref());
+    let what = match (s.writer.is_some(), no_replay) {
         (false, _) => {
-            "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place"
+            "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place".to_string()
         }
-        _ => {
-            "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())"
+        (true, Some(why)) => format!(
+            "it could not be cut to replay, having no replay arena (refused at subscribe: {why}); resume from its state (state_dict())"
+        ),
+        (true, None) => {
+            "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())".to_string()
         }
     };
     let raise = match s.writer {

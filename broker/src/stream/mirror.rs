@@ -48,27 +48,28 @@ pub(super) struct Mirrors {
 impl Mirrors {
     /// Refuses a device consumer before any GPU work when its GPU failed
     /// already.
-    pub(super) fn check(&self, req: &DeviceRequest) -> Result<(), SubscribeError> {
-        match self.by_gpu.get(&req.uuid).and_then(|m| m.failed.as_ref()) {
+    pub(super) fn check(&self, key: &GpuKey) -> Result<(), SubscribeError> {
+        match self.by_gpu.get(key).and_then(|m| m.failed.as_ref()) {
             Some(why) => Err(SubscribeError::Device(why.clone())),
             None => Ok(()),
         }
     }
 
-    /// The hub group of the consumer's GPU, made on its first consumer.
+    /// The hub group of the consumer's device arena (its GPU, its uid),
+    /// made on its first consumer.
     pub(super) fn group_for(
         &mut self,
         hub: &mut Hub,
         (mirror, grant): (&Arc<Mirror>, Option<Grant>),
-        req: &DeviceRequest,
+        key: GpuKey,
         gpu_slots: u32,
     ) -> Result<GroupId, SubscribeError> {
-        if !self.by_gpu.contains_key(&req.uuid) {
+        if !self.by_gpu.contains_key(&key) {
             let group = hub.add_group(gpu_slots);
-            self.groups.push(req.uuid);
+            self.groups.push(key);
             debug_assert_eq!(self.groups.len(), group as usize + 1);
             self.by_gpu.insert(
-                req.uuid,
+                key,
                 MirrorState {
                     mirror: mirror.clone(),
                     group,
@@ -81,8 +82,8 @@ impl Mirrors {
                 },
             );
         }
-        self.check(req)?;
-        Ok(self.by_gpu[&req.uuid].group)
+        self.check(&key)?;
+        Ok(self.by_gpu[&key].group)
     }
 
     /// The mirror of a GPU this stream copies to.
@@ -90,20 +91,23 @@ impl Mirrors {
         self.by_gpu.get(key).map(|m| m.mirror.clone())
     }
 
-    /// The label of a GPU this stream copies to.
+    /// The label of a device arena this stream copies to: its GPU's, and
+    /// the uid it serves where that is not the broker's.
     pub(super) fn label(&self, key: &GpuKey) -> Option<String> {
-        self.by_gpu.get(key).map(|m| m.mirror.label().to_string())
+        self.by_gpu
+            .get(key)
+            .map(|m| labelled(m.mirror.label(), key.uid))
     }
 
-    /// Each GPU's copies, by GPU label.
+    /// Each device arena's copies, by label ([`Mirrors::label`]).
     pub(super) fn stats(&self, hub: &Hub) -> Vec<proto::GpuCopyStats> {
         let mut g: Vec<_> = self
             .by_gpu
-            .values()
-            .map(|m| {
+            .iter()
+            .map(|(key, m)| {
                 let n = hub.view().group_counts(m.group).unwrap_or_default();
                 proto::GpuCopyStats {
-                    gpu: m.mirror.label().to_string(),
+                    gpu: labelled(m.mirror.label(), key.uid),
                     copies: m.copies,
                     bytes: m.bytes,
                     copy_s: m.copy_ns as f64 * 1e-9,
@@ -120,20 +124,40 @@ impl Mirrors {
     }
 }
 
-/// The hub group of a device consumer's GPU (made on its GPU's first
-/// consumer, keeping `grant`, which paid for its arena), or `None` for a
-/// host consumer.
+/// A GPU's label, and the uid its arena serves where that is not the
+/// broker's own (each uid reads an arena of its own: [`GpuKey`]).
+fn labelled(gpu: &str, uid: u32) -> String {
+    if uid == nix::unistd::geteuid().as_raw() {
+        gpu.to_string()
+    } else {
+        format!("{gpu}, uid {uid}")
+    }
+}
+
+/// The key of a device consumer's arena: its GPU and its uid.
+pub(super) fn key_of(dev: &DeviceRequest, uid: u32) -> GpuKey {
+    GpuKey {
+        uuid: dev.uuid,
+        uid,
+    }
+}
+
+/// The hub group of a device consumer's arena (made on the first
+/// consumer of its uid on its GPU, keeping `grant`, which paid for the
+/// arena), or `None` for a host consumer.
 pub(super) fn group_of(
     inner: &mut Inner,
     (mirror, grant): (Option<&Arc<Mirror>>, Option<Grant>),
-    req: &batchcast::proto::ConsumeRequest,
+    (req, uid): (&batchcast::proto::ConsumeRequest, u32),
     gpu_slots: u32,
 ) -> Result<Option<GroupId>, SubscribeError> {
     let (Some(m), Some(dev)) = (mirror, &req.device) else {
         return Ok(None);
     };
     let Inner { hub, mirrors, .. } = inner;
-    mirrors.group_for(hub, (m, grant), dev, gpu_slots).map(Some)
+    mirrors
+        .group_for(hub, (m, grant), key_of(dev, uid), gpu_slots)
+        .map(Some)
 }
 
 /// Opens (or finds) the stream's arena on the consumer's GPU. It takes a
@@ -147,7 +171,8 @@ pub(super) fn open(
     req: &DeviceRequest,
     peer: &Peer,
 ) -> Result<(Arc<Mirror>, Option<Grant>), SubscribeError> {
-    let grant = match s.lock().mirrors.by_gpu.contains_key(&req.uuid) {
+    let key = key_of(req, peer.uid);
+    let grant = match s.lock().mirrors.by_gpu.contains_key(&key) {
         true => None,
         false => Some(s.budget.take(
             peer.uid,
@@ -162,6 +187,7 @@ pub(super) fn open(
         )?),
     };
     let spec = MirrorSpec {
+        key,
         sink: Arc::downgrade(s) as std::sync::Weak<dyn CopySink>,
         host: s.arena.mapping().as_ptr(),
         host_len: s.arena.mapping().len(),

@@ -54,6 +54,10 @@ struct ReplayArena {
     /// lockstep), not only until a join's or resume's replay is done.
     kept: bool,
     prepared: Option<book::Prepared>,
+    /// Why one that would have kept an arena for cuts has none (the
+    /// budget, or its GPU, refused it): it is detached at the bound
+    /// instead, and told this.
+    missing: Option<String>,
 }
 
 impl ReplayArena {
@@ -61,6 +65,7 @@ impl ReplayArena {
         replays: false,
         kept: false,
         prepared: None,
+        missing: None,
     };
 }
 
@@ -87,7 +92,9 @@ impl Stream {
         let cut = (shape.batch_size, shape.deal(&req));
         let (mailbox, mailbox_grant) = j.make_mailbox((arena.replays, arena.kept))?;
         let grant = mailbox.as_ref().map(grant).transpose()?;
-        let (mirror, gpu_grant, device_replay) = j.open_gpu(shape, arena.prepared.is_some())?;
+        let (mirror, gpu_grant) = j.open_gpu(shape)?;
+        let (device_replay, arena) =
+            j.device_replay_or_none(mirror.as_deref(), shape, arena, replaying.is_some())?;
         let replay_target = device_replay.as_ref().map(|(t, _)| t.clone());
         // A mailbox consumer is sent every batch at once and keeps to its
         // window itself: it never waits for the broker to take a release.
@@ -99,7 +106,7 @@ impl Stream {
                 return Err(SubscribeError::Failed(why.clone()));
             }
             seats::check(inner, &req, shape, peer.uid)?;
-            let group = mirror::group_of(inner, (mirror.as_ref(), gpu_grant), &req, self.plan.gpu_slots)?;
+            let group = mirror::group_of(inner, (mirror.as_ref(), gpu_grant), (&req, peer.uid), self.plan.gpu_slots)?;
             // Where a consumer starts (`join`, `resume`): a replaying one
             // joins where the readers are, at the oldest batch the ring
             // still holds (`JoinPolicy::Now` in the hub): it is sent what
@@ -127,6 +134,7 @@ impl Stream {
                 Start::of(started.skip, started.anchor),
             );
             conn.device_replay = device_replay;
+            conn.no_replay = arena.missing;
             inner.conns.insert(id, conn);
             if let Some(from) = started.cut {
                 decouple::tell_cut(inner, id, from);
@@ -171,10 +179,14 @@ impl Joining<'_> {
                 replays: true,
                 kept,
                 prepared: Some(p),
+                missing: None,
             }),
             Err(e) if kept && !decoupled && !asks => {
                 tracing::info!(stream = %s.name(), consumer = %peer.name, pid = peer.pid, "no replay arena ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
-                Ok(ReplayArena::NONE)
+                Ok(ReplayArena {
+                    missing: Some(e.to_string()),
+                    ..ReplayArena::NONE
+                })
             }
             Err(e) => Err(e.into()),
         }
@@ -235,7 +247,7 @@ impl Joining<'_> {
             .view()
             .check_window(shape.window(req), gpu_slots)?;
         if let Some(dev) = &req.device {
-            inner.mirrors.check(dev)?;
+            inner.mirrors.check(&mirror::key_of(dev, self.peer.uid))?;
         }
         Ok(())
     }
@@ -270,27 +282,56 @@ impl Joining<'_> {
     /// consumer, with the grant that pays for it), its batch size checked
     /// against it, and with `replays` its own arena there for replayed
     /// batches. Nothing for a host consumer.
-    #[allow(clippy::type_complexity)] // the three parts, each optional
     fn open_gpu(
         &self,
         shape: Shape,
-        replays: bool,
-    ) -> Result<
-        (
-            Option<Arc<Mirror>>,
-            Option<crate::budget::Grant>,
-            Option<(Arc<ReplayTarget>, crate::budget::Grant)>,
-        ),
-        SubscribeError,
-    > {
+    ) -> Result<(Option<Arc<Mirror>>, Option<crate::budget::Grant>), SubscribeError> {
         let Some(dev) = &self.req.device else {
-            return Ok((None, None, None));
+            return Ok((None, None));
         };
         let (m, grant) = mirror::open(self.s, dev, self.peer)?;
         super::shape::check_device(shape, self.req, &m.arena())?;
-        // Its replayed batches are copied to its own arena on its GPU.
-        let replay = replays.then(|| self.device_replay(&m, shape)).transpose()?;
-        Ok((Some(m), grant, replay))
+        Ok((Some(m), grant))
+    }
+
+    /// A device consumer's own arena on its GPU for the batches replayed
+    /// to it, where it has a host replay arena (`arena`). One it needs
+    /// now (`asks`: a join or resume that replays) is refused when that
+    /// arena cannot be had; one kept only for cuts falls back as a host
+    /// consumer's does: no replay arena at all (it is detached at the
+    /// bound instead of cut, and told why), never a refused subscription.
+    #[allow(clippy::type_complexity)] // the arena and its grant, or none
+    fn device_replay_or_none(
+        &self,
+        mirror: Option<&Mirror>,
+        shape: Shape,
+        arena: ReplayArena,
+        asks: bool,
+    ) -> Result<
+        (
+            Option<(Arc<ReplayTarget>, crate::budget::Grant)>,
+            ReplayArena,
+        ),
+        SubscribeError,
+    > {
+        let (Some(m), Some(_)) = (mirror, &arena.prepared) else {
+            return Ok((None, arena));
+        };
+        match self.device_replay(m, shape) {
+            Ok(target) => Ok((Some(target), arena)),
+            Err(e) if !asks => {
+                let (s, peer) = (self.s, self.peer);
+                tracing::info!(stream = %s.name(), consumer = %peer.name, pid = peer.pid, gpu = %m.label(), "no replay arena on its GPU ({e}): if it keeps the others waiting past hold_limit_s it is detached instead of cut to replay");
+                Ok((
+                    None,
+                    ReplayArena {
+                        missing: Some(format!("on {}: {e}", m.label())),
+                        ..ReplayArena::NONE
+                    },
+                ))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// A device consumer's own arena on its GPU for the batches replayed
