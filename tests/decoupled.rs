@@ -197,11 +197,13 @@ fn a_socket_consumer_that_pauses_is_detached_after_the_hold_limit() {
 }
 
 /// An endless decoupled stream whose pipeline waits at most `hold` s for
-/// a consumer it cannot cut.
+/// a consumer it cannot cut, one that holds the batch needed next
+/// included (`held_batch_limit_s`, whose default is 30 s).
 fn held_config(hold: f64) -> String {
     common::small_images(40, PER_EPOCH)
         .raw("pace = \"decoupled\"")
         .raw(&format!("hold_limit_s = {hold}"))
+        .raw(&format!("held_batch_limit_s = {hold}"))
         .to_toml()
 }
 
@@ -263,7 +265,7 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
         "{holder:#?}"
     );
     let why = holder.error.unwrap_or_default();
-    assert!(why.contains("hold_limit_s of 1"), "{why}");
+    assert!(why.contains("held_batch_limit_s of 1"), "{why}");
     let s = env.wait_for("the holder to be gone", |s| {
         s.streams[0]
             .past_consumers
@@ -279,7 +281,7 @@ fn a_consumer_that_keeps_a_batch_through_a_long_pause_is_detached_after_the_hold
         .left
         .clone();
     assert!(
-        left.is_some_and(|l| l.contains("hold_limit_s")),
+        left.is_some_and(|l| l.contains("held_batch_limit_s")),
         "{past:#?}"
     );
 }
@@ -399,7 +401,7 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached() {
     assert_not_held(&steady);
     let (taken, msg) = hoard.join().unwrap();
     assert!(taken > 0);
-    common::expect_error(msg, ErrorCode::HoldLimit, "hold_limit_s");
+    common::expect_error(msg, ErrorCode::HoldLimit, "held_batch_limit_s of 1");
 }
 
 /// A finite decoupled stream already made to its end still serves a

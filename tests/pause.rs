@@ -62,6 +62,15 @@ fn assert_whole(r: &ConsumerReport) {
     common::assert_every_epoch_whole(r, EPOCHS, PER_EPOCH);
 }
 
+/// `lockstep()` with the held-batch limit at the hold limit's 1 s (the
+/// key proved; its default is 30 s).
+fn held_batch_limit_1s() -> String {
+    lockstep().replace(
+        "hold_limit_s = 1.0",
+        "hold_limit_s = 1.0\nheld_batch_limit_s = 1.0",
+    )
+}
+
 /// A steady reader: 2 ms a batch, 200 batches (0.4 s alone).
 fn steady(env: &Env) -> std::process::Child {
     env.consumer(&["--verify", "--sleep-ms", "2", "--name", "steady"])
@@ -75,6 +84,39 @@ fn steady(env: &Env) -> std::process::Child {
 fn a_stopped_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
     let env = Env::start(&lockstep());
     stopped_trainer_is_cut_and_reads_every_sample_once(&env, &[]);
+}
+
+/// README's promise at the defaults (no `hold_limit_s`, no `pace` in the
+/// config): a trainer stopped for 6 s that holds no batch keeps a steady
+/// one waiting about 2 s, the default bound, then is cut to replay and,
+/// continued, reads every sample once. Before (a 30 s default) the steady
+/// one waited the whole stop.
+#[test]
+fn at_the_defaults_a_stopped_trainer_holds_the_others_about_2_s() {
+    let cfg = common::small_images(40, PER_EPOCH)
+        .epochs(EPOCHS)
+        .key("min_consumers", 2)
+        .to_toml();
+    assert!(
+        !cfg.contains("hold_limit") && !cfg.contains("pace"),
+        "{cfg}"
+    );
+    let env = Env::start(&cfg);
+    let steady = steady(&env);
+    let stopped = env.consumer(&["--verify", "--stop-after", "5", "--name", "stopped"]);
+    let (steady, stopped, finished) = steady_then_continue(steady, stopped);
+    assert_whole(&steady);
+    // Alone 0.4 s; the bound 2 s; slack for a loaded machine.
+    assert!(
+        finished < Duration::from_secs(5),
+        "steady finished {finished:?} after the stop"
+    );
+    assert!(
+        finished >= Duration::from_secs(2),
+        "steady finished {finished:?}: not held to the bound at all"
+    );
+    assert_whole(&stopped);
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
 }
 
 /// The stopped trainer has `device`'s arguments; its device twin is in
@@ -117,7 +159,7 @@ pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, devi
 /// reason that says what to do, and the others go on.
 #[test]
 fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why() {
-    let env = Env::start(&lockstep());
+    let env = Env::start(&held_batch_limit_1s());
     let steady = steady(&env);
     let stopped = env.consumer(&[
         "--verify",
@@ -141,7 +183,8 @@ fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why(
     );
     let why = stopped.error.clone().unwrap_or_default();
     assert!(
-        why.contains("hold_limit_s of 1") && why.contains("release batches before a long pause"),
+        why.contains("held_batch_limit_s of 1")
+            && why.contains("release batches before a long pause"),
         "{why}"
     );
     assert_eq!(stopped.verify_failures, 0, "{stopped:#?}");
@@ -155,7 +198,7 @@ fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why(
 /// and told why, and the steady reader finishes.
 #[test]
 fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached_under_lockstep() {
-    let env = Env::start(&lockstep());
+    let env = Env::start(&held_batch_limit_1s());
     let steady = steady(&env);
     let hoard = common::hoarder(&env.socket());
     let t0 = Instant::now();
@@ -172,7 +215,7 @@ fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached_under_loc
     common::expect_error(
         msg,
         batchcast::proto::ErrorCode::HoldLimit,
-        "hold_limit_s of 1",
+        "held_batch_limit_s of 1",
     );
     assert_eq!(env.stats().streams[0].detached, 1);
 }

@@ -411,9 +411,10 @@ fn a_stream_registered_again_waits_for_its_consumers_and_refuses_a_place_it_no_l
 /// Docs (README, security.md): on a producer's stream nothing can be
 /// recomputed for a consumer, so one stopped (SIGSTOP) keeps the producer
 /// and the other consumers waiting only for the stream's hold limit (the
-/// producer's `hold_limit_ms`): then it is detached and, continued, told
-/// why and what to do. The other consumer reads every batch. Before, both
-/// waited until it was continued.
+/// producer sets none here: the default, 2 s): then it is detached and,
+/// continued, told why and what to do. The other consumer reads every
+/// batch. Before, both waited until it was continued (and then, with the
+/// 30 s default, 30 s).
 #[test]
 fn a_stopped_consumer_of_a_producers_stream_is_detached_at_the_hold_limit() {
     let env = Env::bare();
@@ -432,12 +433,12 @@ fn a_stopped_consumer_of_a_producers_stream_is_detached_at_the_hold_limit() {
     let mut opts = options(&env, "ext", batches, Some(20));
     opts.request.min_consumers = 2;
     opts.request.slots = 4;
-    opts.request.hold_limit_ms = Some(1000);
+    assert_eq!(opts.request.hold_limit_ms, None, "the default");
     let mut producer = Producer::register(opts).unwrap();
     let made = std::thread::spawn(move || produce_all(&mut producer, batches));
     wait_stopped(stopped.id());
     let t0 = std::time::Instant::now();
-    // 200 batches: all made while it is stopped, past the 1 s limit.
+    // 200 batches: all made while it is stopped, past the 2 s limit.
     assert_eq!(made.join().unwrap(), 200);
     let finished = t0.elapsed();
     batchcast_cli::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
@@ -452,7 +453,7 @@ fn a_stopped_consumer_of_a_producers_stream_is_detached_at_the_hold_limit() {
     assert_eq!(r.error_code.as_deref(), Some("HoldLimit"), "{r:#?}");
     let why = r.error.unwrap_or_default();
     assert!(
-        why.contains("hold_limit_s of 1") && why.contains("external producer"),
+        why.contains("hold_limit_s of 2") && why.contains("external producer"),
         "{why}"
     );
 }

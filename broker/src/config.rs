@@ -26,7 +26,8 @@
 //! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: cut instead)
 //! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
-//! hold_limit_s = 30     # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
+//! hold_limit_s = 2      # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
+//! held_batch_limit_s = 30  # the same for one whose program holds the batch needed next: then detached
 //! rotate_epochs = true  # a replayed consumer may read an epoch from where the stream is, its start last
 //! min_consumers = 1
 //!
@@ -257,9 +258,14 @@ with_source_keys! {
         /// The longest one consumer may keep the pipeline waiting while
         /// another waits for data (it paused, or holds the batch needed
         /// next): then it is cut to replay, or detached if it cannot be
-        /// (a producer's stream, a batch held); default
-        /// 30 s, `inf` for no bound. Decoupled pace cuts at once.
+        /// (a producer's stream); default 2 s, `inf` for no bound.
+        /// Decoupled pace cuts at once.
         pub hold_limit_s: Option<f64>,
+        /// How long one whose program holds the batch the ring needs next
+        /// (a cut cannot free it) may keep the others waiting: then it is
+        /// detached; default 30 s, at least `hold_limit_s`, `inf` for no
+        /// bound.
+        pub held_batch_limit_s: Option<f64>,
         /// A replayed consumer (a late joiner, one cut) reads an epoch
         /// whose start the ring no longer holds from where the shared
         /// stream is and that start after its end (`true`, the default:

@@ -45,6 +45,16 @@ pub struct GpuKey {
     pub uid: u32,
 }
 
+impl GpuKey {
+    /// The arena a consumer of `uid` asking for `dev` reads.
+    pub fn of(dev: &DeviceRequest, uid: u32) -> GpuKey {
+        GpuKey {
+            uuid: dev.uuid,
+            uid,
+        }
+    }
+}
+
 /// Why a GPU cannot be served, or stopped being served. Cloned into each
 /// refusal of a consumer of a failed GPU.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

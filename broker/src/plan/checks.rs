@@ -273,14 +273,29 @@ pub(super) fn check_flow(
 
 /// `pace` and `run_ahead_mib` go together, and not with a lag limit.
 pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
-    if let Some(h) = s.hold_limit_s
-        && h != f64::INFINITY
-        && !(0.1..=86_400.0).contains(&h)
+    for (name, v) in [
+        ("hold_limit_s", s.hold_limit_s),
+        ("held_batch_limit_s", s.held_batch_limit_s),
+    ] {
+        if let Some(h) = v
+            && h != f64::INFINITY
+            && !(0.1..=86_400.0).contains(&h)
+        {
+            return Err(key(
+                name,
+                format!(
+                    "{name} = {h} is out of range: use 0.1 to 86400 (seconds a consumer may keep the others waiting), or inf for no bound"
+                ),
+            ));
+        }
+    }
+    if let (Some(hold), Some(held)) = (s.hold_limit_s, s.held_batch_limit_s)
+        && held < hold
     {
         return Err(key(
-            "hold_limit_s",
+            "held_batch_limit_s",
             format!(
-                "hold_limit_s = {h} is out of range: use 0.1 to 86400 (seconds a consumer may keep the others waiting), or inf for no bound"
+                "held_batch_limit_s = {held} is less than hold_limit_s = {hold}: one holding the batch needed next is waited for at least as long as any other; raise it or leave it out"
             ),
         ));
     }
@@ -409,6 +424,30 @@ pub(super) fn check_fields(fields: &[Field]) -> Result<(), StreamError> {
         }
     }
     Ok(())
+}
+
+/// A bound in seconds from the config: its default when absent, `None`
+/// for `inf`.
+pub(super) fn seconds(s: Option<f64>, default: std::time::Duration) -> Option<std::time::Duration> {
+    match s {
+        None => Some(default),
+        Some(h) if h.is_finite() => Some(std::time::Duration::from_secs_f64(h)),
+        Some(_) => None,
+    }
+}
+
+/// A producer's stream name and description, checked.
+pub(super) fn check_producer_text(
+    req: &batchcast::proto::ProduceRequest,
+) -> Result<(), StreamError> {
+    check_name(&req.stream)?;
+    batchcast::proto::check_text(
+        "the producer's description",
+        &req.description,
+        batchcast::proto::MAX_DESCRIPTION_BYTES,
+        "a shorter description",
+    )
+    .map_err(|e| key("description", e.to_string()))
 }
 
 /// A producer's `hold_limit_ms`, checked, or the default.

@@ -38,8 +38,8 @@ mod tests;
 pub(crate) use checks::{MAX_BATCH_SIZE, MAX_BATCHES_PER_EPOCH, MAX_SLOTS, MAX_SYNTHETIC_LEN};
 
 use checks::{
-    check_fields, check_flow, check_limits, check_name, check_pace, producer_hold_limit,
-    run_ahead_slots, within,
+    check_fields, check_flow, check_limits, check_name, check_pace, check_producer_text,
+    producer_hold_limit, run_ahead_slots, seconds, within,
 };
 use image::image_source;
 
@@ -164,10 +164,17 @@ pub const DEFAULT_BATCH_MULTIPLE: u64 = 4;
 
 /// How long, by default, a consumer may keep the pipeline waiting (it pins
 /// the ring's next unit while another consumer waits for data) before it
-/// is cut to replay or, if it cannot be, detached: long enough for a
-/// trainer's checkpoint or a short evaluation with a batch still held.
+/// is cut to replay or, if it cannot be (a producer's stream), detached:
+/// a paused, stopped or crashed trainer holds the others 2 s at most.
 /// Decoupled pace cuts at once and detaches at this limit.
-pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(30);
+pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(2);
+
+/// How long, by default, a consumer whose program holds the very batch
+/// the ring needs next may keep the others waiting before it is detached
+/// (a cut cannot free that batch): long enough for a trainer's checkpoint
+/// or a short evaluation with its last batch still referenced, as a
+/// PyTorch loop keeps it. Never less than the hold limit.
+pub const DEFAULT_HELD_BATCH_LIMIT: Duration = Duration::from_secs(30);
 
 /// A stream, checked, with everything derived from its description.
 #[derive(Debug, Clone)]
@@ -189,6 +196,10 @@ pub struct StreamPlan {
     /// (lockstep) or detached (it cannot be cut). `None`: no bound
     /// (`hold_limit_s = inf`).
     pub hold_limit: Option<Duration>,
+    /// How long one that holds the batch the ring needs next may keep the
+    /// others waiting before it is detached ([`DEFAULT_HELD_BATCH_LIMIT`],
+    /// at least `hold_limit`; `None` with no hold limit).
+    pub held_batch_limit: Option<Duration>,
     /// Whether a replayed consumer may read an epoch rotated
     /// (`rotate_epochs`, default true; see `stream/rotate.rs`).
     pub rotate_epochs: bool,
@@ -224,14 +235,7 @@ impl StreamPlan {
         producer: &str,
         pid: u32,
     ) -> Result<StreamPlan, StreamError> {
-        check_name(&req.stream)?;
-        batchcast::proto::check_text(
-            "the producer's description",
-            &req.description,
-            batchcast::proto::MAX_DESCRIPTION_BYTES,
-            "a shorter description",
-        )
-        .map_err(|e| key("description", e.to_string()))?;
+        check_producer_text(req)?;
         check_flow(
             req.batch_size,
             req.epochs,
@@ -287,6 +291,7 @@ impl StreamPlan {
             lag_limit: req.lag_limit,
             pace: Pace::Lockstep,
             hold_limit: Some(hold_limit),
+            held_batch_limit: Some(hold_limit.max(DEFAULT_HELD_BATCH_LIMIT)),
             rotate_epochs: false,
             drop_last: false,
             min_consumers: req.min_consumers,
@@ -462,10 +467,13 @@ fn plan_stream(
         epochs: s.epochs,
         lag_limit: s.lag_limit,
         pace: s.pace,
-        hold_limit: match s.hold_limit_s {
-            None => Some(DEFAULT_HOLD_LIMIT),
-            Some(h) if h.is_finite() => Some(Duration::from_secs_f64(h)),
-            Some(_) => None,
+        hold_limit: seconds(s.hold_limit_s, DEFAULT_HOLD_LIMIT),
+        held_batch_limit: match (
+            seconds(s.hold_limit_s, DEFAULT_HOLD_LIMIT),
+            seconds(s.held_batch_limit_s, DEFAULT_HELD_BATCH_LIMIT),
+        ) {
+            (Some(hold), Some(held)) => Some(hold.max(held)),
+            _ => None,
         },
         rotate_epochs: s.rotate_epochs.unwrap_or(true),
         drop_last: s.drop_last,

@@ -171,10 +171,7 @@ impl Conn {
         replay: Option<Replay>,
         start: Start,
     ) -> Conn {
-        let gpu = req
-            .device
-            .as_ref()
-            .map(|dev| super::mirror::key_of(dev, peer.uid));
+        let gpu = req.device.as_ref().map(|dev| GpuKey::of(dev, peer.uid));
         Conn {
             peer,
             out: Outbox::new(id, tx, mailbox),

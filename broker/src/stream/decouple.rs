@@ -121,6 +121,12 @@ impl Facts for ConnFacts<'_> {
             .and_then(|c| c.replay.as_ref())
             .is_some_and(|r| r.catching_up(within, now))
     }
+
+    fn took(&mut self, id: ConsumerId, seq: u64) -> bool {
+        self.conns
+            .get_mut(&id)
+            .is_some_and(|c| took(self.hub, id, c, seq))
+    }
 }
 
 /// The pipeline waits for the ring's next slot: asks the hold clock what
@@ -131,11 +137,13 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
         limit: s.plan.hold_limit,
+        held_limit: s.plan.held_batch_limit,
     };
     if !rule.eager && rule.limit.is_none() {
         return false;
     }
     let pinned = inner.hub.view().pinning();
+    let seq = pinned.as_ref().map(|(seq, _)| *seq);
     let Inner {
         hub, conns, pace, ..
     } = &mut *inner;
@@ -149,7 +157,9 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         return false;
     };
     for &id in &detach {
-        detach_holder(s, inner, id, held);
+        let Inner { hub, conns, .. } = &mut *inner;
+        let took_it = seq.is_some_and(|q| conns.get_mut(&id).is_some_and(|c| took(hub, id, c, q)));
+        detach_holder(s, inner, id, (held, took_it));
     }
     // Detaching freed the slot of whoever could not be cut; cutting the
     // others frees it of them.
@@ -160,27 +170,34 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     any
 }
 
-/// Detaches consumer `id`, which kept the pipeline waiting for `held`.
-fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, held: Duration) {
-    let limit = s.plan.hold_limit.unwrap_or_default().as_secs_f64();
+/// Detaches consumer `id`, which kept the pipeline waiting for `held`
+/// (`took_it`: holding the unit itself, so waited for up to the held-batch
+/// limit).
+fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, (held, took_it): (Duration, bool)) {
+    let (key, limit) = if took_it {
+        ("held_batch_limit_s", s.plan.held_batch_limit)
+    } else {
+        ("hold_limit_s", s.plan.hold_limit)
+    };
+    let limit = limit.unwrap_or_default().as_secs_f64();
     let no_replay = inner.conns.get(&id).and_then(|c| c.no_replay.as_deref());
     let what = match (s.writer.is_some(), no_replay) {
         (false, _) => {
             "this stream is fed by an external producer, so its batches cannot be recomputed for it; resume from its state (state_dict()) while the ring still holds its place".to_string()
         }
-        (true, Some(why)) => format!(
+        (true, Some(why)) if !took_it => format!(
             "it could not be cut to replay, having no replay arena (refused at subscribe: {why}); resume from its state (state_dict())"
         ),
-        (true, None) => {
+        (true, _) => {
             "it kept the batch the pipeline needed next (one its program held, or one sent and not read, as while paused); release batches before a long pause (drop or `del` them), or resume from its state (state_dict())".to_string()
         }
     };
     let raise = match s.writer {
-        Some(_) => "raise hold_limit_s in the broker config",
-        None => "the producer may set a longer hold_limit_s",
+        Some(_) => format!("raise {key} in the broker config"),
+        None => "the producer may set a longer hold_limit_s".to_string(),
     };
     let reason = format!(
-        "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's hold_limit_s of {limit}: {what}; or {raise}",
+        "detached: this consumer kept the stream's pipeline waiting for {:.1} s while other consumers waited for data, more than the stream's {key} of {limit}: {what}; or {raise}",
         held.as_secs_f64()
     );
     if inner.hub.detach(id, reason) {

@@ -12,11 +12,14 @@
 //! * What is done about the owers of the pinned unit ([`HoldClock::decide`]):
 //!   decoupled pace cuts them once the unit is [`CUT_AFTER`] old; lockstep
 //!   cuts them once the hold reaches the limit. An ower that cannot be cut
-//!   (it took the unit, or has no replay arena) is detached at the limit,
-//!   unless it is a joiner catching up (waited for) or the hold was
-//!   carried to it (it gets a hold of its own, from now; the others are
-//!   cut). Nothing is done while nobody waits for data, or without a
-//!   limit under lockstep.
+//!   is detached: one with no replay arena (a producer's stream, one the
+//!   budget refused) at the limit, one that took the unit itself (its
+//!   program holds it: a cut would not free it) only at the held-batch
+//!   limit (`held_batch_limit_s`, at least the limit), the others cut
+//!   meanwhile; a joiner catching up is waited for, and one the hold was
+//!   carried to gets a hold of its own, from now (the others are cut).
+//!   Nothing is done while nobody waits for data, or without a limit
+//!   under lockstep.
 //! * A round at the limit (the owers of the pinned unit cut or detached)
 //!   carries its hold to the next unit pinned if that unit was already in
 //!   the ring when the hold began (begun, not necessarily made: workers
@@ -43,6 +46,9 @@ pub(super) struct Rule {
     pub eager: bool,
     /// The hold limit (`None`: `hold_limit_s = inf`).
     pub limit: Option<Duration>,
+    /// How long an ower that took the pinned unit itself is waited for
+    /// before it is detached (`held_batch_limit_s`; at least `limit`).
+    pub held_limit: Option<Duration>,
 }
 
 /// A consumer that owes the unit pinning the ring, as the runtime sees it.
@@ -54,6 +60,9 @@ pub(super) struct Ower {
     pub cuttable: bool,
     /// A lockstep joiner whose catch-up replay moves within the limit.
     pub catching_up: bool,
+    /// It took the pinned unit (its program holds it): a cut would not
+    /// free it, so it waits for the held-batch limit.
+    pub took: bool,
 }
 
 /// What the hold rule says to do now.
@@ -83,6 +92,9 @@ pub(super) trait Facts {
     /// Whether consumer `id` is a joiner whose catch-up replay moves
     /// within `within` of `now`.
     fn catching_up(&self, id: ConsumerId, within: Duration, now: Instant) -> bool;
+    /// Whether consumer `id` took unit `seq` itself (its program holds
+    /// it; a cut cannot give it back).
+    fn took(&mut self, id: ConsumerId, seq: u64) -> bool;
 }
 
 /// One unit of the ring: when the pipeline began it and when it was made.
@@ -131,6 +143,7 @@ impl HoldClock {
                         id,
                         cuttable: facts.cuttable(id, stalled),
                         catching_up: facts.catching_up(id, within, now),
+                        took: facts.took(id, *seq),
                     })
                     .collect()
             }
@@ -171,11 +184,14 @@ impl HoldClock {
             return Verdict::Wait;
         }
         let cut: Vec<ConsumerId> = owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect();
-        let detach: Vec<ConsumerId> = owe
+        // Owers that took the unit are waited for up to the held-batch
+        // limit; the other owers that cannot be cut, up to the limit.
+        let past_held = rule.held_limit.is_some_and(|l| held >= l);
+        let (waited, detach): (Vec<&Ower>, Vec<&Ower>) = owe
             .iter()
             .filter(|o| !o.cuttable && !o.catching_up)
-            .map(|o| o.id)
-            .collect();
+            .partition(|o| o.took && !past_held);
+        let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
             if !past {
                 return Verdict::Wait;
@@ -191,7 +207,14 @@ impl HoldClock {
                 };
             }
         }
-        if past {
+        if !waited.is_empty() {
+            // The hold is theirs: it runs on, from `since`, to the
+            // held-batch limit (nothing to do until then once the others
+            // are cut).
+            if cut.is_empty() && detach.is_empty() {
+                return Verdict::Wait;
+            }
+        } else if past {
             self.carry(since);
         } else {
             self.unpin();
@@ -372,6 +395,7 @@ mod tests {
             id,
             cuttable,
             catching_up: false,
+            took: false,
         }
     }
 
@@ -379,6 +403,7 @@ mod tests {
         Rule {
             eager: false,
             limit: Some(LIMIT),
+            held_limit: Some(LIMIT),
         }
     }
 
@@ -405,6 +430,75 @@ mod tests {
         );
     }
 
+    /// The defaults' shape (2 s and 30 s, here 3 s and 9 s): at the limit
+    /// the ower that may be cut is cut and the one without a replay arena
+    /// detached, while the one that took the unit (its program holds it)
+    /// is waited for until the held-batch limit, counted from the same
+    /// start, then detached; nothing is done in between.
+    #[test]
+    fn one_holding_the_unit_is_waited_for_to_the_held_batch_limit_the_others_cut_at_the_limit() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let rule = Rule {
+            eager: false,
+            limit: Some(LIMIT),
+            held_limit: Some(3 * LIMIT),
+        };
+        let holder = Ower {
+            took: true,
+            ..ower(3, false)
+        };
+        let owe = [ower(1, true), ower(2, false), holder];
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(3100)),
+            Verdict::Act {
+                cut: vec![1],
+                detach: vec![2],
+                held: LIMIT
+            }
+        );
+        // Only the holder owes the unit now: waited for, its hold running
+        // from 100 ms.
+        let owe = [holder];
+        for at in [3200, 6000, 9099] {
+            assert_eq!(
+                h.decide(rule, Some((0, &owe)), true, c.at(at)),
+                Verdict::Wait,
+                "{at}"
+            );
+        }
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(9100)),
+            Verdict::Act {
+                cut: vec![],
+                detach: vec![3],
+                held: 3 * LIMIT
+            }
+        );
+        // Decoupled: the same holder waits to the held-batch limit too.
+        let mut h = ring(&c, 2);
+        let eager = Rule {
+            eager: true,
+            ..rule
+        };
+        assert_eq!(
+            h.decide(eager, Some((0, &owe)), true, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(eager, Some((0, &owe)), true, c.at(3100)),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            h.decide(eager, Some((0, &owe)), true, c.at(9100)),
+            Verdict::Act { ref detach, .. } if detach == &[3]
+        ));
+    }
+
     #[test]
     fn nothing_is_done_without_a_limit_or_while_nobody_waits() {
         let c = Clock(Instant::now());
@@ -413,6 +507,7 @@ mod tests {
         let inf = Rule {
             eager: false,
             limit: None,
+            held_limit: None,
         };
         assert_eq!(
             h.decide(inf, Some((0, &owe)), true, c.at(100)),
@@ -442,6 +537,7 @@ mod tests {
             id: 1,
             cuttable: false,
             catching_up: true,
+            took: false,
         }];
         h.decide(lockstep(), Some((0, &owe)), true, c.at(100));
         let v = h.decide(lockstep(), Some((0, &owe)), true, c.at(9000));
@@ -462,6 +558,7 @@ mod tests {
         let eager = Rule {
             eager: true,
             limit: Some(LIMIT),
+            held_limit: Some(LIMIT),
         };
         // Unit 5 was made at 500: young until 510.
         let owe = [ower(1, true)];

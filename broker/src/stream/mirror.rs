@@ -136,10 +136,7 @@ fn labelled(gpu: &str, uid: u32) -> String {
 
 /// The key of a device consumer's arena: its GPU and its uid.
 pub(super) fn key_of(dev: &DeviceRequest, uid: u32) -> GpuKey {
-    GpuKey {
-        uuid: dev.uuid,
-        uid,
-    }
+    GpuKey::of(dev, uid)
 }
 
 /// The hub group of a device consumer's arena (made on the first

@@ -198,7 +198,8 @@ class Producer:
         hold_limit_s: detach a consumer that keeps this producer waiting
             this many seconds while another consumer waits for data (it
             paused: stopped, at a breakpoint, a long evaluation); default
-            30, at most 86400.
+            2, at most 86400 (one holding the batch needed next: 30, or
+            this if longer).
         batches_per_epoch: for loaders without ``len()``.
         name: shown in ``batchcast stats``.
         connect_timeout: seconds to keep retrying while the broker is not up

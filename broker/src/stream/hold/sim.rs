@@ -244,6 +244,10 @@ impl Facts for SimFacts<'_> {
             .get(&id)
             .is_some_and(|r| r.catching_up(within, now))
     }
+
+    fn took(&mut self, id: ConsumerId, seq: u64) -> bool {
+        self.readers.get(&id).is_some_and(|r| r.took(seq))
+    }
 }
 
 impl Sim {
@@ -868,6 +872,7 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         rule: Rule {
             eager: sc.eager,
             limit: sc.limit.map(Duration::from_millis),
+            held_limit: sc.limit.map(Duration::from_millis),
         },
         start: Instant::now(),
         now: 0,
