@@ -1309,6 +1309,89 @@ fn a_server_keeping_connections_waiting_is_read_with_fewer_at_once_and_the_log_s
     assert!(log.contains("keeps requests waiting"), "{log}");
 }
 
+/// Issue 72's promise on a remote image folder (an S3 store), at the
+/// defaults (no `pace`, no `hold_limit_s`): a trainer stopped for 6 s
+/// that holds no batch keeps a steady one waiting about 2 s, the default
+/// bound, then is cut to replay; continued, it reads every epoch with the
+/// local folder's bytes (what it missed fetched and decoded again for it).
+/// Before (a 30 s default) the steady one waited the whole stop.
+#[test]
+fn at_the_defaults_a_stopped_trainer_of_a_remote_stream_holds_the_others_about_2_s() {
+    let data = Data::new();
+    let keys = remote(&data.s3().url(), "");
+    let cfg = [
+        folder_stream("local", &data.p("ds"), "epochs = 6"),
+        folder_stream(
+            "s3",
+            "s3://data/train/",
+            // In the stream's order: the digests compared are in order
+            // (a rotated epoch holds the same samples in another).
+            &format!("epochs = 6\nmin_consumers = 2\nrotate_epochs = false\n{keys}"),
+        ),
+    ]
+    .join("\n");
+    assert!(
+        !cfg.contains("hold_limit") && !cfg.contains("pace"),
+        "{cfg}"
+    );
+    let dir = data.dir.path().join("b");
+    let b = Broker::start(&dir, &cfg);
+    let socket = dir.join("b.sock");
+    let whole = common::digests(&b.consume(&["--stream", "local", "--digest"]));
+    assert_eq!(whole.len(), 6, "{whole:?}");
+    let mut steady = common::spawn_consumer(
+        &socket,
+        &[
+            "--stream",
+            "s3",
+            "--digest",
+            "--sleep-ms",
+            "5",
+            "--name",
+            "steady",
+        ],
+    );
+    let stopped = common::spawn_consumer(
+        &socket,
+        &[
+            "--stream",
+            "s3",
+            "--digest",
+            "--stop-after",
+            "2",
+            "--name",
+            "stopped",
+        ],
+    );
+    common::wait_stopped(stopped.id());
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(6) && steady.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let finished = t0.elapsed();
+    std::thread::sleep(Duration::from_secs(6).saturating_sub(t0.elapsed()));
+    harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    let steady = harness::wait_report(steady, LIMIT).unwrap();
+    let stopped = harness::wait_report(stopped, LIMIT).unwrap();
+    // The bound 2 s; slack for a loaded machine (held, the stop's 6 s).
+    eprintln!(
+        "steady finished {finished:?} after the stop (of {} images an epoch)",
+        data.n
+    );
+    assert!(
+        finished >= Duration::from_secs(2),
+        "steady finished {finished:?}: never held, so this shows nothing"
+    );
+    assert!(
+        finished < Duration::from_secs(5),
+        "steady finished {finished:?} after the stop: {}",
+        b.log()
+    );
+    assert_eq!(common::digests(&steady), whole, "{steady:#?}");
+    assert_eq!(common::digests(&stopped), whole, "{stopped:#?}");
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
+}
+
 /// An `s3://` source under everything a local one supports: a trainer
 /// joining now (the epoch's start replayed from the store), one resuming
 /// from a position, both beside a steady one on a decoupled stream, and a

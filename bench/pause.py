@@ -1,0 +1,118 @@
+"""What one paused trainer costs the others at the defaults: a steady
+trainer reads 1,500 batches of a synthetic stream (64 × 3×32×32 u8 and a
+label, stamped) while a second one, subscribed with it, is SIGSTOPped after
+5 batches for 40 s, then continued and read to 300 batches. Each policy is
+the same config but for its hold keys; the policies alternate, `--runs`
+times each, and the table shows medians and ranges of the steady trainer's
+wall time (alone it is well under a second), whether both read every
+sample with the generator's bytes (`--verify`), and how many batches the
+broker replayed to the paused one (`stats`).
+
+The bound: the steady trainer waits for the paused one at most the
+hold bound that applies (the paused one holds no batch: `consume` releases
+each before the next), then reads on; the paused one, cut, is replayed
+what it missed.
+
+Usage: python bench/pause.py [--runs 3]   (the release broker: cargo build --release)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from _common import EXE, print, serve
+
+POLICIES = [
+    ("defaults (hold_limit_s 2 s)", ""),
+    ("hold_limit_s = 30 (the default before)", "hold_limit_s = 30\n"),
+    ('pace = "decoupled"', 'pace = "decoupled"\n'),
+]
+
+STREAM = """
+[[stream]]
+name = "train"
+batch_size = 64
+min_consumers = 2
+{keys}
+[stream.synthetic]
+len = 6400
+fill = "stamp"
+fields = [
+  {{ name = "image", dtype = "u8", shape = [3, 32, 32] }},
+  {{ name = "label", dtype = "i64", shape = [] }},
+]
+"""
+
+
+def wait_stopped(pid: int) -> None:
+    for _ in range(2000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    raise SystemExit(f"consumer {pid} never stopped")
+
+
+def one(keys: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        broker, sock = serve(folder, STREAM.format(keys=keys))
+        try:
+            common = [EXE, "consume", "--socket", str(sock), "--json", "--verify"]
+            steady = subprocess.Popen(common + ["--max-batches", "1500", "--name", "steady"],
+                                      stdout=subprocess.PIPE, text=True)
+            paused = subprocess.Popen(common + ["--max-batches", "300", "--stop-after", "5", "--name", "paused"],
+                                      stdout=subprocess.PIPE, text=True)
+            wait_stopped(paused.pid)
+            stopped_at = time.monotonic()
+            s_out, _ = steady.communicate(timeout=120)
+            time.sleep(max(0.0, stopped_at + 40 - time.monotonic()))
+            os.kill(paused.pid, signal.SIGCONT)
+            p_out, _ = paused.communicate(timeout=120)
+            s, p = json.loads(s_out), json.loads(p_out)
+            stats = json.loads(subprocess.run([EXE, "stats", "--socket", str(sock), "--json"],
+                                              capture_output=True, text=True, check=True).stdout)
+            past = stats["streams"][0]["past_consumers"]
+            replayed = sum(c.get("replayed", 0) for c in past if c["name"] == "paused")
+            return {
+                "steady_s": s["seconds"],
+                "ok": s["ok"] and s["verified_samples"] == s["samples"] and p["ok"]
+                and p["verified_samples"] == p["samples"] and p["batches"] == 300,
+                "replayed": replayed,
+                "paused_error": p.get("error_code"),
+            }
+        finally:
+            broker.terminate()
+            broker.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    results: dict[str, list[dict]] = {name: [] for name, _ in POLICIES}
+    for run in range(args.runs):
+        for name, keys in POLICIES:
+            r = one(keys)
+            print(f"run {run + 1}/{args.runs} {name}: steady {r['steady_s']:.2f} s, ok {r['ok']}, "
+                  f"replayed {r['replayed']}, paused one's error {r['paused_error']}")
+            results[name].append(r)
+    print()
+    print("| policy | steady trainer's wall s, median (range) | every sample, both | samples replayed to the paused one (median) |")
+    print("| --- | ---: | :-: | ---: |")
+    for name, rs in results.items():
+        walls = [r["steady_s"] for r in rs]
+        print(f"| {name} | {statistics.median(walls):.2f} ({min(walls):.2f}–{max(walls):.2f}) | "
+              f"{'yes' if all(r['ok'] for r in rs) else 'NO'} | {statistics.median(r['replayed'] for r in rs):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
