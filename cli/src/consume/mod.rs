@@ -56,6 +56,10 @@ pub struct ConsumeArgs {
     pub stall_after: Option<u64>,
     #[arg(long, default_value_t = 1000)]
     pub stall_ms: u64,
+    /// With --stall-after N: stall again every this many batches after N
+    /// (an evaluation every so many steps)
+    #[arg(long)]
+    pub stall_every: Option<u64>,
     /// After releasing batch N (and those beyond --hold), stop this
     /// process with SIGSTOP (as Ctrl-Z or a debugger would) until it is
     /// sent SIGCONT: for tests of a paused trainer (0: once subscribed,
@@ -306,7 +310,7 @@ fn consume(
         while held.len() > args.hold {
             held.pop_front(); // dropping releases
         }
-        if args.stall_after == Some(report.batches) {
+        if stalls_at(args.stall_after, args.stall_every, report.batches) {
             std::thread::sleep(Duration::from_millis(args.stall_ms));
         }
         if args.stop_after == Some(report.batches) {
@@ -390,9 +394,28 @@ impl Histogram {
     }
 }
 
+/// Whether a consumer that stalls after batch `after` (and every `every`
+/// batches from there) stalls after batch `n`.
+fn stalls_at(after: Option<u64>, every: Option<u64>, n: u64) -> bool {
+    match (after, every) {
+        (Some(a), _) if n == a => true,
+        (Some(a), Some(e)) if e > 0 && n > a => (n - a).is_multiple_of(e),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Histogram;
+    use super::{Histogram, stalls_at};
+
+    #[test]
+    fn a_stall_comes_after_its_batch_and_then_every_so_many() {
+        let at: Vec<u64> = (1..=40).filter(|&n| stalls_at(Some(5), Some(10), n)).collect();
+        assert_eq!(at, [5, 15, 25, 35]);
+        let once: Vec<u64> = (1..=40).filter(|&n| stalls_at(Some(5), None, n)).collect();
+        assert_eq!(once, [5]);
+        assert!(!(1..=40).any(|n| stalls_at(None, Some(10), n)));
+    }
 
     #[test]
     fn histogram_quantiles_are_within_an_eighth() {
@@ -415,3 +438,4 @@ mod tests {
         }
     }
 }
+
