@@ -24,7 +24,7 @@
 //! gpu_slots = 4         # per GPU with consumers; default: slots
 //! workers = 1
 //! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: cut instead)
-//! pace = "lockstep"     # or "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
+//! pace = "auto"         # or "lockstep", "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 2      # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
 //! held_batch_limit_s = 30  # the same for one whose program holds the batch needed next: then detached
@@ -337,8 +337,14 @@ pub struct BrokerSection {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pace {
-    /// The slowest consumer: the pipeline waits for it (the default).
+    /// Lockstep while the slowest consumer moves; one that stalls (its
+    /// unit pins the ring 8 times its usual step, and at least 0.25 s) is
+    /// cut to replay at once, not after `hold_limit_s` (the default; see
+    /// `stream/hold.rs`).
     #[default]
+    Auto,
+    /// The slowest consumer: the pipeline waits for it, up to
+    /// `hold_limit_s`.
     Lockstep,
     /// The fastest consumers: the arena holds what slower ones have not
     /// read yet; one that falls a whole arena behind is cut from the

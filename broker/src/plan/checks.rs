@@ -302,7 +302,7 @@ pub(super) fn check_pace(s: &StreamConfig) -> Result<(), StreamError> {
     // On a decoupled stream a consumer `lag_limit` would detach is cut
     // instead.
     match (s.pace, s.run_ahead_mib) {
-        (Pace::Lockstep, Some(_)) => Err(key(
+        (Pace::Lockstep | Pace::Auto, Some(_)) => Err(key(
             "run_ahead_mib",
             "run_ahead_mib applies to pace = \"decoupled\" only; a lockstep stream's memory is set by slots",
         )),

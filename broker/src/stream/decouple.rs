@@ -136,6 +136,7 @@ impl Facts for ConnFacts<'_> {
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
+        stall_cut: s.plan.pace == PaceRule::Auto,
         limit: s.plan.hold_limit,
         held_limit: s.plan.held_batch_limit,
     };

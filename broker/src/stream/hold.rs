@@ -20,6 +20,15 @@
 //!   carried to gets a hold of its own, from now (the others are cut).
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
+//! * The default pace (`auto`) is lockstep that tells a stall from a
+//!   step: the clock keeps how long the last units pinned the ring before
+//!   they moved on (while someone waited: the slowest reader's step), and
+//!   once the pinned unit has been held [`STALL_FACTOR`] times the usual
+//!   such wait, and at least [`STALL_FLOOR`], its owers that may be cut
+//!   are cut at once, as at the limit (one that cannot be waits for its
+//!   bound). A trainer that is slow but moving sets the pace as under
+//!   lockstep; one that pauses holds the others about a quarter of a
+//!   second, not the whole hold limit. Too few waits seen yet: the limit.
 //! * A round at the limit (the owers of the pinned unit cut or detached)
 //!   carries its hold to the next unit pinned if that unit was already in
 //!   the ring when the hold began (begun, not necessarily made: workers
@@ -39,11 +48,21 @@ use crate::hub::ConsumerId;
 /// together are, is not worth a replay).
 pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 
+/// The default pace's stall: a pin this many times the usual one...
+pub(super) const STALL_FACTOR: u32 = 8;
+/// ...and at least this long.
+pub(super) const STALL_FLOOR: Duration = Duration::from_millis(250);
+/// Pins the usual one is the median of (at least a quarter of them seen).
+const STEPS: usize = 16;
+
 /// The stream's hold rule.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Rule {
     /// Decoupled pace: cut at once (once the unit is [`CUT_AFTER`] old).
     pub eager: bool,
+    /// The default pace (`auto`): cut a stalled ower before the limit
+    /// (see the module's rules).
+    pub stall_cut: bool,
     /// The hold limit (`None`: `hold_limit_s = inf`).
     pub limit: Option<Duration>,
     /// How long an ower that took the pinned unit itself is waited for
@@ -114,6 +133,9 @@ pub(super) struct HoldClock {
     pinned: Option<(u64, Instant)>,
     /// When the hold that the last round at the limit ended began.
     carried: Option<Instant>,
+    /// How long the last pins lasted before their unit moved on (not
+    /// ended by a cut), while someone waited; at most [`STEPS`].
+    steps: VecDeque<Duration>,
 }
 
 impl HoldClock {
@@ -171,6 +193,11 @@ impl HoldClock {
             return Verdict::Wait;
         }
         let Some((seq, owe)) = pinned else {
+            if let Some((_, t)) = self.pinned
+                && self.carried.is_none()
+            {
+                self.step(now.saturating_duration_since(t));
+            }
             self.unpin();
             return Verdict::Wait;
         };
@@ -180,7 +207,8 @@ impl HoldClock {
         let (since, carried) = self.pinned_since(seq, now);
         let held = now.saturating_duration_since(since);
         let past = rule.limit.is_some_and(|l| held >= l);
-        if !rule.eager && !past {
+        let stalled = rule.stall_cut && self.stalled(held);
+        if !rule.eager && !past && !stalled {
             return Verdict::Wait;
         }
         let cut: Vec<ConsumerId> = owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect();
@@ -206,6 +234,11 @@ impl HoldClock {
                     held,
                 };
             }
+        }
+        if cut.is_empty() && detach.is_empty() && !rule.eager && !past {
+            // A stall with no one to cut (joiners catching up): the hold
+            // runs on to the limit.
+            return Verdict::Wait;
         }
         if !waited.is_empty() {
             // The hold is theirs: it runs on, from `since`, to the
@@ -255,10 +288,14 @@ impl HoldClock {
     /// was begun before that hold began), and whether that is a carried
     /// hold.
     fn pinned_since(&mut self, seq: u64, now: Instant) -> (Instant, bool) {
-        if let Some((s, t)) = self.pinned
-            && s == seq
-        {
-            return (t, self.carried.is_some());
+        if let Some((s, t)) = self.pinned {
+            if s == seq {
+                return (t, self.carried.is_some());
+            }
+            // The unit pinned before moved on by itself: a step.
+            if self.carried.is_none() {
+                self.step(now.saturating_duration_since(t));
+            }
         }
         let begun = self.units.iter().find(|u| u.seq == seq).map(|u| u.begun);
         let from = self.carried.filter(|&c| begun.is_none_or(|b| b <= c));
@@ -269,6 +306,27 @@ impl HoldClock {
             self.pinned.insert((seq, from.unwrap_or(now))).1,
             from.is_some(),
         )
+    }
+
+    /// A pin lasted `d` and its unit moved on by itself.
+    fn step(&mut self, d: Duration) {
+        self.steps.push_back(d);
+        while self.steps.len() > STEPS {
+            self.steps.pop_front();
+        }
+    }
+
+    /// Whether a pin held this long is a stall: [`STALL_FACTOR`] times the
+    /// usual pin (the median of the last ones, a quarter of [`STEPS`] seen
+    /// at least), and at least [`STALL_FLOOR`].
+    fn stalled(&self, held: Duration) -> bool {
+        if self.steps.len() < STEPS / 4 {
+            return false;
+        }
+        let mut seen: Vec<Duration> = self.steps.iter().copied().collect();
+        seen.sort_unstable();
+        let usual = seen[seen.len() / 2];
+        held >= usual.saturating_mul(STALL_FACTOR).max(STALL_FLOOR)
     }
 
     /// Nothing pins the ring: the next pin starts a hold of its own.
@@ -402,6 +460,7 @@ mod tests {
     fn lockstep() -> Rule {
         Rule {
             eager: false,
+            stall_cut: false,
             limit: Some(LIMIT),
             held_limit: Some(LIMIT),
         }
@@ -441,6 +500,7 @@ mod tests {
         let mut h = ring(&c, 2);
         let rule = Rule {
             eager: false,
+            stall_cut: false,
             limit: Some(LIMIT),
             held_limit: Some(3 * LIMIT),
         };
@@ -499,6 +559,72 @@ mod tests {
         ));
     }
 
+    /// The default pace (`auto`): a laggard stepping every `step_ms`
+    /// pins the ring for that long, unit after unit, and is never cut;
+    /// stopped, it is cut once its unit has been pinned 8 steps (and at
+    /// least 250 ms), long before the limit; explicit lockstep waits for
+    /// the limit.
+    #[test]
+    fn the_default_pace_cuts_a_stall_at_eight_usual_steps_never_a_moving_laggard() {
+        let auto = Rule {
+            stall_cut: true,
+            ..lockstep()
+        };
+        let owe = [ower(1, true)];
+        for (step_ms, cut_at) in [(40, 320), (10, 250), (400, 3000)] {
+            let c = Clock(Instant::now());
+            let mut h = HoldClock::default();
+            let mut t = 0;
+            for seq in 0..8u64 {
+                for dt in [0, step_ms / 2, step_ms - 1] {
+                    assert_eq!(
+                        h.decide(auto, Some((seq, &owe)), true, c.at(t + dt)),
+                        Verdict::Wait,
+                        "moving, a step of {step_ms} ms"
+                    );
+                }
+                t += step_ms;
+            }
+            // It stops on unit 8.
+            let mut l = HoldClock {
+                steps: h.steps.clone(),
+                ..HoldClock::default()
+            };
+            for (rule, at) in [(auto, cut_at), (lockstep(), 3000)] {
+                let h = if rule.stall_cut { &mut h } else { &mut l };
+                assert_eq!(
+                    h.decide(rule, Some((8, &owe)), true, c.at(t)),
+                    Verdict::Wait
+                );
+                assert_eq!(
+                    h.decide(rule, Some((8, &owe)), true, c.at(t + at - 1)),
+                    Verdict::Wait,
+                    "a step of {step_ms} ms, {rule:?}"
+                );
+                assert_eq!(
+                    h.decide(rule, Some((8, &owe)), true, c.at(t + at)),
+                    Verdict::Act {
+                        cut: vec![1],
+                        detach: vec![],
+                        held: Duration::from_millis(at)
+                    },
+                    "a step of {step_ms} ms, {rule:?}"
+                );
+            }
+        }
+        // Too few steps seen: the limit.
+        let c = Clock(Instant::now());
+        let mut h = HoldClock::default();
+        assert_eq!(
+            h.decide(auto, Some((0, &owe)), true, c.at(0)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(auto, Some((0, &owe)), true, c.at(2999)),
+            Verdict::Wait
+        );
+    }
+
     #[test]
     fn nothing_is_done_without_a_limit_or_while_nobody_waits() {
         let c = Clock(Instant::now());
@@ -506,6 +632,7 @@ mod tests {
         let owe = [ower(1, true)];
         let inf = Rule {
             eager: false,
+            stall_cut: false,
             limit: None,
             held_limit: None,
         };
@@ -557,6 +684,7 @@ mod tests {
         let mut h = ring(&c, 500);
         let eager = Rule {
             eager: true,
+            stall_cut: false,
             limit: Some(LIMIT),
             held_limit: Some(LIMIT),
         };

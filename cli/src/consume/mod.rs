@@ -410,7 +410,9 @@ mod tests {
 
     #[test]
     fn a_stall_comes_after_its_batch_and_then_every_so_many() {
-        let at: Vec<u64> = (1..=40).filter(|&n| stalls_at(Some(5), Some(10), n)).collect();
+        let at: Vec<u64> = (1..=40)
+            .filter(|&n| stalls_at(Some(5), Some(10), n))
+            .collect();
         assert_eq!(at, [5, 15, 25, 35]);
         let once: Vec<u64> = (1..=40).filter(|&n| stalls_at(Some(5), None, n)).collect();
         assert_eq!(once, [5]);
@@ -438,4 +440,3 @@ mod tests {
         }
     }
 }
-

@@ -805,6 +805,8 @@ struct Schedule {
     plans: Vec<Plan>,
     bpe: u64,
     eager: bool,
+    /// The default pace's stall cut (with `eager` false: `auto`).
+    stall_cut: bool,
     limit: Option<u64>,
     /// When the broker restarts (once), if it does.
     restart_at: Option<u64>,
@@ -816,21 +818,24 @@ fn schedule() -> impl Strategy<Value = Schedule> {
         (2u32..7).prop_flat_map(|s| (Just(s), prop::collection::vec(plan(s), 1..5))),
         1u32..5,
         1u64..9,
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
         prop_oneof![Just(None), (50u64..3000).prop_map(Some)],
         prop_oneof![3 => Just(None), 1 => (100u64..4000).prop_map(Some)],
         prop::collection::vec(1u64..40, 100..400),
     )
         .prop_map(
-            |((slots, plans), group_slots, bpe, eager, limit, restart_at, steps)| Schedule {
-                slots,
-                group_slots,
-                plans,
-                bpe,
-                eager,
-                limit,
-                restart_at,
-                steps,
+            |((slots, plans), group_slots, bpe, (eager, stall_cut), limit, restart_at, steps)| {
+                Schedule {
+                    slots,
+                    group_slots,
+                    plans,
+                    bpe,
+                    eager,
+                    stall_cut,
+                    limit,
+                    restart_at,
+                    steps,
+                }
             },
         )
 }
@@ -871,6 +876,7 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         clock: HoldClock::default(),
         rule: Rule {
             eager: sc.eager,
+            stall_cut: sc.stall_cut,
             limit: sc.limit.map(Duration::from_millis),
             held_limit: sc.limit.map(Duration::from_millis),
         },
@@ -989,6 +995,7 @@ fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
         plans: vec![reader(Kind::Steady, 0, false), reader(joiner, 500, true)],
         bpe: 7,
         eager: false,
+        stall_cut: false,
         limit: Some(200),
         restart_at: None,
         steps: vec![10; 400],
