@@ -119,11 +119,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--batches", type=int, default=150)
     ap.add_argument("--stop-s", type=float, default=60)
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=SCENARIOS)
     args = ap.parse_args()
     root = photos()
-    results = {(s, p): [] for s in SCENARIOS for p, _ in POLICIES}
+    scenarios = args.scenarios
+    results = {(s, p): [] for s in scenarios for p, _ in POLICIES}
     for run in range(args.runs):
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             for name, keys in POLICIES:
                 r = one(root, scenario, keys, args.batches, args.stop_s)
                 results[(scenario, name)].append(r)
@@ -134,7 +136,7 @@ def main() -> None:
     print()
     print("| scenario | policy | trainers' wall s, summed (median) | against the best explicit | broker CPU s | samples replayed | all read, no error |")
     print("| --- | --- | ---: | ---: | ---: | ---: | :-: |")
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         best = min(med[(scenario, p)]["sum_s"] for p, _ in POLICIES[1:])
         for name, _ in POLICIES:
             m = med[(scenario, name)]
