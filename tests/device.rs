@@ -255,6 +255,12 @@ fn a_device_trainer_without_room_for_a_replay_arena_is_served_and_detached_at_th
         "--name",
         "steady",
     ]);
+    // The budget is sized for this order: the steady one's replay arena
+    // first (subscribed the other way round, the device trainer's would
+    // fit and the steady one's not).
+    env.wait_for("the steady reader to subscribe", |s| {
+        s.streams[0].consumers.iter().any(|c| c.name == "steady")
+    });
     let stopped = env.consumer(&[
         "--verify",
         "--window",
