@@ -1030,8 +1030,10 @@ fn the_demo_report_renders_in_a_real_browser_with_every_plot() {
     );
 }
 
-/// `batchcast doctor` against a running broker: trainers that take 40 ms
-/// a batch of 8 small images are what limits them, and it says so.
+/// `batchcast doctor` against a running broker: trainers that take 80 ms
+/// a batch of 8 small images are what limits them, and it says so (at
+/// 40 ms a CI machine busy with the rest of the suite decoded slower
+/// than that, 163 images/s, and it rightly said read-bound).
 #[test]
 fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
     let mut env = Env::new();
@@ -1044,7 +1046,7 @@ fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
     ));
     let mut slow = common::spawn_consumer(
         &env.path("b.sock"),
-        &["--stream", "photos", "--sleep-ms", "40"],
+        &["--stream", "photos", "--sleep-ms", "80"],
     );
     let t0 = std::time::Instant::now();
     while !env.stats().streams[0]
@@ -1069,7 +1071,7 @@ fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
         .arg(env.path("b.sock")));
     let found = json(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(found[0]["bound"], "trainer", "{found}");
-    // The model: one trainer whose 40 ms a batch of 8 caps it near 200
+    // The model: one trainer whose 80 ms a batch of 8 caps it near 100
     // images/s (over half a second, a batch more or less: its samples are
     // counted when sent, its busy time with each release), its process's
     // CPU and the pipeline threads' run-queue wait read from /proc; one
@@ -1078,7 +1080,7 @@ fn doctor_names_slow_trainers_as_the_bound_of_a_running_stream() {
     let i = &m["inputs"];
     assert_eq!(i["trainers"], 1, "{m}");
     let demand = i["demand"].as_f64().unwrap();
-    assert!((120.0..=300.0).contains(&demand), "{m}");
+    assert!((60.0..=150.0).contains(&demand), "{m}");
     assert!(
         i["trainers_cpu"].is_number() && i["core_wait"].is_number(),
         "{m}"
