@@ -63,3 +63,15 @@ def serve(folder: Path, toml: str, env: dict | None = None) -> tuple[subprocess.
         time.sleep(0.05)
     broker.kill()
     raise SystemExit(f"the broker made no socket in 30 s: {(folder / 'broker.log').read_text()[-2000:]}")
+
+
+def wait_stopped(pid: int, limit_s: float = 120) -> None:
+    """Returns once process `pid` is stopped (SIGSTOP: state T in
+    /proc/PID/stat); exits naming it after `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    raise SystemExit(f"process {pid} never stopped")

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import EXE, REPO, image_stream, print, serve
+from _common import EXE, REPO, image_stream, print, serve, wait_stopped
 
 POLICIES = [
     ("defaults", {}),
@@ -57,16 +57,6 @@ def photos() -> Path:
                         "--crops", "4"], check=True, stdout=subprocess.DEVNULL)
         (root / ".done").write_text("")
     return root
-
-
-def wait_stopped(pid: int, limit_s: float = 120) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.005)
-    raise SystemExit(f"trainer {pid} never stopped")
 
 
 def cpu_s(pid: int) -> float:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import EXE, print, serve
+from _common import EXE, print, serve, wait_stopped
 
 POLICIES = [
     ("defaults (hold_limit_s 2 s)", ""),
@@ -50,15 +50,6 @@ fields = [
   {{ name = "label", dtype = "i64", shape = [] }},
 ]
 """
-
-
-def wait_stopped(pid: int) -> None:
-    for _ in range(2000):
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.005)
-    raise SystemExit(f"consumer {pid} never stopped")
 
 
 def one(keys: str) -> dict:
