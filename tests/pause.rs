@@ -71,15 +71,6 @@ fn assert_whole(r: &ConsumerReport) {
     common::assert_every_epoch_whole(r, EPOCHS, PER_EPOCH);
 }
 
-/// `lockstep()` with the held-batch limit at the hold limit's 1 s (the
-/// key proved; its default is 30 s).
-fn held_batch_limit_1s() -> String {
-    lockstep().replace(
-        "hold_limit_s = 1.0",
-        "hold_limit_s = 1.0\nheld_batch_limit_s = 1.0",
-    )
-}
-
 /// A steady reader: 2 ms a batch, 200 batches (0.4 s alone).
 fn steady(env: &Env) -> std::process::Child {
     env.consumer(&["--verify", "--sleep-ms", "2", "--name", "steady"])
@@ -190,13 +181,22 @@ pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, devi
     );
 }
 
-/// One stopped while it keeps a batch (`--hold 1`: its program holds the
-/// last one, as a training step's does) pins the ring's slot itself; a
-/// cut cannot give that back, so it is detached at the hold limit with a
-/// reason that says what to do, and the others go on.
+/// Issue 72 at the defaults (no `hold_limit_s` in the config): a
+/// trainer stopped mid-step while its program keeps its batch (`--hold
+/// 1`, as a training step's does) holds the others at most the 2 s hold
+/// limit. A cut cannot give that batch back, so the ring moves on to
+/// another region of the arena without it (the stopped one reads it where
+/// it was); the stopped one is cut to replay and, continued, reads every
+/// sample once. Before, the others waited the held-batch limit (30 s),
+/// and then it was detached.
 #[test]
-fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why() {
-    let env = Env::start(&held_batch_limit_1s());
+fn at_the_defaults_a_trainer_stopped_holding_its_batch_holds_the_others_at_most_2_s_and_reads_on() {
+    let cfg = common::small_images(40, PER_EPOCH)
+        .epochs(EPOCHS)
+        .key("min_consumers", 2)
+        .to_toml();
+    assert!(!cfg.contains("limit") && !cfg.contains("pace"), "{cfg}");
+    let env = Env::start(&cfg);
     let steady = steady(&env);
     let stopped = env.consumer(&[
         "--verify",
@@ -207,54 +207,51 @@ fn a_trainer_stopped_holding_a_batch_is_detached_at_the_hold_limit_and_told_why(
         "--name",
         "stopped",
     ]);
-    let (steady, stopped, finished) = steady_then_continue(steady, stopped);
+    let stop = Duration::from_secs(10);
+    let (steady, stopped, finished) = steady_then_continue_after(steady, stopped, stop);
     assert_whole(&steady);
+    // Alone 0.4 s; the bound 2 s; slack for a loaded machine. Held all
+    // along: the stop's 10 s.
+    eprintln!("steady finished {finished:?} after the stop");
     assert!(
-        finished < Duration::from_secs(4),
+        finished < Duration::from_secs(6),
         "steady finished {finished:?} after the stop"
     );
-    assert_eq!(
-        stopped.error_code.as_deref(),
-        Some("HoldLimit"),
-        "{stopped:#?}"
-    );
-    let why = stopped.error.clone().unwrap_or_default();
-    assert!(
-        why.contains("held_batch_limit_s of 1")
-            && why.contains("release batches before a long pause"),
-        "{why}"
-    );
-    assert_eq!(stopped.verify_failures, 0, "{stopped:#?}");
-    assert_eq!(env.stats().streams[0].detached, 1);
+    assert_whole(&stopped);
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
+    let s = env.gone(&["stopped"]);
+    let st = &s.streams[0];
+    assert!(st.ring_moves >= 1, "{st:#?}");
+    assert_eq!(st.detached, 0);
+    assert_eq!(st.held_behind, 0, "what it held was released");
+    assert!(env.log().contains("the ring moved on"), "{}", env.log());
 }
 
 /// The lockstep twin of decoupled pace's hoarder: a client speaking the
 /// protocol by hand takes every batch noticed to it (its mailbox's `tail`
 /// says so, truly or not) and gives none back. It claims the ring's next
-/// unit itself, so a cut cannot free it: it is detached at the hold limit
-/// and told why, and the steady reader finishes.
+/// unit itself, so a cut cannot free it: the ring moves on without what
+/// it holds, and the steady reader finishes; the hoarder's batches stay
+/// where the ring left them, counted in stats.
 #[test]
-fn a_raw_client_that_takes_every_notice_and_never_releases_is_detached_under_lockstep() {
-    let env = Env::start(&held_batch_limit_1s());
+fn a_raw_client_that_takes_every_notice_and_never_releases_holds_no_one_under_lockstep() {
+    let env = Env::start(&lockstep());
     let steady = steady(&env);
-    let hoard = common::hoarder(&env.socket());
+    let hoard = common::hoarder(&env.socket(), Duration::from_secs(8));
     let t0 = Instant::now();
     let steady = report(steady);
     let finished = t0.elapsed();
     assert_whole(&steady);
-    // Alone 0.4 s; held, the hoarder's 20 s.
+    // Alone 0.4 s; held, the hoarder's 8 s.
     assert!(
-        finished < Duration::from_secs(8),
+        finished < Duration::from_secs(6),
         "steady finished {finished:?} after the hoarder subscribed"
     );
-    let (taken, msg) = hoard.join().unwrap();
+    let s = env.stats();
+    assert!(s.streams[0].ring_moves >= 1, "{:#?}", s.streams[0]);
+    assert!(s.streams[0].held_behind >= 1, "{:#?}", s.streams[0]);
+    let (taken, _) = hoard.join().unwrap();
     assert!(taken > 0);
-    common::expect_error(
-        msg,
-        batchcast::proto::ErrorCode::HoldLimit,
-        "held_batch_limit_s of 1",
-    );
-    assert_eq!(env.stats().streams[0].detached, 1);
 }
 
 /// `hold_limit_s = inf` lifts the bound: the stopped trainer holds the

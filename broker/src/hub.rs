@@ -242,8 +242,12 @@ impl Consumer {
         self.held.contains(&seq)
     }
 
+    /// The batches it was sent and has not released.
+    pub(crate) fn held(&self) -> &[u64] {
+        &self.held
+    }
+
     /// Whether it is cut from the shared stream.
-    #[cfg(test)]
     pub(crate) fn is_cut(&self) -> bool {
         self.life == Life::Cut
     }

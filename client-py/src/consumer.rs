@@ -17,7 +17,6 @@ use crate::batch::Batch;
 impl Consumer {
     /// The Python side of a subscription just made.
     fn connected(consumer: batchcast::Consumer) -> Consumer {
-        let (base, len) = consumer.arena();
         Consumer {
             schema: Arc::new(consumer.schema().clone()),
             window: consumer.welcome().window,
@@ -25,7 +24,6 @@ impl Consumer {
             batches_per_epoch: consumer.batches_per_epoch(),
             start_epoch: consumer.welcome().start_epoch,
             owner_uid: consumer.welcome().owner_uid,
-            arena: (base as usize, len),
             device: dl_device(consumer.device()),
             inner: Mutex::new(consumer),
         }
@@ -43,7 +41,6 @@ pub(crate) struct Consumer {
     pub(crate) batches_per_epoch: u64,
     pub(crate) start_epoch: u64,
     pub(crate) owner_uid: u32,
-    pub(crate) arena: (usize, usize),
     /// DLPack `(device_type, device_id)` of delivered batches.
     pub(crate) device: (i32, i32),
 }
@@ -255,10 +252,12 @@ impl Consumer {
         lock(&self.inner).reconnects()
     }
 
-    /// `(address, length)` of the shared arena in this process.
+    /// `(address, length)` of the shared arena in this process: where
+    /// the host batches handed out from now on lie.
     #[getter]
     fn arena(&self) -> (usize, usize) {
-        self.arena
+        let (base, len) = lock(&self.inner).arena();
+        (base as usize, len)
     }
 
     /// DLPack `(device_type, device_id)` batches are delivered on:

@@ -26,8 +26,9 @@ use crate::transport::send_msg;
 pub(crate) struct Shared {
     /// Write half, used by `release` from any thread.
     pub(crate) writer: Mutex<UnixStream>,
-    /// Every ring of the host arena, mirrored ([`Mapping::rings`]).
-    pub(crate) map: Mapping,
+    /// The host arena: its fd and, mapped, the region the shared stream's
+    /// batches are in now ([`proto::ServerMsg::Arena`] moves it).
+    pub(crate) host: HostArena,
     /// This consumer's batches over the stream's units.
     pub(crate) batching: Mutex<Batching>,
     pub(crate) welcome: Welcome,
@@ -98,6 +99,64 @@ impl Clone for TakenTally {
             samples: AtomicU64::new(t.samples),
             epoch: AtomicU64::new(t.epoch),
         }
+    }
+}
+
+/// The host arena: its fd, and every ring of the region the shared
+/// stream's batches are in now, mirrored ([`Mapping::rings`]). A batch
+/// keeps the region it was read from mapped ([`Batch::map`]), so moving
+/// on never unmaps memory a batch still reads.
+#[derive(Debug)]
+pub(crate) struct HostArena {
+    fd: OwnedFd,
+    /// The arena's regions (the fd's size over one region's).
+    regions: u32,
+    now: Mutex<(u32, Arc<Mapping>)>,
+}
+
+impl HostArena {
+    /// Maps region `region` of the arena `fd`, of `regions`, laid out as
+    /// `rings`.
+    pub(crate) fn open(
+        fd: OwnedFd,
+        rings: &RingLayout,
+        (region, regions): (u32, u32),
+    ) -> Result<HostArena> {
+        let map = Self::map(&fd, rings, (region, regions))?;
+        Ok(HostArena {
+            fd,
+            regions,
+            now: Mutex::new((region, Arc::new(map))),
+        })
+    }
+
+    fn map(fd: &OwnedFd, rings: &RingLayout, (region, regions): (u32, u32)) -> Result<Mapping> {
+        if region >= regions {
+            return Err(Error::Shm(format!(
+                "the broker named region {region} of a host arena of {regions}"
+            )));
+        }
+        Mapping::rings(
+            std::os::fd::AsFd::as_fd(fd),
+            &RingView::of_region(rings, region),
+            false,
+        )
+    }
+
+    /// The region batches are read from now, mapped.
+    pub(crate) fn current(&self) -> Arc<Mapping> {
+        self.now.lock().unwrap_or_else(|p| p.into_inner()).1.clone()
+    }
+
+    /// Batches handed out from now on are read in region `region`
+    /// ([`proto::ServerMsg::Arena`]); those handed out before keep theirs.
+    pub(crate) fn move_to(&self, rings: &RingLayout, region: u32) -> Result<()> {
+        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        if now.0 != region {
+            let map = Self::map(&self.fd, rings, (region, self.regions))?;
+            *now = (region, Arc::new(map));
+        }
+        Ok(())
     }
 }
 
@@ -269,6 +328,9 @@ element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, u64
 #[derive(Debug)]
 pub struct Batch {
     pub(crate) shared: Arc<Shared>,
+    /// The host arena's region it was handed out from (mapped until the
+    /// last batch read there is dropped).
+    pub(crate) map: Arc<Mapping>,
     pub(crate) run: Run,
     /// The slot of its unit: a device batch's slot in its GPU's arena.
     pub(crate) slot: u32,
@@ -434,7 +496,7 @@ impl Batch {
         let w = &self.shared.welcome;
         let (rings, map) = match (&self.shared.replay, self.replayed) {
             (Some(r), true) => (&r.rings, &r.map),
-            _ => (&w.rings, &self.shared.map),
+            _ => (&w.rings, &*self.map),
         };
         let bytes = rings
             .span(i, self.run.position, self.run.samples)

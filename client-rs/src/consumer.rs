@@ -33,7 +33,7 @@ pub use state::{ConsumerState, GroupPlace};
 /// before calling it [`Error::WindowFull`].
 const WINDOW_FULL_GRACE_MS: u16 = 50;
 
-use crate::batch::{Batch, Batching, ReplayArena, Shared, TakenTally};
+use crate::batch::{Batch, Batching, HostArena, ReplayArena, Shared, TakenTally};
 use crate::batcher::{Batcher, Run};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -42,7 +42,6 @@ use crate::proto::{
     ClientMsg, ConsumeRequest, EpochEnd, Hello, Intent, Position, ServerMsg, Welcome,
 };
 use crate::schema::Schema;
-use crate::shm::{Mapping, RingView};
 use crate::transport::{connect_retrying, expect_reply, handshake};
 
 /// What the broker says next.
@@ -56,8 +55,10 @@ pub enum Event {
 /// What the consumer hands out next, in order.
 #[derive(Debug)]
 enum Next {
-    /// A batch: its run, when its last unit was sent, its unit's slot.
-    Run(Run, u64, u32),
+    /// A batch: its run, when its last unit was sent, its unit's slot,
+    /// and the host arena's region it is read in (the ring's when the run
+    /// was made: its units are there until released, whatever moves).
+    Run(Run, u64, u32, Arc<crate::shm::Mapping>),
     /// A replayed batch (in the replay arena; `first_seq` is its seq).
     Replayed(Run),
     EndOfEpoch(EpochEnd),
@@ -170,9 +171,12 @@ impl Consumer {
     }
 
     /// Address and length of the stream's rings as mapped in this process:
-    /// every host batch's views lie inside.
+    /// the views of every host batch handed out from now on lie inside
+    /// (until the broker moves the ring to another region of the arena,
+    /// [`proto::ServerMsg::Arena`]).
     pub fn arena(&self) -> (*const u8, usize) {
-        (self.shared.map.as_ptr(), self.shared.map.len())
+        let map = self.shared.host.current();
+        (map.as_ptr(), map.len())
     }
 
     /// Address and length of this consumer's replay arena, while it has
@@ -387,7 +391,7 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
         other => Err(other),
     })?;
     let Arenas {
-        map,
+        host,
         mailbox,
         replay: replay_arena,
         device_fds,
@@ -420,7 +424,7 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
     Ok(Consumer {
         shared: Arc::new(Shared {
             writer: Mutex::new(stream),
-            map,
+            host,
             batching: Mutex::new(Batching {
                 batcher,
                 totals: Totals::default(),
@@ -458,7 +462,7 @@ fn subscribe(stream: UnixStream, opts: &ConsumerOptions, taken: &TakenTally) -> 
 
 /// What a welcome's fds hold, mapped.
 struct Arenas {
-    map: Mapping,
+    host: HostArena,
     mailbox: Option<ConsumerMailbox>,
     replay: Option<ReplayArena>,
     /// The stand-in's device arenas (shared, then replay), for the device
@@ -503,14 +507,9 @@ fn open_arenas(welcome: &Welcome, fds: Vec<OwnedFd>) -> Result<Arenas> {
             welcome.batch_size
         )));
     }
-    let map = Mapping::rings(
-        std::os::fd::AsFd::as_fd(&fd),
-        &RingView::of(&welcome.rings),
-        false,
-    )?;
-    // The mappings keep the memory alive.
+    let host = HostArena::open(fd, &welcome.rings, (welcome.region, welcome.regions))?;
     Ok(Arenas {
-        map,
+        host,
         mailbox,
         replay,
         device_fds: fds.collect(),

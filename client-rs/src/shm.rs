@@ -61,11 +61,18 @@ pub struct RingView {
 impl RingView {
     /// The views of every ring of `layout`, in order.
     pub fn of(layout: &crate::schema::RingLayout) -> Vec<RingView> {
+        RingView::of_region(layout, 0)
+    }
+
+    /// The views of every ring of `layout` in region `region` of the
+    /// arena ([`RingLayout::region_bytes`](crate::schema::RingLayout::region_bytes)).
+    pub fn of_region(layout: &crate::schema::RingLayout, region: u32) -> Vec<RingView> {
+        let base = u64::from(region) * layout.region_bytes();
         layout
             .fields
             .iter()
             .map(|r| RingView {
-                offset: r.offset,
+                offset: base + r.offset,
                 len: r.ring_bytes,
                 mirrored: r.mirrored,
             })

@@ -49,6 +49,7 @@ const KIND_REPLAY: u64 = 4;
 const KIND_CUT: u64 = 5;
 const KIND_MERGE: u64 = 6;
 const KIND_ROTATE: u64 = 7;
+const KIND_ARENA: u64 = 8;
 
 /// `cut` while the broker takes notices back.
 pub const CUT_UNDER_WAY: u64 = 1;
@@ -234,6 +235,8 @@ pub enum Notice {
     Merge(Position),
     /// See [`crate::proto::ServerMsg::Rotate`].
     Rotate(Position),
+    /// See [`crate::proto::ServerMsg::Arena`].
+    Arena(u32),
 }
 
 /// A notice record's words after its stamp: the kind, then its own.
@@ -274,6 +277,7 @@ impl Notice {
             Notice::Cut(p) => [KIND_CUT, p.epoch, p.sample, 0, 0, 0, 0],
             Notice::Merge(p) => [KIND_MERGE, p.epoch, p.sample, 0, 0, 0, 0],
             Notice::Rotate(p) => [KIND_ROTATE, p.epoch, p.sample, 0, 0, 0, 0],
+            Notice::Arena(g) => [KIND_ARENA, g as u64, 0, 0, 0, 0, 0],
         }
     }
 
@@ -312,6 +316,11 @@ impl Notice {
             KIND_CUT => Notice::Cut(at(v[1], v[2])),
             KIND_MERGE => Notice::Merge(at(v[1], v[2])),
             KIND_ROTATE => Notice::Rotate(at(v[1], v[2])),
+            KIND_ARENA => {
+                Notice::Arena(u32::try_from(v[1]).map_err(|_| {
+                    WireError::Unexpected(format!("mailbox: arena region {}", v[1]))
+                })?)
+            }
             k => {
                 return Err(WireError::Unexpected(format!(
                     "mailbox: notice of unknown kind {k}"
@@ -329,7 +338,8 @@ impl Notice {
             | Notice::EndOfStream
             | Notice::Cut(_)
             | Notice::Merge(_)
-            | Notice::Rotate(_) => None,
+            | Notice::Rotate(_)
+            | Notice::Arena(_) => None,
         }
     }
 }
@@ -369,6 +379,7 @@ mod tests {
             Notice::Cut(p),
             Notice::Merge(p),
             Notice::Rotate(p),
+            Notice::Arena(3),
         ] {
             assert_eq!(Notice::from_words(n.to_words()).unwrap(), n);
             assert_eq!(

@@ -52,7 +52,7 @@ pub use stats::*;
 /// Version of this protocol. Bump on any incompatible change to a message;
 /// a new protocol comes with a new minor (0.x) or major release, never a
 /// patch release, so a release's (major, minor) names its protocol.
-pub const PROTOCOL_VERSION: u16 = 26;
+pub const PROTOCOL_VERSION: u16 = 27;
 /// First four bytes either side sends.
 pub const MAGIC: [u8; 4] = *b"BCST";
 /// Largest payload either side accepts. Control messages are tiny; the
@@ -412,6 +412,14 @@ pub enum ServerMsg {
     /// come replayed after its end ([`crate::rotation`]): a `Cut` at the
     /// epoch's start follows the shared stream's `EndOfEpoch`.
     Rotate(Position),
+    /// The shared stream's batches from here on are in region `g` of the
+    /// host arena (protocol 27): its rings at `g ×`
+    /// [`RingLayout::region_bytes`](crate::schema::RingLayout::region_bytes)
+    /// into the arena's fd. Batches received before it stay where they
+    /// were read (the broker keeps them there until released): a batch a
+    /// stopped consumer held past the hold limit was left in the old
+    /// region while the ring went on in a new one.
+    Arena(u32),
 }
 
 /// A batch recomputed for one consumer ([`JoinPolicy::Now`],
@@ -508,6 +516,11 @@ pub struct Welcome {
     /// What the stream's data is made from, digested (protocol 15): a
     /// consumer's state carries it, and a resume names it in `expect`.
     pub digest: StreamDigest,
+    /// The host arena's region the shared stream's batches are in now,
+    /// and how many regions its fd holds (protocol 27; see
+    /// [`ServerMsg::Arena`]).
+    pub region: u32,
+    pub regions: u32,
 }
 
 /// The rings of a consumer's [mailbox](crate::mailbox), in records.

@@ -334,6 +334,14 @@ impl RingLayout {
         })
     }
 
+    /// Bytes of one region of the host arena: the arena's fd holds the
+    /// rings once per region, region `r` at `r × region_bytes` (a batch a
+    /// stopped consumer held past the hold limit is left in its region
+    /// while the ring goes on in another). Whole pages.
+    pub fn region_bytes(&self) -> u64 {
+        self.arena_bytes
+    }
+
     /// Checks that the layout describes `schema` and stays inside its
     /// arena, so that views built from it stay inside their rings.
     pub fn validate(&self, schema: &Schema) -> Result<()> {

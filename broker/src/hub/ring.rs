@@ -241,6 +241,29 @@ impl Ring {
         found
     }
 
+    /// Every batch whose cells hold what the pipeline wrote (published, or
+    /// filled and waiting for an earlier one to be published): seq and
+    /// samples, in sequence order.
+    pub(crate) fn written(&self) -> Vec<(u64, u64)> {
+        let mut all: Vec<(u64, u64)> = self
+            .published
+            .iter()
+            .map(|(&seq, b)| (seq, b.samples))
+            .chain(
+                self.inflight
+                    .iter()
+                    .filter_map(|(&seq, b)| b.samples.map(|n| (seq, n))),
+            )
+            .collect();
+        all.sort_unstable();
+        all
+    }
+
+    /// The oldest batch still in a host slot (pinned by someone).
+    pub(crate) fn oldest_published(&self) -> Option<u64> {
+        self.published.keys().next().copied()
+    }
+
     /// The batch in the ring's next slot, which the pipeline waits for
     /// (`None` if the slot is free or being filled).
     pub(super) fn pinned(&self) -> Option<u64> {

@@ -52,6 +52,8 @@ pub(super) async fn serve_consumer(
         owner_uid: stream.owner_uid,
         replay: sub.replay.as_ref().map(|(g, _)| g.clone()),
         digest: stream.plan.digest,
+        region: sub.region.0,
+        regions: sub.region.1,
     }));
     let bytes = proto::encode(&welcome).map_err(|e| Reject(ErrorCode::Internal, e.to_string()))?;
     let more: Vec<_> = sub

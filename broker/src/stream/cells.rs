@@ -37,6 +37,35 @@ pub(super) fn of_work<'a>(
         .collect()
 }
 
+/// Copies the cells of the batches `units` (seq, samples) from region
+/// `from` of the host arena to region `to`, field by field.
+pub(super) fn copy_units(
+    rings: &[Mapping],
+    plan: &RingLayout,
+    (from, to): (u32, u32),
+    units: &[(u64, u64)],
+) {
+    let (src, dst) = (&rings[from as usize], &rings[to as usize]);
+    for &(seq, samples) in units {
+        for f in 0..plan.fields.len() {
+            let (start, len) = plan
+                .span(f, seq * plan.unit, samples)
+                .expect("a batch's cells are contiguous in every ring");
+            let bytes = src
+                .get(start, len)
+                .expect("a batch's cells lie in its region");
+            // SAFETY: nobody reads or writes batch `seq`'s cells in region
+            // `to` (`regions`' rules): either `to` holds nothing anyone
+            // reads and no pipeline thread writes there (the region the
+            // ring moves to), or the batch is still being filled by the
+            // thread calling this, which alone claims its cells in every
+            // region (a batch filled where the ring was). `src` and `dst`
+            // are different regions of the arena, so the spans are apart.
+            unsafe { dst.slice_mut(start, len) }.copy_from_slice(bytes);
+        }
+    }
+}
+
 /// One view per field of the replayed batch `job`.
 #[allow(clippy::mut_from_ref)] // the claim, not the borrow, makes them exclusive
 pub(super) fn of_replay(job: &ReplayJob) -> Vec<&mut [u8]> {

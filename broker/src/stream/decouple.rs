@@ -60,6 +60,7 @@ use batchcast::rotation::Rotation;
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
 use super::hold::{Facts, Rule, Verdict};
+use super::regions;
 use super::replay::book::ArenaLife;
 use super::rotate::{self, merge_from};
 use super::{Conns, Inner, Stream};
@@ -87,11 +88,18 @@ fn cuttable(hub: &Hub, id: ConsumerId, c: &mut Conn, stalled: Option<u64>) -> bo
         return false;
     };
     !stalled.is_some_and(|seq| took(hub, id, c, seq))
+        && may_cut(hub, id, c)
+        && (queued > 0 || unread(c) > 0)
+}
+
+/// Whether consumer `id` could go on from replay: reading the shared
+/// stream, not leaving, its replay arena kept for cuts and idle.
+fn may_cut(hub: &Hub, id: ConsumerId, c: &Conn) -> bool {
+    hub.view().reader(id).and_then(|c| c.reading()).is_some()
         && c.ending.is_none()
         && c.replay.as_ref().is_some_and(|r| {
             r.life == ArenaLife::WhileConnected && !r.running() && !r.open() && r.settled()
         })
-        && (queued > 0 || unread(c) > 0)
 }
 
 /// The runtime's answers to the hold rule's questions, from the
@@ -134,11 +142,17 @@ impl Facts for ConnFacts<'_> {
 /// ([`super::hold::HoldClock::judge`]), and cuts or detaches whom it
 /// names. Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
+    // Where the ring can move away from a held batch, one holding it is
+    // dealt with at the hold limit like the others.
+    let movable = inner.regions.movable();
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
         stall_cut: s.plan.pace == PaceRule::Auto,
         limit: s.plan.hold_limit,
-        held_limit: s.plan.held_batch_limit,
+        held_limit: match movable {
+            true => s.plan.hold_limit,
+            false => s.plan.held_batch_limit,
+        },
     };
     if !rule.eager && rule.limit.is_none() {
         return false;
@@ -157,14 +171,29 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     else {
         return false;
     };
+    let mut movers = Vec::new();
     for &id in &detach {
         let Inner { hub, conns, .. } = &mut *inner;
-        let took_it = seq.is_some_and(|q| conns.get_mut(&id).is_some_and(|c| took(hub, id, c, q)));
-        detach_holder(s, inner, id, (held, took_it));
+        let Some(c) = conns.get_mut(&id) else {
+            continue;
+        };
+        let took_it = seq.is_some_and(|q| took(hub, id, c, q));
+        // Cut already (decoupled pace cuts at once; what it took stays
+        // held), or it may be.
+        let cut_already = hub.view().reader(id).is_some_and(|r| r.is_cut());
+        if took_it && movable && (cut_already || may_cut(hub, id, c)) {
+            movers.push(id);
+        } else {
+            detach_holder(s, inner, id, (held, took_it));
+        }
     }
-    // Detaching freed the slot of whoever could not be cut; cutting the
-    // others frees it of them.
+    // Detaching freed the slot of whoever could not be cut; moving the
+    // ring away from what the others hold, and cutting them, frees it of
+    // them.
     let mut any = !detach.is_empty();
+    if !movers.is_empty() {
+        move_ring(s, inner, movers, (held, now));
+    }
     for id in can {
         any |= cut(s, inner, id, now);
     }
@@ -208,6 +237,48 @@ fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, (held, took_it):
             held_s = held.as_secs_f64(),
             "detached a consumer that kept the pipeline waiting past the hold limit"
         );
+    }
+}
+
+/// Cuts the consumers `ids`, which kept the batch the ring needs next
+/// past the hold limit (each took it: a stopped program holding it), and
+/// moves the ring away from what they hold ([`regions::move_from`]); one
+/// the ring cannot leave (no region free, the budget) is detached, told
+/// why.
+fn move_ring(
+    s: &Stream,
+    inner: &mut Inner,
+    ids: Vec<ConsumerId>,
+    (held, now): (Duration, Instant),
+) {
+    let cut_ones: Vec<ConsumerId> = ids
+        .into_iter()
+        .filter(|&id| {
+            let cut_already = inner.hub.view().reader(id).is_some_and(|r| r.is_cut());
+            cut_already || cut(s, inner, id, now)
+        })
+        .collect();
+    if cut_ones.is_empty() {
+        return;
+    }
+    match regions::move_from(s, inner, &cut_ones) {
+        Ok(to) => tracing::warn!(
+            stream = %s.name(),
+            consumers = ?cut_ones,
+            held_s = held.as_secs_f64(),
+            region = to,
+            "consumers kept the batch the pipeline needed next past the hold limit: the ring moved on without it (they read it where it was, and go on from replay)"
+        ),
+        Err(why) => {
+            for id in cut_ones {
+                let reason = format!(
+                    "detached: this consumer kept the batch the stream's pipeline needed next for {:.1} s while other consumers waited for data, past the stream's hold_limit_s of {}, and the ring could not move on without it: {why}; release batches before a long pause (drop or `del` them), or resume from its state (state_dict())",
+                    held.as_secs_f64(),
+                    s.plan.hold_limit.unwrap_or_default().as_secs_f64(),
+                );
+                inner.hub.detach(id, reason);
+            }
+        }
     }
 }
 

@@ -14,6 +14,7 @@ use super::cells;
 use super::decouple;
 use super::deliver::settle;
 use super::error::MakeError;
+use super::regions;
 use super::replay::{self, book::ReplayJob};
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
@@ -204,8 +205,8 @@ impl<'a> Worker<'a> {
                 Some(j) => j,
                 None => return,
             };
-            let work = match job {
-                Job::Shared(work) => work,
+            let (work, region) = match job {
+                Job::Shared(work, region) => (work, region),
                 Job::Replay(job) => {
                     self.replayed_last = true;
                     self.replay(job);
@@ -216,11 +217,12 @@ impl<'a> Worker<'a> {
             let t0 = Instant::now();
             let order = self.orders.get(work.epoch, |e| s.plan.epoch_order(e));
             self.read_ahead(&work, &order);
-            let filled = self.fill(&work, &order);
+            let filled = self.fill(&work, &order, region);
             let fill_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
             let spent = self.cpu.spent(false);
             match filled {
                 Ok(samples) => s.with_hub(|inner| {
+                    regions::filled(s, inner, region, (work.seq, samples));
                     inner.fill.fill_ns = fill_ns;
                     inner.fill.cpu += spent;
                     inner.hub.finish_batch(work.seq, samples);
@@ -383,7 +385,8 @@ impl<'a> Worker<'a> {
             inner.fill.blocked += t.elapsed();
         }
         inner.pace.begun(work.seq, s.plan.slots, Instant::now());
-        Some(Job::Shared(work))
+        let region = inner.regions.begin();
+        Some(Job::Shared(work, region))
     }
 
     /// Idle: nothing to do until a hub change notifies it. A consumer being
@@ -396,13 +399,19 @@ impl<'a> Worker<'a> {
         idle(self.s, inner, armed, IDLE_WAIT)
     }
 
-    /// Writes every sample of `work` straight into its place in the slot.
-    fn fill(&mut self, work: &Work, order: &[u64]) -> Result<u64, PipelineError> {
+    /// Writes every sample of `work` straight into its place in the slot,
+    /// in region `region` of the host arena.
+    fn fill(&mut self, work: &Work, order: &[u64], region: u32) -> Result<u64, PipelineError> {
         let s = self.s;
         let batch_size = s.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
         let indices = &order[first..(first + batch_size).min(order.len())];
-        let mut fields = cells::of_work(&s.rings, &s.plan.rings, work, indices.len() as u64);
+        let mut fields = cells::of_work(
+            &s.rings[region as usize],
+            &s.plan.rings,
+            work,
+            indices.len() as u64,
+        );
         let first = Place {
             at: work.epoch * order.len() as u64 + first as u64,
             replay: false,
@@ -459,7 +468,8 @@ fn idle<'a>(
 
 /// What a pipeline thread does next.
 enum Job {
-    Shared(Work),
+    /// A batch of the shared stream, written in this region of the arena.
+    Shared(Work, u32),
     Replay(ReplayJob),
 }
 

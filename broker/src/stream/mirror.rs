@@ -169,7 +169,13 @@ pub(super) fn open(
     peer: &Peer,
 ) -> Result<(Arc<Mirror>, Option<Grant>), SubscribeError> {
     let key = key_of(req, peer.uid);
-    let grant = match s.lock().mirrors.by_gpu.contains_key(&key) {
+    // The copier reads the host arena where the ring is now: it stays
+    // there from now on (`regions`).
+    let (exists, region) = {
+        let mut inner = s.lock();
+        (inner.mirrors.by_gpu.contains_key(&key), inner.regions.pin())
+    };
+    let grant = match exists {
         true => None,
         false => Some(s.budget.take(
             peer.uid,
@@ -186,8 +192,12 @@ pub(super) fn open(
     let spec = MirrorSpec {
         key,
         sink: Arc::downgrade(s) as std::sync::Weak<dyn CopySink>,
-        host: s.arena.mapping().as_ptr(),
-        host_len: s.arena.mapping().len(),
+        host: s
+            .arena
+            .mapping()
+            .as_ptr()
+            .wrapping_add(region as usize * s.arena.region_len() as usize),
+        host_len: s.arena.region_len() as usize,
         slots: s.plan.gpu_slots,
         schema: &s.plan.schema,
         stream: s.name(),

@@ -63,6 +63,7 @@ mod hold;
 mod mirror;
 mod outbox;
 mod port;
+mod regions;
 mod replay;
 mod rotate;
 mod seats;
@@ -110,6 +111,8 @@ struct Inner {
     mirrors: mirror::Mirrors,
     /// The hold clock: when units were begun and made, what is pinned.
     pace: hold::HoldClock,
+    /// Where the ring is in the host arena, and what it left behind.
+    regions: regions::Regions,
     /// Replayed batches being made, and their CPU.
     replay: replay::Load,
     /// What the hub emitted and mailboxes released, on their way.
@@ -132,10 +135,10 @@ pub struct Stream {
     gpus: Gpus,
     pub plan: StreamPlan,
     pub arena: Arena,
-    /// The arena's rings, mirrored and writable: where the pipeline
-    /// writes each batch's fields (the GPU copier reads `arena`'s plain
-    /// mapping, which is page-locked).
-    rings: Mapping,
+    /// The arena's rings, mirrored and writable, once per region: where
+    /// the pipeline writes each batch's fields (the GPU copier reads
+    /// `arena`'s plain mapping, which is page-locked).
+    rings: regions::RegionMaps,
     /// What fills the slots (`None`: an external producer does).
     writer: Option<SlotWriter>,
     inner: Mutex<Inner>,
@@ -167,7 +170,7 @@ pub enum StartError {
 
 impl Inner {
     /// A stream's state before anything happened: its hub, no consumers.
-    fn new(plan: &StreamPlan, workers: u32) -> Inner {
+    fn new(plan: &StreamPlan, workers: u32, regions: u32) -> Inner {
         let hub = Hub::new(HubConfig {
             slots: plan.slots,
             batches_per_epoch: plan.schema.batches_per_epoch,
@@ -182,6 +185,7 @@ impl Inner {
             fill: fill::Filling::new(workers),
             mirrors: mirror::Mirrors::default(),
             pace: hold::HoldClock::default(),
+            regions: regions::Regions::new(regions),
             replay: replay::Load::default(),
             deliver: deliver::Dispatch::default(),
         }
@@ -221,16 +225,31 @@ impl Stream {
         if let Some(p) = plan.source.images() {
             say_decoded_cost(&plan.name, p);
         }
-        let arena = Arena::create(&plan.name, plan.arena_bytes(), Fault::Lazily)?;
+        // The ring may move between regions only where the broker writes.
+        let count = match plan.source.broker_writes() {
+            true => regions::REGIONS,
+            false => 1,
+        };
+        let arena = Arena::create_regions(&plan.name, plan.arena_bytes(), count, Fault::Lazily)?;
         let fault = ring_fault(&*plan.source);
-        let rings = Mapping::rings_faulted(arena.fd(), &RingView::of(&plan.rings), true, fault)?;
+        let rings = (0..count)
+            .map(|r| {
+                let fault = if r == 0 { fault } else { Fault::Lazily };
+                Mapping::rings_faulted(
+                    arena.fd(),
+                    &RingView::of_region(&plan.rings, r),
+                    true,
+                    fault,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         if plan.source.broker_writes() {
             arena.seal_writes()?;
         }
         let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
         let stream = Arc::new(Stream {
             gpus: Gpus::default(),
-            inner: Mutex::new(Inner::new(&plan, workers)),
+            inner: Mutex::new(Inner::new(&plan, workers, count)),
             plan,
             arena,
             rings,

@@ -114,6 +114,7 @@ fn notice(msg: &ServerMsg) -> Option<Notice> {
         ServerMsg::Cut(p) => Some(Notice::Cut(*p)),
         ServerMsg::Merge(p) => Some(Notice::Merge(*p)),
         ServerMsg::Rotate(p) => Some(Notice::Rotate(*p)),
+        ServerMsg::Arena(r) => Some(Notice::Arena(*r)),
         _ => None,
     }
 }

@@ -33,6 +33,8 @@ impl Stream {
             deliveries: c.deliveries,
             departed: c.departed,
             detached: c.detached,
+            ring_moves: inner.regions.moves,
+            held_behind: inner.regions.held_left() as u64,
             producer_blocked_s: inner.fill.blocked().as_secs_f64(),
             pipeline_cpu_s: inner.fill.cpu().as_secs_f64(),
             replay_cpu_s: inner.replay.cpu().as_secs_f64(),

@@ -44,6 +44,10 @@ pub struct Subscription {
     /// A device consumer's own arena on its GPU for replayed batches (its
     /// fd, the stand-in's, follows the device arena's).
     pub device_replay: Option<Arc<ReplayTarget>>,
+    /// The host arena's region the ring is in as it joins, and how many
+    /// the arena has (`Welcome::region`; a move after it is sent as
+    /// `ServerMsg::Arena`, after the welcome).
+    pub region: (u32, u32),
 }
 
 /// A subscriber's replay arena, where it may need one.
@@ -148,6 +152,7 @@ impl Stream {
                 mailbox: grant,
                 replay: started.grant,
                 device_replay: replay_target,
+                region: (inner.regions.now(), inner.regions.count()),
             })
         })
     }

@@ -189,7 +189,8 @@ fn verify_host(s: &Stream, b: &BatchReady) {
     let rings = &s.plan.rings;
     let fields = (0..rings.fields.len()).map(|f| {
         let (start, len) = rings.span(f, b.seq * rings.unit, b.samples).unwrap();
-        s.rings.get(start, len).unwrap()
+        let region = s.lock().regions.now() as usize;
+        s.rings[region].get(start, len).unwrap()
     });
     verify_fields(s, b, fields);
 }
@@ -230,7 +231,9 @@ fn drain_as_mailbox_consumer(s: &Stream, mb: &ConsumerMailbox) -> Vec<u64> {
             Some(Notice::EndOfEpoch(_)) => {}
             Some(Notice::EndOfStream) => return seen,
             Some(Notice::Replay(r)) => panic!("replayed batch {r:?} without asking for replay"),
-            Some(n @ (Notice::Cut(_) | Notice::Merge(_) | Notice::Rotate(_))) => {
+            Some(
+                n @ (Notice::Cut(_) | Notice::Merge(_) | Notice::Rotate(_) | Notice::Arena(_)),
+            ) => {
                 panic!("{n:?} in a lockstep stream")
             }
             None => mb.sleep_unless(Duration::from_millis(5), || false),

@@ -52,6 +52,15 @@ pub(super) struct Checker<'a> {
 }
 
 impl<'a> Checker<'a> {
+    /// The host arena's region the consumer's next batches lie in (the
+    /// broker moves the ring on when a stopped consumer held a batch past
+    /// the hold limit).
+    pub(super) fn host_arena_is(&mut self, (base, len): (*const u8, usize)) {
+        if let Some(a) = self.arenas.first_mut() {
+            *a = (base as usize, len);
+        }
+    }
+
     pub(super) fn new(
         args: &'a ConsumeArgs,
         schema: Schema,

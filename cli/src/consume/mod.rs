@@ -297,6 +297,7 @@ fn consume(
                 batchcast_cli::procstat::thread_cpu_seconds(std::process::id()).unwrap_or(0.0);
         }
         report.reconnects = consumer.reconnects();
+        check.host_arena_is(consumer.arena());
         check.batch(
             &batch,
             (consumer.reconnects(), consumer.state().rotation),

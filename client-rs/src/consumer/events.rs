@@ -56,9 +56,9 @@ impl Inbox {
 
     /// Hands out the batch at the front.
     pub(super) fn hand_out(&mut self, shared: &Arc<Shared>, clock: &mut Clock) -> Event {
-        let (run, sent_ns, slot, replayed) = match self.pop_front() {
-            Some(Next::Run(run, sent_ns, slot)) => (run, sent_ns, slot, false),
-            Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, true),
+        let (run, sent_ns, slot, map) = match self.pop_front() {
+            Some(Next::Run(run, sent_ns, slot, map)) => (run, sent_ns, slot, Some(map)),
+            Some(Next::Replayed(run)) => (run, proto::monotonic_ns(), 0, None),
             _ => unreachable!("called with a run at the front"),
         };
         clock.pinned_since = None;
@@ -87,8 +87,10 @@ impl Inbox {
         if let Some(mb) = &shared.mailbox {
             mb.note_taken(taken);
         }
+        let replayed = map.is_none();
         Event::Batch(Batch {
             shared: shared.clone(),
+            map: map.unwrap_or_else(|| shared.host.current()),
             run,
             slot,
             replayed,
@@ -146,7 +148,13 @@ impl Inbox {
     /// The shared stream's end of epoch `e`: the batch being built is cut
     /// short (or dropped), and the end follows it unless the epoch is read
     /// rotated (its start, replayed, ends it).
-    fn end_epoch(&mut self, batcher: &mut Batcher, mut e: EpochEnd, give: &mut Vec<u64>) {
+    fn end_epoch(
+        &mut self,
+        shared: &Shared,
+        batcher: &mut Batcher,
+        mut e: EpochEnd,
+        give: &mut Vec<u64>,
+    ) {
         let start = Position {
             epoch: e.epoch,
             sample: 0,
@@ -156,8 +164,12 @@ impl Inbox {
         }
         batcher.end_epoch(e.epoch, give);
         while let Some(run) = batcher.pop() {
-            self.next
-                .push_back(Next::Run(run, proto::monotonic_ns(), 0));
+            self.next.push_back(Next::Run(
+                run,
+                proto::monotonic_ns(),
+                0,
+                shared.host.current(),
+            ));
         }
         if !self.place.rotated.holds_end_of(e.epoch) {
             self.next.push_back(Next::EndOfEpoch(e));
@@ -204,11 +216,18 @@ impl Inbox {
                 drop(b);
                 return self.take_rotate(shared, at);
             }
+            ServerMsg::Arena(region) => {
+                // Runs made before it are read where they were made (a
+                // batch the broker left behind for this consumer is only
+                // there); runs made from now on here (units noticed before
+                // it and still held were copied across).
+                return shared.host.move_to(&shared.welcome.rings, region);
+            }
             ServerMsg::EndOfEpoch(e) => {
                 if self.place.skip.is_some_and(|p| e.epoch < p.epoch) {
                     return Ok(()); // an epoch it replayed, or resumes past
                 }
-                self.end_epoch(&mut b.batcher, e, &mut give);
+                self.end_epoch(shared, &mut b.batcher, e, &mut give);
                 (0, 0)
             }
             ServerMsg::EndOfStream => {
@@ -220,7 +239,8 @@ impl Inbox {
             other => return Err(Error::Unexpected(format!("{other:?}"))),
         };
         while let Some(run) = b.batcher.pop() {
-            self.next.push_back(Next::Run(run, sent_ns, slot));
+            self.next
+                .push_back(Next::Run(run, sent_ns, slot, shared.host.current()));
         }
         let totals = if give.is_empty() {
             Totals::default()

@@ -36,6 +36,7 @@ fn message(n: Notice) -> ServerMsg {
         Notice::Cut(p) => ServerMsg::Cut(p),
         Notice::Merge(p) => ServerMsg::Merge(p),
         Notice::Rotate(p) => ServerMsg::Rotate(p),
+        Notice::Arena(r) => ServerMsg::Arena(r),
     }
 }
 

@@ -17,7 +17,10 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub struct Arena {
     fd: OwnedFd,
+    /// Every region, mapped.
     map: Mapping,
+    /// Bytes of one region.
+    len: u64,
 }
 
 impl Arena {
@@ -28,6 +31,14 @@ impl Arena {
     /// Allocating takes no lock of the process's memory map, so other
     /// threads go on meanwhile.
     pub fn create(name: &str, len: u64, fault: Fault) -> Result<Arena> {
+        Arena::create_regions(name, len, 1, fault)
+    }
+
+    /// [`Arena::create`] of `regions` regions of `len` bytes each, the
+    /// first allocated now and the others only by
+    /// [`Arena::allocate_region`] (until then they cost address space in
+    /// the mappings, no memory).
+    pub fn create_regions(name: &str, len: u64, regions: u32, fault: Fault) -> Result<Arena> {
         let cname = std::ffi::CString::new(format!("batchcast:{name}"))
             .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
         let fd = memfd_create(
@@ -35,28 +46,59 @@ impl Arena {
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
         .map_err(|e| shm_err("memfd_create failed", e))?;
-        let size = i64::try_from(len)
-            .map_err(|_| Error::Shm(format!("arena of {len} bytes is too large")))?;
-        nix::unistd::ftruncate(&fd, size)
-            .map_err(|e| shm_err(&format!("sizing the arena to {len} bytes failed"), e))?;
-        if size > 0 {
-            nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, size)
-                .map_err(|e| shm_err(&format!("allocating the arena's {len} bytes failed"), e))?;
-        }
-        fcntl(
-            &fd,
-            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
-        )
-        .map_err(|e| shm_err("sealing the arena's size failed", e))?;
-        let len = usize::try_from(len)
+        let total = len
+            .checked_mul(u64::from(regions.max(1)))
+            .and_then(|t| i64::try_from(t).ok())
+            .ok_or_else(|| Error::Shm(format!("arena of {regions} x {len} bytes is too large")))?;
+        nix::unistd::ftruncate(&fd, total)
+            .map_err(|e| shm_err(&format!("sizing the arena to {total} bytes failed"), e))?;
+        let arena_len = usize::try_from(total)
             .map_err(|_| Error::Shm("arena larger than the address space".into()))?;
         let map = Mapping::map(
             fd.as_fd(),
-            len,
+            arena_len,
             ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
             fault.flags(),
         )?;
-        Ok(Arena { fd, map })
+        let arena = Arena { fd, map, len };
+        arena.allocate_region(0)?;
+        fcntl(
+            &arena.fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+        )
+        .map_err(|e| shm_err("sealing the arena's size failed", e))?;
+        Ok(arena)
+    }
+
+    /// Allocates region `region`'s memory (committed: a lack of memory is
+    /// an error here). Sealed memory cannot be given back before the fd
+    /// closes: a region once allocated stays so.
+    pub fn allocate_region(&self, region: u32) -> Result<()> {
+        let at = u64::from(region)
+            .checked_mul(self.len)
+            .and_then(|a| i64::try_from(a).ok());
+        let len = i64::try_from(self.len).ok();
+        let (Some(at), Some(len)) = (at, len) else {
+            return Err(Error::Shm(format!(
+                "region {region} of the arena is out of range"
+            )));
+        };
+        if len > 0 {
+            nix::fcntl::fallocate(&self.fd, nix::fcntl::FallocateFlags::empty(), at, len).map_err(
+                |e| {
+                    shm_err(
+                        &format!("allocating the arena's {len} bytes (region {region}) failed"),
+                        e,
+                    )
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one region.
+    pub fn region_len(&self) -> u64 {
+        self.len
     }
 
     /// Forbids every future writable mapping and `write(2)` of the memfd, in

@@ -141,6 +141,13 @@ pub struct StreamStats {
     pub departed: u64,
     /// Consumers detached for exceeding the lag limit.
     pub detached: u64,
+    /// Times the ring moved to another region of the host arena, away
+    /// from batches stopped consumers held past the hold limit, and the
+    /// batches still held in regions it left (protocol 27).
+    #[serde(default)]
+    pub ring_moves: u64,
+    #[serde(default)]
+    pub held_behind: u64,
     /// Seconds the pipeline waited for a free slot (back-pressure).
     pub producer_blocked_s: f64,
     /// CPU seconds of the pipeline threads (filling slots, and their share
@@ -452,6 +459,8 @@ mod tests {
             deliveries: 0,
             departed: past,
             detached: 0,
+            ring_moves: 0,
+            held_behind: 0,
             producer_blocked_s: 0.0,
             pipeline_cpu_s: 0.0,
             replay_cpu_s: 0.0,

@@ -1,0 +1,389 @@
+//! The host arena's regions: where the ring is, and where it left the
+//! batches that stopped consumers held. The arena's fd holds the rings
+//! [`REGIONS`] times over; the pipeline writes the current region, and
+//! every consumer reads its batches there.
+//!
+//! # Rules
+//!
+//! * A consumer that took the batch the ring needs next and keeps it past
+//!   the hold limit (a program stopped mid-step, holding its batch) does
+//!   not hold the ring: the ring **moves** to another region. Every batch
+//!   the pipeline wrote is copied there (at the same place), the
+//!   consumer's batches are given back to the hub as if released, and
+//!   every consumer is told ([`ServerMsg::Arena`], in order with its
+//!   batches) that the batches noticed from now on are in the new region.
+//!   The stopped one reads what it held where it was, is cut to replay,
+//!   and reads on when it continues.
+//! * The region left keeps its bytes until nobody may read them: the
+//!   stopped consumers released (or left with) what they held there, and
+//!   every batch published before the move was released by everyone
+//!   (a consumer reads a batch noticed before the move in either region:
+//!   the bytes are the same). Nobody writes it meanwhile.
+//! * A region is allocated the first time the ring moves there, its bytes
+//!   charged to the uid of the consumer whose batch made it move (sealed
+//!   memory cannot be given back before the stream ends, so it stays
+//!   charged, and reused by later moves). With no region free and none
+//!   the budget lets it allocate, that consumer is detached instead, told
+//!   why.
+//! * A pipeline thread writes the region that was current when it began
+//!   its batch; if the ring moved meanwhile, its batch is copied to the
+//!   current region before it is published. A region where a batch is
+//!   being written is not free.
+//! * The ring never moves once a GPU copier reads the host arena (its
+//!   host memory is page-locked where it was), nor for a producer's
+//!   stream (the producer writes where it mapped).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use batchcast::proto::ServerMsg;
+use batchcast::shm::Mapping;
+
+use super::cells;
+use super::conn::notify;
+use super::{Inner, Stream};
+use crate::budget::{Budget, Grant, OverBudget, Use};
+use crate::hub::ConsumerId;
+
+/// Regions of a stream the broker writes: the ring's, and room for the
+/// batches of up to three stopped consumers at once (more wait in turn,
+/// or are detached).
+pub(crate) const REGIONS: u32 = 4;
+
+/// What a region holds.
+#[derive(Debug)]
+enum Holds {
+    /// Nothing anyone reads.
+    Nothing,
+    /// The ring: where batches are written and read now.
+    Ring,
+    /// What the ring left when it moved on: batches stopped consumers
+    /// held (by consumer), and the batches published before the move
+    /// (seq below `before`), which others may still read here.
+    Left {
+        held: HashMap<ConsumerId, BTreeSet<u64>>,
+        before: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Region {
+    holds: Holds,
+    /// Allocated (region 0 always: the stream's own arena grant).
+    allocated: bool,
+    /// Its bytes in the budget, once allocated (region 0: none here).
+    _grant: Option<Grant>,
+    /// Pipeline threads writing a batch here.
+    writing: u32,
+}
+
+/// Why the ring could not move.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Stuck {
+    #[error(
+        "every other region of the stream's host arena still holds batches of stopped consumers"
+    )]
+    Full,
+    #[error("{0}")]
+    OverBudget(#[from] OverBudget),
+    #[error("allocating a region of the host arena: {0}")]
+    Memory(batchcast::Error),
+}
+
+/// The regions of one stream's host arena (see the module's rules).
+#[derive(Debug)]
+pub(super) struct Regions {
+    now: u32,
+    regions: Vec<Region>,
+    /// A GPU copier reads the host arena: the ring stays.
+    pinned: bool,
+    /// Times the ring moved.
+    pub(super) moves: u64,
+}
+
+impl Regions {
+    /// `count` regions, the ring in the first.
+    pub(super) fn new(count: u32) -> Regions {
+        Regions {
+            now: 0,
+            regions: (0..count.max(1))
+                .map(|r| Region {
+                    holds: if r == 0 { Holds::Ring } else { Holds::Nothing },
+                    allocated: r == 0,
+                    _grant: None,
+                    writing: 0,
+                })
+                .collect(),
+            pinned: false,
+            moves: 0,
+        }
+    }
+
+    /// Where the ring is.
+    pub(super) fn now(&self) -> u32 {
+        self.now
+    }
+
+    pub(super) fn count(&self) -> u32 {
+        self.regions.len() as u32
+    }
+
+    /// Whether the ring may move (more than one region, no GPU copier).
+    pub(super) fn movable(&self) -> bool {
+        self.regions.len() > 1 && !self.pinned
+    }
+
+    /// A GPU copier is about to read the host arena where the ring is:
+    /// it stays there from now on. The region's index.
+    pub(super) fn pin(&mut self) -> u32 {
+        self.pinned = true;
+        self.now
+    }
+
+    /// A pipeline thread begins a batch: the region it writes.
+    pub(super) fn begin(&mut self) -> u32 {
+        self.regions[self.now as usize].writing += 1;
+        self.now
+    }
+
+    /// A pipeline thread finished (or gave up) a batch it began in `r`.
+    fn end(&mut self, r: u32) {
+        let w = &mut self.regions[r as usize].writing;
+        *w = w.saturating_sub(1);
+    }
+
+    /// Consumer `id` released shared batch `seq`: whether it was one the
+    /// ring left behind for it (then the hub is not told again).
+    pub(super) fn release_left(&mut self, id: ConsumerId, seq: u64) -> bool {
+        for r in &mut self.regions {
+            if let Holds::Left { held, .. } = &mut r.holds
+                && let Some(seqs) = held.get_mut(&id)
+                && seqs.remove(&seq)
+            {
+                if seqs.is_empty() {
+                    held.remove(&id);
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Consumer `id` left: what it held in regions left behind is free.
+    pub(super) fn forget(&mut self, id: ConsumerId) {
+        for r in &mut self.regions {
+            if let Holds::Left { held, .. } = &mut r.holds {
+                held.remove(&id);
+            }
+        }
+    }
+
+    /// Batches the ring left held by stopped consumers, for stats.
+    pub(super) fn held_left(&self) -> usize {
+        self.regions
+            .iter()
+            .map(|r| match &r.holds {
+                Holds::Left { held, .. } => held.values().map(BTreeSet::len).sum(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Regions left behind that nobody may read any more are free again
+    /// (`oldest`: the oldest batch still in a host slot).
+    fn settle(&mut self, oldest: Option<u64>) {
+        for r in &mut self.regions {
+            if let Holds::Left { held, before } = &r.holds
+                && held.is_empty()
+                && oldest.is_none_or(|o| o >= *before)
+                && r.writing == 0
+            {
+                r.holds = Holds::Nothing;
+            }
+        }
+    }
+
+    /// A region the ring may move to: one holding nothing, allocated if
+    /// one is, else allocated now for `uid`.
+    fn target(
+        &mut self,
+        arena: &batchcast::shm::Arena,
+        budget: &Arc<Budget>,
+        (uid, whom): (u32, &str),
+    ) -> Result<u32, Stuck> {
+        let free = |r: &Region| matches!(r.holds, Holds::Nothing) && r.writing == 0;
+        if let Some(i) = self.regions.iter().position(|r| free(r) && r.allocated) {
+            return Ok(i as u32);
+        }
+        let i = self.regions.iter().position(free).ok_or(Stuck::Full)?;
+        let grant = budget.take(uid, Use::Arena, arena.region_len(), whom)?;
+        arena.allocate_region(i as u32).map_err(Stuck::Memory)?;
+        let r = &mut self.regions[i];
+        r.allocated = true;
+        r._grant = Some(grant);
+        Ok(i as u32)
+    }
+}
+
+/// A pipeline thread filled batch `seq` (`samples` samples) in region
+/// `r`: copied to where the ring is now if it moved meanwhile. Call
+/// before the batch is published.
+pub(super) fn filled(s: &Stream, inner: &mut Inner, r: u32, (seq, samples): (u64, u64)) {
+    let now = inner.regions.now;
+    inner.regions.end(r);
+    if r != now {
+        // SAFETY of the copy: batch `seq` is still being filled (this
+        // thread's claim), so nobody reads its cells in either region.
+        cells::copy_units(&s.rings, &s.plan.rings, (r, now), &[(seq, samples)]);
+    }
+}
+
+/// Moves the ring away from the batches the consumers `ids` hold (see
+/// the module's rules), after they were cut: those are given back to the
+/// hub, the written batches copied to the new region, and every consumer
+/// told. The new region, or why the ring could not move (then nothing
+/// changed).
+pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Result<u32, Stuck> {
+    let oldest = inner.hub.view().ring().oldest_published();
+    inner.regions.settle(oldest);
+    let Some(c) = ids.first().and_then(|id| inner.conns.get(id)) else {
+        return Err(Stuck::Full);
+    };
+    let whom = format!(
+        "stream `{}`: the batches {} (pid {}) held",
+        s.name(),
+        c.peer.name,
+        c.peer.pid
+    );
+    let to = inner
+        .regions
+        .target(&s.arena, &s.budget, (c.peer.uid, &whom))?;
+    let from = inner.regions.now;
+    let mut left = HashMap::new();
+    for &id in ids {
+        let held: BTreeSet<u64> = inner
+            .hub
+            .view()
+            .reader(id)
+            .map(|c| c.held().iter().copied().collect())
+            .unwrap_or_default();
+        for &seq in &held {
+            // Held, so known to the hub: a failure is a bookkeeping bug.
+            if let Err(e) = inner.hub.release(id, seq) {
+                tracing::error!(consumer = id, seq, "moving the ring: {e}");
+            }
+        }
+        left.insert(id, held);
+    }
+    let ring = inner.hub.view().ring();
+    let before = ring.head();
+    cells::copy_units(&s.rings, &s.plan.rings, (from, to), &ring.written());
+    let regions = &mut inner.regions;
+    regions.regions[from as usize].holds = Holds::Left { held: left, before };
+    regions.regions[to as usize].holds = Holds::Ring;
+    regions.now = to;
+    regions.moves += 1;
+    let all: Vec<ConsumerId> = inner.conns.keys().copied().collect();
+    for c in all {
+        notify(inner, c, ServerMsg::Arena(to));
+    }
+    Ok(to)
+}
+
+/// The stream's host arena mapped once per region, writable.
+pub(super) type RegionMaps = Vec<Mapping>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use batchcast::shm::{Arena, Fault};
+
+    fn arena(regions: u32) -> Arena {
+        Arena::create_regions("regions-test", 4096, regions, Fault::Lazily).unwrap()
+    }
+
+    /// A move: what the region the ring leaves holds, as `move_from`
+    /// records it.
+    fn leave(r: &mut Regions, to: u32, held: &[(ConsumerId, &[u64])], before: u64) {
+        let from = r.now;
+        r.regions[from as usize].holds = Holds::Left {
+            held: held
+                .iter()
+                .map(|&(id, seqs)| (id, seqs.iter().copied().collect()))
+                .collect(),
+            before,
+        };
+        r.regions[to as usize].holds = Holds::Ring;
+        r.now = to;
+    }
+
+    #[test]
+    fn a_region_left_is_free_once_its_holders_released_and_older_batches_are_gone() {
+        let (arena, budget) = (arena(3), Budget::new(1 << 20, 1000));
+        let mut r = Regions::new(3);
+        let to = r.target(&arena, &budget, (1000, "t")).unwrap();
+        assert_eq!(to, 1, "a region not yet allocated, charged now");
+        leave(&mut r, to, &[(7, &[4, 5])], 10);
+        // Held by consumer 7, and batches before 10 may still be read.
+        r.settle(Some(12));
+        assert!(matches!(r.regions[0].holds, Holds::Left { .. }));
+        assert!(!r.release_left(8, 4), "not consumer 8's");
+        assert!(r.release_left(7, 4) && r.release_left(7, 5));
+        assert!(!r.release_left(7, 5), "released once");
+        r.settle(Some(9));
+        assert!(
+            matches!(r.regions[0].holds, Holds::Left { .. }),
+            "batch 9, published before the move, may be read there"
+        );
+        r.settle(Some(10));
+        assert!(matches!(r.regions[0].holds, Holds::Nothing));
+        // Allocated regions are reused before new ones are taken.
+        assert_eq!(r.target(&arena, &budget, (1000, "t")).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_region_a_pipeline_thread_still_writes_is_not_free() {
+        let (arena, budget) = (arena(2), Budget::new(1 << 20, 1000));
+        let mut r = Regions::new(2);
+        let began = r.begin();
+        leave(&mut r, 1, &[], 0);
+        r.settle(None);
+        assert!(matches!(r.regions[0].holds, Holds::Left { .. }));
+        assert!(matches!(
+            r.target(&arena, &budget, (1000, "t")),
+            Err(Stuck::Full)
+        ));
+        r.end(began);
+        r.settle(None);
+        assert_eq!(r.target(&arena, &budget, (1000, "t")).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_consumer_leaving_frees_what_it_held_and_the_budget_bounds_new_regions() {
+        let (arena, budget) = (arena(4), Budget::new(4096, 1000));
+        let mut r = Regions::new(4);
+        leave(&mut r, 1, &[(3, &[1])], 0);
+        r.settle(None);
+        assert_eq!(r.held_left(), 1);
+        r.forget(3);
+        assert_eq!(r.held_left(), 0);
+        leave(&mut r, 2, &[(4, &[2])], 0);
+        // The budget's 4096 bytes are taken by the stream's first region
+        // elsewhere; here a guest asks for a region none is allocated for.
+        let _stream = budget.take(1000, Use::Arena, 4096, "the stream").unwrap();
+        r.settle(None);
+        let got = r.target(&arena, &budget, (2000, "a guest"));
+        assert!(
+            matches!(got, Ok(0) | Ok(1)),
+            "regions left and freed are allocated: {got:?}"
+        );
+        let mut fresh = Regions::new(4);
+        assert!(matches!(
+            fresh.target(&arena, &budget, (2000, "a guest")),
+            Err(Stuck::OverBudget(_))
+        ));
+        assert!(fresh.movable());
+        fresh.pin();
+        assert!(!fresh.movable(), "a GPU copier reads where the ring is");
+    }
+}
