@@ -27,7 +27,7 @@
 //! pace = "auto"         # or "lockstep", "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
 //! hold_limit_s = 2      # longest one consumer keeps the others waiting: then cut to replay or detached (inf: no bound)
-//! held_batch_limit_s = 30  # the same for one whose program holds the batch needed next: then detached
+//! held_batch_limit_s = 30  # where the ring cannot move (GPU consumers, a producer): the same for one holding the batch needed next
 //! rotate_epochs = true  # a replayed consumer may read an epoch from where the stream is, its start last
 //! min_consumers = 1
 //!
@@ -261,10 +261,12 @@ with_source_keys! {
         /// (a producer's stream); default 2 s, `inf` for no bound.
         /// Decoupled pace cuts at once.
         pub hold_limit_s: Option<f64>,
-        /// How long one whose program holds the batch the ring needs next
-        /// (a cut cannot free it) may keep the others waiting: then it is
-        /// detached; default 30 s, at least `hold_limit_s`, `inf` for no
-        /// bound.
+        /// Where the ring cannot move away from a held batch (a stream
+        /// with GPU consumers, a producer's stream): how long one whose
+        /// program holds the batch the ring needs next (a cut cannot free
+        /// it) may keep the others waiting, then it is detached; default
+        /// 30 s, at least `hold_limit_s`, `inf` for no bound. Elsewhere the
+        /// ring moves on without that batch at `hold_limit_s`.
         pub held_batch_limit_s: Option<f64>,
         /// A replayed consumer (a late joiner, one cut) reads an epoch
         /// whose start the ring no longer holds from where the shared

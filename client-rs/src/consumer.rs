@@ -173,7 +173,7 @@ impl Consumer {
     /// Address and length of the stream's rings as mapped in this process:
     /// the views of every host batch handed out from now on lie inside
     /// (until the broker moves the ring to another region of the arena,
-    /// [`proto::ServerMsg::Arena`]).
+    /// [`crate::proto::ServerMsg::Arena`]).
     pub fn arena(&self) -> (*const u8, usize) {
         let map = self.shared.host.current();
         (map.as_ptr(), map.len())

@@ -7,7 +7,7 @@
 //! * Batch `seq` takes slot `seq mod slots` (the host arena holds samples
 //!   in rings, a batch's samples are its `seq × unit ..` cells), so the
 //!   pipeline never runs more than `slots` batches past the oldest batch
-//!   anyone owes: no free next slot ([`Ring::has_free_slot`]) is the
+//!   anyone owes: no free next slot ([`Ring::free_slots`] 0) is the
 //!   back-pressure.
 //! * A published slot carries the number of pins on it (consumers that
 //!   owe it, pending copies); it is free again at zero, never before.
@@ -113,21 +113,10 @@ impl Ring {
             .count() as u32
     }
 
-    /// Whether the next slot of the ring is free (otherwise the pipeline is
-    /// under back-pressure): `free_slots() > 0`, without counting them.
-    pub fn has_free_slot(&self) -> bool {
-        self.slots[self.next_slot() as usize] == Slot::Free
-    }
-
     /// Whether batches are being filled (taken by the pipeline, not yet
     /// published).
     pub fn filling(&self) -> bool {
         !self.inflight.is_empty()
-    }
-
-    /// Nothing is being filled or published.
-    pub(super) fn is_empty(&self) -> bool {
-        self.inflight.is_empty() && self.published.is_empty()
     }
 
     /// The first batch not yet published.

@@ -28,13 +28,16 @@ impl<'a> View<'a> {
 
     /// True once every batch has been produced, published and given back.
     pub fn finished(&self) -> bool {
-        self.exhausted() && self.ring.is_empty() && self.groups.iter().all(Group::is_empty)
+        self.exhausted()
+            && !self.ring.filling()
+            && self.ring.oldest_published().is_none()
+            && self.groups.iter().all(Group::is_empty)
     }
 
     /// Whether the pipeline could be given work now (the next slot of the
     /// ring free, someone to produce for, epochs left).
     pub fn can_start(&self) -> bool {
-        self.wants_batches() && self.ring.has_free_slot()
+        self.wants_batches() && self.ring.free_slots() > 0
     }
 
     /// Whether the pipeline would be given work if a slot were free

@@ -42,9 +42,12 @@
 //!   another consumer waits for data, a consumer that owes the unit in the
 //!   ring's next slot and cannot be cut (it holds that unit: a batch its
 //!   program keeps, a mailbox `tail` claiming it took it, or a socket
-//!   window sent and not read) is detached once the unit has been
-//!   pinned that long (`HoldLimit`; everything it held is given back, as
-//!   the lag limit does under lockstep).
+//!   window sent and not read) is cut once the unit has been pinned that
+//!   long, and the ring moves to another region of the host arena without
+//!   what it holds ([`super::regions`]); where the ring cannot move (a GPU
+//!   consumer's stream, a producer's) or has no region for it, it is
+//!   detached (`HoldLimit`; everything it held is given back, as the lag
+//!   limit does under lockstep), there after `held_batch_limit_s`.
 //! * Lockstep (the default pace) is bounded by the same limit: there the
 //!   consumers that owe the unit are cut only once it has been pinned for
 //!   the hold limit (a host consumer of a stream the broker computes keeps
@@ -144,7 +147,7 @@ impl Facts for ConnFacts<'_> {
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
     // Where the ring can move away from a held batch, one holding it is
     // dealt with at the hold limit like the others.
-    let movable = inner.regions.movable();
+    let movable = inner.fill.regions.movable();
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
         stall_cut: s.plan.pace == PaceRule::Auto,

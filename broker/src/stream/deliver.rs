@@ -83,7 +83,7 @@ impl Stream {
             // A copy for it keeps its host slot pinned in the hub until the
             // copy is reported, so leaving needs no fence.
             let last = consumer_stats(inner, id);
-            inner.regions.forget(id);
+            inner.fill.regions.forget(id);
             if inner.hub.leave(id) {
                 tracing::info!(stream = %self.name(), consumer = id, "consumer left; its slots are released");
             }
@@ -178,7 +178,7 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
 fn take_release(inner: &mut Inner, id: ConsumerId, unit: Unit) -> Result<(), ReleaseError> {
     let seq = match unit {
         // One the ring left behind for it is not the hub's any more.
-        Unit::Shared(seq) if inner.regions.release_left(id, seq) => return Ok(()),
+        Unit::Shared(seq) if inner.fill.regions.release_left(id, seq) => return Ok(()),
         Unit::Shared(seq) => return Ok(inner.hub.release(id, seq)?),
         Unit::Replayed(seq) => seq,
     };

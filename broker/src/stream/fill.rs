@@ -43,11 +43,14 @@ pub(super) struct Filling {
     /// What a shared source was last told: whether this stream takes
     /// batches (see [`tell_source`]).
     told_live: bool,
+    /// Where the ring is in the host arena, and what it left behind.
+    pub(super) regions: regions::Regions,
 }
 
 impl Filling {
-    pub(super) fn new(workers: u32) -> Filling {
+    pub(super) fn new(workers: u32, regions: regions::Regions) -> Filling {
         Filling {
+            regions,
             workers,
             idle: 0,
             armed: 0,
@@ -206,7 +209,7 @@ impl<'a> Worker<'a> {
                 None => return,
             };
             let (work, region) = match job {
-                Job::Shared(work, region) => (work, region),
+                Job::Shared(work, r) => (work, r),
                 Job::Replay(job) => {
                     self.replayed_last = true;
                     self.replay(job);
@@ -385,8 +388,7 @@ impl<'a> Worker<'a> {
             inner.fill.blocked += t.elapsed();
         }
         inner.pace.begun(work.seq, s.plan.slots, Instant::now());
-        let region = inner.regions.begin();
-        Some(Job::Shared(work, region))
+        Some(Job::Shared(work, inner.fill.regions.begin()))
     }
 
     /// Idle: nothing to do until a hub change notifies it. A consumer being
@@ -399,19 +401,14 @@ impl<'a> Worker<'a> {
         idle(self.s, inner, armed, IDLE_WAIT)
     }
 
-    /// Writes every sample of `work` straight into its place in the slot,
-    /// in region `region` of the host arena.
+    /// Writes every sample of `work` straight into its slot in `region`.
     fn fill(&mut self, work: &Work, order: &[u64], region: u32) -> Result<u64, PipelineError> {
         let s = self.s;
         let batch_size = s.plan.schema.batch_size as usize;
         let first = work.index as usize * batch_size;
         let indices = &order[first..(first + batch_size).min(order.len())];
-        let mut fields = cells::of_work(
-            &s.rings[region as usize],
-            &s.plan.rings,
-            work,
-            indices.len() as u64,
-        );
+        let rings = &s.rings[region as usize];
+        let mut fields = cells::of_work(rings, &s.plan.rings, work, indices.len() as u64);
         let first = Place {
             at: work.epoch * order.len() as u64 + first as u64,
             replay: false,
@@ -468,8 +465,7 @@ fn idle<'a>(
 
 /// What a pipeline thread does next.
 enum Job {
-    /// A batch of the shared stream, written in this region of the arena.
-    Shared(Work, u32),
+    Shared(Work, u32), // written in this region of the host arena
     Replay(ReplayJob),
 }
 

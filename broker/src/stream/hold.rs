@@ -12,10 +12,12 @@
 //! * What is done about the owers of the pinned unit ([`HoldClock::decide`]):
 //!   decoupled pace cuts them once the unit is [`CUT_AFTER`] old; lockstep
 //!   cuts them once the hold reaches the limit. An ower that cannot be cut
-//!   is detached: one with no replay arena (a producer's stream, one the
-//!   budget refused) at the limit, one that took the unit itself (its
-//!   program holds it: a cut would not free it) only at the held-batch
-//!   limit (`held_batch_limit_s`, at least the limit), the others cut
+//!   is named to be detached: one with no replay arena (a producer's
+//!   stream, one the budget refused) at the limit, one that took the unit
+//!   itself (its program holds it: a cut would not free it) at the
+//!   held-batch limit (`held_batch_limit_s`, at least the limit; the
+//!   runtime sets it to the limit where the ring can move away from a
+//!   held batch, and moves it instead: `super::regions`), the others cut
 //!   meanwhile; a joiner catching up is waited for, and one the hold was
 //!   carried to gets a hold of its own, from now (the others are cut).
 //!   Nothing is done while nobody waits for data, or without a limit

@@ -173,7 +173,10 @@ pub(super) fn open(
     // there from now on (`regions`).
     let (exists, region) = {
         let mut inner = s.lock();
-        (inner.mirrors.by_gpu.contains_key(&key), inner.regions.pin())
+        (
+            inner.mirrors.by_gpu.contains_key(&key),
+            inner.fill.regions.pin(),
+        )
     };
     let grant = match exists {
         true => None,

@@ -111,8 +111,6 @@ struct Inner {
     mirrors: mirror::Mirrors,
     /// The hold clock: when units were begun and made, what is pinned.
     pace: hold::HoldClock,
-    /// Where the ring is in the host arena, and what it left behind.
-    regions: regions::Regions,
     /// Replayed batches being made, and their CPU.
     replay: replay::Load,
     /// What the hub emitted and mailboxes released, on their way.
@@ -182,10 +180,9 @@ impl Inner {
             hub,
             conns: HashMap::default(),
             records: Records::default(),
-            fill: fill::Filling::new(workers),
+            fill: fill::Filling::new(workers, regions::Regions::new(regions)),
             mirrors: mirror::Mirrors::default(),
             pace: hold::HoldClock::default(),
-            regions: regions::Regions::new(regions),
             replay: replay::Load::default(),
             deliver: deliver::Dispatch::default(),
         }

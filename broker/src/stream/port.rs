@@ -80,7 +80,7 @@ impl Port<'_> {
             // A consumer that kept the producer waiting past the hold
             // limit is detached (nothing here can be recomputed for it).
             let now = Instant::now();
-            if !inner.hub.view().ring().has_free_slot() && decouple::cut_laggards(s, inner, now) {
+            if inner.hub.view().ring().free_slots() == 0 && decouple::cut_laggards(s, inner, now) {
                 settle(inner, true);
             }
             Ok(match inner.hub.start_batch() {
@@ -132,7 +132,7 @@ impl Port<'_> {
 
     /// Whether no slot is free (the producer is under back-pressure).
     pub(crate) fn slots_full(&self) -> bool {
-        !self.s.lock().hub.view().ring().has_free_slot()
+        self.s.lock().hub.view().ring().free_slots() == 0
     }
 
     /// An external producer filled `slot` with `samples` samples, after

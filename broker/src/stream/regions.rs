@@ -229,8 +229,8 @@ impl Regions {
 /// `r`: copied to where the ring is now if it moved meanwhile. Call
 /// before the batch is published.
 pub(super) fn filled(s: &Stream, inner: &mut Inner, r: u32, (seq, samples): (u64, u64)) {
-    let now = inner.regions.now;
-    inner.regions.end(r);
+    let now = inner.fill.regions.now;
+    inner.fill.regions.end(r);
     if r != now {
         // SAFETY of the copy: batch `seq` is still being filled (this
         // thread's claim), so nobody reads its cells in either region.
@@ -245,7 +245,7 @@ pub(super) fn filled(s: &Stream, inner: &mut Inner, r: u32, (seq, samples): (u64
 /// changed).
 pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Result<u32, Stuck> {
     let oldest = inner.hub.view().ring().oldest_published();
-    inner.regions.settle(oldest);
+    inner.fill.regions.settle(oldest);
     let Some(c) = ids.first().and_then(|id| inner.conns.get(id)) else {
         return Err(Stuck::Full);
     };
@@ -256,9 +256,10 @@ pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Re
         c.peer.pid
     );
     let to = inner
+        .fill
         .regions
         .target(&s.arena, &s.budget, (c.peer.uid, &whom))?;
-    let from = inner.regions.now;
+    let from = inner.fill.regions.now;
     let mut left = HashMap::new();
     for &id in ids {
         let held: BTreeSet<u64> = inner
@@ -278,7 +279,7 @@ pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Re
     let ring = inner.hub.view().ring();
     let before = ring.head();
     cells::copy_units(&s.rings, &s.plan.rings, (from, to), &ring.written());
-    let regions = &mut inner.regions;
+    let regions = &mut inner.fill.regions;
     regions.regions[from as usize].holds = Holds::Left { held: left, before };
     regions.regions[to as usize].holds = Holds::Ring;
     regions.now = to;

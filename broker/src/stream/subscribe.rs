@@ -152,7 +152,7 @@ impl Stream {
                 mailbox: grant,
                 replay: started.grant,
                 device_replay: replay_target,
-                region: (inner.regions.now(), inner.regions.count()),
+                region: (inner.fill.regions.now(), inner.fill.regions.count()),
             })
         })
     }

@@ -189,7 +189,7 @@ fn verify_host(s: &Stream, b: &BatchReady) {
     let rings = &s.plan.rings;
     let fields = (0..rings.fields.len()).map(|f| {
         let (start, len) = rings.span(f, b.seq * rings.unit, b.samples).unwrap();
-        let region = s.lock().regions.now() as usize;
+        let region = s.lock().fill.regions.now() as usize;
         s.rings[region].get(start, len).unwrap()
     });
     verify_fields(s, b, fields);

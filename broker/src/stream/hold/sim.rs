@@ -600,7 +600,7 @@ impl Sim {
     fn pipeline(&mut self) -> Result<(), TestCaseError> {
         let at = self.at();
         for _ in 0..64 {
-            if self.hub.view().ring().has_free_slot() {
+            if self.hub.view().ring().free_slots() > 0 {
                 let Some(w) = self.hub.start_batch() else {
                     return Ok(());
                 };
@@ -659,7 +659,7 @@ impl Sim {
 
     /// No reader waits for data with the ring full past the bound.
     fn check_waits(&mut self) -> Result<(), TestCaseError> {
-        let full = !self.hub.view().ring().has_free_slot();
+        let full = self.hub.view().ring().free_slots() == 0;
         let pinning = self.hub.view().pinning();
         let pinned = pinning.as_ref().map(|(seq, _)| *seq);
         let bound = self.bound();
