@@ -226,6 +226,22 @@ fn a_stopped_device_trainer_on_a_default_stream_is_cut_and_reads_every_sample_on
     assert!(env.stats().streams[0].gpus[0].replayed > 0);
 }
 
+/// Issue 72 at the defaults, on the stand-in: a GPU trainer stopped
+/// mid-step holding its batch (`--hold 1`) holds a steady host trainer at
+/// most the 2 s hold limit. Its GPU's ring, full of what it holds, keeps
+/// the next copy waiting; the members owing that copy are cut (owed by
+/// nobody, it is never made and its host slot goes), the ring stays where
+/// it is (a GPU copier reads it), and continued, the GPU trainer reads
+/// every sample once. Before, the others waited the held-batch limit
+/// (30 s) and it was detached.
+#[test]
+fn at_the_defaults_a_gpu_trainer_stopped_holding_its_batch_holds_the_others_at_most_2_s() {
+    let env = Env::start_stand_in(&crate::pause::defaults(), "1");
+    let st = crate::pause::stopped_holding_its_batch_reads_on(&env, &["--device", "cuda:0"]);
+    assert_eq!(st.ring_moves, 0, "{st:#?}");
+    assert!(st.gpus[0].replayed > 0, "{st:#?}");
+}
+
 /// A device consumer whose replay arena on its GPU cannot be had (here
 /// the memory budget has room for the stream, two host replay arenas and
 /// the GPU's arena, not for one more on the GPU) falls back as a host
@@ -412,20 +428,20 @@ fn a_guests_device_consumers_cut_at_join_that_never_read_hold_no_one() {
     owner_is_served_at_once(&env, &idle);
 }
 
-/// Issue 70 item 5, reproduced: two guest device consumers that read the
-/// shared stream from its start (the stream waits for both) and stop, one
-/// before its first batch, hold the owner's trainer for the hold limit
-/// (30 s by default) and are then detached: a device consumer takes its
-/// batches on the socket, and a cut cannot take back a unit sent there
-/// (only a mailbox's handshake can), so the units sent to it pin the ring.
-/// The fix is the held-batch rule of issue 72 (a held batch never holds
-/// the ring).
+/// Issue 70 item 5: two guest device consumers that read the shared
+/// stream from its start (the stream waits for both) and stop, one before
+/// its first batch, fill their GPU ring with what they hold (a device
+/// consumer takes its batches on the socket: a cut cannot take them
+/// back). The next copy there waits, and the members owing it are cut, so
+/// nobody owes it, it is never made and its host slot goes: the owner's
+/// trainer is served at once, and neither guest is detached. Before,
+/// the owner waited the hold limit and the guests were detached.
 #[test]
-#[ignore = "issue 70 item 5 / issue 72: a stopped device consumer's sent units pin the ring for the hold limit"]
 fn a_guests_device_consumers_stopped_on_the_shared_stream_hold_no_one() {
     let Some(env) = guest_stream(2) else { return };
     let idle = guest_device_consumers(&env, 0..2);
     owner_is_served_at_once(&env, &idle);
+    assert_eq!(env.stats().streams[0].detached, 0, "{}", env.log());
 }
 
 /// Threat model: memory shared over CUDA IPC is mapped writable, so a
@@ -455,7 +471,7 @@ fn a_guests_device_consumers_read_an_arena_of_their_own_uid() {
     std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let exe = bin.path().join("batchcast");
     std::fs::copy(common::EXE, &exe).unwrap();
-    let guest = env.own(
+    let guest = env.spawn_own(
         common::command(&exe)
             .args(["consume", "--json", "--socket"])
             .arg(env.socket())
@@ -467,9 +483,7 @@ fn a_guests_device_consumers_read_an_arena_of_their_own_uid() {
             .uid(GUEST)
             .gid(GUEST)
             .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .stdout(std::process::Stdio::piped()),
     );
     let owner = env.consumer(&[
         "--verify", "--digest", "--device", "cuda:0", "--name", "owner",
@@ -533,7 +547,7 @@ fn guest_device_consumers(env: &Env, ks: std::ops::Range<usize>) -> (tempfile::T
     let pids: Vec<u32> = ks
         .map(|k| {
             let stop = if k % 2 == 0 { "0" } else { "1" };
-            env.own(
+            env.spawn_own(
                 common::command(&exe)
                     .args(["consume", "--json", "--socket"])
                     .arg(env.socket())
@@ -544,9 +558,7 @@ fn guest_device_consumers(env: &Env, ks: std::ops::Range<usize>) -> (tempfile::T
                     .uid(GUEST)
                     .gid(GUEST)
                     .stdin(std::process::Stdio::null())
-                    .stdout(std::process::Stdio::null())
-                    .spawn()
-                    .unwrap(),
+                    .stdout(std::process::Stdio::null()),
             )
             .id()
         })

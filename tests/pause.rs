@@ -94,15 +94,7 @@ fn a_stopped_trainer_on_a_default_stream_is_cut_and_reads_every_sample_once() {
 /// default under lockstep) the steady one waited the whole stop.
 #[test]
 fn at_the_defaults_a_stopped_trainer_holds_the_others_at_most_2_s() {
-    let cfg = common::small_images(40, PER_EPOCH)
-        .epochs(EPOCHS)
-        .key("min_consumers", 2)
-        .to_toml();
-    assert!(
-        !cfg.contains("hold_limit") && !cfg.contains("pace"),
-        "{cfg}"
-    );
-    let env = Env::start(&cfg);
+    let env = Env::start(&defaults());
     let steady = steady(&env);
     let stopped = env.consumer(&["--verify", "--stop-after", "5", "--name", "stopped"]);
     let stop = Duration::from_secs(10);
@@ -181,6 +173,18 @@ pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, devi
     );
 }
 
+/// The stream at the defaults (nothing about pace or limits): 400
+/// samples an epoch in units of 40, `EPOCHS` epochs, a ring of 12,
+/// starting once two consumers subscribed.
+pub(crate) fn defaults() -> String {
+    let cfg = common::small_images(40, PER_EPOCH)
+        .epochs(EPOCHS)
+        .key("min_consumers", 2)
+        .to_toml();
+    assert!(!cfg.contains("limit") && !cfg.contains("pace"), "{cfg}");
+    cfg
+}
+
 /// Issue 72 at the defaults (no `hold_limit_s` in the config): a
 /// trainer stopped mid-step while its program keeps its batch (`--hold
 /// 1`, as a training step's does) holds the others at most the 2 s hold
@@ -191,22 +195,37 @@ pub(crate) fn stopped_trainer_is_cut_and_reads_every_sample_once(env: &Env, devi
 /// and then it was detached.
 #[test]
 fn at_the_defaults_a_trainer_stopped_holding_its_batch_holds_the_others_at_most_2_s_and_reads_on() {
-    let cfg = common::small_images(40, PER_EPOCH)
-        .epochs(EPOCHS)
-        .key("min_consumers", 2)
-        .to_toml();
-    assert!(!cfg.contains("limit") && !cfg.contains("pace"), "{cfg}");
-    let env = Env::start(&cfg);
-    let steady = steady(&env);
-    let stopped = env.consumer(&[
-        "--verify",
-        "--hold",
-        "1",
-        "--stop-after",
-        "5",
-        "--name",
-        "stopped",
-    ]);
+    let env = Env::start(&defaults());
+    let st = stopped_holding_its_batch_reads_on(&env, &[]);
+    assert!(st.ring_moves >= 1, "{st:#?}");
+    assert_eq!(st.held_behind, 0, "what it held was released");
+    assert!(env.log().contains("the ring moved on"), "{}", env.log());
+}
+
+/// A steady trainer, and one with `device`'s arguments stopped for 10 s
+/// after 5 batches holding its last: the steady one is held at most the
+/// hold limit (and slack), the stopped one, continued, reads every sample
+/// once, replayed some, detached never. The stream's stats once it left.
+pub(crate) fn stopped_holding_its_batch_reads_on(
+    env: &Env,
+    device: &[&str],
+) -> batchcast::proto::StreamStats {
+    let steady = steady(env);
+    let stopped = env.consumer(
+        &[
+            &[
+                "--verify",
+                "--hold",
+                "1",
+                "--stop-after",
+                "5",
+                "--name",
+                "stopped",
+            ][..],
+            device,
+        ]
+        .concat(),
+    );
     let stop = Duration::from_secs(10);
     let (steady, stopped, finished) = steady_then_continue_after(steady, stopped, stop);
     assert_whole(&steady);
@@ -220,11 +239,8 @@ fn at_the_defaults_a_trainer_stopped_holding_its_batch_holds_the_others_at_most_
     assert_whole(&stopped);
     assert!(stopped.replayed_batches > 0, "{stopped:#?}");
     let s = env.gone(&["stopped"]);
-    let st = &s.streams[0];
-    assert!(st.ring_moves >= 1, "{st:#?}");
-    assert_eq!(st.detached, 0);
-    assert_eq!(st.held_behind, 0, "what it held was released");
-    assert!(env.log().contains("the ring moved on"), "{}", env.log());
+    assert_eq!(s.streams[0].detached, 0);
+    s.streams[0].clone()
 }
 
 /// The lockstep twin of decoupled pace's hoarder: a client speaking the

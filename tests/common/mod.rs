@@ -338,6 +338,26 @@ impl Env {
         child
     }
 
+    /// Spawns `cmd` (a binary this test just copied) and owns it. Another
+    /// test's thread forking while the copy's file was open for writing
+    /// holds that fd until its child execs, and exec then fails with
+    /// ETXTBSY: tried again for up to 2 s.
+    pub fn spawn_own(&self, cmd: &mut std::process::Command) -> Child {
+        let t0 = Instant::now();
+        loop {
+            match cmd.spawn() {
+                Ok(child) => return self.own(child),
+                Err(e)
+                    if e.raw_os_error() == Some(libc::ETXTBSY)
+                        && t0.elapsed() < Duration::from_secs(2) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("spawning {cmd:?}: {e}"),
+            }
+        }
+    }
+
     pub fn stats(&self) -> StatsReply {
         self.broker.stats().unwrap()
     }

@@ -102,13 +102,19 @@ impl<'a> View<'a> {
             .map(|(id, _)| id)
             .collect();
         // A GPU's copy of it waits for a free slot of that GPU's ring: the
-        // members owing the oldest copy there keep it from being freed.
+        // members owing the oldest copy there keep it from being freed,
+        // and the members owing the copy that waits keep it wanted (cut,
+        // they owe it no more; a copy nobody owes is never made, and its
+        // host slot goes: a member stopped holding the oldest copy then
+        // holds only its own GPU ring, whose other readers are cut too).
         for (g, grp) in self.groups.iter().enumerate() {
             if let Some(oldest) = grp.blocked_by(seq) {
                 owe.extend(
                     self.readers
                         .iter()
-                        .filter(|(_, c)| c.group == Some(g as GroupId) && owes(c, oldest))
+                        .filter(|(_, c)| {
+                            c.group == Some(g as GroupId) && (owes(c, oldest) || owes(c, seq))
+                        })
                         .map(|(id, _)| id),
                 );
             }

@@ -110,6 +110,7 @@ fn may_cut(hub: &Hub, id: ConsumerId, c: &Conn) -> bool {
 struct ConnFacts<'a> {
     hub: &'a Hub,
     conns: &'a mut Conns,
+    regions: &'a regions::Regions,
 }
 
 impl Facts for ConnFacts<'_> {
@@ -138,6 +139,19 @@ impl Facts for ConnFacts<'_> {
             .get_mut(&id)
             .is_some_and(|c| took(self.hub, id, c, seq))
     }
+
+    fn movable(&mut self, id: ConsumerId) -> bool {
+        self.conns
+            .get(&id)
+            .is_some_and(|c| movable(self.hub, id, c, self.regions))
+    }
+}
+
+/// Whether the ring may move away from what consumer `id` holds: the
+/// stream's ring can move, and it is cut already (decoupled pace cuts at
+/// once; what it took stays held) or may be.
+fn movable(hub: &Hub, id: ConsumerId, c: &Conn, regions: &regions::Regions) -> bool {
+    regions.movable() && (hub.view().reader(id).is_some_and(|r| r.is_cut()) || may_cut(hub, id, c))
 }
 
 /// The pipeline waits for the ring's next slot: asks the hold clock what
@@ -145,17 +159,11 @@ impl Facts for ConnFacts<'_> {
 /// ([`super::hold::HoldClock::judge`]), and cuts or detaches whom it
 /// names. Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
-    // Where the ring can move away from a held batch, one holding it is
-    // dealt with at the hold limit like the others.
-    let movable = inner.fill.regions.movable();
     let rule = Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
         stall_cut: s.plan.pace == PaceRule::Auto,
         limit: s.plan.hold_limit,
-        held_limit: match movable {
-            true => s.plan.hold_limit,
-            false => s.plan.held_batch_limit,
-        },
+        held_limit: s.plan.held_batch_limit,
     };
     if !rule.eager && rule.limit.is_none() {
         return false;
@@ -163,9 +171,23 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     let pinned = inner.hub.view().pinning();
     let seq = pinned.as_ref().map(|(seq, _)| *seq);
     let Inner {
-        hub, conns, pace, ..
+        hub,
+        conns,
+        pace,
+        fill,
+        ..
     } = &mut *inner;
-    let verdict = pace.judge(rule, pinned, &mut ConnFacts { hub, conns }, now);
+    let regions = &fill.regions;
+    let verdict = pace.judge(
+        rule,
+        pinned,
+        &mut ConnFacts {
+            hub,
+            conns,
+            regions,
+        },
+        now,
+    );
     let Verdict::Act {
         cut: can,
         detach,
@@ -176,15 +198,15 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     };
     let mut movers = Vec::new();
     for &id in &detach {
-        let Inner { hub, conns, .. } = &mut *inner;
+        let Inner {
+            hub, conns, fill, ..
+        } = &mut *inner;
+        let regions = &fill.regions;
         let Some(c) = conns.get_mut(&id) else {
             continue;
         };
         let took_it = seq.is_some_and(|q| took(hub, id, c, q));
-        // Cut already (decoupled pace cuts at once; what it took stays
-        // held), or it may be.
-        let cut_already = hub.view().reader(id).is_some_and(|r| r.is_cut());
-        if took_it && movable && (cut_already || may_cut(hub, id, c)) {
+        if took_it && movable(hub, id, c, regions) {
             movers.push(id);
         } else {
             detach_holder(s, inner, id, (held, took_it));

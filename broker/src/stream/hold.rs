@@ -15,10 +15,10 @@
 //!   is named to be detached: one with no replay arena (a producer's
 //!   stream, one the budget refused) at the limit, one that took the unit
 //!   itself (its program holds it: a cut would not free it) at the
-//!   held-batch limit (`held_batch_limit_s`, at least the limit; the
-//!   runtime sets it to the limit where the ring can move away from a
-//!   held batch, and moves it instead: `super::regions`), the others cut
-//!   meanwhile; a joiner catching up is waited for, and one the hold was
+//!   held-batch limit (`held_batch_limit_s`, at least the limit), the
+//!   others cut meanwhile; one that took it where the ring can move away
+//!   from what it holds ([`Ower::movable`]) at the limit, like the others
+//!   (the runtime cuts it and moves the ring: `super::regions`); a joiner catching up is waited for, and one the hold was
 //!   carried to gets a hold of its own, from now (the others are cut).
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
@@ -82,8 +82,12 @@ pub(super) struct Ower {
     /// A lockstep joiner whose catch-up replay moves within the limit.
     pub catching_up: bool,
     /// It took the pinned unit (its program holds it): a cut would not
-    /// free it, so it waits for the held-batch limit.
+    /// free it, so it waits for the held-batch limit...
     pub took: bool,
+    /// ...unless the ring can move away from what it holds: then it is
+    /// named at the limit like the others (the runtime cuts it and moves
+    /// the ring, `super::regions`).
+    pub movable: bool,
 }
 
 /// What the hold rule says to do now.
@@ -116,6 +120,9 @@ pub(super) trait Facts {
     /// Whether consumer `id` took unit `seq` itself (its program holds
     /// it; a cut cannot give it back).
     fn took(&mut self, id: ConsumerId, seq: u64) -> bool;
+    /// Whether the ring may move away from what consumer `id` holds (it
+    /// is cut, or may be, and the stream's ring can move).
+    fn movable(&mut self, id: ConsumerId) -> bool;
 }
 
 /// One unit of the ring: when the pipeline began it and when it was made.
@@ -168,6 +175,7 @@ impl HoldClock {
                         cuttable: facts.cuttable(id, stalled),
                         catching_up: facts.catching_up(id, within, now),
                         took: facts.took(id, *seq),
+                        movable: facts.movable(id),
                     })
                     .collect()
             }
@@ -220,7 +228,7 @@ impl HoldClock {
         let (waited, detach): (Vec<&Ower>, Vec<&Ower>) = owe
             .iter()
             .filter(|o| !o.cuttable && !o.catching_up)
-            .partition(|o| o.took && !past_held);
+            .partition(|o| o.took && !o.movable && !past_held);
         let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
             if !past {
@@ -456,6 +464,7 @@ mod tests {
             cuttable,
             catching_up: false,
             took: false,
+            movable: false,
         }
     }
 
@@ -496,6 +505,43 @@ mod tests {
     /// detached, while the one that took the unit (its program holds it)
     /// is waited for until the held-batch limit, counted from the same
     /// start, then detached; nothing is done in between.
+    /// Where the ring can move away from what a holder holds, it is named
+    /// at the limit with the others (the runtime moves the ring), not
+    /// waited for to the held-batch limit; one that cannot be moved is.
+    #[test]
+    fn one_holding_the_unit_the_ring_can_leave_is_named_at_the_limit() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let rule = Rule {
+            eager: false,
+            stall_cut: false,
+            limit: Some(LIMIT),
+            held_limit: Some(3 * LIMIT),
+        };
+        let holder = |id, movable| Ower {
+            took: true,
+            movable,
+            ..ower(id, false)
+        };
+        let owe = [ower(1, true), holder(3, true), holder(4, false)];
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(100)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(3099)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(rule, Some((0, &owe)), true, c.at(3100)),
+            Verdict::Act {
+                cut: vec![1],
+                detach: vec![3],
+                held: LIMIT
+            }
+        );
+    }
+
     #[test]
     fn one_holding_the_unit_is_waited_for_to_the_held_batch_limit_the_others_cut_at_the_limit() {
         let c = Clock(Instant::now());
@@ -667,6 +713,7 @@ mod tests {
             cuttable: false,
             catching_up: true,
             took: false,
+            movable: false,
         }];
         h.decide(lockstep(), Some((0, &owe)), true, c.at(100));
         let v = h.decide(lockstep(), Some((0, &owe)), true, c.at(9000));

@@ -248,6 +248,12 @@ impl Facts for SimFacts<'_> {
     fn took(&mut self, id: ConsumerId, seq: u64) -> bool {
         self.readers.get(&id).is_some_and(|r| r.took(seq))
     }
+
+    /// The simulated stream keeps its ring where it is (moving it away from
+    /// held batches is tested end to end: `tests/pause.rs`).
+    fn movable(&mut self, _id: ConsumerId) -> bool {
+        false
+    }
 }
 
 impl Sim {
