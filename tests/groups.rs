@@ -864,3 +864,57 @@ fn on_a_lockstep_stream_a_stopped_member_is_cut_at_the_hold_limit_and_reads_its_
     let batches: u64 = words[at - 1].parse().unwrap();
     assert!((60..=72).contains(&batches), "{line}");
 }
+
+/// Issue 72 at the defaults (no pace, no limits in the config): a group
+/// member stopped mid-step holding its batch (`--hold 1`) holds a steady
+/// reader at most the 2 s hold limit (the ring moves on without what it
+/// holds), and continued it reads its share once, in order, partly
+/// replayed, never detached.
+#[test]
+fn at_the_defaults_a_member_stopped_holding_its_batch_holds_no_one_and_reads_its_share() {
+    let defaults = held_decoupled(None)
+        .replace("pace = \"decoupled\"\n", "")
+        .replace("hold_limit_s = 1.0\n", "");
+    assert!(
+        !defaults.contains("pace") && !defaults.contains("limit"),
+        "{defaults}"
+    );
+    let env = Env::start(&defaults);
+    let steady = steady_reader(&env);
+    let stopped = member(
+        &env,
+        "t",
+        0,
+        2,
+        &[
+            "--join",
+            "immediate",
+            "--hold",
+            "1",
+            "--stop-after",
+            "3",
+            "--max-batches",
+            "60",
+        ],
+    );
+    common::wait_stopped(stopped.id());
+    let steady = {
+        let mut steady = steady;
+        let t0 = std::time::Instant::now();
+        while t0.elapsed().as_secs() < 12 && steady.try_wait().unwrap().is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        steady
+    };
+    harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    assert_steady_not_held(steady);
+    let stopped = report(stopped);
+    assert_eq!(stopped.batches, 60, "{stopped:#?}");
+    assert!(stopped.replayed_batches > 0, "{stopped:#?}");
+    assert_own_runs_in_order(&stopped, 0);
+    let s = env.wait_for("the member to be gone", |s| {
+        s.streams[0].past_consumers.len() == 2
+    });
+    assert_eq!(s.streams[0].detached, 0);
+    assert!(s.streams[0].ring_moves >= 1, "{:#?}", s.streams[0]);
+}
