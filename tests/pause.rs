@@ -331,3 +331,60 @@ fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() 
     }
     assert_eq!(env.stats().streams[0].detached, 0);
 }
+
+/// A held batch moves the ring only where the holder's uid can pay for the
+/// region it needs: with the memory budget full (the stream's 32 MiB
+/// arena, replay arenas of 12 and 16 MiB (windows of 1 and 2 batches, and
+/// 2 more), frame buffers: about 61 of 70 MiB, no room for another 32 MiB
+/// region), a trainer stopped holding its batch is
+/// detached at the hold limit instead, told that the budget had no room,
+/// and the steady one goes on.
+#[test]
+fn a_holder_whose_uid_cannot_pay_for_a_region_is_detached_and_told_the_budget_is_full() {
+    let cfg = "[broker]\nmemory_mib = 70\nmax_connections = 16\n\n[[stream]]\nname = \"train\"\n\
+               batch_size = 4\nslots = 8\nepochs = 40\nmin_consumers = 2\n\n\
+               [stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
+               fields = [{ name = \"x\", dtype = \"u8\", shape = [1048576] }]\n";
+    let env = Env::start(cfg);
+    let steady = env.consumer(&[
+        "--verify",
+        "--window",
+        "1",
+        "--sleep-ms",
+        "2",
+        "--name",
+        "steady",
+    ]);
+    let stopped = env.consumer(&[
+        "--verify",
+        "--window",
+        "2",
+        "--hold",
+        "1",
+        "--stop-after",
+        "5",
+        "--name",
+        "stopped",
+    ]);
+    let (steady, stopped, finished) =
+        steady_then_continue_after(steady, stopped, Duration::from_secs(8));
+    assert!(steady.ok && steady.ended, "{steady:#?}");
+    assert_eq!(steady.verified_samples, 40 * 16);
+    assert!(
+        finished < Duration::from_secs(6),
+        "steady finished {finished:?} after the stop"
+    );
+    assert_eq!(
+        stopped.error_code.as_deref(),
+        Some("HoldLimit"),
+        "{stopped:#?}"
+    );
+    let why = stopped.error.clone().unwrap_or_default();
+    assert!(
+        why.contains("could not move on without it") && why.contains("memory budget"),
+        "{why}"
+    );
+    assert_eq!(stopped.verify_failures, 0, "{stopped:#?}");
+    let s = env.stats();
+    assert_eq!((s.streams[0].ring_moves, s.streams[0].detached), (0, 1));
+}
