@@ -276,6 +276,14 @@ fn move_ring(
     ids: Vec<ConsumerId>,
     (held, now): (Duration, Instant),
 ) {
+    // One still holding batches an earlier move left behind gets no
+    // second region: one consumer never holds more than one.
+    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
+        .into_iter()
+        .partition(|&id| inner.fill.regions.holds_left(id));
+    for id in again {
+        detach_stuck(s, inner, id, held, &regions::Stuck::Again);
+    }
     let cut_ones: Vec<ConsumerId> = ids
         .into_iter()
         .filter(|&id| {
@@ -296,15 +304,27 @@ fn move_ring(
         ),
         Err(why) => {
             for id in cut_ones {
-                let reason = format!(
-                    "detached: this consumer kept the batch the stream's pipeline needed next for {:.1} s while other consumers waited for data, past the stream's hold_limit_s of {}, and the ring could not move on without it: {why}; release batches before a long pause (drop or `del` them), or resume from its state (state_dict())",
-                    held.as_secs_f64(),
-                    s.plan.hold_limit.unwrap_or_default().as_secs_f64(),
-                );
-                inner.hub.detach(id, reason);
+                detach_stuck(s, inner, id, held, &why);
             }
         }
     }
+}
+
+/// Detaches consumer `id`, which kept the batch the ring needed next for
+/// `held`, because the ring could not move on without it (`why`).
+fn detach_stuck(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    held: Duration,
+    why: &regions::Stuck,
+) {
+    let reason = format!(
+        "detached: this consumer kept the batch the stream's pipeline needed next for {:.1} s while other consumers waited for data, past the stream's hold_limit_s of {}, and the ring could not move on without it: {why}; release batches before a long pause (drop or `del` them), or resume from its state (state_dict())",
+        held.as_secs_f64(),
+        s.plan.hold_limit.unwrap_or_default().as_secs_f64(),
+    );
+    inner.hub.detach(id, reason);
 }
 
 /// Tells consumer `id`, which joined cut (it needs replay, see

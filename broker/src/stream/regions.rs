@@ -24,7 +24,8 @@
 //!   memory cannot be given back before the stream ends, so it stays
 //!   charged, and reused by later moves). With no region free and none
 //!   the budget lets it allocate, that consumer is detached instead, told
-//!   why.
+//!   why; so is one that still holds batches an earlier move left behind
+//!   (one consumer holds at most one region).
 //! * A pipeline thread writes the region that was current when it began
 //!   its batch; if the ring moved meanwhile, its batch is copied to the
 //!   current region before it is published. A region where a batch is
@@ -86,6 +87,8 @@ pub(super) enum Stuck {
     Full,
     #[error("{0}")]
     OverBudget(#[from] OverBudget),
+    #[error("it still holds batches the ring left behind for it when it held the ring before")]
+    Again,
     #[error("allocating a region of the host arena: {0}")]
     Memory(batchcast::Error),
 }
@@ -167,6 +170,13 @@ impl Regions {
             }
         }
         false
+    }
+
+    /// Whether consumer `id` holds batches in a region the ring left.
+    pub(super) fn holds_left(&self, id: ConsumerId) -> bool {
+        self.regions
+            .iter()
+            .any(|r| matches!(&r.holds, Holds::Left { held, .. } if held.contains_key(&id)))
     }
 
     /// Consumer `id` left: what it held in regions left behind is free.
