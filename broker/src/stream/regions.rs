@@ -284,7 +284,9 @@ pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Re
                 tracing::error!(consumer = id, seq, "moving the ring: {e}");
             }
         }
-        left.insert(id, held);
+        if !held.is_empty() {
+            left.insert(id, held);
+        }
     }
     let ring = inner.hub.view().ring();
     let before = ring.head();
