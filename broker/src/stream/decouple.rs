@@ -154,17 +154,33 @@ fn movable(hub: &Hub, id: ConsumerId, c: &Conn, regions: &regions::Regions) -> b
     regions.movable() && (hub.view().reader(id).is_some_and(|r| r.is_cut()) || may_cut(hub, id, c))
 }
 
+/// The stream's hold rule, from its plan.
+fn hold_rule(s: &Stream) -> Rule {
+    Rule {
+        eager: s.plan.pace == PaceRule::Decoupled,
+        stall_cut: s.plan.pace == PaceRule::Auto,
+        workers: u32::try_from(s.plan.workers).unwrap_or(u32::MAX),
+        limit: s.plan.hold_limit,
+        held_limit: s.plan.held_batch_limit,
+    }
+}
+
+/// How long a pipeline thread waiting for the ring's next slot may sleep
+/// at most: until the hold rule's next deadline
+/// ([`super::hold::HoldClock::next_look`]), if sooner than `idle`.
+pub(super) fn look_within(s: &Stream, inner: &Inner, idle: Duration, now: Instant) -> Duration {
+    inner
+        .pace
+        .next_look(hold_rule(s), now)
+        .map_or(idle, |t| idle.min(t - now))
+}
+
 /// The pipeline waits for the ring's next slot: asks the hold clock what
 /// its rules say of who owes the unit there
 /// ([`super::hold::HoldClock::judge`]), and cuts or detaches whom it
 /// names. Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
-    let rule = Rule {
-        eager: s.plan.pace == PaceRule::Decoupled,
-        stall_cut: s.plan.pace == PaceRule::Auto,
-        limit: s.plan.hold_limit,
-        held_limit: s.plan.held_batch_limit,
-    };
+    let rule = hold_rule(s);
     if !rule.eager && rule.limit.is_none() {
         return false;
     }
@@ -196,6 +212,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     else {
         return false;
     };
+    tracing::debug!(stream = %s.name(), ?can, ?detach, held_s = held.as_secs_f64(), "the hold rule acts");
     let mut movers = Vec::new();
     for &id in &detach {
         let Inner {

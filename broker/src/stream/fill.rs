@@ -374,7 +374,8 @@ impl<'a> Worker<'a> {
             if mailboxes == 0 || (free == 0 && waited >= arm_after) {
                 // Socket releases notify; mailbox consumers are asked to ring.
                 inner.fill.cpu += self.cpu.spent(true);
-                inner = idle(s, inner, mailboxes > 0, IDLE_WAIT);
+                let wait = decouple::look_within(s, &inner, IDLE_WAIT, now);
+                inner = idle(s, inner, mailboxes > 0, wait);
                 take_any = true;
                 continue;
             }

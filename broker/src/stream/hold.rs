@@ -22,15 +22,23 @@
 //!   carried to gets a hold of its own, from now (the others are cut).
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
-//! * The default pace (`auto`) is lockstep that tells a stall from a
-//!   step: the clock keeps how long the last units pinned the ring before
-//!   they moved on (while someone waited: the slowest reader's step), and
-//!   once the pinned unit has been held [`STALL_FACTOR`] times the usual
-//!   such wait, and at least [`STALL_FLOOR`], its owers that may be cut
-//!   are cut at once, as at the limit (one that cannot be waits for its
-//!   bound). A trainer that is slow but moving sets the pace as under
-//!   lockstep; one that pauses holds the others about a quarter of a
-//!   second, not the whole hold limit. Too few waits seen yet: the limit.
+//! * The default pace (`auto`) is lockstep that holds the others behind
+//!   a laggard only while that is cheaper than replaying to it. Cut, the
+//!   laggard loses the units it owes in the ring, which its replay makes
+//!   again: about `owed × make / workers` of the pipeline's time, where
+//!   `make` is how long a pipeline thread took to make a unit of the ring
+//!   (the median of the units the clock keeps; units served from the
+//!   decoded cache are quicker, and so is their replay). Held, every
+//!   waiting consumer loses the whole hold. So once the pinned unit has
+//!   been held as long as remaking what its owers would lose takes
+//!   ([`HoldClock::stall_after`], at least [`STALL_FLOOR`]), its owers that
+//!   may be cut are cut, as at the limit (one that cannot be waits for its
+//!   bound). Holding on longer would cost the waiting ones more than the
+//!   replay costs everyone (on a pipeline-bound machine, one extra unit's
+//!   worth of time each), whether the laggard then resumes at once or
+//!   not. A trainer whose step is shorter than that sets the pace as
+//!   under lockstep; one that pauses, or steps slower than that, is
+//!   replayed to: holding the others for it would cost them more.
 //! * A round at the limit (the owers of the pinned unit cut or detached)
 //!   carries its hold to the next unit pinned if that unit was already in
 //!   the ring when the hold began (begun, not necessarily made: workers
@@ -50,12 +58,9 @@ use crate::hub::ConsumerId;
 /// together are, is not worth a replay).
 pub(super) const CUT_AFTER: Duration = Duration::from_millis(10);
 
-/// The default pace's stall: a pin this many times the usual one...
-pub(super) const STALL_FACTOR: u32 = 8;
-/// ...and at least this long.
+/// The default pace cuts no pin shorter than this (a replay is not worth
+/// a moment's wait, whatever the units cost).
 pub(super) const STALL_FLOOR: Duration = Duration::from_millis(250);
-/// Pins the usual one is the median of (at least a quarter of them seen).
-const STEPS: usize = 16;
 
 /// The stream's hold rule.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +70,9 @@ pub(super) struct Rule {
     /// The default pace (`auto`): cut a stalled ower before the limit
     /// (see the module's rules).
     pub stall_cut: bool,
+    /// The pipeline threads that would remake what a cut loses (at least
+    /// one counts).
+    pub workers: u32,
     /// The hold limit (`None`: `hold_limit_s = inf`).
     pub limit: Option<Duration>,
     /// How long an ower that took the pinned unit itself is waited for
@@ -142,9 +150,6 @@ pub(super) struct HoldClock {
     pinned: Option<(u64, Instant)>,
     /// When the hold that the last round at the limit ended began.
     carried: Option<Instant>,
-    /// How long the last pins lasted before their unit moved on (not
-    /// ended by a cut), while someone waited; at most [`STEPS`].
-    steps: VecDeque<Duration>,
 }
 
 impl HoldClock {
@@ -203,11 +208,6 @@ impl HoldClock {
             return Verdict::Wait;
         }
         let Some((seq, owe)) = pinned else {
-            if let Some((_, t)) = self.pinned
-                && self.carried.is_none()
-            {
-                self.step(now.saturating_duration_since(t));
-            }
             self.unpin();
             return Verdict::Wait;
         };
@@ -217,7 +217,10 @@ impl HoldClock {
         let (since, carried) = self.pinned_since(seq, now);
         let held = now.saturating_duration_since(since);
         let past = rule.limit.is_some_and(|l| held >= l);
-        let stalled = rule.stall_cut && self.stalled(held);
+        let stalled = rule.stall_cut
+            && self
+                .stall_after(seq, rule.workers)
+                .is_some_and(|d| held >= d);
         if !rule.eager && !past && !stalled {
             return Verdict::Wait;
         }
@@ -298,14 +301,10 @@ impl HoldClock {
     /// was begun before that hold began), and whether that is a carried
     /// hold.
     fn pinned_since(&mut self, seq: u64, now: Instant) -> (Instant, bool) {
-        if let Some((s, t)) = self.pinned {
-            if s == seq {
-                return (t, self.carried.is_some());
-            }
-            // The unit pinned before moved on by itself: a step.
-            if self.carried.is_none() {
-                self.step(now.saturating_duration_since(t));
-            }
+        if let Some((s, t)) = self.pinned
+            && s == seq
+        {
+            return (t, self.carried.is_some());
         }
         let begun = self.units.iter().find(|u| u.seq == seq).map(|u| u.begun);
         let from = self.carried.filter(|&c| begun.is_none_or(|b| b <= c));
@@ -318,25 +317,55 @@ impl HoldClock {
         )
     }
 
-    /// A pin lasted `d` and its unit moved on by itself.
-    fn step(&mut self, d: Duration) {
-        self.steps.push_back(d);
-        while self.steps.len() > STEPS {
-            self.steps.pop_front();
+    /// How long the default pace holds the others behind unit `seq`
+    /// before it cuts its owers (see the module's rules): the time
+    /// `workers` pipeline threads take to remake the units a cut would
+    /// take back (those made from `seq` on), each taking as long as the
+    /// median unit the clock keeps took to make; at least
+    /// [`STALL_FLOOR`]. `None` before any unit was made.
+    pub(super) fn stall_after(&self, seq: u64, workers: u32) -> Option<Duration> {
+        let mut make: Vec<Duration> = self
+            .units
+            .iter()
+            .filter_map(|u| Some(u.made?.saturating_duration_since(u.begun)))
+            .collect();
+        if make.is_empty() {
+            return None;
         }
+        make.sort_unstable();
+        let median = make[make.len() / 2];
+        let owed = self
+            .units
+            .iter()
+            .filter(|u| u.seq >= seq && u.made.is_some())
+            .count()
+            .max(1) as u32;
+        Some((median * owed / workers.max(1)).max(STALL_FLOOR))
     }
 
-    /// Whether a pin held this long is a stall: [`STALL_FACTOR`] times the
-    /// usual pin (the median of the last ones, a quarter of [`STEPS`] seen
-    /// at least), and at least [`STALL_FLOOR`].
-    fn stalled(&self, held: Duration) -> bool {
-        if self.steps.len() < STEPS / 4 {
-            return false;
-        }
-        let mut seen: Vec<Duration> = self.steps.iter().copied().collect();
-        seen.sort_unstable();
-        let usual = seen[seen.len() / 2];
-        held >= usual.saturating_mul(STALL_FACTOR).max(STALL_FLOOR)
+    /// When the rule's verdict on the unit pinning the ring may next
+    /// change (the stall cut, the limit, the held-batch limit; decoupled
+    /// pace: the unit's age), if after `now`: the runtime looks again then
+    /// rather than on its idle tick. `None`: nothing pins the ring, or
+    /// nothing is due.
+    pub(super) fn next_look(&self, rule: Rule, now: Instant) -> Option<Instant> {
+        let (seq, since) = self.pinned?;
+        let made = self
+            .units
+            .iter()
+            .find(|u| u.seq == seq)
+            .and_then(|u| u.made);
+        let stall = rule
+            .stall_cut
+            .then(|| self.stall_after(seq, rule.workers))
+            .flatten();
+        [rule.limit, rule.held_limit, stall]
+            .into_iter()
+            .flatten()
+            .map(|d| since + d)
+            .chain(made.filter(|_| rule.eager).map(|m| m + CUT_AFTER))
+            .filter(|&t| t > now)
+            .min()
     }
 
     /// Nothing pins the ring: the next pin starts a hold of its own.
@@ -472,6 +501,7 @@ mod tests {
         Rule {
             eager: false,
             stall_cut: false,
+            workers: 1,
             limit: Some(LIMIT),
             held_limit: Some(LIMIT),
         }
@@ -515,6 +545,7 @@ mod tests {
         let rule = Rule {
             eager: false,
             stall_cut: false,
+            workers: 1,
             limit: Some(LIMIT),
             held_limit: Some(3 * LIMIT),
         };
@@ -549,6 +580,7 @@ mod tests {
         let rule = Rule {
             eager: false,
             stall_cut: false,
+            workers: 1,
             limit: Some(LIMIT),
             held_limit: Some(3 * LIMIT),
         };
@@ -607,66 +639,81 @@ mod tests {
         ));
     }
 
-    /// The default pace (`auto`): a laggard stepping every `step_ms`
-    /// pins the ring for that long, unit after unit, and is never cut;
-    /// stopped, it is cut once its unit has been pinned 8 steps (and at
-    /// least 250 ms), long before the limit; explicit lockstep waits for
-    /// the limit.
+    /// A ring of 12 units, unit `seq` begun at `seq × make_ms` and made
+    /// `make_ms` later.
+    fn made_in(c: &Clock, make_ms: u64) -> HoldClock {
+        let mut h = HoldClock::default();
+        for seq in 0..12 {
+            h.begun(seq, SLOTS, c.at(seq * make_ms));
+            h.made(seq, c.at((seq + 1) * make_ms));
+        }
+        h
+    }
+
+    /// The default pace (`auto`) holds the others behind a pinned unit as
+    /// long as remaking what a cut takes back would take (12 units made
+    /// in `make_ms` each, by `workers` threads), at least 250 ms and at
+    /// most the limit, and says when to look again; explicit lockstep
+    /// waits for the limit.
     #[test]
-    fn the_default_pace_cuts_a_stall_at_eight_usual_steps_never_a_moving_laggard() {
+    fn the_default_pace_holds_the_others_while_that_is_cheaper_than_a_replay() {
         let auto = Rule {
             stall_cut: true,
             ..lockstep()
         };
         let owe = [ower(1, true)];
-        for (step_ms, cut_at) in [(40, 320), (10, 250), (400, 3000)] {
-            let c = Clock(Instant::now());
-            let mut h = HoldClock::default();
-            let mut t = 0;
-            for seq in 0..8u64 {
-                for dt in [0, step_ms / 2, step_ms - 1] {
-                    assert_eq!(
-                        h.decide(auto, Some((seq, &owe)), true, c.at(t + dt)),
-                        Verdict::Wait,
-                        "moving, a step of {step_ms} ms"
-                    );
-                }
-                t += step_ms;
-            }
-            // It stops on unit 8.
-            let mut l = HoldClock {
-                steps: h.steps.clone(),
-                ..HoldClock::default()
-            };
-            for (rule, at) in [(auto, cut_at), (lockstep(), 3000)] {
-                let h = if rule.stall_cut { &mut h } else { &mut l };
+        // 12 × 30 ms by one thread; by four (the floor); 12 × 100 ms by
+        // two; 12 × 400 ms by one (past the limit: the limit).
+        for (make_ms, workers, cut_at) in
+            [(30, 1, 360), (30, 4, 250), (100, 2, 600), (400, 1, 3000)]
+        {
+            for rule in [
+                Rule { workers, ..auto },
+                Rule {
+                    workers,
+                    ..lockstep()
+                },
+            ] {
+                let at = if rule.stall_cut { cut_at } else { 3000 };
+                let c = Clock(Instant::now());
+                let mut h = made_in(&c, make_ms);
+                let t = 13 * make_ms;
                 assert_eq!(
-                    h.decide(rule, Some((8, &owe)), true, c.at(t)),
+                    h.decide(rule, Some((0, &owe)), true, c.at(t)),
                     Verdict::Wait
                 );
+                assert_eq!(h.next_look(rule, c.at(t)), Some(c.at(t + at)), "{rule:?}");
                 assert_eq!(
-                    h.decide(rule, Some((8, &owe)), true, c.at(t + at - 1)),
+                    h.decide(rule, Some((0, &owe)), true, c.at(t + at - 1)),
                     Verdict::Wait,
-                    "a step of {step_ms} ms, {rule:?}"
+                    "units made in {make_ms} ms, {rule:?}"
                 );
                 assert_eq!(
-                    h.decide(rule, Some((8, &owe)), true, c.at(t + at)),
+                    h.decide(rule, Some((0, &owe)), true, c.at(t + at)),
                     Verdict::Act {
                         cut: vec![1],
                         detach: vec![],
                         held: Duration::from_millis(at)
                     },
-                    "a step of {step_ms} ms, {rule:?}"
+                    "units made in {make_ms} ms, {rule:?}"
                 );
             }
         }
-        // Too few steps seen: the limit.
+        // A unit later in the ring owes fewer units to remake: pinned at
+        // unit 8, four units of 100 ms.
         let c = Clock(Instant::now());
+        let h = made_in(&c, 100);
+        assert_eq!(h.stall_after(8, 1), Some(Duration::from_millis(400)));
+        assert_eq!(h.stall_after(0, 1), Some(Duration::from_millis(1200)));
+        // Nothing made yet: no stall cut, only the limit.
         let mut h = HoldClock::default();
+        h.begun(0, SLOTS, c.at(0));
+        assert_eq!(h.stall_after(0, 1), None);
         assert_eq!(
             h.decide(auto, Some((0, &owe)), true, c.at(0)),
             Verdict::Wait
         );
+        assert_eq!(h.next_look(auto, c.at(0)), Some(c.at(3000)));
         assert_eq!(
             h.decide(auto, Some((0, &owe)), true, c.at(2999)),
             Verdict::Wait
@@ -681,6 +728,7 @@ mod tests {
         let inf = Rule {
             eager: false,
             stall_cut: false,
+            workers: 1,
             limit: None,
             held_limit: None,
         };
@@ -734,6 +782,7 @@ mod tests {
         let eager = Rule {
             eager: true,
             stall_cut: false,
+            workers: 1,
             limit: Some(LIMIT),
             held_limit: Some(LIMIT),
         };

@@ -883,6 +883,7 @@ fn run(sc: Schedule, bound: Bound) -> Result<Tally, TestCaseError> {
         rule: Rule {
             eager: sc.eager,
             stall_cut: sc.stall_cut,
+            workers: 1,
             limit: sc.limit.map(Duration::from_millis),
             held_limit: sc.limit.map(Duration::from_millis),
         },
