@@ -1,5 +1,5 @@
 //! A paused trainer holds no one past the stream's hold limit, under the
-//! default pace (lockstep) as under decoupled: the real broker, real
+//! default pace (`auto`) as under lockstep and decoupled: the real broker, real
 //! consumer processes stopped with SIGSTOP (as Ctrl-Z, a debugger or a
 //! hung process stops them) and continued with SIGCONT. On a stream the
 //! broker computes, the stopped one is cut to replay once it has kept the
@@ -23,7 +23,7 @@ const EPOCHS: u64 = 20;
 const STOPPED: Duration = Duration::from_secs(6);
 
 /// 400 samples an epoch in units of 40, `EPOCHS` epochs, a ring of 12,
-/// the default pace (lockstep) with a hold limit of 1 s; the stream starts
+/// the default pace with a hold limit of 1 s; the stream starts
 /// once two consumers have subscribed.
 pub(crate) fn lockstep() -> String {
     common::small_images(40, PER_EPOCH)
@@ -138,6 +138,40 @@ fn at_the_defaults_a_slow_but_moving_trainer_sets_the_pace_and_is_never_cut() {
         "{:#?}",
         s.streams[0].past_consumers
     );
+}
+
+/// Issue 72 at the defaults: a trainer crawling at 1 s a batch, slower
+/// than remaking what it owes, holds a steady one no more than the first
+/// stall (about 0.25 s here, where lockstep would hold it through the
+/// crawler's 8 s): it is cut to replay and reads its batches in order,
+/// byte for byte, from its own arena.
+#[test]
+fn at_the_defaults_a_crawling_trainer_is_replayed_to_and_holds_no_one() {
+    let env = Env::start(&defaults());
+    let steady = steady(&env);
+    let crawler = env.consumer(&[
+        "--verify",
+        "--sleep-ms",
+        "1000",
+        "--max-batches",
+        "8",
+        "--name",
+        "crawler",
+    ]);
+    let steady = report(steady);
+    assert_whole(&steady);
+    // Alone 0.4 s; held to the crawler's pace, at least 7 s.
+    eprintln!("steady read its run in {:.2} s", steady.seconds);
+    assert!(steady.seconds < 4.0, "{steady:#?}");
+    let crawler = report(crawler);
+    assert!(crawler.ok && crawler.batches == 8, "{crawler:#?}");
+    assert_eq!(crawler.verified_samples, 8 * 40, "{crawler:#?}");
+    assert!(crawler.replayed_batches > 0, "{crawler:#?}");
+    let s = env.gone(&["steady", "crawler"]);
+    let past = &s.streams[0].past_consumers;
+    let cut = past.iter().find(|c| c.name == "crawler").unwrap();
+    assert!(cut.cuts >= 1, "{cut:#?}");
+    assert_eq!(s.streams[0].detached, 0);
 }
 
 /// The stopped trainer has `device`'s arguments; its device twin is in

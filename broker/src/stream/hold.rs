@@ -32,8 +32,11 @@
 //!   waiting consumer loses the whole hold. So once the pinned unit has
 //!   been held as long as remaking what its owers would lose takes
 //!   ([`HoldClock::stall_after`], at least [`STALL_FLOOR`]), its owers that
-//!   may be cut are cut, as at the limit (one that cannot be waits for its
-//!   bound). Holding on longer would cost the waiting ones more than the
+//!   may be cut are cut, as at the limit, and one that holds the unit
+//!   itself where the ring can move away from it is named (the runtime
+//!   cuts it and moves the ring: a copy of the ring's written slots, less
+//!   than the remake weighed); others that cannot be cut wait for their
+//!   bound. Holding on longer would cost the waiting ones more than the
 //!   replay costs everyone (on a pipeline-bound machine, one extra unit's
 //!   worth of time each), whether the laggard then resumes at once or
 //!   not. A trainer whose step is shorter than that sets the pace as
@@ -93,8 +96,9 @@ pub(super) struct Ower {
     /// free it, so it waits for the held-batch limit...
     pub took: bool,
     /// ...unless the ring can move away from what it holds: then it is
-    /// named at the limit like the others (the runtime cuts it and moves
-    /// the ring, `super::regions`).
+    /// named at the limit like the others, and under the default pace at
+    /// the stall cut (the runtime cuts it and moves the ring,
+    /// `super::regions`).
     pub movable: bool,
 }
 
@@ -232,9 +236,13 @@ impl HoldClock {
             .iter()
             .filter(|o| !o.cuttable && !o.catching_up)
             .partition(|o| o.took && !o.movable && !past_held);
+        // Holders the ring can move away from are priced as the others
+        // are (a move copies the ring's written slots, far less than the
+        // remake the stall cut weighs); the rest wait for the limit.
+        let early = stalled && detach.iter().all(|o| o.took && o.movable);
         let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
-            if !past {
+            if !past && !early {
                 return Verdict::Wait;
             }
             if carried {
@@ -705,6 +713,49 @@ mod tests {
         let h = made_in(&c, 100);
         assert_eq!(h.stall_after(8, 1), Some(Duration::from_millis(400)));
         assert_eq!(h.stall_after(0, 1), Some(Duration::from_millis(1200)));
+        // One that holds the pinned unit itself where the ring can move
+        // away from it (a trainer crawling through a step with its batch)
+        // is named at the same moment, under `auto` only (lockstep: at
+        // the limit); one the ring cannot leave waits for its bound.
+        let holder = [Ower {
+            took: true,
+            movable: true,
+            ..ower(1, false)
+        }];
+        for (rule, at) in [(auto, 360), (lockstep(), 3000)] {
+            let mut h = made_in(&c, 30);
+            let t = 13 * 30;
+            assert_eq!(
+                h.decide(rule, Some((0, &holder)), true, c.at(t)),
+                Verdict::Wait
+            );
+            assert_eq!(
+                h.decide(rule, Some((0, &holder)), true, c.at(t + at - 1)),
+                Verdict::Wait
+            );
+            assert_eq!(
+                h.decide(rule, Some((0, &holder)), true, c.at(t + at)),
+                Verdict::Act {
+                    cut: vec![],
+                    detach: vec![1],
+                    held: Duration::from_millis(at)
+                },
+                "{rule:?}"
+            );
+        }
+        let fixed = [Ower {
+            movable: false,
+            ..holder[0]
+        }];
+        let mut h = made_in(&c, 30);
+        assert_eq!(
+            h.decide(auto, Some((0, &fixed)), true, c.at(13 * 30)),
+            Verdict::Wait
+        );
+        assert_eq!(
+            h.decide(auto, Some((0, &fixed)), true, c.at(13 * 30 + 360)),
+            Verdict::Wait
+        );
         // Nothing made yet: no stall cut, only the limit.
         let mut h = HoldClock::default();
         h.begun(0, SLOTS, c.at(0));
