@@ -1089,7 +1089,10 @@ command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1"]
 name = "pauses"
 command = ["{{batchcast}}", "consume", "--json", "--verify", "--sleep-ms", "1", "--stall-after", "10", "--stall-ms", "8000"]
 "#,
-        stream(3, "hold_limit_s = 3.0")
+        // Lockstep: the hold lasts its 3 s bound, long enough for the
+        // live lines to show it (the default pace prices a synthetic
+        // stream's replay at its 0.25 s floor and cuts the pause then).
+        stream(3, "hold_limit_s = 3.0\npace = \"lockstep\"")
     );
     let (out, summary) = launch(dir.path(), &sweep, &["--status-every", "1", "--report"]);
     assert!(out.status.success(), "{}", text(&out));
