@@ -421,7 +421,10 @@ fn lag_limit_4_seats_members_and_own_batch_sizes_with_the_default_window() {
 #[test]
 fn a_group_rides_through_broker_restarts_each_member_with_its_own_share() {
     let mut env = Env::start(&config(2));
-    let ride = ["--reconnect-timeout", "30", "--sleep-ms", "10"];
+    // 40 ms a batch: after the second broker has sent them 6, the members
+    // still read for half a second or more, the time the restart needs
+    // on a busy machine (at 10 ms CI once saw a member finish first).
+    let ride = ["--reconnect-timeout", "30", "--sleep-ms", "40"];
     let kids: Vec<_> = (0..2u32).map(|r| member(&env, "t", r, 2, &ride)).collect();
     // Killed twice, each time after the members read a while (each broker
     // counts what it delivered itself).
