@@ -374,6 +374,57 @@ fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() 
     assert_eq!(env.stats().streams[0].detached, 0);
 }
 
+/// The default pace moves the ring away from a crawling holder ahead of
+/// the hold limit only where a region can be had: with the budget of the
+/// test below full, a trainer crawling through 600 ms steps with its batch
+/// held (longer than the 0.25 s a replay is priced at here, shorter than
+/// the 2 s limit) is waited for, as lockstep does, and never detached.
+/// (Moved at the stall cut whatever the budget, it was detached at its
+/// first slow step.)
+#[test]
+fn at_the_defaults_a_crawling_holder_the_ring_cannot_leave_is_waited_for_not_detached() {
+    let env = Env::start(FULL_BUDGET);
+    let steady = env.consumer(&[
+        "--verify",
+        "--window",
+        "1",
+        "--sleep-ms",
+        "2",
+        "--name",
+        "steady",
+    ]);
+    let crawler = env.consumer(&[
+        "--verify",
+        "--window",
+        "2",
+        "--hold",
+        "1",
+        "--sleep-ms",
+        "600",
+        "--max-batches",
+        "6",
+        "--name",
+        "crawler",
+    ]);
+    let crawler = report(crawler);
+    assert!(
+        crawler.ok && crawler.error_code.is_none() && crawler.batches == 6,
+        "{crawler:#?}"
+    );
+    assert_eq!(crawler.verify_failures, 0, "{crawler:#?}");
+    let steady = report(steady);
+    assert!(steady.ok && steady.ended, "{steady:#?}");
+    assert_eq!(steady.verified_samples, 40 * 16);
+    assert_eq!(env.stats().streams[0].detached, 0);
+}
+
+/// A stream whose arena the memory budget can hold once, with no room
+/// for a second region (see the test below).
+const FULL_BUDGET: &str = "[broker]\nmemory_mib = 70\nmax_connections = 16\n\n[[stream]]\nname = \"train\"\n\
+               batch_size = 4\nslots = 8\nepochs = 40\nmin_consumers = 2\n\n\
+               [stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
+               fields = [{ name = \"x\", dtype = \"u8\", shape = [1048576] }]\n";
+
 /// A held batch moves the ring only where the holder's uid can pay for the
 /// region it needs: with the memory budget full (the stream's 32 MiB
 /// arena, replay arenas of 12 and 16 MiB (windows of 1 and 2 batches, and
@@ -383,11 +434,7 @@ fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() 
 /// and the steady one goes on.
 #[test]
 fn a_holder_whose_uid_cannot_pay_for_a_region_is_detached_and_told_the_budget_is_full() {
-    let cfg = "[broker]\nmemory_mib = 70\nmax_connections = 16\n\n[[stream]]\nname = \"train\"\n\
-               batch_size = 4\nslots = 8\nepochs = 40\nmin_consumers = 2\n\n\
-               [stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
-               fields = [{ name = \"x\", dtype = \"u8\", shape = [1048576] }]\n";
-    let env = Env::start(cfg);
+    let env = Env::start(FULL_BUDGET);
     let steady = env.consumer(&[
         "--verify",
         "--window",

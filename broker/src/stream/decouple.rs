@@ -234,7 +234,8 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     // them.
     let mut any = !detach.is_empty();
     if !movers.is_empty() {
-        move_ring(s, inner, movers, (held, now));
+        let early = rule.limit.is_some_and(|l| held < l);
+        move_ring(s, inner, movers, (held, now), early);
     }
     for id in can {
         any |= cut(s, inner, id, now);
@@ -286,18 +287,27 @@ fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, (held, took_it):
 /// past the hold limit (each took it: a stopped program holding it), and
 /// moves the ring away from what they hold ([`regions::move_from`]); one
 /// the ring cannot leave (no region free, the budget) is detached, told
-/// why.
+/// why. `early`: the default pace's stall cut, before the limit: then
+/// only where the ring can move now ([`regions::ready`]); otherwise
+/// nothing is done and they are waited for to the limit, as before the
+/// stall cut (a trainer merely slower than the remake is never detached
+/// for want of a region).
 fn move_ring(
     s: &Stream,
     inner: &mut Inner,
     ids: Vec<ConsumerId>,
     (held, now): (Duration, Instant),
+    early: bool,
 ) {
     // One still holding batches an earlier move left behind gets no
     // second region: one consumer never holds more than one.
     let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
         .into_iter()
         .partition(|&id| inner.fill.regions.holds_left(id));
+    if early && (!again.is_empty() || !ids.first().is_some_and(|&id| regions::ready(s, inner, id)))
+    {
+        return;
+    }
     for id in again {
         detach_stuck(s, inner, id, held, &regions::Stuck::Again);
     }

@@ -239,7 +239,7 @@ impl HoldClock {
         // Holders the ring can move away from are priced as the others
         // are (a move copies the ring's written slots, far less than the
         // remake the stall cut weighs); the rest wait for the limit.
-        let early = stalled && detach.iter().all(|o| o.took && o.movable);
+        let early = stalled && !detach.is_empty() && detach.iter().all(|o| o.took && o.movable);
         let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
             if !past && !early {
@@ -270,9 +270,12 @@ impl HoldClock {
             }
         } else if past {
             self.carry(since);
-        } else {
+        } else if !early {
             self.unpin();
         }
+        // (An early round naming holders keeps the hold: where the ring
+        // cannot move yet, they are waited for to the limit from `since`;
+        // where it moves, another unit pins the ring next.)
         Verdict::Act { cut, detach, held }
     }
 
@@ -742,6 +745,20 @@ mod tests {
                 },
                 "{rule:?}"
             );
+            // Named early where the ring could not move yet (the same
+            // unit still pinned), the hold runs on from its start to the
+            // limit.
+            if at < 3000 {
+                assert_eq!(
+                    h.decide(rule, Some((0, &holder)), true, c.at(t + 3000)),
+                    Verdict::Act {
+                        cut: vec![],
+                        detach: vec![1],
+                        held: Duration::from_millis(3000)
+                    },
+                    "{rule:?}"
+                );
+            }
         }
         let fixed = [Ower {
             movable: false,

@@ -248,6 +248,30 @@ pub(super) fn filled(s: &Stream, inner: &mut Inner, r: u32, (seq, samples): (u64
     }
 }
 
+/// Whether the ring could move now on behalf of consumer `id` (a region
+/// free, allocated now if none is and its uid's budget pays for one):
+/// asked before a move the default pace would make ahead of the hold
+/// limit, which never detaches anyone (see `super::decouple`).
+pub(super) fn ready(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
+    let oldest = inner.hub.view().ring().oldest_published();
+    inner.fill.regions.settle(oldest);
+    let Some(c) = inner.conns.get(&id) else {
+        return false;
+    };
+    let whom = format!(
+        "stream `{}`: the batches {} (pid {}) held",
+        s.name(),
+        c.peer.name,
+        c.peer.pid
+    );
+    let uid = c.peer.uid;
+    inner
+        .fill
+        .regions
+        .target(&s.arena, &s.budget, (uid, &whom))
+        .is_ok()
+}
+
 /// Moves the ring away from the batches the consumers `ids` hold (see
 /// the module's rules), after they were cut: those are given back to the
 /// hub, the written batches copied to the new region, and every consumer
