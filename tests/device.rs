@@ -262,15 +262,7 @@ fn a_device_trainer_without_room_for_a_replay_arena_is_served_and_detached_at_th
                [stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
                fields = [{ name = \"x\", dtype = \"u8\", shape = [1048576] }]\n";
     let env = Env::start_stand_in(cfg, "1");
-    let mut steady = env.consumer(&[
-        "--verify",
-        "--window",
-        "1",
-        "--sleep-ms",
-        "2",
-        "--name",
-        "steady",
-    ]);
+    let mut steady = env.consumer(&crate::pause::STEADY_OF_ONE);
     // The budget is sized for this order: the steady one's replay arena
     // first (subscribed the other way round, the device trainer's would
     // fit and the steady one's not).

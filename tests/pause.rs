@@ -384,15 +384,7 @@ fn trainers_stopped_at_different_places_are_cut_by_one_bound_not_each_in_turn() 
 #[test]
 fn at_the_defaults_a_crawling_holder_the_ring_cannot_leave_is_waited_for_not_detached() {
     let env = Env::start(FULL_BUDGET);
-    let steady = env.consumer(&[
-        "--verify",
-        "--window",
-        "1",
-        "--sleep-ms",
-        "2",
-        "--name",
-        "steady",
-    ]);
+    let steady = env.consumer(&STEADY_OF_ONE);
     let crawler = env.consumer(&[
         "--verify",
         "--window",
@@ -418,6 +410,19 @@ fn at_the_defaults_a_crawling_holder_the_ring_cannot_leave_is_waited_for_not_det
     assert_eq!(env.stats().streams[0].detached, 0);
 }
 
+/// A steady reader with a window of one batch (a replay arena of one
+/// batch and two more, as the full budgets of these tests and of
+/// `device.rs` are sized for).
+pub(crate) const STEADY_OF_ONE: [&str; 7] = [
+    "--verify",
+    "--window",
+    "1",
+    "--sleep-ms",
+    "2",
+    "--name",
+    "steady",
+];
+
 /// A stream whose arena the memory budget can hold once, with no room
 /// for a second region (see the test below).
 const FULL_BUDGET: &str = "[broker]\nmemory_mib = 70\nmax_connections = 16\n\n[[stream]]\nname = \"train\"\n\
@@ -435,15 +440,7 @@ const FULL_BUDGET: &str = "[broker]\nmemory_mib = 70\nmax_connections = 16\n\n[[
 #[test]
 fn a_holder_whose_uid_cannot_pay_for_a_region_is_detached_and_told_the_budget_is_full() {
     let env = Env::start(FULL_BUDGET);
-    let steady = env.consumer(&[
-        "--verify",
-        "--window",
-        "1",
-        "--sleep-ms",
-        "2",
-        "--name",
-        "steady",
-    ]);
+    let steady = env.consumer(&STEADY_OF_ONE);
     let stopped = env.consumer(&[
         "--verify",
         "--window",

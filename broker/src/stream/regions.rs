@@ -41,7 +41,7 @@ use batchcast::proto::ServerMsg;
 use batchcast::shm::Mapping;
 
 use super::cells;
-use super::conn::notify;
+use super::conn::{Conn, notify};
 use super::{Inner, Stream};
 use crate::budget::{Budget, Grant, OverBudget, Use};
 use crate::hub::ConsumerId;
@@ -248,6 +248,16 @@ pub(super) fn filled(s: &Stream, inner: &mut Inner, r: u32, (seq, samples): (u64
     }
 }
 
+/// What a region charged to consumer `c`'s uid is, in the budget's words.
+fn whom(s: &Stream, c: &Conn) -> String {
+    format!(
+        "stream `{}`: the batches {} (pid {}) held",
+        s.name(),
+        c.peer.name,
+        c.peer.pid
+    )
+}
+
 /// Whether the ring could move now on behalf of consumer `id` (a region
 /// free, allocated now if none is and its uid's budget pays for one):
 /// asked before a move the default pace would make ahead of the hold
@@ -258,13 +268,7 @@ pub(super) fn ready(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
     let Some(c) = inner.conns.get(&id) else {
         return false;
     };
-    let whom = format!(
-        "stream `{}`: the batches {} (pid {}) held",
-        s.name(),
-        c.peer.name,
-        c.peer.pid
-    );
-    let uid = c.peer.uid;
+    let (uid, whom) = (c.peer.uid, whom(s, c));
     inner
         .fill
         .regions
@@ -283,16 +287,11 @@ pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Re
     let Some(c) = ids.first().and_then(|id| inner.conns.get(id)) else {
         return Err(Stuck::Full);
     };
-    let whom = format!(
-        "stream `{}`: the batches {} (pid {}) held",
-        s.name(),
-        c.peer.name,
-        c.peer.pid
-    );
+    let (uid, whom) = (c.peer.uid, whom(s, c));
     let to = inner
         .fill
         .regions
-        .target(&s.arena, &s.budget, (c.peer.uid, &whom))?;
+        .target(&s.arena, &s.budget, (uid, &whom))?;
     let from = inner.fill.regions.now;
     let mut left = HashMap::new();
     for &id in ids {
