@@ -301,13 +301,16 @@ fn move_ring(
 ) {
     // One still holding batches an earlier move left behind gets no
     // second region: one consumer never holds more than one.
-    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
-        .into_iter()
-        .partition(|&id| inner.fill.regions.holds_left(id));
-    if early && (!again.is_empty() || !ids.first().is_some_and(|&id| regions::ready(s, inner, id)))
-    {
+    let holds_left = |id| inner.fill.regions.holds_left(id);
+    let again: Vec<ConsumerId> = ids.iter().copied().filter(|&id| holds_left(id)).collect();
+    let Some((ids, again)) = regions::movers(
+        ids,
+        early,
+        |id| again.contains(&id),
+        |id| regions::ready(s, inner, id),
+    ) else {
         return;
-    }
+    };
     for id in again {
         detach_stuck(s, inner, id, held, &regions::Stuck::Again);
     }

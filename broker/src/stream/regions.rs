@@ -35,7 +35,6 @@
 //!   stream (the producer writes where it mapped).
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
 
 use batchcast::proto::ServerMsg;
 use batchcast::shm::Mapping;
@@ -43,8 +42,8 @@ use batchcast::shm::Mapping;
 use super::cells;
 use super::conn::{Conn, notify};
 use super::{Inner, Stream};
-use crate::budget::{Budget, Grant, OverBudget, Use};
-use crate::hub::ConsumerId;
+use crate::budget::{Grant, OverBudget, Use};
+use crate::hub::{ConsumerId, Hub};
 
 /// Regions of a stream the broker writes: the ring's, and room for the
 /// batches of up to three stopped consumers at once (more wait in turn,
@@ -150,7 +149,7 @@ impl Regions {
     }
 
     /// A pipeline thread finished (or gave up) a batch it began in `r`.
-    fn end(&mut self, r: u32) {
+    pub(super) fn end(&mut self, r: u32) {
         let w = &mut self.regions[r as usize].writing;
         *w = w.saturating_sub(1);
     }
@@ -213,26 +212,80 @@ impl Regions {
         }
     }
 
-    /// A region the ring may move to: one holding nothing, allocated if
-    /// one is, else allocated now for `uid`.
-    fn target(
-        &mut self,
-        arena: &batchcast::shm::Arena,
-        budget: &Arc<Budget>,
-        (uid, whom): (u32, &str),
-    ) -> Result<u32, Stuck> {
+    /// The region the ring may move to, once the regions nobody reads
+    /// any more are freed (`oldest`: the oldest batch still in a host
+    /// slot): one holding nothing, allocated if one is, else one to
+    /// allocate ([`Target::Allocate`]: the runtime charges and maps it,
+    /// then says so with [`Regions::allocated`]).
+    pub(super) fn target(&mut self, oldest: Option<u64>) -> Result<Target, Stuck> {
+        self.settle(oldest);
         let free = |r: &Region| matches!(r.holds, Holds::Nothing) && r.writing == 0;
         if let Some(i) = self.regions.iter().position(|r| free(r) && r.allocated) {
-            return Ok(i as u32);
+            return Ok(Target::Free(i as u32));
         }
         let i = self.regions.iter().position(free).ok_or(Stuck::Full)?;
-        let grant = budget.take(uid, Use::Arena, arena.region_len(), whom)?;
-        arena.allocate_region(i as u32).map_err(Stuck::Memory)?;
-        let r = &mut self.regions[i];
-        r.allocated = true;
-        r._grant = Some(grant);
-        Ok(i as u32)
+        Ok(Target::Allocate(i as u32))
     }
+
+    /// Region `i` was allocated, its bytes charged by `grant` (kept until
+    /// the stream ends: sealed memory cannot be given back before).
+    pub(super) fn allocated(&mut self, i: u32, grant: Option<Grant>) {
+        let r = &mut self.regions[i as usize];
+        r.allocated = true;
+        r._grant = grant;
+    }
+
+    /// The ring moved to region `to` (a [`Regions::target`]); the region
+    /// it left keeps `left`, what each stopped consumer held there, and
+    /// the batches published before `before`.
+    pub(super) fn moved(&mut self, to: u32, left: HashMap<ConsumerId, BTreeSet<u64>>, before: u64) {
+        let from = self.now as usize;
+        self.regions[from].holds = Holds::Left { held: left, before };
+        self.regions[to as usize].holds = Holds::Ring;
+        self.now = to;
+        self.moves += 1;
+    }
+
+    /// Whether every region but the ring's holds nothing once `oldest` is
+    /// the oldest batch in a host slot (nothing leaked: tests).
+    #[cfg(test)]
+    pub(super) fn all_free_but_the_ring(&mut self, oldest: Option<u64>) -> bool {
+        self.settle(oldest);
+        self.regions
+            .iter()
+            .all(|r| matches!(r.holds, Holds::Nothing | Holds::Ring))
+    }
+}
+
+/// Where the ring may move (see [`Regions::target`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Target {
+    /// A region allocated before, holding nothing now.
+    Free(u32),
+    /// A region never allocated: the runtime allocates it first.
+    Allocate(u32),
+}
+
+/// Which of the holders the hold rule named the ring should move away
+/// from, and which get no region (see the module's rules): `None` when
+/// nothing is to be done now. `early`: the default pace's stall cut, ahead
+/// of the limit, made only where the ring can move at once (`ready`, asked
+/// of the first of them), never detaching anyone; at the limit, those
+/// still holding what an earlier move left (`holds_left`) are the second
+/// list (detached: one consumer holds at most one region). The runtime
+/// and the hold simulation decide through this one function.
+pub(super) fn movers(
+    ids: Vec<ConsumerId>,
+    early: bool,
+    holds_left: impl Fn(ConsumerId) -> bool,
+    ready: impl FnOnce(ConsumerId) -> bool,
+) -> Option<(Vec<ConsumerId>, Vec<ConsumerId>)> {
+    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) =
+        ids.into_iter().partition(|&id| holds_left(id));
+    if early && (!again.is_empty() || !ids.first().is_some_and(|&id| ready(id))) {
+        return None;
+    }
+    Some((ids, again))
 }
 
 /// A pipeline thread filled batch `seq` (`samples` samples) in region
@@ -258,22 +311,31 @@ fn whom(s: &Stream, c: &Conn) -> String {
     )
 }
 
+/// The region the ring may move to on behalf of consumer `id`,
+/// allocated now (charged to its uid) where none allocated is free.
+fn reserve(s: &Stream, inner: &mut Inner, id: ConsumerId) -> Result<u32, Stuck> {
+    let oldest = inner.hub.view().ring().oldest_published();
+    let i = match inner.fill.regions.target(oldest)? {
+        Target::Free(i) => return Ok(i),
+        Target::Allocate(i) => i,
+    };
+    let Some(c) = inner.conns.get(&id) else {
+        return Err(Stuck::Full);
+    };
+    let grant = s
+        .budget
+        .take(c.peer.uid, Use::Arena, s.arena.region_len(), &whom(s, c))?;
+    s.arena.allocate_region(i).map_err(Stuck::Memory)?;
+    inner.fill.regions.allocated(i, Some(grant));
+    Ok(i)
+}
+
 /// Whether the ring could move now on behalf of consumer `id` (a region
 /// free, allocated now if none is and its uid's budget pays for one):
 /// asked before a move the default pace would make ahead of the hold
 /// limit, which never detaches anyone (see `super::decouple`).
 pub(super) fn ready(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
-    let oldest = inner.hub.view().ring().oldest_published();
-    inner.fill.regions.settle(oldest);
-    let Some(c) = inner.conns.get(&id) else {
-        return false;
-    };
-    let (uid, whom) = (c.peer.uid, whom(s, c));
-    inner
-        .fill
-        .regions
-        .target(&s.arena, &s.budget, (uid, &whom))
-        .is_ok()
+    reserve(s, inner, id).is_ok()
 }
 
 /// Moves the ring away from the batches the consumers `ids` hold (see
@@ -282,28 +344,38 @@ pub(super) fn ready(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
 /// told. The new region, or why the ring could not move (then nothing
 /// changed).
 pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Result<u32, Stuck> {
-    let oldest = inner.hub.view().ring().oldest_published();
-    inner.fill.regions.settle(oldest);
-    let Some(c) = ids.first().and_then(|id| inner.conns.get(id)) else {
-        return Err(Stuck::Full);
-    };
-    let (uid, whom) = (c.peer.uid, whom(s, c));
-    let to = inner
-        .fill
-        .regions
-        .target(&s.arena, &s.budget, (uid, &whom))?;
+    let first = *ids.first().ok_or(Stuck::Full)?;
+    let to = reserve(s, inner, first)?;
     let from = inner.fill.regions.now;
+    let left = give_back_held(&mut inner.hub, ids);
+    let ring = inner.hub.view().ring();
+    let before = ring.head();
+    cells::copy_units(&s.rings, &s.plan.rings, (from, to), &ring.written());
+    inner.fill.regions.moved(to, left, before);
+    let all: Vec<ConsumerId> = inner.conns.keys().copied().collect();
+    for c in all {
+        notify(inner, c, ServerMsg::Arena(to));
+    }
+    Ok(to)
+}
+
+/// Gives back to the hub, as if released, the batches the consumers
+/// `ids` hold (the ring moves away from them): what each held, to be
+/// left with them in the region the ring leaves.
+pub(super) fn give_back_held(
+    hub: &mut Hub,
+    ids: &[ConsumerId],
+) -> HashMap<ConsumerId, BTreeSet<u64>> {
     let mut left = HashMap::new();
     for &id in ids {
-        let held: BTreeSet<u64> = inner
-            .hub
+        let held: BTreeSet<u64> = hub
             .view()
             .reader(id)
             .map(|c| c.held().iter().copied().collect())
             .unwrap_or_default();
         for &seq in &held {
             // Held, so known to the hub: a failure is a bookkeeping bug.
-            if let Err(e) = inner.hub.release(id, seq) {
+            if let Err(e) = hub.release(id, seq) {
                 tracing::error!(consumer = id, seq, "moving the ring: {e}");
             }
         }
@@ -311,19 +383,7 @@ pub(super) fn move_from(s: &Stream, inner: &mut Inner, ids: &[ConsumerId]) -> Re
             left.insert(id, held);
         }
     }
-    let ring = inner.hub.view().ring();
-    let before = ring.head();
-    cells::copy_units(&s.rings, &s.plan.rings, (from, to), &ring.written());
-    let regions = &mut inner.fill.regions;
-    regions.regions[from as usize].holds = Holds::Left { held: left, before };
-    regions.regions[to as usize].holds = Holds::Ring;
-    regions.now = to;
-    regions.moves += 1;
-    let all: Vec<ConsumerId> = inner.conns.keys().copied().collect();
-    for c in all {
-        notify(inner, c, ServerMsg::Arena(to));
-    }
-    Ok(to)
+    left
 }
 
 /// The stream's host arena mapped once per region, writable.
@@ -332,94 +392,90 @@ pub(super) type RegionMaps = Vec<Mapping>;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use batchcast::shm::{Arena, Fault};
-
-    fn arena(regions: u32) -> Arena {
-        Arena::create_regions("regions-test", 4096, regions, Fault::Lazily).unwrap()
-    }
 
     /// A move: what the region the ring leaves holds, as `move_from`
     /// records it.
     fn leave(r: &mut Regions, to: u32, held: &[(ConsumerId, &[u64])], before: u64) {
-        let from = r.now;
-        r.regions[from as usize].holds = Holds::Left {
-            held: held
-                .iter()
-                .map(|&(id, seqs)| (id, seqs.iter().copied().collect()))
-                .collect(),
-            before,
-        };
-        r.regions[to as usize].holds = Holds::Ring;
-        r.now = to;
+        let held = held
+            .iter()
+            .map(|&(id, seqs)| (id, seqs.iter().copied().collect()))
+            .collect();
+        r.moved(to, held, before);
     }
 
     #[test]
     fn a_region_left_is_free_once_its_holders_released_and_older_batches_are_gone() {
-        let (arena, budget) = (arena(3), Budget::new(1 << 20, 1000));
         let mut r = Regions::new(3);
-        let to = r.target(&arena, &budget, (1000, "t")).unwrap();
-        assert_eq!(to, 1, "a region not yet allocated, charged now");
-        leave(&mut r, to, &[(7, &[4, 5])], 10);
+        assert_eq!(
+            r.target(None).ok(),
+            Some(Target::Allocate(1)),
+            "none allocated but the ring's"
+        );
+        r.allocated(1, None);
+        leave(&mut r, 1, &[(7, &[4, 5])], 10);
         // Held by consumer 7, and batches before 10 may still be read.
-        r.settle(Some(12));
+        assert_eq!(r.target(Some(12)).ok(), Some(Target::Allocate(2)));
         assert!(matches!(r.regions[0].holds, Holds::Left { .. }));
         assert!(!r.release_left(8, 4), "not consumer 8's");
         assert!(r.release_left(7, 4) && r.release_left(7, 5));
         assert!(!r.release_left(7, 5), "released once");
-        r.settle(Some(9));
+        assert_eq!(r.target(Some(9)).ok(), Some(Target::Allocate(2)));
         assert!(
             matches!(r.regions[0].holds, Holds::Left { .. }),
             "batch 9, published before the move, may be read there"
         );
-        r.settle(Some(10));
-        assert!(matches!(r.regions[0].holds, Holds::Nothing));
         // Allocated regions are reused before new ones are taken.
-        assert_eq!(r.target(&arena, &budget, (1000, "t")).unwrap(), 0);
+        assert_eq!(r.target(Some(10)).ok(), Some(Target::Free(0)));
+        assert!(matches!(r.regions[0].holds, Holds::Nothing));
+        assert!(r.all_free_but_the_ring(Some(10)));
+        assert_eq!(r.moves, 1);
     }
 
     #[test]
     fn a_region_a_pipeline_thread_still_writes_is_not_free() {
-        let (arena, budget) = (arena(2), Budget::new(1 << 20, 1000));
         let mut r = Regions::new(2);
+        r.allocated(1, None);
         let began = r.begin();
         leave(&mut r, 1, &[], 0);
-        r.settle(None);
+        assert!(matches!(r.target(None), Err(Stuck::Full)));
         assert!(matches!(r.regions[0].holds, Holds::Left { .. }));
-        assert!(matches!(
-            r.target(&arena, &budget, (1000, "t")),
-            Err(Stuck::Full)
-        ));
         r.end(began);
-        r.settle(None);
-        assert_eq!(r.target(&arena, &budget, (1000, "t")).unwrap(), 0);
+        assert_eq!(r.target(None).ok(), Some(Target::Free(0)));
     }
 
     #[test]
-    fn a_consumer_leaving_frees_what_it_held_and_the_budget_bounds_new_regions() {
-        let (arena, budget) = (arena(4), Budget::new(4096, 1000));
+    fn a_consumer_leaving_frees_what_it_held_and_a_copier_pins_the_ring() {
         let mut r = Regions::new(4);
         leave(&mut r, 1, &[(3, &[1])], 0);
-        r.settle(None);
+        assert_eq!(r.target(None).ok(), Some(Target::Allocate(2)));
         assert_eq!(r.held_left(), 1);
+        assert!(r.holds_left(3) && !r.holds_left(4));
         r.forget(3);
         assert_eq!(r.held_left(), 0);
-        leave(&mut r, 2, &[(4, &[2])], 0);
-        // The budget's 4096 bytes are taken by the stream's first region
-        // elsewhere; here a guest asks for a region none is allocated for.
-        let _stream = budget.take(1000, Use::Arena, 4096, "the stream").unwrap();
-        r.settle(None);
-        let got = r.target(&arena, &budget, (2000, "a guest"));
+        assert!(r.all_free_but_the_ring(None));
+        assert!(r.movable());
+        r.pin();
+        assert!(!r.movable(), "a GPU copier reads where the ring is");
         assert!(
-            matches!(got, Ok(0) | Ok(1)),
-            "regions left and freed are allocated: {got:?}"
+            !Regions::new(1).movable(),
+            "a producer's stream has one region"
         );
-        let mut fresh = Regions::new(4);
-        assert!(matches!(
-            fresh.target(&arena, &budget, (2000, "a guest")),
-            Err(Stuck::OverBudget(_))
-        ));
-        assert!(fresh.movable());
-        fresh.pin();
-        assert!(!fresh.movable(), "a GPU copier reads where the ring is");
+    }
+
+    #[test]
+    fn the_holders_named_early_move_only_where_a_region_is_ready() {
+        let none = |_| false;
+        // At the limit: those holding what a move left get no second region.
+        assert_eq!(
+            movers(vec![1, 2], false, |id| id == 2, |_| false),
+            Some((vec![1], vec![2]))
+        );
+        // Early: only where the ring can move now, and nobody is refused.
+        assert_eq!(movers(vec![1], true, none, |_| false), None);
+        assert_eq!(
+            movers(vec![1], true, none, |_| true),
+            Some((vec![1], vec![]))
+        );
+        assert_eq!(movers(vec![1, 2], true, |id| id == 2, |_| true), None);
     }
 }
