@@ -1062,7 +1062,14 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
         sim.regions.end(region);
         sim.hub.finish_batch(w.seq, 1);
     }
-    let ids: Vec<ConsumerId> = sim.readers.keys().copied().collect();
+    // Those gone left already (and what they held where the ring left
+    // it is free); the others leave now.
+    let ids: Vec<ConsumerId> = sim
+        .readers
+        .values()
+        .filter(|r| r.mode != Mode::Gone)
+        .map(|r| r.id)
+        .collect();
     for id in ids {
         sim.hub.leave(id);
         sim.regions.forget(id);
