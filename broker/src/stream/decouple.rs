@@ -208,6 +208,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         cut: can,
         detach,
         held,
+        move_only,
     } = verdict
     else {
         return false;
@@ -225,7 +226,7 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         let took_it = seq.is_some_and(|q| took(hub, id, c, q));
         if took_it && movable(hub, id, c, regions) {
             movers.push(id);
-        } else {
+        } else if !move_only {
             detach_holder(s, inner, id, (held, took_it));
         }
     }
@@ -233,9 +234,11 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
     // ring away from what the others hold, and cutting them, frees it of
     // them.
     let mut any = !detach.is_empty();
-    if !movers.is_empty() {
-        let early = rule.limit.is_some_and(|l| held < l);
-        move_ring(s, inner, movers, (held, now), early);
+    if !movers.is_empty() && !move_ring(s, inner, movers, (held, now), move_only) && move_only {
+        // The ring could not move now: a carried hold becomes theirs.
+        if let Some(seq) = seq {
+            inner.pace.unmoved(seq, now);
+        }
     }
     for id in can {
         any |= cut(s, inner, id, now);
@@ -287,18 +290,18 @@ fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, (held, took_it):
 /// past the hold limit (each took it: a stopped program holding it), and
 /// moves the ring away from what they hold ([`regions::move_from`]); one
 /// the ring cannot leave (no region free, the budget) is detached, told
-/// why. `early`: the default pace's stall cut, before the limit: then
-/// only where the ring can move now ([`regions::ready`]); otherwise
-/// nothing is done and they are waited for to the limit, as before the
-/// stall cut (a trainer merely slower than the remake is never detached
-/// for want of a region).
+/// why. `early`: a move-only round (the default pace's stall cut before
+/// the limit, a carried hold): only where the ring can move now
+/// ([`regions::ready`]); otherwise nothing is done (a trainer merely
+/// slower than the remake is never detached for want of a region).
+/// Whether the ring moved.
 fn move_ring(
     s: &Stream,
     inner: &mut Inner,
     ids: Vec<ConsumerId>,
     (held, now): (Duration, Instant),
     early: bool,
-) {
+) -> bool {
     // One still holding batches an earlier move left behind gets no
     // second region: one consumer never holds more than one.
     let holds_left = |id| inner.fill.regions.holds_left(id);
@@ -309,7 +312,7 @@ fn move_ring(
         |id| again.contains(&id),
         |id| regions::ready(s, inner, id),
     ) else {
-        return;
+        return false;
     };
     for id in again {
         detach_stuck(s, inner, id, held, &regions::Stuck::Again);
@@ -322,20 +325,24 @@ fn move_ring(
         })
         .collect();
     if cut_ones.is_empty() {
-        return;
+        return false;
     }
     match regions::move_from(s, inner, &cut_ones) {
-        Ok(to) => tracing::warn!(
-            stream = %s.name(),
-            consumers = ?cut_ones,
-            held_s = held.as_secs_f64(),
-            region = to,
-            "consumers kept the batch the pipeline needed next past the hold limit: the ring moved on without it (they read it where it was, and go on from replay)"
-        ),
+        Ok(to) => {
+            tracing::warn!(
+                stream = %s.name(),
+                consumers = ?cut_ones,
+                held_s = held.as_secs_f64(),
+                region = to,
+                "consumers kept the batch the pipeline needed next while others waited: the ring moved on without it (they read it where it was, and go on from replay)"
+            );
+            true
+        }
         Err(why) => {
             for id in cut_ones {
                 detach_stuck(s, inner, id, held, &why);
             }
+            false
         }
     }
 }

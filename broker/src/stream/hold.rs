@@ -18,8 +18,14 @@
 //!   held-batch limit (`held_batch_limit_s`, at least the limit), the
 //!   others cut meanwhile; one that took it where the ring can move away
 //!   from what it holds ([`Ower::movable`]) at the limit, like the others
-//!   (the runtime cuts it and moves the ring: `super::regions`); a joiner catching up is waited for, and one the hold was
-//!   carried to gets a hold of its own, from now (the others are cut).
+//!   (the runtime cuts it and moves the ring: `super::regions`); a
+//!   joiner catching up is waited for. One that took the unit a hold was
+//!   carried to (below) is not detached for a hold that was not its own:
+//!   where the ring can move away from it at once (a region ready), it
+//!   does (a cut, not a detach: the others' wait stays within the limit);
+//!   otherwise it gets a hold of its own, from now, and the others wait
+//!   up to a second limit (a producer's stream, a ring a GPU copier pins,
+//!   a budget with no region left). The others are cut either way.
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
 //! * The default pace (`auto`) is lockstep that holds the others behind
@@ -108,11 +114,17 @@ pub(super) enum Verdict {
     /// Nothing: wait for the owers.
     Wait,
     /// Cut `cut` to replay; detach `detach`, which kept the others waiting
-    /// for `held`.
+    /// for `held` (those of them that took the pinned unit where the ring
+    /// can move away from it: cut, and the ring moved).
     Act {
         cut: Vec<ConsumerId>,
         detach: Vec<ConsumerId>,
         held: Duration,
+        /// `detach` are holders the ring is to move away from only where a
+        /// region is ready now; none is detached (the default pace's stall
+        /// cut before the limit, a carried hold). A round that moved nothing
+        /// is told back ([`HoldClock::unmoved`]).
+        move_only: bool,
     },
 }
 
@@ -154,6 +166,13 @@ pub(super) struct HoldClock {
     pinned: Option<(u64, Instant)>,
     /// When the hold that the last round at the limit ended began.
     carried: Option<Instant>,
+    /// A move-only round on a carried hold named the holders of this
+    /// unit: if the ring cannot move away from them, they get a hold of
+    /// their own ([`HoldClock::unmoved`]).
+    restart_unmoved: Option<u64>,
+    /// Carried holds restarted for owers that took the unit (the others
+    /// then wait up to a second limit: the simulation allows for it).
+    pub(super) restarts: u64,
 }
 
 impl HoldClock {
@@ -208,6 +227,8 @@ impl HoldClock {
         hungry: bool,
         now: Instant,
     ) -> Verdict {
+        // Only the round just decided may be told back as unmoved.
+        self.restart_unmoved = None;
         if !rule.eager && rule.limit.is_none() {
             return Verdict::Wait;
         }
@@ -239,20 +260,33 @@ impl HoldClock {
         // Holders the ring can move away from are priced as the others
         // are (a move copies the ring's written slots, far less than the
         // remake the stall cut weighs); the rest wait for the limit.
-        let early = stalled && !detach.is_empty() && detach.iter().all(|o| o.took && o.movable);
+        let movers = !detach.is_empty() && detach.iter().all(|o| o.took && o.movable);
+        let early = stalled && movers;
+        let mut move_only = early && !past;
         let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
             if !past && !early {
                 return Verdict::Wait;
             }
-            if carried {
+            if carried && movers {
                 // Those that took the unit may be moving: a hold carried
-                // from behind another is not theirs to be detached for.
+                // from behind another is not theirs to be detached for;
+                // but the ring moves away from them where it can at once
+                // (they are cut, not detached), so the others' wait stays
+                // within the limit. Where it cannot, they get a hold of
+                // their own (`unmoved`).
+                move_only = true;
+                self.restart_unmoved = Some(seq);
+            } else if carried {
+                // Where the ring cannot move away from them, a hold of
+                // their own.
                 self.restart(seq, now);
+                self.restarts += 1;
                 return Verdict::Act {
                     cut,
                     detach: Vec::new(),
                     held,
+                    move_only: false,
                 };
             }
         }
@@ -276,7 +310,25 @@ impl HoldClock {
         // (An early round naming holders keeps the hold: where the ring
         // cannot move yet, they are waited for to the limit from `since`;
         // where it moves, another unit pins the ring next.)
-        Verdict::Act { cut, detach, held }
+        Verdict::Act {
+            cut,
+            detach,
+            held,
+            move_only,
+        }
+    }
+
+    /// The runtime could not move the ring away from the holders of unit
+    /// `seq` that a move-only round named: after a carried hold they get
+    /// a hold of their own from `now` (whether that happened); after the
+    /// stall cut the hold runs on to the limit.
+    pub(super) fn unmoved(&mut self, seq: u64, now: Instant) -> bool {
+        if self.restart_unmoved.take() != Some(seq) {
+            return false;
+        }
+        self.restart(seq, now);
+        self.restarts += 1;
+        true
     }
 
     /// Unit `seq` was begun at `now`; the clock keeps the last `slots`.
@@ -538,7 +590,8 @@ mod tests {
             Verdict::Act {
                 cut: vec![1],
                 detach: vec![2],
-                held: LIMIT
+                held: LIMIT,
+                move_only: false,
             }
         );
     }
@@ -581,7 +634,8 @@ mod tests {
             Verdict::Act {
                 cut: vec![1],
                 detach: vec![3],
-                held: LIMIT
+                held: LIMIT,
+                move_only: false,
             }
         );
     }
@@ -611,7 +665,8 @@ mod tests {
             Verdict::Act {
                 cut: vec![1],
                 detach: vec![2],
-                held: LIMIT
+                held: LIMIT,
+                move_only: false,
             }
         );
         // Only the holder owes the unit now: waited for, its hold running
@@ -629,7 +684,8 @@ mod tests {
             Verdict::Act {
                 cut: vec![],
                 detach: vec![3],
-                held: 3 * LIMIT
+                held: 3 * LIMIT,
+                move_only: false,
             }
         );
         // Decoupled: the same holder waits to the held-batch limit too.
@@ -706,7 +762,8 @@ mod tests {
                     Verdict::Act {
                         cut: vec![1],
                         detach: vec![],
-                        held: Duration::from_millis(at)
+                        held: Duration::from_millis(at),
+                        move_only: false,
                     },
                     "units made in {make_ms} ms, {rule:?}"
                 );
@@ -743,10 +800,14 @@ mod tests {
                 Verdict::Act {
                     cut: vec![],
                     detach: vec![1],
-                    held: Duration::from_millis(at)
+                    held: Duration::from_millis(at),
+                    // Early: moved only where a region is ready.
+                    move_only: at < 3000,
                 },
                 "{rule:?}"
             );
+            // Not moved: a stall cut's hold runs on (no hold of its own).
+            assert!(!h.unmoved(0, c.at(t + at)));
             // Named early where the ring could not move yet (the same
             // unit still pinned), the hold runs on from its start to the
             // limit.
@@ -756,7 +817,8 @@ mod tests {
                     Verdict::Act {
                         cut: vec![],
                         detach: vec![1],
-                        held: Duration::from_millis(3000)
+                        held: Duration::from_millis(3000),
+                        move_only: false,
                     },
                     "{rule:?}"
                 );
@@ -840,7 +902,8 @@ mod tests {
             Verdict::Act {
                 cut: vec![],
                 detach: vec![],
-                held: Duration::from_millis(8900)
+                held: Duration::from_millis(8900),
+                move_only: false,
             }
         );
     }
@@ -948,7 +1011,7 @@ mod tests {
                             .filter(|o| o.1 == p)
                             .map(|o| ower(o.0, o.2))
                             .collect();
-                        let Verdict::Act { cut, detach, held } =
+                        let Verdict::Act { cut, detach, held, .. } =
                             h.decide(lockstep(), Some((p, &owe)), true, c.at(now))
                         else {
                             break;
