@@ -884,6 +884,67 @@ mod tests {
         assert_eq!(h.pinned_since(0, c.at(300)), (c.at(200), false));
     }
 
+    /// A round at the limit carries its hold to unit 1, which another
+    /// ower took after the hold began (a trainer crawling through its
+    /// step): it is not detached for a hold that was not its own. Where
+    /// the ring can move away from it, the round names it move-only (cut,
+    /// the ring moved: the others' wait ends within the limit); told it
+    /// could not move, it gets a hold of its own. One the ring cannot
+    /// leave gets that at once.
+    #[test]
+    fn a_carried_hold_moves_the_ring_from_a_holder_where_it_can_else_gives_it_its_own() {
+        let c = Clock(Instant::now());
+        let laggard = [ower(1, false)];
+        let holder = |movable| Ower {
+            took: true,
+            movable,
+            ..ower(2, false)
+        };
+        for movable in [true, false] {
+            let mut h = ring(&c, 2);
+            h.decide(lockstep(), Some((0, &laggard)), true, c.at(100));
+            let v = h.decide(lockstep(), Some((0, &laggard)), true, c.at(3100));
+            assert!(matches!(v, Verdict::Act { ref detach, .. } if detach == &[1]));
+            let owe = [holder(movable)];
+            let before = h.restarts;
+            let v = h.decide(lockstep(), Some((1, &owe)), true, c.at(3200));
+            if movable {
+                assert_eq!(
+                    v,
+                    Verdict::Act {
+                        cut: vec![],
+                        detach: vec![2],
+                        held: Duration::from_millis(3100),
+                        move_only: true,
+                    }
+                );
+                assert!(h.unmoved(1, c.at(3200)), "not moved: its own hold");
+                assert!(!h.unmoved(1, c.at(3200)), "told once");
+            } else {
+                assert_eq!(
+                    v,
+                    Verdict::Act {
+                        cut: vec![],
+                        detach: vec![],
+                        held: Duration::from_millis(3100),
+                        move_only: false,
+                    }
+                );
+            }
+            assert_eq!(h.restarts, before + 1, "one hold of its own, counted");
+            // Either way its own hold runs from 3200 to the limit.
+            assert_eq!(h.pinned_since(1, c.at(5000)), (c.at(3200), false));
+            assert_eq!(
+                h.decide(lockstep(), Some((1, &owe)), true, c.at(6199)),
+                Verdict::Wait
+            );
+            assert!(matches!(
+                h.decide(lockstep(), Some((1, &owe)), true, c.at(6200)),
+                Verdict::Act { ref detach, move_only: false, .. } if detach == &[2]
+            ));
+        }
+    }
+
     #[test]
     fn a_joiner_catching_up_is_waited_for_past_the_limit() {
         let c = Clock(Instant::now());
