@@ -1,7 +1,7 @@
 //! The hold, cut, move and merge rules and the hub together on a
 //! simulated clock: random schedules of readers through mailboxes or on
 //! the socket (steady, crawling, paused with or without the batch they
-//! hold, dying, joining late or `now` (decoupled pace: cut at once,
+//! hold, keeping a batch for good while reading on, dying, joining late or `now` (decoupled pace: cut at once,
 //! replayed their epoch from its start), with or without a replay arena,
 //! of the host ring or members of a GPU group reading its copies, which
 //! complete a step after they are ordered) under the three paces and
@@ -27,8 +27,11 @@
 //! replays and merges; the shared stream notices it each batch once, in
 //! order, between merges; README's promise: no reader waits for data
 //! with the ring full longer than the limit in all, whoever pins it
-//! ([`Sim::bound`]: the limit plus the simulation's steps); a reader is
-//! detached only when it could not be cut. At the end, once all have
+//! ([`Sim::bound`]: the limit plus the simulation's steps), but for the
+//! hold rule's one exception (a hold carried to owers that took their
+//! unit, which the ring could not have moved away from, starts again for
+//! them: the readers waiting then may wait one more limit); a reader is
+//! detached only when it could not be cut, and never before the limit. At the end, once all have
 //! left, every host and group slot is free and every region but the
 //! ring's holds nothing (nothing leaked). A failing schedule shrinks
 //! (proptest) and prints.
