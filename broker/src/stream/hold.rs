@@ -157,6 +157,48 @@ struct Unit {
     made: Option<Instant>,
 }
 
+/// How long the unit pinning the ring has held it, and what the rule's
+/// bounds make of that.
+struct Hold {
+    since: Instant,
+    /// Carried over a round at the limit.
+    carried: bool,
+    held: Duration,
+    /// At or past the limit.
+    past: bool,
+    /// At or past the default pace's stall cut.
+    stalled: bool,
+}
+
+/// The owers of the pinned unit by what the rule may do with them.
+struct Sorted {
+    /// May be cut.
+    cut: Vec<ConsumerId>,
+    /// Some took the unit and are waited for to the held-batch limit.
+    waited: bool,
+    /// Cannot be cut: named to be detached, or the ring moved from.
+    detach: Vec<ConsumerId>,
+    /// Those named all took the unit where the ring can move away.
+    movers: bool,
+}
+
+/// Sorts the owers of the pinned unit (`past_held`: the hold reached the
+/// held-batch limit): owers that took the unit are waited for up to the
+/// held-batch limit, unless the ring can move away from them; the other
+/// owers that cannot be cut, up to the limit.
+fn sort(owe: &[Ower], past_held: bool) -> Sorted {
+    let (waited, detach): (Vec<&Ower>, Vec<&Ower>) = owe
+        .iter()
+        .filter(|o| !o.cuttable && !o.catching_up)
+        .partition(|o| o.took && !o.movable && !past_held);
+    Sorted {
+        cut: owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect(),
+        waited: !waited.is_empty(),
+        movers: !detach.is_empty() && detach.iter().all(|o| o.took && o.movable),
+        detach: detach.iter().map(|o| o.id).collect(),
+    }
+}
+
 /// The hold clock of one stream (see the module's rules).
 #[derive(Debug, Default)]
 pub(super) struct HoldClock {
@@ -239,49 +281,27 @@ impl HoldClock {
         if (rule.eager && self.younger_than(seq, CUT_AFTER, now)) || !hungry || owe.is_empty() {
             return Verdict::Wait;
         }
-        let (since, carried) = self.pinned_since(seq, now);
-        let held = now.saturating_duration_since(since);
-        let past = rule.limit.is_some_and(|l| held >= l);
-        let stalled = rule.stall_cut
-            && self
-                .stall_after(seq, rule.workers)
-                .is_some_and(|d| held >= d);
-        if !rule.eager && !past && !stalled {
+        let hold = self.hold(rule, seq, now);
+        let (since, held, past) = (hold.since, hold.held, hold.past);
+        if !rule.eager && !past && !hold.stalled {
             return Verdict::Wait;
         }
-        let cut: Vec<ConsumerId> = owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect();
-        // Owers that took the unit are waited for up to the held-batch
-        // limit; the other owers that cannot be cut, up to the limit.
-        let past_held = rule.held_limit.is_some_and(|l| held >= l);
-        let (waited, detach): (Vec<&Ower>, Vec<&Ower>) = owe
-            .iter()
-            .filter(|o| !o.cuttable && !o.catching_up)
-            .partition(|o| o.took && !o.movable && !past_held);
+        let Sorted {
+            cut,
+            waited,
+            detach,
+            movers,
+        } = sort(owe, rule.held_limit.is_some_and(|l| held >= l));
         // Holders the ring can move away from are priced as the others
         // are (a move copies the ring's written slots, far less than the
         // remake the stall cut weighs); the rest wait for the limit.
-        let movers = !detach.is_empty() && detach.iter().all(|o| o.took && o.movable);
-        let early = stalled && movers;
+        let early = hold.stalled && movers;
         let mut move_only = early && !past;
-        let detach: Vec<ConsumerId> = detach.iter().map(|o| o.id).collect();
         if !detach.is_empty() {
             if !past && !early {
                 return Verdict::Wait;
             }
-            if carried && movers {
-                // Those that took the unit may be moving: a hold carried
-                // from behind another is not theirs to be detached for;
-                // but the ring moves away from them where it can at once
-                // (they are cut, not detached), so the others' wait stays
-                // within the limit. Where it cannot, they get a hold of
-                // their own (`unmoved`).
-                move_only = true;
-                self.restart_unmoved = Some(seq);
-            } else if carried {
-                // Where the ring cannot move away from them, a hold of
-                // their own.
-                self.restart(seq, now);
-                self.restarts += 1;
+            if hold.carried && self.carried_to_holders(seq, movers, now) {
                 return Verdict::Act {
                     cut,
                     detach: Vec::new(),
@@ -289,13 +309,14 @@ impl HoldClock {
                     move_only: false,
                 };
             }
+            move_only |= hold.carried;
         }
         if cut.is_empty() && detach.is_empty() && !rule.eager && !past {
             // A stall with no one to cut (joiners catching up): the hold
             // runs on to the limit.
             return Verdict::Wait;
         }
-        if !waited.is_empty() {
+        if waited {
             // The hold is theirs: it runs on, from `since`, to the
             // held-batch limit (nothing to do until then once the others
             // are cut).
@@ -316,6 +337,40 @@ impl HoldClock {
             held,
             move_only,
         }
+    }
+
+    /// How long unit `seq` has pinned the ring at `now`, and what the
+    /// rule's bounds make of that.
+    fn hold(&mut self, rule: Rule, seq: u64, now: Instant) -> Hold {
+        let (since, carried) = self.pinned_since(seq, now);
+        let held = now.saturating_duration_since(since);
+        Hold {
+            since,
+            carried,
+            held,
+            past: rule.limit.is_some_and(|l| held >= l),
+            stalled: rule.stall_cut
+                && self
+                    .stall_after(seq, rule.workers)
+                    .is_some_and(|d| held >= d),
+        }
+    }
+
+    /// A hold was carried to unit `seq`, which owers took (they may be
+    /// moving: a hold carried from behind another is not theirs to be
+    /// detached for). Where the ring can move away from them all
+    /// (`movers`), it moves at once (a move-only round: they are cut, not
+    /// detached, and the others' wait stays within the limit), and only
+    /// if it cannot after all (`unmoved`) do they get a hold of their own;
+    /// otherwise they get one now. Whether they got one now.
+    fn carried_to_holders(&mut self, seq: u64, movers: bool, now: Instant) -> bool {
+        if movers {
+            self.restart_unmoved = Some(seq);
+            return false;
+        }
+        self.restart(seq, now);
+        self.restarts += 1;
+        true
     }
 
     /// The runtime could not move the ring away from the holders of unit

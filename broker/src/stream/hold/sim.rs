@@ -193,15 +193,8 @@ impl Reader {
 struct Sim {
     hub: Hub,
     clock: HoldClock,
-    /// The host arena's regions (the runtime's own ledger of them): where
-    /// the ring is, what it left with stopped holders.
-    regions: Regions,
-    /// The stream's regions (1: the ring cannot move, as a producer's).
-    region_count: u32,
-    /// Regions the owners' budget still lets be allocated, and how many
-    /// it lets a fresh broker allocate.
-    spare: u32,
-    budget: u32,
+    /// The host arena's regions and what the budget lets be allocated.
+    arena: Arena,
     rule: Rule,
     start: Instant,
     now: u64,
@@ -211,6 +204,19 @@ struct Sim {
     pending: Vec<Plan>,
     bpe: u64,
     tally: Tally,
+}
+
+/// The host arena's regions (the runtime's own ledger of them: where
+/// the ring is, what it left with stopped holders), how many the stream
+/// has (1: the ring cannot move, as a producer's) and how many more the
+/// owners' budget lets be allocated (`spare` now; `fresh` for a new
+/// broker).
+#[derive(Debug)]
+struct Arena {
+    regions: Regions,
+    count: u32,
+    spare: u32,
+    fresh: u32,
 }
 
 /// What the pipeline and the copiers have under way: units begun, made
@@ -334,7 +340,7 @@ impl Sim {
                 .expect("a window within the slots");
             if plan.group.is_some() {
                 // A GPU's copier reads the host arena where the ring is.
-                self.regions.pin();
+                self.arena.regions.pin();
             }
             self.hub.may_be_cut(id, plan.arena);
             let first = self.hub.view().reader(id).expect("joined").first_batch();
@@ -395,7 +401,7 @@ impl Sim {
             self.hub.copied(c.group, c.seq).map_err(fail)?;
         }
         for (w, region) in std::mem::take(&mut self.making.inflight) {
-            self.regions.end(region);
+            self.arena.regions.end(region);
             self.hub.finish_batch(w.seq, 1);
             self.clock.made(w.seq, at);
         }
@@ -450,7 +456,7 @@ impl Sim {
                     r.held.clear();
                     r.kept.clear();
                     r.unread.clear();
-                    self.regions.forget(id);
+                    self.arena.regions.forget(id);
                 }
                 Outbound::EndOfEpoch { .. } | Outbound::EndOfStream => {}
             }
@@ -473,7 +479,7 @@ impl Sim {
             r.kept.clear();
             r.unread.clear();
             self.hub.leave(id);
-            self.regions.forget(id);
+            self.arena.regions.forget(id);
             return Ok(());
         }
         if let Kind::Pause {
@@ -483,7 +489,7 @@ impl Sim {
             && !r.active(now)
         {
             for seq in r.held.drain(..) {
-                give(&mut self.hub, &mut self.regions, id, seq)?;
+                give(&mut self.hub, &mut self.arena.regions, id, seq)?;
             }
         }
         if !r.active(now) || !r.due(now) {
@@ -496,11 +502,11 @@ impl Sim {
                 // shared stream goes. On the socket, the batches sent
                 // before the cut come first.
                 for seq in r.held.drain(..) {
-                    give(&mut self.hub, &mut self.regions, id, seq)?;
+                    give(&mut self.hub, &mut self.arena.regions, id, seq)?;
                 }
                 while let Some((seq, at)) = r.unread.pop_front() {
                     consume(r, at, self.bpe)?;
-                    give(&mut self.hub, &mut self.regions, id, seq)?;
+                    give(&mut self.hub, &mut self.arena.regions, id, seq)?;
                 }
                 for _ in 0..r.plan.replay_pace {
                     consume(r, cursor, self.bpe)?;
@@ -546,7 +552,7 @@ impl Sim {
                 if let Some((seq, at)) = r.unread.pop_front() {
                     while r.held.len() >= room {
                         let old = r.held.pop_front().expect("held");
-                        give(&mut self.hub, &mut self.regions, id, old)?;
+                        give(&mut self.hub, &mut self.arena.regions, id, old)?;
                     }
                     consume(r, at, self.bpe)?;
                     r.held.push_back(seq);
@@ -579,8 +585,8 @@ impl Sim {
         self.hub = hub;
         self.clock = HoldClock::default();
         self.making = Making::default();
-        self.regions = Regions::new(self.region_count);
-        self.spare = self.budget;
+        self.arena.regions = Regions::new(self.arena.count);
+        self.arena.spare = self.arena.fresh;
         let resumes = |r: &Reader| {
             r.mode != Mode::Gone && r.plan.arena && r.plan.group.is_none() && r.next.is_some()
         };
@@ -657,7 +663,7 @@ impl Sim {
                     return Ok(());
                 };
                 self.clock.begun(w.seq, self.hub.view().ring().slots(), at);
-                self.making.inflight.push((w, self.regions.begin()));
+                self.making.inflight.push((w, self.arena.regions.begin()));
                 continue;
             }
             let pinned = self.hub.view().pinning();
@@ -665,7 +671,7 @@ impl Sim {
             let mut facts = SimFacts {
                 hub: &self.hub,
                 readers: &self.readers,
-                regions: &self.regions,
+                regions: &self.arena.regions,
                 start: self.start,
             };
             let restarts = self.clock.restarts;
@@ -688,7 +694,7 @@ impl Sim {
                 let mut facts = SimFacts {
                     hub: &self.hub,
                     readers: &self.readers,
-                    regions: &self.regions,
+                    regions: &self.arena.regions,
                     start: self.start,
                 };
                 if took && facts.movable(id) {
@@ -771,12 +777,12 @@ impl Sim {
     /// (as `regions::reserve`).
     fn reserve(&mut self) -> Option<u32> {
         let oldest = self.hub.view().ring().oldest_published();
-        match self.regions.target(oldest).ok()? {
+        match self.arena.regions.target(oldest).ok()? {
             Target::Free(i) => Some(i),
-            Target::Allocate(_) if self.spare == 0 => None,
+            Target::Allocate(_) if self.arena.spare == 0 => None,
             Target::Allocate(i) => {
-                self.spare -= 1;
-                self.regions.allocated(i, None);
+                self.arena.spare -= 1;
+                self.arena.regions.allocated(i, None);
                 Some(i)
             }
         }
@@ -794,7 +800,7 @@ impl Sim {
         let again: Vec<ConsumerId> = ids
             .iter()
             .copied()
-            .filter(|&id| self.regions.holds_left(id))
+            .filter(|&id| self.arena.regions.holds_left(id))
             .collect();
         let Some((ids, again)) = regions::movers(
             ids,
@@ -806,7 +812,7 @@ impl Sim {
         };
         for id in again {
             self.detach(id, held)?;
-            self.tally.stuck_again += 1;
+            self.tally.moves.stuck_again += 1;
         }
         let mut movers = Vec::new();
         for id in ids {
@@ -823,11 +829,11 @@ impl Sim {
         };
         let left = regions::give_back_held(&mut self.hub, &movers);
         let before = self.hub.view().ring().head();
-        self.regions.moved(to, left, before);
-        self.tally.moves += 1;
+        self.arena.regions.moved(to, left, before);
+        self.tally.moves.moved += 1;
         let past = self.rule.limit.is_some_and(|l| held >= l);
-        self.tally.early_moves += u64::from(early && !past);
-        self.tally.carried_moves += u64::from(early && past);
+        self.tally.moves.early += u64::from(early && !past);
+        self.tally.moves.carried += u64::from(early && past);
         Ok(true)
     }
 
@@ -845,17 +851,17 @@ impl Sim {
         let mut facts = SimFacts {
             hub: &self.hub,
             readers: &self.readers,
-            regions: &self.regions,
+            regions: &self.arena.regions,
             start: self.start,
         };
         let movable = holders.iter().all(|&id| facts.movable(id));
         let oldest = self.hub.view().ring().oldest_published();
         !holders.is_empty()
             && movable
-            && !holders.iter().any(|&id| self.regions.holds_left(id))
-            && match self.regions.target(oldest) {
+            && !holders.iter().any(|&id| self.arena.regions.holds_left(id))
+            && match self.arena.regions.target(oldest) {
                 Ok(Target::Free(_)) => true,
-                Ok(Target::Allocate(_)) => self.spare > 0,
+                Ok(Target::Allocate(_)) => self.arena.spare > 0,
                 Err(_) => false,
             }
     }
@@ -872,7 +878,7 @@ impl Sim {
             // wait is then held to the limit.)
             return;
         }
-        self.tally.restarts += more;
+        self.tally.moves.restarts += more;
         for r in self.readers.values_mut() {
             if r.blocked_since.is_some() {
                 r.allowance += more * limit;
@@ -1117,16 +1123,22 @@ struct Tally {
     detaches: u64,
     merges: u64,
     bounded_waits: u64,
-    /// Times the ring moved away from holders, and of them before the
-    /// limit (the default pace's stall cut).
-    moves: u64,
-    early_moves: u64,
+    moves: Moves,
+}
+
+/// The ring's moves away from holders, counted.
+#[derive(Debug, Default, Clone, Copy)]
+struct Moves {
+    /// Times the ring moved; of them, before the limit (the default
+    /// pace's stall cut) and from holders of a unit a hold was carried
+    /// to.
+    moved: u64,
+    early: u64,
+    carried: u64,
     /// Holders detached because they still held what a move left.
     stuck_again: u64,
     /// Carried holds restarted for owers the ring could not leave.
     restarts: u64,
-    /// Moves from holders of a unit a hold was carried to.
-    carried_moves: u64,
 }
 
 /// Runs `sc`, checking every step (see the module's).
@@ -1144,10 +1156,12 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
     let mut sim = Sim {
         hub,
         clock: HoldClock::default(),
-        regions: Regions::new(sc.regions),
-        region_count: sc.regions,
-        spare: sc.budget,
-        budget: sc.budget,
+        arena: Arena {
+            regions: Regions::new(sc.regions),
+            count: sc.regions,
+            spare: sc.budget,
+            fresh: sc.budget,
+        },
         rule: Rule {
             eager: sc.eager,
             stall_cut: sc.stall_cut,
@@ -1175,7 +1189,7 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
     // What is in flight is made and everyone leaves: nothing stays
     // pinned or owed.
     for (w, region) in std::mem::take(&mut sim.making.inflight) {
-        sim.regions.end(region);
+        sim.arena.regions.end(region);
         sim.hub.finish_batch(w.seq, 1);
     }
     // Those gone left already (and what they held where the ring left
@@ -1188,7 +1202,7 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
         .collect();
     for id in ids {
         sim.hub.leave(id);
-        sim.regions.forget(id);
+        sim.arena.regions.forget(id);
     }
     // The copies under way complete (leaving may free group slots that
     // batches waited for: their copies are ordered then).
@@ -1206,9 +1220,9 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
     prop_assert_eq!(sim.hub.view().counts().free, sc.slots, "host slots leaked");
     let oldest = sim.hub.view().ring().oldest_published();
     prop_assert!(
-        sim.regions.all_free_but_the_ring(oldest),
+        sim.arena.regions.all_free_but_the_ring(oldest),
         "a region the ring left is still taken: {:?}",
-        sim.regions
+        sim.arena.regions
     );
     for g in 0..2 {
         prop_assert_eq!(
@@ -1256,11 +1270,11 @@ fn the_schedules_reach_every_rule() {
         sum.detaches += t.detaches;
         sum.merges += t.merges;
         sum.bounded_waits += t.bounded_waits;
-        sum.moves += t.moves;
-        sum.early_moves += t.early_moves;
-        sum.stuck_again += t.stuck_again;
-        sum.restarts += t.restarts;
-        sum.carried_moves += t.carried_moves;
+        sum.moves.moved += t.moves.moved;
+        sum.moves.early += t.moves.early;
+        sum.moves.stuck_again += t.moves.stuck_again;
+        sum.moves.restarts += t.moves.restarts;
+        sum.moves.carried += t.moves.carried;
     }
     assert!(
         sum.cuts > 50
@@ -1272,11 +1286,11 @@ fn the_schedules_reach_every_rule() {
             && sum.detaches > 20
             && sum.merges > 20
             && sum.bounded_waits > 1000
-            && sum.moves > 10
-            && sum.early_moves > 3
-            && sum.stuck_again > 2
-            && sum.carried_moves > 3
-            && sum.restarts > 20,
+            && sum.moves.moved > 10
+            && sum.moves.early > 3
+            && sum.moves.stuck_again > 2
+            && sum.moves.carried > 3
+            && sum.moves.restarts > 20,
         "{sum:?}"
     );
 }
