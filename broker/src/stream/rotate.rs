@@ -52,6 +52,42 @@ fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
+/// Where a replayed consumer of batch size `batch` whose replay stands
+/// at `at`, an epoch's start, may rotate into that epoch on a stream of
+/// `unit` samples a unit and `per_epoch` samples an epoch (see the
+/// module's rules): the unit it re-joins at and where that begins.
+/// `None`: the ring holds no point for it.
+pub(super) fn point(
+    hub: &Hub,
+    at: Position,
+    (batch, unit): (u64, u64),
+    per_epoch: u64,
+) -> Option<(u64, Position)> {
+    // Units from one of its batch boundaries: lcm(batch, unit) / unit.
+    let every = batch / gcd(batch, unit).max(1);
+    // Also where the shared stream's readers are, if further back (a
+    // ring larger than half an epoch runs that far ahead of them): the
+    // ring keeps that for them anyway, and a rotation happens once an
+    // epoch at most.
+    let room = merge_from(hub);
+    let from = hub.view().members_tail().map_or(room, |t| t.min(room));
+    let (seq, index) = hub.view().ring().rotation_point(at.epoch, from, every)?;
+    let point = Position {
+        epoch: at.epoch,
+        sample: index * unit,
+    };
+    (point.sample < per_epoch).then_some((seq, point))
+}
+
+/// Whether consumer `id`, rotated into `rot`'s epoch, is to be cut now to
+/// be replayed that epoch's start: the shared stream sent it the rest of
+/// the epoch (the stream made it), and it took every unit it was sent
+/// (`unread`: noticed and not taken; a paused one that did not is cut as
+/// any member is instead).
+pub(super) fn start_due(hub: &Hub, id: ConsumerId, rot: Rotation, unread: usize) -> bool {
+    hub.view().read_through(id, rot.epoch) && unread == 0
+}
+
 /// Consumer `id`'s replay stands at `at`, an epoch's start the ring no
 /// longer holds near its head: rotates it into that epoch if the ring
 /// holds a point for it (see the module's rules). Whether it did.
@@ -64,32 +100,10 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
     if !s.plan.rotate_epochs || conn.seat.is_some() || conn.ending.is_some() {
         return false;
     }
-    // Units from one of its batch boundaries: lcm(batch, unit) / unit.
-    let batch = conn.own.batch_size;
-    let every = batch / gcd(batch, unit).max(1);
-    // Also where the shared stream's readers are, if further back (a
-    // ring larger than half an epoch runs that far ahead of them): the
-    // ring keeps that for them anyway, and a rotation happens once an
-    // epoch at most.
-    let room = merge_from(&inner.hub);
-    let from = inner
-        .hub
-        .view()
-        .members_tail()
-        .map_or(room, |t| t.min(room));
-    let Some((seq, index)) = inner
-        .hub
-        .view()
-        .ring()
-        .rotation_point(at.epoch, from, every)
-    else {
+    let Some((seq, point)) = point(&inner.hub, at, (conn.own.batch_size, unit), per_epoch) else {
         return false;
     };
-    let point = Position {
-        epoch: at.epoch,
-        sample: index * unit,
-    };
-    if point.sample >= per_epoch || inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
+    if inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
         return false;
     }
     let conn = inner.conns.get_mut(&id).expect("looked up above");
@@ -131,9 +145,7 @@ pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner, clock: fn() -
         else {
             continue;
         };
-        // It took every unit it was sent: a paused one that did not is
-        // cut as any member is, taking back what it did not take.
-        if c.ending.is_none() && hub.view().read_through(id, rot.epoch) && unread(c) == 0 {
+        if c.ending.is_none() && start_due(hub, id, rot, unread(c)) {
             due.push((id, rot));
         }
     }

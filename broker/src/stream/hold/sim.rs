@@ -40,6 +40,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use batchcast::JoinPolicy;
+use batchcast::rotation::{self, Rotation};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
@@ -49,6 +50,7 @@ use crate::hub::{
 };
 use crate::stream::decouple::{Merge, merge_rule};
 use crate::stream::regions::{self, Regions, Target};
+use crate::stream::rotate;
 use batchcast::proto::Position;
 
 /// What a reader's program does.
@@ -130,6 +132,9 @@ struct Reader {
     kept: Vec<u64>,
     /// It was cut since it kept one (a hoarder keeps a second then).
     cut_since_kept: bool,
+    /// The rotated epoch its program reads in rotated order, while it
+    /// does ([`batchcast::rotation`]).
+    rotation: Option<Rotation>,
     /// The last shared batch it was noticed since it last merged, for the
     /// order check.
     last: Option<u64>,
@@ -202,8 +207,16 @@ struct Sim {
     making: Making,
     readers: BTreeMap<ConsumerId, Reader>,
     pending: Vec<Plan>,
-    bpe: u64,
+    shape: Shape,
     tally: Tally,
+}
+
+/// The stream's shape: units (one sample each) an epoch, and whether it
+/// rotates epochs for replayed readers (`rotate_epochs`).
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    bpe: u64,
+    rotate: bool,
 }
 
 /// The host arena's regions (the runtime's own ledger of them: where
@@ -386,6 +399,7 @@ impl Sim {
                     held: VecDeque::new(),
                     kept: Vec::new(),
                     cut_since_kept: false,
+                    rotation: None,
                     last: None,
                     next,
                     acted: now,
@@ -505,12 +519,13 @@ impl Sim {
                     give(&mut self.hub, &mut self.arena.regions, id, seq)?;
                 }
                 while let Some((seq, at)) = r.unread.pop_front() {
-                    consume(r, at, self.bpe)?;
+                    consume(r, at, self.shape.bpe)?;
                     give(&mut self.hub, &mut self.arena.regions, id, seq)?;
                 }
                 for _ in 0..r.plan.replay_pace {
-                    consume(r, cursor, self.bpe)?;
-                    cursor = next_unit(cursor, self.bpe);
+                    consume(r, cursor, self.shape.bpe)?;
+                    // Its replay walks its order (a rotated epoch's too).
+                    cursor = r.next.expect("just read");
                 }
                 r.mode = Mode::Replaying { cursor, read: true };
                 r.acted = now;
@@ -522,8 +537,8 @@ impl Sim {
                     if cursor == to {
                         break;
                     }
-                    consume(r, cursor, self.bpe)?;
-                    cursor = next_unit(cursor, self.bpe);
+                    consume(r, cursor, self.shape.bpe)?;
+                    cursor = r.next.expect("just read");
                 }
                 r.mode = if cursor == to {
                     Mode::Shared
@@ -554,7 +569,7 @@ impl Sim {
                         let old = r.held.pop_front().expect("held");
                         give(&mut self.hub, &mut self.arena.regions, id, old)?;
                     }
-                    consume(r, at, self.bpe)?;
+                    consume(r, at, self.shape.bpe)?;
                     r.held.push_back(seq);
                     r.acted = now;
                 }
@@ -574,7 +589,7 @@ impl Sim {
         let group_slots = self.hub.view().group_counts(0).expect("two groups").slots;
         let mut hub = Hub::new(HubConfig {
             slots: self.hub.view().ring().slots(),
-            batches_per_epoch: self.bpe,
+            batches_per_epoch: self.shape.bpe,
             epochs: None,
             lag_limit: None,
             min_consumers: 1,
@@ -629,15 +644,28 @@ impl Sim {
     }
 
     /// Each replayed reader that read some of its replay merges back
-    /// where the stream's merge rule says (no rotation here: an epoch's
-    /// start the ring left behind is replayed on, in order).
+    /// where the stream's merge rule says, or (a host reader on a stream
+    /// that rotates epochs) rotates into an epoch whose start the ring no
+    /// longer holds near its head, as `rotate::rotate`: re-joined at the
+    /// point `rotate::point` gives, through that epoch, its program reading
+    /// from there and the start after the end.
     fn merge_replays(&mut self) -> Result<(), TestCaseError> {
         for r in self.readers.values_mut() {
             let Mode::Replaying { cursor, read: true } = r.mode else {
                 continue;
             };
-            let Merge::At { seq, through } = merge_rule(&self.hub, r.id, cursor, 1, None) else {
-                continue;
+            let (seq, through, rotated) = match merge_rule(&self.hub, r.id, cursor, 1, r.rotation) {
+                Merge::Wait => continue,
+                Merge::At { seq, through } => (seq, through, None),
+                Merge::Rotate if !self.shape.rotate || r.plan.group.is_some() => continue,
+                Merge::Rotate => {
+                    let Some((seq, point)) =
+                        rotate::point(&self.hub, cursor, (1, 1), self.shape.bpe)
+                    else {
+                        continue;
+                    };
+                    (seq, Some(cursor.epoch), Some(point))
+                }
             };
             // As the runtime: a refused merge is tried again later (a
             // member's copies from there are gone from its GPU's ring).
@@ -646,9 +674,52 @@ impl Sim {
                     r.mode = Mode::Shared;
                     self.tally.merges += 1;
                 }
-                Err(HubError::NotLive { .. }) => {}
+                Err(HubError::NotLive { .. }) => continue,
                 Err(e) => return Err(fail(e)),
             }
+            if let Some(point) = rotated {
+                // Rotated only at an epoch's start its program reads next,
+                // once an epoch.
+                prop_assert!(
+                    r.next == Some(cursor) && cursor.sample == 0 && r.rotation.is_none(),
+                    "reader {} rotated at {:?} into {:?}, its program at {:?} in {:?}",
+                    r.id,
+                    cursor,
+                    point,
+                    r.next,
+                    r.rotation
+                );
+                r.rotation = Some(Rotation {
+                    epoch: point.epoch,
+                    at: point.sample,
+                });
+                r.next = Some(point);
+                self.tally.rotations += 1;
+            }
+        }
+        // A rotated reader the shared stream sent the rest of its epoch,
+        // which took all of it, is cut, nothing taken back, to be
+        // replayed the epoch's start (as `rotate::replay_rotated_starts`:
+        // what the hub sent it goes out before the cut).
+        let due: Vec<(ConsumerId, Rotation)> = self
+            .readers
+            .values()
+            .filter(|r| r.mode == Mode::Shared)
+            .filter_map(|r| Some((r.id, r.rotation?, r.revocable())))
+            .filter(|&(id, rot, unread)| rotate::start_due(&self.hub, id, rot, unread))
+            .map(|(id, rot, _)| (id, rot))
+            .collect();
+        if !due.is_empty() {
+            self.deliver()?;
+        }
+        for (id, rot) in due {
+            self.hub.cut(id, &[]).map_err(fail)?;
+            let r = self.readers.get_mut(&id).expect("listed");
+            r.mode = Mode::Replaying {
+                cursor: rot.owed_from(),
+                read: true,
+            };
+            self.tally.rotated_starts += 1;
         }
         Ok(())
     }
@@ -940,23 +1011,9 @@ fn delivery(plan: &Plan) -> Delivery {
     }
 }
 
-/// The unit after `at` (a unit is one sample here).
-fn next_unit(at: Position, bpe: u64) -> Position {
-    if at.sample + 1 < bpe {
-        Position {
-            epoch: at.epoch,
-            sample: at.sample + 1,
-        }
-    } else {
-        Position {
-            epoch: at.epoch + 1,
-            sample: 0,
-        }
-    }
-}
-
 /// Reader `r`'s program reads the unit at `at`: the one after the last it
-/// read (from the shared stream or replayed), or its first.
+/// read (from the shared stream or replayed, in its order: a rotated
+/// epoch from its point, then its start), or its first.
 fn consume(r: &mut Reader, at: Position, bpe: u64) -> Result<(), TestCaseError> {
     prop_assert!(
         r.next.is_none_or(|n| n == at),
@@ -965,7 +1022,9 @@ fn consume(r: &mut Reader, at: Position, bpe: u64) -> Result<(), TestCaseError> 
         at,
         r.next
     );
-    r.next = Some(next_unit(at, bpe));
+    let step = rotation::step(at, 1, bpe, r.rotation);
+    r.next = Some(step.next);
+    r.rotation = step.rotation;
     Ok(())
 }
 
@@ -1046,6 +1105,8 @@ struct Schedule {
     group_slots: u32,
     plans: Vec<Plan>,
     bpe: u64,
+    /// The stream rotates epochs for replayed readers.
+    rotate: bool,
     eager: bool,
     /// The default pace's stall cut (with `eager` false: `auto`).
     stall_cut: bool,
@@ -1063,7 +1124,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
     (
         (2u32..7).prop_flat_map(|s| (Just(s), prop::collection::vec(plan(s), 1..5))),
         1u32..5,
-        1u64..9,
+        (1u64..9, any::<bool>()),
         // Lockstep, decoupled, `auto` (the default).
         prop_oneof![
             Just((false, false)),
@@ -1082,7 +1143,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
             |(
                 (slots, plans),
                 group_slots,
-                bpe,
+                (bpe, rotate),
                 (eager, stall_cut),
                 limit,
                 restart_at,
@@ -1096,6 +1157,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
                     group_slots,
                     plans,
                     bpe,
+                    rotate,
                     eager,
                     stall_cut,
                     limit,
@@ -1121,7 +1183,11 @@ struct Tally {
     /// Readers that resumed after a restart.
     resumed: u64,
     detaches: u64,
+    /// Merges back, and of them rotations into an epoch, and rotated
+    /// epochs' starts replayed.
     merges: u64,
+    rotations: u64,
+    rotated_starts: u64,
     bounded_waits: u64,
     moves: Moves,
 }
@@ -1175,7 +1241,10 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
         making: Making::default(),
         readers: BTreeMap::new(),
         pending: sc.plans,
-        bpe: sc.bpe,
+        shape: Shape {
+            bpe: sc.bpe,
+            rotate: sc.rotate,
+        },
         tally: Tally::default(),
     };
     let mut restart_at = sc.restart_at;
@@ -1269,6 +1338,8 @@ fn the_schedules_reach_every_rule() {
         sum.resumed += t.resumed;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
+        sum.rotations += t.rotations;
+        sum.rotated_starts += t.rotated_starts;
         sum.bounded_waits += t.bounded_waits;
         sum.moves.moved += t.moves.moved;
         sum.moves.early += t.moves.early;
@@ -1285,6 +1356,8 @@ fn the_schedules_reach_every_rule() {
             && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
+            && sum.rotations > 10
+            && sum.rotated_starts > 10
             && sum.bounded_waits > 1000
             && sum.moves.moved > 10
             && sum.moves.early > 3
@@ -1317,6 +1390,7 @@ fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
         stall_cut: false,
         limit: Some(200),
         restart_at: None,
+        rotate: false,
         regions: 1,
         budget: 0,
         steps: vec![10; 400],
