@@ -421,6 +421,11 @@ impl Sim {
         }
         self.making.copying.extend(self.hub.take_copies());
         self.deliver()?;
+        // The pipeline looks at the replayed readers before it makes
+        // their next replayed units (a joiner `now` may rotate before it
+        // reads any), and again after they read.
+        self.merge_replays()?;
+        self.deliver()?;
         let ids: Vec<ConsumerId> = self.readers.keys().copied().collect();
         for id in ids {
             self.act(id)?;
@@ -1418,4 +1423,39 @@ fn a_lockstep_joiner_that_stops_catching_up_is_detached_at_the_limit() {
     });
     let t = run(sc).unwrap();
     assert_eq!((t.caught_up, t.detaches), (1, 1), "{t:?}");
+}
+
+/// Decoupled pace, epochs rotated: a steady reader and one joining `now`
+/// late, whose replay from its epoch's start could never catch up in
+/// order. It rotates into the epoch where the ring is, reads the rest
+/// of it shared and its start replayed after its end, every unit once
+/// in that order, epoch after epoch, and merges back.
+#[test]
+fn a_joiner_now_rotates_into_the_epoch_and_reads_its_start_after_its_end() {
+    let reader = |join_at, now| Plan {
+        kind: Kind::Steady,
+        join_at,
+        arena: true,
+        window: 2,
+        group: None,
+        now,
+        socket: false,
+        replay_pace: 3,
+    };
+    let sc = Schedule {
+        slots: 6,
+        group_slots: 1,
+        plans: vec![reader(0, false), reader(500, true)],
+        bpe: 8,
+        rotate: true,
+        eager: true,
+        stall_cut: false,
+        limit: Some(1000),
+        restart_at: None,
+        regions: 1,
+        budget: 0,
+        steps: vec![10; 400],
+    };
+    let t = run(sc).unwrap();
+    assert!(t.rotations >= 1 && t.rotated_starts >= 1, "{t:?}");
 }
