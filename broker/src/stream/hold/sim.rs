@@ -19,12 +19,16 @@
 //! ledger ([`Regions`]) say (its releases of those go to the region left
 //! behind), detached where they say it cannot; a cut reader reads its
 //! replay from where the hub says it lost the stream and merges back
-//! where [`merge_rule`] says (the runtime's own rule; rotation is left
-//! out: an epoch's start the ring left behind is replayed on, in order).
+//! where [`merge_rule`] says (the runtime's own rule), or, on a stream
+//! that rotates epochs, rotates into an epoch whose start the ring left
+//! behind at the point [`rotate::point`] gives and is cut to replay that
+//! start after the epoch's end where [`rotate::start_due`] says (the
+//! runtime's own rules).
 //!
 //! Checked after every step: the hub's invariants; every reader's
-//! program reads every unit once, in order, across its cuts, moves,
-//! replays and merges; the shared stream notices it each batch once, in
+//! program reads every unit once, in order (a rotated epoch's in its
+//! rotated order, [`rotation::step`]), across its cuts, moves, replays,
+//! merges and rotations; the shared stream notices it each batch once, in
 //! order, between merges; README's promise: no reader waits for data
 //! with the ring full longer than the limit in all, whoever pins it
 //! ([`Sim::bound`]: the limit plus the simulation's steps), but for the
@@ -144,9 +148,16 @@ struct Reader {
     /// When it last took a batch (a crawler's tick).
     acted: u64,
     /// Since when it has waited for data with the ring full, whoever
-    /// pinned it, and how much longer than the bound it may (a carried
-    /// hold restarted for owers the ring could not leave).
-    blocked_since: Option<u64>,
+    /// pinned it, and how much longer than the bound it may.
+    blocked: Blocked,
+}
+
+/// A reader waiting for data with the ring full: since when, and how
+/// much longer than the bound it may wait (a carried hold restarted for
+/// owers the ring could not leave gives one more limit).
+#[derive(Debug, Default, Clone, Copy)]
+struct Blocked {
+    since: Option<u64>,
     allowance: u64,
 }
 
@@ -403,8 +414,7 @@ impl Sim {
                     last: None,
                     next,
                     acted: now,
-                    blocked_since: None,
-                    allowance: 0,
+                    blocked: Blocked::default(),
                 },
             );
         }
@@ -639,8 +649,7 @@ impl Sim {
             r.held.clear();
             r.kept.clear();
             r.last = None;
-            r.blocked_since = None;
-            r.allowance = 0;
+            r.blocked = Blocked::default();
             readers.insert(id, r);
             self.tally.resumed += 1;
         }
@@ -956,8 +965,8 @@ impl Sim {
         }
         self.tally.moves.restarts += more;
         for r in self.readers.values_mut() {
-            if r.blocked_since.is_some() {
-                r.allowance += more * limit;
+            if r.blocked.since.is_some() {
+                r.blocked.allowance += more * limit;
             }
         }
     }
@@ -985,15 +994,14 @@ impl Sim {
                 && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0);
             // Taking a batch this step is progress: not blocked.
             if !(waiting && full) || r.acted == now || waited_for {
-                r.blocked_since = None;
-                r.allowance = 0;
+                r.blocked = Blocked::default();
                 continue;
             }
-            let since = *r.blocked_since.get_or_insert(now);
+            let since = *r.blocked.since.get_or_insert(now);
             if let Some(bound) = bound {
                 self.tally.bounded_waits += 1;
                 prop_assert!(
-                    now - since <= bound + r.allowance,
+                    now - since <= bound + r.blocked.allowance,
                     "reader {} waited {} ms with the ring full (bound {} ms) at {} ms: {:?}",
                     r.id,
                     now - since,
