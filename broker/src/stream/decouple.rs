@@ -62,7 +62,7 @@ use batchcast::rotation::Rotation;
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
-use super::hold::{Facts, Rule, Verdict};
+use super::hold::{Facts, Rule};
 use super::regions;
 use super::replay::book::ArenaLife;
 use super::rotate::{self, merge_from};
@@ -193,54 +193,33 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         fill,
         ..
     } = &mut *inner;
-    let regions = &fill.regions;
-    let verdict = pace.judge(
-        rule,
-        pinned,
-        &mut ConnFacts {
-            hub,
-            conns,
-            regions,
-        },
-        now,
-    );
-    let Verdict::Act {
-        cut: can,
-        detach,
-        held,
-        move_only,
-    } = verdict
-    else {
+    let mut facts = ConnFacts {
+        hub,
+        conns,
+        regions: &fill.regions,
+    };
+    let verdict = pace.judge(rule, pinned, &mut facts, now);
+    let Some(round) = verdict.round(seq, &mut facts) else {
         return false;
     };
-    tracing::debug!(stream = %s.name(), ?can, ?detach, held_s = held.as_secs_f64(), "the hold rule acts");
-    let mut movers = Vec::new();
-    for &id in &detach {
-        let Inner {
-            hub, conns, fill, ..
-        } = &mut *inner;
-        let regions = &fill.regions;
-        let Some(c) = conns.get_mut(&id) else {
-            continue;
-        };
-        let took_it = seq.is_some_and(|q| took(hub, id, c, q));
-        if took_it && movable(hub, id, c, regions) {
-            movers.push(id);
-        } else if !move_only {
-            detach_holder(s, inner, id, (held, took_it));
-        }
+    tracing::debug!(stream = %s.name(), ?round, "the hold rule acts");
+    let held = round.held;
+    let mut any = !round.detach.is_empty() || !round.movers.is_empty();
+    for (id, took_it) in round.detach {
+        detach_holder(s, inner, id, (held, took_it));
     }
     // Detaching freed the slot of whoever could not be cut; moving the
     // ring away from what the others hold, and cutting them, frees it of
     // them.
-    let mut any = !detach.is_empty();
-    if !movers.is_empty() && !move_ring(s, inner, movers, (held, now), move_only) && move_only {
+    if !round.movers.is_empty()
+        && !move_ring(s, inner, round.movers, (held, now), round.move_only)
+        && round.move_only
+        && let Some(seq) = seq
+    {
         // The ring could not move now: a carried hold becomes theirs.
-        if let Some(seq) = seq {
-            inner.pace.unmoved(seq, now);
-        }
+        inner.pace.unmoved(seq, now);
     }
-    for id in can {
+    for id in round.cut {
         any |= cut(s, inner, id, now);
     }
     any

@@ -48,7 +48,7 @@ use batchcast::rotation::{self, Rotation};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
-use super::{CUT_AFTER, Facts, HoldClock, Rule, Verdict};
+use super::{CUT_AFTER, Facts, HoldClock, Rule};
 use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
@@ -761,51 +761,30 @@ impl Sim {
             };
             let restarts = self.clock.restarts;
             let verdict = self.clock.judge(self.rule, pinned, &mut facts, at);
+            // The runtime's own round (`decouple::cut_laggards`).
+            let round = verdict.round(stalled, &mut facts);
             self.allow_restarts(restarts);
-            let Verdict::Act {
-                cut,
-                detach,
-                held,
-                move_only,
-            } = verdict
-            else {
+            let Some(round) = round else {
                 return Ok(());
             };
-            // As `decouple::cut_laggards`: a holder of the pinned unit the
-            // ring can move away from is moved from, the others detached.
-            let mut movers = Vec::new();
-            for id in detach {
-                let took = stalled.is_some_and(|s| self.readers[&id].took(s));
-                let mut facts = SimFacts {
-                    hub: &self.hub,
-                    readers: &self.readers,
-                    regions: &self.arena.regions,
-                    start: self.start,
-                };
-                if took && facts.movable(id) {
-                    movers.push(id);
-                    continue;
-                }
-                if move_only {
-                    continue;
-                }
+            for (id, took) in round.detach {
                 let r = &self.readers[&id];
                 prop_assert!(
                     !r.plan.arena || r.mode != Mode::Shared || took,
                     "reader {id} detached although it could be cut: {r:?}"
                 );
-                self.detach(id, held)?;
+                self.detach(id, round.held)?;
             }
-            if !movers.is_empty()
-                && !self.move_ring(movers, (move_only, held))?
-                && move_only
+            if !round.movers.is_empty()
+                && !self.move_ring(round.movers, (round.move_only, round.held))?
+                && round.move_only
                 && let Some(seq) = stalled
             {
                 let restarts = self.clock.restarts;
                 self.clock.unmoved(seq, at);
                 self.allow_restarts(restarts);
             }
-            for id in cut {
+            for id in round.cut {
                 self.cut(id)?;
             }
             self.deliver()?;
