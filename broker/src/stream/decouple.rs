@@ -77,7 +77,7 @@ fn took(hub: &Hub, id: ConsumerId, c: &mut Conn, seq: u64) -> bool {
         && !c
             .out
             .mailbox_mut()
-            .is_some_and(|mb| mb.unread_units().contains(&Unit::Shared(seq)))
+            .is_some_and(|mb| mb.is_unread(Unit::Shared(seq)))
 }
 
 /// Whether consumer `id` may be cut: it keeps a replay arena for cuts

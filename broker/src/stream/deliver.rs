@@ -156,12 +156,7 @@ fn release(
 pub(super) fn settle(inner: &mut Inner, all: bool) {
     let all = all || std::mem::take(&mut inner.deliver.drain_all);
     dispatch(inner);
-    let want = inner.fill.wants_doorbells();
-    for conn in inner.conns.values_mut() {
-        if let Some(mb) = conn.out.mailbox_mut() {
-            mb.set_want(want);
-        }
-    }
+    ask_for_doorbells(inner);
     if !all {
         return;
     }
@@ -170,6 +165,30 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
     std::sync::atomic::fence(Ordering::SeqCst);
     while drain_mailboxes(inner) {
         dispatch(inner);
+    }
+}
+
+/// Sets each mailbox's doorbell wish. A waiting pipeline thread or
+/// producer wants a slot while none is free: only a release of the unit
+/// in the ring's next slot frees one, so only the consumers that owe it
+/// are asked to ring, and those being replayed to (a release frees a
+/// slot of their replay arena, which nobody else would look at). Asking
+/// every consumer had each of them send a message on its socket after
+/// every release while the pipeline waited: work for the broker's I/O
+/// thread that grew with the number of consumers.
+fn ask_for_doorbells(inner: &mut Inner) {
+    let want = inner.fill.wants_doorbells();
+    let owers = match want {
+        true => inner.hub.view().pinning().map(|(_, owe)| owe),
+        false => None,
+    }
+    .unwrap_or_default();
+    for (id, conn) in inner.conns.iter_mut() {
+        let replayed = || conn.replay.as_ref().is_some_and(|r| r.active());
+        let wish = want && (owers.contains(id) || replayed());
+        if let Some(mb) = conn.out.mailbox_mut() {
+            mb.set_want(wish);
+        }
     }
 }
 

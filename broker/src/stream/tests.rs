@@ -849,3 +849,81 @@ fn a_cut_consumer_that_reads_nothing_is_not_merged_back() {
     drop((reader, stopped));
     s.shutdown();
 }
+
+/// A pipeline thread waiting for the ring's next slot asks only the
+/// consumers owing the unit there to ring when they release: a release
+/// by anyone else frees no slot. (Before, every mailbox consumer sent a
+/// doorbell on its socket after every release while the pipeline waited:
+/// broker work that grew with the number of consumers.)
+#[test]
+fn only_the_consumers_owing_the_pinned_unit_are_asked_to_ring() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[4])];
+    let text = StreamToml::synthetic("t", 1, 1000, &fields)
+        .key("slots", 4)
+        .key("min_consumers", 2)
+        .key("workers", 1)
+        .raw("hold_limit_s = inf")
+        .to_toml();
+    let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+    let plan = plan_config(&cfg).unwrap().remove(0);
+    let s = Stream::start(plan, &Budget::new(1 << 30, 0), 0, &mut Shares::default()).unwrap();
+    let grant = |name: &str| {
+        let mut sub = s
+            .subscribe(
+                ConsumeRequest {
+                    mailbox: true,
+                    window: 4,
+                    ..request(JoinPolicy::NextEpoch)
+                },
+                peer(name),
+            )
+            .unwrap();
+        let g = sub.mailbox.take().expect("a mailbox");
+        (sub, ConsumerMailbox::open(g.fd, g.spec).unwrap())
+    };
+    let (fast, fast_mb) = grant("fast");
+    let (slow, slow_mb) = grant("slow");
+    // The fast one reads and releases the ring's 4 units; the slow one
+    // takes nothing: unit 0 pins the ring, owed by the slow one alone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut released = 0;
+    while released < 4 {
+        assert!(Instant::now() < deadline, "{released} released");
+        match fast_mb.pop().unwrap() {
+            Some(Notice::Batch(b)) => {
+                assert!(fast_mb.push_release(Unit::Shared(b.seq), Totals::default()));
+                released += 1;
+            }
+            Some(_) => {}
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    s.doorbell();
+    // The pipeline thread arms once it has waited a moment.
+    while !slow_mb.wants_doorbell() {
+        assert!(
+            Instant::now() < deadline,
+            "the owing consumer never asked to ring"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !fast_mb.wants_doorbell(),
+        "the one owing nothing is asked to ring"
+    );
+    // The slow one releases unit 0 and rings: the pipeline goes on.
+    match slow_mb.pop().unwrap() {
+        Some(Notice::Batch(b)) => {
+            assert_eq!(b.seq, 0);
+            assert!(slow_mb.push_release(Unit::Shared(0), Totals::default()));
+        }
+        n => panic!("{n:?}"),
+    }
+    s.doorbell();
+    while s.stats().batches_produced < 5 {
+        assert!(Instant::now() < deadline, "{:?}", s.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop((fast, slow));
+    s.shutdown();
+}

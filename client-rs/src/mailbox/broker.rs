@@ -203,6 +203,12 @@ impl<M: Memory> BrokerMailbox<M> {
         self.unread().collect()
     }
 
+    /// Whether `unit` is noticed and not read by the consumer's `tail`
+    /// ([`unread_units`](Self::unread_units), asked without a list).
+    pub fn is_unread(&mut self, unit: Unit) -> bool {
+        self.unread().any(|u| u == unit)
+    }
+
     /// How many shared batches are noticed and not read by the consumer's
     /// `tail` ([`unread_units`](Self::unread_units)' shared ones, counted
     /// without a list: asked of every consumer whenever the pipeline

@@ -194,8 +194,11 @@ mod tests {
             vec![Unit::Shared(next), Unit::Replayed(5)]
         );
         assert_eq!(b.unread_shared(), 1, "the replayed one is not counted");
+        assert!(b.is_unread(Unit::Shared(next)) && b.is_unread(Unit::Replayed(5)));
+        assert!(!b.is_unread(Unit::Replayed(next)), "a unit's kind counts");
         assert_eq!(c.pop().unwrap(), Some(batch(next)));
         assert_eq!(b.unread_units(), vec![Unit::Replayed(5)]);
+        assert!(!b.is_unread(Unit::Shared(next)), "read");
         assert_eq!(b.unread_shared(), 0);
         assert!(c.pop().unwrap().is_some());
         assert!(c.pop().unwrap().is_some());

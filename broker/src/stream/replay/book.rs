@@ -222,6 +222,12 @@ impl Replay {
         self.to.is_none()
     }
 
+    /// Whether its releases matter to a pipeline thread: a stretch is
+    /// running or open, or batches of it are in flight.
+    pub(in crate::stream) fn active(&self) -> bool {
+        self.running() || self.open() || self.in_flight() > 0
+    }
+
     /// Opens a stretch from `from` (the consumer was cut from the shared
     /// stream there); seqs go on from the last stretch's.
     pub(in crate::stream) fn reopen(&mut self, from: Position, now: Instant) {

@@ -451,11 +451,10 @@ pub(super) fn has_work(inner: &Inner) -> bool {
 /// cut, as a rotated consumer reading its epoch's shared part does while
 /// its start, replayed, is all made).
 pub(super) fn active(inner: &Inner) -> bool {
-    inner.conns.values().any(|c| {
-        c.replay
-            .as_ref()
-            .is_some_and(|r| r.running() || r.open() || r.in_flight() > 0)
-    })
+    inner
+        .conns
+        .values()
+        .any(|c| c.replay.as_ref().is_some_and(book::Replay::active))
 }
 
 /// A pipeline thread made replayed batch `seq` for consumer `id` (or
