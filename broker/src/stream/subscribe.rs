@@ -179,7 +179,9 @@ impl Joining<'_> {
             return Ok(ReplayArena::NONE);
         }
         let whom = format!("consumer `{}` (pid {})", peer.name, peer.pid);
-        match replay::prepare(s, shape.batch_size, req.window, peer.uid, &whom) {
+        // One that may only be cut keeps its arena uncommitted until then.
+        let now = self.may_replay(asks);
+        match replay::prepare(s, (shape.batch_size, req.window), (peer.uid, &whom), now) {
             Ok(p) => Ok(ReplayArena {
                 replays: true,
                 kept,

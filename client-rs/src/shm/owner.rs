@@ -39,6 +39,17 @@ impl Arena {
     /// [`Arena::allocate_region`] (until then they cost address space in
     /// the mappings, no memory).
     pub fn create_regions(name: &str, len: u64, regions: u32, fault: Fault) -> Result<Arena> {
+        let arena = Arena::reserve(name, len, regions, fault)?;
+        arena.allocate_region(0)?;
+        Ok(arena)
+    }
+
+    /// [`Arena::create_regions`] with no region allocated yet, not even
+    /// the first: memory kept for a need that may never come costs only
+    /// address space until [`Arena::allocate_region`] commits it (then a
+    /// lack of memory is that call's error). A page read before reads
+    /// zeros; nothing may be written to a region before it is allocated.
+    pub fn reserve(name: &str, len: u64, regions: u32, fault: Fault) -> Result<Arena> {
         let cname = std::ffi::CString::new(format!("batchcast:{name}"))
             .map_err(|_| Error::Shm(format!("stream name `{name}` contains a NUL byte")))?;
         let fd = memfd_create(
@@ -61,7 +72,6 @@ impl Arena {
             fault.flags(),
         )?;
         let arena = Arena { fd, map, len };
-        arena.allocate_region(0)?;
         fcntl(
             &arena.fd,
             FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),

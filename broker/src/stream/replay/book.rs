@@ -45,6 +45,8 @@ pub(in crate::stream) struct Prepared {
     rings: Arc<Mapping>,
     layout: RingLayout,
     slots: u32,
+    /// Its memory is allocated (see [`Prepared::make`]).
+    committed: bool,
     /// What pays for the arena's bytes, given back when it is dropped.
     _grant: Grant,
 }
@@ -60,15 +62,24 @@ impl Prepared {
         Ok(RingLayout::for_schema(schema, slots(window)).map_err(batchcast::Error::from)?)
     }
 
+    /// Makes the arena, its bytes paid for by `grant`. `commit`: its memory
+    /// is allocated now (it replays at once: a resume, a joiner `now`),
+    /// while the broker serves others; otherwise (kept for a cut that may
+    /// never come) only when its first replayed batch starts
+    /// ([`Replay::commit`]): a sweep of trainers none of which is ever cut
+    /// commits none of it. Faulted in as the pipeline writes either way
+    /// (see `Stream::start`).
     pub(in crate::stream) fn make(
         name: &str,
         layout: RingLayout,
-        window: u32,
+        (window, commit): (u32, bool),
         grant: Grant,
     ) -> Result<Prepared, ReplayError> {
-        // Made while the broker serves others: allocated at once, faulted
-        // in as the pipeline writes (see `Stream::start`).
-        let arena = Arena::create(&format!("{name}-replay"), layout.arena_bytes, Fault::Lazily)?;
+        let name = format!("{name}-replay");
+        let arena = match commit {
+            true => Arena::create(&name, layout.arena_bytes, Fault::Lazily)?,
+            false => Arena::reserve(&name, layout.arena_bytes, 1, Fault::Lazily)?,
+        };
         let rings =
             Mapping::rings_faulted(arena.fd(), &RingView::of(&layout), true, Fault::Lazily)?;
         arena.seal_writes()?;
@@ -77,6 +88,7 @@ impl Prepared {
             rings: Arc::new(rings),
             layout,
             slots: slots(window),
+            committed: commit,
             _grant: grant,
         })
     }
@@ -277,6 +289,16 @@ impl Replay {
     /// Waits for its consumer to release a batch.
     pub(in crate::stream) fn blocked(&self) -> bool {
         self.running() && !self.can_start()
+    }
+
+    /// Allocates its arena's memory if it was kept uncommitted
+    /// ([`Prepared::make`]): before the first replayed batch is written.
+    pub(in crate::stream) fn commit(&mut self) -> Result<(), ReplayError> {
+        if !self.mem.committed {
+            self.mem.arena.allocate_region(0)?;
+            self.mem.committed = true;
+        }
+        Ok(())
     }
 
     pub(in crate::stream) fn start(&mut self, id: ConsumerId) -> ReplayJob {

@@ -341,10 +341,9 @@ fn start_cut(
 /// [`book::slots`] of its batches, in the budget under `uid`.
 pub(super) fn prepare(
     s: &Stream,
-    batch: u64,
-    window: u32,
-    uid: u32,
-    whom: &str,
+    (batch, window): (u64, u32),
+    (uid, whom): (u32, &str),
+    commit: bool,
 ) -> Result<Prepared, ReplayError> {
     let schema = Schema {
         batch_size: batch,
@@ -352,7 +351,7 @@ pub(super) fn prepare(
     };
     let layout = Prepared::layout(&schema, window)?;
     let grant = s.budget.take(uid, Use::Replay, layout.arena_bytes, whom)?;
-    Prepared::make(s.name(), layout, window, grant)
+    Prepared::make(s.name(), layout, (window, commit), grant)
 }
 
 /// Replay's load on the pipeline threads.
@@ -410,7 +409,18 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
         .iter_mut()
         .filter(|(_, c)| wants_replay(c))
         .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, Replay::in_flight))?;
-    let job = conn.replay.as_mut().expect("filtered").start(id);
+    let replay = conn.replay.as_mut().expect("filtered");
+    if let Err(e) = replay.commit() {
+        // Its memory was kept for a cut, not allocated: the host has
+        // none left now. Only this consumer is ended.
+        conn.replay = None;
+        let why = format!(
+            "the memory of its replay arena, kept in the budget for a cut, could not be allocated when it was cut ({e}): the host has less free memory than the budget says; resume from its state (state_dict()) once memory is free, or lower the broker's memory budget"
+        );
+        end_consumer(inner, id, ErrorCode::Busy, why);
+        return None;
+    }
+    let job = replay.start(id);
     tracing::debug!(
         consumer = id,
         seq = job.seq,
