@@ -793,6 +793,13 @@ fn a_cut_consumer_that_reads_nothing_is_not_merged_back() {
     };
     let (reader, reader_mb) = grant("reader", 2);
     let (stopped, stopped_mb) = grant("stopped", 6);
+    // The arenas kept for cuts hold no memory until a cut needs one.
+    let arena = |s: &Stream, name: &str| {
+        let inner = s.lock();
+        let c = inner.conns.values().find(|c| c.peer.name == name).unwrap();
+        c.replay.as_ref().expect("kept for cuts").allocated()
+    };
+    assert_eq!((arena(&s, "reader"), arena(&s, "stopped")), (0, 0));
     // The reader takes the ring's 8 units, gives back 4 and keeps 4.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut taken = 0;
@@ -825,6 +832,11 @@ fn a_cut_consumer_that_reads_nothing_is_not_merged_back() {
         s.doorbell();
         std::thread::sleep(Duration::from_millis(5));
     }
+    assert!(
+        arena(&s, "stopped") > 0,
+        "its replay was written in its arena"
+    );
+    assert_eq!(arena(&s, "reader"), 0, "never cut: no memory");
     // A moment for the pipeline thread's merge check, then what it was told.
     std::thread::sleep(Duration::from_millis(200));
     s.doorbell();

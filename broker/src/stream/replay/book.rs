@@ -301,6 +301,13 @@ impl Replay {
         Ok(())
     }
 
+    /// Bytes of memory its arena holds now (tests).
+    #[cfg(test)]
+    pub(in crate::stream) fn allocated(&self) -> u64 {
+        let st = nix::sys::stat::fstat(self.mem.arena.fd()).expect("fstat of a memfd");
+        st.st_blocks as u64 * 512
+    }
+
     pub(in crate::stream) fn start(&mut self, id: ConsumerId) -> ReplayJob {
         let c = self.cursor;
         let (samples, ends_epoch) = match self.shape.deal {
