@@ -165,6 +165,11 @@ pub(super) fn settle(inner: &mut Inner, all: bool) {
     std::sync::atomic::fence(Ordering::SeqCst);
     while drain_mailboxes(inner) {
         dispatch(inner);
+        // What was taken may leave other owers of the ring's next unit:
+        // the wishes follow (a wish raised here is drained after, as the
+        // first).
+        ask_for_doorbells(inner);
+        std::sync::atomic::fence(Ordering::SeqCst);
     }
 }
 
