@@ -107,4 +107,10 @@ pub(crate) enum MakeError {
     },
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
+    /// The memory of its replay arena, kept in the budget for a cut, could
+    /// not be allocated at its first replayed batch.
+    #[error(
+        "the memory of its replay arena, kept in the budget for a cut, could not be allocated ({0}): the host has less free memory than the broker's budget says; resume from its state (state_dict()) once memory is free, or lower the broker's memory budget"
+    )]
+    Memory(String),
 }

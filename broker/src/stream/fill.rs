@@ -269,14 +269,16 @@ impl<'a> Worker<'a> {
         let before = self.cpu.spent(true);
         let order = self.orders.get(job.epoch, |e| self.s.plan.epoch_order(e));
         let range = job.first as usize..(job.first + job.samples) as usize;
-        let made = match order.get(range) {
-            None => Err(MakeError::OutsideEpoch {
+        let memory = job.commit.as_ref().map_or(Ok(()), |c| c.ensure()); // outside the lock
+        let made = match (memory, order.get(range)) {
+            (Err(e), _) => Err(MakeError::Memory(e)),
+            (Ok(()), None) => Err(MakeError::OutsideEpoch {
                 first: job.first,
                 end: job.first + job.samples,
                 epoch: job.epoch,
                 len: order.len(),
             }),
-            Some(indices) => {
+            (Ok(()), Some(indices)) => {
                 let mut fields = cells::of_replay(&job);
                 let first = Place {
                     at: job.epoch * order.len() as u64 + job.first,

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use batchcast::deal::Deal;
@@ -41,12 +41,12 @@ pub(in crate::stream) fn slots(window: u32) -> u32 {
 /// A replay arena made before the consumer joins (outside the hub's lock).
 #[derive(Debug)]
 pub(in crate::stream) struct Prepared {
-    arena: Arena,
+    arena: Arc<Arena>,
     rings: Arc<Mapping>,
     layout: RingLayout,
     slots: u32,
-    /// Its memory is allocated (see [`Prepared::make`]).
-    committed: bool,
+    /// Its memory's allocation, once made (see [`Prepared::make`]).
+    committed: Arc<OnceLock<Result<(), String>>>,
     /// What pays for the arena's bytes, given back when it is dropped.
     _grant: Grant,
 }
@@ -84,11 +84,14 @@ impl Prepared {
             Mapping::rings_faulted(arena.fd(), &RingView::of(&layout), true, Fault::Lazily)?;
         arena.seal_writes()?;
         Ok(Prepared {
-            arena,
+            arena: Arc::new(arena),
             rings: Arc::new(rings),
             layout,
             slots: slots(window),
-            committed: commit,
+            committed: Arc::new(match commit {
+                true => OnceLock::from(Ok(())),
+                false => OnceLock::new(),
+            }),
             _grant: grant,
         })
     }
@@ -211,6 +214,27 @@ pub(in crate::stream) struct ReplayJob {
     pub(in crate::stream) rings: Arc<Mapping>,
     /// Per field: offset and length in `rings`.
     pub(in crate::stream) spans: Vec<(u64, u64)>,
+    /// The arena's memory, to allocate before writing where it was kept
+    /// uncommitted ([`Prepared::make`]); `None` once it is.
+    pub(in crate::stream) commit: Option<Commit>,
+}
+
+/// A replay arena's memory, allocated by the first pipeline thread that
+/// writes there, outside the stream's lock (others wait for it), once.
+#[derive(Debug, Clone)]
+pub(in crate::stream) struct Commit {
+    arena: Arc<Arena>,
+    done: Arc<OnceLock<Result<(), String>>>,
+}
+
+impl Commit {
+    /// Allocates the arena's memory unless that was done (or failed:
+    /// the same error again).
+    pub(in crate::stream) fn ensure(&self) -> Result<(), String> {
+        self.done
+            .get_or_init(|| self.arena.allocate_region(0).map_err(|e| e.to_string()))
+            .clone()
+    }
 }
 
 impl Replay {
@@ -291,16 +315,6 @@ impl Replay {
         self.running() && !self.can_start()
     }
 
-    /// Allocates its arena's memory if it was kept uncommitted
-    /// ([`Prepared::make`]): before the first replayed batch is written.
-    pub(in crate::stream) fn commit(&mut self) -> Result<(), ReplayError> {
-        if !self.mem.committed {
-            self.mem.arena.allocate_region(0)?;
-            self.mem.committed = true;
-        }
-        Ok(())
-    }
-
     /// Bytes of memory its arena holds now (tests).
     #[cfg(test)]
     pub(in crate::stream) fn allocated(&self) -> u64 {
@@ -360,6 +374,13 @@ impl Replay {
             samples,
             rings: self.mem.rings.clone(),
             spans,
+            commit: match self.mem.committed.get() {
+                Some(_) => None,
+                None => Some(Commit {
+                    arena: self.mem.arena.clone(),
+                    done: self.mem.committed.clone(),
+                }),
+            },
         }
     }
 

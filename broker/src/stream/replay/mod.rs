@@ -409,18 +409,7 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
         .iter_mut()
         .filter(|(_, c)| wants_replay(c))
         .min_by_key(|(_, c)| c.replay.as_ref().map_or(0, Replay::in_flight))?;
-    let replay = conn.replay.as_mut().expect("filtered");
-    if let Err(e) = replay.commit() {
-        // Its memory was kept for a cut, not allocated: the host has
-        // none left now. Only this consumer is ended.
-        conn.replay = None;
-        let why = format!(
-            "the memory of its replay arena, kept in the budget for a cut, could not be allocated when it was cut ({e}): the host has less free memory than the budget says; resume from its state (state_dict()) once memory is free, or lower the broker's memory budget"
-        );
-        end_consumer(inner, id, ErrorCode::Busy, why);
-        return None;
-    }
-    let job = replay.start(id);
+    let job = conn.replay.as_mut().expect("filtered").start(id);
     tracing::debug!(
         consumer = id,
         seq = job.seq,
@@ -485,8 +474,12 @@ pub(super) fn finish(
     conn.tally.replay_cpu += cpu;
     if let Err(why) = made {
         conn.replay = None;
+        let code = match why {
+            MakeError::Memory(_) => ErrorCode::Busy,
+            _ => ErrorCode::SourceFailed,
+        };
         let why = format!("replaying its batches failed: {why}");
-        end_consumer(inner, id, ErrorCode::SourceFailed, why);
+        end_consumer(inner, id, code, why);
         return;
     }
     let Some(r) = conn.replay.as_mut() else {
