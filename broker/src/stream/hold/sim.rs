@@ -1360,10 +1360,9 @@ fn the_schedules_reach_every_rule() {
     );
 }
 
-/// A schedule of a steady reader and one that joins `now` at 500 ms, on
-/// a lockstep stream with a hold limit of 200 ms.
-fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
-    let reader = |kind, join_at, now| Plan {
+/// A host reader through a mailbox, of window 2, with a replay arena.
+fn host_reader(kind: Kind, join_at: u64, now: bool, replay_pace: u64) -> Plan {
+    Plan {
         kind,
         join_at,
         arena: true,
@@ -1371,8 +1370,14 @@ fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
         group: None,
         now,
         socket: false,
-        replay_pace: 2,
-    };
+        replay_pace,
+    }
+}
+
+/// A schedule of a steady reader and one that joins `now` at 500 ms, on
+/// a lockstep stream with a hold limit of 200 ms.
+fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
+    let reader = |kind, join_at, now| host_reader(kind, join_at, now, 2);
     Schedule {
         slots: 4,
         group_slots: 1,
@@ -1419,16 +1424,7 @@ fn a_lockstep_joiner_that_stops_catching_up_is_detached_at_the_limit() {
 /// in that order, epoch after epoch, and merges back.
 #[test]
 fn a_joiner_now_rotates_into_the_epoch_and_reads_its_start_after_its_end() {
-    let reader = |join_at, now| Plan {
-        kind: Kind::Steady,
-        join_at,
-        arena: true,
-        window: 2,
-        group: None,
-        now,
-        socket: false,
-        replay_pace: 3,
-    };
+    let reader = |join_at, now| host_reader(Kind::Steady, join_at, now, 3);
     let sc = Schedule {
         slots: 6,
         group_slots: 1,
