@@ -939,3 +939,46 @@ fn only_the_consumers_owing_the_pinned_unit_are_asked_to_ring() {
     drop((fast, slow));
     s.shutdown();
 }
+
+/// At the defaults (no pace or hold key: `auto` with a 2 s limit), every
+/// trainer of a stream the broker computes keeps a replay arena for a
+/// cut, counted in the budget, but holding no memory while nobody is cut.
+#[test]
+fn at_the_defaults_the_arenas_kept_for_cuts_hold_no_memory_until_a_cut() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[64])];
+    let text = StreamToml::synthetic("t", 4, 400, &fields)
+        .key("min_consumers", 2)
+        .to_toml();
+    let cfg = Config::parse(&text, Path::new("test.toml")).unwrap();
+    let plan = plan_config(&cfg).unwrap().remove(0);
+    let budget = Budget::new(1 << 30, 0);
+    let s = Stream::start(plan, &budget, 0, &mut Shares::default()).unwrap();
+    let subs: Vec<Subscription> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let req = ConsumeRequest {
+                mailbox: true,
+                ..request(JoinPolicy::NextEpoch)
+            };
+            s.subscribe(req, peer(name)).unwrap()
+        })
+        .collect();
+    {
+        let inner = s.lock();
+        for c in inner.conns.values() {
+            let r = c.replay.as_ref().expect("an arena kept for a cut");
+            assert_eq!(
+                r.allocated(),
+                0,
+                "{} holds memory though never cut",
+                c.peer.name
+            );
+        }
+    }
+    assert!(
+        budget.stats().replay_bytes > 0,
+        "the kept arenas are counted in the budget"
+    );
+    drop(subs);
+    s.shutdown();
+}
