@@ -283,14 +283,12 @@ fn move_ring(
 ) -> bool {
     // One still holding batches an earlier move left behind gets no
     // second region: one consumer never holds more than one.
-    let holds_left = |id| inner.fill.regions.holds_left(id);
-    let again: Vec<ConsumerId> = ids.iter().copied().filter(|&id| holds_left(id)).collect();
-    let Some((ids, again)) = regions::movers(
-        ids,
-        early,
-        |id| again.contains(&id),
-        |id| regions::ready(s, inner, id),
-    ) else {
+    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
+        .into_iter()
+        .partition(|&id| inner.fill.regions.holds_left(id));
+    let Some((ids, again)) =
+        regions::movers((ids, again), early, |id| regions::ready(s, inner, id))
+    else {
         return false;
     };
     for id in again {

@@ -266,22 +266,18 @@ pub(super) enum Target {
     Allocate(u32),
 }
 
-/// Which of the holders the hold rule named the ring should move away
-/// from, and which get no region (see the module's rules): `None` when
-/// nothing is to be done now. `early`: the default pace's stall cut, ahead
-/// of the limit, made only where the ring can move at once (`ready`, asked
-/// of the first of them), never detaching anyone; at the limit, those
-/// still holding what an earlier move left (`holds_left`) are the second
-/// list (detached: one consumer holds at most one region). The runtime
-/// and the hold simulation decide through this one function.
+/// Of the holders the hold rule named, `ids` the ring may move away from
+/// and `again` those still holding what an earlier move left (detached:
+/// one consumer holds at most one region): whether to go on with them now
+/// (see the module's rules). `early`: a move-only round, made only where
+/// the ring can move at once (`ready`, asked of the first of them), never
+/// detaching anyone. The runtime and the hold simulation decide through
+/// this one function.
 pub(super) fn movers(
-    ids: Vec<ConsumerId>,
+    (ids, again): (Vec<ConsumerId>, Vec<ConsumerId>),
     early: bool,
-    holds_left: impl Fn(ConsumerId) -> bool,
     ready: impl FnOnce(ConsumerId) -> bool,
 ) -> Option<(Vec<ConsumerId>, Vec<ConsumerId>)> {
-    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) =
-        ids.into_iter().partition(|&id| holds_left(id));
     if early && (!again.is_empty() || !ids.first().is_some_and(|&id| ready(id))) {
         return None;
     }
@@ -464,18 +460,17 @@ mod tests {
 
     #[test]
     fn the_holders_named_early_move_only_where_a_region_is_ready() {
-        let none = |_| false;
         // At the limit: those holding what a move left get no second region.
         assert_eq!(
-            movers(vec![1, 2], false, |id| id == 2, |_| false),
+            movers((vec![1], vec![2]), false, |_| false),
             Some((vec![1], vec![2]))
         );
         // Early: only where the ring can move now, and nobody is refused.
-        assert_eq!(movers(vec![1], true, none, |_| false), None);
+        assert_eq!(movers((vec![1], vec![]), true, |_| false), None);
         assert_eq!(
-            movers(vec![1], true, none, |_| true),
+            movers((vec![1], vec![]), true, |_| true),
             Some((vec![1], vec![]))
         );
-        assert_eq!(movers(vec![1, 2], true, |id| id == 2, |_| true), None);
+        assert_eq!(movers((vec![1], vec![2]), true, |_| true), None);
     }
 }

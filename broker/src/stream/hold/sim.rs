@@ -861,17 +861,11 @@ impl Sim {
         ids: Vec<ConsumerId>,
         (early, held): (bool, Duration),
     ) -> Result<bool, TestCaseError> {
-        let again: Vec<ConsumerId> = ids
-            .iter()
-            .copied()
-            .filter(|&id| self.arena.regions.holds_left(id))
-            .collect();
-        let Some((ids, again)) = regions::movers(
-            ids,
-            early,
-            |id| again.contains(&id),
-            |_| self.reserve().is_some(),
-        ) else {
+        let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
+            .into_iter()
+            .partition(|&id| self.arena.regions.holds_left(id));
+        let Some((ids, again)) = regions::movers((ids, again), early, |_| self.reserve().is_some())
+        else {
             return Ok(false);
         };
         for id in again {
