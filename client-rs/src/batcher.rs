@@ -152,11 +152,22 @@ impl Batcher {
     }
 
     /// Where its next run begins: the first sample of the run being built,
-    /// else the one after the last run cut (or the skip point past it).
-    /// `None` before any unit.
+    /// else the one after the last run cut (or the skip point past it); a
+    /// group member's, the start of its own next run from there (the
+    /// others' runs between are not its). `None` before any unit.
     pub fn next_position(&self) -> Option<(u64, u64)> {
         let at = self.building.map(|b| (b.epoch, b.first)).or(self.after)?;
-        Some(at.max(self.skip))
+        Some(self.own_from(at.max(self.skip)))
+    }
+
+    /// Where this consumer's first run at or after `at` begins: `at`
+    /// itself, but for a group member, whose next own run may begin after
+    /// others' runs (or, with none left in the epoch, in the next one).
+    pub fn own_from(&self, at: (u64, u64)) -> (u64, u64) {
+        match self.deal {
+            Some(d) => d.own_at_or_after(at.0, at.1).unwrap_or(at),
+            None => at,
+        }
     }
 
     /// Cut from the shared stream (decoupled pace): the run being built is
@@ -569,6 +580,52 @@ mod tests {
                 .flat_map(|u| (0..u.samples).map(move |j| (u.epoch, u.index * unit + j)))
                 .collect();
             prop_assert_eq!(got, expect);
+        }
+    }
+
+    proptest! {
+        /// A group member cut after a random number of units stands at
+        /// the run the broker restarts it at ([`Batcher::own_from`] of
+        /// it): its own run holding the first sample not taken, else its
+        /// next own run. Whether it took units of others' runs after its
+        /// last run makes no difference (a member of rank 0 that cut its
+        /// run 64-72 and took rank 1's unit 72-80 once said 72 to the
+        /// broker's 80).
+        #[test]
+        fn a_cut_group_member_stands_at_the_run_the_broker_restarts(
+            size in 1u64..20, unit in 1u64..24, per_epoch in 1u64..8,
+            last_cut in 0u64..24, epochs in 1u64..3, ranks in 1u64..4,
+            rank in 0u64..4, cut_after in 0u64..40, drop_last: bool,
+        ) {
+            let last = 1 + last_cut % unit;
+            let n = (per_epoch - 1) * unit + last;
+            let all = units(unit, per_epoch, last, epochs, 0);
+            let rank = (rank % ranks) as u32;
+            let deal = Deal::new(n, size, (rank, ranks as u32, 1), drop_last);
+            // A member with no run in any epoch has no place to stand.
+            if deal.own_at_or_after(0, 0).is_none() {
+                return Ok(());
+            }
+            let mut b = Batcher::new(size, drop_last, unit, per_epoch).with_deal(deal);
+            let taken = (cut_after as usize).min(all.len());
+            let mut given = Vec::new();
+            for &u in &all[..taken] {
+                b.push(u, &mut given).unwrap();
+                while let Some(r) = b.pop() {
+                    b.release(&r, &mut given);
+                }
+            }
+            let lost = all.get(taken).map_or((epochs, 0), |u| (u.epoch, u.index * unit));
+            // The broker's rule (`Boundaries::restart`).
+            let restart = match deal.run_at(lost.1) {
+                Some(run) if run.mine && lost.0 < epochs => (lost.0, run.start),
+                _ => deal.own_at_or_after(lost.0, lost.1).unwrap_or(lost),
+            };
+            let at = b.cut(&mut given);
+            prop_assert!(
+                at.is_none_or(|a| a == b.own_from(restart)),
+                "batcher at {at:?}, broker {restart:?}"
+            );
         }
     }
 

@@ -47,6 +47,24 @@ impl Boundaries {
         }
     }
 
+    /// Where a consumer cut with `lost` the first sample it did not take
+    /// goes on: its batch boundary at or before it; a group member's
+    /// (`deal`), the start of its own run holding `lost` (it took part of
+    /// that run), else of its next own run (`lost` lies in another's
+    /// run, or a dropped tail). Never before the anchor. Its client
+    /// checks its batcher stands there ([`Deal::own_at_or_after`]).
+    pub(super) fn restart(&self, lost: Position, deal: Option<&Deal>) -> Position {
+        let Some(d) = deal else {
+            return self.at_or_before(lost);
+        };
+        let own = match d.run_at(lost.sample) {
+            Some(run) if run.mine => Some((lost.epoch, run.start)),
+            _ => d.own_at_or_after(lost.epoch, lost.sample),
+        };
+        own.map_or(lost, |(epoch, sample)| Position { epoch, sample })
+            .max(self.anchor)
+    }
+
     /// The boundary at or after `p`, or the end of `p`'s epoch (the next
     /// epoch's start) if that comes first; epochs of `per_epoch` samples.
     pub(super) fn at_or_after(&self, p: Position, per_epoch: u64) -> Position {
@@ -131,6 +149,11 @@ impl BatchCounter {
     pub(super) fn dealt(mut self, deal: Option<Deal>) -> BatchCounter {
         self.deal = deal;
         self
+    }
+
+    /// The group member's share it counts in, if any.
+    pub(super) fn deal(&self) -> Option<&Deal> {
+        self.deal.as_ref()
     }
 
     /// Counts only samples from `skip` on.
@@ -253,6 +276,35 @@ mod tests {
         assert_eq!(at(p(0, 10), p(2, 0)), p(2, 0));
         assert_eq!(at(p(3, 0), p(1, 50)), p(3, 0));
         assert_eq!(at(p(0, 10), p(0, 10)), p(0, 10));
+    }
+
+    #[test]
+    fn a_cut_group_member_restarts_at_its_own_run() {
+        // Rank 0 of 2, runs of 8 (rank 0's 64-72, 80-88; rank 1's 72-80),
+        // epochs of 203: full rounds to 192, a tail of 11 split 6 + 5
+        // (192-198 rank 0's, 198-203 rank 1's).
+        let b = Boundaries::new(p(0, 0), 8);
+        let zero = Deal::new(203, 8, (0, 2, 1), false);
+        let one = Deal::new(203, 8, (1, 2, 1), false);
+        // Cut having taken rank 1's unit 72-80 or not: its next run at 80
+        // either way (the client's batcher stands there once it has cut
+        // its run 64-72). The flat boundary rule said 80 or 72.
+        assert_eq!(b.restart(p(1, 72), Some(&zero)), p(1, 80));
+        assert_eq!(b.restart(p(1, 80), Some(&zero)), p(1, 80));
+        assert_eq!(b.restart(p(1, 76), Some(&zero)), p(1, 80));
+        // Inside its own run: that run's start (part of it was taken).
+        assert_eq!(b.restart(p(1, 84), Some(&zero)), p(1, 80));
+        // The tail: rank 1's run 198-203 began in the unit 192-200, so a
+        // cut losing 200 restarts at 198 (the flat rule: 200, which no
+        // run of its begins at).
+        assert_eq!(b.restart(p(1, 200), Some(&one)), p(1, 198));
+        assert_eq!(b.restart(p(1, 200), None), p(1, 200));
+        // Past its last run of the epoch: the next epoch's first.
+        assert_eq!(b.restart(p(1, 200), Some(&zero)), p(2, 0));
+        assert_eq!(b.restart(p(1, 192), Some(&one)), p(1, 198));
+        // Never before the anchor.
+        let resumed = Boundaries::new(p(1, 88), 8);
+        assert_eq!(resumed.restart(p(1, 72), Some(&one)), p(1, 88));
     }
 
     #[test]

@@ -379,12 +379,13 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
         epoch,
         sample: index * unit,
     };
-    // Not before where it last merged back: it has every sample before
+    // Its own batch (a group member's own run) at or before the loss,
+    // not before where it last merged back: it has every sample before
     // that (the unit holding it began earlier).
     let restart = conn
         .own
         .boundaries()
-        .at_or_before(lost)
+        .restart(lost, conn.own.shared.deal())
         .max(conn.merges.merged_at);
     conn.own.shared.rewind(restart);
     conn.merges.cuts += 1;

@@ -169,13 +169,6 @@ impl Inbox {
                 self.take_message(shared, ServerMsg::EndOfEpoch(e))?;
             }
         }
-        let mut give = Vec::new();
-        let (at, totals) = {
-            let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
-            let at = b.batcher.cut(&mut give);
-            (at, std::mem::take(&mut b.totals))
-        };
-        shared.give_back(give.into_iter().map(Unit::Shared), totals)?;
         // A rotated epoch's start, replayed after the shared stream's part
         // (its batches all cut): the batcher stands past the epoch's end.
         let rot = self
@@ -184,12 +177,24 @@ impl Inbox {
             .receiving
             .take()
             .filter(|r| r.epoch == restart.epoch);
-        let owed = rot.is_some_and(|r| {
-            r.owed_from() == restart && at.is_none_or(|(e, s)| (e, s) == (r.epoch + 1, 0))
-        });
+        let mut give = Vec::new();
+        // Compared as this consumer's next run: a group member's restart
+        // may fall at the end of its last run or at the start of its
+        // next, with others' runs between (whether it took those units
+        // before the cut), the same run either way.
+        let (at, totals, want, past_epoch) = {
+            let mut b = shared.batching.lock().unwrap_or_else(|p| p.into_inner());
+            let at = b.batcher.cut(&mut give);
+            let want = b.batcher.own_from((restart.epoch, restart.sample));
+            let past_epoch = rot.map(|r| b.batcher.own_from((r.epoch + 1, 0)));
+            (at, std::mem::take(&mut b.totals), want, past_epoch)
+        };
+        shared.give_back(give.into_iter().map(Unit::Shared), totals)?;
+        let owed = rot
+            .is_some_and(|r| r.owed_from() == restart && at.is_none_or(|a| Some(a) == past_epoch));
         if !owed
             && let Some((epoch, sample)) = at
-            && (Position { epoch, sample }) != restart
+            && (epoch, sample) != want
         {
             return Err(Error::Unexpected(format!(
                 "the broker replays this consumer from epoch {} sample {}, but its next batch begins at epoch {epoch} sample {sample}",
