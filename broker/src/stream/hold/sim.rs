@@ -4,7 +4,10 @@
 //! hold, keeping a batch for good while reading on, dying, joining late or `now` (decoupled pace: cut at once,
 //! replayed their epoch from its start), with or without a replay arena,
 //! of the host ring or members of a GPU group reading its copies, which
-//! complete a step after they are ordered) under the three paces and
+//! complete a step after they are ordered; host readers through a
+//! mailbox in batches of their own size or as a data-parallel member of
+//! 2 data ranks, their client's own [`Batcher`] cutting the stream's
+//! units into their batches or the deal's runs) under the three paces and
 //! several hold limits, some riding through a broker restart (a new hub
 //! seeked to the reader furthest behind; host readers resume from their
 //! place, cut and replayed until they merge), lockstep readers joining
@@ -18,7 +21,9 @@
 //! what it holds where [`regions::movers`] and the runtime's own region
 //! ledger ([`Regions`]) say (its releases of those go to the region left
 //! behind), detached where they say it cannot; a cut reader reads its
-//! replay from where the hub says it lost the stream and merges back
+//! replay from its own boundary at or before where the hub says it lost
+//! the stream ([`Boundaries::restart`], the runtime's rule; its batcher
+//! must stand there, as its client checks) and merges back
 //! where [`merge_rule`] says (the runtime's own rule), or, on a stream
 //! that rotates epochs, rotates into an epoch whose start the ring left
 //! behind at the point [`rotate::point`] gives and is cut to replay that
@@ -26,11 +31,13 @@
 //! runtime's own rules).
 //!
 //! Checked after every step: the hub's invariants; every reader's
-//! program reads every unit once, in order (a rotated epoch's in its
-//! rotated order, [`rotation::step`]), across its cuts, moves, replays,
+//! program reads every sample once, in order (a rotated epoch's in its
+//! rotated order, [`rotation::step`]; a member's own runs only), across
+//! its cuts, moves, replays,
 //! merges and rotations; the shared stream notices it each batch once, in
 //! order, between merges; README's promise: no reader waits for data
-//! with the ring full longer than the limit in all, whoever pins it
+//! (its client has no unit to take) with the ring full longer than the
+//! limit in all, whoever pins it
 //! ([`Sim::bound`]: the limit plus the simulation's steps), but for the
 //! hold rule's one exception (a hold carried to owers that took their
 //! unit, which the ring could not have moved away from, starts again for
@@ -39,19 +46,32 @@
 //! left, every host and group slot is free and every region but the
 //! ring's holds nothing (nothing leaked). A failing schedule shrinks
 //! (proptest) and prints.
+//!
+//! Not modelled: readers of their own batch size on the socket, in a GPU
+//! group, catching up under lockstep or rotated into an epoch (they are
+//! drawn of the stream's size there). The limit bounds the ring's pins in
+//! units: under lockstep, a reader whose batch spans B units (or a
+//! member's run among the others') behind a trainer that moves a unit
+//! at a time just under the limit waits up to B (or the data ranks')
+//! times that for a batch (the simulation found it; it is the stated
+//! rule, not a breach: the default pace cuts such a crawler).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use batchcast::JoinPolicy;
+use batchcast::batcher::{Batcher, Run, Unit, member_ring_span, member_units_needed, units_needed};
+use batchcast::deal::Deal;
 use batchcast::rotation::{self, Rotation};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::{CUT_AFTER, Facts, HoldClock, Rule};
+use crate::hub::Window;
 use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
+use crate::stream::batches::Boundaries;
 use crate::stream::decouple::{Merge, merge_rule};
 use crate::stream::regions::{self, Regions, Target};
 use crate::stream::rotate;
@@ -95,10 +115,52 @@ struct Plan {
     /// (a cut gives back only the queue; it reads its socket's batches
     /// before its replay).
     socket: bool,
-    /// Units of its replay it reads each time it acts (faster than the
+    /// Batches of its replay it reads each time it acts (faster than the
     /// shared stream, or it could never merge back).
     replay_pace: u64,
+    /// Its own batch size, in samples (the stream's unit is one): its
+    /// client's [`Batcher`] cuts its runs; a cut restarts it on its own
+    /// boundary ([`Boundaries::restart`]).
+    batch: u64,
+    /// A data-parallel group member: its rank of 2 data ranks, reading
+    /// only its runs of the deal ([`Deal`]) and giving the others back.
+    rank: Option<u32>,
 }
+
+impl Plan {
+    /// It reads in its own batches (or a deal's runs), not the stream's.
+    fn own_size(&self) -> bool {
+        self.batch != 1 || self.rank.is_some()
+    }
+
+    /// Its window as the hub counts it (as `Shape::window`).
+    fn hub_window(&self) -> Window {
+        let units = if self.rank.is_some() {
+            member_units_needed(self.window, self.batch, 1)
+        } else {
+            units_needed(self.window, self.batch, 1)
+        };
+        Window {
+            units: u32::try_from(units).expect("small"),
+            batches: self.window.min(u32::try_from(units).expect("small")),
+        }
+    }
+
+    /// Whether its batches fit a ring of `slots` (as `Shape::for_request`
+    /// refuses those that do not).
+    fn fits(&self, slots: u32) -> bool {
+        let w = self.hub_window();
+        let span = if self.rank.is_some() {
+            member_ring_span(self.window, self.batch, 1, DATA_RANKS)
+        } else {
+            0
+        };
+        u64::from(w.units).max(span) <= u64::from(slots)
+    }
+}
+
+/// Data ranks of the simulated data-parallel group.
+const DATA_RANKS: u64 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -130,26 +192,55 @@ struct Reader {
     /// Noticed in its mailbox, not taken (oldest first), with their
     /// positions.
     unread: VecDeque<(u64, Position)>,
-    /// Taken by its program, not released.
-    held: VecDeque<u64>,
-    /// Of them, those it keeps for good (a hoarder), outside `held`.
-    kept: Vec<u64>,
-    /// It was cut since it kept one (a hoarder keeps a second then).
-    cut_since_kept: bool,
-    /// The rotated epoch its program reads in rotated order, while it
-    /// does ([`batchcast::rotation`]).
-    rotation: Option<Rotation>,
+    client: Client,
+    program: Program,
     /// The last shared batch it was noticed since it last merged, for the
     /// order check.
     last: Option<u64>,
-    /// The position its program must read next: every sample once, in
-    /// order, across cuts, replays and merges.
-    next: Option<Position>,
-    /// When it last took a batch (a crawler's tick).
-    acted: u64,
     /// Since when it has waited for data with the ring full, whoever
     /// pinned it, and how much longer than the bound it may.
     blocked: Blocked,
+}
+
+/// What a reader's client library keeps (`Inbox`, its batcher and place).
+#[derive(Debug)]
+struct Client {
+    /// Shared units it took (pushed into its batcher) and did not give
+    /// back: what the runtime's `decouple::took` sees.
+    units: Vec<u64>,
+    /// Units in, its own runs out.
+    batcher: Batcher,
+    deal: Option<Deal>,
+    /// Where its first batch began (its boundaries count from there) and
+    /// where it last merged back (a cut restarts no earlier), as the
+    /// runtime's `Conn`.
+    anchor: Position,
+    merged_at: Position,
+    /// Runs cut from what its socket was sent before a cut: read before
+    /// its replay.
+    ready: VecDeque<Run>,
+}
+
+/// What a reader's program does with its batches.
+#[derive(Debug)]
+struct Program {
+    /// Runs it holds (taken, not released).
+    runs: VecDeque<Run>,
+    /// Of its runs, those it keeps for good (a hoarder), outside `runs`.
+    kept: Vec<Run>,
+    /// It was cut since it kept one (a hoarder keeps a second then).
+    cut_since_kept: bool,
+    /// The rotated epoch it reads in rotated order, while it does
+    /// ([`batchcast::rotation`]).
+    rotation: Option<Rotation>,
+    /// The position it must read next: every sample once, in order,
+    /// across cuts, replays and merges.
+    next: Option<Position>,
+    /// When it last took a batch (a crawler's tick).
+    acted: u64,
+    /// When its client last took a unit of the shared stream (one of the
+    /// units its own batch spans, or another member's run it gives back).
+    fed: u64,
 }
 
 /// A reader waiting for data with the ring full: since when, and how
@@ -174,9 +265,160 @@ impl Reader {
 
     /// Whether it took batch `seq` (as the runtime's `decouple::took`).
     fn took(&self, seq: u64) -> bool {
-        self.held.contains(&seq)
-            || self.kept.contains(&seq)
+        self.client.units.contains(&seq)
             || (self.plan.socket && self.unread.iter().any(|&(s, _)| s == seq))
+    }
+
+    /// A client for a subscription whose first batch begins at `anchor`,
+    /// its samples before `skip` not its.
+    fn subscribe(&mut self, anchor: Position, skip: Option<Position>, bpe: u64) {
+        let mut b = Batcher::new(self.plan.batch, false, 1, bpe);
+        if let Some(d) = self.client.deal {
+            b = b.with_deal(d);
+        }
+        if let Some(p) = skip {
+            b.skip_to(p.epoch, p.sample);
+        }
+        self.client.batcher = b;
+        self.client.anchor = anchor;
+        self.client.merged_at = anchor;
+        self.client.units.clear();
+        self.program.runs.clear();
+        self.client.ready.clear();
+        self.program.kept.clear();
+        self.unread.clear();
+    }
+
+    /// Its connection closed: nothing it holds is given back by it.
+    fn gone(&mut self) {
+        self.mode = Mode::Gone;
+        self.client.units.clear();
+        self.program.runs.clear();
+        self.client.ready.clear();
+        self.program.kept.clear();
+        self.unread.clear();
+    }
+
+    /// Where its replay starts for a cut or join at `p`: its own next run
+    /// (a member's replay skips the others').
+    fn own_from(&self, p: Position) -> Position {
+        let (epoch, sample) = self.client.batcher.own_from((p.epoch, p.sample));
+        Position { epoch, sample }
+    }
+
+    /// Its client takes shared unit `seq` at `at`: into its batcher; the
+    /// units it gives back at once (the others' runs) go back.
+    fn take_unit(
+        &mut self,
+        (seq, at): (u64, Position),
+        hub: &mut Hub,
+        regions: &mut Regions,
+    ) -> Result<(), TestCaseError> {
+        let unit = Unit {
+            seq,
+            epoch: at.epoch,
+            index: at.sample,
+            samples: 1,
+        };
+        let mut back = Vec::new();
+        self.client.batcher.push(unit, &mut back).map_err(fail)?;
+        self.client.units.push(seq);
+        self.give_back(back, hub, regions)
+    }
+
+    /// Its client takes every unit it was sent, before a cut that takes
+    /// none back: their runs are read before its replay.
+    fn take_sent(&mut self, hub: &mut Hub, regions: &mut Regions) -> Result<(), TestCaseError> {
+        while let Some(unit) = self.unread.pop_front() {
+            self.take_unit(unit, hub, regions)?;
+            while let Some(run) = self.client.batcher.pop() {
+                self.client.ready.push_back(run);
+            }
+        }
+        Ok(())
+    }
+
+    /// Its program lets go of `run`: the units no other run reads go back.
+    fn release(
+        &mut self,
+        run: &Run,
+        hub: &mut Hub,
+        regions: &mut Regions,
+    ) -> Result<(), TestCaseError> {
+        let mut back = Vec::new();
+        self.client.batcher.release(run, &mut back);
+        self.give_back(back, hub, regions)
+    }
+
+    fn give_back(
+        &mut self,
+        seqs: Vec<u64>,
+        hub: &mut Hub,
+        regions: &mut Regions,
+    ) -> Result<(), TestCaseError> {
+        for seq in seqs {
+            let i = self.client.units.iter().position(|&u| u == seq);
+            prop_assert!(
+                i.is_some(),
+                "reader {} gave back unit {} it did not take",
+                self.id,
+                seq
+            );
+            self.client.units.swap_remove(i.expect("checked"));
+            give(hub, regions, self.id, seq)?;
+        }
+        Ok(())
+    }
+
+    /// Its program reads `run`'s samples.
+    fn read(&mut self, run: &Run, bpe: u64) -> Result<(), TestCaseError> {
+        for j in 0..run.samples {
+            let at = Position {
+                epoch: run.epoch,
+                sample: run.first + j,
+            };
+            consume(self, at, bpe)?;
+        }
+        Ok(())
+    }
+
+    /// Its program reads the replayed batch at `cursor` and returns where
+    /// the next begins: one sample in the stream's (or a rotated epoch's)
+    /// order; its own batch from one of its boundaries (an epoch's last
+    /// short); a member's own run, then its next.
+    fn read_replayed(&mut self, cursor: Position, bpe: u64) -> Result<Position, TestCaseError> {
+        if !self.plan.own_size() {
+            consume(self, cursor, bpe)?;
+            return Ok(self.program.next.expect("just read"));
+        }
+        let end = match self.client.deal.and_then(|d| d.run_at(cursor.sample)) {
+            Some(run) => {
+                prop_assert!(
+                    run.mine && run.start == cursor.sample,
+                    "member {} replayed from {:?}",
+                    self.id,
+                    cursor
+                );
+                run.end
+            }
+            None => (cursor.sample + self.plan.batch).min(bpe),
+        };
+        for sample in cursor.sample..end {
+            consume(
+                self,
+                Position {
+                    epoch: cursor.epoch,
+                    sample,
+                },
+                bpe,
+            )?;
+        }
+        let after = Position {
+            epoch: cursor.epoch,
+            sample: 0,
+        }
+        .advance(end, bpe);
+        Ok(self.own_from(after))
     }
 
     fn delivery(&self) -> Delivery {
@@ -200,7 +442,7 @@ impl Reader {
 
     fn due(&self, now: u64) -> bool {
         match self.plan.kind {
-            Kind::Crawl { every } => now >= self.acted + every,
+            Kind::Crawl { every } => now >= self.program.acted + every,
             _ => true,
         }
     }
@@ -352,7 +594,8 @@ impl Sim {
                 && self.rule.limit.is_some()
                 && plan.arena
                 && plan.group.is_none()
-                && !plan.socket;
+                && !plan.socket
+                && !plan.own_size();
             let policy = if now_join || catch_up {
                 JoinPolicy::Now
             } else {
@@ -360,7 +603,7 @@ impl Sim {
             };
             let (id, _) = self
                 .hub
-                .join_group(plan.window, policy, plan.group, delivery(&plan))
+                .join_group(plan.hub_window(), policy, plan.group, delivery(&plan))
                 .expect("a window within the slots");
             if plan.group.is_some() {
                 // A GPU's copier reads the host arena where the ring is.
@@ -368,9 +611,59 @@ impl Sim {
             }
             self.hub.may_be_cut(id, plan.arena);
             let first = self.hub.view().reader(id).expect("joined").first_batch();
+            let mut r = Reader {
+                plan,
+                id,
+                mode: Mode::Shared,
+                unread: VecDeque::new(),
+                client: Client {
+                    units: Vec::new(),
+                    batcher: Batcher::new(1, false, 1, 1),
+                    deal: plan.rank.map(|rank| {
+                        Deal::new(
+                            self.shape.bpe,
+                            plan.batch,
+                            (rank, DATA_RANKS as u32, 1),
+                            false,
+                        )
+                    }),
+                    anchor: Position::default(),
+                    merged_at: Position::default(),
+                    ready: VecDeque::new(),
+                },
+                program: Program {
+                    runs: VecDeque::new(),
+                    kept: Vec::new(),
+                    cut_since_kept: false,
+                    rotation: None,
+                    next: None,
+                    acted: now,
+                    fed: now,
+                },
+                last: None,
+                blocked: Blocked::default(),
+            };
+            let first = Position {
+                epoch: first.0,
+                sample: first.1,
+            };
+            // Where its batches begin: a joiner `now` or catching up from
+            // its epoch's start (replayed), the others where the shared
+            // stream is (as `replay::start`).
+            let from = Position {
+                epoch: first.epoch,
+                sample: 0,
+            };
+            let (anchor, skip) = if now_join || (catch_up && first.sample > 0) {
+                (from, Some(from))
+            } else {
+                (first, None)
+            };
+            r.subscribe(anchor, skip, self.shape.bpe);
             let (mode, next) = if now_join {
                 let (epoch, _) = self.hub.cut_at_join(id).map_err(fail)?;
-                let from = Position { epoch, sample: 0 };
+                prop_assert_eq!(epoch, from.epoch);
+                let from = r.own_from(from);
                 self.tally.joined_now += 1;
                 (
                     Mode::Replaying {
@@ -379,15 +672,8 @@ impl Sim {
                     },
                     Some(from),
                 )
-            } else if catch_up && first.1 > 0 {
-                let to = Position {
-                    epoch: first.0,
-                    sample: first.1,
-                };
-                let from = Position {
-                    epoch: first.0,
-                    sample: 0,
-                };
+            } else if catch_up && first.sample > 0 {
+                let to = first;
                 self.tally.caught_up += 1;
                 (
                     Mode::CatchingUp {
@@ -400,23 +686,9 @@ impl Sim {
             } else {
                 (Mode::Shared, None)
             };
-            self.readers.insert(
-                id,
-                Reader {
-                    plan,
-                    id,
-                    mode,
-                    unread: VecDeque::new(),
-                    held: VecDeque::new(),
-                    kept: Vec::new(),
-                    cut_since_kept: false,
-                    rotation: None,
-                    last: None,
-                    next,
-                    acted: now,
-                    blocked: Blocked::default(),
-                },
-            );
+            r.mode = mode;
+            r.program.next = next;
+            self.readers.insert(id, r);
         }
         // What the pipeline began and the copies ordered last step are
         // done now.
@@ -481,10 +753,7 @@ impl Sim {
                 Outbound::Detached { .. } => {
                     // Its connection closes: what it held where the
                     // ring left it is free too.
-                    r.mode = Mode::Gone;
-                    r.held.clear();
-                    r.kept.clear();
-                    r.unread.clear();
+                    r.gone();
                     self.arena.regions.forget(id);
                 }
                 Outbound::EndOfEpoch { .. } | Outbound::EndOfStream => {}
@@ -496,6 +765,8 @@ impl Sim {
     /// Reader `id`'s program acts, as its kind says.
     fn act(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
         let now = self.now;
+        let bpe = self.shape.bpe;
+        let (hub, regions) = (&mut self.hub, &mut self.arena.regions);
         let r = self.readers.get_mut(&id).expect("listed");
         if r.mode == Mode::Gone {
             return Ok(());
@@ -503,12 +774,9 @@ impl Sim {
         if let Kind::Die { at } = r.plan.kind
             && now >= at
         {
-            r.mode = Mode::Gone;
-            r.held.clear();
-            r.kept.clear();
-            r.unread.clear();
-            self.hub.leave(id);
-            self.arena.regions.forget(id);
+            r.gone();
+            hub.leave(id);
+            regions.forget(id);
             return Ok(());
         }
         if let Kind::Pause {
@@ -517,8 +785,8 @@ impl Sim {
             && now >= at
             && !r.active(now)
         {
-            for seq in r.held.drain(..) {
-                give(&mut self.hub, &mut self.arena.regions, id, seq)?;
+            while let Some(run) = r.program.runs.pop_front() {
+                r.release(&run, hub, regions)?;
             }
         }
         if !r.active(now) || !r.due(now) {
@@ -530,20 +798,19 @@ impl Sim {
                 // Its program reads replayed batches: what it held of the
                 // shared stream goes. On the socket, the batches sent
                 // before the cut come first.
-                for seq in r.held.drain(..) {
-                    give(&mut self.hub, &mut self.arena.regions, id, seq)?;
+                while let Some(run) = r.program.runs.pop_front() {
+                    r.release(&run, hub, regions)?;
                 }
-                while let Some((seq, at)) = r.unread.pop_front() {
-                    consume(r, at, self.shape.bpe)?;
-                    give(&mut self.hub, &mut self.arena.regions, id, seq)?;
+                while let Some(run) = r.client.ready.pop_front() {
+                    r.read(&run, bpe)?;
+                    r.release(&run, hub, regions)?;
                 }
                 for _ in 0..r.plan.replay_pace {
-                    consume(r, cursor, self.shape.bpe)?;
                     // Its replay walks its order (a rotated epoch's too).
-                    cursor = r.next.expect("just read");
+                    cursor = r.read_replayed(cursor, bpe)?;
                 }
                 r.mode = Mode::Replaying { cursor, read: true };
-                r.acted = now;
+                r.program.acted = now;
             }
             Mode::CatchingUp { mut cursor, to, .. } => {
                 // Its replayed stretch first; the shared batches it was
@@ -552,8 +819,7 @@ impl Sim {
                     if cursor == to {
                         break;
                     }
-                    consume(r, cursor, self.shape.bpe)?;
-                    cursor = r.next.expect("just read");
+                    cursor = r.read_replayed(cursor, bpe)?;
                 }
                 r.mode = if cursor == to {
                     Mode::Shared
@@ -564,29 +830,39 @@ impl Sim {
                         active: now,
                     }
                 };
-                r.acted = now;
+                r.program.acted = now;
             }
             Mode::Shared => {
                 if let Kind::Hoard { at } = r.plan.kind
                     && now >= at
-                    && (r.kept.is_empty() || (r.kept.len() == 1 && r.cut_since_kept))
-                    && let Some(seq) = r.held.pop_front()
+                    && (r.program.kept.is_empty()
+                        || (r.program.kept.len() == 1 && r.program.cut_since_kept))
+                    && let Some(run) = r.program.runs.pop_front()
                 {
-                    r.kept.push(seq);
+                    r.program.kept.push(run);
                 }
                 // What it keeps takes room in its window.
-                let room = (r.plan.window as usize).saturating_sub(r.kept.len());
+                let room = (r.plan.window as usize).saturating_sub(r.program.kept.len());
                 if room == 0 {
                     return Ok(());
                 }
-                if let Some((seq, at)) = r.unread.pop_front() {
-                    while r.held.len() >= room {
-                        let old = r.held.pop_front().expect("held");
-                        give(&mut self.hub, &mut self.arena.regions, id, old)?;
+                // Its client takes units until its next run is cut.
+                let mut run = r.client.batcher.pop();
+                while run.is_none()
+                    && let Some(unit) = r.unread.pop_front()
+                {
+                    r.take_unit(unit, hub, regions)?;
+                    r.program.fed = now;
+                    run = r.client.batcher.pop();
+                }
+                if let Some(run) = run {
+                    while r.program.runs.len() >= room {
+                        let old = r.program.runs.pop_front().expect("held");
+                        r.release(&old, hub, regions)?;
                     }
-                    consume(r, at, self.shape.bpe)?;
-                    r.held.push_back(seq);
-                    r.acted = now;
+                    r.read(&run, bpe)?;
+                    r.program.runs.push_back(run);
+                    r.program.acted = now;
                 }
             }
         }
@@ -618,13 +894,16 @@ impl Sim {
         self.arena.regions = Regions::new(self.arena.count);
         self.arena.spare = self.arena.fresh;
         let resumes = |r: &Reader| {
-            r.mode != Mode::Gone && r.plan.arena && r.plan.group.is_none() && r.next.is_some()
+            r.mode != Mode::Gone
+                && r.plan.arena
+                && r.plan.group.is_none()
+                && r.program.next.is_some()
         };
         let from = self
             .readers
             .values()
             .filter(|r| resumes(r))
-            .filter_map(|r| r.next)
+            .filter_map(|r| r.program.next)
             .min();
         if let Some(p) = from {
             prop_assert!(self.hub.seek(p.epoch, p.sample), "seek to {:?}", p);
@@ -636,18 +915,23 @@ impl Sim {
             }
             let (id, _) = self
                 .hub
-                .join_group(r.plan.window, JoinPolicy::Immediate, None, r.delivery())
+                .join_group(
+                    r.plan.hub_window(),
+                    JoinPolicy::Immediate,
+                    None,
+                    r.delivery(),
+                )
                 .map_err(fail)?;
             self.hub.may_be_cut(id, true);
             self.hub.cut_at_join(id).map_err(fail)?;
             r.id = id;
+            // Its state says where its next batch begins (a run start).
+            let from = r.program.next.expect("resumes");
+            r.subscribe(from, Some(from), self.shape.bpe);
             r.mode = Mode::Replaying {
-                cursor: r.next.expect("resumes"),
+                cursor: from,
                 read: true,
             };
-            r.unread.clear();
-            r.held.clear();
-            r.kept.clear();
             r.last = None;
             r.blocked = Blocked::default();
             readers.insert(id, r);
@@ -668,24 +952,34 @@ impl Sim {
             let Mode::Replaying { cursor, read: true } = r.mode else {
                 continue;
             };
-            let (seq, through, rotated) = match merge_rule(&self.hub, r.id, cursor, 1, r.rotation) {
-                Merge::Wait => continue,
-                Merge::At { seq, through } => (seq, through, None),
-                Merge::Rotate if !self.shape.rotate || r.plan.group.is_some() => continue,
-                Merge::Rotate => {
-                    let Some((seq, point)) =
-                        rotate::point(&self.hub, cursor, (1, 1), self.shape.bpe)
-                    else {
+            let (seq, through, rotated) =
+                match merge_rule(&self.hub, r.id, cursor, 1, r.program.rotation) {
+                    Merge::Wait => continue,
+                    Merge::At { seq, through } => (seq, through, None),
+                    // (Readers of their own batch size are not rotated here.)
+                    Merge::Rotate
+                        if !self.shape.rotate || r.plan.group.is_some() || r.plan.own_size() =>
+                    {
                         continue;
-                    };
-                    (seq, Some(cursor.epoch), Some(point))
-                }
-            };
+                    }
+                    Merge::Rotate => {
+                        let Some((seq, point)) =
+                            rotate::point(&self.hub, cursor, (1, 1), self.shape.bpe)
+                        else {
+                            continue;
+                        };
+                        (seq, Some(cursor.epoch), Some(point))
+                    }
+                };
             // As the runtime: a refused merge is tried again later (a
             // member's copies from there are gone from its GPU's ring).
             match self.hub.rejoin_through(r.id, seq, through) {
                 Ok(()) => {
+                    // Its client cuts runs from there (`take_merge`).
+                    let at = rotated.unwrap_or(cursor);
                     r.mode = Mode::Shared;
+                    r.client.merged_at = at;
+                    r.client.batcher.skip_to(at.epoch, at.sample);
                     self.tally.merges += 1;
                 }
                 Err(HubError::NotLive { .. }) => continue,
@@ -695,19 +989,21 @@ impl Sim {
                 // Rotated only at an epoch's start its program reads next,
                 // once an epoch.
                 prop_assert!(
-                    r.next == Some(cursor) && cursor.sample == 0 && r.rotation.is_none(),
+                    r.program.next == Some(cursor)
+                        && cursor.sample == 0
+                        && r.program.rotation.is_none(),
                     "reader {} rotated at {:?} into {:?}, its program at {:?} in {:?}",
                     r.id,
                     cursor,
                     point,
-                    r.next,
-                    r.rotation
+                    r.program.next,
+                    r.program.rotation
                 );
-                r.rotation = Some(Rotation {
+                r.program.rotation = Some(Rotation {
                     epoch: point.epoch,
                     at: point.sample,
                 });
-                r.next = Some(point);
+                r.program.next = Some(point);
                 self.tally.rotations += 1;
             }
         }
@@ -719,7 +1015,7 @@ impl Sim {
             .readers
             .values()
             .filter(|r| r.mode == Mode::Shared)
-            .filter_map(|r| Some((r.id, r.rotation?, r.revocable())))
+            .filter_map(|r| Some((r.id, r.program.rotation?, r.revocable())))
             .filter(|&(id, rot, unread)| rotate::start_due(&self.hub, id, rot, unread))
             .map(|(id, rot, _)| (id, rot))
             .collect();
@@ -729,6 +1025,10 @@ impl Sim {
         for (id, rot) in due {
             self.hub.cut(id, &[]).map_err(fail)?;
             let r = self.readers.get_mut(&id).expect("listed");
+            r.take_sent(&mut self.hub, &mut self.arena.regions)?;
+            let mut back = Vec::new();
+            r.client.batcher.cut(&mut back);
+            r.give_back(back, &mut self.hub, &mut self.arena.regions)?;
             r.mode = Mode::Replaying {
                 cursor: rot.owed_from(),
                 read: true,
@@ -809,29 +1109,53 @@ impl Sim {
     }
 
     /// Cuts reader `id` to replay, from where the hub says it lost the
-    /// shared stream.
+    /// shared stream: its own boundary at or before that
+    /// ([`Boundaries::restart`], as `decouple::cut`), where its client's
+    /// batcher must stand (its client checks so).
     fn cut(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
+        let (hub, regions) = (&mut self.hub, &mut self.arena.regions);
         let r = self.readers.get_mut(&id).expect("an ower");
         // A mailbox gives back what its program did not take; on the
-        // socket, what was sent stays (the hub drops the queue).
+        // socket, what was sent was taken (its runs are read before the
+        // replay; the hub drops the queue).
         let revoked: Vec<u64> = if r.plan.socket {
+            r.take_sent(hub, regions)?;
             Vec::new()
         } else {
             r.unread.drain(..).map(|(seq, _)| seq).collect()
         };
-        let (epoch, index) = self.hub.cut(id, &revoked).map_err(fail)?;
-        self.tally.cuts += 1;
-        self.tally.member_cuts += u64::from(r.plan.group.is_some());
-        self.tally.socket_cuts += u64::from(r.plan.socket);
+        let (epoch, index) = hub.cut(id, &revoked).map_err(fail)?;
+        let lost = Position {
+            epoch,
+            sample: index,
+        };
+        let restart = Boundaries::new(r.client.anchor, r.plan.batch)
+            .restart(lost, r.client.deal.as_ref())
+            .max(r.client.merged_at);
+        let mut back = Vec::new();
+        let at = r.client.batcher.cut(&mut back);
+        r.give_back(back, hub, regions)?;
+        let own = r.own_from(restart);
+        prop_assert!(
+            at.is_none_or(|(epoch, sample)| Position { epoch, sample } == own),
+            "reader {} cut at {:?} (lost {:?}): its batcher stands at {:?}",
+            id,
+            restart,
+            lost,
+            at
+        );
+        let cuts = &mut self.tally.cuts;
+        cuts.all += 1;
+        cuts.member += u64::from(r.plan.group.is_some());
+        cuts.socket += u64::from(r.plan.socket);
+        cuts.own_size += u64::from(r.plan.own_size());
+        cuts.dealt += u64::from(r.client.deal.is_some());
         // What it was noticed and gave back is noticed again after it
         // merges.
         r.last = None;
-        r.cut_since_kept = !r.kept.is_empty();
+        r.program.cut_since_kept = !r.program.kept.is_empty();
         r.mode = Mode::Replaying {
-            cursor: Position {
-                epoch,
-                sample: index,
-            },
+            cursor: own,
             read: false,
         };
         Ok(())
@@ -965,8 +1289,11 @@ impl Sim {
                 && r.active(now)
                 && r.unread.is_empty()
                 && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0);
-            // Taking a batch this step is progress: not blocked.
-            if !(waiting && full) || r.acted == now || waited_for {
+            // Taking a batch this step is progress: not blocked. So is
+            // its client taking a unit: the limit bounds the ring's pins
+            // in units of the stream (a reader of its own batch size
+            // needs several; a member's runs lie among the others').
+            if !(waiting && full) || r.program.acted == now || r.program.fed == now || waited_for {
                 r.blocked = Blocked::default();
                 continue;
             }
@@ -1002,15 +1329,22 @@ fn delivery(plan: &Plan) -> Delivery {
 /// epoch from its point, then its start), or its first.
 fn consume(r: &mut Reader, at: Position, bpe: u64) -> Result<(), TestCaseError> {
     prop_assert!(
-        r.next.is_none_or(|n| n == at),
+        r.program.next.is_none_or(|n| n == at),
         "reader {} read {:?} where {:?} comes next",
         r.id,
         at,
-        r.next
+        r.program.next
     );
-    let step = rotation::step(at, 1, bpe, r.rotation);
-    r.next = Some(step.next);
-    r.rotation = step.rotation;
+    let step = rotation::step(at, 1, bpe, r.program.rotation);
+    // A member's next sample is in its run, else its next run's first.
+    let n = step.next;
+    let inside = r
+        .client
+        .deal
+        .and_then(|d| d.run_at(n.sample))
+        .is_some_and(|run| run.mine);
+    r.program.next = Some(if inside { n } else { r.own_from(n) });
+    r.program.rotation = step.rotation;
     Ok(())
 }
 
@@ -1053,34 +1387,74 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         prop::bool::weighted(0.4),
         prop::bool::weighted(0.25),
         (2u64..5, 50u64..3000),
+        (
+            prop_oneof![1 => Just(1u64), 1 => 2u64..4],
+            prop_oneof![2 => Just(None), 1 => (0u32..2).prop_map(Some)],
+        ),
     )
         .prop_map(
-            |(kind, join_at, arena, window, group, now, socket, (replay_pace, late))| Plan {
-                kind: match kind {
-                    // One joining `now` stops while it reads its replay
-                    // (it joins at `late`, below).
-                    Kind::Pause { at, length, drops } if now => Kind::Pause {
-                        at: late + at % 40,
-                        length,
-                        drops,
-                    },
-                    k => k,
-                },
-                // Joining `now` at the start has nothing to replay.
-                join_at: if now { late } else { join_at },
+            move |(
+                kind,
+                join_at,
                 arena,
-                // A hoarder reads on beside the batch it keeps.
-                window: match kind {
-                    Kind::Hoard { .. } => window.max(2),
-                    _ => window,
-                },
+                window,
                 group,
                 now,
-                // Device consumers read a group's copies through a mailbox.
-                socket: socket && group.is_none(),
-                replay_pace,
+                socket,
+                (replay_pace, late),
+                (batch, rank),
+            )| {
+                let plan = Plan {
+                    kind: match kind {
+                        // One joining `now` stops while it reads its replay
+                        // (it joins at `late`, below).
+                        Kind::Pause { at, length, drops } if now => Kind::Pause {
+                            at: late + at % 40,
+                            length,
+                            drops,
+                        },
+                        k => k,
+                    },
+                    // Joining `now` at the start has nothing to replay.
+                    join_at: if now { late } else { join_at },
+                    arena,
+                    // A hoarder reads on beside the batch it keeps.
+                    window: match kind {
+                        Kind::Hoard { .. } => window.max(2),
+                        _ => window,
+                    },
+                    group,
+                    now,
+                    // Device consumers read a group's copies through a mailbox.
+                    socket: socket && group.is_none(),
+                    replay_pace,
+                    batch: 1,
+                    rank: None,
+                };
+                own_size(plan, slots, batch, rank)
             },
         )
+}
+
+/// `plan` reading in batches of `batch` (or as data rank `rank`) where
+/// the simulation draws that: host readers through a mailbox (a data-
+/// parallel member joining at the start, as a group's seats begin), of
+/// a window the ring can hold (else smaller, or the stream's own size).
+fn own_size(plan: Plan, slots: u32, batch: u64, rank: Option<u32>) -> Plan {
+    if plan.group.is_some() || plan.socket {
+        return plan;
+    }
+    let member = |batch, rank: Option<u32>| Plan {
+        batch,
+        rank,
+        join_at: if rank.is_some() { 0 } else { plan.join_at },
+        now: plan.now && rank.is_none(),
+        ..plan
+    };
+    [member(batch, rank), member(1, rank), member(batch, None)]
+        .into_iter()
+        .find(|p| p.fits(slots))
+        .unwrap_or(plan)
 }
 
 /// One schedule: the stream's shape, the hold rule, the readers, and
@@ -1110,7 +1484,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
     (
         (2u32..7).prop_flat_map(|s| (Just(s), prop::collection::vec(plan(s), 1..5))),
         1u32..5,
-        (1u64..9, any::<bool>()),
+        (1u64..13, any::<bool>()),
         // Lockstep, decoupled, `auto` (the default).
         prop_oneof![
             Just((false, false)),
@@ -1157,11 +1531,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
 /// What happened in a schedule, to show the property test is not vacuous.
 #[derive(Debug, Default, Clone, Copy)]
 struct Tally {
-    cuts: u64,
-    /// Of them, of GPU group members.
-    member_cuts: u64,
-    /// Of them, of readers on the socket.
-    socket_cuts: u64,
+    cuts: Cuts,
     /// Readers that joined `now`, starting cut.
     joined_now: u64,
     /// Lockstep readers that joined `now` and caught up, waited for.
@@ -1176,6 +1546,20 @@ struct Tally {
     rotated_starts: u64,
     bounded_waits: u64,
     moves: Moves,
+}
+
+/// Readers cut to replay, counted.
+#[derive(Debug, Default, Clone, Copy)]
+struct Cuts {
+    all: u64,
+    /// Of them, of GPU group members.
+    member: u64,
+    /// Of them, of readers on the socket.
+    socket: u64,
+    /// Of them, of readers of their own batch size (or a deal's runs),
+    /// and of data-parallel members.
+    own_size: u64,
+    dealt: u64,
 }
 
 /// The ring's moves away from holders, counted.
@@ -1304,6 +1688,48 @@ proptest! {
     ) {
         run(sc)?;
     }
+
+    /// Data-parallel members of their own batch size beside a steady
+    /// reader, on epochs whose tail the deal splits inside the stream's
+    /// units, under each pace: a member cut anywhere (inside its run,
+    /// inside another's, in a tail part) restarts where its batcher
+    /// stands and reads its runs once, in order. Checked mutated: the
+    /// plain boundary rule (the member's batch size from its anchor)
+    /// fails here with a member cut inside its tail part.
+    #[test]
+    fn a_member_cut_anywhere_restarts_where_its_batcher_stands(
+        sc in member_schedule(),
+    ) {
+        run(sc)?;
+    }
+}
+
+/// [`schedule`]'s shape around one data-parallel member.
+fn member_schedule() -> impl Strategy<Value = Schedule> {
+    (
+        schedule(),
+        kind(),
+        (0u32..2, 2u64..4, 1u32..3),
+        (5u64..14, 0u64..3000),
+    )
+        .prop_map(|(mut sc, kind, (rank, batch, window), (bpe, join_at))| {
+            let steady = host_reader(Kind::Steady, join_at, false, 3);
+            let mut member = Plan {
+                rank: Some(rank),
+                batch,
+                window,
+                ..host_reader(kind, 0, false, 3)
+            };
+            sc.slots = 9;
+            // A window the ring holds (a wider one is refused).
+            if !member.fits(sc.slots) {
+                member.window = 1;
+            }
+            assert!(member.fits(sc.slots));
+            sc.bpe = bpe;
+            sc.plans = vec![steady, member];
+            sc
+        })
 }
 
 /// The schedules do reach every rule: over a fixed set of them, readers
@@ -1313,12 +1739,14 @@ proptest! {
 fn the_schedules_reach_every_rule() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut sum = Tally::default();
-    for _ in 0..600 {
+    for _ in 0..1000 {
         let sc = schedule().new_tree(&mut runner).unwrap().current();
         let t = run(sc.clone()).unwrap_or_else(|e| panic!("{e}\nschedule: {sc:?}"));
-        sum.cuts += t.cuts;
-        sum.member_cuts += t.member_cuts;
-        sum.socket_cuts += t.socket_cuts;
+        sum.cuts.all += t.cuts.all;
+        sum.cuts.member += t.cuts.member;
+        sum.cuts.socket += t.cuts.socket;
+        sum.cuts.own_size += t.cuts.own_size;
+        sum.cuts.dealt += t.cuts.dealt;
         sum.joined_now += t.joined_now;
         sum.caught_up += t.caught_up;
         sum.resumed += t.resumed;
@@ -1334,9 +1762,11 @@ fn the_schedules_reach_every_rule() {
         sum.moves.carried += t.moves.carried;
     }
     assert!(
-        sum.cuts > 50
-            && sum.member_cuts > 5
-            && sum.socket_cuts > 5
+        sum.cuts.all > 50
+            && sum.cuts.member > 5
+            && sum.cuts.socket > 5
+            && sum.cuts.own_size > 20
+            && sum.cuts.dealt > 5
             && sum.joined_now > 20
             && sum.caught_up > 8
             && sum.resumed > 20
@@ -1365,6 +1795,8 @@ fn host_reader(kind: Kind, join_at: u64, now: bool, replay_pace: u64) -> Plan {
         now,
         socket: false,
         replay_pace,
+        batch: 1,
+        rank: None,
     }
 }
 
