@@ -81,6 +81,42 @@ impl Boundaries {
     }
 }
 
+/// Where a consumer's cuts restart it: its own boundaries (a member's
+/// runs of the deal), never before where it last merged back, rotated
+/// or began (it has every sample before that). The one owner of that
+/// place: the runtime's cut and merge and the hold simulation both ask it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CutPlace {
+    boundaries: Boundaries,
+    deal: Option<Deal>,
+    merged_at: Position,
+}
+
+impl CutPlace {
+    /// A consumer of batch size `batch` (a member's `deal`) whose first
+    /// batch begins at `anchor`.
+    pub(super) fn new(anchor: Position, batch: u64, deal: Option<Deal>) -> CutPlace {
+        CutPlace {
+            boundaries: Boundaries::new(anchor, batch),
+            deal,
+            merged_at: anchor,
+        }
+    }
+
+    /// Where it goes on, cut with `lost` the first sample it did not take
+    /// ([`Boundaries::restart`], not before where it last merged back).
+    pub(super) fn restart(&self, lost: Position) -> Position {
+        self.boundaries
+            .restart(lost, self.deal.as_ref())
+            .max(self.merged_at)
+    }
+
+    /// It merged back (or was rotated) into the shared stream at `at`.
+    pub(super) fn merged(&mut self, at: Position) {
+        self.merged_at = at;
+    }
+}
+
 /// Where replay ends for a consumer of batch size `batch` that starts at
 /// `from`, when the shared stream carries on for it from `shared`: its
 /// first batch boundary at or past `shared` (or the end of that epoch); a
@@ -149,11 +185,6 @@ impl BatchCounter {
     pub(super) fn dealt(mut self, deal: Option<Deal>) -> BatchCounter {
         self.deal = deal;
         self
-    }
-
-    /// The group member's share it counts in, if any.
-    pub(super) fn deal(&self) -> Option<&Deal> {
-        self.deal.as_ref()
     }
 
     /// Counts only samples from `skip` on.
@@ -305,6 +336,22 @@ mod tests {
         // Never before the anchor.
         let resumed = Boundaries::new(p(1, 88), 8);
         assert_eq!(resumed.restart(p(1, 72), Some(&one)), p(1, 88));
+    }
+
+    #[test]
+    fn a_cut_never_restarts_before_the_last_merge() {
+        let mut place = CutPlace::new(p(0, 10), 32, None);
+        assert_eq!(place.restart(p(0, 100)), p(0, 74));
+        assert_eq!(place.restart(p(0, 5)), p(0, 10), "not before the anchor");
+        // Merged back at 80 (inside its batch 74-106): it has all before.
+        place.merged(p(0, 80));
+        assert_eq!(place.restart(p(0, 100)), p(0, 80));
+        assert_eq!(place.restart(p(0, 120)), p(0, 106));
+        // A member's place: its runs, not its batch size from the anchor.
+        let one = Deal::new(203, 8, (1, 2, 1), false);
+        let member = CutPlace::new(p(0, 0), 8, Some(one));
+        assert_eq!(member.restart(p(1, 200)), p(1, 198));
+        assert_eq!(member.restart(p(1, 16)), p(1, 24));
     }
 
     #[test]

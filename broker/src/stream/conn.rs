@@ -15,7 +15,7 @@ use batchcast::proto::{
 use tokio::sync::mpsc;
 
 use super::Inner;
-use super::batches::{BatchCounter, Boundaries};
+use super::batches::{BatchCounter, CutPlace};
 use super::outbox::Outbox;
 use super::replay::book::Replay;
 use super::shape::Shape;
@@ -68,17 +68,12 @@ pub(super) struct OwnBatches {
     pub(super) window: u32,
     /// The stream's production unit (samples of a full batch).
     pub(super) unit: u64,
-    /// Where its first batch begins (its batch boundaries are counted from
-    /// there in that epoch, from each epoch's start after).
-    pub(super) anchor: Position,
+    /// Where a cut restarts it: its batch boundaries, counted from where
+    /// its first batch began in that epoch (from each epoch's start
+    /// after), not before where it last merged back.
+    pub(super) place: CutPlace,
     pub(super) shared: BatchCounter,
     pub(super) replayed: BatchCounter,
-}
-
-impl OwnBatches {
-    pub(super) fn boundaries(&self) -> Boundaries {
-        Boundaries::new(self.anchor, self.batch_size)
-    }
 }
 
 /// Its numbers for `stats`: hold, wait and busy times (the client's own
@@ -104,12 +99,11 @@ pub(super) struct Tally {
     pub(super) taken: proto::Taken,
 }
 
-/// Decoupled pace: how often it was cut from the shared stream, and where
-/// it last merged back (its anchor until then).
+/// Decoupled pace: how often it was cut from the shared stream (where it
+/// last merged back is its [`CutPlace`]'s).
 #[derive(Debug)]
 pub(super) struct Merges {
     pub(super) cuts: u64,
-    pub(super) merged_at: Position,
     /// Epochs it was rotated into ([`super::rotate`]).
     pub(super) rotations: u64,
 }
@@ -180,7 +174,7 @@ impl Conn {
                 drop_last: shape.drop_last,
                 window: req.window,
                 unit: shape.unit,
-                anchor: start.anchor,
+                place: CutPlace::new(start.anchor, shape.batch_size, shape.deal(req)),
                 shared: BatchCounter::new(shape.batch_size, shape.drop_last)
                     .skipping(start.skip)
                     .dealt(shape.deal(req)),
@@ -202,7 +196,6 @@ impl Conn {
             replay,
             merges: Merges {
                 cuts: 0,
-                merged_at: start.anchor,
                 rotations: 0,
             },
             gpu,

@@ -382,11 +382,7 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
     // Its own batch (a group member's own run) at or before the loss,
     // not before where it last merged back: it has every sample before
     // that (the unit holding it began earlier).
-    let restart = conn
-        .own
-        .boundaries()
-        .restart(lost, conn.own.shared.deal())
-        .max(conn.merges.merged_at);
+    let restart = conn.own.place.restart(lost);
     conn.own.shared.rewind(restart);
     conn.merges.cuts += 1;
     if let Some(r) = conn.replay.as_mut() {
@@ -515,7 +511,7 @@ fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
         r.to = Some(at);
     }
     conn.own.shared.resume_at(at);
-    conn.merges.merged_at = at;
+    conn.own.place.merged(at);
     if !notify(inner, id, ServerMsg::Merge(at)) {
         return true;
     }

@@ -115,7 +115,7 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
         });
     }
     conn.own.shared.resume_at(point);
-    conn.merges.merged_at = point;
+    conn.own.place.merged(point);
     conn.merges.rotations += 1;
     if !notify(inner, id, ServerMsg::Rotate(point)) {
         return true;

@@ -22,7 +22,7 @@
 //! ledger ([`Regions`]) say (its releases of those go to the region left
 //! behind), detached where they say it cannot; a cut reader reads its
 //! replay from its own boundary at or before where the hub says it lost
-//! the stream ([`Boundaries::restart`], the runtime's rule; its batcher
+//! the stream ([`CutPlace::restart`], the runtime's rule; its batcher
 //! must stand there, as its client checks) and merges back
 //! where [`merge_rule`] says (the runtime's own rule), or, on a stream
 //! that rotates epochs, rotates into an epoch whose start the ring left
@@ -71,7 +71,7 @@ use crate::hub::Window;
 use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
-use crate::stream::batches::Boundaries;
+use crate::stream::batches::CutPlace;
 use crate::stream::decouple::{Merge, merge_rule};
 use crate::stream::regions::{self, Regions, Target};
 use crate::stream::rotate;
@@ -120,7 +120,7 @@ struct Plan {
     replay_pace: u64,
     /// Its own batch size, in samples (the stream's unit is one): its
     /// client's [`Batcher`] cuts its runs; a cut restarts it on its own
-    /// boundary ([`Boundaries::restart`]).
+    /// boundary ([`CutPlace::restart`]).
     batch: u64,
     /// A data-parallel group member: its rank of 2 data ranks, reading
     /// only its runs of the deal ([`Deal`]) and giving the others back.
@@ -211,11 +211,9 @@ struct Client {
     /// Units in, its own runs out.
     batcher: Batcher,
     deal: Option<Deal>,
-    /// Where its first batch began (its boundaries count from there) and
-    /// where it last merged back (a cut restarts no earlier), as the
-    /// runtime's `Conn`.
-    anchor: Position,
-    merged_at: Position,
+    /// Where a cut restarts it (the runtime's own [`CutPlace`], as its
+    /// `Conn` keeps it).
+    place: CutPlace,
     /// Runs cut from what its socket was sent before a cut: read before
     /// its replay.
     ready: VecDeque<Run>,
@@ -280,8 +278,7 @@ impl Reader {
             b.skip_to(p.epoch, p.sample);
         }
         self.client.batcher = b;
-        self.client.anchor = anchor;
-        self.client.merged_at = anchor;
+        self.client.place = CutPlace::new(anchor, self.plan.batch, self.client.deal);
         self.client.units.clear();
         self.program.runs.clear();
         self.client.ready.clear();
@@ -627,8 +624,7 @@ impl Sim {
                             false,
                         )
                     }),
-                    anchor: Position::default(),
-                    merged_at: Position::default(),
+                    place: CutPlace::new(Position::default(), 1, None),
                     ready: VecDeque::new(),
                 },
                 program: Program {
@@ -978,7 +974,7 @@ impl Sim {
                     // Its client cuts runs from there (`take_merge`).
                     let at = rotated.unwrap_or(cursor);
                     r.mode = Mode::Shared;
-                    r.client.merged_at = at;
+                    r.client.place.merged(at);
                     r.client.batcher.skip_to(at.epoch, at.sample);
                     self.tally.merges += 1;
                 }
@@ -1110,7 +1106,7 @@ impl Sim {
 
     /// Cuts reader `id` to replay, from where the hub says it lost the
     /// shared stream: its own boundary at or before that
-    /// ([`Boundaries::restart`], as `decouple::cut`), where its client's
+    /// ([`CutPlace::restart`], as `decouple::cut`), where its client's
     /// batcher must stand (its client checks so).
     fn cut(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
         let (hub, regions) = (&mut self.hub, &mut self.arena.regions);
@@ -1129,9 +1125,7 @@ impl Sim {
             epoch,
             sample: index,
         };
-        let restart = Boundaries::new(r.client.anchor, r.plan.batch)
-            .restart(lost, r.client.deal.as_ref())
-            .max(r.client.merged_at);
+        let restart = r.client.place.restart(lost);
         let mut back = Vec::new();
         let at = r.client.batcher.cut(&mut back);
         r.give_back(back, hub, regions)?;
