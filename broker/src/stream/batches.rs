@@ -103,6 +103,14 @@ impl CutPlace {
         }
     }
 
+    /// Not before `skip` either, where its shared samples begin to count:
+    /// it has those before (replayed to it as it joined) or resumed past
+    /// them.
+    pub(super) fn skipping(mut self, skip: Option<Position>) -> CutPlace {
+        self.merged_at = self.merged_at.max(skip.unwrap_or(self.merged_at));
+        self
+    }
+
     /// Where it goes on, cut with `lost` the first sample it did not take
     /// ([`Boundaries::restart`], not before where it last merged back).
     pub(super) fn restart(&self, lost: Position) -> Position {
@@ -347,6 +355,13 @@ mod tests {
         place.merged(p(0, 80));
         assert_eq!(place.restart(p(0, 100)), p(0, 80));
         assert_eq!(place.restart(p(0, 120)), p(0, 106));
+        // A lockstep joiner replayed its epoch's start up to its boundary
+        // at 8 (the shared stream began for it at 7): a cut losing 7 goes
+        // on at 8, not 6 (it has 6 and 7, replayed).
+        let joiner = CutPlace::new(p(3, 0), 2, None).skipping(Some(p(3, 8)));
+        assert_eq!(joiner.restart(p(3, 7)), p(3, 8));
+        assert_eq!(joiner.restart(p(3, 9)), p(3, 8));
+        assert_eq!(joiner.restart(p(3, 11)), p(3, 10));
         // A member's place: its runs, not its batch size from the anchor.
         let one = Deal::new(203, 8, (1, 2, 1), false);
         let member = CutPlace::new(p(0, 0), 8, Some(one));

@@ -174,7 +174,8 @@ impl Conn {
                 drop_last: shape.drop_last,
                 window: req.window,
                 unit: shape.unit,
-                place: CutPlace::new(start.anchor, shape.batch_size, shape.deal(req)),
+                place: CutPlace::new(start.anchor, shape.batch_size, shape.deal(req))
+                    .skipping(start.skip),
                 shared: BatchCounter::new(shape.batch_size, shape.drop_last)
                     .skipping(start.skip)
                     .dealt(shape.deal(req)),

@@ -47,9 +47,9 @@
 //! ring's holds nothing (nothing leaked). A failing schedule shrinks
 //! (proptest) and prints.
 //!
-//! Not modelled: readers of their own batch size on the socket, in a GPU
-//! group, catching up under lockstep or rotated into an epoch (they are
-//! drawn of the stream's size there). The limit bounds the ring's pins in
+//! Not modelled: readers of their own batch size on the socket or in a
+//! GPU group (drawn of the stream's size there); data-parallel members
+//! joining late (they join at the start, as a group's seats begin). The limit bounds the ring's pins in
 //! units: under lockstep, a reader whose batch spans B units (or a
 //! member's run among the others') behind a trainer that moves a unit
 //! at a time just under the limit waits up to B (or the data ranks')
@@ -71,7 +71,7 @@ use crate::hub::Window;
 use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
-use crate::stream::batches::CutPlace;
+use crate::stream::batches::{CutPlace, replay_end};
 use crate::stream::decouple::{Merge, merge_rule};
 use crate::stream::regions::{self, Regions, Target};
 use crate::stream::rotate;
@@ -278,7 +278,7 @@ impl Reader {
             b.skip_to(p.epoch, p.sample);
         }
         self.client.batcher = b;
-        self.client.place = CutPlace::new(anchor, self.plan.batch, self.client.deal);
+        self.client.place = CutPlace::new(anchor, self.plan.batch, self.client.deal).skipping(skip);
         self.client.units.clear();
         self.program.runs.clear();
         self.client.ready.clear();
@@ -384,9 +384,17 @@ impl Reader {
     /// order; its own batch from one of its boundaries (an epoch's last
     /// short); a member's own run, then its next.
     fn read_replayed(&mut self, cursor: Position, bpe: u64) -> Result<Position, TestCaseError> {
-        if !self.plan.own_size() {
-            consume(self, cursor, bpe)?;
-            return Ok(self.program.next.expect("just read"));
+        if self.client.deal.is_none() {
+            // Its batch in its order (a rotated epoch's part read last
+            // ends at the rotation's point), sample after sample.
+            let samples =
+                rotation::step(cursor, self.plan.batch, bpe, self.program.rotation).samples;
+            let mut at = cursor;
+            for _ in 0..samples {
+                consume(self, at, bpe)?;
+                at = self.program.next.expect("just read");
+            }
+            return Ok(at);
         }
         let end = match self.client.deal.and_then(|d| d.run_at(cursor.sample)) {
             Some(run) => {
@@ -592,7 +600,7 @@ impl Sim {
                 && plan.arena
                 && plan.group.is_none()
                 && !plan.socket
-                && !plan.own_size();
+                && plan.rank.is_none();
             let policy = if now_join || catch_up {
                 JoinPolicy::Now
             } else {
@@ -650,10 +658,15 @@ impl Sim {
                 epoch: first.epoch,
                 sample: 0,
             };
-            let (anchor, skip) = if now_join || (catch_up && first.sample > 0) {
-                (from, Some(from))
-            } else {
-                (first, None)
+            // A lockstep joiner catches up to its batch boundary at or
+            // after where the shared stream begins for it, which it
+            // skips to (`replay_end`, the runtime's).
+            let catch_up_to =
+                replay_end(from, first, (plan.batch, None), self.shape.bpe).filter(|_| catch_up);
+            let (anchor, skip) = match catch_up_to {
+                _ if now_join => (from, Some(from)),
+                Some(to) => (from, Some(to)),
+                None => (first, None),
             };
             r.subscribe(anchor, skip, self.shape.bpe);
             let (mode, next) = if now_join {
@@ -668,9 +681,9 @@ impl Sim {
                     },
                     Some(from),
                 )
-            } else if catch_up && first.sample > 0 {
-                let to = first;
+            } else if let Some(to) = catch_up_to {
                 self.tally.caught_up += 1;
+                self.tally.own_caught_up += u64::from(plan.own_size());
                 (
                     Mode::CatchingUp {
                         cursor: from,
@@ -952,15 +965,17 @@ impl Sim {
                 match merge_rule(&self.hub, r.id, cursor, 1, r.program.rotation) {
                     Merge::Wait => continue,
                     Merge::At { seq, through } => (seq, through, None),
-                    // (Readers of their own batch size are not rotated here.)
+                    // (Data-parallel members are not rotated, as seats are not.)
                     Merge::Rotate
-                        if !self.shape.rotate || r.plan.group.is_some() || r.plan.own_size() =>
+                        if !self.shape.rotate
+                            || r.plan.group.is_some()
+                            || r.client.deal.is_some() =>
                     {
                         continue;
                     }
                     Merge::Rotate => {
                         let Some((seq, point)) =
-                            rotate::point(&self.hub, cursor, (1, 1), self.shape.bpe)
+                            rotate::point(&self.hub, cursor, (r.plan.batch, 1), self.shape.bpe)
                         else {
                             continue;
                         };
@@ -1001,6 +1016,7 @@ impl Sim {
                 });
                 r.program.next = Some(point);
                 self.tally.rotations += 1;
+                self.tally.own_rotations += u64::from(r.plan.own_size());
             }
         }
         // A rotated reader the shared stream sent the rest of its epoch,
@@ -1023,8 +1039,20 @@ impl Sim {
             let r = self.readers.get_mut(&id).expect("listed");
             r.take_sent(&mut self.hub, &mut self.arena.regions)?;
             let mut back = Vec::new();
-            r.client.batcher.cut(&mut back);
+            let at = r.client.batcher.cut(&mut back);
             r.give_back(back, &mut self.hub, &mut self.arena.regions)?;
+            // Its client's check: the batcher stands past the epoch's end.
+            let past = Position {
+                epoch: rot.epoch + 1,
+                sample: 0,
+            };
+            prop_assert!(
+                at.is_none_or(|(epoch, sample)| Position { epoch, sample } == past),
+                "reader {} cut for its rotated start at {:?}: its batcher stands at {:?}",
+                id,
+                rot.owed_from(),
+                at
+            );
             r.mode = Mode::Replaying {
                 cursor: rot.owed_from(),
                 read: true,
@@ -1538,6 +1566,10 @@ struct Tally {
     merges: u64,
     rotations: u64,
     rotated_starts: u64,
+    /// Readers of their own batch size that caught up under lockstep, or
+    /// rotated into an epoch.
+    own_caught_up: u64,
+    own_rotations: u64,
     bounded_waits: u64,
     moves: Moves,
 }
@@ -1683,47 +1715,58 @@ proptest! {
         run(sc)?;
     }
 
-    /// Data-parallel members of their own batch size beside a steady
-    /// reader, on epochs whose tail the deal splits inside the stream's
-    /// units, under each pace: a member cut anywhere (inside its run,
-    /// inside another's, in a tail part) restarts where its batcher
-    /// stands and reads its runs once, in order. Checked mutated: the
-    /// plain boundary rule (the member's batch size from its anchor)
-    /// fails here with a member cut inside its tail part.
+    /// Readers of their own batch size and data-parallel members beside
+    /// a steady reader, on epochs whose tail the deal splits inside the
+    /// stream's units, under each pace: one cut anywhere (inside its
+    /// batch or run, inside another's, in a tail part), rotated into an
+    /// epoch or catching up restarts where its batcher stands and reads
+    /// its samples once, in order. Checked mutated: the plain boundary
+    /// rule (the member's batch size from its anchor) fails here with a
+    /// member cut inside its tail part.
     #[test]
     fn a_member_cut_anywhere_restarts_where_its_batcher_stands(
-        sc in member_schedule(),
+        sc in own_size_schedule(),
     ) {
         run(sc)?;
     }
 }
 
-/// [`schedule`]'s shape around one data-parallel member.
-fn member_schedule() -> impl Strategy<Value = Schedule> {
+/// [`schedule`]'s shape around one reader of its own batch size (2 or
+/// 3) or data-parallel member, beside a steady reader of the stream's.
+fn own_size_schedule() -> impl Strategy<Value = Schedule> {
     (
         schedule(),
         kind(),
-        (0u32..2, 2u64..4, 1u32..3),
-        (5u64..14, 0u64..3000),
+        (
+            prop_oneof![Just(None), (0u32..2).prop_map(Some)],
+            2u64..4,
+            1u32..3,
+        ),
+        (5u64..14, 0u64..3000, any::<bool>(), 0u64..3000),
     )
-        .prop_map(|(mut sc, kind, (rank, batch, window), (bpe, join_at))| {
-            let steady = host_reader(Kind::Steady, join_at, false, 3);
-            let mut member = Plan {
-                rank: Some(rank),
-                batch,
-                window,
-                ..host_reader(kind, 0, false, 3)
-            };
-            sc.slots = 9;
-            // A window the ring holds (a wider one is refused).
-            if !member.fits(sc.slots) {
-                member.window = 1;
-            }
-            assert!(member.fits(sc.slots));
-            sc.bpe = bpe;
-            sc.plans = vec![steady, member];
-            sc
-        })
+        .prop_map(
+            |(mut sc, kind, (rank, batch, window), (bpe, join_at, now, late))| {
+                let steady = host_reader(Kind::Steady, join_at, false, 3);
+                // A member joins at the start (as a group's seats begin); the
+                // other may join late, or `now`.
+                let joins = if rank.is_some() { 0 } else { late };
+                let mut member = Plan {
+                    rank,
+                    batch,
+                    window,
+                    ..host_reader(kind, joins, now && rank.is_none(), 3)
+                };
+                sc.slots = 9;
+                // A window the ring holds (a wider one is refused).
+                if !member.fits(sc.slots) {
+                    member.window = 1;
+                }
+                assert!(member.fits(sc.slots));
+                sc.bpe = bpe;
+                sc.plans = vec![steady, member];
+                sc
+            },
+        )
 }
 
 /// The schedules do reach every rule: over a fixed set of them, readers
@@ -1733,8 +1776,13 @@ fn member_schedule() -> impl Strategy<Value = Schedule> {
 fn the_schedules_reach_every_rule() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut sum = Tally::default();
-    for _ in 0..1000 {
-        let sc = schedule().new_tree(&mut runner).unwrap().current();
+    for k in 0..1300 {
+        // The last 300 around a reader of its own batch size.
+        let sc = if k < 1000 {
+            schedule().new_tree(&mut runner).unwrap().current()
+        } else {
+            own_size_schedule().new_tree(&mut runner).unwrap().current()
+        };
         let t = run(sc.clone()).unwrap_or_else(|e| panic!("{e}\nschedule: {sc:?}"));
         sum.cuts.all += t.cuts.all;
         sum.cuts.member += t.cuts.member;
@@ -1748,6 +1796,8 @@ fn the_schedules_reach_every_rule() {
         sum.merges += t.merges;
         sum.rotations += t.rotations;
         sum.rotated_starts += t.rotated_starts;
+        sum.own_caught_up += t.own_caught_up;
+        sum.own_rotations += t.own_rotations;
         sum.bounded_waits += t.bounded_waits;
         sum.moves.moved += t.moves.moved;
         sum.moves.early += t.moves.early;
@@ -1759,8 +1809,8 @@ fn the_schedules_reach_every_rule() {
         sum.cuts.all > 50
             && sum.cuts.member > 5
             && sum.cuts.socket > 5
-            && sum.cuts.own_size > 20
-            && sum.cuts.dealt > 5
+            && sum.cuts.own_size > 100
+            && sum.cuts.dealt > 30
             && sum.joined_now > 20
             && sum.caught_up > 8
             && sum.resumed > 20
@@ -1768,6 +1818,8 @@ fn the_schedules_reach_every_rule() {
             && sum.merges > 20
             && sum.rotations > 10
             && sum.rotated_starts > 10
+            && sum.own_caught_up > 5
+            && sum.own_rotations > 10
             && sum.bounded_waits > 1000
             && sum.moves.moved > 10
             && sum.moves.early > 3
