@@ -1922,3 +1922,44 @@ fn a_joiner_now_rotates_into_the_epoch_and_reads_its_start_after_its_end() {
     let t = run(sc).unwrap();
     assert!(t.rotations >= 1 && t.rotated_starts >= 1, "{t:?}");
 }
+
+/// The default pace: a joiner `now` of batch size 2 on a stream of 11
+/// samples an epoch catches up to its boundary past where the shared
+/// stream began for it (8, sent from 7, say), crawls, and is cut before
+/// it took its first shared unit. It goes on past its replayed stretch,
+/// every sample once: before `CutPlace::skipping` it was told to restart
+/// at its boundary before the loss (6) and read 6 and 7 twice (the
+/// simulation's random schedules found it; here the same over a grid of
+/// join times and steps, most of which fail without the fix).
+#[test]
+fn a_joiner_of_its_own_batch_size_cut_after_catching_up_goes_on_past_its_replay() {
+    let mut sum = Tally::default();
+    for step in [5u64, 10, 15, 25] {
+        for join in [2000u64, 2045, 2100, 2210] {
+            let mut joiner = host_reader(Kind::Crawl { every: 207 }, join, true, 3);
+            joiner.batch = 2;
+            joiner.window = 1;
+            let sc = Schedule {
+                slots: 9,
+                group_slots: 1,
+                plans: vec![host_reader(Kind::Steady, 0, false, 3), joiner],
+                bpe: 11,
+                rotate: false,
+                eager: false,
+                stall_cut: true,
+                limit: Some(350),
+                restart_at: None,
+                regions: 1,
+                budget: 0,
+                steps: vec![step; (4000 / step) as usize],
+            };
+            let t = run(sc).unwrap_or_else(|e| panic!("step {step} ms, joins at {join}: {e}"));
+            sum.own_caught_up += t.own_caught_up;
+            sum.cuts.own_size += t.cuts.own_size;
+        }
+    }
+    assert!(
+        sum.own_caught_up == 16 && sum.cuts.own_size >= 16,
+        "{sum:?}"
+    );
+}
