@@ -48,8 +48,9 @@
 //! (proptest) and prints.
 //!
 //! Not modelled: readers of their own batch size in a GPU group (drawn
-//! of the stream's size there); data-parallel members joining late (they
-//! join at the start, as a group's seats begin). The limit bounds the ring's pins in
+//! of the stream's size there); data-parallel members joining late but
+//! `now` on a decoupled stream (they join at the start, as a group's
+//! seats begin). The limit bounds the ring's pins in
 //! units: under lockstep, a reader whose batch spans B units (or a
 //! member's run among the others') behind a trainer that moves a unit
 //! at a time just under the limit waits up to B (or the data ranks')
@@ -674,6 +675,9 @@ impl Sim {
                 prop_assert_eq!(epoch, from.epoch);
                 let from = r.own_from(from);
                 self.tally.joined_now += 1;
+                if r.client.deal.is_some() {
+                    eprintln!("DBGNOW member joined now at {:?}", from);
+                }
                 (
                     Mode::Replaying {
                         cursor: from,
@@ -1754,15 +1758,24 @@ fn own_size_schedule() -> impl Strategy<Value = Schedule> {
         .prop_map(
             |(mut sc, kind, (rank, batch, window), (bpe, join_at, now, late), socket)| {
                 let steady = host_reader(Kind::Steady, join_at, false, 3);
-                // A member joins at the start (as a group's seats begin); the
-                // other may join late, or `now`.
-                let joins = if rank.is_some() { 0 } else { late };
+                // A member joins at the start (as a group's seats begin) or
+                // late `now` on a decoupled stream (cut at once, replayed its
+                // runs of the epoch); the other may join late, or `now`.
+                let member_now = rank.is_some() && now && !socket;
+                if member_now {
+                    (sc.eager, sc.stall_cut) = (true, false);
+                }
+                let joins = if rank.is_some() && !member_now {
+                    0
+                } else {
+                    late
+                };
                 let mut member = Plan {
                     rank,
                     batch,
                     window,
                     socket,
-                    ..host_reader(kind, joins, now && rank.is_none(), 3)
+                    ..host_reader(kind, joins, now && (rank.is_none() || member_now), 3)
                 };
                 sc.slots = 9;
                 // A window the ring holds (a wider one is refused).
