@@ -675,9 +675,6 @@ impl Sim {
                 prop_assert_eq!(epoch, from.epoch);
                 let from = r.own_from(from);
                 self.tally.joined_now += 1;
-                if r.client.deal.is_some() {
-                    eprintln!("DBGNOW member joined now at {:?}", from);
-                }
                 (
                     Mode::Replaying {
                         cursor: from,
