@@ -26,6 +26,11 @@
 //!   otherwise it gets a hold of its own, from now, and the others wait
 //!   up to a second limit (a producer's stream, a ring a GPU copier pins,
 //!   a budget with no region left). The others are cut either way.
+//!   A holder that decoupled pace cuts (it owes more than the unit it
+//!   holds) still holds the unit: its cut does not end the hold, which
+//!   runs on for it to the held-batch limit as for one that may not be
+//!   cut (the simulation found the others waiting a second bound from
+//!   the cut).
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
 //! * The default pace (`auto`) is lockstep that holds the others behind
@@ -240,13 +245,17 @@ struct Sorted {
 /// held-batch limit, unless the ring can move away from them; the other
 /// owers that cannot be cut, up to the limit.
 fn sort(owe: &[Ower], past_held: bool) -> Sorted {
+    let held_on = |o: &&Ower| o.took && !o.movable && !past_held;
     let (waited, detach): (Vec<&Ower>, Vec<&Ower>) = owe
         .iter()
         .filter(|o| !o.cuttable && !o.catching_up)
-        .partition(|o| o.took && !o.movable && !past_held);
+        .partition(held_on);
     Sorted {
         cut: owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect(),
-        waited: !waited.is_empty(),
+        // A holder cut under decoupled pace (it owes more than the unit
+        // it holds) still holds it: the hold runs on for it, to the
+        // held-batch limit, as for one that may not be cut.
+        waited: !waited.is_empty() || owe.iter().filter(|o| o.cuttable).any(|o| held_on(&o)),
         movers: !detach.is_empty() && detach.iter().all(|o| o.took && o.movable),
         detach: detach.iter().map(|o| o.id).collect(),
     }
@@ -1107,6 +1116,46 @@ mod tests {
         assert!(matches!(
             h.decide(eager, Some((6, &owe)), true, c.at(3600)),
             Verdict::Act { ref detach, .. } if detach == &[2]
+        ));
+    }
+
+    /// Found by the simulation: under decoupled pace a holder of the
+    /// pinned unit that owes more is cut at once, and still holds the
+    /// unit. Its cut once ended the hold, so the waiting consumers waited
+    /// for a second bound from then; the hold runs on from when the unit
+    /// pinned the ring, and the holder is detached at the held-batch
+    /// limit (it could not be moved).
+    #[test]
+    fn a_holder_cut_under_decoupled_pace_is_still_held_to_the_limit() {
+        let c = Clock(Instant::now());
+        let mut h = ring(&c, 2);
+        let eager = Rule {
+            eager: true,
+            stall_cut: false,
+            workers: 1,
+            limit: Some(LIMIT),
+            held_limit: Some(LIMIT),
+        };
+        let holder = |cuttable| Ower {
+            id: 1,
+            cuttable,
+            catching_up: false,
+            took: true,
+            movable: false,
+        };
+        // Pinned from 100; cut at once (it owes more than the unit).
+        assert!(matches!(
+            h.decide(eager, Some((0, &[holder(true)])), true, c.at(100)),
+            Verdict::Act { ref cut, ref detach, .. } if cut == &[1] && detach.is_empty()
+        ));
+        // Cut, it holds the unit still: waited for, from 100.
+        assert_eq!(
+            h.decide(eager, Some((0, &[holder(false)])), true, c.at(2000)),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            h.decide(eager, Some((0, &[holder(false)])), true, c.at(3100)),
+            Verdict::Act { ref detach, held, .. } if detach == &[1] && held == LIMIT
         ));
     }
 
