@@ -107,7 +107,9 @@ impl CutPlace {
     /// it has those before (replayed to it as it joined) or resumed past
     /// them.
     pub(super) fn skipping(mut self, skip: Option<Position>) -> CutPlace {
-        self.merged_at = self.merged_at.max(skip.unwrap_or(self.merged_at));
+        if let Some(skip) = skip {
+            self.merged_at = self.merged_at.max(skip);
+        }
         self
     }
 

@@ -1092,10 +1092,7 @@ mod tests {
         let mut h = ring(&c, 500);
         let eager = Rule {
             eager: true,
-            stall_cut: false,
-            workers: 1,
-            limit: Some(LIMIT),
-            held_limit: Some(LIMIT),
+            ..lockstep()
         };
         // Unit 5 was made at 500: young until 510.
         let owe = [ower(1, true)];
@@ -1131,10 +1128,7 @@ mod tests {
         let mut h = ring(&c, 2);
         let eager = Rule {
             eager: true,
-            stall_cut: false,
-            workers: 1,
-            limit: Some(LIMIT),
-            held_limit: Some(LIMIT),
+            ..lockstep()
         };
         let holder = |cuttable| Ower {
             id: 1,
