@@ -62,7 +62,7 @@ use batchcast::rotation::Rotation;
 
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
-use super::hold::{Facts, Rule};
+use super::hold::{self, Detach, Facts, Hands, Move, Rule};
 use super::regions;
 use super::replay::book::ArenaLife;
 use super::rotate::{self, merge_from};
@@ -203,26 +203,56 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         return false;
     };
     tracing::debug!(stream = %s.name(), ?round, "the hold rule acts");
-    let held = round.held;
-    let mut any = !round.detach.is_empty() || !round.movers.is_empty();
-    for (id, took_it) in round.detach {
-        detach_holder(s, inner, id, (held, took_it));
+    hold::carry_out(round, seq, &mut Runtime { s, inner }, now)
+}
+
+/// The runtime's hands for a round of the hold rule: its connections,
+/// its hub, its arena's regions.
+struct Runtime<'a> {
+    s: &'a Stream,
+    inner: &'a mut Inner,
+}
+
+impl Hands for Runtime<'_> {
+    fn holds_left(&self, id: ConsumerId) -> bool {
+        self.inner.fill.regions.holds_left(id)
     }
-    // Detaching freed the slot of whoever could not be cut; moving the
-    // ring away from what the others hold, and cutting them, frees it of
-    // them.
-    if !round.movers.is_empty()
-        && !move_ring(s, inner, round.movers, (held, now), round.move_only)
-        && round.move_only
-        && let Some(seq) = seq
-    {
-        // The ring could not move now: a carried hold becomes theirs.
-        inner.pace.unmoved(seq, now);
+
+    fn ready(&mut self, id: ConsumerId) -> bool {
+        regions::ready(self.s, self.inner, id)
     }
-    for id in round.cut {
-        any |= cut(s, inner, id, now);
+
+    fn is_cut(&self, id: ConsumerId) -> bool {
+        self.inner.hub.view().reader(id).is_some_and(|r| r.is_cut())
     }
-    any
+
+    fn cut(&mut self, id: ConsumerId, now: Instant) -> bool {
+        cut(self.s, self.inner, id, now)
+    }
+
+    fn detach(&mut self, id: ConsumerId, why: Detach<'_>) {
+        match why {
+            Detach::Held { held, took } => detach_holder(self.s, self.inner, id, (held, took)),
+            Detach::Stuck { held, why } => detach_stuck(self.s, self.inner, id, held, why),
+        }
+    }
+
+    fn move_from(&mut self, m: Move<'_>) -> Result<u32, regions::Stuck> {
+        let to = regions::move_from(self.s, self.inner, m.ids)?;
+        tracing::warn!(
+            stream = %self.s.name(),
+            consumers = ?m.ids,
+            held_s = m.held.as_secs_f64(),
+            before_the_limit = m.early,
+            region = to,
+            "consumers kept the batch the pipeline needed next while others waited: the ring moved on without it (they read it where it was, and go on from replay)"
+        );
+        Ok(to)
+    }
+
+    fn unmoved(&mut self, seq: u64, now: Instant) {
+        self.inner.pace.unmoved(seq, now);
+    }
 }
 
 /// Detaches consumer `id`, which kept the pipeline waiting for `held`
@@ -262,65 +292,6 @@ fn detach_holder(s: &Stream, inner: &mut Inner, id: ConsumerId, (held, took_it):
             held_s = held.as_secs_f64(),
             "detached a consumer that kept the pipeline waiting past the hold limit"
         );
-    }
-}
-
-/// Cuts the consumers `ids`, which kept the batch the ring needs next
-/// past the hold limit (each took it: a stopped program holding it), and
-/// moves the ring away from what they hold ([`regions::move_from`]); one
-/// the ring cannot leave (no region free, the budget) is detached, told
-/// why. `early`: a move-only round (the default pace's stall cut before
-/// the limit, a carried hold): only where the ring can move now
-/// ([`regions::ready`]); otherwise nothing is done (a trainer merely
-/// slower than the remake is never detached for want of a region).
-/// Whether the ring moved.
-fn move_ring(
-    s: &Stream,
-    inner: &mut Inner,
-    ids: Vec<ConsumerId>,
-    (held, now): (Duration, Instant),
-    early: bool,
-) -> bool {
-    // One still holding batches an earlier move left behind gets no
-    // second region: one consumer never holds more than one.
-    let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
-        .into_iter()
-        .partition(|&id| inner.fill.regions.holds_left(id));
-    let Some((ids, again)) =
-        regions::movers((ids, again), early, |id| regions::ready(s, inner, id))
-    else {
-        return false;
-    };
-    for id in again {
-        detach_stuck(s, inner, id, held, &regions::Stuck::Again);
-    }
-    let cut_ones: Vec<ConsumerId> = ids
-        .into_iter()
-        .filter(|&id| {
-            let cut_already = inner.hub.view().reader(id).is_some_and(|r| r.is_cut());
-            cut_already || cut(s, inner, id, now)
-        })
-        .collect();
-    if cut_ones.is_empty() {
-        return false;
-    }
-    match regions::move_from(s, inner, &cut_ones) {
-        Ok(to) => {
-            tracing::warn!(
-                stream = %s.name(),
-                consumers = ?cut_ones,
-                held_s = held.as_secs_f64(),
-                region = to,
-                "consumers kept the batch the pipeline needed next while others waited: the ring moved on without it (they read it where it was, and go on from replay)"
-            );
-            true
-        }
-        Err(why) => {
-            for id in cut_ones {
-                detach_stuck(s, inner, id, held, &why);
-            }
-            false
-        }
     }
 }
 

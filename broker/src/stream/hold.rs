@@ -570,8 +570,11 @@ impl HoldClock {
     }
 }
 
+mod round;
 #[cfg(test)]
 mod sim;
+
+pub(super) use round::{Detach, Hands, Move, carry_out};
 
 #[cfg(test)]
 mod tests {

@@ -67,14 +67,14 @@ use batchcast::rotation::{self, Rotation};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
-use super::{CUT_AFTER, Facts, HoldClock, Rule};
+use super::{CUT_AFTER, Detach, Facts, Hands, HoldClock, Move, Rule, carry_out};
 use crate::hub::Window;
 use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
 use crate::stream::batches::{CutPlace, replay_end};
 use crate::stream::decouple::{Merge, merge_rule};
-use crate::stream::regions::{self, Regions, Target};
+use crate::stream::regions::{self, Regions, Stuck, Target};
 use crate::stream::rotate;
 use batchcast::proto::Position;
 
@@ -553,6 +553,90 @@ impl Facts for SimFacts<'_> {
             .get(&id)
             .is_some_and(|r| r.plan.arena && r.mode == Mode::Shared && c.reading().is_some());
         self.regions.movable() && (c.is_cut() || may_cut)
+    }
+}
+
+/// The simulation's hands for a round of the hold rule
+/// ([`carry_out`], the runtime's own): each checks what the rules promise
+/// of it; the first failure is kept and ends the round's schedule.
+struct SimHands<'a> {
+    sim: &'a mut Sim,
+    failed: Option<TestCaseError>,
+}
+
+impl SimHands<'_> {
+    /// Keeps `r`'s failure (the first one); whether it succeeded.
+    fn check(&mut self, r: Result<(), TestCaseError>) -> bool {
+        match r {
+            Ok(()) => self.failed.is_none(),
+            Err(e) => {
+                self.failed.get_or_insert(e);
+                false
+            }
+        }
+    }
+}
+
+impl Hands for SimHands<'_> {
+    fn holds_left(&self, id: ConsumerId) -> bool {
+        self.sim.arena.regions.holds_left(id)
+    }
+
+    fn ready(&mut self, _id: ConsumerId) -> bool {
+        self.sim.reserve().is_some()
+    }
+
+    fn is_cut(&self, id: ConsumerId) -> bool {
+        self.sim.hub.view().reader(id).is_some_and(|c| c.is_cut())
+    }
+
+    fn cut(&mut self, id: ConsumerId, _now: Instant) -> bool {
+        let r = self.sim.cut(id);
+        self.check(r)
+    }
+
+    /// Only one that could not be cut is detached for its hold, never
+    /// before the limit ([`Sim::detach`]).
+    fn detach(&mut self, id: ConsumerId, why: Detach<'_>) {
+        let r = match why {
+            Detach::Held { held, took } => {
+                let r = &self.sim.readers[&id];
+                let could_cut = r.plan.arena && r.mode == Mode::Shared && !took;
+                if could_cut {
+                    Err(fail(format!(
+                        "reader {id} detached although it could be cut: {r:?}"
+                    )))
+                } else {
+                    self.sim.detach(id, held)
+                }
+            }
+            Detach::Stuck { held, why } => {
+                self.sim.tally.moves.stuck_again += u64::from(matches!(why, Stuck::Again));
+                self.sim.detach(id, held)
+            }
+        };
+        self.check(r);
+    }
+
+    /// As `regions::move_from`: what the movers hold is given back to the
+    /// hub and stays with them in the region left behind.
+    fn move_from(&mut self, m: Move<'_>) -> Result<u32, Stuck> {
+        let sim = &mut *self.sim;
+        let to = sim.reserve().ok_or(Stuck::Full)?;
+        let left = regions::give_back_held(&mut sim.hub, m.ids);
+        let before = sim.hub.view().ring().head();
+        sim.arena.regions.moved(to, left, before);
+        sim.tally.moves.moved += 1;
+        let past = sim.rule.limit.is_some_and(|l| m.held >= l);
+        sim.tally.moves.early += u64::from(m.early && !past);
+        sim.tally.moves.carried += u64::from(m.early && past);
+        Ok(to)
+    }
+
+    fn unmoved(&mut self, seq: u64, now: Instant) {
+        let restarts = self.sim.clock.restarts;
+        self.sim.clock.unmoved(seq, now);
+        self.sim.allow_restarts(restarts);
     }
 }
 
@@ -1086,31 +1170,19 @@ impl Sim {
             };
             let restarts = self.clock.restarts;
             let verdict = self.clock.judge(self.rule, pinned, &mut facts, at);
-            // The runtime's own round (`decouple::cut_laggards`).
             let round = verdict.round(stalled, &mut facts);
             self.allow_restarts(restarts);
             let Some(round) = round else {
                 return Ok(());
             };
-            for (id, took) in round.detach {
-                let r = &self.readers[&id];
-                prop_assert!(
-                    !r.plan.arena || r.mode != Mode::Shared || took,
-                    "reader {id} detached although it could be cut: {r:?}"
-                );
-                self.detach(id, round.held)?;
-            }
-            if !round.movers.is_empty()
-                && !self.move_ring(round.movers, (round.move_only, round.held))?
-                && round.move_only
-                && let Some(seq) = stalled
-            {
-                let restarts = self.clock.restarts;
-                self.clock.unmoved(seq, at);
-                self.allow_restarts(restarts);
-            }
-            for id in round.cut {
-                self.cut(id)?;
+            // The runtime's own round (`decouple::cut_laggards`).
+            let mut hands = SimHands {
+                sim: self,
+                failed: None,
+            };
+            carry_out(round, stalled, &mut hands, at);
+            if let Some(e) = hands.failed {
+                return Err(e);
             }
             self.deliver()?;
         }
@@ -1203,49 +1275,6 @@ impl Sim {
                 Some(i)
             }
         }
-    }
-
-    /// As `decouple::move_ring`: the holders `ids` are cut and the ring
-    /// moves away from what they hold (it stays with them where it was);
-    /// those it cannot leave are detached. `early`: only where a region is
-    /// ready now, else nothing (they are waited for to the limit).
-    fn move_ring(
-        &mut self,
-        ids: Vec<ConsumerId>,
-        (early, held): (bool, Duration),
-    ) -> Result<bool, TestCaseError> {
-        let (again, ids): (Vec<ConsumerId>, Vec<ConsumerId>) = ids
-            .into_iter()
-            .partition(|&id| self.arena.regions.holds_left(id));
-        let Some((ids, again)) = regions::movers((ids, again), early, |_| self.reserve().is_some())
-        else {
-            return Ok(false);
-        };
-        for id in again {
-            self.detach(id, held)?;
-            self.tally.moves.stuck_again += 1;
-        }
-        let mut movers = Vec::new();
-        for id in ids {
-            if !self.hub.view().reader(id).is_some_and(|c| c.is_cut()) {
-                self.cut(id)?;
-            }
-            movers.push(id);
-        }
-        let Some(to) = self.reserve() else {
-            for id in movers {
-                self.detach(id, held)?;
-            }
-            return Ok(false);
-        };
-        let left = regions::give_back_held(&mut self.hub, &movers);
-        let before = self.hub.view().ring().head();
-        self.arena.regions.moved(to, left, before);
-        self.tally.moves.moved += 1;
-        let past = self.rule.limit.is_some_and(|l| held >= l);
-        self.tally.moves.early += u64::from(early && !past);
-        self.tally.moves.carried += u64::from(early && past);
-        Ok(true)
     }
 
     /// Whether the ring could move away from every ower holding the unit
