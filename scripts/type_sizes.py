@@ -32,6 +32,8 @@ CLOCKLESS = [
     "broker/src/hub.rs",
     "broker/src/hub",
     "broker/src/stream/hold.rs",
+    "broker/src/stream/hold/round.rs",
+    "broker/src/stream/merge.rs",
     "broker/src/stream/decouple.rs",
     "broker/src/stream/rotate.rs",
     "broker/src/stream/replay/book.rs",

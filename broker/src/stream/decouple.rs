@@ -22,7 +22,8 @@
 //!   before where it last merged back (the unit holding that point began
 //!   before it): its client drops the batch it was building, which begins
 //!   there.
-//! * It merges back when its replay is to start a batch inside a unit the
+//! * It merges back (a round of [`super::merge`], whose rules these are)
+//!   when its replay is to start a batch inside a unit the
 //!   shared stream still publishes, with at most half the ring ahead of it
 //!   (room to keep up), once it holds no unit from before its cut and, if
 //!   it was cut for falling behind (not a joiner starting cut), has read
@@ -63,12 +64,13 @@ use batchcast::rotation::Rotation;
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
 use super::hold::{self, Detach, Facts, Hands, Move, Rule};
+use super::merge::{self, Merged, Replaying, Replays, Rotated};
 use super::regions;
 use super::replay::book::ArenaLife;
-use super::rotate::{self, merge_from};
+use super::rotate;
 use super::{Conns, Inner, Stream};
 use crate::config::Pace as PaceRule;
-use crate::hub::{ConsumerId, Hub};
+use crate::hub::{ConsumerId, Hub, HubError};
 
 /// Whether consumer `id` took unit `seq` (it was sent it and, with a
 /// mailbox, took the notice): a cut cannot give it back.
@@ -374,117 +376,112 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
 }
 
 /// Merges back each cut consumer whose replay reached a unit the
-/// shared stream still publishes (see the module's rules). `clock` tells
-/// the time when a decision needs it (rarely: this runs for every batch,
-/// which reads no clock for it).
+/// shared stream still publishes, rotates one whose replay stands at an
+/// epoch's start the ring left behind, and cuts a rotated one to replay
+/// its epoch's start: a round of [`merge::round`], carried out on the
+/// connections. `clock` tells the time when a decision needs it (rarely:
+/// this runs for every batch, which reads no clock for it).
 pub(super) fn merge_replays(s: &Stream, inner: &mut Inner, clock: fn() -> Instant) {
-    let open: Vec<ConsumerId> = inner
-        .conns
-        .iter()
-        .filter(|(_, c)| c.ending.is_none() && c.replay.as_ref().is_some_and(|r| r.open()))
-        .map(|(&id, _)| id)
-        .collect();
-    rotate::replay_rotated_starts(s, inner, clock);
-    let mut merged = false;
-    for id in open {
-        merged |= merge(s, inner, id);
-    }
-    if merged {
+    let shape = merge::Shape {
+        unit: s.plan.schema.batch_size,
+        per_epoch: s.plan.schema.samples_per_epoch,
+    };
+    if merge::round(&mut Merging { s, inner }, shape, clock) {
         settle(inner, false);
     }
 }
 
-/// What the merge rule says of a replayed consumer (see the module's).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Merge {
-    /// Re-join the shared stream at unit `seq`, sent no epoch after
-    /// `through` (a rotated epoch's part read first).
-    At { seq: u64, through: Option<u64> },
-    /// Its replay stands at an epoch's start the ring no longer holds
-    /// near its head: it may rotate into that epoch ([`rotate`]).
-    Rotate,
-    /// Not now: its replay goes on.
-    Wait,
+/// The runtime's side of a merge round: its connections and their
+/// replays.
+struct Merging<'a> {
+    s: &'a Stream,
+    inner: &'a mut Inner,
 }
 
-/// The merge rule for consumer `id`, whose replay's cursor is `at`, on a
-/// stream of `unit` samples a unit, reading a rotated epoch as
-/// `rotation` says (the caller checked it read some of its replay since
-/// a cut for keeping the others waiting).
-pub(super) fn merge_rule(
-    hub: &Hub,
-    id: ConsumerId,
-    at: Position,
-    unit: u64,
-    rotation: Option<Rotation>,
-) -> Merge {
-    // The part of a rotated epoch read last: the stream left it behind.
-    if rotation.is_some_and(|r| r.in_owed_part(at)) {
-        return Merge::Wait;
+impl Replays for Merging<'_> {
+    fn hub(&mut self) -> &mut Hub {
+        &mut self.inner.hub
     }
-    let from = merge_from(hub);
-    let near = hub
-        .view()
-        .ring()
-        .seq_of(at.epoch, at.sample / unit)
-        .filter(|&seq| seq >= from);
-    // An epoch's start the ring no longer holds near its head: the
-    // epoch is read from where the ring is, its start after its end.
-    let Some(seq) = near else {
-        return if at.sample == 0 {
-            Merge::Rotate
-        } else {
-            Merge::Wait
-        };
-    };
-    // It still holds units of the shared stream from before its cut: it
-    // would pin the ring again at once.
-    if hub
-        .view()
-        .reader(id)
-        .map(|c| c.counts())
-        .is_none_or(|c| c.held > 0)
-    {
-        return Merge::Wait;
-    }
-    // Inside a rotated epoch's part read first: up to the epoch's end.
-    let through = rotation.filter(|r| r.epoch == at.epoch).map(|r| r.epoch);
-    Merge::At { seq, through }
-}
 
-fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
-    let unit = s.plan.schema.batch_size;
-    // One cut for keeping the others waiting that has read nothing of
-    // its replay since (stopped, its replay made ahead of it) would only
-    // pin the ring again. A joiner that starts cut has not stalled.
-    let Some((at, rotation)) = inner
-        .conns
-        .get(&id)
-        .and_then(|c| {
-            let r = c.replay.as_ref()?;
-            (c.merges.cuts == 0 || r.read()).then_some(r)
-        })
-        .map(|r| (r.cursor, r.rotation))
-    else {
-        return false;
-    };
-    match merge_rule(&inner.hub, id, at, unit, rotation) {
-        Merge::Wait => return false,
-        Merge::Rotate => return rotate::rotate(s, inner, id, at),
-        Merge::At { seq, through } => {
-            if inner.hub.rejoin_through(id, seq, through).is_err() {
-                return false;
+    /// Those whose replay is open, not leaving, and, if cut for keeping
+    /// the others waiting, that read some of it since: one that read
+    /// nothing (stopped, its replay made ahead of it) would only pin the
+    /// ring again. A joiner that starts cut has not stalled.
+    fn replaying(&mut self) -> Vec<Replaying> {
+        let rotate = self.s.plan.rotate_epochs;
+        self.inner
+            .conns
+            .iter()
+            .filter(|(_, c)| c.ending.is_none())
+            .filter_map(|(&id, c)| {
+                let r = c.replay.as_ref().filter(|r| r.open())?;
+                (c.merges.cuts == 0 || r.read()).then_some(Replaying {
+                    id,
+                    cursor: r.cursor,
+                    rotation: r.rotation,
+                    batch: c.own.batch_size,
+                    may_rotate: rotate && c.seat.is_none(),
+                })
+            })
+            .collect()
+    }
+
+    fn rotated(&mut self) -> Vec<Rotated> {
+        let mut all = Vec::new();
+        for (&id, c) in self.inner.conns.iter_mut() {
+            let Some(rotation) = c
+                .replay
+                .as_ref()
+                .filter(|r| r.settled())
+                .and_then(|r| r.rotation)
+            else {
+                continue;
+            };
+            if c.ending.is_none() {
+                let unread = unread(c);
+                all.push(Rotated {
+                    id,
+                    rotation,
+                    unread,
+                });
             }
         }
+        all
     }
-    let conn = inner.conns.get_mut(&id).expect("listed above");
+
+    fn send_out(&mut self) {
+        settle(self.inner, false);
+    }
+
+    fn merged(&mut self, id: ConsumerId, how: Merged) {
+        match how {
+            Merged::At(at) => merged_at(self.s, self.inner, id, at),
+            Merged::Rotated { at, point } => rotate::rotated(self.s, self.inner, id, (at, point)),
+        }
+    }
+
+    fn cut_for_start(&mut self, id: ConsumerId, rot: Rotation, now: Instant) {
+        rotate::cut_for_start(self.s, self.inner, id, rot, now);
+    }
+
+    fn refused(&mut self, id: ConsumerId, e: HubError) {
+        tracing::debug!(stream = %self.s.name(), consumer = id, "a merge or a rotated start's cut waits: {e}");
+    }
+}
+
+/// Consumer `id` re-joined the shared stream where its replay stood,
+/// `at`: its replay ends there, and it is told.
+fn merged_at(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
+    };
     if let Some(r) = conn.replay.as_mut() {
         r.to = Some(at);
     }
     conn.own.shared.resume_at(at);
     conn.own.place.merged(at);
     if !notify(inner, id, ServerMsg::Merge(at)) {
-        return true;
+        return;
     }
     tracing::info!(
         stream = %s.name(),
@@ -492,5 +489,4 @@ fn merge(s: &Stream, inner: &mut Inner, id: ConsumerId) -> bool {
         ?at,
         "a replayed consumer merged back into the shared stream"
     );
-    true
 }

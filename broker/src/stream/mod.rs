@@ -26,9 +26,14 @@
 //!   order.
 //! * `rotate`: rotated epochs: a replayed consumer rotated into an epoch
 //!   the ring holds, its start replayed after its end.
+//! * `merge`: the merge rule and a merge round (merging back, rotating,
+//!   a rotated epoch's start), no I/O: whoever carries it out lends its
+//!   `Replays`.
 //! * `decouple`: decoupled pace: cutting a consumer that fell a ring
-//!   behind, merging it back, the hold limit.
-//! * `hold`: the hold clock (`HoldClock`), with no clock inside: when
+//!   behind, the hold limit; the runtime's side of the hold and merge
+//!   rounds.
+//! * `hold`: the hold clock (`HoldClock`) and a round of its rule carried
+//!   out through the runtime's `Hands`, with no clock inside: when
 //!   units were begun and made, which unit pins the ring since when, the
 //!   hold a round at the limit carries over.
 //! * `subscribe`: a consumer joining: what is made outside the lock, then
@@ -60,6 +65,7 @@ mod deliver;
 mod error;
 mod fill;
 mod hold;
+mod merge;
 mod mirror;
 mod outbox;
 mod port;

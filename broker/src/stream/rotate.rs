@@ -33,8 +33,7 @@ use std::time::Instant;
 use batchcast::proto::{Position, ServerMsg};
 use batchcast::rotation::Rotation;
 
-use super::conn::{notify, unread};
-use super::deliver::settle;
+use super::conn::notify;
 use super::{Inner, Stream};
 use crate::hub::{ConsumerId, Hub};
 
@@ -88,25 +87,18 @@ pub(super) fn start_due(hub: &Hub, id: ConsumerId, rot: Rotation, unread: usize)
     hub.view().read_through(id, rot.epoch) && unread == 0
 }
 
-/// Consumer `id`'s replay stands at `at`, an epoch's start the ring no
-/// longer holds near its head: rotates it into that epoch if the ring
-/// holds a point for it (see the module's rules). Whether it did.
-pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position) -> bool {
-    let unit = s.plan.schema.batch_size;
-    let per_epoch = s.plan.schema.samples_per_epoch;
-    let Some(conn) = inner.conns.get(&id) else {
-        return false;
+/// Consumer `id` re-joined the shared stream rotated into `at`'s epoch,
+/// read from `point` (its replay stood at the epoch's start, `at`): its
+/// replay ends there and will walk the rotated order, and it is told.
+pub(super) fn rotated(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    (at, point): (Position, Position),
+) {
+    let Some(conn) = inner.conns.get_mut(&id) else {
+        return;
     };
-    if !s.plan.rotate_epochs || conn.seat.is_some() || conn.ending.is_some() {
-        return false;
-    }
-    let Some((seq, point)) = point(&inner.hub, at, (conn.own.batch_size, unit), per_epoch) else {
-        return false;
-    };
-    if inner.hub.rejoin_through(id, seq, Some(at.epoch)).is_err() {
-        return false;
-    }
-    let conn = inner.conns.get_mut(&id).expect("looked up above");
     if let Some(r) = conn.replay.as_mut() {
         r.to = Some(at);
         r.rotation = Some(Rotation {
@@ -118,7 +110,7 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
     conn.own.place.merged(point);
     conn.merges.rotations += 1;
     if !notify(inner, id, ServerMsg::Rotate(point)) {
-        return true;
+        return;
     }
     tracing::info!(
         stream = %s.name(),
@@ -127,44 +119,24 @@ pub(super) fn rotate(s: &Stream, inner: &mut Inner, id: ConsumerId, at: Position
         from = point.sample,
         "a replayed consumer reads this epoch from where the shared stream is, and its start after its end"
     );
-    true
 }
 
-/// Cuts each rotated consumer the shared stream sent the whole rest of
-/// its epoch, nothing taken back, to be replayed the epoch's start.
-pub(super) fn replay_rotated_starts(s: &Stream, inner: &mut Inner, clock: fn() -> Instant) {
-    let Inner { hub, conns, .. } = &mut *inner;
-    let mut due: Vec<(ConsumerId, Rotation)> = Vec::new();
-    for (&id, c) in conns.iter_mut() {
-        // Its last replay all sent: the cut's notice must follow it.
-        let Some(rot) = c
-            .replay
-            .as_ref()
-            .filter(|r| r.settled())
-            .and_then(|r| r.rotation)
-        else {
-            continue;
-        };
-        if c.ending.is_none() && start_due(hub, id, rot, unread(c)) {
-            due.push((id, rot));
-        }
+/// Consumer `id`, rotated as `rot` says, was cut (the hub knows, nothing
+/// taken back): its replay reopens at the epoch's start from `now`, and
+/// it is told.
+pub(super) fn cut_for_start(
+    s: &Stream,
+    inner: &mut Inner,
+    id: ConsumerId,
+    rot: Rotation,
+    now: Instant,
+) {
+    let from = rot.owed_from();
+    if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
+        r.reopen(from, now);
     }
-    if due.is_empty() {
-        return;
-    }
-    // What the hub sent them goes out before the cut's notice.
-    settle(inner, false);
-    for (id, rot) in due {
-        if inner.hub.cut(id, &[]).is_err() {
-            continue;
-        }
-        let from = rot.owed_from();
-        if let Some(r) = inner.conns.get_mut(&id).and_then(|c| c.replay.as_mut()) {
-            r.reopen(from, clock());
-        }
-        if notify(inner, id, ServerMsg::Cut(from)) {
-            tracing::debug!(stream = %s.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
-        }
+    if notify(inner, id, ServerMsg::Cut(from)) {
+        tracing::debug!(stream = %s.name(), consumer = id, epoch = rot.epoch, until = rot.at, "replaying a rotated epoch's start after its end");
     }
     s.work_cv.notify_all();
 }

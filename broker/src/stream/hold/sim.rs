@@ -17,18 +17,18 @@
 //! never moves, as a producer's stream) or four with a budget for 0-3 of
 //! them, driven as the stream's runtime drives them: the pipeline judges
 //! the pinned unit through [`HoldClock::judge`] whenever it waits for the
-//! ring's next slot; a holder of it is cut and the ring moved away from
-//! what it holds where [`regions::movers`] and the runtime's own region
+//! ring's next slot and carries out the round it gives through the
+//! runtime's own [`carry_out`]: a holder of it is cut and the ring moved
+//! away from what it holds where that and the runtime's own region
 //! ledger ([`Regions`]) say (its releases of those go to the region left
 //! behind), detached where they say it cannot; a cut reader reads its
 //! replay from its own boundary at or before where the hub says it lost
 //! the stream ([`CutPlace::restart`], the runtime's rule; its batcher
-//! must stand there, as its client checks) and merges back
-//! where [`merge_rule`] says (the runtime's own rule), or, on a stream
-//! that rotates epochs, rotates into an epoch whose start the ring left
-//! behind at the point [`rotate::point`] gives and is cut to replay that
-//! start after the epoch's end where [`rotate::start_due`] says (the
-//! runtime's own rules).
+//! must stand there, as its client checks) and merges back through the
+//! runtime's own merge round ([`merge::round`]): where the merge rule
+//! says, or, on a stream that rotates epochs, rotated into an epoch
+//! whose start the ring left behind, cut to replay that start after the
+//! epoch's end.
 //!
 //! Checked after every step: the hub's invariants; every reader's
 //! program reads every sample once, in order (a rotated epoch's in its
@@ -73,9 +73,8 @@ use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
 use crate::stream::batches::{CutPlace, replay_end};
-use crate::stream::decouple::{Merge, merge_rule};
+use crate::stream::merge::{self, Merged, Replaying, Replays, Rotated};
 use crate::stream::regions::{self, Regions, Stuck, Target};
-use crate::stream::rotate;
 use batchcast::proto::Position;
 
 /// What a reader's program does.
@@ -167,7 +166,7 @@ const DATA_RANKS: u64 = 2;
 enum Mode {
     Shared,
     /// Cut: reads its replay from `cursor` and merges back where the
-    /// merge rule says ([`merge_rule`]); `read`: it read some of it.
+    /// merge rule says (`merge::merge_rule`); `read`: it read some of it.
     Replaying {
         cursor: Position,
         read: bool,
@@ -640,6 +639,166 @@ impl Hands for SimHands<'_> {
     }
 }
 
+/// The simulation's side of a merge round ([`merge::round`], the
+/// runtime's own): each checks what the rules promise of it; the first
+/// failure is kept and ends the schedule.
+struct SimReplays<'a> {
+    sim: &'a mut Sim,
+    failed: Option<TestCaseError>,
+}
+
+impl SimReplays<'_> {
+    fn check(&mut self, r: Result<(), TestCaseError>) {
+        if let Err(e) = r {
+            self.failed.get_or_insert(e);
+        }
+    }
+
+    /// Reader `id` re-joined at `at` (its replay's cursor, or a rotation's
+    /// point): its client cuts runs from there (`take_merge`).
+    fn rejoined(&mut self, id: ConsumerId, at: Position) -> &mut Reader {
+        let r = self.sim.readers.get_mut(&id).expect("a replayed reader");
+        r.mode = Mode::Shared;
+        r.client.place.merged(at);
+        r.client.batcher.skip_to(at.epoch, at.sample);
+        self.sim.tally.merges += 1;
+        r
+    }
+
+    /// Reader `id` rotated into `at`'s epoch from `point`: only at an
+    /// epoch's start its program reads next, once an epoch.
+    fn rotated_into(
+        &mut self,
+        id: ConsumerId,
+        (at, point): (Position, Position),
+    ) -> Result<(), TestCaseError> {
+        let r = self.rejoined(id, point);
+        prop_assert!(
+            r.program.next == Some(at) && at.sample == 0 && r.program.rotation.is_none(),
+            "reader {} rotated at {:?} into {:?}, its program at {:?} in {:?}",
+            r.id,
+            at,
+            point,
+            r.program.next,
+            r.program.rotation
+        );
+        r.program.rotation = Some(Rotation {
+            epoch: point.epoch,
+            at: point.sample,
+        });
+        r.program.next = Some(point);
+        let (own, member) = (r.plan.own_size(), r.plan.group.is_some());
+        let rotations = &mut self.sim.tally.rotations;
+        rotations.all += 1;
+        rotations.own_size += u64::from(own);
+        rotations.member += u64::from(member);
+        Ok(())
+    }
+
+    /// Reader `id` was cut for its rotated epoch's start: what the hub
+    /// sent it it takes first; its client's batcher stands past the
+    /// epoch's end (its client checks so).
+    fn start_cut(&mut self, id: ConsumerId, rot: Rotation) -> Result<(), TestCaseError> {
+        let sim = &mut *self.sim;
+        let r = sim.readers.get_mut(&id).expect("listed");
+        r.take_sent(&mut sim.hub, &mut sim.arena.regions)?;
+        let mut back = Vec::new();
+        let at = r.client.batcher.cut(&mut back);
+        r.give_back(back, &mut sim.hub, &mut sim.arena.regions)?;
+        let past = Position {
+            epoch: rot.epoch + 1,
+            sample: 0,
+        };
+        prop_assert!(
+            at.is_none_or(|(epoch, sample)| Position { epoch, sample } == past),
+            "reader {} cut for its rotated start at {:?}: its batcher stands at {:?}",
+            id,
+            rot.owed_from(),
+            at
+        );
+        r.mode = Mode::Replaying {
+            cursor: rot.owed_from(),
+            read: true,
+        };
+        sim.tally.rotations.starts += 1;
+        Ok(())
+    }
+}
+
+impl Replays for SimReplays<'_> {
+    fn hub(&mut self) -> &mut Hub {
+        &mut self.sim.hub
+    }
+
+    /// Those that read some of their replay (a joiner `now` counts as
+    /// having read: it has not stalled). Data-parallel members are not
+    /// rotated, as seats are not.
+    fn replaying(&mut self) -> Vec<Replaying> {
+        let rotate = self.sim.shape.rotate;
+        self.sim
+            .readers
+            .values()
+            .filter_map(|r| {
+                let Mode::Replaying { cursor, read: true } = r.mode else {
+                    return None;
+                };
+                Some(Replaying {
+                    id: r.id,
+                    cursor,
+                    rotation: r.program.rotation,
+                    batch: r.plan.batch,
+                    may_rotate: rotate && r.client.deal.is_none(),
+                })
+            })
+            .collect()
+    }
+
+    fn rotated(&mut self) -> Vec<Rotated> {
+        self.sim
+            .readers
+            .values()
+            .filter(|r| r.mode == Mode::Shared)
+            .filter_map(|r| {
+                Some(Rotated {
+                    id: r.id,
+                    rotation: r.program.rotation?,
+                    unread: r.revocable(),
+                })
+            })
+            .collect()
+    }
+
+    fn send_out(&mut self) {
+        let r = self.sim.deliver();
+        self.check(r);
+    }
+
+    fn merged(&mut self, id: ConsumerId, how: Merged) {
+        match how {
+            Merged::At(at) => {
+                self.rejoined(id, at);
+            }
+            Merged::Rotated { at, point } => {
+                let r = self.rotated_into(id, (at, point));
+                self.check(r);
+            }
+        }
+    }
+
+    fn cut_for_start(&mut self, id: ConsumerId, rot: Rotation, _now: Instant) {
+        let r = self.start_cut(id, rot);
+        self.check(r);
+    }
+
+    /// Only a member's merge is refused (its copies from there are gone
+    /// from its GPU's ring), and is tried again later, as the runtime.
+    fn refused(&mut self, id: ConsumerId, e: HubError) {
+        if !matches!(e, HubError::NotLive { .. }) {
+            self.check(Err(fail(format!("reader {id}: the hub refused: {e}"))));
+        }
+    }
+}
+
 impl Sim {
     fn at(&self) -> Instant {
         self.start + Duration::from_millis(self.now)
@@ -1035,116 +1194,23 @@ impl Sim {
         Ok(())
     }
 
-    /// Each replayed reader that read some of its replay merges back
-    /// where the stream's merge rule says, or (a host reader on a stream
-    /// that rotates epochs) rotates into an epoch whose start the ring no
-    /// longer holds near its head, as `rotate::rotate`: re-joined at the
-    /// point `rotate::point` gives, through that epoch, its program reading
-    /// from there and the start after the end.
+    /// A merge round, the runtime's own ([`merge::round`]): each replayed
+    /// reader that read some of its replay merges back where the merge
+    /// rule says, or rotates into an epoch whose start the ring no longer
+    /// holds near its head; a rotated reader the stream sent its epoch's
+    /// rest is cut to be replayed its start.
     fn merge_replays(&mut self) -> Result<(), TestCaseError> {
-        for r in self.readers.values_mut() {
-            let Mode::Replaying { cursor, read: true } = r.mode else {
-                continue;
-            };
-            let (seq, through, rotated) =
-                match merge_rule(&self.hub, r.id, cursor, 1, r.program.rotation) {
-                    Merge::Wait => continue,
-                    Merge::At { seq, through } => (seq, through, None),
-                    // (Data-parallel members are not rotated, as seats are not.)
-                    Merge::Rotate
-                        if !self.shape.rotate
-                            || r.plan.group.is_some()
-                            || r.client.deal.is_some() =>
-                    {
-                        continue;
-                    }
-                    Merge::Rotate => {
-                        let Some((seq, point)) =
-                            rotate::point(&self.hub, cursor, (r.plan.batch, 1), self.shape.bpe)
-                        else {
-                            continue;
-                        };
-                        (seq, Some(cursor.epoch), Some(point))
-                    }
-                };
-            // As the runtime: a refused merge is tried again later (a
-            // member's copies from there are gone from its GPU's ring).
-            match self.hub.rejoin_through(r.id, seq, through) {
-                Ok(()) => {
-                    // Its client cuts runs from there (`take_merge`).
-                    let at = rotated.unwrap_or(cursor);
-                    r.mode = Mode::Shared;
-                    r.client.place.merged(at);
-                    r.client.batcher.skip_to(at.epoch, at.sample);
-                    self.tally.merges += 1;
-                }
-                Err(HubError::NotLive { .. }) => continue,
-                Err(e) => return Err(fail(e)),
-            }
-            if let Some(point) = rotated {
-                // Rotated only at an epoch's start its program reads next,
-                // once an epoch.
-                prop_assert!(
-                    r.program.next == Some(cursor)
-                        && cursor.sample == 0
-                        && r.program.rotation.is_none(),
-                    "reader {} rotated at {:?} into {:?}, its program at {:?} in {:?}",
-                    r.id,
-                    cursor,
-                    point,
-                    r.program.next,
-                    r.program.rotation
-                );
-                r.program.rotation = Some(Rotation {
-                    epoch: point.epoch,
-                    at: point.sample,
-                });
-                r.program.next = Some(point);
-                self.tally.rotations += 1;
-                self.tally.own_rotations += u64::from(r.plan.own_size());
-            }
-        }
-        // A rotated reader the shared stream sent the rest of its epoch,
-        // which took all of it, is cut, nothing taken back, to be
-        // replayed the epoch's start (as `rotate::replay_rotated_starts`:
-        // what the hub sent it goes out before the cut).
-        let due: Vec<(ConsumerId, Rotation)> = self
-            .readers
-            .values()
-            .filter(|r| r.mode == Mode::Shared)
-            .filter_map(|r| Some((r.id, r.program.rotation?, r.revocable())))
-            .filter(|&(id, rot, unread)| rotate::start_due(&self.hub, id, rot, unread))
-            .map(|(id, rot, _)| (id, rot))
-            .collect();
-        if !due.is_empty() {
-            self.deliver()?;
-        }
-        for (id, rot) in due {
-            self.hub.cut(id, &[]).map_err(fail)?;
-            let r = self.readers.get_mut(&id).expect("listed");
-            r.take_sent(&mut self.hub, &mut self.arena.regions)?;
-            let mut back = Vec::new();
-            let at = r.client.batcher.cut(&mut back);
-            r.give_back(back, &mut self.hub, &mut self.arena.regions)?;
-            // Its client's check: the batcher stands past the epoch's end.
-            let past = Position {
-                epoch: rot.epoch + 1,
-                sample: 0,
-            };
-            prop_assert!(
-                at.is_none_or(|(epoch, sample)| Position { epoch, sample } == past),
-                "reader {} cut for its rotated start at {:?}: its batcher stands at {:?}",
-                id,
-                rot.owed_from(),
-                at
-            );
-            r.mode = Mode::Replaying {
-                cursor: rot.owed_from(),
-                read: true,
-            };
-            self.tally.rotated_starts += 1;
-        }
-        Ok(())
+        let shape = merge::Shape {
+            unit: 1,
+            per_epoch: self.shape.bpe,
+        };
+        let at = self.at();
+        let mut r = SimReplays {
+            sim: self,
+            failed: None,
+        };
+        merge::round(&mut r, shape, || at);
+        r.failed.map_or(Ok(()), Err)
     }
 
     /// The pipeline starts what it can; waiting for the ring's next slot,
@@ -1597,17 +1663,25 @@ struct Tally {
     /// Readers that resumed after a restart.
     resumed: u64,
     detaches: u64,
-    /// Merges back, and of them rotations into an epoch, and rotated
-    /// epochs' starts replayed.
+    /// Merges back (rotations into an epoch among them).
     merges: u64,
-    rotations: u64,
-    rotated_starts: u64,
-    /// Readers of their own batch size that caught up under lockstep, or
-    /// rotated into an epoch.
+    rotations: Rotations,
+    /// Readers of their own batch size that caught up under lockstep.
     own_caught_up: u64,
-    own_rotations: u64,
     bounded_waits: u64,
     moves: Moves,
+}
+
+/// Replayed readers rotated into an epoch, counted.
+#[derive(Debug, Default, Clone, Copy)]
+struct Rotations {
+    all: u64,
+    /// Of them, of readers of their own batch size, and of GPU group
+    /// members (a device consumer rotates as a host one does).
+    own_size: u64,
+    member: u64,
+    /// Rotated epochs' starts replayed after their ends.
+    starts: u64,
 }
 
 /// Readers cut to replay, counted.
@@ -1841,10 +1915,11 @@ fn the_schedules_reach_every_rule() {
         sum.resumed += t.resumed;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
-        sum.rotations += t.rotations;
-        sum.rotated_starts += t.rotated_starts;
+        sum.rotations.all += t.rotations.all;
+        sum.rotations.own_size += t.rotations.own_size;
+        sum.rotations.member += t.rotations.member;
+        sum.rotations.starts += t.rotations.starts;
         sum.own_caught_up += t.own_caught_up;
-        sum.own_rotations += t.own_rotations;
         sum.bounded_waits += t.bounded_waits;
         sum.moves.moved += t.moves.moved;
         sum.moves.early += t.moves.early;
@@ -1863,10 +1938,11 @@ fn the_schedules_reach_every_rule() {
             && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
-            && sum.rotations > 10
-            && sum.rotated_starts > 10
+            && sum.rotations.all > 10
+            && sum.rotations.starts > 10
+            && sum.rotations.member > 10
             && sum.own_caught_up > 5
-            && sum.own_rotations > 10
+            && sum.rotations.own_size > 10
             && sum.bounded_waits > 1000
             && sum.moves.moved > 10
             && sum.moves.early > 3
@@ -1959,7 +2035,7 @@ fn a_joiner_now_rotates_into_the_epoch_and_reads_its_start_after_its_end() {
         steps: vec![10; 400],
     };
     let t = run(sc).unwrap();
-    assert!(t.rotations >= 1 && t.rotated_starts >= 1, "{t:?}");
+    assert!(t.rotations.all >= 1 && t.rotations.starts >= 1, "{t:?}");
 }
 
 /// The default pace: a joiner `now` of batch size 2 on a stream of 11
