@@ -155,6 +155,69 @@ pub(super) fn replay_end(
     (Position { epoch, sample } < to).then_some(to)
 }
 
+/// How a joiner begins: what is replayed to it first, and where its
+/// batches begin ([`start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Start {
+    /// Nothing replayed (it keeps no replay arena, and there is nothing
+    /// to replay): its batches begin at `anchor`, a resume point ahead of
+    /// the shared stream skipped to (`skip`).
+    Shared {
+        anchor: Position,
+        skip: Option<Position>,
+    },
+    /// It starts cut from the shared stream, replayed from `from` until it
+    /// merges back (decoupled pace): nothing shared waits for it meanwhile.
+    Cut { from: Position },
+    /// Replayed `from..to` (catching up; nothing where `from == to`, an
+    /// arena kept for cuts), then the shared stream from `to`, skipped to:
+    /// under lockstep it is waited for while that replay moves.
+    Replay { from: Position, to: Position },
+}
+
+impl Start {
+    /// Where its batches are counted from (its place's anchor), and the
+    /// point its client skips to first, if any.
+    pub(super) fn begins(self) -> (Position, Option<Position>) {
+        match self {
+            Start::Shared { anchor, skip } => (anchor, skip),
+            Start::Cut { from } => (from, Some(from)),
+            Start::Replay { from, to } => (from.min(to), Some(to)),
+        }
+    }
+}
+
+/// How a joiner of batch size `batch` (a data-parallel member: its
+/// `deal`'s runs) begins, on epochs of `per_epoch` samples: it asks to
+/// begin at `from` (its epoch's start for `join = "now"`, a resume point,
+/// else where the shared stream is) and the shared stream begins for it
+/// at `shared`; `kept`: it keeps a replay arena for cuts; `decoupled`:
+/// the stream's pace; `resume`: the point it resumes at, if any. The
+/// stream's runtime and the hold simulation both start joiners by it.
+pub(super) fn start(
+    (from, shared): (Position, Position),
+    (batch, deal): (u64, Option<&Deal>),
+    per_epoch: u64,
+    (kept, decoupled): (bool, bool),
+    resume: Option<Position>,
+) -> Start {
+    let to = match replay_end(from, shared, (batch, deal), per_epoch) {
+        Some(to) => to,
+        // Nothing to replay; a resume point ahead is skipped to.
+        None if kept => from.max(shared),
+        None => {
+            return Start::Shared {
+                anchor: from,
+                skip: resume,
+            };
+        }
+    };
+    if kept && decoupled && from < to {
+        return Start::Cut { from };
+    }
+    Start::Replay { from, to }
+}
+
 /// Counts a consumer's own batches in the samples it was sent, epoch by
 /// epoch (each epoch's last batch short, or dropped with `drop_last`), as
 /// its client cuts them: stats show batches in its own size.

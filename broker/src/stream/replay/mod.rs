@@ -48,7 +48,7 @@ use batchcast::proto::{ConsumeRequest, ErrorCode, Position, ReplayGrant};
 use batchcast::rotation::Rotation;
 use batchcast::schema::Schema;
 
-use super::batches::replay_end;
+use super::batches::{self, Start};
 use super::conn::{Conn, Ending, end_consumer};
 use super::error::{MakeError, ReplayError, SubscribeError};
 use super::{Inner, Stream};
@@ -204,23 +204,26 @@ pub(super) fn start(
     };
     let limit = stream_end(&s.plan);
     let per_epoch = s.plan.schema.samples_per_epoch;
-    let to = match replay_end(from, shared, (batch, deal.as_ref()), per_epoch) {
-        Some(to) => to,
-        // Nothing to replay; a resume point ahead is skipped to.
-        None if kept => from.max(shared),
-        None => {
+    let decoupled = s.plan.pace == Pace::Decoupled;
+    let resume = replaying.and_then(ReplayFrom::resume);
+    let shape = (batch, deal.as_ref());
+    let start = batches::start((from, shared), shape, per_epoch, (kept, decoupled), resume);
+    let (anchor, skip) = start.begins();
+    let (from, to) = match start {
+        Start::Shared { .. } => {
             return Ok(Started {
-                skip: replaying.and_then(ReplayFrom::resume),
-                anchor: from,
+                skip,
+                anchor,
                 ..Started::default()
             });
         }
+        // Decoupled: it starts cut. Lockstep: a joiner is waited for while
+        // it catches up (as long as its replay goes on, see `decouple`).
+        Start::Cut { from } => {
+            return start_cut(s, inner, id, prepared, (from, (batch, deal)), limit);
+        }
+        Start::Replay { from, to } => (from, to),
     };
-    // Decoupled: it starts cut. Lockstep: a joiner is waited for while
-    // it catches up (as long as its replay goes on, see `decouple`).
-    if kept && s.plan.pace == Pace::Decoupled && from < to {
-        return start_cut(s, inner, id, prepared, (from, (batch, deal)), limit);
-    }
     let (replay, grant, fd) = prepared.start(
         (from, to),
         (batch, deal),
@@ -235,8 +238,8 @@ pub(super) fn start(
     Ok(Started {
         replay: Some(replay),
         grant: Some((grant, fd)),
-        skip: Some(to),
-        anchor: from.min(to),
+        skip,
+        anchor,
         cut: None,
     })
 }
