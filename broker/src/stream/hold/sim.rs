@@ -1,19 +1,21 @@
 //! The hold, cut, move and merge rules and the hub together on a
 //! simulated clock: random schedules of readers through mailboxes or on
 //! the socket (steady, crawling, paused with or without the batch they
-//! hold, keeping a batch for good while reading on, dying, joining late or `now` (decoupled pace: cut at once,
-//! replayed their epoch from its start), with or without a replay arena,
-//! of the host ring or members of a GPU group reading its copies, which
-//! complete a step after they are ordered; host readers in batches of
-//! their own size or as a data-parallel member of
-//! 2 data ranks, their client's own [`Batcher`] cutting the stream's
-//! units into their batches or the deal's runs) under the three paces and
-//! several hold limits, some riding through a broker restart (a new hub
-//! seeked to the reader furthest behind; host readers resume from their
-//! place, cut and replayed until they merge), lockstep readers joining
-//! `now` reading their epoch's start replayed before the shared batches
-//! sent to them meanwhile (waited for while that replay moves, detached
-//! at the limit once it stops), on a host arena of one region (the ring
+//! hold, keeping a batch for good while reading on, dying, joining late
+//! or `now`), with or without a replay arena, of the host ring or members
+//! of a GPU group reading its copies, which complete a step after they
+//! are ordered; host readers in batches of their own size or as a
+//! data-parallel member of 2 data ranks, their client's own [`Batcher`]
+//! cutting the stream's units into their batches or the deal's runs)
+//! under the three paces and several hold limits, some riding through a
+//! broker restart (a new hub seeked to the reader furthest behind; host
+//! readers resume from their place, cut and replayed until they merge).
+//! A joiner `now` (any of them, a member too) begins by the runtime's own
+//! rule ([`batches::start`]): under decoupled pace cut at once and
+//! replayed its epoch (its own runs) from the start; under lockstep and
+//! the default pace reading that replay before the shared batches sent
+//! to it meanwhile (waited for while that replay moves, detached at the
+//! limit once it stops). All on a host arena of one region (the ring
 //! never moves, as a producer's stream) or four with a budget for 0-3 of
 //! them, driven as the stream's runtime drives them: the pipeline judges
 //! the pinned unit through [`HoldClock::judge`] whenever it waits for the
@@ -49,8 +51,11 @@
 //!
 //! Not modelled: readers of their own batch size in a GPU group (drawn
 //! of the stream's size there); data-parallel members joining late but
-//! `now` on a decoupled stream (they join at the start, as a group's
-//! seats begin). The limit bounds the ring's pins in
+//! not `now` (they join at the start, as a group's seats begin); what a
+//! replay costs (a replayed batch is there when its reader reads it) and
+//! where it is made (a GPU member's own device arena and its copies are
+//! the runtime's; the simulation's replays are positions). The limit
+//! bounds the ring's pins in
 //! units: under lockstep, a reader whose batch spans B units (or a
 //! member's run among the others') behind a trainer that moves a unit
 //! at a time just under the limit waits up to B (or the data ranks')
@@ -835,11 +840,7 @@ impl Sim {
             // rule without having to read first (it never stalled); under
             // lockstep it reads that replay first, waited for while it
             // moves, detached at the limit once it stops.
-            let now_join = plan.now
-                && plan.arena
-                && plan.group.is_none()
-                && !plan.socket
-                && (self.rule.eager || plan.rank.is_none());
+            let now_join = plan.now && plan.arena;
             let policy = if now_join {
                 JoinPolicy::Now
             } else {
@@ -917,25 +918,25 @@ impl Sim {
                     let (epoch, _) = self.hub.cut_at_join(id).map_err(fail)?;
                     prop_assert_eq!(epoch, from.epoch);
                     let from = r.own_from(from);
-                    self.tally.joined_now += 1;
+                    self.tally.joins.cut += 1;
                     let cursor = from;
                     (Mode::Replaying { cursor, read: true }, Some(from))
                 }
                 Start::Replay { from, to } if from < to => {
-                    self.tally.caught_up += 1;
-                    self.tally.own_caught_up += u64::from(plan.own_size());
-                    let active = now;
-                    (
-                        Mode::CatchingUp {
-                            cursor: from,
-                            to,
-                            active,
-                        },
-                        Some(from),
-                    )
+                    self.tally.joins.caught_up += 1;
+                    // (A member's replay walks its own runs.)
+                    let (cursor, active) = (r.own_from(from), now);
+                    (Mode::CatchingUp { cursor, to, active }, Some(cursor))
                 }
                 Start::Replay { .. } | Start::Shared { .. } => (Mode::Shared, None),
             };
+            if next.is_some() {
+                let joins = &mut self.tally.joins;
+                joins.own_size += u64::from(plan.own_size());
+                joins.dealt += u64::from(plan.rank.is_some());
+                joins.socket += u64::from(plan.socket);
+                joins.member += u64::from(plan.group.is_some());
+            }
             r.mode = mode;
             r.program.next = next;
             self.readers.insert(id, r);
@@ -1065,13 +1066,15 @@ impl Sim {
             Mode::CatchingUp { mut cursor, to, .. } => {
                 // Its replayed stretch first; the shared batches it was
                 // sent meanwhile wait in its mailbox (and pin the ring).
+                // (A member's last own run may end past `to`, where the
+                // deal's next run, another rank's, begins.)
                 for _ in 0..r.plan.replay_pace {
-                    if cursor == to {
+                    if cursor >= to {
                         break;
                     }
                     cursor = r.read_replayed(cursor, bpe)?;
                 }
-                r.mode = if cursor == to {
+                r.mode = if cursor >= to {
                     Mode::Shared
                 } else {
                     Mode::CatchingUp {
@@ -1653,20 +1656,30 @@ fn schedule() -> impl Strategy<Value = Schedule> {
 #[derive(Debug, Default, Clone, Copy)]
 struct Tally {
     cuts: Cuts,
-    /// Readers that joined `now`, starting cut.
-    joined_now: u64,
-    /// Lockstep readers that joined `now` and caught up, waited for.
-    caught_up: u64,
+    joins: Joins,
     /// Readers that resumed after a restart.
     resumed: u64,
     detaches: u64,
     /// Merges back (rotations into an epoch among them).
     merges: u64,
     rotations: Rotations,
-    /// Readers of their own batch size that caught up under lockstep.
-    own_caught_up: u64,
     bounded_waits: u64,
     moves: Moves,
+}
+
+/// Readers that joined `now` with something to replay, counted.
+#[derive(Debug, Default, Clone, Copy)]
+struct Joins {
+    /// Starting cut (decoupled pace).
+    cut: u64,
+    /// Catching up, waited for (lockstep, the default pace).
+    caught_up: u64,
+    /// Of either, readers of their own batch size (a deal's runs too),
+    /// data-parallel members, readers on the socket, GPU group members.
+    own_size: u64,
+    dealt: u64,
+    socket: u64,
+    member: u64,
 }
 
 /// Replayed readers rotated into an epoch, counted.
@@ -1856,12 +1869,10 @@ fn own_size_schedule() -> impl Strategy<Value = Schedule> {
             |(mut sc, kind, (rank, batch, window), (bpe, join_at, now, late), socket)| {
                 let steady = host_reader(Kind::Steady, join_at, false, 3);
                 // A member joins at the start (as a group's seats begin) or
-                // late `now` on a decoupled stream (cut at once, replayed its
-                // runs of the epoch); the other may join late, or `now`.
-                let member_now = rank.is_some() && now && !socket;
-                if member_now {
-                    (sc.eager, sc.stall_cut) = (true, false);
-                }
+                // late `now` (decoupled: cut at once, replayed its runs of
+                // the epoch; lockstep: catching up on them first); the
+                // other may join late, or `now`.
+                let member_now = rank.is_some() && now;
                 let joins = if rank.is_some() && !member_now {
                     0
                 } else {
@@ -1907,8 +1918,12 @@ fn the_schedules_reach_every_rule() {
         sum.cuts.socket += t.cuts.socket;
         sum.cuts.own_size += t.cuts.own_size;
         sum.cuts.dealt += t.cuts.dealt;
-        sum.joined_now += t.joined_now;
-        sum.caught_up += t.caught_up;
+        sum.joins.cut += t.joins.cut;
+        sum.joins.caught_up += t.joins.caught_up;
+        sum.joins.own_size += t.joins.own_size;
+        sum.joins.dealt += t.joins.dealt;
+        sum.joins.socket += t.joins.socket;
+        sum.joins.member += t.joins.member;
         sum.resumed += t.resumed;
         sum.detaches += t.detaches;
         sum.merges += t.merges;
@@ -1916,7 +1931,6 @@ fn the_schedules_reach_every_rule() {
         sum.rotations.own_size += t.rotations.own_size;
         sum.rotations.member += t.rotations.member;
         sum.rotations.starts += t.rotations.starts;
-        sum.own_caught_up += t.own_caught_up;
         sum.bounded_waits += t.bounded_waits;
         sum.moves.moved += t.moves.moved;
         sum.moves.early += t.moves.early;
@@ -1930,15 +1944,18 @@ fn the_schedules_reach_every_rule() {
             && sum.cuts.socket > 5
             && sum.cuts.own_size > 100
             && sum.cuts.dealt > 30
-            && sum.joined_now > 20
-            && sum.caught_up > 8
+            && sum.joins.cut > 20
+            && sum.joins.caught_up > 8
+            && sum.joins.own_size > 20
+            && sum.joins.dealt > 10
+            && sum.joins.socket > 20
+            && sum.joins.member > 20
             && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
             && sum.rotations.all > 10
             && sum.rotations.starts > 10
             && sum.rotations.member > 10
-            && sum.own_caught_up > 5
             && sum.rotations.own_size > 5
             && sum.bounded_waits > 1000
             && sum.moves.moved > 10
@@ -1992,7 +2009,7 @@ fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
 fn a_lockstep_joiner_catching_up_is_waited_for() {
     let sc = joiner_beside_a_steady_reader(Kind::Crawl { every: 150 });
     let t = run(sc).unwrap();
-    assert_eq!((t.caught_up, t.detaches), (1, 0), "{t:?}");
+    assert_eq!((t.joins.caught_up, t.detaches), (1, 0), "{t:?}");
 }
 
 /// Lockstep: a joiner that stops while it reads its catch-up replay is
@@ -2006,7 +2023,7 @@ fn a_lockstep_joiner_that_stops_catching_up_is_detached_at_the_limit() {
         drops: false,
     });
     let t = run(sc).unwrap();
-    assert_eq!((t.caught_up, t.detaches), (1, 1), "{t:?}");
+    assert_eq!((t.joins.caught_up, t.detaches), (1, 1), "{t:?}");
 }
 
 /// Decoupled pace, epochs rotated: a steady reader and one joining `now`
@@ -2066,12 +2083,12 @@ fn a_joiner_of_its_own_batch_size_cut_after_catching_up_goes_on_past_its_replay(
                 steps: vec![step; (4000 / step) as usize],
             };
             let t = run(sc).unwrap_or_else(|e| panic!("step {step} ms, joins at {join}: {e}"));
-            sum.own_caught_up += t.own_caught_up;
+            sum.joins.own_size += t.joins.own_size;
             sum.cuts.own_size += t.cuts.own_size;
         }
     }
     assert!(
-        sum.own_caught_up >= 12 && sum.cuts.own_size >= 12,
+        sum.joins.own_size >= 12 && sum.cuts.own_size >= 12,
         "{sum:?}"
     );
 }
