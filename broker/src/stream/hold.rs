@@ -29,8 +29,9 @@
 //!   A holder that decoupled pace cuts (it owes more than the unit it
 //!   holds) still holds the unit: its cut does not end the hold, which
 //!   runs on for it to the held-batch limit as for one that may not be
-//!   cut (the simulation found the others waiting a second bound from
-//!   the cut).
+//!   cut, or, where the ring may move away from it, to the limit (the
+//!   simulation found the others waiting a second bound from the cut,
+//!   in both cases).
 //!   Nothing is done while nobody waits for data, or without a limit
 //!   under lockstep.
 //! * The default pace (`auto`) is lockstep that holds the others behind
@@ -253,9 +254,11 @@ fn sort(owe: &[Ower], past_held: bool) -> Sorted {
     Sorted {
         cut: owe.iter().filter(|o| o.cuttable).map(|o| o.id).collect(),
         // A holder cut under decoupled pace (it owes more than the unit
-        // it holds) still holds it: the hold runs on for it, to the
-        // held-batch limit, as for one that may not be cut.
-        waited: !waited.is_empty() || owe.iter().filter(|o| o.cuttable).any(|o| held_on(&o)),
+        // it holds) still holds it, whether or not the ring may move away
+        // from it: the hold runs on for it, to the held-batch limit (or,
+        // where the ring can move, to the limit, once it is cut), as for
+        // one that may not be cut.
+        waited: !waited.is_empty() || owe.iter().any(|o| o.cuttable && o.took && !past_held),
         movers: !detach.is_empty() && detach.iter().all(|o| o.took && o.movable),
         detach: detach.iter().map(|o| o.id).collect(),
     }
@@ -1127,33 +1130,43 @@ mod tests {
     /// limit (it could not be moved).
     #[test]
     fn a_holder_cut_under_decoupled_pace_is_still_held_to_the_limit() {
-        let c = Clock(Instant::now());
-        let mut h = ring(&c, 2);
         let eager = Rule {
             eager: true,
             ..lockstep()
         };
-        let holder = |cuttable| Ower {
-            id: 1,
-            cuttable,
-            catching_up: false,
-            took: true,
-            movable: false,
-        };
-        // Pinned from 100; cut at once (it owes more than the unit).
-        assert!(matches!(
-            h.decide(eager, Some((0, &[holder(true)])), true, c.at(100)),
-            Verdict::Act { ref cut, ref detach, .. } if cut == &[1] && detach.is_empty()
-        ));
-        // Cut, it holds the unit still: waited for, from 100.
-        assert_eq!(
-            h.decide(eager, Some((0, &[holder(false)])), true, c.at(2000)),
-            Verdict::Wait
-        );
-        assert!(matches!(
-            h.decide(eager, Some((0, &[holder(false)])), true, c.at(3100)),
-            Verdict::Act { ref detach, held, .. } if detach == &[1] && held == LIMIT
-        ));
+        // Whether the ring may move away from what it holds or not: its
+        // cut frees nothing it took.
+        for movable in [false, true] {
+            let c = Clock(Instant::now());
+            let mut h = ring(&c, 2);
+            let holder = |cuttable| Ower {
+                id: 1,
+                cuttable,
+                catching_up: false,
+                took: true,
+                movable,
+            };
+            // Pinned from 100; cut at once (it owes more than the unit).
+            assert!(matches!(
+                h.decide(eager, Some((0, &[holder(true)])), true, c.at(100)),
+                Verdict::Act { ref cut, ref detach, .. } if cut == &[1] && detach.is_empty()
+            ));
+            // Cut, it holds the unit still: waited for, from 100.
+            assert_eq!(
+                h.decide(eager, Some((0, &[holder(false)])), true, c.at(2000)),
+                Verdict::Wait,
+                "movable: {movable}"
+            );
+            // At the limit from 100 it is named (detached, or the ring
+            // moved away from it).
+            assert!(
+                matches!(
+                    h.decide(eager, Some((0, &[holder(false)])), true, c.at(3100)),
+                    Verdict::Act { ref detach, held, .. } if detach == &[1] && held == LIMIT
+                ),
+                "movable: {movable}"
+            );
+        }
     }
 
     #[test]
