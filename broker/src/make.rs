@@ -297,7 +297,8 @@ impl Maker {
             return;
         };
         if from < to {
-            self.writer.want(first, order[from..to].iter().copied());
+            self.writer
+                .want(first, &mut order[from..to].iter().copied());
         }
     }
 

@@ -98,7 +98,7 @@ impl SampleSource for SyntheticSpec {
     }
 
     fn writer(&self, _: WriterJob<'_>) -> Result<Option<SlotWriter>, OverBudget> {
-        Ok(Some(SlotWriter::Synthetic(*self)))
+        Ok(Some(Arc::new(*self)))
     }
 }
 
@@ -168,7 +168,7 @@ impl SampleSource for ImagePlan {
         let transform = job.transform.unwrap_or_else(|| self.transform.clone());
         let pipeline = ImagePipeline::new(self.dataset.clone(), transform, self.rules, share);
         pipeline.reserve(job.budget, job.uid, job.whom)?;
-        Ok(Some(SlotWriter::Images(Arc::new(pipeline))))
+        Ok(Some(Arc::new(pipeline)))
     }
 
     fn images(&self) -> Option<&ImagePlan> {

@@ -251,16 +251,14 @@ impl<'a> Worker<'a> {
         let first = (work.index as usize * plan.schema.batch_size as usize).min(order.len());
         let lead = work.epoch * order.len() as u64 + first as u64;
         let last = plan.epochs.is_some_and(|n| work.epoch + 1 >= n);
-        let rest = order[first..].iter().copied();
+        let mut rest = order[first..].iter().copied();
         if order.len() - first >= EPOCH_TAIL || last {
-            self.writer.want(lead, rest);
+            self.writer.want(lead, &mut rest);
             return;
         }
         let next = self.orders.get(work.epoch + 1, |e| plan.epoch_order(e));
-        self.writer.want(
-            lead,
-            rest.chain(next[..next.len().min(EPOCH_TAIL)].iter().copied()),
-        );
+        let mut both = rest.chain(next[..next.len().min(EPOCH_TAIL)].iter().copied());
+        self.writer.want(lead, &mut both);
     }
 
     /// Makes a replayed batch into its consumer's replay arena and sends
