@@ -4,8 +4,8 @@
 //! hold, keeping a batch for good while reading on, dying, joining late
 //! or `now`), with or without a replay arena, of the host ring or members
 //! of a GPU group reading its copies, which complete a step after they
-//! are ordered; host readers in batches of their own size or as a
-//! data-parallel member of 2 data ranks, their client's own [`Batcher`]
+//! are ordered; readers in batches of their own size (GPU members too)
+//! or as a host data-parallel member of 2 data ranks, their client's own [`Batcher`]
 //! cutting the stream's units into their batches or the deal's runs)
 //! under the three paces and several hold limits, some riding through a
 //! broker restart (a new hub seeked to the reader furthest behind; host
@@ -49,9 +49,10 @@
 //! ring's holds nothing (nothing leaked). A failing schedule shrinks
 //! (proptest) and prints.
 //!
-//! Not modelled: readers of their own batch size in a GPU group (drawn
-//! of the stream's size there); data-parallel members joining late but
-//! not `now` (they join at the start, as a group's seats begin); what a
+//! Not modelled: data-parallel members of a GPU group (a GPU's members
+//! read in batches of their own size, not as data ranks); data-parallel
+//! members joining late but not `now` (they join at the start, as a
+//! group's seats begin); what a
 //! replay costs (a replayed batch is there when its reader reads it) and
 //! where it is made (a GPU member's own device arena and its copies are
 //! the runtime's; the simulation's replays are positions). The limit
