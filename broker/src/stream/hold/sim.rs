@@ -50,9 +50,7 @@
 //! (proptest) and prints.
 //!
 //! Not modelled: data-parallel members of a GPU group (a GPU's members
-//! read in batches of their own size, not as data ranks); data-parallel
-//! members joining late but not `now` (they join at the start, as a
-//! group's seats begin); what a
+//! read in batches of their own size, not as data ranks); what a
 //! replay costs (a replayed batch is there when its reader reads it) and
 //! where it is made (a GPU member's own device arena and its copies are
 //! the runtime's; the simulation's replays are positions). The limit
@@ -931,8 +929,9 @@ impl Sim {
                 }
                 Start::Replay { .. } | Start::Shared { .. } => (Mode::Shared, None),
             };
+            let joins = &mut self.tally.joins;
+            joins.dealt_late += u64::from(plan.rank.is_some() && plan.join_at > 0 && !plan.now);
             if next.is_some() {
-                let joins = &mut self.tally.joins;
                 joins.own_size += u64::from(plan.own_size());
                 joins.dealt += u64::from(plan.rank.is_some());
                 joins.socket += u64::from(plan.socket);
@@ -1562,10 +1561,9 @@ fn plan(slots: u32) -> impl Strategy<Value = Plan> {
         )
 }
 
-/// `plan` reading in batches of `batch` (or as data rank `rank`) where
-/// the simulation draws that: host readers (a data-parallel member
-/// joining at the start, as a group's seats begin), of
-/// a window the ring can hold (else smaller, or the stream's own size).
+/// `plan` reading in batches of `batch` (or, a host reader, as data rank
+/// `rank`, joining at the start, late, or late `now`), of a window the
+/// ring can hold (else smaller, or the stream's own size).
 fn own_size(plan: Plan, slots: u32, batch: u64, rank: Option<u32>) -> Plan {
     // A GPU group's member reads in batches of its own size, not as a
     // data rank (its ring's slots are checked with the schedule's).
@@ -1573,12 +1571,7 @@ fn own_size(plan: Plan, slots: u32, batch: u64, rank: Option<u32>) -> Plan {
     let member = |batch, rank: Option<u32>| Plan {
         batch,
         rank,
-        // A member joins at the start, or late `now`.
-        join_at: if rank.is_some() && !plan.now {
-            0
-        } else {
-            plan.join_at
-        },
+        join_at: plan.join_at,
         ..plan
     };
     [member(batch, rank), member(1, rank), member(batch, None)]
@@ -1695,6 +1688,9 @@ struct Joins {
     dealt: u64,
     socket: u64,
     member: u64,
+    /// Data-parallel members joining late, not `now` (nothing replayed:
+    /// their batcher skips to their next own run).
+    dealt_late: u64,
 }
 
 /// Replayed readers rotated into an epoch, counted.
@@ -1756,7 +1752,7 @@ macro_rules! summed {
 summed! {
     Tally { cuts, joins, resumed, detaches, merges, rotations, bounded_waits, moves }
     Cuts { all, member, socket, own_size, dealt, member_own_size }
-    Joins { cut, caught_up, own_size, dealt, socket, member }
+    Joins { cut, caught_up, own_size, dealt, socket, member, dealt_late }
     Rotations { all, own_size, member, starts }
     Moves { moved, early, carried, stuck_again, restarts }
 }
@@ -1906,22 +1902,21 @@ fn own_size_schedule() -> impl Strategy<Value = Schedule> {
         .prop_map(
             |(mut sc, kind, (rank, batch, window), (bpe, join_at, now, late), (socket, gpu))| {
                 let steady = host_reader(Kind::Steady, join_at, false, 3);
-                // A member joins at the start (as a group's seats begin) or
-                // late `now` (decoupled: cut at once, replayed its runs of
-                // the epoch; lockstep: catching up on them first); the
-                // other may join late, or `now`.
-                let member_now = rank.is_some() && now;
-                let joins = if rank.is_some() && !member_now {
-                    0
-                } else {
-                    late
+                // A member joins at the start (as a group's seats begin),
+                // late, or late `now` (decoupled: cut at once, replayed its
+                // runs of the epoch; lockstep: catching up on them first);
+                // the other may join late, or `now`.
+                // (Half the members not joining `now` join at the start.)
+                let joins = match rank.is_some() && !now && late % 2 == 0 {
+                    true => 0,
+                    false => late,
                 };
                 let mut member = Plan {
                     rank,
                     batch,
                     window,
                     socket,
-                    ..host_reader(kind, joins, now && (rank.is_none() || member_now), 3)
+                    ..host_reader(kind, joins, now, 3)
                 };
                 // Or a GPU group's member of its own batch size, reading
                 // its copies through a mailbox.
@@ -1971,6 +1966,7 @@ fn the_schedules_reach_every_rule() {
             && sum.joins.dealt > 10
             && sum.joins.socket > 20
             && sum.joins.member > 20
+            && sum.joins.dealt_late > 20
             && sum.resumed > 20
             && sum.detaches > 20
             && sum.merges > 20
