@@ -61,6 +61,7 @@ use std::time::{Duration, Instant};
 use batchcast::proto::{Position, ServerMsg, Unit};
 use batchcast::rotation::Rotation;
 
+use super::batches::CutPlace;
 use super::conn::{Conn, end_mailbox_consumer, notify, unread};
 use super::deliver::settle;
 use super::hold::{self, Detach, Facts, Hands, Move, Rule};
@@ -320,6 +321,26 @@ pub(super) fn tell_cut(inner: &mut Inner, id: ConsumerId, from: Position) {
     notify(inner, id, ServerMsg::Cut(from));
 }
 
+/// Cuts consumer `id` in the hub, `revoked` (the units it was noticed and
+/// did not take) given back, on a stream of `unit` samples a unit: where
+/// it lost the shared stream, and where it restarts, its own batch (a
+/// group member's own run) at or before the loss, not before where it
+/// last merged back (`place`: it has every sample before that, the unit
+/// holding it began earlier). The runtime's cut and the simulation's.
+pub(super) fn cut_in_hub(
+    hub: &mut Hub,
+    id: ConsumerId,
+    revoked: &[u64],
+    (place, unit): (&CutPlace, u64),
+) -> Result<(Position, Position), HubError> {
+    let (epoch, index) = hub.cut(id, revoked)?;
+    let lost = Position {
+        epoch,
+        sample: index * unit,
+    };
+    Ok((lost, place.restart(lost)))
+}
+
 /// Cuts consumer `id` from the shared stream; replay follows.
 fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
     let unit = s.plan.schema.batch_size;
@@ -336,8 +357,10 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
     else {
         return false;
     };
-    let (epoch, index) = match inner.hub.cut(id, &revoked) {
-        Ok(first) => first,
+    let Inner { hub, conns, .. } = &mut *inner;
+    let place = &conns.get(&id).expect("looked up above").own.place;
+    let (lost, restart) = match cut_in_hub(hub, id, &revoked, (place, unit)) {
+        Ok(at) => at,
         Err(e) => {
             // It released a unit it never took: only itself is harmed.
             end_mailbox_consumer(inner, id, format!("taking back its batches: {e}"));
@@ -348,14 +371,6 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
     for seq in &revoked {
         conn.tally.sent_ns.remove(seq);
     }
-    let lost = Position {
-        epoch,
-        sample: index * unit,
-    };
-    // Its own batch (a group member's own run) at or before the loss,
-    // not before where it last merged back: it has every sample before
-    // that (the unit holding it began earlier).
-    let restart = conn.own.place.restart(lost);
     conn.own.shared.rewind(restart);
     conn.merges.cuts += 1;
     if let Some(r) = conn.replay.as_mut() {
@@ -368,6 +383,7 @@ fn cut(s: &Stream, inner: &mut Inner, id: ConsumerId, now: Instant) -> bool {
         stream = %s.name(),
         consumer = id,
         taken_back = revoked.len(),
+        ?lost,
         ?restart,
         "a consumer fell a ring behind (decoupled) or kept the others waiting past the hold limit (lockstep); it goes on from replay"
     );

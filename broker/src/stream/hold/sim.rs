@@ -77,6 +77,7 @@ use crate::hub::{
     ConsumerId, CopyOrder, Delivery, GroupId, Hub, HubConfig, HubError, Outbound, Work,
 };
 use crate::stream::batches::{self, CutPlace, Start};
+use crate::stream::decouple::cut_in_hub;
 use crate::stream::merge::{self, Merged, Replaying, Replays, Rotated};
 use crate::stream::regions::{self, Regions, Stuck, Target};
 use batchcast::proto::Position;
@@ -1272,9 +1273,9 @@ impl Sim {
     }
 
     /// Cuts reader `id` to replay, from where the hub says it lost the
-    /// shared stream: its own boundary at or before that
-    /// ([`CutPlace::restart`], as `decouple::cut`), where its client's
-    /// batcher must stand (its client checks so).
+    /// shared stream: its own boundary at or before that (the runtime's
+    /// `decouple::cut_in_hub`, through [`CutPlace::restart`]), where its
+    /// client's batcher must stand (its client checks so).
     fn cut(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
         // On the socket, what was sent was taken (its runs are read before
         // the replay; the hub drops the queue), and what the hub sent it
@@ -1293,12 +1294,8 @@ impl Sim {
         } else {
             r.unread.drain(..).map(|(seq, _)| seq).collect()
         };
-        let (epoch, index) = hub.cut(id, &revoked).map_err(fail)?;
-        let lost = Position {
-            epoch,
-            sample: index,
-        };
-        let restart = r.client.place.restart(lost);
+        // The runtime's own cut in the hub (`decouple::cut_in_hub`).
+        let (lost, restart) = cut_in_hub(hub, id, &revoked, (&r.client.place, 1)).map_err(fail)?;
         let mut back = Vec::new();
         let at = r.client.batcher.cut(&mut back);
         r.give_back(back, hub, regions)?;
