@@ -188,7 +188,6 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         return false;
     }
     let pinned = inner.hub.view().pinning();
-    let seq = pinned.as_ref().map(|(seq, _)| *seq);
     let Inner {
         hub,
         conns,
@@ -201,12 +200,11 @@ pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool 
         conns,
         regions: &fill.regions,
     };
-    let verdict = pace.judge(rule, pinned, &mut facts, now);
-    let Some(round) = verdict.round(seq, &mut facts) else {
+    let Some(round) = pace.round(rule, pinned, &mut facts, now) else {
         return false;
     };
     tracing::debug!(stream = %s.name(), ?round, "the hold rule acts");
-    hold::carry_out(round, seq, &mut Runtime { s, inner }, now)
+    hold::carry_out(round, &mut Runtime { s, inner }, now)
 }
 
 /// The runtime's hands for a round of the hold rule: its connections,

@@ -134,59 +134,6 @@ pub(super) enum Verdict {
     },
 }
 
-/// What a verdict's round does, in the order the runtime and the
-/// simulation carry it out ([`Verdict::round`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Round {
-    /// Detached, each with whether it took the pinned unit itself (told
-    /// it was waited for up to the held-batch limit), first.
-    pub detach: Vec<(ConsumerId, bool)>,
-    /// Then cut, and the ring moved away from what they hold (they took
-    /// the pinned unit, and it can move); `move_only`: only where a region
-    /// is ready now, and if it moved nothing the clock is told
-    /// ([`HoldClock::unmoved`]).
-    pub movers: Vec<ConsumerId>,
-    pub move_only: bool,
-    /// Then cut to replay.
-    pub cut: Vec<ConsumerId>,
-    /// How long the pinned unit kept the others waiting.
-    pub held: Duration,
-}
-
-impl Verdict {
-    /// The round this verdict makes on the ring's pinned unit `seq`: of
-    /// those it names, the ones that took the unit where the ring can move
-    /// away from them are moved from, the others detached (none in a
-    /// move-only round).
-    pub(super) fn round(self, seq: Option<u64>, facts: &mut impl Facts) -> Option<Round> {
-        let Verdict::Act {
-            cut,
-            detach,
-            held,
-            move_only,
-        } = self
-        else {
-            return None;
-        };
-        let mut round = Round {
-            detach: Vec::new(),
-            movers: Vec::new(),
-            move_only,
-            cut,
-            held,
-        };
-        for id in detach {
-            let took = seq.is_some_and(|q| facts.took(id, q));
-            if took && facts.movable(id) {
-                round.movers.push(id);
-            } else if !move_only {
-                round.detach.push((id, took));
-            }
-        }
-        Some(round)
-    }
-}
-
 /// What the hold rule asks the runtime about its consumers (the runtime's
 /// answers come from their connections: mailboxes, replay arenas).
 pub(super) trait Facts {

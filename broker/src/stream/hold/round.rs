@@ -1,8 +1,10 @@
-//! Carrying out a round of the hold rule: who is detached, who is cut,
-//! when the ring moves away from what its holders keep. Written once, with
-//! no I/O and no clock: the stream's runtime (`super::super::decouple`) and
-//! the hold simulation (`super::sim`) each lend it their [`Hands`], so the
-//! simulation runs the runtime's own order and fallbacks, not a copy.
+//! A round of the hold rule: made from the clock's verdict on the ring's
+//! pinned unit ([`HoldClock::round`]: who is detached, who is cut, who the
+//! ring moves away from) and carried out ([`carry_out`]). Written once,
+//! with no I/O and no clock: the stream's runtime
+//! (`super::super::decouple`) and the hold simulation (`super::sim`) each
+//! lend it their [`Facts`] and [`Hands`], so the simulation runs the
+//! runtime's own order and fallbacks, not a copy.
 //!
 //! # Rules
 //!
@@ -21,9 +23,82 @@
 
 use std::time::{Duration, Instant};
 
-use super::Round;
+use super::{Facts, HoldClock, Rule, Verdict};
 use crate::hub::ConsumerId;
 use crate::stream::regions::{self, Stuck};
+
+/// What a verdict's round does, in the order the runtime and the
+/// simulation carry it out ([`Verdict::round`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in crate::stream) struct Round {
+    /// Detached, each with whether it took the pinned unit itself (told
+    /// it was waited for up to the held-batch limit), first.
+    pub detach: Vec<(ConsumerId, bool)>,
+    /// Then cut, and the ring moved away from what they hold (they took
+    /// the pinned unit, and it can move); `move_only`: only where a region
+    /// is ready now, and if it moved nothing the clock is told
+    /// ([`HoldClock::unmoved`]).
+    pub movers: Vec<ConsumerId>,
+    pub move_only: bool,
+    /// Then cut to replay.
+    pub cut: Vec<ConsumerId>,
+    /// How long the pinned unit kept the others waiting.
+    pub held: Duration,
+    /// The pinned unit the round was made on.
+    pub pinned: Option<u64>,
+}
+
+impl Verdict {
+    /// The round this verdict makes on the ring's pinned unit `seq`: of
+    /// those it names, the ones that took the unit where the ring can move
+    /// away from them are moved from, the others detached (none in a
+    /// move-only round).
+    pub(super) fn round(self, seq: Option<u64>, facts: &mut impl Facts) -> Option<Round> {
+        let Verdict::Act {
+            cut,
+            detach,
+            held,
+            move_only,
+        } = self
+        else {
+            return None;
+        };
+        let mut round = Round {
+            detach: Vec::new(),
+            movers: Vec::new(),
+            move_only,
+            cut,
+            held,
+            pinned: seq,
+        };
+        for id in detach {
+            let took = seq.is_some_and(|q| facts.took(id, q));
+            if took && facts.movable(id) {
+                round.movers.push(id);
+            } else if !move_only {
+                round.detach.push((id, took));
+            }
+        }
+        Some(round)
+    }
+}
+
+impl HoldClock {
+    /// The pipeline waits for the ring's next slot, `pinned` (the unit in
+    /// it and its owers, [`crate::hub::View::pinning`]): the round the
+    /// hold rule makes at `now` ([`HoldClock::judge`], then
+    /// [`Verdict::round`]), if it acts.
+    pub(in crate::stream) fn round(
+        &mut self,
+        rule: Rule,
+        pinned: Option<(u64, Vec<ConsumerId>)>,
+        facts: &mut impl Facts,
+        now: Instant,
+    ) -> Option<Round> {
+        let seq = pinned.as_ref().map(|(seq, _)| *seq);
+        self.judge(rule, pinned, facts, now).round(seq, facts)
+    }
+}
 
 /// Why a round detaches a consumer.
 #[derive(Debug)]
@@ -68,14 +143,9 @@ pub(in crate::stream) trait Hands {
     fn unmoved(&mut self, seq: u64, now: Instant);
 }
 
-/// Carries out `round`, made on the ring's pinned unit `stalled` (see the
-/// module's rules). Whether anyone was cut, detached or moved from.
-pub(in crate::stream) fn carry_out(
-    round: Round,
-    stalled: Option<u64>,
-    hands: &mut impl Hands,
-    now: Instant,
-) -> bool {
+/// Carries out `round` (see the module's rules). Whether anyone was cut,
+/// detached or moved from.
+pub(in crate::stream) fn carry_out(round: Round, hands: &mut impl Hands, now: Instant) -> bool {
     let held = round.held;
     let mut any = !round.detach.is_empty() || !round.movers.is_empty();
     for (id, took) in round.detach {
@@ -87,7 +157,7 @@ pub(in crate::stream) fn carry_out(
     if !round.movers.is_empty()
         && !move_ring(hands, round.movers, (held, round.move_only), now)
         && round.move_only
-        && let Some(seq) = stalled
+        && let Some(seq) = round.pinned
     {
         hands.unmoved(seq, now);
     }
@@ -199,11 +269,12 @@ mod tests {
             move_only,
             cut: cut.to_vec(),
             held: Duration::from_secs(30),
+            pinned: Some(7),
         }
     }
 
     fn run(hands: &mut Log, r: Round) -> (bool, Vec<String>) {
-        let any = carry_out(r, Some(7), hands, Instant::now());
+        let any = carry_out(r, hands, Instant::now());
         (any, std::mem::take(&mut hands.did))
     }
 

@@ -1228,7 +1228,6 @@ impl Sim {
                 continue;
             }
             let pinned = self.hub.view().pinning();
-            let stalled = pinned.as_ref().map(|(seq, _)| *seq);
             let mut facts = SimFacts {
                 hub: &self.hub,
                 readers: &self.readers,
@@ -1236,8 +1235,7 @@ impl Sim {
                 start: self.start,
             };
             let restarts = self.clock.restarts;
-            let verdict = self.clock.judge(self.rule, pinned, &mut facts, at);
-            let round = verdict.round(stalled, &mut facts);
+            let round = self.clock.round(self.rule, pinned, &mut facts, at);
             self.allow_restarts(restarts);
             let Some(round) = round else {
                 return Ok(());
@@ -1247,7 +1245,7 @@ impl Sim {
                 sim: self,
                 failed: None,
             };
-            carry_out(round, stalled, &mut hands, at);
+            carry_out(round, &mut hands, at);
             if let Some(e) = hands.failed {
                 return Err(e);
             }
