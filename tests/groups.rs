@@ -541,6 +541,60 @@ fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
     }
 }
 
+/// Members that join `now` at the end of the last epoch, one of them
+/// stopped before its replay reaches the units the ring held then, are
+/// replayed their share of that epoch and told the stream ended. The
+/// second rank's replay ends past the last epoch (its next run would
+/// begin at sample 8 of an epoch the stream does not have): it waited
+/// for a unit never made, and was killed at the suite's limit (CI saw
+/// it where a member began late on a busy machine).
+#[test]
+fn on_a_decoupled_stream_a_member_replayed_past_the_end_is_told_it_ended() {
+    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
+    let env = Env::start(
+        &StreamToml::synthetic("train", 8, 203, &fields)
+            .epochs(2)
+            .key("seed", 9)
+            .key("slots", 12)
+            .key("min_consumers", 1)
+            .fill("full")
+            .raw("pace = \"decoupled\"")
+            .to_toml(),
+    );
+    // A plain consumer stops 7 units before the end, which the ring keeps
+    // for it: every epoch is made, and a joiner `now` begins in the last.
+    let last = ["--stall-after", "45", "--stall-ms", "120000"];
+    let mut plain = env.consumer(&[&["--verify", "--positions"][..], &last].concat());
+    env.wait_for("every batch to be made", |s| {
+        s.streams[0].batches_produced == 52
+    });
+    let first = member(&env, "t", 0, 2, &["--join", "now"]);
+    let second = member(&env, "t", 1, 2, &["--join", "now", "--stop-after", "1"]);
+    common::wait_stopped(second.id());
+    let first = env.report(first);
+    // The ring lets go of the end: the stopped member's replay walks past
+    // it with nothing of the stream left to merge into.
+    common::sigkill(&mut plain);
+    env.wait_for("the plain consumer to be gone", |s| {
+        s.streams[0].consumers.iter().all(|c| c.group.is_some())
+    });
+    harness::signal(second.id(), nix::sys::signal::Signal::SIGCONT);
+    let second = env.report(second);
+    for (rank, r) in [first, second].into_iter().enumerate() {
+        assert!(r.ok && r.ended && r.verify_failures == 0, "{r:#?}");
+        assert!(r.order_errors.is_empty(), "{r:#?}");
+        let want = dealt(Deal::new(203, 8, (rank as u32, 2, 1), false));
+        let epochs: Vec<u64> = r.epochs.iter().map(|e| e.epoch).collect();
+        assert_eq!(epochs, [1], "rank {rank}: the last epoch: {r:#?}");
+        assert_eq!(r.epochs[0].positions, want, "rank {rank}: {r:#?}");
+    }
+    for c in members_gone(&env, 2).streams[0].past_consumers.iter() {
+        if c.group.is_some() {
+            assert_eq!(c.left.as_deref(), Some("stream ended"), "{c:#?}");
+        }
+    }
+}
+
 #[test]
 fn a_group_reformed_with_another_world_goes_on_from_any_members_state() {
     let env = Env::start(&config(4));

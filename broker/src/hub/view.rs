@@ -34,6 +34,16 @@ impl<'a> View<'a> {
             && self.groups.iter().all(Group::is_empty)
     }
 
+    /// Where the shared stream ends, for a reader whose place is in
+    /// `epoch`: the seq after its last batch, once every epoch was
+    /// produced and `epoch` is none of them (a member's next run lies in
+    /// an epoch the stream does not have). `None` while the stream goes
+    /// on there.
+    pub fn end_for(&self, epoch: u64) -> Option<u64> {
+        let cursor = self.ring.cursor();
+        (self.exhausted() && epoch >= cursor.next_epoch).then_some(cursor.next_seq)
+    }
+
     /// Whether the pipeline could be given work now (the next slot of the
     /// ring free, someone to produce for, epochs left).
     pub fn can_start(&self) -> bool {

@@ -14,6 +14,10 @@
 //!   consumers may merge at all (read some of their replay since a cut for
 //!   keeping the others waiting, not leaving) the runtime says
 //!   ([`Replays::replaying`]). Its replay ends where it merges.
+//! * One whose replay stands past the stream's end (every epoch made; a
+//!   member's next run lies in an epoch the stream does not have) merges
+//!   where the stream ends, to be told it ended ([`crate::hub::View::end_for`]); it
+//!   would otherwise wait for a unit that is never made.
 //! * One whose replay stands at an epoch's start the ring no longer holds
 //!   near its head rotates into that epoch where it may
 //!   ([`Replaying::may_rotate`]) and the ring holds a point for it
@@ -63,11 +67,15 @@ pub(super) fn merge_rule(
         return Merge::Wait;
     }
     let from = merge_from(hub);
-    let near = hub
-        .view()
-        .ring()
-        .seq_of(at.epoch, at.sample / unit)
-        .filter(|&seq| seq >= from);
+    // Past the stream's end (a member's next run would lie in an epoch
+    // the stream does not have): it re-joins where the stream ends, and
+    // is told it ended.
+    let near = hub.view().end_for(at.epoch).or_else(|| {
+        hub.view()
+            .ring()
+            .seq_of(at.epoch, at.sample / unit)
+            .filter(|&seq| seq >= from)
+    });
     // An epoch's start the ring no longer holds near its head: the
     // epoch is read from where the ring is, its start after its end.
     let Some(seq) = near else {
@@ -219,5 +227,79 @@ fn merge(r: &mut impl Replays, c: Replaying, shape: Shape) -> bool {
             r.refused(c.id, e);
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use batchcast::JoinPolicy;
+
+    use super::*;
+    use crate::hub::{HubConfig, Outbound};
+
+    /// A stream of 2 epochs of 4 units, read whole by one reader while a
+    /// second one is cut: every epoch made, nothing held.
+    fn ended_with_one_cut() -> (Hub, ConsumerId) {
+        let mut hub = Hub::new(HubConfig {
+            slots: 4,
+            batches_per_epoch: 4,
+            epochs: Some(2),
+            lag_limit: None,
+            min_consumers: 1,
+        });
+        let (a, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
+        let (b, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
+        hub.cut(b, &[]).unwrap();
+        while let Some(w) = hub.start_batch() {
+            hub.finish_batch(w.seq, 1);
+            hub.release(a, w.seq).unwrap();
+        }
+        assert!(hub.view().exhausted());
+        hub.take_outbound();
+        (hub, b)
+    }
+
+    #[test]
+    fn a_replay_past_the_streams_end_merges_where_it_ends_and_is_told() {
+        let (mut hub, b) = ended_with_one_cut();
+        // A member's cursor after its last run of the last epoch: its
+        // next run's start, in an epoch the stream does not have (the
+        // unit at its sample is never made: it waited for it forever).
+        let past = Position {
+            epoch: 2,
+            sample: 1,
+        };
+        let rule = merge_rule(&hub, b, past, 1, None);
+        assert_eq!(
+            rule,
+            Merge::At {
+                seq: 8,
+                through: None
+            }
+        );
+        hub.rejoin_through(b, 8, None).unwrap();
+        let out = hub.take_outbound();
+        assert_eq!(out, vec![(b, Outbound::EndOfStream)], "told it ended");
+    }
+
+    #[test]
+    fn a_replay_inside_the_last_epoch_the_ring_left_waits() {
+        let (hub, b) = ended_with_one_cut();
+        // Its replay reads on to the end: nothing of the stream waits.
+        let inside = Position {
+            epoch: 1,
+            sample: 1,
+        };
+        assert_eq!(merge_rule(&hub, b, inside, 1, None), Merge::Wait);
+        // Where the stream ends, a reader of every sample merges as
+        // before (the next unit's place, the head).
+        let end = Position {
+            epoch: 2,
+            sample: 0,
+        };
+        assert!(matches!(
+            merge_rule(&hub, b, end, 1, None),
+            Merge::At { seq: 8, .. }
+        ));
     }
 }
