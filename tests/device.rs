@@ -242,6 +242,36 @@ fn at_the_defaults_a_gpu_trainer_stopped_holding_its_batch_holds_the_others_at_m
     assert!(st.gpus[0].replayed > 0, "{st:#?}");
 }
 
+/// At the defaults, a GPU trainer stopped holding its batch once every
+/// unit of the stream was made (the host ring holds them all: the
+/// pipeline waits for no slot) holds another trainer on its GPU only for
+/// the bound: the copies that trainer needs wait for the slot of its
+/// GPU's ring the stopped one keeps, and the hold rule judges that as
+/// when the pipeline waits. Before, nothing judged it once every unit was
+/// made, and the other waited for good (the hold simulation found it on
+/// finite streams).
+#[test]
+fn at_the_defaults_a_gpu_trainer_stopped_holding_its_batch_at_the_streams_end_holds_no_one_for_good()
+ {
+    let cfg = "[[stream]]\nname = \"train\"\nbatch_size = 2\nslots = 8\ngpu_slots = 2\n\
+               epochs = 1\nmin_consumers = 2\n\n[stream.synthetic]\nlen = 16\nfill = \"stamp\"\n\
+               fields = [{ name = \"x\", dtype = \"u8\", shape = [64] }]\n";
+    let env = Env::start_stand_in(cfg, "1");
+    let gpu = ["--verify", "--device", "cuda:0"];
+    let keep = ["--hold", "1", "--stop-after", "1", "--name", "stopped"];
+    let stopped = env.consumer(&[&gpu[..], &keep].concat());
+    let steady = env.consumer(&[&gpu[..], &["--name", "steady"]].concat());
+    common::wait_stopped(stopped.id());
+    let r = env.report(steady);
+    assert!(
+        r.ok && r.ended && r.verify_failures == 0 && r.samples == 16,
+        "{r:#?}"
+    );
+    batchcast_cli::harness::signal(stopped.id(), nix::sys::signal::Signal::SIGCONT);
+    let r = env.report(stopped);
+    assert_eq!(r.verify_failures, 0, "{r:#?}");
+}
+
 /// A device consumer whose replay arena on its GPU cannot be had (here
 /// the memory budget has room for the stream, two host replay arenas and
 /// the GPU's arena, not for one more on the GPU) falls back as a host

@@ -240,6 +240,17 @@ impl Group {
             && (seq..head).all(|s| self.replicas.contains_key(&s) || placed.is_none_or(|p| s > p))
     }
 
+    /// The oldest batch whose copy waits for a free slot, which the
+    /// ring's oldest copy keeps from it ([`Group::blocked_by`]).
+    pub(super) fn first_blocked(&self) -> Option<u64> {
+        let seq = self
+            .replicas
+            .iter()
+            .find(|(_, r)| r.slot.is_none())
+            .map(|(&s, _)| s)?;
+        self.blocked_by(seq).map(|_| seq)
+    }
+
     /// When batch `seq`'s copy waits for a free slot: the oldest copy the
     /// ring holds, whose members keep it from being freed.
     pub(super) fn blocked_by(&self, seq: u64) -> Option<u64> {

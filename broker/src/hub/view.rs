@@ -34,6 +34,24 @@ impl<'a> View<'a> {
             && self.groups.iter().all(Group::is_empty)
     }
 
+    /// Whether consumer `id` reads the shared stream and has nothing it
+    /// could be sent now: nothing is queued for it, or (a GPU member) the
+    /// copy of the next batch queued for it waits for a slot of its GPU's
+    /// ring that another member keeps (not one it keeps itself: it then
+    /// waits for itself). It waits for data.
+    pub(crate) fn starved(&self, id: ConsumerId) -> bool {
+        let Some(c) = self.readers.get(id).filter(|c| c.life.reading()) else {
+            return false;
+        };
+        match (c.queue.front(), c.group) {
+            (None, _) => true,
+            (Some(&seq), Some(g)) => self.groups[g as usize]
+                .blocked_by(seq)
+                .is_some_and(|oldest| !c.held.contains(&oldest)),
+            (Some(_), None) => false,
+        }
+    }
+
     /// Where the shared stream ends, for a reader whose place is in
     /// `epoch`: the seq after its last batch, once every epoch was
     /// produced and `epoch` is none of them (a member's next run lies in
@@ -101,14 +119,24 @@ impl<'a> View<'a> {
     /// (`None` if the slot is free or being filled), and the consumers
     /// that owe it: host consumers that hold it or are to be sent it, and
     /// where a GPU's copy of it waits for a free slot of that GPU's ring,
-    /// the members that owe the oldest copy there.
+    /// the members that owe the oldest copy there. Once every epoch was
+    /// made the pipeline waits for no slot: what is left to wait for is a
+    /// GPU's copy that waits for a slot of its ring, and the oldest batch
+    /// whose copy does pins (owed by that ring's members alone: a host
+    /// consumer holding a batch then keeps no one waiting).
     pub fn pinning(&self) -> Option<(u64, Vec<ConsumerId>)> {
-        let seq = self.ring.pinned()?;
+        let (seq, host) = match self.exhausted() {
+            false => (self.ring.pinned()?, true),
+            true => {
+                let blocked = self.groups.iter().filter_map(Group::first_blocked).min();
+                (blocked?, false)
+            }
+        };
         let owes = |c: &Consumer, s: u64| c.held.contains(&s) || c.queue.contains(&s);
         let mut owe: Vec<ConsumerId> = self
             .readers
             .iter()
-            .filter(|(_, c)| c.group.is_none() && owes(c, seq))
+            .filter(|(_, c)| host && c.group.is_none() && owes(c, seq))
             .map(|(id, _)| id)
             .collect();
         // A GPU's copy of it waits for a free slot of that GPU's ring: the

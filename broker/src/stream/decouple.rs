@@ -119,9 +119,9 @@ struct ConnFacts<'a> {
 impl Facts for ConnFacts<'_> {
     fn hungry(&mut self) -> bool {
         let hub = self.hub;
-        self.conns.iter_mut().any(|(&id, c)| {
-            hub.view().reader(id).and_then(|c| c.reading()) == Some(0) && unread(c) == 0
-        })
+        self.conns
+            .iter_mut()
+            .any(|(&id, c)| hub.view().starved(id) && unread(c) == 0)
     }
 
     fn cuttable(&mut self, id: ConsumerId, stalled: Option<u64>) -> bool {
@@ -176,6 +176,25 @@ pub(super) fn look_within(s: &Stream, inner: &Inner, idle: Duration, now: Instan
         .pace
         .next_look(hold_rule(s), now)
         .map_or(idle, |t| idle.min(t - now))
+}
+
+/// How long an idle pipeline thread may sleep at most: `idle`, or once
+/// every epoch was made, until the hold rule's next deadline if sooner
+/// ([`cut_at_end`]).
+pub(super) fn idle_within(s: &Stream, inner: &Inner, idle: Duration, now: Instant) -> Duration {
+    match inner.hub.view().exhausted() {
+        true => look_within(s, inner, idle, now),
+        false => idle,
+    }
+}
+
+/// Every epoch made, the pipeline waits for no slot, but a GPU member may
+/// still wait for a copy its ring has no slot for while another member
+/// keeps one (the hub's [`pinning`](crate::hub::View::pinning) then): the
+/// hold rule judges that as when the pipeline waits ([`cut_laggards`]).
+/// Whether it cut or detached anyone.
+pub(super) fn cut_at_end(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
+    inner.hub.view().exhausted() && cut_laggards(s, inner, now)
 }
 
 /// The pipeline waits for the ring's next slot: asks the hold clock what

@@ -16,6 +16,7 @@ use super::deliver::settle;
 use super::error::MakeError;
 use super::regions;
 use super::replay::{self, book::ReplayJob};
+use super::stats::CpuClock;
 use super::{Inner, Stream, StreamFailed};
 use crate::hub::Work;
 use crate::pipeline::collate::{SlotWriter, ThreadState};
@@ -360,6 +361,10 @@ impl<'a> Worker<'a> {
                 break w;
             }
             if !inner.hub.view().wants_batches() {
+                if decouple::cut_at_end(s, &mut inner, Instant::now()) {
+                    settle(&mut inner, true);
+                    continue;
+                }
                 inner = self.wait_idle(inner);
                 (blocked_since, wake_at) = (None, None);
                 continue;
@@ -395,11 +400,14 @@ impl<'a> Worker<'a> {
     /// Idle: nothing to do until a hub change notifies it. A consumer being
     /// replayed to is asked to ring when it releases (nobody else would
     /// look at its mailbox).
+    /// (Every epoch made, it wakes by the hold rule's next deadline, if
+    /// sooner: `decouple::cut_at_end`.)
     fn wait_idle(&mut self, mut inner: MutexGuard<'a, Inner>) -> MutexGuard<'a, Inner> {
         tell_source(self.s, &mut inner);
         inner.fill.cpu += self.cpu.spent(true);
         let armed = replay::active(&inner);
-        idle(self.s, inner, armed, IDLE_WAIT)
+        let wait = decouple::idle_within(self.s, &inner, IDLE_WAIT, Instant::now());
+        idle(self.s, inner, armed, wait)
     }
 
     /// Writes every sample of `work` straight into its slot in `region`.
@@ -468,44 +476,6 @@ fn idle<'a>(
 enum Job {
     Shared(Work, u32), // written in this region of the host arena
     Replay(ReplayJob),
-}
-
-/// Counts a thread's CPU time. Reading it is a system call (a third of a
-/// microsecond here, as long as stamping a small batch), so it is read at
-/// most every `CPU_CLOCK_EVERY` of wall time; what it counts is exact
-/// over time, and lags by at most that much.
-struct CpuClock {
-    read: Duration,
-    at: Instant,
-}
-
-const CPU_CLOCK_EVERY: Duration = Duration::from_millis(10);
-
-impl CpuClock {
-    fn new() -> CpuClock {
-        CpuClock {
-            read: thread_cpu(),
-            at: Instant::now(),
-        }
-    }
-
-    /// CPU time since the last reading, or zero when it is not read now
-    /// (`now`: read it, as before the thread waits for long).
-    fn spent(&mut self, now: bool) -> Duration {
-        if !now && self.at.elapsed() < CPU_CLOCK_EVERY {
-            return Duration::ZERO;
-        }
-        self.at = Instant::now();
-        let now = thread_cpu();
-        now.saturating_sub(std::mem::replace(&mut self.read, now))
-    }
-}
-
-/// CPU time of the calling thread.
-fn thread_cpu() -> Duration {
-    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
-        .map(Duration::from)
-        .unwrap_or_default()
 }
 
 /// The sample order of the last two epochs, computed once per epoch.

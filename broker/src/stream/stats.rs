@@ -1,12 +1,14 @@
 //! What `batchcast stats` (and `/metrics`) shows of a stream: its slots,
 //! batches and epochs, the pipeline's CPU and back-pressure, its source's
 //! decodes and cache, its GPUs' copies, and each consumer's numbers,
-//! connected and departed.
+//! connected and departed; and the clock a pipeline thread counts its
+//! CPU time by.
 
 use batchcast::proto::{self, ConsumerStats, SourceStats, StreamStats};
 
 use super::{Inner, Stream};
 use crate::hub::ConsumerId;
+use std::time::{Duration, Instant};
 
 impl Stream {
     pub fn stats(&self) -> StreamStats {
@@ -165,4 +167,42 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
             read_cpu_s: n.read_cpu_s,
         },
     }
+}
+
+/// Counts a thread's CPU time. Reading it is a system call (a third of a
+/// microsecond here, as long as stamping a small batch), so it is read at
+/// most every `CPU_CLOCK_EVERY` of wall time; what it counts is exact
+/// over time, and lags by at most that much.
+pub(super) struct CpuClock {
+    read: Duration,
+    at: Instant,
+}
+
+const CPU_CLOCK_EVERY: Duration = Duration::from_millis(10);
+
+impl CpuClock {
+    pub(super) fn new() -> CpuClock {
+        CpuClock {
+            read: thread_cpu(),
+            at: Instant::now(),
+        }
+    }
+
+    /// CPU time since the last reading, or zero when it is not read now
+    /// (`now`: read it, as before the thread waits for long).
+    pub(super) fn spent(&mut self, now: bool) -> Duration {
+        if !now && self.at.elapsed() < CPU_CLOCK_EVERY {
+            return Duration::ZERO;
+        }
+        self.at = Instant::now();
+        let now = thread_cpu();
+        now.saturating_sub(std::mem::replace(&mut self.read, now))
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
 }
