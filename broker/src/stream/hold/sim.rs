@@ -44,10 +44,14 @@
 //! hold rule's one exception (a hold carried to owers that took their
 //! unit, which the ring could not have moved away from, starts again for
 //! them: the readers waiting then may wait one more limit); a reader is
-//! detached only when it could not be cut, and never before the limit. At the end, once all have
-//! left, every host and group slot is free and every region but the
-//! ring's holds nothing (nothing leaked). A failing schedule shrinks
-//! (proptest) and prints.
+//! detached only when it could not be cut, and never before the limit.
+//! A stream of a few epochs, under a limit, is drained past its schedule
+//! ([`Sim::drain`]): every reader must be told the stream ended once its
+//! program read every sample to the end, and leave (but for one known,
+//! open gap, counted: [`Sim::replay_ahead_of_idle_ring`]). At the end,
+//! once all have left, every host and group slot is free and every
+//! region but the ring's holds nothing (nothing leaked). A failing
+//! schedule shrinks (proptest) and prints.
 //!
 //! Not modelled: data-parallel members of a GPU group (a GPU's members
 //! read in batches of their own size, not as data ranks); what a
@@ -205,6 +209,9 @@ struct Reader {
     /// Since when it has waited for data with the ring full, whoever
     /// pinned it, and how much longer than the bound it may.
     blocked: Blocked,
+    /// The hub told it the stream ended: it leaves once its program read
+    /// what it was sent.
+    ended: bool,
 }
 
 /// What a reader's client library keeps (`Inbox`, its batcher and place).
@@ -464,9 +471,7 @@ struct Sim {
     /// The host arena's regions and what the budget lets be allocated.
     arena: Arena,
     rule: Rule,
-    start: Instant,
-    now: u64,
-    longest_step: u64,
+    time: Time,
     making: Making,
     readers: BTreeMap<ConsumerId, Reader>,
     pending: Vec<Plan>,
@@ -474,12 +479,34 @@ struct Sim {
     tally: Tally,
 }
 
-/// The stream's shape: units (one sample each) an epoch, and whether it
-/// rotates epochs for replayed readers (`rotate_epochs`).
+/// The simulated clock: when it began (an `Instant` for the runtime's
+/// types), the time (ms) and the longest step so far.
+#[derive(Debug, Clone, Copy)]
+struct Time {
+    start: Instant,
+    now: u64,
+    longest_step: u64,
+    /// Past the schedule, on a finite stream: programs let go of what
+    /// they read before waiting for more ([`Sim::drain`]).
+    draining: bool,
+}
+
+/// The stream's shape: units (one sample each) an epoch, whether it
+/// rotates epochs for replayed readers (`rotate_epochs`), and its epochs.
 #[derive(Debug, Clone, Copy)]
 struct Shape {
     bpe: u64,
     rotate: bool,
+    /// Epochs of a finite stream.
+    epochs: Option<u64>,
+}
+
+impl Shape {
+    /// Whether `p` lies past the stream's last epoch: a replay standing
+    /// there has nothing left to read.
+    fn past_end(&self, p: Position) -> bool {
+        self.epochs.is_some_and(|e| p.epoch >= e)
+    }
 }
 
 /// The host arena's regions (the runtime's own ledger of them: where
@@ -515,11 +542,9 @@ struct SimFacts<'a> {
 
 impl Facts for SimFacts<'_> {
     fn hungry(&mut self) -> bool {
-        self.readers.values().any(|r| {
-            r.mode != Mode::Gone
-                && self.hub.view().reader(r.id).and_then(|c| c.reading()) == Some(0)
-                && r.revocable() == 0
-        })
+        self.readers
+            .values()
+            .any(|r| r.mode != Mode::Gone && self.hub.view().starved(r.id) && r.revocable() == 0)
     }
 
     fn cuttable(&mut self, id: ConsumerId, stalled: Option<u64>) -> bool {
@@ -744,9 +769,14 @@ impl Replays for SimReplays<'_> {
             .readers
             .values()
             .filter_map(|r| {
-                let Mode::Replaying { cursor, read: true } = r.mode else {
+                // (One whose replay stands at the stream's end has nothing
+                // left to read: as the runtime's `Replay::read`.)
+                let Mode::Replaying { cursor, read } = r.mode else {
                     return None;
                 };
+                if !read && !self.sim.shape.past_end(cursor) {
+                    return None;
+                }
                 Some(Replaying {
                     id: r.id,
                     cursor,
@@ -781,6 +811,7 @@ impl Replays for SimReplays<'_> {
     fn merged(&mut self, id: ConsumerId, how: Merged) {
         match how {
             Merged::At(at) => {
+                self.sim.tally.merged_past_end += u64::from(self.sim.shape.past_end(at));
                 self.rejoined(id, at);
             }
             Merged::Rotated { at, point } => {
@@ -806,7 +837,7 @@ impl Replays for SimReplays<'_> {
 
 impl Sim {
     fn at(&self) -> Instant {
-        self.start + Duration::from_millis(self.now)
+        self.time.start + Duration::from_millis(self.time.now)
     }
 
     /// How long a reader may wait for data with the ring full, in all,
@@ -817,13 +848,13 @@ impl Sim {
     /// the next step).
     fn bound(&self) -> Option<u64> {
         let limit = self.rule.limit.map(|l| l.as_millis() as u64)?;
-        Some(limit + CUT_AFTER.as_millis() as u64 + 3 * self.longest_step)
+        Some(limit + CUT_AFTER.as_millis() as u64 + 3 * self.time.longest_step)
     }
 
     fn step(&mut self, dt: u64) -> Result<(), TestCaseError> {
-        self.now += dt;
-        self.longest_step = self.longest_step.max(dt);
-        let now = self.now;
+        self.time.now += dt;
+        self.time.longest_step = self.time.longest_step.max(dt);
+        let now = self.time.now;
         // Plans whose time came join.
         let (join, later): (Vec<Plan>, Vec<Plan>) =
             self.pending.drain(..).partition(|p| p.join_at <= now);
@@ -886,6 +917,7 @@ impl Sim {
                 },
                 last: None,
                 blocked: Blocked::default(),
+                ended: false,
             };
             let first = Position {
                 epoch: first.0,
@@ -963,6 +995,7 @@ impl Sim {
         let ids: Vec<ConsumerId> = self.readers.keys().copied().collect();
         for id in ids {
             self.act(id)?;
+            self.read_replay(id)?;
         }
         self.merge_replays()?;
         self.deliver()?;
@@ -1008,7 +1041,16 @@ impl Sim {
                     r.gone();
                     self.arena.regions.forget(id);
                 }
-                Outbound::EndOfEpoch { .. } | Outbound::EndOfStream => {}
+                Outbound::EndOfStream => {
+                    prop_assert!(
+                        !r.ended && matches!(r.mode, Mode::Shared | Mode::CatchingUp { .. }),
+                        "reader {} told the stream ended twice or while replayed: {:?}",
+                        id,
+                        r.mode
+                    );
+                    r.ended = true;
+                }
+                Outbound::EndOfEpoch { .. } => {}
             }
         }
         Ok(())
@@ -1016,8 +1058,8 @@ impl Sim {
 
     /// Reader `id`'s program acts, as its kind says.
     fn act(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
-        let now = self.now;
-        let bpe = self.shape.bpe;
+        let now = self.time.now;
+        let (bpe, shape, draining) = (self.shape.bpe, self.shape, self.time.draining);
         let (hub, regions) = (&mut self.hub, &mut self.arena.regions);
         let r = self.readers.get_mut(&id).expect("listed");
         if r.mode == Mode::Gone {
@@ -1046,7 +1088,7 @@ impl Sim {
         }
         match r.mode {
             Mode::Gone => {}
-            Mode::Replaying { mut cursor, .. } => {
+            Mode::Replaying { .. } => {
                 // Its program reads replayed batches: what it held of the
                 // shared stream goes. On the socket, the batches sent
                 // before the cut come first.
@@ -1057,12 +1099,11 @@ impl Sim {
                     r.read(&run, bpe)?;
                     r.release(&run, hub, regions)?;
                 }
-                for _ in 0..r.plan.replay_pace {
-                    // Its replay walks its order (a rotated epoch's too).
-                    cursor = r.read_replayed(cursor, bpe)?;
+                // One batch of its replay; the others of its pace after a
+                // merge round each ([`Sim::read_replay`]).
+                if replay_one(r, shape)? {
+                    r.program.acted = now;
                 }
-                r.mode = Mode::Replaying { cursor, read: true };
-                r.program.acted = now;
             }
             Mode::CatchingUp { mut cursor, to, .. } => {
                 // Its replayed stretch first; the shared batches it was
@@ -1070,7 +1111,7 @@ impl Sim {
                 // (A member's last own run may end past `to`, where the
                 // deal's next run, another rank's, begins.)
                 for _ in 0..r.plan.replay_pace {
-                    if cursor >= to {
+                    if cursor >= to || shape.past_end(cursor) {
                         break;
                     }
                     cursor = r.read_replayed(cursor, bpe)?;
@@ -1117,7 +1158,57 @@ impl Sim {
                     r.read(&run, bpe)?;
                     r.program.runs.push_back(run);
                     r.program.acted = now;
+                } else if draining && !r.ended {
+                    // Nothing to read: what it read goes back (as a loop
+                    // that drops each batch after its step).
+                    while let Some(old) = r.program.runs.pop_front() {
+                        r.release(&old, hub, regions)?;
+                    }
+                } else if r.ended {
+                    // Told the stream ended, with nothing left it was
+                    // sent: its program read every sample to the end (its
+                    // next is past the last epoch, or it read none), and
+                    // it leaves.
+                    prop_assert!(
+                        r.program.next.is_none_or(|n| shape.past_end(n)),
+                        "reader {} told the stream ended with {:?} to read next",
+                        id,
+                        r.program.next
+                    );
+                    r.gone();
+                    hub.leave(id);
+                    regions.forget(id);
+                    self.tally.ended += 1;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reader `id`, which read a batch of its replay this step, reads the
+    /// rest of its pace, each after a merge round, as the runtime runs one
+    /// before every replayed batch it makes: where one merges or rotates
+    /// it, it reads no further replay.
+    fn read_replay(&mut self, id: ConsumerId) -> Result<(), TestCaseError> {
+        let (now, shape) = (self.time.now, self.shape);
+        let pace = self.readers[&id].plan.replay_pace;
+        for _ in 1..pace {
+            let r = &self.readers[&id];
+            let (before, rotation_before) = (r.mode, r.program.rotation);
+            if !matches!(before, Mode::Replaying { .. }) || r.program.acted != now {
+                return Ok(());
+            }
+            self.merge_replays()?;
+            self.deliver()?;
+            // Merged, rotated, or cut for a rotated start (what its socket
+            // was sent comes first then): its next act goes on.
+            let r = self.readers.get_mut(&id).expect("listed");
+            let (same, rotation) = (r.mode == before, r.program.rotation);
+            if !same || rotation != rotation_before || !r.client.ready.is_empty() {
+                return Ok(());
+            }
+            if !replay_one(r, shape)? {
+                return Ok(());
             }
         }
         Ok(())
@@ -1135,7 +1226,7 @@ impl Sim {
         let mut hub = Hub::new(HubConfig {
             slots: self.hub.view().ring().slots(),
             batches_per_epoch: self.shape.bpe,
-            epochs: None,
+            epochs: self.shape.epochs,
             lag_limit: None,
             min_consumers: 1,
         });
@@ -1147,11 +1238,14 @@ impl Sim {
         self.making = Making::default();
         self.arena.regions = Regions::new(self.arena.count);
         self.arena.spare = self.arena.fresh;
+        // (One whose program read to the stream's end is told it ended
+        // when it reconnects: it leaves.)
+        let shape = self.shape;
         let resumes = |r: &Reader| {
             r.mode != Mode::Gone
                 && r.plan.arena
                 && r.plan.group.is_none()
-                && r.program.next.is_some()
+                && r.program.next.is_some_and(|n| !shape.past_end(n))
         };
         let from = self
             .readers
@@ -1188,6 +1282,9 @@ impl Sim {
             };
             r.last = None;
             r.blocked = Blocked::default();
+            // The end it was told (behind batches it had not read) went
+            // with the broker.
+            r.ended = false;
             readers.insert(id, r);
             self.tally.resumed += 1;
         }
@@ -1219,7 +1316,10 @@ impl Sim {
     fn pipeline(&mut self) -> Result<(), TestCaseError> {
         let at = self.at();
         for _ in 0..64 {
-            if self.hub.view().ring().free_slots() > 0 {
+            // (Every epoch made, it judges the ring's oldest unit at once,
+            // as the runtime's idle pipeline does.)
+            let ended = self.hub.view().exhausted();
+            if self.hub.view().ring().free_slots() > 0 && !ended {
                 let Some(w) = self.hub.start_batch() else {
                     return Ok(());
                 };
@@ -1232,7 +1332,7 @@ impl Sim {
                 hub: &self.hub,
                 readers: &self.readers,
                 regions: &self.arena.regions,
-                start: self.start,
+                start: self.time.start,
             };
             let restarts = self.clock.restarts;
             let round = self.clock.round(self.rule, pinned, &mut facts, at);
@@ -1354,7 +1454,7 @@ impl Sim {
             hub: &self.hub,
             readers: &self.readers,
             regions: &self.arena.regions,
-            start: self.start,
+            start: self.time.start,
         };
         let movable = holders.iter().all(|&id| facts.movable(id));
         let oldest = self.hub.view().ring().oldest_published();
@@ -1388,12 +1488,98 @@ impl Sim {
         }
     }
 
+    /// A finite stream under a hold limit goes on past the schedule
+    /// until every reader has left (those still to join join): each is
+    /// told the stream ended once its program read what it was sent,
+    /// and leaves, within a bound no reader's program needs more than
+    /// (every unit crawled at the slowest pace, paused the longest);
+    /// one that does not is stuck (as a member whose replay stood past
+    /// the last epoch was). Meanwhile programs let go of what they read
+    /// before they wait for more (a program that keeps its batch until
+    /// the next comes, in a window of one, waits for itself), but for a
+    /// hoarder's kept batches (it may read nothing more, by its own
+    /// doing). Without a limit a stopped holder may hold the ring
+    /// forever, which the rules allow. One way of being stuck is known and
+    /// open ([`Sim::replay_ahead_of_idle_ring`]): counted, not failed.
+    fn drain(&mut self, sc: &Schedule) -> Result<(), TestCaseError> {
+        // (After a restart every resumer starts cut, nobody reading the
+        // shared stream: the known gap below, whatever else happens.)
+        let (Some(epochs), Some(_), None) = (sc.shape.epochs, sc.limit, sc.restart_at) else {
+            return Ok(());
+        };
+        const STEP: u64 = 20;
+        // How long every reader left must stand in a known gap before it
+        // is counted as stuck there.
+        const SETTLED: u64 = 5_000;
+        self.time.draining = true;
+        let units = epochs * sc.shape.bpe * (sc.plans.len() as u64 + 1);
+        let deadline = self.time.now + 10_000 + units * 2 * 800;
+        let mut in_gaps_since: Option<(u64, u64)> = None;
+        loop {
+            let left: Vec<ConsumerId> = self
+                .readers
+                .values()
+                .filter(|r| r.mode != Mode::Gone && !matches!(r.plan.kind, Kind::Hoard { .. }))
+                .map(|r| r.id)
+                .collect();
+            if self.pending.is_empty() && left.is_empty() {
+                return Ok(());
+            }
+            let head = self.hub.view().ring().head();
+            if self.pending.is_empty() && left.iter().all(|&id| self.replay_ahead_of_idle_ring(id))
+            {
+                // (Since when, at which head: the ring must stand still.)
+                let (since, at) = *in_gaps_since.get_or_insert((self.time.now, head));
+                if at != head {
+                    in_gaps_since = None;
+                } else if self.time.now >= since + SETTLED {
+                    self.tally.stuck_ahead += left.len() as u64;
+                    return Ok(());
+                }
+            } else {
+                in_gaps_since = None;
+            }
+            if self.time.now >= deadline {
+                let state: Vec<_> = left
+                    .iter()
+                    .map(|id| {
+                        let r = &self.readers[id];
+                        (*id, r.mode, r.ended, r.program.next)
+                    })
+                    .collect();
+                prop_assert!(
+                    false,
+                    "readers never told the stream ended by {} ms: {:?}",
+                    self.time.now,
+                    state
+                );
+            }
+            self.step(STEP)?;
+        }
+    }
+
+    /// A known, open gap of the rules: reader `id`, cut, has a replay
+    /// that ran past the ring's next unit while the ring makes nothing
+    /// (nobody reads the shared stream: the others left or were cut; or
+    /// the one reading it waits for a batch it keeps itself): the replay
+    /// stands where the ring holds nothing to merge into, and on a finite
+    /// stream it is never told the stream ended. (Its replay was made
+    /// ahead of it before it read any, so no merge round met it at the
+    /// ring's head; or the ring stood still.) The drain counts it once
+    /// the ring's head has not moved for a while.
+    fn replay_ahead_of_idle_ring(&self, id: ConsumerId) -> bool {
+        let view = self.hub.view();
+        matches!(self.readers[&id].mode, Mode::Replaying { cursor, .. }
+            if !view.exhausted()
+                && view.ring().seq_of(cursor.epoch, cursor.sample).is_none())
+    }
+
     /// No reader waits for data with the ring full past the bound.
     fn check_waits(&mut self) -> Result<(), TestCaseError> {
         let full = self.hub.view().ring().free_slots() == 0;
         let pinning = self.hub.view().pinning();
         let bound = self.bound();
-        let now = self.now;
+        let now = self.time.now;
         // A lockstep joiner whose catch-up replay moves is waited for (the
         // rule): a wait on the unit it owes starts when it stops moving.
         let within = self.rule.limit.unwrap_or(Duration::MAX);
@@ -1433,6 +1619,21 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// Reader `r`, cut, reads the next batch of its replay, in its order (a
+/// rotated epoch's too), if one is left before the stream's end: whether
+/// it read one.
+fn replay_one(r: &mut Reader, shape: Shape) -> Result<bool, TestCaseError> {
+    let Mode::Replaying { cursor, .. } = r.mode else {
+        return Ok(false);
+    };
+    if shape.past_end(cursor) {
+        return Ok(false);
+    }
+    let cursor = r.read_replayed(cursor, shape.bpe)?;
+    r.mode = Mode::Replaying { cursor, read: true };
+    Ok(true)
 }
 
 /// How a reader of `plan` is sent batches.
@@ -1582,9 +1783,9 @@ struct Schedule {
     slots: u32,
     group_slots: u32,
     plans: Vec<Plan>,
-    bpe: u64,
-    /// The stream rotates epochs for replayed readers.
-    rotate: bool,
+    /// Units an epoch, whether it rotates epochs, how many (a finite
+    /// stream).
+    shape: Shape,
     eager: bool,
     /// The default pace's stall cut (with `eager` false: `auto`).
     stall_cut: bool,
@@ -1610,7 +1811,12 @@ fn schedule() -> impl Strategy<Value = Schedule> {
             Just((false, true))
         ],
         prop_oneof![Just(None), (50u64..3000).prop_map(Some)],
-        prop_oneof![3 => Just(None), 1 => (100u64..4000).prop_map(Some)],
+        (
+            prop_oneof![3 => Just(None), 1 => (100u64..4000).prop_map(Some)],
+            // Endless, or a few epochs: the stream ends during the
+            // schedule or its drain.
+            prop_oneof![2 => Just(None), 1 => (1u64..16).prop_map(Some)],
+        ),
         (
             prop_oneof![1 => Just(1u32), 3 => Just(regions::REGIONS)],
             0u32..regions::REGIONS,
@@ -1624,7 +1830,7 @@ fn schedule() -> impl Strategy<Value = Schedule> {
                 (bpe, rotate),
                 (eager, stall_cut),
                 limit,
-                restart_at,
+                (restart_at, epochs),
                 (regions, budget),
                 steps,
             )| {
@@ -1643,8 +1849,11 @@ fn schedule() -> impl Strategy<Value = Schedule> {
                     slots,
                     group_slots,
                     plans,
-                    bpe,
-                    rotate,
+                    shape: Shape {
+                        bpe,
+                        rotate,
+                        epochs,
+                    },
                     eager,
                     stall_cut,
                     limit,
@@ -1668,6 +1877,13 @@ struct Tally {
     rotations: Rotations,
     bounded_waits: u64,
     moves: Moves,
+    /// Readers of a finite stream told it ended that left; of those
+    /// replayed, merged where it ends (their replay past its last epoch).
+    ended: u64,
+    merged_past_end: u64,
+    /// Readers left in the known gap at a stream's end
+    /// ([`Sim::replay_ahead_of_idle_ring`]).
+    stuck_ahead: u64,
 }
 
 /// Readers that joined `now` with something to replay, counted.
@@ -1745,7 +1961,7 @@ macro_rules! summed {
 }
 
 summed! {
-    Tally { cuts, joins, resumed, detaches, merges, rotations, bounded_waits, moves }
+    Tally { cuts, joins, resumed, detaches, merges, rotations, bounded_waits, moves, ended, merged_past_end, stuck_ahead }
     Cuts { all, member, socket, own_size, dealt, member_own_size }
     Joins { cut, caught_up, own_size, dealt, socket, member, dealt_late }
     Rotations { all, own_size, member, starts }
@@ -1756,8 +1972,8 @@ summed! {
 fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
     let mut hub = Hub::new(HubConfig {
         slots: sc.slots,
-        batches_per_epoch: sc.bpe,
-        epochs: None,
+        batches_per_epoch: sc.shape.bpe,
+        epochs: sc.shape.epochs,
         lag_limit: None,
         min_consumers: 1,
     });
@@ -1780,26 +1996,27 @@ fn run(sc: Schedule) -> Result<Tally, TestCaseError> {
             limit: sc.limit.map(Duration::from_millis),
             held_limit: sc.limit.map(Duration::from_millis),
         },
-        start: Instant::now(),
-        now: 0,
-        longest_step: 0,
+        time: Time {
+            start: Instant::now(),
+            now: 0,
+            longest_step: 0,
+            draining: false,
+        },
         making: Making::default(),
         readers: BTreeMap::new(),
-        pending: sc.plans,
-        shape: Shape {
-            bpe: sc.bpe,
-            rotate: sc.rotate,
-        },
+        pending: sc.plans.clone(),
+        shape: sc.shape,
         tally: Tally::default(),
     };
     let mut restart_at = sc.restart_at;
-    for dt in sc.steps {
-        if restart_at.is_some_and(|t| sim.now + dt >= t) {
+    for &dt in &sc.steps {
+        if restart_at.is_some_and(|t| sim.time.now + dt >= t) {
             restart_at = None;
             sim.restart()?;
         }
         sim.step(dt)?;
     }
+    sim.drain(&sc)?;
     // What is in flight is made and everyone leaves: nothing stays
     // pinned or owed.
     for (w, region) in std::mem::take(&mut sim.making.inflight) {
@@ -1924,7 +2141,7 @@ fn own_size_schedule() -> impl Strategy<Value = Schedule> {
                     member.window = 1;
                 }
                 assert!(member.fits(sc.slots));
-                sc.bpe = bpe;
+                sc.shape.bpe = bpe;
                 sc.plans = vec![steady, member];
                 sc
             },
@@ -1938,8 +2155,8 @@ fn own_size_schedule() -> impl Strategy<Value = Schedule> {
 fn the_schedules_reach_every_rule() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut sum = Tally::default();
-    for k in 0..1300 {
-        // The last 300 around a reader of its own batch size.
+    for k in 0..1500 {
+        // The last 500 around a reader of its own batch size.
         let sc = if k < 1000 {
             schedule().new_tree(&mut runner).unwrap().current()
         } else {
@@ -1974,7 +2191,9 @@ fn the_schedules_reach_every_rule() {
             && sum.moves.early > 3
             && sum.moves.stuck_again > 2
             && sum.moves.carried > 3
-            && sum.moves.restarts > 20,
+            && sum.moves.restarts > 20
+            && sum.ended > 100
+            && sum.merged_past_end > 10,
         "{sum:?}"
     );
 }
@@ -2003,12 +2222,15 @@ fn joiner_beside_a_steady_reader(joiner: Kind) -> Schedule {
         slots: 4,
         group_slots: 1,
         plans: vec![reader(Kind::Steady, 0, false), reader(joiner, 500, true)],
-        bpe: 7,
+        shape: Shape {
+            bpe: 7,
+            rotate: false,
+            epochs: None,
+        },
         eager: false,
         stall_cut: false,
         limit: Some(200),
         restart_at: None,
-        rotate: false,
         regions: 1,
         budget: 0,
         steps: vec![10; 400],
@@ -2050,8 +2272,11 @@ fn a_joiner_now_rotates_into_the_epoch_and_reads_its_start_after_its_end() {
         slots: 6,
         group_slots: 1,
         plans: vec![reader(0, false), reader(500, true)],
-        bpe: 8,
-        rotate: true,
+        shape: Shape {
+            bpe: 8,
+            rotate: true,
+            epochs: None,
+        },
         eager: true,
         stall_cut: false,
         limit: Some(1000),
@@ -2084,8 +2309,11 @@ fn a_joiner_of_its_own_batch_size_cut_after_catching_up_goes_on_past_its_replay(
                 slots: 9,
                 group_slots: 1,
                 plans: vec![host_reader(Kind::Steady, 0, false, 3), joiner],
-                bpe: 11,
-                rotate: false,
+                shape: Shape {
+                    bpe: 11,
+                    rotate: false,
+                    epochs: None,
+                },
                 eager: false,
                 stall_cut: true,
                 limit: Some(350),
@@ -2137,8 +2365,11 @@ fn a_holder_cut_under_decoupled_pace_where_the_ring_may_move_keeps_its_hold() {
                 false,
             ),
         ],
-        bpe: 1,
-        rotate: false,
+        shape: Shape {
+            bpe: 1,
+            rotate: false,
+            epochs: None,
+        },
         eager: true,
         stall_cut: false,
         limit: Some(1160),
