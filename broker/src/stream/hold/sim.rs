@@ -1128,6 +1128,15 @@ impl Sim {
                 r.program.acted = now;
             }
             Mode::Shared => {
+                // What its socket was sent before a cut it merged back
+                // from at once (its replay stood at the stream's end)
+                // comes first, as its client hands it out.
+                if let Some(run) = r.client.ready.pop_front() {
+                    r.read(&run, bpe)?;
+                    r.release(&run, hub, regions)?;
+                    r.program.acted = now;
+                    return Ok(());
+                }
                 if let Kind::Hoard { at } = r.plan.kind
                     && now >= at
                     && (r.program.kept.is_empty()
