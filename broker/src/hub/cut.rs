@@ -110,18 +110,28 @@ impl Hub {
         self.cut(id, &sent)
     }
 
+    /// Ends a cut consumer's stream: its replay read every epoch, so the
+    /// shared stream has nothing left for it, wherever the ring stands
+    /// (it may not have got there: nobody else reads it). It is told the
+    /// stream ended; what it still holds stays held until released.
+    pub(crate) fn end_replayed(&mut self, id: ConsumerId) -> Result<(), HubError> {
+        let c = self
+            .readers
+            .get_mut(id)
+            .ok_or(HubError::UnknownConsumer(id))?;
+        if c.life != Life::Cut {
+            return Err(HubError::NotCut(id));
+        }
+        c.life = Life::Ended;
+        self.out.push((id, Outbound::EndOfStream));
+        Ok(())
+    }
+
     /// Puts a cut consumer back in the shared stream from batch `seq` on:
     /// it owes every batch from there, published or to come. Refused
     /// ([`HubError::NotLive`]) unless every batch from `seq` to the head is
     /// still published (nobody may reuse a slot it is to read) and it holds
-    /// nothing from `seq` on.
-    #[cfg(test)]
-    pub(crate) fn rejoin(&mut self, id: ConsumerId, seq: u64) -> Result<(), HubError> {
-        self.rejoin_through(id, seq, None)
-    }
-
-    /// Puts a cut consumer back from batch `seq` on (see `Hub::rejoin`),
-    /// sent no batch of an epoch after `through` (a
+    /// nothing from `seq` on. Sent no batch of an epoch after `through` (a
     /// rotated epoch: the consumer reads its rest, then is cut to be
     /// replayed its start, see [`View::read_through`](super::View::read_through)); its end of stream
     /// waits for that too.

@@ -632,14 +632,23 @@ fn a_cut_consumer_frees_what_it_never_took_and_rejoins_where_batches_are_live() 
         "nothing while cut"
     );
     // Rejoining where a batch is gone, or where it holds one, is refused.
-    assert_eq!(h.rejoin(slow, ws[2].seq), Err(HubError::NotLive { seq: 2 }));
-    assert_eq!(h.rejoin(slow, ws[1].seq), Err(HubError::NotLive { seq: 1 }));
-    assert_eq!(h.rejoin(fast, w4.seq), Err(HubError::NotCut(fast)));
+    assert_eq!(
+        h.rejoin_through(slow, ws[2].seq, None),
+        Err(HubError::NotLive { seq: 2 })
+    );
+    assert_eq!(
+        h.rejoin_through(slow, ws[1].seq, None),
+        Err(HubError::NotLive { seq: 1 })
+    );
+    assert_eq!(
+        h.rejoin_through(fast, w4.seq, None),
+        Err(HubError::NotCut(fast))
+    );
     h.release(slow, ws[1].seq).unwrap();
     // The fast one reads on; batch 4 is still owed by it: the slow one may
     // rejoin there, and gets 4, 5, ... in order.
     let w5 = produce(&mut h).unwrap();
-    h.rejoin(slow, w4.seq).unwrap();
+    h.rejoin_through(slow, w4.seq, None).unwrap();
     assert!(!h.view().reader(slow).is_some_and(|c| c.is_cut()));
     let w6 = produce(&mut h).unwrap();
     assert_eq!(
@@ -1369,7 +1378,7 @@ impl Model {
                             || placed.is_none_or(|p| q > p)
                     })
             });
-        match self.hub.rejoin(id, seq) {
+        match self.hub.rejoin_through(id, seq, None) {
             Ok(()) => {
                 assert!(live, "rejoined at {seq}, which is not live");
                 s.cut = false;
@@ -1391,7 +1400,7 @@ impl Model {
             .collect();
         for id in cut {
             let head = self.hub.view().ring().head();
-            match self.hub.rejoin(id, head) {
+            match self.hub.rejoin_through(id, head, None) {
                 Ok(()) => {}
                 // Batches of an epoch nobody read are still in flight.
                 Err(HubError::NotLive { .. }) => continue,
@@ -1576,11 +1585,11 @@ fn a_gpu_member_is_cut_at_its_first_unsent_batch_and_rejoins_in_order() {
     h.release(m, seqs[0]).unwrap();
     // Batch 1 left both rings: it cannot rejoin there.
     assert_eq!(
-        h.rejoin(m, seqs[1]),
+        h.rejoin_through(m, seqs[1], None),
         Err(HubError::NotLive { seq: seqs[1] })
     );
     let w = produce(&mut h).unwrap();
-    h.rejoin(m, w.seq).unwrap();
+    h.rejoin_through(m, w.seq, None).unwrap();
     h.view().check_invariants();
     assert_eq!(
         h.take_copies().len(),

@@ -52,14 +52,10 @@ impl<'a> View<'a> {
         }
     }
 
-    /// Where the shared stream ends, for a reader whose place is in
-    /// `epoch`: the seq after its last batch, once every epoch was
-    /// produced and `epoch` is none of them (a member's next run lies in
-    /// an epoch the stream does not have). `None` while the stream goes
-    /// on there.
-    pub fn end_for(&self, epoch: u64) -> Option<u64> {
-        let cursor = self.ring.cursor();
-        (self.exhausted() && epoch >= cursor.next_epoch).then_some(cursor.next_seq)
+    /// Whether `epoch` lies past the stream's last one (a finite stream's;
+    /// a member's next run may lie there).
+    pub fn past_end(&self, epoch: u64) -> bool {
+        self.cfg.epochs.is_some_and(|e| epoch >= e)
     }
 
     /// Whether the pipeline could be given work now (the next slot of the

@@ -488,7 +488,7 @@ impl Replays for Merging<'_> {
 
     fn merged(&mut self, id: ConsumerId, how: Merged) {
         match how {
-            Merged::At(at) => merged_at(self.s, self.inner, id, at),
+            Merged::At(at) | Merged::End(at) => merged_at(self.s, self.inner, id, at),
             Merged::Rotated { at, point } => rotate::rotated(self.s, self.inner, id, (at, point)),
         }
     }

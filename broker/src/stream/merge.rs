@@ -14,10 +14,11 @@
 //!   consumers may merge at all (read some of their replay since a cut for
 //!   keeping the others waiting, not leaving) the runtime says
 //!   ([`Replays::replaying`]). Its replay ends where it merges.
-//! * One whose replay stands past the stream's end (every epoch made; a
-//!   member's next run lies in an epoch the stream does not have) merges
-//!   where the stream ends, to be told it ended ([`crate::hub::View::end_for`]); it
-//!   would otherwise wait for a unit that is never made.
+//! * One whose replay stands past the stream's last epoch read it all:
+//!   its stream ends there ([`Merge::End`]), wherever the ring stands (a
+//!   member's next run may lie in an epoch the stream does not have; the
+//!   ring may not have got there, nobody else reading it). It would
+//!   otherwise wait for a unit never made, or one nobody makes.
 //! * One whose replay stands at an epoch's start the ring no longer holds
 //!   near its head rotates into that epoch where it may
 //!   ([`Replaying::may_rotate`]) and the ring holds a point for it
@@ -48,6 +49,9 @@ pub(super) enum Merge {
     /// Its replay stands at an epoch's start the ring no longer holds
     /// near its head: it may rotate into that epoch ([`rotate`]).
     Rotate,
+    /// Its replay stands past the stream's last epoch: it read it all,
+    /// and its stream ends there.
+    End,
     /// Not now: its replay goes on.
     Wait,
 }
@@ -66,16 +70,15 @@ pub(super) fn merge_rule(
     if rotation.is_some_and(|r| r.in_owed_part(at)) {
         return Merge::Wait;
     }
+    if hub.view().past_end(at.epoch) {
+        return Merge::End;
+    }
     let from = merge_from(hub);
-    // Past the stream's end (a member's next run would lie in an epoch
-    // the stream does not have): it re-joins where the stream ends, and
-    // is told it ended.
-    let near = hub.view().end_for(at.epoch).or_else(|| {
-        hub.view()
-            .ring()
-            .seq_of(at.epoch, at.sample / unit)
-            .filter(|&seq| seq >= from)
-    });
+    let near = hub
+        .view()
+        .ring()
+        .seq_of(at.epoch, at.sample / unit)
+        .filter(|&seq| seq >= from);
     // An epoch's start the ring no longer holds near its head: the
     // epoch is read from where the ring is, its start after its end.
     let Some(seq) = near else {
@@ -133,6 +136,9 @@ pub(super) enum Merged {
     /// Rotated into `at`'s epoch (its replay stood at its start), read
     /// from `point`.
     Rotated { at: Position, point: Position },
+    /// Its replay, standing at `at`, read every epoch: its stream ended
+    /// (the hub tells it).
+    End(Position),
 }
 
 /// The stream's shape, as a merge round needs it.
@@ -204,6 +210,18 @@ fn merge(r: &mut impl Replays, c: Replaying, shape: Shape) -> bool {
     let hub = r.hub();
     let (seq, through, how) = match merge_rule(hub, c.id, c.cursor, shape.unit, c.rotation) {
         Merge::Wait => return false,
+        Merge::End => {
+            return match r.hub().end_replayed(c.id) {
+                Ok(()) => {
+                    r.merged(c.id, Merged::End(c.cursor));
+                    true
+                }
+                Err(e) => {
+                    r.refused(c.id, e);
+                    false
+                }
+            };
+        }
         Merge::At { seq, through } => (seq, through, Merged::At(c.cursor)),
         Merge::Rotate if !c.may_rotate => return false,
         Merge::Rotate => {
@@ -260,7 +278,7 @@ mod tests {
     }
 
     #[test]
-    fn a_replay_past_the_streams_end_merges_where_it_ends_and_is_told() {
+    fn a_replay_past_the_streams_end_ends_its_stream_and_is_told() {
         let (mut hub, b) = ended_with_one_cut();
         // A member's cursor after its last run of the last epoch: its
         // next run's start, in an epoch the stream does not have (the
@@ -269,17 +287,43 @@ mod tests {
             epoch: 2,
             sample: 1,
         };
-        let rule = merge_rule(&hub, b, past, 1, None);
-        assert_eq!(
-            rule,
-            Merge::At {
-                seq: 8,
-                through: None
-            }
-        );
-        hub.rejoin_through(b, 8, None).unwrap();
+        assert_eq!(merge_rule(&hub, b, past, 1, None), Merge::End);
+        hub.end_replayed(b).unwrap();
         let out = hub.take_outbound();
         assert_eq!(out, vec![(b, Outbound::EndOfStream)], "told it ended");
+        assert!(hub.end_replayed(b).is_err(), "once");
+    }
+
+    #[test]
+    fn a_replay_past_the_end_of_a_ring_that_stands_still_ends_its_stream() {
+        // The ring made 2 of 8 units and stands (its only other reader
+        // left); the cut one's replay read both epochs.
+        let mut hub = Hub::new(HubConfig {
+            slots: 4,
+            batches_per_epoch: 4,
+            epochs: Some(2),
+            lag_limit: None,
+            min_consumers: 1,
+        });
+        let (a, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
+        let (b, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
+        hub.cut(b, &[]).unwrap();
+        for _ in 0..2 {
+            let w = hub.start_batch().unwrap();
+            hub.finish_batch(w.seq, 1);
+            hub.release(a, w.seq).unwrap();
+        }
+        hub.leave(a);
+        assert!(!hub.view().exhausted() && !hub.view().wants_batches());
+        let end = Position {
+            epoch: 2,
+            sample: 0,
+        };
+        // (Before, a replay there waited for a ring that makes nothing.)
+        assert_eq!(merge_rule(&hub, b, end, 1, None), Merge::End);
+        hub.take_outbound();
+        hub.end_replayed(b).unwrap();
+        assert_eq!(hub.take_outbound(), vec![(b, Outbound::EndOfStream)]);
     }
 
     #[test]
@@ -291,15 +335,11 @@ mod tests {
             sample: 1,
         };
         assert_eq!(merge_rule(&hub, b, inside, 1, None), Merge::Wait);
-        // Where the stream ends, a reader of every sample merges as
-        // before (the next unit's place, the head).
+        // Where the stream ends, a reader of every sample's stream ends.
         let end = Position {
             epoch: 2,
             sample: 0,
         };
-        assert!(matches!(
-            merge_rule(&hub, b, end, 1, None),
-            Merge::At { seq: 8, .. }
-        ));
+        assert_eq!(merge_rule(&hub, b, end, 1, None), Merge::End);
     }
 }

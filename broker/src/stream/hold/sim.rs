@@ -47,8 +47,7 @@
 //! detached only when it could not be cut, and never before the limit.
 //! A stream of a few epochs, under a limit, is drained past its schedule
 //! ([`Sim::drain`]): every reader must be told the stream ended once its
-//! program read every sample to the end, and leave (but for one known,
-//! open gap, counted: [`Sim::replay_ahead_of_idle_ring`]). At the end,
+//! program read every sample to the end, and leave. At the end,
 //! once all have left, every host and group slot is free and every
 //! region but the ring's holds nothing (nothing leaked). A failing
 //! schedule shrinks (proptest) and prints.
@@ -630,7 +629,10 @@ impl Hands for SimHands<'_> {
         let r = match why {
             Detach::Held { held, took } => {
                 let r = &self.sim.readers[&id];
-                let could_cut = r.plan.arena && r.mode == Mode::Shared && !took;
+                // (One told the stream ended reads nothing more: no cut.)
+                let reading = self.sim.hub.view().reader(id).and_then(|c| c.reading());
+                let could_cut =
+                    r.plan.arena && r.mode == Mode::Shared && !took && reading.is_some();
                 if could_cut {
                     Err(fail(format!(
                         "reader {id} detached although it could be cut: {r:?}"
@@ -811,7 +813,11 @@ impl Replays for SimReplays<'_> {
     fn merged(&mut self, id: ConsumerId, how: Merged) {
         match how {
             Merged::At(at) => {
-                self.sim.tally.merged_past_end += u64::from(self.sim.shape.past_end(at));
+                self.rejoined(id, at);
+            }
+            // (The hub tells it the stream ended.)
+            Merged::End(at) => {
+                self.sim.tally.merged_past_end += 1;
                 self.rejoined(id, at);
             }
             Merged::Rotated { at, point } => {
@@ -1508,22 +1514,15 @@ impl Sim {
     /// the next comes, in a window of one, waits for itself), but for a
     /// hoarder's kept batches (it may read nothing more, by its own
     /// doing). Without a limit a stopped holder may hold the ring
-    /// forever, which the rules allow. One way of being stuck is known and
-    /// open ([`Sim::replay_ahead_of_idle_ring`]): counted, not failed.
+    /// forever, which the rules allow.
     fn drain(&mut self, sc: &Schedule) -> Result<(), TestCaseError> {
-        // (After a restart every resumer starts cut, nobody reading the
-        // shared stream: the known gap below, whatever else happens.)
-        let (Some(epochs), Some(_), None) = (sc.shape.epochs, sc.limit, sc.restart_at) else {
+        let (Some(epochs), Some(_)) = (sc.shape.epochs, sc.limit) else {
             return Ok(());
         };
         const STEP: u64 = 20;
-        // How long every reader left must stand in a known gap before it
-        // is counted as stuck there.
-        const SETTLED: u64 = 5_000;
         self.time.draining = true;
         let units = epochs * sc.shape.bpe * (sc.plans.len() as u64 + 1);
         let deadline = self.time.now + 10_000 + units * 2 * 800;
-        let mut in_gaps_since: Option<(u64, u64)> = None;
         loop {
             let left: Vec<ConsumerId> = self
                 .readers
@@ -1533,20 +1532,6 @@ impl Sim {
                 .collect();
             if self.pending.is_empty() && left.is_empty() {
                 return Ok(());
-            }
-            let head = self.hub.view().ring().head();
-            if self.pending.is_empty() && left.iter().all(|&id| self.replay_ahead_of_idle_ring(id))
-            {
-                // (Since when, at which head: the ring must stand still.)
-                let (since, at) = *in_gaps_since.get_or_insert((self.time.now, head));
-                if at != head {
-                    in_gaps_since = None;
-                } else if self.time.now >= since + SETTLED {
-                    self.tally.stuck_ahead += left.len() as u64;
-                    return Ok(());
-                }
-            } else {
-                in_gaps_since = None;
             }
             if self.time.now >= deadline {
                 let state: Vec<_> = left
@@ -1565,22 +1550,6 @@ impl Sim {
             }
             self.step(STEP)?;
         }
-    }
-
-    /// A known, open gap of the rules: reader `id`, cut, has a replay
-    /// that ran past the ring's next unit while the ring makes nothing
-    /// (nobody reads the shared stream: the others left or were cut; or
-    /// the one reading it waits for a batch it keeps itself): the replay
-    /// stands where the ring holds nothing to merge into, and on a finite
-    /// stream it is never told the stream ended. (Its replay was made
-    /// ahead of it before it read any, so no merge round met it at the
-    /// ring's head; or the ring stood still.) The drain counts it once
-    /// the ring's head has not moved for a while.
-    fn replay_ahead_of_idle_ring(&self, id: ConsumerId) -> bool {
-        let view = self.hub.view();
-        matches!(self.readers[&id].mode, Mode::Replaying { cursor, .. }
-            if !view.exhausted()
-                && view.ring().seq_of(cursor.epoch, cursor.sample).is_none())
     }
 
     /// No reader waits for data with the ring full past the bound.
@@ -1887,12 +1856,9 @@ struct Tally {
     bounded_waits: u64,
     moves: Moves,
     /// Readers of a finite stream told it ended that left; of those
-    /// replayed, merged where it ends (their replay past its last epoch).
+    /// replayed, whose replay read to its end (past its last epoch).
     ended: u64,
     merged_past_end: u64,
-    /// Readers left in the known gap at a stream's end
-    /// ([`Sim::replay_ahead_of_idle_ring`]).
-    stuck_ahead: u64,
 }
 
 /// Readers that joined `now` with something to replay, counted.
@@ -1970,7 +1936,7 @@ macro_rules! summed {
 }
 
 summed! {
-    Tally { cuts, joins, resumed, detaches, merges, rotations, bounded_waits, moves, ended, merged_past_end, stuck_ahead }
+    Tally { cuts, joins, resumed, detaches, merges, rotations, bounded_waits, moves, ended, merged_past_end }
     Cuts { all, member, socket, own_size, dealt, member_own_size }
     Joins { cut, caught_up, own_size, dealt, socket, member, dealt_late }
     Rotations { all, own_size, member, starts }
