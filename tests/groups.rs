@@ -494,10 +494,11 @@ fn a_member_coming_back_to_a_held_seat_asks_again_until_it_is_free() {
     assert_eq!(runs(&r), BTreeMap::from([(0, want.clone()), (1, want)]));
 }
 
-#[test]
-fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
+/// A decoupled stream of 203 samples in units of 8, 2 epochs, a ring of
+/// 12, for members of 2 ranks (`Deal::new(203, 8, (rank, 2, 1), false)`).
+fn decoupled_members_env() -> Env {
     let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
-    let env = Env::start(
+    Env::start(
         &StreamToml::synthetic("train", 8, 203, &fields)
             .epochs(2)
             .key("seed", 9)
@@ -506,7 +507,12 @@ fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
             .fill("full")
             .raw("pace = \"decoupled\"")
             .to_toml(),
-    );
+    )
+}
+
+#[test]
+fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
+    let env = decoupled_members_env();
     // A plain consumer reads on; two members join now, mid-stream, and
     // are replayed their share of the epoch in progress. (A member that
     // falls a ring behind, as a machine busy with the whole suite may make
@@ -550,17 +556,7 @@ fn on_a_decoupled_stream_members_joining_now_are_replayed_their_share() {
 /// it where a member began late on a busy machine).
 #[test]
 fn on_a_decoupled_stream_a_member_replayed_past_the_end_is_told_it_ended() {
-    let fields: [(&str, &str, &[u64]); 1] = [("x", "u8", &[16])];
-    let env = Env::start(
-        &StreamToml::synthetic("train", 8, 203, &fields)
-            .epochs(2)
-            .key("seed", 9)
-            .key("slots", 12)
-            .key("min_consumers", 1)
-            .fill("full")
-            .raw("pace = \"decoupled\"")
-            .to_toml(),
-    );
+    let env = decoupled_members_env();
     // A plain consumer stops 7 units before the end, which the ring keeps
     // for it: every epoch is made, and a joiner `now` begins in the last.
     let last = ["--stall-after", "45", "--stall-ms", "120000"];

@@ -255,9 +255,9 @@ mod tests {
     use super::*;
     use crate::hub::{HubConfig, Outbound};
 
-    /// A stream of 2 epochs of 4 units, read whole by one reader while a
-    /// second one is cut: every epoch made, nothing held.
-    fn ended_with_one_cut() -> (Hub, ConsumerId) {
+    /// A stream of 2 epochs of 4 units and two readers, the second cut;
+    /// the first reads up to `units` of it.
+    fn one_cut(units: u64) -> (Hub, ConsumerId, ConsumerId) {
         let mut hub = Hub::new(HubConfig {
             slots: 4,
             batches_per_epoch: 4,
@@ -268,10 +268,18 @@ mod tests {
         let (a, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
         let (b, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
         hub.cut(b, &[]).unwrap();
-        while let Some(w) = hub.start_batch() {
+        for _ in 0..units {
+            let Some(w) = hub.start_batch() else { break };
             hub.finish_batch(w.seq, 1);
             hub.release(a, w.seq).unwrap();
         }
+        (hub, a, b)
+    }
+
+    /// The stream read whole by one reader while a second one is cut:
+    /// every epoch made, nothing held.
+    fn ended_with_one_cut() -> (Hub, ConsumerId) {
+        let (mut hub, _, b) = one_cut(u64::MAX);
         assert!(hub.view().exhausted());
         hub.take_outbound();
         (hub, b)
@@ -298,21 +306,7 @@ mod tests {
     fn a_replay_past_the_end_of_a_ring_that_stands_still_ends_its_stream() {
         // The ring made 2 of 8 units and stands (its only other reader
         // left); the cut one's replay read both epochs.
-        let mut hub = Hub::new(HubConfig {
-            slots: 4,
-            batches_per_epoch: 4,
-            epochs: Some(2),
-            lag_limit: None,
-            min_consumers: 1,
-        });
-        let (a, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
-        let (b, _) = hub.join(1, JoinPolicy::Immediate).unwrap();
-        hub.cut(b, &[]).unwrap();
-        for _ in 0..2 {
-            let w = hub.start_batch().unwrap();
-            hub.finish_batch(w.seq, 1);
-            hub.release(a, w.seq).unwrap();
-        }
+        let (mut hub, a, b) = one_cut(2);
         hub.leave(a);
         assert!(!hub.view().exhausted() && !hub.view().wants_batches());
         let end = Position {
