@@ -254,6 +254,7 @@ impl Env {
             stand_in,
         )
         .unwrap_or_else(|e| panic!("broker failed to start: {e}"));
+        HERE.with(|h| *h.borrow_mut() = Some(dir.path().to_path_buf()));
         Env {
             broker,
             dir,
@@ -312,23 +313,7 @@ impl Env {
     /// The end of what the consumers started here and the brokers said
     /// (their stderr and logs), for a failure's message.
     pub fn what_they_said(&self) -> String {
-        let tail = |path: &Path, lines: usize| {
-            let text = std::fs::read_to_string(path).unwrap_or_default();
-            let all: Vec<&str> = text.lines().collect();
-            all[all.len().saturating_sub(lines)..].join("\n")
-        };
-        let mut out = String::new();
-        let n = self.consumers.load(std::sync::atomic::Ordering::Relaxed);
-        for k in 0..n {
-            let said = tail(&self.path(&format!("consumer-{k}.stderr")), 12);
-            out += &format!("--- consumer {k} said:\n{said}\n");
-        }
-        for log in ["broker.log", "broker-again.log"] {
-            if self.path(log).exists() {
-                out += &format!("--- {log}, its end:\n{}\n", tail(&self.path(log), 25));
-            }
-        }
-        out
+        said_in(self.dir.path())
     }
 
     /// Makes a child the test started its own: killed and reaped when
@@ -526,9 +511,47 @@ pub fn dumped_i64_by_epoch(dir: &Path, field: &str) -> std::collections::BTreeMa
     out
 }
 
-/// A consumer process's report, once it has exited (bounded).
+/// A consumer process's report, once it has exited (bounded); when it
+/// gives none (hung past the limit and killed, or crashed), the panic
+/// carries what the consumers and the broker of this thread's test
+/// environment said (CI once showed only "no report").
 pub fn report(child: std::process::Child) -> ConsumerReport {
-    harness::wait_report(child, LIMIT).unwrap()
+    harness::wait_report(child, LIMIT).unwrap_or_else(|e| {
+        let said = HERE.with(|h| h.borrow().as_deref().map(said_in).unwrap_or_default());
+        panic!("{e}\n{said}")
+    })
+}
+
+thread_local! {
+    /// The folder of the environment this test thread started last (a
+    /// test runs on a thread of its own): where [`report`] finds what
+    /// was said.
+    static HERE: std::cell::RefCell<Option<PathBuf>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The end of what each consumer started in `dir` said on stderr, and of
+/// the broker's logs there.
+fn said_in(dir: &Path) -> String {
+    let tail = |path: &Path, lines: usize| {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    };
+    let mut out = String::new();
+    for k in 0.. {
+        let path = dir.join(format!("consumer-{k}.stderr"));
+        if !path.exists() {
+            break;
+        }
+        out += &format!("--- consumer {k} said:\n{}\n", tail(&path, 12));
+    }
+    for log in ["broker.log", "broker-again.log"] {
+        let path = dir.join(log);
+        if path.exists() {
+            out += &format!("--- {log}, its end:\n{}\n", tail(&path, 25));
+        }
+    }
+    out
 }
 
 /// SIGKILLs a consumer process (a trainer dying mid-step) and reaps it.
