@@ -205,24 +205,16 @@ fn rotated_starts(r: &mut impl Replays, clock: impl Fn() -> Instant) {
     }
 }
 
-/// Merges consumer `c` back, or rotates it, where the rule says.
+/// Merges consumer `c` back, rotates it, or ends its stream, where the
+/// rule says.
 fn merge(r: &mut impl Replays, c: Replaying, shape: Shape) -> bool {
     let hub = r.hub();
-    let (seq, through, how) = match merge_rule(hub, c.id, c.cursor, shape.unit, c.rotation) {
+    let (done, how) = match merge_rule(hub, c.id, c.cursor, shape.unit, c.rotation) {
         Merge::Wait => return false,
-        Merge::End => {
-            return match r.hub().end_replayed(c.id) {
-                Ok(()) => {
-                    r.merged(c.id, Merged::End(c.cursor));
-                    true
-                }
-                Err(e) => {
-                    r.refused(c.id, e);
-                    false
-                }
-            };
+        Merge::End => (hub.end_replayed(c.id), Merged::End(c.cursor)),
+        Merge::At { seq, through } => {
+            (hub.rejoin_through(c.id, seq, through), Merged::At(c.cursor))
         }
-        Merge::At { seq, through } => (seq, through, Merged::At(c.cursor)),
         Merge::Rotate if !c.may_rotate => return false,
         Merge::Rotate => {
             let at = (c.batch, shape.unit);
@@ -233,10 +225,10 @@ fn merge(r: &mut impl Replays, c: Replaying, shape: Shape) -> bool {
                 at: c.cursor,
                 point,
             };
-            (seq, Some(c.cursor.epoch), how)
+            (hub.rejoin_through(c.id, seq, Some(c.cursor.epoch)), how)
         }
     };
-    match r.hub().rejoin_through(c.id, seq, through) {
+    match done {
         Ok(()) => {
             r.merged(c.id, how);
             true
