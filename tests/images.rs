@@ -812,13 +812,15 @@ fn tar_shards_cache_and_multi_host_split() {
             "wds",
             &shards,
             t,
-            "epochs = 2\ndrop_last = false\ncache_mib = 64",
+            // The cache of encoded bytes alone: kept decoded images would
+            // leave it nothing to serve in epoch 2.
+            "epochs = 2\ndrop_last = false\ncache_mib = 64\ndecoded_cache_mib = 0",
         ),
         stream(
             "tiny_cache",
             &folder(&env.p("ds")),
             t,
-            "epochs = 2\ndrop_last = false\ncache_mib = 1",
+            "epochs = 2\ndrop_last = false\ncache_mib = 1\ndecoded_cache_mib = 0",
         ),
         stream(
             "rank0",
@@ -1276,13 +1278,13 @@ fn a_hosts_share_comes_from_the_environment_so_one_config_serves_every_node() {
     assert!(err.contains("unknown preset \"mpi\""), "{err}");
 }
 
-/// Decoded images kept for later epochs (`decoded_cache_mib`): bytes that
-/// depend on the configuration only (the same whether the cache holds
-/// every image, or a few and the rest are decoded only where their crop
-/// reads), at full size the bytes of a full-size decode,
-/// every image of later epochs a hit where it fits, its budget taken from
-/// the broker's memory budget, and refused with the key named where it
-/// cannot work.
+/// Decoded images kept for later epochs: at the defaults the broker sizes
+/// the cache itself (and says what it chose and why), and the bytes are a
+/// stream's without the cache whatever it holds (all, a few, nothing); with
+/// `decoded_side` they are other bytes, the same again whatever fits. Every
+/// image of later epochs a hit where it fits, its budget taken from the
+/// broker's memory budget, and refused with the key named where it cannot
+/// work.
 #[test]
 fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     let mut env = Env::new();
@@ -1291,16 +1293,26 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     let t = "random_resized_crop = { size = 24 }\nhorizontal_flip = 0.5\ndtype = \"u8\"";
     let two = "seed = 3\nepochs = 2\ndrop_last = false";
     let cfg = [
+        // Nothing set: the broker keeps them.
+        ("auto", two.to_string()),
+        ("kept_few", format!("{two}\ndecoded_cache_mib = 1")),
         (
-            "kept",
+            "off",
+            format!("{two}\ndecoded_cache_mib = 0\ncache_mib = 0"),
+        ),
+        (
+            "side",
             format!("{two}\ndecoded_cache_mib = 64\ndecoded_side = 40"),
         ),
         (
-            "kept_few",
+            "side_few",
             format!("{two}\ndecoded_cache_mib = 1\ndecoded_side = 40"),
         ),
-        ("kept_full", format!("{two}\ndecoded_cache_mib = 64")),
         ("full_size", format!("{two}\nreduced_decode = false")),
+        (
+            "full_off",
+            format!("{two}\nreduced_decode = false\ndecoded_cache_mib = 0"),
+        ),
     ]
     .iter()
     .map(|(name, extra)| stream(name, &folder(&root), t, extra))
@@ -1309,8 +1321,9 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     env.start(&cfg);
     let before = env.stats().memory;
     // Each cache's budget was taken from the broker's when its stream
-    // started: 64 + 1 + 64 MiB more than the arenas alone.
-    assert!(before.arenas_bytes >= (129 << 20), "{before:?}");
+    // started: 64 + 1 + 1 MiB and what the broker chose, more than the
+    // arenas alone.
+    assert!(before.arenas_bytes >= (66 << 20), "{before:?}");
     let digests = |env: &Env, name: &str| {
         let r = env.consume(&["--stream", name, "--digest"]);
         assert!(r.ok && r.ended && r.epochs.len() == 2, "{r:#?}");
@@ -1327,11 +1340,19 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
             .map(|e| e.digest.clone().unwrap())
             .collect::<Vec<_>>()
     };
-    let kept = digests(&env, "kept");
-    assert_eq!(kept, digests(&env, "kept_few"), "what fits changes no byte");
+    let off = digests(&env, "off");
     assert_eq!(
-        digests(&env, "kept_full"),
+        digests(&env, "auto"),
+        off,
+        "kept by the broker: no byte changes"
+    );
+    assert_eq!(digests(&env, "kept_few"), off, "what fits changes no byte");
+    let side = digests(&env, "side");
+    assert_eq!(side, digests(&env, "side_few"), "what fits changes no byte");
+    assert_ne!(side, off, "decoded_side keeps other scales: other bytes");
+    assert_eq!(
         digests(&env, "full_size"),
+        digests(&env, "full_off"),
         "kept at full size: a full-size decode's bytes"
     );
     let st = env.stats();
@@ -1343,17 +1364,40 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
             .and_then(|s| s.decoded_cache.clone())
             .unwrap_or_else(|| panic!("{name} has a decoded cache"))
     };
-    let k = cache("kept");
+    // At the defaults the broker sizes the cache once the pipeline read
+    // its first 32 images (those are kept from the next epoch on): every
+    // other image of the later epoch is a hit at full size, and at the
+    // scales its crops decoded at before, where the first epoch's crop
+    // chose the same scale.
+    let sampled = 32.min(n);
+    let full = cache("full_size");
+    assert_eq!(
+        (full.misses, full.hits, full.items),
+        (n, n - sampled, n),
+        "{full:?}"
+    );
+    let auto = cache("auto");
+    assert!(
+        auto.hits > 0 && auto.items >= n && auto.hits + auto.misses == 2 * n - sampled,
+        "{auto:?}"
+    );
+    assert!(
+        auto.budget >= auto.bytes && auto.budget >= (1 << 20),
+        "{auto:?}"
+    );
+    let k = cache("side");
     assert_eq!((k.misses, k.hits, k.items), (n, n, n), "{k:?}");
     assert!(k.bytes > 0 && k.budget == 64 << 20, "{k:?}");
-    let few = cache("kept_few");
-    assert!(
-        few.bytes <= 1 << 20 && few.items < n && few.items == few.hits,
-        "MinIO, and images it had no room for: {few:?}"
-    );
+    for name in ["kept_few", "side_few"] {
+        let few = cache(name);
+        assert!(
+            few.bytes <= 1 << 20 && few.items < n && few.hits <= few.items,
+            "MinIO, and images it had no room for: {few:?}"
+        );
+    }
     for s in &st.streams {
         let on = s.source.as_ref().unwrap().decoded_cache.is_some();
-        assert_eq!(on, s.name.starts_with("kept"), "{}", s.name);
+        assert_eq!(on, !s.name.ends_with("off"), "{}", s.name);
         // Where the pipeline's time went: every stage took some.
         let t = s.source.as_ref().unwrap().stages;
         assert!(
@@ -1373,19 +1417,34 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
         .arg(env.path("b.sock")));
     let table = String::from_utf8_lossy(&table.stdout);
     assert!(table.contains("per image: read "), "{table}");
-    // What keeping them costs is said once per stream at start, and
-    // where they are kept at full size, how to keep them smaller.
+    // What keeping them costs is said once per stream at start: where the
+    // config sized the cache, how to keep them smaller; where the broker
+    // did, what it chose and why.
     let log = env.log();
-    let said = |stream: &str| {
+    let said = |stream: &str, what: &str| {
         log.lines()
-            .find(|l| l.contains("keeping decoded images in up to") && l.contains(stream))
+            .find(|l| {
+                l.contains(what)
+                    && (l.contains(&format!("stream={stream}"))
+                        || l.contains(&format!("stream `{stream}`")))
+            })
             .unwrap_or_else(|| panic!("nothing said for {stream}: {log}"))
             .to_string()
     };
-    assert!(said("kept_full").contains("set decoded_side"));
-    assert!(said("kept_few").contains("at least 40 px"));
-    // A side without a cache is refused, naming both keys.
-    let err = env.serve_fails(&stream("s", &folder(&root), t, "decoded_side = 64"));
+    assert!(said("kept_few", "keeping decoded images in up to").contains("set decoded_side"));
+    assert!(said("side_few", "keeping decoded images in up to").contains("at least 40 px"));
+    let chose = said("auto", "caches sized by the broker");
+    assert!(
+        chose.contains("holds them all") && chose.contains("cache_mib = 0: its files"),
+        "{chose}"
+    );
+    // A side with the cache off is refused, naming both keys.
+    let err = env.serve_fails(&stream(
+        "s",
+        &folder(&root),
+        t,
+        "decoded_side = 64\ndecoded_cache_mib = 0",
+    ));
     assert!(
         err.contains("decoded_side") && err.contains("decoded_cache_mib"),
         "{err}"
@@ -1464,13 +1523,17 @@ fn a_prepared_copy_streams_the_originals_bytes() {
             (n - 1) / 10
         )
     };
+    // The crops without kept images (a dataset the cache cannot hold):
+    // an image kept is decoded whole, never cut. The eval streams at the
+    // defaults.
+    let uncached = format!("{two}\ndecoded_cache_mib = 0");
     let cfg = [
-        stream("crop", &folder(&root), crop, two),
-        stream("crop_prepared", &folder(&copy), crop, two),
+        stream("crop", &folder(&root), crop, &uncached),
+        stream("crop_prepared", &folder(&copy), crop, &uncached),
         stream("eval", &folder(&root), &eval, two),
         stream("eval_prepared", &folder(&copy), &eval, two),
-        stream("wds", &wds("shards"), crop, two),
-        stream("wds_prepared", &wds("shards2"), crop, two),
+        stream("wds", &wds("shards"), crop, &uncached),
+        stream("wds_prepared", &wds("shards2"), crop, &uncached),
     ]
     .join("\n");
     env.start(&cfg);

@@ -291,6 +291,11 @@ fn shard_stream(name: &str, pattern: &str, extra: &str) -> String {
     )
 }
 
+/// The caches off, for a stream whose reads of every epoch a test counts:
+/// at the defaults the broker keeps a remote dataset's files and decoded
+/// images, and a later epoch reads little.
+const UNCACHED: &str = "cache_mib = 0\ndecoded_cache_mib = 0";
+
 fn remote(endpoint: &str, keys: &str) -> String {
     format!("[stream.remote]\nendpoint = \"{endpoint}\"\n{keys}\n")
 }
@@ -380,9 +385,12 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         folder_stream(
             "s3",
             "s3://data/train/",
-            &remote(
-                &s3,
-                &format!("cache_dir = \"{cache}\"\ncache_dir_mib = 256\nread_ahead = 16"),
+            &format!(
+                "{UNCACHED}\n{}",
+                remote(
+                    &s3,
+                    &format!("cache_dir = \"{cache}\"\ncache_dir_mib = 256\nread_ahead = 16"),
+                )
             ),
         ),
         stream(
@@ -391,7 +399,7 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
                 "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
                 http.url()
             ),
-            "",
+            UNCACHED,
         ),
         // No manifest: a WebDAV server lists the folder.
         stream(
@@ -403,7 +411,10 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         shard_stream(
             "s3_shards",
             &data.shard_pattern("s3://data/shards"),
-            &remote(&s3, "part_mib = 1\nread_ahead_mib = 8"),
+            &format!(
+                "{UNCACHED}\n{}",
+                remote(&s3, "part_mib = 1\nread_ahead_mib = 8")
+            ),
         ),
         shard_stream(
             "http_shards",
@@ -413,12 +424,15 @@ fn every_remote_form_gives_the_local_bytes_and_the_disk_tier_serves_a_restart() 
         shard_stream(
             "s3_shards_kept",
             &data.shard_pattern("s3://data/shards"),
-            &remote(
-                &s3,
-                &format!(
-                    "cache_dir = \"{}\"\ncache_dir_mib = 256\npart_mib = 1",
-                    data.p("cache_shards")
-                ),
+            &format!(
+                "{UNCACHED}\n{}",
+                remote(
+                    &s3,
+                    &format!(
+                        "cache_dir = \"{}\"\ncache_dir_mib = 256\npart_mib = 1",
+                        data.p("cache_shards")
+                    ),
+                )
             ),
         ),
     ]
@@ -1095,6 +1109,9 @@ fn a_store_echoing_credentials_in_a_huge_error_reaches_no_one_and_the_failure_is
 /// A manifest lists no ETags: the version of each object's first read is
 /// pinned, so an object replaced on the server later is a bad sample named
 /// by URL (for this broker's life), never other bytes in a later epoch.
+/// The caches are off here: one that kept the object (the defaults keep
+/// remote files and decoded images) serves it as first read, without
+/// asking the server again.
 #[test]
 fn an_object_replaced_behind_a_manifest_is_refused_not_served_changed() {
     let data = Data::new();
@@ -1105,7 +1122,7 @@ fn an_object_replaced_behind_a_manifest_is_refused_not_served_changed() {
             "[stream.image_folder]\nroot = \"{}/ds/\"\nmanifest = \"MANIFEST\"",
             http.url()
         ),
-        "epochs = 3\n[stream.remote]\nread_ahead = 0",
+        &format!("epochs = 3\n{UNCACHED}\n[stream.remote]\nread_ahead = 0"),
     );
     let b = Broker::start(&data.dir.path().join("b"), &cfg);
     let first = b.consume(&["--stream", "by_manifest", "--max-epochs", "1"]);

@@ -45,7 +45,7 @@ use anyhow::{Context, bail};
 use batchcast_broker::config::image_stream_toml;
 use batchcast_broker::pipeline::dataset::Dataset;
 use batchcast_broker::pipeline::transform::{Geometry, Transform};
-use batchcast_broker::pipeline::{ImagePipeline, OnError, SampleRules, Worker};
+use batchcast_broker::pipeline::{CacheSize, ImagePipeline, OnError, SampleRules, Worker};
 use batchcast_cli::harness::{self, BrokerProcess};
 use batchcast_cli::report::ConsumerReport;
 use clap::Parser;
@@ -79,6 +79,16 @@ struct Args {
     /// its crop-only rows, alternating with the dataset's
     #[arg(long)]
     prepared: Option<PathBuf>,
+    /// Only the caches the broker sizes itself: no keys set against the
+    /// caches off (the defaults before), with the memory budget of a
+    /// broker at its defaults and with `--small-budget-mib`, alternating,
+    /// medians of `--repeats`
+    #[arg(long)]
+    autosize: bool,
+    /// The small memory budget of `--autosize`, in MiB (the cache gets a
+    /// quarter of it)
+    #[arg(long, default_value_t = 128)]
+    small_budget_mib: u64,
 }
 
 /// How the native pipeline decodes a JPEG.
@@ -121,6 +131,7 @@ fn transform() -> Transform {
     }
 }
 
+#[derive(Clone)]
 struct Row {
     what: String,
     threads: usize,
@@ -137,8 +148,8 @@ fn rules(decode: Decode) -> SampleRules {
         max_file_bytes: u64::MAX,
         reduced_decode: decode != Decode::FullSize,
         crop_decode: decode == Decode::Crop,
-        cache_bytes: 0,
-        decoded_cache_bytes: 0,
+        cache: CacheSize::Bytes(0),
+        decoded_cache: CacheSize::Bytes(0),
         decoded_side: None,
     }
 }
@@ -191,7 +202,7 @@ fn kept(root: &Path, passes: usize, cache_bytes: u64, side: u32) -> anyhow::Resu
     let p = pipeline(
         root,
         SampleRules {
-            decoded_cache_bytes: cache_bytes,
+            decoded_cache: CacheSize::Bytes(cache_bytes),
             decoded_side: Some(side),
             ..rules(Decode::Crop)
         },
@@ -341,6 +352,93 @@ fn kept_rows(a: &Args, rows: &mut Vec<Row>) -> anyhow::Result<Vec<String>> {
     Ok(lines)
 }
 
+/// The pipeline with its caches left to the broker (`CacheSize::Auto`),
+/// sized from `budget_mib` of memory budget as a broker's stream start
+/// sizes them: its first epoch and the later ones apart, and what it chose.
+fn autosized(a: &Args, budget_mib: Option<u64>) -> anyhow::Result<(Row, Row, String)> {
+    use batchcast_broker::budget::Budget;
+    let rules = SampleRules {
+        cache: if budget_mib.is_some() {
+            CacheSize::Auto
+        } else {
+            CacheSize::Bytes(0)
+        },
+        decoded_cache: if budget_mib.is_some() {
+            CacheSize::Auto
+        } else {
+            CacheSize::Bytes(0)
+        },
+        ..rules(Decode::Crop)
+    };
+    let p = pipeline(&a.dataset, rules)?;
+    let budget = Budget::new(budget_mib.unwrap_or(0) << 20, 0);
+    p.reserve(&budget, 0, "stream `bench`")?;
+    let what = match budget_mib {
+        None => "caches off (the defaults before)".to_string(),
+        Some(m) => format!("caches sized by the broker, memory budget {m} MiB"),
+    };
+    let first = run(&p, 1, 0..1, &format!("{what}: first epoch"))?;
+    let later = run(&p, 1, 1..a.passes.max(2), &format!("{what}: later epochs"))?;
+    let chose = p.caches_chosen().unwrap_or_default();
+    Ok((first, later, chose))
+}
+
+/// `--autosize`: the table of [`autosized`] against the caches off, and
+/// the ratios the targets are stated in.
+fn autosize_main(a: &Args) -> anyhow::Result<()> {
+    let half_ram =
+        batchcast_broker::pipeline::autosize::meminfo("MemTotal").unwrap_or(8 << 30) >> 21;
+    let configs = [None, Some(half_ram), Some(a.small_budget_mib)];
+    let mut runs: Vec<Vec<(Row, Row)>> = vec![Vec::new(); configs.len()];
+    let mut chosen = vec![String::new(); configs.len()];
+    for _ in 0..a.repeats.max(1) {
+        for (i, c) in configs.iter().enumerate() {
+            let (first, later, chose) = autosized(a, *c)?;
+            runs[i].push((first, later));
+            chosen[i] = chose;
+        }
+    }
+    let rate = |r: &Row| r.images as f64 / r.wall;
+    let med = |rs: &[(Row, Row)], later: bool| -> Row {
+        let mut v: Vec<Row> = rs
+            .iter()
+            .map(|(f, l)| if later { l.clone() } else { f.clone() })
+            .collect();
+        v.sort_by(|x, y| rate(x).total_cmp(&rate(y)));
+        v.swap_remove(v.len() / 2)
+    };
+    println!(
+        "| pipeline (1 thread, median of {} by images/s) | images/s | CPU-ms per image | vs caches off, same epochs |",
+        a.repeats.max(1)
+    );
+    println!("|---|---:|---:|---:|");
+    let (off_first, off_later) = (med(&runs[0], false), med(&runs[0], true));
+    for rs in &runs {
+        for (r, base) in [(med(rs, false), &off_first), (med(rs, true), &off_later)] {
+            println!(
+                "| {} | {:.0} | {:.2} | {:.2}x |",
+                r.what,
+                rate(&r),
+                r.cpu * 1e3 / r.images as f64,
+                rate(&r) / rate(base)
+            );
+        }
+    }
+    println!();
+    for (i, c) in configs.iter().enumerate().skip(1) {
+        let (first, later) = (med(&runs[i], false), med(&runs[i], true));
+        println!(
+            "memory budget {} MiB: later epochs {:.2}x the first epoch's images/s; first epoch {:.2}x, later {:.2}x the caches-off rows'; chose: {}\n",
+            c.unwrap_or(0),
+            rate(&later) / rate(&first),
+            rate(&first) / rate(&off_first),
+            rate(&later) / rate(&off_later),
+            chosen[i]
+        );
+    }
+    Ok(())
+}
+
 /// Crop-only against whole-image decoding (and crop-only from the
 /// prepared copy, if given), alternating on one thread, `--repeats` runs
 /// each: the median rows (crop-only first, then 2 threads, then the
@@ -390,6 +488,9 @@ fn decode_rows(a: &Args) -> anyhow::Result<(Vec<Row>, Vec<String>, f64)> {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    if a.autosize {
+        return autosize_main(&a);
+    }
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = a.python.clone().unwrap_or(repo.join(".venv/bin/python"));
     let exe = harness::batchcast_exe(a.exe.as_deref())?;

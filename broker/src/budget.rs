@@ -24,6 +24,9 @@ pub enum Use {
     FrameBuffers,
     /// A consumer's replay arena (batches recomputed for it alone).
     Replay,
+    /// A source's decoded images kept for later epochs (shown in `stats`
+    /// with the arenas).
+    KeptImages,
 }
 
 impl Use {
@@ -38,6 +41,7 @@ impl Use {
             Use::Mailbox => "a mailbox",
             Use::FrameBuffers => "frame buffers",
             Use::Replay => "a replay arena",
+            Use::KeptImages => "a cache of decoded images",
         }
     }
 }
@@ -55,7 +59,7 @@ struct Held {
     guests: u64,
     /// The broker's own standing reservations ([`Use::FrameBuffers`]).
     reserved: u64,
-    by_use: [u64; 5],
+    by_use: [u64; 6],
     refused: u64,
 }
 
@@ -154,12 +158,27 @@ impl Budget {
         })
     }
 
+    /// The most [`Budget::take`] would give `uid` now for kept images
+    /// the broker sizes itself: within what `uid` may take, and within a
+    /// quarter of the budget for every stream's kept images together, so
+    /// caches nobody asked for never take what arenas, mailboxes and
+    /// replay arenas need.
+    pub fn room_for_caches(&self, uid: u32) -> u64 {
+        let held = self.lock();
+        let mut room = self.total.saturating_sub(held.used);
+        if uid != self.own_uid {
+            room = room.min(self.guest_share(&held).saturating_sub(held.guests));
+        }
+        let kept = held.by_use[Use::KeptImages.index()];
+        room.min((self.total / 4).saturating_sub(kept))
+    }
+
     pub fn stats(&self) -> MemoryStats {
         let held = self.lock();
         MemoryStats {
             budget_bytes: self.total,
             used_bytes: held.used,
-            arenas_bytes: held.by_use[Use::Arena.index()],
+            arenas_bytes: held.by_use[Use::Arena.index()] + held.by_use[Use::KeptImages.index()],
             gpu_arenas_bytes: held.by_use[Use::GpuArena.index()],
             mailboxes_bytes: held.by_use[Use::Mailbox.index()],
             frame_buffers_bytes: held.by_use[Use::FrameBuffers.index()],
@@ -263,5 +282,24 @@ mod tests {
         let o = b.take(1000, Use::Arena, 30 * MIB, "owner").unwrap();
         assert_eq!(b.stats().used_bytes, 100 * MIB);
         drop((g, o));
+    }
+
+    #[test]
+    fn caches_the_broker_sizes_take_at_most_a_quarter_of_the_budget_together() {
+        let b = Budget::new(400 * MIB, 1000);
+        assert_eq!(b.room_for_caches(1000), 100 * MIB);
+        let kept = b.take(1000, Use::KeptImages, 60 * MIB, "a").unwrap();
+        assert_eq!(b.room_for_caches(1000), 40 * MIB, "every stream's together");
+        let arena = b.take(1000, Use::Arena, 320 * MIB, "b").unwrap();
+        assert_eq!(b.room_for_caches(1000), 20 * MIB, "within what is left");
+        // Shown with the arenas.
+        assert_eq!(b.stats().arenas_bytes, 380 * MIB);
+        drop(kept);
+        assert_eq!(b.room_for_caches(1000), 80 * MIB);
+        drop(arena);
+        // A guest's: within its users' three quarters too.
+        let g = b.take(1001, Use::Arena, 280 * MIB, "guest").unwrap();
+        assert_eq!(b.room_for_caches(1001), 20 * MIB);
+        drop(g);
     }
 }

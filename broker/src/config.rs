@@ -43,9 +43,9 @@
 //! name = "imagenet"
 //! batch_size = 64
 //! on_error = "skip"     # or "fail"
-//! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off
-//! decoded_cache_mib = 0 # MinIO cache of decoded images (from the memory budget); 0 = off
-//! decoded_side = 256    # ... JPEGs kept at the DCT scale leaving the longer side >= this
+//! cache_mib = 4096      # MinIO cache of encoded bytes; 0 = off; absent: sized by the broker
+//! decoded_cache_mib = 0 # MinIO cache of decoded images (from the memory budget); 0 = off; absent: sized by the broker
+//! decoded_side = 256    # ... JPEGs kept at the DCT scale leaving the longer side >= this (changes bytes)
 //! max_file_bytes = 268435456   # larger samples are bad files
 //! rank = 0              # this host's share of a multi-host job; or
 //! world_size = 1        # { env = "VAR" }, "torchrun" or "slurm" (config/share.rs)
@@ -194,16 +194,17 @@ with_source_keys! {
         /// same bytes as decoding it all).
         #[serde(default = "yes")]
         crop_decode: bool,
-        /// Budget of the MinIO cache of encoded bytes, in MiB (0: no cache).
-        #[serde(default)]
-        cache_mib: u64,
-        /// Budget of the MinIO cache of decoded images, in MiB (0: none),
-        /// taken from the broker's memory budget. On, every JPEG is
-        /// decoded at its kept scale (other bytes than without).
-        #[serde(default)]
-        decoded_cache_mib: u64,
+        /// Budget of the MinIO cache of encoded bytes, in MiB (0: no
+        /// cache; absent: the broker sizes it, `pipeline::autosize`).
+        cache_mib: Option<u64>,
+        /// Budget of the MinIO cache of decoded images, in MiB (0: none;
+        /// absent: the broker sizes it), taken from the broker's memory
+        /// budget. Bytes as without it, unless `decoded_side` is set.
+        decoded_cache_mib: Option<u64>,
         /// JPEGs are kept at the largest DCT reduction that leaves the
-        /// longer side at least this; absent: at full size.
+        /// longer side at least this (every JPEG then decoded at its kept
+        /// scale: other bytes than without); absent: at the scale each
+        /// crop decodes at.
         decoded_side: Option<u32>,
         /// How a dataset in an object store or on an HTTP server is read
         /// (`[stream.remote]`; defaults when absent).

@@ -239,6 +239,9 @@ fn evidence(s: &StreamStats, r: &Rates, cores: usize) -> Vec<(String, String)> {
     if let Some(c) = r.replay_per_sample {
         evidence.push(("replay CPU per replayed sample".into(), us(c)));
     }
+    if let Some(why) = s.source.as_ref().and_then(|x| x.caches_chosen.as_ref()) {
+        evidence.push(("caches sized by the broker".into(), why.clone()));
+    }
     evidence
 }
 
@@ -662,27 +665,55 @@ mod tests {
             "{:?}",
             two.rate
         );
-        // Without a cache to suggest (it keeps decoded images already),
-        // the best is the second thread.
-        let mut kept = reply.clone();
-        let mut kept_before = earlier_reply.clone();
-        for st in [&mut kept, &mut kept_before] {
-            st.streams[0].source.as_mut().unwrap().decoded_cache =
-                Some(batchcast::proto::DecodedCacheStats::default());
-        }
-        let found = findings(&Window {
-            before: Some(&kept_before),
-            after: &kept,
-            dt: 1.0,
-            other: &|_| OtherCpu::default(),
-            cores: 2.0,
-        });
+        // Without a cache to suggest (it keeps its decoded images already:
+        // a cache not full), the best is the second thread; a full one
+        // (the broker sized it within its budget: it holds a part) leaves
+        // the suggestion, and what the broker chose is shown.
+        let with_cache = |bytes: u64| {
+            let mut kept = reply.clone();
+            let mut kept_before = earlier_reply.clone();
+            for st in [&mut kept, &mut kept_before] {
+                let src = st.streams[0].source.as_mut().unwrap();
+                src.decoded_cache = Some(batchcast::proto::DecodedCacheStats {
+                    bytes,
+                    budget: 64 << 20,
+                    ..Default::default()
+                });
+                src.caches_chosen = Some("decoded_cache_mib = 64: ...".into());
+            }
+            findings(&Window {
+                before: Some(&kept_before),
+                after: &kept,
+                dt: 1.0,
+                other: &|_| OtherCpu::default(),
+                cores: 2.0,
+            })
+            .remove(0)
+        };
+        let found = with_cache(1 << 20);
         assert!(
-            found[0]
+            found
                 .verdict
                 .contains("the model's best change: workers = 2"),
             "{}",
-            found[0].verdict
+            found.verdict
+        );
+        assert!(
+            found
+                .evidence
+                .iter()
+                .any(|(k, v)| k == "caches sized by the broker"
+                    && v.starts_with("decoded_cache_mib = 64")),
+            "{:?}",
+            found.evidence
+        );
+        let full = with_cache(64 << 20).model.unwrap();
+        assert!(
+            full.predictions
+                .iter()
+                .any(|p| p.what == "decoded_cache_mib that holds the dataset"),
+            "{:?}",
+            full.predictions
         );
     }
 

@@ -166,6 +166,9 @@ fn source_line(out: &mut String, src: &batchcast::proto::SourceStats) {
             k.budget as f64 / (1 << 20) as f64
         );
     }
+    if let Some(why) = &src.caches_chosen {
+        let _ = write!(out, "; caches sized by the broker: {why}");
+    }
     let st = &src.stages;
     if src.decoded > 0 {
         let per = |s: f64| 1e6 * s / src.decoded as f64;

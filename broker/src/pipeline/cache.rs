@@ -14,7 +14,9 @@ use std::sync::{Arc, RwLock};
 
 #[derive(Debug)]
 pub struct MinIoCache<V: ?Sized = [u8]> {
-    budget: u64,
+    /// Set once more at most, by the self-sizing caches when the stream
+    /// starts ([`MinIoCache::set_budget`]).
+    budget: AtomicU64,
     used: AtomicU64,
     items: RwLock<HashMap<u64, Arc<V>>>,
     hits: AtomicU64,
@@ -33,7 +35,7 @@ pub struct CacheCounts {
 impl<V: ?Sized> MinIoCache<V> {
     pub fn new(budget: u64) -> MinIoCache<V> {
         MinIoCache {
-            budget,
+            budget: AtomicU64::new(budget),
             used: AtomicU64::new(0),
             items: RwLock::new(HashMap::new()),
             hits: AtomicU64::new(0),
@@ -42,12 +44,7 @@ impl<V: ?Sized> MinIoCache<V> {
     }
 
     pub fn get(&self, index: u64) -> Option<Arc<V>> {
-        let hit = self
-            .items
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&index)
-            .cloned();
+        let hit = self.peek(index);
         let counter = if hit.is_some() {
             &self.hits
         } else {
@@ -57,14 +54,30 @@ impl<V: ?Sized> MinIoCache<V> {
         hit
     }
 
+    /// Counts a miss found without [`MinIoCache::get`] (its key was not
+    /// known before reading).
+    pub fn count_miss(&self) {
+        self.misses.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// What the cache holds at `index`, counted neither a hit nor a miss.
+    pub fn peek(&self, index: u64) -> Option<Arc<V>> {
+        self.items
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&index)
+            .cloned()
+    }
+
     /// Admits `value`, `len` bytes, if it fits in what is left of the
     /// budget (`make` is called only then).
     pub(crate) fn offer_with(&self, index: u64, len: u64, make: impl FnOnce() -> Arc<V>) {
         // Reserve first so concurrent offers never overshoot the budget.
+        let budget = self.budget();
         let reserved = self
             .used
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
-                (u + len <= self.budget).then_some(u + len)
+                (u + len <= budget).then_some(u + len)
             })
             .is_ok();
         if !reserved {
@@ -80,12 +93,19 @@ impl<V: ?Sized> MinIoCache<V> {
     /// Whether `len` bytes more would be admitted now (another thread may
     /// take the room first: `offer_with` decides).
     pub fn has_room(&self, len: u64) -> bool {
-        self.used.load(Ordering::Relaxed).saturating_add(len) <= self.budget
+        self.used.load(Ordering::Relaxed).saturating_add(len) <= self.budget()
     }
 
     /// The bytes it may hold.
     pub fn budget(&self) -> u64 {
-        self.budget
+        self.budget.load(Ordering::Relaxed)
+    }
+
+    /// Sets the bytes it may hold (a self-sized cache, when its stream
+    /// starts). Never below what it holds: nothing is evicted.
+    pub fn set_budget(&self, budget: u64) {
+        let held = self.used.load(Ordering::Relaxed);
+        self.budget.store(budget.max(held), Ordering::Relaxed);
     }
 
     pub fn counts(&self) -> CacheCounts {
@@ -94,7 +114,7 @@ impl<V: ?Sized> MinIoCache<V> {
             misses: self.misses.load(Ordering::Relaxed),
             bytes: self.used.load(Ordering::Relaxed),
             items: self.items.read().unwrap_or_else(|p| p.into_inner()).len() as u64,
-            budget: self.budget,
+            budget: self.budget(),
         }
     }
 }

@@ -7,6 +7,7 @@
 //! logged once with the reason; with `"fail"` the stream stops and every
 //! consumer is told which file and why.
 
+pub mod autosize;
 pub mod cache;
 pub(crate) mod collate;
 pub mod dataset;
@@ -24,10 +25,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Deserialize;
 
+pub use autosize::CacheSize;
 use cache::CacheCounts;
 use dataset::Dataset;
 use decode::{DecodeError, Decoder, Format, Header, Region, Rgb};
-use shared::{Claim, DecodeShare, Dims, ShareCounts, SourceFiles, SourceShare};
+use shared::{Claim, DecodeShare, ShareCounts, SourceFiles, SourceShare};
 use stages::Stage;
 use transform::{Lut, Scratch, Transform};
 
@@ -96,6 +98,8 @@ pub struct PipelineCounts {
     pub stages: [f64; 3],
     /// CPU seconds of the read stage.
     pub read_cpu_s: f64,
+    /// What the broker chose for the caches the config left out, and why.
+    pub caches_chosen: Option<String>,
 }
 
 /// How samples are read and decoded, and what a bad one does: the plan
@@ -112,11 +116,11 @@ pub struct SampleRules {
     /// Decode only the region of a JPEG the transform reads (the same
     /// bytes as a whole decode: `Transform::decode_region`).
     pub crop_decode: bool,
-    /// Budget of the cache of encoded bytes (0: none).
-    pub cache_bytes: u64,
-    /// Budget of the cache of decoded images (0: none): with it, samples
-    /// are transformed from kept images ([`kept`]).
-    pub decoded_cache_bytes: u64,
+    /// Budget of the cache of encoded bytes.
+    pub cache: CacheSize,
+    /// Budget of the cache of decoded images: with one, samples are
+    /// transformed from kept images ([`kept`]).
+    pub decoded_cache: CacheSize,
     /// The least longer side JPEGs are kept at (`None`: full size).
     pub decoded_side: Option<u32>,
 }
@@ -162,6 +166,14 @@ impl Worker {
     }
 }
 
+/// A decoded image's size and format, known without decoding it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub width: u32,
+    pub height: u32,
+    pub format: Format,
+}
+
 /// Where a sample lies in its source's sequence (`epoch × samples per
 /// epoch + position`), for a stream on a shared source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,10 +205,7 @@ impl ImagePipeline {
     ) -> ImagePipeline {
         let files = match &share {
             Some((s, _)) => s.files.clone(),
-            None => Arc::new(SourceFiles::new(
-                rules.cache_bytes,
-                rules.decoded_cache_bytes,
-            )),
+            None => Arc::new(SourceFiles::new(rules.cache, rules.decoded_cache)),
         };
         ImagePipeline {
             lut: Lut::new(&transform),
@@ -221,8 +230,8 @@ impl ImagePipeline {
             reduced: self.reduced.load(Ordering::Relaxed),
             in_part: self.in_part.load(Ordering::Relaxed),
             cut: self.cut.load(Ordering::Relaxed),
-            cache: self.files.cache.as_ref().map(|c| c.counts()),
-            kept: self.files.kept.as_ref().map(|k| k.cache.counts()),
+            cache: self.files.cache.get().map(|c| c.counts()),
+            kept: self.files.kept.get().map(|k| k.cache.counts()),
             shared: self
                 .share
                 .as_ref()
@@ -230,6 +239,7 @@ impl ImagePipeline {
             remote: self.dataset.remote.as_ref().map(|r| r.counts()),
             stages: self.stages.seconds(),
             read_cpu_s: self.stages.read_cpu_seconds(),
+            caches_chosen: self.caches_chosen(),
         }
     }
 
@@ -349,12 +359,7 @@ impl ImagePipeline {
             })
             .map_err(decode_err)?;
         self.count_decode(scale.0, rgb);
-        // Only what decoded is worth keeping.
-        if cached.is_none()
-            && let Some(c) = &self.files.cache
-        {
-            c.offer(index, bytes);
-        }
+        self.offer_encoded(index, cached.is_none(), bytes);
         Ok(match claim {
             Claim::Mine(ticket) => {
                 let img = Arc::new(fresh);
@@ -363,6 +368,33 @@ impl ImagePipeline {
             }
             _ => None,
         })
+    }
+
+    /// The scale sample `position` (image `dims`, its transform `plan`)
+    /// is decoded at: a JPEG's the DCT reduction its crop allows (with
+    /// `reduced_decode`), on a `shared` source deciding once the finest
+    /// of its streams'; every other image at full size.
+    fn scale_of(
+        &self,
+        shared: Option<&SourceShare>,
+        (epoch, position): (u64, u64),
+        dims: Dims,
+        plan: &transform::Plan,
+    ) -> u32 {
+        match shared {
+            _ if !self.rules.reduced_decode || dims.format != Format::Jpeg => 1,
+            Some(s) if s.plan.policy == DecodeShare::Once => s.finest(epoch, position, dims),
+            _ => self.transform.reduction(plan, dims.width, dims.height),
+        }
+    }
+
+    /// Offers `bytes`, sample `index`'s file just read (`fresh`: not from
+    /// the cache) and decoded, to the cache of encoded bytes, if on.
+    fn offer_encoded(&self, index: u64, fresh: bool, bytes: &[u8]) {
+        // Only what decoded is worth keeping.
+        if fresh && let Some(c) = self.files.cache.get() {
+            c.offer(index, bytes);
+        }
     }
 
     /// Counts a decode run, at `1/denom`, into `img`.
@@ -389,7 +421,8 @@ impl ImagePipeline {
         uid: u32,
         whom: &str,
     ) -> Result<(), crate::budget::OverBudget> {
-        match &self.files.kept {
+        self.size_caches_later(budget, uid, whom);
+        match self.files.kept.get() {
             Some(k) => k.reserve(budget, uid, whom),
             None => Ok(()),
         }
@@ -406,13 +439,19 @@ impl ImagePipeline {
                 path: self.dataset.describe(index),
                 source,
             })?;
+        let dims = Dims {
+            width: h.width,
+            height: h.height,
+            format: h.format,
+        };
+        self.saw(index, dims, bytes.len() as u64);
         Ok((cached, h))
     }
 
     /// Reads sample `index`'s bytes: from the cache (returned), or into
     /// `w.bytes`.
     fn read(&self, w: &mut Worker, index: u64) -> Result<Option<Arc<[u8]>>, SampleError> {
-        if let Some(b) = self.files.cache.as_ref().and_then(|c| c.get(index)) {
+        if let Some(b) = self.files.cache.get().and_then(|c| c.get(index)) {
             return Ok(Some(b));
         }
         self.dataset
@@ -436,10 +475,10 @@ impl ImagePipeline {
         place: Option<Place>,
         out: &mut [u8],
     ) -> Result<(), SampleError> {
-        if let Some(kept) = &self.files.kept {
+        if let Some(kept) = self.files.kept.get() {
             // Kept images stand in for decodes (a source's streams share
             // them through the cache, not by place).
-            return self.fill_kept(w, kept, (epoch, position, index), out);
+            return self.fill_kept(w, kept, (epoch, position, index, place), out);
         }
         let path = || self.dataset.describe(index);
         // Only a sample in its own place is shared (a replacement is not
@@ -464,13 +503,7 @@ impl ImagePipeline {
         };
         let mut rng = self.transform.rng(epoch, position);
         let plan = self.transform.plan(dims.width, dims.height, &mut rng);
-        let denom = match shared {
-            _ if !self.rules.reduced_decode || dims.format != Format::Jpeg => 1,
-            Some((s, _, _)) if s.plan.policy == DecodeShare::Once => {
-                s.finest(epoch, position, dims)
-            }
-            _ => self.transform.reduction(&plan, dims.width, dims.height),
-        };
+        let denom = self.scale_of(shared.map(|(s, _, _)| &**s), (epoch, position), dims, &plan);
         let claim = match shared {
             Some((s, m, p)) => s.claim(m, p.at, index, dims, denom, !p.replay),
             None => Claim::Alone,

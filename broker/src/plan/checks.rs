@@ -361,20 +361,14 @@ pub(super) fn check_limits(s: &StreamConfig) -> Result<(), StreamError> {
         "the largest encoded sample read",
     )?;
     if let Some(total) = mem_total_bytes() {
-        within(
-            "cache_mib",
-            s.cache_mib,
-            0,
-            total >> 20,
-            "MiB of this host's memory",
-        )?;
-        within(
-            "decoded_cache_mib",
-            s.decoded_cache_mib,
-            0,
-            total >> 20,
-            "MiB of this host's memory",
-        )?;
+        for (key, mib) in [
+            ("cache_mib", s.cache_mib),
+            ("decoded_cache_mib", s.decoded_cache_mib),
+        ] {
+            if let Some(mib) = mib {
+                within(key, mib, 0, total >> 20, "MiB of this host's memory")?;
+            }
+        }
     }
     if let Some(side) = s.decoded_side {
         within(
@@ -384,11 +378,11 @@ pub(super) fn check_limits(s: &StreamConfig) -> Result<(), StreamError> {
             65_535,
             "pixels on a kept image's longer side",
         )?;
-        if s.decoded_cache_mib == 0 {
+        if s.decoded_cache_mib == Some(0) {
             return Err(StreamError::Key {
                 key: "decoded_side",
                 message: format!(
-                    "decoded_side = {side} keeps decoded images at that size, but decoded_cache_mib is 0 (no cache of decoded images): set decoded_cache_mib, or remove decoded_side"
+                    "decoded_side = {side} keeps decoded images at that size, but decoded_cache_mib is 0 (no cache of decoded images): set decoded_cache_mib (or leave it out for the broker to size), or remove decoded_side"
                 ),
             });
         }

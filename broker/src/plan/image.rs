@@ -11,11 +11,11 @@ use batchcast::schema::{Field, ImageSourceInfo, SourceInfo};
 use super::checks::{MAX_SHUFFLE_BUFFER, MAX_SIDE, within};
 use super::{ImagePlan, SourceParts, StreamError, key};
 use crate::config::{PadConfig, PadFill, Padding, Size, StreamConfig, TransformConfig};
-use crate::pipeline::SampleRules;
 use crate::pipeline::dataset::{self, Dataset, expand_pattern};
 use crate::pipeline::dataset::{DatasetError, DatasetRoot};
 use crate::pipeline::sampler::{Split, Uneven};
 use crate::pipeline::transform::{Border, Crop, Geometry, PaddingMode, Resize, Transform};
+use crate::pipeline::{CacheSize, SampleRules};
 use crate::remote::RemoteError;
 
 fn geometry_of(t: &TransformConfig) -> Result<Geometry, StreamError> {
@@ -287,8 +287,8 @@ fn sample_rules(s: &StreamConfig) -> SampleRules {
         max_file_bytes: s.max_file_bytes,
         reduced_decode: s.reduced_decode,
         crop_decode: s.crop_decode,
-        cache_bytes: s.cache_mib.saturating_mul(1 << 20),
-        decoded_cache_bytes: s.decoded_cache_mib.saturating_mul(1 << 20),
+        cache: CacheSize::from_mib(s.cache_mib),
+        decoded_cache: CacheSize::from_mib(s.decoded_cache_mib),
         decoded_side: s.decoded_side,
     }
 }

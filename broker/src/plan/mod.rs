@@ -524,10 +524,7 @@ fn synthetic_source(s: &StreamConfig, src: &SyntheticConfig) -> Result<SourcePar
 }
 
 fn mem_total_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    crate::pipeline::autosize::meminfo("MemTotal")
 }
 
 /// The host ring's slots: what the config gives (`slots`, or

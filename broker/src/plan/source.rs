@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::checks::check_name;
 use super::{PlanError, StreamError, StreamPlan, key};
 use crate::config::{Config, Pace, SourceConfig, StreamConfig};
+use crate::pipeline::CacheSize;
 use crate::pipeline::shared::{MAX_MEMBERS, MemberSpec, SharePlan, ShareSeat};
 
 /// Largest `ahead` (samples a stream may run ahead of a slower one).
@@ -152,8 +153,8 @@ pub(super) fn attach(
             window,
             budget: src.decoded_mib.saturating_mul(1 << 20),
             members: specs,
-            cache_bytes: src.cache_mib.saturating_mul(1 << 20),
-            decoded_cache_bytes: src.decoded_cache_mib.saturating_mul(1 << 20),
+            cache: CacheSize::from_mib(src.cache_mib),
+            decoded_cache: CacheSize::from_mib(src.decoded_cache_mib),
         });
         for (member, &i) in members.iter().enumerate() {
             // Planned just now: no other handle to the source yet, and

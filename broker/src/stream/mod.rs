@@ -380,21 +380,23 @@ fn ring_fault(source: &dyn SampleSource) -> Fault {
 }
 
 /// Says once, at start, what keeping a stream's decoded images costs
-/// (`decoded_cache_mib`), and how `decoded_side` makes it less.
+/// where its config sized the cache (`decoded_cache_mib`; the broker says
+/// what it chose itself, `pipeline::autosize`), and how `decoded_side`
+/// makes it less.
 fn say_decoded_cost(name: &str, p: &crate::plan::ImagePlan) {
-    if p.rules.decoded_cache_bytes == 0 {
+    let crate::pipeline::CacheSize::Bytes(bytes @ 1..) = p.rules.decoded_cache else {
         return;
-    }
+    };
     let scale = match p.rules.decoded_side {
         Some(side) => format!(
             "JPEGs at the largest reduction that keeps their longer side at least {side} px, others at full size"
         ),
-        None => "full size: set decoded_side (the crop's side, say 256) to keep large photos at 1/2 to 1/8 of it".into(),
+        None => "the scale each crop decodes at, the bytes as without the cache: set decoded_side (the crop's side, say 256) to keep each photo once at 1/2 to 1/8 of its size, for less memory and other bytes".into(),
     };
     tracing::info!(
         stream = %name,
-        "keeping decoded images in up to {} MiB (decoded_cache_mib) for its {} images, each width x height x 3 bytes at its kept scale ({scale}): often 10-20x its file; the first epoch decodes each JPEG whole at that scale",
-        p.rules.decoded_cache_bytes >> 20,
+        "keeping decoded images in up to {} MiB (decoded_cache_mib) for its {} images, each width x height x 3 bytes at its kept scale ({scale}): often 10-20x its file; an image is decoded whole where it is kept",
+        bytes >> 20,
         p.dataset.len()
     );
 }

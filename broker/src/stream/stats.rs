@@ -166,6 +166,7 @@ fn source_stats(n: crate::pipeline::PipelineCounts) -> SourceStats {
             transform_s: n.stages[2],
             read_cpu_s: n.read_cpu_s,
         },
+        caches_chosen: n.caches_chosen,
     }
 }
 

@@ -69,7 +69,8 @@ pub struct Inputs {
     /// The stream reads a remote store: read-ahead is on.
     pub remote: Option<Remote>,
     /// Share of reads the cache of encoded bytes served, and whether the
-    /// stream keeps decoded images already.
+    /// stream keeps its decoded images already (a cache not full: it holds
+    /// every image offered).
     pub cache_hits: f64,
     pub decoded_cache: bool,
     /// Consumers on a GPU already.

@@ -174,7 +174,13 @@ pub fn inputs(
             direct: r.direct - was_remote.map_or(0, |w| w.direct),
         }),
         cache_hits: if looked > 0.0 { hits / looked } else { 0.0 },
-        decoded_cache: s.source.as_ref().is_some_and(|x| x.decoded_cache.is_some()),
+        // One that holds the dataset: not full (a full MinIO cache holds
+        // only part of it, as one the broker sized within its budget may).
+        decoded_cache: s
+            .source
+            .as_ref()
+            .and_then(|x| x.decoded_cache.as_ref())
+            .is_some_and(|k| (k.bytes as f64) < 0.95 * k.budget as f64),
         gpu_consumers: trainers(s).any(|c| c.device.is_some()),
     }
 }

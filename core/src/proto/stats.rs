@@ -245,6 +245,11 @@ pub struct SourceStats {
     pub decoded_cache: Option<DecodedCacheStats>,
     /// Where the pipeline threads' time went (protocol 23).
     pub stages: StageStats,
+    /// What the broker chose for the caches the config left out
+    /// (`cache_mib`, `decoded_cache_mib`), and why (protocol 28). (Missing
+    /// from an older run's summary: none.)
+    #[serde(default)]
+    pub caches_chosen: Option<String>,
 }
 
 /// Seconds an image stream's pipeline threads spent in each stage, summed

@@ -40,13 +40,15 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
+pub use super::Dims;
+use super::autosize::{self, CacheSize};
 use super::cache::MinIoCache;
-use super::decode::{Format, Region, Rgb};
+use super::decode::{Region, Rgb};
 use super::kept::KeptImages;
 use super::transform::Transform;
 use crate::budget::{Budget, Grant, OverBudget, Use};
@@ -103,10 +105,10 @@ pub struct SharePlan {
     pub budget: u64,
     /// Its streams, in member order (at most `MAX_MEMBERS`).
     pub members: Vec<MemberSpec>,
-    /// Bytes of the source's cache of encoded bytes (0: none).
-    pub cache_bytes: u64,
-    /// Bytes of the source's cache of decoded images (0: none).
-    pub decoded_cache_bytes: u64,
+    /// The source's cache of encoded bytes.
+    pub cache: CacheSize,
+    /// The source's cache of decoded images.
+    pub decoded_cache: CacheSize,
 }
 
 /// A stream's seat on a shared source, as planned: the source, and which
@@ -138,21 +140,32 @@ impl Shares {
 /// alone has its own).
 #[derive(Debug, Default)]
 pub struct SourceFiles {
-    pub cache: Option<MinIoCache>,
-    /// The cache of decoded images (`decoded_cache_mib`), if on.
-    pub kept: Option<KeptImages>,
+    /// The cache of encoded bytes, once on: set here where its size is
+    /// written, else when the first stream starts, if the broker keeps
+    /// one ([`super::autosize`]).
+    pub cache: OnceLock<MinIoCache>,
+    /// The cache of decoded images (`decoded_cache_mib`), the same way.
+    pub kept: OnceLock<KeptImages>,
+    /// What the broker chose for the caches the config left to it, and
+    /// why (said in the log and `stats`); set when the first stream starts.
+    pub sized: OnceLock<Option<autosize::Choice>>,
+    /// Until then, what sizing them needs and has seen.
+    pub sizer: Mutex<Option<autosize::Sizer>>,
     bad: Mutex<HashSet<u64>>,
 }
 
 impl SourceFiles {
-    /// With a cache of `cache_bytes` of encoded bytes and one of
-    /// `decoded_bytes` of decoded images (0: none).
-    pub fn new(cache_bytes: u64, decoded_bytes: u64) -> SourceFiles {
-        SourceFiles {
-            cache: (cache_bytes > 0).then(|| MinIoCache::new(cache_bytes)),
-            kept: (decoded_bytes > 0).then(|| KeptImages::new(decoded_bytes)),
-            bad: Mutex::default(),
+    /// With the caches of encoded bytes and of decoded images the config
+    /// sized (0: none); those left to the broker come when a stream starts.
+    pub fn new(cache: CacheSize, decoded: CacheSize) -> SourceFiles {
+        let files = SourceFiles::default();
+        if let CacheSize::Bytes(b @ 1..) = cache {
+            let _ = files.cache.set(MinIoCache::new(b));
         }
+        if let CacheSize::Bytes(b @ 1..) = decoded {
+            let _ = files.kept.set(KeptImages::new(b));
+        }
+        files
     }
 
     /// Records `index` as bad: `true` the first time (log it then).
@@ -177,14 +190,6 @@ pub struct MemberSpec {
     pub stream: String,
     pub transform: Transform,
     pub decoupled: bool,
-}
-
-/// A decoded image's size and format, known without decoding it again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dims {
-    pub width: u32,
-    pub height: u32,
-    pub format: Format,
 }
 
 #[derive(Debug)]
@@ -351,7 +356,7 @@ impl SourceShare {
         let now = Instant::now();
         let n = plan.members.len().min(MAX_MEMBERS);
         SourceShare {
-            files: Arc::new(SourceFiles::new(plan.cache_bytes, plan.decoded_cache_bytes)),
+            files: Arc::new(SourceFiles::new(plan.cache, plan.decoded_cache)),
             plan,
             start_grace: START_GRACE,
             state: Mutex::new(State {
@@ -594,6 +599,7 @@ impl SourceShare {
 mod tests {
     use super::*;
 
+    use crate::pipeline::decode::Format;
     use crate::pipeline::transform::Geometry;
     use batchcast::DType;
 
@@ -624,8 +630,8 @@ mod tests {
                 window,
                 budget,
                 members,
-                cache_bytes: 0,
-                decoded_cache_bytes: 0,
+                cache: CacheSize::Bytes(0),
+                decoded_cache: CacheSize::Bytes(0),
             }))
             .with_start_grace(grace),
         )
