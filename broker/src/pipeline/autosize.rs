@@ -262,7 +262,8 @@ impl ImagePipeline {
     /// Notes image `index` (`dims`, `len` bytes of file) as read; sizes
     /// the caches once enough were. Nothing once they are sized.
     pub(super) fn saw(&self, index: u64, dims: Dims, len: u64) {
-        if self.files.sized.get().is_some() {
+        let auto = [self.rules.decoded_cache, self.rules.cache].contains(&CacheSize::Auto);
+        if !auto || self.files.sized.get().is_some() {
             return;
         }
         let mut slot = self.files.sizer.lock().unwrap_or_else(|p| p.into_inner());
