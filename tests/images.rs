@@ -1313,6 +1313,8 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
             "full_off",
             format!("{two}\nreduced_decode = false\ndecoded_cache_mib = 0"),
         ),
+        // One epoch at the defaults: nothing to keep.
+        ("one_off", "seed = 3\nepochs = 1".to_string()),
     ]
     .iter()
     .map(|(name, extra)| stream(name, &folder(&root), t, extra))
@@ -1340,6 +1342,8 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
             .map(|e| e.digest.clone().unwrap())
             .collect::<Vec<_>>()
     };
+    let one = env.consume(&["--stream", "one_off", "--digest"]);
+    assert!(one.ok && one.ended && one.epochs.len() == 1, "{one:#?}");
     let off = digests(&env, "off");
     assert_eq!(
         digests(&env, "auto"),
@@ -1437,6 +1441,22 @@ fn decoded_images_kept_for_later_epochs_give_the_same_bytes_whatever_fits() {
     assert!(
         chose.contains("holds them all") && chose.contains("cache_mib = 0: its files"),
         "{chose}"
+    );
+    let chose = said("one_off", "caches sized by the broker");
+    assert!(chose.contains("one epoch reads each image once"), "{chose}");
+    // And `stats` says it.
+    let why = |name: &str| {
+        st.streams
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.source.as_ref()?.caches_chosen.clone())
+    };
+    assert!(why("auto").is_some_and(|w| w.contains("holds them all")));
+    assert!(why("one_off").is_some_and(|w| w.contains("one epoch")));
+    assert_eq!(why("off"), None, "both keys set: nothing chosen");
+    assert!(
+        table.contains("caches sized by the broker: decoded_cache_mib = "),
+        "{table}"
     );
     // A side with the cache off is refused, naming both keys.
     let err = env.serve_fails(&stream(

@@ -224,6 +224,7 @@ impl Maker {
                 whom: &whom,
                 shares: &mut Shares::default(),
                 transform,
+                epochs: plan.epochs,
             })?
             .ok_or_else(|| MakeError::External(plan.name.clone()))?;
         let wire = match &expand {

@@ -32,6 +32,8 @@
 //!   a request), the files' estimated size, within an eighth of the
 //!   available memory (1 GiB where it is unknown); under [`FLOOR`], none.
 //!   Its memory is the host's, outside the budget, as a configured one's.
+//! * **One epoch.** A stream of one epoch reads each image once: it keeps
+//!   neither (a whole decode of an image kept costs more than its crop's).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -218,6 +220,27 @@ fn choose_encoded(f: &Facts) -> (u64, String) {
     }
 }
 
+/// The choice for a stream of one epoch: the caches left out, off.
+fn once(decoded: CacheSize, encoded: CacheSize) -> Choice {
+    let off = |c: CacheSize| (c == CacheSize::Auto).then_some(0);
+    let (decoded, encoded) = (off(decoded), off(encoded));
+    let keys: Vec<&str> = [
+        (decoded, "decoded_cache_mib = 0"),
+        (encoded, "cache_mib = 0"),
+    ]
+    .into_iter()
+    .filter_map(|(c, key)| c.map(|_| key))
+    .collect();
+    Choice {
+        decoded,
+        encoded,
+        why: format!(
+            "{}: a stream of one epoch reads each image once",
+            keys.join(", ")
+        ),
+    }
+}
+
 /// `/proc/meminfo`'s `field` (`MemTotal`, `MemAvailable`), in bytes.
 pub fn meminfo(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -243,9 +266,21 @@ impl ImagePipeline {
     /// images (or the whole dataset, if smaller; [module rules](self)),
     /// without a read of its own, and the cache of decoded images' bytes
     /// taken from `budget` then (none where they do not fit after all).
-    pub(super) fn size_caches_later(&self, budget: &Arc<Budget>, uid: u32, whom: &str) {
+    pub(super) fn size_caches_later(
+        &self,
+        budget: &Arc<Budget>,
+        (uid, whom): (u32, &str),
+        epochs: Option<u64>,
+    ) {
         let (decoded, encoded) = (self.rules.decoded_cache, self.rules.cache);
         if decoded != CacheSize::Auto && encoded != CacheSize::Auto {
+            return;
+        }
+        if epochs == Some(1) {
+            // Each image read once: nothing to keep it for.
+            let choice = once(decoded, encoded);
+            tracing::info!("{whom}: caches sized by the broker: {}", choice.why);
+            let _ = self.files.sized.set(Some(choice));
             return;
         }
         let mut sizer = self.files.sizer.lock().unwrap_or_else(|p| p.into_inner());

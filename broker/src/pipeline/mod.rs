@@ -414,14 +414,17 @@ impl ImagePipeline {
     }
 
     /// Takes what this stream's source keeps from the broker's memory
-    /// budget (its cache of decoded images), once per source.
+    /// budget (its cache of decoded images), once per source, and readies
+    /// the sizing of the caches its config left out for a stream of
+    /// `epochs` (`None`: endless).
     pub fn reserve(
         &self,
         budget: &Arc<crate::budget::Budget>,
         uid: u32,
         whom: &str,
+        epochs: Option<u64>,
     ) -> Result<(), crate::budget::OverBudget> {
-        self.size_caches_later(budget, uid, whom);
+        self.size_caches_later(budget, (uid, whom), epochs);
         match self.files.kept.get() {
             Some(k) => k.reserve(budget, uid, whom),
             None => Ok(()),

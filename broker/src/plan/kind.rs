@@ -78,6 +78,9 @@ pub(crate) struct WriterJob<'a> {
     pub shares: &'a mut Shares,
     /// Instead of the source's own transform (`make --wire u8`).
     pub transform: Option<Transform>,
+    /// The stream's epochs (`None`: endless): caches the broker sizes
+    /// are kept only for a stream that reads its images again.
+    pub epochs: Option<u64>,
 }
 
 impl SampleSource for SyntheticSpec {
@@ -167,7 +170,7 @@ impl SampleSource for ImagePlan {
         };
         let transform = job.transform.unwrap_or_else(|| self.transform.clone());
         let pipeline = ImagePipeline::new(self.dataset.clone(), transform, self.rules, share);
-        pipeline.reserve(job.budget, job.uid, job.whom)?;
+        pipeline.reserve(job.budget, job.uid, job.whom, job.epochs)?;
         Ok(Some(Arc::new(pipeline)))
     }
 
@@ -358,6 +361,7 @@ mod tests {
             whom: "stream `conformance`",
             shares: &mut Shares::default(),
             transform: None,
+            epochs: plan.epochs,
         };
         plan.source.writer(job).unwrap()
     }

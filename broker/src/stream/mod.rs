@@ -224,6 +224,7 @@ impl Stream {
             whom: &format!("stream `{}`", plan.name),
             shares,
             transform: None,
+            epochs: plan.epochs,
         })?;
         if let Some(p) = plan.source.images() {
             say_decoded_cost(&plan.name, p);
