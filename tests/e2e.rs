@@ -1330,3 +1330,64 @@ fn the_synthetic_demo_says_what_its_comparison_shows() {
         "{said}"
     );
 }
+
+/// Pipeline threads matched to demand (`workers` left out, the default):
+/// allowed every core (`max_cpu_share = 1`), a stream read by a trainer
+/// taking a batch every 20 ms keeps its threads waiting for slots, so one
+/// works and the rest are parked, said in `stats`, `batchcast stats` and
+/// `/metrics`; the bytes are those of a stream of a fixed thread. (Growth
+/// back is on a simulated clock: `stream/autoscale.rs`'s tests.)
+#[test]
+fn at_the_defaults_pipeline_threads_follow_the_trainers_demand() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+    let fields: [(&str, &str, &[u64]); 2] = [("image", "u8", &[3, 32, 32]), ("label", "i64", &[])];
+    let stream = |name: &str, extra: &str| {
+        StreamToml::synthetic(name, 32, 4000, &fields)
+            .key("seed", 5)
+            .key("slots", 6)
+            .epochs(2)
+            .raw(extra)
+            .to_toml()
+    };
+    let env = Env::start(&format!(
+        "{}\n{}",
+        stream("auto", "max_cpu_share = 1.0"),
+        stream("fixed", "workers = 1")
+    ));
+    let slow = env.consumer(&["--stream", "auto", "--digest", "--sleep-ms", "20"]);
+    let by = |s: &StatsReply| {
+        s.streams
+            .iter()
+            .find(|x| x.name == "auto")
+            .cloned()
+            .unwrap()
+    };
+    let st = by(&env.wait_for("the threads the trainer needs", |s| {
+        let st = by(s);
+        st.batches_produced > 0 && st.workers_active == 1
+    }));
+    assert!(st.workers_auto && st.workers == cores, "{st:#?}");
+    let table = run(command(EXE).args(["stats", "--socket"]).arg(env.socket()));
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains(&format!("1 of {cores} threads working")),
+        "{table}"
+    );
+    let fixed = by_name(&env.stats(), "fixed");
+    assert!(
+        !fixed.workers_auto && fixed.workers_active == 1,
+        "{fixed:#?}"
+    );
+    let r = env.report(slow);
+    assert!(r.ok && r.ended, "{r:#?}");
+    let f = env.report(env.consumer(&["--stream", "fixed", "--digest"]));
+    assert_eq!(
+        common::digests(&r),
+        common::digests(&f),
+        "the bytes whatever the number of threads"
+    );
+}
+
+fn by_name(s: &StatsReply, name: &str) -> proto::StreamStats {
+    s.streams.iter().find(|x| x.name == name).cloned().unwrap()
+}

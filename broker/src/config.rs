@@ -22,7 +22,8 @@
 //! drop_last = false     # consumers' default; each may choose its own
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
-//! workers = 1
+//! workers = 1         # absent: as many as the trainers need, up to max_cpu_share of the cores
+//! max_cpu_share = 0.5   # with workers absent: the most of the host's cores its threads take
 //! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: cut instead)
 //! pace = "auto"         # or "lockstep", "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
@@ -244,8 +245,14 @@ with_source_keys! {
         /// Slots of each GPU's arena (default: `slots`). Released independently
         /// of host slots, so GPU memory can be smaller than host memory.
         pub gpu_slots: Option<u32>,
-        /// Pipeline threads; default: all cores but one.
+        /// Pipeline threads, all working; absent: as many as the trainers
+        /// need, up to `max_cpu_share` of the host's cores
+        /// (`stream/autoscale.rs`).
         pub workers: Option<usize>,
+        /// With `workers` left out, the most of the host's cores the
+        /// stream's pipeline threads may take (0 to 1; default 0.5, at
+        /// least one thread), leaving the trainers theirs.
+        pub max_cpu_share: Option<f64>,
         /// Detach a consumer this many batches behind the least behind one;
         /// under decoupled pace a consumer is cut and replayed to instead
         /// (host and GPU consumers alike).

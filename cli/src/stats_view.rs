@@ -31,7 +31,14 @@ pub fn render(s: &StatsReply) -> String {
             st.departed,
             st.detached,
         );
-        let _ = writeln!(out, "  pipeline CPU {:.2} s", st.pipeline_cpu_s);
+        let threads = match st.workers_auto {
+            true => format!(
+                "{} of {} threads working (as many as the trainers need)",
+                st.workers_active, st.workers
+            ),
+            false => format!("{} threads", st.workers),
+        };
+        let _ = writeln!(out, "  pipeline CPU {:.2} s, {threads}", st.pipeline_cpu_s);
         if let Some(src) = &st.source {
             source_line(&mut out, src);
         }

@@ -460,3 +460,26 @@ pub(super) fn producer_hold_limit(
     )?;
     Ok(std::time::Duration::from_millis(ms))
 }
+
+/// With `workers` left out, the most of the host's cores a stream's
+/// pipeline threads take (`max_cpu_share`): half, leaving the trainers
+/// the rest (a loader's CPU kept near 40 % of a GPU host's in SPDL's
+/// guidance).
+pub const DEFAULT_MAX_CPU_SHARE: f64 = 0.5;
+
+/// The stream's pipeline threads: `workers` as given, else its share of
+/// the host's cores (`max_cpu_share`), at least one.
+pub(super) fn workers(s: &StreamConfig) -> Result<usize, StreamError> {
+    let share = s.max_cpu_share.unwrap_or(DEFAULT_MAX_CPU_SHARE);
+    if !(share > 0.0 && share <= 1.0) {
+        return Err(StreamError::Key {
+            key: "max_cpu_share",
+            message: format!(
+                "max_cpu_share = {share}: the share of the host's cores the pipeline threads may take is above 0 and at most 1"
+            ),
+        });
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(s.workers
+        .unwrap_or(((cores as f64 * share).floor() as usize).max(1)))
+}

@@ -169,6 +169,8 @@ pub const DEFAULT_BATCH_MULTIPLE: u64 = 4;
 /// Decoupled pace cuts at once and detaches at this limit.
 pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(2);
 
+pub use checks::DEFAULT_MAX_CPU_SHARE;
+
 /// How long, by default, a consumer whose program holds the very batch
 /// the ring needs next may keep the others waiting before it is detached
 /// (a cut cannot free that batch): long enough for a trainer's checkpoint
@@ -204,8 +206,12 @@ pub struct StreamPlan {
     /// (`rotate_epochs`, default true; see `stream/rotate.rs`).
     pub rotate_epochs: bool,
     pub min_consumers: u32,
-    /// Pipeline threads (0 for an external producer).
+    /// Pipeline threads (0 for an external producer): with
+    /// `workers_auto`, the most that may work.
     pub workers: usize,
+    /// The threads that work follow the trainers' demand
+    /// (`stream/autoscale.rs`): `workers` was left out.
+    pub workers_auto: bool,
     pub schema: Schema,
     /// The host arena: a ring per field.
     pub rings: RingLayout,
@@ -296,6 +302,7 @@ impl StreamPlan {
             drop_last: false,
             min_consumers: req.min_consumers,
             workers: 0,
+            workers_auto: false,
             schema,
             rings,
             layout,
@@ -458,8 +465,7 @@ fn plan_stream(
     };
     let slots = ring_slots(s.batch_size, s.max_batch_size, given, unit_bytes, budget)?;
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
-    let default_workers =
-        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1));
+    let workers = checks::workers(s)?;
     let plan = StreamPlan {
         name: s.name.clone(),
         slots,
@@ -478,7 +484,8 @@ fn plan_stream(
         rotate_epochs: s.rotate_epochs.unwrap_or(true),
         drop_last: s.drop_last,
         min_consumers: s.min_consumers,
-        workers: s.workers.unwrap_or(default_workers),
+        workers,
+        workers_auto: s.workers.is_none(),
         schema,
         rings,
         layout,

@@ -194,7 +194,7 @@ impl Family<'_> {
 type Metric<T> = (&'static str, &'static str, &'static str, fn(&T) -> f64);
 
 /// Per stream, labelled `stream` (named `batchcast_stream_NAME`).
-static STREAM_METRICS: [Metric<StreamStats>; 17] = [
+static STREAM_METRICS: [Metric<StreamStats>; 19] = [
     (
         "batches_produced_total",
         "counter",
@@ -233,6 +233,18 @@ static STREAM_METRICS: [Metric<StreamStats>; 17] = [
         "counter",
         "CPU seconds the pipeline threads spent filling slots.",
         |st| st.pipeline_cpu_s,
+    ),
+    (
+        "pipeline_threads",
+        "gauge",
+        "Pipeline threads the stream has (with workers left out, the most that may work).",
+        |st| f64::from(st.workers),
+    ),
+    (
+        "pipeline_threads_working",
+        "gauge",
+        "Pipeline threads working now (with workers left out, as many as the trainers need).",
+        |st| f64::from(st.workers_active),
     ),
     ("consumers", "gauge", "Consumers connected.", |st| {
         st.consumers.len() as f64

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::autoscale;
 use super::cells;
 use super::decouple;
 use super::deliver::settle;
@@ -46,12 +47,20 @@ pub(super) struct Filling {
     told_live: bool,
     /// Where the ring is in the host arena, and what it left behind.
     pub(super) regions: regions::Regions,
+    /// How many of the threads work (`workers` left out: as many as the
+    /// trainers need).
+    pub(super) scale: autoscale::Autoscale,
 }
 
 impl Filling {
-    pub(super) fn new(workers: u32, regions: regions::Regions) -> Filling {
+    pub(super) fn new(
+        workers: u32,
+        regions: regions::Regions,
+        scale: autoscale::Autoscale,
+    ) -> Filling {
         Filling {
             regions,
+            scale,
             workers,
             idle: 0,
             armed: 0,
@@ -112,7 +121,7 @@ pub(super) fn spawn_workers(stream: &Arc<Stream>) -> std::io::Result<()> {
                 "{}{i}",
                 batchcast::stats_client::pipeline_threads(&stream.plan.name)
             ))
-            .spawn(move || run(&s))?;
+            .spawn(move || run(&s, i as u32))?;
         workers.push(handle);
     }
     Ok(())
@@ -160,8 +169,9 @@ pub(super) fn tell_source(s: &Stream, inner: &mut Inner) {
     }
 }
 
-/// A pipeline thread: take work from the hub, fill the slot, publish.
-fn run(s: &Stream) {
+/// Pipeline thread `index`: take work from the hub, fill the slot,
+/// publish (while the stream needs it: `autoscale`).
+fn run(s: &Stream, index: u32) {
     // Its naps between looks at mailboxes are tens of microseconds: do
     // not let the kernel stretch them by the default 50 µs of slack.
     if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
@@ -179,6 +189,7 @@ fn run(s: &Stream) {
     };
     Worker {
         s,
+        index,
         writer,
         state,
         orders: OrderCache::default(),
@@ -192,6 +203,8 @@ fn run(s: &Stream) {
 /// One pipeline thread and what it keeps between batches.
 struct Worker<'a> {
     s: &'a Stream,
+    /// Its number among the stream's threads (`autoscale`).
+    index: u32,
     writer: &'a SlotWriter,
     state: ThreadState,
     orders: OrderCache,
@@ -332,11 +345,15 @@ impl<'a> Worker<'a> {
             if s.stop.load(Ordering::SeqCst) {
                 return None;
             }
+            if !autoscale::works(s, &mut inner, self.index, Instant::now()) {
+                add_blocked(&mut inner, blocked_since.take());
+                inner.fill.cpu += self.cpu.spent(true);
+                inner = autoscale::park(s, inner);
+                continue;
+            }
             decouple::merge_replays(s, &mut inner, Instant::now);
             if let Some(job) = replay::take_job(&mut inner, self.replayed_last) {
-                if let Some(t) = blocked_since {
-                    inner.fill.blocked += t.elapsed();
-                }
+                add_blocked(&mut inner, blocked_since);
                 return Some(Job::Replay(job));
             }
             // Not waiting yet: any free slot will do (the path of every
@@ -390,9 +407,7 @@ impl<'a> Worker<'a> {
             inner = idle(s, inner, false, until - now);
             settle(&mut inner, true);
         };
-        if let Some(t) = blocked_since {
-            inner.fill.blocked += t.elapsed();
-        }
+        add_blocked(&mut inner, blocked_since);
         inner.pace.begun(work.seq, s.plan.slots, Instant::now());
         Some(Job::Shared(work, inner.fill.regions.begin()))
     }
@@ -470,6 +485,13 @@ fn idle<'a>(
         inner.fill.armed -= 1;
     }
     inner
+}
+
+/// Counts a wait for a slot that began `since` (if it did) as blocked.
+fn add_blocked(inner: &mut Inner, since: Option<Instant>) {
+    if let Some(t) = since {
+        inner.fill.blocked += t.elapsed();
+    }
 }
 
 /// What a pipeline thread does next.

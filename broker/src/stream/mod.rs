@@ -57,6 +57,7 @@
 /// How long shutdown waits for the pipeline threads to stop.
 const WORKER_JOIN_WAIT: Duration = Duration::from_secs(1);
 
+mod autoscale;
 mod batches;
 mod cells;
 mod conn;
@@ -148,6 +149,9 @@ pub struct Stream {
     inner: Mutex<Inner>,
     /// Wakes pipeline workers when work may have become available.
     work_cv: Condvar,
+    /// Wakes the parked ones when more are to work, or the stream stops
+    /// (`autoscale`).
+    park_cv: Condvar,
     stop: AtomicBool,
     workers: Mutex<Vec<JoinHandle<()>>>,
     /// Wakes an external producer's connection task, as `work_cv` wakes
@@ -186,7 +190,14 @@ impl Inner {
             hub,
             conns: HashMap::default(),
             records: Records::default(),
-            fill: fill::Filling::new(workers, regions::Regions::new(regions)),
+            fill: fill::Filling::new(
+                workers,
+                regions::Regions::new(regions),
+                match plan.workers_auto {
+                    true => autoscale::Autoscale::automatic(workers),
+                    false => autoscale::Autoscale::fixed(workers),
+                },
+            ),
             mirrors: mirror::Mirrors::default(),
             pace: hold::HoldClock::default(),
             replay: replay::Load::default(),
@@ -259,6 +270,7 @@ impl Stream {
             rings,
             writer,
             work_cv: Condvar::new(),
+            park_cv: Condvar::new(),
             stop: AtomicBool::new(false),
             workers: Mutex::new(Vec::new()),
             ready: tokio::sync::Notify::new(),
@@ -321,6 +333,7 @@ impl Stream {
         fill::tell_source(self, &mut inner);
         drop(inner);
         self.work_cv.notify_all();
+        self.park_cv.notify_all();
     }
 
     /// Stops the stream: its pipeline threads end, its consumers are told
@@ -340,6 +353,7 @@ impl Stream {
             fill::tell_source(self, &mut inner);
         }
         self.work_cv.notify_all();
+        self.park_cv.notify_all();
         fill::join_workers(self, WORKER_JOIN_WAIT);
         mirror::free_device_arenas(self);
     }

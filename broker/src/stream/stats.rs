@@ -41,6 +41,8 @@ impl Stream {
             pipeline_cpu_s: inner.fill.cpu().as_secs_f64(),
             replay_cpu_s: inner.replay.cpu().as_secs_f64(),
             workers: u32::try_from(self.plan.workers).unwrap_or(u32::MAX),
+            workers_active: inner.fill.scale.active(),
+            workers_auto: inner.fill.scale.is_automatic(),
             owner_uid: self.owner_uid,
             producer: match &self.plan.schema.source {
                 batchcast::schema::SourceInfo::External(e) => Some(format!(

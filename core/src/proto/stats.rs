@@ -180,6 +180,13 @@ pub struct StreamStats {
     /// [`PAST_CONSUMERS`], fewer where the reply had to shrink: `departed`
     /// counts them all).
     pub past_consumers: Vec<ConsumerStats>,
+    /// Of `workers`, the pipeline threads working now, and whether that
+    /// number follows the trainers' demand (`workers` left out; protocol
+    /// 28). (Missing from an older run's summary: 0, fixed.)
+    #[serde(default)]
+    pub workers_active: u32,
+    #[serde(default)]
+    pub workers_auto: bool,
 }
 
 /// How many departed consumers a stream's stats remember.
@@ -479,6 +486,8 @@ mod tests {
             consumers: (0..connected).map(|i| consumer(i, &long)).collect(),
             consumers_left_out: 0,
             past_consumers: (0..past).map(|i| consumer(1000 + i, &long)).collect(),
+            workers_active: 1,
+            workers_auto: true,
         }
     }
 
