@@ -72,11 +72,6 @@ impl Filling {
         }
     }
 
-    /// Pipeline threads (0 for an external producer).
-    pub(super) fn workers(&self) -> u32 {
-        self.workers
-    }
-
     /// Whether a pipeline thread waits on `work_cv` (and must be notified).
     pub(super) fn anyone_idle(&self) -> bool {
         self.idle > 0

@@ -397,7 +397,8 @@ pub(super) fn take_job(inner: &mut Inner, shared_first: bool) -> Option<ReplayJo
     if shared_first && !shared_waits {
         return None;
     }
-    if inner.replay.making >= replay_threads(inner.fill.workers(), shared_waits) {
+    // Of the threads working now (`autoscale`: the rest are parked).
+    if inner.replay.making >= replay_threads(inner.fill.scale.active(), shared_waits) {
         return None;
     }
     if inner
