@@ -10,7 +10,10 @@ seconds of the trainer reading; runs alternate (demand, then setting,
 broker's CPU seconds per second (its pipeline), those against the best
 fixed setting's (the one of the most images/s, then the least CPU), and,
 for the automatic threads, how many worked at the end and how long after
-the trainer started the count last changed (settling).
+the trainer started the count last changed (settling); then, for the
+automatic threads, demand changing from a quarter to all and back (a slow
+trainer leaving a fast one, and another joining), and how long after each
+change the count settled.
 
 The bound: a fixed setting above what the demand needs makes the same
 images with the same work per image; its extra threads wait for slots
@@ -84,6 +87,50 @@ def one(root: Path, keys: dict, sleep_ms: float, secs: float) -> dict:
             broker.wait()
 
 
+def changes(root: Path, capacity: float, secs: float) -> dict:
+    """The automatic threads as demand changes, `secs` seconds a phase: a
+    trainer at a quarter of `capacity` beside one taking all it can (the
+    slow one sets the pace, as the default pace does: a quarter), then the
+    slow one leaves (all), then a slow one joins again (a quarter): the
+    threads working at the end of each phase and how long after its change
+    the count last changed."""
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        toml = image_stream("train", root, BATCH, seed=1, decoded_cache_mib=0, max_cpu_share=1.0,
+                            min_consumers=2)
+        broker, sock = serve(folder, toml)
+        slow_ms = str(int(round(1000.0 * BATCH / (0.25 * capacity))))
+
+        def trainer(sleep: str) -> subprocess.Popen:
+            return subprocess.Popen([EXE, "consume", "--socket", str(sock), "--json", "--sleep-ms", sleep,
+                                     "--max-batches", "100000"], stdout=subprocess.PIPE, text=True)
+
+        try:
+            slow, fast = trainer(slow_ms), trainer("0")
+            phases = []
+            for phase in ("a quarter (the slow one sets the pace)", "all (the slow one left)",
+                          "a quarter (a slow one joined)"):
+                if phase.startswith("all"):
+                    slow.terminate()
+                    slow.communicate(timeout=60)
+                if phase.endswith("joined)"):
+                    slow = trainer(slow_ms)
+                t0, working, last = time.monotonic(), None, 0.0
+                while time.monotonic() - t0 < secs:
+                    time.sleep(0.25)
+                    n = stats(sock).get("workers_active")
+                    if n != working:
+                        working, last = n, time.monotonic() - t0
+                phases.append((phase, working, last))
+            for p in (slow, fast):
+                p.terminate()
+                p.communicate(timeout=60)
+            return {p: (n, t) for p, n, t in phases}
+        finally:
+            broker.terminate()
+            broker.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -131,6 +178,12 @@ def main() -> None:
                   f"| {dname} | {s}{' (best fixed)' if s == best else ''} | {m['images_s']:.0f} | "
                   f"{m['cpu_per_s']:.2f} | {m['images_s'] / med[best]['images_s']:.2f} | "
                   f"{m['cpu_per_s'] / med[best]['cpu_per_s']:.2f} | | |")
+    print()
+    print("| run | phase | threads working at its end | its count last changed after s |")
+    print("| --- | --- | ---: | ---: |")
+    for run in range(args.runs):
+        for phase, (n, t) in changes(args.dataset, capacity, args.secs).items():
+            print(f"| {run + 1} | {phase} | {n} | {t:.1f} |")
 
 
 if __name__ == "__main__":

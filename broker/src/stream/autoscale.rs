@@ -17,10 +17,12 @@
 //!   A trainer's stall alone never grows it: the threads must also be
 //!   making all they can (a trainer lying about its wait moves nothing
 //!   while the ring is full).
-//! * **Shrink** where the threads are blocked [`BLOCKED`] or more while the
-//!   trainers do not stall, two judgements in a row: to what the threads'
-//!   working share says they need, `active × (1 - blocked) × 1.25`, at
-//!   least one less, at least one thread.
+//! * **Shrink** where the threads are blocked [`BLOCKED`] or more, two
+//!   judgements in a row, whatever the trainers say (one that waits while
+//!   the threads wait for slots waits for a slower trainer, which sets the
+//!   pace, not for threads): to what the threads' working share says they
+//!   need, `active × (1 - blocked) × 1.25`, at least one less, at least
+//!   one thread.
 //! * Otherwise nothing changes. With no trainer nothing is judged (the
 //!   threads wait anyway).
 
@@ -128,7 +130,7 @@ impl Autoscale {
             self.over = 0;
             let need = (active / (1.0 - stall).max(0.25)).ceil() as u32;
             need.max(self.active + 1).min(cap)
-        } else if blocked >= BLOCKED && stall < STALL {
+        } else if blocked >= BLOCKED {
             self.over += 1;
             if self.over < 2 {
                 return None;
@@ -265,20 +267,33 @@ mod tests {
 
     #[test]
     fn a_trainer_saying_it_waits_grows_nothing_while_the_threads_wait_for_slots() {
+        // From one thread: the ring full, the threads wait half their
+        // time, and a trainer claims it waits all of its (a liar, or one
+        // waiting for a slower trainer that sets the pace): never more.
         let mut a = Autoscale::automatic(8);
-        let mut t = start(&mut a, 1);
+        a.active = 1;
+        let mut t = start(&mut a, 2);
         for _ in 0..10 {
             t.0 += TICK;
-            // The ring is full: the threads wait half their time.
             t.1.blocked += TICK.mul_f64(0.5 * f64::from(a.active()));
-            // And a trainer claims it waits all of its.
-            t.1.wait += TICK;
-            assert!(a.judge(t.0, t.1).is_none_or(|n| n <= 8));
+            t.1.wait += TICK * 2;
+            a.judge(t.0, t.1);
+            assert_eq!(a.active(), 1);
         }
-        assert_eq!(
-            a.active(),
-            8,
-            "neither grows nor shrinks: the shares disagree"
+        // From eight: it goes down to what the threads' work says.
+        let mut a = Autoscale::automatic(8);
+        let mut t = start(&mut a, 2);
+        let mut seen = vec![];
+        for _ in 0..10 {
+            t.0 += TICK;
+            t.1.blocked += TICK.mul_f64(0.5 * f64::from(a.active()));
+            t.1.wait += TICK * 2;
+            a.judge(t.0, t.1);
+            seen.push(a.active());
+        }
+        assert!(
+            seen.windows(2).all(|w| w[1] <= w[0]) && seen[9] < 8,
+            "{seen:?}"
         );
     }
 
