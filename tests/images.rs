@@ -1008,8 +1008,10 @@ fn the_demo_report_renders_in_a_real_browser_with_every_plot() {
     ] {
         assert!(dom.contains(plot), "{plot}");
     }
+    // The CPU plot's: the broker's, three stages', the threads working.
     let lines = dom.matches("<polyline").count();
-    assert!(lines >= 2 * (2 + 2 + 4 + 2), "{lines} lines");
+    assert!(lines >= 2 * (2 + 2 + 5 + 2), "{lines} lines");
+    assert!(dom.contains("threads working"), "{dom}");
     assert!(!dom.contains("no samples over time"), "{dom}");
     // The screenshot shows them: a picture, mostly white, with colour.
     use batchcast_broker::pipeline::decode::{Decoder, Rgb};

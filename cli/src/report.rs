@@ -276,6 +276,11 @@ pub struct BrokerTick {
     /// (`MemoryStats::used_bytes`).
     pub rss_bytes: u64,
     pub shared_bytes: u64,
+    /// Pipeline threads working now, all streams (with `workers` left
+    /// out, as many as the trainers need). (Missing from an older run's
+    /// summary: 0.)
+    #[serde(default)]
+    pub threads_working: u32,
 }
 
 /// Shared vs baseline.

@@ -133,7 +133,7 @@ fn runs(out: &mut String, s: &Summary) {
         ),
         (
             "Broker CPU by stage",
-            "cores, split by the pipeline's time in each stage",
+            "cores, split by the pipeline's time in each stage; threads working",
             stages,
             None,
             true,
@@ -274,10 +274,19 @@ fn stages(r: &RunSummary) -> Vec<Series> {
         }
     }
     let [reading, decoding, transforming] = by_stage;
+    // Beside the cores they take, the pipeline threads working.
+    let threads = t
+        .iter()
+        .map(|k| (k.t_s, f64::from(k.brokers.iter().map(|b| b.threads_working).sum::<u32>())))
+        .collect();
     vec![
         Series {
             name: "broker CPU".into(),
             points: cpu,
+        },
+        Series {
+            name: "threads working".into(),
+            points: threads,
         },
         Series {
             name: "reading".into(),

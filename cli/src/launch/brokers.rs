@@ -171,6 +171,11 @@ impl BrokerRun {
             stages,
             rss_bytes: harness::rss_kb(self.pid).unwrap_or(0) * 1024,
             shared_bytes: last.map_or(0, |l| l.memory.used_bytes),
+            threads_working: last
+                .iter()
+                .flat_map(|l| &l.streams)
+                .map(|s| s.workers_active)
+                .sum(),
         }
     }
 
