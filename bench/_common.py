@@ -65,6 +65,13 @@ def serve(folder: Path, toml: str, env: dict | None = None) -> tuple[subprocess.
     raise SystemExit(f"the broker made no socket in 30 s: {(folder / 'broker.log').read_text()[-2000:]}")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has spent so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_stopped(pid: int, limit_s: float = 120) -> None:
     """Returns once process `pid` is stopped (SIGSTOP: state T in
     /proc/PID/stat); exits naming it after `limit_s`."""

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import EXE, REPO, image_stream, print, serve, wait_stopped
+from _common import EXE, REPO, cpu_s, image_stream, print, serve, wait_stopped
 
 POLICIES = [
     ("defaults", {}),
@@ -57,12 +57,6 @@ def photos() -> Path:
                         "--crops", "4"], check=True, stdout=subprocess.DEVNULL)
         (root / ".done").write_text("")
     return root
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one(root: Path, scenario: str, keys: dict, batches: int, stop_s: float) -> dict:

@@ -36,15 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import EXE, REPO, image_stream, print, serve
+from _common import EXE, REPO, cpu_s, image_stream, print, serve
 
 BATCH = 32
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stats(sock: Path) -> dict:

@@ -277,7 +277,12 @@ fn stages(r: &RunSummary) -> Vec<Series> {
     // Beside the cores they take, the pipeline threads working.
     let threads = t
         .iter()
-        .map(|k| (k.t_s, f64::from(k.brokers.iter().map(|b| b.threads_working).sum::<u32>())))
+        .map(|k| {
+            (
+                k.t_s,
+                f64::from(k.brokers.iter().map(|b| b.threads_working).sum::<u32>()),
+            )
+        })
         .collect();
     vec![
         Series {
