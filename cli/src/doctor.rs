@@ -86,7 +86,7 @@ pub fn rates(before: Option<&StreamStats>, after: &StreamStats, dt: f64) -> Rate
     let (d0, t0) = src(before);
     let (d1, t1) = src(Some(after));
     let images = d1.saturating_sub(d0) as f64;
-    let threads = f64::from(after.workers.max(1)) * dt;
+    let threads = f64::from(working(after).max(1)) * dt;
     let cpu = after.pipeline_cpu_s - before.map_or(0.0, |b| b.pipeline_cpu_s);
     let blocked = after.producer_blocked_s - before.map_or(0.0, |b| b.producer_blocked_s);
     let mut stalls: Vec<f64> = trainers(after)
@@ -169,7 +169,7 @@ pub fn diagnose(name: &str, s: &StreamStats, r: &Rates, cores: usize) -> Finding
             Bound::Pipeline,
             format!(
                 "pipeline-bound: {} pipeline threads {} busy making synthetic batches; the trainers wait {} of their time",
-                s.workers,
+                working(s),
                 pct(r.busy),
                 pct(r.stall)
             ),
@@ -225,7 +225,7 @@ fn evidence(s: &StreamStats, r: &Rates, cores: usize) -> Vec<(String, String)> {
         ),
         (
             "pipeline threads busy".into(),
-            format!("{} ({} threads; {cores} cores)", pct(r.busy), s.workers),
+            format!("{} ({}; {cores} cores)", pct(r.busy), threads(s)),
         ),
         ("pipeline threads on a core".into(), pct(r.cpu)),
         ("pipeline waiting for slots".into(), pct(r.blocked)),
@@ -243,6 +243,23 @@ fn evidence(s: &StreamStats, r: &Rates, cores: usize) -> Vec<(String, String)> {
         evidence.push(("caches sized by the broker".into(), why.clone()));
     }
     evidence
+}
+
+/// The pipeline threads working: all of them, or with `workers` left out
+/// as many as the broker keeps working now.
+pub fn working(s: &StreamStats) -> u32 {
+    match s.workers_auto {
+        true => s.workers_active,
+        false => s.workers,
+    }
+}
+
+/// The threads, in words: how many, and how many may work.
+fn threads(s: &StreamStats) -> String {
+    match s.workers_auto {
+        true => format!("{} of {} threads working", s.workers_active, s.workers),
+        false => format!("{} threads", s.workers),
+    }
 }
 
 /// The gain a change must promise for the headline to advise it.
@@ -277,7 +294,7 @@ fn stage_bound(
         .expect("three stages");
     let bound = [Bound::Read, Bound::Decode, Bound::Transform][i];
     let total: f64 = r.per_image.iter().sum();
-    let spare = cores.saturating_sub(s.workers as usize + 1);
+    let spare = cores.saturating_sub(working(s) as usize + 1);
     let more = if let Some((what, gain)) = best {
         format!(
             "; the model's best change: {what} ({:+.0} %, below)",
@@ -288,8 +305,13 @@ fn stage_bound(
             "; they run only {} of the time they work: this host's {cores} cores are shared with the trainers, so more cores (or the work made elsewhere: feed_stream) would help, more threads would not",
             pct(r.cpu / r.busy)
         )
-    } else if spare > 0 {
+    } else if spare > 0 && !s.workers_auto {
         format!("; {spare} more pipeline threads (workers) would fit this host's {cores} cores")
+    } else if spare > 0 && s.workers_active >= s.workers {
+        format!(
+            "; all {} threads max_cpu_share allows work: {spare} more would fit this host's {cores} cores (raise max_cpu_share)",
+            s.workers
+        )
     } else {
         format!(
             "; all of this host's {cores} cores are in use: fewer or cheaper transforms, or make it elsewhere (feed_stream)"
@@ -301,7 +323,7 @@ fn stage_bound(
         format!(
             "{}-bound: {} pipeline threads {} busy, {} of their time {}ing ({} an image); the trainers wait {} of their time{more}",
             STAGES[i],
-            s.workers,
+            working(s),
             pct(r.busy),
             pct(r.per_image[i] / total.max(1e-12)),
             STAGES[i].trim_end_matches('e'),
@@ -605,6 +627,67 @@ mod tests {
         s.source.as_mut().unwrap().in_part = 0;
         s.source.as_mut().unwrap().cut = 0;
         assert!(!said(&s).contains("batchcast prepare"), "{}", said(&s));
+    }
+
+    /// With `workers` left out, doctor counts the threads working, not
+    /// those the stream has, and advises one more as the broker's own
+    /// doing below the cap, `max_cpu_share` at it.
+    #[test]
+    fn automatic_threads_are_counted_as_they_work_and_advised_by_their_cap() {
+        let found = |active: u32, cap: u32| {
+            let mut after = demo().streams[0].clone();
+            (after.workers, after.workers_active, after.workers_auto) = (cap, active, true);
+            let mut before = earlier(&after, 1000, [0.05, 0.8, 0.15], (0.5, 0.5));
+            before.pipeline_cpu_s = after.pipeline_cpu_s - 1.0;
+            let mut reply = demo();
+            reply.streams = vec![after];
+            let mut earlier_reply = demo();
+            earlier_reply.streams = vec![before];
+            findings(&Window {
+                before: Some(&earlier_reply),
+                after: &reply,
+                dt: 1.0,
+                other: &|_| OtherCpu::default(),
+                cores: 4.0,
+            })
+            .remove(0)
+        };
+        let f = found(1, 2);
+        assert!(
+            f.verdict
+                .starts_with("decode-bound: 1 pipeline threads 100 % busy"),
+            "{}",
+            f.verdict
+        );
+        let busy = f
+            .evidence
+            .iter()
+            .find(|(k, _)| k == "pipeline threads busy")
+            .unwrap();
+        assert!(busy.1.contains("1 of 2 threads working"), "{busy:?}");
+        let said = |f: &Finding| -> Vec<String> {
+            f.model
+                .as_ref()
+                .unwrap()
+                .predictions
+                .iter()
+                .map(|p| p.what.clone())
+                .collect()
+        };
+        assert!(
+            said(&f)
+                .contains(&"2 threads working (the broker adds them itself, up to 2)".to_string()),
+            "{:?}",
+            said(&f)
+        );
+        let f = found(2, 2);
+        assert!(
+            said(&f).contains(
+                &"max_cpu_share for 3 threads (now up to 2 work as trainers need)".to_string()
+            ),
+            "{:?}",
+            said(&f)
+        );
     }
 
     /// The case a user met: decode-bound with one pipeline thread on two

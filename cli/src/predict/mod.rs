@@ -43,7 +43,12 @@ pub struct Inputs {
     /// would take if it never waited (0: none reported working).
     pub trainers: usize,
     pub demand: f64,
+    /// Pipeline threads working.
     pub workers: u32,
+    /// With `workers` left out, the most threads the broker keeps working
+    /// (`max_cpu_share`'s): it adds them itself as trainers need.
+    #[serde(default)]
+    pub workers_cap: Option<u32>,
     /// The host's cores (`available_parallelism`, or `doctor --cores`).
     pub cores: f64,
     /// The pipeline threads' CPU seconds (all of it: stages, collating).
@@ -304,9 +309,18 @@ impl Inputs {
                 assumes: assumes.to_string(),
             });
         };
+        let n = self.workers + 1;
         add(
-            Change::Workers(self.workers + 1),
-            format!("workers = {}", self.workers + 1),
+            Change::Workers(n),
+            match self.workers_cap {
+                None => format!("workers = {n}"),
+                Some(cap) if n > cap => {
+                    format!("max_cpu_share for {n} threads (now up to {cap} work as trainers need)")
+                }
+                Some(cap) => {
+                    format!("{n} threads working (the broker adds them itself, up to {cap})")
+                }
+            },
             "each thread as fast as now when it has a core",
         );
         if self.trainers > 0 {
@@ -446,6 +460,7 @@ mod tests {
             trainers: 2,
             demand: 3.5e6,
             workers: 1,
+            workers_cap: None,
             cores: 2.0,
             cpu: 611e-6,
             wall: [20.8e-6, 387.1e-6, 195.5e-6],
@@ -494,6 +509,7 @@ mod tests {
             trainers: 2,
             demand: 5e5,
             workers: 2,
+            workers_cap: None,
             cores: 2.0,
             cpu: 1.3e-3,
             wall: [23.5e-3, 0.4e-3, 0.2e-3],
@@ -562,6 +578,7 @@ mod tests {
             trainers: 2,
             demand: 664.0,
             workers: 2,
+            workers_cap: None,
             cores: 2.0,
             cpu: 0.62e-3,
             wall: [0.02e-3, 0.4e-3, 0.2e-3],

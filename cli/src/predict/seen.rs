@@ -154,7 +154,8 @@ pub fn inputs(
         images_s: images / dt.max(1e-9),
         trainers: demands.len(),
         demand: demands.get(demands.len() / 2).copied().unwrap_or(0.0),
-        workers: s.workers,
+        workers: crate::doctor::working(s),
+        workers_cap: s.workers_auto.then_some(s.workers),
         cores,
         cpu: per(cpu),
         wall: [per(t1[0] - t0[0]), per(t1[1] - t0[1]), per(t1[2] - t0[2])],
@@ -174,15 +175,19 @@ pub fn inputs(
             direct: r.direct - was_remote.map_or(0, |w| w.direct),
         }),
         cache_hits: if looked > 0.0 { hits / looked } else { 0.0 },
-        // One that holds the dataset: not full (a full MinIO cache holds
-        // only part of it, as one the broker sized within its budget may).
-        decoded_cache: s
-            .source
-            .as_ref()
-            .and_then(|x| x.decoded_cache.as_ref())
-            .is_some_and(|k| (k.bytes as f64) < 0.95 * k.budget as f64),
+        decoded_cache: keeps_its_images(s),
         gpu_consumers: trainers(s).any(|c| c.device.is_some()),
     }
+}
+
+/// Whether the stream keeps its decoded images: a cache not full (a full
+/// MinIO cache holds only part of them, as one the broker sized within
+/// its budget may).
+fn keeps_its_images(s: &StreamStats) -> bool {
+    s.source
+        .as_ref()
+        .and_then(|x| x.decoded_cache.as_ref())
+        .is_some_and(|k| (k.bytes as f64) < 0.95 * k.budget as f64)
 }
 
 /// A stream's consumers, those still there and those that left.
