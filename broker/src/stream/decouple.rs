@@ -157,12 +157,13 @@ fn movable(hub: &Hub, id: ConsumerId, c: &Conn, regions: &regions::Regions) -> b
     regions.movable() && (hub.view().reader(id).is_some_and(|r| r.is_cut()) || may_cut(hub, id, c))
 }
 
-/// The stream's hold rule, from its plan.
-fn hold_rule(s: &Stream) -> Rule {
+/// The stream's hold rule, from its plan and the pipeline threads
+/// working now (`autoscale`: what would remake the units a cut replays).
+fn hold_rule(s: &Stream, inner: &Inner) -> Rule {
     Rule {
         eager: s.plan.pace == PaceRule::Decoupled,
         stall_cut: s.plan.pace == PaceRule::Auto,
-        workers: u32::try_from(s.plan.workers).unwrap_or(u32::MAX),
+        workers: inner.fill.scale.active(),
         limit: s.plan.hold_limit,
         held_limit: s.plan.held_batch_limit,
     }
@@ -174,7 +175,7 @@ fn hold_rule(s: &Stream) -> Rule {
 pub(super) fn look_within(s: &Stream, inner: &Inner, idle: Duration, now: Instant) -> Duration {
     inner
         .pace
-        .next_look(hold_rule(s), now)
+        .next_look(hold_rule(s, inner), now)
         .map_or(idle, |t| idle.min(t - now))
 }
 
@@ -202,7 +203,7 @@ pub(super) fn cut_at_end(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
 /// ([`super::hold::HoldClock::judge`]), and cuts or detaches whom it
 /// names. Whether it did either.
 pub(super) fn cut_laggards(s: &Stream, inner: &mut Inner, now: Instant) -> bool {
-    let rule = hold_rule(s);
+    let rule = hold_rule(s, inner);
     if !rule.eager && rule.limit.is_none() {
         return false;
     }
