@@ -52,7 +52,10 @@ def one(root: Path, keys: dict, sleep_ms: float, secs: float) -> dict:
     a broker whose stream has `keys`."""
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
+        share = keys.pop("max_cpu_share", None)
         toml = image_stream("train", root, BATCH, seed=1, decoded_cache_mib=0, **keys)
+        if share is not None:
+            toml = f"[broker]\nmax_cpu_share = {share}\n" + toml
         broker, sock = serve(folder, toml)
         try:
             cpu0 = cpu_s(broker.pid)
@@ -90,8 +93,8 @@ def changes(root: Path, capacity: float, secs: float) -> dict:
     the count last changed."""
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
-        toml = image_stream("train", root, BATCH, seed=1, decoded_cache_mib=0, max_cpu_share=1.0,
-                            min_consumers=2)
+        toml = "[broker]\nmax_cpu_share = 1.0\n" + image_stream("train", root, BATCH, seed=1, decoded_cache_mib=0,
+                                                                 min_consumers=2)
         broker, sock = serve(folder, toml)
         slow_ms = str(int(round(1000.0 * BATCH / (0.25 * capacity))))
 
@@ -140,13 +143,13 @@ def main() -> None:
     print(f"{args.dataset}: {cores} cores decode {capacity:.0f} images/s with workers = {cores}")
     demands = [("a quarter", 0.25), ("a half", 0.5), ("all", 1.0)]
     settings = [(f"workers = {n}", {"workers": n}) for n in range(1, cores + 1)]
-    settings.append(("left out (max_cpu_share = 1)", {"max_cpu_share": 1.0}))
+    settings.append(("left out ([broker] max_cpu_share = 1)", {"max_cpu_share": 1.0}))
     results = {(d, s): [] for d, _ in demands for s, _ in settings}
     for run in range(args.runs):
         for dname, frac in demands:
             sleep_ms = 0.0 if frac >= 1.0 else 1000.0 * BATCH / (frac * capacity)
             for sname, keys in settings:
-                r = one(args.dataset, keys, sleep_ms, args.secs)
+                r = one(args.dataset, dict(keys), sleep_ms, args.secs)
                 results[(dname, sname)].append(r)
                 print(f"run {run + 1}/{args.runs}, demand {dname} ({sleep_ms:.1f} ms a batch), {sname}: "
                       f"{r['images_s']:.0f} images/s, broker {r['cpu_per_s']:.2f} CPU-s/s, "

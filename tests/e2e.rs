@@ -1332,11 +1332,12 @@ fn the_synthetic_demo_says_what_its_comparison_shows() {
 }
 
 /// Pipeline threads matched to demand (`workers` left out, the default):
-/// allowed every core (`max_cpu_share = 1`), a stream read by a trainer
-/// taking a batch every 20 ms keeps its threads waiting for slots, so one
-/// works and the rest are parked, said in `stats`, `batchcast stats` and
-/// `/metrics`; the bytes are those of a stream of a fixed thread. (Growth
-/// back is on a simulated clock: `stream/autoscale.rs`'s tests.)
+/// allowed every core (`[broker] max_cpu_share = 1`), a stream read by a
+/// trainer taking a batch every 20 ms keeps its threads waiting for slots,
+/// so one works and the rest are parked, said in `stats` and `batchcast
+/// stats`; the bytes are those of a stream of a fixed thread. (Growth and
+/// the pool shared by streams are on a simulated clock:
+/// `stream/autoscale.rs`'s tests.)
 #[test]
 fn at_the_defaults_pipeline_threads_follow_the_trainers_demand() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
@@ -1350,8 +1351,8 @@ fn at_the_defaults_pipeline_threads_follow_the_trainers_demand() {
             .to_toml()
     };
     let env = Env::start(&format!(
-        "{}\n{}",
-        stream("auto", "max_cpu_share = 1.0"),
+        "[broker]\nmax_cpu_share = 1.0\n\n{}\n{}",
+        stream("auto", ""),
         stream("fixed", "workers = 1")
     ));
     let slow = env.consumer(&["--stream", "auto", "--digest", "--sleep-ms", "20"]);

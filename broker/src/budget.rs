@@ -51,6 +51,10 @@ pub struct Budget {
     total: u64,
     own_uid: u32,
     held: Mutex<Held>,
+    /// Pipeline threads the streams whose threads follow demand may work
+    /// on together (`[broker] max_cpu_share` of the cores), and how many
+    /// they hold ([`Threads`]).
+    threads: Mutex<(u32, u32)>,
 }
 
 #[derive(Debug, Default)]
@@ -96,7 +100,22 @@ impl Budget {
             total,
             own_uid,
             held: Mutex::new(Held::default()),
+            threads: Mutex::new((u32::MAX, 0)),
         })
+    }
+
+    /// Lets the streams whose threads follow demand work on `cap` pipeline
+    /// threads together (no bound until set).
+    pub fn set_thread_pool(&self, cap: u32) {
+        self.threads.lock().unwrap_or_else(|p| p.into_inner()).0 = cap;
+    }
+
+    /// An empty hold on the pool of pipeline threads.
+    pub fn threads(self: &Arc<Self>) -> Threads {
+        Threads {
+            budget: self.clone(),
+            held: 0,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
@@ -185,6 +204,38 @@ impl Budget {
             replay_bytes: held.by_use[Use::Replay.index()],
             refused: held.refused,
         }
+    }
+}
+
+/// Pipeline threads a stream holds of its budget's pool; given back when
+/// dropped.
+#[derive(Debug)]
+pub struct Threads {
+    budget: Arc<Budget>,
+    held: u32,
+}
+
+impl Threads {
+    /// Holds `n` threads, or as many more as the pool has left where `n`
+    /// is more than it holds: what it holds then.
+    pub fn resize(&mut self, n: u32) -> u32 {
+        let mut pool = self
+            .budget
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (cap, taken) = *pool;
+        let others = taken - self.held;
+        let n = n.min(cap.saturating_sub(others).max(self.held.min(n)));
+        pool.1 = others + n;
+        self.held = n;
+        n
+    }
+}
+
+impl Drop for Threads {
+    fn drop(&mut self) {
+        self.resize(0);
     }
 }
 
@@ -301,5 +352,21 @@ mod tests {
         let g = b.take(1001, Use::Arena, 280 * MIB, "guest").unwrap();
         assert_eq!(b.room_for_caches(1001), 20 * MIB);
         drop(g);
+    }
+
+    #[test]
+    fn streams_share_the_pool_of_threads_and_give_it_back() {
+        let b = Budget::new(MIB, 0);
+        b.set_thread_pool(4);
+        let (mut one, mut two) = (b.threads(), b.threads());
+        assert_eq!(one.resize(3), 3);
+        assert_eq!(two.resize(3), 1, "what the pool has left");
+        assert_eq!(one.resize(1), 1);
+        assert_eq!(two.resize(3), 3);
+        drop(two);
+        assert_eq!(one.resize(8), 4, "given back when dropped");
+        // Unbounded until set.
+        let b = Budget::new(MIB, 0);
+        assert_eq!(b.threads().resize(64), 64);
     }
 }

@@ -10,6 +10,7 @@
 //! max_connections_per_uid = 128              # each user but the broker's
 //! idle_timeout_s = 60                        # stats connections asking nothing
 //! memory_mib = 16384                         # arenas, GPU arenas, mailboxes, buffers
+//! max_cpu_share = 0.5                         # of the cores, for the pipeline threads of streams without workers
 //! registration_timeout_s = 30                # a producer's first Acquire
 //! guest_stream_prefix = "{user}."             # names other users may register
 //!
@@ -22,8 +23,7 @@
 //! drop_last = false     # consumers' default; each may choose its own
 //! slots = 8
 //! gpu_slots = 4         # per GPU with consumers; default: slots
-//! workers = 1         # absent: as many as the trainers need, up to max_cpu_share of the cores
-//! max_cpu_share = 0.5   # with workers absent: the most of the host's cores its threads take
+//! workers = 1         # absent: as many as the trainers need, within [broker] max_cpu_share
 //! lag_limit = 4         # a rate bound: detach one this many batches behind (decoupled: cut instead)
 //! pace = "auto"         # or "lockstep", "decoupled": see docs/python-client.md and ARCHITECTURE "Decoupled pace"
 //! run_ahead_mib = 512   # decoupled: memory the pipeline runs ahead in (sets slots)
@@ -246,13 +246,9 @@ with_source_keys! {
         /// of host slots, so GPU memory can be smaller than host memory.
         pub gpu_slots: Option<u32>,
         /// Pipeline threads, all working; absent: as many as the trainers
-        /// need, up to `max_cpu_share` of the host's cores
-        /// (`stream/autoscale.rs`).
+        /// need, within `[broker] max_cpu_share` of the host's cores for
+        /// every such stream together (`stream/autoscale.rs`).
         pub workers: Option<usize>,
-        /// With `workers` left out, the most of the host's cores the
-        /// stream's pipeline threads may take (0 to 1; default 0.5, at
-        /// least one thread), leaving the trainers theirs.
-        pub max_cpu_share: Option<f64>,
         /// Detach a consumer this many batches behind the least behind one;
         /// under decoupled pace a consumer is cut and replayed to instead
         /// (host and GPU consumers alike).
@@ -334,6 +330,11 @@ pub struct BrokerSection {
     /// MiB the broker may allocate for clients in all: arenas, GPU
     /// arenas, mailboxes, frame buffers (default: half of this host's RAM).
     pub memory_mib: Option<u64>,
+    /// The most of the host's cores the pipeline threads of the streams
+    /// that leave `workers` out may work on, all together (above 0, at
+    /// most 1; default 0.5, at least one thread each), leaving the
+    /// trainers theirs.
+    pub max_cpu_share: Option<f64>,
     /// Seconds a producer's registration may hold its arena before its
     /// first `Acquire` (default 30).
     pub(crate) registration_timeout_s: Option<u64>,

@@ -195,6 +195,7 @@ fn serve(
     let bound = listen_on(inherited, socket.or(cfg.broker.socket.clone()), &allow)?;
     let own_uid = allow.own_uid;
     let budget = batchcast_broker::budget::Budget::new(limits.memory_bytes, own_uid);
+    budget.set_thread_pool(u32::try_from(limits.threads).unwrap_or(u32::MAX));
     let buffers = budget
         .take(
             own_uid,

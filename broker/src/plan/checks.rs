@@ -142,6 +142,7 @@ pub(super) fn check_broker(b: &BrokerSection) -> Result<super::BrokerPlan, Strea
         ));
     }
     Ok(super::BrokerPlan {
+        threads: host_threads(b.max_cpu_share)?,
         allow_gids: allowed_gids(b)?,
         guest_stream_prefix: prefix,
         max_connections: max as usize,
@@ -461,16 +462,17 @@ pub(super) fn producer_hold_limit(
     Ok(std::time::Duration::from_millis(ms))
 }
 
-/// With `workers` left out, the most of the host's cores a stream's
-/// pipeline threads take (`max_cpu_share`): half, leaving the trainers
-/// the rest (a loader's CPU kept near 40 % of a GPU host's in SPDL's
-/// guidance).
+/// With `workers` left out, the most of the host's cores the pipeline
+/// threads of every such stream take together (`[broker]
+/// max_cpu_share`): half, leaving the trainers the rest (a loader's CPU
+/// kept near 40 % of a GPU host's in SPDL's guidance).
 pub const DEFAULT_MAX_CPU_SHARE: f64 = 0.5;
 
-/// The stream's pipeline threads: `workers` as given, else its share of
-/// the host's cores (`max_cpu_share`), at least one.
-pub(super) fn workers(s: &StreamConfig) -> Result<usize, StreamError> {
-    let share = s.max_cpu_share.unwrap_or(DEFAULT_MAX_CPU_SHARE);
+/// The pipeline threads `[broker] max_cpu_share` allows the streams that
+/// leave `workers` out, all together: that share of the host's cores, at
+/// least one.
+pub(super) fn host_threads(share: Option<f64>) -> Result<usize, StreamError> {
+    let share = share.unwrap_or(DEFAULT_MAX_CPU_SHARE);
     if !(share > 0.0 && share <= 1.0) {
         return Err(StreamError::Key {
             key: "max_cpu_share",
@@ -480,6 +482,5 @@ pub(super) fn workers(s: &StreamConfig) -> Result<usize, StreamError> {
         });
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    Ok(s.workers
-        .unwrap_or(((cores as f64 * share).floor() as usize).max(1)))
+    Ok(((cores as f64 * share).floor() as usize).max(1))
 }

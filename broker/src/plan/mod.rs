@@ -73,6 +73,9 @@ pub struct BrokerPlan {
     pub idle_timeout: std::time::Duration,
     /// What the broker may allocate for clients in all.
     pub memory_bytes: u64,
+    /// Pipeline threads the streams that leave `workers` out may work on,
+    /// all together (`max_cpu_share` of the cores).
+    pub threads: usize,
     /// How long a producer's registration may hold its arena before its
     /// first `Acquire`.
     pub registration_timeout: std::time::Duration,
@@ -357,6 +360,9 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
         .map(|m| m.saturating_mul(1 << 20))
         .or_else(|| mem_total_bytes().map(|b| b / 2))
         .unwrap_or(u64::MAX);
+    // What streams that leave `workers` out spawn: as many threads as all
+    // of them may work on together.
+    let threads = checks::host_threads(cfg.broker.max_cpu_share).map_err(PlanError::Broker)?;
     let mut names = HashSet::new();
     let mut plans: Vec<StreamPlan> = Vec::new();
     for (i, s) in streams.iter().enumerate() {
@@ -366,10 +372,11 @@ pub fn plan_config(cfg: &Config) -> Result<Vec<StreamPlan>, PlanError> {
             .position(|t| source::same_listing(t, s))
             .and_then(|j| plans[j].source.images())
             .map(|p| (p.dataset.clone(), p.shuffle_buffer));
-        let plan = plan_stream(s, listed, budget).map_err(|error| PlanError::Stream {
-            stream: s.name.clone(),
-            error,
-        })?;
+        let plan =
+            plan_stream(s, listed, (budget, threads)).map_err(|error| PlanError::Stream {
+                stream: s.name.clone(),
+                error,
+            })?;
         if !names.insert(s.name.clone()) {
             return Err(PlanError::Duplicate(s.name.clone()));
         }
@@ -421,11 +428,11 @@ fn check_stream_keys(s: &StreamConfig) -> Result<(), StreamError> {
 }
 
 /// `listed`: the dataset's listing, when another stream of its source
-/// has made it.
+/// has made it; `threads`: what a stream that leaves `workers` out spawns.
 fn plan_stream(
     s: &StreamConfig,
     listed: Option<(Arc<Dataset>, Option<usize>)>,
-    budget: u64,
+    (budget, threads): (u64, usize),
 ) -> Result<StreamPlan, StreamError> {
     check_stream_keys(s)?;
     let parts = match &s.synthetic {
@@ -465,7 +472,6 @@ fn plan_stream(
     };
     let slots = ring_slots(s.batch_size, s.max_batch_size, given, unit_bytes, budget)?;
     let rings = RingLayout::for_schema(&schema, slots).map_err(StreamError::Layout)?;
-    let workers = checks::workers(s)?;
     let plan = StreamPlan {
         name: s.name.clone(),
         slots,
@@ -484,7 +490,7 @@ fn plan_stream(
         rotate_epochs: s.rotate_epochs.unwrap_or(true),
         drop_last: s.drop_last,
         min_consumers: s.min_consumers,
-        workers,
+        workers: s.workers.unwrap_or(threads),
         workers_auto: s.workers.is_none(),
         schema,
         rings,

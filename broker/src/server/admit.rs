@@ -249,6 +249,7 @@ mod tests {
                 max_connections_per_uid: per_uid,
                 idle_timeout: Duration::from_secs(60),
                 memory_bytes: 1 << 30,
+                threads: 1,
                 registration_timeout: Duration::from_secs(30),
                 guest_stream_prefix: "{user}.".into(),
             },

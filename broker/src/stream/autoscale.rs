@@ -1,8 +1,11 @@
 //! Pipeline threads matched to demand (`workers` left out): the stream
-//! starts `cap` threads (its share of the host's cores, `max_cpu_share`)
-//! and keeps only as many of them working as its trainers need; the rest
-//! wait, parked, until they are needed again. No clock here: the runtime
-//! passes the time and the totals it kept (`fill.rs`).
+//! starts `cap` threads (`[broker] max_cpu_share` of the host's cores)
+//! and keeps only as many of them working as its trainers need, one at
+//! first; the rest wait, parked, until they are needed again. Every such
+//! stream's working threads come from one pool of `cap` in the broker's
+//! budget (`budget::Threads`): together they never work on more, but
+//! each keeps its first thread. No clock here: the runtime passes the time
+//! and the totals it kept (`fill.rs`).
 //!
 //! # Rules
 //!
@@ -30,6 +33,7 @@ use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use super::{Inner, Stream};
+use crate::budget::Threads;
 
 /// How often the demand is judged.
 pub(super) const TICK: Duration = Duration::from_secs(1);
@@ -61,6 +65,8 @@ pub(super) struct Autoscale {
     last: Option<(Instant, Totals)>,
     /// Judgements in a row that found too many threads.
     over: u32,
+    /// What it holds of the broker's pool of threads.
+    pool: Option<Threads>,
 }
 
 impl Autoscale {
@@ -71,14 +77,17 @@ impl Autoscale {
             active: workers,
             last: None,
             over: 0,
+            pool: None,
         }
     }
 
-    /// Up to `cap` threads, all working at first.
-    pub(super) fn automatic(cap: u32) -> Autoscale {
+    /// Up to `cap` threads, as many as `pool` gives: one at first.
+    pub(super) fn automatic(cap: u32, mut pool: Threads) -> Autoscale {
+        pool.resize(1);
         Autoscale {
             cap: Some(cap.max(1)),
-            ..Autoscale::fixed(cap.max(1))
+            pool: Some(pool),
+            ..Autoscale::fixed(1)
         }
     }
 
@@ -142,6 +151,8 @@ impl Autoscale {
             self.over = 0;
             return None;
         };
+        // The pool may give fewer; the first thread is the stream's own.
+        let want = self.pool.as_mut().map_or(want, |p| p.resize(want)).max(1);
         (want != self.active).then(|| {
             self.active = want;
             want
@@ -189,6 +200,10 @@ pub(super) fn park<'a>(s: &'a Stream, inner: MutexGuard<'a, Inner>) -> MutexGuar
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pool() -> Threads {
+        crate::budget::Budget::new(1, 0).threads()
+    }
 
     /// A stream whose threads each make `per_thread` images a second, read
     /// by trainers wanting `demand` a second, judged every second for
@@ -238,7 +253,7 @@ mod tests {
     #[test]
     fn it_settles_on_the_fewest_threads_that_meet_demand_and_follows_it() {
         // 8 threads of 100 images/s each; trainers wanting 250/s need 3.
-        let mut a = Autoscale::automatic(8);
+        let mut a = Autoscale::automatic(8, pool());
         let mut t = start(&mut a, 3);
         let seen = run(&mut a, 250.0, 100.0, 10, &mut t);
         assert_eq!(*seen.last().unwrap(), 3, "{seen:?}");
@@ -270,7 +285,7 @@ mod tests {
         // From one thread: the ring full, the threads wait half their
         // time, and a trainer claims it waits all of its (a liar, or one
         // waiting for a slower trainer that sets the pace): never more.
-        let mut a = Autoscale::automatic(8);
+        let mut a = Autoscale::automatic(8, pool());
         a.active = 1;
         let mut t = start(&mut a, 2);
         for _ in 0..10 {
@@ -281,7 +296,8 @@ mod tests {
             assert_eq!(a.active(), 1);
         }
         // From eight: it goes down to what the threads' work says.
-        let mut a = Autoscale::automatic(8);
+        let mut a = Autoscale::automatic(8, pool());
+        a.active = 8;
         let mut t = start(&mut a, 2);
         let mut seen = vec![];
         for _ in 0..10 {
@@ -298,18 +314,43 @@ mod tests {
     }
 
     #[test]
+    fn streams_on_one_pool_never_work_on_more_than_it_together() {
+        let b = crate::budget::Budget::new(1, 0);
+        b.set_thread_pool(4);
+        let mut x = Autoscale::automatic(4, b.threads());
+        let mut y = Autoscale::automatic(4, b.threads());
+        let (mut tx, mut ty) = (start(&mut x, 1), start(&mut y, 1));
+        for _ in 0..10 {
+            run(&mut x, 1000.0, 100.0, 1, &mut tx);
+            run(&mut y, 1000.0, 100.0, 1, &mut ty);
+            assert!(
+                x.active() + y.active() <= 4,
+                "{} + {}",
+                x.active(),
+                y.active()
+            );
+            assert!(x.active() >= 1 && y.active() >= 1);
+        }
+        assert_eq!(x.active() + y.active(), 4);
+        // One stream gone: the other may take what it held.
+        drop(x);
+        run(&mut y, 1000.0, 100.0, 3, &mut ty);
+        assert_eq!(y.active(), 4);
+    }
+
+    #[test]
     fn fixed_threads_never_change_and_no_trainer_is_no_judgement() {
         let mut a = Autoscale::fixed(3);
         let mut t = start(&mut a, 2);
         let seen = run(&mut a, 10.0, 100.0, 5, &mut t);
         assert_eq!(seen, vec![3; 5]);
-        let mut a = Autoscale::automatic(4);
+        let mut a = Autoscale::automatic(4, pool());
         let mut t = start(&mut a, 0);
         t.0 += TICK * 3;
         t.1.blocked += TICK * 12;
         assert_eq!(a.judge(t.0, t.1), None);
         // Judged no sooner than a tick.
-        let mut a = Autoscale::automatic(4);
+        let mut a = Autoscale::automatic(4, pool());
         let mut t = start(&mut a, 1);
         t.0 += TICK / 2;
         t.1.blocked += TICK * 2;

@@ -178,7 +178,7 @@ pub enum StartError {
 
 impl Inner {
     /// A stream's state before anything happened: its hub, no consumers.
-    fn new(plan: &StreamPlan, workers: u32, regions: u32) -> Inner {
+    fn new(plan: &StreamPlan, workers: u32, regions: u32, budget: &Arc<Budget>) -> Inner {
         let hub = Hub::new(HubConfig {
             slots: plan.slots,
             batches_per_epoch: plan.schema.batches_per_epoch,
@@ -194,7 +194,7 @@ impl Inner {
                 workers,
                 regions::Regions::new(regions),
                 match plan.workers_auto {
-                    true => autoscale::Autoscale::automatic(workers),
+                    true => autoscale::Autoscale::automatic(workers, budget.threads()),
                     false => autoscale::Autoscale::fixed(workers),
                 },
             ),
@@ -264,7 +264,7 @@ impl Stream {
         let workers = u32::try_from(plan.workers).unwrap_or(u32::MAX);
         let stream = Arc::new(Stream {
             gpus: Gpus::default(),
-            inner: Mutex::new(Inner::new(&plan, workers, count)),
+            inner: Mutex::new(Inner::new(&plan, workers, count, budget)),
             plan,
             arena,
             rings,
