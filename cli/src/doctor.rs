@@ -309,7 +309,7 @@ fn stage_bound(
         format!("; {spare} more pipeline threads (workers) would fit this host's {cores} cores")
     } else if spare > 0 && s.workers_active >= s.workers {
         format!(
-            "; all {} threads max_cpu_share allows work: {spare} more would fit this host's {cores} cores (raise max_cpu_share)",
+            "; all {} threads [broker] max_cpu_share allows work: {spare} more would fit this host's {cores} cores (raise max_cpu_share)",
             s.workers
         )
     } else {
@@ -683,7 +683,8 @@ mod tests {
         let f = found(2, 2);
         assert!(
             said(&f).contains(
-                &"max_cpu_share for 3 threads (now up to 2 work as trainers need)".to_string()
+                &"[broker] max_cpu_share for 3 threads (now up to 2 work as trainers need)"
+                    .to_string()
             ),
             "{:?}",
             said(&f)

@@ -36,7 +36,7 @@ use super::{Inner, Stream};
 use crate::budget::Threads;
 
 /// How often the demand is judged.
-pub(super) const TICK: Duration = Duration::from_secs(1);
+pub(super) const TICK: Duration = Duration::from_millis(500);
 /// Trainers stall: grow.
 pub(super) const STALL: f64 = 0.02;
 /// Threads this little blocked make all they can.

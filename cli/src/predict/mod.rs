@@ -46,7 +46,7 @@ pub struct Inputs {
     /// Pipeline threads working.
     pub workers: u32,
     /// With `workers` left out, the most threads the broker keeps working
-    /// (`max_cpu_share`'s): it adds them itself as trainers need.
+    /// (`[broker] max_cpu_share`'s): it adds them itself as trainers need.
     #[serde(default)]
     pub workers_cap: Option<u32>,
     /// The host's cores (`available_parallelism`, or `doctor --cores`).
@@ -315,7 +315,9 @@ impl Inputs {
             match self.workers_cap {
                 None => format!("workers = {n}"),
                 Some(cap) if n > cap => {
-                    format!("max_cpu_share for {n} threads (now up to {cap} work as trainers need)")
+                    format!(
+                        "[broker] max_cpu_share for {n} threads (now up to {cap} work as trainers need)"
+                    )
                 }
                 Some(cap) => {
                     format!("{n} threads working (the broker adds them itself, up to {cap})")
