@@ -629,6 +629,22 @@ mod tests {
         assert!(!said(&s).contains("batchcast prepare"), "{}", said(&s));
     }
 
+    /// doctor's first finding over one second from `before` to `after`
+    /// (each the demo's reply with that one stream), on `cores` cores.
+    fn finding_over_a_second(before: StreamStats, after: StreamStats, cores: f64) -> Finding {
+        let (mut earlier_reply, mut reply) = (demo(), demo());
+        earlier_reply.streams = vec![before];
+        reply.streams = vec![after];
+        findings(&Window {
+            before: Some(&earlier_reply),
+            after: &reply,
+            dt: 1.0,
+            other: &|_| OtherCpu::default(),
+            cores,
+        })
+        .remove(0)
+    }
+
     /// With `workers` left out, doctor counts the threads working, not
     /// those the stream has, and advises one more as the broker's own
     /// doing below the cap, `max_cpu_share` at it.
@@ -639,18 +655,7 @@ mod tests {
             (after.workers, after.workers_active, after.workers_auto) = (cap, active, true);
             let mut before = earlier(&after, 1000, [0.05, 0.8, 0.15], (0.5, 0.5));
             before.pipeline_cpu_s = after.pipeline_cpu_s - 1.0;
-            let mut reply = demo();
-            reply.streams = vec![after];
-            let mut earlier_reply = demo();
-            earlier_reply.streams = vec![before];
-            findings(&Window {
-                before: Some(&earlier_reply),
-                after: &reply,
-                dt: 1.0,
-                other: &|_| OtherCpu::default(),
-                cores: 4.0,
-            })
-            .remove(0)
+            finding_over_a_second(before, after, 4.0)
         };
         let f = found(1, 2);
         assert!(
@@ -754,10 +759,10 @@ mod tests {
         // (the broker sized it within its budget: it holds a part) leaves
         // the suggestion, and what the broker chose is shown.
         let with_cache = |bytes: u64| {
-            let mut kept = reply.clone();
-            let mut kept_before = earlier_reply.clone();
+            let mut kept = reply.streams[0].clone();
+            let mut kept_before = earlier_reply.streams[0].clone();
             for st in [&mut kept, &mut kept_before] {
-                let src = st.streams[0].source.as_mut().unwrap();
+                let src = st.source.as_mut().unwrap();
                 src.decoded_cache = Some(batchcast::proto::DecodedCacheStats {
                     bytes,
                     budget: 64 << 20,
@@ -765,14 +770,7 @@ mod tests {
                 });
                 src.caches_chosen = Some("decoded_cache_mib = 64: ...".into());
             }
-            findings(&Window {
-                before: Some(&kept_before),
-                after: &kept,
-                dt: 1.0,
-                other: &|_| OtherCpu::default(),
-                cores: 2.0,
-            })
-            .remove(0)
+            finding_over_a_second(kept_before, kept, 2.0)
         };
         let found = with_cache(1 << 20);
         assert!(
