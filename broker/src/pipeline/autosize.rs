@@ -280,7 +280,7 @@ impl ImagePipeline {
             // Each image read once: nothing to keep it for.
             let choice = once(decoded, encoded);
             tracing::info!("{whom}: caches sized by the broker: {}", choice.why);
-            let _ = self.files.sized.set(Some(choice));
+            let _ = self.files.sized.set(choice);
             return;
         }
         let mut sizer = self.files.sizer.lock().unwrap_or_else(|p| p.into_inner());
@@ -316,7 +316,7 @@ impl ImagePipeline {
 
     /// Sizes the caches from what `sizer` saw, once per source.
     fn size_caches(&self, sizer: Sizer) {
-        let files = self.files.clone();
+        let files = &self.files;
         files.sized.get_or_init(|| {
             let n = sizer.seen.len() as u64;
             let images = self.dataset.len();
@@ -356,14 +356,14 @@ impl ImagePipeline {
                 let _ = files.cache.set(super::cache::MinIoCache::new(b));
             }
             tracing::info!("{whom}: caches sized by the broker: {}", choice.why);
-            Some(choice)
+            choice
         });
     }
 
     /// What the broker chose for the caches the config left out, and why,
     /// once it did.
     pub fn caches_chosen(&self) -> Option<String> {
-        self.files.sized.get()?.as_ref().map(|c| c.why.clone())
+        self.files.sized.get().map(|c| c.why.clone())
     }
 
     /// The bytes image `index` takes kept at each scale [`DRAWS`] crops of

@@ -148,7 +148,7 @@ pub struct SourceFiles {
     pub kept: OnceLock<KeptImages>,
     /// What the broker chose for the caches the config left to it, and
     /// why (said in the log and `stats`); set when the first stream starts.
-    pub sized: OnceLock<Option<autosize::Choice>>,
+    pub sized: OnceLock<autosize::Choice>,
     /// Until then, what sizing them needs and has seen.
     pub sizer: Mutex<Option<autosize::Sizer>>,
     bad: Mutex<HashSet<u64>>,
